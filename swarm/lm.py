@@ -1,0 +1,166 @@
+"""The user-facing generation API shared by the local model and the distributed client.
+
+Subclasses only say how to obtain a :class:`~swarm.diffusion.Denoiser` for one generation; tokenising,
+argument checking, the sampler, streaming, progress and the result object live here once.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Optional, Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from swarm.diffusion.config import GenerationConfig
+from swarm.diffusion.sampler import Denoiser, DiffusionSampler, WindowStats
+from swarm.models.config import ModelConfig
+from swarm.models.tokenizer import MASK_PLACEHOLDER, Tokenizer
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_BLOCK_LENGTH = 32
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]  # generated ids, cut before the first EOS
+    prompt_ids: list[int]
+    sequence: torch.Tensor  # the final state: prompt, generated ids, EOS padding or leftover masks
+    finish_reason: str  # "eos" or "length"
+    steps: int
+    denoiser_calls: int  # sequential round trips to the denoiser
+    states_evaluated: int
+    windows: list[WindowStats]
+    elapsed_s: float
+    telemetry: list[dict] = field(default_factory=list)
+    info: dict[str, Any] = field(default_factory=dict)  # route, warnings and other run details
+
+
+@dataclass
+class StreamChunk:
+    """The state after one step; the last chunk has ``done`` set and carries the result."""
+
+    step: int
+    block: int
+    text: str  # generated text so far, masks shown as "_"
+    masked_left: int
+    done: bool = False
+    result: Optional[GenerationResult] = None
+    telemetry: dict = field(default_factory=dict)
+
+
+def make_generation_config(
+    gen_length: int = 64,
+    steps: Optional[int] = None,
+    block_length: Optional[int] = None,
+    **settings: Any,
+) -> GenerationConfig:
+    """Fill the length-dependent defaults: one token per step, blocks of 32 where they divide."""
+    if block_length is None:
+        block_length = DEFAULT_BLOCK_LENGTH if isinstance(gen_length, int) and gen_length % DEFAULT_BLOCK_LENGTH == 0 else gen_length
+    if steps is None:
+        steps = gen_length
+    return GenerationConfig(gen_length=gen_length, steps=steps, block_length=block_length, **settings)
+
+
+class BaseDiffusionLM(ABC):
+    """``generate`` / ``generate_stream`` over whatever computes the logits."""
+
+    config: ModelConfig
+    tokenizer: Tokenizer
+
+    @abstractmethod
+    def denoising_session(self, generation: GenerationConfig) -> contextlib.AbstractContextManager[Denoiser]:
+        """A denoiser for one generation (remote sessions are opened and closed around it)."""
+
+    def run_info(self) -> dict[str, Any]:
+        """Details added to each result (the distributed client reports its route)."""
+        return {}
+
+    # ----- prompts ----------------------------------------------------------------------------------
+    def encode_prompt(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("the prompt is empty: give some text")
+            ids = self.tokenizer.encode(prompt)
+            bos = self.tokenizer.bos_token_id
+            return ([bos] if bos is not None else []) + ids
+        ids = [int(i) for i in prompt]
+        if not ids:
+            raise ValueError("the prompt is empty: give at least one token id")
+        bad = [i for i in ids if not 0 <= i < self.config.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary (size {self.config.vocab_size})")
+        return ids
+
+    def eos_token_ids(self) -> tuple[int, ...]:
+        ids = {self.config.eos_token_id, self.config.eot_token_id, self.tokenizer.eos_token_id}
+        return tuple(sorted(i for i in ids if i is not None))
+
+    # ----- generation -------------------------------------------------------------------------------
+    def generate(self, prompt: str | Sequence[int], **kwargs: Any) -> GenerationResult:
+        """Generate text; see :meth:`generate_stream` for the arguments."""
+        result = None
+        for chunk in self.generate_stream(prompt, **kwargs):
+            result = chunk.result
+        if result is None:
+            raise RuntimeError("generation ended without a result")
+        return result
+
+    def generate_stream(
+        self, prompt: str | Sequence[int], *, progress: bool = False, **kwargs: Any
+    ) -> Iterator[StreamChunk]:
+        """Yield the partially unmasked text after every step; the last chunk carries the result.
+
+        Keyword arguments: ``gen_length``, ``steps``, ``block_length``, ``temperature``, ``remasking``
+        (low_confidence, random, margin, entropy), ``threshold``, ``cfg_scale``, ``seed``,
+        ``stop_at_eos``, ``parallel_window``; ``progress`` shows a progress bar.
+        """
+        generation = make_generation_config(**kwargs)
+        prompt_ids = self.encode_prompt(prompt)
+        if len(prompt_ids) + generation.gen_length > self.config.max_position_embeddings:
+            raise ValueError(
+                f"prompt ({len(prompt_ids)} tokens) + gen_length ({generation.gen_length}) exceeds the model's "
+                f"context of {self.config.max_position_embeddings} positions"
+            )
+        started = time.perf_counter()
+        bar = tqdm(total=generation.gen_length, desc="denoising", unit="tok", disable=not progress, leave=False)
+        with self.denoising_session(generation) as denoiser, bar:
+            sampler = DiffusionSampler(
+                denoiser, generation, self.config.mask_token_id, self.eos_token_ids(), self.logits_hook(generation)
+            )
+            state = sampler.initial_state(prompt_ids)
+            for event in sampler.iterate(prompt_ids):
+                state = event.tokens
+                bar.update(len(event.unmasked))
+                yield StreamChunk(
+                    step=event.step, block=event.block, masked_left=event.masked_left,
+                    text=self.tokenizer.decode(state[len(prompt_ids):].tolist(), mask_placeholder=MASK_PLACEHOLDER),
+                    telemetry=event.telemetry,
+                )
+            result = self._result(prompt_ids, state, sampler, time.perf_counter() - started)
+        yield StreamChunk(step=result.steps - 1, block=-1, text=result.text, masked_left=0, done=True, result=result)
+
+    def logits_hook(self, generation: GenerationConfig):
+        """Per-step logits rewrite (expert composition in subclasses); none by default."""
+        return None
+
+    def _result(self, prompt_ids: list[int], state: torch.Tensor, sampler: DiffusionSampler, elapsed: float) -> GenerationResult:
+        generated = state[len(prompt_ids):].tolist()
+        eos = set(self.eos_token_ids())
+        cut = next((i for i, t in enumerate(generated) if t in eos), None)
+        token_ids = generated if cut is None else generated[:cut]
+        token_ids = [t for t in token_ids if t != self.config.mask_token_id]
+        stats = sampler.stats
+        return GenerationResult(
+            text=self.tokenizer.decode(token_ids), token_ids=token_ids, prompt_ids=prompt_ids, sequence=state,
+            finish_reason="eos" if cut is not None else "length",
+            steps=sum(w.accepted for w in stats.windows), denoiser_calls=stats.denoiser_calls,
+            states_evaluated=stats.states_evaluated, windows=list(stats.windows), elapsed_s=elapsed,
+            info=self.run_info(),
+        )

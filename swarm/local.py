@@ -1,0 +1,44 @@
+"""The whole model in one process: the single-node scale and the reference the swarm is checked against."""
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Iterator, Optional
+
+import torch
+
+from swarm.diffusion.config import GenerationConfig
+from swarm.diffusion.sampler import DenoiseContext, Denoiser
+from swarm.lm import BaseDiffusionLM
+from swarm.models.loading import DEFAULT_MODEL, ModelFiles
+from swarm.models.modules import DiffusionTransformer
+from swarm.models.tokenizer import Tokenizer
+
+
+class DiffusionLM(BaseDiffusionLM):
+    """``DiffusionLM.from_pretrained("default").generate("Once upon a time", gen_length=64)``."""
+
+    def __init__(self, model: DiffusionTransformer, tokenizer: Tokenizer, path: Optional[Path] = None):
+        self.model = model.eval()
+        self.config = model.config
+        self.tokenizer = tokenizer
+        self.path = path
+
+    @classmethod
+    def from_pretrained(cls, name_or_path: str | Path = DEFAULT_MODEL, *, dtype: Optional[str] = None) -> "DiffusionLM":
+        files = ModelFiles(name_or_path)
+        return cls(files.full_model(dtype), files.tokenizer(), files.path)
+
+    @torch.inference_mode()
+    def logits(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Per-position logits (batch, length, vocab) in float32; position i scores token i."""
+        if input_ids.dim() == 1:
+            input_ids = input_ids[None]
+        return self.model(input_ids, attention_mask).float()
+
+    @contextlib.contextmanager
+    def denoising_session(self, generation: GenerationConfig) -> Iterator[Denoiser]:
+        def denoise(tokens: torch.Tensor, context: DenoiseContext) -> torch.Tensor:
+            return self.logits(tokens)
+
+        yield denoise

@@ -1,0 +1,72 @@
+"""Finding a model by name or path and loading exactly the parts a process needs."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from swarm.models.checkpoint import CheckpointReader, load_config, load_module, parse_dtype
+from swarm.models.config import ModelConfig
+from swarm.models.modules import BlockSpan, DiffusionTransformer, OutputHead, TokenEmbedding
+from swarm.models.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+
+ASSETS = Path(__file__).resolve().parent.parent / "assets"
+DEFAULT_MODEL = "default"
+
+
+def embedded_models() -> dict[str, Path]:
+    """Models shipped inside the package, by name (the backbone ``default`` and the experts)."""
+    found = {}
+    for config in sorted(ASSETS.glob("*/config.json")):
+        found[config.parent.name] = config.parent
+    return found
+
+
+def resolve_model_path(name_or_path: str | Path = DEFAULT_MODEL) -> Path:
+    """A directory path is used as is; a bare name picks a model embedded in the package."""
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        return path
+    embedded = embedded_models()
+    if str(name_or_path) in embedded:
+        return embedded[str(name_or_path)]
+    raise FileNotFoundError(
+        f"model {str(name_or_path)!r} is neither a checkpoint directory nor an embedded model "
+        f"(embedded: {', '.join(embedded) or 'none'})"
+    )
+
+
+class ModelFiles:
+    """A checkpoint directory: its config, a lazy tensor reader, and constructors for each part."""
+
+    def __init__(self, name_or_path: str | Path = DEFAULT_MODEL):
+        self.path = resolve_model_path(name_or_path)
+        self.config: ModelConfig = load_config(self.path)
+        self.reader = CheckpointReader(self.path)
+
+    def _dtype(self, dtype: Optional[str | torch.dtype]) -> torch.dtype:
+        # Half-precision checkpoints are stored small; on CPU float32 compute is both faster and exact.
+        return parse_dtype(dtype) if dtype is not None else torch.float32
+
+    def embedding(self, dtype: Optional[str | torch.dtype] = None) -> TokenEmbedding:
+        return load_module(lambda: TokenEmbedding(self.config), self.reader, self._dtype(dtype))
+
+    def span(self, start: int, end: int, dtype: Optional[str | torch.dtype] = None) -> BlockSpan:
+        return load_module(lambda: BlockSpan(self.config, start, end), self.reader, self._dtype(dtype))
+
+    def head(self, dtype: Optional[str | torch.dtype] = None) -> OutputHead:
+        aliases = {"lm_head.weight": "embed.weight"} if self.config.tie_word_embeddings else None
+        return load_module(lambda: OutputHead(self.config), self.reader, self._dtype(dtype), aliases)
+
+    def full_model(self, dtype: Optional[str | torch.dtype] = None) -> DiffusionTransformer:
+        parts = (self.embedding(dtype), self.span(0, self.config.num_layers, dtype), self.head(dtype))
+        return DiffusionTransformer(self.config, parts).eval()
+
+    def tokenizer(self) -> Tokenizer:
+        if self.config.tokenizer == "byte":
+            return ByteTokenizer()
+        return HFTokenizer.from_directory(
+            self.path, mask_token_id=self.config.mask_token_id, eos_token_id=self.config.eos_token_id,
+            vocab_size=self.config.vocab_size,
+        )

@@ -1,0 +1,101 @@
+"""The three pieces a model is split into: token embedding, a span of blocks, and the output head.
+
+A client holds the embedding and head; servers hold spans. Parameter names are the native checkpoint's
+names (``embed.weight``, ``blocks.{i}.…``, ``norm.weight``, ``lm_head.weight``) with *global* block
+indices, so a span's ``state_dict`` keys are exactly the checkpoint keys it needs.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from swarm.models.config import ModelConfig
+from swarm.models.layers import RMSNorm, TransformerBlock, rotary_cos_sin
+
+
+class TokenEmbedding(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed(input_ids)
+
+
+def default_positions(batch: int, length: int, device: torch.device) -> torch.Tensor:
+    return torch.arange(length, device=device).expand(batch, length)
+
+
+class BlockSpan(nn.Module):
+    """Blocks ``[start, end)`` of the model; only those blocks are allocated."""
+
+    def __init__(self, config: ModelConfig, start: int, end: int):
+        super().__init__()
+        if not 0 <= start < end <= config.num_layers:
+            raise ValueError(f"span {start}:{end} is not inside the model's {config.num_layers} blocks")
+        self.config, self.start, self.end = config, start, end
+        self.blocks = nn.ModuleDict({str(i): TransformerBlock(config) for i in range(start, end)})
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        attention_mask: Optional[torch.Tensor] = None,
+        position_ids: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        """hidden (batch, length, d); attention_mask (batch, length) bool, True for real tokens."""
+        batch, length, _ = hidden.shape
+        if position_ids is None:
+            position_ids = default_positions(batch, length, hidden.device)
+        cos, sin = rotary_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, hidden.dtype)
+        for block in self.blocks.values():
+            hidden = block(hidden, cos, sin, attention_mask)
+        return hidden
+
+
+class OutputHead(nn.Module):
+    """Final RMSNorm and the vocabulary projection, with the model's logit alignment applied."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(self.norm(hidden))
+        return align_logits(logits, self.config)
+
+
+def align_logits(logits: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+    """Make position i score token i. Dream predicts token i from hidden state i-1, so shift right by one."""
+    if not config.logits_shift:
+        return logits
+    return torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
+
+
+class DiffusionTransformer(nn.Module):
+    """The whole model in one process: embedding, every block, head."""
+
+    def __init__(
+        self, config: ModelConfig, parts: Optional[tuple[TokenEmbedding, BlockSpan, OutputHead]] = None
+    ):
+        """Freshly initialised, or assembled from ``parts`` already loaded from a checkpoint."""
+        super().__init__()
+        self.config = config
+        if parts is None:
+            parts = (TokenEmbedding(config), BlockSpan(config, 0, config.num_layers), OutputHead(config))
+        self.embedding, self.span, self.head = parts
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return self.head(self.span(self.embedding(input_ids), attention_mask))
+
+    def native_state_dict(self) -> dict[str, torch.Tensor]:
+        """State dict under checkpoint names (the wrapper modules' prefixes stripped)."""
+        out: dict[str, torch.Tensor] = {}
+        for part in (self.embedding, self.span, self.head):
+            out.update(part.state_dict())
+        if self.config.tie_word_embeddings:
+            out.pop("lm_head.weight", None)
+        return out

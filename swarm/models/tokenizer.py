@@ -1,0 +1,98 @@
+"""Tokenizers: a byte-level one for the project's own models, and an adapter for Hugging Face tokenizers.
+
+Both satisfy :class:`Tokenizer`, which is all the generation code uses.
+"""
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Optional, Protocol, Sequence, runtime_checkable
+
+MASK_PLACEHOLDER = "_"
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    vocab_size: int
+    mask_token_id: int
+    pad_token_id: int
+    bos_token_id: Optional[int]
+    eos_token_id: Optional[int]
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int], mask_placeholder: Optional[str] = None) -> str: ...
+
+    def fingerprint(self) -> str:
+        """A short hash that two tokenizers share only when they map text to the same ids."""
+        ...
+
+
+class ByteTokenizer:
+    """UTF-8 bytes are ids 0..255; then pad, bos, eos and mask."""
+
+    PAD, BOS, EOS, MASK = 256, 257, 258, 259
+    vocab_size = 260
+    mask_token_id, pad_token_id, bos_token_id, eos_token_id = MASK, PAD, BOS, EOS
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: Sequence[int], mask_placeholder: Optional[str] = None) -> str:
+        """Bytes become text; specials are dropped, masks shown as ``mask_placeholder`` when given."""
+        out = bytearray()
+        for token in ids:
+            token = int(token)
+            if token < 256:
+                out.append(token)
+            elif token == self.MASK and mask_placeholder is not None:
+                out.extend(mask_placeholder.encode("utf-8"))
+        return out.decode("utf-8", errors="replace")
+
+    def fingerprint(self) -> str:
+        return "byte-v1"
+
+
+class HFTokenizer:
+    """Adapts a ``transformers`` tokenizer (LLaDA, Dream) to :class:`Tokenizer`."""
+
+    def __init__(self, tokenizer, mask_token_id: int, pad_token_id: Optional[int] = None,
+                 eos_token_id: Optional[int] = None, vocab_size: Optional[int] = None):
+        self.hf = tokenizer
+        self.mask_token_id = mask_token_id
+        self.eos_token_id = eos_token_id if eos_token_id is not None else tokenizer.eos_token_id
+        self.bos_token_id = tokenizer.bos_token_id
+        pad = pad_token_id if pad_token_id is not None else tokenizer.pad_token_id
+        self.pad_token_id = pad if pad is not None else self.eos_token_id
+        self.vocab_size = vocab_size or len(tokenizer)
+
+    @classmethod
+    def from_directory(cls, directory: str | Path, **kwargs) -> "HFTokenizer":
+        from transformers import AutoTokenizer
+
+        return cls(AutoTokenizer.from_pretrained(str(directory), trust_remote_code=False), **kwargs)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.hf.encode(text, add_special_tokens=False))
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+        return list(self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+
+    def decode(self, ids: Sequence[int], mask_placeholder: Optional[str] = None) -> str:
+        ids = [int(i) for i in ids]
+        if mask_placeholder is None:
+            return self.hf.decode([i for i in ids if i != self.mask_token_id], skip_special_tokens=True)
+        pieces, run = [], []
+        for token in ids:
+            if token == self.mask_token_id:
+                pieces.append(self.hf.decode(run, skip_special_tokens=True) + mask_placeholder)
+                run = []
+            else:
+                run.append(token)
+        pieces.append(self.hf.decode(run, skip_special_tokens=True))
+        return "".join(pieces)
+
+    def fingerprint(self) -> str:
+        vocab = sorted(self.hf.get_vocab().items(), key=lambda item: item[1])
+        digest = hashlib.sha256(repr(vocab).encode("utf-8")).hexdigest()
+        return f"hf-{digest[:16]}"

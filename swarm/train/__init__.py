@@ -1,0 +1,1 @@
+"""Training the project's own small models (``python -m swarm.train``)."""

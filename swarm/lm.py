@@ -83,13 +83,18 @@ class BaseDiffusionLM(ABC):
         return {}
 
     # ----- prompts ----------------------------------------------------------------------------------
-    def encode_prompt(self, prompt: str | Sequence[int]) -> list[int]:
+    def encode_prompt(self, prompt: str | Sequence[int], chat: bool = False) -> list[int]:
+        """Text gets BOS and its ids; ``chat`` wraps text in the tokenizer's chat template instead."""
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("the prompt is empty: give some text")
+            if chat:
+                return self.tokenizer.encode_chat(prompt)  # the template writes its own BOS
             ids = self.tokenizer.encode(prompt)
             bos = self.tokenizer.bos_token_id
             return ([bos] if bos is not None else []) + ids
+        if chat:
+            raise ValueError("chat=True needs the prompt as text, not token ids")
         ids = [int(i) for i in prompt]
         if not ids:
             raise ValueError("the prompt is empty: give at least one token id")
@@ -113,16 +118,17 @@ class BaseDiffusionLM(ABC):
         return result
 
     def generate_stream(
-        self, prompt: str | Sequence[int], *, progress: bool = False, **kwargs: Any
+        self, prompt: str | Sequence[int], *, progress: bool = False, chat: bool = False, **kwargs: Any
     ) -> Iterator[StreamChunk]:
         """Yield the partially unmasked text after every step; the last chunk carries the result.
 
         Keyword arguments: ``gen_length``, ``steps``, ``block_length``, ``temperature``, ``remasking``
         (low_confidence, random, margin, entropy), ``threshold``, ``cfg_scale``, ``seed``,
-        ``stop_at_eos``, ``parallel_window``; ``progress`` shows a progress bar.
+        ``stop_at_eos``, ``parallel_window``; ``progress`` shows a progress bar; ``chat`` wraps the text prompt
+        in the tokenizer's chat template (instruct checkpoints).
         """
         generation = make_generation_config(**kwargs)
-        prompt_ids = self.encode_prompt(prompt)
+        prompt_ids = self.encode_prompt(prompt, chat=chat)
         if len(prompt_ids) + generation.gen_length > self.config.max_position_embeddings:
             raise ValueError(
                 f"prompt ({len(prompt_ids)} tokens) + gen_length ({generation.gen_length}) exceeds the model's "

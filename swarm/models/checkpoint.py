@@ -17,7 +17,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from swarm.models.config import CONFIG_FILE, ModelConfig
+from swarm.models.config import ModelConfig
+from swarm.models.formats import detect_format
 
 logger = logging.getLogger(__name__)
 
@@ -49,8 +50,25 @@ def save_checkpoint(
     directory.mkdir(parents=True, exist_ok=True)
     if dtype is not None:
         config = config.replace(torch_dtype=str(dtype).removeprefix("torch."))
-    tensors = {k: (v.to(dtype) if dtype else v).detach().contiguous().cpu() for k, v in tensors.items()}
     config.save(directory)
+    return save_tensors(directory, tensors, dtype=dtype, max_shard_bytes=max_shard_bytes)
+
+
+def save_tensors(
+    directory: str | Path,
+    tensors: dict[str, torch.Tensor],
+    *,
+    dtype: Optional[torch.dtype] = None,
+    max_shard_bytes: Optional[int] = None,
+) -> Path:
+    """Write tensors as ``model.safetensors``, or as Hugging Face shards plus ``model.safetensors.index.json``.
+
+    Shards are filled in natural name order (``blocks.2`` before ``blocks.10``), so consecutive blocks share
+    files as in published checkpoints. The config is the caller's business: formats differ there.
+    """
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {k: (v.to(dtype) if dtype else v).detach().contiguous().cpu() for k, v in tensors.items()}
     if max_shard_bytes is None:
         save_file(tensors, str(directory / SINGLE_FILE), metadata={"format": "pt"})
         return directory
@@ -92,12 +110,17 @@ class CheckpointReader:
         else:
             raise FileNotFoundError(f"no {SINGLE_FILE} or {INDEX_FILE} in {self.directory}")
         self.files_opened: set[str] = set()
+        self.tensors_read: set[str] = set()  # stored names, so tests can check what a span really touched
 
     def has(self, name: str) -> bool:
         return self.rename(name) in self.weight_map
 
-    def read(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
-        """Return {native name: tensor} for the given native names."""
+    def read(self, names: Iterable[str], dtype: Optional[torch.dtype] = None) -> dict[str, torch.Tensor]:
+        """Return {native name: tensor} for the given native names, cast to ``dtype`` when given.
+
+        Casting happens tensor by tensor as they are read, so a bfloat16 checkpoint loaded as float32 never
+        holds both copies of the whole span at once.
+        """
         by_file: dict[str, list[tuple[str, str]]] = defaultdict(list)
         for name in names:
             stored = self.rename(name)
@@ -109,15 +132,15 @@ class CheckpointReader:
             self.files_opened.add(file_name)
             with safe_open(str(self.directory / file_name), framework="pt") as f:
                 for name, stored in pairs:
-                    out[name] = f.get_tensor(stored)
+                    tensor = f.get_tensor(stored)
+                    out[name] = tensor if dtype is None else tensor.to(dtype)
+                    self.tensors_read.add(stored)
         return out
 
 
 def load_config(directory: str | Path) -> ModelConfig:
-    path = Path(directory) / CONFIG_FILE
-    if not path.exists():
-        raise FileNotFoundError(f"no {CONFIG_FILE} in {directory}: not a model checkpoint directory")
-    return ModelConfig.from_dict(json.loads(path.read_text()))
+    """The model config of a checkpoint directory in any supported format (native, LLaDA, Dream)."""
+    return detect_format(directory).load_config(directory)
 
 
 M = TypeVar("M", bound=nn.Module)
@@ -135,7 +158,7 @@ def load_module(
         module = build()
     aliases = aliases or {}
     wanted = {name: aliases.get(name, name) for name in module.state_dict()}
-    stored = reader.read(set(wanted.values()))
-    state = {name: stored[source].to(dtype) for name, source in wanted.items()}
+    stored = reader.read(set(wanted.values()), dtype)
+    state = {name: stored[source] for name, source in wanted.items()}
     module.load_state_dict(state, strict=True, assign=True)
     return module.eval()

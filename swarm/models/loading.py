@@ -6,8 +6,9 @@ from typing import Optional
 
 import torch
 
-from swarm.models.checkpoint import CheckpointReader, load_config, load_module, parse_dtype
+from swarm.models.checkpoint import CheckpointReader, load_module, parse_dtype
 from swarm.models.config import ModelConfig
+from swarm.models.formats import CheckpointFormat, detect_format
 from swarm.models.modules import BlockSpan, DiffusionTransformer, OutputHead, TokenEmbedding
 from swarm.models.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
@@ -38,12 +39,17 @@ def resolve_model_path(name_or_path: str | Path = DEFAULT_MODEL) -> Path:
 
 
 class ModelFiles:
-    """A checkpoint directory: its config, a lazy tensor reader, and constructors for each part."""
+    """A checkpoint directory: its config, a lazy tensor reader, and constructors for each part.
+
+    The directory may be in the native format or in LLaDA's or Dream's published layout
+    (:mod:`swarm.models.formats`); parts are built the same way for all, reading only their own tensors.
+    """
 
     def __init__(self, name_or_path: str | Path = DEFAULT_MODEL):
         self.path = resolve_model_path(name_or_path)
-        self.config: ModelConfig = load_config(self.path)
-        self.reader = CheckpointReader(self.path)
+        self.format: CheckpointFormat = detect_format(self.path)
+        self.config: ModelConfig = self.format.load_config(self.path)
+        self.reader = CheckpointReader(self.path, rename=self.format.tensor_name)
 
     def _dtype(self, dtype: Optional[str | torch.dtype]) -> torch.dtype:
         # Half-precision checkpoints are stored small; on CPU float32 compute is both faster and exact.
@@ -67,6 +73,7 @@ class ModelFiles:
         if self.config.tokenizer == "byte":
             return ByteTokenizer()
         return HFTokenizer.from_directory(
-            self.path, mask_token_id=self.config.mask_token_id, eos_token_id=self.config.eos_token_id,
+            self.path, fallback_class=self.format.tokenizer_fallback, mask_token_id=self.config.mask_token_id,
+            pad_token_id=self.config.pad_token_id, eos_token_id=self.config.eos_token_id,
             vocab_size=self.config.vocab_size,
         )

@@ -5,8 +5,11 @@ Both satisfy :class:`Tokenizer`, which is all the generation code uses.
 from __future__ import annotations
 
 import hashlib
+import logging
 from pathlib import Path
 from typing import Optional, Protocol, Sequence, runtime_checkable
+
+logger = logging.getLogger(__name__)
 
 MASK_PLACEHOLDER = "_"
 
@@ -22,6 +25,13 @@ class Tokenizer(Protocol):
     def encode(self, text: str) -> list[int]: ...
 
     def decode(self, ids: Sequence[int], mask_placeholder: Optional[str] = None) -> str: ...
+
+    def encode_chat(self, text: str) -> list[int]:
+        """``text`` as one user turn in the model's chat template, ready for the assistant's answer.
+
+        Raises ValueError when the tokenizer has no chat template.
+        """
+        ...
 
     def fingerprint(self) -> str:
         """A short hash that two tokenizers share only when they map text to the same ids."""
@@ -49,6 +59,12 @@ class ByteTokenizer:
                 out.extend(mask_placeholder.encode("utf-8"))
         return out.decode("utf-8", errors="replace")
 
+    def encode_chat(self, text: str) -> list[int]:
+        raise ValueError(
+            "chat=True needs a chat template, and the byte tokenizer of the project's own models has none; "
+            "use an instruct checkpoint with a Hugging Face tokenizer (LLaDA-8B-Instruct, Dream-v0-Instruct-7B)"
+        )
+
     def fingerprint(self) -> str:
         return "byte-v1"
 
@@ -67,16 +83,39 @@ class HFTokenizer:
         self.vocab_size = vocab_size or len(tokenizer)
 
     @classmethod
-    def from_directory(cls, directory: str | Path, **kwargs) -> "HFTokenizer":
-        from transformers import AutoTokenizer
+    def from_directory(cls, directory: str | Path, fallback_class: Optional[str] = None, **kwargs) -> "HFTokenizer":
+        """Load the tokenizer saved next to the weights, offline and without running the checkpoint's code.
 
-        return cls(AutoTokenizer.from_pretrained(str(directory), trust_remote_code=False), **kwargs)
+        Some checkpoints name a tokenizer class that exists only as remote code (Dream's ``DreamTokenizer``,
+        a copy of Qwen2's); ``fallback_class`` names the ``transformers`` class to use instead.
+        """
+        import transformers
+
+        try:
+            hf = transformers.AutoTokenizer.from_pretrained(str(directory), trust_remote_code=False, local_files_only=True)
+        except ValueError as error:  # "contains custom code which must be executed"
+            if fallback_class is None:
+                raise
+            logger.info("tokenizer at %s needs remote code (%s); loading it as %s", directory, error, fallback_class)
+            hf = getattr(transformers, fallback_class).from_pretrained(str(directory), local_files_only=True)
+        return cls(hf, **kwargs)
 
     def encode(self, text: str) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=False))
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
-        return list(self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+        """Render ``messages`` with the tokenizer's template and a generation prompt, then encode the text.
+
+        Rendering to text first gives plain ids on every transformers version (v5 returns a BatchEncoding
+        for ``tokenize=True``); the template writes its own special tokens (BOS, headers), so none are added.
+        """
+        if not getattr(self.hf, "chat_template", None):
+            raise ValueError("this tokenizer has no chat template: use chat=False, or an instruct checkpoint")
+        text = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self.encode(text)
+
+    def encode_chat(self, text: str) -> list[int]:
+        return self.apply_chat_template([{"role": "user", "content": text}])
 
     def decode(self, ids: Sequence[int], mask_placeholder: Optional[str] = None) -> str:
         ids = [int(i) for i in ids]

@@ -32,3 +32,41 @@ GENERATION_KEYS = ("gen_length", "steps", "block_length", "temperature", "remask
 
 def pop_generation_kwargs(options: dict[str, Any]) -> dict[str, Any]:
     return {key: options.pop(key) for key in GENERATION_KEYS if key in options}
+
+
+def network_options(command: Callable) -> Callable:
+    """Options of every command that joins the swarm; they build a :class:`~swarm.dht.node.NetworkConfig`."""
+    options = [
+        click.option("--initial-peers", multiple=True, help="Multiaddr of a peer already in the swarm (repeatable). Default: $SWARM_INITIAL_PEERS, then the bootstrap-list file ($SWARM_BOOTSTRAP_FILE or the packaged swarm/bootstrap_peers.txt); none starts a new swarm."),
+        click.option("--host-maddrs", multiple=True, default=["/ip4/127.0.0.1/tcp/0"], show_default=True, help="Multiaddrs to listen on (repeatable); use /ip4/0.0.0.0/tcp/PORT to accept other machines."),
+        click.option("--announce-maddrs", multiple=True, help="Public multiaddrs to announce, e.g. behind port forwarding (repeatable)."),
+        click.option("--identity-path", type=click.Path(dir_okay=False), default=None, help="Private key file giving a persistent peer id; created on first use."),
+        click.option("--use-relay/--no-relay", default=True, show_default=True, help="Allow reaching and being reached through libp2p circuit relays."),
+        click.option("--use-auto-relay", is_flag=True, default=False, help="Look for relays to become reachable from behind NAT."),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+def pop_network_config(options: dict[str, Any], client_mode: bool = False):
+    from swarm.dht.node import NetworkConfig
+
+    return NetworkConfig(
+        initial_peers=list(options.pop("initial_peers")), host_maddrs=list(options.pop("host_maddrs")),
+        announce_maddrs=list(options.pop("announce_maddrs")), identity_path=options.pop("identity_path"),
+        use_relay=options.pop("use_relay"), use_auto_relay=options.pop("use_auto_relay"), client_mode=client_mode,
+    )
+
+
+def parse_span(text: str | None) -> tuple[int, int] | None:
+    """``"0:16"`` -> (0, 16); a clear error for anything else."""
+    if text is None:
+        return None
+    try:
+        start, end = (int(part) for part in text.split(":"))
+    except ValueError:
+        raise click.BadParameter(f"expected START:END such as 0:16, got {text!r}") from None
+    if not 0 <= start < end:
+        raise click.BadParameter(f"expected 0 <= START < END, got {text!r}")
+    return start, end

@@ -46,3 +46,35 @@ def tiny_model_path(tmp_path_factory) -> Path:
 def sharded_model_path(tmp_path_factory) -> Path:
     """Same weights as ``tiny_model_path``, sharded so that blocks live in different files."""
     return make_checkpoint(tmp_path_factory.mktemp("tiny_sharded"), tiny_config(), max_shard_bytes=40_000)
+
+
+# ----- a live local swarm, shared by every test that needs one ----------------------------------------
+@pytest.fixture(scope="session")
+def local_swarm(tiny_model_path):
+    """A bootstrap peer and three servers of the tiny model: 0:2, 2:4 and an overlapping replica 1:4."""
+    from swarm.utils.local_swarm import LocalSwarm
+
+    with LocalSwarm() as swarm:
+        swarm.start_bootstrap()
+        servers = [swarm.start_server(str(tiny_model_path), span, "--compute-threads", "1", wait=False)
+                   for span in ("0:2", "2:4", "1:4")]
+        for server in servers:
+            swarm.wait_ready(server)
+        yield swarm
+
+
+@pytest.fixture(scope="session")
+def remote_lm(local_swarm, tiny_model_path):
+    from swarm.client import DistributedDiffusionLM
+
+    lm = DistributedDiffusionLM.from_pretrained(tiny_model_path, initial_peers=local_swarm.initial_peers,
+                                                request_timeout=20)
+    yield lm
+    lm.shutdown()
+
+
+@pytest.fixture(scope="session")
+def local_lm(tiny_model_path):
+    from swarm.local import DiffusionLM
+
+    return DiffusionLM.from_pretrained(tiny_model_path)

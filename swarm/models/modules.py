@@ -43,14 +43,21 @@ class BlockSpan(nn.Module):
         hidden: torch.Tensor,
         attention_mask: Optional[torch.Tensor] = None,
         position_ids: Optional[torch.Tensor] = None,
+        blocks: Optional[tuple[int, int]] = None,
     ) -> torch.Tensor:
-        """hidden (batch, length, d); attention_mask (batch, length) bool, True for real tokens."""
+        """hidden (batch, length, d); attention_mask (batch, length) bool, True for real tokens.
+
+        ``blocks=(a, b)`` runs only the held blocks ``a:b`` (a server may serve part of its span).
+        """
         batch, length, _ = hidden.shape
         if position_ids is None:
             position_ids = default_positions(batch, length, hidden.device)
+        start, end = blocks if blocks is not None else (self.start, self.end)
+        if not self.start <= start < end <= self.end:
+            raise ValueError(f"blocks {start}:{end} are not inside the held span {self.start}:{self.end}")
         cos, sin = rotary_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, hidden.dtype)
-        for block in self.blocks.values():
-            hidden = block(hidden, cos, sin, attention_mask)
+        for index in range(start, end):
+            hidden = self.blocks[str(index)](hidden, cos, sin, attention_mask)
         return hidden
 
 

@@ -1,0 +1,6 @@
+"""The user side of the swarm: ``DistributedDiffusionLM`` and its settings."""
+from swarm.client.config import ClientConfig
+from swarm.client.model import DistributedDiffusionLM
+from swarm.client.routing import MissingBlocksError, RouteHop
+
+__all__ = ["ClientConfig", "DistributedDiffusionLM", "MissingBlocksError", "RouteHop"]

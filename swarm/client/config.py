@@ -1,0 +1,27 @@
+"""Client settings: network, timeouts, retries and bans, in one dataclass."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from swarm.dht.node import NetworkConfig
+
+
+def client_network(initial_peers: list[str]) -> NetworkConfig:
+    return NetworkConfig(initial_peers=list(initial_peers), client_mode=True)
+
+
+@dataclass
+class ClientConfig:
+    network: NetworkConfig = field(default_factory=NetworkConfig)
+    dht_prefix: Optional[str] = None  # default: the model directory's name, as servers use
+    connect_timeout: float = 5.0  # ping / info calls
+    request_timeout: float = 30.0  # one forward call through one server
+    max_retries: int = 8  # failed calls tolerated in one denoiser call before giving up
+    retry_deadline: float = 120.0  # seconds spent retrying one denoiser call before giving up
+    backoff_base: float = 0.1  # first retry delay; doubles on each retry
+    backoff_max: float = 5.0
+    ban_base: float = 15.0  # seconds a failing peer is avoided; doubles on repeat failures
+    ban_max: float = 300.0
+    route_refresh: float = 30.0  # seconds after which the server list is re-read from the DHT
+    wire_dtype: str = "float32"  # "float16" halves traffic but is not exact

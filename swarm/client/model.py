@@ -1,0 +1,106 @@
+"""``DistributedDiffusionLM``: the client holds embeddings and head, the swarm holds the blocks."""
+from __future__ import annotations
+
+import contextlib
+import logging
+import uuid
+from pathlib import Path
+from typing import Any, Iterator, Optional, Sequence
+
+import torch
+from hivemind.dht import DHT
+
+from swarm.client.config import ClientConfig, client_network
+from swarm.client.remote import RemoteCaller
+from swarm.client.routing import RouteHop
+from swarm.client.sequence import RemoteSequence
+from swarm.diffusion.config import GenerationConfig
+from swarm.diffusion.sampler import DenoiseContext, Denoiser
+from swarm.dht.node import start_dht
+from swarm.dht.schema import default_prefix
+from swarm.lm import BaseDiffusionLM
+from swarm.models.loading import DEFAULT_MODEL, ModelFiles
+from swarm.utils.event_loop import BackgroundLoop
+
+logger = logging.getLogger(__name__)
+
+
+class DistributedDiffusionLM(BaseDiffusionLM):
+    """Same ``generate`` / ``generate_stream`` as :class:`swarm.DiffusionLM`, with the blocks on remote servers.
+
+    ``DistributedDiffusionLM.from_pretrained("default", initial_peers=[...])`` reads only the tokenizer,
+    embeddings, final norm and head; each denoising step goes through a route of servers covering every block.
+    """
+
+    def __init__(self, files: ModelFiles, config: ClientConfig, dht: Optional[DHT] = None):
+        self.files = files
+        self.config = files.config
+        self.client_config = config
+        self.tokenizer = files.tokenizer()
+        self.embedding = files.embedding()
+        self.head = files.head()
+        self.prefix = config.dht_prefix or default_prefix(files.path)
+        self._own_dht = dht is None
+        self.dht = dht if dht is not None else start_dht(config.network)
+        self.loop = BackgroundLoop()
+        self.p2p = self.loop.run(self.dht.replicate_p2p())
+        self.sequence = RemoteSequence(self.dht, RemoteCaller(self.p2p, config.wire_dtype), self.loop, self.prefix,
+                                       self.config.num_layers, config)
+
+    @classmethod
+    def from_pretrained(
+        cls, name_or_path: str | Path = DEFAULT_MODEL, *, initial_peers: Sequence[str] = (),
+        config: Optional[ClientConfig] = None, dht: Optional[DHT] = None, **overrides: Any,
+    ) -> "DistributedDiffusionLM":
+        """``overrides`` set :class:`ClientConfig` fields (``request_timeout=…``, ``dht_prefix=…``)."""
+        config = config or ClientConfig(network=client_network(list(initial_peers)))
+        for key, value in overrides.items():
+            if not hasattr(config, key):
+                raise TypeError(f"unknown client option {key!r}")
+            setattr(config, key, value)
+        return cls(ModelFiles(name_or_path), config, dht)
+
+    # ----- the denoiser ---------------------------------------------------------------------------
+    @torch.inference_mode()
+    def logits(self, input_ids: torch.Tensor, session_id: Optional[str] = None, step: int = -1) -> torch.Tensor:
+        """Per-position logits computed through the swarm (same contract as ``DiffusionLM.logits``)."""
+        if input_ids.dim() == 1:
+            input_ids = input_ids[None]
+        hidden = self.embedding(input_ids).float()
+        hidden = self.sequence.forward(hidden, session_id, step)
+        return self.head(hidden.to(next(self.head.parameters()).dtype)).float()
+
+    @contextlib.contextmanager
+    def denoising_session(self, generation: GenerationConfig) -> Iterator[Denoiser]:
+        session_id = uuid.uuid4().hex
+
+        def denoise(tokens: torch.Tensor, context: DenoiseContext) -> torch.Tensor:
+            return self.logits(tokens, session_id, context.steps[0])
+
+        yield denoise
+
+    def run_info(self) -> dict[str, Any]:
+        return {"route": [str(hop) for hop in self.sequence.route],
+                "failovers": [vars(event) for event in self.sequence.failovers]}
+
+    # ----- route and lifecycle ----------------------------------------------------------------------
+    def show_route(self) -> list[RouteHop]:
+        """Build (if needed) and log the current route; returns its hops."""
+        route = self.sequence.route or self.sequence.build_route()
+        logger.info("route over %d servers: %s", len(route), " -> ".join(map(str, route)))
+        return list(route)
+
+    def shutdown(self) -> None:
+        """Close the P2P connection and the background loop; stop the DHT peer if this client started it."""
+        try:
+            self.loop.run(self.p2p.shutdown(), timeout=5)
+        finally:
+            self.loop.stop()
+        if self._own_dht:
+            self.dht.shutdown()
+
+    def __enter__(self) -> "DistributedDiffusionLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()

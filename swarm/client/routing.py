@@ -1,0 +1,93 @@
+"""Choosing a chain of servers that covers every block with the least expected latency."""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+from typing import Mapping, Optional
+
+from swarm.dht.schema import ServerRecord, ServerState
+
+
+@dataclass(frozen=True)
+class RouteHop:
+    peer_id: str
+    start: int
+    end: int
+
+    def __str__(self) -> str:
+        return f"{self.peer_id[-8:]}[{self.start}:{self.end}]"
+
+
+class MissingBlocksError(RuntimeError):
+    """No usable server covers some blocks; the message names them."""
+
+    def __init__(self, blocks: list[int], tried: Optional[list[str]] = None):
+        self.blocks = blocks
+        ranges = compress_ranges(blocks)
+        tried_text = f"; tried and avoided: {', '.join(tried)}" if tried else ""
+        super().__init__(f"no online server holds blocks {ranges}{tried_text}")
+
+
+def compress_ranges(blocks: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0:3, 5:6' (end exclusive, like --blocks)."""
+    out, start, previous = [], None, None
+    for block in sorted(blocks):
+        if start is None:
+            start = previous = block
+        elif block == previous + 1:
+            previous = block
+        else:
+            out.append(f"{start}:{previous + 1}")
+            start = previous = block
+    if start is not None:
+        out.append(f"{start}:{previous + 1}")
+    return ", ".join(out)
+
+
+def hop_cost(record: ServerRecord, blocks: int, latency: float, tokens: int) -> float:
+    compute = tokens * blocks / max(record.end - record.start, 1) / max(record.throughput, 1e-3)
+    return latency + compute
+
+
+def find_route(
+    servers: Mapping[str, ServerRecord],
+    num_blocks: int,
+    start_block: int = 0,
+    latencies: Optional[Mapping[str, float]] = None,
+    banned: frozenset[str] = frozenset(),
+    tokens: int = 128,
+    default_latency: float = 0.1,
+) -> list[RouteHop]:
+    """Dijkstra over block boundaries: a server holding ``s:e`` offers an edge ``b -> e`` for ``s <= b < e``.
+
+    Edge cost is its round trip plus estimated compute; ties go to the lower peer id, so routes are stable.
+    """
+    latencies = latencies or {}
+    usable = {pid: r for pid, r in servers.items() if r.state == ServerState.ONLINE and pid not in banned}
+    missing = [b for b in range(start_block, num_blocks) if not any(r.start <= b < r.end for r in usable.values())]
+    if missing:
+        raise MissingBlocksError(missing, sorted(p[-8:] for p in banned) or None)
+    best: dict[int, float] = {start_block: 0.0}
+    previous: dict[int, tuple[int, RouteHop]] = {}
+    queue = [(0.0, start_block)]
+    while queue:
+        cost, block = heapq.heappop(queue)
+        if block == num_blocks:
+            break
+        if cost > best.get(block, float("inf")):
+            continue
+        for peer_id in sorted(usable):
+            record = usable[peer_id]
+            if not record.start <= block < record.end:
+                continue
+            end = min(record.end, num_blocks)
+            total = cost + hop_cost(record, end - block, latencies.get(peer_id, default_latency), tokens)
+            if total < best.get(end, float("inf")):
+                best[end] = total
+                previous[end] = (block, RouteHop(peer_id, block, end))
+                heapq.heappush(queue, (total, end))
+    route, block = [], num_blocks
+    while block != start_block:
+        block, hop = previous[block]
+        route.append(hop)
+    return route[::-1]

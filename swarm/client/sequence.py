@@ -1,0 +1,143 @@
+"""Running hidden states through every block of the model over the swarm, with failover.
+
+Keeps the list of servers read from the DHT, their measured round trips, the peers banned for failing,
+and the current route. When a server fails mid-step the step continues from the failed block over other
+servers: the result is the same, because servers keep no state between calls here.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from hivemind.dht import DHT
+
+from swarm.client.config import ClientConfig
+from swarm.client.remote import RemoteCaller
+from swarm.client.routing import MissingBlocksError, RouteHop, find_route
+from swarm.dht.schema import ServerRecord, ServerState, read_servers
+from swarm.protocol import ErrorCode, ForwardRequest, RemoteError
+from swarm.utils.event_loop import BackgroundLoop
+
+logger = logging.getLogger(__name__)
+
+# Errors that say the request itself is wrong: retrying elsewhere cannot help.
+CLIENT_FAULTS = {ErrorCode.BAD_REQUEST, ErrorCode.TOO_LARGE, ErrorCode.NOT_FINITE, ErrorCode.HALTED}
+
+
+@dataclass
+class Ban:
+    until: float
+    count: int
+
+
+@dataclass
+class FailoverEvent:
+    peer_id: str
+    block: int
+    error: str
+    at: float = field(default_factory=time.time)
+
+
+class RemoteSequence:
+    def __init__(self, dht: DHT, caller: RemoteCaller, loop: BackgroundLoop, prefix: str, num_blocks: int,
+                 config: ClientConfig):
+        self.dht, self.caller, self.loop = dht, caller, loop
+        self.prefix, self.num_blocks, self.config = prefix, num_blocks, config
+        self.servers: dict[str, ServerRecord] = {}
+        self.latencies: dict[str, float] = {}
+        self.bans: dict[str, Ban] = {}
+        self.route: list[RouteHop] = []
+        self.failovers: list[FailoverEvent] = []
+        self._refreshed_at = 0.0
+
+    # ----- servers and route ----------------------------------------------------------------------
+    def banned(self) -> frozenset[str]:
+        now = time.monotonic()
+        return frozenset(peer for peer, ban in self.bans.items() if ban.until > now)
+
+    def ban(self, peer_id: str, reason: str) -> None:
+        previous = self.bans.get(peer_id)
+        count = previous.count + 1 if previous else 1
+        duration = min(self.config.ban_base * 2 ** (count - 1), self.config.ban_max)
+        self.bans[peer_id] = Ban(time.monotonic() + duration, count)
+        logger.warning("avoiding peer %s for %.0f s: %s", peer_id, duration, reason)
+
+    def refresh(self) -> None:
+        """Re-read servers from the DHT and ping those not measured yet."""
+        self.servers = read_servers(self.dht, self.prefix, self.num_blocks)
+        online = [p for p, r in self.servers.items() if r.state == ServerState.ONLINE and p not in self.latencies]
+        if online:
+            results = self.loop.run(self._ping_all(online))
+            for peer_id, outcome in zip(online, results):
+                if isinstance(outcome, BaseException):
+                    self.ban(peer_id, f"unreachable: {outcome}")
+                else:
+                    self.latencies[peer_id] = outcome
+        self._refreshed_at = time.monotonic()
+        logger.info("%d servers known for %s (%d online)", len(self.servers), self.prefix,
+                    sum(r.state == ServerState.ONLINE for r in self.servers.values()))
+
+    async def _ping_all(self, peers: list[str]) -> list:
+        async def ping(peer_id: str) -> float:
+            info, rtt = await self.caller.info(peer_id, self.config.connect_timeout)
+            if info.get("prefix") != self.prefix:
+                raise RemoteError(ErrorCode.WRONG_SPAN, f"serves {info.get('prefix')!r}, not {self.prefix!r}", peer_id)
+            return rtt
+
+        return await asyncio.gather(*(ping(p) for p in peers), return_exceptions=True)
+
+    def build_route(self, start_block: int = 0, tokens: int = 128) -> list[RouteHop]:
+        if time.monotonic() - self._refreshed_at > self.config.route_refresh or not self.servers:
+            self.refresh()
+        try:
+            tail = find_route(self.servers, self.num_blocks, start_block, self.latencies, self.banned(), tokens)
+        except MissingBlocksError:
+            self.refresh()  # the DHT may know servers that joined since the last read
+            tail = find_route(self.servers, self.num_blocks, start_block, self.latencies, self.banned(), tokens)
+        self.route = [hop for hop in self.route if hop.end <= start_block] + tail
+        logger.info("route: %s", " -> ".join(map(str, self.route)))
+        return self.route
+
+    def hop_from(self, block: int, tokens: int) -> RouteHop:
+        for hop in self.route:
+            if hop.start == block and hop.peer_id not in self.banned():
+                return hop
+        route = self.build_route(block, tokens)
+        return next(hop for hop in route if hop.start == block)
+
+    # ----- one pass through all blocks -------------------------------------------------------------
+    def forward(self, hidden: torch.Tensor, session_id: Optional[str] = None, step: int = -1) -> torch.Tensor:
+        """Hidden states after every block, retrying failed hops elsewhere within the configured bounds."""
+        session_id = session_id or uuid.uuid4().hex
+        tokens = hidden.shape[0] * hidden.shape[1]
+        block, attempts, started = 0, 0, time.monotonic()
+        delay = self.config.backoff_base
+        errors: list[str] = []
+        while block < self.num_blocks:
+            try:
+                hop = self.hop_from(block, tokens)
+            except MissingBlocksError as error:
+                raise MissingBlocksError(error.blocks, sorted(self.banned())) from None
+            request = ForwardRequest(block, hop.end, hidden, session_id, step)
+            try:
+                hidden = self.loop.run(self.caller.forward(hop.peer_id, request, self.config.request_timeout))
+                block = hop.end
+                continue
+            except RemoteError as error:
+                if error.code in CLIENT_FAULTS:
+                    raise
+                errors.append(f"{hop.peer_id[-8:]}@{block}: {error.message}")
+                self.failovers.append(FailoverEvent(hop.peer_id, block, str(error)))
+                self.ban(hop.peer_id, str(error))
+            attempts += 1
+            if attempts > self.config.max_retries or time.monotonic() - started > self.config.retry_deadline:
+                raise RuntimeError(f"gave up at block {block} after {attempts} failed attempts in "
+                                   f"{time.monotonic() - started:.1f} s: {'; '.join(errors)}")
+            time.sleep(delay)
+            delay = min(2 * delay, self.config.backoff_max)
+        return hidden

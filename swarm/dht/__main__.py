@@ -1,0 +1,38 @@
+"""``python -m swarm.dht``: a bootstrap peer that servers and clients join."""
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+
+import click
+
+from swarm.cli_options import network_options, pop_network_config
+from swarm.dht.node import start_dht, visible_maddrs
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
+@network_options
+@click.option("--log-level", type=click.Choice(["DEBUG", "INFO", "WARNING"]), default="INFO", help="Logging verbosity.")
+def main(log_level: str, **options) -> None:
+    """Run a DHT peer and print the multiaddrs to pass to others as --initial-peers."""
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    network = pop_network_config(options)
+    network.use_default_peers = False  # a bootstrap peer joins only the peers it is told about
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    dht = start_dht(network)
+    addrs = visible_maddrs(dht)
+    click.echo("Bootstrap peer running. Others join with:", err=True)
+    click.echo(f"  --initial-peers {' '.join(addrs)}", err=True)
+    click.echo(f"DHT READY peer_id={dht.peer_id} maddrs={','.join(addrs)}")
+    try:
+        stop.wait()
+    finally:
+        click.echo("shutting down", err=True)
+        dht.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,56 @@
+"""Starting a hivemind DHT peer with the swarm's network options (one place for every command)."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Iterable, Optional
+
+from hivemind.dht import DHT
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.validation import RecordValidatorBase
+
+from swarm.dht.peers import resolve_initial_peers
+
+logger = logging.getLogger(__name__)
+
+LOOPBACK_MADDRS = ("/ip4/127.0.0.1/tcp/0",)
+
+
+@dataclass
+class NetworkConfig:
+    """How a process joins the swarm; the defaults suit one machine (loopback only)."""
+
+    initial_peers: list[str] = field(default_factory=list)
+    host_maddrs: list[str] = field(default_factory=lambda: list(LOOPBACK_MADDRS))
+    announce_maddrs: list[str] = field(default_factory=list)
+    identity_path: Optional[str] = None
+    use_relay: bool = True
+    use_auto_relay: bool = False
+    client_mode: bool = False
+    use_default_peers: bool = True  # fall back to $SWARM_INITIAL_PEERS and the bootstrap file
+
+
+def start_dht(network: NetworkConfig, record_validators: Iterable[RecordValidatorBase] = ()) -> DHT:
+    """Start a DHT peer (with its libp2p daemon) and wait until it is ready.
+
+    Every peer validates signed records (hivemind's ``RSASignatureValidator``): storing peers refuse forged
+    writes, and readers strip the signatures. One is added unless the caller passes its own.
+    """
+    validators = list(record_validators)
+    if not any(isinstance(v, RSASignatureValidator) for v in validators):
+        validators.append(RSASignatureValidator())
+    peers = resolve_initial_peers(network.initial_peers, use_defaults=network.use_default_peers)
+    kwargs = dict(
+        host_maddrs=network.host_maddrs, use_relay=network.use_relay, use_auto_relay=network.use_auto_relay,
+        client_mode=network.client_mode,
+    )
+    if network.announce_maddrs:
+        kwargs["announce_maddrs"] = network.announce_maddrs
+    if network.identity_path:
+        kwargs["identity_path"] = network.identity_path
+    logger.info("starting DHT peer (%d initial peers)", len(peers))
+    return DHT(initial_peers=peers or None, start=True, record_validators=validators, **kwargs)
+
+
+def visible_maddrs(dht: DHT) -> list[str]:
+    return [str(addr) for addr in dht.get_visible_maddrs()]

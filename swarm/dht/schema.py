@@ -1,0 +1,140 @@
+"""DHT keys and records: what a server announces and how clients read it.
+
+One key per block, ``{prefix}.{block}``; the subkey is the server's peer id followed by its RSA owner tag
+(``[owner:…]``), so hivemind's ``RSASignatureValidator`` only accepts writes signed by that server.
+Experts announce under ``{prefix}.experts.{domain}`` the same way.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import logging
+import re
+from pathlib import Path
+from functools import partial  # picklable: run_coroutine ships it to the DHT process
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from hivemind.dht import DHT, DHTNode
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.p2p import PeerID
+from hivemind.utils import get_dht_time
+
+logger = logging.getLogger(__name__)
+
+RECORD_VERSION = 1
+OWNER_MARK = "[owner:"
+
+
+class ServerState(enum.IntEnum):
+    OFFLINE = 0
+    JOINING = 1
+    ONLINE = 2
+
+
+@dataclass
+class ServerRecord:
+    """A server's announcement; the same record is stored under every block key of its span."""
+
+    peer_id: str
+    state: ServerState
+    start: int
+    end: int
+    throughput: float  # tokens per second through the whole span
+    public_name: Optional[str] = None
+    version: str = ""
+    cache_tokens_left: int = 0
+    experts: list[str] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_value(self) -> dict[str, Any]:
+        value = dataclasses.asdict(self)
+        value.pop("peer_id")
+        value["state"] = int(self.state)
+        value["record_version"] = RECORD_VERSION
+        return value
+
+    @classmethod
+    def from_value(cls, peer_id: str, value: Any) -> Optional["ServerRecord"]:
+        """Parse a stored value; None (and a log line) for anything malformed, never an exception."""
+        try:
+            if not isinstance(value, dict) or value.get("record_version") != RECORD_VERSION:
+                raise ValueError("unknown record version")
+            record = cls(
+                peer_id=peer_id, state=ServerState(int(value["state"])), start=int(value["start"]),
+                end=int(value["end"]), throughput=float(value["throughput"]), public_name=value.get("public_name"),
+                version=str(value.get("version", "")), cache_tokens_left=int(value.get("cache_tokens_left", 0)),
+                experts=list(value.get("experts", [])), extra=dict(value.get("extra", {})),
+            )
+            if not 0 <= record.start < record.end or record.throughput < 0:
+                raise ValueError(f"bad span {record.start}:{record.end} or throughput {record.throughput}")
+            return record
+        except (KeyError, TypeError, ValueError) as error:
+            logger.debug("ignoring malformed record from %s: %s", peer_id, error)
+            return None
+
+
+def default_prefix(model_path: Path) -> str:
+    """The DHT namespace of a model when none is given: its directory name (``default`` for the embedded one)."""
+    name = re.sub(r"[^A-Za-z0-9_-]+", "-", Path(model_path).name).strip("-")
+    return name or "model"
+
+
+def block_key(prefix: str, block: int) -> str:
+    return f"{prefix}.{block}"
+
+
+def owner_subkey(peer_id: PeerID | str, validator: RSASignatureValidator) -> bytes:
+    """The subkey a server writes under: its peer id plus its signature tag."""
+    return str(peer_id).encode() + validator.local_public_key
+
+
+def peer_id_from_subkey(subkey: Any) -> Optional[str]:
+    if isinstance(subkey, bytes):
+        subkey = subkey.decode("utf-8", errors="replace")
+    if not isinstance(subkey, str):
+        return None
+    return subkey.split(OWNER_MARK, 1)[0] or None
+
+
+async def _store_span(dht: DHT, node: DHTNode, keys: list[str], subkey: bytes, value: dict, expiration: float) -> bool:
+    results = await node.store_many(keys, subkeys=[subkey] * len(keys), values=[value] * len(keys),
+                                    expiration_time=expiration, num_workers=min(32, len(keys)))
+    return all(results.values())
+
+
+def declare_span(dht: DHT, prefix: str, record: ServerRecord, subkey: bytes, expiration: float, wait: bool = True):
+    """Store ``record`` under every block key of its span (a future when ``wait`` is false)."""
+    keys = [block_key(prefix, b) for b in range(record.start, record.end)]
+    return dht.run_coroutine(
+        partial(_store_span, keys=keys, subkey=subkey, value=record.to_value(), expiration=expiration),
+        return_future=not wait,
+    )
+
+
+async def _get_many(dht: DHT, node: DHTNode, keys: list[str]) -> dict:
+    found = await node.get_many(keys, sufficient_expiration_time=float("inf"))  # the latest records
+    # Unwrap hivemind's nested ValueWithExpiration into plain {key: {subkey: value}} for pickling across processes.
+    out = {}
+    for key, entry in found.items():
+        if entry is None or not isinstance(entry.value, dict):
+            continue
+        out[key] = {subkey: item.value for subkey, item in entry.value.items()}
+    return out
+
+
+def read_servers(dht: DHT, prefix: str, num_blocks: int) -> dict[str, ServerRecord]:
+    """Every server announced for any block of the model, by peer id (its most complete record)."""
+    found = dht.run_coroutine(partial(_get_many, keys=[block_key(prefix, b) for b in range(num_blocks)]))
+    servers: dict[str, ServerRecord] = {}
+    for subkeys in found.values():
+        for subkey, value in subkeys.items():
+            peer_id = peer_id_from_subkey(subkey)
+            record = ServerRecord.from_value(peer_id, value) if peer_id else None
+            if record is not None and record.end <= num_blocks:
+                servers.setdefault(peer_id, record)
+    return servers
+
+
+def now() -> float:
+    return get_dht_time()

@@ -1,0 +1,147 @@
+"""Wire format of the forward RPC: tensors with hivemind's serializer, metadata as msgpack.
+
+A request carries hidden states (batch, length, hidden) for a span ``start:end`` of a server. Small
+payloads travel as one unary message; larger ones as a stream of parts whose count is announced in the
+first part's metadata and checked on arrival (a stream can lose its tail silently on loopback).
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Optional
+
+import torch
+from hivemind.p2p import P2PContext, ServicerBase
+from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.proto import runtime_pb2
+from hivemind.utils import MSGPackSerializer
+from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
+
+# Unary messages are capped near 2-4 MiB by the daemon; stay well below.
+MAX_UNARY_BYTES = 1024 * 1024
+STREAM_CHUNK_BYTES = 512 * 1024
+
+WIRE_DTYPES = {"float32": torch.float32, "float16": torch.float16}
+
+
+class ErrorCode(str, enum.Enum):
+    BAD_REQUEST = "bad_request"  # malformed metadata or tensors
+    WRONG_SPAN = "wrong_span"  # this server does not hold the requested blocks
+    TOO_LARGE = "too_large"  # over the batch-token or payload limit
+    NOT_FINITE = "not_finite"  # NaN or infinite values
+    BUSY = "busy"  # queue or memory full: route around this server
+    SHUTTING_DOWN = "shutting_down"
+    HALTED = "halted"
+    INTERNAL = "internal"
+
+
+class RemoteError(Exception):
+    """A structured error a server returned (or a client raised about a server)."""
+
+    def __init__(self, code: ErrorCode | str, message: str, peer_id: Optional[str] = None):
+        self.code = ErrorCode(code) if code in ErrorCode._value2member_map_ else ErrorCode.INTERNAL
+        self.peer_id = peer_id
+        super().__init__(f"[{self.code.value}] {message}" + (f" (peer {peer_id})" if peer_id else ""))
+        self.message = message
+
+
+@dataclass
+class ForwardRequest:
+    start: int
+    end: int
+    hidden: torch.Tensor
+    session_id: str = ""
+    step: int = -1
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def encode_tensor(tensor: torch.Tensor, wire_dtype: str = "float32") -> runtime_pb2.Tensor:
+    compression = runtime_pb2.CompressionType.FLOAT16 if wire_dtype == "float16" else runtime_pb2.CompressionType.NONE
+    return serialize_torch_tensor(tensor.detach().float(), compression)
+
+
+def request_parts(request: ForwardRequest, wire_dtype: str = "float32") -> list[runtime_pb2.ExpertRequest]:
+    """One part when small, else stream parts; the first part's metadata says how many follow."""
+    tensor = encode_tensor(request.hidden, wire_dtype)
+    metadata = {"start": request.start, "end": request.end, "session_id": request.session_id,
+                "step": request.step, "extra": request.extra}
+    chunks = [tensor] if tensor.ByteSize() <= MAX_UNARY_BYTES else list(split_for_streaming(tensor, STREAM_CHUNK_BYTES))
+    metadata["parts"] = len(chunks)
+    parts = [runtime_pb2.ExpertRequest(uid="forward", tensors=[chunks[0]], metadata=MSGPackSerializer.dumps(metadata))]
+    parts += [runtime_pb2.ExpertRequest(tensors=[chunk]) for chunk in chunks[1:]]
+    return parts
+
+
+def parse_metadata(raw: bytes) -> dict[str, Any]:
+    try:
+        metadata = MSGPackSerializer.loads(raw) if raw else {}
+    except Exception as error:  # msgpack raises several unrelated types on garbage
+        raise RemoteError(ErrorCode.BAD_REQUEST, f"metadata is not valid msgpack: {error}") from None
+    if not isinstance(metadata, dict):
+        raise RemoteError(ErrorCode.BAD_REQUEST, "metadata must be a map")
+    return metadata
+
+
+def join_parts(parts: list[runtime_pb2.Tensor], expected: Any) -> runtime_pb2.Tensor:
+    """Reassemble a streamed tensor, refusing a stream whose part count does not match."""
+    if not isinstance(expected, int) or expected < 1:
+        raise RemoteError(ErrorCode.BAD_REQUEST, f"metadata 'parts' must be a positive integer, got {expected!r}")
+    if len(parts) != expected:
+        raise RemoteError(ErrorCode.BAD_REQUEST, f"stream ended after {len(parts)} of {expected} parts")
+    return parts[0] if expected == 1 else combine_from_streaming(parts)
+
+
+def decode_tensor(proto: runtime_pb2.Tensor) -> torch.Tensor:
+    try:
+        return deserialize_torch_tensor(proto)
+    except Exception as error:  # corrupt buffers raise ValueError, RuntimeError, TypeError...
+        raise RemoteError(ErrorCode.BAD_REQUEST, f"cannot decode tensor: {error}") from None
+
+
+def response_parts(hidden: torch.Tensor, wire_dtype: str, metadata: Optional[dict] = None) -> list[runtime_pb2.ExpertResponse]:
+    tensor = encode_tensor(hidden, wire_dtype)
+    chunks = [tensor] if tensor.ByteSize() <= MAX_UNARY_BYTES else list(split_for_streaming(tensor, STREAM_CHUNK_BYTES))
+    meta = dict(metadata or {}, parts=len(chunks))
+    parts = [runtime_pb2.ExpertResponse(tensors=[chunks[0]], metadata=MSGPackSerializer.dumps(meta))]
+    return parts + [runtime_pb2.ExpertResponse(tensors=[chunk]) for chunk in chunks[1:]]
+
+
+def error_response(error: RemoteError) -> runtime_pb2.ExpertResponse:
+    return runtime_pb2.ExpertResponse(metadata=MSGPackSerializer.dumps({"error": {"code": error.code.value, "message": error.message}}))
+
+
+def check_error(metadata: dict[str, Any], peer_id: Optional[str] = None) -> None:
+    error = metadata.get("error")
+    if error:
+        raise RemoteError(error.get("code", "internal"), str(error.get("message", "unknown error")), peer_id)
+
+
+def collect_response(parts: list[runtime_pb2.ExpertResponse], peer_id: Optional[str] = None) -> tuple[torch.Tensor, dict]:
+    if not parts:
+        raise RemoteError(ErrorCode.INTERNAL, "empty response", peer_id)
+    metadata = parse_metadata(parts[0].metadata)
+    check_error(metadata, peer_id)
+    tensors = [t for part in parts for t in part.tensors]
+    return decode_tensor(join_parts(tensors, metadata.get("parts"))), metadata
+
+
+class SpanService(ServicerBase):
+    """The RPCs every server offers. Servers subclass it; clients build stubs from it directly."""
+
+    @classmethod
+    def _get_handle_name(cls, namespace: Optional[str], method_name: str) -> str:
+        # A fixed service name, so the server's subclass and the client's stub agree on handle names.
+        name = f"swarm.SpanService.{method_name}"
+        return f"{namespace}::{name}" if namespace else name
+
+    async def rpc_info(self, request: runtime_pb2.ExpertUID, context: P2PContext) -> runtime_pb2.ExpertInfo:
+        raise NotImplementedError
+
+    async def rpc_forward(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
+        raise NotImplementedError
+
+    async def rpc_forward_stream(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        raise NotImplementedError
+        yield  # pragma: no cover  (makes this an async generator, as the stream RPC must be)

@@ -1,0 +1,54 @@
+"""``python -m swarm.server --blocks 0:16``: host a span of a model's blocks for the swarm."""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import click
+
+from swarm.cli_options import network_options, parse_span, pop_network_config
+from swarm.server.config import ServerConfig
+from swarm.server.server import Server
+
+
+def print_ready(server: Server) -> None:
+    from swarm.dht.node import visible_maddrs
+
+    addrs = visible_maddrs(server.dht)
+    if not server.config.network.initial_peers:
+        click.echo(f"Started a new swarm. Others join with: --initial-peers {' '.join(addrs)}", err=True)
+    # One machine-readable line on stdout, so scripts and tests can wait for readiness.
+    click.echo(f"SERVER READY peer_id={server.peer_id} blocks={server.start}:{server.end} maddrs={','.join(addrs)}")
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
+@click.option("--model", default="default", help="Embedded model name or checkpoint directory (native, LLaDA or Dream layout).")
+@click.option("--blocks", default=None, help="Blocks to host as START:END (end exclusive), e.g. 0:16. Omitted: the least-covered span of --num-blocks.")
+@click.option("--num-blocks", type=int, default=None, help="Span length when --blocks is omitted (default: the whole model).")
+@network_options
+@click.option("--public-name", default=None, help="A name shown to users in the swarm's health map.")
+@click.option("--throughput", default="auto", help="Announced speed in tokens/s, or 'auto' to measure the span on start.")
+@click.option("--dht-prefix", default=None, help="DHT namespace of the model (default: the model directory's name).")
+@click.option("--device", default="cpu", help="torch device to compute on, e.g. cpu or cuda:0.")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", help="dtype of the hosted weights and compute.")
+@click.option("--max-batch-tokens", type=int, default=ServerConfig.max_batch_tokens, help="Largest batch x length accepted in one request.")
+@click.option("--max-concurrent-requests", type=int, default=ServerConfig.max_concurrent_requests, help="Requests in compute or waiting; more are refused as busy.")
+@click.option("--request-timeout", type=float, default=ServerConfig.request_timeout, help="Seconds a request may take before it is failed.")
+@click.option("--update-period", type=float, default=ServerConfig.update_period, help="Seconds between DHT announcements (records expire after 2.5x).")
+@click.option("--wire-dtype", type=click.Choice(["float32", "float16"]), default="float32", help="dtype of returned activations; float16 halves traffic but is not exact.")
+@click.option("--compute-threads", type=int, default=None, help="torch CPU threads for compute (default: torch's choice).")
+@click.option("--log-level", type=click.Choice(["DEBUG", "INFO", "WARNING"]), default="INFO", help="Logging verbosity.")
+def main(blocks: str | None, log_level: str, **options) -> None:
+    """Host a span of a model's transformer blocks and announce it on the swarm's DHT."""
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    network = pop_network_config(options)
+    config = ServerConfig(blocks=parse_span(blocks), network=network, **options)
+    try:
+        server = Server(config)
+    except (ValueError, FileNotFoundError) as error:
+        raise click.UsageError(str(error)) from error
+    asyncio.run(server.serve(on_ready=print_ready))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,31 @@
+"""Everything a server is configured with, in one place (the CLI only fills this in)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from swarm.dht.node import NetworkConfig
+
+
+@dataclass
+class ServerConfig:
+    model: str = "default"
+    blocks: Optional[tuple[int, int]] = None  # None: choose the least-covered span
+    num_blocks: Optional[int] = None  # span length when choosing automatically (default: whole model)
+    network: NetworkConfig = field(default_factory=NetworkConfig)
+    dht_prefix: Optional[str] = None  # default: the model's name
+    public_name: Optional[str] = None
+    throughput: str = "auto"  # "auto" measures on start, or a number of tokens/s
+    device: str = "cpu"
+    dtype: str = "float32"
+    max_batch_tokens: int = 16384  # batch * length of one request
+    max_concurrent_requests: int = 4  # in compute or waiting for it; more get a BUSY error
+    request_timeout: float = 60.0
+    update_period: float = 15.0  # seconds between DHT announcements
+    expiration: Optional[float] = None  # record lifetime; default 2.5 x update_period
+    wire_dtype: str = "float32"  # "float16" halves the bytes (not exact)
+    compute_threads: Optional[int] = None
+
+    @property
+    def record_expiration(self) -> float:
+        return self.expiration if self.expiration is not None else 2.5 * self.update_period

@@ -1,0 +1,99 @@
+"""The RPC surface of a server on hivemind's P2P layer: forward (unary and streamed) and info."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import AsyncIterator, Callable
+
+from hivemind.p2p import P2PContext
+from hivemind.proto import runtime_pb2
+from hivemind.utils import MSGPackSerializer
+
+from swarm.protocol import (
+    ErrorCode, RemoteError, SpanService, decode_tensor, error_response, join_parts, parse_metadata,
+    response_parts,
+)
+from swarm.server.backend import SpanBackend
+from swarm.server.validation import require, validate_hidden, validate_metadata
+
+logger = logging.getLogger(__name__)
+
+PAYLOAD_SLACK_BYTES = 64 * 1024
+
+
+class ForwardHandler(SpanService):
+    """Validates each request fully, then runs it on the backend. One bad request never harms the server."""
+
+    def __init__(self, backend: SpanBackend, *, hidden_size: int, max_batch_tokens: int, wire_dtype: str,
+                 request_timeout: float, info: Callable[[], dict]):
+        self.backend = backend
+        self.hidden_size = hidden_size
+        self.max_batch_tokens = max_batch_tokens
+        self.max_payload_bytes = max_batch_tokens * hidden_size * 4 + PAYLOAD_SLACK_BYTES
+        self.wire_dtype = wire_dtype
+        self.request_timeout = request_timeout
+        self.info = info
+        self.accepting = True
+        self.requests_served = 0
+        self.requests_failed = 0
+
+    # ----- RPCs ----------------------------------------------------------------------------------
+    async def rpc_info(self, request: runtime_pb2.ExpertUID, context: P2PContext) -> runtime_pb2.ExpertInfo:
+        return runtime_pb2.ExpertInfo(serialized_info=MSGPackSerializer.dumps(self.info()))
+
+    async def rpc_forward(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
+        parts = await self._serve([request], context)
+        if len(parts) != 1:  # the client asked for unary but the answer needs a stream
+            return error_response(RemoteError(ErrorCode.TOO_LARGE, "response too large for a unary call: use the stream RPC"))
+        return parts[0]
+
+    async def rpc_forward_stream(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        received, size = [], 0
+        async for part in requests:
+            size += part.ByteSize()
+            if size > self.max_payload_bytes:
+                yield self._refuse(RemoteError(ErrorCode.TOO_LARGE, f"payload over {self.max_payload_bytes} bytes"), context)
+                return
+            received.append(part)
+        for response in await self._serve(received, context):
+            yield response
+
+    # ----- one request -----------------------------------------------------------------------------
+    async def _serve(self, parts: list[runtime_pb2.ExpertRequest], context: P2PContext) -> list[runtime_pb2.ExpertResponse]:
+        started = time.perf_counter()
+        try:
+            require(self.accepting, ErrorCode.SHUTTING_DOWN, "server is shutting down")
+            require(len(parts) > 0, ErrorCode.BAD_REQUEST, "empty request")
+            require(sum(p.ByteSize() for p in parts) <= self.max_payload_bytes, ErrorCode.TOO_LARGE,
+                    f"payload over {self.max_payload_bytes} bytes")
+            metadata = parse_metadata(parts[0].metadata)
+            start, end = validate_metadata(metadata, (self.backend.start, self.backend.end))
+            tensors = [t for p in parts for t in p.tensors]
+            proto = join_parts(tensors, metadata.get("parts"))
+            declared = 1
+            for dim in proto.size:
+                declared *= dim
+            require(declared <= self.max_batch_tokens * self.hidden_size, ErrorCode.TOO_LARGE,
+                    f"tensor of shape {tuple(proto.size)} exceeds the batch-token limit {self.max_batch_tokens}")
+            hidden = decode_tensor(proto)
+            validate_hidden(hidden, self.hidden_size, self.max_batch_tokens)
+            output = await asyncio.wait_for(self.backend.forward(hidden, start, end), self.request_timeout)
+            self.requests_served += 1
+            logger.debug("forward %d:%d %s from %s in %.1f ms", start, end, tuple(hidden.shape),
+                         context.remote_id, 1000 * (time.perf_counter() - started))
+            return response_parts(output, self.wire_dtype)
+        except RemoteError as error:
+            return [self._refuse(error, context)]
+        except asyncio.TimeoutError:
+            return [self._refuse(RemoteError(ErrorCode.BUSY, f"compute took over {self.request_timeout} s"), context)]
+        except Exception as error:  # a bug must not take the server down; the client gets a clear error
+            logger.exception("internal error serving %s", context.remote_id)
+            return [self._refuse(RemoteError(ErrorCode.INTERNAL, f"{type(error).__name__}: {error}"), context)]
+
+    def _refuse(self, error: RemoteError, context: P2PContext) -> runtime_pb2.ExpertResponse:
+        self.requests_failed += 1
+        logger.warning("refused request from %s: %s", context.remote_id, error)
+        return error_response(error)

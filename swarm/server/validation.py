@@ -1,0 +1,44 @@
+"""Checks on every remote request before any compute. Raise RemoteError, never assert."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from swarm.protocol import ErrorCode, RemoteError
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+MAX_SESSION_ID_LENGTH = 128
+
+
+def require(condition: bool, code: ErrorCode, message: str) -> None:
+    if not condition:
+        raise RemoteError(code, message)
+
+
+def validate_metadata(metadata: dict[str, Any], held: tuple[int, int]) -> tuple[int, int]:
+    """The requested span must be inside the held one; ids and counters must have the right types."""
+    start, end = metadata.get("start"), metadata.get("end")
+    require(isinstance(start, int) and isinstance(end, int), ErrorCode.BAD_REQUEST,
+            f"metadata 'start' and 'end' must be integers, got {start!r} and {end!r}")
+    require(held[0] <= start < end <= held[1], ErrorCode.WRONG_SPAN,
+            f"blocks {start}:{end} requested, this server holds {held[0]}:{held[1]}")
+    session_id = metadata.get("session_id", "")
+    require(isinstance(session_id, str) and len(session_id) <= MAX_SESSION_ID_LENGTH, ErrorCode.BAD_REQUEST,
+            f"session_id must be a string of at most {MAX_SESSION_ID_LENGTH} characters")
+    require(isinstance(metadata.get("step", -1), int), ErrorCode.BAD_REQUEST, "step must be an integer")
+    require(isinstance(metadata.get("extra", {}), dict), ErrorCode.BAD_REQUEST, "extra must be a map")
+    return start, end
+
+
+def validate_hidden(hidden: torch.Tensor, hidden_size: int, max_batch_tokens: int) -> None:
+    require(hidden.dtype in FLOAT_DTYPES, ErrorCode.BAD_REQUEST,
+            f"hidden states must be float32/float16/bfloat16, got {hidden.dtype}")
+    require(hidden.dim() == 3, ErrorCode.BAD_REQUEST,
+            f"hidden states must have shape (batch, length, {hidden_size}), got {tuple(hidden.shape)}")
+    batch, length, size = hidden.shape
+    require(size == hidden_size, ErrorCode.BAD_REQUEST, f"hidden size {size} does not match the model's {hidden_size}")
+    require(batch > 0 and length > 0, ErrorCode.BAD_REQUEST, f"empty batch {tuple(hidden.shape)}")
+    require(batch * length <= max_batch_tokens, ErrorCode.TOO_LARGE,
+            f"{batch} x {length} = {batch * length} tokens exceeds this server's limit of {max_batch_tokens}")
+    require(bool(torch.isfinite(hidden).all()), ErrorCode.NOT_FINITE, "hidden states contain NaN or infinite values")

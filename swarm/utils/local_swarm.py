@@ -1,0 +1,138 @@
+"""Starting a bootstrap peer and servers as subprocesses on 127.0.0.1 (examples, tests, benchmarks).
+
+Every process started here is stopped by :meth:`LocalSwarm.stop` (also on errors, via ``with``).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+logger = logging.getLogger(__name__)
+
+READY_PATTERN = re.compile(r"(?:DHT|SERVER) READY peer_id=(\S+)(?: blocks=(\d+):(\d+))? maddrs=(\S+)")
+
+
+@dataclass
+class ManagedProcess:
+    name: str
+    process: subprocess.Popen
+    peer_id: str = ""
+    maddrs: list[str] = field(default_factory=list)
+    span: Optional[tuple[int, int]] = None
+    lines: "queue.Queue[str]" = field(default_factory=queue.Queue)
+    log: list[str] = field(default_factory=list)
+
+    @property
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+
+class LocalSwarm:
+    """``with LocalSwarm() as swarm: swarm.start_bootstrap(); swarm.start_server("default", "0:8")``."""
+
+    def __init__(self, python: str = sys.executable, env: Optional[dict[str, str]] = None, startup_timeout: float = 120):
+        self.python = python
+        self.env = dict(os.environ, **(env or {}))
+        self.env.pop("SWARM_INITIAL_PEERS", None)  # a local swarm never joins a public one by accident
+        self.env["SWARM_BOOTSTRAP_FILE"] = os.devnull
+        self.startup_timeout = startup_timeout
+        self.processes: list[ManagedProcess] = []
+        self.bootstrap: Optional[ManagedProcess] = None
+
+    @property
+    def initial_peers(self) -> list[str]:
+        return list(self.bootstrap.maddrs) if self.bootstrap else []
+
+    def start_bootstrap(self) -> ManagedProcess:
+        self.bootstrap = self._start("bootstrap", ["-m", "swarm.dht"])
+        return self.bootstrap
+
+    def start_server(self, model: str, blocks: Optional[str] = None, *extra: str, name: Optional[str] = None,
+                     wait: bool = True) -> ManagedProcess:
+        """Start ``python -m swarm.server``; with ``wait=False`` call :meth:`wait_ready` later (parallel start)."""
+        args = ["-m", "swarm.server", "--model", str(model), "--throughput", "1000", "--update-period", "5"]
+        if blocks:
+            args += ["--blocks", blocks]
+        for peer in self.initial_peers:
+            args += ["--initial-peers", peer]
+        return self._start(name or f"server-{blocks}", args + list(extra), wait)
+
+    def _start(self, name: str, args: Sequence[str], wait: bool = True) -> ManagedProcess:
+        command = [self.python, *args]
+        logger.info("starting %s: %s", name, " ".join(command))
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                   env=self.env, start_new_session=True)
+        managed = ManagedProcess(name, process)
+        self.processes.append(managed)
+        threading.Thread(target=self._pump, args=(managed,), daemon=True).start()
+        if wait:
+            self.wait_ready(managed)
+        return managed
+
+    @staticmethod
+    def _pump(managed: ManagedProcess) -> None:
+        for line in managed.process.stdout:
+            managed.log.append(line.rstrip())
+            managed.lines.put(line)
+
+    def wait_ready(self, managed: ManagedProcess) -> None:
+        deadline = time.monotonic() + self.startup_timeout
+        while time.monotonic() < deadline:
+            try:
+                line = managed.lines.get(timeout=0.5)
+            except queue.Empty:
+                if not managed.alive:
+                    break
+                continue
+            match = READY_PATTERN.search(line)
+            if match:
+                managed.peer_id = match.group(1)
+                if match.group(2):
+                    managed.span = (int(match.group(2)), int(match.group(3)))
+                managed.maddrs = match.group(4).split(",")
+                return
+        tail = "\n".join(managed.log[-30:])
+        self.stop()
+        raise RuntimeError(f"{managed.name} did not become ready:\n{tail}")
+
+    def terminate(self, managed: ManagedProcess, sig: int = signal.SIGTERM, timeout: float = 30) -> Optional[int]:
+        """Stop a process: SIGKILL takes its whole group at once (a crash); other signals go to the main
+        process, which shuts its DHT and daemon down itself. Leftovers are killed. Returns the exit code."""
+        group = managed.process.pid
+        try:
+            if sig == signal.SIGKILL:
+                os.killpg(group, signal.SIGKILL)
+            elif managed.alive:
+                managed.process.send_signal(sig)
+            code = managed.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            code = None
+        except ProcessLookupError:
+            code = managed.process.poll()
+        try:
+            os.killpg(group, signal.SIGKILL)  # the DHT child and libp2p daemons, if anything is left
+        except (ProcessLookupError, PermissionError):
+            pass
+        managed.process.wait(10)
+        return code
+
+    def stop(self) -> None:
+        for managed in reversed(self.processes):
+            if managed.alive:
+                self.terminate(managed, signal.SIGTERM, timeout=15)
+        self.processes.clear()
+
+    def __enter__(self) -> "LocalSwarm":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

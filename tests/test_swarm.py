@@ -1,0 +1,83 @@
+"""The swarm end to end, with real subprocess servers on 127.0.0.1 and the real hivemind DHT."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from swarm.client import DistributedDiffusionLM, MissingBlocksError
+from swarm.dht.node import NetworkConfig, start_dht
+from swarm.dht.schema import ServerRecord, ServerState, block_key, default_prefix, read_servers
+from tests.conftest import make_checkpoint, tiny_config
+
+CASES = [
+    ("Hello there", dict(seed=0)),
+    ("The cat", dict(seed=1, remasking="random", temperature=1.0)),
+    ("x", dict(seed=2, remasking="margin", temperature=0.5, cfg_scale=1.0)),
+    ("abc def", dict(seed=3, remasking="entropy", threshold=0.2)),
+]
+
+
+@pytest.mark.parametrize("prompt, settings", CASES)
+def test_distributed_generation_equals_local(remote_lm, local_lm, prompt, settings):
+    kwargs = dict(gen_length=16, steps=8, block_length=8, **settings)
+    remote = remote_lm.generate(prompt, **kwargs)
+    local = local_lm.generate(prompt, **kwargs)
+    assert remote.token_ids == local.token_ids
+    assert torch.equal(remote.sequence, local.sequence)
+
+
+def test_distributed_logits_match_local_closely(remote_lm, local_lm):
+    ids = torch.randint(0, 256, (2, 13))
+    torch.testing.assert_close(remote_lm.logits(ids), local_lm.logits(ids), rtol=1e-4, atol=1e-4)
+
+
+def test_route_covers_every_block_in_order(remote_lm):
+    route = remote_lm.show_route()
+    assert route[0].start == 0 and route[-1].end == remote_lm.config.num_layers
+    for previous, hop in zip(route, route[1:]):
+        assert previous.end == hop.start
+    assert remote_lm.generate("hi", gen_length=8, steps=8, block_length=8).info["route"]
+
+
+def test_stream_through_swarm_ends_with_result(remote_lm):
+    chunks = list(remote_lm.generate_stream("hi", gen_length=8, steps=4, block_length=8))
+    assert [c.step for c in chunks[:-1]] == [0, 1, 2, 3]
+    assert chunks[-1].done and chunks[-1].result is not None
+    assert chunks[-2].text.count("_") == 0 and chunks[0].text.count("_") == 6
+
+
+def test_unserved_blocks_fail_fast_and_are_named(local_swarm, tmp_path):
+    """A model with 6 blocks of which a server holds only 0:3: the error names 3:6."""
+    path = make_checkpoint(tmp_path / "half_served", tiny_config(num_layers=6), seed=3)
+    server = local_swarm.start_server(str(path), "0:3", "--compute-threads", "1")
+    lm = DistributedDiffusionLM.from_pretrained(path, initial_peers=local_swarm.initial_peers)
+    try:
+        started = time.monotonic()
+        with pytest.raises(MissingBlocksError, match="3:6"):
+            lm.generate("hello", gen_length=8, steps=8, block_length=8)
+        assert time.monotonic() - started < 30
+        # A stopped server leaves the swarm announcing itself offline.
+        assert local_swarm.terminate(server) == 0
+        records = read_servers(lm.dht, default_prefix(path), 6)
+        assert records[server.peer_id].state == ServerState.OFFLINE
+    finally:
+        lm.shutdown()
+
+
+def test_signed_record_cannot_be_overwritten_by_another_peer(local_swarm, remote_lm, tiny_model_path):
+    prefix = default_prefix(tiny_model_path)
+    victim = next(p for p in local_swarm.processes if p.span == (0, 2))
+    key = block_key(prefix, 0)
+    entry = remote_lm.dht.get(key, latest=True)
+    subkey = next(s for s in entry.value if s.startswith(victim.peer_id.encode()))
+    intruder = start_dht(NetworkConfig(initial_peers=local_swarm.initial_peers))
+    try:
+        forged = ServerRecord(victim.peer_id, ServerState.OFFLINE, 0, 2, 1.0).to_value()
+        stored = intruder.store(key, forged, expiration_time=time.time() + 600, subkey=subkey)
+        assert not stored
+        record = read_servers(remote_lm.dht, prefix, 4)[victim.peer_id]
+        assert record.state == ServerState.ONLINE
+    finally:
+        intruder.shutdown()

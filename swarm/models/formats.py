@@ -85,7 +85,11 @@ LLADA_LAYOUT = TensorLayout(
 )
 
 DREAM_LAYOUT = TensorLayout(
-    top={"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight", "lm_head.weight": "lm_head.weight"},
+    top={
+        "embed.weight": "model.embed_tokens.weight",
+        "norm.weight": "model.norm.weight",
+        "lm_head.weight": "lm_head.weight",
+    },
     block_prefix="model.layers.{i}.",
     block={
         "attn_norm.weight": "input_layernorm.weight",
@@ -102,7 +106,7 @@ class CheckpointFormat:
     """How one family of checkpoints spells its config and tensors."""
 
     name: str
-    convert_config: Callable[[dict[str, Any], Path], ModelConfig]
+    convert_config: Callable[[dict[str, Any], Optional[Path]], ModelConfig]
     tensor_name: Callable[[str], str]  # native name -> stored name; what CheckpointReader(rename=...) takes
     # A transformers tokenizer class for checkpoints whose tokenizer_config.json names a class that exists only
     # as remote code (Dream's DreamTokenizer is a copy of Qwen2's). Remote code is never executed.
@@ -141,15 +145,17 @@ def _first(*values: Optional[int]) -> Optional[int]:
     return next((v for v in values if v is not None), None)
 
 
-def special_token_id(directory: Path, content: str) -> Optional[int]:
+def special_token_id(directory: Optional[Path], content: str) -> Optional[int]:
     """The id of an added token such as ``<|eot_id|>``, read from the tokenizer files without loading them.
 
     Published configs do not carry end-of-turn ids; the tokenizer files do (``tokenizer_config.json``'s
-    ``added_tokens_decoder``, ``tokenizer.json``'s ``added_tokens`` or ``added_tokens.json``).
+    ``added_tokens_decoder``, ``tokenizer.json``'s ``added_tokens`` or ``added_tokens.json``). Without a
+    directory (a config converted on its own) the answer is None.
     """
     def load(name: str) -> Any:
-        path = directory / name
-        return json.loads(path.read_text()) if path.exists() else {}
+        if directory is None or not (directory / name).exists():
+            return {}
+        return json.loads((directory / name).read_text())
 
     for token_id, token in load("tokenizer_config.json").get("added_tokens_decoder", {}).items():
         if token.get("content") == content:
@@ -161,10 +167,10 @@ def special_token_id(directory: Path, content: str) -> Optional[int]:
     return int(added[content]) if content in added else None
 
 
-def _mask_id(raw: dict[str, Any], directory: Path, token: str, family: str) -> int:
+def _mask_id(raw: dict[str, Any], directory: Optional[Path], token: str, family: str) -> int:
     mask = _first(raw.get("mask_token_id"), special_token_id(directory, token))
     if mask is None:
-        raise UnsupportedCheckpoint(f"{family} checkpoint at {directory} names no mask token (mask_token_id or {token})")
+        raise UnsupportedCheckpoint(f"{family} checkpoint at {directory} names no mask token ({token} or mask_token_id)")
     return int(mask)
 
 
@@ -177,8 +183,8 @@ LLADA_SUPPORTED: dict[str, tuple] = {
 }
 
 
-def llada_config(raw: dict[str, Any], directory: Path) -> ModelConfig:
-    """``LLaDAConfig`` (OLMo-style keys) -> ModelConfig."""
+def llada_config(raw: dict[str, Any], directory: Optional[Path] = None) -> ModelConfig:
+    """``LLaDAConfig`` (OLMo-style keys) -> ModelConfig; ``directory`` holds the tokenizer files, for special ids."""
     _require(raw, LLADA_SUPPORTED, "LLaDA")
     heads = raw["n_heads"]
     kv_heads = 1 if raw.get("multi_query_attention") else (raw.get("n_kv_heads") or heads)
@@ -210,7 +216,7 @@ def llada_config(raw: dict[str, Any], directory: Path) -> ModelConfig:
 DREAM_SUPPORTED: dict[str, tuple] = {"hidden_act": ("silu",), "use_sliding_window": (False,), "rope_scaling": (None,)}
 
 
-def dream_config(raw: dict[str, Any], directory: Path) -> ModelConfig:
+def dream_config(raw: dict[str, Any], directory: Optional[Path] = None) -> ModelConfig:
     """``DreamConfig`` (Qwen2 keys) -> ModelConfig; q/k/v biases and the one-position logit shift are fixed."""
     _require(raw, DREAM_SUPPORTED, "Dream")
     hidden, heads = raw["hidden_size"], raw["num_attention_heads"]
@@ -241,7 +247,7 @@ def dream_config(raw: dict[str, Any], directory: Path) -> ModelConfig:
     )
 
 
-def native_config(raw: dict[str, Any], directory: Path) -> ModelConfig:
+def native_config(raw: dict[str, Any], directory: Optional[Path] = None) -> ModelConfig:
     return ModelConfig.from_dict(raw)
 
 

@@ -92,7 +92,9 @@ class HFTokenizer:
         import transformers
 
         try:
-            hf = transformers.AutoTokenizer.from_pretrained(str(directory), trust_remote_code=False, local_files_only=True)
+            hf = transformers.AutoTokenizer.from_pretrained(
+                str(directory), trust_remote_code=False, local_files_only=True
+            )
         except ValueError as error:  # "contains custom code which must be executed"
             if fallback_class is None:
                 raise

@@ -12,7 +12,7 @@ import sysconfig
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional, Protocol, Sequence
 
 import torch
 
@@ -22,6 +22,26 @@ logger = logging.getLogger(__name__)
 
 HELD_OUT_FRACTION = 0.05
 PROSE_FILES = ("lee_background.cor", "lee.cor", "crime-and-punishment.txt", "para2para_text1.txt", "para2para_text2.txt")
+
+
+class Corpus(Protocol):
+    """What training and evaluation draw rows from."""
+
+    name: str
+
+    def batch(self, size: int, seq_len: int, generator: torch.Generator, held_out: bool = False) -> torch.Tensor:
+        """``size`` rows of ``seq_len`` token ids, each starting with BOS, from the training or held-out part."""
+        ...
+
+    def given_positions(self, rows: torch.Tensor) -> torch.Tensor:
+        """Positions the model is always shown: never masked, never scored (BOS; a task's prompt)."""
+        ...
+
+
+def bos_only(rows: torch.Tensor) -> torch.Tensor:
+    given = torch.zeros_like(rows, dtype=torch.bool)
+    given[:, 0] = True
+    return given
 
 
 class TextCorpus:
@@ -41,6 +61,9 @@ class TextCorpus:
         rows = torch.stack([source[s: s + seq_len - 1] for s in starts.tolist()])
         return torch.cat([torch.full((size, 1), ByteTokenizer.BOS), rows], dim=1)
 
+    def given_positions(self, rows: torch.Tensor) -> torch.Tensor:
+        return bos_only(rows)
+
 
 @dataclass(frozen=True)
 class Problem:
@@ -49,7 +72,13 @@ class Problem:
 
 
 class AdditionTask:
-    """Multi-digit addition ``a+b=c``; problems whose hash falls in a fixed bucket are held out."""
+    """Multi-digit addition ``a+b=c``; problems whose hash falls in a fixed bucket are held out.
+
+    Both a corpus (rows to train on) and a task (problems with one right answer, for exact match). As in
+    LLaDA's supervised fine-tuning, the prompt ``a+b=`` is always given and only the answer and the EOS
+    padding after it are masked: the model learns p(answer | prompt), which is what generation asks of it,
+    instead of spending its capacity on guessing masked operands.
+    """
 
     name = "addition"
 
@@ -60,6 +89,12 @@ class AdditionTask:
         a = rng.randrange(10 ** rng.randint(1, self.max_digits))
         b = rng.randrange(10 ** rng.randint(1, self.max_digits))
         return Problem(f"{a}+{b}=", str(a + b))
+
+    @staticmethod
+    def given_positions(rows: torch.Tensor) -> torch.Tensor:
+        """BOS and the prompt: everything up to and including the first ``=``."""
+        equals = rows == ord("=")
+        return (equals.long().cumsum(1) - equals.long()) == 0
 
     @staticmethod
     def is_held_out(problem: Problem) -> bool:
@@ -114,9 +149,11 @@ def python_bytes(limit: int = 4_000_000) -> bytes:
 
 
 BUILTIN_CORPORA = ("prose", "python", "addition")
+# Corpora that are also tasks with checkable answers (``python -m swarm.eval --task``).
+TASKS = {"addition": AdditionTask}
 
 
-def load_corpus(name_or_files: str, files: Optional[Sequence[str]] = None):
+def load_corpus(name_or_files: str, files: Optional[Sequence[str]] = None) -> Corpus:
     """A built-in corpus by name, or the concatenation of the given text files."""
     if files:
         data = b"\n".join(Path(f).read_bytes() for f in files)

@@ -1,12 +1,21 @@
-"""The training loop: resumable, seeded, writing native checkpoints."""
+"""The training loop: resumable, seeded, writing native checkpoints.
+
+A run is a deterministic function of its :class:`TrainConfig`: the initial weights come from the global
+torch seed, while the data order and the masking noise come from one explicit generator whose state is
+saved with the optimiser. Interrupting a run and resuming it therefore gives the same weights as running
+it straight through (``tests/test_train.py`` checks this).
+"""
 from __future__ import annotations
 
+import json
 import logging
 import math
+import os
+import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from tqdm.auto import tqdm
@@ -15,11 +24,17 @@ from swarm.models.checkpoint import load_config, parse_dtype, save_checkpoint
 from swarm.models.config import ModelConfig
 from swarm.models.modules import DiffusionTransformer
 from swarm.models.tokenizer import ByteTokenizer
+from swarm.train.data import Corpus
 from swarm.train.objective import diffusion_loss, mask_tokens
 
 logger = logging.getLogger(__name__)
 
 STATE_FILE = "training_state.pt"
+# Shipped next to config.json: how the model was made (evaluation picks its default data from it).
+TRAINING_INFO_FILE = "training.json"
+# Flags that change what a resumed run computes; a mismatch is reported, not silently ignored.
+RUN_DEFINING_FIELDS = ("corpus", "data_files", "batch_size", "seq_len", "lr", "warmup", "weight_decay", "seed", "steps")
+ARCHITECTURE_FIELDS = ("hidden_size", "layers", "heads", "kv_heads", "intermediate_size")
 
 
 @dataclass
@@ -44,6 +59,15 @@ class TrainConfig:
     threads: Optional[int] = None
 
 
+@dataclass
+class RunState:
+    """What besides the model and optimiser a resumed run needs to continue exactly."""
+
+    step: int = 0
+    wall_s: float = 0.0  # training seconds summed over every session of the run
+    smoothed_loss: Optional[float] = None
+
+
 def byte_model_config(cfg: TrainConfig) -> ModelConfig:
     tok = ByteTokenizer()
     return ModelConfig(
@@ -64,14 +88,19 @@ def initialise(model: DiffusionTransformer) -> None:
 
 
 def learning_rate(cfg: TrainConfig, step: int) -> float:
+    """Linear warm-up to ``cfg.lr``, then cosine decay to 10% of it at ``cfg.steps``."""
     if step < cfg.warmup:
         return cfg.lr * (step + 1) / cfg.warmup
     progress = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
     return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
-def train(cfg: TrainConfig, corpus) -> Path:
-    """Train (or resume) and return the checkpoint directory."""
+def train(cfg: TrainConfig, corpus: Corpus, *, stop_at: Optional[int] = None) -> Path:
+    """Train (or resume) and return the checkpoint directory.
+
+    ``stop_at`` ends this session after that step (saving a resumable checkpoint) without changing the
+    schedule, which is always laid out over ``cfg.steps``: the way to split one run over several sessions.
+    """
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     output = Path(cfg.output)
@@ -83,36 +112,84 @@ def train(cfg: TrainConfig, corpus) -> Path:
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     generator = torch.Generator().manual_seed(cfg.seed)
-    start = 0
-    if state_path.exists():
-        state = torch.load(state_path, weights_only=False)
-        optimizer.load_state_dict(state["optimizer"])
-        generator.set_state(state["generator"])
-        model.load_state_dict(state["model"])
-        start = state["step"]
-        logger.info("resuming %s at step %d", output, start)
-    bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc=f"train {cfg.corpus}")
-    smoothed, started = None, time.time()
+    run = restore(state_path, cfg, model, optimizer, generator) if state_path.exists() else RunState()
+    end = cfg.steps if stop_at is None else min(cfg.steps, stop_at)
+    first = run.step
+    bar = tqdm(range(first, end), initial=first, total=cfg.steps, desc=f"train {cfg.corpus}")
+    session_start, wall_before = time.perf_counter(), run.wall_s
     for step in bar:
-        for group in optimizer.param_groups:
-            group["lr"] = learning_rate(cfg, step)
-        tokens = corpus.batch(cfg.batch_size, cfg.seq_len, generator)
-        noisy, masked, t = mask_tokens(tokens, model.config.mask_token_id, generator)
-        loss = diffusion_loss(model(noisy), tokens, masked, t)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        smoothed = loss.item() if smoothed is None else 0.98 * smoothed + 0.02 * loss.item()
-        bar.set_postfix(loss=f"{smoothed:.3f}", lr=f"{learning_rate(cfg, step):.1e}")
-        if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
-            save(model, optimizer, generator, step + 1, cfg)
-    logger.info("trained %d steps in %.0f s", cfg.steps - start, time.time() - started)
+        loss = train_step(model, optimizer, corpus, generator, cfg, step)
+        run.smoothed_loss = loss if run.smoothed_loss is None else 0.98 * run.smoothed_loss + 0.02 * loss
+        run.step = step + 1
+        bar.set_postfix(loss=f"{run.smoothed_loss:.3f}", lr=f"{learning_rate(cfg, step):.1e}")
+        if run.step % cfg.save_every == 0 or run.step == end:
+            run.wall_s = wall_before + time.perf_counter() - session_start
+            save(model, optimizer, generator, run, cfg)
+    logger.info("trained steps %d..%d in %.0f s", first, end, time.perf_counter() - session_start)
     return output
 
 
-def save(model: DiffusionTransformer, optimizer, generator: torch.Generator, step: int, cfg: TrainConfig) -> None:
+def train_step(model: DiffusionTransformer, optimizer: torch.optim.Optimizer, corpus: Corpus,
+               generator: torch.Generator, cfg: TrainConfig, step: int) -> float:
+    """One optimiser step on a fresh batch; returns the batch's loss."""
+    for group in optimizer.param_groups:
+        group["lr"] = learning_rate(cfg, step)
+    tokens = corpus.batch(cfg.batch_size, cfg.seq_len, generator)
+    noisy, masked, t = mask_tokens(tokens, model.config.mask_token_id, generator, given=corpus.given_positions(tokens))
+    loss = diffusion_loss(model(noisy), tokens, masked, t)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    return loss.item()
+
+
+def restore(state_path: Path, cfg: TrainConfig, model: DiffusionTransformer, optimizer: torch.optim.Optimizer,
+            generator: torch.Generator) -> RunState:
+    """Load weights, optimiser and generator state in place; warn where the flags differ from the run's."""
+    state = torch.load(state_path, weights_only=False)
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    generator.set_state(state["generator"])
+    saved = state.get("train_config", {})
+    for name in RUN_DEFINING_FIELDS:
+        if name in saved and _comparable(saved[name]) != _comparable(getattr(cfg, name)):
+            logger.warning("resuming with %s=%r but the run was started with %r: it will not match an "
+                           "uninterrupted run", name, getattr(cfg, name), saved[name])
+    ignored = [n for n in ARCHITECTURE_FIELDS if n in saved and saved[n] != getattr(cfg, n)]
+    if ignored:
+        logger.warning("ignoring %s on resume: the architecture comes from the saved config", ", ".join(ignored))
+    run = RunState(step=state["step"], wall_s=state.get("wall_s", 0.0), smoothed_loss=state.get("smoothed_loss"))
+    logger.info("resuming %s at step %d", state_path.parent, run.step)
+    return run
+
+
+def _comparable(value: Any) -> Any:
+    return tuple(value) if isinstance(value, list) else value
+
+
+def save(model: DiffusionTransformer, optimizer: torch.optim.Optimizer, generator: torch.Generator,
+         run: RunState, cfg: TrainConfig) -> None:
+    """Write the checkpoint, its training record and the resumable state, each file replaced atomically.
+
+    Files are written to a scratch folder first, so an interrupted save leaves the previous checkpoint
+    whole; the state goes last, so it never points past the weights next to it.
+    """
     output = Path(cfg.output)
-    save_checkpoint(output, model.config, model.native_state_dict(), dtype=parse_dtype(cfg.save_dtype))
+    scratch = output / ".saving"
+    shutil.rmtree(scratch, ignore_errors=True)
+    save_checkpoint(scratch, model.config, model.native_state_dict(), dtype=parse_dtype(cfg.save_dtype))
+    (scratch / TRAINING_INFO_FILE).write_text(json.dumps(training_info(cfg, run), indent=2) + "\n")
     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "generator": generator.get_state(),
-                "step": step, "train_config": asdict(cfg)}, output / STATE_FILE)
+                "step": run.step, "wall_s": run.wall_s, "smoothed_loss": run.smoothed_loss,
+                "train_config": asdict(cfg)}, scratch / STATE_FILE)
+    for path in sorted(scratch.iterdir(), key=lambda p: p.name == STATE_FILE):
+        os.replace(path, output / path.name)
+    scratch.rmdir()
+
+
+def training_info(cfg: TrainConfig, run: RunState) -> dict[str, Any]:
+    """The record shipped with a model: the settings that made it and how far it got."""
+    settings = {k: v for k, v in asdict(cfg).items() if k not in ("output", "threads", "save_every")}
+    return {"train_config": settings, "step": run.step, "wall_s": round(run.wall_s, 1),
+            "smoothed_loss": None if run.smoothed_loss is None else round(run.smoothed_loss, 4)}

@@ -1,0 +1,152 @@
+"""The swarm's health map: who serves which blocks, and which blocks nobody online serves.
+
+Built in two steps so that the arithmetic is testable without a network: :func:`read_health_map` reads the
+DHT records, :func:`build_health_map` turns any set of :class:`ServerRecord` into a :class:`HealthMap`.
+Only ONLINE servers count towards coverage: a JOINING server cannot take requests yet and an OFFLINE one
+announced that it left, but both are still listed so that an operator sees them.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping
+
+from hivemind.dht import DHT
+
+from swarm.dht.schema import ServerRecord, ServerState, peer_id_from_subkey, read_servers
+
+logger = logging.getLogger(__name__)
+
+Span = tuple[int, int]
+
+
+@dataclass
+class ExpertAnnouncement:
+    """One peer's record under ``{prefix}.experts.{domain}``, kept raw until the expert schema is settled."""
+
+    domain: str
+    peer_id: str
+    value: Any
+
+
+@dataclass
+class HealthMap:
+    """Servers of one model and, per block, how many ONLINE servers hold it."""
+
+    prefix: str
+    num_blocks: int
+    servers: list[ServerRecord]  # sorted by span, then peer id
+    replicas: list[int]  # online servers per block
+    experts: dict[str, list[ExpertAnnouncement]] = field(default_factory=dict)
+
+    @property
+    def uncovered(self) -> list[Span]:
+        """Spans (end exclusive) that no online server holds: a client cannot build a route through them."""
+        return spans_where(self.replicas, lambda count: count == 0)
+
+    @property
+    def fully_served(self) -> bool:
+        return self.num_blocks > 0 and not self.uncovered
+
+    def replica_runs(self) -> list[tuple[Span, int]]:
+        """Consecutive blocks with the same replica count, e.g. ``[((0, 1), 1), ((1, 4), 2)]``."""
+        runs: list[tuple[Span, int]] = []
+        for block, count in enumerate(self.replicas):
+            if runs and runs[-1][1] == count:
+                (start, _), _ = runs[-1]
+                runs[-1] = ((start, block + 1), count)
+            else:
+                runs.append(((block, block + 1), count))
+        return runs
+
+    def to_json(self) -> dict[str, Any]:
+        """A plain dict for ``--json`` and the HTTP API's ``/health`` (stable keys, no enums)."""
+        return {
+            "prefix": self.prefix,
+            "num_blocks": self.num_blocks,
+            "fully_served": self.fully_served,
+            "uncovered": [list(span) for span in self.uncovered],
+            "replicas": list(self.replicas),
+            "servers": [server_json(record) for record in self.servers],
+            "experts": {domain: [{"peer_id": a.peer_id, "value": a.value} for a in found]
+                        for domain, found in self.experts.items()},
+        }
+
+
+def server_json(record: ServerRecord) -> dict[str, Any]:
+    return {
+        "peer_id": record.peer_id, "public_name": record.public_name, "start": record.start, "end": record.end,
+        "state": record.state.name.lower(), "throughput": record.throughput, "version": record.version,
+        "cache_tokens_left": record.cache_tokens_left, "experts": list(record.experts),
+    }
+
+
+def spans_where(values: list[int], predicate) -> list[Span]:
+    """Maximal runs of indices whose value satisfies ``predicate``, as (start, end) with end exclusive."""
+    spans: list[Span] = []
+    for index, value in enumerate(values):
+        if not predicate(value):
+            continue
+        if spans and spans[-1][1] == index:
+            spans[-1] = (spans[-1][0], index + 1)
+        else:
+            spans.append((index, index + 1))
+    return spans
+
+
+def format_spans(spans: Iterable[Span]) -> str:
+    """``[(3, 6), (8, 9)]`` -> ``"3:6, 8:9"``: the same START:END notation as ``--blocks``."""
+    return ", ".join(f"{start}:{end}" for start, end in spans)
+
+
+def build_health_map(
+    servers: Mapping[str, ServerRecord] | Iterable[ServerRecord],
+    prefix: str,
+    num_blocks: int,
+    experts: Mapping[str, list[ExpertAnnouncement]] | None = None,
+) -> HealthMap:
+    """Count online replicas per block; records reaching past ``num_blocks`` are clipped, not trusted."""
+    records = list(servers.values()) if isinstance(servers, Mapping) else list(servers)
+    records.sort(key=lambda r: (r.start, r.end, r.peer_id))
+    replicas = [0] * num_blocks
+    for record in records:
+        if record.state == ServerState.ONLINE:
+            for block in range(record.start, min(record.end, num_blocks)):
+                replicas[block] += 1
+    return HealthMap(prefix, num_blocks, records, replicas, dict(experts or {}))
+
+
+# ----- experts (hook) ---------------------------------------------------------------------------------
+def expert_key(prefix: str, domain: str) -> str:
+    """Where experts of ``domain`` announce themselves (DESIGN.md); to move to swarm.dht.schema with the schema."""
+    return f"{prefix}.experts.{domain}"
+
+
+def read_experts(dht: DHT, prefix: str, domains: Iterable[str]) -> dict[str, list[ExpertAnnouncement]]:
+    """Peers announced under each expert domain key.
+
+    This is the hook for expert records: the DHT cannot list keys, so domains come from the ``experts``
+    field of server records. Values are kept raw; when the expert record schema lands, parse them here
+    (and show weights, versions, state) without touching the rest of the health map.
+    """
+    found: dict[str, list[ExpertAnnouncement]] = {}
+    for domain in sorted(set(domains)):
+        entry = dht.get(expert_key(prefix, domain), latest=True)
+        if entry is None or not isinstance(entry.value, dict):
+            continue
+        announcements = []
+        for subkey, item in entry.value.items():
+            peer_id = peer_id_from_subkey(subkey)
+            if peer_id:
+                announcements.append(ExpertAnnouncement(domain, peer_id, getattr(item, "value", item)))
+        found[domain] = sorted(announcements, key=lambda a: a.peer_id)
+    return found
+
+
+def read_health_map(dht: DHT, prefix: str, num_blocks: int) -> HealthMap:
+    """Read every server record of the model (and the expert domains they mention) from the DHT."""
+    servers = read_servers(dht, prefix, num_blocks)
+    domains = {domain for record in servers.values() for domain in record.experts}
+    experts = read_experts(dht, prefix, domains) if domains else {}
+    logger.debug("health map of %s: %d servers, %d expert domains", prefix, len(servers), len(experts))
+    return build_health_map(servers, prefix, num_blocks, experts)

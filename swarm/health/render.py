@@ -1,0 +1,39 @@
+"""The health map as text for a terminal: a server table, replica runs and the verdict."""
+from __future__ import annotations
+
+from typing import Sequence
+
+from swarm.health.map import HealthMap, format_spans
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    """Left-aligned columns, two spaces apart; the last column is not padded."""
+    widths = [max(len(str(row[i])) for row in [headers, *rows]) for i in range(len(headers))]
+    lines = []
+    for row in [headers, *rows]:
+        cells = [str(cell).ljust(width) for cell, width in zip(row[:-1], widths)] + [str(row[-1])]
+        lines.append("  ".join(cells).rstrip())
+    return lines
+
+
+def render_text(health: HealthMap) -> str:
+    lines = [f"Model {health.prefix!r}: {health.num_blocks} blocks, {len(health.servers)} servers announced", ""]
+    if health.servers:
+        rows = [
+            (f"{r.start}:{r.end}", r.state.name.lower(), f"{r.throughput:.1f}", r.version or "?",
+             r.public_name or "-", r.peer_id)
+            for r in health.servers
+        ]
+        lines += format_table(("BLOCKS", "STATE", "TOK/S", "VERSION", "NAME", "PEER ID"), rows)
+    else:
+        lines.append("No server has announced any block of this model (check --initial-peers and the prefix).")
+    lines += ["", "Online replicas per block span:"]
+    lines += [f"  {start}:{end}  x{count}" for (start, end), count in health.replica_runs()]
+    for domain, announcements in health.experts.items():
+        lines.append(f"Expert {domain!r}: {len(announcements)} peers")
+    lines.append("")
+    if health.fully_served:
+        lines.append(f"OK: every block is served by at least one online server (min {min(health.replicas)} replicas).")
+    else:
+        lines.append(f"NOT FULLY SERVED: no online server holds blocks {format_spans(health.uncovered)}.")
+    return "\n".join(lines)

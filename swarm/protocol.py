@@ -33,6 +33,9 @@ class ErrorCode(str, enum.Enum):
     SHUTTING_DOWN = "shutting_down"
     HALTED = "halted"
     INTERNAL = "internal"
+    # Raised by the client about a server, never sent on the wire:
+    TIMEOUT = "timeout"  # no answer within the request timeout (a hung or overloaded server)
+    UNREACHABLE = "unreachable"  # connection refused, lost, or the peer is gone
 
 
 class RemoteError(Exception):

@@ -25,3 +25,6 @@ class ClientConfig:
     ban_max: float = 300.0
     route_refresh: float = 30.0  # seconds after which the server list is re-read from the DHT
     wire_dtype: str = "float32"  # "float16" halves traffic but is not exact
+    # Benchmarks only: user-space delay added to every call to a server (these machines have no netem).
+    inject_latency: float = 0.0  # seconds per hop
+    inject_jitter: float = 0.0  # extra uniform random seconds per hop

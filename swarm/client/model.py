@@ -42,9 +42,9 @@ class DistributedDiffusionLM(BaseDiffusionLM):
         self.prefix = config.dht_prefix or default_prefix(files.path)
         self._own_dht = dht is None
         self.dht = dht if dht is not None else start_dht(config.network)
-        self.loop = BackgroundLoop()
+        self.loop = BackgroundLoop.shared()
         self.p2p = self.loop.run(self.dht.replicate_p2p())
-        self.sequence = RemoteSequence(self.dht, RemoteCaller(self.p2p, config.wire_dtype), self.loop, self.prefix,
+        self.sequence = RemoteSequence(self.dht, RemoteCaller(self.p2p, config.wire_dtype, config.inject_latency, config.inject_jitter), self.loop, self.prefix,
                                        self.config.num_layers, config)
 
     @classmethod
@@ -91,12 +91,9 @@ class DistributedDiffusionLM(BaseDiffusionLM):
         return list(route)
 
     def shutdown(self) -> None:
-        """Close the P2P connection and the background loop; stop the DHT peer if this client started it."""
-        try:
-            self.loop.run(self.p2p.shutdown(), timeout=5)
-        finally:
-            self.loop.stop()
+        """Stop the DHT peer and its P2P connection if this client started them (a shared DHT stays up)."""
         if self._own_dht:
+            self.loop.run(self.p2p.shutdown(), timeout=5)
             self.dht.shutdown()
 
     def __enter__(self) -> "DistributedDiffusionLM":

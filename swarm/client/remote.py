@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 from typing import Optional
 
@@ -17,9 +18,12 @@ from swarm.protocol import ErrorCode, ForwardRequest, RemoteError, SpanService, 
 class RemoteCaller:
     """Thin async wrapper over a server's RPCs; every failure surfaces as :class:`RemoteError`."""
 
-    def __init__(self, p2p: P2P, wire_dtype: str = "float32"):
+    def __init__(self, p2p: P2P, wire_dtype: str = "float32", latency: float = 0.0, jitter: float = 0.0):
+        """``latency``/``jitter`` emulate a wide-area hop in user space (benchmarks only)."""
         self.p2p = p2p
         self.wire_dtype = wire_dtype
+        self.latency, self.jitter = latency, jitter
+        self.calls = 0
 
     def _stub(self, peer_id: str):
         return SpanService.get_stub(self.p2p, PeerID.from_base58(peer_id))
@@ -36,6 +40,9 @@ class RemoteCaller:
     async def forward(self, peer_id: str, request: ForwardRequest, timeout: float) -> torch.Tensor:
         parts = request_parts(request, self.wire_dtype)
         stub = self._stub(peer_id)
+        self.calls += 1
+        if self.latency or self.jitter:
+            await asyncio.sleep(self.latency + random.uniform(0, self.jitter))
         try:
             if len(parts) == 1:
                 responses = [await stub.rpc_forward(parts[0], timeout=timeout)]
@@ -62,5 +69,5 @@ def _as_remote_error(error: BaseException, peer_id: Optional[str]) -> RemoteErro
     if isinstance(error, RemoteError):
         return error
     if isinstance(error, asyncio.TimeoutError):
-        return RemoteError(ErrorCode.BUSY, "timed out", peer_id)
-    return RemoteError(ErrorCode.INTERNAL, f"{type(error).__name__}: {error}", peer_id)
+        return RemoteError(ErrorCode.TIMEOUT, "no answer within the timeout", peer_id)
+    return RemoteError(ErrorCode.UNREACHABLE, f"{type(error).__name__}: {error}", peer_id)

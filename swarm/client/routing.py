@@ -24,7 +24,7 @@ class MissingBlocksError(RuntimeError):
     def __init__(self, blocks: list[int], tried: Optional[list[str]] = None):
         self.blocks = blocks
         ranges = compress_ranges(blocks)
-        tried_text = f"; tried and avoided: {', '.join(tried)}" if tried else ""
+        tried_text = f"; tried: {'; '.join(tried)}" if tried else ""
         super().__init__(f"no online server holds blocks {ranges}{tried_text}")
 
 

@@ -33,6 +33,11 @@ CLIENT_FAULTS = {ErrorCode.BAD_REQUEST, ErrorCode.TOO_LARGE, ErrorCode.NOT_FINIT
 class Ban:
     until: float
     count: int
+    busy: bool  # a full server: avoided briefly, and worth waiting for when nothing else covers its blocks
+
+
+class SwarmError(RuntimeError):
+    """A denoiser call gave up after the configured retries or time."""
 
 
 @dataclass
@@ -60,12 +65,22 @@ class RemoteSequence:
         now = time.monotonic()
         return frozenset(peer for peer, ban in self.bans.items() if ban.until > now)
 
-    def ban(self, peer_id: str, reason: str) -> None:
+    def ban(self, peer_id: str, reason: str, busy: bool = False) -> None:
+        """Avoid a peer: briefly when it is busy, otherwise for a period that doubles on each repeat."""
         previous = self.bans.get(peer_id)
         count = previous.count + 1 if previous else 1
-        duration = min(self.config.ban_base * 2 ** (count - 1), self.config.ban_max)
-        self.bans[peer_id] = Ban(time.monotonic() + duration, count)
-        logger.warning("avoiding peer %s for %.0f s: %s", peer_id, duration, reason)
+        if busy:
+            duration = min(self.config.backoff_base * 2 ** (count - 1), self.config.backoff_max)
+        else:
+            duration = min(self.config.ban_base * 2 ** (count - 1), self.config.ban_max)
+        self.bans[peer_id] = Ban(time.monotonic() + duration, count, busy)
+        logger.warning("avoiding peer %s for %.1f s: %s", peer_id, duration, reason)
+
+    def wait_for_busy(self) -> Optional[float]:
+        """Seconds until the first busy peer may be tried again, or None when no busy peer is waiting."""
+        now = time.monotonic()
+        waits = [ban.until - now for ban in self.bans.values() if ban.busy and ban.until > now]
+        return min(waits) if waits else None
 
     def refresh(self) -> None:
         """Re-read servers from the DHT and ping those not measured yet."""
@@ -118,26 +133,32 @@ class RemoteSequence:
         block, attempts, started = 0, 0, time.monotonic()
         delay = self.config.backoff_base
         errors: list[str] = []
+        if time.monotonic() - self._refreshed_at > self.config.route_refresh:
+            self.build_route(0, tokens)  # servers that left or joined since the last read
         while block < self.num_blocks:
             try:
                 hop = self.hop_from(block, tokens)
-            except MissingBlocksError as error:
-                raise MissingBlocksError(error.blocks, sorted(self.banned())) from None
-            request = ForwardRequest(block, hop.end, hidden, session_id, step)
-            try:
+                request = ForwardRequest(block, hop.end, hidden, session_id, step)
                 hidden = self.loop.run(self.caller.forward(hop.peer_id, request, self.config.request_timeout))
                 block = hop.end
                 continue
+            except MissingBlocksError as error:
+                pause = self.wait_for_busy()
+                if pause is None:  # nobody to wait for: say which blocks and what was tried
+                    raise MissingBlocksError(error.blocks, [e for e in errors] or None) from None
+                errors.append(str(error))
             except RemoteError as error:
                 if error.code in CLIENT_FAULTS:
                     raise
                 errors.append(f"{hop.peer_id[-8:]}@{block}: {error.message}")
                 self.failovers.append(FailoverEvent(hop.peer_id, block, str(error)))
-                self.ban(hop.peer_id, str(error))
+                self.ban(hop.peer_id, str(error), busy=error.code == ErrorCode.BUSY)
+                pause = delay
+                delay = min(2 * delay, self.config.backoff_max)
             attempts += 1
-            if attempts > self.config.max_retries or time.monotonic() - started > self.config.retry_deadline:
-                raise RuntimeError(f"gave up at block {block} after {attempts} failed attempts in "
-                                   f"{time.monotonic() - started:.1f} s: {'; '.join(errors)}")
-            time.sleep(delay)
-            delay = min(2 * delay, self.config.backoff_max)
+            elapsed = time.monotonic() - started
+            if attempts > self.config.max_retries or elapsed + pause > self.config.retry_deadline:
+                raise SwarmError(f"gave up at block {block} after {attempts} failed attempts in {elapsed:.1f} s: "
+                                 f"{'; '.join(errors)}")
+            time.sleep(pause)
         return hidden

@@ -19,7 +19,7 @@ class ServerConfig:
     device: str = "cpu"
     dtype: str = "float32"
     max_batch_tokens: int = 16384  # batch * length of one request
-    max_concurrent_requests: int = 4  # in compute or waiting for it; more get a BUSY error
+    max_concurrent_requests: int = 32  # in compute or waiting for it; more get a BUSY error
     request_timeout: float = 60.0
     update_period: float = 15.0  # seconds between DHT announcements
     expiration: Optional[float] = None  # record lifetime; default 2.5 x update_period

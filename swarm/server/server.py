@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import time
 from typing import Callable, Optional
 
 import torch
@@ -109,6 +110,9 @@ class Server:
         logger.info("shutting down: announcing offline")
         self.handler.accepting = False
         self.state = ServerState.OFFLINE
+        deadline = time.monotonic() + self.config.request_timeout
+        while self.backend.in_flight and time.monotonic() < deadline:  # let running requests finish
+            await asyncio.sleep(0.05)
         try:
             self.announce()
         except Exception as error:  # the DHT may already be gone; shutdown continues regardless

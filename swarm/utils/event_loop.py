@@ -9,7 +9,21 @@ T = TypeVar("T")
 
 
 class BackgroundLoop:
-    """One event loop in a daemon thread; ``run`` submits a coroutine and waits for its result."""
+    """One event loop in a daemon thread; ``run`` submits a coroutine and waits for its result.
+
+    Clients share one process-wide loop (:meth:`shared`): hivemind caches one P2P replica per DHT, and a
+    replica only works on the loop it was created on.
+    """
+
+    _shared: Optional["BackgroundLoop"] = None
+    _shared_lock = threading.Lock()
+
+    @classmethod
+    def shared(cls) -> "BackgroundLoop":
+        with cls._shared_lock:
+            if cls._shared is None or not cls._shared.loop.is_running():
+                cls._shared = cls(name="swarm-shared-loop")
+            return cls._shared
 
     def __init__(self, name: str = "swarm-client-loop"):
         self.loop = asyncio.new_event_loop()

@@ -1,0 +1,119 @@
+"""Failures during generation: killed, hung and full servers; the answer stays the same or the error is clear."""
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from swarm.client import DistributedDiffusionLM, MissingBlocksError
+from swarm.local import DiffusionLM
+from tests.conftest import make_checkpoint, tiny_config
+
+SETTINGS = dict(gen_length=16, steps=16, block_length=8, seed=7, temperature=0.7)
+FAST = dict(gen_length=16, steps=4, block_length=8, temperature=0.7)
+
+
+def fast_server(local_swarm, path, blocks="0:4", *extra):
+    """A server announcing huge throughput, so the client's route prefers it over the fixture's servers."""
+    return local_swarm.start_server(str(path), blocks, "--throughput", "1e9", "--compute-threads", "1", *extra)
+
+
+def client(local_swarm, path, **options):
+    return DistributedDiffusionLM.from_pretrained(path, initial_peers=local_swarm.initial_peers, **options)
+
+
+def test_sigkill_mid_generation_with_replica_gives_same_tokens(local_swarm, tiny_model_path, local_lm):
+    victim = fast_server(local_swarm, tiny_model_path)
+    lm = client(local_swarm, tiny_model_path)
+    try:
+        assert [hop.peer_id for hop in lm.show_route()] == [victim.peer_id]
+        steps_done, killed_at, failover_s = [], None, None
+        result = None
+        for chunk in lm.generate_stream("failover", **SETTINGS):
+            if chunk.done:
+                result = chunk.result
+                break
+            steps_done.append(chunk.step)
+            if killed_at is not None and failover_s is None:
+                failover_s = time.monotonic() - killed_at
+            if chunk.step == 3:
+                local_swarm.terminate(victim, signal.SIGKILL)
+                killed_at = time.monotonic()
+        expected = local_lm.generate("failover", **SETTINGS)
+        assert result.token_ids == expected.token_ids
+        assert any(event["peer_id"] == victim.peer_id for event in result.info["failovers"])
+        assert victim.peer_id not in " ".join(result.info["route"])
+        print(f"failover time from SIGKILL to the next completed step: {failover_s:.2f} s")
+    finally:
+        lm.shutdown()
+
+
+def test_without_replica_a_clear_error_names_the_blocks_within_the_bound(local_swarm, tmp_path):
+    path = make_checkpoint(tmp_path / "lonely", tiny_config(num_layers=6), seed=4)
+    first = local_swarm.start_server(str(path), "0:3", "--compute-threads", "1")
+    second = local_swarm.start_server(str(path), "3:6", "--compute-threads", "1")
+    lm = client(local_swarm, path, retry_deadline=10.0, max_retries=3)
+    try:
+        lm.generate("warm", gen_length=8, steps=2, block_length=8)
+        local_swarm.terminate(second, signal.SIGKILL)
+        started = time.monotonic()
+        with pytest.raises(MissingBlocksError, match="3:6") as caught:
+            lm.generate("after the crash", gen_length=8, steps=4, block_length=8)
+        assert time.monotonic() - started < 10.0
+        assert second.peer_id[-8:] in str(caught.value)
+    finally:
+        lm.shutdown()
+        local_swarm.terminate(first)
+
+
+def test_hung_server_is_detected_by_timeout_and_routed_around(local_swarm, tiny_model_path, local_lm):
+    hung = fast_server(local_swarm, tiny_model_path)
+    lm = client(local_swarm, tiny_model_path, request_timeout=3.0)
+    try:
+        assert [hop.peer_id for hop in lm.show_route()] == [hung.peer_id]
+        import os
+
+        os.killpg(hung.process.pid, signal.SIGSTOP)  # the process and its daemons stop answering
+        result = lm.generate("hang", **SETTINGS)
+        assert result.token_ids == local_lm.generate("hang", **SETTINGS).token_ids
+        codes = [event["error"] for event in result.info["failovers"] if event["peer_id"] == hung.peer_id]
+        assert codes and "timeout" in codes[0]
+    finally:
+        lm.shutdown()
+        import os
+
+        os.killpg(hung.process.pid, signal.SIGCONT)
+        local_swarm.terminate(hung, signal.SIGKILL)
+
+
+def test_eight_clients_at_once_against_one_server_all_correct(local_swarm, tmp_path):
+    path = make_checkpoint(tmp_path / "busy", tiny_config(), seed=5)
+    server = local_swarm.start_server(str(path), "0:4", "--compute-threads", "1", "--max-concurrent-requests", "3")
+    reference = DiffusionLM.from_pretrained(path)
+    shared = client(local_swarm, path)
+    clients = [shared] + [DistributedDiffusionLM.from_pretrained(path, dht=shared.dht) for _ in range(7)]
+    results, errors = {}, []
+
+    def run(index: int) -> None:
+        try:
+            results[index] = clients[index].generate(f"client {index}", **dict(FAST, seed=index))
+        except Exception as error:  # collected and reported by the assertion below
+            errors.append(repr(error))
+
+    try:
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=240)
+        assert not errors, errors
+        for index, result in results.items():
+            assert result.token_ids == reference.generate(f"client {index}", **dict(FAST, seed=index)).token_ids
+        assert len(results) == 8
+    finally:
+        for lm in reversed(clients):
+            lm.shutdown()
+        local_swarm.terminate(server)

@@ -1,0 +1,110 @@
+"""Hostile and malformed requests sent straight to a live server: each gets a clear error, none harms it."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hivemind.proto import runtime_pb2
+from hivemind.utils import MSGPackSerializer
+
+from swarm.protocol import ErrorCode, ForwardRequest, RemoteError, SpanService, collect_response, request_parts
+from hivemind.p2p import PeerID
+
+HIDDEN = 32  # tiny_config's hidden size
+
+
+@pytest.fixture(scope="module")
+def target(local_swarm):
+    return next(p for p in local_swarm.processes if p.span == (0, 2))
+
+
+def send(remote_lm, peer_id: str, parts: list, stream: bool = False):
+    """Send raw request parts and decode the reply (raises RemoteError on a structured error)."""
+    stub = SpanService.get_stub(remote_lm.p2p, PeerID.from_base58(peer_id))
+
+    async def call():
+        if stream or len(parts) > 1:
+            async def parts_iter():
+                for part in parts:
+                    yield part
+            return [r async for r in await stub.rpc_forward_stream(parts_iter())]
+        return [await stub.rpc_forward(parts[0], timeout=20)]
+
+    return collect_response(remote_lm.loop.run(call(), timeout=30), peer_id)
+
+
+def valid_parts(hidden=None, **metadata):
+    hidden = torch.randn(1, 5, HIDDEN) if hidden is None else hidden
+    parts = request_parts(ForwardRequest(0, 2, hidden, "session-1", 0))
+    if metadata:
+        meta = MSGPackSerializer.loads(parts[0].metadata)
+        meta.update(metadata)
+        parts[0].metadata = MSGPackSerializer.dumps(meta)
+    return parts
+
+
+def with_tensor(tensor_proto, **metadata):
+    meta = {"start": 0, "end": 2, "session_id": "s", "step": 0, "extra": {}, "parts": 1, **metadata}
+    return [runtime_pb2.ExpertRequest(uid="forward", tensors=[tensor_proto], metadata=MSGPackSerializer.dumps(meta))]
+
+
+def huge_shape_tensor():
+    proto = request_parts(ForwardRequest(0, 2, torch.randn(1, 2, HIDDEN)))[0].tensors[0]
+    del proto.size[:]
+    proto.size.extend([1, 2**31 - 1, HIDDEN])
+    return proto
+
+
+def corrupt_buffer_tensor():
+    proto = request_parts(ForwardRequest(0, 2, torch.randn(1, 4, HIDDEN)))[0].tensors[0]
+    proto.buffer = proto.buffer[: len(proto.buffer) // 2]
+    return proto
+
+
+def int_tensor():
+    from hivemind.compression import serialize_torch_tensor
+
+    return serialize_torch_tensor(torch.ones(1, 3, HIDDEN, dtype=torch.int64))
+
+
+HOSTILE = {
+    "wrong dtype": (lambda: with_tensor(int_tensor()), ErrorCode.BAD_REQUEST),
+    "wrong hidden size": (lambda: valid_parts(torch.randn(1, 5, HIDDEN + 1)), ErrorCode.BAD_REQUEST),
+    "wrong rank": (lambda: valid_parts(torch.randn(5, HIDDEN)), ErrorCode.BAD_REQUEST),
+    "oversized batch": (lambda: valid_parts(torch.randn(40, 500, HIDDEN)), ErrorCode.TOO_LARGE),
+    "huge declared length": (lambda: with_tensor(huge_shape_tensor()), ErrorCode.TOO_LARGE),
+    "corrupt buffer": (lambda: with_tensor(corrupt_buffer_tensor()), ErrorCode.BAD_REQUEST),
+    "NaN": (lambda: valid_parts(torch.full((1, 3, HIDDEN), float("nan"))), ErrorCode.NOT_FINITE),
+    "infinity": (lambda: valid_parts(torch.full((1, 3, HIDDEN), float("inf"))), ErrorCode.NOT_FINITE),
+    "blocks not held": (lambda: valid_parts(start=2, end=4), ErrorCode.WRONG_SPAN),
+    "negative blocks": (lambda: valid_parts(start=-1, end=2), ErrorCode.WRONG_SPAN),
+    "garbage metadata": (lambda: [runtime_pb2.ExpertRequest(uid="forward", metadata=b"\xc1\xff\x00garbage")], ErrorCode.BAD_REQUEST),
+    "metadata not a map": (lambda: [runtime_pb2.ExpertRequest(uid="forward", metadata=MSGPackSerializer.dumps([1, 2]))], ErrorCode.BAD_REQUEST),
+    "string span": (lambda: valid_parts(start="0", end="2"), ErrorCode.BAD_REQUEST),
+    "bad session id": (lambda: valid_parts(session_id={"not": "a string"}), ErrorCode.BAD_REQUEST),
+    "overlong session id": (lambda: valid_parts(session_id="x" * 10_000), ErrorCode.BAD_REQUEST),
+    "missing tensor": (lambda: with_tensor(runtime_pb2.Tensor(), parts=0), ErrorCode.BAD_REQUEST),
+    "truncated stream": (lambda: valid_parts(torch.randn(1, 5, HIDDEN), parts=3), ErrorCode.BAD_REQUEST),
+    "empty batch": (lambda: valid_parts(torch.randn(0, 5, HIDDEN)), ErrorCode.BAD_REQUEST),
+}
+
+
+@pytest.mark.parametrize("kind", list(HOSTILE))
+def test_hostile_request_gets_clear_error_and_server_keeps_serving(remote_lm, target, kind):
+    make, code = HOSTILE[kind]
+    with pytest.raises(RemoteError) as caught:
+        send(remote_lm, target.peer_id, make())
+    assert caught.value.code == code, str(caught.value)
+    assert caught.value.message
+    hidden = torch.randn(1, 5, HIDDEN)
+    output, _ = send(remote_lm, target.peer_id, valid_parts(hidden))
+    assert output.shape == hidden.shape and torch.isfinite(output).all()
+    assert target.alive
+
+
+def test_truncated_stream_of_a_large_payload_is_refused(remote_lm, target):
+    parts = request_parts(ForwardRequest(0, 2, torch.randn(8, 1500, HIDDEN), "s", 0))
+    assert len(parts) > 2, "payload should be large enough to be streamed"
+    with pytest.raises(RemoteError, match="parts"):
+        send(remote_lm, target.peer_id, parts[:-1], stream=True)
+    output, _ = send(remote_lm, target.peer_id, parts, stream=True)
+    assert output.shape == (8, 1500, HIDDEN)

@@ -1,0 +1,128 @@
+"""The FastAPI application: OpenAI-style completions over one :class:`GenerationEngine`.
+
+Both generation endpoints run the same path (:func:`respond`); they differ only in how the prompt is made
+(text or token ids vs. a conversation) and in the response shape (:mod:`swarm.api.responses`).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any, AsyncIterator, Callable
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, StreamingResponse
+
+import swarm
+from swarm.api.engine import GenerationEngine
+from swarm.api.errors import ModelNotFound, as_api_error, error_body, install_error_handlers
+from swarm.api.responses import CHAT, COMPLETION, SSE_DONE, ResponseBuilder, ResponseShape, sse
+from swarm.api.schemas import ChatCompletionRequest, CompletionRequest, OpenAIFields
+from swarm.lm import StreamChunk
+
+logger = logging.getLogger(__name__)
+
+HEALTH_TIMEOUT_S = 20.0
+
+
+def create_app(engine: GenerationEngine) -> FastAPI:
+    """An app serving ``engine``; the caller owns the engine (and closes it after the server stops)."""
+    app = FastAPI(title="diffusion-swarm", version=swarm.__version__,
+                  description="OpenAI-style completions from a masked-diffusion LM, local or over a swarm.")
+    app.state.engine = engine
+    app.state.started = int(time.time())
+    install_error_handlers(app)
+
+    @app.get("/health", summary="Liveness, and for a swarm whether every block is served")
+    async def health() -> JSONResponse:
+        try:
+            report = await asyncio.wait_for(asyncio.to_thread(engine.health), HEALTH_TIMEOUT_S)
+        except Exception as error:  # a probe must get an answer, whatever broke
+            logger.warning("health check failed: %s", error)
+            report = {"model": engine.model_id, "mode": engine.mode, "ok": False, "error": str(error)}
+        report["status"] = "ok" if report["ok"] else "degraded"
+        return JSONResponse(report, status_code=200 if report["ok"] else 503)
+
+    @app.get("/v1/models", summary="The one model this server answers for")
+    async def list_models() -> dict[str, Any]:
+        return {"object": "list", "data": [model_card(app)]}
+
+    @app.get("/v1/models/{model_id:path}", summary="One model, or 404")
+    async def get_model(model_id: str) -> dict[str, Any]:
+        check_model(engine, model_id)
+        return model_card(app)
+
+    @app.post("/v1/completions", summary="Complete a prompt (text or token ids)")
+    async def completions(request: CompletionRequest):
+        return await respond(engine, request, request.prompt_input, COMPLETION)
+
+    @app.post("/v1/chat/completions", summary="Answer a conversation")
+    async def chat_completions(request: ChatCompletionRequest):
+        return await respond(engine, request, lambda: engine.chat_prompt(request.message_dicts()), CHAT)
+
+    return app
+
+
+def model_card(app: FastAPI) -> dict[str, Any]:
+    return {"id": app.state.engine.model_id, "object": "model", "created": app.state.started,
+            "owned_by": "diffusion-swarm"}
+
+
+def check_model(engine: GenerationEngine, name: str) -> None:
+    if name != engine.model_id:
+        raise ModelNotFound(f"the model {name!r} does not exist here; this server serves {engine.model_id!r}",
+                            param="model", code="model_not_found")
+
+
+async def respond(engine: GenerationEngine, request: OpenAIFields, make_prompt: Callable[[], str | list[int]],
+                  shape: ResponseShape):
+    """Validate, then answer with one JSON body or with a stream of step events.
+
+    A stream is started only after its first step has come back, so that errors found on the way
+    (settings, empty or too long prompts, a swarm missing blocks) still get a proper 4xx/5xx status.
+    """
+    check_model(engine, request.model)
+    builder = ResponseBuilder(shape, engine.model_id, request.stop_sequences)
+    chunks = None
+    try:
+        settings = request.generation_kwargs()
+        engine.check_settings(settings)
+        prompt = await asyncio.to_thread(make_prompt)  # chat templates may tokenise a long conversation
+        chunks = engine.stream(prompt, settings)
+        first = await anext(chunks)
+        if request.stream:
+            response = StreamingResponse(events(builder, first, chunks, request.include_usage),
+                                         media_type="text/event-stream",
+                                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            chunks = None  # the stream owns it now
+            return response
+        result = first.result
+        async for chunk in chunks:
+            result = chunk.result or result
+        return builder.complete(result)
+    except Exception as error:
+        raise as_api_error(error) from error
+    finally:
+        if chunks is not None:
+            await chunks.aclose()
+
+
+async def events(builder: ResponseBuilder, first: StreamChunk, rest: AsyncIterator[StreamChunk],
+                 include_usage: bool) -> AsyncIterator[str]:
+    """Server-sent events: one per denoising step, the final text, optional usage, then ``[DONE]``."""
+    chunk, index = first, 0
+    try:
+        while True:
+            if chunk.done:
+                yield sse(builder.final_event(chunk.result, first=index == 0))
+                if include_usage:
+                    yield sse(builder.usage_event(chunk.result))
+                break
+            yield sse(builder.step_event(chunk, first=index == 0))
+            chunk, index = await anext(rest), index + 1
+        yield SSE_DONE
+    except Exception as error:  # headers are sent: the error travels as an event, as OpenAI does
+        api_error = as_api_error(error)
+        yield sse(error_body(str(api_error), api_error.type, api_error.param, api_error.code))
+    finally:
+        await rest.aclose()

@@ -1,0 +1,177 @@
+"""One model behind the HTTP API: blocking generation moved off the event loop, one request at a time.
+
+Generation is blocking torch (and, for the swarm, blocking RPC) code. Each request runs it in its own
+worker thread that feeds the steps back to the event loop through a queue, so the server keeps answering
+``/health`` and accepting streams while a request denoises. A lock serialises the model: the local model
+is not thread-safe and the distributed client keeps per-route state, and one request at a time also gives
+each request the whole machine or swarm. Requests beyond ``max_pending`` are refused (503) instead of
+queueing without bound.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, AsyncIterator, Optional, Sequence
+
+from swarm.lm import BaseDiffusionLM, GenerationResult, StreamChunk, make_generation_config
+
+if TYPE_CHECKING:
+    from swarm.dht.node import NetworkConfig
+
+logger = logging.getLogger(__name__)
+
+
+class EngineBusy(RuntimeError):
+    """Too many requests are waiting for the model; becomes a 503 so clients back off and retry."""
+
+
+@dataclass
+class _Failure:
+    error: BaseException
+
+
+_FINISHED = object()
+
+
+class GenerationEngine:
+    """Wraps a :class:`~swarm.lm.BaseDiffusionLM` (local or distributed) for concurrent async callers."""
+
+    def __init__(self, lm: BaseDiffusionLM, model_id: str, max_pending: int = 16):
+        self.lm = lm
+        self.model_id = model_id
+        self.max_pending = max_pending
+        self._lock = threading.Lock()
+        self._pending = 0
+        self._pending_lock = threading.Lock()
+
+    @property
+    def pending(self) -> int:
+        """Requests generating or waiting for the model."""
+        return self._pending
+
+    @property
+    def mode(self) -> str:
+        return "swarm" if hasattr(self.lm, "dht") else "local"
+
+    # ----- prompts ----------------------------------------------------------------------------------
+    def chat_prompt(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        """Token ids of a conversation, ready for the assistant's answer.
+
+        Uses the tokenizer's chat template when it has one (LLaDA/Dream instruct checkpoints). Models without
+        one (the project's byte-level models) get a plain ``Role: text`` transcript ending in ``Assistant:``,
+        so chat clients still work with them, as a continuation of that transcript.
+        """
+        template = getattr(self.lm.tokenizer, "apply_chat_template", None)
+        if template is not None:
+            try:
+                return template([dict(m) for m in messages])
+            except ValueError as error:
+                logger.info("no chat template (%s); using a plain transcript", error)
+        lines = [f"{m['role'].capitalize()}: {m['content']}" for m in messages]
+        return self.lm.encode_prompt("\n".join(lines + ["Assistant:"]))
+
+    @staticmethod
+    def check_settings(settings: dict[str, Any]) -> None:
+        """Raise the sampler's ValueError for bad settings now, before waiting for the model."""
+        make_generation_config(**settings)
+
+    # ----- generation -------------------------------------------------------------------------------
+    async def stream(self, prompt: str | list[int], settings: dict[str, Any]) -> AsyncIterator[StreamChunk]:
+        """The steps of one generation as they happen; the last chunk has ``done`` and the result.
+
+        Closing the iterator early (a client that hangs up) stops the worker after its current step.
+        """
+        with self._pending_lock:
+            if self._pending >= self.max_pending:
+                raise EngineBusy(f"{self._pending} requests are already waiting for the model; retry later")
+            self._pending += 1
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        cancelled = threading.Event()
+
+        def put(item: Any) -> None:
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+            except RuntimeError:  # the event loop is gone: nobody is listening any more
+                cancelled.set()
+
+        def work() -> None:
+            try:
+                with self._lock:
+                    if cancelled.is_set():
+                        return
+                    with contextlib.closing(self.lm.generate_stream(prompt, **settings)) as chunks:
+                        for chunk in chunks:
+                            put(chunk)
+                            if cancelled.is_set():
+                                logger.info("request cancelled; stopping generation")
+                                return
+            except BaseException as error:  # handed to the request, which turns it into an HTTP error
+                put(_Failure(error))
+            finally:
+                with self._pending_lock:
+                    self._pending -= 1
+                put(_FINISHED)
+
+        threading.Thread(target=work, name="generation", daemon=True).start()
+        try:
+            while (item := await queue.get()) is not _FINISHED:
+                if isinstance(item, _Failure):
+                    raise item.error
+                yield item
+        finally:
+            cancelled.set()
+
+    async def generate(self, prompt: str | list[int], settings: dict[str, Any]) -> GenerationResult:
+        result: Optional[GenerationResult] = None
+        async for chunk in self.stream(prompt, settings):
+            result = chunk.result or result
+        if result is None:
+            raise RuntimeError("generation ended without a result")
+        return result
+
+    # ----- health -----------------------------------------------------------------------------------
+    def health(self) -> dict[str, Any]:
+        """Blocking: for the swarm, reads the health map from the DHT (call it from a thread)."""
+        report: dict[str, Any] = {"model": self.model_id, "mode": self.mode, "ok": True}
+        if self.mode == "swarm":
+            from swarm.health import read_health_map
+
+            health = read_health_map(self.lm.dht, self.lm.prefix, self.lm.config.num_layers)
+            report.update(ok=health.fully_served, num_blocks=health.num_blocks, servers=len(health.servers),
+                          uncovered=[list(span) for span in health.uncovered])
+        return report
+
+    def close(self) -> None:
+        """Release the swarm connection (if any)."""
+        shutdown = getattr(self.lm, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
+
+
+def load_engine(model: str, *, local: bool, network: Optional["NetworkConfig"] = None,
+                dht_prefix: Optional[str] = None, model_id: Optional[str] = None,
+                max_pending: int = 16) -> GenerationEngine:
+    """The model a ``python -m swarm.api`` process serves: in this process (``local``) or through the swarm.
+
+    The model id clients name defaults to the model's DHT prefix (its directory name, ``default`` for the
+    embedded model), the same name servers and the health map use.
+    """
+    from swarm.dht.schema import default_prefix
+
+    if local:
+        from swarm.local import DiffusionLM
+
+        lm: BaseDiffusionLM = DiffusionLM.from_pretrained(model)
+        prefix = dht_prefix or default_prefix(lm.path)
+    else:
+        from swarm.client import ClientConfig, DistributedDiffusionLM
+        from swarm.dht.node import NetworkConfig
+
+        config = ClientConfig(network=network or NetworkConfig(client_mode=True), dht_prefix=dht_prefix)
+        lm = DistributedDiffusionLM.from_pretrained(model, config=config)
+        prefix = lm.prefix
+    return GenerationEngine(lm, model_id or prefix, max_pending)

@@ -27,8 +27,9 @@ def render_text(health: HealthMap) -> str:
         lines += format_table(("BLOCKS", "STATE", "TOK/S", "VERSION", "NAME", "PEER ID"), rows)
     else:
         lines.append("No server has announced any block of this model (check --initial-peers and the prefix).")
-    lines += ["", "Online replicas per block span:"]
-    lines += [f"  {start}:{end}  x{count}" for (start, end), count in health.replica_runs()]
+    lines.append("")
+    runs = [(f"{start}:{end}", str(count)) for (start, end), count in health.replica_runs()]
+    lines += format_table(("BLOCKS", "ONLINE REPLICAS"), runs)
     for domain, announcements in health.experts.items():
         lines.append(f"Expert {domain!r}: {len(announcements)} peers")
     lines.append("")

@@ -2,9 +2,9 @@
 
 Generation is blocking torch (and, for the swarm, blocking RPC) code. Each request runs it in its own
 worker thread that feeds the steps back to the event loop through a queue, so the server keeps answering
-``/health`` and accepting streams while a request denoises. A lock serialises the model: the local model
-is not thread-safe and the distributed client keeps per-route state, and one request at a time also gives
-each request the whole machine or swarm. Requests beyond ``max_pending`` are refused (503) instead of
+``/health`` and accepting streams while a request denoises. A lock serialises the model: its modules and
+the distributed client's route and session state are shared by all requests, and one request at a time
+gives each the whole machine (or route) instead of slowing every request down. Requests beyond ``max_pending`` are refused (503) instead of
 queueing without bound.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, AsyncIterator, Optional, Sequence
 
-from swarm.lm import BaseDiffusionLM, GenerationResult, StreamChunk, make_generation_config
+from swarm.lm import BaseDiffusionLM, StreamChunk, make_generation_config
 
 if TYPE_CHECKING:
     from swarm.dht.node import NetworkConfig
@@ -54,6 +54,7 @@ class GenerationEngine:
 
     @property
     def mode(self) -> str:
+        """``swarm`` for a client of the swarm (it has a DHT peer), ``local`` for an in-process model."""
         return "swarm" if hasattr(self.lm, "dht") else "local"
 
     # ----- prompts ----------------------------------------------------------------------------------
@@ -124,14 +125,6 @@ class GenerationEngine:
                 yield item
         finally:
             cancelled.set()
-
-    async def generate(self, prompt: str | list[int], settings: dict[str, Any]) -> GenerationResult:
-        result: Optional[GenerationResult] = None
-        async for chunk in self.stream(prompt, settings):
-            result = chunk.result or result
-        if result is None:
-            raise RuntimeError("generation ended without a result")
-        return result
 
     # ----- health -----------------------------------------------------------------------------------
     def health(self) -> dict[str, Any]:

@@ -101,28 +101,35 @@ def threads_option(command):
 @click.option("--steps", type=int, default=64, show_default=True, help="Denoising steps.")
 @click.option("--block-length", type=int, default=32, show_default=True, help="Semi-autoregressive block size.")
 @click.option("--prompt", default=PROMPT, show_default=True, help="Prompt text.")
+@click.option("--remasking", default="random,low_confidence", show_default=True,
+              help="Comma-separated remasking strategies; Picard's acceptance depends strongly on it.")
 def picard(model: str, windows: str, latencies_ms: str, gen_length: int, steps: int, block_length: int, prompt: str,
-           threads: int) -> None:
+           threads: int, remasking: str) -> None:
     """Picard windows vs sequential denoising through two servers."""
     torch.set_num_threads(threads)
     sizes = [int(w) for w in windows.split(",")]
     delays = [float(d) for d in latencies_ms.split(",")]
-    settings = dict(gen_length=gen_length, steps=steps, block_length=block_length)
-    reference = DiffusionLM.from_pretrained(model).generate(prompt, **settings)
+    strategies = remasking.split(",")
+    base_settings = dict(gen_length=gen_length, steps=steps, block_length=block_length)
+    references = {name: DiffusionLM.from_pretrained(model).generate(prompt, remasking=name, **base_settings)
+                  for name in strategies}
     with two_server_swarm(model, threads) as swarm:
-        click.echo(f"{'ms/hop':>7}{'w':>4}{'round trips':>13}{'evaluations':>13}{'wall s':>9}{'speed-up':>10}{'identical':>11}")
+        click.echo(f"{'remasking':>15}{'ms/hop':>7}{'w':>4}{'round trips':>13}{'evaluations':>13}{'wall s':>9}"
+                   f"{'fewer trips':>13}{'speed-up':>10}{'identical':>11}")
         for delay in delays:
             with DistributedDiffusionLM.from_pretrained(model, initial_peers=swarm.initial_peers,
                                                         inject_latency=delay / 1000) as lm:
-                lm.generate(prompt, **dict(settings, gen_length=block_length, steps=block_length // 4 or 1))  # warm-up
-                base = None
-                for w in sizes:
-                    result = lm.generate(prompt, parallel_window=w, **settings)
-                    base = base or result.elapsed_s
-                    same = result.token_ids == reference.token_ids
-                    click.echo(f"{delay:>7g}{w:>4}{result.denoiser_calls:>13}{result.states_evaluated:>13}"
-                               f"{result.elapsed_s:>9.2f}{base / result.elapsed_s:>9.2f}x{str(same):>11}")
-
+                lm.generate(prompt, gen_length=block_length, steps=max(1, block_length // 4), block_length=block_length)
+                for name in strategies:
+                    settings = dict(base_settings, remasking=name)
+                    base = None
+                    for w in sizes:
+                        result = lm.generate(prompt, parallel_window=w, **settings)
+                        base = base or result
+                        same = result.token_ids == references[name].token_ids
+                        click.echo(f"{name:>15}{delay:>7g}{w:>4}{result.denoiser_calls:>13}{result.states_evaluated:>13}"
+                                   f"{result.elapsed_s:>9.2f}{base.denoiser_calls / result.denoiser_calls:>12.2f}x"
+                                   f"{base.elapsed_s / result.elapsed_s:>9.2f}x{str(same):>11}")
 
 if __name__ == "__main__":
     main()

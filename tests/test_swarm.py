@@ -81,3 +81,20 @@ def test_signed_record_cannot_be_overwritten_by_another_peer(local_swarm, remote
         assert record.state == ServerState.ONLINE
     finally:
         intruder.shutdown()
+
+
+def test_int8_server_serves_close_logits(local_swarm, tiny_model_path, local_lm, tmp_path):
+    """--quant int8: smaller weights, logits close to the exact ones (not identical)."""
+    path = make_checkpoint(tmp_path / "quantized", tiny_config(), seed=0)
+    server = local_swarm.start_server(str(path), "0:4", "--quant", "int8", "--compute-threads", "1")
+    lm = DistributedDiffusionLM.from_pretrained(path, initial_peers=local_swarm.initial_peers)
+    try:
+        ids = torch.randint(0, 256, (1, 12))
+        exact = local_lm.logits(ids)
+        quantized = lm.logits(ids)
+        assert not torch.equal(quantized, exact)
+        relative = (quantized - exact).norm() / exact.norm()
+        assert relative < 0.1, relative
+    finally:
+        lm.shutdown()
+        local_swarm.terminate(server)

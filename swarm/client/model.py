@@ -16,7 +16,7 @@ from swarm.client.routing import RouteHop
 from swarm.client.sequence import RemoteSequence
 from swarm.diffusion.config import GenerationConfig
 from swarm.diffusion.sampler import DenoiseContext, Denoiser
-from swarm.dht.node import start_dht
+from swarm.dht.node import start_dht, stop_dht
 from swarm.dht.schema import default_prefix
 from swarm.lm import BaseDiffusionLM
 from swarm.models.loading import DEFAULT_MODEL, ModelFiles
@@ -94,7 +94,7 @@ class DistributedDiffusionLM(BaseDiffusionLM):
         """Stop the DHT peer and its P2P connection if this client started them (a shared DHT stays up)."""
         if self._own_dht:
             self.loop.run(self.p2p.shutdown(), timeout=5)
-            self.dht.shutdown()
+            stop_dht(self.dht)
 
     def __enter__(self) -> "DistributedDiffusionLM":
         return self

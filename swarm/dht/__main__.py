@@ -8,7 +8,7 @@ import threading
 import click
 
 from swarm.cli_options import network_options, pop_network_config
-from swarm.dht.node import start_dht, visible_maddrs
+from swarm.dht.node import start_dht, stop_dht, visible_maddrs
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
@@ -31,7 +31,7 @@ def main(log_level: str, **options) -> None:
         stop.wait()
     finally:
         click.echo("shutting down", err=True)
-        dht.shutdown()
+        stop_dht(dht)
 
 
 if __name__ == "__main__":

@@ -54,3 +54,17 @@ def start_dht(network: NetworkConfig, record_validators: Iterable[RecordValidato
 
 def visible_maddrs(dht: DHT) -> list[str]:
     return [str(addr) for addr in dht.get_visible_maddrs()]
+
+
+def stop_dht(dht: DHT, timeout: float = 5.0) -> None:
+    """Shut a DHT peer down, and make sure its process (and so its libp2p daemon) is really gone."""
+    try:
+        dht.shutdown()
+    except Exception as error:  # shutting down a half-dead peer must not stop the rest of the cleanup
+        logger.warning("DHT shutdown failed: %s", error)
+    if dht.is_alive():
+        dht.join(timeout)
+    if dht.is_alive():
+        logger.warning("DHT process did not stop in %.0f s; terminating it", timeout)
+        dht.terminate()
+        dht.join(timeout)

@@ -17,7 +17,8 @@ class ServerConfig:
     public_name: Optional[str] = None
     throughput: str = "auto"  # "auto" measures on start, or a number of tokens/s
     device: str = "cpu"
-    dtype: str = "float32"
+    dtype: Optional[str] = None  # None: float32 for native checkpoints (exact), bfloat16 for LLaDA / Dream
+    quant: Optional[str] = None  # "int8": weight-only quantization of the span (smaller, not exact)
     max_batch_tokens: int = 16384  # batch * length of one request
     max_concurrent_requests: int = 32  # in compute or waiting for it; more get a BUSY error
     request_timeout: float = 60.0

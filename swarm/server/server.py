@@ -12,11 +12,12 @@ from hivemind.dht import DHT
 from hivemind.dht.crypto import RSASignatureValidator
 
 import swarm
-from swarm.dht.node import start_dht
+from swarm.dht.node import start_dht, stop_dht
 from swarm.dht.schema import (
     ServerRecord, ServerState, declare_span, default_prefix, now, owner_subkey, read_servers,
 )
 from swarm.models.loading import ModelFiles
+from swarm.models.quantization import quantize_span_int8
 from swarm.server.backend import SpanBackend
 from swarm.server.block_selection import choose_span
 from swarm.server.config import ServerConfig
@@ -42,7 +43,13 @@ class Server:
         self.subkey = owner_subkey(self.peer_id, self.validator)
         self.start, self.end = self._pick_blocks()
         logger.info("loading blocks %d:%d of %s from %s", self.start, self.end, self.prefix, self.files.path)
-        self.span = self.files.span(self.start, self.end, config.dtype).to(config.device)
+        dtype = config.dtype or ("float32" if self.files.format.name == "native" else "bfloat16")
+        span = self.files.span(self.start, self.end, dtype)
+        if config.quant == "int8":
+            span = quantize_span_int8(span)
+        elif config.quant is not None:
+            raise ValueError(f"unknown quantization {config.quant!r}; choose int8")
+        self.span = span.to(config.device)
         self.throughput = self._throughput()
         self.backend = SpanBackend(self.span, config.max_concurrent_requests, config.device)
         self.handler = ForwardHandler(
@@ -82,8 +89,15 @@ class Server:
                 "num_layers": self.model_config.num_layers, "wire_dtype": self.config.wire_dtype,
                 "requests_served": self.handler.requests_served, "requests_failed": self.handler.requests_failed}
 
-    def announce(self, wait: bool = True):
-        return declare_span(self.dht, self.prefix, self.record(), self.subkey, now() + self.config.record_expiration, wait)
+    def announce(self, timeout: float = 30.0) -> bool:
+        """Store the current record on every block key; False if the DHT did not confirm within ``timeout``."""
+        future = declare_span(self.dht, self.prefix, self.record(), self.subkey,
+                              now() + self.config.record_expiration, wait=False)
+        try:
+            return bool(future.result(timeout))
+        except Exception as error:  # a timeout or a dead DHT process: report, never hang
+            logger.warning("announcement failed: %r", error)
+            return False
 
     # ----- running -------------------------------------------------------------------------------
     async def serve(self, on_ready: Optional[Callable[["Server"], None]] = None) -> None:
@@ -113,11 +127,12 @@ class Server:
         deadline = time.monotonic() + self.config.request_timeout
         while self.backend.in_flight and time.monotonic() < deadline:  # let running requests finish
             await asyncio.sleep(0.05)
+        if self.dht.is_alive():
+            await asyncio.get_running_loop().run_in_executor(None, self.announce, 5.0)
         try:
-            self.announce()
-        except Exception as error:  # the DHT may already be gone; shutdown continues regardless
-            logger.warning("could not announce offline: %s", error)
-        await self.handler.remove_p2p_handlers(p2p)
+            await asyncio.wait_for(self.handler.remove_p2p_handlers(p2p), 5.0)
+        except Exception as error:  # the daemon may already be gone; shutdown continues regardless
+            logger.warning("could not remove RPC handlers: %r", error)
         self.backend.shutdown()
-        self.dht.shutdown()
+        stop_dht(self.dht)
         logger.info("server stopped")

@@ -98,3 +98,15 @@ def test_int8_server_serves_close_logits(local_swarm, tiny_model_path, local_lm,
     finally:
         lm.shutdown()
         local_swarm.terminate(server)
+
+
+@pytest.mark.parametrize("window, remasking", [(4, "random"), (3, "low_confidence"), (8, "entropy")])
+def test_picard_windows_through_swarm_equal_sequential_local(remote_lm, local_lm, window, remasking):
+    kwargs = dict(gen_length=16, steps=16, block_length=8, remasking=remasking, temperature=0.5, seed=11)
+    sequential = local_lm.generate("picard", **kwargs)
+    parallel = remote_lm.generate("picard", parallel_window=window, **kwargs)
+    assert parallel.token_ids == sequential.token_ids
+    assert parallel.steps == sequential.steps == 16
+    assert parallel.denoiser_calls <= sequential.denoiser_calls
+    assert sum(w.accepted for w in parallel.windows) == 16
+    assert parallel.states_evaluated == window * parallel.denoiser_calls

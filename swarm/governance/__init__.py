@@ -1,0 +1,1 @@
+"""Governance: a signed kill switch on the DHT that servers and clients obey (``python -m swarm.governance``)."""

@@ -1,0 +1,63 @@
+"""Ed25519 governance keys: the private key signs halt / resume records, public keys verify them."""
+from __future__ import annotations
+
+import base64
+import os
+from pathlib import Path
+
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+ENV_PUBLIC_KEYS = "SWARM_GOVERNANCE_KEYS"
+
+
+def generate_private_key(path: str | Path) -> Ed25519PrivateKey:
+    """Create a key file readable only by its owner; refuses to overwrite an existing one."""
+    path = Path(path)
+    if path.exists():
+        raise FileExistsError(f"{path} already exists; refusing to overwrite a governance key")
+    key = Ed25519PrivateKey.generate()
+    pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as file:
+        file.write(pem)
+    return key
+
+
+def load_private_key(path: str | Path) -> Ed25519PrivateKey:
+    key = serialization.load_pem_private_key(Path(path).read_bytes(), password=None)
+    if not isinstance(key, Ed25519PrivateKey):
+        raise ValueError(f"{path} is not an Ed25519 private key")
+    return key
+
+
+def public_key_text(key: Ed25519PrivateKey | Ed25519PublicKey) -> str:
+    """The public key as one base64 line: what operators publish and servers are configured with."""
+    public = key.public_key() if isinstance(key, Ed25519PrivateKey) else key
+    raw = public.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+    return base64.b64encode(raw).decode()
+
+
+def parse_public_key(text: str) -> Ed25519PublicKey:
+    """A base64 public key, or a path to a file holding one."""
+    candidate = Path(text).expanduser()
+    if candidate.is_file():
+        text = candidate.read_text().strip()
+    try:
+        raw = base64.b64decode(text.strip(), validate=True)
+        return Ed25519PublicKey.from_public_bytes(raw)
+    except (ValueError, TypeError) as error:
+        raise ValueError(f"not an Ed25519 public key (base64) or a file holding one: {text[:60]!r}") from error
+
+
+def verify(public: Ed25519PublicKey, signature: bytes, payload: bytes) -> bool:
+    try:
+        public.verify(signature, payload)
+        return True
+    except InvalidSignature:
+        return False
+
+
+def public_keys_from_env() -> list[str]:
+    return [k for k in os.environ.get(ENV_PUBLIC_KEYS, "").replace(",", " ").split() if k]

@@ -25,6 +25,10 @@ class ClientConfig:
     ban_max: float = 300.0
     route_refresh: float = 30.0  # seconds after which the server list is re-read from the DHT
     wire_dtype: str = "float32"  # "float16" halves traffic but is not exact
+    spot_check_fraction: float = 0.0  # share of hops re-executed on another server (tiers may raise it)
+    spot_check_rtol: float = 1e-3  # relative difference tolerated between two servers (float32 wire)
+    spot_check_seed: int = 0  # which hops get checked is drawn from this seed: reproducible
+    trusted_peers: tuple[str, ...] = ()  # allow-list of peer ids for restricted requests
     # Benchmarks only: user-space delay added to every call to a server (these machines have no netem).
     inject_latency: float = 0.0  # seconds per hop
     inject_jitter: float = 0.0  # extra uniform random seconds per hop

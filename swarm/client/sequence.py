@@ -19,6 +19,7 @@ from hivemind.dht import DHT
 from swarm.client.config import ClientConfig
 from swarm.client.remote import RemoteCaller
 from swarm.client.routing import MissingBlocksError, RouteHop, find_route
+from swarm.client.spot_check import SpotChecker
 from swarm.dht.schema import ServerRecord, ServerState, read_servers
 from swarm.protocol import ErrorCode, ForwardRequest, RemoteError
 from swarm.utils.event_loop import BackgroundLoop
@@ -58,12 +59,23 @@ class RemoteSequence:
         self.bans: dict[str, Ban] = {}
         self.route: list[RouteHop] = []
         self.failovers: list[FailoverEvent] = []
+        self.distrusted: set[str] = set()  # caught returning wrong results: never used again by this client
+        self.allowed: Optional[frozenset[str]] = None  # when set, only these peers may serve (restricted tier)
+        self.spot_checker = SpotChecker(self, config.spot_check_rtol, config.spot_check_seed)
+        self.spot_checker.fraction = config.spot_check_fraction
         self._refreshed_at = 0.0
 
     # ----- servers and route ----------------------------------------------------------------------
     def banned(self) -> frozenset[str]:
         now = time.monotonic()
         return frozenset(peer for peer, ban in self.bans.items() if ban.until > now)
+
+    def excluded(self) -> frozenset[str]:
+        """Peers a route may not use now: banned for failing, caught lying, or not on the allow-list."""
+        out = set(self.banned()) | self.distrusted
+        if self.allowed is not None:
+            out |= {peer for peer in self.servers if peer not in self.allowed}
+        return frozenset(out)
 
     def ban(self, peer_id: str, reason: str, busy: bool = False) -> None:
         """Avoid a peer: briefly when it is busy, otherwise for a period that doubles on each repeat."""
@@ -110,17 +122,17 @@ class RemoteSequence:
         if time.monotonic() - self._refreshed_at > self.config.route_refresh or not self.servers:
             self.refresh()
         try:
-            tail = find_route(self.servers, self.num_blocks, start_block, self.latencies, self.banned(), tokens)
+            tail = find_route(self.servers, self.num_blocks, start_block, self.latencies, self.excluded(), tokens)
         except MissingBlocksError:
             self.refresh()  # the DHT may know servers that joined since the last read
-            tail = find_route(self.servers, self.num_blocks, start_block, self.latencies, self.banned(), tokens)
+            tail = find_route(self.servers, self.num_blocks, start_block, self.latencies, self.excluded(), tokens)
         self.route = [hop for hop in self.route if hop.end <= start_block] + tail
         logger.info("route: %s", " -> ".join(map(str, self.route)))
         return self.route
 
     def hop_from(self, block: int, tokens: int) -> RouteHop:
         for hop in self.route:
-            if hop.start == block and hop.peer_id not in self.banned():
+            if hop.start == block and hop.peer_id not in self.excluded():
                 return hop
         route = self.build_route(block, tokens)
         return next(hop for hop in route if hop.start == block)
@@ -139,7 +151,8 @@ class RemoteSequence:
             try:
                 hop = self.hop_from(block, tokens)
                 request = ForwardRequest(block, hop.end, hidden, session_id, step)
-                hidden = self.loop.run(self.caller.forward(hop.peer_id, request, self.config.request_timeout))
+                output = self.loop.run(self.caller.forward(hop.peer_id, request, self.config.request_timeout))
+                hidden = self.spot_checker.maybe_check(request, hop.peer_id, output)
                 block = hop.end
                 continue
             except MissingBlocksError as error:

@@ -57,9 +57,10 @@ class LocalSwarm:
         return self.bootstrap
 
     def start_server(self, model: str, blocks: Optional[str] = None, *extra: str, name: Optional[str] = None,
-                     wait: bool = True) -> ManagedProcess:
-        """Start ``python -m swarm.server``; with ``wait=False`` call :meth:`wait_ready` later (parallel start)."""
-        args = ["-m", "swarm.server", "--model", str(model), "--throughput", "1000", "--update-period", "5"]
+                     wait: bool = True, entry: Sequence[str] = ("-m", "swarm.server")) -> ManagedProcess:
+        """Start ``python -m swarm.server`` (or another ``entry`` taking the same flags, such as a test's
+        modified server); with ``wait=False`` call :meth:`wait_ready` later (parallel start)."""
+        args = [*entry, "--model", str(model), "--throughput", "1000", "--update-period", "5"]
         if blocks:
             args += ["--blocks", blocks]
         for peer in self.initial_peers:

@@ -1,0 +1,52 @@
+"""Spot checks catch a server that returns wrong results; the answer stays the honest one."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from swarm.client import DistributedDiffusionLM
+from swarm.local import DiffusionLM
+from tests.conftest import make_checkpoint, tiny_config
+
+FAULTY = (str(Path(__file__).with_name("faulty_server.py")),)
+SETTINGS = dict(gen_length=16, steps=8, block_length=8, seed=3, temperature=0.5)
+
+
+@pytest.fixture(scope="module")
+def audited_swarm(local_swarm, tmp_path_factory):
+    """Two honest servers and one faulty one (announcing itself as the fastest) for the same blocks."""
+    path = make_checkpoint(tmp_path_factory.mktemp("audited"), tiny_config(), seed=9)
+    honest = [local_swarm.start_server(str(path), "0:4", "--compute-threads", "1", wait=False) for _ in range(2)]
+    faulty = local_swarm.start_server(str(path), "0:4", "--compute-threads", "1", "--throughput", "1e9",
+                                      entry=FAULTY, name="faulty", wait=False)
+    for server in honest + [faulty]:
+        local_swarm.wait_ready(server)
+    yield path, faulty
+    for server in honest + [faulty]:
+        local_swarm.terminate(server)
+
+
+def test_faulty_server_is_caught_banned_and_tokens_stay_honest(local_swarm, audited_swarm):
+    path, faulty = audited_swarm
+    expected = DiffusionLM.from_pretrained(path).generate("audit", **SETTINGS)
+    with DistributedDiffusionLM.from_pretrained(path, initial_peers=local_swarm.initial_peers,
+                                                spot_check_fraction=1.0) as lm:
+        assert lm.show_route()[0].peer_id == faulty.peer_id, "the faulty server should be the first choice"
+        result = lm.generate("audit", **SETTINGS)
+        assert result.token_ids == expected.token_ids
+        verdicts = [o.verdict for o in lm.sequence.spot_checker.outcomes]
+        assert verdicts[0] == "primary_faulty"
+        assert faulty.peer_id in lm.sequence.distrusted
+        assert set(verdicts[1:]) == {"agreed"}, "after the catch only honest servers are used"
+
+
+def test_without_spot_checks_the_faulty_server_changes_the_answer(local_swarm, audited_swarm):
+    """The control: the perturbation is large enough to matter, so the catch above is meaningful."""
+    path, faulty = audited_swarm
+    local = DiffusionLM.from_pretrained(path)
+    with DistributedDiffusionLM.from_pretrained(path, initial_peers=local_swarm.initial_peers) as lm:
+        ids = __import__("torch").randint(0, 256, (1, 12))
+        assert lm.show_route()[0].peer_id == faulty.peer_id
+        difference = (lm.logits(ids) - local.logits(ids)).abs().max()
+        assert difference > 1e-2

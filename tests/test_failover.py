@@ -1,12 +1,12 @@
 """Failures during generation: killed, hung and full servers; the answer stays the same or the error is clear."""
 from __future__ import annotations
 
+import os
 import signal
 import threading
 import time
 
 import pytest
-import torch
 
 from swarm.client import DistributedDiffusionLM, MissingBlocksError
 from swarm.local import DiffusionLM
@@ -74,8 +74,6 @@ def test_hung_server_is_detected_by_timeout_and_routed_around(local_swarm, tiny_
     lm = client(local_swarm, tiny_model_path, request_timeout=3.0)
     try:
         assert [hop.peer_id for hop in lm.show_route()] == [hung.peer_id]
-        import os
-
         os.killpg(hung.process.pid, signal.SIGSTOP)  # the process and its daemons stop answering
         result = lm.generate("hang", **SETTINGS)
         assert result.token_ids == local_lm.generate("hang", **SETTINGS).token_ids
@@ -83,8 +81,6 @@ def test_hung_server_is_detected_by_timeout_and_routed_around(local_swarm, tiny_
         assert codes and "timeout" in codes[0]
     finally:
         lm.shutdown()
-        import os
-
         os.killpg(hung.process.pid, signal.SIGCONT)
         local_swarm.terminate(hung, signal.SIGKILL)
 

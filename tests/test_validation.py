@@ -108,3 +108,29 @@ def test_truncated_stream_of_a_large_payload_is_refused(remote_lm, target):
         send(remote_lm, target.peer_id, parts[:-1], stream=True)
     output, _ = send(remote_lm, target.peer_id, parts, stream=True)
     assert output.shape == (8, 1500, HIDDEN)
+
+
+def test_backend_refuses_beyond_its_queue_bounds():
+    """Limits on requests and queued tokens give a distinct BUSY error instead of unbounded queueing."""
+    import asyncio
+
+    from swarm.models.modules import BlockSpan
+    from swarm.server.backend import SpanBackend
+    from tests.conftest import tiny_config
+
+    backend = SpanBackend(BlockSpan(tiny_config(), 0, 2), max_concurrent=2, max_queued_tokens=100)
+
+    async def burst(shapes):
+        calls = [backend.forward(torch.randn(b, n, HIDDEN), 0, 2) for b, n in shapes]
+        return await asyncio.gather(*calls, return_exceptions=True)
+
+    try:
+        results = asyncio.run(burst([(1, 10)] * 3))
+        busy = [r for r in results if isinstance(r, RemoteError)]
+        assert len(busy) == 1 and busy[0].code == ErrorCode.BUSY and "requests" in busy[0].message
+        results = asyncio.run(burst([(1, 60), (1, 60)]))
+        busy = [r for r in results if isinstance(r, RemoteError)]
+        assert len(busy) == 1 and "tokens" in busy[0].message
+        assert backend.in_flight == 0 and backend.queued_tokens == 0
+    finally:
+        backend.shutdown()

@@ -21,6 +21,7 @@ class ServerConfig:
     quant: Optional[str] = None  # "int8": weight-only quantization of the span (smaller, not exact)
     max_batch_tokens: int = 16384  # batch * length of one request
     max_concurrent_requests: int = 32  # in compute or waiting for it; more get a BUSY error
+    max_queued_tokens: int = 65536  # batch x length summed over requests in compute or waiting
     request_timeout: float = 60.0
     update_period: float = 15.0  # seconds between DHT announcements
     expiration: Optional[float] = None  # record lifetime; default 2.5 x update_period

@@ -15,6 +15,7 @@ from typing import Any, Iterator, Optional, Sequence
 import torch
 from tqdm.auto import tqdm
 
+from swarm.diffusion.composition import DEFAULT_TAU, Composition, ExpertSource, expert_weights
 from swarm.diffusion.config import GenerationConfig
 from swarm.diffusion.sampler import Denoiser, DiffusionSampler, WindowStats
 from swarm.models.config import ModelConfig
@@ -37,8 +38,8 @@ class GenerationResult:
     states_evaluated: int
     windows: list[WindowStats]
     elapsed_s: float
-    telemetry: list[dict] = field(default_factory=list)
-    info: dict[str, Any] = field(default_factory=dict)  # route, warnings and other run details
+    telemetry: list[dict] = field(default_factory=list)  # per accepted step, with experts or correctors
+    info: dict[str, Any] = field(default_factory=dict)  # route, experts, warnings and other run details
 
 
 @dataclass
@@ -82,6 +83,27 @@ class BaseDiffusionLM(ABC):
         """Details added to each result (the distributed client reports its route)."""
         return {}
 
+    def open_experts(self, names: Sequence[str], required: bool) -> tuple[dict[str, ExpertSource], list[str]]:
+        """Sources for the named experts and warnings about skipped ones.
+
+        Subclasses load them (local) or find their servers (swarm). A missing or incompatible expert raises
+        (``ExpertNotFoundError``, ``IncompatibleExpertError``) when ``required``; otherwise
+        (``experts="auto"``) it is skipped with a warning.
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot compose experts")
+
+    def composition(
+        self, generation: GenerationConfig, prompt_ids: Sequence[int], experts: Any, tau: float, corrector_steps: int,
+    ) -> Optional[Composition]:
+        """Experts and correctors of one request, or None when it asks for neither (the plain sampler)."""
+        if experts is None and not corrector_steps:
+            return None
+        weights, auto = expert_weights(experts, self.tokenizer.decode(list(prompt_ids)))
+        sources, warnings = self.open_experts(list(weights), required=not auto) if weights else ({}, [])
+        weights = {name: weight for name, weight in weights.items() if name in sources}
+        return Composition(sources, weights, generation, self.config.mask_token_id, tau=tau,
+                           corrector_steps=corrector_steps, warnings=warnings, auto=auto)
+
     # ----- prompts ----------------------------------------------------------------------------------
     def encode_prompt(self, prompt: str | Sequence[int], chat: bool = False) -> list[int]:
         """Text gets BOS and its ids; ``chat`` wraps text in the tokenizer's chat template instead."""
@@ -118,7 +140,8 @@ class BaseDiffusionLM(ABC):
         return result
 
     def generate_stream(
-        self, prompt: str | Sequence[int], *, progress: bool = False, chat: bool = False, **kwargs: Any
+        self, prompt: str | Sequence[int], *, progress: bool = False, chat: bool = False, experts: Any = None,
+        expert_tau: float = DEFAULT_TAU, corrector_steps: int = 0, **kwargs: Any
     ) -> Iterator[StreamChunk]:
         """Yield the partially unmasked text after every step; the last chunk carries the result.
 
@@ -126,6 +149,11 @@ class BaseDiffusionLM(ABC):
         (low_confidence, random, margin, entropy), ``threshold``, ``cfg_scale``, ``seed``,
         ``stop_at_eos``, ``parallel_window``; ``progress`` shows a progress bar; ``chat`` wraps the text prompt
         in the tokenizer's chat template (instruct checkpoints).
+
+        ``experts`` composes expert models with the backbone at every step: ``{"code": 0.5}`` (weights
+        >= 0) or ``"auto"`` (chosen from the prompt); ``expert_tau`` bounds each expert's per-token shift;
+        ``corrector_steps`` re-predicts the least confident decided tokens after each step. Per-step
+        telemetry is in ``StreamChunk.telemetry`` and ``GenerationResult.telemetry`` (docs/EXPERTS.md).
         """
         generation = make_generation_config(**kwargs)
         prompt_ids = self.encode_prompt(prompt, chat=chat)
@@ -135,38 +163,46 @@ class BaseDiffusionLM(ABC):
                 f"context of {self.config.max_position_embeddings} positions"
             )
         started = time.perf_counter()
+        composition = self.composition(generation, prompt_ids, experts, expert_tau, corrector_steps)
+        telemetry: list[dict] = []
         bar = tqdm(total=generation.gen_length, desc="denoising", unit="tok", disable=not progress, leave=False)
         with self.denoising_session(generation) as denoiser, bar:
-            sampler = DiffusionSampler(
-                denoiser, generation, self.config.mask_token_id, self.eos_token_ids(), self.logits_hook(generation)
-            )
+            if composition is None:
+                sampler = DiffusionSampler(denoiser, generation, self.config.mask_token_id, self.eos_token_ids())
+            else:
+                sampler = composition.sampler(denoiser, self.eos_token_ids())
             state = sampler.initial_state(prompt_ids)
             for event in sampler.iterate(prompt_ids):
                 state = event.tokens
                 bar.update(len(event.unmasked))
+                step_telemetry = composition.telemetry(event.step) if composition else event.telemetry
+                if composition:
+                    telemetry.append(step_telemetry)
                 yield StreamChunk(
                     step=event.step, block=event.block, masked_left=event.masked_left,
                     text=self.tokenizer.decode(state[len(prompt_ids):].tolist(), mask_placeholder=MASK_PLACEHOLDER),
-                    telemetry=event.telemetry,
+                    telemetry=step_telemetry,
                 )
-            result = self._result(prompt_ids, state, sampler, time.perf_counter() - started)
+            result = self._result(prompt_ids, state, sampler, time.perf_counter() - started, composition, telemetry)
         yield StreamChunk(step=result.steps - 1, block=-1, text=result.text, masked_left=0, done=True, result=result)
 
-    def logits_hook(self, generation: GenerationConfig):
-        """Per-step logits rewrite (expert composition in subclasses); none by default."""
-        return None
-
-    def _result(self, prompt_ids: list[int], state: torch.Tensor, sampler: DiffusionSampler, elapsed: float) -> GenerationResult:
+    def _result(self, prompt_ids: list[int], state: torch.Tensor, sampler: DiffusionSampler, elapsed: float,
+                composition: Optional[Composition] = None, telemetry: Optional[list[dict]] = None) -> GenerationResult:
         generated = state[len(prompt_ids):].tolist()
         eos = set(self.eos_token_ids())
         cut = next((i for i, t in enumerate(generated) if t in eos), None)
         token_ids = generated if cut is None else generated[:cut]
         token_ids = [t for t in token_ids if t != self.config.mask_token_id]
         stats = sampler.stats
+        info = self.run_info()
+        info["warnings"] = list(info.get("warnings", []))
+        if composition is not None:
+            info["experts"] = composition.info()
+            info["warnings"] += composition.warnings
         return GenerationResult(
             text=self.tokenizer.decode(token_ids), token_ids=token_ids, prompt_ids=prompt_ids, sequence=state,
             finish_reason="eos" if cut is not None else "length",
             steps=sum(w.accepted for w in stats.windows), denoiser_calls=stats.denoiser_calls,
             states_evaluated=stats.states_evaluated, windows=list(stats.windows), elapsed_s=elapsed,
-            info=self.run_info(),
+            telemetry=list(telemetry or []), info=info,
         )

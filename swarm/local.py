@@ -3,10 +3,13 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Sequence
 
 import torch
 
+from swarm.diffusion.composition import (
+    CompatibilityTag, ExpertNotFoundError, IncompatibleExpertError, InProcessExpert,
+)
 from swarm.diffusion.config import GenerationConfig
 from swarm.diffusion.sampler import DenoiseContext, Denoiser
 from swarm.lm import BaseDiffusionLM
@@ -23,6 +26,7 @@ class DiffusionLM(BaseDiffusionLM):
         self.config = model.config
         self.tokenizer = tokenizer
         self.path = path
+        self._experts: dict[str, "DiffusionLM"] = {}  # loaded once, reused by later requests
 
     @classmethod
     def from_pretrained(cls, name_or_path: str | Path = DEFAULT_MODEL, *, dtype: Optional[str] = None) -> "DiffusionLM":
@@ -35,6 +39,32 @@ class DiffusionLM(BaseDiffusionLM):
         if input_ids.dim() == 1:
             input_ids = input_ids[None]
         return self.model(input_ids, attention_mask).float()
+
+    def open_experts(self, names: Sequence[str], required: bool) -> tuple[dict[str, InProcessExpert], list[str]]:
+        """Experts by embedded name or checkpoint directory, loaded into this process (float32)."""
+        backbone = CompatibilityTag.of(self.config, self.tokenizer)
+        sources, warnings = {}, []
+        for name in names:
+            try:
+                expert = self._expert(name, backbone)
+            except (ExpertNotFoundError, IncompatibleExpertError) as error:
+                if required:
+                    raise
+                warnings.append(f"{error} (skipped)")
+                continue
+            sources[name] = InProcessExpert(expert.logits, str(expert.path))
+        return sources, warnings
+
+    def _expert(self, name: str, backbone: CompatibilityTag) -> "DiffusionLM":
+        expert = self._experts.get(name)
+        if expert is None:
+            try:
+                expert = DiffusionLM.from_pretrained(name)
+            except FileNotFoundError as error:
+                raise ExpertNotFoundError(f"expert {name!r}: {error}") from None
+            backbone.require_compatible(CompatibilityTag.of(expert.config, expert.tokenizer), name)
+            self._experts[name] = expert
+        return expert
 
     @contextlib.contextmanager
     def denoising_session(self, generation: GenerationConfig) -> Iterator[Denoiser]:

@@ -1,8 +1,12 @@
-"""Wire format of the forward RPC: tensors with hivemind's serializer, metadata as msgpack.
+"""Wire format of the forward and expert RPCs: tensors with hivemind's serializer, metadata as msgpack.
 
-A request carries hidden states (batch, length, hidden) for a span ``start:end`` of a server. Small
+A forward request carries hidden states (batch, length, hidden) for a span ``start:end`` of a server. Small
 payloads travel as one unary message; larger ones as a stream of parts whose count is announced in the
 first part's metadata and checked on arrival (a stream can lose its tail silently on loopback).
+
+An expert request carries token ids (batch, length) int64 and asks a hosted expert model for the
+log-probabilities of positions ``start:end``; it is always small, while the answer (positions x vocabulary)
+may not be, so it comes back as a stream of parts counted the same way.
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ WIRE_DTYPES = {"float32": torch.float32, "float16": torch.float16}
 class ErrorCode(str, enum.Enum):
     BAD_REQUEST = "bad_request"  # malformed metadata or tensors
     WRONG_SPAN = "wrong_span"  # this server does not hold the requested blocks
+    NO_EXPERT = "no_expert"  # this server does not host the requested expert
     TOO_LARGE = "too_large"  # over the batch-token or payload limit
     NOT_FINITE = "not_finite"  # NaN or infinite values
     BUSY = "busy"  # queue or memory full: route around this server
@@ -56,6 +61,24 @@ class ForwardRequest:
     session_id: str = ""
     step: int = -1
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class ExpertRequest:
+    domain: str
+    tokens: torch.Tensor  # (batch, length) token ids
+    start: int  # positions whose log-probabilities are wanted: start:end
+    end: int
+    session_id: str = ""
+    step: int = -1
+
+
+def expert_request_message(request: ExpertRequest) -> runtime_pb2.ExpertRequest:
+    """One unary message: token ids travel exactly as int64, uncompressed."""
+    tensor = serialize_torch_tensor(request.tokens.detach().long(), runtime_pb2.CompressionType.NONE)
+    metadata = {"domain": request.domain, "start": request.start, "end": request.end,
+                "session_id": request.session_id, "step": request.step}
+    return runtime_pb2.ExpertRequest(uid="expert", tensors=[tensor], metadata=MSGPackSerializer.dumps(metadata))
 
 
 def encode_tensor(tensor: torch.Tensor, wire_dtype: str = "float32") -> runtime_pb2.Tensor:
@@ -148,3 +171,10 @@ class SpanService(ServicerBase):
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         raise NotImplementedError
         yield  # pragma: no cover  (makes this an async generator, as the stream RPC must be)
+
+    async def rpc_expert_logits(
+        self, request: runtime_pb2.ExpertRequest, context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        """Log-probabilities of a hosted expert (see :class:`ExpertRequest`), streamed as counted parts."""
+        raise NotImplementedError
+        yield  # pragma: no cover

@@ -11,9 +11,10 @@ import torch
 from hivemind.dht import DHT
 
 from swarm.client.config import ClientConfig, client_network
-from swarm.client.remote import RemoteCaller
+from swarm.client.experts import ExpertCaller, RemoteExpert, open_remote_experts
 from swarm.client.routing import RouteHop
 from swarm.client.sequence import RemoteSequence
+from swarm.diffusion.composition import CompatibilityTag
 from swarm.diffusion.config import GenerationConfig
 from swarm.diffusion.sampler import DenoiseContext, Denoiser
 from swarm.dht.node import start_dht, stop_dht
@@ -44,8 +45,8 @@ class DistributedDiffusionLM(BaseDiffusionLM):
         self.dht = dht if dht is not None else start_dht(config.network)
         self.loop = BackgroundLoop.shared()
         self.p2p = self.loop.run(self.dht.replicate_p2p())
-        self.sequence = RemoteSequence(self.dht, RemoteCaller(self.p2p, config.wire_dtype, config.inject_latency, config.inject_jitter), self.loop, self.prefix,
-                                       self.config.num_layers, config)
+        self.caller = ExpertCaller(self.p2p, config.wire_dtype, config.inject_latency, config.inject_jitter)
+        self.sequence = RemoteSequence(self.dht, self.caller, self.loop, self.prefix, self.config.num_layers, config)
 
     @classmethod
     def from_pretrained(
@@ -78,6 +79,14 @@ class DistributedDiffusionLM(BaseDiffusionLM):
             return self.logits(tokens, session_id, context.steps[0])
 
         yield denoise
+
+    def open_experts(self, names: Sequence[str], required: bool) -> tuple[dict[str, RemoteExpert], list[str]]:
+        """Servers announcing each expert under ``{prefix}.experts.{name}``, queried alongside the route."""
+        return open_remote_experts(
+            names, dht=self.dht, prefix=self.prefix, backbone=CompatibilityTag.of(self.config, self.tokenizer),
+            caller=self.caller, loop=self.loop, sequence=self.sequence,
+            timeout=self.client_config.request_timeout, required=required,
+        )
 
     def run_info(self) -> dict[str, Any]:
         return {"route": [str(hop) for hop in self.sequence.route],

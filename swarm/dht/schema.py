@@ -2,7 +2,9 @@
 
 One key per block, ``{prefix}.{block}``; the subkey is the server's peer id followed by its RSA owner tag
 (``[owner:…]``), so hivemind's ``RSASignatureValidator`` only accepts writes signed by that server.
-Experts announce under ``{prefix}.experts.{domain}`` the same way.
+Experts announce under ``{prefix}.experts.{domain}`` the same way (an :class:`ExpertRecord` with the
+compatibility tag), and list their domains under ``{prefix}.experts`` so that readers who cannot list keys
+(the health map) find them.
 """
 from __future__ import annotations
 
@@ -13,12 +15,14 @@ import re
 from pathlib import Path
 from functools import partial  # picklable: run_coroutine ships it to the DHT process
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 from hivemind.dht import DHT, DHTNode
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
+
+from swarm.diffusion.composition import CompatibilityTag
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +78,44 @@ class ServerRecord:
             return None
 
 
+@dataclass
+class ExpertRecord:
+    """A server's announcement of one hosted expert, under ``{prefix}.experts.{domain}``."""
+
+    peer_id: str
+    domain: str
+    state: ServerState
+    tag: CompatibilityTag  # clients refuse experts whose tag differs from their backbone's
+    throughput: float  # tokens per second through the whole expert model
+    model: str = ""  # what the server loaded (embedded name or directory name)
+    public_name: Optional[str] = None
+    version: str = ""
+
+    def to_value(self) -> dict[str, Any]:
+        return {"record_version": RECORD_VERSION, "domain": self.domain, "state": int(self.state),
+                "tag": self.tag.to_value(), "throughput": self.throughput, "model": self.model,
+                "public_name": self.public_name, "version": self.version}
+
+    @classmethod
+    def from_value(cls, peer_id: str, value: Any) -> Optional["ExpertRecord"]:
+        """Parse a stored value; None (and a log line) for anything malformed, never an exception."""
+        try:
+            if not isinstance(value, dict) or value.get("record_version") != RECORD_VERSION:
+                raise ValueError("unknown record version")
+            record = cls(
+                peer_id=peer_id, domain=str(value["domain"]), state=ServerState(int(value["state"])),
+                tag=CompatibilityTag.from_value(value["tag"]), throughput=float(value["throughput"]),
+                model=str(value.get("model", "")), public_name=value.get("public_name"),
+                version=str(value.get("version", "")),
+            )
+            if record.throughput < 0:
+                raise ValueError(f"bad throughput {record.throughput}")
+            return record
+        except (KeyError, TypeError, ValueError) as error:
+            logger.debug("ignoring malformed expert record from %s: %s", peer_id, error)
+            return None
+
+
 def default_prefix(model_path: Path) -> str:
     """The DHT namespace of a model when none is given: its directory name (``default`` for the embedded one)."""
     name = re.sub(r"[^A-Za-z0-9_-]+", "-", Path(model_path).name).strip("-")
@@ -82,6 +124,16 @@ def default_prefix(model_path: Path) -> str:
 
 def block_key(prefix: str, block: int) -> str:
     return f"{prefix}.{block}"
+
+
+def expert_key(prefix: str, domain: str) -> str:
+    """Where servers hosting the expert ``domain`` announce it."""
+    return f"{prefix}.experts.{domain}"
+
+
+def expert_index_key(prefix: str) -> str:
+    """Where each expert-hosting server lists its domains (the DHT cannot list keys)."""
+    return f"{prefix}.experts"
 
 
 def owner_subkey(peer_id: PeerID | str, validator: RSASignatureValidator) -> bytes:
@@ -97,8 +149,8 @@ def peer_id_from_subkey(subkey: Any) -> Optional[str]:
     return subkey.split(OWNER_MARK, 1)[0] or None
 
 
-async def _store_span(dht: DHT, node: DHTNode, keys: list[str], subkey: bytes, value: dict, expiration: float) -> bool:
-    results = await node.store_many(keys, subkeys=[subkey] * len(keys), values=[value] * len(keys),
+async def _store(dht: DHT, node: DHTNode, keys: list[str], subkey: bytes, values: list, expiration: float) -> bool:
+    results = await node.store_many(keys, subkeys=[subkey] * len(keys), values=values,
                                     expiration_time=expiration, num_workers=min(32, len(keys)))
     return all(results.values())
 
@@ -107,9 +159,18 @@ def declare_span(dht: DHT, prefix: str, record: ServerRecord, subkey: bytes, exp
     """Store ``record`` under every block key of its span (a future when ``wait`` is false)."""
     keys = [block_key(prefix, b) for b in range(record.start, record.end)]
     return dht.run_coroutine(
-        partial(_store_span, keys=keys, subkey=subkey, value=record.to_value(), expiration=expiration),
+        partial(_store, keys=keys, subkey=subkey, values=[record.to_value()] * len(keys), expiration=expiration),
         return_future=not wait,
     )
+
+
+def declare_experts(dht: DHT, prefix: str, records: list[ExpertRecord], subkey: bytes, expiration: float,
+                    wait: bool = True):
+    """Store each record under its domain's key and the list of domains under the index key."""
+    keys = [expert_key(prefix, r.domain) for r in records] + [expert_index_key(prefix)]
+    values = [r.to_value() for r in records] + [sorted(r.domain for r in records)]
+    return dht.run_coroutine(partial(_store, keys=keys, subkey=subkey, values=values, expiration=expiration),
+                             return_future=not wait)
 
 
 async def _get_many(dht: DHT, node: DHTNode, keys: list[str]) -> dict:
@@ -134,6 +195,36 @@ def read_servers(dht: DHT, prefix: str, num_blocks: int) -> dict[str, ServerReco
             if record is not None and record.end <= num_blocks:
                 servers.setdefault(peer_id, record)
     return servers
+
+
+def _records(found: dict) -> Iterator[tuple[str, str, Any]]:
+    """(key, peer id, value) of every signed entry read by :func:`_get_many`."""
+    for key, subkeys in found.items():
+        for subkey, value in subkeys.items():
+            peer_id = peer_id_from_subkey(subkey)
+            if peer_id:
+                yield key, peer_id, value
+
+
+def read_expert_records(dht: DHT, prefix: str, domain: str) -> dict[str, ExpertRecord]:
+    """Every server announcing the expert ``domain``, by peer id (records for another domain are ignored)."""
+    found = dht.run_coroutine(partial(_get_many, keys=[expert_key(prefix, domain)]))
+    records = {}
+    for _, peer_id, value in _records(found):
+        record = ExpertRecord.from_value(peer_id, value)
+        if record is not None and record.domain == domain:
+            records[peer_id] = record
+    return records
+
+
+def read_expert_domains(dht: DHT, prefix: str) -> set[str]:
+    """Expert domains listed under the index key by any server."""
+    found = dht.run_coroutine(partial(_get_many, keys=[expert_index_key(prefix)]))
+    domains = set()
+    for _, _, value in _records(found):
+        if isinstance(value, (list, tuple)):
+            domains.update(d for d in value if isinstance(d, str) and d)
+    return domains
 
 
 def now() -> float:

@@ -13,7 +13,9 @@ from typing import Any, Iterable, Mapping
 
 from hivemind.dht import DHT
 
-from swarm.dht.schema import ServerRecord, ServerState, peer_id_from_subkey, read_servers
+from swarm.dht.schema import (
+    ServerRecord, ServerState, expert_key, peer_id_from_subkey, read_expert_domains, read_servers,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -117,16 +119,11 @@ def build_health_map(
 
 
 # ----- experts (hook) ---------------------------------------------------------------------------------
-def expert_key(prefix: str, domain: str) -> str:
-    """Where experts of ``domain`` announce themselves (DESIGN.md); to move to swarm.dht.schema with the schema."""
-    return f"{prefix}.experts.{domain}"
-
-
 def read_experts(dht: DHT, prefix: str, domains: Iterable[str]) -> dict[str, list[ExpertAnnouncement]]:
     """Peers announced under each expert domain key.
 
     This is the hook for expert records: the DHT cannot list keys, so domains come from the ``experts``
-    field of server records. Values are kept raw; when the expert record schema lands, parse them here
+    field of server records and from the experts index (``swarm.dht.schema.read_expert_domains``). Values are kept raw; when the expert record schema lands, parse them here
     (and show weights, versions, state) without touching the rest of the health map.
     """
     found: dict[str, list[ExpertAnnouncement]] = {}
@@ -144,9 +141,10 @@ def read_experts(dht: DHT, prefix: str, domains: Iterable[str]) -> dict[str, lis
 
 
 def read_health_map(dht: DHT, prefix: str, num_blocks: int) -> HealthMap:
-    """Read every server record of the model (and the expert domains they mention) from the DHT."""
+    """Read every server record of the model (and the expert domains they mention or list) from the DHT."""
     servers = read_servers(dht, prefix, num_blocks)
     domains = {domain for record in servers.values() for domain in record.experts}
+    domains |= read_expert_domains(dht, prefix)  # servers that host experts only have no block record
     experts = read_experts(dht, prefix, domains) if domains else {}
     logger.debug("health map of %s: %d servers, %d expert domains", prefix, len(servers), len(experts))
     return build_health_map(servers, prefix, num_blocks, experts)

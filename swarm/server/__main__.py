@@ -1,4 +1,4 @@
-"""``python -m swarm.server --blocks 0:16``: host a span of a model's blocks for the swarm."""
+"""``python -m swarm.server --blocks 0:16``: host a span of a model's blocks (and/or ``--expert`` models) for the swarm."""
 from __future__ import annotations
 
 import asyncio
@@ -18,13 +18,16 @@ def print_ready(server: Server) -> None:
     if not server.config.network.initial_peers:
         click.echo(f"Started a new swarm. Others join with: --initial-peers {' '.join(addrs)}", err=True)
     # One machine-readable line on stdout, so scripts and tests can wait for readiness.
-    click.echo(f"SERVER READY peer_id={server.peer_id} blocks={server.start}:{server.end} maddrs={','.join(addrs)}")
+    blocks = f" blocks={server.start}:{server.end}" if server.hosts_blocks else ""
+    experts = f" experts={','.join(sorted(server.experts))}" if server.experts else ""
+    click.echo(f"SERVER READY peer_id={server.peer_id}{blocks} maddrs={','.join(addrs)}{experts}")
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
 @click.option("--model", default="default", help="Embedded model name or checkpoint directory (native, LLaDA or Dream layout).")
 @click.option("--blocks", default=None, help="Blocks to host as START:END (end exclusive), e.g. 0:16. Omitted: the least-covered span of --num-blocks.")
 @click.option("--num-blocks", type=int, default=None, help="Span length when --blocks is omitted (default: the whole model).")
+@click.option("--expert", "experts", multiple=True, help="Also host a whole expert model: an embedded name (code, addition) or a checkpoint directory, optionally as DOMAIN=NAME_OR_PATH; clients ask for it by DOMAIN (default: the model's directory name). Repeatable. It must share --model's tokenizer, vocabulary and mask token. With --expert and neither --blocks nor --num-blocks, the server hosts only experts.")
 @network_options
 @click.option("--public-name", default=None, help="A name shown to users in the swarm's health map.")
 @click.option("--throughput", default="auto", help="Announced speed in tokens/s, or 'auto' to measure the span on start.")
@@ -39,13 +42,13 @@ def print_ready(server: Server) -> None:
 @click.option("--wire-dtype", type=click.Choice(["float32", "float16"]), default="float32", help="dtype of returned activations; float16 halves traffic but is not exact.")
 @click.option("--compute-threads", type=int, default=None, help="torch CPU threads for compute (default: torch's choice).")
 @click.option("--log-level", type=click.Choice(["DEBUG", "INFO", "WARNING"]), default="INFO", help="Logging verbosity.")
-def main(blocks: str | None, log_level: str, **options) -> None:
-    """Host a span of a model's transformer blocks and announce it on the swarm's DHT."""
+def main(blocks: str | None, experts: tuple[str, ...], log_level: str, **options) -> None:
+    """Host a span of a model's transformer blocks and/or expert models, and announce them on the swarm's DHT."""
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     network = pop_network_config(options)
     config = ServerConfig(blocks=parse_span(blocks), network=network, **options)
     try:
-        server = Server(config)
+        server = Server(config, experts)
     except (ValueError, FileNotFoundError) as error:
         raise click.UsageError(str(error)) from error
     asyncio.run(server.serve(on_ready=print_ready))

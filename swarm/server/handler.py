@@ -1,10 +1,10 @@
-"""The RPC surface of a server on hivemind's P2P layer: forward (unary and streamed) and info."""
+"""The RPC surface of a server on hivemind's P2P layer: forward (unary and streamed), experts, and info."""
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Awaitable, Callable, Optional
 
 from hivemind.p2p import P2PContext
 from hivemind.proto import runtime_pb2
@@ -15,6 +15,7 @@ from swarm.protocol import (
     response_parts,
 )
 from swarm.server.backend import SpanBackend
+from swarm.server.expert_handler import ExpertHandler
 from swarm.server.validation import require, validate_hidden, validate_metadata
 
 logger = logging.getLogger(__name__)
@@ -23,11 +24,15 @@ PAYLOAD_SLACK_BYTES = 64 * 1024
 
 
 class ForwardHandler(SpanService):
-    """Validates each request fully, then runs it on the backend. One bad request never harms the server."""
+    """Validates each request fully, then runs it on the backend. One bad request never harms the server.
 
-    def __init__(self, backend: SpanBackend, *, hidden_size: int, max_batch_tokens: int, wire_dtype: str,
-                 request_timeout: float, info: Callable[[], dict]):
+    ``backend`` is None on a server that hosts only experts; ``experts`` is None on one that hosts none.
+    """
+
+    def __init__(self, backend: Optional[SpanBackend], *, hidden_size: int, max_batch_tokens: int, wire_dtype: str,
+                 request_timeout: float, info: Callable[[], dict], experts: Optional[ExpertHandler] = None):
         self.backend = backend
+        self.experts = experts
         self.hidden_size = hidden_size
         self.max_batch_tokens = max_batch_tokens
         self.max_payload_bytes = max_batch_tokens * hidden_size * 4 + PAYLOAD_SLACK_BYTES
@@ -61,30 +66,21 @@ class ForwardHandler(SpanService):
         for response in await self._serve(received, context):
             yield response
 
+    async def rpc_expert_logits(
+        self, request: runtime_pb2.ExpertRequest, context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        for response in await self._answer(lambda: self._expert_logits(request), context):
+            yield response
+
     # ----- one request -----------------------------------------------------------------------------
-    async def _serve(self, parts: list[runtime_pb2.ExpertRequest], context: P2PContext) -> list[runtime_pb2.ExpertResponse]:
-        started = time.perf_counter()
+    async def _answer(self, work: Callable[[], Awaitable[list[runtime_pb2.ExpertResponse]]],
+                      context: P2PContext) -> list[runtime_pb2.ExpertResponse]:
+        """Run ``work`` unless shutting down; every failure becomes a structured error response."""
         try:
             require(self.accepting, ErrorCode.SHUTTING_DOWN, "server is shutting down")
-            require(len(parts) > 0, ErrorCode.BAD_REQUEST, "empty request")
-            require(sum(p.ByteSize() for p in parts) <= self.max_payload_bytes, ErrorCode.TOO_LARGE,
-                    f"payload over {self.max_payload_bytes} bytes")
-            metadata = parse_metadata(parts[0].metadata)
-            start, end = validate_metadata(metadata, (self.backend.start, self.backend.end))
-            tensors = [t for p in parts for t in p.tensors]
-            proto = join_parts(tensors, metadata.get("parts"))
-            declared = 1
-            for dim in proto.size:
-                declared *= dim
-            require(declared <= self.max_batch_tokens * self.hidden_size, ErrorCode.TOO_LARGE,
-                    f"tensor of shape {tuple(proto.size)} exceeds the batch-token limit {self.max_batch_tokens}")
-            hidden = decode_tensor(proto)
-            validate_hidden(hidden, self.hidden_size, self.max_batch_tokens)
-            output = await asyncio.wait_for(self.backend.forward(hidden, start, end), self.request_timeout)
+            parts = await work()
             self.requests_served += 1
-            logger.debug("forward %d:%d %s from %s in %.1f ms", start, end, tuple(hidden.shape),
-                         context.remote_id, 1000 * (time.perf_counter() - started))
-            return response_parts(output, self.wire_dtype)
+            return parts
         except RemoteError as error:
             return [self._refuse(error, context)]
         except asyncio.TimeoutError:
@@ -92,6 +88,35 @@ class ForwardHandler(SpanService):
         except Exception as error:  # a bug must not take the server down; the client gets a clear error
             logger.exception("internal error serving %s", context.remote_id)
             return [self._refuse(RemoteError(ErrorCode.INTERNAL, f"{type(error).__name__}: {error}"), context)]
+
+    async def _serve(self, parts: list[runtime_pb2.ExpertRequest], context: P2PContext) -> list[runtime_pb2.ExpertResponse]:
+        return await self._answer(lambda: self._forward(parts, context), context)
+
+    async def _expert_logits(self, request: runtime_pb2.ExpertRequest) -> list[runtime_pb2.ExpertResponse]:
+        require(self.experts is not None, ErrorCode.NO_EXPERT, "this server hosts no experts")
+        return await self.experts.serve(request)
+
+    async def _forward(self, parts: list[runtime_pb2.ExpertRequest], context: P2PContext) -> list[runtime_pb2.ExpertResponse]:
+        started = time.perf_counter()
+        require(self.backend is not None, ErrorCode.WRONG_SPAN, "this server hosts experts only, no blocks")
+        require(len(parts) > 0, ErrorCode.BAD_REQUEST, "empty request")
+        require(sum(p.ByteSize() for p in parts) <= self.max_payload_bytes, ErrorCode.TOO_LARGE,
+                f"payload over {self.max_payload_bytes} bytes")
+        metadata = parse_metadata(parts[0].metadata)
+        start, end = validate_metadata(metadata, (self.backend.start, self.backend.end))
+        tensors = [t for p in parts for t in p.tensors]
+        proto = join_parts(tensors, metadata.get("parts"))
+        declared = 1
+        for dim in proto.size:
+            declared *= dim
+        require(declared <= self.max_batch_tokens * self.hidden_size, ErrorCode.TOO_LARGE,
+                f"tensor of shape {tuple(proto.size)} exceeds the batch-token limit {self.max_batch_tokens}")
+        hidden = decode_tensor(proto)
+        validate_hidden(hidden, self.hidden_size, self.max_batch_tokens)
+        output = await asyncio.wait_for(self.backend.forward(hidden, start, end), self.request_timeout)
+        logger.debug("forward %d:%d %s from %s in %.1f ms", start, end, tuple(hidden.shape),
+                     context.remote_id, 1000 * (time.perf_counter() - started))
+        return response_parts(output, self.wire_dtype)
 
     def _refuse(self, error: RemoteError, context: P2PContext) -> runtime_pb2.ExpertResponse:
         self.requests_failed += 1

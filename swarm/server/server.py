@@ -1,11 +1,11 @@
-"""A server's life: load a span, join the DHT, serve, announce, and leave cleanly."""
+"""A server's life: load a span and/or experts, join the DHT, serve, announce, and leave cleanly."""
 from __future__ import annotations
 
 import asyncio
 import logging
 import signal
 import time
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 from hivemind.dht import DHT
@@ -13,14 +13,20 @@ from hivemind.dht.crypto import RSASignatureValidator
 
 import swarm
 from swarm.dht.node import start_dht, stop_dht
+from swarm.diffusion.composition import CompatibilityTag
 from swarm.dht.schema import (
-    ServerRecord, ServerState, declare_span, default_prefix, now, owner_subkey, read_servers,
+    ExpertRecord, ServerRecord, ServerState, declare_experts, declare_span, default_prefix, now, owner_subkey,
+    read_servers,
 )
 from swarm.models.loading import ModelFiles
 from swarm.models.quantization import quantize_span_int8
 from swarm.server.backend import SpanBackend
 from swarm.server.block_selection import choose_span
 from swarm.server.config import ServerConfig
+from swarm.server.expert_handler import ExpertHandler
+from swarm.server.experts import (
+    ExpertBackend, HostedExpert, default_dtype, load_expert, measure_expert_throughput, parse_expert_spec,
+)
 from swarm.server.handler import ForwardHandler
 from swarm.server.throughput import measure_throughput
 
@@ -28,36 +34,70 @@ logger = logging.getLogger(__name__)
 
 
 class Server:
-    """Hosts blocks ``start:end`` of a model and serves forward passes over hivemind's P2P layer."""
+    """Hosts blocks ``start:end`` of a model and/or whole expert models, served over hivemind's P2P layer.
 
-    def __init__(self, config: ServerConfig):
+    ``experts`` are ``--expert`` values (``NAME_OR_PATH`` or ``DOMAIN=NAME_OR_PATH``). With experts and
+    neither ``blocks`` nor ``num_blocks`` in the config, the server hosts only the experts.
+    """
+
+    def __init__(self, config: ServerConfig, experts: Sequence[str] = ()):
         self.config = config
         self.files = ModelFiles(config.model)
         self.model_config = self.files.config
         self.prefix = config.dht_prefix or default_prefix(self.files.path)
         if config.compute_threads:
             torch.set_num_threads(config.compute_threads)
+        self.experts = self._load_experts(experts)  # before joining: an incompatible expert fails fast
+        self.hosts_blocks = not self.experts or config.blocks is not None or config.num_blocks is not None
         self.validator = RSASignatureValidator()
         self.dht: DHT = start_dht(config.network, [self.validator])
         self.peer_id = str(self.dht.peer_id)
         self.subkey = owner_subkey(self.peer_id, self.validator)
-        self.start, self.end = self._pick_blocks()
-        logger.info("loading blocks %d:%d of %s from %s", self.start, self.end, self.prefix, self.files.path)
-        dtype = config.dtype or ("float32" if self.files.format.name == "native" else "bfloat16")
-        span = self.files.span(self.start, self.end, dtype)
-        if config.quant == "int8":
-            span = quantize_span_int8(span)
-        elif config.quant is not None:
-            raise ValueError(f"unknown quantization {config.quant!r}; choose int8")
-        self.span = span.to(config.device)
-        self.throughput = self._throughput()
-        self.backend = SpanBackend(self.span, config.max_concurrent_requests, config.device)
+        self.start: Optional[int] = None
+        self.end: Optional[int] = None
+        self.backend = self._load_span() if self.hosts_blocks else None
+        self.expert_backend = ExpertBackend(self.experts, config.max_concurrent_requests, config.device) if self.experts else None
+        expert_handler = ExpertHandler(
+            self.expert_backend, max_batch_tokens=config.max_batch_tokens, wire_dtype=config.wire_dtype,
+            request_timeout=config.request_timeout,
+        ) if self.expert_backend else None
         self.handler = ForwardHandler(
             self.backend, hidden_size=self.model_config.hidden_size, max_batch_tokens=config.max_batch_tokens,
             wire_dtype=config.wire_dtype, request_timeout=config.request_timeout, info=self.info,
+            experts=expert_handler,
         )
         self.state = ServerState.JOINING
         self._stop: Optional[asyncio.Event] = None
+
+    def _load_span(self) -> SpanBackend:
+        self.start, self.end = self._pick_blocks()
+        logger.info("loading blocks %d:%d of %s from %s", self.start, self.end, self.prefix, self.files.path)
+        span = self.files.span(self.start, self.end, default_dtype(self.files, self.config.dtype))
+        if self.config.quant == "int8":
+            span = quantize_span_int8(span)
+        elif self.config.quant is not None:
+            raise ValueError(f"unknown quantization {self.config.quant!r}; choose int8")
+        self.span = span.to(self.config.device)
+        self.throughput = self._throughput(lambda: measure_throughput(self.span, self.config.device))
+        return SpanBackend(self.span, self.config.max_concurrent_requests, self.config.device)
+
+    def _load_experts(self, texts: Sequence[str]) -> dict[str, HostedExpert]:
+        """Load each expert and refuse one that cannot be composed with this swarm's backbone."""
+        specs = [parse_expert_spec(text) for text in texts]
+        domains = [spec.domain for spec in specs]
+        duplicates = sorted({d for d in domains if domains.count(d) > 1})
+        if duplicates:
+            raise ValueError(f"--expert: each domain may be hosted once per server, got {', '.join(duplicates)} twice")
+        if not specs:
+            return {}
+        backbone = CompatibilityTag.of(self.model_config, self.files.tokenizer())
+        experts = {}
+        for spec in specs:
+            expert = load_expert(spec, self.config.device, self.config.dtype)
+            backbone.require_compatible(expert.tag, spec.domain)
+            expert.throughput = self._throughput(lambda: measure_expert_throughput(expert, self.config.device))
+            experts[spec.domain] = expert
+        return experts
 
     def _pick_blocks(self) -> tuple[int, int]:
         num_layers = self.model_config.num_layers
@@ -69,9 +109,9 @@ class Server:
         servers = read_servers(self.dht, self.prefix, num_layers).values()
         return choose_span(servers, num_layers, self.config.num_blocks or num_layers)
 
-    def _throughput(self) -> float:
+    def _throughput(self, measure: Callable[[], float]) -> float:
         if self.config.throughput == "auto":
-            return measure_throughput(self.span, self.config.device)
+            return measure()
         try:
             return float(self.config.throughput)
         except ValueError:
@@ -80,24 +120,46 @@ class Server:
     def record(self) -> ServerRecord:
         return ServerRecord(
             peer_id=self.peer_id, state=self.state, start=self.start, end=self.end, throughput=self.throughput,
-            public_name=self.config.public_name, version=swarm.__version__,
+            public_name=self.config.public_name, version=swarm.__version__, experts=sorted(self.experts),
         )
+
+    def expert_records(self) -> list[ExpertRecord]:
+        return [ExpertRecord(peer_id=self.peer_id, domain=domain, state=self.state, tag=expert.tag,
+                             throughput=expert.throughput, model=expert.label, public_name=self.config.public_name,
+                             version=swarm.__version__)
+                for domain, expert in sorted(self.experts.items())]
 
     def info(self) -> dict:
         return {"peer_id": self.peer_id, "prefix": self.prefix, "start": self.start, "end": self.end,
+                "experts": sorted(self.experts),
                 "state": int(self.state), "version": swarm.__version__, "hidden_size": self.model_config.hidden_size,
                 "num_layers": self.model_config.num_layers, "wire_dtype": self.config.wire_dtype,
                 "requests_served": self.handler.requests_served, "requests_failed": self.handler.requests_failed}
 
     def announce(self, timeout: float = 30.0) -> bool:
-        """Store the current record on every block key; False if the DHT did not confirm within ``timeout``."""
-        future = declare_span(self.dht, self.prefix, self.record(), self.subkey,
-                              now() + self.config.record_expiration, wait=False)
+        """Store the current records (blocks, experts); False if the DHT did not confirm within ``timeout``."""
+        expiration = now() + self.config.record_expiration
+        futures = []
+        if self.hosts_blocks:
+            futures.append(declare_span(self.dht, self.prefix, self.record(), self.subkey, expiration, wait=False))
+        if self.experts:
+            futures.append(declare_experts(self.dht, self.prefix, self.expert_records(), self.subkey, expiration,
+                                           wait=False))
+        deadline = time.monotonic() + timeout
         try:
-            return bool(future.result(timeout))
+            return all([bool(f.result(max(0.0, deadline - time.monotonic()))) for f in futures])
         except Exception as error:  # a timeout or a dead DHT process: report, never hang
             logger.warning("announcement failed: %r", error)
             return False
+
+    def describe(self) -> str:
+        """What this server hosts, for logs: ``blocks 0:4 and experts code, addition``."""
+        parts = [f"blocks {self.start}:{self.end}"] if self.hosts_blocks else []
+        parts += [f"experts {', '.join(sorted(self.experts))}"] if self.experts else []
+        return " and ".join(parts)
+
+    def in_flight(self) -> int:
+        return sum(b.in_flight for b in (self.backend, self.expert_backend) if b is not None)
 
     # ----- running -------------------------------------------------------------------------------
     async def serve(self, on_ready: Optional[Callable[["Server"], None]] = None) -> None:
@@ -110,7 +172,7 @@ class Server:
         await self.handler.add_p2p_handlers(p2p)
         self.state = ServerState.ONLINE
         await loop.run_in_executor(None, self.announce)
-        logger.info("serving blocks %d:%d of %s as %s", self.start, self.end, self.prefix, self.peer_id)
+        logger.info("serving %s of %s as %s", self.describe(), self.prefix, self.peer_id)
         if on_ready is not None:
             on_ready(self)
         while not self._stop.is_set():
@@ -125,7 +187,7 @@ class Server:
         self.handler.accepting = False
         self.state = ServerState.OFFLINE
         deadline = time.monotonic() + self.config.request_timeout
-        while self.backend.in_flight and time.monotonic() < deadline:  # let running requests finish
+        while self.in_flight() and time.monotonic() < deadline:  # let running requests finish
             await asyncio.sleep(0.05)
         if self.dht.is_alive():
             await asyncio.get_running_loop().run_in_executor(None, self.announce, 5.0)
@@ -133,6 +195,8 @@ class Server:
             await asyncio.wait_for(self.handler.remove_p2p_handlers(p2p), 5.0)
         except Exception as error:  # the daemon may already be gone; shutdown continues regardless
             logger.warning("could not remove RPC handlers: %r", error)
-        self.backend.shutdown()
+        for backend in (self.backend, self.expert_backend):
+            if backend is not None:
+                backend.shutdown()
         stop_dht(self.dht)
         logger.info("server stopped")

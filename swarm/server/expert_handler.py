@@ -1,0 +1,92 @@
+"""The expert RPC's checks and answer: every field is checked before any compute, errors are RemoteError.
+
+Wired into the server's :class:`~swarm.server.handler.ForwardHandler` (one servicer per server), which
+adds the shared shutdown check, error accounting and conversion of unexpected failures.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from hivemind.proto import runtime_pb2
+
+from swarm.protocol import ErrorCode, decode_tensor, parse_metadata, response_parts
+from swarm.server.experts import ExpertBackend, HostedExpert
+from swarm.server.validation import MAX_SESSION_ID_LENGTH, require
+
+logger = logging.getLogger(__name__)
+
+TOKEN_DTYPES = ("int64", "int32")
+MAX_RESPONSE_SCORES = 2**24  # batch x positions x vocabulary of one answer: 64 MiB in float32
+PAYLOAD_SLACK_BYTES = 64 * 1024
+
+
+class ExpertHandler:
+    def __init__(self, backend: ExpertBackend, *, max_batch_tokens: int, wire_dtype: str, request_timeout: float,
+                 max_response_scores: int = MAX_RESPONSE_SCORES):
+        self.backend = backend
+        self.max_batch_tokens = max_batch_tokens
+        self.max_payload_bytes = max_batch_tokens * 8 + PAYLOAD_SLACK_BYTES
+        self.wire_dtype = wire_dtype
+        self.request_timeout = request_timeout
+        self.max_response_scores = max_response_scores
+
+    @property
+    def domains(self) -> list[str]:
+        return sorted(self.backend.experts)
+
+    async def serve(self, request: runtime_pb2.ExpertRequest) -> list[runtime_pb2.ExpertResponse]:
+        require(request.ByteSize() <= self.max_payload_bytes, ErrorCode.TOO_LARGE,
+                f"payload over {self.max_payload_bytes} bytes")
+        metadata = parse_metadata(request.metadata)
+        expert = self._expert(metadata.get("domain"))
+        require(len(request.tensors) == 1, ErrorCode.BAD_REQUEST,
+                f"expected one tensor of token ids, got {len(request.tensors)}")
+        proto = request.tensors[0]
+        batch, length = self._declared_shape(proto, expert)
+        start, end = validate_expert_metadata(metadata, length)
+        require(batch * (end - start) * expert.config.vocab_size <= self.max_response_scores, ErrorCode.TOO_LARGE,
+                f"{batch} rows x {end - start} positions x {expert.config.vocab_size} tokens exceeds this server's "
+                f"answer limit of {self.max_response_scores} scores")
+        tokens = decode_tensor(proto)
+        require(tuple(tokens.shape) == (batch, length), ErrorCode.BAD_REQUEST,
+                f"decoded shape {tuple(tokens.shape)} differs from the declared {(batch, length)}")
+        require(bool(((tokens >= 0) & (tokens < expert.config.vocab_size)).all()), ErrorCode.BAD_REQUEST,
+                f"token ids must be in [0, {expert.config.vocab_size})")
+        log_probs = await asyncio.wait_for(self.backend.log_probs(expert, tokens, start, end), self.request_timeout)
+        return response_parts(log_probs, self.wire_dtype)
+
+    def _expert(self, domain: Any) -> HostedExpert:
+        require(isinstance(domain, str), ErrorCode.BAD_REQUEST, f"metadata 'domain' must be a string, got {domain!r}")
+        expert = self.backend.experts.get(domain)
+        require(expert is not None, ErrorCode.NO_EXPERT,
+                f"this server hosts no expert {domain!r} (it hosts: {', '.join(self.domains) or 'none'})")
+        return expert
+
+    def _declared_shape(self, proto: runtime_pb2.Tensor, expert: HostedExpert) -> tuple[int, int]:
+        """Shape and dtype as declared, checked before decoding (a forged shape never allocates)."""
+        require(proto.dtype in TOKEN_DTYPES, ErrorCode.BAD_REQUEST, f"token ids must be int64 or int32, got {proto.dtype!r}")
+        require(len(proto.size) == 2, ErrorCode.BAD_REQUEST,
+                f"token ids must have shape (batch, length), got {tuple(proto.size)}")
+        batch, length = proto.size
+        require(batch > 0 and length > 0, ErrorCode.BAD_REQUEST, f"empty batch {(batch, length)}")
+        require(batch * length <= self.max_batch_tokens, ErrorCode.TOO_LARGE,
+                f"{batch} x {length} = {batch * length} tokens exceeds this server's limit of {self.max_batch_tokens}")
+        require(length <= expert.config.max_position_embeddings, ErrorCode.TOO_LARGE,
+                f"length {length} exceeds the expert's context of {expert.config.max_position_embeddings} positions")
+        return batch, length
+
+
+def validate_expert_metadata(metadata: dict[str, Any], length: int) -> tuple[int, int]:
+    """Positions ``start:end`` inside the sequence; session id and step of the right types."""
+    start, end = metadata.get("start"), metadata.get("end")
+    require(isinstance(start, int) and isinstance(end, int), ErrorCode.BAD_REQUEST,
+            f"metadata 'start' and 'end' must be integers, got {start!r} and {end!r}")
+    require(0 <= start < end <= length, ErrorCode.BAD_REQUEST,
+            f"positions {start}:{end} requested of a sequence of {length} tokens")
+    session_id = metadata.get("session_id", "")
+    require(isinstance(session_id, str) and len(session_id) <= MAX_SESSION_ID_LENGTH, ErrorCode.BAD_REQUEST,
+            f"session_id must be a string of at most {MAX_SESSION_ID_LENGTH} characters")
+    require(isinstance(metadata.get("step", -1), int), ErrorCode.BAD_REQUEST, "step must be an integer")
+    return start, end

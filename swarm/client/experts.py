@@ -111,10 +111,12 @@ class RemoteExpert:
         self.used: list[str] = []
 
     def current(self) -> Optional[str]:
-        """The preferred server not failed in this generation nor banned by the route, if any."""
-        banned = self.sequence.banned()
+        """The preferred server not failed in this generation nor excluded by the route (banned, distrusted,
+        off the allow-list), if any."""
+        excluded = self.sequence.excluded() | self.failed_peers
+        allowed = self.sequence.allowed
         for record in self.servers:
-            if record.peer_id not in self.failed_peers and record.peer_id not in banned:
+            if record.peer_id not in excluded and (allowed is None or record.peer_id in allowed):
                 return record.peer_id
         return None
 

@@ -79,7 +79,8 @@ class Server:
             raise ValueError(f"unknown quantization {self.config.quant!r}; choose int8")
         self.span = span.to(self.config.device)
         self.throughput = self._throughput(lambda: measure_throughput(self.span, self.config.device))
-        return SpanBackend(self.span, self.config.max_concurrent_requests, self.config.device)
+        return SpanBackend(self.span, self.config.max_concurrent_requests, self.config.device,
+                           max_queued_tokens=self.config.max_queued_tokens)
 
     def _load_experts(self, texts: Sequence[str]) -> dict[str, HostedExpert]:
         """Load each expert and refuse one that cannot be composed with this swarm's backbone."""

@@ -87,11 +87,6 @@ def latency(model: str, length: int, repeats: int, latency_ms: float, threads: i
     click.echo(f"ratio swarm / local: {remote_s / local_s:.2f}x")
 
 
-def threads_option(command):
-    return click.option("--threads", type=int, default=1, show_default=True,
-                        help="torch threads for the local model and for each server (equal, for a fair ratio).")(command)
-
-
 @main.command()
 @threads_option
 @click.option("--model", default="default", show_default=True, help="Embedded model name or checkpoint directory.")

@@ -134,6 +134,15 @@ def test_auto_skips_missing_experts_with_a_warning(local_lm):
         assert any("addition" in warning for warning in result.info["warnings"])
 
 
+def test_composition_evaluation_scores_every_configuration(tiny_model_path, alpha_path):
+    from swarm.eval.composition import evaluate_composition, markdown_table
+
+    rows = evaluate_composition(str(tiny_model_path), str(alpha_path), "addition", [0.0, 1.0], examples=2)
+    assert [row.examples for row in rows] == [2, 2, 2, 2]
+    assert rows[2].samples == rows[0].samples  # weight 0: the backbone's answers
+    assert rows[3].experts == {"alpha": 1.0} and len(markdown_table(rows)) == 2 + 4
+
+
 # ----- the swarm -------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def expert_server(local_swarm, tiny_model_path, alpha_path):

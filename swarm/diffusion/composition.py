@@ -22,7 +22,7 @@ import contextlib
 import logging
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Optional, Protocol, Sequence
 
 import torch

@@ -17,7 +17,8 @@ from tqdm.auto import tqdm
 
 from swarm.diffusion.composition import DEFAULT_TAU, Composition, ExpertSource, expert_weights
 from swarm.diffusion.config import GenerationConfig
-from swarm.diffusion.sampler import Denoiser, DiffusionSampler, WindowStats
+from swarm.diffusion.sampler import Denoiser, DiffusionSampler, Halted, WindowStats
+from swarm.governance.tiers import check_tier
 from swarm.models.config import ModelConfig
 from swarm.models.tokenizer import MASK_PLACEHOLDER, Tokenizer
 
@@ -78,6 +79,18 @@ class BaseDiffusionLM(ABC):
     @abstractmethod
     def denoising_session(self, generation: GenerationConfig) -> contextlib.AbstractContextManager[Denoiser]:
         """A denoiser for one generation (remote sessions are opened and closed around it)."""
+
+    def begin_request(self, prompt: str | Sequence[int], prompt_ids: Sequence[int], tier: Optional[str]) -> dict[str, Any]:
+        """Per-request policy before any compute (the swarm client classifies the safety tier here).
+
+        Returns details added to the result's ``info``.
+        """
+        if tier is not None:
+            check_tier(tier)
+        return {}
+
+    def finish_request(self, result: "GenerationResult") -> None:
+        """Called with every result (the swarm client writes its audit record here)."""
 
     def run_info(self) -> dict[str, Any]:
         """Details added to each result (the distributed client reports its route)."""
@@ -141,7 +154,7 @@ class BaseDiffusionLM(ABC):
 
     def generate_stream(
         self, prompt: str | Sequence[int], *, progress: bool = False, chat: bool = False, experts: Any = None,
-        expert_tau: float = DEFAULT_TAU, corrector_steps: int = 0, **kwargs: Any
+        expert_tau: float = DEFAULT_TAU, corrector_steps: int = 0, tier: Optional[str] = None, **kwargs: Any
     ) -> Iterator[StreamChunk]:
         """Yield the partially unmasked text after every step; the last chunk carries the result.
 
@@ -154,6 +167,9 @@ class BaseDiffusionLM(ABC):
         >= 0) or ``"auto"`` (chosen from the prompt); ``expert_tau`` bounds each expert's per-token shift;
         ``corrector_steps`` re-predicts the least confident decided tokens after each step. Per-step
         telemetry is in ``StreamChunk.telemetry`` and ``GenerationResult.telemetry`` (docs/EXPERTS.md).
+
+        ``tier`` asks for a stricter safety tier than the prompt's own (docs/GOVERNANCE.md). A governance
+        halt ends the stream with ``finish_reason == "halted"`` and ``info["halt"]``.
         """
         generation = make_generation_config(**kwargs)
         prompt_ids = self.encode_prompt(prompt, chat=chat)
@@ -163,6 +179,7 @@ class BaseDiffusionLM(ABC):
                 f"context of {self.config.max_position_embeddings} positions"
             )
         started = time.perf_counter()
+        request_info = self.begin_request(prompt, prompt_ids, tier)
         composition = self.composition(generation, prompt_ids, experts, expert_tau, corrector_steps)
         telemetry: list[dict] = []
         bar = tqdm(total=generation.gen_length, desc="denoising", unit="tok", disable=not progress, leave=False)
@@ -172,18 +189,27 @@ class BaseDiffusionLM(ABC):
             else:
                 sampler = composition.sampler(denoiser, self.eos_token_ids())
             state = sampler.initial_state(prompt_ids)
-            for event in sampler.iterate(prompt_ids):
-                state = event.tokens
-                bar.update(len(event.unmasked))
-                step_telemetry = composition.telemetry(event.step) if composition else event.telemetry
-                if composition:
-                    telemetry.append(step_telemetry)
-                yield StreamChunk(
-                    step=event.step, block=event.block, masked_left=event.masked_left,
-                    text=self.tokenizer.decode(state[len(prompt_ids):].tolist(), mask_placeholder=MASK_PLACEHOLDER),
-                    telemetry=step_telemetry,
-                )
+            halt: Optional[Halted] = None
+            try:
+                for event in sampler.iterate(prompt_ids):
+                    state = event.tokens
+                    bar.update(len(event.unmasked))
+                    step_telemetry = composition.telemetry(event.step) if composition else event.telemetry
+                    if composition:
+                        telemetry.append(step_telemetry)
+                    yield StreamChunk(
+                        step=event.step, block=event.block, masked_left=event.masked_left,
+                        text=self.tokenizer.decode(state[len(prompt_ids):].tolist(), mask_placeholder=MASK_PLACEHOLDER),
+                        telemetry=step_telemetry,
+                    )
+            except Halted as stop:  # e.g. a governance halt: stop cleanly, say why and where
+                halt = stop
             result = self._result(prompt_ids, state, sampler, time.perf_counter() - started, composition, telemetry)
+            if halt is not None:
+                result.finish_reason = "halted"
+                result.info["halt"] = {"reason": halt.reason, "step": halt.step, **halt.details}
+            result.info.update(request_info)
+            self.finish_request(result)
         yield StreamChunk(step=result.steps - 1, block=-1, text=result.text, masked_left=0, done=True, result=result)
 
     def _result(self, prompt_ids: list[int], state: torch.Tensor, sampler: DiffusionSampler, elapsed: float,

@@ -29,6 +29,10 @@ class ClientConfig:
     spot_check_rtol: float = 1e-3  # relative difference tolerated between two servers (float32 wire)
     spot_check_seed: int = 0  # which hops get checked is drawn from this seed: reproducible
     trusted_peers: tuple[str, ...] = ()  # allow-list of peer ids for restricted requests
+    tier_rules_path: Optional[str] = None  # JSON rules and policies for safety tiers (default rules if None)
+    governance_keys: tuple[str, ...] = ()  # trusted governance public keys (also $SWARM_GOVERNANCE_KEYS)
+    governance_ttl: float = 0.0  # seconds a read of the halt records is reused; 0 reads before every step
+    audit_log: Optional[str] = None  # JSON-lines file: one record per generation
     # Benchmarks only: user-space delay added to every call to a server (these machines have no netem).
     inject_latency: float = 0.0  # seconds per hop
     inject_jitter: float = 0.0  # extra uniform random seconds per hop

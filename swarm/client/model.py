@@ -19,6 +19,9 @@ from swarm.diffusion.config import GenerationConfig
 from swarm.diffusion.sampler import DenoiseContext, Denoiser
 from swarm.dht.node import start_dht, stop_dht
 from swarm.dht.schema import default_prefix
+from swarm.governance.audit import AuditLog
+from swarm.governance.guard import GovernanceGuard
+from swarm.governance.tiers import TierRules
 from swarm.lm import BaseDiffusionLM
 from swarm.models.loading import DEFAULT_MODEL, ModelFiles
 from swarm.utils.event_loop import BackgroundLoop
@@ -47,6 +50,10 @@ class DistributedDiffusionLM(BaseDiffusionLM):
         self.p2p = self.loop.run(self.dht.replicate_p2p())
         self.caller = ExpertCaller(self.p2p, config.wire_dtype, config.inject_latency, config.inject_jitter)
         self.sequence = RemoteSequence(self.dht, self.caller, self.loop, self.prefix, self.config.num_layers, config)
+        self.guard = GovernanceGuard(self.dht, self.prefix, config.governance_keys, ttl=config.governance_ttl)
+        self.tier_rules = TierRules.from_file(config.tier_rules_path) if config.tier_rules_path else TierRules()
+        self.audit = AuditLog(config.audit_log)
+        self._spot_checks_seen = self._failovers_seen = 0
 
     @classmethod
     def from_pretrained(
@@ -76,6 +83,7 @@ class DistributedDiffusionLM(BaseDiffusionLM):
         session_id = uuid.uuid4().hex
 
         def denoise(tokens: torch.Tensor, context: DenoiseContext) -> torch.Tensor:
+            self.guard.check(context.steps[0])  # a valid governance halt stops before this step
             return self.logits(tokens, session_id, context.steps[0])
 
         yield denoise
@@ -88,9 +96,34 @@ class DistributedDiffusionLM(BaseDiffusionLM):
             timeout=self.client_config.request_timeout, required=required,
         )
 
+    def begin_request(self, prompt: str | Sequence[int], prompt_ids: Sequence[int], tier: Optional[str]) -> dict[str, Any]:
+        """Classify the safety tier and apply its policy: spot-check fraction, trusted servers only."""
+        text = prompt if isinstance(prompt, str) else self.tokenizer.decode(list(prompt_ids))
+        tier = self.tier_rules.classify(text, tier)
+        policy = self.tier_rules.policies[tier]
+        self.sequence.spot_checker.fraction = max(self.client_config.spot_check_fraction, policy.spot_check_fraction)
+        if policy.trusted_only and not self.client_config.trusted_peers:
+            raise ValueError(f"a {tier} request may only use trusted servers: set ClientConfig.trusted_peers")
+        allowed = frozenset(self.client_config.trusted_peers) if policy.trusted_only else None
+        if allowed != self.sequence.allowed:
+            self.sequence.allowed = allowed
+            self.sequence.route = []  # rebuilt under the new policy
+        self._spot_checks_seen = len(self.sequence.spot_checker.outcomes)
+        self._failovers_seen = len(self.sequence.failovers)
+        return {"tier": tier}
+
     def run_info(self) -> dict[str, Any]:
+        outcomes = self.sequence.spot_checker.outcomes[self._spot_checks_seen:]
         return {"route": [str(hop) for hop in self.sequence.route],
-                "failovers": [vars(event) for event in self.sequence.failovers]}
+                "failovers": [vars(event) for event in self.sequence.failovers[self._failovers_seen:]],
+                "spot_checks": [outcome.as_dict() for outcome in outcomes],
+                "distrusted": sorted(self.sequence.distrusted)}
+
+    def finish_request(self, result) -> None:
+        self.audit.write({"prefix": self.prefix, "prompt_tokens": len(result.prompt_ids), "tier": result.info.get("tier"),
+                          "route": result.info.get("route"), "failovers": result.info.get("failovers"),
+                          "spot_checks": result.info.get("spot_checks"), "halt": result.info.get("halt"),
+                          "finish_reason": result.finish_reason, "steps": result.steps})
 
     # ----- route and lifecycle ----------------------------------------------------------------------
     def show_route(self) -> list[RouteHop]:

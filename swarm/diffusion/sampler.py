@@ -37,6 +37,17 @@ class Denoiser(Protocol):
         ...
 
 
+class Halted(Exception):
+    """Raised by a denoiser to stop a generation cleanly before ``step`` (e.g. a governance halt).
+
+    The generation front end turns it into a result whose ``finish_reason`` is ``"halted"``.
+    """
+
+    def __init__(self, step: int, reason: str, details: Optional[dict] = None):
+        self.step, self.reason, self.details = step, reason, details or {}
+        super().__init__(f"halted before step {step}: {reason}")
+
+
 @dataclass
 class StepEvent:
     """One accepted step of the trajectory."""

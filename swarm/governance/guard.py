@@ -7,18 +7,20 @@ from typing import Iterable, Optional
 
 from hivemind.dht import DHT
 
+from swarm.diffusion.sampler import Halted
 from swarm.governance.keys import parse_public_key, public_keys_from_env
 from swarm.governance.records import Decision, GovernanceState
 
 logger = logging.getLogger(__name__)
 
 
-class SwarmHalted(RuntimeError):
+class SwarmHalted(Halted):
     """The swarm's governance halted generation; carries the decision and the step it stopped before."""
 
     def __init__(self, decision: Decision, step: int):
-        self.decision, self.step = decision, step
-        super().__init__(f"halted by governance before step {step}: {decision.reason or 'no reason given'}")
+        self.decision = decision
+        super().__init__(step, decision.reason or "no reason given",
+                         {"signer": decision.signer, "signed_at": decision.timestamp})
 
 
 class GovernanceGuard:

@@ -41,6 +41,8 @@ def print_ready(server: Server) -> None:
 @click.option("--update-period", type=float, default=ServerConfig.update_period, help="Seconds between DHT announcements (records expire after 2.5x).")
 @click.option("--wire-dtype", type=click.Choice(["float32", "float16"]), default="float32", help="dtype of returned activations; float16 halves traffic but is not exact.")
 @click.option("--compute-threads", type=int, default=None, help="torch CPU threads for compute (default: torch's choice).")
+@click.option("--governance-key", "governance_keys", multiple=True, help="Trusted governance public key (base64 or a file holding it; repeatable; default $SWARM_GOVERNANCE_KEYS). While a halt signed by one of them stands, the server refuses new steps.")
+@click.option("--max-queued-tokens", type=int, default=ServerConfig.max_queued_tokens, help="Tokens (batch x length) in compute or waiting, summed over requests; more are refused as busy.")
 @click.option("--log-level", type=click.Choice(["DEBUG", "INFO", "WARNING"]), default="INFO", help="Logging verbosity.")
 def main(blocks: str | None, experts: tuple[str, ...], log_level: str, **options) -> None:
     """Host a span of a model's transformer blocks and/or expert models, and announce them on the swarm's DHT."""

@@ -23,6 +23,8 @@ class ServerConfig:
     max_concurrent_requests: int = 32  # in compute or waiting for it; more get a BUSY error
     max_queued_tokens: int = 65536  # batch x length summed over requests in compute or waiting
     request_timeout: float = 60.0
+    governance_keys: tuple[str, ...] = ()  # trusted governance public keys (also $SWARM_GOVERNANCE_KEYS)
+    governance_poll: float = 2.0  # seconds between reads of the governance records
     update_period: float = 15.0  # seconds between DHT announcements
     expiration: Optional[float] = None  # record lifetime; default 2.5 x update_period
     wire_dtype: str = "float32"  # "float16" halves the bytes (not exact)

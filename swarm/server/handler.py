@@ -40,6 +40,7 @@ class ForwardHandler(SpanService):
         self.request_timeout = request_timeout
         self.info = info
         self.accepting = True
+        self.halt_reason: Optional[str] = None  # set while a valid governance halt stands
         self.requests_served = 0
         self.requests_failed = 0
 
@@ -78,6 +79,7 @@ class ForwardHandler(SpanService):
         """Run ``work`` unless shutting down; every failure becomes a structured error response."""
         try:
             require(self.accepting, ErrorCode.SHUTTING_DOWN, "server is shutting down")
+            require(self.halt_reason is None, ErrorCode.HALTED, f"the swarm is halted by governance: {self.halt_reason}")
             parts = await work()
             self.requests_served += 1
             return parts

@@ -18,6 +18,7 @@ from swarm.dht.schema import (
     ExpertRecord, ServerRecord, ServerState, declare_experts, declare_span, default_prefix, now, owner_subkey,
     read_servers,
 )
+from swarm.governance.guard import GovernanceGuard
 from swarm.models.loading import ModelFiles
 from swarm.models.quantization import quantize_span_int8
 from swarm.server.backend import SpanBackend
@@ -53,6 +54,7 @@ class Server:
         self.dht: DHT = start_dht(config.network, [self.validator])
         self.peer_id = str(self.dht.peer_id)
         self.subkey = owner_subkey(self.peer_id, self.validator)
+        self.governance = GovernanceGuard(self.dht, self.prefix, config.governance_keys, ttl=0.0)
         self.start: Optional[int] = None
         self.end: Optional[int] = None
         self.backend = self._load_span() if self.hosts_blocks else None
@@ -176,12 +178,26 @@ class Server:
         logger.info("serving %s of %s as %s", self.describe(), self.prefix, self.peer_id)
         if on_ready is not None:
             on_ready(self)
+        watcher = asyncio.create_task(self._watch_governance()) if self.governance.enabled else None
         while not self._stop.is_set():
             try:
                 await asyncio.wait_for(self._stop.wait(), self.config.update_period)
             except asyncio.TimeoutError:
                 await loop.run_in_executor(None, self.announce)  # the store blocks: keep the loop serving
+        if watcher is not None:
+            watcher.cancel()
         await self._leave(p2p)
+
+    async def _watch_governance(self) -> None:
+        """Refuse new steps while a valid signed halt stands; serve again after a newer resume."""
+        loop = asyncio.get_running_loop()
+        while True:
+            decision = await loop.run_in_executor(None, self.governance.current)
+            reason = (decision.reason or "no reason given") if decision is not None and decision.halted else None
+            if reason != self.handler.halt_reason:
+                logger.warning("governance: %s", f"halted ({reason})" if reason else "resumed")
+                self.handler.halt_reason = reason
+            await asyncio.sleep(self.config.governance_poll)
 
     async def _leave(self, p2p) -> None:
         logger.info("shutting down: announcing offline")

@@ -11,6 +11,9 @@ from swarm.models.config import ModelConfig
 from swarm.models.modules import DiffusionTransformer
 from swarm.models.tokenizer import ByteTokenizer
 
+# Tests run beside servers on small machines: one torch thread avoids oversubscribed, spinning thread pools.
+torch.set_num_threads(1)
+
 
 def tiny_config(**changes) -> ModelConfig:
     tok = ByteTokenizer()

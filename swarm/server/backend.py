@@ -4,7 +4,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from concurrent.futures import ThreadPoolExecutor
-from typing import Optional
+from typing import Callable, Optional, TypeVar
 
 import torch
 
@@ -13,21 +13,57 @@ from swarm.protocol import ErrorCode, RemoteError
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
+
+class ComputeQueue:
+    """One compute thread with admission control: work beyond the request or token bounds is refused as busy.
+
+    Requests run one at a time in arrival order (torch uses its own threads inside each), so a bound on
+    what may wait is what keeps a server's memory and latency in check.
+    """
+
+    def __init__(self, max_concurrent: int, max_queued_tokens: Optional[int] = None, name: str = "compute"):
+        self.max_concurrent = max_concurrent
+        self.max_queued_tokens = max_queued_tokens
+        self.in_flight = 0
+        self.queued_tokens = 0
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+
+    async def run(self, tokens: int, fn: Callable[..., T], *args) -> T:
+        if self.in_flight >= self.max_concurrent:
+            raise RemoteError(ErrorCode.BUSY, f"server busy: {self.in_flight} requests in flight")
+        if self.max_queued_tokens is not None and self.in_flight and self.queued_tokens + tokens > self.max_queued_tokens:
+            raise RemoteError(ErrorCode.BUSY, f"server busy: {self.queued_tokens} tokens queued")
+        self.in_flight += 1
+        self.queued_tokens += tokens
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+        finally:
+            self.in_flight -= 1
+            self.queued_tokens -= tokens
+
+    def shutdown(self) -> None:
+        self.executor.shutdown(wait=True, cancel_futures=True)
+
 
 class SpanBackend:
-    """Runs forward passes of one span; refuses work beyond ``max_concurrent`` instead of queueing forever."""
+    """Runs forward passes of one span; refuses work beyond its bounds instead of queueing forever."""
 
     def __init__(self, span: BlockSpan, max_concurrent: int, device: str = "cpu",
                  max_queued_tokens: Optional[int] = None):
         self.span = span
         self.device = torch.device(device)
         self.dtype = next(span.parameters()).dtype
-        self.max_concurrent = max_concurrent
-        self.max_queued_tokens = max_queued_tokens
-        self.in_flight = 0
-        self.queued_tokens = 0
-        # One compute thread: requests run one at a time in arrival order, torch uses its own threads inside.
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="span-compute")
+        self.queue = ComputeQueue(max_concurrent, max_queued_tokens, "span-compute")
+
+    @property
+    def in_flight(self) -> int:
+        return self.queue.in_flight
+
+    @property
+    def queued_tokens(self) -> int:
+        return self.queue.queued_tokens
 
     @property
     def start(self) -> int:
@@ -44,19 +80,7 @@ class SpanBackend:
         return x.float().cpu()
 
     async def forward(self, hidden: torch.Tensor, start: int, end: int) -> torch.Tensor:
-        tokens = hidden.shape[0] * hidden.shape[1]
-        if self.in_flight >= self.max_concurrent:
-            raise RemoteError(ErrorCode.BUSY, f"server busy: {self.in_flight} requests in flight")
-        if self.max_queued_tokens is not None and self.in_flight and self.queued_tokens + tokens > self.max_queued_tokens:
-            raise RemoteError(ErrorCode.BUSY, f"server busy: {self.queued_tokens} tokens queued")
-        self.in_flight += 1
-        self.queued_tokens += tokens
-        try:
-            loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(self.executor, self.forward_sync, hidden, start, end)
-        finally:
-            self.in_flight -= 1
-            self.queued_tokens -= tokens
+        return await self.queue.run(hidden.shape[0] * hidden.shape[1], self.forward_sync, hidden, start, end)
 
     def shutdown(self) -> None:
-        self.executor.shutdown(wait=True, cancel_futures=True)
+        self.queue.shutdown()

@@ -6,11 +6,9 @@ client composes those with the backbone's (:mod:`swarm.diffusion.composition`).
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 import re
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Optional
 
@@ -21,7 +19,7 @@ from swarm.dht.schema import default_prefix
 from swarm.models.config import ModelConfig
 from swarm.models.loading import ModelFiles
 from swarm.models.modules import DiffusionTransformer
-from swarm.protocol import ErrorCode, RemoteError
+from swarm.server.backend import ComputeQueue
 
 logger = logging.getLogger(__name__)
 
@@ -86,14 +84,17 @@ def measure_expert_throughput(expert: HostedExpert, device: str = "cpu", repeats
 
 
 class ExpertBackend:
-    """Runs hosted experts on one compute thread; refuses work beyond ``max_concurrent`` as busy."""
+    """Runs hosted experts on one compute thread; refuses work beyond its bounds as busy."""
 
-    def __init__(self, experts: dict[str, HostedExpert], max_concurrent: int, device: str = "cpu"):
+    def __init__(self, experts: dict[str, HostedExpert], max_concurrent: int, device: str = "cpu",
+                 max_queued_tokens: Optional[int] = None):
         self.experts = experts
         self.device = torch.device(device)
-        self.max_concurrent = max_concurrent
-        self.in_flight = 0
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="expert-compute")
+        self.queue = ComputeQueue(max_concurrent, max_queued_tokens, "expert-compute")
+
+    @property
+    def in_flight(self) -> int:
+        return self.queue.in_flight
 
     @torch.inference_mode()
     def log_probs_sync(self, expert: HostedExpert, tokens: torch.Tensor, start: int, end: int) -> torch.Tensor:
@@ -101,14 +102,7 @@ class ExpertBackend:
         return block_log_probs(logits, start, end).cpu()
 
     async def log_probs(self, expert: HostedExpert, tokens: torch.Tensor, start: int, end: int) -> torch.Tensor:
-        if self.in_flight >= self.max_concurrent:
-            raise RemoteError(ErrorCode.BUSY, f"server busy: {self.in_flight} expert requests in flight")
-        self.in_flight += 1
-        try:
-            loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(self.executor, self.log_probs_sync, expert, tokens, start, end)
-        finally:
-            self.in_flight -= 1
+        return await self.queue.run(tokens.numel(), self.log_probs_sync, expert, tokens, start, end)
 
     def shutdown(self) -> None:
-        self.executor.shutdown(wait=True, cancel_futures=True)
+        self.queue.shutdown()

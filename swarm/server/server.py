@@ -58,7 +58,8 @@ class Server:
         self.start: Optional[int] = None
         self.end: Optional[int] = None
         self.backend = self._load_span() if self.hosts_blocks else None
-        self.expert_backend = ExpertBackend(self.experts, config.max_concurrent_requests, config.device) if self.experts else None
+        self.expert_backend = ExpertBackend(self.experts, config.max_concurrent_requests, config.device,
+                                            config.max_queued_tokens) if self.experts else None
         expert_handler = ExpertHandler(
             self.expert_backend, max_batch_tokens=config.max_batch_tokens, wire_dtype=config.wire_dtype,
             request_timeout=config.request_timeout,

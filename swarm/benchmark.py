@@ -27,15 +27,15 @@ PROMPT = "The government said"
 
 
 @contextlib.contextmanager
-def two_server_swarm(model: str, threads: int) -> Iterator[LocalSwarm]:
-    """A bootstrap peer and two servers holding the two halves of ``model``."""
+def two_server_swarm(model: str, threads: int, replica: bool = False) -> Iterator[LocalSwarm]:
+    """A bootstrap peer and two servers holding the two halves of ``model`` (plus a full replica)."""
     num_layers = ModelFiles(model).config.num_layers
     half = num_layers // 2
+    spans = [f"0:{half}", f"{half}:{num_layers}"] + ([f"0:{num_layers}"] if replica else [])
     with LocalSwarm() as swarm:
-        click.echo(f"starting a bootstrap peer and servers 0:{half}, {half}:{num_layers} on 127.0.0.1 ...", err=True)
+        click.echo(f"starting a bootstrap peer and servers {', '.join(spans)} on 127.0.0.1 ...", err=True)
         swarm.start_bootstrap()
-        servers = [swarm.start_server(model, span, "--compute-threads", str(threads), wait=False)
-                   for span in (f"0:{half}", f"{half}:{num_layers}")]
+        servers = [swarm.start_server(model, span, "--compute-threads", str(threads), wait=False) for span in spans]
         for server in servers:
             swarm.wait_ready(server)
         yield swarm
@@ -125,6 +125,32 @@ def picard(model: str, windows: str, latencies_ms: str, gen_length: int, steps: 
                         click.echo(f"{name:>15}{delay:>7g}{w:>4}{result.denoiser_calls:>13}{result.states_evaluated:>13}"
                                    f"{result.elapsed_s:>9.2f}{base.denoiser_calls / result.denoiser_calls:>12.2f}x"
                                    f"{base.elapsed_s / result.elapsed_s:>9.2f}x{str(same):>11}")
+
+
+@main.command()
+@threads_option
+@click.option("--model", default="default", show_default=True, help="Embedded model name or checkpoint directory.")
+@click.option("--latency-ms", type=float, default=50.0, show_default=True, help="Injected delay per hop in milliseconds.")
+@click.option("--remasking", default="random", show_default=True, help="Remasking strategy of the request.")
+@click.option("--prompt", default=PROMPT, show_default=True, help="Prompt text.")
+def scale(model: str, latency_ms: float, remasking: str, prompt: str, threads: int) -> None:
+    """One request at scale local, auto and max, through two servers and a full replica."""
+    torch.set_num_threads(threads)
+    settings = dict(gen_length=64, steps=64, block_length=32, remasking=remasking)
+    with two_server_swarm(model, threads, replica=True) as swarm:
+        with DistributedDiffusionLM.from_pretrained(model, initial_peers=swarm.initial_peers,
+                                                    inject_latency=latency_ms / 1000) as lm:
+            lm.generate(prompt, gen_length=32, steps=8, block_length=32)  # warm-up
+            click.echo(f"{'scale':>6}{'wall s':>9}{'round trips':>13}{'spot checks':>13}{'experts':>9}  same tokens as local")
+            reference = None
+            for name in ("local", "auto", "max"):
+                result = lm.generate(prompt, scale=name, **settings)
+                reference = reference or result
+                experts = ",".join(result.info.get("experts", {}).get("weights", {}) or []) or "-"
+                click.echo(f"{name:>6}{result.elapsed_s:>9.2f}{result.denoiser_calls:>13}"
+                           f"{len(result.info.get('spot_checks', [])):>13}{experts:>9}  "
+                           f"{result.token_ids == reference.token_ids}")
+
 
 if __name__ == "__main__":
     main()

@@ -19,6 +19,7 @@ from swarm.diffusion.composition import DEFAULT_TAU, Composition, ExpertSource, 
 from swarm.diffusion.config import GenerationConfig
 from swarm.diffusion.sampler import Denoiser, DiffusionSampler, Halted, WindowStats
 from swarm.governance.tiers import check_tier
+from swarm.scale import ScalePlan, plan_scale
 from swarm.models.config import ModelConfig
 from swarm.models.tokenizer import MASK_PLACEHOLDER, Tokenizer
 
@@ -75,12 +76,14 @@ class BaseDiffusionLM(ABC):
 
     config: ModelConfig
     tokenizer: Tokenizer
+    remote = False  # True when every denoiser call is a round trip through the network
 
     @abstractmethod
     def denoising_session(self, generation: GenerationConfig) -> contextlib.AbstractContextManager[Denoiser]:
         """A denoiser for one generation (remote sessions are opened and closed around it)."""
 
-    def begin_request(self, prompt: str | Sequence[int], prompt_ids: Sequence[int], tier: Optional[str]) -> dict[str, Any]:
+    def begin_request(self, prompt: str | Sequence[int], prompt_ids: Sequence[int], tier: Optional[str],
+                      plan: ScalePlan) -> dict[str, Any]:
         """Per-request policy before any compute (the swarm client classifies the safety tier here).
 
         Returns details added to the result's ``info``.
@@ -154,7 +157,8 @@ class BaseDiffusionLM(ABC):
 
     def generate_stream(
         self, prompt: str | Sequence[int], *, progress: bool = False, chat: bool = False, experts: Any = None,
-        expert_tau: float = DEFAULT_TAU, corrector_steps: int = 0, tier: Optional[str] = None, **kwargs: Any
+        expert_tau: float = DEFAULT_TAU, corrector_steps: int = 0, tier: Optional[str] = None, scale: str = "auto",
+        **kwargs: Any
     ) -> Iterator[StreamChunk]:
         """Yield the partially unmasked text after every step; the last chunk carries the result.
 
@@ -169,8 +173,13 @@ class BaseDiffusionLM(ABC):
         telemetry is in ``StreamChunk.telemetry`` and ``GenerationResult.telemetry`` (docs/EXPERTS.md).
 
         ``tier`` asks for a stricter safety tier than the prompt's own (docs/GOVERNANCE.md). A governance
-        halt ends the stream with ``finish_reason == "halted"`` and ``info["halt"]``.
+        halt ends the stream with ``finish_reason == "halted"`` and ``info["halt"]``. ``scale`` (``local``,
+        ``auto``, ``max``) sizes how much of the swarm the request uses (:mod:`swarm.scale`).
         """
+        settings = dict(kwargs, experts=experts)
+        plan = plan_scale(scale, settings, remote=self.remote)
+        experts = settings.pop("experts")
+        kwargs = settings
         generation = make_generation_config(**kwargs)
         prompt_ids = self.encode_prompt(prompt, chat=chat)
         if len(prompt_ids) + generation.gen_length > self.config.max_position_embeddings:
@@ -179,7 +188,7 @@ class BaseDiffusionLM(ABC):
                 f"context of {self.config.max_position_embeddings} positions"
             )
         started = time.perf_counter()
-        request_info = self.begin_request(prompt, prompt_ids, tier)
+        request_info = {**self.begin_request(prompt, prompt_ids, tier, plan), **plan.info()}
         composition = self.composition(generation, prompt_ids, experts, expert_tau, corrector_steps)
         telemetry: list[dict] = []
         bar = tqdm(total=generation.gen_length, desc="denoising", unit="tok", disable=not progress, leave=False)

@@ -110,3 +110,33 @@ def test_picard_windows_through_swarm_equal_sequential_local(remote_lm, local_lm
     assert parallel.denoiser_calls <= sequential.denoiser_calls
     assert sum(w.accepted for w in parallel.windows) == 16
     assert parallel.states_evaluated == window * parallel.denoiser_calls
+
+
+def test_scale_local_auto_and_max(remote_lm, local_lm):
+    kwargs = dict(gen_length=16, steps=16, block_length=8, seed=4, remasking="random")
+    expected = local_lm.generate("scale", **kwargs)
+    local = remote_lm.generate("scale", scale="local", **kwargs)
+    assert local.info["scale"] == "local" and local.info["route"] == ["local"]
+    auto = remote_lm.generate("scale", **kwargs)
+    assert auto.info["scale"] == "auto" and auto.denoiser_calls < auto.steps, "auto uses Picard windows"
+    maximal = remote_lm.generate("scale", scale="max", experts={}, **kwargs)
+    assert maximal.info["scale"] == "max" and maximal.info["spot_checks"], "max re-runs hops on replicas"
+    for result in (local, auto, maximal):
+        assert result.token_ids == expected.token_ids
+    with pytest.raises(ValueError, match="unknown scale"):
+        remote_lm.generate("scale", scale="huge", **kwargs)
+
+
+def test_scale_local_needs_every_block_locally(local_swarm, tmp_path):
+    """A client whose checkpoint holds only the embeddings and head cannot run locally."""
+    from swarm.models.checkpoint import CheckpointReader, save_checkpoint
+    from swarm.models.loading import ModelFiles
+
+    full = make_checkpoint(tmp_path / "full", tiny_config(), seed=0)
+    reader = CheckpointReader(full)
+    names = [n for n in reader.weight_map if not n.startswith("blocks.")]
+    save_checkpoint(tmp_path / "client_only", ModelFiles(full).config, reader.read(names))
+    with DistributedDiffusionLM.from_pretrained(tmp_path / "client_only", initial_peers=local_swarm.initial_peers,
+                                                dht_prefix="tiny") as lm:
+        with pytest.raises(ValueError, match="lacks blocks 0:4"):
+            lm.generate("x", scale="local", gen_length=8, steps=8, block_length=8)

@@ -12,7 +12,7 @@ from hivemind.dht import DHT
 
 from swarm.client.config import ClientConfig, client_network
 from swarm.client.experts import ExpertCaller, RemoteExpert, open_remote_experts
-from swarm.client.routing import RouteHop
+from swarm.client.routing import RouteHop, compress_ranges
 from swarm.client.sequence import RemoteSequence
 from swarm.diffusion.composition import CompatibilityTag
 from swarm.diffusion.config import GenerationConfig
@@ -22,7 +22,9 @@ from swarm.dht.schema import default_prefix
 from swarm.governance.audit import AuditLog
 from swarm.governance.guard import GovernanceGuard
 from swarm.governance.tiers import TierRules
-from swarm.lm import BaseDiffusionLM
+from swarm.lm import BaseDiffusionLM, StreamChunk
+from swarm.local import DiffusionLM
+from swarm.scale import ScalePlan, check_scale
 from swarm.models.loading import DEFAULT_MODEL, ModelFiles
 from swarm.utils.event_loop import BackgroundLoop
 
@@ -35,6 +37,8 @@ class DistributedDiffusionLM(BaseDiffusionLM):
     ``DistributedDiffusionLM.from_pretrained("default", initial_peers=[...])`` reads only the tokenizer,
     embeddings, final norm and head; each denoising step goes through a route of servers covering every block.
     """
+
+    remote = True
 
     def __init__(self, files: ModelFiles, config: ClientConfig, dht: Optional[DHT] = None):
         self.files = files
@@ -54,6 +58,7 @@ class DistributedDiffusionLM(BaseDiffusionLM):
         self.tier_rules = TierRules.from_file(config.tier_rules_path) if config.tier_rules_path else TierRules()
         self.audit = AuditLog(config.audit_log)
         self._spot_checks_seen = self._failovers_seen = 0
+        self._local: Optional[DiffusionLM] = None
 
     @classmethod
     def from_pretrained(
@@ -96,12 +101,34 @@ class DistributedDiffusionLM(BaseDiffusionLM):
             timeout=self.client_config.request_timeout, required=required,
         )
 
-    def begin_request(self, prompt: str | Sequence[int], prompt_ids: Sequence[int], tier: Optional[str]) -> dict[str, Any]:
+    def generate_stream(self, prompt: str | Sequence[int], *, scale: str = "auto", **kwargs: Any) -> Iterator[StreamChunk]:
+        """As :meth:`BaseDiffusionLM.generate_stream`; ``scale="local"`` runs in this process alone."""
+        if check_scale(scale) != "local":
+            yield from super().generate_stream(prompt, scale=scale, **kwargs)
+            return
+        for chunk in self.local_model().generate_stream(prompt, scale="local", **kwargs):
+            if chunk.result is not None:
+                chunk.result.info.update(route=["local"], failovers=[], spot_checks=[])
+            yield chunk
+
+    def local_model(self) -> DiffusionLM:
+        """The whole model in this process, for ``scale="local"``: only when the checkpoint has every block."""
+        if self._local is None:
+            missing = [i for i in range(self.config.num_layers) if not self.files.reader.has(f"blocks.{i}.attn_norm.weight")]
+            if missing:
+                raise ValueError(f"scale='local' needs every block's weights locally; {self.files.path} lacks "
+                                 f"blocks {compress_ranges(missing)}")
+            self._local = DiffusionLM(self.files.full_model(), self.tokenizer, self.files.path)
+        return self._local
+
+    def begin_request(self, prompt: str | Sequence[int], prompt_ids: Sequence[int], tier: Optional[str],
+                      plan: ScalePlan) -> dict[str, Any]:
         """Classify the safety tier and apply its policy: spot-check fraction, trusted servers only."""
         text = prompt if isinstance(prompt, str) else self.tokenizer.decode(list(prompt_ids))
         tier = self.tier_rules.classify(text, tier)
         policy = self.tier_rules.policies[tier]
-        self.sequence.spot_checker.fraction = max(self.client_config.spot_check_fraction, policy.spot_check_fraction)
+        self.sequence.spot_checker.fraction = max(self.client_config.spot_check_fraction, policy.spot_check_fraction,
+                                                  plan.spot_check_fraction)
         if policy.trusted_only and not self.client_config.trusted_peers:
             raise ValueError(f"a {tier} request may only use trusted servers: set ClientConfig.trusted_peers")
         allowed = frozenset(self.client_config.trusted_peers) if policy.trusted_only else None

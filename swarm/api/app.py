@@ -87,6 +87,7 @@ async def respond(engine: GenerationEngine, request: OpenAIFields, make_prompt: 
     try:
         settings = request.generation_kwargs()
         engine.check_settings(settings)
+        settings.update(request.request_kwargs())
         prompt = await asyncio.to_thread(make_prompt)  # chat templates may tokenise a long conversation
         chunks = engine.stream(prompt, settings)
         first = await anext(chunks)

@@ -54,16 +54,17 @@ def as_api_error(error: BaseException) -> APIError:
     """Map an exception from generation to the status a client should see.
 
     The sampler and the tokenizer raise ValueError for bad settings and prompts (400); the engine's busy
-    signal and a swarm with uncovered blocks are temporary (503); anything else is our fault (500).
+    signal, a swarm with uncovered blocks and an expert no server hosts are temporary (503); anything else is our fault (500).
     """
     from swarm.api.engine import EngineBusy
     from swarm.client.routing import MissingBlocksError
+    from swarm.diffusion.composition import ExpertNotFoundError
 
     if isinstance(error, APIError):
         return error
     if isinstance(error, ValueError):
         return APIRequestError(str(error))
-    if isinstance(error, (EngineBusy, MissingBlocksError)):
+    if isinstance(error, (EngineBusy, MissingBlocksError, ExpertNotFoundError)):
         return Unavailable(str(error))
     logger.error("generation failed", exc_info=error)
     return APIError(f"generation failed: {type(error).__name__}: {error}")

@@ -33,6 +33,10 @@ class DiffusionSettings(BaseModel):
     cfg_scale: Optional[float] = Field(None, description="Unsupervised classifier-free guidance scale.")
     seed: Optional[StrictInt] = Field(None, description="Seed of the per-step noise: same seed, same text.")
     parallel_window: Optional[StrictInt] = Field(None, description="Picard window (1 is sequential).")
+    experts: Optional[Union[dict[str, float], str]] = Field(
+        None, description='Experts composed each step: {"code": 0.5} or "auto" (docs/EXPERTS.md).')
+    tier: Optional[str] = Field(None, description="A stricter safety tier: public, internal or restricted.")
+    scale: Optional[str] = Field(None, description="How much of the swarm to use: local, auto or max.")
 
     def length_aliases(self) -> dict[str, Optional[int]]:
         """Fields that all mean "how many tokens"; subclasses add OpenAI's names."""
@@ -48,6 +52,10 @@ class DiffusionSettings(BaseModel):
         if given:
             kwargs["gen_length"] = next(iter(given.values()))
         return kwargs
+
+    def request_kwargs(self) -> dict[str, Any]:
+        """The per-request options of ``generate_stream`` that are not sampler settings."""
+        return {key: getattr(self, key) for key in ("experts", "tier", "scale") if getattr(self, key) is not None}
 
 
 class OpenAIFields(DiffusionSettings):

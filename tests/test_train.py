@@ -18,6 +18,18 @@ from swarm.train.objective import diffusion_loss, mask_tokens
 TOY_TEXT = ("the quick brown fox jumps over the lazy dog. " * 200).encode()
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One torch thread, as the training command uses here: on a busy 2-core machine more threads thrash.
+
+    Restored afterwards, since ``train(threads=1)`` sets the process-wide count.
+    """
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def toy_config(output: Path, **changes) -> TrainConfig:
     settings = dict(output=str(output), corpus="files", steps=12, batch_size=8, seq_len=32, lr=3e-3, warmup=2,
                     hidden_size=32, layers=2, heads=4, kv_heads=2, intermediate_size=64, save_every=4, threads=1)
@@ -109,6 +121,19 @@ def test_addition_rows_are_bos_problem_eos_padding():
     held_out = AdditionTask().problems(50, seed=0, held_out=True)
     assert all(AdditionTask.is_held_out(p) for p in held_out)
     assert not any(AdditionTask.is_held_out(p) for p in AdditionTask().problems(200, seed=0, held_out=False))
+
+
+def test_addition_rows_end_at_random_lengths_keeping_answer_and_one_eos():
+    rows = AdditionTask().batch(256, 24, torch.Generator().manual_seed(0))
+    lengths = (rows != ByteTokenizer.PAD).sum(1)
+    assert len(set(lengths.tolist())) > 5 and int(lengths.max()) <= 24
+    for row, length in zip(rows.tolist(), lengths.tolist()):
+        assert row[length:] == [ByteTokenizer.PAD] * (24 - length)
+        assert row[length - 1] == ByteTokenizer.EOS and ByteTokenizer.PAD not in row[:length]
+    given = AdditionTask.given_positions(rows)
+    assert torch.equal(given & (rows == ByteTokenizer.PAD), rows == ByteTokenizer.PAD)
+    _, masked, _ = mask_tokens(rows, ByteTokenizer.MASK, torch.Generator().manual_seed(0), t=torch.ones(256), given=given)
+    assert not (masked & (rows == ByteTokenizer.PAD)).any()
 
 
 def test_cli_trains_on_files_and_resumes(tmp_path):

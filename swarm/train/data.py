@@ -34,7 +34,7 @@ class Corpus(Protocol):
         ...
 
     def given_positions(self, rows: torch.Tensor) -> torch.Tensor:
-        """Positions the model is always shown: never masked, never scored (BOS; a task's prompt)."""
+        """Positions never masked and never scored: BOS, a task's prompt, PAD after a row's end."""
         ...
 
 
@@ -78,6 +78,11 @@ class AdditionTask:
     LLaDA's supervised fine-tuning, the prompt ``a+b=`` is always given and only the answer and the EOS
     padding after it are masked: the model learns p(answer | prompt), which is what generation asks of it,
     instead of spending its capacity on guessing masked operands.
+
+    Each row ends at a random length (then PAD, outside attention): rows that all end at ``seq_len``
+    teach the model to place digits by their distance from the end of the sequence, and it then answers
+    wrongly at any other length (measured: 13% exact match with 8 generated tokens against 35% when the
+    sequence was filled out to the training length, same weights).
     """
 
     name = "addition"
@@ -92,9 +97,9 @@ class AdditionTask:
 
     @staticmethod
     def given_positions(rows: torch.Tensor) -> torch.Tensor:
-        """BOS and the prompt: everything up to and including the first ``=``."""
+        """BOS and the prompt (everything up to and including the first ``=``), and PAD."""
         equals = rows == ord("=")
-        return (equals.long().cumsum(1) - equals.long()) == 0
+        return ((equals.long().cumsum(1) - equals.long()) == 0) | (rows == ByteTokenizer.PAD)
 
     @staticmethod
     def is_held_out(problem: Problem) -> bool:
@@ -110,7 +115,7 @@ class AdditionTask:
 
     def batch(self, size: int, seq_len: int, generator: torch.Generator, held_out: bool = False) -> torch.Tensor:
         seed = int(torch.randint(0, 2**31 - 1, (1,), generator=generator))
-        return encode_problems(self.problems(size, seed, held_out), seq_len)
+        return end_at_random_lengths(encode_problems(self.problems(size, seed, held_out), seq_len), generator)
 
 
 def encode_problems(problems: Sequence[Problem], seq_len: int) -> torch.Tensor:
@@ -120,6 +125,23 @@ def encode_problems(problems: Sequence[Problem], seq_len: int) -> torch.Tensor:
         ids = [ByteTokenizer.BOS] + list((problem.prompt + problem.answer).encode())
         rows[i, : min(len(ids), seq_len)] = torch.tensor(ids[:seq_len])
     return rows
+
+
+def end_at_random_lengths(rows: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """PAD each row after a length drawn uniformly between its content plus one EOS and the full row."""
+    seq_len = rows.shape[1]
+    is_eos = rows == ByteTokenizer.EOS
+    first_eos = torch.where(is_eos.any(1), is_eos.int().argmax(1), torch.full((len(rows),), seq_len - 1))
+    shortest = first_eos + 1
+    lengths = shortest + (torch.rand(len(rows), generator=generator) * (seq_len - shortest + 1)).long()
+    beyond = torch.arange(seq_len)[None, :] >= lengths[:, None]
+    return rows.masked_fill(beyond, ByteTokenizer.PAD)
+
+
+def padding_mask(rows: torch.Tensor) -> Optional[torch.Tensor]:
+    """Attention mask (True for real tokens) when some rows end in PAD; None when none do."""
+    real = rows != ByteTokenizer.PAD
+    return None if bool(real.all()) else real
 
 
 def prose_bytes() -> bytes:

@@ -24,7 +24,7 @@ from swarm.models.checkpoint import load_config, parse_dtype, save_checkpoint
 from swarm.models.config import ModelConfig
 from swarm.models.modules import DiffusionTransformer
 from swarm.models.tokenizer import ByteTokenizer
-from swarm.train.data import Corpus
+from swarm.train.data import Corpus, padding_mask
 from swarm.train.objective import diffusion_loss, mask_tokens
 
 logger = logging.getLogger(__name__)
@@ -136,7 +136,7 @@ def train_step(model: DiffusionTransformer, optimizer: torch.optim.Optimizer, co
         group["lr"] = learning_rate(cfg, step)
     tokens = corpus.batch(cfg.batch_size, cfg.seq_len, generator)
     noisy, masked, t = mask_tokens(tokens, model.config.mask_token_id, generator, given=corpus.given_positions(tokens))
-    loss = diffusion_loss(model(noisy), tokens, masked, t)
+    loss = diffusion_loss(model(noisy, padding_mask(tokens)), tokens, masked, t)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

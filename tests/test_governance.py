@@ -178,3 +178,17 @@ def test_restricted_request_uses_only_trusted_servers_and_is_audited(local_swarm
     records = [json.loads(line) for line in audit.read_text().splitlines()]
     assert [r["tier"] for r in records] == ["restricted", "public"]
     assert records[0]["route"] and records[0]["finish_reason"] in ("eos", "length")
+
+
+def test_client_without_keys_still_ends_cleanly_when_a_server_refuses_as_halted(local_swarm, governed):
+    path, key, server, operator = governed
+    assert publish(operator, key, default_prefix(path), HALT, "server-side halt", timestamp=time.time())
+    try:
+        with DistributedDiffusionLM.from_pretrained(path, initial_peers=local_swarm.initial_peers) as lm:
+            def halted_result():
+                return lm.generate("x", **SETTINGS).finish_reason == "halted"
+            assert wait_for(halted_result)
+            result = lm.generate("x", **SETTINGS)
+            assert "server-side halt" in result.info["halt"]["reason"] and result.info["halt"]["step"] == 0
+    finally:
+        assert publish(operator, key, default_prefix(path), RESUME, "done", timestamp=time.time() + 0.5)

@@ -20,6 +20,7 @@ from swarm.client.config import ClientConfig
 from swarm.client.remote import RemoteCaller
 from swarm.client.routing import MissingBlocksError, RouteHop, find_route
 from swarm.client.spot_check import SpotChecker
+from swarm.diffusion.sampler import Halted
 from swarm.dht.schema import ServerRecord, ServerState, read_servers
 from swarm.protocol import ErrorCode, ForwardRequest, RemoteError
 from swarm.utils.event_loop import BackgroundLoop
@@ -158,9 +159,11 @@ class RemoteSequence:
             except MissingBlocksError as error:
                 pause = self.wait_for_busy()
                 if pause is None:  # nobody to wait for: say which blocks and what was tried
-                    raise MissingBlocksError(error.blocks, [e for e in errors] or None) from None
+                    raise MissingBlocksError(error.blocks, list(errors) or None) from None
                 errors.append(str(error))
             except RemoteError as error:
+                if error.code == ErrorCode.HALTED:  # a server obeys a governance halt this client has not seen
+                    raise Halted(step, error.message, {"peer": hop.peer_id}) from None
                 if error.code in CLIENT_FAULTS:
                     raise
                 errors.append(f"{hop.peer_id[-8:]}@{block}: {error.message}")

@@ -2,7 +2,7 @@
 #
 #   docker build -t diffusion-swarm .
 #   docker run -d --name swarm-server -p 31337:31337 -v swarm-data:/data \
-#       -e SWARM_INITIAL_PEERS=/ip4/BOOTSTRAP_IP/tcp/PORT/p2p/PEER_ID -e SWARM_BLOCKS=0:2 \
+#       -e SWARM_INITIAL_PEERS=/ip4/BOOTSTRAP_IP/tcp/PORT/p2p/PEER_ID -e SWARM_BLOCKS=0:8 \
 #       -e SWARM_ANNOUNCE_MADDRS=/ip4/PUBLIC_IP/tcp/31337 diffusion-swarm
 #
 # Other commands: `docker run IMAGE api ...`, `health ...`, `dht ...` (see docker/entrypoint.sh and
@@ -20,8 +20,8 @@ RUN pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
 WORKDIR /opt/diffusion-swarm
 COPY pyproject.toml setup.cfg README.md ./
 COPY swarm ./swarm
-# fastapi and uvicorn serve `api` (python -m swarm.api); the rest comes from setup.cfg.
-RUN pip install . fastapi uvicorn
+# The api extra adds fastapi and uvicorn for `api` (python -m swarm.api); the rest comes from setup.cfg.
+RUN pip install ".[api]"
 
 COPY docker/entrypoint.sh /usr/local/bin/swarm-entrypoint
 RUN chmod 755 /usr/local/bin/swarm-entrypoint \

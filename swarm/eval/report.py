@@ -1,0 +1,96 @@
+"""One model's figures: held-out likelihood on a corpus and, for task models, exact-match accuracy.
+
+Which data a model is judged on defaults to what it was trained on, read from the ``training.json``
+written next to every checkpoint by ``python -m swarm.train``; a comparison model (the backbone) is then
+judged on exactly the same rows and problems.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from swarm.eval.likelihood import LikelihoodReport, evaluate_likelihood
+from swarm.eval.tasks import TaskGeneration, TaskReport, evaluate_task
+from swarm.local import DiffusionLM
+from swarm.models.loading import resolve_model_path
+from swarm.train.data import BUILTIN_CORPORA, TASKS, Corpus
+from swarm.train.loop import TRAINING_INFO_FILE
+
+logger = logging.getLogger(__name__)
+
+FALLBACK_CORPUS = "prose"
+FALLBACK_SEQ_LEN = 128
+
+
+@dataclass(frozen=True)
+class EvalPlan:
+    """The data every model of one evaluation is scored on."""
+
+    corpus: Corpus
+    seq_len: int
+    task: Optional[str]
+    examples: int
+    seed: int = 0
+    t_draws: int = 8
+    batch_size: int = 64
+    generation: TaskGeneration = TaskGeneration()
+
+    def describe(self) -> dict[str, Any]:
+        """The plan as plain data (the corpus by name), for JSON output."""
+        return {"corpus": self.corpus.name, "seq_len": self.seq_len, "task": self.task, "examples": self.examples,
+                "seed": self.seed, "t_draws": self.t_draws, "batch_size": self.batch_size,
+                "generation": asdict(self.generation)}
+
+
+@dataclass
+class ModelReport:
+    model: str  # the name or path as given
+    path: str
+    parameters: int
+    layers: int
+    hidden_size: int
+    likelihood: LikelihoodReport
+    task: Optional[TaskReport]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def training_info(name_or_path: str | Path) -> dict[str, Any]:
+    """The model's ``training.json`` (empty for checkpoints made elsewhere)."""
+    path = resolve_model_path(name_or_path) / TRAINING_INFO_FILE
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def trained_on(name_or_path: str | Path) -> tuple[str, int]:
+    """(built-in corpus, sequence length) the model was trained on, or the prose defaults when unknown."""
+    settings = training_info(name_or_path).get("train_config", {})
+    corpus = settings.get("corpus")
+    if corpus not in BUILTIN_CORPORA or settings.get("data_files"):
+        logger.info("%s has no built-in training corpus on record: evaluating on %s", name_or_path, FALLBACK_CORPUS)
+        return FALLBACK_CORPUS, FALLBACK_SEQ_LEN
+    return corpus, int(settings.get("seq_len", FALLBACK_SEQ_LEN))
+
+
+def evaluate_model(name_or_path: str | Path, plan: EvalPlan, *, progress: bool = False) -> ModelReport:
+    lm = DiffusionLM.from_pretrained(name_or_path)
+    likelihood = evaluate_likelihood(
+        lm.model, plan.corpus, examples=plan.examples, seq_len=plan.seq_len, t_draws=plan.t_draws,
+        seed=plan.seed, batch_size=plan.batch_size, progress=progress,
+    )
+    task = None
+    if plan.task is not None:
+        task = evaluate_task(lm, TASKS[plan.task](), examples=plan.examples, seed=plan.seed,
+                             generation=plan.generation, progress=progress)
+    config = lm.config
+    return ModelReport(
+        model=str(name_or_path), path=str(lm.path), parameters=sum(p.numel() for p in lm.model.parameters()),
+        layers=config.num_layers, hidden_size=config.hidden_size, likelihood=likelihood, task=task,
+    )
+
+
+def evaluate_models(models: Sequence[str | Path], plan: EvalPlan, *, progress: bool = False) -> list[ModelReport]:
+    return [evaluate_model(model, plan, progress=progress) for model in models]

@@ -1,0 +1,93 @@
+"""Evaluation: the likelihood bound is calibrated, and the shipped models load offline and beat chance."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from swarm.eval import EvalPlan, evaluate_likelihood, evaluate_model, trained_on
+from swarm.eval.__main__ import main as eval_cli
+from swarm.models.loading import ASSETS, embedded_models
+from swarm.models.modules import DiffusionTransformer
+from swarm.train.data import AdditionTask, Problem, TextCorpus, load_corpus
+from tests.conftest import tiny_config
+from tests.test_train import one_thread  # noqa: F401  (autouse fixture: one torch thread)
+
+SHIPPED = ("default", "code", "addition")
+CHANCE = 1 / 256
+
+
+def test_bound_of_a_uniform_model_is_log_vocabulary():
+    """Zero logits cost log(V) per masked token; weighted by 1/t that is log(V) per token in expectation."""
+    config = tiny_config()
+    model = DiffusionTransformer(config)
+    torch.nn.init.zeros_(model.head.lm_head.weight)
+    corpus = TextCorpus(bytes(range(256)) * 64, "bytes")
+    report = evaluate_likelihood(model, corpus, examples=64, seq_len=64, t_draws=8, seed=0)
+    assert report.nats_per_token == pytest.approx(math.log(config.vocab_size), rel=0.05)
+    assert report.bits_per_byte == pytest.approx(report.nats_per_token / math.log(2))
+    assert report.masked_tokens > 0.4 * 64 * 63 * 8
+
+
+def test_likelihood_is_seeded(tiny_model_path):
+    from swarm.models.loading import ModelFiles
+
+    model = ModelFiles(tiny_model_path).full_model()
+    corpus = TextCorpus(bytes(range(256)) * 64, "bytes")
+    first, second = (evaluate_likelihood(model, corpus, examples=4, seq_len=32, t_draws=2, seed=3) for _ in range(2))
+    assert first.nats_per_token == second.nats_per_token and first.masked_accuracy == second.masked_accuracy
+
+
+def test_shipped_models_are_embedded_small_and_documented():
+    found = embedded_models()
+    assert set(SHIPPED) <= set(found)
+    for name in SHIPPED:
+        assert (found[name] / "model.safetensors").exists() and (found[name] / "training.json").exists()
+        assert not (found[name] / "training_state.pt").exists()
+    size = sum(p.stat().st_size for p in ASSETS.rglob("*") if p.is_file())
+    assert size < 20e6, f"package assets are {size / 1e6:.1f} MB"
+    assert trained_on("default")[0] == "prose"
+    assert trained_on("code")[0] == "python"
+    assert trained_on("addition")[0] == "addition"
+
+
+def plan(corpus_name: str, seq_len: int, task=None, examples: int = 8) -> EvalPlan:
+    return EvalPlan(corpus=load_corpus(corpus_name), seq_len=seq_len, task=task, examples=examples, t_draws=2)
+
+
+def test_default_model_predicts_held_out_prose_far_above_chance():
+    report = evaluate_model("default", plan("prose", 128)).likelihood
+    assert report.masked_accuracy > 40 * CHANCE
+    assert report.nats_per_token < 0.7 * math.log(256)
+
+
+def test_code_expert_predicts_held_out_python_far_above_chance():
+    report = evaluate_model("code", plan("python", 128)).likelihood
+    assert report.masked_accuracy > 40 * CHANCE
+    assert report.nats_per_token < 0.7 * math.log(256)
+
+
+def test_addition_expert_solves_held_out_problems():
+    report = evaluate_model("addition", plan("addition", 24, task="addition", examples=24))
+    assert report.task is not None and report.task.examples == 24
+    assert report.task.accuracy >= 0.75, report.task.samples
+    assert all(AdditionTask.is_held_out(Problem(s["prompt"], s["answer"])) for s in report.task.samples)
+
+
+def test_cli_json_compares_expert_with_backbone_on_the_same_problems():
+    result = CliRunner().invoke(eval_cli, ["--model", "addition", "--examples", "4", "--t-draws", "1", "--json", "--no-progress"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    assert report["settings"]["task"] == "addition" and report["settings"]["corpus"] == "addition"
+    expert, backbone = report["models"]
+    assert (expert["model"], backbone["model"]) == ("addition", "default")
+    assert [s["prompt"] for s in expert["task"]["samples"]] == [s["prompt"] for s in backbone["task"]["samples"]]
+    assert expert["likelihood"]["examples"] == backbone["likelihood"]["examples"] == 4
+
+
+def test_cli_rejects_an_unknown_model():
+    result = CliRunner().invoke(eval_cli, ["--model", "no-such-model", "--no-progress"])
+    assert result.exit_code != 0 and "no-such-model" in result.output

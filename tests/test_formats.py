@@ -431,3 +431,23 @@ def test_int8_span_stays_close_to_full_precision(llada_path):
     head = files.head()
     agreement = (head(approx).argmax(-1) == head(exact).argmax(-1)).float().mean().item()
     assert agreement >= 0.9, agreement
+
+
+def test_published_layouts_run_through_the_swarm(hf_path, local_swarm):
+    """`python -m swarm.server --model PATH --blocks 0:2` and the client work with a published directory."""
+    from swarm.client import DistributedDiffusionLM
+
+    layers = swarm.DiffusionLM.from_pretrained(hf_path).config.num_layers
+    servers = [local_swarm.start_server(str(hf_path), span, "--dtype", "float32", "--compute-threads", "1", wait=False)
+               for span in (f"0:{layers // 2}", f"{layers // 2}:{layers}")]
+    try:
+        for server in servers:
+            local_swarm.wait_ready(server)
+        settings = dict(gen_length=8, steps=8, block_length=8, seed=1, temperature=0.5)
+        expected = swarm.DiffusionLM.from_pretrained(hf_path).generate("the cat sat", **settings)
+        with DistributedDiffusionLM.from_pretrained(hf_path, initial_peers=local_swarm.initial_peers) as lm:
+            assert len(lm.show_route()) == 2
+            assert lm.generate("the cat sat", **settings).token_ids == expected.token_ids
+    finally:
+        for server in servers:
+            local_swarm.terminate(server)

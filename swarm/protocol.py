@@ -86,12 +86,19 @@ def encode_tensor(tensor: torch.Tensor, wire_dtype: str = "float32") -> runtime_
     return serialize_torch_tensor(tensor.detach().float(), compression)
 
 
+def wire_chunks(tensor: runtime_pb2.Tensor) -> list[runtime_pb2.Tensor]:
+    """The tensor whole when it fits a unary message, else the parts of a stream."""
+    if tensor.ByteSize() <= MAX_UNARY_BYTES:
+        return [tensor]
+    return list(split_for_streaming(tensor, STREAM_CHUNK_BYTES))
+
+
 def request_parts(request: ForwardRequest, wire_dtype: str = "float32") -> list[runtime_pb2.ExpertRequest]:
     """One part when small, else stream parts; the first part's metadata says how many follow."""
     tensor = encode_tensor(request.hidden, wire_dtype)
     metadata = {"start": request.start, "end": request.end, "session_id": request.session_id,
                 "step": request.step, "extra": request.extra}
-    chunks = [tensor] if tensor.ByteSize() <= MAX_UNARY_BYTES else list(split_for_streaming(tensor, STREAM_CHUNK_BYTES))
+    chunks = wire_chunks(tensor)
     metadata["parts"] = len(chunks)
     parts = [runtime_pb2.ExpertRequest(uid="forward", tensors=[chunks[0]], metadata=MSGPackSerializer.dumps(metadata))]
     parts += [runtime_pb2.ExpertRequest(tensors=[chunk]) for chunk in chunks[1:]]
@@ -125,8 +132,7 @@ def decode_tensor(proto: runtime_pb2.Tensor) -> torch.Tensor:
 
 
 def response_parts(hidden: torch.Tensor, wire_dtype: str, metadata: Optional[dict] = None) -> list[runtime_pb2.ExpertResponse]:
-    tensor = encode_tensor(hidden, wire_dtype)
-    chunks = [tensor] if tensor.ByteSize() <= MAX_UNARY_BYTES else list(split_for_streaming(tensor, STREAM_CHUNK_BYTES))
+    chunks = wire_chunks(encode_tensor(hidden, wire_dtype))
     meta = dict(metadata or {}, parts=len(chunks))
     parts = [runtime_pb2.ExpertResponse(tensors=[chunks[0]], metadata=MSGPackSerializer.dumps(meta))]
     return parts + [runtime_pb2.ExpertResponse(tensors=[chunk]) for chunk in chunks[1:]]

@@ -11,48 +11,23 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import random
 import time
 from typing import Any, Iterable, Optional
 
 import torch
 from hivemind.dht import DHT
 
-from swarm.client.remote import RemoteCaller, _as_remote_error
+from swarm.client.remote import RemoteCaller, as_remote_error
 from swarm.client.sequence import FailoverEvent, RemoteSequence
 from swarm.diffusion.composition import (
     CompatibilityTag, ExpertNotFoundError, ExpertUnavailable, IncompatibleExpertError,
 )
 from swarm.diffusion.sampler import DenoiseContext
 from swarm.dht.schema import ExpertRecord, ServerState, expert_key, read_expert_records
-from swarm.protocol import ErrorCode, ExpertRequest, RemoteError, collect_response, expert_request_message
+from swarm.protocol import ErrorCode, ExpertRequest, RemoteError
 from swarm.utils.event_loop import BackgroundLoop
 
 logger = logging.getLogger(__name__)
-
-
-class ExpertCaller(RemoteCaller):
-    """:class:`RemoteCaller` plus the expert RPC."""
-
-    async def expert_logits(self, peer_id: str, request: ExpertRequest, timeout: float) -> torch.Tensor:
-        """Log-probabilities (batch, end - start, vocab) from the server's hosted expert ``request.domain``."""
-        self.calls += 1
-        if self.latency or self.jitter:
-            await asyncio.sleep(self.latency + random.uniform(0, self.jitter))
-        try:
-            responses = await asyncio.wait_for(self._collect(peer_id, request), timeout)
-        except Exception as error:
-            raise _as_remote_error(error, peer_id) from error
-        log_probs, _ = collect_response(responses, peer_id)
-        batch, length = request.tokens.shape
-        if log_probs.dim() != 3 or tuple(log_probs.shape[:2]) != (batch, request.end - request.start):
-            raise RemoteError(ErrorCode.INTERNAL, f"expert returned shape {tuple(log_probs.shape)}, expected "
-                              f"({batch}, {request.end - request.start}, vocab)", peer_id)
-        return log_probs
-
-    async def _collect(self, peer_id: str, request: ExpertRequest) -> list:
-        stream = await self._stub(peer_id).rpc_expert_logits(expert_request_message(request))
-        return [response async for response in stream]
 
 
 def find_expert_servers(dht: DHT, prefix: str, domain: str, backbone: CompatibilityTag) -> list[ExpertRecord]:
@@ -88,7 +63,7 @@ class PendingRemote:
                 return self.future.result(self.expert.timeout + 5.0)
             except (RemoteError, concurrent.futures.TimeoutError) as error:
                 self.future.cancel()
-                error = _as_remote_error(error, self.peer_id)
+                error = as_remote_error(error, self.peer_id)
                 errors.append(f"{self.peer_id[-8:]}: {error.message}")
                 self.expert.failed(self.peer_id, error)
             self.peer_id = self.expert.current()
@@ -100,7 +75,7 @@ class PendingRemote:
 class RemoteExpert:
     """One expert domain served by the swarm (see the module's docstring)."""
 
-    def __init__(self, domain: str, servers: Iterable[ExpertRecord], caller: ExpertCaller, loop: BackgroundLoop,
+    def __init__(self, domain: str, servers: Iterable[ExpertRecord], caller: RemoteCaller, loop: BackgroundLoop,
                  sequence: RemoteSequence, timeout: float):
         self.domain = domain
         self.servers = list(servers)
@@ -141,7 +116,7 @@ class RemoteExpert:
 
 
 def open_remote_experts(
-    names: Iterable[str], *, dht: DHT, prefix: str, backbone: CompatibilityTag, caller: ExpertCaller,
+    names: Iterable[str], *, dht: DHT, prefix: str, backbone: CompatibilityTag, caller: RemoteCaller,
     loop: BackgroundLoop, sequence: RemoteSequence, timeout: float, required: bool,
 ) -> tuple[dict[str, RemoteExpert], list[str]]:
     """Sources for the named domains; with ``required`` false (``experts="auto"``) a missing or incompatible

@@ -11,7 +11,8 @@ import torch
 from hivemind.dht import DHT
 
 from swarm.client.config import ClientConfig, client_network
-from swarm.client.experts import ExpertCaller, RemoteExpert, open_remote_experts
+from swarm.client.experts import RemoteExpert, open_remote_experts
+from swarm.client.remote import RemoteCaller
 from swarm.client.routing import RouteHop, compress_ranges
 from swarm.client.sequence import RemoteSequence
 from swarm.diffusion.composition import CompatibilityTag
@@ -52,7 +53,7 @@ class DistributedDiffusionLM(BaseDiffusionLM):
         self.dht = dht if dht is not None else start_dht(config.network)
         self.loop = BackgroundLoop.shared()
         self.p2p = self.loop.run(self.dht.replicate_p2p())
-        self.caller = ExpertCaller(self.p2p, config.wire_dtype, config.inject_latency, config.inject_jitter)
+        self.caller = RemoteCaller(self.p2p, config.wire_dtype, config.inject_latency, config.inject_jitter)
         self.sequence = RemoteSequence(self.dht, self.caller, self.loop, self.prefix, self.config.num_layers, config)
         self.guard = GovernanceGuard(self.dht, self.prefix, config.governance_keys, ttl=config.governance_ttl)
         self.tier_rules = TierRules.from_file(config.tier_rules_path) if config.tier_rules_path else TierRules()

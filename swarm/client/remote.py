@@ -4,7 +4,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from typing import Optional
+from typing import Awaitable, Callable, Optional
 
 import torch
 from hivemind.p2p import P2P, PeerID
@@ -12,7 +12,10 @@ from hivemind.proto import runtime_pb2
 from hivemind.utils import MSGPackSerializer
 from hivemind.utils.asyncio import iter_as_aiter
 
-from swarm.protocol import ErrorCode, ForwardRequest, RemoteError, SpanService, collect_response, request_parts
+from swarm.protocol import (
+    ErrorCode, ExpertRequest, ForwardRequest, RemoteError, SpanService, collect_response, expert_request_message,
+    request_parts,
+)
 
 
 class RemoteCaller:
@@ -34,37 +37,53 @@ class RemoteCaller:
         try:
             reply = await self._stub(peer_id).rpc_info(runtime_pb2.ExpertUID(uid="info"), timeout=timeout)
         except Exception as error:
-            raise _as_remote_error(error, peer_id) from error
+            raise as_remote_error(error, peer_id) from error
         return MSGPackSerializer.loads(reply.serialized_info), time.perf_counter() - started
 
-    async def forward(self, peer_id: str, request: ForwardRequest, timeout: float) -> torch.Tensor:
-        parts = request_parts(request, self.wire_dtype)
-        stub = self._stub(peer_id)
+    async def _call(self, peer_id: str, rpc: Callable[[], Awaitable[list]], timeout: float) -> tuple[torch.Tensor, dict]:
+        """One RPC to one server: counted, delayed when latency is injected, bounded by ``timeout``, and every
+        failure turned into a :class:`RemoteError`."""
         self.calls += 1
         if self.latency or self.jitter:
             await asyncio.sleep(self.latency + random.uniform(0, self.jitter))
         try:
-            if len(parts) == 1:
-                responses = [await stub.rpc_forward(parts[0], timeout=timeout)]
-            else:
-                responses = await asyncio.wait_for(self._stream(stub, parts), timeout)
-        except RemoteError:
-            raise
+            responses = await asyncio.wait_for(rpc(), timeout)
         except Exception as error:
-            raise _as_remote_error(error, peer_id) from error
-        hidden, _ = collect_response(responses, peer_id)
+            raise as_remote_error(error, peer_id) from error
+        return collect_response(responses, peer_id)
+
+    async def forward(self, peer_id: str, request: ForwardRequest, timeout: float) -> torch.Tensor:
+        """Hidden states after the server's blocks ``request.start:request.end``."""
+        parts = request_parts(request, self.wire_dtype)
+        stub = self._stub(peer_id)
+
+        async def rpc() -> list:
+            if len(parts) == 1:
+                return [await stub.rpc_forward(parts[0])]
+            return [response async for response in await stub.rpc_forward_stream(iter_as_aiter(parts))]
+
+        hidden, _ = await self._call(peer_id, rpc, timeout)
         if hidden.shape != request.hidden.shape:
             raise RemoteError(ErrorCode.INTERNAL, f"server returned shape {tuple(hidden.shape)}, "
                               f"expected {tuple(request.hidden.shape)}", peer_id)
         return hidden
 
-    @staticmethod
-    async def _stream(stub, parts: list) -> list:
-        stream = await stub.rpc_forward_stream(iter_as_aiter(parts))
-        return [response async for response in stream]
+    async def expert_logits(self, peer_id: str, request: ExpertRequest, timeout: float) -> torch.Tensor:
+        """Log-probabilities (batch, end - start, vocab) from the server's hosted expert ``request.domain``."""
+        stub = self._stub(peer_id)
+
+        async def rpc() -> list:
+            return [response async for response in await stub.rpc_expert_logits(expert_request_message(request))]
+
+        log_probs, _ = await self._call(peer_id, rpc, timeout)
+        batch = request.tokens.shape[0]
+        if log_probs.dim() != 3 or tuple(log_probs.shape[:2]) != (batch, request.end - request.start):
+            raise RemoteError(ErrorCode.INTERNAL, f"expert returned shape {tuple(log_probs.shape)}, expected "
+                              f"({batch}, {request.end - request.start}, vocab)", peer_id)
+        return log_probs
 
 
-def _as_remote_error(error: BaseException, peer_id: Optional[str]) -> RemoteError:
+def as_remote_error(error: BaseException, peer_id: Optional[str]) -> RemoteError:
     """Connection errors, timeouts and daemon errors all become one error type the client can route around."""
     if isinstance(error, RemoteError):
         return error

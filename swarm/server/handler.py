@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import logging
 import time
 from typing import AsyncIterator, Awaitable, Callable, Optional
@@ -108,10 +109,7 @@ class ForwardHandler(SpanService):
         start, end = validate_metadata(metadata, (self.backend.start, self.backend.end))
         tensors = [t for p in parts for t in p.tensors]
         proto = join_parts(tensors, metadata.get("parts"))
-        declared = 1
-        for dim in proto.size:
-            declared *= dim
-        require(declared <= self.max_batch_tokens * self.hidden_size, ErrorCode.TOO_LARGE,
+        require(math.prod(proto.size) <= self.max_batch_tokens * self.hidden_size, ErrorCode.TOO_LARGE,
                 f"tensor of shape {tuple(proto.size)} exceeds the batch-token limit {self.max_batch_tokens}")
         hidden = decode_tensor(proto)
         validate_hidden(hidden, self.hidden_size, self.max_batch_tokens)

@@ -75,11 +75,11 @@ class Server:
     def _load_span(self) -> SpanBackend:
         self.start, self.end = self._pick_blocks()
         logger.info("loading blocks %d:%d of %s from %s", self.start, self.end, self.prefix, self.files.path)
+        if self.config.quant not in (None, "int8"):  # before reading any weights
+            raise ValueError(f"unknown quantization {self.config.quant!r}; choose int8")
         span = self.files.span(self.start, self.end, default_dtype(self.files, self.config.dtype))
         if self.config.quant == "int8":
             span = quantize_span_int8(span)
-        elif self.config.quant is not None:
-            raise ValueError(f"unknown quantization {self.config.quant!r}; choose int8")
         self.span = span.to(self.config.device)
         self.throughput = self._throughput(lambda: measure_throughput(self.span, self.config.device))
         return SpanBackend(self.span, self.config.max_concurrent_requests, self.config.device,

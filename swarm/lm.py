@@ -176,11 +176,10 @@ class BaseDiffusionLM(ABC):
         halt ends the stream with ``finish_reason == "halted"`` and ``info["halt"]``. ``scale`` (``local``,
         ``auto``, ``max``) sizes how much of the swarm the request uses (:mod:`swarm.scale`).
         """
-        settings = dict(kwargs, experts=experts)
+        settings = dict(kwargs, experts=experts)  # the scale may fill in a window size and experts
         plan = plan_scale(scale, settings, remote=self.remote)
         experts = settings.pop("experts")
-        kwargs = settings
-        generation = make_generation_config(**kwargs)
+        generation = make_generation_config(**settings)
         prompt_ids = self.encode_prompt(prompt, chat=chat)
         if len(prompt_ids) + generation.gen_length > self.config.max_position_embeddings:
             raise ValueError(

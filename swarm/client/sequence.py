@@ -132,8 +132,9 @@ class RemoteSequence:
         return self.route
 
     def hop_from(self, block: int, tokens: int) -> RouteHop:
+        excluded = self.excluded()
         for hop in self.route:
-            if hop.start == block and hop.peer_id not in self.excluded():
+            if hop.start == block and hop.peer_id not in excluded:
                 return hop
         route = self.build_route(block, tokens)
         return next(hop for hop in route if hop.start == block)

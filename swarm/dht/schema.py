@@ -188,12 +188,10 @@ def read_servers(dht: DHT, prefix: str, num_blocks: int) -> dict[str, ServerReco
     """Every server announced for any block of the model, by peer id (its most complete record)."""
     found = dht.run_coroutine(partial(_get_many, keys=[block_key(prefix, b) for b in range(num_blocks)]))
     servers: dict[str, ServerRecord] = {}
-    for subkeys in found.values():
-        for subkey, value in subkeys.items():
-            peer_id = peer_id_from_subkey(subkey)
-            record = ServerRecord.from_value(peer_id, value) if peer_id else None
-            if record is not None and record.end <= num_blocks:
-                servers.setdefault(peer_id, record)
+    for _, peer_id, value in _records(found):
+        record = ServerRecord.from_value(peer_id, value)
+        if record is not None and record.end <= num_blocks:
+            servers.setdefault(peer_id, record)
     return servers
 
 

@@ -19,6 +19,7 @@ import click
 import torch
 
 from swarm.client import DistributedDiffusionLM
+from swarm.diffusion.remasking import STRATEGIES
 from swarm.local import DiffusionLM
 from swarm.models.loading import ModelFiles
 from swarm.utils.local_swarm import LocalSwarm
@@ -39,6 +40,19 @@ def two_server_swarm(model: str, threads: int, replica: bool = False) -> Iterato
         for server in servers:
             swarm.wait_ready(server)
         yield swarm
+
+
+def comma_list(kind: type, minimum: float):
+    """A click callback parsing ``"1,2,4"`` into numbers no smaller than ``minimum``, with a clear error."""
+    def parse(ctx, param, text: str) -> list:
+        try:
+            values = [kind(part) for part in text.split(",") if part.strip()]
+        except ValueError:
+            raise click.BadParameter(f"expected comma-separated {kind.__name__} values, got {text!r}") from None
+        if not values or min(values) < minimum:
+            raise click.BadParameter(f"expected values >= {minimum:g}, got {text!r}")
+        return values
+    return parse
 
 
 def time_calls(fn, repeats: int) -> float:
@@ -90,21 +104,23 @@ def latency(model: str, length: int, repeats: int, latency_ms: float, threads: i
 @main.command()
 @threads_option
 @click.option("--model", default="default", show_default=True, help="Embedded model name or checkpoint directory.")
-@click.option("--windows", default="1,2,4,8", show_default=True, help="Comma-separated Picard window sizes.")
-@click.option("--latencies-ms", default="0,50", show_default=True, help="Comma-separated injected delays per hop (ms).")
+@click.option("--windows", default="1,2,4,8", show_default=True, callback=comma_list(int, 1), help="Comma-separated Picard window sizes.")
+@click.option("--latencies-ms", default="0,50", show_default=True, callback=comma_list(float, 0), help="Comma-separated injected delays per hop (ms).")
 @click.option("--gen-length", type=int, default=64, show_default=True, help="Tokens generated.")
 @click.option("--steps", type=int, default=64, show_default=True, help="Denoising steps.")
 @click.option("--block-length", type=int, default=32, show_default=True, help="Semi-autoregressive block size.")
 @click.option("--prompt", default=PROMPT, show_default=True, help="Prompt text.")
 @click.option("--remasking", default="random,low_confidence", show_default=True,
               help="Comma-separated remasking strategies; Picard's acceptance depends strongly on it.")
-def picard(model: str, windows: str, latencies_ms: str, gen_length: int, steps: int, block_length: int, prompt: str,
+def picard(model: str, windows: list[int], latencies_ms: list[float], gen_length: int, steps: int, block_length: int, prompt: str,
            threads: int, remasking: str) -> None:
     """Picard windows vs sequential denoising through two servers."""
     torch.set_num_threads(threads)
-    sizes = [int(w) for w in windows.split(",")]
-    delays = [float(d) for d in latencies_ms.split(",")]
+    sizes, delays = windows, latencies_ms
     strategies = remasking.split(",")
+    unknown = [name for name in strategies if name not in STRATEGIES]
+    if unknown:
+        raise click.BadParameter(f"unknown strategies {unknown}; choose from {', '.join(STRATEGIES)}", param_hint="--remasking")
     base_settings = dict(gen_length=gen_length, steps=steps, block_length=block_length)
     references = {name: DiffusionLM.from_pretrained(model).generate(prompt, remasking=name, **base_settings)
                   for name in strategies}
@@ -131,7 +147,7 @@ def picard(model: str, windows: str, latencies_ms: str, gen_length: int, steps: 
 @threads_option
 @click.option("--model", default="default", show_default=True, help="Embedded model name or checkpoint directory.")
 @click.option("--latency-ms", type=float, default=50.0, show_default=True, help="Injected delay per hop in milliseconds.")
-@click.option("--remasking", default="random", show_default=True, help="Remasking strategy of the request.")
+@click.option("--remasking", type=click.Choice(list(STRATEGIES)), default="random", show_default=True, help="Remasking strategy of the request.")
 @click.option("--prompt", default=PROMPT, show_default=True, help="Prompt text.")
 def scale(model: str, latency_ms: float, remasking: str, prompt: str, threads: int) -> None:
     """One request at scale local, auto and max, through two servers and a full replica."""

@@ -158,7 +158,11 @@ def collect_response(parts: list[runtime_pb2.ExpertResponse], peer_id: Optional[
 
 
 class SpanService(ServicerBase):
-    """The RPCs every server offers. Servers subclass it; clients build stubs from it directly."""
+    """The RPCs every server offers, declared once: hivemind builds client stubs from these signatures.
+
+    The bodies never run: servers override every method (swarm.server.handler.ForwardHandler), clients only
+    call ``SpanService.get_stub(p2p, peer)``, so the client does not import server code.
+    """
 
     @classmethod
     def _get_handle_name(cls, namespace: Optional[str], method_name: str) -> str:

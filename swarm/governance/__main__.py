@@ -72,7 +72,10 @@ def status(keys: tuple[str, ...], dht_prefix: str, **options) -> None:
     """Print whether the swarm is halted according to records signed by the given keys."""
     from swarm.dht.node import start_dht, stop_dht
 
-    state = GovernanceState(dht_prefix, [parse_public_key(k) for k in keys])
+    try:
+        state = GovernanceState(dht_prefix, [parse_public_key(k) for k in keys])
+    except ValueError as error:
+        raise click.BadParameter(str(error), param_hint="--governance-key") from None
     dht = start_dht(pop_network_config(options, client_mode=True))
     try:
         decision = state.refresh(dht)

@@ -3,9 +3,13 @@
 * ``latency``: per-step latency through the swarm and in one local process, and their ratio.
 * ``picard``: Picard windows w in {1, 2, 4, 8} at several injected per-hop latencies: sequential round
   trips, denoiser evaluations, wall time, speed-up over w = 1, and whether the tokens are identical.
+* ``scale``: one request at scale local, auto and max.
+* ``hiding``: the latency-hiding modes (cache, staleness, push) at 0 and 50 ms per hop: tokens/s, the
+  fraction of the added latency hidden, agreement with the exact tokens and task accuracy.
 
-Latency is injected in user space by the client (``ClientConfig.inject_latency``), since these machines
-have no netem; it is added to every call to a server, i.e. per hop.
+Latency is injected in user space (``ClientConfig.inject_latency``), since these machines have no netem:
+every one-way network crossing is delayed, so a call to a server costs two delays, and a pushed pass
+over k servers k + 1.
 """
 from __future__ import annotations
 
@@ -19,7 +23,10 @@ import click
 import torch
 
 from swarm.client import DistributedDiffusionLM
+from swarm.diffusion.config import MAX_STALENESS
 from swarm.diffusion.remasking import STRATEGIES
+from swarm.eval.tasks import evaluate_task
+from swarm.train.data import AdditionTask
 from swarm.local import DiffusionLM
 from swarm.models.loading import ModelFiles
 from swarm.utils.local_swarm import LocalSwarm
@@ -81,7 +88,7 @@ def threads_option(command):
 @click.option("--model", default="default", show_default=True, help="Embedded model name or checkpoint directory.")
 @click.option("--length", type=int, default=96, show_default=True, help="Sequence length of one denoising step (prompt + generation).")
 @click.option("--repeats", type=int, default=20, show_default=True, help="Timed denoiser calls per setting (median reported).")
-@click.option("--latency-ms", type=float, default=0.0, show_default=True, help="Injected delay per hop in milliseconds.")
+@click.option("--latency-ms", type=float, default=0.0, show_default=True, help="Injected one-way delay per network crossing in milliseconds (a call crosses twice).")
 def latency(model: str, length: int, repeats: int, latency_ms: float, threads: int) -> None:
     """Per-step latency: two servers on loopback vs one local process."""
     torch.set_num_threads(threads)
@@ -105,7 +112,7 @@ def latency(model: str, length: int, repeats: int, latency_ms: float, threads: i
 @threads_option
 @click.option("--model", default="default", show_default=True, help="Embedded model name or checkpoint directory.")
 @click.option("--windows", default="1,2,4,8", show_default=True, callback=comma_list(int, 1), help="Comma-separated Picard window sizes.")
-@click.option("--latencies-ms", default="0,50", show_default=True, callback=comma_list(float, 0), help="Comma-separated injected delays per hop (ms).")
+@click.option("--latencies-ms", default="0,50", show_default=True, callback=comma_list(float, 0), help="Comma-separated injected one-way delays per network crossing (ms; a call crosses twice).")
 @click.option("--gen-length", type=int, default=64, show_default=True, help="Tokens generated.")
 @click.option("--steps", type=int, default=64, show_default=True, help="Denoising steps.")
 @click.option("--block-length", type=int, default=32, show_default=True, help="Semi-autoregressive block size.")
@@ -146,7 +153,7 @@ def picard(model: str, windows: list[int], latencies_ms: list[float], gen_length
 @main.command()
 @threads_option
 @click.option("--model", default="default", show_default=True, help="Embedded model name or checkpoint directory.")
-@click.option("--latency-ms", type=float, default=50.0, show_default=True, help="Injected delay per hop in milliseconds.")
+@click.option("--latency-ms", type=float, default=50.0, show_default=True, help="Injected one-way delay per network crossing in milliseconds (a call crosses twice).")
 @click.option("--remasking", type=click.Choice(list(STRATEGIES)), default="random", show_default=True, help="Remasking strategy of the request.")
 @click.option("--prompt", default=PROMPT, show_default=True, help="Prompt text.")
 def scale(model: str, latency_ms: float, remasking: str, prompt: str, threads: int) -> None:
@@ -166,6 +173,82 @@ def scale(model: str, latency_ms: float, remasking: str, prompt: str, threads: i
                 click.echo(f"{name:>6}{result.elapsed_s:>9.2f}{result.denoiser_calls:>13}"
                            f"{len(result.info.get('spot_checks', [])):>13}{experts:>9}  "
                            f"{result.token_ids == reference.token_ids}")
+
+
+HIDING_MODES = "sync,push,dual,stale3,dual+push,dual+push+stale1,dual+push+stale3,dual+push+stale3+ungated"
+
+
+def parse_mode(spec: str) -> tuple[dict, bool]:
+    """``dual+push+stale3`` -> (generate settings, push). Parts: push, prefix, dual, stale1..3, ungated, sync."""
+    settings: dict = {}
+    push = False
+    for part in spec.split("+"):
+        if part == "push":
+            push = True
+        elif part in ("prefix", "dual"):
+            settings["cache"] = part
+        elif part.startswith("stale") and part[5:].isdigit() and 1 <= int(part[5:]) <= MAX_STALENESS:
+            settings["staleness"] = int(part[5:])
+        elif part == "ungated":
+            settings["stale_min_confidence"] = 0.0
+        elif part != "sync":
+            raise click.BadParameter(f"unknown part {part!r} in mode {spec!r}; use push, prefix, dual, "
+                                     f"stale1..{MAX_STALENESS}, ungated or sync, joined by '+'", param_hint="--modes")
+    return settings, push
+
+
+@main.command()
+@threads_option
+@click.option("--model", default="default", show_default=True, help="Embedded model name or checkpoint directory.")
+@click.option("--modes", default=HIDING_MODES, show_default=True,
+              help="Comma-separated modes, each parts joined by '+': push, prefix, dual, stale1..3 (staleness), "
+                   "ungated (stale logits without the confidence gate), sync (none of them).")
+@click.option("--latency-ms", type=float, default=50.0, show_default=True, help="Injected one-way delay per network crossing (ms), compared with 0.")
+@click.option("--gen-length", type=int, default=256, show_default=True, help="Tokens generated.")
+@click.option("--block-length", type=int, default=32, show_default=True, help="Semi-autoregressive block size.")
+@click.option("--prompt", default=PROMPT, show_default=True, help="Prompt text.")
+@click.option("--task-model", default="addition", show_default=True, help="Model whose addition-task exact match is reported per mode ('none' to skip).")
+@click.option("--task-examples", type=click.IntRange(min=1), default=200, show_default=True, help="Held-out addition problems per mode.")
+def hiding(model: str, modes: str, latency_ms: float, gen_length: int, block_length: int, prompt: str,
+           task_model: str, task_examples: int, threads: int) -> None:
+    """Latency hiding: each mode's wall time at 0 and --latency-ms per crossing, through two servers."""
+    torch.set_num_threads(threads)
+    parsed = {spec: parse_mode(spec) for spec in modes.split(",") if spec}
+    base = dict(gen_length=gen_length, steps=gen_length, block_length=block_length)
+    exact = DiffusionLM.from_pretrained(model).generate(prompt, **base)
+    accuracy = {}
+    if task_model != "none":  # computed locally: the swarm gives the same tokens for every mode (tests)
+        task_lm = DiffusionLM.from_pretrained(task_model)
+        for spec, (settings, _) in parsed.items():
+            report = evaluate_task(task_lm, AdditionTask(), examples=task_examples, generate_options=settings)
+            accuracy[spec] = report.accuracy
+    delays = [0.0, latency_ms]
+    times: dict[tuple[str, float], float] = {}
+    agreement = {}
+    with two_server_swarm(model, threads) as swarm:
+        for delay in delays:
+            with DistributedDiffusionLM.from_pretrained(model, initial_peers=swarm.initial_peers,
+                                                        inject_latency=delay / 1000) as lm:
+                lm.generate(prompt, gen_length=block_length, steps=4, block_length=block_length)  # warm-up
+                for spec, (settings, push) in parsed.items():
+                    lm.client_config.push = push
+                    result = lm.generate(prompt, **base, **settings)
+                    times[spec, delay] = result.elapsed_s
+                    same = sum(a == b for a, b in zip(result.sequence.tolist(), exact.sequence.tolist()))
+                    agreement[spec] = (same - len(result.prompt_ids)) / gen_length
+                    click.echo(f"  {spec} at {delay:g} ms: {result.elapsed_s:.2f} s", err=True)
+    sync = next(iter(parsed))
+    added_sync = times[sync, latency_ms] - times[sync, 0.0]
+    click.echo(f"model {model}, gen_length {gen_length}, block_length {block_length}, steps {gen_length}, two servers; "
+               f"'{sync}' is the reference; {latency_ms:g} ms per one-way crossing")
+    click.echo(f"{'mode':<26}{'tok/s 0ms':>10}{'tok/s ' + format(latency_ms, 'g') + 'ms':>11}{'vs ' + sync:>9}"
+               f"{'hidden':>8}{'agree':>7}{'task':>7}")
+    for spec in parsed:
+        slow, fast = times[spec, latency_ms], times[spec, 0.0]
+        hidden = 1 - (slow - fast) / added_sync if added_sync > 0 else float("nan")
+        task = f"{accuracy[spec]:.3f}" if spec in accuracy else "-"
+        click.echo(f"{spec:<26}{gen_length / fast:>10.1f}{gen_length / slow:>11.1f}"
+                   f"{times[sync, latency_ms] / slow:>8.2f}x{hidden:>8.0%}{agreement[spec]:>7.2f}{task:>7}")
 
 
 if __name__ == "__main__":

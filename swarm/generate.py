@@ -14,17 +14,18 @@ from swarm.models.loading import DEFAULT_MODEL
 @click.argument("prompt")
 @click.option("--model", default=DEFAULT_MODEL, show_default=True, help="Embedded model name or checkpoint directory.")
 @click.option("--initial-peers", multiple=True, help="Multiaddr of a swarm peer (repeatable); without any, the model runs in this process.")
+@click.option("--push", is_flag=True, help="With --initial-peers: servers pass activations straight to the next server (fewer network crossings).")
 @click.option("--stream/--no-stream", default=True, show_default=True, help="Show the text after every denoising step.")
 @click.option("--verbose", is_flag=True, help="Log at INFO level.")
 @generation_options
-def main(prompt: str, model: str, initial_peers: tuple[str, ...], stream: bool, verbose: bool, **options) -> None:
+def main(prompt: str, model: str, initial_peers: tuple[str, ...], push: bool, stream: bool, verbose: bool, **options) -> None:
     """Generate a continuation of PROMPT."""
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = pop_generation_kwargs(options)
     if initial_peers:
         from swarm.client import DistributedDiffusionLM
 
-        lm = DistributedDiffusionLM.from_pretrained(model, initial_peers=list(initial_peers))
+        lm = DistributedDiffusionLM.from_pretrained(model, initial_peers=list(initial_peers), push=push)
     else:
         from swarm.local import DiffusionLM
 

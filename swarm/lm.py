@@ -17,7 +17,8 @@ from tqdm.auto import tqdm
 
 from swarm.diffusion.composition import DEFAULT_TAU, Composition, ExpertSource, expert_weights
 from swarm.diffusion.config import GenerationConfig
-from swarm.diffusion.sampler import Denoiser, DiffusionSampler, Halted, WindowStats
+from swarm.diffusion.pipeline import DenoiserCalls, Forward
+from swarm.diffusion.sampler import DiffusionSampler, Halted, WindowStats
 from swarm.governance.tiers import check_tier
 from swarm.scale import ScalePlan, plan_scale
 from swarm.models.config import ModelConfig
@@ -79,8 +80,15 @@ class BaseDiffusionLM(ABC):
     remote = False  # True when every denoiser call is a round trip through the network
 
     @abstractmethod
-    def denoising_session(self, generation: GenerationConfig) -> contextlib.AbstractContextManager[Denoiser]:
-        """A denoiser for one generation (remote sessions are opened and closed around it)."""
+    def denoising_session(self, generation: GenerationConfig) -> contextlib.AbstractContextManager[Forward]:
+        """The model's pass for one generation (remote sessions are opened and closed around it).
+
+        It honours cache directives (:mod:`swarm.diffusion.pipeline`); the sampler's denoiser is built on it.
+        """
+
+    def denoiser_workers(self, generation: GenerationConfig) -> int:
+        """Threads for denoiser calls in flight: none locally (calls run at once, in order)."""
+        return 0
 
     def begin_request(self, prompt: str | Sequence[int], prompt_ids: Sequence[int], tier: Optional[str],
                       plan: ScalePlan) -> dict[str, Any]:
@@ -164,7 +172,9 @@ class BaseDiffusionLM(ABC):
 
         Keyword arguments: ``gen_length``, ``steps``, ``block_length``, ``temperature``, ``remasking``
         (low_confidence, random, margin, entropy), ``threshold``, ``cfg_scale``, ``seed``,
-        ``stop_at_eos``, ``parallel_window``; ``progress`` shows a progress bar; ``chat`` wraps the text prompt
+        ``stop_at_eos``, ``parallel_window``, and the latency-hiding settings ``staleness`` (0..3),
+        ``cache`` (``none``, ``prefix``, ``dual``) and ``cache_refresh`` (see :class:`GenerationConfig`; all
+        approximate except their defaults, which are exact); ``progress`` shows a progress bar; ``chat`` wraps the text prompt
         in the tokenizer's chat template (instruct checkpoints).
 
         ``experts`` composes expert models with the backbone at every step: ``{"code": 0.5}`` (weights
@@ -191,7 +201,8 @@ class BaseDiffusionLM(ABC):
         composition = self.composition(generation, prompt_ids, experts, expert_tau, corrector_steps)
         telemetry: list[dict] = []
         bar = tqdm(total=generation.gen_length, desc="denoising", unit="tok", disable=not progress, leave=False)
-        with self.denoising_session(generation) as denoiser, bar:
+        with self.denoising_session(generation) as forward, bar:
+            denoiser = DenoiserCalls(forward, generation, self.config.logits_shift, self.denoiser_workers(generation))
             if composition is None:
                 sampler = DiffusionSampler(denoiser, generation, self.config.mask_token_id, self.eos_token_ids())
             else:
@@ -212,7 +223,12 @@ class BaseDiffusionLM(ABC):
                     )
             except Halted as stop:  # e.g. a governance halt: stop cleanly, say why and where
                 halt = stop
+            finally:
+                denoiser.close()
             result = self._result(prompt_ids, state, sampler, time.perf_counter() - started, composition, telemetry)
+            result.info["staleness"] = generation.staleness
+            result.info["cache"] = {"mode": generation.cache, "fills": denoiser.policy.fills,
+                                    "reuses": denoiser.policy.reuses, "misses": denoiser.misses}
             if halt is not None:
                 result.finish_reason = "halted"
                 result.info["halt"] = {"reason": halt.reason, "step": halt.step, **halt.details}

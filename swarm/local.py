@@ -11,8 +11,10 @@ from swarm.diffusion.composition import (
     CompatibilityTag, ExpertNotFoundError, IncompatibleExpertError, InProcessExpert,
 )
 from swarm.diffusion.config import GenerationConfig
-from swarm.diffusion.sampler import DenoiseContext, Denoiser
+from swarm.diffusion.pipeline import CacheDirective, Forward
+from swarm.diffusion.sampler import DenoiseContext
 from swarm.lm import BaseDiffusionLM
+from swarm.models.kv_cache import CacheMiss, SpanKV
 from swarm.models.loading import DEFAULT_MODEL, ModelFiles
 from swarm.models.modules import DiffusionTransformer
 from swarm.models.tokenizer import Tokenizer
@@ -67,8 +69,21 @@ class DiffusionLM(BaseDiffusionLM):
         return expert
 
     @contextlib.contextmanager
-    def denoising_session(self, generation: GenerationConfig) -> Iterator[Denoiser]:
-        def denoise(tokens: torch.Tensor, context: DenoiseContext) -> torch.Tensor:
-            return self.logits(tokens)
+    def denoising_session(self, generation: GenerationConfig) -> Iterator[Forward]:
+        """Passes over the whole model; cache directives keep this generation's keys and values in ``kv``."""
+        kv: Optional[SpanKV] = None
 
-        yield denoise
+        @torch.inference_mode()
+        def forward(tokens: torch.Tensor, directive: Optional[CacheDirective], context: DenoiseContext) -> torch.Tensor:
+            nonlocal kv
+            if directive is None:
+                return self.logits(tokens)
+            if directive.fill:
+                kv = SpanKV(tokens.shape[0], tokens.shape[1])
+                return self.model(tokens, kv=kv).float()
+            if kv is None:
+                raise CacheMiss("nothing filled yet")
+            start, end = directive.rows
+            return self.model(tokens[:, start:end], kv=kv, rows=(start, end)).float()
+
+        yield forward

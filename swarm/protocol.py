@@ -37,6 +37,7 @@ class ErrorCode(str, enum.Enum):
     BUSY = "busy"  # queue or memory full: route around this server
     SHUTTING_DOWN = "shutting_down"
     HALTED = "halted"
+    CACHE_MISS = "cache_miss"  # a reuse request found no cache for its session here: the client fills again
     INTERNAL = "internal"
     # Raised by the client about a server, never sent on the wire:
     TIMEOUT = "timeout"  # no answer within the request timeout (a hung or overloaded server)
@@ -138,8 +139,24 @@ def response_parts(hidden: torch.Tensor, wire_dtype: str, metadata: Optional[dic
     return parts + [runtime_pb2.ExpertResponse(tensors=[chunk]) for chunk in chunks[1:]]
 
 
-def error_response(error: RemoteError) -> runtime_pb2.ExpertResponse:
-    return runtime_pb2.ExpertResponse(metadata=MSGPackSerializer.dumps({"error": {"code": error.code.value, "message": error.message}}))
+def error_response(error: RemoteError, metadata: Optional[dict] = None) -> runtime_pb2.ExpertResponse:
+    meta = dict(metadata or {}, error={"code": error.code.value, "message": error.message})
+    return runtime_pb2.ExpertResponse(metadata=MSGPackSerializer.dumps(meta))
+
+
+def ack_response() -> runtime_pb2.ExpertResponse:
+    """The answer to a pushed request: accepted and computed; the output travels on to the next hop."""
+    return runtime_pb2.ExpertResponse(metadata=MSGPackSerializer.dumps({"pushed": True}))
+
+
+def collect_ack(parts: list[runtime_pb2.ExpertResponse], peer_id: Optional[str] = None) -> tuple[None, dict]:
+    if not parts:
+        raise RemoteError(ErrorCode.INTERNAL, "empty response", peer_id)
+    metadata = parse_metadata(parts[0].metadata)
+    check_error(metadata, peer_id)
+    if metadata.get("pushed") is not True:
+        raise RemoteError(ErrorCode.INTERNAL, "server did not accept the push (an older version?)", peer_id)
+    return None, metadata
 
 
 def check_error(metadata: dict[str, Any], peer_id: Optional[str] = None) -> None:
@@ -152,7 +169,7 @@ def collect_response(parts: list[runtime_pb2.ExpertResponse], peer_id: Optional[
     if not parts:
         raise RemoteError(ErrorCode.INTERNAL, "empty response", peer_id)
     metadata = parse_metadata(parts[0].metadata)
-    check_error(metadata, peer_id)
+    check_error(metadata, metadata.get("failed_peer", peer_id))
     tensors = [t for part in parts for t in part.tensors]
     return decode_tensor(join_parts(tensors, metadata.get("parts"))), metadata
 
@@ -186,5 +203,25 @@ class SpanService(ServicerBase):
         self, request: runtime_pb2.ExpertRequest, context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         """Log-probabilities of a hosted expert (see :class:`ExpertRequest`), streamed as counted parts."""
+        raise NotImplementedError
+        yield  # pragma: no cover
+
+
+class DeliveryService(ServicerBase):
+    """The RPC a client offers when it asks for server-to-server push: the route's last server delivers the
+    output here (or the hop that failed delivers the error, with ``failed_peer`` in the metadata).
+
+    Each client registers it under its own namespace, sent with the push, so several clients can share one
+    P2P instance. The parts are those of a forward response, plus ``push_id`` in the first part's metadata.
+    """
+
+    @classmethod
+    def _get_handle_name(cls, namespace: Optional[str], method_name: str) -> str:
+        name = f"swarm.DeliveryService.{method_name}"
+        return f"{namespace}::{name}" if namespace else name
+
+    async def rpc_deliver(
+        self, parts: AsyncIterator[runtime_pb2.ExpertResponse], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertUID]:
         raise NotImplementedError
         yield  # pragma: no cover

@@ -8,7 +8,8 @@
   for ``random`` remasking, and experts picked from the prompt when none were asked for (experts change the
   tokens; windows and spot checks never do).
 
-Explicit arguments always win: a request that sets ``parallel_window`` or ``experts`` keeps them.
+Explicit arguments always win: a request that sets ``parallel_window`` or ``experts`` keeps them, and one
+that asks for ``staleness`` or a ``cache`` gets no window (windows need the exact, stateless denoiser).
 """
 from __future__ import annotations
 
@@ -41,7 +42,8 @@ def plan_scale(scale: str, settings: dict[str, Any], remote: bool) -> ScalePlan:
     check_scale(scale)
     if scale == "local":
         return ScalePlan(scale, 0.0)
-    if remote and settings.get("remasking") == "random" and "parallel_window" not in settings:
+    exact = settings.get("staleness", 0) == 0 and settings.get("cache", "none") == "none"  # windows need exactness
+    if remote and exact and settings.get("remasking") == "random" and "parallel_window" not in settings:
         settings["parallel_window"] = 8 if scale == "max" else 4
     if scale == "max" and settings.get("experts") is None:
         settings["experts"] = "auto"

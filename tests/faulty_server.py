@@ -10,8 +10,8 @@ from swarm.server import backend
 _honest_forward = backend.SpanBackend.forward_sync
 
 
-def _perturbed_forward(self, hidden, start, end):
-    output = _honest_forward(self, hidden, start, end)
+def _perturbed_forward(self, hidden, start, end, kv=None, rows=None):
+    output = _honest_forward(self, hidden, start, end, kv, rows)
     return output + 0.05 * output.std() * torch.randn_like(output)
 
 

@@ -66,6 +66,13 @@ def int_tensor():
     return serialize_torch_tensor(torch.ones(1, 3, HIDDEN, dtype=torch.int64))
 
 
+PEER = "QmS5ySqvz7QvrZgykvxn9PyHfcHrqNbkDbNXhcGQKwjUeT"  # a well-formed peer id of nobody here
+
+
+def push_spec(**changes):
+    return {"route": [], "reply_to": PEER, "namespace": "ns", "id": "push-1", "hop_delay": [0, 0], **changes}
+
+
 HOSTILE = {
     "wrong dtype": (lambda: with_tensor(int_tensor()), ErrorCode.BAD_REQUEST),
     "wrong hidden size": (lambda: valid_parts(torch.randn(1, 5, HIDDEN + 1)), ErrorCode.BAD_REQUEST),
@@ -85,6 +92,16 @@ HOSTILE = {
     "missing tensor": (lambda: with_tensor(runtime_pb2.Tensor(), parts=0), ErrorCode.BAD_REQUEST),
     "truncated stream": (lambda: valid_parts(torch.randn(1, 5, HIDDEN), parts=3), ErrorCode.BAD_REQUEST),
     "empty batch": (lambda: valid_parts(torch.randn(0, 5, HIDDEN)), ErrorCode.BAD_REQUEST),
+    "cache directive not a map": (lambda: valid_parts(extra={"cache": 5}), ErrorCode.BAD_REQUEST),
+    "cache rows reversed": (lambda: valid_parts(extra={"cache": {"rows": [3, 1]}}), ErrorCode.BAD_REQUEST),
+    "cache rows not the rows sent": (lambda: valid_parts(extra={"cache": {"rows": [0, 2]}}), ErrorCode.BAD_REQUEST),
+    "cache without a session": (lambda: valid_parts(session_id="", extra={"cache": {"rows": None}}), ErrorCode.BAD_REQUEST),
+    "cache reuse never filled": (lambda: valid_parts(session_id="never-filled", extra={"cache": {"rows": [0, 5]}}),
+                                 ErrorCode.CACHE_MISS),
+    "push route not a list": (lambda: valid_parts(extra={"push": push_spec(route=3)}), ErrorCode.BAD_REQUEST),
+    "push route skips blocks": (lambda: valid_parts(extra={"push": push_spec(route=[[PEER, 3, 4]])}), ErrorCode.BAD_REQUEST),
+    "push to a bad peer id": (lambda: valid_parts(extra={"push": push_spec(route=[["not-a-peer", 2, 4]])}), ErrorCode.BAD_REQUEST),
+    "push hop delay too long": (lambda: valid_parts(extra={"push": push_spec(hop_delay=[60, 0])}), ErrorCode.BAD_REQUEST),
 }
 
 

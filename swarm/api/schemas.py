@@ -33,6 +33,10 @@ class DiffusionSettings(BaseModel):
     cfg_scale: Optional[float] = Field(None, description="Unsupervised classifier-free guidance scale.")
     seed: Optional[StrictInt] = Field(None, description="Seed of the per-step noise: same seed, same text.")
     parallel_window: Optional[StrictInt] = Field(None, description="Picard window (1 is sequential).")
+    staleness: Optional[StrictInt] = Field(None, description="0..3: steps may use logits this many steps old (0 is exact).")
+    stale_min_confidence: Optional[float] = Field(None, description="Stale logits are used only where this confident.")
+    cache: Optional[str] = Field(None, description="Activation cache: none (exact), prefix or dual.")
+    cache_refresh: Optional[StrictInt] = Field(None, description="Refill the cache every N steps (0: per block).")
     experts: Optional[Union[dict[str, float], str]] = Field(
         None, description='Experts composed each step: {"code": 0.5} or "auto" (docs/EXPERTS.md).')
     tier: Optional[str] = Field(None, description="A stricter safety tier: public, internal or restricted.")

@@ -33,6 +33,11 @@ class ClientConfig:
     governance_keys: tuple[str, ...] = ()  # trusted governance public keys (also $SWARM_GOVERNANCE_KEYS)
     governance_ttl: float = 0.0  # seconds a read of the halt records is reused; 0 reads before every step
     audit_log: Optional[str] = None  # JSON-lines file: one record per generation
-    # Benchmarks only: user-space delay added to every call to a server (these machines have no netem).
-    inject_latency: float = 0.0  # seconds per hop
-    inject_jitter: float = 0.0  # extra uniform random seconds per hop
+    # Server-to-server push: each server sends its output straight to the next one and the last delivers it
+    # to this client (k + 1 network crossings per pass instead of 2k). Falls back to hop-by-hop on failure;
+    # off while spot checks run (they need each hop's output).
+    push: bool = False
+    # Benchmarks only: user-space delay of every network crossing (these machines have no netem). A call to a
+    # server crosses twice (request, answer); pushed passes ask servers to delay their crossings the same way.
+    inject_latency: float = 0.0  # seconds per one-way crossing
+    inject_jitter: float = 0.0  # extra uniform random seconds per crossing

@@ -12,12 +12,14 @@ from hivemind.dht import DHT
 
 from swarm.client.config import ClientConfig, client_network
 from swarm.client.experts import RemoteExpert, open_remote_experts
+from swarm.client.push import PushReceiver
 from swarm.client.remote import RemoteCaller
 from swarm.client.routing import RouteHop, compress_ranges
 from swarm.client.sequence import RemoteSequence
 from swarm.diffusion.composition import CompatibilityTag
 from swarm.diffusion.config import GenerationConfig
-from swarm.diffusion.sampler import DenoiseContext, Denoiser
+from swarm.diffusion.pipeline import CacheDirective, Forward
+from swarm.diffusion.sampler import DenoiseContext
 from swarm.dht.node import start_dht, stop_dht
 from swarm.dht.schema import default_prefix
 from swarm.governance.audit import AuditLog
@@ -60,6 +62,7 @@ class DistributedDiffusionLM(BaseDiffusionLM):
         self.audit = AuditLog(config.audit_log)
         self._spot_checks_seen = self._failovers_seen = 0
         self._local: Optional[DiffusionLM] = None
+        self._receiver: Optional[PushReceiver] = None
 
     @classmethod
     def from_pretrained(
@@ -76,23 +79,44 @@ class DistributedDiffusionLM(BaseDiffusionLM):
 
     # ----- the denoiser ---------------------------------------------------------------------------
     @torch.inference_mode()
-    def logits(self, input_ids: torch.Tensor, session_id: Optional[str] = None, step: int = -1) -> torch.Tensor:
-        """Per-position logits computed through the swarm (same contract as ``DiffusionLM.logits``)."""
+    def logits(self, input_ids: torch.Tensor, session_id: Optional[str] = None, step: int = -1,
+               directive: Optional[CacheDirective] = None) -> torch.Tensor:
+        """Per-position logits computed through the swarm (same contract as ``DiffusionLM.logits``).
+
+        With a reuse ``directive`` only its rows are embedded, sent and scored (the servers hold the rest).
+        """
         if input_ids.dim() == 1:
             input_ids = input_ids[None]
+        extra = {}
+        if directive is not None:
+            extra = directive.as_extra()
+            if not directive.fill:
+                input_ids = input_ids[:, directive.rows[0]:directive.rows[1]]
         hidden = self.embedding(input_ids).float()
-        hidden = self.sequence.forward(hidden, session_id, step)
+        hidden = self.sequence.forward(hidden, session_id, step, extra)
         return self.head(hidden.to(next(self.head.parameters()).dtype)).float()
 
     @contextlib.contextmanager
-    def denoising_session(self, generation: GenerationConfig) -> Iterator[Denoiser]:
+    def denoising_session(self, generation: GenerationConfig) -> Iterator[Forward]:
         session_id = uuid.uuid4().hex
+        self._use_push(self.client_config.push)
 
-        def denoise(tokens: torch.Tensor, context: DenoiseContext) -> torch.Tensor:
+        def forward(tokens: torch.Tensor, directive: Optional[CacheDirective], context: DenoiseContext) -> torch.Tensor:
             self.guard.check(context.steps[0])  # a valid governance halt stops before this step
-            return self.logits(tokens, session_id, context.steps[0])
+            return self.logits(tokens, session_id, context.steps[0], directive)
 
-        yield denoise
+        yield forward
+
+    def denoiser_workers(self, generation: GenerationConfig) -> int:
+        """One thread per call in flight: ``staleness + 1`` round trips overlap."""
+        return generation.staleness + 1
+
+    def _use_push(self, enabled: bool) -> None:
+        """Register this client's delivery handler the first time push is used."""
+        if enabled and self._receiver is None:
+            self._receiver = PushReceiver(str(self.dht.peer_id))
+            self.loop.run(self._receiver.register(self.p2p))
+        self.sequence.receiver = self._receiver if enabled else None
 
     def open_experts(self, names: Sequence[str], required: bool) -> tuple[dict[str, RemoteExpert], list[str]]:
         """Servers announcing each expert under ``{prefix}.experts.{name}``, queried alongside the route."""

@@ -13,8 +13,8 @@ from hivemind.utils import MSGPackSerializer
 from hivemind.utils.asyncio import iter_as_aiter
 
 from swarm.protocol import (
-    ErrorCode, ExpertRequest, ForwardRequest, RemoteError, SpanService, collect_response, expert_request_message,
-    request_parts,
+    ErrorCode, ExpertRequest, ForwardRequest, RemoteError, SpanService, collect_ack, collect_response,
+    expert_request_message, request_parts,
 )
 
 
@@ -22,11 +22,18 @@ class RemoteCaller:
     """Thin async wrapper over a server's RPCs; every failure surfaces as :class:`RemoteError`."""
 
     def __init__(self, p2p: P2P, wire_dtype: str = "float32", latency: float = 0.0, jitter: float = 0.0):
-        """``latency``/``jitter`` emulate a wide-area hop in user space (benchmarks only)."""
+        """``latency``/``jitter`` emulate a wide-area network in user space (benchmarks only): each crossing,
+        request or answer, is delayed by ``latency`` plus up to ``jitter`` seconds, so a call costs two."""
         self.p2p = p2p
         self.wire_dtype = wire_dtype
         self.latency, self.jitter = latency, jitter
         self.calls = 0
+        self.rows_sent = 0  # batch x length of hidden states sent in forward requests
+
+    async def crossing(self) -> None:
+        """One emulated one-way network crossing (nothing unless latency is injected)."""
+        if self.latency or self.jitter:
+            await asyncio.sleep(self.latency + random.uniform(0, self.jitter))
 
     def _stub(self, peer_id: str):
         return SpanService.get_stub(self.p2p, PeerID.from_base58(peer_id))
@@ -40,29 +47,38 @@ class RemoteCaller:
             raise as_remote_error(error, peer_id) from error
         return MSGPackSerializer.loads(reply.serialized_info), time.perf_counter() - started
 
-    async def _call(self, peer_id: str, rpc: Callable[[], Awaitable[list]], timeout: float) -> tuple[torch.Tensor, dict]:
-        """One RPC to one server: counted, delayed when latency is injected, bounded by ``timeout``, and every
-        failure turned into a :class:`RemoteError`."""
+    async def _call(self, peer_id: str, rpc: Callable[[], Awaitable[list]], timeout: float,
+                    collect: Callable[..., tuple] = collect_response) -> tuple:
+        """One RPC to one server: counted, delayed both ways when latency is injected, bounded by ``timeout``,
+        and every failure turned into a :class:`RemoteError`."""
         self.calls += 1
-        if self.latency or self.jitter:
-            await asyncio.sleep(self.latency + random.uniform(0, self.jitter))
+        await self.crossing()
         try:
             responses = await asyncio.wait_for(rpc(), timeout)
         except Exception as error:
             raise as_remote_error(error, peer_id) from error
-        return collect_response(responses, peer_id)
+        await self.crossing()
+        return collect(responses, peer_id)
 
-    async def forward(self, peer_id: str, request: ForwardRequest, timeout: float) -> torch.Tensor:
-        """Hidden states after the server's blocks ``request.start:request.end``."""
+    def _forward_rpc(self, peer_id: str, request: ForwardRequest) -> Callable[[], Awaitable[list]]:
         parts = request_parts(request, self.wire_dtype)
         stub = self._stub(peer_id)
+        self.rows_sent += request.hidden.shape[0] * request.hidden.shape[1]
 
         async def rpc() -> list:
             if len(parts) == 1:
                 return [await stub.rpc_forward(parts[0])]
             return [response async for response in await stub.rpc_forward_stream(iter_as_aiter(parts))]
 
-        hidden, _ = await self._call(peer_id, rpc, timeout)
+        return rpc
+
+    async def push(self, peer_id: str, request: ForwardRequest, timeout: float) -> None:
+        """Send a request whose ``extra["push"]`` names the next hops; the server only acknowledges it."""
+        await self._call(peer_id, self._forward_rpc(peer_id, request), timeout, collect_ack)
+
+    async def forward(self, peer_id: str, request: ForwardRequest, timeout: float) -> torch.Tensor:
+        """Hidden states after the server's blocks ``request.start:request.end``."""
+        hidden, _ = await self._call(peer_id, self._forward_rpc(peer_id, request), timeout)
         if hidden.shape != request.hidden.shape:
             raise RemoteError(ErrorCode.INTERNAL, f"server returned shape {tuple(hidden.shape)}, "
                               f"expected {tuple(request.hidden.shape)}", peer_id)

@@ -2,12 +2,14 @@
 
 Keeps the list of servers read from the DHT, their measured round trips, the peers banned for failing,
 and the current route. When a server fails mid-step the step continues from the failed block over other
-servers: the result is the same, because servers keep no state between calls here.
+servers: the result is the same, because a call depends on no earlier call, except through the activation
+cache, whose absence on a new server is reported as a cache miss and repaired by a fill.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -17,11 +19,13 @@ import torch
 from hivemind.dht import DHT
 
 from swarm.client.config import ClientConfig
+from swarm.client.push import PushReceiver
 from swarm.client.remote import RemoteCaller
 from swarm.client.routing import MissingBlocksError, RouteHop, find_route
 from swarm.client.spot_check import SpotChecker
 from swarm.diffusion.sampler import Halted
 from swarm.dht.schema import ServerRecord, ServerState, read_servers
+from swarm.models.kv_cache import CacheMiss
 from swarm.protocol import ErrorCode, ForwardRequest, RemoteError
 from swarm.utils.event_loop import BackgroundLoop
 
@@ -65,6 +69,8 @@ class RemoteSequence:
         self.spot_checker = SpotChecker(self, config.spot_check_rtol, config.spot_check_seed)
         self.spot_checker.fraction = config.spot_check_fraction
         self._refreshed_at = 0.0
+        self._route_lock = threading.RLock()  # calls in flight (stale pipelining) share the route
+        self.receiver: Optional[PushReceiver] = None  # set when push is enabled
 
     # ----- servers and route ----------------------------------------------------------------------
     def banned(self) -> frozenset[str]:
@@ -120,16 +126,17 @@ class RemoteSequence:
         return await asyncio.gather(*(ping(p) for p in peers), return_exceptions=True)
 
     def build_route(self, start_block: int = 0, tokens: int = 128) -> list[RouteHop]:
-        if time.monotonic() - self._refreshed_at > self.config.route_refresh or not self.servers:
-            self.refresh()
-        try:
-            tail = find_route(self.servers, self.num_blocks, start_block, self.latencies, self.excluded(), tokens)
-        except MissingBlocksError:
-            self.refresh()  # the DHT may know servers that joined since the last read
-            tail = find_route(self.servers, self.num_blocks, start_block, self.latencies, self.excluded(), tokens)
-        self.route = [hop for hop in self.route if hop.end <= start_block] + tail
-        logger.info("route: %s", " -> ".join(map(str, self.route)))
-        return self.route
+        with self._route_lock:
+            if time.monotonic() - self._refreshed_at > self.config.route_refresh or not self.servers:
+                self.refresh()
+            try:
+                tail = find_route(self.servers, self.num_blocks, start_block, self.latencies, self.excluded(), tokens)
+            except MissingBlocksError:
+                self.refresh()  # the DHT may know servers that joined since the last read
+                tail = find_route(self.servers, self.num_blocks, start_block, self.latencies, self.excluded(), tokens)
+            self.route = [hop for hop in self.route if hop.end <= start_block] + tail
+            logger.info("route: %s", " -> ".join(map(str, self.route)))
+            return self.route
 
     def hop_from(self, block: int, tokens: int) -> RouteHop:
         excluded = self.excluded()
@@ -139,22 +146,87 @@ class RemoteSequence:
         route = self.build_route(block, tokens)
         return next(hop for hop in route if hop.start == block)
 
+    def full_route(self, tokens: int) -> list[RouteHop]:
+        """The current route when every hop is usable and it covers every block, else a rebuilt one."""
+        route, excluded = list(self.route), self.excluded()
+        if not route or route[-1].end != self.num_blocks or any(hop.peer_id in excluded for hop in route):
+            route = list(self.build_route(0, tokens))
+        return route
+
     # ----- one pass through all blocks -------------------------------------------------------------
-    def forward(self, hidden: torch.Tensor, session_id: Optional[str] = None, step: int = -1) -> torch.Tensor:
-        """Hidden states after every block, retrying failed hops elsewhere within the configured bounds."""
+    def forward(self, hidden: torch.Tensor, session_id: Optional[str] = None, step: int = -1,
+                extra: Optional[dict] = None) -> torch.Tensor:
+        """Hidden states after every block, retrying failed hops elsewhere within the configured bounds.
+
+        ``extra`` travels with every hop (the activation-cache directive). A hop without the session's cache
+        raises :class:`CacheMiss`. With ``ClientConfig.push`` the pass is first tried as one pushed chain.
+        """
         session_id = session_id or uuid.uuid4().hex
+        extra = dict(extra or {})
         tokens = hidden.shape[0] * hidden.shape[1]
+        if time.monotonic() - self._refreshed_at > self.config.route_refresh:
+            self.build_route(0, tokens)  # servers that left or joined since the last read
+        if self.receiver is not None and self.spot_checker.fraction == 0:
+            pushed = self._try_push(hidden, session_id, step, extra, tokens)
+            if pushed is not None:
+                return pushed
+        return self._hop_by_hop(hidden, session_id, step, extra, tokens)
+
+    def _try_push(self, hidden: torch.Tensor, session_id: str, step: int, extra: dict,
+                  tokens: int) -> Optional[torch.Tensor]:
+        """One pushed pass over the whole route, or None when it failed and the hop-by-hop path should run."""
+        route = self.full_route(tokens)
+        try:
+            output = self.loop.run(self._pushed_pass(route, hidden, session_id, step, extra))
+        except RemoteError as error:
+            self._raise_if_final(error, step)
+            logger.warning("pushed pass failed (%s): continuing hop by hop", error)
+            return None
+        except asyncio.TimeoutError:
+            logger.warning("pushed pass got no delivery within %.0f s: continuing hop by hop", self.config.request_timeout)
+            return None
+        if output.shape != hidden.shape:
+            logger.warning("pushed pass returned shape %s, expected %s: continuing hop by hop",
+                           tuple(output.shape), tuple(hidden.shape))
+            return None
+        return output
+
+    async def _pushed_pass(self, route: list[RouteHop], hidden: torch.Tensor, session_id: str, step: int,
+                           extra: dict) -> torch.Tensor:
+        push_id = uuid.uuid4().hex
+        delivery = self.receiver.expect(push_id)
+        try:
+            first = route[0]
+            spec = {"route": [[hop.peer_id, hop.start, hop.end] for hop in route[1:]], "reply_to": self.receiver.peer_id,
+                    "namespace": self.receiver.namespace, "id": push_id,
+                    "hop_delay": [self.caller.latency, self.caller.jitter]}
+            request = ForwardRequest(first.start, first.end, hidden, session_id, step, dict(extra, push=spec))
+            await self.caller.push(first.peer_id, request, self.config.request_timeout)
+            return await asyncio.wait_for(delivery, self.config.request_timeout)
+        finally:
+            self.receiver.forget(push_id)
+
+    def _raise_if_final(self, error: RemoteError, step: int) -> None:
+        """Errors no other server can fix: a missing cache, a governance halt, a bad request."""
+        if error.code == ErrorCode.CACHE_MISS:
+            raise CacheMiss(error.message)
+        if error.code == ErrorCode.HALTED:  # a server obeys a governance halt this client has not seen
+            raise Halted(step, error.message, {"peer": error.peer_id})
+        if error.code in CLIENT_FAULTS:
+            raise error
+
+    def _hop_by_hop(self, hidden: torch.Tensor, session_id: str, step: int, extra: dict, tokens: int) -> torch.Tensor:
         block, attempts, started = 0, 0, time.monotonic()
         delay = self.config.backoff_base
         errors: list[str] = []
-        if time.monotonic() - self._refreshed_at > self.config.route_refresh:
-            self.build_route(0, tokens)  # servers that left or joined since the last read
         while block < self.num_blocks:
             try:
                 hop = self.hop_from(block, tokens)
-                request = ForwardRequest(block, hop.end, hidden, session_id, step)
+                request = ForwardRequest(block, hop.end, hidden, session_id, step, extra)
                 output = self.loop.run(self.caller.forward(hop.peer_id, request, self.config.request_timeout))
-                hidden = self.spot_checker.maybe_check(request, hop.peer_id, output)
+                if "cache" not in extra or extra["cache"]["rows"] is None:  # a replica holds no reuse cache
+                    output = self.spot_checker.maybe_check(request, hop.peer_id, output)
+                hidden = output
                 block = hop.end
                 continue
             except MissingBlocksError as error:
@@ -163,10 +235,8 @@ class RemoteSequence:
                     raise MissingBlocksError(error.blocks, list(errors) or None) from None
                 errors.append(str(error))
             except RemoteError as error:
-                if error.code == ErrorCode.HALTED:  # a server obeys a governance halt this client has not seen
-                    raise Halted(step, error.message, {"peer": hop.peer_id}) from None
-                if error.code in CLIENT_FAULTS:
-                    raise
+                error.peer_id = error.peer_id or hop.peer_id
+                self._raise_if_final(error, step)
                 errors.append(f"{hop.peer_id[-8:]}@{block}: {error.message}")
                 self.failovers.append(FailoverEvent(hop.peer_id, block, str(error)))
                 self.ban(hop.peer_id, str(error), busy=error.code == ErrorCode.BUSY)

@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Protocol, Sequenc
 import torch
 
 from swarm.diffusion.config import GenerationConfig
-from swarm.diffusion.sampler import DenoiseContext, Denoiser, DiffusionSampler, step_generator
+from swarm.diffusion.sampler import DenoiseContext, Denoiser, DiffusionSampler, Ready, step_generator
 
 logger = logging.getLogger(__name__)
 
@@ -172,16 +172,6 @@ class ExpertSource(Protocol):
     def describe(self) -> dict[str, Any]:
         """Where the expert runs (model path, servers, failovers), for the result's info."""
         ...
-
-
-@dataclass
-class Ready:
-    """An already computed answer, for sources that compute in-process."""
-
-    value: torch.Tensor
-
-    def result(self) -> torch.Tensor:
-        return self.value
 
 
 def block_log_probs(logits: torch.Tensor, start: int, end: int) -> torch.Tensor:

@@ -7,6 +7,9 @@ from typing import Any, Optional
 
 from swarm.diffusion.remasking import STRATEGIES
 
+CACHE_MODES = ("none", "prefix", "dual")
+MAX_STALENESS = 3
+
 
 @dataclass(frozen=True)
 class GenerationConfig:
@@ -15,6 +18,13 @@ class GenerationConfig:
     ``gen_length`` masked positions follow the prompt, split into blocks of ``block_length`` filled left
     to right; ``steps`` are spread evenly over the blocks. With ``threshold`` set, a step unmasks every
     position whose confidence reaches it (at least one), so a block may finish in fewer steps.
+
+    Latency hiding (approximate unless at its default): ``cache`` reuses keys and values of positions
+    outside the active block (``prefix``: those before it; ``dual``: before and after), refilled at every
+    block and every ``cache_refresh`` steps (0: only at blocks; 1: every step, which is exact); ``staleness``
+    s lets each step use logits up to s steps old, so s + 1 denoiser calls are in flight at once, but only
+    when every position the step unmasks has probability >= ``stale_min_confidence`` under those logits
+    (otherwise it waits for fresher ones).
     """
 
     gen_length: int = 64
@@ -27,6 +37,10 @@ class GenerationConfig:
     seed: int = 0
     stop_at_eos: bool = True
     parallel_window: int = 1
+    staleness: int = 0
+    stale_min_confidence: float = 0.9
+    cache: str = "none"
+    cache_refresh: int = 0
 
     def __post_init__(self) -> None:
         self.validate()
@@ -44,7 +58,7 @@ class GenerationConfig:
             if not condition:
                 raise ValueError(message)
 
-        for name in ("gen_length", "steps", "block_length", "seed", "parallel_window"):
+        for name in ("gen_length", "steps", "block_length", "seed", "parallel_window", "staleness", "cache_refresh"):
             need(isinstance(getattr(self, name), int), f"{name} must be an integer, got {getattr(self, name)!r}")
         need(self.gen_length > 0, f"gen_length must be positive, got {self.gen_length}")
         need(self.block_length > 0, f"block_length must be positive, got {self.block_length}")
@@ -66,6 +80,18 @@ class GenerationConfig:
              f"threshold must be in (0, 1], got {self.threshold}")
         need(self.seed >= 0, f"seed must be >= 0, got {self.seed}")
         need(self.parallel_window >= 1, f"parallel_window must be >= 1, got {self.parallel_window}")
+        need(0 <= self.staleness <= MAX_STALENESS, f"staleness must be 0..{MAX_STALENESS}, got {self.staleness}")
+        need(0.0 <= self.stale_min_confidence <= 1.0,
+             f"stale_min_confidence must be in [0, 1], got {self.stale_min_confidence}")
+        need(self.cache in CACHE_MODES, f"unknown cache {self.cache!r}; choose one of {', '.join(CACHE_MODES)}")
+        need(self.cache_refresh >= 0, f"cache_refresh must be >= 0 steps, got {self.cache_refresh}")
+        need(self.parallel_window == 1 or (self.staleness == 0 and self.cache == "none"),
+             "parallel_window > 1 is exact only over a stateless denoiser: use it with staleness=0 and cache='none'")
+
+    @property
+    def exact(self) -> bool:
+        """Whether the trajectory is the exact sequential one (no stale logits, no cached keys)."""
+        return self.staleness == 0 and self.cache == "none"
 
     def replace(self, **changes: Any) -> "GenerationConfig":
         return dataclasses.replace(self, **changes)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Optional, Protocol, Sequence
+from typing import Any, Callable, Iterator, Optional, Protocol, Sequence
 
 import torch
 
@@ -35,6 +35,33 @@ class Denoiser(Protocol):
     def __call__(self, tokens: torch.Tensor, context: DenoiseContext) -> torch.Tensor:
         """tokens (batch, length) int64 -> logits (batch, length, vocab), position i scoring token i."""
         ...
+
+
+@dataclass
+class Ready:
+    """An already computed answer, for work done in-process (the pending-result interface)."""
+
+    value: torch.Tensor
+
+    def result(self) -> torch.Tensor:
+        return self.value
+
+    def cancel(self) -> None:
+        """Nothing to stop: the work is done."""
+
+
+@dataclass
+class Evaluation:
+    """A submitted denoiser call for a batch of states; its logits are collected when a step needs them."""
+
+    states: torch.Tensor
+    context: DenoiseContext
+    pending: Any  # has result() and cancel(); a ``barrier`` attribute marks calls later ones depend on
+    logits: Optional[torch.Tensor] = None
+
+    @property
+    def barrier(self) -> bool:
+        return bool(getattr(self.pending, "barrier", False))
 
 
 class Halted(Exception):
@@ -144,21 +171,34 @@ class DiffusionSampler:
 
     def evaluate(self, states: torch.Tensor, steps: Sequence[int]) -> torch.Tensor:
         """Logits for a batch of states (one denoiser call), classifier-free guidance applied."""
+        return self.collect(self.submit(states, steps))
+
+    def submit(self, states: torch.Tensor, steps: Sequence[int]) -> Evaluation:
+        """Start one denoiser call (at once, unless the denoiser offers ``submit`` to run it in the background)."""
         context = self.context(states[0], steps)
         rows = states
         if self.config.cfg_scale > 0:
             unconditional = states.clone()
             unconditional[:, : self.prompt_length] = self.mask_token_id
             rows = torch.cat([states, unconditional])
-        logits = self.denoiser(rows, context)
+        submit = getattr(self.denoiser, "submit", None)
+        pending = submit(rows, context) if submit is not None else Ready(self.denoiser(rows, context))
         self.stats.denoiser_calls += 1
         self.stats.states_evaluated += len(states)
-        if self.config.cfg_scale > 0:
-            cond, uncond = logits[: len(states)], logits[len(states):]
-            logits = uncond + (self.config.cfg_scale + 1) * (cond - uncond)
-        if self.logits_hook is not None:
-            logits = self.logits_hook(logits, states, context)
-        return logits
+        return Evaluation(states, context, pending)
+
+    def collect(self, evaluation: Evaluation) -> torch.Tensor:
+        """The call's logits with guidance and the logits hook applied (computed once per evaluation)."""
+        if evaluation.logits is None:
+            logits = evaluation.pending.result()
+            states = evaluation.states
+            if self.config.cfg_scale > 0:
+                cond, uncond = logits[: len(states)], logits[len(states):]
+                logits = uncond + (self.config.cfg_scale + 1) * (cond - uncond)
+            if self.logits_hook is not None:
+                logits = self.logits_hook(logits, states, evaluation.context)
+            evaluation.logits = logits
+        return evaluation.logits
 
     def transition(self, x: torch.Tensor, logits: torch.Tensor, step: int) -> tuple[torch.Tensor, list[int]]:
         """The state after ``step``, from the state before it and that state's logits (length, vocab)."""
@@ -196,7 +236,11 @@ class DiffusionSampler:
 
     # ----- the trajectory -----------------------------------------------------------------------
     def iterate(self, prompt_ids: Sequence[int]) -> Iterator[StepEvent]:
-        """Yield every step of the generation in order (Picard windows when ``parallel_window`` > 1)."""
+        """Yield every step of the generation in order (Picard windows when ``parallel_window`` > 1, stale
+        pipelining when ``staleness`` > 0)."""
+        if self.config.staleness > 0:
+            yield from self._iterate_stale(prompt_ids)
+            return
         x = self.initial_state(prompt_ids)
         step = 0
         guesses: list[torch.Tensor] = []
@@ -215,6 +259,54 @@ class DiffusionSampler:
                 yield self._event(chain[i], step + i - 1, unmasked[i - 1])
             x, step = chain[accepted], step + accepted
             guesses = chain[accepted + 1:]
+
+    def _iterate_stale(self, prompt_ids: Sequence[int]) -> Iterator[StepEvent]:
+        """Stale pipelining: step t submits its state and moves on with the logits of step t - s.
+
+        Up to s + 1 calls are in flight, so s + 1 round trips overlap. Which logits a step uses is fixed
+        (never "whichever arrived first"), so the trajectory is still a deterministic function of the seed and
+        the same locally and through the swarm. A barrier call (a cache fill) is waited for: later calls
+        depend on the cache it builds, and steps never use logits older than it.
+        """
+        x = self.initial_state(prompt_ids)
+        step, source = 0, 0
+        in_flight: dict[int, Evaluation] = {}
+        try:
+            while not self.is_done(x):
+                evaluation = in_flight[step] = self.submit(x[None], [step])
+                # Never older than a barrier, nor than logits an earlier step already used.
+                source = step if evaluation.barrier else max(step - self.config.staleness, source)
+                logits = self.collect(in_flight[source])[0]
+                while source < step and not self._safe_to_use_stale(x, logits, step):
+                    source += 1  # not confident enough: wait for the next fresher call
+                    logits = self.collect(in_flight[source])[0]
+                for old in [s for s in in_flight if s < source]:  # never used again: stop waiting for them
+                    in_flight.pop(old).pending.cancel()
+                nxt, unmasked = self.transition(x, logits, step)
+                self.stats.windows.append(WindowStats(step, 1, 1))
+                yield self._event(nxt, step, unmasked)
+                x, step = nxt, step + 1
+        finally:
+            for evaluation in in_flight.values():
+                evaluation.pending.cancel()
+
+    def _safe_to_use_stale(self, x: torch.Tensor, logits: torch.Tensor, step: int) -> bool:
+        """Whether every position this step would unmask has probability >= ``stale_min_confidence``.
+
+        Tokens decided since the logits were computed are invisible to them; a confident prediction rarely
+        depends on them, a hesitant one often does.
+        """
+        nxt, picked = self.transition(x, logits, step)
+        if not picked:
+            return True
+        block = self.active_block(x)
+        start, end = self.block_bounds(block)
+        scores = logits[start:end].double()
+        scores[:, self.mask_token_id] = float("-inf")
+        probs = torch.softmax(scores, dim=-1)
+        rows = torch.tensor(picked) - start
+        chosen = probs[rows, nxt[torch.tensor(picked)]]
+        return bool((chosen >= self.config.stale_min_confidence).all())
 
     def _recompute_chain(
         self, states: list[torch.Tensor], logits: torch.Tensor, step: int

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from swarm.models.config import ModelConfig
+from swarm.models.kv_cache import BlockKV
 
 
 class RMSNorm(nn.Module):
@@ -60,14 +61,18 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(config.num_heads * hd, d, bias=False)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, key_padding: Optional[torch.Tensor]
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, key_padding: Optional[torch.Tensor],
+        kv: Optional[BlockKV] = None, rows: Optional[tuple[int, int]] = None,
     ) -> torch.Tensor:
+        """``x`` holds rows ``rows`` of the sequence (all of it when None); ``kv`` remembers or supplies the rest."""
         batch, length, _ = x.shape
         cfg = self.config
         q = self.q_proj(x).view(batch, length, cfg.num_heads, cfg.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(batch, length, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(batch, length, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if kv is not None:
+            k, v = kv.merge(k, v, rows)
         groups = cfg.num_heads // cfg.num_kv_heads
         if groups > 1:
             k = k.repeat_interleave(groups, dim=1)
@@ -100,7 +105,8 @@ class TransformerBlock(nn.Module):
         self.mlp = SwiGLU(config)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, key_padding: Optional[torch.Tensor] = None
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, key_padding: Optional[torch.Tensor] = None,
+        kv: Optional[BlockKV] = None, rows: Optional[tuple[int, int]] = None,
     ) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin, key_padding)
+        x = x + self.attn(self.attn_norm(x), cos, sin, key_padding, kv, rows)
         return x + self.mlp(self.mlp_norm(x))

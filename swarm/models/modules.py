@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from swarm.models.config import ModelConfig
+from swarm.models.kv_cache import SpanKV
 from swarm.models.layers import RMSNorm, TransformerBlock, rotary_cos_sin
 
 
@@ -44,20 +45,33 @@ class BlockSpan(nn.Module):
         attention_mask: Optional[torch.Tensor] = None,
         position_ids: Optional[torch.Tensor] = None,
         blocks: Optional[tuple[int, int]] = None,
+        kv: Optional[SpanKV] = None,
+        rows: Optional[tuple[int, int]] = None,
     ) -> torch.Tensor:
         """hidden (batch, length, d); attention_mask (batch, length) bool, True for real tokens.
 
         ``blocks=(a, b)`` runs only the held blocks ``a:b`` (a server may serve part of its span).
+        ``kv`` with ``rows`` None fills the cache from this full pass; with ``rows=(a, b)`` the hidden states
+        are those rows only and every other position's keys and values come from the cache.
         """
         batch, length, _ = hidden.shape
         if position_ids is None:
             position_ids = default_positions(batch, length, hidden.device)
+            if rows is not None:
+                position_ids = position_ids + rows[0]
         start, end = blocks if blocks is not None else (self.start, self.end)
         if not self.start <= start < end <= self.end:
             raise ValueError(f"blocks {start}:{end} are not inside the held span {self.start}:{self.end}")
+        if rows is not None and kv is None:
+            raise ValueError("rows without a cache: a partial pass needs the cached keys and values")
+        if kv is not None and rows is not None:
+            if length != rows[1] - rows[0]:
+                raise ValueError(f"{length} hidden rows given for rows {rows[0]}:{rows[1]}")
+            kv.check_reuse(start, end, batch, rows)
         cos, sin = rotary_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, hidden.dtype)
         for index in range(start, end):
-            hidden = self.blocks[str(index)](hidden, cos, sin, attention_mask)
+            hidden = self.blocks[str(index)](hidden, cos, sin, attention_mask,
+                                             kv.block(index) if kv is not None else None, rows)
         return hidden
 
 
@@ -95,8 +109,10 @@ class DiffusionTransformer(nn.Module):
             parts = (TokenEmbedding(config), BlockSpan(config, 0, config.num_layers), OutputHead(config))
         self.embedding, self.span, self.head = parts
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-        return self.head(self.span(self.embedding(input_ids), attention_mask))
+    def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                kv: Optional[SpanKV] = None, rows: Optional[tuple[int, int]] = None) -> torch.Tensor:
+        """Logits of ``input_ids``; with ``rows`` the ids are those rows only (see :meth:`BlockSpan.forward`)."""
+        return self.head(self.span(self.embedding(input_ids), attention_mask, kv=kv, rows=rows))
 
     def native_state_dict(self) -> dict[str, torch.Tensor]:
         """State dict under checkpoint names (the wrapper modules' prefixes stripped)."""

@@ -38,6 +38,8 @@ def print_ready(server: Server) -> None:
 @click.option("--max-batch-tokens", type=int, default=ServerConfig.max_batch_tokens, help="Largest batch x length accepted in one request.")
 @click.option("--max-concurrent-requests", type=int, default=ServerConfig.max_concurrent_requests, help="Requests in compute or waiting; more are refused as busy.")
 @click.option("--request-timeout", type=float, default=ServerConfig.request_timeout, help="Seconds a request may take before it is failed.")
+@click.option("--cache-memory-mb", type=float, default=ServerConfig.cache_memory_mb, help="MiB for the activation cache (per-session keys and values of cache='prefix'/'dual' clients); least recently used sessions are evicted.")
+@click.option("--cache-ttl", type=float, default=ServerConfig.cache_ttl, help="Seconds a session's activation cache is kept without being used.")
 @click.option("--update-period", type=float, default=ServerConfig.update_period, help="Seconds between DHT announcements (records expire after 2.5x).")
 @click.option("--wire-dtype", type=click.Choice(["float32", "float16"]), default="float32", help="dtype of returned activations; float16 halves traffic but is not exact.")
 @click.option("--compute-threads", type=int, default=None, help="torch CPU threads for compute (default: torch's choice).")

@@ -8,6 +8,7 @@ from typing import Callable, Optional, TypeVar
 
 import torch
 
+from swarm.models.kv_cache import SpanKV
 from swarm.models.modules import BlockSpan
 from swarm.protocol import ErrorCode, RemoteError
 
@@ -74,13 +75,15 @@ class SpanBackend:
         return self.span.end
 
     @torch.inference_mode()
-    def forward_sync(self, hidden: torch.Tensor, start: int, end: int) -> torch.Tensor:
-        """Run blocks ``start:end`` (a sub-span of the held one)."""
-        x = self.span(hidden.to(self.device, self.dtype), blocks=(start, end))
+    def forward_sync(self, hidden: torch.Tensor, start: int, end: int, kv: Optional[SpanKV] = None,
+                     rows: Optional[tuple[int, int]] = None) -> torch.Tensor:
+        """Run blocks ``start:end`` (a sub-span of the held one), filling or reusing ``kv`` (see BlockSpan)."""
+        x = self.span(hidden.to(self.device, self.dtype), blocks=(start, end), kv=kv, rows=rows)
         return x.float().cpu()
 
-    async def forward(self, hidden: torch.Tensor, start: int, end: int) -> torch.Tensor:
-        return await self.queue.run(hidden.shape[0] * hidden.shape[1], self.forward_sync, hidden, start, end)
+    async def forward(self, hidden: torch.Tensor, start: int, end: int, kv: Optional[SpanKV] = None,
+                      rows: Optional[tuple[int, int]] = None) -> torch.Tensor:
+        return await self.queue.run(hidden.shape[0] * hidden.shape[1], self.forward_sync, hidden, start, end, kv, rows)
 
     def shutdown(self) -> None:
         self.queue.shutdown()

@@ -23,6 +23,8 @@ class ServerConfig:
     max_concurrent_requests: int = 32  # in compute or waiting for it; more get a BUSY error
     max_queued_tokens: int = 65536  # batch x length summed over requests in compute or waiting
     request_timeout: float = 60.0
+    cache_memory_mb: float = 512.0  # activation cache (keys and values of sessions), least recently used evicted
+    cache_ttl: float = 300.0  # seconds a session's cache survives without being used
     governance_keys: tuple[str, ...] = ()  # trusted governance public keys (also $SWARM_GOVERNANCE_KEYS)
     governance_poll: float = 2.0  # seconds between reads of the governance records
     update_period: float = 15.0  # seconds between DHT announcements

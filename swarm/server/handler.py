@@ -11,12 +11,17 @@ from hivemind.p2p import P2PContext
 from hivemind.proto import runtime_pb2
 from hivemind.utils import MSGPackSerializer
 
+import torch
+
+from swarm.models.kv_cache import CacheMiss, SpanKV
 from swarm.protocol import (
-    ErrorCode, RemoteError, SpanService, decode_tensor, error_response, join_parts, parse_metadata,
+    ErrorCode, RemoteError, SpanService, ack_response, decode_tensor, error_response, join_parts, parse_metadata,
     response_parts,
 )
 from swarm.server.backend import SpanBackend
 from swarm.server.expert_handler import ExpertHandler
+from swarm.server.push import Pusher, PushSpec
+from swarm.server.session_cache import SessionCaches
 from swarm.server.validation import require, validate_hidden, validate_metadata
 
 logger = logging.getLogger(__name__)
@@ -31,8 +36,13 @@ class ForwardHandler(SpanService):
     """
 
     def __init__(self, backend: Optional[SpanBackend], *, hidden_size: int, max_batch_tokens: int, wire_dtype: str,
-                 request_timeout: float, info: Callable[[], dict], experts: Optional[ExpertHandler] = None):
+                 request_timeout: float, info: Callable[[], dict], experts: Optional[ExpertHandler] = None,
+                 caches: Optional[SessionCaches] = None, num_layers: int = 0):
         self.backend = backend
+        self.caches = caches
+        self.num_layers = num_layers
+        self.pusher = Pusher(wire_dtype, request_timeout)
+        self.rows_computed = 0  # batch x length of hidden states run through the span
         self.experts = experts
         self.hidden_size = hidden_size
         self.max_batch_tokens = max_batch_tokens
@@ -113,10 +123,44 @@ class ForwardHandler(SpanService):
                 f"tensor of shape {tuple(proto.size)} exceeds the batch-token limit {self.max_batch_tokens}")
         hidden = decode_tensor(proto)
         validate_hidden(hidden, self.hidden_size, self.max_batch_tokens)
-        output = await asyncio.wait_for(self.backend.forward(hidden, start, end), self.request_timeout)
-        logger.debug("forward %d:%d %s from %s in %.1f ms", start, end, tuple(hidden.shape),
+        extra = metadata.get("extra", {})
+        push = PushSpec.parse(extra["push"], self.num_layers, end) if "push" in extra else None
+        kv, rows = self._cache_for(extra, metadata.get("session_id", ""), hidden, start, end)
+        try:
+            output = await asyncio.wait_for(self.backend.forward(hidden, start, end, kv, rows), self.request_timeout)
+        except CacheMiss as miss:  # filled for another batch or blocks: the client fills again
+            raise RemoteError(ErrorCode.CACHE_MISS, str(miss)) from None
+        self.rows_computed += hidden.shape[0] * hidden.shape[1]
+        logger.debug("forward %d:%d %s rows %s from %s in %.1f ms", start, end, tuple(hidden.shape), rows,
                      context.remote_id, 1000 * (time.perf_counter() - started))
+        if push is not None:
+            self.pusher.send(push, output, metadata.get("session_id", ""), metadata.get("step", -1),
+                             {k: v for k, v in extra.items() if k != "push"})
+            return [ack_response()]
         return response_parts(output, self.wire_dtype)
+
+    def _cache_for(self, extra: dict, session_id: str, hidden: torch.Tensor, start: int,
+                   end: int) -> tuple[Optional[SpanKV], Optional[tuple[int, int]]]:
+        """The session cache a request fills (``extra["cache"]["rows"]`` None) or reuses (rows [a, b])."""
+        if "cache" not in extra:
+            return None, None
+        directive = extra["cache"]
+        require(isinstance(directive, dict) and "rows" in directive, ErrorCode.BAD_REQUEST,
+                "extra['cache'] must be a map with 'rows' (null to fill, [start, end] to reuse)")
+        require(bool(session_id), ErrorCode.BAD_REQUEST, "a cached request needs a session_id")
+        require(self.caches is not None, ErrorCode.CACHE_MISS, "this server keeps no activation cache")
+        batch, length = hidden.shape[:2]
+        rows = directive["rows"]
+        if rows is None:
+            return self.caches.for_fill(session_id, end - start, batch, length), None
+        require(isinstance(rows, list) and len(rows) == 2 and all(isinstance(r, int) for r in rows)
+                and 0 <= rows[0] < rows[1], ErrorCode.BAD_REQUEST, f"cache rows must be [start, end], got {rows!r}")
+        require(rows[1] - rows[0] == length, ErrorCode.BAD_REQUEST,
+                f"cache rows {rows[0]}:{rows[1]} do not match the {length} positions sent")
+        try:
+            return self.caches.for_reuse(session_id), (rows[0], rows[1])
+        except CacheMiss as miss:
+            raise RemoteError(ErrorCode.CACHE_MISS, str(miss)) from None
 
     def _refuse(self, error: RemoteError, context: P2PContext) -> runtime_pb2.ExpertResponse:
         self.requests_failed += 1

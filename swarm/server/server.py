@@ -29,6 +29,7 @@ from swarm.server.experts import (
     ExpertBackend, HostedExpert, default_dtype, load_expert, measure_expert_throughput, parse_expert_spec,
 )
 from swarm.server.handler import ForwardHandler
+from swarm.server.session_cache import SessionCaches
 from swarm.server.throughput import measure_throughput
 
 logger = logging.getLogger(__name__)
@@ -67,7 +68,7 @@ class Server:
         self.handler = ForwardHandler(
             self.backend, hidden_size=self.model_config.hidden_size, max_batch_tokens=config.max_batch_tokens,
             wire_dtype=config.wire_dtype, request_timeout=config.request_timeout, info=self.info,
-            experts=expert_handler,
+            experts=expert_handler, caches=self._session_caches(), num_layers=self.model_config.num_layers,
         )
         self.state = ServerState.JOINING
         self._stop: Optional[asyncio.Event] = None
@@ -84,6 +85,15 @@ class Server:
         self.throughput = self._throughput(lambda: measure_throughput(self.span, self.config.device))
         return SpanBackend(self.span, self.config.max_concurrent_requests, self.config.device,
                            max_queued_tokens=self.config.max_queued_tokens)
+
+    def _session_caches(self) -> Optional[SessionCaches]:
+        if self.backend is None:
+            return None
+        element_size = torch.empty(0, dtype=self.backend.dtype).element_size()
+        if self.config.quant == "int8":
+            element_size = 4  # int8 spans compute in float32
+        return SessionCaches(self.model_config, int(self.config.cache_memory_mb * 2**20), self.config.cache_ttl,
+                             element_size)
 
     def _load_experts(self, texts: Sequence[str]) -> dict[str, HostedExpert]:
         """Load each expert and refuse one that cannot be composed with this swarm's backbone."""
@@ -138,7 +148,11 @@ class Server:
                 "experts": sorted(self.experts),
                 "state": int(self.state), "version": swarm.__version__, "hidden_size": self.model_config.hidden_size,
                 "num_layers": self.model_config.num_layers, "wire_dtype": self.config.wire_dtype,
-                "requests_served": self.handler.requests_served, "requests_failed": self.handler.requests_failed}
+                "requests_served": self.handler.requests_served, "requests_failed": self.handler.requests_failed,
+                "rows_computed": self.handler.rows_computed,
+                "cache": self.handler.caches.info() if self.handler.caches else None,
+                "push": {"pushed": self.handler.pusher.pushed, "delivered": self.handler.pusher.delivered,
+                         "failed": self.handler.pusher.failed}}
 
     def announce(self, timeout: float = 30.0) -> bool:
         """Store the current records (blocks, experts); False if the DHT did not confirm within ``timeout``."""
@@ -174,6 +188,7 @@ class Server:
             loop.add_signal_handler(sig, self._stop.set)
         p2p = await self.dht.replicate_p2p()
         await self.handler.add_p2p_handlers(p2p)
+        self.handler.pusher.attach(p2p)
         self.state = ServerState.ONLINE
         await loop.run_in_executor(None, self.announce)
         logger.info("serving %s of %s as %s", self.describe(), self.prefix, self.peer_id)
@@ -209,6 +224,7 @@ class Server:
             await asyncio.sleep(0.05)
         if self.dht.is_alive():
             await asyncio.get_running_loop().run_in_executor(None, self.announce, 5.0)
+        await self.handler.pusher.close()
         try:
             await asyncio.wait_for(self.handler.remove_p2p_handlers(p2p), 5.0)
         except Exception as error:  # the daemon may already be gone; shutdown continues regardless

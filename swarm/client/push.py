@@ -1,0 +1,51 @@
+"""The client's end of server-to-server push: it waits for the route's last server to deliver the output."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from typing import AsyncIterator
+
+from hivemind.p2p import P2P, P2PContext
+from hivemind.proto import runtime_pb2
+
+from swarm.protocol import DeliveryService, RemoteError, collect_response, parse_metadata
+
+logger = logging.getLogger(__name__)
+
+
+class PushReceiver(DeliveryService):
+    """Resolves one future per pushed pass when its output (or a hop's error) is delivered."""
+
+    def __init__(self, peer_id: str):
+        self.peer_id = peer_id
+        self.namespace = uuid.uuid4().hex  # this client's own handler name on a possibly shared P2P instance
+        self.waiting: dict[str, asyncio.Future] = {}
+
+    async def register(self, p2p: P2P) -> None:
+        await self.add_p2p_handlers(p2p, namespace=self.namespace)
+
+    def expect(self, push_id: str) -> asyncio.Future:
+        """A future for the delivery of ``push_id``; call from the event loop."""
+        future = asyncio.get_running_loop().create_future()
+        self.waiting[push_id] = future
+        return future
+
+    def forget(self, push_id: str) -> None:
+        self.waiting.pop(push_id, None)
+
+    async def rpc_deliver(
+        self, parts: AsyncIterator[runtime_pb2.ExpertResponse], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertUID]:
+        received = [part async for part in parts]
+        push_id = parse_metadata(received[0].metadata).get("push_id") if received else None
+        future = self.waiting.get(push_id) if isinstance(push_id, str) else None
+        if future is None or future.done():  # unknown, late (the pass was retried) or forged: ignore it
+            logger.debug("ignoring a delivery for unknown push %r from %s", push_id, context.remote_id)
+        else:
+            try:
+                hidden, _ = collect_response(received, str(context.remote_id))
+                future.set_result(hidden)
+            except RemoteError as error:
+                future.set_exception(error)
+        yield runtime_pb2.ExpertUID(uid="ok")

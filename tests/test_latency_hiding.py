@@ -1,0 +1,205 @@
+"""Latency hiding: the activation cache, stale pipelining and server-to-server push.
+
+Every mode must give the same tokens through the swarm as in one process (the modes are approximations of
+the exact run, but deterministic ones); the cache must really shrink what is sent and computed, stay within
+its budget, and be rebuilt where a failover lands.
+"""
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+import torch
+
+from swarm.client import DistributedDiffusionLM
+from swarm.diffusion.config import GenerationConfig
+from swarm.models.kv_cache import CacheMiss, SpanKV
+from swarm.models.modules import DiffusionTransformer
+from swarm.server.session_cache import SessionCaches
+from tests.conftest import tiny_config
+
+SETTINGS = dict(gen_length=32, steps=32, block_length=16, seed=3)
+PROMPT = "hide the latency"
+MODES = [
+    {"cache": "dual"},
+    {"cache": "prefix", "cache_refresh": 4},
+    {"staleness": 2, "stale_min_confidence": 0.0},
+    {"cache": "dual", "staleness": 3, "stale_min_confidence": 0.0},
+]
+
+
+# ----- the model's cache ------------------------------------------------------------------------------
+def test_reuse_of_unchanged_tokens_equals_the_full_pass():
+    torch.manual_seed(0)
+    model = DiffusionTransformer(tiny_config()).eval()
+    tokens = torch.randint(0, 200, (2, 24))
+    with torch.inference_mode():
+        full = model(tokens)
+        kv = SpanKV(2, 24)
+        filled = model(tokens, kv=kv)
+        part = model(tokens[:, 8:16], kv=kv, rows=(8, 16))
+    torch.testing.assert_close(filled, full)
+    torch.testing.assert_close(part, full[:, 8:16], rtol=1e-5, atol=1e-5)
+
+
+def test_reuse_sees_fresh_rows_and_stale_others():
+    """Changed tokens inside the rows change the output; changed tokens outside are not seen until a fill."""
+    torch.manual_seed(0)
+    model = DiffusionTransformer(tiny_config()).eval()
+    tokens = torch.randint(0, 200, (1, 24))
+    changed_inside, changed_outside = tokens.clone(), tokens.clone()
+    changed_inside[0, 10] = (tokens[0, 10] + 1) % 200
+    changed_outside[0, 20] = (tokens[0, 20] + 1) % 200
+    with torch.inference_mode():
+        kv = SpanKV(1, 24)
+        model(tokens, kv=kv)
+        before = model(tokens[:, 8:16], kv=kv, rows=(8, 16))
+        inside = model(changed_inside[:, 8:16], kv=kv, rows=(8, 16))
+        outside = model(changed_outside[:, 8:16], kv=kv, rows=(8, 16))
+    assert not torch.allclose(inside, before)
+    torch.testing.assert_close(outside, before)
+
+
+def test_reuse_without_a_matching_fill_is_a_cache_miss():
+    model = DiffusionTransformer(tiny_config()).eval()
+    kv = SpanKV(1, 24)
+    with torch.inference_mode(), pytest.raises(CacheMiss):
+        model(torch.zeros(1, 8, dtype=torch.long), kv=kv, rows=(0, 8))
+    with torch.inference_mode():
+        model(torch.zeros(1, 24, dtype=torch.long), kv=kv)
+        with pytest.raises(CacheMiss, match="batch"):
+            model(torch.zeros(2, 8, dtype=torch.long), kv=kv, rows=(0, 8))
+
+
+def test_server_cache_store_stays_within_its_budget_and_expires():
+    config = tiny_config()
+    one = 2 * 2 * 1 * config.num_kv_heads * 40 * config.head_dim * 4  # two blocks, batch 1, 40 positions
+    caches = SessionCaches(config, budget_bytes=int(2.5 * one), ttl=0.2, element_size=4)
+    for session in ("a", "b", "c"):
+        assert caches.for_fill(session, 2, 1, 40) is not None
+        assert caches.used_bytes <= caches.budget_bytes
+    assert list(caches.sessions) == ["b", "c"] and caches.stats.evictions == 1  # "a" was least recently used
+    with pytest.raises(CacheMiss):
+        caches.for_reuse("a")
+    assert caches.for_fill("huge", 2, 1, 4000) is None and caches.stats.refused == 1
+    time.sleep(0.3)
+    with pytest.raises(CacheMiss):
+        caches.for_reuse("b")
+    assert caches.used_bytes == 0
+
+
+# ----- settings ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("bad, message", [
+    (dict(staleness=4), "staleness"),
+    (dict(cache="triple"), "unknown cache"),
+    (dict(cache_refresh=-1), "cache_refresh"),
+    (dict(cache="dual", parallel_window=2), "parallel_window"),
+    (dict(staleness=1, parallel_window=4), "parallel_window"),
+    (dict(stale_min_confidence=1.5), "stale_min_confidence"),
+])
+def test_bad_latency_settings_are_refused_with_a_clear_error(bad, message):
+    with pytest.raises(ValueError, match=message):
+        GenerationConfig(**bad)
+
+
+# ----- in one process ----------------------------------------------------------------------------------
+def test_refreshing_every_step_is_the_exact_run(local_lm):
+    exact = local_lm.generate(PROMPT, **SETTINGS)
+    for mode in ("prefix", "dual"):
+        result = local_lm.generate(PROMPT, cache=mode, cache_refresh=1, **SETTINGS)
+        assert result.token_ids == exact.token_ids
+        assert result.info["cache"]["reuses"] == 0
+
+
+def test_stale_pipelining_is_deterministic_and_uses_older_logits(local_lm):
+    first = local_lm.generate(PROMPT, staleness=3, stale_min_confidence=0.0, **SETTINGS)
+    again = local_lm.generate(PROMPT, staleness=3, stale_min_confidence=0.0, **SETTINGS)
+    exact = local_lm.generate(PROMPT, **SETTINGS)
+    assert first.token_ids == again.token_ids
+    assert first.sequence.tolist() != exact.sequence.tolist()  # stale logits do change this tiny model's choices
+    gated = local_lm.generate(PROMPT, staleness=3, stale_min_confidence=1.0, **SETTINGS)
+    assert gated.token_ids == exact.token_ids  # nothing is that confident: every step waits for fresh logits
+
+
+# ----- through the swarm --------------------------------------------------------------------------------
+@pytest.fixture
+def push_off(remote_lm):
+    yield remote_lm
+    remote_lm.client_config.push = False
+
+
+@pytest.mark.parametrize("push", [False, True], ids=["hop-by-hop", "push"])
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: "+".join(f"{k}={v}" for k, v in m.items()))
+def test_every_mode_gives_the_local_tokens_through_the_swarm(push_off, local_lm, mode, push):
+    push_off.client_config.push = push
+    expected = local_lm.generate(PROMPT, **SETTINGS, **mode)
+    result = push_off.generate(PROMPT, **SETTINGS, **mode)
+    assert result.token_ids == expected.token_ids
+    assert result.info["cache"]["misses"] == 0
+
+
+def test_exact_mode_with_push_gives_the_local_tokens(push_off, local_lm):
+    push_off.client_config.push = True
+    before = [push_off.loop.run(push_off.caller.info(hop.peer_id, 5))[0]["push"]["delivered"]
+              for hop in push_off.show_route()]
+    result = push_off.generate(PROMPT, **SETTINGS, temperature=0.8)
+    assert result.token_ids == local_lm.generate(PROMPT, **SETTINGS, temperature=0.8).token_ids
+    after = [push_off.loop.run(push_off.caller.info(hop.peer_id, 5))[0]["push"]["delivered"]
+             for hop in push_off.show_route()]
+    assert after[-1] - before[-1] >= SETTINGS["steps"]  # the last server delivered every pass itself
+
+
+def server_infos(lm) -> dict[str, dict]:
+    return {hop.peer_id: lm.loop.run(lm.caller.info(hop.peer_id, 5))[0] for hop in lm.show_route()}
+
+
+def test_the_cache_sends_and_computes_only_the_active_block(remote_lm):
+    route = remote_lm.show_route()
+
+    def measure(**mode):
+        sent, before = remote_lm.caller.rows_sent, server_infos(remote_lm)
+        result = remote_lm.generate(PROMPT, **SETTINGS, **mode)
+        after = server_infos(remote_lm)
+        computed = sum(after[p]["rows_computed"] - before[p]["rows_computed"] for p in after)
+        return remote_lm.caller.rows_sent - sent, computed, result, after
+
+    assert [hop.peer_id for hop in remote_lm.show_route()] == [hop.peer_id for hop in route]
+    sent_none, computed_none, _, _ = measure()
+    sent_dual, computed_dual, result, infos = measure(cache="dual")
+    length = len(result.prompt_ids) + SETTINGS["gen_length"]
+    blocks = SETTINGS["gen_length"] // SETTINGS["block_length"]
+    hops = len(route)
+    # Each block: one fill of the whole sequence, then block_length-wide reuses, on every hop.
+    expected = hops * (blocks * length + (SETTINGS["steps"] - blocks) * SETTINGS["block_length"])
+    assert sent_dual == expected and computed_dual == expected
+    assert sent_none == hops * SETTINGS["steps"] * length
+    assert sent_dual < sent_none / 2
+    for info in infos.values():
+        assert info["cache"]["reuses"] > 0
+        assert 0 < info["cache"]["used_bytes"] <= info["cache"]["budget_bytes"]
+
+
+@pytest.mark.parametrize("push", [False, True], ids=["hop-by-hop", "push"])
+def test_cache_is_rebuilt_on_the_server_a_failover_lands_on(local_swarm, tiny_model_path, push):
+    """SIGKILL the first server mid-block: the replica gets reuse requests it has no cache for, answers
+    cache_miss, and the client fills again through the new route and finishes the generation."""
+    victim = local_swarm.start_server(str(tiny_model_path), "0:4", "--throughput", "1e9", "--compute-threads", "1")
+    lm = DistributedDiffusionLM.from_pretrained(tiny_model_path, initial_peers=local_swarm.initial_peers,
+                                                request_timeout=10, push=push)
+    try:
+        assert [hop.peer_id for hop in lm.show_route()] == [victim.peer_id]
+        result = None
+        for chunk in lm.generate_stream(PROMPT, cache="dual", **SETTINGS):
+            if chunk.step == 4:
+                local_swarm.terminate(victim, signal.SIGKILL)
+            result = chunk.result or result
+        assert result is not None and result.finish_reason in ("eos", "length")
+        assert result.info["cache"]["misses"] >= 1
+        assert result.info["cache"]["fills"] > SETTINGS["gen_length"] // SETTINGS["block_length"]
+        assert any(event["peer_id"] == victim.peer_id for event in result.info["failovers"])
+        assert victim.peer_id not in " ".join(result.info["route"])
+        infos = server_infos(lm)
+        assert all(info["cache"]["fills"] > 0 for info in infos.values())  # the new route's servers were filled
+    finally:
+        lm.shutdown()

@@ -200,6 +200,12 @@ class DiffusionSampler:
             evaluation.logits = logits
         return evaluation.logits
 
+    def block_scores(self, logits: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        """Float64 scores of the block's positions; a position is never "unmasked" to the mask token."""
+        scores = logits[start:end].double()
+        scores[:, self.mask_token_id] = float("-inf")
+        return scores
+
     def transition(self, x: torch.Tensor, logits: torch.Tensor, step: int) -> tuple[torch.Tensor, list[int]]:
         """The state after ``step``, from the state before it and that state's logits (length, vocab)."""
         block = self.active_block(x)
@@ -207,8 +213,7 @@ class DiffusionSampler:
             return x, []
         cfg = self.config
         start, end = self.block_bounds(block)
-        scores = logits[start:end].double()
-        scores[:, self.mask_token_id] = float("-inf")  # a position is never "unmasked" to the mask token
+        scores = self.block_scores(logits, start, end)
         generator = step_generator(cfg.seed, step)
         if cfg.temperature > 0:
             uniform_noise = torch.rand(scores.shape, generator=generator, dtype=torch.float64)
@@ -296,14 +301,11 @@ class DiffusionSampler:
         Tokens decided since the logits were computed are invisible to them; a confident prediction rarely
         depends on them, a hesitant one often does.
         """
-        nxt, picked = self.transition(x, logits, step)
+        nxt, picked = DiffusionSampler.transition(self, x, logits, step)  # the plain step: no corrector calls
         if not picked:
             return True
-        block = self.active_block(x)
-        start, end = self.block_bounds(block)
-        scores = logits[start:end].double()
-        scores[:, self.mask_token_id] = float("-inf")
-        probs = torch.softmax(scores, dim=-1)
+        start, end = self.block_bounds(self.active_block(x))
+        probs = torch.softmax(self.block_scores(logits, start, end), dim=-1)
         rows = torch.tensor(picked) - start
         chosen = probs[rows, nxt[torch.tensor(picked)]]
         return bool((chosen >= self.config.stale_min_confidence).all())

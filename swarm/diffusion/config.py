@@ -88,10 +88,5 @@ class GenerationConfig:
         need(self.parallel_window == 1 or (self.staleness == 0 and self.cache == "none"),
              "parallel_window > 1 is exact only over a stateless denoiser: use it with staleness=0 and cache='none'")
 
-    @property
-    def exact(self) -> bool:
-        """Whether the trajectory is the exact sequential one (no stale logits, no cached keys)."""
-        return self.staleness == 0 and self.cache == "none"
-
     def replace(self, **changes: Any) -> "GenerationConfig":
         return dataclasses.replace(self, **changes)

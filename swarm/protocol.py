@@ -149,11 +149,17 @@ def ack_response() -> runtime_pb2.ExpertResponse:
     return runtime_pb2.ExpertResponse(metadata=MSGPackSerializer.dumps({"pushed": True}))
 
 
-def collect_ack(parts: list[runtime_pb2.ExpertResponse], peer_id: Optional[str] = None) -> tuple[None, dict]:
+def response_metadata(parts: list[runtime_pb2.ExpertResponse], peer_id: Optional[str] = None) -> dict:
+    """The first part's metadata; a structured error in it is raised (naming ``failed_peer`` when given)."""
     if not parts:
         raise RemoteError(ErrorCode.INTERNAL, "empty response", peer_id)
     metadata = parse_metadata(parts[0].metadata)
-    check_error(metadata, peer_id)
+    check_error(metadata, metadata.get("failed_peer", peer_id))
+    return metadata
+
+
+def collect_ack(parts: list[runtime_pb2.ExpertResponse], peer_id: Optional[str] = None) -> tuple[None, dict]:
+    metadata = response_metadata(parts, peer_id)
     if metadata.get("pushed") is not True:
         raise RemoteError(ErrorCode.INTERNAL, "server did not accept the push (an older version?)", peer_id)
     return None, metadata
@@ -166,26 +172,31 @@ def check_error(metadata: dict[str, Any], peer_id: Optional[str] = None) -> None
 
 
 def collect_response(parts: list[runtime_pb2.ExpertResponse], peer_id: Optional[str] = None) -> tuple[torch.Tensor, dict]:
-    if not parts:
-        raise RemoteError(ErrorCode.INTERNAL, "empty response", peer_id)
-    metadata = parse_metadata(parts[0].metadata)
-    check_error(metadata, metadata.get("failed_peer", peer_id))
+    metadata = response_metadata(parts, peer_id)
     tensors = [t for part in parts for t in part.tensors]
     return decode_tensor(join_parts(tensors, metadata.get("parts"))), metadata
 
 
-class SpanService(ServicerBase):
+class FixedNameService(ServicerBase):
+    """A service whose handle names are ``swarm.{ClassName}.{method}`` for the declaring class, so an
+    implementing subclass and a client's stub agree on them."""
+
+    service_name = ""
+
+    @classmethod
+    def _get_handle_name(cls, namespace: Optional[str], method_name: str) -> str:
+        name = f"swarm.{cls.service_name}.{method_name}"
+        return f"{namespace}::{name}" if namespace else name
+
+
+class SpanService(FixedNameService):
     """The RPCs every server offers, declared once: hivemind builds client stubs from these signatures.
 
     The bodies never run: servers override every method (swarm.server.handler.ForwardHandler), clients only
     call ``SpanService.get_stub(p2p, peer)``, so the client does not import server code.
     """
 
-    @classmethod
-    def _get_handle_name(cls, namespace: Optional[str], method_name: str) -> str:
-        # A fixed service name, so the server's subclass and the client's stub agree on handle names.
-        name = f"swarm.SpanService.{method_name}"
-        return f"{namespace}::{name}" if namespace else name
+    service_name = "SpanService"
 
     async def rpc_info(self, request: runtime_pb2.ExpertUID, context: P2PContext) -> runtime_pb2.ExpertInfo:
         raise NotImplementedError
@@ -207,7 +218,7 @@ class SpanService(ServicerBase):
         yield  # pragma: no cover
 
 
-class DeliveryService(ServicerBase):
+class DeliveryService(FixedNameService):
     """The RPC a client offers when it asks for server-to-server push: the route's last server delivers the
     output here (or the hop that failed delivers the error, with ``failed_peer`` in the metadata).
 
@@ -215,10 +226,7 @@ class DeliveryService(ServicerBase):
     P2P instance. The parts are those of a forward response, plus ``push_id`` in the first part's metadata.
     """
 
-    @classmethod
-    def _get_handle_name(cls, namespace: Optional[str], method_name: str) -> str:
-        name = f"swarm.DeliveryService.{method_name}"
-        return f"{namespace}::{name}" if namespace else name
+    service_name = "DeliveryService"
 
     async def rpc_deliver(
         self, parts: AsyncIterator[runtime_pb2.ExpertResponse], context: P2PContext

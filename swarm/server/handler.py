@@ -125,10 +125,10 @@ class ForwardHandler(SpanService):
         validate_hidden(hidden, self.hidden_size, self.max_batch_tokens)
         extra = metadata.get("extra", {})
         push = PushSpec.parse(extra["push"], self.num_layers, end) if "push" in extra else None
-        kv, rows = self._cache_for(extra, metadata.get("session_id", ""), hidden, start, end)
-        try:
+        try:  # no cache for this session here, or one filled for another batch or blocks: the client refills
+            kv, rows = self._cache_for(extra, metadata.get("session_id", ""), hidden, start, end)
             output = await asyncio.wait_for(self.backend.forward(hidden, start, end, kv, rows), self.request_timeout)
-        except CacheMiss as miss:  # filled for another batch or blocks: the client fills again
+        except CacheMiss as miss:
             raise RemoteError(ErrorCode.CACHE_MISS, str(miss)) from None
         self.rows_computed += hidden.shape[0] * hidden.shape[1]
         logger.debug("forward %d:%d %s rows %s from %s in %.1f ms", start, end, tuple(hidden.shape), rows,
@@ -148,7 +148,8 @@ class ForwardHandler(SpanService):
         require(isinstance(directive, dict) and "rows" in directive, ErrorCode.BAD_REQUEST,
                 "extra['cache'] must be a map with 'rows' (null to fill, [start, end] to reuse)")
         require(bool(session_id), ErrorCode.BAD_REQUEST, "a cached request needs a session_id")
-        require(self.caches is not None, ErrorCode.CACHE_MISS, "this server keeps no activation cache")
+        if self.caches is None:
+            raise CacheMiss("this server keeps no activation cache")
         batch, length = hidden.shape[:2]
         rows = directive["rows"]
         if rows is None:
@@ -157,10 +158,7 @@ class ForwardHandler(SpanService):
                 and 0 <= rows[0] < rows[1], ErrorCode.BAD_REQUEST, f"cache rows must be [start, end], got {rows!r}")
         require(rows[1] - rows[0] == length, ErrorCode.BAD_REQUEST,
                 f"cache rows {rows[0]}:{rows[1]} do not match the {length} positions sent")
-        try:
-            return self.caches.for_reuse(session_id), (rows[0], rows[1])
-        except CacheMiss as miss:
-            raise RemoteError(ErrorCode.CACHE_MISS, str(miss)) from None
+        return self.caches.for_reuse(session_id), (rows[0], rows[1])
 
     def _refuse(self, error: RemoteError, context: P2PContext) -> runtime_pb2.ExpertResponse:
         self.requests_failed += 1

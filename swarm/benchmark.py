@@ -175,11 +175,13 @@ def scale(model: str, latency_ms: float, remasking: str, prompt: str, threads: i
                            f"{result.token_ids == reference.token_ids}")
 
 
-HIDING_MODES = "sync,push,dual,stale3,dual+push,dual+push+stale1,dual+push+stale3,dual+push+stale3+ungated"
+HIDING_MODES = ("sync,push,dual,stale3,dual+push,dual+push+stale1,dual+push+stale3,dual+push+stale3+exact,"
+                "dual+push+stale3+unchecked")
 
 
 def parse_mode(spec: str) -> tuple[dict, bool]:
-    """``dual+push+stale3`` -> (generate settings, push). Parts: push, prefix, dual, stale1..3, ungated, sync."""
+    """``dual+push+stale3`` -> (generate settings, push). Parts: push, prefix, dual, stale1..3, exact and
+    unchecked (the stale check; token by default), sync."""
     settings: dict = {}
     push = False
     for part in spec.split("+"):
@@ -189,11 +191,12 @@ def parse_mode(spec: str) -> tuple[dict, bool]:
             settings["cache"] = part
         elif part.startswith("stale") and part[5:].isdigit() and 1 <= int(part[5:]) <= MAX_STALENESS:
             settings["staleness"] = int(part[5:])
-        elif part == "ungated":
-            settings["stale_min_confidence"] = 0.0
+        elif part in ("exact", "unchecked"):
+            settings["stale_check"] = "none" if part == "unchecked" else part
         elif part != "sync":
             raise click.BadParameter(f"unknown part {part!r} in mode {spec!r}; use push, prefix, dual, "
-                                     f"stale1..{MAX_STALENESS}, ungated or sync, joined by '+'", param_hint="--modes")
+                                     f"stale1..{MAX_STALENESS}, exact, unchecked or sync, joined by '+'",
+                                     param_hint="--modes")
     return settings, push
 
 
@@ -201,8 +204,9 @@ def parse_mode(spec: str) -> tuple[dict, bool]:
 @threads_option
 @click.option("--model", default="default", show_default=True, help="Embedded model name or checkpoint directory.")
 @click.option("--modes", default=HIDING_MODES, show_default=True,
-              help="Comma-separated modes, each parts joined by '+': push, prefix, dual, stale1..3 (staleness), "
-                   "ungated (stale logits without the confidence gate), sync (none of them).")
+              help="Comma-separated modes, each parts joined by '+': push, prefix, dual, stale1..3 (staleness, "
+                   "guesses checked token by token), exact (checked to be the exact step), unchecked (never "
+                   "checked), sync (none of them).")
 @click.option("--latency-ms", type=float, default=50.0, show_default=True, help="Injected one-way delay per network crossing (ms), compared with 0.")
 @click.option("--gen-length", type=int, default=256, show_default=True, help="Tokens generated.")
 @click.option("--block-length", type=int, default=32, show_default=True, help="Semi-autoregressive block size.")

@@ -5,7 +5,7 @@ from typing import Any, Callable
 
 import click
 
-from swarm.diffusion.config import CACHE_MODES, MAX_STALENESS
+from swarm.diffusion.config import CACHE_MODES, MAX_STALENESS, STALE_CHECKS
 from swarm.diffusion.remasking import STRATEGIES
 
 
@@ -21,8 +21,8 @@ def generation_options(command: Callable) -> Callable:
         click.option("--cfg-scale", type=float, default=0.0, show_default=True, help="Unsupervised classifier-free guidance scale (0 disables)."),
         click.option("--seed", type=int, default=0, show_default=True, help="Seed of the per-step noise: same seed, same tokens."),
         click.option("--parallel-window", type=int, default=1, show_default=True, help="Picard window: states evaluated per denoiser call (1 is sequential)."),
-        click.option("--staleness", type=click.IntRange(0, MAX_STALENESS), default=0, show_default=True, help="Steps may use logits this many steps old, keeping that many more calls in flight (0 is exact)."),
-        click.option("--stale-min-confidence", type=click.FloatRange(0, 1), default=0.9, show_default=True, help="A step uses stale logits only where they are at least this confident."),
+        click.option("--staleness", type=click.IntRange(0, MAX_STALENESS), default=0, show_default=True, help="Steps decide on logits this many steps old, keeping that many more calls in flight; each is checked when its own logits arrive (0 is exact)."),
+        click.option("--stale-check", type=click.Choice(list(STALE_CHECKS)), default="token", show_default=True, help="How a step decided on stale logits is checked against its own: token (each token it unmasked is predicted there), exact (same tokens as the exact run) or none; a failed check redoes the step."),
         click.option("--cache", type=click.Choice(list(CACHE_MODES)), default="none", show_default=True, help="Reuse keys/values outside the active block: prefix (before it) or dual (before and after); none is exact."),
         click.option("--cache-refresh", type=int, default=0, show_default=True, help="Refill the cache every N steps (0: only at each new block)."),
     ]
@@ -32,7 +32,7 @@ def generation_options(command: Callable) -> Callable:
 
 
 GENERATION_KEYS = ("gen_length", "steps", "block_length", "temperature", "remasking", "threshold", "cfg_scale",
-                   "seed", "parallel_window", "staleness", "stale_min_confidence", "cache", "cache_refresh")
+                   "seed", "parallel_window", "staleness", "stale_check", "cache", "cache_refresh")
 
 
 def pop_generation_kwargs(options: dict[str, Any]) -> dict[str, Any]:

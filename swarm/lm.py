@@ -226,7 +226,8 @@ class BaseDiffusionLM(ABC):
             finally:
                 denoiser.close()
             result = self._result(prompt_ids, state, sampler, time.perf_counter() - started, composition, telemetry)
-            result.info["staleness"] = generation.staleness
+            result.info["staleness"] = {"steps": generation.staleness, "check": generation.stale_check,
+                                        "guessed": sampler.stats.guessed, "overturned": sampler.stats.overturned}
             result.info["cache"] = {"mode": generation.cache, "fills": denoiser.policy.fills,
                                     "reuses": denoiser.policy.reuses, "misses": denoiser.misses}
             if halt is not None:

@@ -6,6 +6,7 @@ its budget, and be rebuilt where a failover lands.
 """
 from __future__ import annotations
 
+import asyncio
 import signal
 import time
 
@@ -14,6 +15,8 @@ import torch
 
 from swarm.client import DistributedDiffusionLM
 from swarm.diffusion.config import GenerationConfig
+from swarm.diffusion.pipeline import DenoiserCalls
+from swarm.diffusion.sampler import DiffusionSampler, StepEvent
 from swarm.models.kv_cache import CacheMiss, SpanKV
 from swarm.models.modules import DiffusionTransformer
 from swarm.server.session_cache import SessionCaches
@@ -24,8 +27,9 @@ PROMPT = "hide the latency"
 MODES = [
     {"cache": "dual"},
     {"cache": "prefix", "cache_refresh": 4},
-    {"staleness": 2, "stale_min_confidence": 0.0},
-    {"cache": "dual", "staleness": 3, "stale_min_confidence": 0.0},
+    {"staleness": 2, "stale_check": "none"},
+    {"cache": "dual", "staleness": 3},  # token checks: overturned guesses drop calls in flight
+    {"cache": "prefix", "cache_refresh": 3, "staleness": 3, "stale_check": "exact"},  # ... and dropped fills
 ]
 
 
@@ -77,16 +81,43 @@ def test_server_cache_store_stays_within_its_budget_and_expires():
     one = 2 * 2 * 1 * config.num_kv_heads * 40 * config.head_dim * 4  # two blocks, batch 1, 40 positions
     caches = SessionCaches(config, budget_bytes=int(2.5 * one), ttl=0.2, element_size=4)
     for session in ("a", "b", "c"):
-        assert caches.for_fill(session, 2, 1, 40) is not None
+        assert caches.for_fill(session, 1, 0, 2, 1, 40) is not None
+        caches.filled(session, 1, ok=True)
         assert caches.used_bytes <= caches.budget_bytes
-    assert list(caches.sessions) == ["b", "c"] and caches.stats.evictions == 1  # "a" was least recently used
+    assert caches.sessions == {"b", "c"} and caches.stats.evictions == 1  # "a" was least recently used
     with pytest.raises(CacheMiss):
-        caches.for_reuse("a")
-    assert caches.for_fill("huge", 2, 1, 4000) is None and caches.stats.refused == 1
+        asyncio.run(caches.for_reuse("a", 1))
+    assert caches.for_fill("huge", 1, 0, 2, 1, 4000) is None and caches.stats.refused == 1
     time.sleep(0.3)
     with pytest.raises(CacheMiss):
-        caches.for_reuse("b")
+        asyncio.run(caches.for_reuse("b", 1))
     assert caches.used_bytes == 0
+
+
+def test_server_cache_versions_let_a_reuse_wait_for_its_fill_and_drop_old_ones():
+    config = tiny_config()
+    caches = SessionCaches(config, budget_bytes=10**8, ttl=60, element_size=4, fill_timeout=5, arrival_wait=0.1)
+
+    async def scenario():
+        first = caches.for_fill("s", 1, 0, 2, 1, 40)
+        caches.filled("s", 1, ok=True)
+        assert await caches.for_reuse("s", 1) is first
+        waiting = asyncio.create_task(caches.for_reuse("s", 2))  # overtook its fill on the network
+        await asyncio.sleep(0.05)
+        second = caches.for_fill("s", 2, 1, 2, 1, 40)  # keeps version 1: calls in flight still read it
+        await asyncio.sleep(0.05)
+        assert not waiting.done()  # the fill has not run yet
+        caches.filled("s", 2, ok=True)
+        assert await waiting is second
+        assert await caches.for_reuse("s", 1) is first
+        caches.for_fill("s", 3, 3, 2, 1, 40)  # nothing reads versions 1 and 2 any more
+        caches.filled("s", 3, ok=False)  # ... and this fill failed: its waiters miss at once
+        for version in (1, 2, 3):
+            with pytest.raises(CacheMiss):
+                await caches.for_reuse("s", version)
+
+    asyncio.run(scenario())
+    assert caches.used_bytes == 0 and caches.stats.waits >= 2
 
 
 # ----- settings ------------------------------------------------------------------------------------
@@ -96,7 +127,7 @@ def test_server_cache_store_stays_within_its_budget_and_expires():
     (dict(cache_refresh=-1), "cache_refresh"),
     (dict(cache="dual", parallel_window=2), "parallel_window"),
     (dict(staleness=1, parallel_window=4), "parallel_window"),
-    (dict(stale_min_confidence=1.5), "stale_min_confidence"),
+    (dict(stale_check="sometimes"), "unknown stale_check"),
 ])
 def test_bad_latency_settings_are_refused_with_a_clear_error(bad, message):
     with pytest.raises(ValueError, match=message):
@@ -112,14 +143,53 @@ def test_refreshing_every_step_is_the_exact_run(local_lm):
         assert result.info["cache"]["reuses"] == 0
 
 
-def test_stale_pipelining_is_deterministic_and_uses_older_logits(local_lm):
-    first = local_lm.generate(PROMPT, staleness=3, stale_min_confidence=0.0, **SETTINGS)
-    again = local_lm.generate(PROMPT, staleness=3, stale_min_confidence=0.0, **SETTINGS)
-    exact = local_lm.generate(PROMPT, **SETTINGS)
-    assert first.token_ids == again.token_ids
-    assert first.sequence.tolist() != exact.sequence.tolist()  # stale logits do change this tiny model's choices
-    gated = local_lm.generate(PROMPT, staleness=3, stale_min_confidence=1.0, **SETTINGS)
-    assert gated.token_ids == exact.token_ids  # nothing is that confident: every step waits for fresh logits
+def stale_trajectory(lm, **settings) -> tuple[list[StepEvent], torch.Tensor]:
+    """The accepted steps of a generation over the local model, and its initial state."""
+    generation = GenerationConfig(**{**SETTINGS, **settings})
+    with lm.denoising_session(generation) as forward:
+        calls = DenoiserCalls(forward, generation, lm.config.logits_shift)
+        sampler = DiffusionSampler(calls, generation, lm.config.mask_token_id, lm.eos_token_ids())
+        prompt = lm.encode_prompt(PROMPT)
+        return list(sampler.iterate(prompt)), sampler.initial_state(prompt)
+
+
+def unmasked_as_predicted(lm, events: list[StepEvent], start: torch.Tensor) -> bool:
+    """Whether every step unmasked the tokens that the logits of the state before it predict (greedy)."""
+    before = start
+    for event in events:
+        logits = lm.logits(before)[0].double()
+        logits[:, lm.config.mask_token_id] = float("-inf")
+        if not all(int(logits[p].argmax()) == int(event.tokens[p]) for p in event.unmasked):
+            return False
+        before = event.tokens
+    return True
+
+
+@pytest.mark.parametrize("settings", [{}, {"temperature": 0.8}, {"remasking": "random"}, {"threshold": 0.2}],
+                         ids=["greedy", "temperature", "random", "threshold"])
+def test_exact_check_gives_the_exact_tokens(local_lm, settings):
+    exact = local_lm.generate(PROMPT, **SETTINGS, **settings)
+    for staleness in (1, 2, 3):
+        result = local_lm.generate(PROMPT, **SETTINGS, **settings, staleness=staleness, stale_check="exact")
+        assert result.token_ids == exact.token_ids
+        assert result.info["staleness"]["guessed"] > 0
+
+
+def test_token_check_overturns_guesses_its_own_logits_do_not_predict(local_lm):
+    events, start = stale_trajectory(local_lm, staleness=3)
+    assert [event.step for event in events] == list(range(len(events)))  # redone steps replace their guesses
+    assert unmasked_as_predicted(local_lm, events, start)
+    unchecked, start = stale_trajectory(local_lm, staleness=3, stale_check="none")
+    assert not unmasked_as_predicted(local_lm, unchecked, start)  # stale logits alone do mispredict
+    result = local_lm.generate(PROMPT, **SETTINGS, staleness=3)
+    assert result.token_ids == local_lm.generate(PROMPT, **SETTINGS, staleness=3).token_ids  # deterministic
+    assert result.sequence.tolist() == events[-1].tokens.tolist()
+    assert 0 < result.info["staleness"]["overturned"] < result.info["staleness"]["guessed"]
+
+
+def test_correctors_are_refused_with_staleness(local_lm):
+    with pytest.raises(ValueError, match="staleness=0"):
+        local_lm.generate(PROMPT, **SETTINGS, staleness=1, corrector_steps=1)
 
 
 # ----- through the swarm --------------------------------------------------------------------------------

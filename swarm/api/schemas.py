@@ -34,7 +34,7 @@ class DiffusionSettings(BaseModel):
     seed: Optional[StrictInt] = Field(None, description="Seed of the per-step noise: same seed, same text.")
     parallel_window: Optional[StrictInt] = Field(None, description="Picard window (1 is sequential).")
     staleness: Optional[StrictInt] = Field(None, description="0..3: steps may use logits this many steps old (0 is exact).")
-    stale_min_confidence: Optional[float] = Field(None, description="Stale logits are used only where this confident.")
+    stale_check: Optional[str] = Field(None, description="Check of stale-decided steps: token (default), exact or none.")
     cache: Optional[str] = Field(None, description="Activation cache: none (exact), prefix or dual.")
     cache_refresh: Optional[StrictInt] = Field(None, description="Refill the cache every N steps (0: per block).")
     experts: Optional[Union[dict[str, float], str]] = Field(

@@ -108,8 +108,9 @@ class DistributedDiffusionLM(BaseDiffusionLM):
         yield forward
 
     def denoiser_workers(self, generation: GenerationConfig) -> int:
-        """One thread per call in flight: ``staleness + 1`` round trips overlap."""
-        return generation.staleness + 1
+        """One thread per call in flight: ``staleness + 1`` round trips overlap, and up to ``staleness`` calls of
+        overturned guesses may still be running (they cannot be recalled) without delaying the new ones."""
+        return 2 * generation.staleness + 1
 
     def _use_push(self, enabled: bool) -> None:
         """Register this client's delivery handler the first time push is used."""

@@ -28,7 +28,8 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Protocol, Sequenc
 import torch
 
 from swarm.diffusion.config import GenerationConfig
-from swarm.diffusion.sampler import DenoiseContext, Denoiser, DiffusionSampler, Ready, step_generator
+from swarm.diffusion.sampler import (DenoiseContext, Denoiser, DiffusionSampler, Ready, predict_tokens,
+                                    step_generator)
 
 logger = logging.getLogger(__name__)
 
@@ -249,9 +250,10 @@ class Composition:
         self.tau = validate_tau(tau)
         if isinstance(corrector_steps, bool) or not isinstance(corrector_steps, int) or corrector_steps < 0:
             raise ValueError(f"corrector_steps must be an integer >= 0, got {corrector_steps!r}")
-        if corrector_steps and generation.parallel_window != 1:
-            raise ValueError("corrector_steps need parallel_window=1: a corrected step depends on more than its "
-                             "state and logits, which Picard windows assume")
+        if corrector_steps and (generation.parallel_window != 1 or generation.staleness):
+            raise ValueError("corrector_steps need parallel_window=1 and staleness=0: a corrected step makes "
+                             "denoiser calls of its own, while Picard windows and stale pipelining assume one "
+                             "call per step")
         self.generation = generation
         self.mask_token_id = mask_token_id
         self.corrector_steps = corrector_steps
@@ -420,13 +422,8 @@ class CorrectorSampler(DiffusionSampler):
         with context:
             logits = self.evaluate(remasked[None], [step])[0]
         scores = decided_scores(logits[start:end], self.mask_token_id)
-        if self.config.temperature > 0:
-            generator = corrector_generator(self.config.seed, step, corrector)
-            uniform = torch.rand(scores.shape, generator=generator, dtype=torch.float64)
-            gumbel = -torch.log(-torch.log(uniform.clamp(1e-300, 1.0 - 1e-16)))
-            predictions = (scores + self.config.temperature * gumbel).argmax(-1)
-        else:
-            predictions = scores.argmax(-1)
+        generator = corrector_generator(self.config.seed, step, corrector)
+        predictions = predict_tokens(scores, self.config.temperature, generator)
         out = remasked.clone()
         index = torch.tensor(chosen) - start
         out[chosen] = predictions[index]

@@ -8,6 +8,7 @@ from typing import Any, Optional
 from swarm.diffusion.remasking import STRATEGIES
 
 CACHE_MODES = ("none", "prefix", "dual")
+STALE_CHECKS = ("token", "exact", "none")
 MAX_STALENESS = 3
 
 
@@ -22,9 +23,11 @@ class GenerationConfig:
     Latency hiding (approximate unless at its default): ``cache`` reuses keys and values of positions
     outside the active block (``prefix``: those before it; ``dual``: before and after), refilled at every
     block and every ``cache_refresh`` steps (0: only at blocks; 1: every step, which is exact); ``staleness``
-    s lets each step use logits up to s steps old, so s + 1 denoiser calls are in flight at once, but only
-    when every position the step unmasks has probability >= ``stale_min_confidence`` under those logits
-    (otherwise it waits for fresher ones).
+    s lets each step decide on logits s steps old, so s + 1 denoiser calls are in flight at once. Each such
+    step is a guess that the logits of its own state, arriving s steps later, confirm or overturn
+    (``stale_check``): ``token`` (each token it unmasked is the one its own logits predict there), ``exact``
+    (the same step exactly: the tokens equal the exact run's) or ``none`` (never checked). An overturned step
+    is redone from its own logits and the guesses after it are dropped.
     """
 
     gen_length: int = 64
@@ -38,7 +41,7 @@ class GenerationConfig:
     stop_at_eos: bool = True
     parallel_window: int = 1
     staleness: int = 0
-    stale_min_confidence: float = 0.9
+    stale_check: str = "token"
     cache: str = "none"
     cache_refresh: int = 0
 
@@ -81,8 +84,8 @@ class GenerationConfig:
         need(self.seed >= 0, f"seed must be >= 0, got {self.seed}")
         need(self.parallel_window >= 1, f"parallel_window must be >= 1, got {self.parallel_window}")
         need(0 <= self.staleness <= MAX_STALENESS, f"staleness must be 0..{MAX_STALENESS}, got {self.staleness}")
-        need(0.0 <= self.stale_min_confidence <= 1.0,
-             f"stale_min_confidence must be in [0, 1], got {self.stale_min_confidence}")
+        need(self.stale_check in STALE_CHECKS,
+             f"unknown stale_check {self.stale_check!r}; choose one of {', '.join(STALE_CHECKS)}")
         need(self.cache in CACHE_MODES, f"unknown cache {self.cache!r}; choose one of {', '.join(CACHE_MODES)}")
         need(self.cache_refresh >= 0, f"cache_refresh must be >= 0 steps, got {self.cache_refresh}")
         need(self.parallel_window == 1 or (self.staleness == 0 and self.cache == "none"),

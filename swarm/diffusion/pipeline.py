@@ -4,8 +4,10 @@ Two of the latency-hiding mechanisms live here, the same for the local model and
 the same tokens for every setting:
 
 * the client half of the activation cache (:class:`CachePolicy`): a call either *fills* (the whole
-  sequence, whose keys and values the model remembers) or *reuses* (only the active block's rows, or for
-  ``prefix`` the block and everything after it). Logits of rows not recomputed are those of the last fill.
+  sequence, whose keys and values the model remembers as a new numbered version) or *reuses* one version
+  (only the active block's rows, or for ``prefix`` the block and everything after it). Logits of rows not
+  recomputed are those of the fill it reuses. Naming the version lets calls run concurrently across a
+  fill: a server answers a reuse from its own version (waiting for that fill if it has not arrived).
 * concurrency for stale pipelining (:class:`DenoiserCalls`): calls are submitted and collected later, so
   several can be in flight; remote backends run them on worker threads.
 """
@@ -27,9 +29,12 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class CacheDirective:
-    """What one call computes: the whole sequence remembering keys and values (``rows`` None), or rows a:b."""
+    """What one call computes: the whole sequence, remembered as cache ``version`` (``rows`` None), or rows
+    a:b against that version. ``keep_from`` (fills only): older versions of the session may be dropped."""
 
+    version: int
     rows: Optional[tuple[int, int]] = None
+    keep_from: int = 0
 
     @property
     def fill(self) -> bool:
@@ -37,10 +42,9 @@ class CacheDirective:
 
     def as_extra(self) -> dict[str, Any]:
         """The request metadata servers read (``extra["cache"]``)."""
-        return {"cache": {"rows": None if self.rows is None else list(self.rows)}}
+        rows = None if self.rows is None else list(self.rows)
+        return {"cache": {"rows": rows, "version": self.version, "keep_from": self.keep_from}}
 
-
-FILL = CacheDirective()
 
 Forward = Callable[[torch.Tensor, Optional[CacheDirective], DenoiseContext], torch.Tensor]
 """A backend's pass: tokens (batch, length) -> logits (batch, rows, vocab) of the directive's rows (every row
@@ -48,46 +52,52 @@ when the directive is None or a fill). Raises :class:`CacheMiss` when a reuse fi
 
 
 class CachePolicy:
-    """Decides fill or reuse for each call, and completes reused rows with the last fill's logits."""
+    """Decides fill or reuse for each call."""
 
     def __init__(self, mode: str, refresh: int, logits_shift: bool):
         self.mode, self.refresh = mode, refresh
         self.shift = 1 if logits_shift else 0  # Dream scores row i from hidden state i - 1: compute one more
         self.filled_for: Optional[tuple] = None
         self.since_fill = 0
-        self.fill_logits: Optional[torch.Tensor] = None
         self.fills = self.reuses = 0
 
     @property
     def enabled(self) -> bool:
         return self.mode != "none"
 
-    def directive(self, tokens: torch.Tensor, context: DenoiseContext) -> Optional[CacheDirective]:
+    @property
+    def version(self) -> int:
+        """The newest fill's version (fills are numbered 1, 2, ...)."""
+        return self.fills
+
+    def directive(self, tokens: torch.Tensor, context: DenoiseContext, keep_from: int) -> Optional[CacheDirective]:
         """Fill at every new block, batch shape or refresh period; otherwise reuse the active rows."""
         if not self.enabled:
             return None
         key = (context.block_start, tuple(tokens.shape))
         if key != self.filled_for or (self.refresh and self.since_fill + 1 >= self.refresh):  # a fill every N calls
-            self.mark_filled(key)
-            return FILL
+            return self.new_fill(key, keep_from)
         self.since_fill += 1
         self.reuses += 1
         end = context.block_end if self.mode == "dual" else tokens.shape[1]
-        return CacheDirective((context.block_start - self.shift, end))
+        return CacheDirective(self.version, (context.block_start - self.shift, end))
 
-    def mark_filled(self, key: tuple) -> None:
+    def new_fill(self, key: tuple, keep_from: int) -> CacheDirective:
         self.filled_for, self.since_fill = key, 0
         self.fills += 1
+        return CacheDirective(self.version, keep_from=min(keep_from, self.version))
 
-    def complete(self, directive: Optional[CacheDirective], output: torch.Tensor) -> torch.Tensor:
-        """Logits for every row: a fill's own, or the last fill's with the recomputed rows replaced."""
-        if directive is None:
-            return output
-        if directive.fill:
-            self.fill_logits = output
+    def forget_fill(self) -> None:
+        """A fill was dropped before its logits were used (a stale guess overturned): the next call fills."""
+        self.filled_for = None
+
+    def complete(self, directive: Optional[CacheDirective], output: torch.Tensor,
+                 fill_logits: Optional[torch.Tensor]) -> torch.Tensor:
+        """Logits for every row: a fill's own, or ``fill_logits`` (the reused fill's) with recomputed rows replaced."""
+        if directive is None or directive.fill:
             return output
         start, end = directive.rows
-        merged = self.fill_logits.clone()
+        merged = fill_logits.clone()
         merged[:, start + self.shift:end] = output[:, self.shift:]
         return merged
 
@@ -98,12 +108,8 @@ class PendingLogits:
     def __init__(self, calls: "DenoiserCalls", tokens: torch.Tensor, context: DenoiseContext,
                  directive: Optional[CacheDirective], job: Union[Future, Ready]):
         self.calls, self.tokens, self.context, self.directive, self.job = calls, tokens, context, directive, job
+        self.fill = calls.last_fill if directive is not None and not directive.fill else None  # the one it reuses
         self._logits: Optional[torch.Tensor] = None
-
-    @property
-    def barrier(self) -> bool:
-        """A fill: later calls rely on the cache it builds, so the sampler waits for it before going on."""
-        return self.directive is not None and self.directive.fill
 
     def result(self) -> torch.Tensor:
         if self._logits is None:
@@ -111,6 +117,10 @@ class PendingLogits:
         return self._logits
 
     def cancel(self) -> None:
+        """Not needed any more: drop the call if it has not started (a running one still finishes)."""
+        self.calls.live.discard(self)
+        if self.directive is not None and self.directive.fill and self._logits is None:
+            self.calls.policy.forget_fill()  # its state was a wrong guess: later reuses must not rely on it
         if isinstance(self.job, Future):
             self.job.cancel()
 
@@ -123,44 +133,66 @@ class DenoiserCalls:
         self.forward = forward
         self.policy = CachePolicy(generation.cache, generation.cache_refresh, logits_shift)
         self.executor = ThreadPoolExecutor(workers, thread_name_prefix="denoiser") if workers else None
+        self.last_fill: Optional[PendingLogits] = None
+        self.live: set[PendingLogits] = set()  # submitted, neither collected nor dropped
         self.misses = 0
 
     def __call__(self, tokens: torch.Tensor, context: DenoiseContext) -> torch.Tensor:
         return self.submit(tokens, context).result()
 
     def submit(self, tokens: torch.Tensor, context: DenoiseContext) -> PendingLogits:
-        directive = self.policy.directive(tokens, context)
-        if self.executor is None:
-            try:
-                job: Union[Future, Ready] = Ready(self.forward(tokens, directive, context))
-            except CacheMiss as miss:  # raised again, and handled, when the result is collected
-                job = _failed(miss)
-        else:
-            job = self.executor.submit(self.forward, tokens, directive, context)
-        return PendingLogits(self, tokens, context, directive, job)
+        directive = self.policy.directive(tokens, context, self.oldest_version_in_use())
+        pending = PendingLogits(self, tokens, context, directive, self._start(tokens, directive, context))
+        if directive is not None and directive.fill:
+            self.last_fill = pending
+        self.live.add(pending)
+        return pending
+
+    def oldest_version_in_use(self) -> int:
+        """Cache versions older than this are read by no call still to be collected (servers may drop them)."""
+        versions = [p.directive.version for p in self.live if p.directive is not None]
+        return min(versions, default=self.policy.version + 1)
+
+    def _start(self, tokens: torch.Tensor, directive: Optional[CacheDirective], context: DenoiseContext):
+        if self.executor is not None:
+            return self.executor.submit(self.forward, tokens, directive, context)
+        try:
+            return Ready(self.forward(tokens, directive, context))
+        except CacheMiss as miss:  # raised again, and handled, when the result is collected
+            return _failed(miss)
 
     def collect(self, pending: PendingLogits) -> torch.Tensor:
+        self.live.discard(pending)
         try:
             output = pending.job.result()
         except CacheMiss as miss:
-            output = self._refill(pending, miss)
-            return self.policy.complete(FILL, output)
-        return self.policy.complete(pending.directive, output)
+            return self._recover(pending, miss)
+        fill_logits = pending.fill.result() if pending.fill is not None else None
+        return self.policy.complete(pending.directive, output, fill_logits)
 
-    def _refill(self, pending: PendingLogits, miss: CacheMiss) -> torch.Tensor:
+    def _recover(self, pending: PendingLogits, miss: CacheMiss) -> torch.Tensor:
         """A server lost (or never had) the cache, e.g. after a failover: fill it again with this call's tokens.
 
-        A second miss right after a refill means the cache cannot be kept (a server without room for it);
-        the rest of the generation then runs uncached.
+        A reuse of a version older than a refill since made uses that refill. A second miss right after a
+        refill means the cache cannot be kept (a server without room for it): the rest runs uncached.
         """
+        latest = self.last_fill
+        dropped = latest is not None and isinstance(latest.job, Future) and latest.job.cancelled()
+        if latest is not None and latest is not pending.fill and not dropped:
+            retry = CacheDirective(latest.directive.version, pending.directive.rows)
+            return self.policy.complete(retry, self.forward(pending.tokens, retry, pending.context), latest.result())
         self.misses += 1
         if self.misses > 1 and self.policy.since_fill <= 1:
             logger.warning("activation cache missed again right after a refill (%s): continuing without it", miss)
             self.policy.mode = "none"
             return self.forward(pending.tokens, None, pending.context)
         logger.info("activation cache miss (%s): refilling", miss)
-        self.policy.mark_filled((pending.context.block_start, tuple(pending.tokens.shape)))
-        return self.forward(pending.tokens, FILL, pending.context)
+        key = (pending.context.block_start, tuple(pending.tokens.shape))
+        fill = self.policy.new_fill(key, keep_from=self.policy.version + 1)
+        refill = PendingLogits(self, pending.tokens, pending.context, fill,
+                               Ready(self.forward(pending.tokens, fill, pending.context)))
+        self.last_fill = refill
+        return refill.result()
 
     def close(self) -> None:
         """Drop calls not started; wait for running ones (at most one round trip), so none outlives the generation."""

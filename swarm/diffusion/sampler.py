@@ -56,12 +56,8 @@ class Evaluation:
 
     states: torch.Tensor
     context: DenoiseContext
-    pending: Any  # has result() and cancel(); a ``barrier`` attribute marks calls later ones depend on
+    pending: Any  # has result() and cancel()
     logits: Optional[torch.Tensor] = None
-
-    @property
-    def barrier(self) -> bool:
-        return bool(getattr(self.pending, "barrier", False))
 
 
 class Halted(Exception):
@@ -101,6 +97,18 @@ class SamplerStats:
     denoiser_calls: int = 0  # sequential round trips: one per batched call
     states_evaluated: int = 0  # rows scored (excluding the CFG copies)
     windows: list[WindowStats] = field(default_factory=list)
+    guessed: int = 0  # stale pipelining: steps decided on stale logits
+    overturned: int = 0  # ... of which the step's own logits disagreed, so it was redone
+
+
+@dataclass
+class Guess:
+    """A step decided on stale logits, held back until the logits of its own state confirm or overturn it."""
+
+    step: int
+    before: torch.Tensor
+    after: torch.Tensor
+    unmasked: list[int]
 
 
 def num_transfer_schedule(masked: int, steps: int) -> list[int]:
@@ -113,6 +121,15 @@ def step_generator(seed: int, step: int) -> torch.Generator:
     """A generator whose stream depends only on (seed, step)."""
     mixed = (seed * 0x9E3779B97F4A7C15 + step * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) % (2**63 - 1)
     return torch.Generator().manual_seed(mixed)
+
+
+def predict_tokens(scores: torch.Tensor, temperature: float, generator: torch.Generator) -> torch.Tensor:
+    """Each position's token: the argmax, or with ``temperature`` > 0 a Gumbel-max draw from ``generator``."""
+    if temperature <= 0:
+        return scores.argmax(-1)
+    uniform = torch.rand(scores.shape, generator=generator, dtype=torch.float64)
+    gumbel = -torch.log(-torch.log(uniform.clamp(1e-300, 1.0 - 1e-16)))
+    return (scores + temperature * gumbel).argmax(-1)
 
 
 class DiffusionSampler:
@@ -215,12 +232,7 @@ class DiffusionSampler:
         start, end = self.block_bounds(block)
         scores = self.block_scores(logits, start, end)
         generator = step_generator(cfg.seed, step)
-        if cfg.temperature > 0:
-            uniform_noise = torch.rand(scores.shape, generator=generator, dtype=torch.float64)
-            gumbel = -torch.log(-torch.log(uniform_noise.clamp(1e-300, 1.0 - 1e-16)))
-            x0 = (scores + cfg.temperature * gumbel).argmax(-1)
-        else:
-            x0 = scores.argmax(-1)
+        x0 = predict_tokens(scores, cfg.temperature, generator)
         uniform = torch.rand(end - start, generator=generator, dtype=torch.float64)
         probs = torch.softmax(scores, dim=-1)
         masked = x[start:end] == self.mask_token_id
@@ -266,49 +278,86 @@ class DiffusionSampler:
             guesses = chain[accepted + 1:]
 
     def _iterate_stale(self, prompt_ids: Sequence[int]) -> Iterator[StepEvent]:
-        """Stale pipelining: step t submits its state and moves on with the logits of step t - s.
+        """Stale pipelining: step t submits its state and decides on the logits of step t - s.
 
-        Up to s + 1 calls are in flight, so s + 1 round trips overlap. Which logits a step uses is fixed
-        (never "whichever arrived first"), so the trajectory is still a deterministic function of the seed and
-        the same locally and through the swarm. A barrier call (a cache fill) is waited for: later calls
-        depend on the cache it builds, and steps never use logits older than it.
+        Up to s + 1 calls are in flight, so s + 1 round trips overlap. A step decided on stale logits is a
+        :class:`Guess`; when its own state's logits arrive (s steps later, when they become the source of a
+        later step) ``stale_check`` confirms it or overturns it: the step is then redone from its own logits
+        and every guess after it is dropped, as a Picard window drops a wrong tail. Steps are yielded only
+        once confirmed. Which logits a step uses and when it is checked are fixed (never "whichever arrived
+        first"), so the trajectory is a deterministic function of the seed, the same locally and through the
+        swarm. Cache fills need no waiting: reuses name the fill version they read (:mod:`swarm.diffusion.pipeline`).
         """
         x = self.initial_state(prompt_ids)
         step, source = 0, 0
         in_flight: dict[int, Evaluation] = {}
+        guesses: list[Guess] = []
         try:
-            while not self.is_done(x):
-                evaluation = in_flight[step] = self.submit(x[None], [step])
-                # Never older than a barrier, nor than logits an earlier step already used.
-                source = step if evaluation.barrier else max(step - self.config.staleness, source)
+            while True:
+                done = self.is_done(x)
+                if done and not guesses:
+                    return
+                if done:  # nothing left to decide: check the last guesses
+                    source = guesses[-1].step
+                else:
+                    in_flight[step] = self.submit(x[None], [step])
+                    source = max(step - self.config.staleness, source)  # never older than logits already used
+                confirmed, redone = self._check_guesses(guesses, source, in_flight)
+                for guess in confirmed + ([redone] if redone else []):
+                    yield self._event(guess.after, guess.step, guess.unmasked)
+                if redone is not None:  # the guesses after it were built on a wrong state: drop their calls
+                    for later in [s for s in in_flight if s > redone.step]:
+                        in_flight.pop(later).pending.cancel()
+                    x, step, source = redone.after, redone.step + 1, redone.step
+                    continue
+                if done:
+                    continue
                 logits = self.collect(in_flight[source])[0]
-                while source < step and not self._safe_to_use_stale(x, logits, step):
-                    source += 1  # not confident enough: wait for the next fresher call
-                    logits = self.collect(in_flight[source])[0]
-                for old in [s for s in in_flight if s < source]:  # never used again: stop waiting for them
+                for old in [s for s in in_flight if s < source]:  # never needed again: stop waiting for them
                     in_flight.pop(old).pending.cancel()
                 nxt, unmasked = self.transition(x, logits, step)
-                self.stats.windows.append(WindowStats(step, 1, 1))
-                yield self._event(nxt, step, unmasked)
+                if source < step and self.config.stale_check != "none":
+                    guesses.append(Guess(step, x, nxt, unmasked))
+                    self.stats.guessed += 1
+                else:
+                    self.stats.windows.append(WindowStats(step, 1, 1))
+                    yield self._event(nxt, step, unmasked)
                 x, step = nxt, step + 1
         finally:
             for evaluation in in_flight.values():
                 evaluation.pending.cancel()
 
-    def _safe_to_use_stale(self, x: torch.Tensor, logits: torch.Tensor, step: int) -> bool:
-        """Whether every position this step would unmask has probability >= ``stale_min_confidence``.
+    def _check_guesses(self, guesses: list[Guess], upto: int,
+                       in_flight: dict[int, Evaluation]) -> tuple[list[Guess], Optional[Guess]]:
+        """Check, in order, the guesses of steps <= ``upto`` against their own logits (removing them).
 
-        Tokens decided since the logits were computed are invisible to them; a confident prediction rarely
-        depends on them, a hesitant one often does.
+        Returns the confirmed ones and, at the first disagreement, the step redone from its own logits (the
+        remaining guesses are then dropped).
         """
-        nxt, picked = DiffusionSampler.transition(self, x, logits, step)  # the plain step: no corrector calls
-        if not picked:
-            return True
-        start, end = self.block_bounds(self.active_block(x))
-        probs = torch.softmax(self.block_scores(logits, start, end), dim=-1)
-        rows = torch.tensor(picked) - start
-        chosen = probs[rows, nxt[torch.tensor(picked)]]
-        return bool((chosen >= self.config.stale_min_confidence).all())
+        confirmed: list[Guess] = []
+        while guesses and guesses[0].step <= upto:
+            guess = guesses.pop(0)
+            own = self.collect(in_flight[guess.step])[0]
+            self.stats.windows.append(WindowStats(guess.step, 1, 1))
+            if self.config.stale_check == "token" and self._predicts(own, guess):
+                confirmed.append(guess)
+                continue
+            after, unmasked = self.transition(guess.before, own, guess.step)
+            if self.config.stale_check == "exact" and torch.equal(after, guess.after):
+                confirmed.append(guess)
+                continue
+            self.stats.overturned += 1
+            guesses.clear()
+            return confirmed, Guess(guess.step, guess.before, after, unmasked)
+        return confirmed, None
+
+    def _predicts(self, logits: torch.Tensor, guess: Guess) -> bool:
+        """Whether ``logits`` (of the guess's own state) predict every token the guess unmasked."""
+        start, end = self.block_bounds(self.active_block(guess.before))
+        generator = step_generator(self.config.seed, guess.step)  # the step's own noise, as its transition drew
+        predicted = predict_tokens(self.block_scores(logits, start, end), self.config.temperature, generator)
+        positions = torch.tensor(guess.unmasked)
+        return torch.equal(predicted[positions - start], guess.after[positions])
 
     def _recompute_chain(
         self, states: list[torch.Tensor], logits: torch.Tensor, step: int

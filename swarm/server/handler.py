@@ -22,7 +22,7 @@ from swarm.server.backend import SpanBackend
 from swarm.server.expert_handler import ExpertHandler
 from swarm.server.push import Pusher, PushSpec
 from swarm.server.session_cache import SessionCaches
-from swarm.server.validation import require, validate_hidden, validate_metadata
+from swarm.server.validation import is_count, require, validate_hidden, validate_metadata
 
 logger = logging.getLogger(__name__)
 
@@ -125,9 +125,17 @@ class ForwardHandler(SpanService):
         validate_hidden(hidden, self.hidden_size, self.max_batch_tokens)
         extra = metadata.get("extra", {})
         push = PushSpec.parse(extra["push"], self.num_layers, end) if "push" in extra else None
+        session_id = metadata.get("session_id", "")
         try:  # no cache for this session here, or one filled for another batch or blocks: the client refills
-            kv, rows = self._cache_for(extra, metadata.get("session_id", ""), hidden, start, end)
-            output = await asyncio.wait_for(self.backend.forward(hidden, start, end, kv, rows), self.request_timeout)
+            kv, rows, fill = await self._cache_for(extra, session_id, hidden, start, end)
+            computed = False
+            try:
+                output = await asyncio.wait_for(self.backend.forward(hidden, start, end, kv, rows),
+                                                self.request_timeout)
+                computed = True
+            finally:
+                if fill is not None:  # reuses waiting for this fill go on (or miss, when it failed)
+                    self.caches.filled(session_id, fill, ok=computed)
         except CacheMiss as miss:
             raise RemoteError(ErrorCode.CACHE_MISS, str(miss)) from None
         self.rows_computed += hidden.shape[0] * hidden.shape[1]
@@ -139,26 +147,33 @@ class ForwardHandler(SpanService):
             return [ack_response()]
         return response_parts(output, self.wire_dtype)
 
-    def _cache_for(self, extra: dict, session_id: str, hidden: torch.Tensor, start: int,
-                   end: int) -> tuple[Optional[SpanKV], Optional[tuple[int, int]]]:
-        """The session cache a request fills (``extra["cache"]["rows"]`` None) or reuses (rows [a, b])."""
+    async def _cache_for(self, extra: dict, session_id: str, hidden: torch.Tensor, start: int, end: int
+                         ) -> tuple[Optional[SpanKV], Optional[tuple[int, int]], Optional[int]]:
+        """The session cache a request fills (``extra["cache"]["rows"]`` None) or reuses (rows [a, b]), the
+        rows it computes, and the version it fills (None for a reuse or an uncached request)."""
         if "cache" not in extra:
-            return None, None
+            return None, None, None
         directive = extra["cache"]
         require(isinstance(directive, dict) and "rows" in directive, ErrorCode.BAD_REQUEST,
                 "extra['cache'] must be a map with 'rows' (null to fill, [start, end] to reuse)")
+        version, keep_from = directive.get("version"), directive.get("keep_from", 0)
+        require(is_count(version) and is_count(keep_from) and keep_from <= version, ErrorCode.BAD_REQUEST,
+                f"cache version and keep_from must be integers with 0 <= keep_from <= version < 2**31, got "
+                f"{version!r} and {keep_from!r}")
         require(bool(session_id), ErrorCode.BAD_REQUEST, "a cached request needs a session_id")
         if self.caches is None:
             raise CacheMiss("this server keeps no activation cache")
         batch, length = hidden.shape[:2]
         rows = directive["rows"]
         if rows is None:
-            return self.caches.for_fill(session_id, end - start, batch, length), None
+            kv = self.caches.for_fill(session_id, version, keep_from, end - start, batch, length)
+            return kv, None, version
         require(isinstance(rows, list) and len(rows) == 2 and all(isinstance(r, int) for r in rows)
                 and 0 <= rows[0] < rows[1], ErrorCode.BAD_REQUEST, f"cache rows must be [start, end], got {rows!r}")
         require(rows[1] - rows[0] == length, ErrorCode.BAD_REQUEST,
                 f"cache rows {rows[0]}:{rows[1]} do not match the {length} positions sent")
-        return self.caches.for_reuse(session_id), (rows[0], rows[1])
+        kv = await self.caches.for_reuse(session_id, version)
+        return kv, (rows[0], rows[1]), None
 
     def _refuse(self, error: RemoteError, context: P2PContext) -> runtime_pb2.ExpertResponse:
         self.requests_failed += 1

@@ -93,7 +93,7 @@ class Server:
         if self.config.quant == "int8":
             element_size = 4  # int8 spans compute in float32
         return SessionCaches(self.model_config, int(self.config.cache_memory_mb * 2**20), self.config.cache_ttl,
-                             element_size)
+                             element_size, fill_timeout=self.config.request_timeout)
 
     def _load_experts(self, texts: Sequence[str]) -> dict[str, HostedExpert]:
         """Load each expert and refuse one that cannot be composed with this swarm's backbone."""

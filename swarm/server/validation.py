@@ -31,6 +31,11 @@ def validate_metadata(metadata: dict[str, Any], held: tuple[int, int]) -> tuple[
     return start, end
 
 
+def is_count(value: Any) -> bool:
+    """A non-negative int that fits 31 bits (msgpack booleans are not counts)."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**31
+
+
 def validate_hidden(hidden: torch.Tensor, hidden_size: int, max_batch_tokens: int) -> None:
     require(hidden.dtype in FLOAT_DTYPES, ErrorCode.BAD_REQUEST,
             f"hidden states must be float32/float16/bfloat16, got {hidden.dtype}")

@@ -250,17 +250,19 @@ def test_the_cache_sends_and_computes_only_the_active_block(remote_lm):
         assert 0 < info["cache"]["used_bytes"] <= info["cache"]["budget_bytes"]
 
 
-@pytest.mark.parametrize("push", [False, True], ids=["hop-by-hop", "push"])
-def test_cache_is_rebuilt_on_the_server_a_failover_lands_on(local_swarm, tiny_model_path, push):
+@pytest.mark.parametrize("push, staleness", [(False, 0), (True, 0), (False, 2)],
+                         ids=["hop-by-hop", "push", "stale-calls-in-flight"])
+def test_cache_is_rebuilt_on_the_server_a_failover_lands_on(local_swarm, tiny_model_path, push, staleness):
     """SIGKILL the first server mid-block: the replica gets reuse requests it has no cache for, answers
-    cache_miss, and the client fills again through the new route and finishes the generation."""
+    cache_miss, and the client fills again through the new route and finishes the generation (with calls
+    in flight, those that read the lost version are redone against the refill)."""
     victim = local_swarm.start_server(str(tiny_model_path), "0:4", "--throughput", "1e9", "--compute-threads", "1")
     lm = DistributedDiffusionLM.from_pretrained(tiny_model_path, initial_peers=local_swarm.initial_peers,
                                                 request_timeout=10, push=push)
     try:
         assert [hop.peer_id for hop in lm.show_route()] == [victim.peer_id]
         result = None
-        for chunk in lm.generate_stream(PROMPT, cache="dual", **SETTINGS):
+        for chunk in lm.generate_stream(PROMPT, cache="dual", staleness=staleness, **SETTINGS):
             if chunk.step == 4:
                 local_swarm.terminate(victim, signal.SIGKILL)
             result = chunk.result or result

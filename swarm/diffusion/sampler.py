@@ -97,7 +97,7 @@ class SamplerStats:
     denoiser_calls: int = 0  # sequential round trips: one per batched call
     states_evaluated: int = 0  # rows scored (excluding the CFG copies)
     windows: list[WindowStats] = field(default_factory=list)
-    guessed: int = 0  # stale pipelining: steps decided on stale logits
+    guessed: int = 0  # stale pipelining: steps decided on stale logits (checked unless stale_check is none)
     overturned: int = 0  # ... of which the step's own logits disagreed, so it was redone
 
 
@@ -316,9 +316,9 @@ class DiffusionSampler:
                 for old in [s for s in in_flight if s < source]:  # never needed again: stop waiting for them
                     in_flight.pop(old).pending.cancel()
                 nxt, unmasked = self.transition(x, logits, step)
+                self.stats.guessed += source < step
                 if source < step and self.config.stale_check != "none":
                     guesses.append(Guess(step, x, nxt, unmasked))
-                    self.stats.guessed += 1
                 else:
                     self.stats.windows.append(WindowStats(step, 1, 1))
                     yield self._event(nxt, step, unmasked)

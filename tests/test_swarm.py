@@ -1,6 +1,11 @@
 """The swarm end to end, with real subprocess servers on 127.0.0.1 and the real hivemind DHT."""
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -140,3 +145,21 @@ def test_scale_local_needs_every_block_locally(local_swarm, tmp_path):
                                                 dht_prefix="tiny") as lm:
         with pytest.raises(ValueError, match="lacks blocks 0:4"):
             lm.generate("x", scale="local", gen_length=8, steps=8, block_length=8)
+
+
+def test_bootstrap_peer_stops_on_sigterm_after_its_parent_is_gone():
+    """With its parent gone nobody reads its output: stopping must not depend on writing there."""
+    command = [sys.executable, "-m", "swarm.dht", "--host-maddrs", "/ip4/127.0.0.1/tcp/0"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               start_new_session=True)
+    try:
+        for line in process.stdout:
+            if "DHT READY" in line:
+                break
+        process.stdout.close()  # as when the parent is killed: writes to the pipe now fail
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) is not None
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)  # the DHT child and p2pd, had anything survived
+        process.wait()

@@ -10,6 +10,8 @@ import click
 from swarm.cli_options import network_options, pop_network_config
 from swarm.dht.node import start_dht, stop_dht, visible_maddrs
 
+logger = logging.getLogger(__name__)
+
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
 @network_options
@@ -29,8 +31,8 @@ def main(log_level: str, **options) -> None:
     click.echo(f"DHT READY peer_id={dht.peer_id} maddrs={','.join(addrs)}")
     try:
         stop.wait()
-    finally:
-        click.echo("shutting down", err=True)
+    finally:  # logging, not click.echo: with the parent gone, writing to a closed pipe must not skip the stop
+        logger.info("shutting down")
         stop_dht(dht)
 
 

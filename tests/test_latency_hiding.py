@@ -16,7 +16,7 @@ import torch
 from swarm.client import DistributedDiffusionLM
 from swarm.diffusion.config import GenerationConfig
 from swarm.diffusion.pipeline import DenoiserCalls
-from swarm.diffusion.sampler import DiffusionSampler, StepEvent
+from swarm.diffusion.sampler import DenoiseContext, DiffusionSampler, StepEvent
 from swarm.models.kv_cache import CacheMiss, SpanKV
 from swarm.models.modules import DiffusionTransformer
 from swarm.server.session_cache import SessionCaches
@@ -185,6 +185,34 @@ def test_token_check_overturns_guesses_its_own_logits_do_not_predict(local_lm):
     assert result.token_ids == local_lm.generate(PROMPT, **SETTINGS, staleness=3).token_ids  # deterministic
     assert result.sequence.tolist() == events[-1].tokens.tolist()
     assert 0 < result.info["staleness"]["overturned"] < result.info["staleness"]["guessed"]
+
+
+def test_calls_recover_from_lost_cache_versions(local_lm):
+    """A reuse whose version is gone refills; another reuse of that version then reads the refill; a server
+    that cannot fill at all makes the rest run uncached. Each answer still equals the model's logits."""
+    generation = GenerationConfig(**SETTINGS, cache="dual")
+    tokens = torch.tensor([local_lm.encode_prompt(PROMPT) + [local_lm.config.mask_token_id] * 32])
+    prompt_length = tokens.shape[1] - 32
+    context = DenoiseContext((0,), prompt_length, prompt_length + 16, prompt_length)
+    exact = local_lm.logits(tokens)
+    lost: set[int] = set()
+    with local_lm.denoising_session(generation) as forward:
+        def evicting(tokens, directive, context):  # the real pass, on a "server" that lost some versions
+            if directive is not None and directive.version in lost:
+                raise CacheMiss(f"version {directive.version} was evicted")
+            return forward(tokens, directive, context)
+
+        calls = DenoiserCalls(evicting, generation, local_lm.config.logits_shift)
+        calls(tokens, context)  # fill, version 1
+        lost.add(1)
+        first, second = calls.submit(tokens, context), calls.submit(tokens, context)  # both miss
+        torch.testing.assert_close(first.result(), exact)  # refilled as version 2
+        torch.testing.assert_close(second.result(), exact, rtol=1e-4, atol=1e-4)  # read version 2
+        assert (calls.misses, calls.policy.version, calls.policy.mode) == (1, 2, "dual")
+        lost.add(3)
+        calls.policy.forget_fill()  # the next call fills, as version 3, which this server cannot keep
+        torch.testing.assert_close(calls(tokens, context), exact)
+        assert calls.policy.mode == "none"
 
 
 def test_correctors_are_refused_with_staleness(local_lm):

@@ -173,17 +173,19 @@ class DenoiserCalls:
     def _recover(self, pending: PendingLogits, miss: CacheMiss) -> torch.Tensor:
         """A server lost (or never had) the cache, e.g. after a failover: fill it again with this call's tokens.
 
-        A reuse of a version older than a refill since made uses that refill. A second miss right after a
-        refill means the cache cannot be kept (a server without room for it): the rest runs uncached.
+        A reuse of a version older than a refill of the same block made since reads that refill. A fill that
+        misses (a server keeping no cache), or a second miss right after a refill (a server without room for
+        it), makes the rest of the generation run uncached.
         """
         latest = self.last_fill
-        dropped = latest is not None and isinstance(latest.job, Future) and latest.job.cancelled()
-        if latest is not None and latest is not pending.fill and not dropped:
+        if (not pending.directive.fill and latest is not None and latest is not pending.fill
+                and latest.context.block_start == pending.context.block_start
+                and not (isinstance(latest.job, Future) and latest.job.cancelled())):
             retry = CacheDirective(latest.directive.version, pending.directive.rows)
             return self.policy.complete(retry, self.forward(pending.tokens, retry, pending.context), latest.result())
         self.misses += 1
-        if self.misses > 1 and self.policy.since_fill <= 1:
-            logger.warning("activation cache missed again right after a refill (%s): continuing without it", miss)
+        if pending.directive.fill or (self.misses > 1 and self.policy.since_fill <= 1):
+            logger.warning("activation cache missed (%s) where it cannot be rebuilt: continuing without it", miss)
             self.policy.mode = "none"
             return self.forward(pending.tokens, None, pending.context)
         logger.info("activation cache miss (%s): refilling", miss)

@@ -11,8 +11,12 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.p2p import PeerID
 
 from swarm.diffusion.composition import (
-    CompatibilityTag, IncompatibleExpertError, auto_experts, compose, expert_weights, summarize, validate_tau,
+    CompatibilityTag, Composition, IncompatibleExpertError, InProcessExpert, auto_experts, compose, expert_weights,
+    summarize, validate_tau,
 )
+from swarm.diffusion.config import GenerationConfig
+from swarm.diffusion.pipeline import DenoiserCalls
+from swarm.local import DiffusionLM
 from swarm.dht.node import NetworkConfig, start_dht
 from swarm.dht.schema import (
     ExpertRecord, ServerState, default_prefix, expert_key, owner_subkey, read_expert_domains, read_expert_records,
@@ -120,6 +124,28 @@ def test_corrector_steps_are_deterministic_and_cost_one_call_each(local_lm, alph
         local_lm.generate("Hi", corrector_steps=1, parallel_window=2, **SETTINGS)
 
 
+def test_stale_pipelining_queries_experts_once_per_call(local_lm, alpha_path):
+    """With calls in flight, each call's expert queries start with it and are the ones its logits compose."""
+    expert = DiffusionLM.from_pretrained(alpha_path)
+    queried = []
+
+    def counted(tokens: torch.Tensor) -> torch.Tensor:
+        queried.append(tokens.clone())
+        return expert.logits(tokens)
+
+    generation = GenerationConfig(**SETTINGS, staleness=2)
+    composition = Composition({"alpha": InProcessExpert(counted, "alpha")}, {"alpha": 0.7}, generation,
+                              local_lm.config.mask_token_id, tau=3.0)
+    with local_lm.denoising_session(generation) as forward:
+        sampler = composition.sampler(DenoiserCalls(forward, generation, local_lm.config.logits_shift))
+        events = list(sampler.iterate(local_lm.encode_prompt("Hello there")))
+    assert len(events) == SETTINGS["steps"] and sampler.stats.guessed > 0
+    assert len(queried) == sampler.stats.denoiser_calls  # none queried again when its call was collected
+    composed = local_lm.generate("Hello there", experts={str(alpha_path): 0.7}, expert_tau=3.0, staleness=2,
+                                 **SETTINGS)
+    assert composed.sequence.tolist() == events[-1].tokens.tolist()
+
+
 @pytest.mark.parametrize("changes, field", [(dict(vocab_size=300), "vocab_size"), (dict(mask_token_id=258), "mask_token_id")])
 def test_incompatible_expert_is_refused_locally(local_lm, tmp_path, changes, field):
     path = make_checkpoint(tmp_path / "odd", tiny_config(num_layers=1, **changes), seed=1)
@@ -172,7 +198,8 @@ BYTE_TAG = CompatibilityTag("byte-v1", ByteTokenizer.vocab_size, ByteTokenizer.M
 
 
 @pytest.mark.parametrize("prompt, settings", [("Hello there", dict(seed=0)),
-                                              ("x", dict(seed=2, temperature=0.5, cfg_scale=1.0, parallel_window=2))])
+                                              ("x", dict(seed=2, temperature=0.5, cfg_scale=1.0, parallel_window=2)),
+                                              ("Hello there", dict(seed=1, staleness=2, cache="dual"))])
 def test_swarm_composition_equals_local(expert_server, remote_lm, local_lm, alpha_path, prompt, settings):
     remote = remote_lm.generate(prompt, experts={"alpha": 0.7}, expert_tau=3.0, **SETTINGS, **settings)
     local = local_lm.generate(prompt, experts={str(alpha_path): 0.7}, expert_tau=3.0, **SETTINGS, **settings)

@@ -22,6 +22,7 @@ import contextlib
 import logging
 import math
 import re
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Optional, Protocol, Sequence
 
@@ -34,6 +35,7 @@ from swarm.diffusion.sampler import (DenoiseContext, Denoiser, DiffusionSampler,
 logger = logging.getLogger(__name__)
 
 DEFAULT_TAU = 10.0
+MAX_PENDING_CALLS = 16  # expert queries kept for calls in flight; older ones belong to dropped calls
 
 
 class IncompatibleExpertError(ValueError):
@@ -261,7 +263,8 @@ class Composition:
         self.warnings = list(warnings)
         self.dropped: set[str] = set()
         self.records: dict[int, dict[str, Any]] = {}
-        self._pending: Optional[tuple[DenoiseContext, dict[str, PendingLogProbs]]] = None
+        # Expert queries started with each backbone call, by call (stale pipelining keeps several in flight).
+        self._pending: OrderedDict[int, tuple[DenoiseContext, dict[str, PendingLogProbs]]] = OrderedDict()
         self._correcting = False
 
     def active(self) -> list[str]:
@@ -276,17 +279,18 @@ class Composition:
                                     corrector_steps=self.corrector_steps, composition=self)
         return DiffusionSampler(self.wrap(denoiser), self.generation, self.mask_token_id, eos_token_ids, hook)
 
-    def wrap(self, denoiser: Denoiser) -> Denoiser:
-        """The backbone's denoiser, preceded by starting this step's expert queries (conditional rows only)."""
+    def wrap(self, denoiser: Denoiser) -> "ExpertsFirst":
+        """The backbone's denoiser, each call preceded by starting its expert queries."""
+        return ExpertsFirst(self, denoiser)
 
-        def denoise(tokens: torch.Tensor, context: DenoiseContext) -> torch.Tensor:
-            names = self.active()
-            if names:
-                rows = tokens[: len(context.steps)]  # guidance appends unconditional copies after these
-                self._pending = (context, {name: self.sources[name].submit(rows, context) for name in names})
-            return denoiser(tokens, context)
-
-        return denoise
+    def start_queries(self, tokens: torch.Tensor, context: DenoiseContext) -> None:
+        """Query the active experts on the call's conditional rows (guidance appends unconditional copies)."""
+        names = self.active()
+        if names:
+            rows = tokens[: len(context.steps)]
+            self._pending[id(context)] = (context, {name: self.sources[name].submit(rows, context) for name in names})
+            while len(self._pending) > MAX_PENDING_CALLS:  # calls dropped uncollected (overturned guesses)
+                self._pending.popitem(last=False)
 
     def hook(self, logits: torch.Tensor, states: torch.Tensor, context: DenoiseContext) -> torch.Tensor:
         """Compose the block's logits with every active expert's log-probabilities; record telemetry."""
@@ -307,12 +311,11 @@ class Composition:
         return logits
 
     def _take(self, states: torch.Tensor, context: DenoiseContext) -> dict[str, PendingLogProbs]:
-        if self._pending is not None and self._pending[0] is context:
-            jobs = self._pending[1]
-        else:  # the hook ran without the wrapped denoiser (a caller's own sampler): query now
-            jobs = {name: self.sources[name].submit(states, context) for name in self.active()}
-        self._pending = None
-        return jobs
+        started = self._pending.pop(id(context), None)
+        if started is not None and started[0] is context:
+            return started[1]
+        # the hook ran without the wrapped denoiser (a caller's own sampler): query now
+        return {name: self.sources[name].submit(states, context) for name in self.active()}
 
     def _drop(self, name: str, step: int, error: BaseException) -> None:
         self.dropped.add(name)
@@ -363,6 +366,23 @@ class Composition:
 
 
 # ----- predictor-corrector --------------------------------------------------------------------------------
+class ExpertsFirst:
+    """A denoiser that starts a call's expert queries, then the backbone's call; in flight together when the
+    backbone's denoiser can ``submit`` (stale pipelining), so experts are pipelined with it."""
+
+    def __init__(self, composition: Composition, denoiser: Denoiser):
+        self.composition, self.denoiser = composition, denoiser
+
+    def __call__(self, tokens: torch.Tensor, context: DenoiseContext) -> torch.Tensor:
+        self.composition.start_queries(tokens, context)
+        return self.denoiser(tokens, context)
+
+    def submit(self, tokens: torch.Tensor, context: DenoiseContext) -> Any:
+        self.composition.start_queries(tokens, context)
+        submit = getattr(self.denoiser, "submit", None)
+        return submit(tokens, context) if submit is not None else Ready(self.denoiser(tokens, context))
+
+
 def corrector_generator(seed: int, step: int, corrector: int) -> torch.Generator:
     """Noise of corrector ``corrector`` of ``step``: a stream of its own, still a function of the seed only."""
     return step_generator(seed + (corrector + 1) * 2**32, step)

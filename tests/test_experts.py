@@ -203,7 +203,7 @@ BYTE_TAG = CompatibilityTag("byte-v1", ByteTokenizer.vocab_size, ByteTokenizer.M
 def test_swarm_composition_equals_local(expert_server, remote_lm, local_lm, alpha_path, prompt, settings):
     remote = remote_lm.generate(prompt, experts={"alpha": 0.7}, expert_tau=3.0, **SETTINGS, **settings)
     local = local_lm.generate(prompt, experts={str(alpha_path): 0.7}, expert_tau=3.0, **SETTINGS, **settings)
-    assert remote.token_ids == local.token_ids
+    assert remote.token_ids == local.token_ids, (remote.info, local.info)
     assert remote.info["warnings"] == [] and remote.info["experts"]["sources"]["alpha"]["used"] == [expert_server.peer_id]
     for remote_step, local_step in zip(remote.telemetry, local.telemetry):
         r, l = remote_step["experts"]["alpha"], local_step["experts"][str(alpha_path)]

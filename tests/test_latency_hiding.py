@@ -96,7 +96,7 @@ def test_server_cache_store_stays_within_its_budget_and_expires():
 
 def test_server_cache_versions_let_a_reuse_wait_for_its_fill_and_drop_old_ones():
     config = tiny_config()
-    caches = SessionCaches(config, budget_bytes=10**8, ttl=60, element_size=4, fill_timeout=5, arrival_wait=0.1)
+    caches = SessionCaches(config, budget_bytes=10**8, ttl=60, element_size=4, fill_timeout=5, arrival_wait=5)
 
     async def scenario():
         first = caches.for_fill("s", 1, 0, 2, 1, 40)
@@ -105,13 +105,15 @@ def test_server_cache_versions_let_a_reuse_wait_for_its_fill_and_drop_old_ones()
         waiting = asyncio.create_task(caches.for_reuse("s", 2))  # overtook its fill on the network
         await asyncio.sleep(0.05)
         second = caches.for_fill("s", 2, 1, 2, 1, 40)  # keeps version 1: calls in flight still read it
+        running = asyncio.create_task(caches.for_reuse("s", 2))  # arrived while the fill runs
         await asyncio.sleep(0.05)
-        assert not waiting.done()  # the fill has not run yet
+        assert not waiting.done() and not running.done()  # the fill has not run yet
         caches.filled("s", 2, ok=True)
-        assert await waiting is second
+        assert await waiting is second and await running is second
         assert await caches.for_reuse("s", 1) is first
         caches.for_fill("s", 3, 3, 2, 1, 40)  # nothing reads versions 1 and 2 any more
-        caches.filled("s", 3, ok=False)  # ... and this fill failed: its waiters miss at once
+        caches.filled("s", 3, ok=False)  # ... and this fill failed: reuses of it miss
+        caches.arrival_wait = 0.01  # none of these fills is on its way
         for version in (1, 2, 3):
             with pytest.raises(CacheMiss):
                 await caches.for_reuse("s", version)
@@ -234,6 +236,19 @@ def test_every_mode_gives_the_local_tokens_through_the_swarm(push_off, local_lm,
     expected = local_lm.generate(PROMPT, **SETTINGS, **mode)
     result = push_off.generate(PROMPT, **SETTINGS, **mode)
     assert result.token_ids == expected.token_ids
+    assert result.info["cache"]["misses"] == 0
+
+
+def test_a_generation_keeps_its_route_when_the_server_list_is_refreshed(remote_lm, local_lm, monkeypatch):
+    """Re-reading the servers mid-generation could move a hop (a cost that shifts with the call size) and lose
+    its cache: the route is refreshed between generations only."""
+    reads = []
+    original = remote_lm.sequence.refresh
+    monkeypatch.setattr(remote_lm.sequence, "refresh", lambda: reads.append(1) or original())
+    monkeypatch.setattr(remote_lm.client_config, "route_refresh", 0.0)  # every read is stale at once
+    result = remote_lm.generate(PROMPT, **SETTINGS, cache="dual", staleness=2)
+    assert len(reads) == 1  # before the generation, not at each of its calls
+    assert result.token_ids == local_lm.generate(PROMPT, **SETTINGS, cache="dual", staleness=2).token_ids
     assert result.info["cache"]["misses"] == 0
 
 

@@ -23,7 +23,7 @@ class ClientConfig:
     backoff_max: float = 5.0
     ban_base: float = 15.0  # seconds a failing peer is avoided; doubles on repeat failures
     ban_max: float = 300.0
-    route_refresh: float = 30.0  # seconds after which the server list is re-read from the DHT
+    route_refresh: float = 30.0  # seconds after which the server list is re-read (between generations only)
     wire_dtype: str = "float32"  # "float16" halves traffic but is not exact
     spot_check_fraction: float = 0.0  # share of hops re-executed on another server (tiers may raise it)
     spot_check_rtol: float = 1e-3  # relative difference tolerated between two servers (float32 wire)

@@ -100,6 +100,7 @@ class DistributedDiffusionLM(BaseDiffusionLM):
     def denoising_session(self, generation: GenerationConfig) -> Iterator[Forward]:
         session_id = uuid.uuid4().hex
         self._use_push(self.client_config.push)
+        self.sequence.refresh_if_stale()  # servers that left or joined; the route then stays for the session
 
         def forward(tokens: torch.Tensor, directive: Optional[CacheDirective], context: DenoiseContext) -> torch.Tensor:
             self.guard.check(context.steps[0])  # a valid governance halt stops before this step

@@ -138,6 +138,16 @@ class RemoteSequence:
             logger.info("route: %s", " -> ".join(map(str, self.route)))
             return self.route
 
+    def refresh_if_stale(self, tokens: int = 128) -> None:
+        """Re-read the servers and rebuild the route when the last read is older than ``route_refresh``.
+
+        Called before a generation, never during one: a route changed mid-generation (a server that joined,
+        or a cost that shifted with the call size) would lose the servers' activation caches for nothing.
+        A broken hop is still replaced at once (:meth:`hop_from`).
+        """
+        if time.monotonic() - self._refreshed_at > self.config.route_refresh:
+            self.build_route(0, tokens)
+
     def hop_from(self, block: int, tokens: int) -> RouteHop:
         excluded = self.excluded()
         for hop in self.route:
@@ -161,11 +171,11 @@ class RemoteSequence:
         ``extra`` travels with every hop (the activation-cache directive). A hop without the session's cache
         raises :class:`CacheMiss`. With ``ClientConfig.push`` the pass is first tried as one pushed chain.
         """
-        session_id = session_id or uuid.uuid4().hex
         extra = dict(extra or {})
         tokens = hidden.shape[0] * hidden.shape[1]
-        if time.monotonic() - self._refreshed_at > self.config.route_refresh:
-            self.build_route(0, tokens)  # servers that left or joined since the last read
+        if session_id is None:  # a one-off pass; generations refresh between their sessions
+            self.refresh_if_stale(tokens)
+        session_id = session_id or uuid.uuid4().hex
         if self.receiver is not None and self.spot_checker.fraction == 0:
             pushed = self._try_push(hidden, session_id, step, extra, tokens)
             if pushed is not None:

@@ -111,8 +111,11 @@ class SessionCaches:
         self.expire()
         key = (session_id, version)
         entry = self.entries.get(key)
-        if entry is None or not entry.ready:
-            await self._wait(key, self.fill_timeout if entry is not None else self.arrival_wait)
+        if entry is None:  # the fill may still be on its way
+            await self._wait(key, self.arrival_wait)
+            entry = self.entries.get(key)
+        if entry is not None and not entry.ready:  # the fill is running here
+            await self._wait(key, self.fill_timeout)
             entry = self.entries.get(key)
         if entry is None or not entry.ready:
             self.stats.misses += 1
@@ -130,7 +133,8 @@ class SessionCaches:
         try:
             await asyncio.wait_for(event.wait(), timeout)
         except asyncio.TimeoutError:
-            self._wake(key)  # the fill is not coming: whoever else waits for it misses too
+            if key not in self.entries and self.arrivals.get(key) is event:
+                del self.arrivals[key]  # no fill is coming: forget it (other waiters time out by themselves)
 
     def _wake(self, key: CacheKey) -> None:
         event = self.arrivals.pop(key, None)

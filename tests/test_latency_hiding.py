@@ -81,8 +81,9 @@ def test_server_cache_store_stays_within_its_budget_and_expires():
     one = 2 * 2 * 1 * config.num_kv_heads * 40 * config.head_dim * 4  # two blocks, batch 1, 40 positions
     caches = SessionCaches(config, budget_bytes=int(2.5 * one), ttl=0.2, element_size=4)
     for session in ("a", "b", "c"):
-        assert caches.for_fill(session, 1, 0, 2, 1, 40) is not None
-        caches.filled(session, 1, ok=True)
+        kv = caches.for_fill(session, 1, 0, 2, 1, 40)
+        assert kv is not None
+        caches.filled(session, 1, kv, ok=True)
         assert caches.used_bytes <= caches.budget_bytes
     assert caches.sessions == {"b", "c"} and caches.stats.evictions == 1  # "a" was least recently used
     with pytest.raises(CacheMiss):
@@ -100,7 +101,7 @@ def test_server_cache_versions_let_a_reuse_wait_for_its_fill_and_drop_old_ones()
 
     async def scenario():
         first = caches.for_fill("s", 1, 0, 2, 1, 40)
-        caches.filled("s", 1, ok=True)
+        caches.filled("s", 1, first, ok=True)
         assert await caches.for_reuse("s", 1) is first
         waiting = asyncio.create_task(caches.for_reuse("s", 2))  # overtook its fill on the network
         await asyncio.sleep(0.05)
@@ -108,11 +109,11 @@ def test_server_cache_versions_let_a_reuse_wait_for_its_fill_and_drop_old_ones()
         running = asyncio.create_task(caches.for_reuse("s", 2))  # arrived while the fill runs
         await asyncio.sleep(0.05)
         assert not waiting.done() and not running.done()  # the fill has not run yet
-        caches.filled("s", 2, ok=True)
+        caches.filled("s", 2, second, ok=True)
         assert await waiting is second and await running is second
         assert await caches.for_reuse("s", 1) is first
-        caches.for_fill("s", 3, 3, 2, 1, 40)  # nothing reads versions 1 and 2 any more
-        caches.filled("s", 3, ok=False)  # ... and this fill failed: reuses of it miss
+        third = caches.for_fill("s", 3, 3, 2, 1, 40)  # nothing reads versions 1 and 2 any more
+        caches.filled("s", 3, third, ok=False)  # ... and this fill failed: reuses of it miss
         caches.arrival_wait = 0.01  # none of these fills is on its way
         for version in (1, 2, 3):
             with pytest.raises(CacheMiss):

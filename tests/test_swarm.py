@@ -14,6 +14,7 @@ import torch
 from swarm.client import DistributedDiffusionLM, MissingBlocksError
 from swarm.dht.node import NetworkConfig, start_dht
 from swarm.dht.schema import ServerRecord, ServerState, block_key, default_prefix, read_servers
+from swarm.protocol import ErrorCode, ForwardRequest, RemoteError
 from tests.conftest import make_checkpoint, tiny_config
 
 CASES = [
@@ -163,3 +164,25 @@ def test_bootstrap_peer_stops_on_sigterm_after_its_parent_is_gone():
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)  # the DHT child and p2pd, had anything survived
         process.wait()
+
+
+def test_an_answer_whose_stream_lost_its_parts_is_asked_for_once_more(remote_lm):
+    """hivemind streams on loopback can rarely lose messages: one such answer is not the server's failure."""
+    hop = remote_lm.show_route()[0]
+    request = ForwardRequest(hop.start, hop.end, torch.randn(1, 4, remote_lm.config.hidden_size), "", -1, {})
+    send = remote_lm.caller._forward_rpc(hop.peer_id, request)
+    sent = []
+
+    async def first_answer_lost() -> list:
+        sent.append(1)
+        return [] if len(sent) == 1 else await send()
+
+    hidden, _ = remote_lm.loop.run(remote_lm.caller._call(hop.peer_id, first_answer_lost, 10))
+    assert len(sent) == 2 and hidden.shape == (1, 4, remote_lm.config.hidden_size)
+
+    async def always_lost() -> list:
+        return []
+
+    with pytest.raises(RemoteError) as lost:
+        remote_lm.loop.run(remote_lm.caller._call(hop.peer_id, always_lost, 10))
+    assert lost.value.code == ErrorCode.INCOMPLETE

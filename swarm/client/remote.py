@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import time
 from typing import Awaitable, Callable, Optional
@@ -16,6 +17,8 @@ from swarm.protocol import (
     ErrorCode, ExpertRequest, ForwardRequest, RemoteError, SpanService, collect_ack, collect_response,
     expert_request_message, request_parts,
 )
+
+logger = logging.getLogger(__name__)
 
 
 class RemoteCaller:
@@ -50,15 +53,24 @@ class RemoteCaller:
     async def _call(self, peer_id: str, rpc: Callable[[], Awaitable[list]], timeout: float,
                     collect: Callable[..., tuple] = collect_response) -> tuple:
         """One RPC to one server: counted, delayed both ways when latency is injected, bounded by ``timeout``,
-        and every failure turned into a :class:`RemoteError`."""
-        self.calls += 1
-        await self.crossing()
-        try:
-            responses = await asyncio.wait_for(rpc(), timeout)
-        except Exception as error:
-            raise as_remote_error(error, peer_id) from error
-        await self.crossing()
-        return collect(responses, peer_id)
+        and every failure turned into a :class:`RemoteError`. An answer whose stream lost parts on the way is
+        asked for once more before it counts as the server's failure."""
+        retries = 1
+        while True:
+            self.calls += 1
+            await self.crossing()
+            try:
+                responses = await asyncio.wait_for(rpc(), timeout)
+            except Exception as error:
+                raise as_remote_error(error, peer_id) from error
+            await self.crossing()
+            try:
+                return collect(responses, peer_id)
+            except RemoteError as error:
+                if error.code != ErrorCode.INCOMPLETE or retries == 0:
+                    raise
+                retries -= 1
+                logger.warning("answer from %s was incomplete (%s): asking again", peer_id, error.message)
 
     def _forward_rpc(self, peer_id: str, request: ForwardRequest) -> Callable[[], Awaitable[list]]:
         parts = request_parts(request, self.wire_dtype)

@@ -135,7 +135,7 @@ class ForwardHandler(SpanService):
                 computed = True
             finally:
                 if fill is not None:  # reuses waiting for this fill go on (or miss, when it failed)
-                    self.caches.filled(session_id, fill, ok=computed)
+                    self.caches.filled(session_id, fill, kv, ok=computed)
         except CacheMiss as miss:
             raise RemoteError(ErrorCode.CACHE_MISS, str(miss)) from None
         self.rows_computed += hidden.shape[0] * hidden.shape[1]

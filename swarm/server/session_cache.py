@@ -95,11 +95,11 @@ class SessionCaches:
         self.stats.fills += 1
         return entry.kv
 
-    def filled(self, session_id: str, version: int, ok: bool) -> None:
-        """The fill pass of this version has run: its reuses may go on (or, when it failed, miss)."""
+    def filled(self, session_id: str, version: int, kv: Optional[SpanKV], ok: bool) -> None:
+        """The fill pass of this version (into ``kv``) has run: its reuses may go on (or, when it failed, miss)."""
         key = (session_id, version)
         entry = self.entries.get(key)
-        if entry is not None:
+        if entry is not None and entry.kv is kv:  # not a repeated fill of the version that started since
             if ok:
                 entry.ready = True
             else:

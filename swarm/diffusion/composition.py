@@ -365,7 +365,6 @@ class Composition:
         }
 
 
-# ----- predictor-corrector --------------------------------------------------------------------------------
 class ExpertsFirst:
     """A denoiser that starts a call's expert queries, then the backbone's call; in flight together when the
     backbone's denoiser can ``submit`` (stale pipelining), so experts are pipelined with it."""
@@ -383,6 +382,7 @@ class ExpertsFirst:
         return submit(tokens, context) if submit is not None else Ready(self.denoiser(tokens, context))
 
 
+# ----- predictor-corrector --------------------------------------------------------------------------------
 def corrector_generator(seed: int, step: int, corrector: int) -> torch.Generator:
     """Noise of corrector ``corrector`` of ``step``: a stream of its own, still a function of the seed only."""
     return step_generator(seed + (corrector + 1) * 2**32, step)

@@ -38,9 +38,9 @@ class ErrorCode(str, enum.Enum):
     SHUTTING_DOWN = "shutting_down"
     HALTED = "halted"
     CACHE_MISS = "cache_miss"  # a reuse request found no cache for its session here: the client fills again
+    INCOMPLETE = "incomplete"  # a request's or an answer's stream lost parts on the way: the call is made again once
     INTERNAL = "internal"
     # Raised by the client about a server, never sent on the wire:
-    INCOMPLETE = "incomplete"  # the answer's stream lost parts on the way (the call is asked again once)
     TIMEOUT = "timeout"  # no answer within the request timeout (a hung or overloaded server)
     UNREACHABLE = "unreachable"  # connection refused, lost, or the peer is gone
 
@@ -117,14 +117,12 @@ def parse_metadata(raw: bytes) -> dict[str, Any]:
     return metadata
 
 
-def join_parts(parts: list[runtime_pb2.Tensor], expected: Any, short: ErrorCode = ErrorCode.BAD_REQUEST,
-               peer_id: Optional[str] = None) -> runtime_pb2.Tensor:
-    """Reassemble a streamed tensor, refusing a stream whose part count does not match (``short``: the code
-    when parts are missing)."""
+def join_parts(parts: list[runtime_pb2.Tensor], expected: Any, peer_id: Optional[str] = None) -> runtime_pb2.Tensor:
+    """Reassemble a streamed tensor, refusing a stream whose part count does not match."""
     if not isinstance(expected, int) or expected < 1:
         raise RemoteError(ErrorCode.BAD_REQUEST, f"metadata 'parts' must be a positive integer, got {expected!r}")
     if len(parts) != expected:
-        raise RemoteError(short, f"stream ended after {len(parts)} of {expected} parts", peer_id)
+        raise RemoteError(ErrorCode.INCOMPLETE, f"stream ended after {len(parts)} of {expected} parts", peer_id)
     return parts[0] if expected == 1 else combine_from_streaming(parts)
 
 
@@ -177,7 +175,7 @@ def check_error(metadata: dict[str, Any], peer_id: Optional[str] = None) -> None
 def collect_response(parts: list[runtime_pb2.ExpertResponse], peer_id: Optional[str] = None) -> tuple[torch.Tensor, dict]:
     metadata = response_metadata(parts, peer_id)
     tensors = [t for part in parts for t in part.tensors]
-    return decode_tensor(join_parts(tensors, metadata.get("parts"), ErrorCode.INCOMPLETE, peer_id)), metadata
+    return decode_tensor(join_parts(tensors, metadata.get("parts"), peer_id)), metadata
 
 
 class FixedNameService(ServicerBase):

@@ -90,7 +90,7 @@ HOSTILE = {
     "bad session id": (lambda: valid_parts(session_id={"not": "a string"}), ErrorCode.BAD_REQUEST),
     "overlong session id": (lambda: valid_parts(session_id="x" * 10_000), ErrorCode.BAD_REQUEST),
     "missing tensor": (lambda: with_tensor(runtime_pb2.Tensor(), parts=0), ErrorCode.BAD_REQUEST),
-    "truncated stream": (lambda: valid_parts(torch.randn(1, 5, HIDDEN), parts=3), ErrorCode.BAD_REQUEST),
+    "truncated stream": (lambda: valid_parts(torch.randn(1, 5, HIDDEN), parts=3), ErrorCode.INCOMPLETE),
     "empty batch": (lambda: valid_parts(torch.randn(0, 5, HIDDEN)), ErrorCode.BAD_REQUEST),
     "cache directive not a map": (lambda: valid_parts(extra={"cache": 5}), ErrorCode.BAD_REQUEST),
     "cache rows reversed": (lambda: valid_parts(extra={"cache": {"rows": [3, 1], "version": 1}}), ErrorCode.BAD_REQUEST),

@@ -112,6 +112,11 @@ def test_server_cache_versions_let_a_reuse_wait_for_its_fill_and_drop_old_ones()
         caches.filled("s", 2, second, ok=True)
         assert await waiting is second and await running is second
         assert await caches.for_reuse("s", 1) is first
+        again = caches.for_fill("s", 2, 1, 2, 1, 40)  # the same fill made again (its answer was lost)
+        caches.filled("s", 2, second, ok=True)  # the earlier pass's word does not vouch for the new one
+        assert not caches.entries["s", 2].ready
+        caches.filled("s", 2, again, ok=True)
+        assert await caches.for_reuse("s", 2) is again
         third = caches.for_fill("s", 3, 3, 2, 1, 40)  # nothing reads versions 1 and 2 any more
         caches.filled("s", 3, third, ok=False)  # ... and this fill failed: reuses of it miss
         caches.arrival_wait = 0.01  # none of these fills is on its way

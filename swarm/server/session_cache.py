@@ -99,7 +99,9 @@ class SessionCaches:
         """The fill pass of this version (into ``kv``) has run: its reuses may go on (or, when it failed, miss)."""
         key = (session_id, version)
         entry = self.entries.get(key)
-        if entry is not None and entry.kv is kv:  # not a repeated fill of the version that started since
+        if entry is not None and entry.kv is not kv:
+            return  # a repeated fill of this version started since: its own pass will tell
+        if entry is not None:
             if ok:
                 entry.ready = True
             else:

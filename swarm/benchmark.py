@@ -223,9 +223,13 @@ def hiding(model: str, modes: str, latency_ms: float, gen_length: int, block_len
     accuracy = {}
     if task_model != "none":  # computed locally: the swarm gives the same tokens for every mode (tests)
         task_lm = DiffusionLM.from_pretrained(task_model)
+        by_settings: dict[tuple, float] = {}  # push changes no token: modes differing only by it share a score
         for spec, (settings, _) in parsed.items():
-            report = evaluate_task(task_lm, AdditionTask(), examples=task_examples, generate_options=settings)
-            accuracy[spec] = report.accuracy
+            key = tuple(sorted(settings.items()))
+            if key not in by_settings:
+                report = evaluate_task(task_lm, AdditionTask(), examples=task_examples, generate_options=settings)
+                by_settings[key] = report.accuracy
+            accuracy[spec] = by_settings[key]
     delays = [0.0, latency_ms]
     times: dict[tuple[str, float], float] = {}
     agreement = {}

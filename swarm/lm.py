@@ -173,8 +173,9 @@ class BaseDiffusionLM(ABC):
         Keyword arguments: ``gen_length``, ``steps``, ``block_length``, ``temperature``, ``remasking``
         (low_confidence, random, margin, entropy), ``threshold``, ``cfg_scale``, ``seed``,
         ``stop_at_eos``, ``parallel_window``, and the latency-hiding settings ``staleness`` (0..3),
-        ``cache`` (``none``, ``prefix``, ``dual``) and ``cache_refresh`` (see :class:`GenerationConfig`; all
-        approximate except their defaults, which are exact); ``progress`` shows a progress bar; ``chat`` wraps the text prompt
+        ``stale_check`` (``token``, ``exact``, ``none``), ``cache`` (``none``, ``prefix``, ``dual``) and
+        ``cache_refresh`` (see :class:`GenerationConfig`; approximate except at their defaults, which are
+        exact; ``stale_check="exact"`` keeps the tokens of the run without staleness); ``progress`` shows a progress bar; ``chat`` wraps the text prompt
         in the tokenizer's chat template (instruct checkpoints).
 
         ``experts`` composes expert models with the backbone at every step: ``{"code": 0.5}`` (weights

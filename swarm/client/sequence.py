@@ -127,7 +127,7 @@ class RemoteSequence:
 
     def build_route(self, start_block: int = 0, tokens: int = 128) -> list[RouteHop]:
         with self._route_lock:
-            if time.monotonic() - self._refreshed_at > self.config.route_refresh or not self.servers:
+            if self._servers_stale() or not self.servers:
                 self.refresh()
             try:
                 tail = find_route(self.servers, self.num_blocks, start_block, self.latencies, self.excluded(), tokens)
@@ -145,8 +145,11 @@ class RemoteSequence:
         or a cost that shifted with the call size) would lose the servers' activation caches for nothing.
         A broken hop is still replaced at once (:meth:`hop_from`).
         """
-        if time.monotonic() - self._refreshed_at > self.config.route_refresh:
+        if self._servers_stale():
             self.build_route(0, tokens)
+
+    def _servers_stale(self) -> bool:
+        return time.monotonic() - self._refreshed_at > self.config.route_refresh
 
     def hop_from(self, block: int, tokens: int) -> RouteHop:
         excluded = self.excluded()

@@ -35,10 +35,6 @@ class BlockKV:
         return (torch.cat([self.keys[:, :, :a], keys, self.keys[:, :, b:]], dim=2),
                 torch.cat([self.values[:, :, :a], values, self.values[:, :, b:]], dim=2))
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.keys, self.values) if t is not None)
-
 
 class SpanKV:
     """A session's cache over some blocks, filled by one full pass of ``batch`` rows of ``length`` positions."""
@@ -59,7 +55,3 @@ class SpanKV:
             raise CacheMiss(f"batch {batch} differs from the cached batch {self.batch}")
         if not 0 <= rows[0] < rows[1] <= self.length:
             raise CacheMiss(f"rows {rows[0]}:{rows[1]} are outside the cached length {self.length}")
-
-    @property
-    def nbytes(self) -> int:
-        return sum(block.nbytes for block in self.blocks.values())

@@ -142,7 +142,7 @@ class ForwardHandler(SpanService):
         logger.debug("forward %d:%d %s rows %s from %s in %.1f ms", start, end, tuple(hidden.shape), rows,
                      context.remote_id, 1000 * (time.perf_counter() - started))
         if push is not None:
-            self.pusher.send(push, output, metadata.get("session_id", ""), metadata.get("step", -1),
+            self.pusher.send(push, output, session_id, metadata.get("step", -1),
                              {k: v for k, v in extra.items() if k != "push"})
             return [ack_response()]
         return response_parts(output, self.wire_dtype)

@@ -7,20 +7,31 @@ import time
 import pytest
 import torch
 from hivemind.compression import serialize_torch_tensor
-from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.p2p import PeerID
 
+from swarm.dht.compatibility import CompatibilityTag, IncompatibleExpertError
+from swarm.dht.identity import Identity
+from swarm.dht.node import NetworkConfig, start_dht
+from swarm.dht.schema import (
+    ExpertRecord,
+    ServerState,
+    default_prefix,
+    expert_key,
+    read_expert_domains,
+    read_expert_records,
+)
 from swarm.diffusion.composition import (
-    CompatibilityTag, Composition, IncompatibleExpertError, InProcessExpert, auto_experts, compose, expert_weights,
-    summarize, validate_tau,
+    Composition,
+    InProcessExpert,
+    auto_experts,
+    compose,
+    expert_weights,
+    summarize,
+    validate_tau,
 )
 from swarm.diffusion.config import GenerationConfig
 from swarm.diffusion.pipeline import DenoiserCalls
 from swarm.local import DiffusionLM
-from swarm.dht.node import NetworkConfig, start_dht
-from swarm.dht.schema import (
-    ExpertRecord, ServerState, default_prefix, expert_key, owner_subkey, read_expert_domains, read_expert_records,
-)
 from swarm.models.tokenizer import ByteTokenizer
 from swarm.protocol import ErrorCode, ExpertRequest, RemoteError, SpanService, collect_response, expert_request_message
 from tests.conftest import make_checkpoint, tiny_config
@@ -146,7 +157,9 @@ def test_stale_pipelining_queries_experts_once_per_call(local_lm, alpha_path):
     assert composed.sequence.tolist() == events[-1].tokens.tolist()
 
 
-@pytest.mark.parametrize("changes, field", [(dict(vocab_size=300), "vocab_size"), (dict(mask_token_id=258), "mask_token_id")])
+@pytest.mark.parametrize(
+    "changes, field", [(dict(vocab_size=300), "vocab_size"), (dict(mask_token_id=258), "mask_token_id")]
+)
 def test_incompatible_expert_is_refused_locally(local_lm, tmp_path, changes, field):
     path = make_checkpoint(tmp_path / "odd", tiny_config(num_layers=1, **changes), seed=1)
     with pytest.raises(IncompatibleExpertError, match=field):
@@ -182,13 +195,13 @@ def expert_server(local_swarm, tiny_model_path, alpha_path):
 @pytest.fixture(scope="module")
 def forger(local_swarm):
     """A DHT peer that is not a server: it announces experts it cannot serve (or cannot be composed)."""
-    validator = RSASignatureValidator()
-    dht = start_dht(NetworkConfig(initial_peers=local_swarm.initial_peers), [validator])
+    identity = Identity.load_or_create(None)
+    dht = start_dht(NetworkConfig(initial_peers=local_swarm.initial_peers), identity=identity)
 
     def announce(prefix: str, domain: str, tag: CompatibilityTag, throughput: float = 1e9) -> None:
-        record = ExpertRecord(str(dht.peer_id), domain, ServerState.ONLINE, tag, throughput)
+        record = ExpertRecord(identity.peer_id, domain, ServerState.ONLINE, tag, throughput)
         assert dht.store(expert_key(prefix, domain), record.to_value(), expiration_time=time.time() + 300,
-                         subkey=owner_subkey(dht.peer_id, validator))
+                         subkey=identity.owner_subkey())
 
     yield announce
     dht.shutdown()
@@ -204,10 +217,11 @@ def test_swarm_composition_equals_local(expert_server, remote_lm, local_lm, alph
     remote = remote_lm.generate(prompt, experts={"alpha": 0.7}, expert_tau=3.0, **SETTINGS, **settings)
     local = local_lm.generate(prompt, experts={str(alpha_path): 0.7}, expert_tau=3.0, **SETTINGS, **settings)
     assert remote.token_ids == local.token_ids, (remote.info, local.info)
-    assert remote.info["warnings"] == [] and remote.info["experts"]["sources"]["alpha"]["used"] == [expert_server.peer_id]
+    assert (remote.info["warnings"] == []
+            and remote.info["experts"]["sources"]["alpha"]["used"] == [expert_server.peer_id])
     for remote_step, local_step in zip(remote.telemetry, local.telemetry):
-        r, l = remote_step["experts"]["alpha"], local_step["experts"][str(alpha_path)]
-        assert r["clipped"] == l["clipped"] and r["norm"] == pytest.approx(l["norm"], rel=1e-4)
+        r, loc = remote_step["experts"]["alpha"], local_step["experts"][str(alpha_path)]
+        assert r["clipped"] == loc["clipped"] and r["norm"] == pytest.approx(loc["norm"], rel=1e-4)
 
 
 def test_expert_server_is_announced(expert_server, remote_lm, tiny_model_path):

@@ -7,11 +7,14 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from swarm.governance.keys import generate_private_key, load_private_key, parse_public_key, public_key_text
-from swarm.governance.records import HALT, RESUME, GovernanceState, sign_decision
+from swarm.governance.records import HALT, RESUME, GovernanceState, governance_subkey, sign_decision
 
 
-def subkey(key, action):
-    return f"{public_key_text(key)}|{action}"
+def record(key, prefix, action, reason, sequence, timestamp=None):
+    """(subkey, value, expiration) as a reader gets them from the DHT."""
+    expiration = time.time() + 3600
+    value = sign_decision(key, prefix, action, reason, sequence, expiration, timestamp)
+    return governance_subkey(key), value, expiration
 
 
 def test_key_files_round_trip_and_are_not_overwritten(tmp_path):
@@ -28,29 +31,38 @@ def test_key_files_round_trip_and_are_not_overwritten(tmp_path):
 def test_valid_halt_is_adopted_and_newer_resume_wins():
     key = Ed25519PrivateKey.generate()
     state = GovernanceState("model", [key.public_key()])
-    halt = sign_decision(key, "model", HALT, "incident", timestamp=time.time() - 10)
-    assert state.consider(subkey(key, HALT), halt).halted and state.halted
-    resume = sign_decision(key, "model", RESUME, "fixed", timestamp=time.time() - 5)
-    state.consider(subkey(key, RESUME), resume)
+    halt = record(key, "model", HALT, "incident", sequence=1, timestamp=time.time() - 10)
+    assert state.consider(*halt).halted and state.halted
+    resume = record(key, "model", RESUME, "fixed", sequence=2, timestamp=time.time() - 5)
+    state.consider(*resume)
     assert not state.halted
     # A replay of the old halt changes nothing, for a reader that saw the resume or one that reads both.
-    assert state.consider(subkey(key, HALT), halt) is None and not state.halted
-    fresh = GovernanceState("model", [key.public_key()])
-    for sk, value in sorted([(subkey(key, RESUME), resume), (subkey(key, HALT), halt)]):
-        fresh.consider(sk, value)
-    assert not fresh.halted
+    assert state.consider(*halt) is None and not state.halted
+    for order in ([resume, halt], [halt, resume]):
+        fresh = GovernanceState("model", [key.public_key()])
+        for entry in order:
+            fresh.consider(*entry)
+        assert not fresh.halted and fresh.current.sequence == 2
+    # The sequence decides, not the clock; and the signature covers the expiration the record was stored with.
+    late_halt = record(key, "model", HALT, "clock skew", sequence=1, timestamp=time.time())
+    assert state.consider(*late_halt) is None and not state.halted
+    subkey, value, expiration = halt
+    assert GovernanceState("model", [key.public_key()]).consider(subkey, value, expiration + 3600) is None
 
 
 def test_unknown_key_bad_signature_wrong_prefix_and_future_are_ignored():
     trusted, other = Ed25519PrivateKey.generate(), Ed25519PrivateKey.generate()
     state = GovernanceState("model", [trusted.public_key()])
-    assert state.consider(subkey(other, HALT), sign_decision(other, "model", HALT, "x")) is None
-    forged = sign_decision(other, "model", HALT, "x")
-    assert state.consider(subkey(trusted, HALT), forged) is None, "signature by another key under a trusted subkey"
-    assert state.consider(subkey(trusted, HALT), sign_decision(trusted, "other-model", HALT, "x")) is None
-    assert state.consider(subkey(trusted, HALT), sign_decision(trusted, "model", HALT, "x", time.time() + 3600)) is None
-    assert state.consider(subkey(trusted, HALT), {"payload": b"junk", "signature": b"junk"}) is None
-    assert state.consider(subkey(trusted, HALT), "not a record") is None
+    assert state.consider(*record(other, "model", HALT, "x", 1)) is None
+    _, forged, expiration = record(other, "model", HALT, "x", 1)
+    assert state.consider(governance_subkey(trusted), forged, expiration) is None, "another key's signature"
+    assert state.consider(*record(trusted, "other-model", HALT, "x", 1)) is None
+    assert state.consider(*record(trusted, "model", HALT, "x", 1, timestamp=time.time() + 3600)) is None
+    slot = governance_subkey(trusted)
+    assert state.consider(slot, {"payload": b"junk", "signature": b"junk"}, expiration) is None
+    assert state.consider(slot, "not a record", expiration) is None
+    _, valid, expiration = record(trusted, "model", HALT, "x", 1)
+    assert state.consider(f"{public_key_text(trusted)}|halt", valid, expiration) is None, "the old slot format"
     assert not state.halted
 
 
@@ -117,14 +129,15 @@ def test_halt_stops_generation_before_next_step_then_resume_and_replay(local_swa
                 return error.code == ErrorCode.HALTED
         assert wait_for(refused), "server did not refuse while halted"
 
-        old_halt = operator.get(governance_key(prefix), latest=True).value
+        slot = governance_subkey(key)
+        old_halt = operator.get(governance_key(prefix), latest=True).value[slot]
         assert publish(operator, key, prefix, RESUME, "fixed", timestamp=time.time())
         assert wait_for(lambda: not refused())
         assert lm.generate("after resume", **SETTINGS).finish_reason != "halted"
 
-        # Replaying the old halt record (same signed bytes, later expiration) changes nothing.
-        halt_subkey = next(k for k in old_halt if str(k).endswith(HALT))
-        operator.store(governance_key(prefix), old_halt[halt_subkey].value, time.time() + 3600, subkey=halt_subkey)
+        # Replaying the old halt record (same signed bytes, later or same expiration) is refused and changes nothing.
+        for expiration in (time.time() + 3600, old_halt.expiration_time):
+            assert not operator.store(governance_key(prefix), old_halt.value, expiration, subkey=slot)
         assert lm.generate("after replay", **SETTINGS).finish_reason != "halted"
 
 

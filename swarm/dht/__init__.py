@@ -1,1 +1,2 @@
-"""The DHT side of the swarm: record schema, initial peers, and the ``python -m swarm.dht`` bootstrap peer."""
+"""The DHT side of the swarm: record schema, the experts' compatibility tag, record validators, server
+identities, initial peers, and the ``python -m swarm.dht`` bootstrap peer."""

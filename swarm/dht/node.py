@@ -9,7 +9,9 @@ from hivemind.dht import DHT
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.validation import RecordValidatorBase
 
+from swarm.dht.identity import Identity
 from swarm.dht.peers import resolve_initial_peers
+from swarm.dht.validation import swarm_validators
 
 logger = logging.getLogger(__name__)
 
@@ -30,13 +32,17 @@ class NetworkConfig:
     use_default_peers: bool = True  # fall back to $SWARM_INITIAL_PEERS and the bootstrap file
 
 
-def start_dht(network: NetworkConfig, record_validators: Iterable[RecordValidatorBase] = ()) -> DHT:
+def start_dht(network: NetworkConfig, record_validators: Iterable[RecordValidatorBase] = (),
+              identity: Optional[Identity] = None) -> DHT:
     """Start a DHT peer (with its libp2p daemon) and wait until it is ready.
 
-    Every peer validates signed records (hivemind's ``RSASignatureValidator``): storing peers refuse forged
-    writes, and readers strip the signatures. One is added unless the caller passes its own.
+    Every peer runs the swarm's record validators (``swarm.dht.validation``) and hivemind's
+    ``RSASignatureValidator``, so storing peers refuse forged writes and readers strip the signatures. With an
+    ``identity`` the daemon runs with that key and records are signed with it (what servers do); a temporary
+    identity file is removed once the daemon has read it.
     """
-    validators = list(record_validators)
+    validators = [identity.validator] if identity is not None else []  # the first RSA validator is the one used
+    validators += [*record_validators, *swarm_validators()]
     if not any(isinstance(v, RSASignatureValidator) for v in validators):
         validators.append(RSASignatureValidator())
     peers = resolve_initial_peers(network.initial_peers, use_defaults=network.use_default_peers)
@@ -46,10 +52,21 @@ def start_dht(network: NetworkConfig, record_validators: Iterable[RecordValidato
     )
     if network.announce_maddrs:
         kwargs["announce_maddrs"] = network.announce_maddrs
-    if network.identity_path:
+    if identity is not None:
+        kwargs["identity_path"] = str(identity.path)
+        kwargs["check_if_identity_free"] = not identity.fresh  # a key made a moment ago cannot be in use
+    elif network.identity_path:
         kwargs["identity_path"] = network.identity_path
     logger.info("starting DHT peer (%d initial peers)", len(peers))
-    return DHT(initial_peers=peers or None, start=True, record_validators=validators, **kwargs)
+    try:
+        dht = DHT(initial_peers=peers or None, start=True, record_validators=validators, **kwargs)
+    finally:
+        if identity is not None:
+            identity.remove()
+    if identity is not None and str(dht.peer_id) != identity.peer_id:
+        stop_dht(dht)
+        raise RuntimeError(f"the DHT runs as {dht.peer_id}, not as its identity {identity.peer_id}")
+    return dht
 
 
 def visible_maddrs(dht: DHT) -> list[str]:

@@ -1,7 +1,9 @@
 """DHT keys and records: what a server announces and how clients read it.
 
 One key per block, ``{prefix}.{block}``; the subkey is the server's peer id followed by its RSA owner tag
-(``[owner:…]``), so hivemind's ``RSASignatureValidator`` only accepts writes signed by that server.
+(``[owner:ssh-rsa …]``), whose key is the server's libp2p identity. hivemind's ``RSASignatureValidator`` only
+accepts writes signed by that key, and ``swarm.dht.validation`` only those whose key derives the peer id in
+front of it; readers here apply the same rule (:func:`peer_id_from_subkey`) and ignore every other entry.
 Experts announce under ``{prefix}.experts.{domain}`` the same way (an :class:`ExpertRecord` with the
 compatibility tag), and list their domains under ``{prefix}.experts`` so that readers who cannot list keys
 (the health map) find them.
@@ -12,22 +14,23 @@ import dataclasses
 import enum
 import logging
 import re
-from pathlib import Path
-from functools import partial  # picklable: run_coroutine ships it to the DHT process
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional
+from functools import partial  # picklable: run_coroutine ships it to the DHT process
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Optional
 
 from hivemind.dht import DHT, DHTNode
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 
-from swarm.diffusion.composition import CompatibilityTag
+from swarm.dht.compatibility import CompatibilityTag
+from swarm.dht.validation import owner_peer_id
 
 logger = logging.getLogger(__name__)
 
 RECORD_VERSION = 1
-OWNER_MARK = "[owner:"
+MAX_NUMERICS_CHARS = 120  # a record's numerics text is shown in health maps and results: bounded
 
 
 class ServerState(enum.IntEnum):
@@ -50,6 +53,13 @@ class ServerRecord:
     cache_tokens_left: int = 0
     experts: list[str] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
+    # "exact" when the span computes in the checkpoint's dtype, unquantized; otherwise what differs (another
+    # dtype, int8 weights): clients route through it only when the user allows approximate servers.
+    numerics: str = "exact"
+
+    @property
+    def approximate(self) -> bool:
+        return self.numerics != "exact"
 
     def to_value(self) -> dict[str, Any]:
         value = dataclasses.asdict(self)
@@ -69,6 +79,7 @@ class ServerRecord:
                 end=int(value["end"]), throughput=float(value["throughput"]), public_name=value.get("public_name"),
                 version=str(value.get("version", "")), cache_tokens_left=int(value.get("cache_tokens_left", 0)),
                 experts=list(value.get("experts", [])), extra=dict(value.get("extra", {})),
+                numerics=str(value.get("numerics", "exact"))[:MAX_NUMERICS_CHARS],
             )
             if not 0 <= record.start < record.end or record.throughput < 0:
                 raise ValueError(f"bad span {record.start}:{record.end} or throughput {record.throughput}")
@@ -137,16 +148,16 @@ def expert_index_key(prefix: str) -> str:
 
 
 def owner_subkey(peer_id: PeerID | str, validator: RSASignatureValidator) -> bytes:
-    """The subkey a server writes under: its peer id plus its signature tag."""
+    """The subkey a server writes under: its peer id plus its signature tag.
+
+    Readers accept it only if the validator's key is that peer's libp2p identity (``swarm.dht.identity``).
+    """
     return str(peer_id).encode() + validator.local_public_key
 
 
 def peer_id_from_subkey(subkey: Any) -> Optional[str]:
-    if isinstance(subkey, bytes):
-        subkey = subkey.decode("utf-8", errors="replace")
-    if not isinstance(subkey, str):
-        return None
-    return subkey.split(OWNER_MARK, 1)[0] or None
+    """The peer id an entry speaks for if its owner key proves it, else None (unsigned, forged, malformed)."""
+    return owner_peer_id(subkey)
 
 
 async def _store(dht: DHT, node: DHTNode, keys: list[str], subkey: bytes, values: list, expiration: float) -> bool:
@@ -186,9 +197,8 @@ async def _get_many(dht: DHT, node: DHTNode, keys: list[str]) -> dict:
 
 def read_servers(dht: DHT, prefix: str, num_blocks: int) -> dict[str, ServerRecord]:
     """Every server announced for any block of the model, by peer id (its most complete record)."""
-    found = dht.run_coroutine(partial(_get_many, keys=[block_key(prefix, b) for b in range(num_blocks)]))
     servers: dict[str, ServerRecord] = {}
-    for _, peer_id, value in _records(found):
+    for _, peer_id, value in read_owned(dht, [block_key(prefix, b) for b in range(num_blocks)]):
         record = ServerRecord.from_value(peer_id, value)
         if record is not None and record.end <= num_blocks:
             servers.setdefault(peer_id, record)
@@ -196,19 +206,25 @@ def read_servers(dht: DHT, prefix: str, num_blocks: int) -> dict[str, ServerReco
 
 
 def _records(found: dict) -> Iterator[tuple[str, str, Any]]:
-    """(key, peer id, value) of every signed entry read by :func:`_get_many`."""
+    """(key, peer id, value) of every entry read by :func:`_get_many` whose owner key proves its peer id."""
     for key, subkeys in found.items():
         for subkey, value in subkeys.items():
             peer_id = peer_id_from_subkey(subkey)
             if peer_id:
                 yield key, peer_id, value
+            else:
+                logger.debug("ignoring an entry under %s whose subkey proves no peer id: %r", key, subkey)
+
+
+def read_owned(dht: DHT, keys: Iterable[str]) -> Iterator[tuple[str, str, Any]]:
+    """(key, peer id, value) of every entry under ``keys`` that its peer provably wrote."""
+    return _records(dht.run_coroutine(partial(_get_many, keys=list(keys))))
 
 
 def read_expert_records(dht: DHT, prefix: str, domain: str) -> dict[str, ExpertRecord]:
     """Every server announcing the expert ``domain``, by peer id (records for another domain are ignored)."""
-    found = dht.run_coroutine(partial(_get_many, keys=[expert_key(prefix, domain)]))
     records = {}
-    for _, peer_id, value in _records(found):
+    for _, peer_id, value in read_owned(dht, [expert_key(prefix, domain)]):
         record = ExpertRecord.from_value(peer_id, value)
         if record is not None and record.domain == domain:
             records[peer_id] = record
@@ -217,9 +233,8 @@ def read_expert_records(dht: DHT, prefix: str, domain: str) -> dict[str, ExpertR
 
 def read_expert_domains(dht: DHT, prefix: str) -> set[str]:
     """Expert domains listed under the index key by any server."""
-    found = dht.run_coroutine(partial(_get_many, keys=[expert_index_key(prefix)]))
     domains = set()
-    for _, _, value in _records(found):
+    for _, _, value in read_owned(dht, [expert_index_key(prefix)]):
         if isinstance(value, (list, tuple)):
             domains.update(d for d in value if isinstance(d, str) and d)
     return domains

@@ -20,7 +20,7 @@ class SwarmHalted(Halted):
     def __init__(self, decision: Decision, step: int):
         self.decision = decision
         super().__init__(step, decision.reason or "no reason given",
-                         {"signer": decision.signer, "signed_at": decision.timestamp})
+                         {"signer": decision.signer, "signed_at": decision.timestamp, "sequence": decision.sequence})
 
 
 class GovernanceGuard:

@@ -1,13 +1,13 @@
 """Ed25519 governance keys: the private key signs halt / resume records, public keys verify them."""
 from __future__ import annotations
 
-import base64
 import os
 from pathlib import Path
 
-from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+from swarm.dht.validation import ed25519_public_key, ed25519_text
 
 ENV_PUBLIC_KEYS = "SWARM_GOVERNANCE_KEYS"
 
@@ -34,9 +34,7 @@ def load_private_key(path: str | Path) -> Ed25519PrivateKey:
 
 def public_key_text(key: Ed25519PrivateKey | Ed25519PublicKey) -> str:
     """The public key as one base64 line: what operators publish and servers are configured with."""
-    public = key.public_key() if isinstance(key, Ed25519PrivateKey) else key
-    raw = public.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
-    return base64.b64encode(raw).decode()
+    return ed25519_text(key)
 
 
 def parse_public_key(text: str) -> Ed25519PublicKey:
@@ -45,18 +43,9 @@ def parse_public_key(text: str) -> Ed25519PublicKey:
     if candidate.is_file():
         text = candidate.read_text().strip()
     try:
-        raw = base64.b64decode(text.strip(), validate=True)
-        return Ed25519PublicKey.from_public_bytes(raw)
-    except (ValueError, TypeError) as error:
+        return ed25519_public_key(text)
+    except ValueError as error:
         raise ValueError(f"not an Ed25519 public key (base64) or a file holding one: {text[:60]!r}") from error
-
-
-def verify(public: Ed25519PublicKey, signature: bytes, payload: bytes) -> bool:
-    try:
-        public.verify(signature, payload)
-        return True
-    except InvalidSignature:
-        return False
 
 
 def public_keys_from_env() -> list[str]:

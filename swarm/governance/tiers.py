@@ -28,12 +28,13 @@ class TierPolicy:
 
     spot_check_fraction: float  # share of span computations re-executed on a second server
     trusted_only: bool  # only peers on the client's allow-list may serve it
+    require_verified: bool = False  # an unresolved spot check stops the generation instead of going on
 
 
 DEFAULT_POLICIES = {
     "public": TierPolicy(spot_check_fraction=0.0, trusted_only=False),
     "internal": TierPolicy(spot_check_fraction=0.25, trusted_only=False),
-    "restricted": TierPolicy(spot_check_fraction=1.0, trusted_only=True),
+    "restricted": TierPolicy(spot_check_fraction=1.0, trusted_only=True, require_verified=True),
 }
 
 

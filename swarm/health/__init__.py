@@ -1,6 +1,12 @@
 """Which servers serve which blocks of a model: the health map (``python -m swarm.health``)."""
 from swarm.health.map import (
-    ExpertAnnouncement, HealthMap, build_health_map, expert_key, format_spans, read_experts, read_health_map,
+    ExpertAnnouncement,
+    HealthMap,
+    build_health_map,
+    expert_key,
+    format_spans,
+    read_experts,
+    read_health_map,
 )
 
 __all__ = ["ExpertAnnouncement", "HealthMap", "build_health_map", "expert_key", "format_spans", "read_experts",

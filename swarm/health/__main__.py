@@ -55,11 +55,15 @@ def read_map(network: NetworkConfig, prefix: str, num_blocks: int) -> HealthMap:
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
 @network_options
-@click.option("--model", default=None, help="Embedded model name or checkpoint directory; gives the DHT prefix and block count. Default: the embedded 'default' model.")
-@click.option("--dht-prefix", default=None, help="DHT namespace of the model, as servers were started with (default: the model directory's name).")
-@click.option("--num-blocks", type=click.IntRange(min=1), default=None, help="Number of transformer blocks of the model (default: from the model's config).")
+@click.option("--model", default=None, help="Embedded model name or checkpoint directory; gives the DHT prefix and "
+              "block count. Default: the embedded 'default' model.")
+@click.option("--dht-prefix", default=None, help="DHT namespace of the model, as servers were started with "
+              "(default: the model directory's name).")
+@click.option("--num-blocks", type=click.IntRange(min=1), default=None,
+              help="Number of transformer blocks of the model (default: from the model's config).")
 @click.option("--json", "as_json", is_flag=True, help="Print the map as JSON instead of a table.")
-@click.option("--log-level", type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"]), default="WARNING", help="Logging verbosity.")
+@click.option("--log-level", type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"]), default="WARNING",
+              help="Logging verbosity.")
 def main(model: Optional[str], dht_prefix: Optional[str], num_blocks: Optional[int], as_json: bool, log_level: str,
          **options) -> None:
     """Show which servers serve which blocks of a model, and which blocks no online server holds."""

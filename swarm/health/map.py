@@ -13,9 +13,7 @@ from typing import Any, Iterable, Mapping
 
 from hivemind.dht import DHT
 
-from swarm.dht.schema import (
-    ServerRecord, ServerState, expert_key, peer_id_from_subkey, read_expert_domains, read_servers,
-)
+from swarm.dht.schema import ServerRecord, ServerState, expert_key, read_expert_domains, read_owned, read_servers
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +78,7 @@ def server_json(record: ServerRecord) -> dict[str, Any]:
         "peer_id": record.peer_id, "public_name": record.public_name, "start": record.start, "end": record.end,
         "state": record.state.name.lower(), "throughput": record.throughput, "version": record.version,
         "cache_tokens_left": record.cache_tokens_left, "experts": list(record.experts),
+        "numerics": record.numerics, "approximate": record.approximate,
     }
 
 
@@ -122,21 +121,16 @@ def build_health_map(
 def read_experts(dht: DHT, prefix: str, domains: Iterable[str]) -> dict[str, list[ExpertAnnouncement]]:
     """Peers announced under each expert domain key.
 
-    This is the hook for expert records: the DHT cannot list keys, so domains come from the ``experts``
-    field of server records and from the experts index (``swarm.dht.schema.read_expert_domains``). Values are kept raw; when the expert record schema lands, parse them here
-    (and show weights, versions, state) without touching the rest of the health map.
+    The DHT cannot list keys, so domains come from the ``experts`` field of server records and from the
+    experts index (``swarm.dht.schema.read_expert_domains``). Values are kept raw. Only entries whose owner
+    key proves their peer id are listed (``swarm.dht.schema.read_owned``): nobody can speak for another peer.
     """
     found: dict[str, list[ExpertAnnouncement]] = {}
     for domain in sorted(set(domains)):
-        entry = dht.get(expert_key(prefix, domain), latest=True)
-        if entry is None or not isinstance(entry.value, dict):
-            continue
-        announcements = []
-        for subkey, item in entry.value.items():
-            peer_id = peer_id_from_subkey(subkey)
-            if peer_id:
-                announcements.append(ExpertAnnouncement(domain, peer_id, getattr(item, "value", item)))
-        found[domain] = sorted(announcements, key=lambda a: a.peer_id)
+        announcements = [ExpertAnnouncement(domain, peer_id, value)
+                         for _, peer_id, value in read_owned(dht, [expert_key(prefix, domain)])]
+        if announcements:
+            found[domain] = sorted(announcements, key=lambda a: a.peer_id)
     return found
 
 

@@ -21,10 +21,10 @@ def render_text(health: HealthMap) -> str:
     if health.servers:
         rows = [
             (f"{r.start}:{r.end}", r.state.name.lower(), f"{r.throughput:.1f}", r.version or "?",
-             r.public_name or "-", r.peer_id)
+             r.public_name or "-", "exact" if not r.approximate else f"APPROXIMATE ({r.numerics})", r.peer_id)
             for r in health.servers
         ]
-        lines += format_table(("BLOCKS", "STATE", "TOK/S", "VERSION", "NAME", "PEER ID"), rows)
+        lines += format_table(("BLOCKS", "STATE", "TOK/S", "VERSION", "NAME", "NUMERICS", "PEER ID"), rows)
     else:
         lines.append("No server has announced any block of this model (check --initial-peers and the prefix).")
     lines.append("")

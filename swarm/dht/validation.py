@@ -1,0 +1,186 @@
+"""DHT record validators that every swarm process runs, so honest peers never store a record nobody can vouch for.
+
+Two kinds of protected subkeys (hivemind validates only the subkey and the value: the key is a hash):
+
+* ``{peer id}[owner:ssh-rsa ...]``: a record that speaks for a peer. hivemind's ``RSASignatureValidator``
+  checks that the owner key signed it; :class:`OwnerBindingValidator` checks that the owner key *is* that
+  peer's libp2p identity (the peer id derives from it). Readers apply the same rule (:func:`owner_peer_id`).
+* ``[ed25519:BASE64]``: a signed slot, one per Ed25519 key (governance decisions). :class:`SignedSlotValidator`
+  accepts a write only with a signature by that key over the DHT key, the payload and the expiration time, so
+  nobody can squat the slot with junk or replay a signed value with a later expiration.
+
+Subkeys without either tag are left alone (hivemind's own features use plain subkeys); the swarm's readers
+ignore them.
+"""
+from __future__ import annotations
+
+import base64
+import binascii
+import logging
+import re
+from typing import Any, Optional
+
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.routing import DHTID
+from hivemind.dht.validation import DHTRecord, RecordValidatorBase
+from hivemind.utils import MSGPackSerializer
+
+from swarm.dht.identity import peer_id_from_owner_key
+
+logger = logging.getLogger(__name__)
+
+OWNER_MARK = "[owner:"
+SLOT_MARK = "[ed25519:"
+_OWNED_SUBKEY = re.compile(rb"([1-9A-HJ-NP-Za-km-z]+)\[owner:(ssh-rsa [A-Za-z0-9+/=]+)\]")
+_SLOT_SUBKEY = re.compile(r"\[ed25519:([A-Za-z0-9+/=]{44})\]")
+_SLOT_DOMAIN = b"swarm-signed-slot-v1"
+MAX_SLOT_PAYLOAD = 16 * 1024
+
+
+def subkey_bytes(subkey: Any) -> Optional[bytes]:
+    """A subkey as bytes (servers write bytes, hivemind may hand back str); None for other types."""
+    if isinstance(subkey, bytes):
+        return subkey
+    if isinstance(subkey, str):
+        return subkey.encode("utf-8", errors="replace")
+    return None
+
+
+def owner_peer_id(subkey: Any) -> Optional[str]:
+    """The peer id a subkey speaks for, if its owner key proves it; None for anything else.
+
+    Only ``{peer id}[owner:KEY]`` exactly, where KEY is an RSA key whose libp2p peer id is that peer id: an
+    untagged subkey, another peer's id in front of one's own key, or a malformed tag all give None.
+    """
+    raw = subkey_bytes(subkey)
+    match = _OWNED_SUBKEY.fullmatch(raw) if raw is not None else None
+    if match is None:
+        return None
+    claimed = match.group(1).decode()
+    return claimed if peer_id_from_owner_key(match.group(2)) == claimed else None
+
+
+def _load_subkey(record: DHTRecord) -> Any:
+    try:
+        return MSGPackSerializer.loads(record.subkey)
+    except Exception:  # any bytes can arrive from the network; msgpack raises many types
+        return None
+
+
+class OwnerBindingValidator(RecordValidatorBase):
+    """Refuses ``{peer id}[owner:KEY]`` subkeys whose KEY does not derive that peer id.
+
+    An owner tag with nothing before it (hivemind's own protected records) is left to the signature check.
+    """
+
+    def validate(self, record: DHTRecord) -> bool:
+        if OWNER_MARK.encode() not in record.subkey:
+            return True
+        raw = subkey_bytes(_load_subkey(record))
+        if raw is None:
+            return False
+        if raw.startswith(OWNER_MARK.encode()):
+            return True
+        if owner_peer_id(raw) is None:
+            logger.debug("refusing a record whose owner key does not prove its peer id: %r", raw[:80])
+            return False
+        return True
+
+    @property
+    def priority(self) -> int:
+        return 5  # after the signature check (10): a forged signature is refused first
+
+    def merge_with(self, other: RecordValidatorBase) -> bool:
+        return isinstance(other, OwnerBindingValidator)  # one instance is enough
+
+
+# ----- signed slots ------------------------------------------------------------------------------------
+def ed25519_public_key(text: str) -> Ed25519PublicKey:
+    """An Ed25519 public key from its base64 text (32 raw bytes); ValueError otherwise."""
+    try:
+        return Ed25519PublicKey.from_public_bytes(base64.b64decode(text.strip(), validate=True))
+    except (ValueError, TypeError, binascii.Error) as error:
+        raise ValueError(f"not an Ed25519 public key (base64): {text[:60]!r}") from error
+
+
+def ed25519_text(key: Ed25519PrivateKey | Ed25519PublicKey) -> str:
+    public = key.public_key() if isinstance(key, Ed25519PrivateKey) else key
+    return base64.b64encode(public.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)).decode()
+
+
+def slot_subkey(key: Ed25519PrivateKey | Ed25519PublicKey) -> str:
+    """The one subkey an Ed25519 key may write under."""
+    return f"{SLOT_MARK}{ed25519_text(key)}]"
+
+
+def slot_signer(subkey: Any) -> Optional[str]:
+    """The base64 key a slot subkey names, or None if it is not a slot subkey."""
+    raw = subkey_bytes(subkey)
+    match = _SLOT_SUBKEY.fullmatch(raw.decode("utf-8", errors="replace")) if raw is not None else None
+    return match.group(1) if match else None
+
+
+def _signed_bytes(key_id: bytes, payload: bytes, expiration: float) -> bytes:
+    return MSGPackSerializer.dumps([_SLOT_DOMAIN, key_id, payload, float(expiration)])
+
+
+def dht_key_id(key: Any) -> bytes:
+    """What hivemind validators see as a record's key: the hash of the DHT key."""
+    return DHTID.generate(source=key).to_bytes()
+
+
+def sign_slot(key: Ed25519PrivateKey, dht_key: Any, payload: bytes, expiration: float) -> dict[str, bytes]:
+    """The value to store under ``slot_subkey(key)`` at ``dht_key`` with exactly this ``expiration``."""
+    if len(payload) > MAX_SLOT_PAYLOAD:
+        raise ValueError(f"slot payload of {len(payload)} bytes exceeds {MAX_SLOT_PAYLOAD}")
+    if RSASignatureValidator.SIGNATURE_FORMAT.split(b"_value_")[0] in payload:
+        raise ValueError("the payload must not contain '[signature:' (hivemind strips it from stored values)")
+    return {"payload": payload, "signature": key.sign(_signed_bytes(dht_key_id(dht_key), payload, expiration))}
+
+
+def verify_slot(key_id: bytes, subkey: Any, value: Any, expiration: float) -> bytes:
+    """The payload of a signed slot value; ValueError saying why if the signature does not hold."""
+    signer = slot_signer(subkey)
+    if signer is None:
+        raise ValueError("not a signed-slot subkey")
+    if not isinstance(value, dict) or not isinstance(value.get("payload"), bytes) \
+            or not isinstance(value.get("signature"), bytes):
+        raise ValueError("a signed slot holds {'payload': bytes, 'signature': bytes}")
+    payload = value["payload"]
+    if len(payload) > MAX_SLOT_PAYLOAD:
+        raise ValueError(f"payload of {len(payload)} bytes exceeds {MAX_SLOT_PAYLOAD}")
+    try:
+        ed25519_public_key(signer).verify(value["signature"], _signed_bytes(key_id, payload, expiration))
+    except InvalidSignature:
+        raise ValueError("the signature does not match the slot's key, payload and expiration") from None
+    return payload
+
+
+class SignedSlotValidator(RecordValidatorBase):
+    """Refuses a write under ``[ed25519:KEY]`` unless KEY signed this key, payload and expiration time."""
+
+    def validate(self, record: DHTRecord) -> bool:
+        if SLOT_MARK.encode() not in record.subkey:
+            return True
+        try:
+            value = MSGPackSerializer.loads(record.value)
+            verify_slot(record.key, _load_subkey(record), value, record.expiration_time)
+            return True
+        except Exception as error:  # junk from the network: any parse error means "refuse"
+            logger.debug("refusing a signed-slot record: %s", error)
+            return False
+
+    @property
+    def priority(self) -> int:
+        return 5
+
+    def merge_with(self, other: RecordValidatorBase) -> bool:
+        return isinstance(other, SignedSlotValidator)
+
+
+def swarm_validators() -> list[RecordValidatorBase]:
+    """The validators every swarm process registers (with hivemind's ``RSASignatureValidator``)."""
+    return [OwnerBindingValidator(), SignedSlotValidator()]

@@ -1,0 +1,297 @@
+"""Attacks on the DHT records by a peer with no keys, replayed against the live local swarm (issue 16, items 1-2).
+
+The attacker runs a plain hivemind DHT peer with only hivemind's stock ``RSASignatureValidator`` (what every
+peer ran before): it keeps whatever it forges in its own storage and pushes it to every honest peer. Each test
+shows the attack is real (the old reader would have believed it, or the write would have landed), then that
+honest peers refuse it at storage where they can, that readers ignore it when they meet it on the attacker's
+own peer, and that clients, the health map and the operator's commands still work.
+"""
+from __future__ import annotations
+
+from functools import partial
+
+import pytest
+from click.testing import CliRunner
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from hivemind.dht import DHT, DHTNode
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.routing import DHTID
+from hivemind.dht.validation import DHTRecord
+from hivemind.p2p import PeerID
+from hivemind.proto import crypto_pb2
+from hivemind.utils import MSGPackSerializer
+from hivemind.utils.crypto import RSAPrivateKey
+
+from swarm.client import DistributedDiffusionLM
+from swarm.dht.compatibility import CompatibilityTag
+from swarm.dht.identity import Identity
+from swarm.dht.node import NetworkConfig, start_dht, stop_dht
+from swarm.dht.schema import (
+    ExpertRecord,
+    ServerRecord,
+    ServerState,
+    block_key,
+    declare_experts,
+    default_prefix,
+    expert_index_key,
+    expert_key,
+    now,
+    read_expert_domains,
+    read_expert_records,
+    read_servers,
+)
+from swarm.dht.validation import OwnerBindingValidator, SignedSlotValidator, owner_peer_id
+from swarm.governance.__main__ import main as governance_cli
+from swarm.governance.guard import GovernanceGuard
+from swarm.governance.keys import generate_private_key, public_key_text
+from swarm.governance.records import HALT, RESUME, governance_key, governance_subkey, sign_decision
+from swarm.health import read_health_map
+
+SETTINGS = dict(gen_length=16, steps=16, block_length=8, seed=2)
+FORTY_DAYS = 40 * 24 * 3600.0
+
+
+def legacy_peer_id(subkey: bytes) -> str:
+    """How readers took the peer id from a subkey before this fix (kept to show each attack was real)."""
+    return subkey.decode("utf-8", errors="replace").split("[owner:", 1)[0]
+
+
+# ----- the attacker's tools (run inside its DHT process) -----------------------------------------------
+def _record(node: DHTNode, key: str, subkey, value, expiration: float) -> bytes:
+    """The value bytes a peer sends: serialised and, if the attacker's key is in the subkey, signed by it."""
+    record = DHTRecord(DHTID.generate(source=key).to_bytes(), MSGPackSerializer.dumps(subkey),
+                       MSGPackSerializer.dumps(value), expiration)
+    return node.protocol.record_validator.sign_value(record)
+
+
+async def _forge(dht: DHT, node: DHTNode, key: str, subkey, value, expiration: float, peers: list[str],
+                 raw: bool = False) -> list:
+    """Keep the record in the attacker's own storage and push it to each peer; each peer's answer."""
+    value_bytes = value if raw else _record(node, key, subkey, value, expiration)
+    node.protocol.storage.store_subkey(DHTID.generate(source=key), subkey, value_bytes, expiration)
+    answers = []
+    for peer in peers:
+        for _ in range(3):  # None: no answer in time (busy cores); ask again
+            answer = await node.protocol.call_store(PeerID.from_base58(peer), [DHTID.generate(source=key)],
+                                                    [value_bytes], expiration, subkeys=[subkey])
+            if answer is not None:
+                break
+        answers.append(answer[0] if answer else None)
+    return answers
+
+
+async def _held_by(dht: DHT, node: DHTNode, peer: str, key: str) -> dict:
+    """{subkey: (signed value bytes, expiration)} that ``peer`` holds under ``key``."""
+    found = await node.protocol.call_find(PeerID.from_base58(peer), [DHTID.generate(source=key)])
+    entry = found[DHTID.generate(source=key)][0] if found else None
+    if entry is None or not hasattr(entry.value, "items"):
+        return {}
+    return {subkey: (item.value, item.expiration_time) for subkey, item in entry.value.items()}
+
+
+def forge(attacker: DHT, key: str, subkey, value, expiration: float, peers: list[str], raw: bool = False) -> list:
+    return attacker.run_coroutine(partial(_forge, key=key, subkey=subkey, value=value, expiration=expiration,
+                                          peers=peers, raw=raw))
+
+
+def held_by(attacker: DHT, peer: str, key: str) -> dict:
+    return attacker.run_coroutine(partial(_held_by, peer=peer, key=key))
+
+
+# ----- fixtures -----------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def attacker(local_swarm):
+    dht = DHT(initial_peers=local_swarm.initial_peers, start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+              record_validators=[RSASignatureValidator()])
+    yield dht
+    stop_dht(dht)
+
+
+@pytest.fixture(scope="module")
+def client(local_swarm, tiny_model_path):
+    """A client that re-reads the server list before every generation, as a new client would."""
+    with DistributedDiffusionLM.from_pretrained(tiny_model_path, initial_peers=local_swarm.initial_peers,
+                                                route_refresh=0.0, request_timeout=20) as lm:
+        yield lm
+
+
+def honest_peers(local_swarm) -> list[str]:
+    return [p.peer_id for p in local_swarm.processes if p.alive and p.peer_id]
+
+
+def victim_of(local_swarm):
+    """The only server of block 0: lose it and no client can route."""
+    return next(p for p in local_swarm.processes if p.alive and p.span == (0, 2))
+
+
+def assert_swarm_unharmed(local_swarm, attacker, client, local_lm, prefix: str, victim) -> None:
+    """Clients route with the same tokens as one process; the health map and every reader see the victim."""
+    remote = client.generate("still routed", **SETTINGS)
+    assert remote.token_ids == local_lm.generate("still routed", **SETTINGS).token_ids
+    health = read_health_map(client.dht, prefix, 4)
+    listed = {record.peer_id: record for record in health.servers}
+    assert health.fully_served and listed[victim.peer_id].state == ServerState.ONLINE
+    assert set(listed) <= {p.peer_id for p in local_swarm.processes}, "a record for a peer that does not exist"
+    for reader in (client.dht, attacker):  # the attacker's own peer holds the forgery: the reader must drop it
+        assert read_servers(reader, prefix, 4)[victim.peer_id].state == ServerState.ONLINE
+
+
+# ----- server records -----------------------------------------------------------------------------------
+def test_unsigned_offline_record_under_a_victims_peer_id_is_ignored(local_swarm, attacker, client, local_lm,
+                                                                    tiny_model_path):
+    prefix, victim = default_prefix(tiny_model_path), victim_of(local_swarm)
+    forged = ServerRecord(victim.peer_id, ServerState.OFFLINE, 0, 2, 1.0).to_value()
+    subkey = victim.peer_id.encode()
+    for block in (0, 1):  # the issue's attack, verbatim, then pushed to every honest peer
+        attacker.store(block_key(prefix, block), forged, now() + 600, subkey=subkey)
+        answers = forge(attacker, block_key(prefix, block), subkey, forged, now() + 600, honest_peers(local_swarm))
+        # Peers keep plain subkeys (hivemind's own features use them); the old reader took them for the victim.
+        assert all(answers) and legacy_peer_id(subkey) == victim.peer_id
+    assert owner_peer_id(subkey) is None
+    assert_swarm_unharmed(local_swarm, attacker, client, local_lm, prefix, victim)
+
+
+def test_record_signed_by_another_key_under_a_victims_peer_id_is_refused(local_swarm, attacker, client, local_lm,
+                                                                         tiny_model_path):
+    prefix, victim = default_prefix(tiny_model_path), victim_of(local_swarm)
+    forged = ServerRecord(victim.peer_id, ServerState.OFFLINE, 0, 2, 1.0).to_value()
+    own_key = RSASignatureValidator().local_public_key  # the attacker's process-wide key: the one its DHT signs with
+    subkey = victim.peer_id.encode() + own_key
+    attacker.store(block_key(prefix, 0), forged, now() + 600, subkey=subkey)
+    answers = forge(attacker, block_key(prefix, 0), subkey, forged, now() + 600, honest_peers(local_swarm))
+    # hivemind's signature check alone passes it (the attacker did sign it) and the old reader named the victim;
+    # the owner key does not derive the victim's peer id, so every honest peer refuses it.
+    assert legacy_peer_id(subkey) == victim.peer_id and owner_peer_id(subkey) is None
+    assert answers == [False] * len(answers)
+    for peer in honest_peers(local_swarm):
+        assert subkey not in held_by(attacker, peer, block_key(prefix, 0))
+    assert_swarm_unharmed(local_swarm, attacker, client, local_lm, prefix, victim)
+
+
+def test_replayed_server_record_is_refused(local_swarm, attacker, client, local_lm, tiny_model_path):
+    """The victim's own signed record, replayed with a later expiration or under another block: refused."""
+    prefix, victim = default_prefix(tiny_model_path), victim_of(local_swarm)
+    held = {}
+    for peer in honest_peers(local_swarm):
+        held.update(held_by(attacker, peer, block_key(prefix, 0)))
+    subkey = next(s for s in held if owner_peer_id(s) == victim.peer_id)
+    value, expiration = held[subkey]
+    peers = honest_peers(local_swarm)
+    refused = [False] * len(peers)
+    assert forge(attacker, block_key(prefix, 0), subkey, value, expiration + 3600, peers, raw=True) == refused
+    assert forge(attacker, block_key(prefix, 3), subkey, value, expiration, peers, raw=True) == refused
+    assert_swarm_unharmed(local_swarm, attacker, client, local_lm, prefix, victim)
+
+
+def test_validators_refuse_forged_subkeys_without_a_network():
+    identity = Identity.load_or_create(None)
+    try:
+        other = RSASignatureValidator(RSAPrivateKey())
+        record = partial(DHTRecord, DHTID.generate(source="m.0").to_bytes(), value=b"\x80", expiration_time=1e10)
+        check = OwnerBindingValidator().validate
+        assert check(record(MSGPackSerializer.dumps(identity.owner_subkey())))
+        assert not check(record(MSGPackSerializer.dumps(identity.peer_id.encode() + other.local_public_key)))
+        assert not check(record(MSGPackSerializer.dumps(identity.owner_subkey() + b"x")))
+        assert check(record(MSGPackSerializer.dumps(other.local_public_key))), "hivemind-style owner-only subkey"
+        assert check(record(MSGPackSerializer.dumps(b"plain"))) and check(record(MSGPackSerializer.dumps(7)))
+        assert not SignedSlotValidator().validate(record(MSGPackSerializer.dumps("[ed25519:junk]")))
+    finally:
+        identity.remove()
+    assert not identity.path.exists()
+
+
+# ----- expert records -----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def expert_announcer(local_swarm):
+    """An honest peer announcing an expert the way servers do: its identity signs the records."""
+    identity = Identity.load_or_create(None)
+    dht = start_dht(NetworkConfig(initial_peers=local_swarm.initial_peers), identity=identity)
+    record = ExpertRecord(identity.peer_id, "guarded", ServerState.ONLINE, CompatibilityTag("byte-v1", 260, 259), 5.0)
+    assert declare_experts(dht, "security", [record], identity.owner_subkey(), now() + 600)
+    yield identity.peer_id
+    stop_dht(dht)
+
+
+def test_forged_expert_records_and_index_are_ignored(local_swarm, attacker, client, expert_announcer):
+    victim, peers = expert_announcer, honest_peers(local_swarm)
+    offline = ExpertRecord(victim, "guarded", ServerState.OFFLINE, CompatibilityTag("byte-v1", 260, 259), 1.0)
+    for subkey, refused in ((victim.encode(), False), (victim.encode() + RSASignatureValidator().local_public_key,
+                                                       True)):
+        answers = forge(attacker, expert_key("security", "guarded"), subkey, offline.to_value(), now() + 600, peers)
+        answers += forge(attacker, expert_index_key("security"), subkey, ["evil"], now() + 600, peers)
+        assert legacy_peer_id(subkey) == victim and answers == [not refused] * len(answers)
+    for reader in (client.dht, attacker):
+        records = read_expert_records(reader, "security", "guarded")
+        assert set(records) == {victim} and records[victim].state == ServerState.ONLINE
+        assert read_expert_domains(reader, "security") == {"guarded"}
+        announced = read_health_map(reader, "security", 1).experts
+        assert [a.peer_id for a in announced["guarded"]] == [victim] and "evil" not in announced
+
+
+# ----- governance -------------------------------------------------------------------------------------
+def run_cli(*args: str) -> str:
+    result = CliRunner().invoke(governance_cli, list(args), catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+def test_junk_and_replays_cannot_bring_back_a_halt_and_resume_succeeds(local_swarm, attacker, client, local_lm,
+                                                                        tiny_model_path, tmp_path):
+    prefix, peers = default_prefix(tiny_model_path), honest_peers(local_swarm)
+    key = generate_private_key(tmp_path / "gov.key")
+    public, slot, gov_key = public_key_text(key), governance_subkey(key), governance_key(prefix)
+    network = [arg for peer in local_swarm.initial_peers for arg in ("--initial-peers", peer)]
+    operator = ["--key", str(tmp_path / "gov.key"), "--dht-prefix", prefix, *network]
+    assert "halt #" in run_cli("halt", *operator, "--reason", "incident")
+    guard = GovernanceGuard(client.dht, prefix, [public])
+    assert guard.current(force=True).halted
+    old_halt = {}
+    for peer in peers:
+        old_halt.update(held_by(attacker, peer, gov_key))
+    halt_bytes, halt_expiration = old_halt[slot]
+
+    # The issue's attack: junk in the old resume slot. Peers still store it (a plain subkey); readers never look.
+    assert attacker.store(gov_key, {"junk": 1}, now() + FORTY_DAYS, subkey=f"{public}|resume")
+    # Junk in the real slot, and the old halt replayed with a later expiration: every honest peer refuses both.
+    assert forge(attacker, gov_key, slot, {"junk": 1}, now() + FORTY_DAYS, peers) == [False] * len(peers)
+    assert forge(attacker, gov_key, slot, halt_bytes, halt_expiration + FORTY_DAYS, peers, raw=True) == \
+        [False] * len(peers)
+    # A stranger's halt in its own slot, with an enormous sequence, is stored but trusted by nobody.
+    stranger, expiration = Ed25519PrivateKey.generate(), now() + 600
+    halt = sign_decision(stranger, prefix, HALT, "not yours", 2**62, expiration)
+    assert attacker.store(gov_key, halt, expiration, subkey=governance_subkey(stranger))
+
+    assert "resume #" in run_cli("resume", *operator, "--reason", "fixed")
+    for reader in (client.dht, attacker):  # the attacker's peer still holds the replayed halt: ignored
+        fresh = GovernanceGuard(reader, prefix, [public])
+        decision = fresh.current(force=True)
+        assert decision is None or decision.action == RESUME
+    decision = GovernanceGuard(client.dht, prefix, [public]).current(force=True)
+    assert decision.action == RESUME and decision.sequence > guard.state.current.sequence
+    assert guard.current(force=True).action == RESUME
+    status = CliRunner().invoke(governance_cli, ["status", "--governance-key", public, "--dht-prefix", prefix,
+                                                 *network])
+    assert status.exit_code == 0 and "running: last resume" in status.output
+    with DistributedDiffusionLM.from_pretrained(tiny_model_path, initial_peers=local_swarm.initial_peers,
+                                                governance_keys=(public,)) as governed:
+        result = governed.generate("resumed", **SETTINGS)
+    assert result.finish_reason != "halted"
+    assert result.token_ids == local_lm.generate("resumed", **SETTINGS).token_ids
+
+
+def test_identity_file_is_the_servers_signing_key(tmp_path):
+    """``--identity-path``: the same peer id every start, proven by the records; only temporary ones are removed."""
+    path = tmp_path / "server.id"
+    first, again = Identity.load_or_create(path), Identity.load_or_create(path)
+    assert first.fresh and not again.fresh and not again.temporary and first.peer_id == again.peer_id
+    assert owner_peer_id(again.owner_subkey()) == first.peer_id
+    again.remove()
+    assert path.exists(), "a persistent identity is the operator's file"
+    temporary = Identity.load_or_create(None)
+    assert temporary.temporary and temporary.path.exists()
+    temporary.remove()
+    assert not temporary.path.parent.exists()
+    ed25519 = tmp_path / "ed25519.id"
+    ed25519.write_bytes(crypto_pb2.PrivateKey(key_type=crypto_pb2.Ed25519, data=b"x" * 64).SerializeToString())
+    with pytest.raises(ValueError, match="RSA identity"):
+        Identity.load_or_create(ed25519)

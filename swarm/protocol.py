@@ -10,22 +10,43 @@ may not be, so it comes back as a stream of parts counted the same way.
 """
 from __future__ import annotations
 
+import asyncio
 import enum
+import logging
+import math
+import time
+from contextlib import closing
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Optional
+from typing import Any, AsyncIterator, Callable, Optional
 
 import torch
-from hivemind.p2p import P2PContext, ServicerBase
+from google.protobuf.message import DecodeError, Message
 from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.p2p import P2P, P2PContext, ServicerBase
+from hivemind.p2p.p2p_daemon_bindings.datastructures import StreamInfo
 from hivemind.proto import runtime_pb2
+from hivemind.proto.p2pd_pb2 import RPCError
 from hivemind.utils import MSGPackSerializer
 from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
+
+logger = logging.getLogger(__name__)
 
 # Unary messages are capped near 2-4 MiB by the daemon; stay well below.
 MAX_UNARY_BYTES = 1024 * 1024
 STREAM_CHUNK_BYTES = 512 * 1024
+MAX_METADATA_BYTES = 64 * 1024  # msgpack of a request or answer: a push route of 64 hops is about 5 KiB
+MAX_STREAM_MESSAGE_BYTES = 2 * MAX_UNARY_BYTES  # one message of a stream: a chunk and its metadata, with room
+# After refusing a stream early, a server reads and discards what the caller still sends, so that the caller
+# hears the refusal instead of a broken pipe; within these bounds, else it closes the stream.
+DRAIN_BYTES = 128 * 2**20
+DRAIN_SECONDS = 10.0
+MAX_DRAINING = 64  # streams drained at once in a process
+MAX_OPEN_STREAMS = 256  # request streams served at once in a process: each may hold one message being read
 
-WIRE_DTYPES = {"float32": torch.float32, "float16": torch.float16}
+WIRE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+AUTO_WIRE = "auto"  # hidden states travel in the dtype they were computed in: lossless, and half the bytes for
+# bfloat16 models. "float16" (from float32) halves the bytes too but is not exact; "float32" is the old default.
+WIRE_CHOICES = (AUTO_WIRE, *WIRE_DTYPES)
 
 
 class ErrorCode(str, enum.Enum):
@@ -83,9 +104,26 @@ def expert_request_message(request: ExpertRequest) -> runtime_pb2.ExpertRequest:
     return runtime_pb2.ExpertRequest(uid="expert", tensors=[tensor], metadata=MSGPackSerializer.dumps(metadata))
 
 
-def encode_tensor(tensor: torch.Tensor, wire_dtype: str = "float32") -> runtime_pb2.Tensor:
-    compression = runtime_pb2.CompressionType.FLOAT16 if wire_dtype == "float16" else runtime_pb2.CompressionType.NONE
-    return serialize_torch_tensor(tensor.detach().float(), compression)
+def wire_torch_dtype(wire_dtype: str, computed: torch.dtype = torch.float32) -> torch.dtype:
+    """The dtype a tensor computed in ``computed`` travels in: ``computed`` itself for ``auto`` (lossless)."""
+    if wire_dtype == AUTO_WIRE:
+        return computed if computed in WIRE_DTYPES.values() else torch.float32
+    if wire_dtype not in WIRE_DTYPES:
+        raise ValueError(f"unknown wire dtype {wire_dtype!r}; choose one of {', '.join(WIRE_CHOICES)}")
+    return WIRE_DTYPES[wire_dtype]
+
+
+def encode_tensor(tensor: torch.Tensor, wire_dtype: str = AUTO_WIRE) -> runtime_pb2.Tensor:
+    """Serialize in the wire dtype. bfloat16 is sent as its own 2 bytes (hivemind's default widens it to float32
+    unless ``USE_LEGACY_BFLOAT16=0``; its decoder reads both)."""
+    dtype = wire_torch_dtype(wire_dtype, tensor.dtype)
+    tensor = tensor.detach().cpu()
+    if dtype == torch.bfloat16:
+        raw = tensor.to(torch.bfloat16).contiguous().view(torch.int16)
+        return runtime_pb2.Tensor(compression=runtime_pb2.CompressionType.NONE, buffer=raw.numpy().tobytes(),
+                                  size=tensor.shape, dtype="bfloat16", requires_grad=False)
+    compression = runtime_pb2.CompressionType.FLOAT16 if dtype == torch.float16 else runtime_pb2.CompressionType.NONE
+    return serialize_torch_tensor(tensor.float(), compression)
 
 
 def wire_chunks(tensor: runtime_pb2.Tensor) -> list[runtime_pb2.Tensor]:
@@ -95,7 +133,7 @@ def wire_chunks(tensor: runtime_pb2.Tensor) -> list[runtime_pb2.Tensor]:
     return list(split_for_streaming(tensor, STREAM_CHUNK_BYTES))
 
 
-def request_parts(request: ForwardRequest, wire_dtype: str = "float32") -> list[runtime_pb2.ExpertRequest]:
+def request_parts(request: ForwardRequest, wire_dtype: str = AUTO_WIRE) -> list[runtime_pb2.ExpertRequest]:
     """One part when small, else stream parts; the first part's metadata says how many follow."""
     tensor = encode_tensor(request.hidden, wire_dtype)
     metadata = {"start": request.start, "end": request.end, "session_id": request.session_id,
@@ -107,11 +145,34 @@ def request_parts(request: ForwardRequest, wire_dtype: str = "float32") -> list[
     return parts
 
 
+def tensor_wire_bytes(shape: tuple[int, ...], wire_dtype: str = AUTO_WIRE,
+                      computed: torch.dtype = torch.float32) -> int:
+    """The exact ``ByteSize()`` of :func:`encode_tensor` for a tensor of ``shape`` computed in ``computed``,
+    without encoding one: a server compares it with the unary limit before computing an answer that could not
+    be sent."""
+    template = encode_tensor(torch.zeros(1, dtype=computed), wire_dtype)
+    buffer = math.prod(shape) * len(template.buffer)
+    del template.size[:]
+    template.size.extend(shape)
+    template.buffer = b""
+    return template.ByteSize() + (1 + _varint_bytes(buffer) + buffer if buffer else 0)
+
+
+def _varint_bytes(value: int) -> int:
+    return max(1, (value.bit_length() + 6) // 7)
+
+
 def parse_metadata(raw: bytes) -> dict[str, Any]:
+    if len(raw) > MAX_METADATA_BYTES:
+        raise RemoteError(ErrorCode.TOO_LARGE,
+                          f"metadata of {len(raw)} bytes is over the limit of {MAX_METADATA_BYTES}")
     try:
         metadata = MSGPackSerializer.loads(raw) if raw else {}
-    except Exception as error:  # msgpack raises several unrelated types on garbage
-        raise RemoteError(ErrorCode.BAD_REQUEST, f"metadata is not valid msgpack: {error}") from None
+    except Exception as error:  # msgpack raises several unrelated types on garbage, some with no message
+        detail = str(error) or (type(error).__doc__ or "").strip().split("\n")[0]
+        reason = f"{type(error).__name__}: {detail}" if detail else type(error).__name__
+        raise RemoteError(ErrorCode.BAD_REQUEST, f"metadata is not valid msgpack ({reason}; {len(raw)} bytes "
+                          f"starting {raw[:8].hex()})") from None
     if not isinstance(metadata, dict):
         raise RemoteError(ErrorCode.BAD_REQUEST, "metadata must be a map")
     return metadata
@@ -133,7 +194,8 @@ def decode_tensor(proto: runtime_pb2.Tensor) -> torch.Tensor:
         raise RemoteError(ErrorCode.BAD_REQUEST, f"cannot decode tensor: {error}") from None
 
 
-def response_parts(hidden: torch.Tensor, wire_dtype: str, metadata: Optional[dict] = None) -> list[runtime_pb2.ExpertResponse]:
+def response_parts(hidden: torch.Tensor, wire_dtype: str,
+                   metadata: Optional[dict] = None) -> list[runtime_pb2.ExpertResponse]:
     chunks = wire_chunks(encode_tensor(hidden, wire_dtype))
     meta = dict(metadata or {}, parts=len(chunks))
     parts = [runtime_pb2.ExpertResponse(tensors=[chunks[0]], metadata=MSGPackSerializer.dumps(meta))]
@@ -172,22 +234,171 @@ def check_error(metadata: dict[str, Any], peer_id: Optional[str] = None) -> None
         raise RemoteError(error.get("code", "internal"), str(error.get("message", "unknown error")), peer_id)
 
 
-def collect_response(parts: list[runtime_pb2.ExpertResponse], peer_id: Optional[str] = None) -> tuple[torch.Tensor, dict]:
+def collect_response(parts: list[runtime_pb2.ExpertResponse],
+                     peer_id: Optional[str] = None) -> tuple[torch.Tensor, dict]:
     metadata = response_metadata(parts, peer_id)
     tensors = [t for part in parts for t in part.tensors]
     return decode_tensor(join_parts(tensors, metadata.get("parts"), peer_id)), metadata
 
 
+class BoundedStream:
+    """The request messages of one stream, read when the handler asks for them (nothing is prefetched), each
+    refused unread when its length prefix is over ``max_bytes``.
+
+    hivemind's own stream handler reads a message of whatever length its prefix declares into memory, and
+    prefetches several, so one forged prefix could make a server hold gigabytes."""
+
+    open = 0  # streams being served in this process
+    draining = 0  # ... and being drained (see :meth:`drain`)
+
+    def __init__(self, reader: asyncio.StreamReader, message_type: type[Message], max_bytes: int):
+        self.reader, self.message_type, self.max_bytes = reader, message_type, max_bytes
+        self.ended = False  # the end-of-stream message was read (or the stream was cut)
+        self.unread = 0  # bytes of a refused message still in the stream
+
+    def __aiter__(self) -> "BoundedStream":
+        return self
+
+    async def __anext__(self) -> Message:
+        message = await self.next()
+        if message is None:
+            raise StopAsyncIteration
+        return message
+
+    async def single(self) -> Message:
+        message = await self.next()
+        if message is None:
+            raise RemoteError(ErrorCode.BAD_REQUEST, "the request stream is empty")
+        return message
+
+    async def next(self) -> Optional[Message]:
+        """The next message, or None at the end of the stream; :class:`RemoteError` for a bad or cut one."""
+        if self.ended:
+            return None
+        marker, length = await self._header()
+        if length > self.max_bytes:
+            self.unread = length
+            raise RemoteError(ErrorCode.TOO_LARGE, f"a stream message of {length} bytes is over the limit of "
+                              f"{self.max_bytes}")
+        data = await self._read(length)
+        if marker == P2P.ERROR_MARKER:  # hivemind ends a stream with an empty error message
+            self.ended = True
+            return None
+        message = self.message_type()
+        try:
+            if marker != P2P.MESSAGE_MARKER:
+                raise DecodeError(f"unknown marker {marker!r}")
+            message.ParseFromString(data)
+        except DecodeError as error:
+            raise RemoteError(ErrorCode.BAD_REQUEST, f"a stream message is not a valid protobuf: {error}") from None
+        return message
+
+    async def drain(self) -> bool:
+        """Read and drop the rest of the stream, a chunk at a time, so that a caller still sending hears the
+        answer; within DRAIN_BYTES and DRAIN_SECONDS, MAX_DRAINING streams at once. True if it reached the end."""
+        if self.ended:
+            return True
+        if BoundedStream.draining >= MAX_DRAINING:
+            return False
+        BoundedStream.draining += 1
+        deadline, budget = time.monotonic() + DRAIN_SECONDS, DRAIN_BYTES
+        try:
+            while not self.ended and budget >= self.unread:
+                budget -= self.unread
+                await asyncio.wait_for(self._skip(self.unread), max(0.0, deadline - time.monotonic()))
+                marker, self.unread = await asyncio.wait_for(self._header(), max(0.0, deadline - time.monotonic()))
+                if marker == P2P.ERROR_MARKER and self.unread <= self.max_bytes:
+                    await self._read(self.unread)
+                    self.ended = True
+            return self.ended
+        except (asyncio.TimeoutError, RemoteError):
+            return False
+        finally:
+            BoundedStream.draining -= 1
+
+    async def _header(self) -> tuple[bytes, int]:
+        marker = await self._read(1)
+        return marker, int.from_bytes(await self._read(P2P.HEADER_LEN), P2P.BYTEORDER)
+
+    async def _read(self, length: int) -> bytes:
+        try:
+            return await self.reader.readexactly(length)
+        except asyncio.IncompleteReadError:  # the caller left or cut its stream
+            self.ended = True
+            raise RemoteError(ErrorCode.INCOMPLETE, "the request stream was cut before its end") from None
+
+    async def _skip(self, length: int, chunk: int = 2**16) -> None:
+        while length > 0:
+            length -= len(await self._read(min(chunk, length)))
+        self.unread = 0
+
+
 class FixedNameService(ServicerBase):
     """A service whose handle names are ``swarm.{ClassName}.{method}`` for the declaring class, so an
-    implementing subclass and a client's stub agree on them."""
+    implementing subclass and a client's stub agree on them. Its stream RPCs read requests through
+    :class:`BoundedStream`."""
 
     service_name = ""
+    max_stream_message_bytes = MAX_STREAM_MESSAGE_BYTES
 
     @classmethod
     def _get_handle_name(cls, namespace: Optional[str], method_name: str) -> str:
         name = f"swarm.{cls.service_name}.{method_name}"
         return f"{namespace}::{name}" if namespace else name
+
+    async def add_p2p_handlers(self, p2p: P2P, wrapper: Any = None, *, namespace: Optional[str] = None,
+                               balanced: bool = False) -> None:
+        """hivemind's registration, except that stream RPCs get :meth:`_stream_handler`."""
+        self._collect_rpc_handlers()
+        servicer = self if wrapper is None else wrapper
+        for rpc in self._rpc_handlers:
+            name = self._get_handle_name(namespace, rpc.method_name)
+            method = getattr(servicer, rpc.method_name)
+            if rpc.stream_input or rpc.stream_output:
+                handler = self._stream_handler(p2p, name, method, rpc.request_type, rpc.stream_input)
+                await p2p.add_binary_stream_handler(name, handler, balanced)
+            else:
+                await p2p.add_protobuf_handler(name, method, rpc.request_type, balanced=balanced)
+
+    def _stream_handler(self, p2p: P2P, name: str, method: Callable, request_type: type[Message],
+                        stream_input: bool) -> Callable:
+        """Serve one stream: requests read through :class:`BoundedStream`, answers written as hivemind's
+        stubs expect them, then whatever the caller still sends is drained."""
+
+        async def handle(info: StreamInfo, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            with closing(writer):
+                if BoundedStream.open >= MAX_OPEN_STREAMS:
+                    logger.warning("refused a stream from %s: %d streams open", info.peer_id, BoundedStream.open)
+                    await _send_error(writer, RemoteError(ErrorCode.BUSY, "server busy: too many open streams"))
+                    return
+                BoundedStream.open += 1
+                try:
+                    await serve(info, reader, writer)
+                finally:
+                    BoundedStream.open -= 1
+
+        async def serve(info: StreamInfo, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            context = P2PContext(handle_name=name, local_id=p2p.peer_id, remote_id=info.peer_id)
+            requests = BoundedStream(reader, request_type, self.max_stream_message_bytes)
+            try:
+                async for response in method(requests if stream_input else await requests.single(), context):
+                    await P2P.send_protobuf(response, writer)
+            except Exception as error:  # a refused stream, a caller that left, or a failed handler
+                logger.debug("stream %s from %s ended: %r", name, info.peer_id, error)
+                if not await _send_error(writer, error):
+                    return  # the caller is gone
+            await requests.drain()
+
+        return handle
+
+
+async def _send_error(writer: asyncio.StreamWriter, error: Exception) -> bool:
+    """Tell a stream's caller why it ends (hivemind's stubs raise it); False when the caller is gone."""
+    try:
+        await P2P.send_protobuf(RPCError(message=str(error)), writer)
+        return True
+    except Exception:
+        return False
 
 
 class SpanService(FixedNameService):

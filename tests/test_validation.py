@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hivemind.p2p import PeerID
 from hivemind.proto import runtime_pb2
 from hivemind.utils import MSGPackSerializer
 
 from swarm.protocol import ErrorCode, ForwardRequest, RemoteError, SpanService, collect_response, request_parts
-from hivemind.p2p import PeerID
 
 HIDDEN = 32  # tiny_config's hidden size
 
@@ -84,8 +84,10 @@ HOSTILE = {
     "infinity": (lambda: valid_parts(torch.full((1, 3, HIDDEN), float("inf"))), ErrorCode.NOT_FINITE),
     "blocks not held": (lambda: valid_parts(start=2, end=4), ErrorCode.WRONG_SPAN),
     "negative blocks": (lambda: valid_parts(start=-1, end=2), ErrorCode.WRONG_SPAN),
-    "garbage metadata": (lambda: [runtime_pb2.ExpertRequest(uid="forward", metadata=b"\xc1\xff\x00garbage")], ErrorCode.BAD_REQUEST),
-    "metadata not a map": (lambda: [runtime_pb2.ExpertRequest(uid="forward", metadata=MSGPackSerializer.dumps([1, 2]))], ErrorCode.BAD_REQUEST),
+    "garbage metadata": (lambda: [runtime_pb2.ExpertRequest(uid="forward", metadata=b"\xc1\xff\x00garbage")],
+                         ErrorCode.BAD_REQUEST),
+    "metadata not a map": (lambda: [runtime_pb2.ExpertRequest(uid="forward", metadata=MSGPackSerializer.dumps([1, 2]))],
+                           ErrorCode.BAD_REQUEST),
     "string span": (lambda: valid_parts(start="0", end="2"), ErrorCode.BAD_REQUEST),
     "bad session id": (lambda: valid_parts(session_id={"not": "a string"}), ErrorCode.BAD_REQUEST),
     "overlong session id": (lambda: valid_parts(session_id="x" * 10_000), ErrorCode.BAD_REQUEST),
@@ -93,22 +95,31 @@ HOSTILE = {
     "truncated stream": (lambda: valid_parts(torch.randn(1, 5, HIDDEN), parts=3), ErrorCode.INCOMPLETE),
     "empty batch": (lambda: valid_parts(torch.randn(0, 5, HIDDEN)), ErrorCode.BAD_REQUEST),
     "cache directive not a map": (lambda: valid_parts(extra={"cache": 5}), ErrorCode.BAD_REQUEST),
-    "cache rows reversed": (lambda: valid_parts(extra={"cache": {"rows": [3, 1], "version": 1}}), ErrorCode.BAD_REQUEST),
-    "cache rows not the rows sent": (lambda: valid_parts(extra={"cache": {"rows": [0, 2], "version": 1}}), ErrorCode.BAD_REQUEST),
-    "cache without a session": (lambda: valid_parts(session_id="", extra={"cache": {"rows": None, "version": 1}}), ErrorCode.BAD_REQUEST),
+    "cache rows reversed": (lambda: valid_parts(extra={"cache": {"rows": [3, 1], "version": 1}}),
+                            ErrorCode.BAD_REQUEST),
+    "cache rows not the rows sent": (lambda: valid_parts(extra={"cache": {"rows": [0, 2], "version": 1}}),
+                                     ErrorCode.BAD_REQUEST),
+    "cache without a session": (lambda: valid_parts(session_id="", extra={"cache": {"rows": None, "version": 1}}),
+                                ErrorCode.BAD_REQUEST),
     "cache without a version": (lambda: valid_parts(extra={"cache": {"rows": None}}), ErrorCode.BAD_REQUEST),
-    "cache version negative": (lambda: valid_parts(extra={"cache": {"rows": None, "version": -1}}), ErrorCode.BAD_REQUEST),
-    "cache version a boolean": (lambda: valid_parts(extra={"cache": {"rows": None, "version": True}}), ErrorCode.BAD_REQUEST),
-    "cache version huge": (lambda: valid_parts(extra={"cache": {"rows": None, "version": 2**40}}), ErrorCode.BAD_REQUEST),
+    "cache version negative": (lambda: valid_parts(extra={"cache": {"rows": None, "version": -1}}),
+                               ErrorCode.BAD_REQUEST),
+    "cache version a boolean": (lambda: valid_parts(extra={"cache": {"rows": None, "version": True}}),
+                                ErrorCode.BAD_REQUEST),
+    "cache version huge": (lambda: valid_parts(extra={"cache": {"rows": None, "version": 2**40}}),
+                           ErrorCode.BAD_REQUEST),
     "cache keep_from past version": (lambda: valid_parts(extra={"cache": {"rows": None, "version": 1, "keep_from": 2}}),
                                      ErrorCode.BAD_REQUEST),
     "cache reuse never filled": (lambda: valid_parts(session_id="never-filled",
                                                      extra={"cache": {"rows": [0, 5], "version": 1}}),
                                  ErrorCode.CACHE_MISS),
     "push route not a list": (lambda: valid_parts(extra={"push": push_spec(route=3)}), ErrorCode.BAD_REQUEST),
-    "push route skips blocks": (lambda: valid_parts(extra={"push": push_spec(route=[[PEER, 3, 4]])}), ErrorCode.BAD_REQUEST),
-    "push to a bad peer id": (lambda: valid_parts(extra={"push": push_spec(route=[["not-a-peer", 2, 4]])}), ErrorCode.BAD_REQUEST),
-    "push hop delay too long": (lambda: valid_parts(extra={"push": push_spec(hop_delay=[60, 0])}), ErrorCode.BAD_REQUEST),
+    "push route skips blocks": (lambda: valid_parts(extra={"push": push_spec(route=[[PEER, 3, 4]])}),
+                                ErrorCode.BAD_REQUEST),
+    "push to a bad peer id": (lambda: valid_parts(extra={"push": push_spec(route=[["not-a-peer", 2, 4]])}),
+                              ErrorCode.BAD_REQUEST),
+    "push hop delay too long": (lambda: valid_parts(extra={"push": push_spec(hop_delay=[60, 0])}),
+                                ErrorCode.BAD_REQUEST),
 }
 
 

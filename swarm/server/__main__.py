@@ -1,4 +1,4 @@
-"""``python -m swarm.server --blocks 0:16``: host a span of a model's blocks (and/or ``--expert`` models) for the swarm."""
+"""``python -m swarm.server --blocks 0:16``: host a span of a model's blocks (and/or ``--expert`` models)."""
 from __future__ import annotations
 
 import asyncio
@@ -7,6 +7,7 @@ import logging
 import click
 
 from swarm.cli_options import network_options, parse_span, pop_network_config
+from swarm.protocol import WIRE_CHOICES
 from swarm.server.config import ServerConfig
 from swarm.server.server import Server
 
@@ -24,27 +25,71 @@ def print_ready(server: Server) -> None:
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
-@click.option("--model", default="default", help="Embedded model name or checkpoint directory (native, LLaDA or Dream layout).")
-@click.option("--blocks", default=None, help="Blocks to host as START:END (end exclusive), e.g. 0:16. Omitted: the least-covered span of --num-blocks.")
-@click.option("--num-blocks", type=int, default=None, help="Span length when --blocks is omitted (default: the whole model).")
-@click.option("--expert", "experts", multiple=True, help="Also host a whole expert model: an embedded name (code, addition) or a checkpoint directory, optionally as DOMAIN=NAME_OR_PATH; clients ask for it by DOMAIN (default: the model's directory name). Repeatable. It must share --model's tokenizer, vocabulary and mask token. With --expert and neither --blocks nor --num-blocks, the server hosts only experts.")
+@click.option("--model", default="default",
+              help="Embedded model name or checkpoint directory (native, LLaDA or Dream layout).")
+@click.option("--blocks", default=None,
+              help="Blocks to host as START:END (end exclusive), e.g. 0:16. Omitted: the least-covered span of "
+                   "--num-blocks.")
+@click.option("--num-blocks", type=int, default=None,
+              help="Span length when --blocks is omitted (default: the whole model).")
+@click.option("--expert", "experts", multiple=True,
+              help="Also host a whole expert model: an embedded name (code, addition) or a checkpoint directory, "
+                   "optionally as DOMAIN=NAME_OR_PATH; clients ask for it by DOMAIN (default: the model's directory "
+                   "name). Repeatable. It must share --model's tokenizer, vocabulary and mask token. With --expert "
+                   "and neither --blocks nor --num-blocks, the server hosts only experts.")
 @network_options
 @click.option("--public-name", default=None, help="A name shown to users in the swarm's health map.")
-@click.option("--throughput", default="auto", help="Announced speed in tokens/s, or 'auto' to measure the span on start.")
+@click.option("--throughput", default="auto",
+              help="Announced speed in tokens/s, or 'auto' to measure the span on start.")
 @click.option("--dht-prefix", default=None, help="DHT namespace of the model (default: the model directory's name).")
-@click.option("--device", default="cpu", help="torch device to compute on, e.g. cpu or cuda:0.")
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None, help="dtype of the hosted weights and compute. Default: float32 for the project's own models (exact), bfloat16 for LLaDA / Dream checkpoints.")
-@click.option("--quant", type=click.Choice(["int8"]), default=None, help="Weight-only int8 quantization of the hosted blocks: about half the memory of bfloat16, not exact.")
-@click.option("--max-batch-tokens", type=int, default=ServerConfig.max_batch_tokens, help="Largest batch x length accepted in one request.")
-@click.option("--max-concurrent-requests", type=int, default=ServerConfig.max_concurrent_requests, help="Requests in compute or waiting; more are refused as busy.")
-@click.option("--request-timeout", type=float, default=ServerConfig.request_timeout, help="Seconds a request may take before it is failed.")
-@click.option("--cache-memory-mb", type=click.FloatRange(min=0), default=ServerConfig.cache_memory_mb, help="MiB for the activation cache (per-session keys and values of cache='prefix'/'dual' clients); least recently used sessions are evicted.")
-@click.option("--cache-ttl", type=click.FloatRange(min=0, min_open=True), default=ServerConfig.cache_ttl, help="Seconds a session's activation cache is kept without being used.")
-@click.option("--update-period", type=float, default=ServerConfig.update_period, help="Seconds between DHT announcements (records expire after 2.5x).")
-@click.option("--wire-dtype", type=click.Choice(["float32", "float16"]), default="float32", help="dtype of returned activations; float16 halves traffic but is not exact.")
-@click.option("--compute-threads", type=int, default=None, help="torch CPU threads for compute (default: torch's choice).")
-@click.option("--governance-key", "governance_keys", multiple=True, help="Trusted governance public key (base64 or a file holding it; repeatable; default $SWARM_GOVERNANCE_KEYS). While a halt signed by one of them stands, the server refuses new steps.")
-@click.option("--max-queued-tokens", type=int, default=ServerConfig.max_queued_tokens, help="Tokens (batch x length) in compute or waiting, summed over requests; more are refused as busy.")
+@click.option("--device", default="cpu",
+              help="torch device to compute on: cpu, cuda or cuda:N (refused with a clear error when CUDA is absent).")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
+              help="dtype of the hosted weights and compute. Default: the checkpoint's (bfloat16 for LLaDA / Dream, "
+                   "float32 for the project's own models), which gives the local model's tokens. Another dtype is "
+                   "announced as approximate: clients use the server only with allow_approximate.")
+@click.option("--quant", type=click.Choice(["int8"]), default=None,
+              help="Weight-only int8 quantization of the hosted blocks: about half the memory of bfloat16, not exact "
+                   "(announced as approximate, like --dtype).")
+@click.option("--max-batch-tokens", type=click.IntRange(min=1), default=ServerConfig.max_batch_tokens,
+              help="Largest batch x length accepted in one request.")
+@click.option("--max-concurrent-requests", type=click.IntRange(min=1), default=ServerConfig.max_concurrent_requests,
+              help="Requests being received, computed or waiting for compute; more are refused as busy.")
+@click.option("--max-queued-tokens", type=click.IntRange(min=1), default=ServerConfig.max_queued_tokens,
+              help="Tokens (batch x length) of those requests, summed; more are refused as busy.")
+@click.option("--peer-share", type=click.FloatRange(min=0, max=1, min_open=True), default=ServerConfig.peer_share,
+              help="Largest share of --max-concurrent-requests, --max-queued-tokens, --max-pending-pushes and "
+                   "--push-memory-mb that one peer (libp2p id) may hold; its requests beyond it are refused as "
+                   "busy, so one client cannot take every slot. 1 turns the per-peer bound off.")
+@click.option("--max-pending-pushes", type=click.IntRange(min=1), default=ServerConfig.max_pending_pushes,
+              help="Pushed outputs (client option push=True) computed and not yet taken by the next server or the "
+                   "client; a pushed request beyond it is refused as busy before compute.")
+@click.option("--push-memory-mb", type=click.FloatRange(min=0, min_open=True), default=ServerConfig.push_memory_mb,
+              help="MiB those pushed outputs may hold (the tensor and its wire copies); a pushed request beyond it "
+                   "is refused as busy before compute.")
+@click.option("--push-timeout", type=click.FloatRange(min=0, min_open=True), default=ServerConfig.push_timeout,
+              help="Seconds a client has to take a delivered output before it is dropped and its memory freed "
+                   "(the next server of a pushed route has --request-timeout, as it computes first).")
+@click.option("--request-timeout", type=float, default=ServerConfig.request_timeout,
+              help="Seconds a request may take to arrive or to compute before it is failed.")
+@click.option("--cache-memory-mb", type=click.FloatRange(min=0), default=ServerConfig.cache_memory_mb,
+              help="MiB for the activation cache (per-session keys and values of cache='prefix'/'dual' clients), "
+                   "each version counted at its keys and values plus a measured overhead; least recently used "
+                   "versions are evicted.")
+@click.option("--cache-max-entries", type=click.IntRange(min=1), default=ServerConfig.cache_max_entries,
+              help="Activation-cache versions kept at once, whatever their size; least recently used are evicted.")
+@click.option("--cache-ttl", type=click.FloatRange(min=0, min_open=True), default=ServerConfig.cache_ttl,
+              help="Seconds a session's activation cache is kept without being used.")
+@click.option("--update-period", type=float, default=ServerConfig.update_period,
+              help="Seconds between DHT announcements (records expire after 2.5x).")
+@click.option("--wire-dtype", type=click.Choice(WIRE_CHOICES), default=ServerConfig.wire_dtype,
+              help="dtype of returned activations. auto: the compute dtype (lossless; bfloat16 models send half "
+                   "float32's bytes); float16 halves float32 traffic but is not exact.")
+@click.option("--compute-threads", type=int, default=None,
+              help="torch CPU threads for compute (default: torch's choice).")
+@click.option("--governance-key", "governance_keys", multiple=True,
+              help="Trusted governance public key (base64 or a file holding it; repeatable; default "
+                   "$SWARM_GOVERNANCE_KEYS). While a halt signed by one of them stands, the server refuses new steps.")
 @click.option("--log-level", type=click.Choice(["DEBUG", "INFO", "WARNING"]), default="INFO", help="Logging verbosity.")
 def main(blocks: str | None, experts: tuple[str, ...], log_level: str, **options) -> None:
     """Host a span of a model's transformer blocks and/or expert models, and announce them on the swarm's DHT."""

@@ -16,20 +16,25 @@ class ServerConfig:
     dht_prefix: Optional[str] = None  # default: the model's name
     public_name: Optional[str] = None
     throughput: str = "auto"  # "auto" measures on start, or a number of tokens/s
-    device: str = "cpu"
-    dtype: Optional[str] = None  # None: float32 for native checkpoints (exact), bfloat16 for LLaDA / Dream
+    device: str = "cpu"  # "cuda", "cuda:1": checked on start (a clear error when CUDA is absent)
+    dtype: Optional[str] = None  # None: the checkpoint's (ModelFiles.default_dtype); another is announced approximate
     quant: Optional[str] = None  # "int8": weight-only quantization of the span (smaller, not exact)
     max_batch_tokens: int = 16384  # batch * length of one request
-    max_concurrent_requests: int = 32  # in compute or waiting for it; more get a BUSY error
-    max_queued_tokens: int = 65536  # batch x length summed over requests in compute or waiting
+    max_concurrent_requests: int = 32  # being received, in compute or waiting for it; more get a BUSY error
+    max_queued_tokens: int = 65536  # batch x length summed over those requests
+    peer_share: float = 0.5  # share of the request, token and push bounds one peer (libp2p id) may hold
+    max_pending_pushes: int = 32  # pushed outputs not yet taken by the next hop or the client
+    push_memory_mb: float = 256.0  # their memory (tensor and wire copies)
+    push_timeout: float = 10.0  # seconds a client has to take a delivered output before it is dropped
     request_timeout: float = 60.0
     cache_memory_mb: float = 512.0  # activation cache (keys and values of sessions), least recently used evicted
+    cache_max_entries: int = 4096  # cache versions kept at once, whatever their size
     cache_ttl: float = 300.0  # seconds a session's cache survives without being used
     governance_keys: tuple[str, ...] = ()  # trusted governance public keys (also $SWARM_GOVERNANCE_KEYS)
     governance_poll: float = 2.0  # seconds between reads of the governance records
     update_period: float = 15.0  # seconds between DHT announcements
     expiration: Optional[float] = None  # record lifetime; default 2.5 x update_period
-    wire_dtype: str = "float32"  # "float16" halves the bytes (not exact)
+    wire_dtype: str = "auto"  # "auto": the compute dtype (lossless); "float16" halves float32's bytes (not exact)
     compute_threads: Optional[int] = None
 
     @property

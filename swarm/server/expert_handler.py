@@ -36,7 +36,8 @@ class ExpertHandler:
     def domains(self) -> list[str]:
         return sorted(self.backend.experts)
 
-    async def serve(self, request: runtime_pb2.ExpertRequest) -> list[runtime_pb2.ExpertResponse]:
+    async def serve(self, request: runtime_pb2.ExpertRequest, peer: str = "") -> list[runtime_pb2.ExpertResponse]:
+        """The log-probabilities asked for; ``peer`` (the caller's id) is counted in the backend's admission."""
         require(request.ByteSize() <= self.max_payload_bytes, ErrorCode.TOO_LARGE,
                 f"payload over {self.max_payload_bytes} bytes")
         metadata = parse_metadata(request.metadata)
@@ -54,7 +55,8 @@ class ExpertHandler:
                 f"decoded shape {tuple(tokens.shape)} differs from the declared {(batch, length)}")
         require(bool(((tokens >= 0) & (tokens < expert.config.vocab_size)).all()), ErrorCode.BAD_REQUEST,
                 f"token ids must be in [0, {expert.config.vocab_size})")
-        log_probs = await asyncio.wait_for(self.backend.log_probs(expert, tokens, start, end), self.request_timeout)
+        log_probs = await asyncio.wait_for(self.backend.log_probs(expert, tokens, start, end, peer),
+                                           self.request_timeout)
         return response_parts(log_probs, self.wire_dtype)
 
     def _expert(self, domain: Any) -> HostedExpert:
@@ -66,7 +68,8 @@ class ExpertHandler:
 
     def _declared_shape(self, proto: runtime_pb2.Tensor, expert: HostedExpert) -> tuple[int, int]:
         """Shape and dtype as declared, checked before decoding (a forged shape never allocates)."""
-        require(proto.dtype in TOKEN_DTYPES, ErrorCode.BAD_REQUEST, f"token ids must be int64 or int32, got {proto.dtype!r}")
+        require(proto.dtype in TOKEN_DTYPES, ErrorCode.BAD_REQUEST,
+                f"token ids must be int64 or int32, got {proto.dtype!r}")
         require(len(proto.size) == 2, ErrorCode.BAD_REQUEST,
                 f"token ids must have shape (batch, length), got {tuple(proto.size)}")
         batch, length = proto.size

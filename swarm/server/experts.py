@@ -14,10 +14,11 @@ from typing import Optional
 
 import torch
 
-from swarm.diffusion.composition import CompatibilityTag, block_log_probs
+from swarm.dht.compatibility import CompatibilityTag
 from swarm.dht.schema import default_prefix
+from swarm.diffusion.experts import block_log_probs
 from swarm.models.config import ModelConfig
-from swarm.models.loading import ModelFiles
+from swarm.models.loading import ModelFiles, dtype_name
 from swarm.models.modules import DiffusionTransformer
 from swarm.server.backend import ComputeQueue
 
@@ -48,8 +49,8 @@ def parse_expert_spec(text: str) -> ExpertSpec:
 
 
 def default_dtype(files: ModelFiles, requested: Optional[str]) -> str:
-    """float32 for the project's own checkpoints (exact), bfloat16 for LLaDA / Dream, unless asked otherwise."""
-    return requested or ("float32" if files.format.name == "native" else "bfloat16")
+    """The checkpoint's compute dtype (:attr:`ModelFiles.default_dtype`), unless asked otherwise."""
+    return requested or dtype_name(files.default_dtype)
 
 
 @dataclass
@@ -66,7 +67,8 @@ def load_expert(spec: ExpertSpec, device: str = "cpu", dtype: Optional[str] = No
     files = ModelFiles(spec.model)
     model = files.full_model(default_dtype(files, dtype)).to(device).eval()
     logger.info("loaded expert %r from %s", spec.domain, files.path)
-    return HostedExpert(spec.domain, files.path.name, model, files.config, CompatibilityTag.of(files.config, files.tokenizer()))
+    tag = CompatibilityTag.of(files.config, files.tokenizer())
+    return HostedExpert(spec.domain, files.path.name, model, files.config, tag)
 
 
 @torch.inference_mode()
@@ -87,10 +89,10 @@ class ExpertBackend:
     """Runs hosted experts on one compute thread; refuses work beyond its bounds as busy."""
 
     def __init__(self, experts: dict[str, HostedExpert], max_concurrent: int, device: str = "cpu",
-                 max_queued_tokens: Optional[int] = None):
+                 max_queued_tokens: Optional[int] = None, peer_share: float = 1.0):
         self.experts = experts
         self.device = torch.device(device)
-        self.queue = ComputeQueue(max_concurrent, max_queued_tokens, "expert-compute")
+        self.queue = ComputeQueue(max_concurrent, max_queued_tokens, "expert-compute", peer_share)
 
     @property
     def in_flight(self) -> int:
@@ -101,8 +103,9 @@ class ExpertBackend:
         logits = expert.model(tokens.to(self.device))
         return block_log_probs(logits, start, end).cpu()
 
-    async def log_probs(self, expert: HostedExpert, tokens: torch.Tensor, start: int, end: int) -> torch.Tensor:
-        return await self.queue.run(tokens.numel(), self.log_probs_sync, expert, tokens, start, end)
+    async def log_probs(self, expert: HostedExpert, tokens: torch.Tensor, start: int, end: int,
+                        peer: str = "") -> torch.Tensor:
+        return await self.queue.run(tokens.numel(), self.log_probs_sync, expert, tokens, start, end, peer=peer)
 
     def shutdown(self) -> None:
         self.queue.shutdown()

@@ -1,32 +1,67 @@
-"""The RPC surface of a server on hivemind's P2P layer: forward (unary and streamed), experts, and info."""
+"""The RPC surface of a server on hivemind's P2P layer: forward (unary and streamed), experts, and info.
+
+A forward request is refused as early as its first part allows: the metadata, the declared tensor shape,
+whether its answer fits a unary call, and a place in the compute queue (and, for a push, in the push
+budget) are all settled before the rest of its payload is received, decoded or computed.
+"""
 from __future__ import annotations
 
 import asyncio
-import math
+import contextlib
 import logging
+import math
 import time
-from typing import AsyncIterator, Awaitable, Callable, Optional
+from dataclasses import dataclass
+from typing import AsyncIterable, AsyncIterator, Awaitable, Callable, Optional
 
+import torch
 from hivemind.p2p import P2PContext
 from hivemind.proto import runtime_pb2
 from hivemind.utils import MSGPackSerializer
-
-import torch
+from hivemind.utils.asyncio import iter_as_aiter
 
 from swarm.models.kv_cache import CacheMiss, SpanKV
 from swarm.protocol import (
-    ErrorCode, RemoteError, SpanService, ack_response, decode_tensor, error_response, join_parts, parse_metadata,
+    MAX_STREAM_MESSAGE_BYTES,
+    MAX_UNARY_BYTES,
+    ErrorCode,
+    RemoteError,
+    SpanService,
+    ack_response,
+    decode_tensor,
+    error_response,
+    join_parts,
+    parse_metadata,
     response_parts,
+    tensor_wire_bytes,
 )
-from swarm.server.backend import SpanBackend
+from swarm.server.backend import Grant, SpanBackend
 from swarm.server.expert_handler import ExpertHandler
-from swarm.server.push import Pusher, PushSpec
+from swarm.server.push import Pusher, PushLimits, PushSpec
 from swarm.server.session_cache import SessionCaches
-from swarm.server.validation import is_count, require, validate_hidden, validate_metadata
+from swarm.server.validation import is_count, require, validate_declared, validate_hidden, validate_metadata
 
 logger = logging.getLogger(__name__)
 
 PAYLOAD_SLACK_BYTES = 64 * 1024
+MIN_CHUNK_BYTES = 2**16  # the smallest stream chunk a client may use (hivemind's default): bounds the part count
+
+
+@dataclass(frozen=True)
+class Declared:
+    """What the first part of a forward request says about the whole request, checked before the rest."""
+
+    metadata: dict
+    start: int
+    end: int
+    shape: tuple[int, int, int]
+    parts: int  # messages the request comes in
+    max_bytes: int  # the most its parts may weigh together
+    push: Optional[PushSpec]
+
+    @property
+    def tokens(self) -> int:
+        return self.shape[0] * self.shape[1]
 
 
 class ForwardHandler(SpanService):
@@ -37,13 +72,17 @@ class ForwardHandler(SpanService):
 
     def __init__(self, backend: Optional[SpanBackend], *, hidden_size: int, max_batch_tokens: int, wire_dtype: str,
                  request_timeout: float, info: Callable[[], dict], experts: Optional[ExpertHandler] = None,
-                 caches: Optional[SessionCaches] = None, num_layers: int = 0):
+                 caches: Optional[SessionCaches] = None, num_layers: int = 0,
+                 push_limits: PushLimits = PushLimits()):
         self.backend = backend
         self.caches = caches
         self.num_layers = num_layers
-        self.pusher = Pusher(wire_dtype, request_timeout)
+        self.pusher = Pusher(wire_dtype, request_timeout, push_limits)
         self.rows_computed = 0  # batch x length of hidden states run through the span
+        self.compute_seconds = 0.0  # spent in the span's compute (queueing included), for benchmarks
         self.experts = experts
+        if experts is not None:  # an expert request is one message, up to its own payload limit
+            self.max_stream_message_bytes = max(MAX_STREAM_MESSAGE_BYTES, experts.max_payload_bytes)
         self.hidden_size = hidden_size
         self.max_batch_tokens = max_batch_tokens
         self.max_payload_bytes = max_batch_tokens * hidden_size * 4 + PAYLOAD_SLACK_BYTES
@@ -60,28 +99,21 @@ class ForwardHandler(SpanService):
         return runtime_pb2.ExpertInfo(serialized_info=MSGPackSerializer.dumps(self.info()))
 
     async def rpc_forward(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
-        parts = await self._serve([request], context)
-        if len(parts) != 1:  # the client asked for unary but the answer needs a stream
-            return error_response(RemoteError(ErrorCode.TOO_LARGE, "response too large for a unary call: use the stream RPC"))
+        parts = await self._answer(lambda: self._forward(iter_as_aiter([request]), context, unary=True), context)
+        if len(parts) != 1:  # checked before compute; kept so that a unary call can never get a stream
+            return self._refuse(RemoteError(ErrorCode.TOO_LARGE, "response too large for a unary call"), context)
         return parts[0]
 
     async def rpc_forward_stream(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        received, size = [], 0
-        async for part in requests:
-            size += part.ByteSize()
-            if size > self.max_payload_bytes:
-                yield self._refuse(RemoteError(ErrorCode.TOO_LARGE, f"payload over {self.max_payload_bytes} bytes"), context)
-                return
-            received.append(part)
-        for response in await self._serve(received, context):
+        for response in await self._answer(lambda: self._forward(requests, context, unary=False), context):
             yield response
 
     async def rpc_expert_logits(
         self, request: runtime_pb2.ExpertRequest, context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        for response in await self._answer(lambda: self._expert_logits(request), context):
+        for response in await self._answer(lambda: self._expert_logits(request, context), context):
             yield response
 
     # ----- one request -----------------------------------------------------------------------------
@@ -90,7 +122,8 @@ class ForwardHandler(SpanService):
         """Run ``work`` unless shutting down; every failure becomes a structured error response."""
         try:
             require(self.accepting, ErrorCode.SHUTTING_DOWN, "server is shutting down")
-            require(self.halt_reason is None, ErrorCode.HALTED, f"the swarm is halted by governance: {self.halt_reason}")
+            require(self.halt_reason is None, ErrorCode.HALTED,
+                    f"the swarm is halted by governance: {self.halt_reason}")
             parts = await work()
             self.requests_served += 1
             return parts
@@ -102,50 +135,107 @@ class ForwardHandler(SpanService):
             logger.exception("internal error serving %s", context.remote_id)
             return [self._refuse(RemoteError(ErrorCode.INTERNAL, f"{type(error).__name__}: {error}"), context)]
 
-    async def _serve(self, parts: list[runtime_pb2.ExpertRequest], context: P2PContext) -> list[runtime_pb2.ExpertResponse]:
-        return await self._answer(lambda: self._forward(parts, context), context)
-
-    async def _expert_logits(self, request: runtime_pb2.ExpertRequest) -> list[runtime_pb2.ExpertResponse]:
+    async def _expert_logits(self, request: runtime_pb2.ExpertRequest,
+                             context: P2PContext) -> list[runtime_pb2.ExpertResponse]:
         require(self.experts is not None, ErrorCode.NO_EXPERT, "this server hosts no experts")
-        return await self.experts.serve(request)
+        return await self.experts.serve(request, str(context.remote_id))
 
-    async def _forward(self, parts: list[runtime_pb2.ExpertRequest], context: P2PContext) -> list[runtime_pb2.ExpertResponse]:
+    async def _forward(self, requests: AsyncIterable[runtime_pb2.ExpertRequest], context: P2PContext,
+                       unary: bool) -> list[runtime_pb2.ExpertResponse]:
         started = time.perf_counter()
         require(self.backend is not None, ErrorCode.WRONG_SPAN, "this server hosts experts only, no blocks")
-        require(len(parts) > 0, ErrorCode.BAD_REQUEST, "empty request")
-        require(sum(p.ByteSize() for p in parts) <= self.max_payload_bytes, ErrorCode.TOO_LARGE,
+        stream = aiter(requests)
+        first = await anext(stream, None)
+        require(first is not None, ErrorCode.BAD_REQUEST, "empty request")
+        declared = self._declared(first, unary)
+        peer = str(context.remote_id)
+        with self.backend.queue.admit(peer, declared.tokens) as place, self._push_place(peer, declared) as push_place:
+            hidden = await self._receive(first, stream, declared)
+            extra = declared.metadata.get("extra", {})
+            session_id = declared.metadata.get("session_id", "")
+            computing = time.perf_counter()
+            output = await self._compute(hidden, declared, extra, session_id, place)
+            self.compute_seconds += time.perf_counter() - computing
+            self.rows_computed += declared.tokens
+            logger.debug("forward %d:%d %s from %s in %.1f ms", declared.start, declared.end, declared.shape, peer,
+                         1000 * (time.perf_counter() - started))
+            if declared.push is None:
+                return response_parts(output, self.wire_dtype)
+            self.pusher.send(declared.push, output, session_id, declared.metadata.get("step", -1),
+                             {k: v for k, v in extra.items() if k != "push"}, push_place)
+            return [ack_response()]
+
+    def _declared(self, first: runtime_pb2.ExpertRequest, unary: bool) -> Declared:
+        """Check everything the first part says, before the rest is received or anything computed."""
+        require(first.ByteSize() <= self.max_payload_bytes, ErrorCode.TOO_LARGE,
                 f"payload over {self.max_payload_bytes} bytes")
-        metadata = parse_metadata(parts[0].metadata)
+        metadata = parse_metadata(first.metadata)
         start, end = validate_metadata(metadata, (self.backend.start, self.backend.end))
-        tensors = [t for p in parts for t in p.tensors]
-        proto = join_parts(tensors, metadata.get("parts"))
-        require(math.prod(proto.size) <= self.max_batch_tokens * self.hidden_size, ErrorCode.TOO_LARGE,
-                f"tensor of shape {tuple(proto.size)} exceeds the batch-token limit {self.max_batch_tokens}")
-        hidden = decode_tensor(proto)
-        validate_hidden(hidden, self.hidden_size, self.max_batch_tokens)
+        require(len(first.tensors) == 1, ErrorCode.BAD_REQUEST,
+                f"the first part must carry one tensor, it carries {len(first.tensors)}")
+        proto = first.tensors[0]
+        batch, length = validate_declared(proto.dtype, tuple(proto.size), self.hidden_size, self.max_batch_tokens)
+        shape = (batch, length, self.hidden_size)
+        max_bytes = min(self.max_payload_bytes, 4 * math.prod(shape) + PAYLOAD_SLACK_BYTES)
+        parts, max_parts = metadata.get("parts"), self.max_payload_bytes // MIN_CHUNK_BYTES + 1
+        require(is_count(parts) and 0 < parts <= max_parts, ErrorCode.BAD_REQUEST,
+                f"metadata 'parts' must be an integer in 1..{max_parts}, got {parts!r}")
         extra = metadata.get("extra", {})
         push = PushSpec.parse(extra["push"], self.num_layers, end) if "push" in extra else None
-        session_id = metadata.get("session_id", "")
+        if unary and push is None:
+            answer = tensor_wire_bytes(shape, self.wire_dtype, self.backend.dtype)
+            require(answer <= MAX_UNARY_BYTES, ErrorCode.TOO_LARGE,
+                    f"the answer ({answer} bytes in {self.wire_dtype}) does not fit a unary call of at most "
+                    f"{MAX_UNARY_BYTES} bytes: send this request on the stream RPC")
+        return Declared(metadata, start, end, shape, parts, max_bytes, push)
+
+    def _push_place(self, peer: str, declared: Declared) -> contextlib.AbstractContextManager[Optional[Grant]]:
+        """A place in the push budget for a pushed request's output (nothing for other requests)."""
+        if declared.push is None:
+            return contextlib.nullcontext()
+        return self.pusher.reserve(peer, declared.shape)
+
+    async def _receive(self, first: runtime_pb2.ExpertRequest, stream: AsyncIterator[runtime_pb2.ExpertRequest],
+                       declared: Declared) -> torch.Tensor:
+        """The rest of the request's parts, within its declared size and the request timeout, decoded."""
+        chunks, size = [first.tensors[0]], first.ByteSize()
+
+        async def rest() -> None:
+            nonlocal size
+            async for part in stream:
+                size += part.ByteSize()
+                require(size <= declared.max_bytes, ErrorCode.TOO_LARGE,
+                        f"payload over {declared.max_bytes} bytes, the most shape {declared.shape} needs")
+                require(len(chunks) < declared.parts and len(part.tensors) == 1, ErrorCode.BAD_REQUEST,
+                        f"the stream sends more than its {declared.parts} declared parts of one tensor each")
+                chunks.append(part.tensors[0])
+
+        try:
+            await asyncio.wait_for(rest(), self.request_timeout)
+        except asyncio.TimeoutError:
+            raise RemoteError(ErrorCode.INCOMPLETE, f"the request stream did not end within {self.request_timeout} s")
+        hidden = decode_tensor(join_parts(chunks, declared.parts))
+        validate_hidden(hidden, self.hidden_size, self.max_batch_tokens)
+        return hidden
+
+    async def _compute(self, hidden: torch.Tensor, declared: Declared, extra: dict, session_id: str,
+                       place: Grant) -> torch.Tensor:
+        """Run the span under ``place`` (the compute queue releases it when the work leaves its thread),
+        filling or reusing the session's cache as ``extra`` says."""
         try:  # no cache for this session here, or one filled for another batch or blocks: the client refills
-            kv, rows, fill = await self._cache_for(extra, session_id, hidden, start, end)
+            kv, rows, fill = await self._cache_for(extra, session_id, hidden, declared.start, declared.end)
             computed = False
             try:
-                output = await asyncio.wait_for(self.backend.forward(hidden, start, end, kv, rows),
-                                                self.request_timeout)
+                output = await asyncio.wait_for(
+                    self.backend.forward(hidden, declared.start, declared.end, kv, rows, grant=place),
+                    self.request_timeout)
                 computed = True
             finally:
                 if fill is not None:  # reuses waiting for this fill go on (or miss, when it failed)
                     self.caches.filled(session_id, fill, kv, ok=computed)
         except CacheMiss as miss:
             raise RemoteError(ErrorCode.CACHE_MISS, str(miss)) from None
-        self.rows_computed += hidden.shape[0] * hidden.shape[1]
-        logger.debug("forward %d:%d %s rows %s from %s in %.1f ms", start, end, tuple(hidden.shape), rows,
-                     context.remote_id, 1000 * (time.perf_counter() - started))
-        if push is not None:
-            self.pusher.send(push, output, session_id, metadata.get("step", -1),
-                             {k: v for k, v in extra.items() if k != "push"})
-            return [ack_response()]
-        return response_parts(output, self.wire_dtype)
+        return output
 
     async def _cache_for(self, extra: dict, session_id: str, hidden: torch.Tensor, start: int, end: int
                          ) -> tuple[Optional[SpanKV], Optional[tuple[int, int]], Optional[int]]:

@@ -4,11 +4,17 @@ of the client's route, and the last server delivers the final output to the clie
 A pass over k servers then crosses the network k + 1 times instead of 2k. The client still hears from the
 first server (an acknowledgement), and any hop that cannot reach the next one delivers the error instead,
 naming the peer that failed, so the client can route around it.
+
+An output waiting to be handed on holds memory after its request was answered, so pushes have bounds of
+their own (:class:`PushLimits`): a place is reserved before the request is computed (refused as busy when
+the count, the bytes or the sender's share is taken), and freed once the output is handed on, or dropped
+when the next hop or the client does not take it in time.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -16,14 +22,36 @@ import torch
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils.asyncio import iter_as_aiter
 
-from swarm.client.remote import RemoteCaller, as_remote_error
-from swarm.protocol import DeliveryService, ErrorCode, ForwardRequest, RemoteError, error_response, response_parts
+from swarm.protocol import (
+    DeliveryService,
+    ErrorCode,
+    ForwardRequest,
+    RemoteError,
+    error_response,
+    response_parts,
+    tensor_wire_bytes,
+)
+from swarm.remote import RemoteCaller, as_remote_error
+from swarm.server.backend import Admission, Grant
 from swarm.server.validation import require
 
 logger = logging.getLogger(__name__)
 
 MAX_PUSH_HOPS = 64
 MAX_HOP_DELAY = 1.0  # seconds: benchmarks emulate wide-area hops; more is refused
+# Wire-sized copies of a pushed output alive while it is sent, beside the float32 tensor until it is encoded:
+# the parts, the serialized message and the socket's write buffer.
+WIRE_COPIES = 3
+
+
+@dataclass(frozen=True)
+class PushLimits:
+    """Bounds on outputs computed for a push and not handed on yet."""
+
+    max_pending: int = 32  # outputs waiting for the next hop or the client
+    max_bytes: int = 256 * 2**20  # their memory, counted as :meth:`Pusher.cost` says
+    deliver_timeout: float = 10.0  # seconds the client has to take a delivery before it is dropped
+    peer_share: float = 1.0  # share of both bounds one sender may hold
 
 
 @dataclass(frozen=True)
@@ -79,36 +107,54 @@ def _peer(text: str) -> PeerID:
 class Pusher:
     """Sends outputs onward in the background; the request that produced them has already been answered."""
 
-    def __init__(self, wire_dtype: str, request_timeout: float):
-        self.wire_dtype, self.request_timeout = wire_dtype, request_timeout
+    def __init__(self, wire_dtype: str, request_timeout: float, limits: PushLimits = PushLimits()):
+        self.wire_dtype, self.request_timeout, self.limits = wire_dtype, request_timeout, limits
+        self.admission = Admission("pushes", limits.max_pending, limits.max_bytes, "bytes", limits.peer_share,
+                                   computes=False)
         self.p2p: Optional[P2P] = None
         self.tasks: set[asyncio.Task] = set()
-        self.pushed = self.delivered = self.failed = 0
+        self.pushed = self.delivered = self.failed = self.dropped = 0
 
     def attach(self, p2p: P2P) -> None:
         self.p2p = p2p
 
-    def send(self, spec: PushSpec, output: torch.Tensor, session_id: str, step: int, extra: dict) -> None:
+    def cost(self, shape: tuple[int, ...]) -> int:
+        """Bytes a pushed output of ``shape`` holds at its peak: the tensor and its wire copies."""
+        return 4 * math.prod(shape) + WIRE_COPIES * tensor_wire_bytes(shape, self.wire_dtype)
+
+    def reserve(self, peer: str, shape: tuple[int, ...]) -> Grant:
+        """A place for the output of a request of ``shape`` from ``peer``, taken before it is computed."""
         require(self.p2p is not None, ErrorCode.SHUTTING_DOWN, "server is not connected yet")
+        return self.admission.acquire(peer, self.cost(shape))
+
+    def send(self, spec: PushSpec, output: torch.Tensor, session_id: str, step: int, extra: dict,
+             grant: Grant) -> None:
+        """Hand ``output`` on in the background; ``grant`` (from :meth:`reserve`) is released when it is done."""
         task = asyncio.create_task(self._onward(spec, output, session_id, step, extra))
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
+        task.add_done_callback(lambda _: grant.release())
+        grant.hand_on()
 
     async def _onward(self, spec: PushSpec, output: torch.Tensor, session_id: str, step: int, extra: dict) -> None:
         caller = RemoteCaller(self.p2p, self.wire_dtype, *spec.hop_delay)
         if not spec.route:
+            parts = response_parts(output, self.wire_dtype, {"push_id": spec.push_id})
+            del output  # the wire parts are all that is sent
             await caller.crossing()
-            await self._deliver(spec, response_parts(output, self.wire_dtype, {"push_id": spec.push_id}))
+            await self._deliver(spec, parts)
             return
         peer, start, end = spec.route[0]
         request = ForwardRequest(start, end, output, session_id, step, dict(extra, push=spec.onward()))
-        try:
+        del output
+        try:  # the next hop computes before it acknowledges, so it has the request timeout
             await caller.push(peer, request, self.request_timeout)  # delays this crossing and the ack's
             self.pushed += 1
         except RemoteError as error:
             self.failed += 1
             logger.info("push %s to %s failed: %s", spec.push_id[:8], peer[-8:], error)
-            failure = error_response(RemoteError(error.code, error.message), {"push_id": spec.push_id, "failed_peer": peer})
+            failure = error_response(RemoteError(error.code, error.message),
+                                     {"push_id": spec.push_id, "failed_peer": peer})
             await self._deliver(spec, [failure])
 
     async def _deliver(self, spec: PushSpec, parts: list) -> None:
@@ -118,11 +164,16 @@ class Pusher:
                 async for _ in await stub.rpc_deliver(iter_as_aiter(parts)):
                     pass
 
-            await asyncio.wait_for(call(), self.request_timeout)
+            await asyncio.wait_for(call(), self.limits.deliver_timeout)
             self.delivered += 1
-        except Exception as error:  # the client left or cannot be reached: it will time out and retry
-            logger.info("could not deliver push %s to %s: %s", spec.push_id[:8], spec.reply_to[-8:],
+        except Exception as error:  # the client left, cannot be reached or does not read: it will retry
+            self.dropped += 1
+            logger.info("dropped push %s to %s: %s", spec.push_id[:8], spec.reply_to[-8:],
                         as_remote_error(error, spec.reply_to))
+
+    def info(self) -> dict:
+        return {"pushed": self.pushed, "delivered": self.delivered, "failed": self.failed, "dropped": self.dropped,
+                "pending": self.admission.info()}
 
     async def close(self) -> None:
         for task in list(self.tasks):

@@ -9,28 +9,42 @@ from typing import Callable, Optional, Sequence
 
 import torch
 from hivemind.dht import DHT
-from hivemind.dht.crypto import RSASignatureValidator
 
-import swarm
+from swarm.dht.compatibility import CompatibilityTag
+from swarm.dht.identity import Identity
 from swarm.dht.node import start_dht, stop_dht
-from swarm.diffusion.composition import CompatibilityTag
 from swarm.dht.schema import (
-    ExpertRecord, ServerRecord, ServerState, declare_experts, declare_span, default_prefix, now, owner_subkey,
+    ExpertRecord,
+    ServerRecord,
+    ServerState,
+    declare_experts,
+    declare_span,
+    default_prefix,
+    now,
+    owner_subkey,
     read_servers,
 )
 from swarm.governance.guard import GovernanceGuard
-from swarm.models.loading import ModelFiles
+from swarm.models.checkpoint import parse_dtype
+from swarm.models.loading import EXACT, ModelFiles, numerics, resolve_device
 from swarm.models.quantization import quantize_span_int8
 from swarm.server.backend import SpanBackend
 from swarm.server.block_selection import choose_span
 from swarm.server.config import ServerConfig
 from swarm.server.expert_handler import ExpertHandler
 from swarm.server.experts import (
-    ExpertBackend, HostedExpert, default_dtype, load_expert, measure_expert_throughput, parse_expert_spec,
+    ExpertBackend,
+    HostedExpert,
+    default_dtype,
+    load_expert,
+    measure_expert_throughput,
+    parse_expert_spec,
 )
 from swarm.server.handler import ForwardHandler
+from swarm.server.push import PushLimits
 from swarm.server.session_cache import SessionCaches
 from swarm.server.throughput import measure_throughput
+from swarm.version import __version__
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +58,7 @@ class Server:
 
     def __init__(self, config: ServerConfig, experts: Sequence[str] = ()):
         self.config = config
+        resolve_device(config.device)  # before loading anything: "cuda" without CUDA fails here, clearly
         self.files = ModelFiles(config.model)
         self.model_config = self.files.config
         self.prefix = config.dht_prefix or default_prefix(self.files.path)
@@ -51,24 +66,29 @@ class Server:
             torch.set_num_threads(config.compute_threads)
         self.experts = self._load_experts(experts)  # before joining: an incompatible expert fails fast
         self.hosts_blocks = not self.experts or config.blocks is not None or config.num_blocks is not None
-        self.validator = RSASignatureValidator()
-        self.dht: DHT = start_dht(config.network, [self.validator])
+        # The libp2p identity signs the records too, so they prove the peer id they speak for.
+        self.identity = Identity.load_or_create(config.network.identity_path)
+        self.dht: DHT = start_dht(config.network, identity=self.identity)
         self.peer_id = str(self.dht.peer_id)
-        self.subkey = owner_subkey(self.peer_id, self.validator)
+        self.subkey = owner_subkey(self.peer_id, self.identity.validator)
         self.governance = GovernanceGuard(self.dht, self.prefix, config.governance_keys, ttl=0.0)
         self.start: Optional[int] = None
         self.end: Optional[int] = None
+        self.numerics = EXACT  # what differs from the checkpoint's numerics, announced in the record
         self.backend = self._load_span() if self.hosts_blocks else None
         self.expert_backend = ExpertBackend(self.experts, config.max_concurrent_requests, config.device,
-                                            config.max_queued_tokens) if self.experts else None
+                                            config.max_queued_tokens, config.peer_share) if self.experts else None
         expert_handler = ExpertHandler(
             self.expert_backend, max_batch_tokens=config.max_batch_tokens, wire_dtype=config.wire_dtype,
             request_timeout=config.request_timeout,
         ) if self.expert_backend else None
+        push_limits = PushLimits(config.max_pending_pushes, int(config.push_memory_mb * 2**20), config.push_timeout,
+                                 config.peer_share)
         self.handler = ForwardHandler(
             self.backend, hidden_size=self.model_config.hidden_size, max_batch_tokens=config.max_batch_tokens,
             wire_dtype=config.wire_dtype, request_timeout=config.request_timeout, info=self.info,
             experts=expert_handler, caches=self._session_caches(), num_layers=self.model_config.num_layers,
+            push_limits=push_limits,
         )
         self.state = ServerState.JOINING
         self._stop: Optional[asyncio.Event] = None
@@ -78,22 +98,26 @@ class Server:
         logger.info("loading blocks %d:%d of %s from %s", self.start, self.end, self.prefix, self.files.path)
         if self.config.quant not in (None, "int8"):  # before reading any weights
             raise ValueError(f"unknown quantization {self.config.quant!r}; choose int8")
-        span = self.files.span(self.start, self.end, default_dtype(self.files, self.config.dtype))
+        dtype = parse_dtype(default_dtype(self.files, self.config.dtype))
+        self.numerics = numerics(self.files.default_dtype, dtype, self.config.quant)
+        if self.numerics != EXACT:
+            logger.warning("approximate server (%s): clients use it only when they allow approximate servers",
+                           self.numerics)
+        span = self.files.span(self.start, self.end, dtype)
         if self.config.quant == "int8":
             span = quantize_span_int8(span)
         self.span = span.to(self.config.device)
         self.throughput = self._throughput(lambda: measure_throughput(self.span, self.config.device))
         return SpanBackend(self.span, self.config.max_concurrent_requests, self.config.device,
-                           max_queued_tokens=self.config.max_queued_tokens)
+                           max_queued_tokens=self.config.max_queued_tokens, peer_share=self.config.peer_share)
 
     def _session_caches(self) -> Optional[SessionCaches]:
         if self.backend is None:
             return None
-        element_size = torch.empty(0, dtype=self.backend.dtype).element_size()
-        if self.config.quant == "int8":
-            element_size = 4  # int8 spans compute in float32
+        dtype = torch.float32 if self.config.quant == "int8" else self.backend.dtype  # int8 spans compute in float32
         return SessionCaches(self.model_config, int(self.config.cache_memory_mb * 2**20), self.config.cache_ttl,
-                             element_size, fill_timeout=self.config.request_timeout)
+                             fill_timeout=self.config.request_timeout, max_entries=self.config.cache_max_entries,
+                             dtype=dtype, device=self.config.device)
 
     def _load_experts(self, texts: Sequence[str]) -> dict[str, HostedExpert]:
         """Load each expert and refuse one that cannot be composed with this swarm's backbone."""
@@ -134,25 +158,28 @@ class Server:
     def record(self) -> ServerRecord:
         return ServerRecord(
             peer_id=self.peer_id, state=self.state, start=self.start, end=self.end, throughput=self.throughput,
-            public_name=self.config.public_name, version=swarm.__version__, experts=sorted(self.experts),
+            public_name=self.config.public_name, version=__version__, experts=sorted(self.experts),
+            numerics=self.numerics,
         )
 
     def expert_records(self) -> list[ExpertRecord]:
         return [ExpertRecord(peer_id=self.peer_id, domain=domain, state=self.state, tag=expert.tag,
                              throughput=expert.throughput, model=expert.label, public_name=self.config.public_name,
-                             version=swarm.__version__)
+                             version=__version__)
                 for domain, expert in sorted(self.experts.items())]
 
     def info(self) -> dict:
         return {"peer_id": self.peer_id, "prefix": self.prefix, "start": self.start, "end": self.end,
                 "experts": sorted(self.experts),
-                "state": int(self.state), "version": swarm.__version__, "hidden_size": self.model_config.hidden_size,
+                "state": int(self.state), "version": __version__, "hidden_size": self.model_config.hidden_size,
                 "num_layers": self.model_config.num_layers, "wire_dtype": self.config.wire_dtype,
+                "numerics": self.numerics,
                 "requests_served": self.handler.requests_served, "requests_failed": self.handler.requests_failed,
-                "rows_computed": self.handler.rows_computed,
+                "rows_computed": self.handler.rows_computed, "compute_seconds": self.handler.compute_seconds,
                 "cache": self.handler.caches.info() if self.handler.caches else None,
-                "push": {"pushed": self.handler.pusher.pushed, "delivered": self.handler.pusher.delivered,
-                         "failed": self.handler.pusher.failed}}
+                "admission": {name: backend.queue.info() for name, backend in
+                              (("span", self.backend), ("experts", self.expert_backend)) if backend is not None},
+                "push": self.handler.pusher.info()}
 
     def announce(self, timeout: float = 30.0) -> bool:
         """Store the current records (blocks, experts); False if the DHT did not confirm within ``timeout``."""
@@ -233,4 +260,5 @@ class Server:
             if backend is not None:
                 backend.shutdown()
         stop_dht(self.dht)
+        self.identity.remove()  # a temporary identity is gone already unless the start failed half-way
         logger.info("server stopped")

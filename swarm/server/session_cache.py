@@ -1,13 +1,15 @@
-"""Per-session keys and values on a server (the activation cache), bounded in bytes and in idle time.
+"""Per-session keys and values on a server (the activation cache), bounded in bytes, in count and in idle time.
 
 A session's cache comes in numbered versions, one per fill: a fill request builds version v (dropping the
 session's versions older than its ``keep_from``), reuse requests read the version they name. Naming the
 version lets a client keep calls in flight across a fill: a reuse that overtakes its fill on the network,
 or arrives while the fill still runs, waits for it (briefly when the fill has not arrived at all, since
-after a failover it never will). When a new fill would not fit the budget, the least recently used
-versions are evicted; a fill larger than the whole budget is computed without being kept (its reuses then
-miss, and the client falls back to uncached calls). Versions idle for longer than the time-to-live are
-dropped on the next access to the store.
+after a failover it never will). A version is counted at its real cost: the keys and values, reserved in
+one piece when the fill starts, plus a measured overhead per version and per block, so a flood of tiny
+fills cannot hold more memory than the budget says. When a new fill would not fit the budget (or the
+count of versions), the least recently used versions are evicted; a fill larger than the whole budget is
+computed without being kept (its reuses then miss, and the client falls back to uncached calls). Versions
+idle for longer than the time-to-live are dropped on the next access to the store.
 """
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Optional
 
+import torch
+
 from swarm.models.config import ModelConfig
 from swarm.models.kv_cache import CacheMiss, SpanKV
 
@@ -25,6 +29,12 @@ logger = logging.getLogger(__name__)
 
 ARRIVAL_WAIT_S = 1.0  # default wait of a reuse for a fill this server has not received yet
 MAX_WAITING = 256  # reuses waiting for fills at once; more miss at once (a flood cannot pile up)
+DEFAULT_MAX_ENTRIES = 4096  # cache versions kept at once, whatever their size
+# What a version costs beyond its keys and values: its Python objects (entry, SpanKV, storage tensor, keys of
+# the indexes) and those of each block it holds, measured by benchmarks/server_bounds.py and rounded up.
+ENTRY_OVERHEAD_BYTES = 2048
+BLOCK_OVERHEAD_BYTES = 256
+FLOAT_DTYPES = {4: torch.float32, 2: torch.bfloat16, 8: torch.float64}
 
 CacheKey = tuple[str, int]  # (session id, version)
 
@@ -39,36 +49,51 @@ class CacheStats:
     waits: int = 0  # reuses that arrived before their fill had run
 
 
-@dataclass
+@dataclass(slots=True)
 class CacheEntry:
     kv: SpanKV
-    size: int  # bytes reserved when the fill started
+    size: int  # bytes counted for it: its keys and values, reserved when the fill started, and its overhead
     used: float  # last access, time.monotonic()
     ready: bool = False  # the fill pass has run
 
 
 class SessionCaches:
-    def __init__(self, config: ModelConfig, budget_bytes: int, ttl: float, element_size: int,
-                 fill_timeout: float = 30.0, arrival_wait: float = ARRIVAL_WAIT_S):
-        self.config, self.budget_bytes, self.ttl, self.element_size = config, budget_bytes, ttl, element_size
+    """The versions of every session, least recently used first, with their bytes and count bounded.
+
+    Every operation costs O(1) amortised, or O(versions of one session): the byte total is kept as entries
+    come and go, each session's versions are indexed, and expiry pops from the least recently used end.
+    ``dtype`` and ``device`` are those of the span's compute (default: a float of ``element_size`` bytes).
+    """
+
+    def __init__(self, config: ModelConfig, budget_bytes: int, ttl: float, element_size: int = 4,
+                 fill_timeout: float = 30.0, arrival_wait: float = ARRIVAL_WAIT_S, *,
+                 max_entries: int = DEFAULT_MAX_ENTRIES, dtype: Optional[torch.dtype] = None,
+                 device: str | torch.device = "cpu"):
+        self.config, self.budget_bytes, self.ttl = config, budget_bytes, ttl
+        self.dtype = dtype or FLOAT_DTYPES[element_size]
+        self.element_size = torch.empty(0, dtype=self.dtype).element_size()
+        self.device = device
+        self.max_entries = max_entries
         self.fill_timeout = fill_timeout  # how long a reuse waits for a fill that is running here
         self.arrival_wait = arrival_wait  # ... and for one not received (after a failover it never comes)
         self.entries: OrderedDict[CacheKey, CacheEntry] = OrderedDict()  # least recently used first
+        self.versions: dict[str, set[int]] = {}  # each session's versions in ``entries``
+        self.used_bytes = 0  # sum of the entries' sizes
         self.arrivals: dict[CacheKey, asyncio.Event] = {}  # set when that fill has run (or failed)
         self.stats = CacheStats()
 
     @property
-    def used_bytes(self) -> int:
-        return sum(entry.size for entry in self.entries.values())
-
-    @property
     def sessions(self) -> set[str]:
-        return {session for session, _ in self.entries}
+        return set(self.versions)
 
     def size_of(self, blocks: int, batch: int, length: int) -> int:
         """Bytes of keys and values for ``blocks`` blocks: reserved before the fill runs."""
         cfg = self.config
         return 2 * blocks * batch * cfg.num_kv_heads * length * cfg.head_dim * self.element_size
+
+    def cost_of(self, blocks: int, batch: int, length: int) -> int:
+        """What a version is counted at: its keys and values and its measured overhead."""
+        return self.size_of(blocks, batch, length) + ENTRY_OVERHEAD_BYTES + blocks * BLOCK_OVERHEAD_BYTES
 
     def for_fill(self, session_id: str, version: int, keep_from: int, blocks: int, batch: int,
                  length: int) -> Optional[SpanKV]:
@@ -76,24 +101,22 @@ class SessionCaches:
 
         Call :meth:`filled` once the fill pass has run (or failed)."""
         self.expire()
-        for key in [k for k in self.entries if k[0] == session_id and (k[1] < keep_from or k[1] == version)]:
-            del self.entries[key]
-        size = self.size_of(blocks, batch, length)
+        for old in [v for v in self.versions.get(session_id, ()) if v < keep_from or v == version]:
+            self._drop((session_id, old))
+        size = self.cost_of(blocks, batch, length)
         if size > self.budget_bytes:
             self.stats.refused += 1
             logger.warning("session %s needs %d bytes of cache, over the whole budget of %d: not kept",
                            session_id[:8], size, self.budget_bytes)
             self._wake((session_id, version))
             return None
-        while self.used_bytes + size > self.budget_bytes:
-            (evicted, evicted_version), _ = self.entries.popitem(last=False)
-            self.stats.evictions += 1
-            logger.info("evicted cache version %d of session %s (budget %d bytes)", evicted_version, evicted[:8],
-                        self.budget_bytes)
-        entry = CacheEntry(SpanKV(batch, length), size, time.monotonic())
-        self.entries[session_id, version] = entry
+        while self.entries and (self.used_bytes + size > self.budget_bytes or len(self.entries) >= self.max_entries):
+            self._pop_oldest()
+        cfg = self.config
+        kv = SpanKV.reserve(blocks, batch, length, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
+        self._add((session_id, version), CacheEntry(kv, size, time.monotonic()))
         self.stats.fills += 1
-        return entry.kv
+        return kv
 
     def filled(self, session_id: str, version: int, kv: Optional[SpanKV], ok: bool) -> None:
         """The fill pass of this version (into ``kv``) has run: its reuses may go on (or, when it failed, miss)."""
@@ -105,7 +128,7 @@ class SessionCaches:
             if ok:
                 entry.ready = True
             else:
-                del self.entries[key]
+                self._drop(key)
         self._wake(key)
 
     async def for_reuse(self, session_id: str, version: int) -> SpanKV:
@@ -144,11 +167,35 @@ class SessionCaches:
             event.set()
 
     def expire(self) -> None:
+        """Drop the versions idle for longer than the TTL: they come first in ``entries``."""
         cutoff = time.monotonic() - self.ttl
-        for key in [k for k, entry in self.entries.items() if entry.used < cutoff]:
-            del self.entries[key]
-            self.stats.evictions += 1
+        while self.entries and next(iter(self.entries.values())).used < cutoff:
+            self._pop_oldest()
+
+    # ----- the indexes -----------------------------------------------------------------------------
+    def _add(self, key: CacheKey, entry: CacheEntry) -> None:
+        self.entries[key] = entry
+        self.versions.setdefault(key[0], set()).add(key[1])
+        self.used_bytes += entry.size
+
+    def _drop(self, key: CacheKey) -> None:
+        """Forget a version (a request still computing with it keeps its memory until it ends)."""
+        self._unindex(key, self.entries.pop(key))
+
+    def _pop_oldest(self) -> None:
+        key, entry = self.entries.popitem(last=False)
+        self._unindex(key, entry)
+        self.stats.evictions += 1
+        logger.debug("evicted cache version %d of session %s", key[1], key[0][:8])
+
+    def _unindex(self, key: CacheKey, entry: CacheEntry) -> None:
+        self.used_bytes -= entry.size
+        versions = self.versions[key[0]]
+        versions.discard(key[1])
+        if not versions:
+            del self.versions[key[0]]
 
     def info(self) -> dict:
-        return {"sessions": len(self.sessions), "versions": len(self.entries), "used_bytes": self.used_bytes,
-                "budget_bytes": self.budget_bytes, "ttl_s": self.ttl, **vars(self.stats)}
+        return {"sessions": len(self.versions), "versions": len(self.entries), "used_bytes": self.used_bytes,
+                "budget_bytes": self.budget_bytes, "max_versions": self.max_entries, "ttl_s": self.ttl,
+                **vars(self.stats)}

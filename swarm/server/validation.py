@@ -8,6 +8,7 @@ import torch
 from swarm.protocol import ErrorCode, RemoteError
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+FLOAT_DTYPE_NAMES = ("float32", "float16", "bfloat16")
 MAX_SESSION_ID_LENGTH = 128
 
 
@@ -36,14 +37,28 @@ def is_count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**31
 
 
+def validate_shape(shape: tuple[int, ...], hidden_size: int, max_batch_tokens: int) -> tuple[int, int]:
+    """(batch, length) of hidden states of ``shape``: checked on the declared shape before anything is received
+    or decoded, and again on the decoded tensor."""
+    require(len(shape) == 3, ErrorCode.BAD_REQUEST,
+            f"hidden states must have shape (batch, length, {hidden_size}), got {tuple(shape)}")
+    batch, length, size = shape
+    require(size == hidden_size, ErrorCode.BAD_REQUEST, f"hidden size {size} does not match the model's {hidden_size}")
+    require(batch > 0 and length > 0, ErrorCode.BAD_REQUEST, f"empty batch {tuple(shape)}")
+    require(batch * length <= max_batch_tokens, ErrorCode.TOO_LARGE,
+            f"{batch} x {length} = {batch * length} tokens exceeds this server's limit of {max_batch_tokens}")
+    return batch, length
+
+
+def validate_declared(dtype: str, shape: tuple[int, ...], hidden_size: int, max_batch_tokens: int) -> tuple[int, int]:
+    """The dtype and shape a serialized tensor declares, before its bytes are received or decoded."""
+    require(dtype in FLOAT_DTYPE_NAMES, ErrorCode.BAD_REQUEST,
+            f"hidden states must be {'/'.join(FLOAT_DTYPE_NAMES)}, got {dtype!r}")
+    return validate_shape(shape, hidden_size, max_batch_tokens)
+
+
 def validate_hidden(hidden: torch.Tensor, hidden_size: int, max_batch_tokens: int) -> None:
     require(hidden.dtype in FLOAT_DTYPES, ErrorCode.BAD_REQUEST,
             f"hidden states must be float32/float16/bfloat16, got {hidden.dtype}")
-    require(hidden.dim() == 3, ErrorCode.BAD_REQUEST,
-            f"hidden states must have shape (batch, length, {hidden_size}), got {tuple(hidden.shape)}")
-    batch, length, size = hidden.shape
-    require(size == hidden_size, ErrorCode.BAD_REQUEST, f"hidden size {size} does not match the model's {hidden_size}")
-    require(batch > 0 and length > 0, ErrorCode.BAD_REQUEST, f"empty batch {tuple(hidden.shape)}")
-    require(batch * length <= max_batch_tokens, ErrorCode.TOO_LARGE,
-            f"{batch} x {length} = {batch * length} tokens exceeds this server's limit of {max_batch_tokens}")
+    validate_shape(tuple(hidden.shape), hidden_size, max_batch_tokens)
     require(bool(torch.isfinite(hidden).all()), ErrorCode.NOT_FINITE, "hidden states contain NaN or infinite values")

@@ -1,0 +1,243 @@
+"""What a hostile client can make one server hold: floods of undelivered pushes and of tiny cache fills.
+
+Starts one server of the default model (blocks 0:8) on 127.0.0.1 and attacks it from a bare libp2p peer:
+
+1. ``--pushes`` maximum-size pushed requests (16 x 1024 tokens, 8 MiB each) whose delivery target accepts the
+   stream and never reads it, two at a time (more would be refused by the compute queue's per-peer share);
+2. ``--fills`` cache fills of one position each, every one under a new session id, then the latency of a
+   cached reuse call;
+3. one request stream of ``--stream-mb`` MiB, far over the payload limit.
+
+It prints the server's resident memory (its Python process; the libp2p daemon separately) before, at the
+peak and after, what was accepted and refused (with the first refusal's message), and the server's own
+counters. ``--baseline DIR`` runs the server from another checkout instead (e.g. the previous commit,
+exported with ``git archive HEAD | tar -x -C DIR``), with the same attack, for before/after figures.
+
+    python benchmarks/server_bounds.py
+    python benchmarks/server_bounds.py --baseline /tmp/old --cache-memory-mb 64
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import threading
+import time
+import uuid
+from typing import Optional
+
+import psutil
+import torch
+from hivemind.p2p import P2P
+
+from swarm.protocol import DeliveryService, ForwardRequest, RemoteError
+from swarm.remote import RemoteCaller
+from swarm.utils.event_loop import BackgroundLoop
+from swarm.utils.local_swarm import LocalSwarm, ManagedProcess
+
+MiB = 2**20
+HIDDEN = 128  # the default model's hidden size
+MAX_TOKENS = 16384  # the server's default --max-batch-tokens
+
+
+class Attacker:
+    """A bare libp2p peer connected to one server, calling its RPCs as any client could."""
+
+    def __init__(self, server: ManagedProcess):
+        self.server = server
+        self.loop = BackgroundLoop(name="attacker")
+        self.p2p: P2P = self.loop.run(P2P.create(initial_peers=server.maddrs), timeout=60)
+        self.caller = RemoteCaller(self.p2p)
+        self.peer_id = str(self.p2p.peer_id)
+
+    def run(self, coroutine, timeout: float = 600):
+        return self.loop.run(coroutine, timeout)
+
+    def info(self) -> dict:
+        return self.run(self.caller.info(self.server.peer_id, 10))[0]
+
+    async def silent_target(self) -> str:
+        """A delivery namespace whose handler accepts each stream and never reads it."""
+        namespace = uuid.uuid4().hex
+
+        async def never_read(info, reader, writer) -> None:
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:  # the peer shuts down
+                pass
+
+        name = DeliveryService._get_handle_name(namespace, "rpc_deliver")
+        await self.p2p.add_binary_stream_handler(name, never_read)
+        return namespace
+
+    async def call(self, request: ForwardRequest, push: bool) -> Optional[RemoteError]:
+        """None when accepted, else the error (busy, too_large, ...)."""
+        try:
+            if push:
+                await self.caller.push(self.server.peer_id, request, 120)
+            else:
+                await self.caller.forward(self.server.peer_id, request, 120)
+            return None
+        except RemoteError as error:
+            return error
+
+    async def many(self, requests: list[ForwardRequest], push: bool, concurrency: int) -> list[Optional[RemoteError]]:
+        gate = asyncio.Semaphore(concurrency)
+
+        async def one(request: ForwardRequest) -> Optional[RemoteError]:
+            async with gate:
+                return await self.call(request, push)
+
+        return await asyncio.gather(*[one(request) for request in requests])
+
+    def close(self) -> None:
+        self.run(self.p2p.shutdown(), timeout=30)
+        self.loop.stop()
+
+
+class Memory:
+    """Resident memory of the server's Python process and of its child processes (the libp2p daemon)."""
+
+    def __init__(self, pid: int):
+        self.process = psutil.Process(pid)
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    def now(self) -> tuple[int, int]:
+        children = sum(child.memory_info().rss for child in self.process.children(recursive=True))
+        return self.process.memory_info().rss, children
+
+    def __enter__(self) -> "Memory":
+        self.peak = self.now()[0]
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.05):
+            self.peak = max(self.peak, self.now()[0])
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def mb(value: int) -> str:
+    return f"{value / MiB:.0f} MiB"
+
+
+def refusals(results: list[Optional[RemoteError]]) -> str:
+    refused = [r for r in results if r is not None]
+    codes = sorted({r.code.value for r in refused})
+    first = f"; first: {refused[0].message}" if refused else ""
+    return f"{len(results) - len(refused)} accepted, {len(refused)} refused ({', '.join(codes) or '-'}){first}"
+
+
+def flood_pushes(attacker: Attacker, memory: Memory, count: int, settle: float) -> None:
+    namespace = attacker.run(attacker.silent_target())
+    spec = {"route": [], "reply_to": attacker.peer_id, "namespace": namespace, "hop_delay": [0.0, 0.0]}
+    hidden = torch.randn(16, MAX_TOKENS // 16, HIDDEN)  # 16 rows of 1024: attention stays cheap
+    requests = [ForwardRequest(0, 8, hidden, f"push-{i}", 0, {"push": dict(spec, id=f"push-{i}")})
+                for i in range(count)]
+    before = memory.now()
+    started = time.perf_counter()
+    with memory:
+        results = attacker.run(attacker.many(requests, push=True, concurrency=2))
+        time.sleep(1.5)  # compute is idle: its freed memory is given back
+        pending, held = attacker.info()["push"].get("pending", {}).get("in_flight", "?"), memory.now()[0]
+        time.sleep(settle)  # the deliveries time out (or not) meanwhile
+    after = memory.now()
+    print(f"pushes: {count} x {mb(hidden.numel() * 4)} to a target that never reads, "
+          f"{time.perf_counter() - started:.0f} s")
+    print(f"  server RSS {mb(before[0])} -> peak {mb(memory.peak)} -> {mb(held)} with {pending} pending -> "
+          f"{mb(after[0])} {settle:.0f} s later; daemon {mb(before[1])} -> {mb(after[1])}")
+    print(f"  {refusals(results)}")
+    print(f"  server: {attacker.info()['push']}")
+
+
+def flood_fills(attacker: Attacker, memory: Memory, count: int) -> None:
+    def fill(session: str) -> ForwardRequest:
+        return ForwardRequest(0, 8, torch.randn(1, 1, HIDDEN), session, 0,
+                              {"cache": {"rows": None, "version": 1, "keep_from": 0}})
+
+    def reuse_ms(session: str, repeats: int = 100, warmup: int = 20) -> float:
+        request = ForwardRequest(0, 8, torch.randn(1, 1, HIDDEN), session, 1,
+                                 {"cache": {"rows": [0, 1], "version": 1, "keep_from": 0}})
+        times = []
+        for _ in range(warmup):
+            attacker.run(attacker.call(request, push=False))
+        for _ in range(repeats):
+            started = time.perf_counter()
+            error = attacker.run(attacker.call(request, push=False))
+            assert error is None, error
+            times.append(1000 * (time.perf_counter() - started))
+        return statistics.median(times)
+
+    attacker.run(attacker.call(fill("first"), push=False))
+    few = reuse_ms("first")
+    before = memory.now()
+    started = time.perf_counter()
+    with memory:
+        results = attacker.run(attacker.many([fill(f"s{i:06d}") for i in range(count)], push=False, concurrency=8))
+    after = memory.now()
+    many = reuse_ms(f"s{count - 1:06d}")
+    cache = attacker.info()["cache"]
+    print(f"cache fills: {count} sessions of 1 position x 8 blocks, {time.perf_counter() - started:.0f} s")
+    print(f"  server RSS {mb(before[0])} -> peak {mb(memory.peak)} -> {mb(after[0])}; counted "
+          f"{mb(cache['used_bytes'])} of {mb(cache['budget_bytes'])} in {cache['versions']} versions "
+          f"(limit {cache.get('max_versions', '-')}), {cache['evictions']} evicted")
+    print(f"  {refusals(results)}")
+    print(f"  a cached reuse call: {few:.1f} ms with 2 versions kept, {many:.1f} ms with {cache['versions']} (median)")
+
+
+def oversized_stream(attacker: Attacker, memory: Memory, size_mb: int) -> None:
+    tokens = size_mb * MiB // (4 * HIDDEN)
+    request = ForwardRequest(0, 8, torch.randn(1, tokens, HIDDEN), "big", 0)
+    before = memory.now()
+    computed = attacker.info()["rows_computed"]
+    started = time.perf_counter()
+    with memory:
+        error = attacker.run(attacker.call(request, push=False))
+    print(f"one stream of {size_mb} MiB (1 x {tokens} x {HIDDEN}): answered in {time.perf_counter() - started:.1f} s "
+          f"with {error}")
+    print(f"  server RSS {mb(before[0])} -> peak {mb(memory.peak)}; rows computed "
+          f"{attacker.info()['rows_computed'] - computed}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--pushes", type=int, default=47, help="maximum-size pushes to a target that never reads")
+    parser.add_argument("--settle", type=float, default=15.0, help="seconds to wait after the pushes")
+    parser.add_argument("--fills", type=int, default=14000, help="one-position cache fills, each a new session")
+    parser.add_argument("--stream-mb", type=int, default=100, help="size of the oversized request stream")
+    parser.add_argument("--cache-memory-mb", type=float, default=64.0, help="the server's --cache-memory-mb")
+    parser.add_argument("--baseline", default=None, help="run the server from this checkout instead")
+    args = parser.parse_args()
+
+    entry = ("-m", "swarm.server")
+    if args.baseline:  # `python -c` puts the working directory first on the path: put the checkout before it
+        entry = ("-c", f"import sys, runpy; sys.path.insert(0, {args.baseline!r}); "
+                       "runpy.run_module('swarm.server', run_name='__main__')")
+    with LocalSwarm() as swarm:
+        server = swarm.start_server("default", "0:8", "--compute-threads", "1", "--cache-memory-mb",
+                                    str(args.cache_memory_mb), entry=entry)
+        memory = Memory(server.process.pid)
+        attacker = Attacker(server)
+        try:
+            print(f"server {'from ' + args.baseline if args.baseline else 'of this checkout'}, "
+                  f"RSS {mb(memory.now()[0])} at start")
+            if args.pushes:
+                flood_pushes(attacker, memory, args.pushes, args.settle)
+            if args.fills:
+                flood_fills(attacker, memory, args.fills)
+            if args.stream_mb:
+                oversized_stream(attacker, memory, args.stream_mb)
+            print(f"server alive: {server.alive}")
+        finally:
+            attacker.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,11 +1,14 @@
-"""Calling one server: the forward RPC (unary or streamed, by size) and the info/ping RPC."""
+"""Calling one server: the forward RPC (unary or streamed, by size), expert queries and the info/ping RPC.
+
+Part of the wire layer: clients call servers with it, and servers call the next server of a pushed route.
+"""
 from __future__ import annotations
 
 import asyncio
 import logging
 import random
 import time
-from typing import Awaitable, Callable, Optional
+from typing import AsyncIterator, Awaitable, Callable, Optional
 
 import torch
 from hivemind.p2p import P2P, PeerID
@@ -14,8 +17,16 @@ from hivemind.utils import MSGPackSerializer
 from hivemind.utils.asyncio import iter_as_aiter
 
 from swarm.protocol import (
-    ErrorCode, ExpertRequest, ForwardRequest, RemoteError, SpanService, collect_ack, collect_response,
-    expert_request_message, request_parts,
+    AUTO_WIRE,
+    ErrorCode,
+    ExpertRequest,
+    ForwardRequest,
+    RemoteError,
+    SpanService,
+    collect_ack,
+    collect_response,
+    expert_request_message,
+    request_parts,
 )
 
 logger = logging.getLogger(__name__)
@@ -24,7 +35,7 @@ logger = logging.getLogger(__name__)
 class RemoteCaller:
     """Thin async wrapper over a server's RPCs; every failure surfaces as :class:`RemoteError`."""
 
-    def __init__(self, p2p: P2P, wire_dtype: str = "float32", latency: float = 0.0, jitter: float = 0.0):
+    def __init__(self, p2p: P2P, wire_dtype: str = AUTO_WIRE, latency: float = 0.0, jitter: float = 0.0):
         """``latency``/``jitter`` emulate a wide-area network in user space (benchmarks only): each crossing,
         request or answer, is delayed by ``latency`` plus up to ``jitter`` seconds, so a call costs two."""
         self.p2p = p2p
@@ -32,6 +43,7 @@ class RemoteCaller:
         self.latency, self.jitter = latency, jitter
         self.calls = 0
         self.rows_sent = 0  # batch x length of hidden states sent in forward requests
+        self.bytes_sent = self.bytes_received = 0  # serialized forward requests and answers (benchmarks read them)
 
     async def crossing(self) -> None:
         """One emulated one-way network crossing (nothing unless latency is injected)."""
@@ -76,11 +88,15 @@ class RemoteCaller:
         parts = request_parts(request, self.wire_dtype)
         stub = self._stub(peer_id)
         self.rows_sent += request.hidden.shape[0] * request.hidden.shape[1]
+        self.bytes_sent += sum(part.ByteSize() for part in parts)
 
         async def rpc() -> list:
             if len(parts) == 1:
-                return [await stub.rpc_forward(parts[0])]
-            return [response async for response in await stub.rpc_forward_stream(iter_as_aiter(parts))]
+                responses = [await stub.rpc_forward(parts[0])]
+            else:
+                responses = await _read_stream(stub.rpc_forward_stream(iter_as_aiter(parts)))
+            self.bytes_received += sum(response.ByteSize() for response in responses)
+            return responses
 
         return rpc
 
@@ -109,6 +125,19 @@ class RemoteCaller:
             raise RemoteError(ErrorCode.INTERNAL, f"expert returned shape {tuple(log_probs.shape)}, expected "
                               f"({batch}, {request.end - request.start}, vocab)", peer_id)
         return log_probs
+
+
+async def _read_stream(call: Awaitable[AsyncIterator]) -> list:
+    """Every answer of a stream RPC. A server that refuses a request early (too large, busy) answers and
+    closes while the rest is still being sent: the answer it gave is kept instead of the broken pipe."""
+    responses: list = []
+    try:
+        async for response in await call:
+            responses.append(response)
+    except (BrokenPipeError, ConnectionResetError):
+        if not responses:
+            raise
+    return responses
 
 
 def as_remote_error(error: BaseException, peer_id: Optional[str]) -> RemoteError:

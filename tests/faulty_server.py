@@ -1,17 +1,24 @@
 """A deliberately faulty server for the spot-check tests (never a production flag).
 
 Runs the real ``python -m swarm.server`` CLI with the backend's output perturbed by noise of 5% of its
-scale: plausible-looking but wrong hidden states, as a dishonest or broken volunteer would return.
+scale: plausible-looking but wrong hidden states, as a dishonest or broken volunteer would return. Started
+with ``--public-name faulty-reuse`` it lies only on passes that reuse the activation cache (a liar that hopes
+the checks skip those).
 """
+import sys
+
 import torch
 
 from swarm.server import backend
 
 _honest_forward = backend.SpanBackend.forward_sync
+REUSE_ONLY = "faulty-reuse" in sys.argv
 
 
 def _perturbed_forward(self, hidden, start, end, kv=None, rows=None):
     output = _honest_forward(self, hidden, start, end, kv, rows)
+    if REUSE_ONLY and rows is None:
+        return output
     return output + 0.05 * output.std() * torch.randn_like(output)
 
 

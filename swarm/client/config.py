@@ -16,15 +16,25 @@ class ClientConfig:
     network: NetworkConfig = field(default_factory=NetworkConfig)
     dht_prefix: Optional[str] = None  # default: the model directory's name, as servers use
     connect_timeout: float = 5.0  # ping / info calls
-    request_timeout: float = 30.0  # one forward call through one server
+    request_timeout: float = 30.0  # one forward call through one server: the most any call waits
+    # Adaptive timeouts: a call waits timeout_floor + timeout_factor x the time the peer's measured speed predicts
+    # (capped by request_timeout), so a server that stops answering costs seconds, not the full timeout.
+    timeout_floor: float = 5.0
+    timeout_factor: float = 4.0
     max_retries: int = 8  # failed calls tolerated in one denoiser call before giving up
     retry_deadline: float = 120.0  # seconds spent retrying one denoiser call before giving up
     backoff_base: float = 0.1  # first retry delay; doubles on each retry
     backoff_max: float = 5.0
-    ban_base: float = 15.0  # seconds a failing peer is avoided; doubles on repeat failures
-    ban_max: float = 300.0
+    # seconds a failing peer is avoided; doubles on repeat failures, at least 2 x request_timeout
+    ban_base: float = 15.0
+    ban_max: float = 300.0  # also how long a server is avoided after an unresolved spot check
     route_refresh: float = 30.0  # seconds after which the server list is re-read (between generations only)
-    wire_dtype: str = "float32"  # "float16" halves traffic but is not exact
+    wire_dtype: str = "auto"  # "auto": the compute dtype (lossless); "float16" halves float32 traffic, not exact
+    dtype: Optional[str] = None  # the embedding's and head's dtype; None: the checkpoint's (as servers default to)
+    # Servers whose numerics differ from the checkpoint's (another --dtype, --quant int8) announce it; routes
+    # avoid them unless this is set, and results then name each approximate hop in info["approximate"].
+    allow_approximate: bool = False
+    head_rows: str = "active"  # "active": the head scores only the rows the sampler reads; "all": every row
     spot_check_fraction: float = 0.0  # share of hops re-executed on another server (tiers may raise it)
     spot_check_rtol: float = 1e-3  # relative difference tolerated between two servers (float32 wire)
     spot_check_seed: int = 0  # which hops get checked is drawn from this seed: reproducible

@@ -1,10 +1,11 @@
 """Experts over the swarm: finding compatible servers of a domain, querying them, failing over.
 
-A :class:`RemoteExpert` is an :class:`~swarm.diffusion.composition.ExpertSource`: ``submit`` starts the
+A :class:`RemoteExpert` is an :class:`~swarm.diffusion.experts.ExpertSource`: ``submit`` starts the
 query on the client's background loop and returns at once, so the expert computes while the backbone's
-route does; ``result`` waits for it. A server that fails is banned (with the route's bans, so a dead server
-is avoided by both) and the same query goes to the next server of the domain; when none is left the expert
-raises :class:`ExpertUnavailable` and the composition drops it with a warning.
+route does; ``result`` waits for it. A server that fails is recorded in the client's :class:`PeerHealth`
+(so a dead server is avoided by the route too) and the same query goes to the next server of the domain,
+through the same failover loop as span calls; when none is left the expert raises
+:class:`ExpertUnavailable` and the composition drops it with a warning.
 """
 from __future__ import annotations
 
@@ -17,14 +18,15 @@ from typing import Any, Iterable, Optional
 import torch
 from hivemind.dht import DHT
 
-from swarm.client.remote import RemoteCaller, as_remote_error
-from swarm.client.sequence import FailoverEvent, RemoteSequence
-from swarm.diffusion.composition import (
-    CompatibilityTag, ExpertNotFoundError, ExpertUnavailable, IncompatibleExpertError,
-)
-from swarm.diffusion.sampler import DenoiseContext
+from swarm.client.config import ClientConfig
+from swarm.client.failover import FailoverEvent, RetryBudget, SwarmError, call_with_failover
+from swarm.client.peers import PeerHealth
+from swarm.dht.compatibility import CompatibilityTag, IncompatibleExpertError
 from swarm.dht.schema import ExpertRecord, ServerState, expert_key, read_expert_records
+from swarm.diffusion.denoiser import DenoiseContext, Pending
+from swarm.diffusion.experts import ExpertNotFoundError, ExpertUnavailable
 from swarm.protocol import ErrorCode, ExpertRequest, RemoteError
+from swarm.remote import RemoteCaller
 from swarm.utils.event_loop import BackgroundLoop
 
 logger = logging.getLogger(__name__)
@@ -47,64 +49,90 @@ def find_expert_servers(dht: DHT, prefix: str, domain: str, backbone: Compatibil
     return sorted(compatible, key=lambda r: (-r.throughput, r.peer_id))
 
 
-class PendingRemote:
-    """One submitted query; ``result`` fails over to the domain's other servers."""
+class PendingRemote(Pending):
+    """One submitted query; ``result`` fails over to the domain's other servers (the shared failover loop)."""
 
     def __init__(self, expert: "RemoteExpert", request: ExpertRequest):
         self.expert = expert
         self.request = request
-        self.peer_id = expert.current()
-        self.future = expert.start(self.peer_id, request) if self.peer_id else None
+        self.first_peer = expert.pick(frozenset())
+        self.first = expert.start(self.first_peer, request) if self.first_peer else None
 
     def result(self) -> torch.Tensor:
-        errors: list[str] = []
-        while self.peer_id is not None:
-            try:
-                return self.future.result(self.expert.timeout + 5.0)
-            except (RemoteError, concurrent.futures.TimeoutError) as error:
-                self.future.cancel()
-                error = as_remote_error(error, self.peer_id)
-                errors.append(f"{self.peer_id[-8:]}: {error.message}")
-                self.expert.failed(self.peer_id, error)
-            self.peer_id = self.expert.current()
-            self.future = self.expert.start(self.peer_id, self.request) if self.peer_id else None
-        raise ExpertUnavailable(f"no server of expert {self.expert.domain!r} is left "
-                                f"({'; '.join(errors) or 'all were avoided after failures'})")
+        expert = self.expert
+        budget = RetryBudget(expert.config)
+        try:
+            return call_with_failover(
+                self._pick, lambda peer: peer, self._attempt, health=expert.health, budget=budget,
+                final=lambda error: None, on_failure=lambda peer, error: expert.failed(peer, error),
+                label=lambda peer: f"expert {expert.domain}",
+            )
+        except ExpertUnavailable as error:
+            raise ExpertUnavailable(f"{error} ({'; '.join(budget.errors) or 'all were avoided after failures'})")
+        except SwarmError as error:
+            raise ExpertUnavailable(f"expert {expert.domain!r}: {error}") from None
+
+    def cancel(self) -> None:
+        """Not needed any more: drop the query started at submit time (one still running on a server finishes)."""
+        if self.first is not None:
+            self.first.cancel()
+
+    def _pick(self, avoid: frozenset[str]) -> str:
+        peer = self.expert.pick(avoid)
+        if peer is None:
+            raise ExpertUnavailable(f"no server of expert {self.expert.domain!r} is left")
+        return peer
+
+    def _attempt(self, peer: str) -> torch.Tensor:
+        """The answer of ``peer``: the query started at submit time when it went there, else a new one."""
+        future = self.first if peer == self.first_peer and self.first is not None else None
+        self.first = None  # a pre-started query is waited for once
+        future = future or self.expert.start(peer, self.request)
+        try:
+            return future.result(self.expert.config.request_timeout + 5.0)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise RemoteError(ErrorCode.TIMEOUT, "no answer within the timeout", peer) from None
 
 
 class RemoteExpert:
     """One expert domain served by the swarm (see the module's docstring)."""
 
     def __init__(self, domain: str, servers: Iterable[ExpertRecord], caller: RemoteCaller, loop: BackgroundLoop,
-                 sequence: RemoteSequence, timeout: float):
+                 health: PeerHealth, config: ClientConfig):
         self.domain = domain
         self.servers = list(servers)
-        self.caller, self.loop, self.sequence = caller, loop, sequence
-        self.timeout = timeout
+        self.caller, self.loop, self.health, self.config = caller, loop, health, config
         self.failed_peers: set[str] = set()
         self.failovers: list[FailoverEvent] = []
         self.used: list[str] = []
 
-    def current(self) -> Optional[str]:
-        """The preferred server not failed in this generation nor excluded by the route (banned, distrusted,
-        off the allow-list), if any."""
-        excluded = self.sequence.excluded() | self.failed_peers
-        allowed = self.sequence.allowed
-        for record in self.servers:
-            if record.peer_id not in excluded and (allowed is None or record.peer_id in allowed):
-                return record.peer_id
-        return None
+    def pick(self, avoid: frozenset[str]) -> Optional[str]:
+        """The preferred server not failed in this generation, not in ``avoid`` and usable per the client's
+        peer health (not banned, distrusted or off the allow-list), if any."""
+        peers = [record.peer_id for record in self.servers]
+        excluded = self.health.excluded(peers) | self.failed_peers | avoid
+        return next((peer for peer in peers if peer not in excluded), None)
 
     def start(self, peer_id: str, request: ExpertRequest) -> concurrent.futures.Future:
+        """Send the query now (it runs on the background loop); its time refines the peer's measured speed."""
         if peer_id not in self.used:
             self.used.append(peer_id)
-        coroutine = self.caller.expert_logits(peer_id, request, self.timeout)
-        return asyncio.run_coroutine_threadsafe(coroutine, self.loop.loop)
+        work = request.tokens.numel()
+
+        async def query() -> torch.Tensor:
+            started = time.perf_counter()
+            log_probs = await self.caller.expert_logits(peer_id, request, self.health.timeout(peer_id, work, "expert"))
+            self.health.record_success(peer_id, time.perf_counter() - started, work, "expert")
+            return log_probs
+
+        return asyncio.run_coroutine_threadsafe(query(), self.loop.loop)
 
     def failed(self, peer_id: str, error: RemoteError) -> None:
+        """A failed query: the peer is not asked again for this domain in this generation (the health's ban,
+        recorded by the failover loop, keeps the route away from it too)."""
         self.failed_peers.add(peer_id)
         self.failovers.append(FailoverEvent(peer_id, -1, f"expert {self.domain}: {error}"))
-        self.sequence.ban(peer_id, f"expert {self.domain!r}: {error}", busy=error.code == ErrorCode.BUSY)
 
     def submit(self, tokens: torch.Tensor, context: DenoiseContext) -> PendingRemote:
         request = ExpertRequest(self.domain, tokens, context.block_start, context.block_end, step=context.steps[0])
@@ -117,7 +145,7 @@ class RemoteExpert:
 
 def open_remote_experts(
     names: Iterable[str], *, dht: DHT, prefix: str, backbone: CompatibilityTag, caller: RemoteCaller,
-    loop: BackgroundLoop, sequence: RemoteSequence, timeout: float, required: bool,
+    loop: BackgroundLoop, health: PeerHealth, config: ClientConfig, required: bool,
 ) -> tuple[dict[str, RemoteExpert], list[str]]:
     """Sources for the named domains; with ``required`` false (``experts="auto"``) a missing or incompatible
     domain is skipped with a warning instead of raising."""
@@ -131,6 +159,6 @@ def open_remote_experts(
                 raise
             warnings.append(f"{error} (skipped)")
             continue
-        sources[name] = RemoteExpert(name, servers, caller, loop, sequence, timeout)
+        sources[name] = RemoteExpert(name, servers, caller, loop, health, config)
     logger.info("experts %s over %s (%.2f s to find)", ", ".join(sources) or "none", prefix, time.monotonic() - started)
     return sources, warnings

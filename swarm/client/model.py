@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 import uuid
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
@@ -13,25 +14,46 @@ from hivemind.dht import DHT
 from swarm.client.config import ClientConfig, client_network
 from swarm.client.experts import RemoteExpert, open_remote_experts
 from swarm.client.push import PushReceiver
-from swarm.client.remote import RemoteCaller
 from swarm.client.routing import RouteHop, compress_ranges
 from swarm.client.sequence import RemoteSequence
-from swarm.diffusion.composition import CompatibilityTag
-from swarm.diffusion.config import GenerationConfig
-from swarm.diffusion.pipeline import CacheDirective, Forward
-from swarm.diffusion.sampler import DenoiseContext
+from swarm.dht.compatibility import CompatibilityTag
 from swarm.dht.node import start_dht, stop_dht
 from swarm.dht.schema import default_prefix
+from swarm.diffusion.config import GenerationConfig
+from swarm.diffusion.pipeline import HEAD_ROWS, CacheDirective, Forward, scored_rows
+from swarm.diffusion.sampler import DenoiseContext
 from swarm.governance.audit import AuditLog
 from swarm.governance.guard import GovernanceGuard
 from swarm.governance.tiers import TierRules
 from swarm.lm import BaseDiffusionLM, StreamChunk
 from swarm.local import DiffusionLM
-from swarm.scale import ScalePlan, check_scale
 from swarm.models.loading import DEFAULT_MODEL, ModelFiles
+from swarm.remote import RemoteCaller
+from swarm.scale import ScalePlan, check_scale
 from swarm.utils.event_loop import BackgroundLoop
 
 logger = logging.getLogger(__name__)
+
+
+class StepTimings:
+    """Seconds the client spent per phase of its denoiser calls (embedding, swarm, head), summed since the last
+    :meth:`reset`: what ``python -m swarm.benchmark realscale`` reports per step."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.calls = 0
+
+    @contextlib.contextmanager
+    def measure(self, phase: str) -> Iterator[None]:
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - started
+            self.calls += phase == "embedding"
+
+    def reset(self) -> None:
+        self.seconds, self.calls = {}, 0
 
 
 class DistributedDiffusionLM(BaseDiffusionLM):
@@ -48,15 +70,21 @@ class DistributedDiffusionLM(BaseDiffusionLM):
         self.config = files.config
         self.client_config = config
         self.tokenizer = files.tokenizer()
-        self.embedding = files.embedding()
-        self.head = files.head()
+        if config.head_rows not in HEAD_ROWS:
+            raise ValueError(f"head_rows must be one of {HEAD_ROWS}, got {config.head_rows!r}")
+        # The checkpoint's dtype, as servers default to: bfloat16 halves the client's memory and the wire's bytes
+        self.embedding = files.embedding(config.dtype)
+        self.head = files.head(config.dtype)
+        self.compute_dtype = next(self.embedding.parameters()).dtype
+        self.timings = StepTimings()
         self.prefix = config.dht_prefix or default_prefix(files.path)
         self._own_dht = dht is None
         self.dht = dht if dht is not None else start_dht(config.network)
         self.loop = BackgroundLoop.shared()
         self.p2p = self.loop.run(self.dht.replicate_p2p())
         self.caller = RemoteCaller(self.p2p, config.wire_dtype, config.inject_latency, config.inject_jitter)
-        self.sequence = RemoteSequence(self.dht, self.caller, self.loop, self.prefix, self.config.num_layers, config)
+        self.sequence = RemoteSequence(self.dht, self.caller, self.loop, self.prefix, self.config.num_layers,
+                                       self.config.hidden_size, config)
         self.guard = GovernanceGuard(self.dht, self.prefix, config.governance_keys, ttl=config.governance_ttl)
         self.tier_rules = TierRules.from_file(config.tier_rules_path) if config.tier_rules_path else TierRules()
         self.audit = AuditLog(config.audit_log)
@@ -80,21 +108,29 @@ class DistributedDiffusionLM(BaseDiffusionLM):
     # ----- the denoiser ---------------------------------------------------------------------------
     @torch.inference_mode()
     def logits(self, input_ids: torch.Tensor, session_id: Optional[str] = None, step: int = -1,
-               directive: Optional[CacheDirective] = None) -> torch.Tensor:
+               directive: Optional[CacheDirective] = None, scored: Optional[tuple[int, int]] = None) -> torch.Tensor:
         """Per-position logits computed through the swarm (same contract as ``DiffusionLM.logits``).
 
-        With a reuse ``directive`` only its rows are embedded, sent and scored (the servers hold the rest).
+        With a reuse ``directive`` only its rows are embedded, sent and scored (the servers hold the rest); with
+        ``scored`` the head computes only those absolute positions (the other rows are NaN).
         """
         if input_ids.dim() == 1:
             input_ids = input_ids[None]
-        extra = {}
+        extra, offset = {}, 0
         if directive is not None:
             extra = directive.as_extra()
             if not directive.fill:
+                offset = directive.rows[0]
                 input_ids = input_ids[:, directive.rows[0]:directive.rows[1]]
-        hidden = self.embedding(input_ids).float()
-        hidden = self.sequence.forward(hidden, session_id, step, extra)
-        return self.head(hidden.to(next(self.head.parameters()).dtype)).float()
+        with self.timings.measure("embedding"):
+            hidden = self.embedding(input_ids)  # in the compute dtype: the wire carries it as is by default
+        with self.timings.measure("swarm"):
+            hidden = self.sequence.forward(hidden, session_id, step, extra)
+        with self.timings.measure("head"):
+            hidden = hidden.to(self.compute_dtype)
+            if scored is None:
+                return self.head(hidden).float()
+            return self.head.score_rows(hidden, offset, scored)
 
     @contextlib.contextmanager
     def denoising_session(self, generation: GenerationConfig) -> Iterator[Forward]:
@@ -104,7 +140,9 @@ class DistributedDiffusionLM(BaseDiffusionLM):
 
         def forward(tokens: torch.Tensor, directive: Optional[CacheDirective], context: DenoiseContext) -> torch.Tensor:
             self.guard.check(context.steps[0])  # a valid governance halt stops before this step
-            return self.logits(tokens, session_id, context.steps[0], directive)
+            active = self.client_config.head_rows == "active"
+            scored = scored_rows(context, generation, tokens.shape[1]) if active else None
+            return self.logits(tokens, session_id, context.steps[0], directive, scored)
 
         yield forward
 
@@ -124,11 +162,12 @@ class DistributedDiffusionLM(BaseDiffusionLM):
         """Servers announcing each expert under ``{prefix}.experts.{name}``, queried alongside the route."""
         return open_remote_experts(
             names, dht=self.dht, prefix=self.prefix, backbone=CompatibilityTag.of(self.config, self.tokenizer),
-            caller=self.caller, loop=self.loop, sequence=self.sequence,
-            timeout=self.client_config.request_timeout, required=required,
+            caller=self.caller, loop=self.loop, health=self.sequence.health, config=self.client_config,
+            required=required,
         )
 
-    def generate_stream(self, prompt: str | Sequence[int], *, scale: str = "auto", **kwargs: Any) -> Iterator[StreamChunk]:
+    def generate_stream(self, prompt: str | Sequence[int], *, scale: str = "auto",
+                        **kwargs: Any) -> Iterator[StreamChunk]:
         """As :meth:`BaseDiffusionLM.generate_stream`; ``scale="local"`` runs in this process alone."""
         if check_scale(scale) != "local":
             yield from super().generate_stream(prompt, scale=scale, **kwargs)
@@ -141,11 +180,14 @@ class DistributedDiffusionLM(BaseDiffusionLM):
     def local_model(self) -> DiffusionLM:
         """The whole model in this process, for ``scale="local"``: only when the checkpoint has every block."""
         if self._local is None:
-            missing = [i for i in range(self.config.num_layers) if not self.files.reader.has(f"blocks.{i}.attn_norm.weight")]
+            missing = [i for i in range(self.config.num_layers)
+                       if not self.files.reader.has(f"blocks.{i}.attn_norm.weight")]
             if missing:
                 raise ValueError(f"scale='local' needs every block's weights locally; {self.files.path} lacks "
                                  f"blocks {compress_ranges(missing)}")
-            self._local = DiffusionLM(self.files.full_model(), self.tokenizer, self.files.path)
+            self._local = DiffusionLM(self.files.full_model(self.client_config.dtype), self.tokenizer, self.files.path,
+                                      self.client_config.head_rows)
+            self._local.limits = self.limits  # the same request bounds as this client
         return self._local
 
     def begin_request(self, prompt: str | Sequence[int], prompt_ids: Sequence[int], tier: Optional[str],
@@ -154,14 +196,11 @@ class DistributedDiffusionLM(BaseDiffusionLM):
         text = prompt if isinstance(prompt, str) else self.tokenizer.decode(list(prompt_ids))
         tier = self.tier_rules.classify(text, tier)
         policy = self.tier_rules.policies[tier]
-        self.sequence.spot_checker.fraction = max(self.client_config.spot_check_fraction, policy.spot_check_fraction,
-                                                  plan.spot_check_fraction)
         if policy.trusted_only and not self.client_config.trusted_peers:
             raise ValueError(f"a {tier} request may only use trusted servers: set ClientConfig.trusted_peers")
+        fraction = max(self.client_config.spot_check_fraction, policy.spot_check_fraction, plan.spot_check_fraction)
         allowed = frozenset(self.client_config.trusted_peers) if policy.trusted_only else None
-        if allowed != self.sequence.allowed:
-            self.sequence.allowed = allowed
-            self.sequence.route = []  # rebuilt under the new policy
+        self.sequence.apply_policy(fraction, allowed, require_verified=policy.require_verified)
         self._spot_checks_seen = len(self.sequence.spot_checker.outcomes)
         self._failovers_seen = len(self.sequence.failovers)
         return {"tier": tier}
@@ -169,15 +208,24 @@ class DistributedDiffusionLM(BaseDiffusionLM):
     def run_info(self) -> dict[str, Any]:
         outcomes = self.sequence.spot_checker.outcomes[self._spot_checks_seen:]
         return {"route": [str(hop) for hop in self.sequence.route],
+                "approximate": self.approximate_hops(),
                 "failovers": [vars(event) for event in self.sequence.failovers[self._failovers_seen:]],
                 "spot_checks": [outcome.as_dict() for outcome in outcomes],
                 "distrusted": sorted(self.sequence.distrusted)}
 
     def finish_request(self, result) -> None:
-        self.audit.write({"prefix": self.prefix, "prompt_tokens": len(result.prompt_ids), "tier": result.info.get("tier"),
+        self.audit.write({"prefix": self.prefix, "prompt_tokens": len(result.prompt_ids),
+                          "tier": result.info.get("tier"),
                           "route": result.info.get("route"), "failovers": result.info.get("failovers"),
                           "spot_checks": result.info.get("spot_checks"), "halt": result.info.get("halt"),
                           "finish_reason": result.finish_reason, "steps": result.steps})
+
+    def approximate_hops(self) -> list[str]:
+        """Hops of the current route on servers whose numerics differ from the checkpoint's, with what differs
+        (only ever non-empty when ``ClientConfig.allow_approximate`` let the route use them)."""
+        servers = self.sequence.servers
+        return [f"{hop}: {servers[hop.peer_id].numerics}" for hop in self.sequence.route
+                if hop.peer_id in servers and servers[hop.peer_id].approximate]
 
     # ----- route and lifecycle ----------------------------------------------------------------------
     def show_route(self) -> list[RouteHop]:

@@ -13,6 +13,8 @@ from swarm.protocol import DeliveryService, RemoteError, collect_response, parse
 
 logger = logging.getLogger(__name__)
 
+MAX_DELIVERY_PARTS = 512  # parts of one delivered output: 1 GiB at most (a stream message is at most 2 MiB)
+
 
 class PushReceiver(DeliveryService):
     """Resolves one future per pushed pass when its output (or a hop's error) is delivered."""
@@ -37,7 +39,13 @@ class PushReceiver(DeliveryService):
     async def rpc_deliver(
         self, parts: AsyncIterator[runtime_pb2.ExpertResponse], context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertUID]:
-        received = [part async for part in parts]
+        received = []
+        async for part in parts:
+            if len(received) >= MAX_DELIVERY_PARTS:  # a hostile peer cannot make this client hold an endless stream
+                logger.warning("refusing a delivery of over %d parts from %s", MAX_DELIVERY_PARTS, context.remote_id)
+                yield runtime_pb2.ExpertUID(uid="too_large")
+                return
+            received.append(part)
         push_id = parse_metadata(received[0].metadata).get("push_id") if received else None
         future = self.waiting.get(push_id) if isinstance(push_id, str) else None
         if future is None or future.done():  # unknown, late (the pass was retried) or forged: ignore it

@@ -1,9 +1,12 @@
 """Running hidden states through every block of the model over the swarm, with failover.
 
-Keeps the list of servers read from the DHT, their measured round trips, the peers banned for failing,
-and the current route. When a server fails mid-step the step continues from the failed block over other
-servers: the result is the same, because a call depends on no earlier call, except through the activation
-cache, whose absence on a new server is reported as a cache miss and repaired by a fill.
+Keeps the list of servers read from the DHT and the current route; what the client knows about each peer
+(bans, round trips, speeds, distrust) lives in :class:`~swarm.client.peers.PeerHealth`. Before a server is
+routed to, it must answer a compute challenge (one token through the span it announces), so a fake server
+costs one short timeout. When a server fails mid-step the step continues from the failed block over other
+servers, through the one failover loop of :mod:`swarm.client.failover`: the result is the same, because a
+call depends on no earlier call, except through the activation cache, whose absence on a new server is
+reported as a cache miss and repaired by rebuilding the lost version.
 """
 from __future__ import annotations
 
@@ -12,131 +15,155 @@ import logging
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 from hivemind.dht import DHT
 
 from swarm.client.config import ClientConfig
+from swarm.client.failover import CLIENT_FAULTS, FailoverEvent, RetryBudget, call_with_failover
+from swarm.client.peers import PeerHealth
 from swarm.client.push import PushReceiver
-from swarm.client.remote import RemoteCaller
 from swarm.client.routing import MissingBlocksError, RouteHop, find_route
 from swarm.client.spot_check import SpotChecker
-from swarm.diffusion.sampler import Halted
 from swarm.dht.schema import ServerRecord, ServerState, read_servers
+from swarm.diffusion.sampler import Halted
 from swarm.models.kv_cache import CacheMiss
 from swarm.protocol import ErrorCode, ForwardRequest, RemoteError
+from swarm.remote import RemoteCaller
 from swarm.utils.event_loop import BackgroundLoop
 
 logger = logging.getLogger(__name__)
 
-# Errors that say the request itself is wrong: retrying elsewhere cannot help.
-CLIENT_FAULTS = {ErrorCode.BAD_REQUEST, ErrorCode.TOO_LARGE, ErrorCode.NOT_FINITE, ErrorCode.HALTED}
-
-
-@dataclass
-class Ban:
-    until: float
-    count: int
-    busy: bool  # a full server: avoided briefly, and worth waiting for when nothing else covers its blocks
-
-
-class SwarmError(RuntimeError):
-    """A denoiser call gave up after the configured retries or time."""
-
-
-@dataclass
-class FailoverEvent:
-    peer_id: str
-    block: int
-    error: str
-    at: float = field(default_factory=time.time)
-
 
 class RemoteSequence:
+    """The route through the swarm's servers for one client, and the passes over it (see the module doc).
+
+    What the client knows about each peer lives in ``health`` (a :class:`PeerHealth`), shared with the
+    expert queries and the spot checks.
+    """
+
     def __init__(self, dht: DHT, caller: RemoteCaller, loop: BackgroundLoop, prefix: str, num_blocks: int,
-                 config: ClientConfig):
+                 hidden_size: int, config: ClientConfig):
         self.dht, self.caller, self.loop = dht, caller, loop
-        self.prefix, self.num_blocks, self.config = prefix, num_blocks, config
+        self.prefix, self.num_blocks, self.hidden_size, self.config = prefix, num_blocks, hidden_size, config
+        self.health = PeerHealth(config)
         self.servers: dict[str, ServerRecord] = {}
-        self.latencies: dict[str, float] = {}
-        self.bans: dict[str, Ban] = {}
         self.route: list[RouteHop] = []
         self.failovers: list[FailoverEvent] = []
-        self.distrusted: set[str] = set()  # caught returning wrong results: never used again by this client
-        self.allowed: Optional[frozenset[str]] = None  # when set, only these peers may serve (restricted tier)
-        self.spot_checker = SpotChecker(self, config.spot_check_rtol, config.spot_check_seed)
-        self.spot_checker.fraction = config.spot_check_fraction
+        self.spot_checker = SpotChecker(self.health, caller, loop, config, self.holders)
         self._refreshed_at = 0.0
         self._route_lock = threading.RLock()  # calls in flight (stale pipelining) share the route
         self.receiver: Optional[PushReceiver] = None  # set when push is enabled
 
+    @property
+    def distrusted(self) -> frozenset[str]:
+        return self.health.distrusted
+
+    def apply_policy(self, spot_check_fraction: float, allowed: Optional[frozenset[str]],
+                     require_verified: bool = False) -> None:
+        """A request's safety policy: how many hops to spot-check, which peers may serve (None: any), and
+        whether an unresolved check stops the generation. Called before each generation."""
+        self.spot_checker.fraction = spot_check_fraction
+        self.spot_checker.require_verified = require_verified
+        self.spot_checker.fills.clear()  # fill inputs of earlier generations are never reused
+        if self.health.allow_only(allowed):
+            self.route = []  # rebuilt under the new policy
+
     # ----- servers and route ----------------------------------------------------------------------
-    def banned(self) -> frozenset[str]:
-        now = time.monotonic()
-        return frozenset(peer for peer, ban in self.bans.items() if ban.until > now)
+    def excluded(self, also: frozenset[str] = frozenset()) -> frozenset[str]:
+        """Peers a route may not use now: per :class:`PeerHealth`, plus ``also`` (failed within this call), plus
+        servers announcing approximate numerics unless ``ClientConfig.allow_approximate``."""
+        excluded = self.health.excluded(self.servers) | also
+        return excluded if self.config.allow_approximate else excluded | self.approximate_peers()
 
-    def excluded(self) -> frozenset[str]:
-        """Peers a route may not use now: banned for failing, caught lying, or not on the allow-list."""
-        out = set(self.banned()) | self.distrusted
-        if self.allowed is not None:
-            out |= {peer for peer in self.servers if peer not in self.allowed}
-        return frozenset(out)
+    def approximate_peers(self) -> frozenset[str]:
+        """Known servers whose records say their numerics differ from the checkpoint's."""
+        return frozenset(peer for peer, record in self.servers.items() if record.approximate)
 
-    def ban(self, peer_id: str, reason: str, busy: bool = False) -> None:
-        """Avoid a peer: briefly when it is busy, otherwise for a period that doubles on each repeat."""
-        previous = self.bans.get(peer_id)
-        count = previous.count + 1 if previous else 1
-        if busy:
-            duration = min(self.config.backoff_base * 2 ** (count - 1), self.config.backoff_max)
-        else:
-            duration = min(self.config.ban_base * 2 ** (count - 1), self.config.ban_max)
-        self.bans[peer_id] = Ban(time.monotonic() + duration, count, busy)
-        logger.warning("avoiding peer %s for %.1f s: %s", peer_id, duration, reason)
-
-    def wait_for_busy(self) -> Optional[float]:
-        """Seconds until the first busy peer may be tried again, or None when no busy peer is waiting."""
-        now = time.monotonic()
-        waits = [ban.until - now for ban in self.bans.values() if ban.busy and ban.until > now]
-        return min(waits) if waits else None
+    def holders(self, start: int, end: int, avoid: frozenset[str] = frozenset()) -> list[str]:
+        """Usable online servers holding blocks ``start:end``, fastest first (spot checks ask these)."""
+        excluded = self.excluded(avoid)
+        found = [peer for peer, record in self.servers.items()
+                 if record.state == ServerState.ONLINE and peer not in excluded
+                 and record.start <= start and end <= record.end]
+        latencies = self.health.latencies()
+        return sorted(found, key=lambda peer: (latencies.get(peer, float("inf")), peer))
 
     def refresh(self) -> None:
-        """Re-read servers from the DHT and ping those not measured yet."""
+        """Re-read servers from the DHT and ping (with a compute challenge) those not measured yet."""
         self.servers = read_servers(self.dht, self.prefix, self.num_blocks)
-        online = [p for p, r in self.servers.items() if r.state == ServerState.ONLINE and p not in self.latencies]
-        if online:
-            results = self.loop.run(self._ping_all(online))
-            for peer_id, outcome in zip(online, results):
-                if isinstance(outcome, BaseException):
-                    self.ban(peer_id, f"unreachable: {outcome}")
-                else:
-                    self.latencies[peer_id] = outcome
+        self._ping_unmeasured()
         self._refreshed_at = time.monotonic()
         logger.info("%d servers known for %s (%d online)", len(self.servers), self.prefix,
                     sum(r.state == ServerState.ONLINE for r in self.servers.values()))
 
-    async def _ping_all(self, peers: list[str]) -> list:
-        async def ping(peer_id: str) -> float:
-            info, rtt = await self.caller.info(peer_id, self.config.connect_timeout)
-            if info.get("prefix") != self.prefix:
-                raise RemoteError(ErrorCode.WRONG_SPAN, f"serves {info.get('prefix')!r}, not {self.prefix!r}", peer_id)
-            return rtt
+    def _ping_unmeasured(self) -> None:
+        """Challenge every usable online server this client has no measurement of, all at once.
 
-        return await asyncio.gather(*(ping(p) for p in peers), return_exceptions=True)
+        A peer that does not answer, serves another model, or cannot compute the span it announces within
+        ``connect_timeout`` is banned before any route uses it: a fake server costs one short timeout, in
+        parallel with the others, instead of a request timeout per call.
+        """
+        excluded = self.excluded()
+        peers = [p for p, r in self.servers.items() if r.state == ServerState.ONLINE and p not in excluded
+                 and not self.health.measured(p)]
+        if not peers:
+            return
+        results = self.loop.run(self._challenge_all(peers))
+        for peer_id, outcome in zip(peers, results):
+            if isinstance(outcome, BaseException):
+                self.health.record_failure(peer_id, f"failed its ping: {outcome}")
 
-    def build_route(self, start_block: int = 0, tokens: int = 128) -> list[RouteHop]:
+    async def _challenge_all(self, peers: list[str]) -> list:
+        return await asyncio.gather(*(self._challenge(p) for p in peers), return_exceptions=True)
+
+    async def _challenge(self, peer_id: str) -> None:
+        """Ask for the server's description, then for one token through the whole span it announces.
+
+        A server that answers ``busy`` or ``halted`` is alive and holds the span: it passes, unmeasured (its
+        first call gets the full request timeout), and a halt then ends the generation as usual.
+        """
+        record = self.servers[peer_id]
+        info, rtt = await self.caller.info(peer_id, self.config.connect_timeout)
+        if info.get("prefix") != self.prefix:
+            raise RemoteError(ErrorCode.WRONG_SPAN, f"serves {info.get('prefix')!r}, not {self.prefix!r}", peer_id)
+        probe = torch.randn(1, 1, self.hidden_size)
+        request = ForwardRequest(record.start, record.end, probe, uuid.uuid4().hex, -1, {})
+        started = time.perf_counter()
+        try:
+            output = await self.caller.forward(peer_id, request, self.config.connect_timeout)
+        except RemoteError as error:
+            if error.code in (ErrorCode.BUSY, ErrorCode.HALTED):
+                self.health.record_ping(peer_id, rtt)
+                return
+            raise RemoteError(error.code, f"compute challenge over {record.start}:{record.end}: {error.message}",
+                              peer_id) from None
+        if not bool(torch.isfinite(output).all()):
+            raise RemoteError(ErrorCode.INTERNAL, "answered its compute challenge with non-finite values", peer_id)
+        self.health.record_ping(peer_id, rtt)
+        self.health.record_success(peer_id, time.perf_counter() - started, record.end - record.start)
+
+    def build_route(self, start_block: int = 0, tokens: int = 128,
+                    avoid: frozenset[str] = frozenset()) -> list[RouteHop]:
+        """The cheapest chain from ``start_block`` to the end, avoiding ``avoid`` as well as unusable peers."""
         with self._route_lock:
             if self._servers_stale() or not self.servers:
                 self.refresh()
+            else:
+                self._ping_unmeasured()  # peers whose ban ran out are challenged again before use
             try:
-                tail = find_route(self.servers, self.num_blocks, start_block, self.latencies, self.excluded(), tokens)
+                tail = self._find(start_block, tokens, avoid)
             except MissingBlocksError:
                 self.refresh()  # the DHT may know servers that joined since the last read
-                tail = find_route(self.servers, self.num_blocks, start_block, self.latencies, self.excluded(), tokens)
+                tail = self._find(start_block, tokens, avoid)
             self.route = [hop for hop in self.route if hop.end <= start_block] + tail
             logger.info("route: %s", " -> ".join(map(str, self.route)))
             return self.route
+
+    def _find(self, start_block: int, tokens: int, avoid: frozenset[str]) -> list[RouteHop]:
+        return find_route(self.servers, self.num_blocks, start_block, self.health.latencies(), self.excluded(avoid),
+                          tokens)
 
     def refresh_if_stale(self, tokens: int = 128) -> None:
         """Re-read the servers and rebuild the route when the last read is older than ``route_refresh``.
@@ -151,12 +178,12 @@ class RemoteSequence:
     def _servers_stale(self) -> bool:
         return time.monotonic() - self._refreshed_at > self.config.route_refresh
 
-    def hop_from(self, block: int, tokens: int) -> RouteHop:
-        excluded = self.excluded()
+    def hop_from(self, block: int, tokens: int, avoid: frozenset[str] = frozenset()) -> RouteHop:
+        excluded = self.excluded(avoid)
         for hop in self.route:
             if hop.start == block and hop.peer_id not in excluded:
                 return hop
-        route = self.build_route(block, tokens)
+        route = self.build_route(block, tokens, avoid)
         return next(hop for hop in route if hop.start == block)
 
     def full_route(self, tokens: int) -> list[RouteHop]:
@@ -192,11 +219,13 @@ class RemoteSequence:
         try:
             output = self.loop.run(self._pushed_pass(route, hidden, session_id, step, extra))
         except RemoteError as error:
-            self._raise_if_final(error, step)
+            fatal = self._final_error(error, step)
+            if fatal is not None:
+                raise fatal from None
             logger.warning("pushed pass failed (%s): continuing hop by hop", error)
             return None
         except asyncio.TimeoutError:
-            logger.warning("pushed pass got no delivery within %.0f s: continuing hop by hop", self.config.request_timeout)
+            logger.warning("pushed pass got no delivery in time: continuing hop by hop")
             return None
         if output.shape != hidden.shape:
             logger.warning("pushed pass returned shape %s, expected %s: continuing hop by hop",
@@ -210,55 +239,63 @@ class RemoteSequence:
         delivery = self.receiver.expect(push_id)
         try:
             first = route[0]
-            spec = {"route": [[hop.peer_id, hop.start, hop.end] for hop in route[1:]], "reply_to": self.receiver.peer_id,
+            spec = {"route": [[hop.peer_id, hop.start, hop.end] for hop in route[1:]],
+                    "reply_to": self.receiver.peer_id,
                     "namespace": self.receiver.namespace, "id": push_id,
                     "hop_delay": [self.caller.latency, self.caller.jitter]}
             request = ForwardRequest(first.start, first.end, hidden, session_id, step, dict(extra, push=spec))
-            await self.caller.push(first.peer_id, request, self.config.request_timeout)
-            return await asyncio.wait_for(delivery, self.config.request_timeout)
+            rows = hidden.shape[0] * hidden.shape[1]
+            timeouts = [self.health.timeout(hop.peer_id, rows * (hop.end - hop.start)) for hop in route]
+            await self.caller.push(first.peer_id, request, timeouts[0])
+            return await asyncio.wait_for(delivery, min(sum(timeouts), self.config.request_timeout))
         finally:
             self.receiver.forget(push_id)
 
-    def _raise_if_final(self, error: RemoteError, step: int) -> None:
-        """Errors no other server can fix: a missing cache, a governance halt, a bad request."""
+    @staticmethod
+    def _final_error(error: RemoteError, step: int) -> Optional[BaseException]:
+        """What to raise for an error no other server can fix (a missing cache, a governance halt, a bad
+        request); None for one that another server may not have."""
         if error.code == ErrorCode.CACHE_MISS:
-            raise CacheMiss(error.message)
+            return CacheMiss(error.message)
         if error.code == ErrorCode.HALTED:  # a server obeys a governance halt this client has not seen
-            raise Halted(step, error.message, {"peer": error.peer_id})
+            return Halted(step, error.message, {"peer": error.peer_id})
         if error.code in CLIENT_FAULTS:
-            raise error
+            return error
+        return None
 
     def _hop_by_hop(self, hidden: torch.Tensor, session_id: str, step: int, extra: dict, tokens: int) -> torch.Tensor:
-        block, attempts, started = 0, 0, time.monotonic()
-        delay = self.config.backoff_base
-        errors: list[str] = []
+        """Each hop of the route in turn; a failed hop is redone from its first block on another server."""
+        budget = RetryBudget(self.config)
+        block = 0
         while block < self.num_blocks:
-            try:
-                hop = self.hop_from(block, tokens)
-                request = ForwardRequest(block, hop.end, hidden, session_id, step, extra)
-                output = self.loop.run(self.caller.forward(hop.peer_id, request, self.config.request_timeout))
-                if "cache" not in extra or extra["cache"]["rows"] is None:  # a replica holds no reuse cache
-                    output = self.spot_checker.maybe_check(request, hop.peer_id, output)
-                hidden = output
-                block = hop.end
-                continue
-            except MissingBlocksError as error:
-                pause = self.wait_for_busy()
-                if pause is None:  # nobody to wait for: say which blocks and what was tried
-                    raise MissingBlocksError(error.blocks, list(errors) or None) from None
-                errors.append(str(error))
-            except RemoteError as error:
-                error.peer_id = error.peer_id or hop.peer_id
-                self._raise_if_final(error, step)
-                errors.append(f"{hop.peer_id[-8:]}@{block}: {error.message}")
-                self.failovers.append(FailoverEvent(hop.peer_id, block, str(error)))
-                self.ban(hop.peer_id, str(error), busy=error.code == ErrorCode.BUSY)
-                pause = delay
-                delay = min(2 * delay, self.config.backoff_max)
-            attempts += 1
-            elapsed = time.monotonic() - started
-            if attempts > self.config.max_retries or elapsed + pause > self.config.retry_deadline:
-                raise SwarmError(f"gave up at block {block} after {attempts} failed attempts in {elapsed:.1f} s: "
-                                 f"{'; '.join(errors)}")
-            time.sleep(pause)
+            hidden, block = call_with_failover(
+                lambda avoid: self._next_hop(block, tokens, avoid, budget),
+                lambda hop: hop.peer_id,
+                lambda hop: self._call_hop(hop, hidden, session_id, step, extra),
+                health=self.health, budget=budget, final=lambda error: self._final_error(error, step),
+                on_failure=lambda hop, error: self.failovers.append(FailoverEvent(hop.peer_id, hop.start, str(error))),
+                label=lambda hop: f"block {hop.start}",
+            )
         return hidden
+
+    def _next_hop(self, block: int, tokens: int, avoid: frozenset[str], budget: RetryBudget) -> RouteHop:
+        """The hop from ``block``; when no usable server covers the rest, wait for a busy one or say which
+        blocks are missing and what was tried."""
+        while True:
+            try:
+                return self.hop_from(block, tokens, avoid)
+            except MissingBlocksError as error:
+                pause = self.health.wait_for_busy()
+                if pause is None:
+                    raise MissingBlocksError(error.blocks, list(budget.errors) or None) from None
+                budget.spend(str(error), pause or None, where=f" at block {block}")  # 0: the usual back-off
+
+    def _call_hop(self, hop: RouteHop, hidden: torch.Tensor, session_id: str, step: int,
+                  extra: dict) -> tuple[torch.Tensor, int]:
+        """One server's blocks: its output (spot-checked when drawn) and the block the next hop starts at."""
+        request = ForwardRequest(hop.start, hop.end, hidden, session_id, step, extra)
+        work = hidden.shape[0] * hidden.shape[1] * (hop.end - hop.start)
+        started = time.perf_counter()
+        output = self.loop.run(self.caller.forward(hop.peer_id, request, self.health.timeout(hop.peer_id, work)))
+        self.health.record_success(hop.peer_id, time.perf_counter() - started, work)
+        return self.spot_checker.maybe_check(request, hop.peer_id, output), hop.end

@@ -1,0 +1,158 @@
+"""What this client has learned about each server, owned in one place.
+
+The route, the expert queries and the spot checks all ask the same questions (may I use this peer? how
+long should I wait for it?) and report the same events (it answered in so many seconds, it failed, it
+lied). Keeping the answers here means a server that fails as an expert is also avoided as a hop, and a
+server caught lying is never used for anything again.
+
+Bans double on every repeat and always outlast the timeout that caused them, so a peer that does not
+answer is never retried within the call it stalled. Timeouts adapt to what each peer has shown: a peer
+that answered a one-token challenge in 20 ms is not given the full request timeout for the next call.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterable, Optional
+
+if TYPE_CHECKING:
+    from swarm.client.config import ClientConfig
+
+logger = logging.getLogger(__name__)
+
+EWMA_WEIGHT = 0.3  # weight of the newest observation in a peer's running speed estimate
+
+
+@dataclass
+class Ban:
+    until: float
+    count: int
+    busy: bool  # a full server: avoided briefly, and worth waiting for when nothing else covers its blocks
+
+
+@dataclass
+class Speed:
+    """Seconds one unit of work (tokens x blocks) took on a peer, beyond its round trip."""
+
+    seconds_per_unit: float
+
+    def update(self, observed: float) -> None:
+        self.seconds_per_unit = (1 - EWMA_WEIGHT) * self.seconds_per_unit + EWMA_WEIGHT * observed
+
+
+class PeerHealth:
+    """Bans with back-off, round trips and speeds, distrust and the allow-list of one client; thread-safe."""
+
+    def __init__(self, config: "ClientConfig"):
+        self.config = config
+        self._bans: dict[str, Ban] = {}
+        self._rtt: dict[str, float] = {}
+        self._speed: dict[tuple[str, str], Speed] = {}
+        self._distrusted: dict[str, str] = {}  # peer -> why; never used again by this client
+        self._disputes: dict[str, int] = {}  # unresolved spot checks against each peer
+        self.allowed: Optional[frozenset[str]] = None  # when set, only these peers may serve (restricted tier)
+        self._lock = threading.Lock()
+
+    # ----- what happened -----------------------------------------------------------------------------
+    def record_ping(self, peer: str, rtt: float) -> None:
+        with self._lock:
+            self._rtt[peer] = rtt
+
+    def record_success(self, peer: str, seconds: float, work: int, kind: str = "span") -> None:
+        """A call of ``work`` units (tokens x blocks) answered in ``seconds``: refines the peer's speed."""
+        observed = max(seconds - self._rtt.get(peer, 0.0), 0.0) / max(work, 1)
+        with self._lock:
+            speed = self._speed.get((peer, kind))
+            if speed is None:
+                self._speed[(peer, kind)] = Speed(observed)
+            else:
+                speed.update(observed)
+
+    def record_failure(self, peer: str, reason: str, busy: bool = False) -> float:
+        """Avoid a peer: briefly when busy, otherwise for a period that doubles on each repeat and always
+        outlasts a request timeout (so a peer that stalls a call is not asked again within it). Returns the
+        ban's length in seconds."""
+        with self._lock:
+            previous = self._bans.get(peer)
+            count = previous.count + 1 if previous else 1
+            if busy:
+                duration = min(self.config.backoff_base * 2 ** (count - 1), self.config.backoff_max)
+            else:
+                duration = max(self.config.ban_base * 2 ** (count - 1), 2 * self.config.request_timeout)
+                duration = min(duration, max(self.config.ban_max, 2 * self.config.request_timeout))
+            self._bans[peer] = Ban(time.monotonic() + duration, count, busy)
+            if not busy:  # measured again (challenge included) before it is routed to again
+                self._rtt.pop(peer, None)
+        logger.warning("avoiding peer %s for %.1f s: %s", peer, duration, reason)
+        return duration
+
+    def distrust(self, peer: str, reason: str) -> None:
+        """Caught returning wrong results: never used again by this client."""
+        with self._lock:
+            self._distrusted[peer] = reason
+        logger.error("not using peer %s again: %s", peer, reason)
+
+    def dispute(self, peer: str, reason: str) -> None:
+        """An unresolved spot check against ``peer``: it is avoided for the longest ban while others serve."""
+        with self._lock:
+            self._disputes[peer] = self._disputes.get(peer, 0) + 1
+            self._bans[peer] = Ban(time.monotonic() + self.config.ban_max, self._disputes[peer], False)
+        logger.warning("avoiding peer %s for %.0f s: %s", peer, self.config.ban_max, reason)
+
+    def allow_only(self, peers: Optional[frozenset[str]]) -> bool:
+        """Restrict (or, with None, stop restricting) which peers may serve; True when the set changed."""
+        changed = peers != self.allowed
+        self.allowed = peers
+        return changed
+
+    # ----- questions -------------------------------------------------------------------------------
+    def usable(self, peer: str) -> bool:
+        return peer not in self.excluded((peer,))
+
+    def excluded(self, peers: Iterable[str] = ()) -> frozenset[str]:
+        """Peers that may not be used now: banned, distrusted, or (among ``peers``) not on the allow-list."""
+        now = time.monotonic()
+        with self._lock:
+            out = {peer for peer, ban in self._bans.items() if ban.until > now} | set(self._distrusted)
+        if self.allowed is not None:
+            out |= {peer for peer in peers if peer not in self.allowed}
+        return frozenset(out)
+
+    def measured(self, peer: str) -> bool:
+        """Whether the peer passed a ping (and its challenge) since it was last banned."""
+        return peer in self._rtt
+
+    def latency(self, peer: str) -> Optional[float]:
+        return self._rtt.get(peer)
+
+    def latencies(self) -> dict[str, float]:
+        with self._lock:
+            return dict(self._rtt)
+
+    def timeout(self, peer: str, work: int, kind: str = "span") -> float:
+        """How long to wait for a call of ``work`` units: ``timeout_floor`` plus ``timeout_factor`` times what
+        the peer's speed predicts, at most ``request_timeout``. A peer not measured for this kind of call yet
+        gets the full request timeout (span servers are measured by the challenge before their first call)."""
+        speed = self._speed.get((peer, kind))
+        if speed is None:
+            return self.config.request_timeout
+        expected = self._rtt.get(peer, 0.0) + speed.seconds_per_unit * work
+        return min(self.config.request_timeout, self.config.timeout_floor + self.config.timeout_factor * expected)
+
+    def wait_for_busy(self) -> Optional[float]:
+        """Seconds until the first busy peer may be tried again (0 when its short ban has just run out), or
+        None when no peer was busy lately."""
+        now = time.monotonic()
+        recent = now - self.config.backoff_max
+        with self._lock:
+            waits = [max(ban.until - now, 0.0) for ban in self._bans.values() if ban.busy and ban.until > recent]
+        return min(waits) if waits else None
+
+    @property
+    def distrusted(self) -> frozenset[str]:
+        return frozenset(self._distrusted)
+
+    def disputes(self) -> dict[str, int]:
+        return dict(self._disputes)

@@ -1,0 +1,164 @@
+"""Attacks on the client through the servers it meets: tarpits and liars (issue 16, items 5 and 6).
+
+Each test replays an attack against real server processes on 127.0.0.1 and checks that the client loses
+seconds, not minutes, and never returns tokens it could not verify when the request asks for verified ones.
+"""
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from swarm.client import DistributedDiffusionLM
+from swarm.client.config import ClientConfig
+from swarm.client.peers import PeerHealth
+from swarm.client.spot_check import UnverifiedResultError
+from swarm.local import DiffusionLM
+from tests.conftest import make_checkpoint, tiny_config
+
+TARPIT = (str(Path(__file__).with_name("tarpit_server.py")),)
+FAULTY = (str(Path(__file__).with_name("faulty_server.py")),)
+SETTINGS = dict(gen_length=16, steps=8, block_length=8, seed=5, temperature=0.5)
+
+
+def client(local_swarm, path, **options) -> DistributedDiffusionLM:
+    return DistributedDiffusionLM.from_pretrained(path, initial_peers=local_swarm.initial_peers, **options)
+
+
+def start_all(local_swarm, path, specs):
+    """Start servers given as (blocks, extra args, entry) at once, then wait for every one."""
+    servers = [local_swarm.start_server(str(path), blocks, "--compute-threads", "1", *extra, entry=entry, wait=False)
+               for blocks, extra, entry in specs]
+    for server in servers:
+        local_swarm.wait_ready(server)
+    return servers
+
+
+def stop_all(local_swarm, servers):
+    for server in servers:
+        local_swarm.terminate(server, signal.SIGKILL)
+
+
+# ----- peer health on its own --------------------------------------------------------------------------
+def test_bans_outlast_the_timeout_and_timeouts_follow_measured_speed():
+    config = ClientConfig(request_timeout=30.0, ban_base=15.0, timeout_floor=2.0, timeout_factor=4.0)
+    health = PeerHealth(config)
+    assert health.record_failure("a", "timed out") >= 2 * config.request_timeout
+    assert not health.usable("a")
+    assert health.timeout("b", 100) == config.request_timeout, "an unmeasured peer gets the full timeout"
+    health.record_ping("b", 0.01)
+    health.record_success("b", 0.01 + 0.001 * 4, work=4)  # one-token challenge over 4 blocks: 1 ms per unit
+    assert health.timeout("b", 100) == pytest.approx(2.0 + 4.0 * (0.01 + 0.1))
+    assert health.timeout("b", 10**9) == config.request_timeout, "never more than the request timeout"
+    health.distrust("b", "lied")
+    assert not health.usable("b") and "b" in health.distrusted
+
+
+# ----- tarpits -----------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tarpit_model(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("tarpitted"), tiny_config(), seed=11)
+
+
+def test_four_tarpits_cost_one_short_challenge_not_minutes(local_swarm, tarpit_model):
+    """Four fakes announce every block at a huge throughput and never answer a forward call; the old client
+    gave up after 4 timeouts (121 s). Now each fails its compute challenge, all at once, before any route."""
+    honest = start_all(local_swarm, tarpit_model, [("0:4", (), ("-m", "swarm.server"))])
+    fakes = start_all(local_swarm, tarpit_model, [("0:4", ("--throughput", "1e9"), TARPIT)] * 4)
+    expected = DiffusionLM.from_pretrained(tarpit_model).generate("tarpit", **SETTINGS)
+    try:
+        with client(local_swarm, tarpit_model, request_timeout=30.0, connect_timeout=3.0) as lm:
+            started = time.monotonic()
+            result = lm.generate("tarpit", **SETTINGS)
+            elapsed = time.monotonic() - started
+            assert result.token_ids == expected.token_ids
+            assert all(fake.peer_id[-8:] not in " ".join(result.info["route"]) for fake in fakes)
+            assert {fake.peer_id for fake in fakes} <= lm.sequence.health.excluded()
+            assert elapsed < 15.0, f"four tarpits cost {elapsed:.1f} s"
+            print(f"generation past four tarpits: {elapsed:.2f} s")
+    finally:
+        stop_all(local_swarm, honest + fakes)
+
+
+def test_a_tarpit_that_passes_the_challenge_costs_one_adaptive_timeout(local_swarm, tarpit_model):
+    """A smarter fake answers the one-token challenge and holds real calls: the call times out after what its
+    measured speed predicts (seconds), not the 30 s request timeout, and it is not asked again in that call."""
+    honest = start_all(local_swarm, tarpit_model, [("0:4", (), ("-m", "swarm.server"))])
+    fake, = start_all(local_swarm, tarpit_model,
+                      [("0:4", ("--throughput", "1e9", "--public-name", "tarpit-large"), TARPIT)])
+    expected = DiffusionLM.from_pretrained(tarpit_model).generate("tarpit", **SETTINGS)
+    try:
+        with client(local_swarm, tarpit_model, request_timeout=30.0, timeout_floor=2.0) as lm:
+            assert lm.show_route()[0].peer_id == fake.peer_id, "the fake passes the challenge and looks fastest"
+            started = time.monotonic()
+            result = lm.generate("tarpit", **SETTINGS)
+            elapsed = time.monotonic() - started
+            assert result.token_ids == expected.token_ids
+            lost = [event for event in result.info["failovers"] if event["peer_id"] == fake.peer_id]
+            assert len(lost) == 1, "a peer that stalled a call is not asked again"
+            assert elapsed < 15.0, f"one smart tarpit cost {elapsed:.1f} s (request timeout 30 s)"
+            print(f"generation past one tarpit that passes the challenge: {elapsed:.2f} s")
+    finally:
+        stop_all(local_swarm, honest + [fake])
+
+
+# ----- spot checks without gaps --------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def two_holders(local_swarm, tmp_path_factory):
+    """One faulty (announced fastest) and one honest server for the same blocks, and no third to break ties."""
+    path = make_checkpoint(tmp_path_factory.mktemp("two_holders"), tiny_config(), seed=12)
+    faulty, honest = start_all(local_swarm, path, [("0:4", ("--throughput", "1e9"), FAULTY),
+                                                   ("0:4", (), ("-m", "swarm.server"))])
+    yield path, faulty, honest
+    stop_all(local_swarm, [faulty, honest])
+
+
+def test_an_unresolved_check_is_reported_and_the_unverified_server_avoided(local_swarm, two_holders):
+    path, faulty, honest = two_holders
+    expected = DiffusionLM.from_pretrained(path).generate("audit", **SETTINGS)
+    with client(local_swarm, path, spot_check_fraction=1.0) as lm:
+        assert lm.show_route()[0].peer_id == faulty.peer_id
+        result = lm.generate("audit", **SETTINGS)
+        first = result.info["spot_checks"][0]
+        assert (first["primary"], first["checkers"], first["verdict"]) == (faulty.peer_id, [honest.peer_id],
+                                                                           "unresolved")
+        assert result.token_ids == expected.token_ids, "the generation went on with the checker's answer and route"
+        assert faulty.peer_id not in " ".join(result.info["route"])
+        assert faulty.peer_id in lm.sequence.health.disputes()
+
+
+def test_restricted_requests_stop_on_an_unresolved_check(local_swarm, two_holders):
+    path, faulty, honest = two_holders
+    with client(local_swarm, path, trusted_peers=(faulty.peer_id, honest.peer_id)) as lm:
+        assert lm.show_route()[0].peer_id == faulty.peer_id
+        with pytest.raises(UnverifiedResultError, match="unresolved"):
+            lm.generate("audit", tier="restricted", **SETTINGS)
+
+
+@pytest.fixture(scope="module")
+def reuse_liar(local_swarm, tmp_path_factory):
+    """A server that lies only on cache-reuse passes (announced fastest), and two honest ones."""
+    path = make_checkpoint(tmp_path_factory.mktemp("reuse_liar"), tiny_config(), seed=13)
+    servers = start_all(local_swarm, path, [("0:4", ("--throughput", "1e9", "--public-name", "faulty-reuse"), FAULTY),
+                                            ("0:4", (), ("-m", "swarm.server")), ("0:4", (), ("-m", "swarm.server"))])
+    yield path, servers[0]
+    stop_all(local_swarm, servers)
+
+
+CACHED = dict(SETTINGS, cache="dual", gen_length=24, block_length=8, steps=12)
+
+
+def test_reuse_passes_are_checked_and_a_reuse_liar_is_caught(local_swarm, reuse_liar):
+    """The liar's fill passes agree with honest servers; only a check of a reuse pass (which first rebuilds
+    the same cache on the checker) can catch it, and does."""
+    path, liar = reuse_liar
+    expected = DiffusionLM.from_pretrained(path).generate("reuse", **CACHED)
+    with client(local_swarm, path, spot_check_fraction=1.0) as lm:
+        assert lm.show_route()[0].peer_id == liar.peer_id
+        result = lm.generate("reuse", **CACHED)
+        checks = [c for c in result.info["spot_checks"] if c["primary"] == liar.peer_id]
+        assert [(c["verdict"], c["reuse"]) for c in checks] == [("agreed", False), ("primary_faulty", True)]
+        assert liar.peer_id in lm.sequence.distrusted
+        assert result.token_ids == expected.token_ids

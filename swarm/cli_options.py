@@ -1,62 +1,120 @@
-"""Click options shared by the commands that generate text (one definition, many commands)."""
+"""Click options shared by the commands that generate text or join the swarm (one definition, many commands).
+
+The generation options are not written here: they are made from the declared settings of
+:class:`~swarm.diffusion.config.GenerationConfig` and :class:`~swarm.lm.GenerationRequest` (name, type,
+default, help text, bounds), so that a new setting gets its flag without touching this module.
+"""
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, Optional
 
 import click
+from click.core import ParameterSource
 
-from swarm.diffusion.config import CACHE_MODES, MAX_STALENESS, STALE_CHECKS
-from swarm.diffusion.remasking import STRATEGIES
+from swarm.dht.node import NetworkConfig
+from swarm.diffusion.config import GenerationConfig, SettingField, settings_of
+from swarm.lm import GenerationRequest
 
 
-def generation_options(command: Callable) -> Callable:
-    """Add the sampler's settings as options; they arrive as keyword arguments of the same names."""
-    options = [
-        click.option("--gen-length", type=int, default=64, show_default=True, help="Number of tokens to generate."),
-        click.option("--steps", type=int, default=None, help="Denoising steps (default: gen-length, one token per step)."),
-        click.option("--block-length", type=int, default=None, help="Semi-autoregressive block size (default: 32 when it divides gen-length, else gen-length)."),
-        click.option("--temperature", type=float, default=0.0, show_default=True, help="Gumbel noise scale; 0 is greedy."),
-        click.option("--remasking", type=click.Choice(list(STRATEGIES)), default="low_confidence", show_default=True, help="Which masked positions are unmasked first."),
-        click.option("--threshold", type=float, default=None, help="Unmask every position whose confidence reaches this (Fast-dLLM); at least one per step."),
-        click.option("--cfg-scale", type=float, default=0.0, show_default=True, help="Unsupervised classifier-free guidance scale (0 disables)."),
-        click.option("--seed", type=int, default=0, show_default=True, help="Seed of the per-step noise: same seed, same tokens."),
-        click.option("--parallel-window", type=int, default=1, show_default=True, help="Picard window: states evaluated per denoiser call (1 is sequential)."),
-        click.option("--staleness", type=click.IntRange(0, MAX_STALENESS), default=0, show_default=True, help="Steps decide on logits this many steps old, keeping that many more calls in flight; each is checked when its own logits arrive (0 is exact)."),
-        click.option("--stale-check", type=click.Choice(list(STALE_CHECKS)), default="token", show_default=True, help="How a step decided on stale logits is checked against its own: token (each token it unmasked is predicted there), exact (same tokens as the exact run) or none; a failed check redoes the step."),
-        click.option("--cache", type=click.Choice(list(CACHE_MODES)), default="none", show_default=True, help="Reuse keys/values outside the active block: prefix (before it) or dual (before and after); none is exact."),
-        click.option("--cache-refresh", type=int, default=0, show_default=True, help="Refill the cache every N steps (0: only at each new block)."),
-    ]
-    for option in reversed(options):
-        command = option(command)
+def cli_settings() -> tuple[SettingField, ...]:
+    """The settings offered on the command line: the sampler's, then the request's, in declaration order."""
+    return tuple(field for cls in (GenerationConfig, GenerationRequest) for field in settings_of(cls) if field.spec.cli)
+
+
+GENERATION_KEYS = tuple(field.name for field in settings_of(GenerationConfig) if field.spec.cli)
+REQUEST_KEYS = tuple(field.name for field in settings_of(GenerationRequest) if field.spec.cli)
+
+
+class ExpertWeights(click.ParamType):
+    """``auto`` or ``NAME=WEIGHT[,NAME=WEIGHT...]`` -> ``"auto"`` or ``{name: weight}``."""
+
+    name = "auto|NAME=WEIGHT,..."
+
+    def convert(self, value: Any, param: Optional[click.Parameter], ctx: Optional[click.Context]) -> Any:
+        if not isinstance(value, str) or value == "auto":
+            return value
+        weights = {}
+        for part in value.split(","):
+            name, equals, weight = part.partition("=")
+            try:
+                if not equals or not name.strip():
+                    raise ValueError(part)
+                weights[name.strip()] = float(weight)
+            except ValueError:
+                self.fail(f"expected 'auto' or NAME=WEIGHT pairs separated by commas, got {part!r}", param, ctx)
+        return weights
+
+
+def setting_option(field: SettingField) -> Callable[[Callable], Callable]:
+    """The click option of one declared setting (``gen_length``: ``--gen-length``): type, default and help text
+    from its declaration; booleans get ``--name/--no-name``."""
+    flag = "--" + field.name.replace("_", "-")
+    default = None if field.spec.computed_default else field.default
+    common = dict(default=default, show_default=default is not None, help=field.describe(choices=False))
+    if field.kind is bool:
+        return click.option(f"{flag}/--no-{flag[2:]}", field.name, **common)
+    if field.spec.choices:
+        return click.option(flag, field.name, type=click.Choice(list(field.spec.choices)), **common)
+    if field.kind in (int, float, str):
+        return click.option(flag, field.name, type=field.kind, **common)
+    return click.option(flag, field.name, type=ExpertWeights(), **common)
+
+
+def generation_options(command: Callable, fields: Optional[Iterable[SettingField]] = None) -> Callable:
+    """Add an option for each generation setting (by default :func:`cli_settings`); they arrive as keyword
+    arguments of the same names, for :func:`pop_generation_kwargs`."""
+    for field in reversed(tuple(cli_settings() if fields is None else fields)):
+        command = setting_option(field)(command)
     return command
 
 
-GENERATION_KEYS = ("gen_length", "steps", "block_length", "temperature", "remasking", "threshold", "cfg_scale",
-                   "seed", "parallel_window", "staleness", "stale_check", "cache", "cache_refresh")
+def pop_generation_kwargs(options: dict[str, Any], keys: Iterable[str] = GENERATION_KEYS + REQUEST_KEYS) -> dict:
+    """Take the generation options out of a command's keyword arguments: those the user gave.
+
+    Options left at their default are left out, so ``generate`` applies its own defaults (the scale may then
+    choose a Picard window, as it does for a Python caller).
+    """
+    ctx = click.get_current_context(silent=True)
+    taken = {}
+    for key in keys:
+        value = options.pop(key, None)
+        given = ctx.get_parameter_source(key) not in (None, ParameterSource.DEFAULT) if ctx else value is not None
+        if given:
+            taken[key] = value
+    return taken
 
 
-def pop_generation_kwargs(options: dict[str, Any]) -> dict[str, Any]:
-    return {key: options.pop(key) for key in GENERATION_KEYS if key in options}
+def require_no_options_left(options: dict[str, Any]) -> None:
+    """Refuse options that reached no argument: a flag that would otherwise be silently ignored."""
+    if options:
+        raise click.UsageError(f"option(s) {', '.join(sorted(options))} reach no argument of this command "
+                               "(a flag without a setting in swarm.diffusion.config or swarm.lm.GenerationRequest)")
 
 
 def network_options(command: Callable) -> Callable:
     """Options of every command that joins the swarm; they build a :class:`~swarm.dht.node.NetworkConfig`."""
     options = [
-        click.option("--initial-peers", multiple=True, help="Multiaddr of a peer already in the swarm (repeatable). Default: $SWARM_INITIAL_PEERS, then the bootstrap-list file ($SWARM_BOOTSTRAP_FILE or the packaged swarm/bootstrap_peers.txt); none starts a new swarm."),
-        click.option("--host-maddrs", multiple=True, default=["/ip4/127.0.0.1/tcp/0"], show_default=True, help="Multiaddrs to listen on (repeatable); use /ip4/0.0.0.0/tcp/PORT to accept other machines."),
-        click.option("--announce-maddrs", multiple=True, help="Public multiaddrs to announce, e.g. behind port forwarding (repeatable)."),
-        click.option("--identity-path", type=click.Path(dir_okay=False), default=None, help="Private key file giving a persistent peer id; created on first use."),
-        click.option("--use-relay/--no-relay", default=True, show_default=True, help="Allow reaching and being reached through libp2p circuit relays."),
-        click.option("--use-auto-relay", is_flag=True, default=False, help="Look for relays to become reachable from behind NAT."),
+        click.option("--initial-peers", multiple=True,
+                     help="Multiaddr of a peer already in the swarm (repeatable). Default: $SWARM_INITIAL_PEERS, "
+                          "then the bootstrap-list file ($SWARM_BOOTSTRAP_FILE or the packaged "
+                          "swarm/bootstrap_peers.txt); none starts a new swarm."),
+        click.option("--host-maddrs", multiple=True, default=["/ip4/127.0.0.1/tcp/0"], show_default=True,
+                     help="Multiaddrs to listen on (repeatable); use /ip4/0.0.0.0/tcp/PORT to accept other machines."),
+        click.option("--announce-maddrs", multiple=True,
+                     help="Public multiaddrs to announce, e.g. behind port forwarding (repeatable)."),
+        click.option("--identity-path", type=click.Path(dir_okay=False), default=None,
+                     help="Private key file giving a persistent peer id; created on first use."),
+        click.option("--use-relay/--no-relay", default=True, show_default=True,
+                     help="Allow reaching and being reached through libp2p circuit relays."),
+        click.option("--use-auto-relay", is_flag=True, default=False,
+                     help="Look for relays to become reachable from behind NAT."),
     ]
     for option in reversed(options):
         command = option(command)
     return command
 
 
-def pop_network_config(options: dict[str, Any], client_mode: bool = False):
-    from swarm.dht.node import NetworkConfig
-
+def pop_network_config(options: dict[str, Any], client_mode: bool = False) -> NetworkConfig:
     return NetworkConfig(
         initial_peers=list(options.pop("initial_peers")), host_maddrs=list(options.pop("host_maddrs")),
         announce_maddrs=list(options.pop("announce_maddrs")), identity_path=options.pop("identity_path"),

@@ -6,27 +6,39 @@ argument checking, the sampler, streaming, progress and the result object live h
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Iterator, Mapping, Optional, Sequence, Union
 
 import torch
 from tqdm.auto import tqdm
 
-from swarm.diffusion.composition import DEFAULT_TAU, Composition, ExpertSource, expert_weights
-from swarm.diffusion.config import GenerationConfig
+from swarm.diffusion.auto_experts import AUTO_RULES, expert_weights
+from swarm.diffusion.composition import Composition
+from swarm.diffusion.config import (
+    MAX_CORRECTOR_STEPS,
+    MAX_EXPERT_TAU,
+    GenerationConfig,
+    GenerationLimits,
+    check_expert_settings,
+    setting,
+    settings_of,
+)
+from swarm.diffusion.experts import ExpertSource
+from swarm.diffusion.mixture import DEFAULT_TAU
 from swarm.diffusion.pipeline import DenoiserCalls, Forward
 from swarm.diffusion.sampler import DiffusionSampler, Halted, WindowStats
-from swarm.governance.tiers import check_tier
-from swarm.scale import ScalePlan, plan_scale
+from swarm.governance.tiers import TIERS, check_tier
 from swarm.models.config import ModelConfig
 from swarm.models.tokenizer import MASK_PLACEHOLDER, Tokenizer
+from swarm.scale import SCALES, ScalePlan, plan_scale
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_BLOCK_LENGTH = 32
+DEFAULT_BLOCK_LENGTH: int = GenerationConfig.block_length  # the declared default (a dataclass keeps it on the class)
 
 
 @dataclass
@@ -58,15 +70,70 @@ class StreamChunk:
     telemetry: dict = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class GenerationRequest:
+    """What one request asks for besides the sampler's settings: experts, safety tier, scale, prompt form, display.
+
+    ``generate(prompt, **kwargs)`` splits its keyword arguments between this object and
+    :class:`~swarm.diffusion.config.GenerationConfig` (:meth:`split`). Like the sampler's settings, each field is
+    declared once, with its help text and bounds, and the command line, the HTTP API and the documentation
+    test read the declaration. Checked by :meth:`check` (:meth:`BaseDiffusionLM.check_request` runs it).
+    """
+
+    experts: Optional[Union[dict[str, float], str]] = setting(
+        None, 'Experts composed with the backbone at every step: {"code": 0.5} (at most 8, weights 0..10) or "auto" '
+              "(chosen from the prompt); see docs/EXPERTS.md.")
+    expert_tau: float = setting(DEFAULT_TAU, "Bound of each expert's shift of a token's log-probability, in nats.",
+                                low=0.0, high=MAX_EXPERT_TAU, low_open=True)
+    corrector_steps: int = setting(0, "After each step, re-predict the least confident decided tokens this many "
+                                      "times (one denoiser call each).", low=0, high=MAX_CORRECTOR_STEPS)
+    tier: Optional[str] = setting(None, "A stricter safety tier than the prompt's own (see docs/GOVERNANCE.md).",
+                                  choices=TIERS)
+    scale: str = setting("auto", "How much of the swarm the request uses (see swarm/scale.py).", choices=SCALES)
+    chat: bool = setting(False, "Wrap the text prompt in the tokenizer's chat template (instruct checkpoints).",
+                         api=False)  # the HTTP API has an endpoint for conversations
+    progress: bool = setting(False, "Show a progress bar.", cli=False, api=False)  # the command shows every step
+
+    @classmethod
+    def split(cls, kwargs: Mapping[str, Any]) -> tuple["GenerationRequest", dict[str, Any]]:
+        """This request's options out of ``generate``'s keyword arguments, and the sampler's settings left."""
+        names = {declared.name for declared in settings_of(cls)}
+        return (cls(**{key: value for key, value in kwargs.items() if key in names}),
+                {key: value for key, value in kwargs.items() if key not in names})
+
+    def check(self) -> int:
+        """Check each option against its declaration; returns how many given experts compute (weight above 0)."""
+        for declared in settings_of(GenerationRequest):
+            declared.check(getattr(self, declared.name), self)
+        return check_expert_settings(self.experts, self.expert_tau, self.corrector_steps)
+
+
+@dataclass(frozen=True)
+class CheckedRequest:
+    """One request's settings after every bound was checked (:meth:`BaseDiffusionLM.check_request`)."""
+
+    generation: GenerationConfig
+    plan: ScalePlan
+    options: GenerationRequest  # its experts possibly filled in by the scale
+    expert_count: int  # experts computing alongside the backbone (for the memory bound)
+
+
 def make_generation_config(
-    gen_length: int = 64,
+    gen_length: int = GenerationConfig.gen_length,
     steps: Optional[int] = None,
     block_length: Optional[int] = None,
     **settings: Any,
 ) -> GenerationConfig:
-    """Fill the length-dependent defaults: one token per step, blocks of 32 where they divide."""
+    """Fill the length-dependent defaults: one token per step, blocks of 32 where they divide.
+
+    Any other keyword must be a field of :class:`GenerationConfig` (else a TypeError names it).
+    """
+    unknown = sorted(set(settings) - {declared.name for declared in settings_of(GenerationConfig)})
+    if unknown:
+        raise TypeError(f"unknown generation argument(s) {', '.join(unknown)}: see generate_stream's documentation")
     if block_length is None:
-        block_length = DEFAULT_BLOCK_LENGTH if isinstance(gen_length, int) and gen_length % DEFAULT_BLOCK_LENGTH == 0 else gen_length
+        divides = isinstance(gen_length, int) and gen_length % DEFAULT_BLOCK_LENGTH == 0
+        block_length = DEFAULT_BLOCK_LENGTH if divides else gen_length
     if steps is None:
         steps = gen_length
     return GenerationConfig(gen_length=gen_length, steps=steps, block_length=block_length, **settings)
@@ -78,6 +145,18 @@ class BaseDiffusionLM(ABC):
     config: ModelConfig
     tokenizer: Tokenizer
     remote = False  # True when every denoiser call is a round trip through the network
+    _limits: Optional[GenerationLimits] = None
+
+    @property
+    def limits(self) -> GenerationLimits:
+        """Bounds of one request from this model and this machine; assign to change the memory budget."""
+        if self._limits is None:
+            self._limits = GenerationLimits.for_model(self.config)
+        return self._limits
+
+    @limits.setter
+    def limits(self, limits: GenerationLimits) -> None:
+        self._limits = limits
 
     @abstractmethod
     def denoising_session(self, generation: GenerationConfig) -> contextlib.AbstractContextManager[Forward]:
@@ -128,6 +207,31 @@ class BaseDiffusionLM(ABC):
         return Composition(sources, weights, generation, self.config.mask_token_id, tau=tau,
                            corrector_steps=corrector_steps, warnings=warnings, auto=auto)
 
+    def check_request(self, prompt_ids: Optional[Sequence[int]] = None, **kwargs: Any) -> CheckedRequest:
+        """Check every argument of a request (``generate``'s keywords) against its bound before any compute;
+        ValueError says which.
+
+        Both front ends go through here (from :meth:`generate_stream`), and the HTTP API calls it before a
+        request waits for the model (``prompt_ids`` None: the prompt counts as one token until it is known).
+        """
+        return self._check(prompt_ids, *GenerationRequest.split(kwargs))
+
+    def _check(self, prompt_ids: Optional[Sequence[int]], options: GenerationRequest,
+               settings: dict[str, Any]) -> CheckedRequest:
+        expert_count = options.check()
+        plan = plan_scale(options.scale, settings, remote=self.remote, experts=options.experts)
+        if plan.experts is not None:
+            options = dataclasses.replace(options, experts=plan.experts)
+        if options.experts == "auto":
+            expert_count = len(AUTO_RULES)  # at most every rule matches
+        generation = make_generation_config(**settings, **plan.settings)
+        prompt_length = None if prompt_ids is None else len(prompt_ids)
+        if "parallel_window" in plan.filled:  # the scale's choice, not the caller's: fit it to the budget
+            room = self.limits.window_room(generation, prompt_length or 1, expert_count)
+            generation = generation.replace(parallel_window=min(generation.parallel_window, room))
+        self.limits.check(generation, prompt_length, expert_count)
+        return CheckedRequest(generation, plan, options, expert_count)
+
     # ----- prompts ----------------------------------------------------------------------------------
     def encode_prompt(self, prompt: str | Sequence[int], chat: bool = False) -> list[int]:
         """Text gets BOS and its ids; ``chat`` wraps text in the tokenizer's chat template instead."""
@@ -141,6 +245,9 @@ class BaseDiffusionLM(ABC):
             return ([bos] if bos is not None else []) + ids
         if chat:
             raise ValueError("chat=True needs the prompt as text, not token ids")
+        if len(prompt) >= self.config.max_position_embeddings:  # before looking at each id
+            raise ValueError(f"the prompt has {len(prompt)} tokens: the model's context is "
+                             f"{self.config.max_position_embeddings} positions, including the generated ones")
         ids = [int(i) for i in prompt]
         if not ids:
             raise ValueError("the prompt is empty: give at least one token id")
@@ -163,45 +270,41 @@ class BaseDiffusionLM(ABC):
             raise RuntimeError("generation ended without a result")
         return result
 
-    def generate_stream(
-        self, prompt: str | Sequence[int], *, progress: bool = False, chat: bool = False, experts: Any = None,
-        expert_tau: float = DEFAULT_TAU, corrector_steps: int = 0, tier: Optional[str] = None, scale: str = "auto",
-        **kwargs: Any
-    ) -> Iterator[StreamChunk]:
+    def generate_stream(self, prompt: str | Sequence[int], **kwargs: Any) -> Iterator[StreamChunk]:
         """Yield the partially unmasked text after every step; the last chunk carries the result.
 
-        Keyword arguments: ``gen_length``, ``steps``, ``block_length``, ``temperature``, ``remasking``
-        (low_confidence, random, margin, entropy), ``threshold``, ``cfg_scale``, ``seed``,
-        ``stop_at_eos``, ``parallel_window``, and the latency-hiding settings ``staleness`` (0..3),
-        ``stale_check`` (``token``, ``exact``, ``none``), ``cache`` (``none``, ``prefix``, ``dual``) and
-        ``cache_refresh`` (see :class:`GenerationConfig`; approximate except at their defaults, which are
-        exact; ``stale_check="exact"`` keeps the tokens of the run without staleness); ``progress`` shows a progress bar; ``chat`` wraps the text prompt
-        in the tokenizer's chat template (instruct checkpoints).
+        Keyword arguments, the sampler's settings (:class:`GenerationConfig`): ``gen_length``, ``steps``,
+        ``block_length``, ``temperature``, ``remasking`` (low_confidence, random, margin, entropy), ``threshold``,
+        ``cfg_scale``, ``seed``, ``stop_at_eos``, ``parallel_window``, and the latency-hiding settings
+        ``staleness`` (0..3), ``stale_check`` (``token``, ``exact``, ``none``), ``cache`` (``none``, ``prefix``,
+        ``dual``) and ``cache_refresh`` (approximate except at their defaults, which are exact;
+        ``stale_check="exact"`` keeps the tokens of the run without staleness).
 
-        ``experts`` composes expert models with the backbone at every step: ``{"code": 0.5}`` (weights
-        >= 0) or ``"auto"`` (chosen from the prompt); ``expert_tau`` bounds each expert's per-token shift;
-        ``corrector_steps`` re-predicts the least confident decided tokens after each step. Per-step
-        telemetry is in ``StreamChunk.telemetry`` and ``GenerationResult.telemetry`` (docs/EXPERTS.md).
+        The request's other options (:class:`GenerationRequest`): ``experts`` composes expert models with the
+        backbone at every step: ``{"code": 0.5}`` (weights >= 0) or ``"auto"`` (chosen from the prompt);
+        ``expert_tau`` bounds each expert's per-token shift; ``corrector_steps`` re-predicts the least confident
+        decided tokens after each step. Per-step telemetry is in ``StreamChunk.telemetry`` and
+        ``GenerationResult.telemetry`` (docs/EXPERTS.md). ``tier`` asks for a stricter safety tier than the
+        prompt's own (docs/GOVERNANCE.md); a governance halt ends the stream with ``finish_reason == "halted"``
+        and ``info["halt"]``. ``scale`` (``local``, ``auto``, ``max``) sizes how much of the swarm the request
+        uses (:mod:`swarm.scale`). ``chat`` wraps the text prompt in the tokenizer's chat template (instruct
+        checkpoints); ``progress`` shows a progress bar.
 
-        ``tier`` asks for a stricter safety tier than the prompt's own (docs/GOVERNANCE.md). A governance
-        halt ends the stream with ``finish_reason == "halted"`` and ``info["halt"]``. ``scale`` (``local``,
-        ``auto``, ``max``) sizes how much of the swarm the request uses (:mod:`swarm.scale`).
+        Every setting is bounded (:meth:`check_request`, :mod:`swarm.diffusion.config`): out-of-range,
+        infinite or NaN values and requests too large for the model's context or the memory budget
+        (:attr:`limits`) raise ValueError before any compute; an unknown keyword raises TypeError.
         """
-        settings = dict(kwargs, experts=experts)  # the scale may fill in a window size and experts
-        plan = plan_scale(scale, settings, remote=self.remote)
-        experts = settings.pop("experts")
-        generation = make_generation_config(**settings)
-        prompt_ids = self.encode_prompt(prompt, chat=chat)
-        if len(prompt_ids) + generation.gen_length > self.config.max_position_embeddings:
-            raise ValueError(
-                f"prompt ({len(prompt_ids)} tokens) + gen_length ({generation.gen_length}) exceeds the model's "
-                f"context of {self.config.max_position_embeddings} positions"
-            )
+        options, settings = GenerationRequest.split(kwargs)
+        prompt_ids = self.encode_prompt(prompt, chat=options.chat)
+        request = self._check(prompt_ids, options, settings)
+        generation, plan, options = request.generation, request.plan, request.options
         started = time.perf_counter()
-        request_info = {**self.begin_request(prompt, prompt_ids, tier, plan), **plan.info()}
-        composition = self.composition(generation, prompt_ids, experts, expert_tau, corrector_steps)
+        request_info = {**self.begin_request(prompt, prompt_ids, options.tier, plan), **plan.info()}
+        composition = self.composition(generation, prompt_ids, options.experts, options.expert_tau,
+                                       options.corrector_steps)
         telemetry: list[dict] = []
-        bar = tqdm(total=generation.gen_length, desc="denoising", unit="tok", disable=not progress, leave=False)
+        bar = tqdm(total=generation.gen_length, desc="denoising", unit="tok", disable=not options.progress,
+                   leave=False)
         with self.denoising_session(generation) as forward, bar:
             denoiser = DenoiserCalls(forward, generation, self.config.logits_shift, self.denoiser_workers(generation))
             if composition is None:
@@ -230,7 +333,8 @@ class BaseDiffusionLM(ABC):
             result.info["staleness"] = {"steps": generation.staleness, "check": generation.stale_check,
                                         "guessed": sampler.stats.guessed, "overturned": sampler.stats.overturned}
             result.info["cache"] = {"mode": generation.cache, "fills": denoiser.policy.fills,
-                                    "reuses": denoiser.policy.reuses, "misses": denoiser.misses}
+                                    "reuses": denoiser.policy.reuses, "misses": denoiser.misses,
+                                    "rebuilds": denoiser.rebuilds}
             if halt is not None:
                 result.finish_reason = "halted"
                 result.info["halt"] = {"reason": halt.reason, "step": halt.step, **halt.details}

@@ -109,7 +109,8 @@ def test_strategies_order_positions_by_their_definitions():
     probs = torch.tensor([[0.5, 0.4, 0.1], [0.6, 0.2, 0.2], [0.34, 0.33, 0.33]], dtype=torch.float64)
     x0 = torch.tensor([0, 0, 0])
     uniform = torch.tensor([0.1, 0.9, 0.5], dtype=torch.float64)
-    order = lambda name: torch.sort(STRATEGIES[name](probs, x0, uniform), descending=True).indices.tolist()
+    def order(name):
+        return torch.sort(STRATEGIES[name](probs, x0, uniform), descending=True).indices.tolist()
     assert order("low_confidence") == [1, 0, 2]  # p(x0): .6 > .5 > .34
     assert order("margin") == [1, 0, 2]  # .4 > .1 > .01
     assert order("random") == [1, 2, 0]

@@ -12,17 +12,26 @@ from swarm.models.loading import DEFAULT_MODEL
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
-@click.option("--model", default=DEFAULT_MODEL, help="Embedded model name or checkpoint directory (the client reads its tokenizer, embeddings and head).")
-@click.option("--model-name", default=None, help="Model id clients pass as 'model' (default: the model's DHT prefix, e.g. 'default').")
-@click.option("--dht-prefix", default=None, help="DHT namespace of the model, as servers were started with (default: the model directory's name).")
+@click.option("--model", default=DEFAULT_MODEL,
+              help="Embedded model name or checkpoint directory (the client reads its tokenizer, embeddings and head).")
+@click.option("--model-name", default=None,
+              help="Model id clients pass as 'model' (default: the model's DHT prefix, e.g. 'default').")
+@click.option("--dht-prefix", default=None,
+              help="DHT namespace of the model, as servers were started with (default: the model directory's name).")
 @click.option("--local", is_flag=True, help="Run the whole model in this process instead of through a swarm.")
 @click.option("--host", default="127.0.0.1", help="Address to listen on; 0.0.0.0 accepts other machines.")
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, help="TCP port to listen on.")
-@click.option("--max-pending", type=click.IntRange(min=1), default=16, help="Requests allowed to wait for the model; more get 503.")
+@click.option("--max-pending", type=click.IntRange(min=1), default=16,
+              help="Requests allowed to wait for the model; more get 503.")
+@click.option("--request-memory-mb", type=click.IntRange(min=1), default=None,
+              help="Memory one request's denoiser calls may hold (window x CFG rows x calls in flight x models x "
+                   "sequence); larger requests get 400. Default: a quarter of this machine's memory, never less "
+                   "than one sequence at full context.")
 @network_options
-@click.option("--log-level", type=click.Choice(["DEBUG", "INFO", "WARNING"]), default="INFO", help="Logging verbosity.")
+@click.option("--log-level", type=click.Choice(["DEBUG", "INFO", "WARNING"]), default="INFO",
+              help="Logging verbosity.")
 def main(model: str, model_name: Optional[str], dht_prefix: Optional[str], local: bool, host: str, port: int,
-         max_pending: int, log_level: str, **options) -> None:
+         max_pending: int, request_memory_mb: Optional[int], log_level: str, **options) -> None:
     """Serve /v1/completions, /v1/chat/completions, /v1/models and /health in the OpenAI API's shape."""
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     import uvicorn
@@ -35,7 +44,7 @@ def main(model: str, model_name: Optional[str], dht_prefix: Optional[str], local
                                "or use --local to run the model in this process")
     try:
         engine = load_engine(model, local=local, network=network, dht_prefix=dht_prefix, model_id=model_name,
-                             max_pending=max_pending)
+                             max_pending=max_pending, request_memory_mb=request_memory_mb)
     except (FileNotFoundError, ValueError) as error:
         raise click.UsageError(str(error)) from error
     click.echo(f"Serving model {engine.model_id!r} ({engine.mode}) on http://{host}:{port}/v1", err=True)

@@ -2,27 +2,40 @@
 
 Both generation endpoints run the same path (:func:`respond`); they differ only in how the prompt is made
 (text or token ids vs. a conversation) and in the response shape (:mod:`swarm.api.responses`).
+
+A client that hangs up stops its generation. Starlette tells a streamed response (it cancels the event
+generator); a plain request is never told, so :func:`unless_disconnected` listens for the hang-up while the
+request waits for the model and while it denoises, and cancels the wait, which cancels the worker.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
-from fastapi import FastAPI
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 import swarm
 from swarm.api.engine import GenerationEngine
 from swarm.api.errors import ModelNotFound, as_api_error, error_body, install_error_handlers
 from swarm.api.responses import CHAT, COMPLETION, SSE_DONE, ResponseBuilder, ResponseShape, sse
 from swarm.api.schemas import ChatCompletionRequest, CompletionRequest, OpenAIFields
-from swarm.lm import StreamChunk
+from swarm.lm import GenerationResult, StreamChunk
 
 logger = logging.getLogger(__name__)
 
 HEALTH_TIMEOUT_S = 20.0
+DISCONNECT_POLL_S = 0.2  # pause between reads of a server that answers a read with empty body parts
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for a request its client abandoned (nobody reads it)
+
+T = TypeVar("T")
+
+
+class ClientDisconnected(Exception):
+    """The client closed the connection before its answer was ready."""
 
 
 def create_app(engine: GenerationEngine) -> FastAPI:
@@ -53,12 +66,12 @@ def create_app(engine: GenerationEngine) -> FastAPI:
         return model_card(app)
 
     @app.post("/v1/completions", summary="Complete a prompt (text or token ids)")
-    async def completions(request: CompletionRequest):
-        return await respond(engine, request, request.prompt_input, COMPLETION)
+    async def completions(request: CompletionRequest, connection: Request):
+        return await respond(engine, request, request.prompt_input, COMPLETION, connection)
 
     @app.post("/v1/chat/completions", summary="Answer a conversation")
-    async def chat_completions(request: ChatCompletionRequest):
-        return await respond(engine, request, lambda: engine.chat_prompt(request.message_dicts()), CHAT)
+    async def chat_completions(request: ChatCompletionRequest, connection: Request):
+        return await respond(engine, request, lambda: engine.chat_prompt(request.message_dicts()), CHAT, connection)
 
     return app
 
@@ -75,37 +88,70 @@ def check_model(engine: GenerationEngine, name: str) -> None:
 
 
 async def respond(engine: GenerationEngine, request: OpenAIFields, make_prompt: Callable[[], str | list[int]],
-                  shape: ResponseShape):
+                  shape: ResponseShape, connection: Request):
     """Validate, then answer with one JSON body or with a stream of step events.
 
     A stream is started only after its first step has come back, so that errors found on the way
     (settings, empty or too long prompts, a swarm missing blocks) still get a proper 4xx/5xx status.
+    Every bound is checked before the request waits for the model.
     """
     check_model(engine, request.model)
     builder = ResponseBuilder(shape, engine.model_id, request.stop_sequences)
     chunks = None
     try:
-        settings = request.generation_kwargs()
+        settings = {**request.generation_kwargs(), **request.request_kwargs()}
         engine.check_settings(settings)
-        settings.update(request.request_kwargs())
         prompt = await asyncio.to_thread(make_prompt)  # chat templates may tokenise a long conversation
         chunks = engine.stream(prompt, settings)
-        first = await anext(chunks)
+        first = await unless_disconnected(connection, anext(chunks))
         if request.stream:
             response = StreamingResponse(events(builder, first, chunks, request.include_usage),
                                          media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
             chunks = None  # the stream owns it now
             return response
-        result = first.result
-        async for chunk in chunks:
-            result = chunk.result or result
-        return builder.complete(result)
+        return builder.complete(await unless_disconnected(connection, last_result(first, chunks)))
+    except ClientDisconnected:
+        logger.info("client disconnected; its generation was cancelled")
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
     except Exception as error:
         raise as_api_error(error) from error
     finally:
         if chunks is not None:
             await chunks.aclose()
+
+
+async def last_result(first: StreamChunk, rest: AsyncIterator[StreamChunk]) -> GenerationResult:
+    """The result the last chunk carries."""
+    result = first.result
+    async for chunk in rest:
+        result = chunk.result or result
+    return result
+
+
+async def hang_up(connection: Request) -> None:
+    """Returns when the client disconnects: once the body is read, the server's next message is that one."""
+    while (await connection.receive())["type"] != "http.disconnect":
+        await asyncio.sleep(DISCONNECT_POLL_S)
+
+
+async def unless_disconnected(connection: Request, work: Awaitable[T]) -> T:
+    """Await ``work`` while the client stays connected; if it leaves, cancel ``work`` and raise ClientDisconnected.
+
+    Cancelling a wait on :meth:`GenerationEngine.stream` closes it, which stops its worker after the current step.
+    """
+    task, gone = asyncio.ensure_future(work), asyncio.ensure_future(hang_up(connection))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if not task.done():
+            raise ClientDisconnected()
+        return task.result()
+    finally:
+        for pending in (task, gone):
+            if not pending.done():
+                pending.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await pending
 
 
 async def events(builder: ResponseBuilder, first: StreamChunk, rest: AsyncIterator[StreamChunk],

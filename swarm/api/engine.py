@@ -4,8 +4,10 @@ Generation is blocking torch (and, for the swarm, blocking RPC) code. Each reque
 worker thread that feeds the steps back to the event loop through a queue, so the server keeps answering
 ``/health`` and accepting streams while a request denoises. A lock serialises the model: its modules and
 the distributed client's route and session state are shared by all requests, and one request at a time
-gives each the whole machine (or route) instead of slowing every request down. Requests beyond ``max_pending`` are refused (503) instead of
-queueing without bound.
+gives each the whole machine (or route) instead of slowing every request down. Requests beyond
+``max_pending`` are refused (503) instead of queueing without bound. A request whose caller stops
+listening (a dropped connection, streamed or not) is cancelled: its worker stops after the current step,
+or never starts if it was still waiting.
 """
 from __future__ import annotations
 
@@ -16,7 +18,8 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, AsyncIterator, Optional, Sequence
 
-from swarm.lm import BaseDiffusionLM, StreamChunk, make_generation_config
+from swarm.diffusion.config import GenerationLimits
+from swarm.lm import BaseDiffusionLM, StreamChunk
 
 if TYPE_CHECKING:
     from swarm.dht.node import NetworkConfig
@@ -26,6 +29,16 @@ logger = logging.getLogger(__name__)
 
 class EngineBusy(RuntimeError):
     """Too many requests are waiting for the model; becomes a 503 so clients back off and retry."""
+
+
+@dataclass
+class EngineStats:
+    """Counts since the engine started: how requests ended and how much they computed."""
+
+    finished: int = 0  # ran to their last step
+    cancelled: int = 0  # their caller left: stopped after the current step, or before getting the model
+    failed: int = 0  # raised (bad settings found late, a swarm error, ...)
+    steps: int = 0  # denoising steps computed, over all requests
 
 
 @dataclass
@@ -45,7 +58,8 @@ class GenerationEngine:
         self.max_pending = max_pending
         self._lock = threading.Lock()
         self._pending = 0
-        self._pending_lock = threading.Lock()
+        self._pending_lock = threading.Lock()  # also guards stats
+        self.stats = EngineStats()
 
     @property
     def pending(self) -> int:
@@ -74,10 +88,9 @@ class GenerationEngine:
         lines = [f"{m['role'].capitalize()}: {m['content']}" for m in messages]
         return self.lm.encode_prompt("\n".join(lines + ["Assistant:"]))
 
-    @staticmethod
-    def check_settings(settings: dict[str, Any]) -> None:
-        """Raise the sampler's ValueError for bad settings now, before waiting for the model."""
-        make_generation_config(**settings)
+    def check_settings(self, settings: dict[str, Any]) -> None:
+        """Raise the ValueError of any setting out of its bound now, before the request waits for the model."""
+        self.lm.check_request(None, **settings)
 
     # ----- generation -------------------------------------------------------------------------------
     async def stream(self, prompt: str | list[int], settings: dict[str, Any]) -> AsyncIterator[StreamChunk]:
@@ -100,22 +113,33 @@ class GenerationEngine:
                 cancelled.set()
 
         def work() -> None:
+            outcome = "failed"
             try:
-                with self._lock:
-                    if cancelled.is_set():
-                        return
-                    with contextlib.closing(self.lm.generate_stream(prompt, **settings)) as chunks:
-                        for chunk in chunks:
-                            put(chunk)
-                            if cancelled.is_set():
-                                logger.info("request cancelled; stopping generation")
-                                return
+                outcome = generate()
             except BaseException as error:  # handed to the request, which turns it into an HTTP error
                 put(_Failure(error))
             finally:
                 with self._pending_lock:
                     self._pending -= 1
+                    setattr(self.stats, outcome, getattr(self.stats, outcome) + 1)
                 put(_FINISHED)
+
+        def generate() -> str:
+            """Runs the generation under the model's lock; says how it ended (an :class:`EngineStats` field)."""
+            with self._lock:
+                if cancelled.is_set():
+                    logger.info("request cancelled before it got the model")
+                    return "cancelled"
+                with contextlib.closing(self.lm.generate_stream(prompt, **settings)) as chunks:
+                    for chunk in chunks:
+                        if not chunk.done:
+                            with self._pending_lock:
+                                self.stats.steps += 1
+                        put(chunk)
+                        if cancelled.is_set() and not chunk.done:
+                            logger.info("request cancelled; stopping generation after step %d", chunk.step)
+                            return "cancelled"
+            return "finished"
 
         threading.Thread(target=work, name="generation", daemon=True).start()
         try:
@@ -147,11 +171,12 @@ class GenerationEngine:
 
 def load_engine(model: str, *, local: bool, network: Optional["NetworkConfig"] = None,
                 dht_prefix: Optional[str] = None, model_id: Optional[str] = None,
-                max_pending: int = 16) -> GenerationEngine:
+                max_pending: int = 16, request_memory_mb: Optional[int] = None) -> GenerationEngine:
     """The model a ``python -m swarm.api`` process serves: in this process (``local``) or through the swarm.
 
     The model id clients name defaults to the model's DHT prefix (its directory name, ``default`` for the
-    embedded model), the same name servers and the health map use.
+    embedded model), the same name servers and the health map use. ``request_memory_mb`` is the memory one
+    request's denoiser calls may hold (default: a quarter of this machine's; see ``GenerationLimits``).
     """
     from swarm.dht.schema import default_prefix
 
@@ -167,4 +192,6 @@ def load_engine(model: str, *, local: bool, network: Optional["NetworkConfig"] =
         config = ClientConfig(network=network or NetworkConfig(client_mode=True), dht_prefix=dht_prefix)
         lm = DistributedDiffusionLM.from_pretrained(model, config=config)
         prefix = lm.prefix
+    if request_memory_mb is not None:
+        lm.limits = GenerationLimits.for_model(lm.config, memory_budget=request_memory_mb << 20)
     return GenerationEngine(lm, model_id or prefix, max_pending)

@@ -53,17 +53,18 @@ def error_body(message: str, type_: str, param: Optional[str] = None, code: Opti
 def as_api_error(error: BaseException) -> APIError:
     """Map an exception from generation to the status a client should see.
 
-    The sampler and the tokenizer raise ValueError for bad settings and prompts (400); the engine's busy
-    signal, a swarm with uncovered blocks and an expert no server hosts are temporary (503); anything else is our fault (500).
+    The sampler and the tokenizer raise ValueError for bad settings and prompts (400; a setting's name as
+    ``param`` when it says one); the engine's busy signal, a swarm with uncovered blocks and an expert no
+    server hosts are temporary (503); anything else is our fault (500).
     """
     from swarm.api.engine import EngineBusy
     from swarm.client.routing import MissingBlocksError
-    from swarm.diffusion.composition import ExpertNotFoundError
+    from swarm.diffusion.experts import ExpertNotFoundError
 
     if isinstance(error, APIError):
         return error
     if isinstance(error, ValueError):
-        return APIRequestError(str(error))
+        return APIRequestError(str(error), param=getattr(error, "param", None))
     if isinstance(error, (EngineBusy, MissingBlocksError, ExpertNotFoundError)):
         return Unavailable(str(error))
     logger.error("generation failed", exc_info=error)

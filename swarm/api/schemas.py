@@ -3,48 +3,41 @@
 Fields of the OpenAI API that change nothing for a diffusion model (``top_p``, ``user``, penalties…) are
 accepted and ignored, so that existing clients work unchanged; fields whose meaning we cannot honour
 (``n`` > 1) are refused with a 400 rather than silently answered wrongly. Integers are strict: ``"8"`` or
-``8.5`` for ``steps`` is a client bug worth reporting, not something to guess about.
+``8.5`` for ``steps`` is a client bug worth reporting, not something to guess about. The diffusion settings
+are not written here: they are made from the declared settings (name, type, help text) of
+:class:`~swarm.diffusion.config.GenerationConfig` and :class:`~swarm.lm.GenerationRequest`, whose bounds are
+checked there, the same for the Python API; only the API's own field, ``stop``, is bounded here.
 """
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+from typing import Any, Iterable, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, create_model, field_validator
 
 from swarm.api.errors import APIRequestError
-from swarm.cli_options import GENERATION_KEYS
+from swarm.diffusion.config import GenerationConfig, SettingField, settings_of
+from swarm.lm import GenerationRequest
+
+MAX_STOP_SEQUENCES = 4  # as OpenAI's API
+MAX_STOP_CHARS = 1000
+STRICT_TYPES: dict[Any, Any] = {int: StrictInt, bool: StrictBool}  # "8" for an integer is a client bug
+
+GENERATION_KEYS = tuple(field.name for field in settings_of(GenerationConfig) if field.spec.api)
+REQUEST_KEYS = tuple(field.name for field in settings_of(GenerationRequest) if field.spec.api)
 
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class DiffusionSettings(BaseModel):
-    """The sampler's settings (same names as ``generate`` and the CLI's options); unset ones keep defaults."""
+class SettingsFields(BaseModel):
+    """What the request models do with the settings; the fields themselves come from :func:`settings_model`."""
 
     model_config = ConfigDict(extra="ignore")
 
-    gen_length: Optional[StrictInt] = Field(None, description="Tokens to generate; same as max_tokens.")
-    steps: Optional[StrictInt] = Field(None, description="Denoising steps (default: gen_length).")
-    block_length: Optional[StrictInt] = Field(None, description="Semi-autoregressive block size.")
-    temperature: Optional[float] = Field(None, description="Gumbel noise scale; 0 (the default) is greedy.")
-    remasking: Optional[str] = Field(None, description="low_confidence, random, margin or entropy.")
-    threshold: Optional[float] = Field(None, description="Unmask every position at least this confident.")
-    cfg_scale: Optional[float] = Field(None, description="Unsupervised classifier-free guidance scale.")
-    seed: Optional[StrictInt] = Field(None, description="Seed of the per-step noise: same seed, same text.")
-    parallel_window: Optional[StrictInt] = Field(None, description="Picard window (1 is sequential).")
-    staleness: Optional[StrictInt] = Field(None, description="0..3: steps may use logits this many steps old (0 is exact).")
-    stale_check: Optional[str] = Field(None, description="Check of stale-decided steps: token (default), exact or none.")
-    cache: Optional[str] = Field(None, description="Activation cache: none (exact), prefix or dual.")
-    cache_refresh: Optional[StrictInt] = Field(None, description="Refill the cache every N steps (0: per block).")
-    experts: Optional[Union[dict[str, float], str]] = Field(
-        None, description='Experts composed each step: {"code": 0.5} or "auto" (docs/EXPERTS.md).')
-    tier: Optional[str] = Field(None, description="A stricter safety tier: public, internal or restricted.")
-    scale: Optional[str] = Field(None, description="How much of the swarm to use: local, auto or max.")
-
     def length_aliases(self) -> dict[str, Optional[int]]:
         """Fields that all mean "how many tokens"; subclasses add OpenAI's names."""
-        return {"gen_length": self.gen_length}
+        return {"gen_length": getattr(self, "gen_length", None)}
 
     def generation_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``generate_stream``: only what the client set, lengths reconciled."""
@@ -58,8 +51,25 @@ class DiffusionSettings(BaseModel):
         return kwargs
 
     def request_kwargs(self) -> dict[str, Any]:
-        """The per-request options of ``generate_stream`` that are not sampler settings."""
-        return {key: getattr(self, key) for key in ("experts", "tier", "scale") if getattr(self, key) is not None}
+        """The per-request options of ``generate_stream`` that are not sampler settings (experts, tier, scale...)."""
+        return {key: getattr(self, key) for key in REQUEST_KEYS if getattr(self, key) is not None}
+
+
+def api_field(field: SettingField) -> tuple[Any, Any]:
+    """The pydantic field of one declared setting: optional (unset keeps the default), strict for ints and bools."""
+    return Optional[STRICT_TYPES.get(field.kind, field.kind)], Field(None, description=field.describe())
+
+
+def settings_model(fields: Iterable[SettingField], name: str = "DiffusionSettings") -> type[SettingsFields]:
+    """A request model with one optional field per setting (same names as ``generate`` and the CLI's options)."""
+    return create_model(name, __base__=SettingsFields, __module__=__name__,
+                        **{field.name: api_field(field) for field in fields})
+
+
+DiffusionSettings = settings_model(
+    field for cls in (GenerationConfig, GenerationRequest) for field in settings_of(cls) if field.spec.api)
+DiffusionSettings.__doc__ = """The settings of ``generate`` as optional fields (same names as its keywords and the CLI's
+options); unset ones keep their defaults."""
 
 
 class OpenAIFields(DiffusionSettings):
@@ -77,6 +87,16 @@ class OpenAIFields(DiffusionSettings):
         if n != 1:
             raise ValueError("only n=1 is supported: send one request per completion (vary the seed)")
         return n
+
+    @field_validator("stop")
+    @classmethod
+    def _few_short_stops(cls, stop: Union[str, list[str], None]) -> Union[str, list[str], None]:
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        if len(stops) > MAX_STOP_SEQUENCES:
+            raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences, got {len(stops)}")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"a stop sequence may have at most {MAX_STOP_CHARS} characters")
+        return stop
 
     @property
     def stop_sequences(self) -> list[str]:

@@ -1,15 +1,194 @@
-"""Settings of one generation, checked once, before any compute."""
+"""Settings of one generation, checked once, before any compute.
+
+Every size-like or float setting a request can carry is bounded here, in one place:
+
+* :class:`GenerationConfig` checks each setting on its own (types, finite floats, documented ranges);
+* :class:`GenerationLimits` checks what follows from the model and the machine: the prompt plus
+  ``gen_length`` within the model's positions, and the tokens one request's denoiser calls hold at once
+  (Picard window x CFG rows x calls in flight x models, times the sequence) within a memory budget;
+* :func:`check_expert_settings` checks the experts, their weights, ``expert_tau`` and ``corrector_steps``.
+
+``BaseDiffusionLM`` runs all three for both the local model and the swarm client, and the HTTP API runs
+them before a request waits for the model, so an oversized request is refused with a ``ValueError`` (400)
+before it allocates anything.
+"""
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
+import os
+import typing
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Mapping, Optional, Union
 
 from swarm.diffusion.remasking import STRATEGIES
 
 CACHE_MODES = ("none", "prefix", "dual")
 STALE_CHECKS = ("token", "exact", "none")
 MAX_STALENESS = 3
+
+# Bounds of single settings. A Picard window beyond a few states only adds compute (docs/ARCHITECTURE.md);
+# beyond these values the other settings change nothing useful and only risk overflow or waste.
+MAX_PARALLEL_WINDOW = 32
+MAX_TEMPERATURE = 10.0  # the Gumbel noise already swamps any logit gap
+MAX_CFG_SCALE = 10.0  # LLaDA uses 0..3; (cfg + 1) * (cond - uncond) must stay far from overflow
+MAX_SEED = 2**63 - 1
+MAX_EXPERTS = 8
+MAX_EXPERT_NAME = 1024  # an embedded name, a checkpoint path or a DHT domain
+MAX_EXPERT_WEIGHT = 10.0
+MAX_EXPERT_TAU = 1000.0  # log-probability gaps never come near this: 1000 is "no clipping"
+MAX_CORRECTOR_STEPS = 8  # each one is one more denoiser call per step
+MEMORY_FRACTION = 0.25  # of this machine's memory, for one request's denoiser calls (the default budget)
+FALLBACK_MEMORY_BYTES = 4 << 30  # when the machine's memory cannot be read
+
+
+class SettingError(ValueError):
+    """A setting out of its bound; ``param`` names it (the HTTP API reports it as OpenAI's ``param``)."""
+
+    def __init__(self, message: str, param: Optional[str] = None):
+        super().__init__(message)
+        self.param = param
+
+
+def need(condition: bool, message: str, param: Optional[str] = None) -> None:
+    """Refuse a setting with a message that says what to change (never ``assert``: it is remote input)."""
+    if not condition:
+        raise SettingError(message, param)
+
+
+def shown(value: Any, limit: int = 80) -> str:
+    """A value as an error message quotes it: cut, so that a huge value is not echoed back whole."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+def is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def is_integer(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def need_float(name: str, value: Any, low: float, high: float, low_open: bool = False,
+               param: Optional[str] = None) -> None:
+    """A finite number in [low, high] (or (low, high] with ``low_open``); NaN and infinities are refused."""
+    interval = f"{'(' if low_open else '['}{low:g}, {high:g}]"
+    need(is_number(value) and math.isfinite(value) and (value > low if low_open else value >= low) and value <= high,
+         f"{name} must be a finite number in {interval}, got {shown(value)}", param or name)
+
+
+def need_int(name: str, value: Any, low: int, high: int) -> None:
+    need(is_integer(value), f"{name} must be an integer, got {shown(value)}", name)
+    need(low <= value <= high, f"{name} must be {low}..{high}, got {value}", name)
+
+
+SETTING = "setting"  # the metadata key of a declared setting
+
+
+@dataclass(frozen=True)
+class Setting:
+    """The declaration of one setting besides its name, type and default.
+
+    Read by validation (:meth:`SettingField.check`), the command line (:mod:`swarm.cli_options`), the HTTP
+    API's request fields (:mod:`swarm.api.schemas`) and the test that keeps the documented argument lists
+    complete, so that a setting is declared once.
+    """
+
+    help: str
+    low: Optional[float] = None
+    high: Union[float, str, None] = None  # a number, or the name of the setting whose value bounds it
+    low_open: bool = False  # (low, high] instead of [low, high]
+    choices: tuple[str, ...] = ()
+    computed_default: str = ""  # how the default follows from other settings (the default is then None)
+    cli: bool = True  # offered as a command-line option of ``python -m swarm.generate``
+    api: bool = True  # offered as a request field of the HTTP API
+
+
+def setting(default: Any, help: str, **declaration: Any) -> Any:
+    """A dataclass field declaring a setting: its default, help text and bounds (see :class:`Setting`)."""
+    return dataclasses.field(default=default, metadata={SETTING: Setting(help, **declaration)})
+
+
+@dataclass(frozen=True)
+class SettingField:
+    """One declared setting of a dataclass: name, resolved type, default and declaration."""
+
+    name: str
+    type: Any
+    default: Any
+    spec: Setting
+
+    @property
+    def optional(self) -> bool:
+        """Whether None is allowed (it then means "not used")."""
+        return typing.get_origin(self.type) is Union and type(None) in typing.get_args(self.type)
+
+    @property
+    def kind(self) -> Any:
+        """The type without ``Optional``: int, float, str, bool, or the annotation itself for anything else."""
+        args = [arg for arg in typing.get_args(self.type) if arg is not type(None)]
+        return args[0] if self.optional and len(args) == 1 else self.type
+
+    def bounds(self) -> str:
+        """The declared range (``0..3``, ``[0, 10]``, ``(0, 1]``) or choices, as help texts show them."""
+        spec = self.spec
+        if spec.choices:
+            return ", ".join(spec.choices)
+        if spec.low is None:
+            return ""
+        if self.kind is int:
+            return f"{spec.low}..{_number(spec.high)}"
+        return f"{'(' if spec.low_open else '['}{spec.low:g}, {_number(spec.high)}]"
+
+    def describe(self, choices: bool = True) -> str:
+        """The help text, then the declared bounds and a computed default: for ``--help`` and the API schema.
+
+        ``choices`` False leaves the choices out (click lists them itself).
+        """
+        shown_bounds = self.bounds() if choices or not self.spec.choices else ""
+        notes = [shown_bounds and f"{'One of' if self.spec.choices else 'Range'}: {shown_bounds}.",
+                 self.spec.computed_default and f"Default: {self.spec.computed_default}."]
+        return " ".join([self.spec.help, *filter(None, notes)])
+
+    def check(self, value: Any, owner: Any = None) -> None:
+        """Refuse ``value`` unless it has this setting's type and lies within its declared bounds.
+
+        ``owner`` (the object being validated) gives the value of a bound named by another setting.
+        """
+        spec, name = self.spec, self.name
+        if value is None and self.optional:
+            return
+        if spec.choices:
+            need(isinstance(value, str) and value in spec.choices,
+                 f"unknown {name} {shown(value)}; choose one of {', '.join(spec.choices)}", name)
+        elif self.kind is bool:
+            need(isinstance(value, bool), f"{name} must be true or false, got {shown(value)}", name)
+        elif self.kind is int and spec.low is None:
+            need(is_integer(value), f"{name} must be an integer, got {shown(value)}", name)
+        elif self.kind is int:
+            high = getattr(owner, spec.high) if isinstance(spec.high, str) else spec.high
+            need_int(name, value, int(spec.low), int(high))
+        elif self.kind is float and spec.low is not None:
+            need_float(name, value, spec.low, spec.high, low_open=spec.low_open)
+
+
+def _number(value: Union[float, str]) -> str:
+    """A bound as help texts write it: ``10``, ``2**63-1``, or the name of the setting that bounds it."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, int) and value > 2**20 and (value + 1).bit_length() - 1 == value.bit_length():
+        return f"2**{value.bit_length()}-1"
+    return f"{value:g}"
+
+
+@functools.lru_cache(maxsize=None)
+def settings_of(cls: type) -> tuple[SettingField, ...]:
+    """The declared settings of a dataclass (fields made with :func:`setting`), in declaration order."""
+    hints = typing.get_type_hints(cls)
+    return tuple(SettingField(f.name, hints[f.name], f.default, f.metadata[SETTING])
+                 for f in dataclasses.fields(cls) if SETTING in f.metadata)
 
 
 @dataclass(frozen=True)
@@ -28,22 +207,38 @@ class GenerationConfig:
     (``stale_check``): ``token`` (each token it unmasked is the one its own logits predict there), ``exact``
     (the same step exactly: the tokens equal the exact run's) or ``none`` (never checked). An overturned step
     is redone from its own logits and the guesses after it are dropped.
+
+    Each field is declared once, with its help text and bounds (:func:`setting`): validation, the command
+    line, the HTTP API and the documentation test all read the declaration. Lengths must also fit the model
+    (:class:`GenerationLimits`).
     """
 
-    gen_length: int = 64
-    steps: int = 64
-    block_length: int = 32
-    temperature: float = 0.0
-    remasking: str = "low_confidence"
-    threshold: Optional[float] = None
-    cfg_scale: float = 0.0
-    seed: int = 0
-    stop_at_eos: bool = True
-    parallel_window: int = 1
-    staleness: int = 0
-    stale_check: str = "token"
-    cache: str = "none"
-    cache_refresh: int = 0
+    gen_length: int = setting(64, "Number of tokens to generate (the prompt plus gen_length must fit the model's "
+                                  "context).")
+    steps: int = setting(64, "Denoising steps, spread evenly over the blocks.",
+                         computed_default="gen_length, one token per step")
+    block_length: int = setting(32, "Semi-autoregressive block size; blocks are filled left to right.",
+                                computed_default="32 when it divides gen_length, else gen_length")
+    temperature: float = setting(0.0, "Gumbel noise scale; 0 is greedy.", low=0.0, high=MAX_TEMPERATURE)
+    remasking: str = setting("low_confidence", "Which masked positions are unmasked first.", choices=STRATEGIES)
+    threshold: Optional[float] = setting(None, "Unmask every position whose confidence reaches this (Fast-dLLM); "
+                                               "at least one per step.", low=0.0, high=1.0, low_open=True)
+    cfg_scale: float = setting(0.0, "Unsupervised classifier-free guidance scale; 0 disables it.",
+                               low=0.0, high=MAX_CFG_SCALE)
+    seed: int = setting(0, "Seed of the per-step noise: same seed, same tokens.", low=0, high=MAX_SEED)
+    stop_at_eos: bool = setting(True, "Stop once a finished block contains an end-of-sequence token.")
+    parallel_window: int = setting(1, "Picard window: states evaluated per denoiser call (1 is sequential; "
+                                      "identical tokens).", low=1, high=MAX_PARALLEL_WINDOW)
+    staleness: int = setting(0, "Steps decide on logits this many steps old, keeping that many more calls in "
+                                "flight; each is checked when its own logits arrive (0 is exact).",
+                             low=0, high=MAX_STALENESS)
+    stale_check: str = setting("token", "How a step decided on stale logits is checked against its own: token "
+                                        "(each token it unmasked is predicted there), exact (same tokens as the "
+                                        "exact run) or none; a failed check redoes the step.", choices=STALE_CHECKS)
+    cache: str = setting("none", "Reuse keys/values outside the active block: prefix (before it) or dual (before "
+                                 "and after); none is exact.", choices=CACHE_MODES)
+    cache_refresh: int = setting(0, "Refill the cache every N steps (0: only at each new block; 1: every step, "
+                                    "which is exact).", low=0, high="steps")
 
     def __post_init__(self) -> None:
         self.validate()
@@ -56,40 +251,127 @@ class GenerationConfig:
     def steps_per_block(self) -> int:
         return self.steps // self.num_blocks
 
-    def validate(self) -> None:
-        def need(condition: bool, message: str) -> None:
-            if not condition:
-                raise ValueError(message)
+    @property
+    def rows_per_call(self) -> int:
+        """Sequences in one denoiser call: the window's states, doubled by classifier-free guidance."""
+        return self.parallel_window * (2 if self.cfg_scale > 0 else 1)
 
-        for name in ("gen_length", "steps", "block_length", "seed", "parallel_window", "staleness", "cache_refresh"):
-            need(isinstance(getattr(self, name), int), f"{name} must be an integer, got {getattr(self, name)!r}")
-        need(self.gen_length > 0, f"gen_length must be positive, got {self.gen_length}")
-        need(self.block_length > 0, f"block_length must be positive, got {self.block_length}")
-        need(self.gen_length % self.block_length == 0,
-             f"gen_length ({self.gen_length}) must be divisible by block_length ({self.block_length})")
-        need(self.steps >= self.num_blocks,
-             f"steps ({self.steps}) must be at least the number of blocks ({self.num_blocks} = "
-             f"gen_length {self.gen_length} / block_length {self.block_length})")
-        need(self.steps % self.num_blocks == 0,
-             f"steps ({self.steps}) must be divisible by the number of blocks ({self.num_blocks})")
-        need(self.steps_per_block <= self.block_length,
-             f"steps per block ({self.steps_per_block}) exceeds block_length ({self.block_length}): "
-             "some steps would unmask nothing; lower steps or raise block_length")
-        need(self.remasking in STRATEGIES,
-             f"unknown remasking {self.remasking!r}; choose one of {', '.join(STRATEGIES)}")
-        need(self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}")
-        need(self.cfg_scale >= 0, f"cfg_scale must be >= 0, got {self.cfg_scale}")
-        need(self.threshold is None or 0.0 < self.threshold <= 1.0,
-             f"threshold must be in (0, 1], got {self.threshold}")
-        need(self.seed >= 0, f"seed must be >= 0, got {self.seed}")
-        need(self.parallel_window >= 1, f"parallel_window must be >= 1, got {self.parallel_window}")
-        need(0 <= self.staleness <= MAX_STALENESS, f"staleness must be 0..{MAX_STALENESS}, got {self.staleness}")
-        need(self.stale_check in STALE_CHECKS,
-             f"unknown stale_check {self.stale_check!r}; choose one of {', '.join(STALE_CHECKS)}")
-        need(self.cache in CACHE_MODES, f"unknown cache {self.cache!r}; choose one of {', '.join(CACHE_MODES)}")
-        need(self.cache_refresh >= 0, f"cache_refresh must be >= 0 steps, got {self.cache_refresh}")
+    def validate(self) -> None:
+        fields = settings_of(type(self))  # a subclass's added settings are checked too
+        for field in fields:  # integers first: the lengths are compared with each other next
+            value = getattr(self, field.name)
+            need(field.kind is not int or is_integer(value), f"{field.name} must be an integer, got {shown(value)}",
+                 field.name)
+        self._validate_lengths()
+        for field in fields:  # then each setting against its declaration
+            field.check(getattr(self, field.name), self)
         need(self.parallel_window == 1 or (self.staleness == 0 and self.cache == "none"),
              "parallel_window > 1 is exact only over a stateless denoiser: use it with staleness=0 and cache='none'")
 
+    def _validate_lengths(self) -> None:
+        need(self.gen_length > 0, f"gen_length must be positive, got {self.gen_length}", "gen_length")
+        need(self.block_length > 0, f"block_length must be positive, got {self.block_length}", "block_length")
+        need(self.gen_length % self.block_length == 0,
+             f"gen_length ({self.gen_length}) must be divisible by block_length ({self.block_length})", "block_length")
+        need(self.steps >= self.num_blocks,
+             f"steps ({self.steps}) must be at least the number of blocks ({self.num_blocks} = "
+             f"gen_length {self.gen_length} / block_length {self.block_length})", "steps")
+        need(self.steps % self.num_blocks == 0,
+             f"steps ({self.steps}) must be divisible by the number of blocks ({self.num_blocks})", "steps")
+        need(self.steps_per_block <= self.block_length,
+             f"steps per block ({self.steps_per_block}) exceeds block_length ({self.block_length}): "
+             "some steps would unmask nothing; lower steps or raise block_length", "steps")
+
     def replace(self, **changes: Any) -> "GenerationConfig":
         return dataclasses.replace(self, **changes)
+
+
+def machine_memory_bytes() -> int:
+    """This machine's physical memory (a fallback when the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return FALLBACK_MEMORY_BYTES
+
+
+@dataclass(frozen=True)
+class GenerationLimits:
+    """Bounds that follow from the model and the machine, checked before any compute.
+
+    ``bytes_per_token`` estimates what one sequence position costs during one denoiser call: float32
+    logits and one temporary copy (2 x vocab), the residual stream, q/k/v and attention output (12 x
+    hidden) and the MLP (4 x intermediate), 4 bytes each. Measured on the default model (vocab 260, hidden
+    128, 1024 positions; ``peak RSS growth / tokens`` of one forward): 9.4-13.6 KB per token, estimate 13.9 KB.
+    The budget is never below one sequence at full context, so every request the model can take at all, with
+    one state and no guidance, is allowed.
+    """
+
+    max_positions: int
+    bytes_per_token: int
+    memory_budget: int  # bytes that one request's denoiser calls may hold at once
+
+    @classmethod
+    def for_model(cls, config: Any, memory_budget: Optional[int] = None) -> "GenerationLimits":
+        """Limits for a :class:`~swarm.models.config.ModelConfig`; the budget defaults to 1/4 of this machine."""
+        per_token = 4 * (2 * config.vocab_size + 12 * config.hidden_size + 4 * config.intermediate_size)
+        budget = int(machine_memory_bytes() * MEMORY_FRACTION) if memory_budget is None else int(memory_budget)
+        return cls(int(config.max_position_embeddings), per_token, budget)
+
+    @property
+    def max_resident_tokens(self) -> int:
+        """Sequence positions one request may hold in denoiser calls at once."""
+        return max(self.max_positions, self.memory_budget // self.bytes_per_token)
+
+    @staticmethod
+    def resident_tokens(generation: GenerationConfig, prompt_length: int, experts: int = 0, window: int = 0) -> int:
+        """Positions held at once: rows per call x calls in flight x models (backbone and experts) x sequence."""
+        rows = (window or generation.parallel_window) * (2 if generation.cfg_scale > 0 else 1)
+        return rows * (generation.staleness + 1) * (1 + experts) * (prompt_length + generation.gen_length)
+
+    def window_room(self, generation: GenerationConfig, prompt_length: int, experts: int = 0) -> int:
+        """The largest Picard window this request fits in memory (at least 1)."""
+        one_state = self.resident_tokens(generation, prompt_length, experts, window=1)
+        return max(1, min(MAX_PARALLEL_WINDOW, self.max_resident_tokens // one_state))
+
+    def check(self, generation: GenerationConfig, prompt_length: Optional[int] = None, experts: int = 0) -> None:
+        """Refuse a request that does not fit the model's positions or the memory budget.
+
+        ``prompt_length`` is None before the prompt is tokenised (the early check of the HTTP API): it then
+        counts as one token. ``experts`` counts the experts that compute alongside the backbone.
+        """
+        if prompt_length is None:
+            need(generation.gen_length < self.max_positions,
+                 f"gen_length ({generation.gen_length}) + a prompt exceeds the model's context of "
+                 f"{self.max_positions} positions", "gen_length")
+            prompt_length = 1
+        need(generation.gen_length <= self.max_positions - prompt_length,
+             f"prompt ({prompt_length} tokens) + gen_length ({generation.gen_length}) exceeds the model's "
+             f"context of {self.max_positions} positions", "gen_length")
+        held = self.resident_tokens(generation, prompt_length, experts)
+        room = self.max_resident_tokens
+        need(held <= room,
+             f"this request would hold {held} sequence positions in memory at once (parallel_window "
+             f"{generation.parallel_window} x {2 if generation.cfg_scale > 0 else 1} for cfg_scale x "
+             f"{generation.staleness + 1} calls in flight x {1 + experts} models x ({prompt_length} prompt + "
+             f"{generation.gen_length} generated) positions); the limit here is {room} "
+             f"({self.memory_budget >> 20} MiB at {self.bytes_per_token} bytes per position): "
+             "lower parallel_window, staleness, cfg_scale, experts or gen_length", "parallel_window")
+
+
+def check_expert_settings(experts: Any, tau: Any, corrector_steps: Any) -> int:
+    """Check ``experts`` (None, ``"auto"`` or ``{name: weight}``), ``expert_tau`` and ``corrector_steps``.
+
+    Returns how many given experts have a weight above 0 (they compute alongside the backbone).
+    """
+    need_float("expert_tau", tau, 0.0, MAX_EXPERT_TAU, low_open=True)
+    need_int("corrector_steps", corrector_steps, 0, MAX_CORRECTOR_STEPS)
+    if experts is None or experts == "auto":
+        return 0  # "auto" picks from a fixed table of experts and weights
+    need(isinstance(experts, Mapping), f"experts must be 'auto' or a mapping of name to weight, got {shown(experts)}",
+         "experts")
+    need(len(experts) <= MAX_EXPERTS, f"at most {MAX_EXPERTS} experts per request, got {len(experts)}", "experts")
+    for name, weight in experts.items():
+        need(isinstance(name, str) and 0 < len(name) <= MAX_EXPERT_NAME,
+             f"expert names must be strings of 1..{MAX_EXPERT_NAME} characters, got {shown(name)}", "experts")
+        need_float(f"the weight of expert {shown(name)}", weight, 0.0, MAX_EXPERT_WEIGHT, param="experts")
+    return sum(1 for weight in experts.values() if weight > 0)

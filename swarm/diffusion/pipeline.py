@@ -8,6 +8,8 @@ the same tokens for every setting:
   (only the active block's rows, or for ``prefix`` the block and everything after it). Logits of rows not
   recomputed are those of the fill it reuses. Naming the version lets calls run concurrently across a
   fill: a server answers a reuse from its own version (waiting for that fill if it has not arrived).
+  A reuse that finds its version gone (a failover moved the hop to a replica) has that version rebuilt
+  from the tokens it was first filled with, so a failover keeps the tokens (:meth:`DenoiserCalls._recover`).
 * concurrency for stale pipelining (:class:`DenoiserCalls`): calls are submitted and collected later, so
   several can be in flight; remote backends run them on worker threads.
 """
@@ -16,15 +18,17 @@ from __future__ import annotations
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional
 
 import torch
 
 from swarm.diffusion.config import GenerationConfig
-from swarm.diffusion.sampler import DenoiseContext, Ready
+from swarm.diffusion.denoiser import DenoiseContext, Pending, PipelinedDenoiser
 from swarm.models.kv_cache import CacheMiss
 
 logger = logging.getLogger(__name__)
+
+REBUILD_ATTEMPTS = 2  # a version rebuilt this often in a row and still missing: the servers cannot keep it
 
 
 @dataclass(frozen=True)
@@ -48,7 +52,24 @@ class CacheDirective:
 
 Forward = Callable[[torch.Tensor, Optional[CacheDirective], DenoiseContext], torch.Tensor]
 """A backend's pass: tokens (batch, length) -> logits (batch, rows, vocab) of the directive's rows (every row
-when the directive is None or a fill). Raises :class:`CacheMiss` when a reuse finds no cache."""
+when the directive is None or a fill). Raises :class:`CacheMiss` when a reuse finds no cache. A backend may
+compute the head only for the rows :func:`scored_rows` names (the others are then NaN): no reader of a
+call's logits (sampler, guidance, expert composition, correctors, cache completion) reads any other row."""
+
+HEAD_ROWS = ("active", "all")  # what a backend's head scores: the rows readers may read, or every row
+
+
+def scored_rows(context: DenoiseContext, generation: GenerationConfig, length: int) -> tuple[int, int]:
+    """Absolute positions whose logits the sampler may read from a call made with ``context``.
+
+    One state, read at once: its active block. A Picard window's later states, and a stale-pipelined step
+    deciding on an older state's logits, may already be in a later block (blocks fill left to right, never
+    back): then everything from the active block on. Classifier-free guidance's unconditional rows, expert
+    composition and correctors read the same block; Dream's one-row shift is the head's business.
+    """
+    if len(context.steps) > 1 or generation.staleness > 0:
+        return context.block_start, length
+    return context.block_start, context.block_end
 
 
 class CachePolicy:
@@ -102,13 +123,15 @@ class CachePolicy:
         return merged
 
 
-class PendingLogits:
+class PendingLogits(Pending):
     """One submitted call; :meth:`result` waits for it and completes it (once)."""
 
     def __init__(self, calls: "DenoiserCalls", tokens: torch.Tensor, context: DenoiseContext,
-                 directive: Optional[CacheDirective], job: Union[Future, Ready]):
+                 directive: Optional[CacheDirective], job: Future):
         self.calls, self.tokens, self.context, self.directive, self.job = calls, tokens, context, directive, job
         self.fill = calls.last_fill if directive is not None and not directive.fill else None  # the one it reuses
+        self.sent_at = calls.rebuilds  # rebuilds made before this call was sent
+        self.rebuilt_at = 0  # (a fill) the value of ``calls.rebuilds`` after its latest rebuild; 0: never rebuilt
         self._logits: Optional[torch.Tensor] = None
 
     def result(self) -> torch.Tensor:
@@ -121,11 +144,10 @@ class PendingLogits:
         self.calls.live.discard(self)
         if self.directive is not None and self.directive.fill and self._logits is None:
             self.calls.policy.forget_fill()  # its state was a wrong guess: later reuses must not rely on it
-        if isinstance(self.job, Future):
-            self.job.cancel()
+        self.job.cancel()
 
 
-class DenoiserCalls:
+class DenoiserCalls(PipelinedDenoiser):
     """The sampler's denoiser over a backend :data:`Forward`: cache policy, and ``workers`` threads for calls in
     flight (0 runs each call at once, in the caller's thread, as the local model does)."""
 
@@ -135,10 +157,8 @@ class DenoiserCalls:
         self.executor = ThreadPoolExecutor(workers, thread_name_prefix="denoiser") if workers else None
         self.last_fill: Optional[PendingLogits] = None
         self.live: set[PendingLogits] = set()  # submitted, neither collected nor dropped
-        self.misses = 0
-
-    def __call__(self, tokens: torch.Tensor, context: DenoiseContext) -> torch.Tensor:
-        return self.submit(tokens, context).result()
+        self.misses = 0  # calls that found no cache
+        self.rebuilds = 0  # fills sent again, with their first tokens, to repair a lost version
 
     def submit(self, tokens: torch.Tensor, context: DenoiseContext) -> PendingLogits:
         directive = self.policy.directive(tokens, context, self.oldest_version_in_use())
@@ -153,13 +173,15 @@ class DenoiserCalls:
         versions = [p.directive.version for p in self.live if p.directive is not None]
         return min(versions, default=self.policy.version + 1)
 
-    def _start(self, tokens: torch.Tensor, directive: Optional[CacheDirective], context: DenoiseContext):
+    def _start(self, tokens: torch.Tensor, directive: Optional[CacheDirective], context: DenoiseContext) -> Future:
         if self.executor is not None:
             return self.executor.submit(self.forward, tokens, directive, context)
+        done: Future = Future()
         try:
-            return Ready(self.forward(tokens, directive, context))
+            done.set_result(self.forward(tokens, directive, context))
         except CacheMiss as miss:  # raised again, and handled, when the result is collected
-            return _failed(miss)
+            done.set_exception(miss)
+        return done
 
     def collect(self, pending: PendingLogits) -> torch.Tensor:
         self.live.discard(pending)
@@ -171,38 +193,50 @@ class DenoiserCalls:
         return self.policy.complete(pending.directive, output, fill_logits)
 
     def _recover(self, pending: PendingLogits, miss: CacheMiss) -> torch.Tensor:
-        """A server lost (or never had) the cache, e.g. after a failover: fill it again with this call's tokens.
+        """A server lost (or never had) the version a reuse reads, e.g. after a failover to a replica.
 
-        A reuse of a version older than a refill of the same block made since reads that refill. A fill that
-        misses (a server keeping no cache), or a second miss right after a refill (a server without room for
-        it), makes the rest of the generation run uncached.
+        The trajectory depends on which states the fills were computed on, so refilling from the current
+        state would change the tokens. Instead the version's fill is sent again (same number, same tokens:
+        each reuse holds its fill, so the client keeps the tokens of every version in use) and the reuse is
+        repeated: the new server's cache then equals the lost one. A call sent before such a rebuild first
+        simply tries again. A fill that misses (a server keeping no cache), or a version still missing after
+        :data:`REBUILD_ATTEMPTS` rebuilds (a server without room for it), makes the rest run uncached.
         """
-        latest = self.last_fill
-        if (not pending.directive.fill and latest is not None and latest is not pending.fill
-                and latest.context.block_start == pending.context.block_start
-                and not (isinstance(latest.job, Future) and latest.job.cancelled())):
-            retry = CacheDirective(latest.directive.version, pending.directive.rows)
-            return self.policy.complete(retry, self.forward(pending.tokens, retry, pending.context), latest.result())
         self.misses += 1
-        if pending.directive.fill or (self.misses > 1 and self.policy.since_fill <= 1):
-            logger.warning("activation cache missed (%s) where it cannot be rebuilt: continuing without it", miss)
+        fill = pending.fill
+        if pending.directive.fill or fill is None or not self.policy.enabled:
+            return self._uncached(pending, miss)
+        for attempt in range(REBUILD_ATTEMPTS):
+            try:
+                if attempt or fill.rebuilt_at <= pending.sent_at:  # not rebuilt since this call was sent
+                    self._rebuild(fill, miss)
+                output = self.forward(pending.tokens, pending.directive, pending.context)
+            except CacheMiss as again:
+                miss = again
+                continue
+            return self.policy.complete(pending.directive, output, fill.result())
+        return self._uncached(pending, miss)
+
+    def _rebuild(self, fill: PendingLogits, miss: CacheMiss) -> None:
+        """Send ``fill`` again with its own tokens and version, keeping the versions calls in flight read."""
+        version = fill.directive.version
+        logger.info("activation cache miss (%s): rebuilding version %d from its own tokens", miss, version)
+        directive = CacheDirective(version, keep_from=min(self.oldest_version_in_use(), version))
+        output = self.forward(fill.tokens, directive, fill.context)
+        self.rebuilds += 1
+        fill.rebuilt_at = self.rebuilds
+        if fill._logits is None and fill.job.cancelled():
+            fill._logits = output  # its first pass never ran: this one stands for it
+
+    def _uncached(self, pending: PendingLogits, miss: CacheMiss) -> torch.Tensor:
+        """This call, and every later one, without the cache (exact logits, so tokens may differ)."""
+        if self.policy.enabled:
+            logger.warning("activation cache cannot be rebuilt (%s): the rest of the generation runs without it",
+                           miss)
             self.policy.mode = "none"
-            return self.forward(pending.tokens, None, pending.context)
-        logger.info("activation cache miss (%s): refilling", miss)
-        key = (pending.context.block_start, tuple(pending.tokens.shape))
-        fill = self.policy.new_fill(key, keep_from=self.policy.version + 1)
-        refill = PendingLogits(self, pending.tokens, pending.context, fill,
-                               Ready(self.forward(pending.tokens, fill, pending.context)))
-        self.last_fill = refill
-        return refill.result()
+        return self.forward(pending.tokens, None, pending.context)
 
     def close(self) -> None:
         """Drop calls not started; wait for running ones (at most one round trip), so none outlives the generation."""
         if self.executor is not None:
             self.executor.shutdown(wait=True, cancel_futures=True)
-
-
-def _failed(error: BaseException) -> Future:
-    future: Future = Future()
-    future.set_exception(error)
-    return future

@@ -11,43 +11,21 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Optional, Protocol, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
 from swarm.diffusion.config import GenerationConfig
+from swarm.diffusion.denoiser import AnyDenoiser, DenoiseContext, Denoiser, Pending, pipelined
 from swarm.diffusion.remasking import STRATEGIES, low_confidence
+
+__all__ = ["DenoiseContext", "Denoiser", "DiffusionSampler", "Halted", "LogitsHook", "SamplerStats", "StepEvent",
+           "WindowStats", "predict_tokens", "step_generator"]  # DenoiseContext, Denoiser: swarm.diffusion.denoiser
 
 logger = logging.getLogger(__name__)
 
-
-@dataclass(frozen=True)
-class DenoiseContext:
-    """What the denoiser may want to know about the rows it scores (caching layers use it)."""
-
-    steps: tuple[int, ...]
-    block_start: int
-    block_end: int
-    prompt_length: int
-
-
-class Denoiser(Protocol):
-    def __call__(self, tokens: torch.Tensor, context: DenoiseContext) -> torch.Tensor:
-        """tokens (batch, length) int64 -> logits (batch, length, vocab), position i scoring token i."""
-        ...
-
-
-@dataclass
-class Ready:
-    """An already computed answer, for work done in-process (the pending-result interface)."""
-
-    value: torch.Tensor
-
-    def result(self) -> torch.Tensor:
-        return self.value
-
-    def cancel(self) -> None:
-        """Nothing to stop: the work is done."""
+LogitsHook = Callable[[torch.Tensor, torch.Tensor, DenoiseContext], torch.Tensor]
+"""``hook(logits, tokens, context)``: rewrites a call's logits before a step uses them (expert composition)."""
 
 
 @dataclass
@@ -56,7 +34,7 @@ class Evaluation:
 
     states: torch.Tensor
     context: DenoiseContext
-    pending: Any  # has result() and cancel()
+    pending: Pending
     logits: Optional[torch.Tensor] = None
 
 
@@ -137,14 +115,14 @@ class DiffusionSampler:
 
     def __init__(
         self,
-        denoiser: Denoiser,
+        denoiser: AnyDenoiser,
         config: GenerationConfig,
         mask_token_id: int,
         eos_token_ids: Sequence[int] = (),
-        logits_hook: Optional[Callable[[torch.Tensor, torch.Tensor, DenoiseContext], torch.Tensor]] = None,
+        logits_hook: Optional[LogitsHook] = None,
     ):
         """``logits_hook(logits, tokens, context)`` may rewrite logits each step (expert composition)."""
-        self.denoiser = denoiser
+        self.denoiser = pipelined(denoiser)
         self.config = config
         self.mask_token_id = mask_token_id
         self.eos_token_ids = tuple(eos_token_ids)
@@ -191,15 +169,14 @@ class DiffusionSampler:
         return self.collect(self.submit(states, steps))
 
     def submit(self, states: torch.Tensor, steps: Sequence[int]) -> Evaluation:
-        """Start one denoiser call (at once, unless the denoiser offers ``submit`` to run it in the background)."""
+        """Start one denoiser call (it runs at once unless the denoiser is pipelined: then in the background)."""
         context = self.context(states[0], steps)
         rows = states
         if self.config.cfg_scale > 0:
             unconditional = states.clone()
             unconditional[:, : self.prompt_length] = self.mask_token_id
             rows = torch.cat([states, unconditional])
-        submit = getattr(self.denoiser, "submit", None)
-        pending = submit(rows, context) if submit is not None else Ready(self.denoiser(rows, context))
+        pending = self.denoiser.submit(rows, context)
         self.stats.denoiser_calls += 1
         self.stats.states_evaluated += len(states)
         return Evaluation(states, context, pending)

@@ -17,7 +17,7 @@ import click
 import torch
 from tqdm.auto import tqdm
 
-from swarm.diffusion.composition import DEFAULT_TAU
+from swarm.diffusion.mixture import DEFAULT_TAU
 from swarm.lm import BaseDiffusionLM
 from swarm.local import DiffusionLM
 from swarm.models.loading import DEFAULT_MODEL, resolve_model_path
@@ -91,12 +91,37 @@ def markdown_table(rows: Sequence[Row]) -> list[str]:
 
 
 @click.command(context_settings={"show_default": True, "help_option_names": ["-h", "--help"]})
-@click.option("--task", type=click.Choice(sorted(TASKS)), default="addition", help="Task whose held-out problems are scored.")
-@click.option("--backbone", default=DEFAULT_MODEL, help="Backbone: an embedded model's name or a checkpoint directory.")
-@click.option("--expert", required=True, help="Expert: an embedded model's name (e.g. addition) or a checkpoint directory.")
-@click.option("--weight", "weights", type=float, multiple=True, default=(1.0,), help="Expert weight of a composition to score (repeatable: one row each).")
+@click.option(
+    "--task",
+    type=click.Choice(sorted(TASKS)),
+    default="addition",
+    help="Task whose held-out problems are scored.",
+)
+@click.option(
+    "--backbone",
+    default=DEFAULT_MODEL,
+    help="Backbone: an embedded model's name or a checkpoint directory.",
+)
+@click.option(
+    "--expert",
+    required=True,
+    help="Expert: an embedded model's name (e.g. addition) or a checkpoint directory.",
+)
+@click.option(
+    "--weight",
+    "weights",
+    type=float,
+    multiple=True,
+    default=(1.0,),
+    help="Expert weight of a composition to score (repeatable: one row each).",
+)
 @click.option("--tau", type=float, default=DEFAULT_TAU, help="Clipping bound of the composition (nats per token).")
-@click.option("--corrector-steps", type=int, default=0, help="Predictor-corrector steps after each step of the compositions.")
+@click.option(
+    "--corrector-steps",
+    type=int,
+    default=0,
+    help="Predictor-corrector steps after each step of the compositions.",
+)
 @click.option("--examples", type=int, default=200, help="Held-out problems scored.")
 @click.option("--seed", type=int, default=0, help="Seed of the problems and of the sampler.")
 @click.option("--threads", type=int, default=1, help="torch CPU threads (small models are fastest on one).")
@@ -123,7 +148,8 @@ def main(task: str, backbone: str, expert: str, weights: tuple[float, ...], tau:
                f"greedy, gen_length/steps/block_length 8")
     click.echo("\n".join(markdown_table(rows)))
     for row in rows:
-        click.echo(f"  {row.name}: " + "; ".join(f"{s['prompt']}{s['output']!r} (answer {s['answer']})" for s in row.samples))
+        click.echo(f"  {row.name}: "
+                   + "; ".join(f"{s['prompt']}{s['output']!r} (answer {s['answer']})" for s in row.samples))
 
 
 if __name__ == "__main__":

@@ -124,7 +124,7 @@ def int8_error(directory: Path, start: int, end: int) -> dict:
     from swarm.models.quantization import quantize_span_int8
 
     files = ModelFiles(directory)
-    hidden = files.embedding()(torch.randint(0, 16000, (1, 256), generator=torch.Generator().manual_seed(1)))
+    hidden = files.embedding("float32")(torch.randint(0, 16000, (1, 256), generator=torch.Generator().manual_seed(1)))
     with torch.inference_mode():
         exact = files.span(start, end, "float32")(hidden)
         half = files.span(start, end, "bfloat16")(hidden.bfloat16()).float()

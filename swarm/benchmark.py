@@ -26,9 +26,10 @@ from swarm.client import DistributedDiffusionLM
 from swarm.diffusion.config import MAX_STALENESS
 from swarm.diffusion.remasking import STRATEGIES
 from swarm.eval.tasks import evaluate_task
-from swarm.train.data import AdditionTask
 from swarm.local import DiffusionLM
 from swarm.models.loading import ModelFiles
+from swarm.realscale import realscale
+from swarm.train.data import AdditionTask
 from swarm.utils.local_swarm import LocalSwarm
 
 PROMPT = "The government said"
@@ -79,16 +80,20 @@ def main() -> None:
 
 
 def threads_option(command):
-    return click.option("--threads", type=int, default=1, show_default=True,
-                        help="torch threads for the local model and for each server (equal, for a fair ratio).")(command)
+    option = click.option("--threads", type=int, default=1, show_default=True,
+                          help="torch threads for the local model and for each server (equal, for a fair ratio).")
+    return option(command)
 
 
 @main.command()
 @threads_option
 @click.option("--model", default="default", show_default=True, help="Embedded model name or checkpoint directory.")
-@click.option("--length", type=int, default=96, show_default=True, help="Sequence length of one denoising step (prompt + generation).")
-@click.option("--repeats", type=int, default=20, show_default=True, help="Timed denoiser calls per setting (median reported).")
-@click.option("--latency-ms", type=float, default=0.0, show_default=True, help="Injected one-way delay per network crossing in milliseconds (a call crosses twice).")
+@click.option("--length", type=int, default=96, show_default=True,
+              help="Sequence length of one denoising step (prompt + generation).")
+@click.option("--repeats", type=int, default=20, show_default=True,
+              help="Timed denoiser calls per setting (median reported).")
+@click.option("--latency-ms", type=float, default=0.0, show_default=True,
+              help="Injected one-way delay per network crossing in milliseconds (a call crosses twice).")
 def latency(model: str, length: int, repeats: int, latency_ms: float, threads: int) -> None:
     """Per-step latency: two servers on loopback vs one local process."""
     torch.set_num_threads(threads)
@@ -111,23 +116,26 @@ def latency(model: str, length: int, repeats: int, latency_ms: float, threads: i
 @main.command()
 @threads_option
 @click.option("--model", default="default", show_default=True, help="Embedded model name or checkpoint directory.")
-@click.option("--windows", default="1,2,4,8", show_default=True, callback=comma_list(int, 1), help="Comma-separated Picard window sizes.")
-@click.option("--latencies-ms", default="0,50", show_default=True, callback=comma_list(float, 0), help="Comma-separated injected one-way delays per network crossing (ms; a call crosses twice).")
+@click.option("--windows", default="1,2,4,8", show_default=True, callback=comma_list(int, 1),
+              help="Comma-separated Picard window sizes.")
+@click.option("--latencies-ms", default="0,50", show_default=True, callback=comma_list(float, 0),
+              help="Comma-separated injected one-way delays per network crossing (ms; a call crosses twice).")
 @click.option("--gen-length", type=int, default=64, show_default=True, help="Tokens generated.")
 @click.option("--steps", type=int, default=64, show_default=True, help="Denoising steps.")
 @click.option("--block-length", type=int, default=32, show_default=True, help="Semi-autoregressive block size.")
 @click.option("--prompt", default=PROMPT, show_default=True, help="Prompt text.")
 @click.option("--remasking", default="random,low_confidence", show_default=True,
               help="Comma-separated remasking strategies; Picard's acceptance depends strongly on it.")
-def picard(model: str, windows: list[int], latencies_ms: list[float], gen_length: int, steps: int, block_length: int, prompt: str,
-           threads: int, remasking: str) -> None:
+def picard(model: str, windows: list[int], latencies_ms: list[float], gen_length: int, steps: int, block_length: int,
+           prompt: str, threads: int, remasking: str) -> None:
     """Picard windows vs sequential denoising through two servers."""
     torch.set_num_threads(threads)
     sizes, delays = windows, latencies_ms
     strategies = remasking.split(",")
     unknown = [name for name in strategies if name not in STRATEGIES]
     if unknown:
-        raise click.BadParameter(f"unknown strategies {unknown}; choose from {', '.join(STRATEGIES)}", param_hint="--remasking")
+        raise click.BadParameter(f"unknown strategies {unknown}; choose from {', '.join(STRATEGIES)}",
+                                 param_hint="--remasking")
     base_settings = dict(gen_length=gen_length, steps=steps, block_length=block_length)
     references = {name: DiffusionLM.from_pretrained(model).generate(prompt, remasking=name, **base_settings)
                   for name in strategies}
@@ -153,8 +161,10 @@ def picard(model: str, windows: list[int], latencies_ms: list[float], gen_length
 @main.command()
 @threads_option
 @click.option("--model", default="default", show_default=True, help="Embedded model name or checkpoint directory.")
-@click.option("--latency-ms", type=float, default=50.0, show_default=True, help="Injected one-way delay per network crossing in milliseconds (a call crosses twice).")
-@click.option("--remasking", type=click.Choice(list(STRATEGIES)), default="random", show_default=True, help="Remasking strategy of the request.")
+@click.option("--latency-ms", type=float, default=50.0, show_default=True,
+              help="Injected one-way delay per network crossing in milliseconds (a call crosses twice).")
+@click.option("--remasking", type=click.Choice(list(STRATEGIES)), default="random", show_default=True,
+              help="Remasking strategy of the request.")
 @click.option("--prompt", default=PROMPT, show_default=True, help="Prompt text.")
 def scale(model: str, latency_ms: float, remasking: str, prompt: str, threads: int) -> None:
     """One request at scale local, auto and max, through two servers and a full replica."""
@@ -164,7 +174,8 @@ def scale(model: str, latency_ms: float, remasking: str, prompt: str, threads: i
         with DistributedDiffusionLM.from_pretrained(model, initial_peers=swarm.initial_peers,
                                                     inject_latency=latency_ms / 1000) as lm:
             lm.generate(prompt, gen_length=32, steps=8, block_length=32)  # warm-up
-            click.echo(f"{'scale':>6}{'wall s':>9}{'round trips':>13}{'spot checks':>13}{'experts':>9}  same tokens as local")
+            click.echo(f"{'scale':>6}{'wall s':>9}{'round trips':>13}{'spot checks':>13}{'experts':>9}"
+                       "  same tokens as local")
             reference = None
             for name in ("local", "auto", "max"):
                 result = lm.generate(prompt, scale=name, **settings)
@@ -207,12 +218,15 @@ def parse_mode(spec: str) -> tuple[dict, bool]:
               help="Comma-separated modes, each parts joined by '+': push, prefix, dual, stale1..3 (staleness, "
                    "guesses checked token by token), exact (checked to be the exact step), unchecked (never "
                    "checked), sync (none of them).")
-@click.option("--latency-ms", type=float, default=50.0, show_default=True, help="Injected one-way delay per network crossing (ms), compared with 0.")
+@click.option("--latency-ms", type=float, default=50.0, show_default=True,
+              help="Injected one-way delay per network crossing (ms), compared with 0.")
 @click.option("--gen-length", type=int, default=256, show_default=True, help="Tokens generated.")
 @click.option("--block-length", type=int, default=32, show_default=True, help="Semi-autoregressive block size.")
 @click.option("--prompt", default=PROMPT, show_default=True, help="Prompt text.")
-@click.option("--task-model", default="addition", show_default=True, help="Model whose addition-task exact match is reported per mode ('none' to skip).")
-@click.option("--task-examples", type=click.IntRange(min=1), default=200, show_default=True, help="Held-out addition problems per mode.")
+@click.option("--task-model", default="addition", show_default=True,
+              help="Model whose addition-task exact match is reported per mode ('none' to skip).")
+@click.option("--task-examples", type=click.IntRange(min=1), default=200, show_default=True,
+              help="Held-out addition problems per mode.")
 def hiding(model: str, modes: str, latency_ms: float, gen_length: int, block_length: int, prompt: str,
            task_model: str, task_examples: int, threads: int) -> None:
     """Latency hiding: each mode's wall time at 0 and --latency-ms per crossing, through two servers."""
@@ -258,6 +272,8 @@ def hiding(model: str, modes: str, latency_ms: float, gen_length: int, block_len
         click.echo(f"{spec:<26}{gen_length / fast:>10.1f}{gen_length / slow:>11.1f}"
                    f"{times[sync, latency_ms] / slow:>8.2f}x{hidden:>8.0%}{agreement[spec]:>7.2f}{task:>7}")
 
+
+main.add_command(realscale)  # issue 17: per-step costs at LLaDA-8B's widths (swarm/realscale.py)
 
 if __name__ == "__main__":
     main()

@@ -7,15 +7,14 @@ from typing import Iterator, Optional, Sequence
 
 import torch
 
-from swarm.diffusion.composition import (
-    CompatibilityTag, ExpertNotFoundError, IncompatibleExpertError, InProcessExpert,
-)
+from swarm.dht.compatibility import CompatibilityTag, IncompatibleExpertError
 from swarm.diffusion.config import GenerationConfig
-from swarm.diffusion.pipeline import CacheDirective, Forward
+from swarm.diffusion.experts import ExpertNotFoundError, InProcessExpert
+from swarm.diffusion.pipeline import HEAD_ROWS, CacheDirective, Forward, scored_rows
 from swarm.diffusion.sampler import DenoiseContext
 from swarm.lm import BaseDiffusionLM
 from swarm.models.kv_cache import CacheMiss, SpanKV
-from swarm.models.loading import DEFAULT_MODEL, ModelFiles
+from swarm.models.loading import DEFAULT_MODEL, ModelFiles, resolve_device
 from swarm.models.modules import DiffusionTransformer
 from swarm.models.tokenizer import Tokenizer
 
@@ -23,27 +22,39 @@ from swarm.models.tokenizer import Tokenizer
 class DiffusionLM(BaseDiffusionLM):
     """``DiffusionLM.from_pretrained("default").generate("Once upon a time", gen_length=64)``."""
 
-    def __init__(self, model: DiffusionTransformer, tokenizer: Tokenizer, path: Optional[Path] = None):
+    def __init__(self, model: DiffusionTransformer, tokenizer: Tokenizer, path: Optional[Path] = None,
+                 head_rows: str = "active"):
+        """``head_rows="active"`` scores only the rows the sampler reads (:func:`scored_rows`), as the
+        distributed client does, so that both give the same tokens; ``"all"`` scores every row."""
+        if head_rows not in HEAD_ROWS:
+            raise ValueError(f"head_rows must be one of {HEAD_ROWS}, got {head_rows!r}")
         self.model = model.eval()
         self.config = model.config
         self.tokenizer = tokenizer
         self.path = path
+        self.head_rows = head_rows
+        self.device = next(model.parameters()).device
         self._experts: dict[str, "DiffusionLM"] = {}  # loaded once, reused by later requests
 
     @classmethod
-    def from_pretrained(cls, name_or_path: str | Path = DEFAULT_MODEL, *, dtype: Optional[str] = None) -> "DiffusionLM":
+    def from_pretrained(cls, name_or_path: str | Path = DEFAULT_MODEL, *, dtype: Optional[str] = None,
+                        device: str = "cpu", head_rows: str = "active") -> "DiffusionLM":
+        """``dtype`` None: the checkpoint's (bfloat16 for LLaDA / Dream, float32 for the project's own models),
+        as servers default to; ``device`` "cuda" fails clearly without CUDA."""
+        target = resolve_device(device)
         files = ModelFiles(name_or_path)
-        return cls(files.full_model(dtype), files.tokenizer(), files.path)
+        return cls(files.full_model(dtype).to(target), files.tokenizer(), files.path, head_rows)
 
     @torch.inference_mode()
     def logits(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Per-position logits (batch, length, vocab) in float32; position i scores token i."""
+        """Per-position logits (batch, length, vocab) in float32 on the CPU; position i scores token i."""
         if input_ids.dim() == 1:
             input_ids = input_ids[None]
-        return self.model(input_ids, attention_mask).float()
+        mask = attention_mask.to(self.device) if attention_mask is not None else None
+        return self.model(input_ids.to(self.device), mask).float().cpu()
 
     def open_experts(self, names: Sequence[str], required: bool) -> tuple[dict[str, InProcessExpert], list[str]]:
-        """Experts by embedded name or checkpoint directory, loaded into this process (float32)."""
+        """Experts by embedded name or checkpoint directory, loaded into this process in their own dtype."""
         backbone = CompatibilityTag.of(self.config, self.tokenizer)
         sources, warnings = {}, []
         for name in names:
@@ -76,14 +87,16 @@ class DiffusionLM(BaseDiffusionLM):
         @torch.inference_mode()
         def forward(tokens: torch.Tensor, directive: Optional[CacheDirective], context: DenoiseContext) -> torch.Tensor:
             nonlocal kv
+            scored = scored_rows(context, generation, tokens.shape[1]) if self.head_rows == "active" else None
+            tokens = tokens.to(self.device)
             if directive is None:
-                return self.logits(tokens)
+                return self.model(tokens, scored=scored).float().cpu()
             if directive.fill:
                 kv = SpanKV(tokens.shape[0], tokens.shape[1])
-                return self.model(tokens, kv=kv).float()
+                return self.model(tokens, kv=kv, scored=scored).float().cpu()
             if kv is None:
                 raise CacheMiss("nothing filled yet")
             start, end = directive.rows
-            return self.model(tokens[:, start:end], kv=kv, rows=(start, end)).float()
+            return self.model(tokens[:, start:end], kv=kv, rows=(start, end), scored=scored).float().cpu()
 
         yield forward

@@ -90,10 +90,17 @@ def test_signed_record_cannot_be_overwritten_by_another_peer(local_swarm, remote
 
 
 def test_int8_server_serves_close_logits(local_swarm, tiny_model_path, local_lm, tmp_path):
-    """--quant int8: smaller weights, logits close to the exact ones (not identical)."""
+    """--quant int8: smaller weights, logits close to the exact ones (not identical); an approximate server,
+    avoided unless the client allows approximate servers."""
     path = make_checkpoint(tmp_path / "quantized", tiny_config(), seed=0)
     server = local_swarm.start_server(str(path), "0:4", "--quant", "int8", "--compute-threads", "1")
-    lm = DistributedDiffusionLM.from_pretrained(path, initial_peers=local_swarm.initial_peers)
+    strict = DistributedDiffusionLM.from_pretrained(path, initial_peers=local_swarm.initial_peers)
+    try:
+        with pytest.raises(MissingBlocksError):
+            strict.show_route()
+    finally:
+        strict.shutdown()
+    lm = DistributedDiffusionLM.from_pretrained(path, initial_peers=local_swarm.initial_peers, allow_approximate=True)
     try:
         ids = torch.randint(0, 256, (1, 12))
         exact = local_lm.logits(ids)

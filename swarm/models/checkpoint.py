@@ -86,7 +86,8 @@ def save_tensors(
         file_name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
         save_file(shard, str(directory / file_name), metadata={"format": "pt"})
         weight_map.update({name: file_name for name in shard})
-    index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())}, "weight_map": weight_map}
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (directory / INDEX_FILE).write_text(json.dumps(index, indent=2))
     return directory
 

@@ -170,7 +170,8 @@ def special_token_id(directory: Optional[Path], content: str) -> Optional[int]:
 def _mask_id(raw: dict[str, Any], directory: Optional[Path], token: str, family: str) -> int:
     mask = _first(raw.get("mask_token_id"), special_token_id(directory, token))
     if mask is None:
-        raise UnsupportedCheckpoint(f"{family} checkpoint at {directory} names no mask token ({token} or mask_token_id)")
+        raise UnsupportedCheckpoint(f"{family} checkpoint at {directory} names no mask token "
+                                    f"({token} or mask_token_id)")
     return int(mask)
 
 

@@ -14,6 +14,40 @@ from swarm.models.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 DEFAULT_MODEL = "default"
+EXACT = "exact"  # a part computing in the checkpoint's own dtype, unquantized
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def resolve_device(name: str | torch.device) -> torch.device:
+    """A torch device that exists here: a clear error for ``cuda`` without CUDA (instead of a failure deep
+    inside the first forward pass), or for a GPU index this machine does not have."""
+    try:
+        device = torch.device(name)
+    except RuntimeError as error:
+        raise ValueError(f"device {str(name)!r} is not a torch device ({error})") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {str(name)!r}: CUDA is not available on this machine (torch "
+                             f"{torch.__version__}, built for CUDA {torch.version.cuda}); use --device cpu")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"device {str(name)!r}: this machine has {torch.cuda.device_count()} CUDA devices")
+    elif device.type != "cpu":
+        raise ValueError(f"device {str(name)!r}: only cpu and cuda are supported")
+    return device
+
+
+def numerics(default: torch.dtype, dtype: torch.dtype, quant: Optional[str] = None) -> str:
+    """How a part's numerics compare with the checkpoint's: ``exact``, or what differs (announced in a server's
+    record, so that clients use such a server only when the user allows approximate servers)."""
+    differences = []
+    if dtype != default:
+        differences.append(f"{dtype_name(dtype)} instead of the checkpoint's {dtype_name(default)}")
+    if quant:
+        differences.append(f"{quant} weights")
+    return "; ".join(differences) or EXACT
 
 
 def embedded_models() -> dict[str, Path]:
@@ -51,9 +85,21 @@ class ModelFiles:
         self.config: ModelConfig = self.format.load_config(self.path)
         self.reader = CheckpointReader(self.path, rename=self.format.tensor_name)
 
+    @property
+    def default_dtype(self) -> torch.dtype:
+        """The dtype every part computes in unless the user asks otherwise (local model, client and servers alike,
+        so that default settings give the same tokens at every scale).
+
+        LLaDA / Dream layouts: the checkpoint's ``torch_dtype`` (bfloat16 as published; float32 when it says so).
+        The project's own (native) checkpoints are trained in float32 and only stored in half precision to stay
+        small, so they compute in float32.
+        """
+        if self.format.name == "native":
+            return torch.float32
+        return parse_dtype(self.config.torch_dtype)
+
     def _dtype(self, dtype: Optional[str | torch.dtype]) -> torch.dtype:
-        # Half-precision checkpoints are stored small; on CPU float32 compute is both faster and exact.
-        return parse_dtype(dtype) if dtype is not None else torch.float32
+        return parse_dtype(dtype) if dtype is not None else self.default_dtype
 
     def embedding(self, dtype: Optional[str | torch.dtype] = None) -> TokenEmbedding:
         return load_module(lambda: TokenEmbedding(self.config), self.reader, self._dtype(dtype))

@@ -88,6 +88,22 @@ class OutputHead(nn.Module):
         logits = self.lm_head(self.norm(hidden))
         return align_logits(logits, self.config)
 
+    def score_rows(self, hidden: torch.Tensor, offset: int, scored: tuple[int, int]) -> torch.Tensor:
+        """Float32 logits of ``hidden`` (rows at absolute positions ``offset``...), the head computed only for the
+        absolute positions ``scored`` = (a, b): at LLaDA-8B's widths the head costs as much as a block per row,
+        and the sampler reads one block. Every other row is NaN, so that a reader of a row never asked for
+        fails loudly instead of using stale numbers. Row alignment is :func:`align_logits`'s (Dream's row i is
+        scored from hidden row i - 1)."""
+        batch, length, _ = hidden.shape
+        first, last = max(scored[0] - offset, 0), min(scored[1] - offset, length)
+        out = torch.full((batch, length, self.config.vocab_size), float("nan"), dtype=torch.float32,
+                         device=hidden.device)
+        if first < last:
+            shift = 1 if self.config.logits_shift else 0
+            source = (torch.arange(first, last, device=hidden.device) - shift).clamp(min=0)
+            out[:, first:last] = self.lm_head(self.norm(hidden[:, source])).float()
+        return out
+
 
 def align_logits(logits: torch.Tensor, config: ModelConfig) -> torch.Tensor:
     """Make position i score token i. Dream predicts token i from hidden state i-1, so shift right by one."""
@@ -110,9 +126,14 @@ class DiffusionTransformer(nn.Module):
         self.embedding, self.span, self.head = parts
 
     def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
-                kv: Optional[SpanKV] = None, rows: Optional[tuple[int, int]] = None) -> torch.Tensor:
-        """Logits of ``input_ids``; with ``rows`` the ids are those rows only (see :meth:`BlockSpan.forward`)."""
-        return self.head(self.span(self.embedding(input_ids), attention_mask, kv=kv, rows=rows))
+                kv: Optional[SpanKV] = None, rows: Optional[tuple[int, int]] = None,
+                scored: Optional[tuple[int, int]] = None) -> torch.Tensor:
+        """Logits of ``input_ids``; with ``rows`` the ids are those rows only (see :meth:`BlockSpan.forward`);
+        with ``scored`` only those absolute positions get logits (:meth:`OutputHead.score_rows`)."""
+        hidden = self.span(self.embedding(input_ids), attention_mask, kv=kv, rows=rows)
+        if scored is None:
+            return self.head(hidden)
+        return self.head.score_rows(hidden, rows[0] if rows is not None else 0, scored)
 
     def native_state_dict(self) -> dict[str, torch.Tensor]:
         """State dict under checkpoint names (the wrapper modules' prefixes stripped)."""

@@ -1,0 +1,238 @@
+"""``python -m swarm.benchmark realscale``: the per-step costs at LLaDA-8B's real widths (issue 17).
+
+Builds (or takes with ``--model``) a LLaDA-layout checkpoint with LLaDA-8B's widths (hidden 4096, 32 heads,
+SwiGLU 12288, vocabulary 126464, bfloat16) and ``--blocks`` blocks of random weights in a temporary folder
+(deleted after), starts servers of ``--span`` blocks (default 1), and prints per denoising step, side by
+side: the client's milliseconds (embedding, head, sampler and the rest), the servers' compute milliseconds,
+the bytes of one crossing each way, the client's resident memory and tokens/s, for the old defaults (float32
+client and wire, head over every row) against the new ones (bfloat16 client and wire, head over the active
+block); then the servers' resident memory and a projection for 32 blocks on GPU servers, with its assumptions.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Optional
+
+import click
+import psutil
+import torch
+
+from swarm.models.checkpoint import load_config, save_tensors
+from swarm.models.formats import LLADA_LAYOUT
+from swarm.models.loading import ModelFiles
+from swarm.models.modules import DiffusionTransformer
+from swarm.utils.local_swarm import LocalSwarm
+
+logger = logging.getLogger(__name__)
+
+# LLaDA-8B-Instruct's published config, with its real widths; n_layers is set per run.
+LLADA_8B = {
+    "architectures": ["LLaDAModelLM"], "model_type": "llada", "activation_type": "silu", "alibi": False,
+    "attention_layer_norm": False, "block_type": "llama", "d_model": 4096, "embedding_size": 126464,
+    "eos_token_id": 126081, "flash_attention": False, "include_bias": False, "include_qkv_bias": False,
+    "input_emb_norm": False, "layer_norm_type": "rms", "layer_norm_with_affine": True, "mask_token_id": 126336,
+    "max_sequence_length": 4096, "mlp_hidden_size": 12288, "multi_query_attention": None, "n_heads": 32,
+    "n_kv_heads": 32, "n_layers": 32, "pad_token_id": 126081, "rms_norm_eps": 1e-05, "rope": True,
+    "rope_full_precision": True, "rope_theta": 500000.0, "scale_logits": False, "vocab_size": 126464,
+    "weight_tying": False, "torch_dtype": "bfloat16",
+}
+SPECIALS = {"<|startoftext|>": 126080, "<|endoftext|>": 126081, "<|mdm_mask|>": 126336}
+WORDS = "the a cat dog sat on mat ran far hello world once upon time".split()
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One client configuration measured."""
+
+    label: str
+    wire_dtype: str  # client requests and servers' answers
+    head_rows: str
+    client_dtype: Optional[str] = None  # None: the checkpoint's (bfloat16)
+
+
+SETTINGS = (Setting("old: fp32 client+wire, head all rows", "float32", "all", "float32"),
+            Setting("bf16 client, fp32 wire, head all rows", "float32", "all"),
+            Setting("bf16 client+wire, head all rows", "auto", "all"),
+            Setting("new default: bf16, head active block", "auto", "active"))
+
+
+def write_tokenizer(directory: Path) -> None:
+    """A word-level tokenizer with LLaDA's special ids (the benchmark prompts with token ids)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, **{word: i + 1 for i, word in enumerate(WORDS)}, **SPECIALS}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    backend.add_special_tokens(list(SPECIALS))
+    PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<|startoftext|>", eos_token="<|endoftext|>",
+                            pad_token="<|endoftext|>", unk_token="<unk>",
+                            mask_token="<|mdm_mask|>").save_pretrained(str(directory))
+
+
+def build_checkpoint(directory: Path, blocks: int, seed: int = 0) -> Path:
+    """LLaDA-8B's widths with ``blocks`` blocks of random bfloat16 weights, in LLaDA's published layout."""
+    config = dict(LLADA_8B, n_layers=blocks)
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    write_tokenizer(directory)
+    native = load_config(directory)  # the same conversion every loader applies
+    with torch.device("meta"):
+        shapes = {name: tuple(t.shape) for name, t in DiffusionTransformer(native).native_state_dict().items()}
+    generator = torch.Generator().manual_seed(seed)
+    drawn: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}  # one draw per tensor kind, copied to each block
+    tensors = {}
+    for name, shape in shapes.items():
+        kind = (name.split(".")[-2], shape)
+        if kind not in drawn:  # norms 1; matrices std 0.02 (LLaDA's init): hidden states of a realistic size
+            drawn[kind] = (torch.ones(shape) if name.endswith("norm.weight")
+                           else torch.randn(shape, generator=generator) * 0.02).to(torch.bfloat16)
+        tensors[LLADA_LAYOUT(name)] = drawn[kind].clone()
+    save_tensors(directory, tensors, max_shard_bytes=2 * 2**30)
+    return directory
+
+
+@contextlib.contextmanager
+def checkpoint(model: Optional[str], blocks: int) -> Iterator[Path]:
+    if model:
+        yield Path(model)
+        return
+    directory = Path(tempfile.mkdtemp(prefix="realscale-"))
+    try:
+        click.echo(f"writing a LLaDA-8B-width checkpoint with {blocks} blocks to {directory} ...", err=True)
+        yield build_checkpoint(directory, blocks)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def rss_mb(pid: Optional[int] = None) -> float:
+    return psutil.Process(pid).memory_info().rss / 2**20
+
+
+@dataclass
+class StepFigures:
+    label: str
+    steps: int
+    client_ms: dict[str, float]
+    server_ms: float
+    request_bytes: float
+    answer_bytes: float
+    tokens: list[int]
+    client_rss_mb: float
+    tokens_per_s: float
+
+
+def measure(lm, swarm_servers, prompt: list[int], settings: dict, label: str) -> StepFigures:
+    """One generation with ``lm``; per-step averages of every figure."""
+    lm.generate(prompt, **dict(settings, gen_length=settings["block_length"], steps=2))  # warm-up and route
+    compute_before = server_compute_seconds(lm, swarm_servers)
+    caller = lm.caller
+    sent, received, calls = caller.bytes_sent, caller.bytes_received, caller.calls
+    lm.timings.reset()
+    started = time.perf_counter()
+    result = lm.generate(prompt, **settings)
+    total = time.perf_counter() - started
+    steps = max(1, lm.timings.calls)
+    phases = {name: 1000 * seconds / steps for name, seconds in lm.timings.seconds.items()}
+    server_ms = 1000 * (server_compute_seconds(lm, swarm_servers) - compute_before) / steps
+    client = {"embedding": phases.get("embedding", 0.0), "head": phases.get("head", 0.0),
+              "sampler+rest": 1000 * total / steps - sum(phases.values()), "wait": phases.get("swarm", 0.0)}
+    crossings = max(1, caller.calls - calls)
+    return StepFigures(label, steps, client, server_ms, (caller.bytes_sent - sent) / crossings,
+                       (caller.bytes_received - received) / crossings, list(result.token_ids), rss_mb(),
+                       len(result.token_ids) / total)
+
+
+def server_compute_seconds(lm, servers) -> float:
+    total = 0.0
+    for server in servers:
+        info, _ = lm.loop.run(lm.caller.info(server.peer_id, 10.0))
+        total += float(info.get("compute_seconds", 0.0))
+    return total
+
+
+def print_table(figures: list[StepFigures], server_rss: list[float]) -> None:
+    click.echo(f"\n{'setting (per step)':<40}{'embed ms':>9}{'head ms':>9}{'sampler ms':>11}{'wait ms':>9}"
+               f"{'server ms':>10}{'req B/hop':>12}{'ans B/hop':>12}{'client MiB':>11}{'tok/s':>8}")
+    for f in figures:
+        c = f.client_ms
+        click.echo(f"{f.label:<40}{c['embedding']:>9.1f}{c['head']:>9.1f}{c['sampler+rest']:>11.1f}"
+                   f"{c['wait']:>9.1f}{f.server_ms:>10.1f}{f.request_bytes:>12,.0f}{f.answer_bytes:>12,.0f}"
+                   f"{f.client_rss_mb:>11,.0f}{f.tokens_per_s:>8.2f}")
+    click.echo(f"\nserver RSS: {', '.join(f'{m:,.0f}' for m in server_rss)} MiB; client RSS is the "
+               "benchmark process's (earlier settings' freed memory may still count)")
+
+
+def print_projection(figures: list[StepFigures], rows: int, blocks: int) -> None:
+    block_gflop = 2 * rows * (4 * 4096 * 4096 + 3 * 4096 * 12288) / 1e9
+    click.echo(
+        f"\nProjection, 32 blocks on GPU servers (assumptions: each block {block_gflop:.1f} GFLOP for {rows} rows, "
+        "computed at ~1 ms on a datacenter GPU (bfloat16, memory-bound: 0.44 GB of weights at ~2 TB/s = 0.2 ms, "
+        "plus launch overheads); 4 servers of 8 blocks; 20 ms one-way network latency; client on this CPU):")
+    crossing_ms = 2 * 20
+    servers_ms = 32 * 1.0 + 4 * crossing_ms
+    for f in figures:
+        client_ms = f.client_ms["embedding"] + f.client_ms["head"] + f.client_ms["sampler+rest"]
+        step = client_ms + servers_ms
+        click.echo(f"  {f.label:<44} client {client_ms:>7.0f} ms + swarm {servers_ms:.0f} ms = {step:>6.0f} ms/step")
+    click.echo(f"  (client figures measured here with {blocks} blocks; they do not depend on the number of blocks)")
+
+
+@click.command("realscale")
+@click.option("--model", default=None, help="A LLaDA-layout checkpoint to use instead of building one.")
+@click.option("--blocks", type=click.IntRange(min=1), default=2, show_default=True,
+              help="Blocks of random weights in the built checkpoint.")
+@click.option("--span", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Blocks per server (servers = blocks / span, the last one takes the rest).")
+@click.option("--gen-length", type=click.IntRange(min=1), default=16, show_default=True,
+              help="Tokens generated per run (one block; steps = gen length).")
+@click.option("--prompt-tokens", type=click.IntRange(min=1), default=16, show_default=True,
+              help="Prompt length in tokens.")
+@click.option("--device", default="cpu", show_default=True, help="Servers' --device (cuda for GPU servers).")
+@click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True,
+              help="--compute-threads of each server.")
+def realscale(model: Optional[str], blocks: int, span: int, gen_length: int, prompt_tokens: int, device: str,
+              threads: int) -> None:
+    """Per-step costs at LLaDA-8B's widths: float32 vs bfloat16 wire, head over all rows vs the active block."""
+    logging.basicConfig(level=logging.WARNING)
+    settings = dict(gen_length=gen_length, steps=gen_length, block_length=gen_length, seed=0)
+    prompt = [SPECIALS["<|startoftext|>"]] + [1 + i % len(WORDS) for i in range(prompt_tokens - 1)]
+    with checkpoint(model, blocks) as path, LocalSwarm() as swarm:
+        num_layers = ModelFiles(path).config.num_layers
+        swarm.start_bootstrap()
+        figures, server_rss = [], []
+        for wire in ("float32", "auto"):
+            servers = [swarm.start_server(str(path), f"{start}:{min(start + span, num_layers)}", "--wire-dtype", wire,
+                                          "--device", device, "--compute-threads", str(threads),
+                                          "--dht-prefix", f"realscale-{wire}", wait=False)
+                       for start in range(0, num_layers, span)]
+            for server in servers:
+                swarm.wait_ready(server)
+            for setting in [s for s in SETTINGS if s.wire_dtype == wire]:
+                figures.append(run_setting(path, swarm, servers, prompt, settings, setting))
+            server_rss = [rss_mb(server.process.pid) for server in servers]
+            for server in servers:
+                swarm.terminate(server)
+        print_table(figures, server_rss)
+        same = len({tuple(f.tokens) for f in figures[1:]}) == 1
+        click.echo(f"tokens identical across the bfloat16-client settings: {same}")
+        print_projection(figures, prompt_tokens + gen_length, num_layers)
+
+
+def run_setting(path: Path, swarm: LocalSwarm, servers, prompt: list[int], settings: dict,
+                setting: Setting) -> StepFigures:
+    from swarm.client import DistributedDiffusionLM
+
+    wire = setting.wire_dtype
+    with DistributedDiffusionLM.from_pretrained(path, initial_peers=swarm.initial_peers, wire_dtype=wire,
+                                                head_rows=setting.head_rows, dht_prefix=f"realscale-{wire}",
+                                                dtype=setting.client_dtype,
+                                                request_timeout=120, connect_timeout=60) as lm:
+        click.echo(f"running: {setting.label} ...", err=True)
+        return measure(lm, servers, prompt, settings, setting.label)

@@ -78,7 +78,9 @@ def test_addition_expert_solves_held_out_problems():
 
 
 def test_cli_json_compares_expert_with_backbone_on_the_same_problems():
-    result = CliRunner().invoke(eval_cli, ["--model", "addition", "--examples", "4", "--t-draws", "1", "--json", "--no-progress"])
+    result = CliRunner().invoke(
+        eval_cli, ["--model", "addition", "--examples", "4", "--t-draws", "1", "--json", "--no-progress"]
+    )
     assert result.exit_code == 0, result.output
     report = json.loads(result.output)
     assert report["settings"]["task"] == "addition" and report["settings"]["corpus"] == "addition"

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from swarm.models.checkpoint import CheckpointReader, save_checkpoint
-from swarm.models.loading import ModelFiles
 from swarm.models.layers import TransformerBlock, rotary_cos_sin
+from swarm.models.loading import ModelFiles
 from swarm.models.modules import BlockSpan, DiffusionTransformer, align_logits
 from tests.conftest import make_checkpoint, tiny_config
 

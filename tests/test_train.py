@@ -53,7 +53,8 @@ def test_given_positions_are_never_masked():
     tokens = torch.randint(0, 256, (4, 64))
     given = torch.zeros_like(tokens, dtype=torch.bool)
     given[:, :10] = True
-    _, masked, _ = mask_tokens(tokens, ByteTokenizer.MASK, torch.Generator().manual_seed(0), t=torch.ones(4), given=given)
+    _, masked, _ = mask_tokens(tokens, ByteTokenizer.MASK, torch.Generator().manual_seed(0), t=torch.ones(4),
+                               given=given)
     assert torch.equal(masked, ~given)
 
 
@@ -132,7 +133,8 @@ def test_addition_rows_end_at_random_lengths_keeping_answer_and_one_eos():
         assert row[length - 1] == ByteTokenizer.EOS and ByteTokenizer.PAD not in row[:length]
     given = AdditionTask.given_positions(rows)
     assert torch.equal(given & (rows == ByteTokenizer.PAD), rows == ByteTokenizer.PAD)
-    _, masked, _ = mask_tokens(rows, ByteTokenizer.MASK, torch.Generator().manual_seed(0), t=torch.ones(256), given=given)
+    _, masked, _ = mask_tokens(rows, ByteTokenizer.MASK, torch.Generator().manual_seed(0), t=torch.ones(256),
+                               given=given)
     assert not (masked & (rows == ByteTokenizer.PAD)).any()
 
 

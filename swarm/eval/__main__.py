@@ -30,8 +30,10 @@ def describe(report: ModelReport) -> list[str]:
     """Human-readable lines for one model."""
     lk = report.likelihood
     lines = [
-        f"{report.model}: {report.parameters / 1e6:.2f}M parameters, {report.layers} layers x {report.hidden_size} ({report.path})",
-        f"  held-out {lk.corpus}: {lk.examples} rows x {lk.seq_len} tokens, {lk.t_draws} t draws per row ({lk.elapsed_s:.1f} s)",
+        f"{report.model}: {report.parameters / 1e6:.2f}M parameters, {report.layers} layers x {report.hidden_size} "
+        f"({report.path})",
+        f"  held-out {lk.corpus}: {lk.examples} rows x {lk.seq_len} tokens, {lk.t_draws} t draws per row "
+        f"({lk.elapsed_s:.1f} s)",
         f"    masked-token accuracy {lk.masked_accuracy:.4f} over {lk.masked_tokens} masked tokens",
         f"    loss bound {lk.nats_per_token:.4f} nats/token = {lk.bits_per_byte:.4f} bits/byte",
     ]
@@ -45,19 +47,79 @@ def describe(report: ModelReport) -> list[str]:
 
 
 @click.command(context_settings={"show_default": True, "help_option_names": ["-h", "--help"]})
-@click.option("--model", default=DEFAULT_MODEL, help="Model to evaluate: an embedded model's name (default, code, addition) or a checkpoint directory.")
-@click.option("--baseline", default=DEFAULT_MODEL, help=f"Model scored on the same data for comparison ('{NO_BASELINE}' to skip; skipped when it is --model).")
-@click.option("--corpus", type=click.Choice(BUILTIN_CORPORA), default=None, help="Held-out data for the likelihood figures [default: the corpus the model was trained on, from its training.json, else prose].")
-@click.option("--data", "data_files", multiple=True, type=click.Path(exists=True, dir_okay=False), help="Use the held-out tail (last 5%) of these text files instead of a built-in corpus (repeatable).")
-@click.option("--task", type=click.Choice([*TASKS, "none"]), default=None, help="Task for exact-match accuracy on held-out problems [default: the model's training corpus when it is a task].")
-@click.option("--examples", type=click.IntRange(min=1), default=200, help="Held-out rows for the likelihood figures, and held-out problems for the task.")
-@click.option("--seq-len", type=click.IntRange(min=2), default=None, help="Tokens per held-out row, BOS included [default: the model's training sequence length, else 128].")
-@click.option("--t-draws", type=click.IntRange(min=1), default=8, help="Masking rates drawn per row (stratified over (0, 1]) for the likelihood bound and the accuracy.")
-@click.option("--seed", type=int, default=0, help="Seed of the held-out rows, the masking noise, the problems and the sampler.")
+@click.option(
+    "--model",
+    default=DEFAULT_MODEL,
+    help="Model to evaluate: an embedded model's name (default, code, addition) or a checkpoint directory.",
+)
+@click.option(
+    "--baseline",
+    default=DEFAULT_MODEL,
+    help=f"Model scored on the same data for comparison ('{NO_BASELINE}' to skip; skipped when it is --model).",
+)
+@click.option(
+    "--corpus",
+    type=click.Choice(BUILTIN_CORPORA),
+    default=None,
+    help="Held-out data for the likelihood figures "
+         "[default: the corpus the model was trained on, from its training.json, else prose].",
+)
+@click.option(
+    "--data",
+    "data_files",
+    multiple=True,
+    type=click.Path(exists=True, dir_okay=False),
+    help="Use the held-out tail (last 5%) of these text files instead of a built-in corpus (repeatable).",
+)
+@click.option(
+    "--task",
+    type=click.Choice([*TASKS, "none"]),
+    default=None,
+    help="Task for exact-match accuracy on held-out problems [default: the model's training corpus when it is a task].",
+)
+@click.option(
+    "--examples",
+    type=click.IntRange(min=1),
+    default=200,
+    help="Held-out rows for the likelihood figures, and held-out problems for the task.",
+)
+@click.option(
+    "--seq-len",
+    type=click.IntRange(min=2),
+    default=None,
+    help="Tokens per held-out row, BOS included [default: the model's training sequence length, else 128].",
+)
+@click.option(
+    "--t-draws",
+    type=click.IntRange(min=1),
+    default=8,
+    help="Masking rates drawn per row (stratified over (0, 1]) for the likelihood bound and the accuracy.",
+)
+@click.option(
+    "--seed",
+    type=int,
+    default=0,
+    help="Seed of the held-out rows, the masking noise, the problems and the sampler.",
+)
 @click.option("--batch-size", type=click.IntRange(min=1), default=64, help="Rows per forward pass.")
-@click.option("--gen-length", type=click.IntRange(min=1), default=TaskGeneration.gen_length, help="Tokens generated per task answer.")
-@click.option("--steps", type=click.IntRange(min=1), default=TaskGeneration.steps, help="Denoising steps per task answer.")
-@click.option("--block-length", type=click.IntRange(min=1), default=TaskGeneration.block_length, help="Sampler block length for task answers.")
+@click.option(
+    "--gen-length",
+    type=click.IntRange(min=1),
+    default=TaskGeneration.gen_length,
+    help="Tokens generated per task answer.",
+)
+@click.option(
+    "--steps",
+    type=click.IntRange(min=1),
+    default=TaskGeneration.steps,
+    help="Denoising steps per task answer.",
+)
+@click.option(
+    "--block-length",
+    type=click.IntRange(min=1),
+    default=TaskGeneration.block_length,
+    help="Sampler block length for task answers.",
+)
 @click.option("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
 @click.option("--progress/--no-progress", default=True, help="Show progress bars on stderr.")
@@ -67,7 +129,8 @@ def main(model: str, baseline: str, corpus: Optional[str], data_files: tuple[str
          steps: int, block_length: int, threads: Optional[int], as_json: bool, progress: bool, verbose: bool) -> None:
     """Score a model on held-out data: masked-token accuracy and LLaDA's likelihood bound, plus exact-match
     accuracy on a task's held-out problems; the baseline is scored on the same rows and problems."""
-    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if threads:
         torch.set_num_threads(threads)
     try:

@@ -31,7 +31,8 @@ class LikelihoodReport:
     masked_tokens: int  # positions scored for accuracy, over all draws
     masked_accuracy: float  # argmax prediction == true token, over masked positions with t ~ U(0, 1)
     nats_per_token: float  # likelihood bound per scored token
-    bits_per_byte: float  # the same bound in bits per scored UTF-8 byte (specials such as EOS padding cost, but do not count)
+    # the same bound in bits per scored UTF-8 byte (specials such as EOS padding cost, but do not count)
+    bits_per_byte: float
     elapsed_s: float
 
 

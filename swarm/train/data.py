@@ -21,7 +21,13 @@ from swarm.models.tokenizer import ByteTokenizer
 logger = logging.getLogger(__name__)
 
 HELD_OUT_FRACTION = 0.05
-PROSE_FILES = ("lee_background.cor", "lee.cor", "crime-and-punishment.txt", "para2para_text1.txt", "para2para_text2.txt")
+PROSE_FILES = (
+    "lee_background.cor",
+    "lee.cor",
+    "crime-and-punishment.txt",
+    "para2para_text1.txt",
+    "para2para_text2.txt",
+)
 
 
 class Corpus(Protocol):
@@ -166,7 +172,8 @@ def python_bytes(limit: int = 4_000_000) -> bytes:
         total += len(text)
         if total >= limit:
             break
-    logger.info("python corpus: %d files, %d bytes from %s (Python %s)", len(chunks), total, root, sys.version.split()[0])
+    logger.info("python corpus: %d files, %d bytes from %s (Python %s)",
+                len(chunks), total, root, sys.version.split()[0])
     return b"\n".join(chunks)
 
 
@@ -186,4 +193,5 @@ def load_corpus(name_or_files: str, files: Optional[Sequence[str]] = None) -> Co
         return TextCorpus(python_bytes(), "python")
     if name_or_files == "addition":
         return AdditionTask()
-    raise ValueError(f"unknown corpus {name_or_files!r}; choose one of {', '.join(BUILTIN_CORPORA)} or pass --data FILE")
+    raise ValueError(f"unknown corpus {name_or_files!r}; "
+                     f"choose one of {', '.join(BUILTIN_CORPORA)} or pass --data FILE")

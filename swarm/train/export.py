@@ -21,7 +21,9 @@ from swarm.train.loop import STATE_FILE, TRAINING_INFO_FILE, RunState, TrainConf
 def export_model(run_dir: str | Path, dest: str | Path) -> Path:
     """Replace ``dest`` with the model files of ``run_dir``; returns ``dest``."""
     run_dir, dest = Path(run_dir), Path(dest)
-    weights = sorted(run_dir.glob("*.safetensors")) + ([run_dir / INDEX_FILE] if (run_dir / INDEX_FILE).exists() else [])
+    weights = sorted(run_dir.glob("*.safetensors")) + (
+        [run_dir / INDEX_FILE] if (run_dir / INDEX_FILE).exists() else []
+    )
     if not (run_dir / CONFIG_FILE).exists() or not weights:
         raise FileNotFoundError(f"{run_dir} holds no checkpoint ({CONFIG_FILE} and {SINGLE_FILE})")
     dest.mkdir(parents=True, exist_ok=True)

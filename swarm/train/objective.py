@@ -35,7 +35,9 @@ def mask_tokens(
     return noisy, masked, t
 
 
-def masked_cross_entropy(logits: torch.Tensor, tokens: torch.Tensor, masked: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+def masked_cross_entropy(
+    logits: torch.Tensor, tokens: torch.Tensor, masked: torch.Tensor, t: torch.Tensor
+) -> torch.Tensor:
     """Per-position cross-entropy (nats) on masked positions weighted by 1/t; zero elsewhere."""
     per_token = F.cross_entropy(logits.transpose(1, 2).float(), tokens, reduction="none")
     return per_token * masked / t[:, None]

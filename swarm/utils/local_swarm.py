@@ -39,7 +39,9 @@ class ManagedProcess:
 class LocalSwarm:
     """``with LocalSwarm() as swarm: swarm.start_bootstrap(); swarm.start_server("default", "0:8")``."""
 
-    def __init__(self, python: str = sys.executable, env: Optional[dict[str, str]] = None, startup_timeout: float = 120):
+    def __init__(
+        self, python: str = sys.executable, env: Optional[dict[str, str]] = None, startup_timeout: float = 120
+    ):
         self.python = python
         self.env = dict(os.environ, **(env or {}))
         self.env.pop("SWARM_INITIAL_PEERS", None)  # a local swarm never joins a public one by accident

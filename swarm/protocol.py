@@ -87,7 +87,7 @@ class ForwardRequest:
 
 
 @dataclass
-class ExpertRequest:
+class ExpertQuery:
     domain: str
     tokens: torch.Tensor  # (batch, length) token ids
     start: int  # positions whose log-probabilities are wanted: start:end
@@ -96,7 +96,7 @@ class ExpertRequest:
     step: int = -1
 
 
-def expert_request_message(request: ExpertRequest) -> runtime_pb2.ExpertRequest:
+def expert_query_message(request: ExpertQuery) -> runtime_pb2.ExpertRequest:
     """One unary message: token ids travel exactly as int64, uncompressed."""
     tensor = serialize_torch_tensor(request.tokens.detach().long(), runtime_pb2.CompressionType.NONE)
     metadata = {"domain": request.domain, "start": request.start, "end": request.end,
@@ -425,7 +425,7 @@ class SpanService(FixedNameService):
     async def rpc_expert_logits(
         self, request: runtime_pb2.ExpertRequest, context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        """Log-probabilities of a hosted expert (see :class:`ExpertRequest`), streamed as counted parts."""
+        """Log-probabilities of a hosted expert (see :class:`ExpertQuery`), streamed as counted parts."""
         raise NotImplementedError
         yield  # pragma: no cover
 

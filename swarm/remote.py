@@ -19,13 +19,13 @@ from hivemind.utils.asyncio import iter_as_aiter
 from swarm.protocol import (
     AUTO_WIRE,
     ErrorCode,
-    ExpertRequest,
+    ExpertQuery,
     ForwardRequest,
     RemoteError,
     SpanService,
     collect_ack,
     collect_response,
-    expert_request_message,
+    expert_query_message,
     request_parts,
 )
 
@@ -112,12 +112,12 @@ class RemoteCaller:
                               f"expected {tuple(request.hidden.shape)}", peer_id)
         return hidden
 
-    async def expert_logits(self, peer_id: str, request: ExpertRequest, timeout: float) -> torch.Tensor:
+    async def expert_logits(self, peer_id: str, request: ExpertQuery, timeout: float) -> torch.Tensor:
         """Log-probabilities (batch, end - start, vocab) from the server's hosted expert ``request.domain``."""
         stub = self._stub(peer_id)
 
         async def rpc() -> list:
-            return [response async for response in await stub.rpc_expert_logits(expert_request_message(request))]
+            return [response async for response in await stub.rpc_expert_logits(expert_query_message(request))]
 
         log_probs, _ = await self._call(peer_id, rpc, timeout)
         batch = request.tokens.shape[0]

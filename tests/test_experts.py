@@ -33,7 +33,7 @@ from swarm.diffusion.config import GenerationConfig
 from swarm.diffusion.pipeline import DenoiserCalls
 from swarm.local import DiffusionLM
 from swarm.models.tokenizer import ByteTokenizer
-from swarm.protocol import ErrorCode, ExpertRequest, RemoteError, SpanService, collect_response, expert_request_message
+from swarm.protocol import ErrorCode, ExpertQuery, RemoteError, SpanService, collect_response, expert_query_message
 from tests.conftest import make_checkpoint, tiny_config
 
 SETTINGS = dict(gen_length=16, steps=8, block_length=8)
@@ -276,7 +276,7 @@ def call_expert(remote_lm, peer_id: str, message):
 def request(**changes):
     fields = dict(domain="alpha", tokens=torch.randint(0, 256, (2, 10)), start=2, end=6)
     fields.update(changes)
-    return expert_request_message(ExpertRequest(**fields))
+    return expert_query_message(ExpertQuery(**fields))
 
 
 def float_tokens():

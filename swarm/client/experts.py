@@ -25,7 +25,7 @@ from swarm.dht.compatibility import CompatibilityTag, IncompatibleExpertError
 from swarm.dht.schema import ExpertRecord, ServerState, expert_key, read_expert_records
 from swarm.diffusion.denoiser import DenoiseContext, Pending
 from swarm.diffusion.experts import ExpertNotFoundError, ExpertUnavailable
-from swarm.protocol import ErrorCode, ExpertRequest, RemoteError
+from swarm.protocol import ErrorCode, ExpertQuery, RemoteError
 from swarm.remote import RemoteCaller
 from swarm.utils.event_loop import BackgroundLoop
 
@@ -52,7 +52,7 @@ def find_expert_servers(dht: DHT, prefix: str, domain: str, backbone: Compatibil
 class PendingRemote(Pending):
     """One submitted query; ``result`` fails over to the domain's other servers (the shared failover loop)."""
 
-    def __init__(self, expert: "RemoteExpert", request: ExpertRequest):
+    def __init__(self, expert: "RemoteExpert", request: ExpertQuery):
         self.expert = expert
         self.request = request
         self.first_peer = expert.pick(frozenset())
@@ -114,7 +114,7 @@ class RemoteExpert:
         excluded = self.health.excluded(peers) | self.failed_peers | avoid
         return next((peer for peer in peers if peer not in excluded), None)
 
-    def start(self, peer_id: str, request: ExpertRequest) -> concurrent.futures.Future:
+    def start(self, peer_id: str, request: ExpertQuery) -> concurrent.futures.Future:
         """Send the query now (it runs on the background loop); its time refines the peer's measured speed."""
         if peer_id not in self.used:
             self.used.append(peer_id)
@@ -135,10 +135,10 @@ class RemoteExpert:
         self.failovers.append(FailoverEvent(peer_id, -1, f"expert {self.domain}: {error}"))
 
     def submit(self, tokens: torch.Tensor, context: DenoiseContext) -> PendingRemote:
-        request = ExpertRequest(self.domain, tokens, context.block_start, context.block_end, step=context.steps[0])
+        request = ExpertQuery(self.domain, tokens, context.block_start, context.block_end, step=context.steps[0])
         return PendingRemote(self, request)
 
-    def describe(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, Any]:
         return {"servers": [r.peer_id for r in self.servers], "used": list(self.used),
                 "failovers": [vars(event) for event in self.failovers]}
 

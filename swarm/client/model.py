@@ -210,7 +210,7 @@ class DistributedDiffusionLM(BaseDiffusionLM):
         return {"route": [str(hop) for hop in self.sequence.route],
                 "approximate": self.approximate_hops(),
                 "failovers": [vars(event) for event in self.sequence.failovers[self._failovers_seen:]],
-                "spot_checks": [outcome.as_dict() for outcome in outcomes],
+                "spot_checks": [outcome.to_dict() for outcome in outcomes],
                 "distrusted": sorted(self.sequence.distrusted)}
 
     def finish_request(self, result) -> None:

@@ -49,7 +49,7 @@ class SpotCheckOutcome:
     verdict: str  # "agreed", "primary_faulty", "checker_faulty", "unresolved", "no_checker"
     reuse: bool = False  # the checked call reused the activation cache
 
-    def as_dict(self) -> dict:
+    def to_dict(self) -> dict:
         return {"step": self.step, "blocks": list(self.blocks), "primary": self.primary,
                 "checkers": self.checkers, "verdict": self.verdict, "reuse": self.reuse}
 

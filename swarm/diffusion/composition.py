@@ -183,5 +183,5 @@ class Composition:
         return {
             "weights": dict(self.weights), "tau": self.tau, "corrector_steps": self.corrector_steps,
             "auto": self.auto, "dropped": sorted(self.dropped),
-            "sources": {name: source.describe() for name, source in self.sources.items()},
+            "sources": {name: source.to_dict() for name, source in self.sources.items()},
         }

@@ -29,7 +29,7 @@ class ExpertSource(Protocol):
         """
         ...
 
-    def describe(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, Any]:
         """Where the expert runs (model path, servers, failovers), for the result's info."""
         ...
 
@@ -49,5 +49,5 @@ class InProcessExpert:
     def submit(self, tokens: torch.Tensor, context: DenoiseContext) -> Pending:
         return Ready(block_log_probs(self.logits(tokens), context.block_start, context.block_end))
 
-    def describe(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, Any]:
         return {"model": self.label}

@@ -152,7 +152,7 @@ def main(model: str, baseline: str, corpus: Optional[str], data_files: tuple[str
     reports = evaluate_models(models, plan, progress=progress)
     elapsed = time.perf_counter() - started
     if as_json:
-        click.echo(json.dumps({"settings": plan.describe(), "elapsed_s": round(elapsed, 2),
+        click.echo(json.dumps({"settings": plan.to_dict(), "elapsed_s": round(elapsed, 2),
                                "threads": torch.get_num_threads(), "models": [r.to_dict() for r in reports]}, indent=2))
         return
     for report in reports:

@@ -38,7 +38,7 @@ class EvalPlan:
     batch_size: int = 64
     generation: TaskGeneration = TaskGeneration()
 
-    def describe(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, Any]:
         """The plan as plain data (the corpus by name), for JSON output."""
         return {"corpus": self.corpus.name, "seq_len": self.seq_len, "task": self.task, "examples": self.examples,
                 "seed": self.seed, "t_draws": self.t_draws, "batch_size": self.batch_size,

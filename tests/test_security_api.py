@@ -238,6 +238,19 @@ def test_the_api_flag_sets_the_memory_budget(tiny_model_path):
         engine.check_settings({"gen_length": 256, "cfg_scale": 1.0, "parallel_window": 2})
 
 
+def test_a_local_api_loads_only_the_experts_it_serves(tiny_model_path, tmp_path):
+    """A caller of a local API cannot make it load a checkpoint directory it names: only the embedded experts
+    and those the operator allowed (``--allow-expert``) are served; anything else is a 400 before any load."""
+    engine = load_engine(str(tiny_model_path), local=True, allow_experts=[str(tmp_path)])
+    with serve(create_app(engine)) as url:
+        status, body = http(f"{url}/v1/completions",
+                            {"model": engine.model_id, "prompt": "hi", "experts": {str(tiny_model_path): 1.0}})
+        assert status == 400 and "not served here" in body["error"]["message"], body
+        assert body["error"]["param"] == "experts"
+    assert not engine.lm._experts, "nothing was loaded"
+    engine.check_settings({"experts": {"code": 1.0, str(tmp_path): 0.5}})  # embedded and allowed names pass
+
+
 # ----- abandoned requests ---------------------------------------------------------------------------------
 SLOW = {"prompt": "Once upon a time", "max_tokens": 512, "steps": 16, "block_length": 512}  # ~0.3 s a step
 

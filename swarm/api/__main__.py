@@ -27,11 +27,15 @@ from swarm.models.loading import DEFAULT_MODEL
               help="Memory one request's denoiser calls may hold (window x CFG rows x calls in flight x models x "
                    "sequence); larger requests get 400. Default: a quarter of this machine's memory, never less "
                    "than one sequence at full context.")
+@click.option("--allow-expert", "allow_experts", multiple=True,
+              help="With --local: an expert name or checkpoint directory requests may name, besides the embedded "
+                   "experts (repeatable). Requests naming any other expert get 400.")
 @network_options
 @click.option("--log-level", type=click.Choice(["DEBUG", "INFO", "WARNING"]), default="INFO",
               help="Logging verbosity.")
 def main(model: str, model_name: Optional[str], dht_prefix: Optional[str], local: bool, host: str, port: int,
-         max_pending: int, request_memory_mb: Optional[int], log_level: str, **options) -> None:
+         max_pending: int, request_memory_mb: Optional[int], allow_experts: tuple[str, ...], log_level: str,
+         **options) -> None:
     """Serve /v1/completions, /v1/chat/completions, /v1/models and /health in the OpenAI API's shape."""
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     import uvicorn
@@ -44,7 +48,8 @@ def main(model: str, model_name: Optional[str], dht_prefix: Optional[str], local
                                "or use --local to run the model in this process")
     try:
         engine = load_engine(model, local=local, network=network, dht_prefix=dht_prefix, model_id=model_name,
-                             max_pending=max_pending, request_memory_mb=request_memory_mb)
+                             max_pending=max_pending, request_memory_mb=request_memory_mb,
+                             allow_experts=allow_experts)
     except (FileNotFoundError, ValueError) as error:
         raise click.UsageError(str(error)) from error
     click.echo(f"Serving model {engine.model_id!r} ({engine.mode}) on http://{host}:{port}/v1", err=True)

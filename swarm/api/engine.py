@@ -18,7 +18,7 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, AsyncIterator, Optional, Sequence
 
-from swarm.diffusion.config import GenerationLimits
+from swarm.diffusion.config import GenerationLimits, SettingError
 from swarm.lm import BaseDiffusionLM, StreamChunk
 
 if TYPE_CHECKING:
@@ -52,10 +52,14 @@ _FINISHED = object()
 class GenerationEngine:
     """Wraps a :class:`~swarm.lm.BaseDiffusionLM` (local or distributed) for concurrent async callers."""
 
-    def __init__(self, lm: BaseDiffusionLM, model_id: str, max_pending: int = 16):
+    def __init__(self, lm: BaseDiffusionLM, model_id: str, max_pending: int = 16,
+                 allowed_experts: Optional[frozenset[str]] = None):
+        """``allowed_experts``: the expert names a request may ask for (None: any). A local model loads an
+        expert by name or path, so an API open to others must not let a caller name any directory on disk."""
         self.lm = lm
         self.model_id = model_id
         self.max_pending = max_pending
+        self.allowed_experts = allowed_experts
         self._lock = threading.Lock()
         self._pending = 0
         self._pending_lock = threading.Lock()  # also guards stats
@@ -91,6 +95,12 @@ class GenerationEngine:
     def check_settings(self, settings: dict[str, Any]) -> None:
         """Raise the ValueError of any setting out of its bound now, before the request waits for the model."""
         self.lm.check_request(None, **settings)
+        experts = settings.get("experts")
+        if self.allowed_experts is not None and isinstance(experts, dict):
+            refused = sorted(name for name in experts if name not in self.allowed_experts)
+            if refused:
+                raise SettingError(f"experts {', '.join(map(repr, refused))} are not served here; choose from "
+                                   f"{', '.join(sorted(self.allowed_experts)) or 'none'}", param="experts")
 
     # ----- generation -------------------------------------------------------------------------------
     async def stream(self, prompt: str | list[int], settings: dict[str, Any]) -> AsyncIterator[StreamChunk]:
@@ -171,14 +181,18 @@ class GenerationEngine:
 
 def load_engine(model: str, *, local: bool, network: Optional["NetworkConfig"] = None,
                 dht_prefix: Optional[str] = None, model_id: Optional[str] = None,
-                max_pending: int = 16, request_memory_mb: Optional[int] = None) -> GenerationEngine:
+                max_pending: int = 16, request_memory_mb: Optional[int] = None,
+                allow_experts: Sequence[str] = ()) -> GenerationEngine:
     """The model a ``python -m swarm.api`` process serves: in this process (``local``) or through the swarm.
 
     The model id clients name defaults to the model's DHT prefix (its directory name, ``default`` for the
     embedded model), the same name servers and the health map use. ``request_memory_mb`` is the memory one
-    request's denoiser calls may hold (default: a quarter of this machine's; see ``GenerationLimits``).
+    request's denoiser calls may hold (default: a quarter of this machine's; see ``GenerationLimits``). A local
+    model serves the embedded experts and the names or paths in ``allow_experts``, nothing else; through the
+    swarm an expert name is a DHT domain, and any may be asked for.
     """
     from swarm.dht.schema import default_prefix
+    from swarm.models.loading import embedded_models
 
     if local:
         from swarm.local import DiffusionLM
@@ -194,4 +208,5 @@ def load_engine(model: str, *, local: bool, network: Optional["NetworkConfig"] =
         prefix = lm.prefix
     if request_memory_mb is not None:
         lm.limits = GenerationLimits.for_model(lm.config, memory_budget=request_memory_mb << 20)
-    return GenerationEngine(lm, model_id or prefix, max_pending)
+    allowed = frozenset(embedded_models()) | frozenset(allow_experts) if local else None
+    return GenerationEngine(lm, model_id or prefix, max_pending, allowed)

@@ -15,6 +15,7 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.proto import runtime_pb2
 from hivemind.utils import MSGPackSerializer
 from hivemind.utils.asyncio import iter_as_aiter
+from multiaddr import Multiaddr
 
 from swarm.protocol import (
     AUTO_WIRE,
@@ -52,6 +53,15 @@ class RemoteCaller:
 
     def _stub(self, peer_id: str):
         return SpanService.get_stub(self.p2p, PeerID.from_base58(peer_id))
+
+    async def connect(self, peer_id: str, addresses: list[str], timeout: float) -> None:
+        """Dial ``peer_id`` at ``addresses`` (from its signed record): the daemon may only know an old address of
+        a server that restarted elsewhere. hivemind's P2P has no public call for this; its client has."""
+        try:
+            maddrs = [Multiaddr(address) for address in addresses]
+            await asyncio.wait_for(self.p2p._client.connect(PeerID.from_base58(peer_id), maddrs), timeout)
+        except Exception as error:
+            raise as_remote_error(error, peer_id) from error
 
     async def info(self, peer_id: str, timeout: float) -> tuple[dict, float]:
         """The server's self-description and the round-trip time of asking for it."""

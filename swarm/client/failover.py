@@ -94,7 +94,7 @@ def call_with_failover(
             busy = error.code == ErrorCode.BUSY
             if not busy:  # a full server is worth waiting for; one that failed is not asked again in this call
                 budget.failed_peers.add(peer)
-            health.record_failure(peer, str(error), busy=busy)
+            health.record_failure(peer, str(error), busy=busy, stalled=error.code == ErrorCode.TIMEOUT)
             on_failure(target, error)
             where = label(target)
             budget.spend(f"{peer[-8:]}{'@' + where if where else ''}: {error.message}",

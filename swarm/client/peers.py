@@ -5,8 +5,9 @@ long should I wait for it?) and report the same events (it answered in so many s
 lied). Keeping the answers here means a server that fails as an expert is also avoided as a hop, and a
 server caught lying is never used for anything again.
 
-Bans double on every repeat and always outlast the timeout that caused them, so a peer that does not
-answer is never retried within the call it stalled. Timeouts adapt to what each peer has shown: a peer
+Bans double on every repeat, and a ban for a stalled call outlasts two request timeouts, so a peer that
+does not answer is never retried within the call it stalled; a peer that could not be dialled and then
+announces new addresses is tried again at once. Timeouts adapt to what each peer has shown: a peer
 that answered a one-token challenge in 20 ms is not given the full request timeout for the next call.
 """
 from __future__ import annotations
@@ -30,6 +31,7 @@ class Ban:
     until: float
     count: int
     busy: bool  # a full server: avoided briefly, and worth waiting for when nothing else covers its blocks
+    stalled: bool = False  # it let a call run into its timeout (a tarpit, or a hung server)
 
 
 @dataclass
@@ -70,23 +72,34 @@ class PeerHealth:
             else:
                 speed.update(observed)
 
-    def record_failure(self, peer: str, reason: str, busy: bool = False) -> float:
-        """Avoid a peer: briefly when busy, otherwise for a period that doubles on each repeat and always
-        outlasts a request timeout (so a peer that stalls a call is not asked again within it). Returns the
-        ban's length in seconds."""
+    def record_failure(self, peer: str, reason: str, busy: bool = False, stalled: bool = False) -> float:
+        """Avoid a peer: briefly when busy, otherwise for a period that doubles on each repeat. A peer that
+        ``stalled`` a call into its timeout is avoided for at least two request timeouts, so it cannot stall
+        the next call too. Returns the ban's length in seconds."""
         with self._lock:
             previous = self._bans.get(peer)
             count = previous.count + 1 if previous else 1
             if busy:
                 duration = min(self.config.backoff_base * 2 ** (count - 1), self.config.backoff_max)
             else:
-                duration = max(self.config.ban_base * 2 ** (count - 1), 2 * self.config.request_timeout)
-                duration = min(duration, max(self.config.ban_max, 2 * self.config.request_timeout))
-            self._bans[peer] = Ban(time.monotonic() + duration, count, busy)
+                duration = min(self.config.ban_base * 2 ** (count - 1), self.config.ban_max)
+                if stalled:
+                    duration = max(duration, 2 * self.config.request_timeout)
+            self._bans[peer] = Ban(time.monotonic() + duration, count, busy, stalled)
             if not busy:  # measured again (challenge included) before it is routed to again
                 self._rtt.pop(peer, None)
         logger.warning("avoiding peer %s for %.1f s: %s", peer, duration, reason)
         return duration
+
+    def forgive(self, peer: str, reason: str) -> None:
+        """Lift a ban that no longer applies (an unreachable server announced new addresses); the peer is
+        challenged again before any route uses it. Distrust and stalls are never forgiven."""
+        with self._lock:
+            ban = self._bans.get(peer)
+            if ban is None or ban.stalled or peer in self._distrusted:
+                return
+            del self._bans[peer]
+        logger.info("trying peer %s again: %s", peer, reason)
 
     def distrust(self, peer: str, reason: str) -> None:
         """Caught returning wrong results: never used again by this client."""

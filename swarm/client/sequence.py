@@ -11,6 +11,7 @@ reported as a cache miss and repaired by rebuilding the lost version.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -92,7 +93,10 @@ class RemoteSequence:
 
     def refresh(self) -> None:
         """Re-read servers from the DHT and ping (with a compute challenge) those not measured yet."""
-        self.servers = read_servers(self.dht, self.prefix, self.num_blocks)
+        previous, self.servers = self.servers, read_servers(self.dht, self.prefix, self.num_blocks)
+        for peer, record in self.servers.items():
+            if peer in previous and record.addresses and record.addresses != previous[peer].addresses:
+                self.health.forgive(peer, f"it now announces {', '.join(record.addresses)}")
         self._ping_unmeasured()
         self._refreshed_at = time.monotonic()
         logger.info("%d servers known for %s (%d online)", len(self.servers), self.prefix,
@@ -113,7 +117,8 @@ class RemoteSequence:
         results = self.loop.run(self._challenge_all(peers))
         for peer_id, outcome in zip(peers, results):
             if isinstance(outcome, BaseException):
-                self.health.record_failure(peer_id, f"failed its ping: {outcome}")
+                stalled = isinstance(outcome, RemoteError) and outcome.code == ErrorCode.TIMEOUT
+                self.health.record_failure(peer_id, f"failed its ping: {outcome}", stalled=stalled)
 
     async def _challenge_all(self, peers: list[str]) -> list:
         return await asyncio.gather(*(self._challenge(p) for p in peers), return_exceptions=True)
@@ -125,6 +130,9 @@ class RemoteSequence:
         first call gets the full request timeout), and a halt then ends the generation as usual.
         """
         record = self.servers[peer_id]
+        if record.addresses:  # the daemon may know only an address the server no longer listens on
+            with contextlib.suppress(RemoteError):
+                await self.caller.connect(peer_id, record.addresses, self.config.connect_timeout)
         info, rtt = await self.caller.info(peer_id, self.config.connect_timeout)
         if info.get("prefix") != self.prefix:
             raise RemoteError(ErrorCode.WRONG_SPAN, f"serves {info.get('prefix')!r}, not {self.prefix!r}", peer_id)

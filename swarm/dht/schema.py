@@ -56,6 +56,10 @@ class ServerRecord:
     # "exact" when the span computes in the checkpoint's dtype, unquantized; otherwise what differs (another
     # dtype, int8 weights): clients route through it only when the user allows approximate servers.
     numerics: str = "exact"
+    # Where the server listens (multiaddrs without /p2p/): a client whose libp2p daemon still knows an old
+    # address (the server restarted elsewhere with the same identity) dials these. Trustworthy because only
+    # the server's own key can write its record.
+    addresses: list[str] = field(default_factory=list)
 
     @property
     def approximate(self) -> bool:
@@ -80,6 +84,7 @@ class ServerRecord:
                 version=str(value.get("version", "")), cache_tokens_left=int(value.get("cache_tokens_left", 0)),
                 experts=list(value.get("experts", [])), extra=dict(value.get("extra", {})),
                 numerics=str(value.get("numerics", "exact"))[:MAX_NUMERICS_CHARS],
+                addresses=_addresses(value.get("addresses", [])),
             )
             if not 0 <= record.start < record.end or record.throughput < 0:
                 raise ValueError(f"bad span {record.start}:{record.end} or throughput {record.throughput}")
@@ -87,6 +92,17 @@ class ServerRecord:
         except (KeyError, TypeError, ValueError) as error:
             logger.debug("ignoring malformed record from %s: %s", peer_id, error)
             return None
+
+
+MAX_ADDRESSES, MAX_ADDRESS_CHARS = 8, 256
+
+
+def _addresses(raw: Any) -> list[str]:
+    """A record's listening addresses: a short list of short strings, or a ValueError."""
+    if not isinstance(raw, list) or len(raw) > MAX_ADDRESSES or \
+            not all(isinstance(a, str) and 0 < len(a) <= MAX_ADDRESS_CHARS for a in raw):
+        raise ValueError(f"addresses must be a list of at most {MAX_ADDRESSES} strings")
+    return list(raw)
 
 
 @dataclass

@@ -14,6 +14,7 @@ from swarm.dht.compatibility import CompatibilityTag
 from swarm.dht.identity import Identity
 from swarm.dht.node import start_dht, stop_dht
 from swarm.dht.schema import (
+    MAX_ADDRESSES,
     ExpertRecord,
     ServerRecord,
     ServerState,
@@ -49,6 +50,11 @@ from swarm.version import __version__
 logger = logging.getLogger(__name__)
 
 
+def listening_addresses(maddrs: Sequence) -> list[str]:
+    """Multiaddrs to announce, without their ``/p2p/<peer id>`` part (the record says whose they are)."""
+    return [str(addr).split("/p2p/", 1)[0] for addr in maddrs][:MAX_ADDRESSES]
+
+
 class Server:
     """Hosts blocks ``start:end`` of a model and/or whole expert models, served over hivemind's P2P layer.
 
@@ -75,6 +81,7 @@ class Server:
         self.start: Optional[int] = None
         self.end: Optional[int] = None
         self.numerics = EXACT  # what differs from the checkpoint's numerics, announced in the record
+        self.addresses: list[str] = []  # where this server listens, announced once it serves
         self.backend = self._load_span() if self.hosts_blocks else None
         self.expert_backend = ExpertBackend(self.experts, config.max_concurrent_requests, config.device,
                                             config.max_queued_tokens, config.peer_share) if self.experts else None
@@ -159,7 +166,7 @@ class Server:
         return ServerRecord(
             peer_id=self.peer_id, state=self.state, start=self.start, end=self.end, throughput=self.throughput,
             public_name=self.config.public_name, version=__version__, experts=sorted(self.experts),
-            numerics=self.numerics,
+            numerics=self.numerics, addresses=self.addresses,
         )
 
     def expert_records(self) -> list[ExpertRecord]:
@@ -214,6 +221,7 @@ class Server:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self._stop.set)
         p2p = await self.dht.replicate_p2p()
+        self.addresses = listening_addresses(await p2p.get_visible_maddrs())
         await self.handler.add_p2p_handlers(p2p)
         self.handler.pusher.attach(p2p)
         self.state = ServerState.ONLINE

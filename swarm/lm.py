@@ -23,7 +23,7 @@ from swarm.diffusion.config import (
     MAX_EXPERT_TAU,
     GenerationConfig,
     GenerationLimits,
-    check_expert_settings,
+    check_experts,
     setting,
     settings_of,
 )
@@ -31,7 +31,7 @@ from swarm.diffusion.experts import ExpertSource
 from swarm.diffusion.mixture import DEFAULT_TAU
 from swarm.diffusion.pipeline import DenoiserCalls, Forward
 from swarm.diffusion.sampler import DiffusionSampler, Halted, WindowStats
-from swarm.governance.tiers import TIERS, check_tier
+from swarm.governance.tiers import TIERS
 from swarm.models.config import ModelConfig
 from swarm.models.tokenizer import MASK_PLACEHOLDER, Tokenizer
 from swarm.scale import SCALES, ScalePlan, plan_scale
@@ -105,7 +105,7 @@ class GenerationRequest:
         """Check each option against its declaration; returns how many given experts compute (weight above 0)."""
         for declared in settings_of(GenerationRequest):
             declared.check(getattr(self, declared.name), self)
-        return check_expert_settings(self.experts, self.expert_tau, self.corrector_steps)
+        return check_experts(self.experts)
 
 
 @dataclass(frozen=True)
@@ -173,10 +173,8 @@ class BaseDiffusionLM(ABC):
                       plan: ScalePlan) -> dict[str, Any]:
         """Per-request policy before any compute (the swarm client classifies the safety tier here).
 
-        Returns details added to the result's ``info``.
+        Returns details added to the result's ``info``. (The tier was checked with the request's options.)
         """
-        if tier is not None:
-            check_tier(tier)
         return {}
 
     def finish_request(self, result: "GenerationResult") -> None:

@@ -10,7 +10,7 @@ import torch
 from swarm.dht.compatibility import CompatibilityTag, IncompatibleExpertError
 from swarm.diffusion.config import GenerationConfig
 from swarm.diffusion.experts import ExpertNotFoundError, InProcessExpert
-from swarm.diffusion.pipeline import HEAD_ROWS, CacheDirective, Forward, scored_rows
+from swarm.diffusion.pipeline import CacheDirective, Forward, check_head_rows, rows_to_score
 from swarm.diffusion.sampler import DenoiseContext
 from swarm.lm import BaseDiffusionLM
 from swarm.models.kv_cache import CacheMiss, SpanKV
@@ -26,13 +26,11 @@ class DiffusionLM(BaseDiffusionLM):
                  head_rows: str = "active"):
         """``head_rows="active"`` scores only the rows the sampler reads (:func:`scored_rows`), as the
         distributed client does, so that both give the same tokens; ``"all"`` scores every row."""
-        if head_rows not in HEAD_ROWS:
-            raise ValueError(f"head_rows must be one of {HEAD_ROWS}, got {head_rows!r}")
         self.model = model.eval()
         self.config = model.config
         self.tokenizer = tokenizer
         self.path = path
-        self.head_rows = head_rows
+        self.head_rows = check_head_rows(head_rows)
         self.device = next(model.parameters()).device
         self._experts: dict[str, "DiffusionLM"] = {}  # loaded once, reused by later requests
 
@@ -87,7 +85,7 @@ class DiffusionLM(BaseDiffusionLM):
         @torch.inference_mode()
         def forward(tokens: torch.Tensor, directive: Optional[CacheDirective], context: DenoiseContext) -> torch.Tensor:
             nonlocal kv
-            scored = scored_rows(context, generation, tokens.shape[1]) if self.head_rows == "active" else None
+            scored = rows_to_score(self.head_rows, context, generation, tokens.shape[1])
             tokens = tokens.to(self.device)
             if directive is None:
                 return self.model(tokens, scored=scored).float().cpu()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import functools
 import logging
 import math
 import time
@@ -85,6 +86,11 @@ class ForwardRequest:
     step: int = -1
     extra: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def rows(self) -> int:
+        """Positions carried: batch x length of the hidden states."""
+        return self.hidden.shape[0] * self.hidden.shape[1]
+
 
 @dataclass
 class ExpertQuery:
@@ -151,11 +157,16 @@ def tensor_wire_bytes(shape: tuple[int, ...], wire_dtype: str = AUTO_WIRE,
     without encoding one: a server compares it with the unary limit before computing an answer that could not
     be sent."""
     template = encode_tensor(torch.zeros(1, dtype=computed), wire_dtype)
-    buffer = math.prod(shape) * len(template.buffer)
+    buffer = math.prod(shape) * _wire_element_bytes(wire_dtype, computed)
     del template.size[:]
     template.size.extend(shape)
     template.buffer = b""
     return template.ByteSize() + (1 + _varint_bytes(buffer) + buffer if buffer else 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _wire_element_bytes(wire_dtype: str, computed: torch.dtype) -> int:
+    return len(encode_tensor(torch.zeros(1, dtype=computed), wire_dtype).buffer)
 
 
 def _varint_bytes(value: int) -> int:

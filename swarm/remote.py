@@ -97,7 +97,7 @@ class RemoteCaller:
     def _forward_rpc(self, peer_id: str, request: ForwardRequest) -> Callable[[], Awaitable[list]]:
         parts = request_parts(request, self.wire_dtype)
         stub = self._stub(peer_id)
-        self.rows_sent += request.hidden.shape[0] * request.hidden.shape[1]
+        self.rows_sent += request.rows
         self.bytes_sent += sum(part.ByteSize() for part in parts)
 
         async def rpc() -> list:

@@ -77,8 +77,8 @@ def test_reuse_without_a_matching_fill_is_a_cache_miss():
 def test_server_cache_store_stays_within_its_budget_and_expires():
     config = tiny_config()
     # two blocks, batch 1, 40 positions, counted at their real cost (keys, values and per-version overhead)
-    one = SessionCaches(config, budget_bytes=1, ttl=1.0, element_size=4).cost_of(2, 1, 40)
-    caches = SessionCaches(config, budget_bytes=int(2.5 * one), ttl=0.2, element_size=4)
+    one = SessionCaches(config, budget_bytes=1, ttl=1.0).cost_of(2, 1, 40)
+    caches = SessionCaches(config, budget_bytes=int(2.5 * one), ttl=0.2)
     for session in ("a", "b", "c"):
         kv = caches.for_fill(session, 1, 0, 2, 1, 40)
         assert kv is not None
@@ -96,7 +96,7 @@ def test_server_cache_store_stays_within_its_budget_and_expires():
 
 def test_server_cache_versions_let_a_reuse_wait_for_its_fill_and_drop_old_ones():
     config = tiny_config()
-    caches = SessionCaches(config, budget_bytes=10**8, ttl=60, element_size=4, fill_timeout=5, arrival_wait=5)
+    caches = SessionCaches(config, budget_bytes=10**8, ttl=60, fill_timeout=5, arrival_wait=5)
 
     async def scenario():
         first = caches.for_fill("s", 1, 0, 2, 1, 40)

@@ -62,6 +62,15 @@ def test_bans_outlast_the_timeout_and_timeouts_follow_measured_speed():
     assert not health.usable("b") and "b" in health.distrusted
 
 
+@pytest.mark.parametrize("field, value", [("timeout_floor", -1.0), ("timeout_factor", 0.0),
+                                          ("request_timeout", float("nan")), ("spot_check_fraction", 1.5)])
+def test_client_settings_that_would_break_every_call_are_refused(field, value):
+    config = ClientConfig()
+    setattr(config, field, value)
+    with pytest.raises(ValueError, match=field):
+        config.validate()
+
+
 # ----- tarpits -----------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tarpit_model(tmp_path_factory):

@@ -25,7 +25,8 @@ class ClientConfig:
     retry_deadline: float = 120.0  # seconds spent retrying one denoiser call before giving up
     backoff_base: float = 0.1  # first retry delay; doubles on each retry
     backoff_max: float = 5.0
-    # seconds a failing peer is avoided; doubles on repeat failures, at least 2 x request_timeout
+    # seconds a failing peer is avoided; doubles on repeat failures (at least 2 x request_timeout for a peer that
+    # let a call run into its timeout)
     ban_base: float = 15.0
     ban_max: float = 300.0  # also how long a server is avoided after an unresolved spot check
     route_refresh: float = 30.0  # seconds after which the server list is re-read (between generations only)
@@ -51,3 +52,21 @@ class ClientConfig:
     # server crosses twice (request, answer); pushed passes ask servers to delay their crossings the same way.
     inject_latency: float = 0.0  # seconds per one-way crossing
     inject_jitter: float = 0.0  # extra uniform random seconds per crossing
+
+    def validate(self) -> None:
+        """Refuse settings that would make every call fail or never time out, with the field to change."""
+        positive = ("connect_timeout", "request_timeout", "timeout_factor", "retry_deadline", "backoff_base",
+                    "backoff_max", "ban_base", "ban_max")
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"ClientConfig.{name} must be a positive number of seconds (or factor), "
+                                 f"got {value!r}")
+        for name in ("timeout_floor", "route_refresh", "inject_latency", "inject_jitter"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not value >= 0:
+                raise ValueError(f"ClientConfig.{name} must be >= 0 seconds, got {value!r}")
+        if not isinstance(self.max_retries, int) or self.max_retries < 0:
+            raise ValueError(f"ClientConfig.max_retries must be an integer >= 0, got {self.max_retries!r}")
+        if not 0 <= self.spot_check_fraction <= 1:
+            raise ValueError(f"ClientConfig.spot_check_fraction must be in [0, 1], got {self.spot_check_fraction!r}")

@@ -20,7 +20,7 @@ from swarm.dht.compatibility import CompatibilityTag
 from swarm.dht.node import start_dht, stop_dht
 from swarm.dht.schema import default_prefix
 from swarm.diffusion.config import GenerationConfig
-from swarm.diffusion.pipeline import HEAD_ROWS, CacheDirective, Forward, scored_rows
+from swarm.diffusion.pipeline import CacheDirective, Forward, check_head_rows, rows_to_score
 from swarm.diffusion.sampler import DenoiseContext
 from swarm.governance.audit import AuditLog
 from swarm.governance.guard import GovernanceGuard
@@ -70,8 +70,8 @@ class DistributedDiffusionLM(BaseDiffusionLM):
         self.config = files.config
         self.client_config = config
         self.tokenizer = files.tokenizer()
-        if config.head_rows not in HEAD_ROWS:
-            raise ValueError(f"head_rows must be one of {HEAD_ROWS}, got {config.head_rows!r}")
+        config.validate()
+        check_head_rows(config.head_rows)
         # The checkpoint's dtype, as servers default to: bfloat16 halves the client's memory and the wire's bytes
         self.embedding = files.embedding(config.dtype)
         self.head = files.head(config.dtype)
@@ -140,8 +140,7 @@ class DistributedDiffusionLM(BaseDiffusionLM):
 
         def forward(tokens: torch.Tensor, directive: Optional[CacheDirective], context: DenoiseContext) -> torch.Tensor:
             self.guard.check(context.steps[0])  # a valid governance halt stops before this step
-            active = self.client_config.head_rows == "active"
-            scored = scored_rows(context, generation, tokens.shape[1]) if active else None
+            scored = rows_to_score(self.client_config.head_rows, context, generation, tokens.shape[1])
             return self.logits(tokens, session_id, context.steps[0], directive, scored)
 
         yield forward

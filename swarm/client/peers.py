@@ -34,16 +34,6 @@ class Ban:
     stalled: bool = False  # it let a call run into its timeout (a tarpit, or a hung server)
 
 
-@dataclass
-class Speed:
-    """Seconds one unit of work (tokens x blocks) took on a peer, beyond its round trip."""
-
-    seconds_per_unit: float
-
-    def update(self, observed: float) -> None:
-        self.seconds_per_unit = (1 - EWMA_WEIGHT) * self.seconds_per_unit + EWMA_WEIGHT * observed
-
-
 class PeerHealth:
     """Bans with back-off, round trips and speeds, distrust and the allow-list of one client; thread-safe."""
 
@@ -51,7 +41,8 @@ class PeerHealth:
         self.config = config
         self._bans: dict[str, Ban] = {}
         self._rtt: dict[str, float] = {}
-        self._speed: dict[tuple[str, str], Speed] = {}
+        # (peer, kind of call) -> seconds one unit of work (tokens x blocks) took there beyond the round trip
+        self._speed: dict[tuple[str, str], float] = {}
         self._distrusted: dict[str, str] = {}  # peer -> why; never used again by this client
         self._disputes: dict[str, int] = {}  # unresolved spot checks against each peer
         self.allowed: Optional[frozenset[str]] = None  # when set, only these peers may serve (restricted tier)
@@ -66,11 +57,8 @@ class PeerHealth:
         """A call of ``work`` units (tokens x blocks) answered in ``seconds``: refines the peer's speed."""
         observed = max(seconds - self._rtt.get(peer, 0.0), 0.0) / max(work, 1)
         with self._lock:
-            speed = self._speed.get((peer, kind))
-            if speed is None:
-                self._speed[(peer, kind)] = Speed(observed)
-            else:
-                speed.update(observed)
+            previous = self._speed.get((peer, kind), observed)
+            self._speed[(peer, kind)] = (1 - EWMA_WEIGHT) * previous + EWMA_WEIGHT * observed
 
     def record_failure(self, peer: str, reason: str, busy: bool = False, stalled: bool = False) -> float:
         """Avoid a peer: briefly when busy, otherwise for a period that doubles on each repeat. A peer that
@@ -137,9 +125,6 @@ class PeerHealth:
         """Whether the peer passed a ping (and its challenge) since it was last banned."""
         return peer in self._rtt
 
-    def latency(self, peer: str) -> Optional[float]:
-        return self._rtt.get(peer)
-
     def latencies(self) -> dict[str, float]:
         with self._lock:
             return dict(self._rtt)
@@ -151,7 +136,7 @@ class PeerHealth:
         speed = self._speed.get((peer, kind))
         if speed is None:
             return self.config.request_timeout
-        expected = self._rtt.get(peer, 0.0) + speed.seconds_per_unit * work
+        expected = self._rtt.get(peer, 0.0) + speed * work
         return min(self.config.request_timeout, self.config.timeout_floor + self.config.timeout_factor * expected)
 
     def wait_for_busy(self) -> Optional[float]:

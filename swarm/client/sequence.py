@@ -11,7 +11,6 @@ reported as a cache miss and repaired by rebuilding the lost version.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import threading
 import time
@@ -130,10 +129,13 @@ class RemoteSequence:
         first call gets the full request timeout), and a halt then ends the generation as usual.
         """
         record = self.servers[peer_id]
-        if record.addresses:  # the daemon may know only an address the server no longer listens on
-            with contextlib.suppress(RemoteError):
-                await self.caller.connect(peer_id, record.addresses, self.config.connect_timeout)
-        info, rtt = await self.caller.info(peer_id, self.config.connect_timeout)
+        try:
+            info, rtt = await self.caller.info(peer_id, self.config.connect_timeout)
+        except RemoteError as error:  # the daemon may know only an address the server no longer listens on
+            if error.code != ErrorCode.UNREACHABLE or not record.addresses:
+                raise
+            await self.caller.connect(peer_id, record.addresses, self.config.connect_timeout)
+            info, rtt = await self.caller.info(peer_id, self.config.connect_timeout)
         if info.get("prefix") != self.prefix:
             raise RemoteError(ErrorCode.WRONG_SPAN, f"serves {info.get('prefix')!r}, not {self.prefix!r}", peer_id)
         probe = torch.randn(1, 1, self.hidden_size)
@@ -225,7 +227,7 @@ class RemoteSequence:
         """One pushed pass over the whole route, or None when it failed and the hop-by-hop path should run."""
         route = self.full_route(tokens)
         try:
-            output = self.loop.run(self._pushed_pass(route, hidden, session_id, step, extra))
+            output = self.loop.run(self._pushed_pass(route, hidden, session_id, step, extra, tokens))
         except RemoteError as error:
             fatal = self._final_error(error, step)
             if fatal is not None:
@@ -242,7 +244,7 @@ class RemoteSequence:
         return output
 
     async def _pushed_pass(self, route: list[RouteHop], hidden: torch.Tensor, session_id: str, step: int,
-                           extra: dict) -> torch.Tensor:
+                           extra: dict, tokens: int) -> torch.Tensor:
         push_id = uuid.uuid4().hex
         delivery = self.receiver.expect(push_id)
         try:
@@ -252,8 +254,7 @@ class RemoteSequence:
                     "namespace": self.receiver.namespace, "id": push_id,
                     "hop_delay": [self.caller.latency, self.caller.jitter]}
             request = ForwardRequest(first.start, first.end, hidden, session_id, step, dict(extra, push=spec))
-            rows = hidden.shape[0] * hidden.shape[1]
-            timeouts = [self.health.timeout(hop.peer_id, rows * (hop.end - hop.start)) for hop in route]
+            timeouts = [self.health.timeout(hop.peer_id, tokens * (hop.end - hop.start)) for hop in route]
             await self.caller.push(first.peer_id, request, timeouts[0])
             return await asyncio.wait_for(delivery, min(sum(timeouts), self.config.request_timeout))
         finally:
@@ -302,7 +303,7 @@ class RemoteSequence:
                   extra: dict) -> tuple[torch.Tensor, int]:
         """One server's blocks: its output (spot-checked when drawn) and the block the next hop starts at."""
         request = ForwardRequest(hop.start, hop.end, hidden, session_id, step, extra)
-        work = hidden.shape[0] * hidden.shape[1] * (hop.end - hop.start)
+        work = request.rows * (hop.end - hop.start)
         started = time.perf_counter()
         output = self.loop.run(self.caller.forward(hop.peer_id, request, self.health.timeout(hop.peer_id, work)))
         self.health.record_success(hop.peer_id, time.perf_counter() - started, work)

@@ -3,7 +3,7 @@
 One key per block, ``{prefix}.{block}``; the subkey is the server's peer id followed by its RSA owner tag
 (``[owner:ssh-rsa …]``), whose key is the server's libp2p identity. hivemind's ``RSASignatureValidator`` only
 accepts writes signed by that key, and ``swarm.dht.validation`` only those whose key derives the peer id in
-front of it; readers here apply the same rule (:func:`peer_id_from_subkey`) and ignore every other entry.
+front of it; readers here apply the same rule (:func:`swarm.dht.validation.owner_peer_id`) and ignore every other entry.
 Experts announce under ``{prefix}.experts.{domain}`` the same way (an :class:`ExpertRecord` with the
 compatibility tag), and list their domains under ``{prefix}.experts`` so that readers who cannot list keys
 (the health map) find them.
@@ -20,8 +20,6 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator, Optional
 
 from hivemind.dht import DHT, DHTNode
-from hivemind.dht.crypto import RSASignatureValidator
-from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 
 from swarm.dht.compatibility import CompatibilityTag
@@ -163,19 +161,6 @@ def expert_index_key(prefix: str) -> str:
     return f"{prefix}.experts"
 
 
-def owner_subkey(peer_id: PeerID | str, validator: RSASignatureValidator) -> bytes:
-    """The subkey a server writes under: its peer id plus its signature tag.
-
-    Readers accept it only if the validator's key is that peer's libp2p identity (``swarm.dht.identity``).
-    """
-    return str(peer_id).encode() + validator.local_public_key
-
-
-def peer_id_from_subkey(subkey: Any) -> Optional[str]:
-    """The peer id an entry speaks for if its owner key proves it, else None (unsigned, forged, malformed)."""
-    return owner_peer_id(subkey)
-
-
 async def _store(dht: DHT, node: DHTNode, keys: list[str], subkey: bytes, values: list, expiration: float) -> bool:
     results = await node.store_many(keys, subkeys=[subkey] * len(keys), values=values,
                                     expiration_time=expiration, num_workers=min(32, len(keys)))
@@ -225,7 +210,7 @@ def _records(found: dict) -> Iterator[tuple[str, str, Any]]:
     """(key, peer id, value) of every entry read by :func:`_get_many` whose owner key proves its peer id."""
     for key, subkeys in found.items():
         for subkey, value in subkeys.items():
-            peer_id = peer_id_from_subkey(subkey)
+            peer_id = owner_peer_id(subkey)
             if peer_id:
                 yield key, peer_id, value
             else:

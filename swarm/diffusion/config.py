@@ -6,7 +6,8 @@ Every size-like or float setting a request can carry is bounded here, in one pla
 * :class:`GenerationLimits` checks what follows from the model and the machine: the prompt plus
   ``gen_length`` within the model's positions, and the tokens one request's denoiser calls hold at once
   (Picard window x CFG rows x calls in flight x models, times the sequence) within a memory budget;
-* :func:`check_expert_settings` checks the experts, their weights, ``expert_tau`` and ``corrector_steps``.
+* :func:`check_experts` checks the experts and their weights (``expert_tau`` and ``corrector_steps`` are
+  declared settings of the request, checked like the others).
 
 ``BaseDiffusionLM`` runs all three for both the local model and the swarm client, and the HTTP API runs
 them before a request waits for the model, so an oversized request is refused with a ``ValueError`` (400)
@@ -252,9 +253,9 @@ class GenerationConfig:
         return self.steps // self.num_blocks
 
     @property
-    def rows_per_call(self) -> int:
-        """Sequences in one denoiser call: the window's states, doubled by classifier-free guidance."""
-        return self.parallel_window * (2 if self.cfg_scale > 0 else 1)
+    def rows_per_state(self) -> int:
+        """Sequences per evaluated state: two with classifier-free guidance (conditional and unconditional)."""
+        return 2 if self.cfg_scale > 0 else 1
 
     def validate(self) -> None:
         fields = settings_of(type(self))  # a subclass's added settings are checked too
@@ -325,7 +326,7 @@ class GenerationLimits:
     @staticmethod
     def resident_tokens(generation: GenerationConfig, prompt_length: int, experts: int = 0, window: int = 0) -> int:
         """Positions held at once: rows per call x calls in flight x models (backbone and experts) x sequence."""
-        rows = (window or generation.parallel_window) * (2 if generation.cfg_scale > 0 else 1)
+        rows = (window or generation.parallel_window) * generation.rows_per_state
         return rows * (generation.staleness + 1) * (1 + experts) * (prompt_length + generation.gen_length)
 
     def window_room(self, generation: GenerationConfig, prompt_length: int, experts: int = 0) -> int:
@@ -351,20 +352,18 @@ class GenerationLimits:
         room = self.max_resident_tokens
         need(held <= room,
              f"this request would hold {held} sequence positions in memory at once (parallel_window "
-             f"{generation.parallel_window} x {2 if generation.cfg_scale > 0 else 1} for cfg_scale x "
+             f"{generation.parallel_window} x {generation.rows_per_state} for cfg_scale x "
              f"{generation.staleness + 1} calls in flight x {1 + experts} models x ({prompt_length} prompt + "
              f"{generation.gen_length} generated) positions); the limit here is {room} "
              f"({self.memory_budget >> 20} MiB at {self.bytes_per_token} bytes per position): "
              "lower parallel_window, staleness, cfg_scale, experts or gen_length", "parallel_window")
 
 
-def check_expert_settings(experts: Any, tau: Any, corrector_steps: Any) -> int:
-    """Check ``experts`` (None, ``"auto"`` or ``{name: weight}``), ``expert_tau`` and ``corrector_steps``.
+def check_experts(experts: Any) -> int:
+    """Check ``experts`` (None, ``"auto"`` or ``{name: weight}``).
 
     Returns how many given experts have a weight above 0 (they compute alongside the backbone).
     """
-    need_float("expert_tau", tau, 0.0, MAX_EXPERT_TAU, low_open=True)
-    need_int("corrector_steps", corrector_steps, 0, MAX_CORRECTOR_STEPS)
     if experts is None or experts == "auto":
         return 0  # "auto" picks from a fixed table of experts and weights
     need(isinstance(experts, Mapping), f"experts must be 'auto' or a mapping of name to weight, got {shown(experts)}",

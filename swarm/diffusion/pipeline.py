@@ -59,6 +59,20 @@ call's logits (sampler, guidance, expert composition, correctors, cache completi
 HEAD_ROWS = ("active", "all")  # what a backend's head scores: the rows readers may read, or every row
 
 
+def check_head_rows(head_rows: str) -> str:
+    """A backend's ``head_rows`` setting, or a ValueError naming the choices."""
+    if head_rows not in HEAD_ROWS:
+        raise ValueError(f"head_rows must be one of {HEAD_ROWS}, got {head_rows!r}")
+    return head_rows
+
+
+def rows_to_score(head_rows: str, context: DenoiseContext, generation: GenerationConfig,
+                  length: int) -> Optional[tuple[int, int]]:
+    """What a backend's head computes for one call: :func:`scored_rows` with ``"active"``, every row (None)
+    with ``"all"``."""
+    return scored_rows(context, generation, length) if head_rows == "active" else None
+
+
 def scored_rows(context: DenoiseContext, generation: GenerationConfig, length: int) -> tuple[int, int]:
     """Absolute positions whose logits the sampler may read from a call made with ``context``.
 

@@ -22,7 +22,6 @@ from swarm.dht.schema import (
     declare_span,
     default_prefix,
     now,
-    owner_subkey,
     read_servers,
 )
 from swarm.governance.guard import GovernanceGuard
@@ -76,7 +75,7 @@ class Server:
         self.identity = Identity.load_or_create(config.network.identity_path)
         self.dht: DHT = start_dht(config.network, identity=self.identity)
         self.peer_id = str(self.dht.peer_id)
-        self.subkey = owner_subkey(self.peer_id, self.identity.validator)
+        self.subkey = self.identity.owner_subkey()
         self.governance = GovernanceGuard(self.dht, self.prefix, config.governance_keys, ttl=0.0)
         self.start: Optional[int] = None
         self.end: Optional[int] = None
@@ -268,5 +267,4 @@ class Server:
             if backend is not None:
                 backend.shutdown()
         stop_dht(self.dht)
-        self.identity.remove()  # a temporary identity is gone already unless the start failed half-way
         logger.info("server stopped")

@@ -34,7 +34,6 @@ DEFAULT_MAX_ENTRIES = 4096  # cache versions kept at once, whatever their size
 # the indexes) and those of each block it holds, measured by benchmarks/server_bounds.py and rounded up.
 ENTRY_OVERHEAD_BYTES = 2048
 BLOCK_OVERHEAD_BYTES = 256
-FLOAT_DTYPES = {4: torch.float32, 2: torch.bfloat16, 8: torch.float64}
 
 CacheKey = tuple[str, int]  # (session id, version)
 
@@ -62,16 +61,15 @@ class SessionCaches:
 
     Every operation costs O(1) amortised, or O(versions of one session): the byte total is kept as entries
     come and go, each session's versions are indexed, and expiry pops from the least recently used end.
-    ``dtype`` and ``device`` are those of the span's compute (default: a float of ``element_size`` bytes).
+    ``dtype`` and ``device`` are those of the span's compute.
     """
 
-    def __init__(self, config: ModelConfig, budget_bytes: int, ttl: float, element_size: int = 4,
-                 fill_timeout: float = 30.0, arrival_wait: float = ARRIVAL_WAIT_S, *,
-                 max_entries: int = DEFAULT_MAX_ENTRIES, dtype: Optional[torch.dtype] = None,
-                 device: str | torch.device = "cpu"):
+    def __init__(self, config: ModelConfig, budget_bytes: int, ttl: float, fill_timeout: float = 30.0,
+                 arrival_wait: float = ARRIVAL_WAIT_S, *, max_entries: int = DEFAULT_MAX_ENTRIES,
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
         self.config, self.budget_bytes, self.ttl = config, budget_bytes, ttl
-        self.dtype = dtype or FLOAT_DTYPES[element_size]
-        self.element_size = torch.empty(0, dtype=self.dtype).element_size()
+        self.dtype = dtype
+        self.element_size = torch.empty(0, dtype=dtype).element_size()
         self.device = device
         self.max_entries = max_entries
         self.fill_timeout = fill_timeout  # how long a reuse waits for a fill that is running here

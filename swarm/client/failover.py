@@ -24,6 +24,9 @@ R = TypeVar("R")
 CLIENT_FAULTS = {ErrorCode.BAD_REQUEST, ErrorCode.TOO_LARGE, ErrorCode.NOT_FINITE, ErrorCode.HALTED}
 
 
+MAX_ERRORS_SHOWN = 8  # distinct recent errors a give-up message lists
+
+
 class SwarmError(RuntimeError):
     """A remote call gave up after the configured retries or time."""
 
@@ -53,10 +56,16 @@ class RetryBudget:
     def spend(self, error: str, pause: Optional[float] = None, where: str = "") -> None:
         """Count a failed attempt (``where``: " at block 3") and wait before the next; raise
         :class:`SwarmError` when over budget."""
-        self.errors.append(error)
+        self.attempts += 1
+        self.wait(error, pause, where)
+
+    def wait(self, error: str, pause: Optional[float] = None, where: str = "") -> None:
+        """Wait before trying again (the back-off when ``pause`` is None) without counting a failed attempt: a
+        busy server is worth waiting for, within ``retry_deadline``; raise :class:`SwarmError` when over budget."""
+        if error not in self.errors[-MAX_ERRORS_SHOWN:]:
+            self.errors = (self.errors + [error])[-MAX_ERRORS_SHOWN:]
         if pause is None:
             pause, self.delay = self.delay, min(2 * self.delay, self.config.backoff_max)
-        self.attempts += 1
         elapsed = time.monotonic() - self.started
         if self.attempts > self.config.max_retries or elapsed + pause > self.config.retry_deadline:
             raise SwarmError(f"gave up{where} after {self.attempts} failed attempts in {elapsed:.1f} s: "
@@ -92,10 +101,12 @@ def call_with_failover(
             if fatal is not None:
                 raise fatal from None
             busy = error.code == ErrorCode.BUSY
-            if not busy:  # a full server is worth waiting for; one that failed is not asked again in this call
-                budget.failed_peers.add(peer)
             health.record_failure(peer, str(error), busy=busy, stalled=error.code == ErrorCode.TIMEOUT)
             on_failure(target, error)
             where = label(target)
-            budget.spend(f"{peer[-8:]}{'@' + where if where else ''}: {error.message}",
-                         where=f" at {where}" if where else "")
+            message, at = f"{peer[-8:]}{'@' + where if where else ''}: {error.message}", f" at {where}" if where else ""
+            if busy:  # a full server is worth waiting for, within the deadline
+                budget.wait(message, where=at)
+            else:  # one that failed is not asked again in this call
+                budget.failed_peers.add(peer)
+                budget.spend(message, where=at)

@@ -297,7 +297,7 @@ class RemoteSequence:
                 pause = self.health.wait_for_busy()
                 if pause is None:
                     raise MissingBlocksError(error.blocks, list(budget.errors) or None) from None
-                budget.spend(str(error), pause or None, where=f" at block {block}")  # 0: the usual back-off
+                budget.wait(str(error), pause or None, where=f" at block {block}")  # 0: the usual back-off
 
     def _call_hop(self, hop: RouteHop, hidden: torch.Tensor, session_id: str, step: int,
                   extra: dict) -> tuple[torch.Tensor, int]:

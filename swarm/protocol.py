@@ -122,8 +122,10 @@ def wire_torch_dtype(wire_dtype: str, computed: torch.dtype = torch.float32) -> 
 def encode_tensor(tensor: torch.Tensor, wire_dtype: str = AUTO_WIRE) -> runtime_pb2.Tensor:
     """Serialize in the wire dtype. bfloat16 is sent as its own 2 bytes (hivemind's default widens it to float32
     unless ``USE_LEGACY_BFLOAT16=0``; its decoder reads both)."""
-    dtype = wire_torch_dtype(wire_dtype, tensor.dtype)
     tensor = tensor.detach().cpu()
+    if tensor.dtype == torch.float64:  # a head server's predictions: token ids and confidences, always exact
+        return serialize_torch_tensor(tensor, runtime_pb2.CompressionType.NONE)
+    dtype = wire_torch_dtype(wire_dtype, tensor.dtype)
     if dtype == torch.bfloat16:
         raw = tensor.to(torch.bfloat16).contiguous().view(torch.int16)
         return runtime_pb2.Tensor(compression=runtime_pb2.CompressionType.NONE, buffer=raw.numpy().tobytes(),

@@ -17,6 +17,7 @@ from hivemind.utils import MSGPackSerializer
 from hivemind.utils.asyncio import iter_as_aiter
 from multiaddr import Multiaddr
 
+from swarm.diffusion.prediction import answer_shape
 from swarm.protocol import (
     AUTO_WIRE,
     ErrorCode,
@@ -115,12 +116,14 @@ class RemoteCaller:
         await self._call(peer_id, self._forward_rpc(peer_id, request), timeout, collect_ack)
 
     async def forward(self, peer_id: str, request: ForwardRequest, timeout: float) -> torch.Tensor:
-        """Hidden states after the server's blocks ``request.start:request.end``."""
-        hidden, _ = await self._call(peer_id, self._forward_rpc(peer_id, request), timeout)
-        if hidden.shape != request.hidden.shape:
-            raise RemoteError(ErrorCode.INTERNAL, f"server returned shape {tuple(hidden.shape)}, "
-                              f"expected {tuple(request.hidden.shape)}", peer_id)
-        return hidden
+        """Hidden states after the server's blocks ``request.start:request.end`` (with a head query in
+        ``request.extra``, the head server's predictions: :mod:`swarm.diffusion.prediction`)."""
+        output, _ = await self._call(peer_id, self._forward_rpc(peer_id, request), timeout)
+        expected = answer_shape(request.extra["head"]) if "head" in request.extra else tuple(request.hidden.shape)
+        if tuple(output.shape) != expected:
+            raise RemoteError(ErrorCode.INTERNAL, f"server returned shape {tuple(output.shape)}, "
+                              f"expected {expected}", peer_id)
+        return output
 
     async def expert_logits(self, peer_id: str, request: ExpertQuery, timeout: float) -> torch.Tensor:
         """Log-probabilities (batch, end - start, vocab) from the server's hosted expert ``request.domain``."""

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from swarm.diffusion.config import GenerationConfig
+from swarm.diffusion.prediction import predict_block
 from swarm.diffusion.remasking import STRATEGIES
 from swarm.diffusion.sampler import DiffusionSampler, num_transfer_schedule
 
@@ -107,10 +108,12 @@ def test_cfg_combines_conditional_and_unconditional_logits():
 
 def test_strategies_order_positions_by_their_definitions():
     probs = torch.tensor([[0.5, 0.4, 0.1], [0.6, 0.2, 0.2], [0.34, 0.33, 0.33]], dtype=torch.float64)
-    x0 = torch.tensor([0, 0, 0])
+    prediction = predict_block(probs.log(), temperature=0.0, seed=0, step=0)  # the rows a step reads
+    assert prediction[:, 0].tolist() == [0, 0, 0]
     uniform = torch.tensor([0.1, 0.9, 0.5], dtype=torch.float64)
+
     def order(name):
-        return torch.sort(STRATEGIES[name](probs, x0, uniform), descending=True).indices.tolist()
+        return torch.sort(STRATEGIES[name](prediction, uniform), descending=True).indices.tolist()
     assert order("low_confidence") == [1, 0, 2]  # p(x0): .6 > .5 > .34
     assert order("margin") == [1, 0, 2]  # .4 > .1 > .01
     assert order("random") == [1, 2, 0]

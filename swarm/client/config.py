@@ -6,6 +6,8 @@ from typing import Optional
 
 from swarm.dht.node import NetworkConfig
 
+HEAD_PLACES = ("auto", "client")  # where the output head may run (ClientConfig.head)
+
 
 def client_network(initial_peers: list[str]) -> NetworkConfig:
     return NetworkConfig(initial_peers=list(initial_peers), client_mode=True)
@@ -36,6 +38,9 @@ class ClientConfig:
     # avoid them unless this is set, and results then name each approximate hop in info["approximate"].
     allow_approximate: bool = False
     head_rows: str = "active"  # "active": the head scores only the rows the sampler reads; "all": every row
+    # Where the output head runs: "auto" on a server at the route's end that offers it (``--head``), which then
+    # answers the sampler's predictions (the client loads no head), else in this client; "client": always here.
+    head: str = "auto"
     spot_check_fraction: float = 0.0  # share of hops re-executed on another server (tiers may raise it)
     spot_check_rtol: float = 1e-3  # relative difference tolerated between two servers (float32 wire)
     spot_check_seed: int = 0  # which hops get checked is drawn from this seed: reproducible
@@ -68,5 +73,7 @@ class ClientConfig:
                 raise ValueError(f"ClientConfig.{name} must be >= 0 seconds, got {value!r}")
         if not isinstance(self.max_retries, int) or self.max_retries < 0:
             raise ValueError(f"ClientConfig.max_retries must be an integer >= 0, got {self.max_retries!r}")
+        if self.head not in HEAD_PLACES:
+            raise ValueError(f"ClientConfig.head must be one of {HEAD_PLACES}, got {self.head!r}")
         if not 0 <= self.spot_check_fraction <= 1:
             raise ValueError(f"ClientConfig.spot_check_fraction must be in [0, 1], got {self.spot_check_fraction!r}")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 import uuid
@@ -21,6 +22,7 @@ from swarm.dht.node import start_dht, stop_dht
 from swarm.dht.schema import default_prefix
 from swarm.diffusion.config import GenerationConfig
 from swarm.diffusion.pipeline import CacheDirective, Forward, check_head_rows, rows_to_score
+from swarm.diffusion.prediction import HeadQuery, Predictions
 from swarm.diffusion.sampler import DenoiseContext
 from swarm.governance.audit import AuditLog
 from swarm.governance.guard import GovernanceGuard
@@ -28,6 +30,7 @@ from swarm.governance.tiers import TierRules
 from swarm.lm import BaseDiffusionLM, StreamChunk
 from swarm.local import DiffusionLM
 from swarm.models.loading import DEFAULT_MODEL, ModelFiles
+from swarm.models.modules import OutputHead
 from swarm.remote import RemoteCaller
 from swarm.scale import ScalePlan, check_scale
 from swarm.utils.event_loop import BackgroundLoop
@@ -74,7 +77,7 @@ class DistributedDiffusionLM(BaseDiffusionLM):
         check_head_rows(config.head_rows)
         # The checkpoint's dtype, as servers default to: bfloat16 halves the client's memory and the wire's bytes
         self.embedding = files.embedding(config.dtype)
-        self.head = files.head(config.dtype)
+        self._head: Optional[OutputHead] = None  # loaded on first use: not at all while head servers answer
         self.compute_dtype = next(self.embedding.parameters()).dtype
         self.timings = StepTimings()
         self.prefix = config.dht_prefix or default_prefix(files.path)
@@ -84,7 +87,7 @@ class DistributedDiffusionLM(BaseDiffusionLM):
         self.p2p = self.loop.run(self.dht.replicate_p2p())
         self.caller = RemoteCaller(self.p2p, config.wire_dtype, config.inject_latency, config.inject_jitter)
         self.sequence = RemoteSequence(self.dht, self.caller, self.loop, self.prefix, self.config.num_layers,
-                                       self.config.hidden_size, config)
+                                       self.config.hidden_size, config, self.config.vocab_size)
         self.guard = GovernanceGuard(self.dht, self.prefix, config.governance_keys, ttl=config.governance_ttl)
         self.tier_rules = TierRules.from_file(config.tier_rules_path) if config.tier_rules_path else TierRules()
         self.audit = AuditLog(config.audit_log)
@@ -105,14 +108,24 @@ class DistributedDiffusionLM(BaseDiffusionLM):
             setattr(config, key, value)
         return cls(ModelFiles(name_or_path), config, dht)
 
+    @property
+    def head(self) -> OutputHead:
+        """The final norm and output head, read from the checkpoint the first time this client computes it."""
+        if self._head is None:
+            logger.info("loading the output head into the client")
+            self._head = self.files.head(self.client_config.dtype)
+        return self._head
+
     # ----- the denoiser ---------------------------------------------------------------------------
     @torch.inference_mode()
     def logits(self, input_ids: torch.Tensor, session_id: Optional[str] = None, step: int = -1,
-               directive: Optional[CacheDirective] = None, scored: Optional[tuple[int, int]] = None) -> torch.Tensor:
+               directive: Optional[CacheDirective] = None, scored: Optional[tuple[int, int]] = None,
+               head: Optional[HeadQuery] = None) -> torch.Tensor | Predictions:
         """Per-position logits computed through the swarm (same contract as ``DiffusionLM.logits``).
 
         With a reuse ``directive`` only its rows are embedded, sent and scored (the servers hold the rest); with
-        ``scored`` the head computes only those absolute positions (the other rows are NaN).
+        ``scored`` the head computes only those absolute positions (the other rows are NaN). With a ``head``
+        query a head server at the route's end may answer the sampler's predictions instead (returned as is).
         """
         if input_ids.dim() == 1:
             input_ids = input_ids[None]
@@ -125,7 +138,9 @@ class DistributedDiffusionLM(BaseDiffusionLM):
         with self.timings.measure("embedding"):
             hidden = self.embedding(input_ids)  # in the compute dtype: the wire carries it as is by default
         with self.timings.measure("swarm"):
-            hidden = self.sequence.forward(hidden, session_id, step, extra)
+            hidden = self.sequence.forward(hidden, session_id, step, extra, head)
+        if isinstance(hidden, Predictions):
+            return hidden
         with self.timings.measure("head"):
             hidden = hidden.to(self.compute_dtype)
             if scored is None:
@@ -141,9 +156,19 @@ class DistributedDiffusionLM(BaseDiffusionLM):
         def forward(tokens: torch.Tensor, directive: Optional[CacheDirective], context: DenoiseContext) -> torch.Tensor:
             self.guard.check(context.steps[0])  # a valid governance halt stops before this step
             scored = rows_to_score(self.client_config.head_rows, context, generation, tokens.shape[1])
-            return self.logits(tokens, session_id, context.steps[0], directive, scored)
+            return self.logits(tokens, session_id, context.steps[0], directive, scored,
+                               self.head_query(context, directive, scored))
 
         yield forward
+
+    def head_query(self, context: DenoiseContext, directive: Optional[CacheDirective],
+                   scored: Optional[tuple[int, int]]) -> Optional[HeadQuery]:
+        """The query a head server may answer for this call: when the sampler takes predictions, the call is
+        uncached (a reuse's rows would need the fill's logits) and the head scores only the active rows (so a
+        server's matrix product is the one this client would compute)."""
+        if context.head is None or directive is not None or scored is None or self.client_config.head != "auto":
+            return None
+        return dataclasses.replace(context.head, scored=scored)
 
     def denoiser_workers(self, generation: GenerationConfig) -> int:
         """One thread per call in flight: ``staleness + 1`` round trips overlap, and up to ``staleness`` calls of

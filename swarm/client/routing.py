@@ -57,14 +57,18 @@ def find_route(
     banned: frozenset[str] = frozenset(),
     tokens: int = 128,
     default_latency: float = 0.1,
+    finishers: Optional[frozenset[str]] = None,
 ) -> list[RouteHop]:
     """Dijkstra over block boundaries: a server holding ``s:e`` offers an edge ``b -> e`` for ``s <= b < e``.
 
     Edge cost is its round trip plus estimated compute; ties go to the lower peer id, so routes are stable.
+    With ``finishers`` only those peers may serve the hop that ends at the last block (the head servers).
     """
     latencies = latencies or {}
     usable = {pid: r for pid, r in servers.items() if r.state == ServerState.ONLINE and pid not in banned}
     missing = [b for b in range(start_block, num_blocks) if not any(r.start <= b < r.end for r in usable.values())]
+    if finishers is not None and not any(p in finishers and r.end >= num_blocks for p, r in usable.items()):
+        missing = sorted(set(missing) | {num_blocks - 1})
     if missing:
         raise MissingBlocksError(missing, sorted(p[-8:] for p in banned) or None)
     best: dict[int, float] = {start_block: 0.0}
@@ -81,11 +85,15 @@ def find_route(
             if not record.start <= block < record.end:
                 continue
             end = min(record.end, num_blocks)
+            if end == num_blocks and finishers is not None and peer_id not in finishers:
+                continue
             total = cost + hop_cost(record, end - block, latencies.get(peer_id, default_latency), tokens)
             if total < best.get(end, float("inf")):
                 best[end] = total
                 previous[end] = (block, RouteHop(peer_id, block, end))
                 heapq.heappush(queue, (total, end))
+    if num_blocks not in previous and start_block != num_blocks:  # the finishers start after every way in
+        raise MissingBlocksError([num_blocks - 1], None)
     route, block = [], num_blocks
     while block != start_block:
         block, hop = previous[block]

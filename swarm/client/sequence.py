@@ -27,6 +27,7 @@ from swarm.client.push import PushReceiver
 from swarm.client.routing import MissingBlocksError, RouteHop, find_route
 from swarm.client.spot_check import SpotChecker
 from swarm.dht.schema import ServerRecord, ServerState, read_servers
+from swarm.diffusion.prediction import HeadQuery, Predictions, check_predictions
 from swarm.diffusion.sampler import Halted
 from swarm.models.kv_cache import CacheMiss
 from swarm.protocol import ErrorCode, ForwardRequest, RemoteError
@@ -44,9 +45,10 @@ class RemoteSequence:
     """
 
     def __init__(self, dht: DHT, caller: RemoteCaller, loop: BackgroundLoop, prefix: str, num_blocks: int,
-                 hidden_size: int, config: ClientConfig):
+                 hidden_size: int, config: ClientConfig, vocab_size: int = 0):
         self.dht, self.caller, self.loop = dht, caller, loop
         self.prefix, self.num_blocks, self.hidden_size, self.config = prefix, num_blocks, hidden_size, config
+        self.vocab_size = vocab_size  # to check a head server's predicted token ids
         self.health = PeerHealth(config)
         self.servers: dict[str, ServerRecord] = {}
         self.route: list[RouteHop] = []
@@ -81,12 +83,13 @@ class RemoteSequence:
         """Known servers whose records say their numerics differ from the checkpoint's."""
         return frozenset(peer for peer, record in self.servers.items() if record.approximate)
 
-    def holders(self, start: int, end: int, avoid: frozenset[str] = frozenset()) -> list[str]:
-        """Usable online servers holding blocks ``start:end``, fastest first (spot checks ask these)."""
+    def holders(self, start: int, end: int, avoid: frozenset[str] = frozenset(), head: bool = False) -> list[str]:
+        """Usable online servers holding blocks ``start:end`` (and the output head, with ``head``), fastest first
+        (spot checks ask these)."""
         excluded = self.excluded(avoid)
         found = [peer for peer, record in self.servers.items()
                  if record.state == ServerState.ONLINE and peer not in excluded
-                 and record.start <= start and end <= record.end]
+                 and record.start <= start and end <= record.end and (record.head or not head)]
         latencies = self.health.latencies()
         return sorted(found, key=lambda peer: (latencies.get(peer, float("inf")), peer))
 
@@ -172,8 +175,23 @@ class RemoteSequence:
             return self.route
 
     def _find(self, start_block: int, tokens: int, avoid: frozenset[str]) -> list[RouteHop]:
-        return find_route(self.servers, self.num_blocks, start_block, self.health.latencies(), self.excluded(avoid),
-                          tokens)
+        """The cheapest route, ending on a head server when one is usable (``ClientConfig.head`` "auto")."""
+        excluded, latencies = self.excluded(avoid), self.health.latencies()
+        heads = self.head_servers(excluded)
+        if heads:
+            try:
+                return find_route(self.servers, self.num_blocks, start_block, latencies, excluded, tokens,
+                                  finishers=heads)
+            except MissingBlocksError:
+                pass  # the head servers cannot be reached: end anywhere, the client computes the head
+        return find_route(self.servers, self.num_blocks, start_block, latencies, excluded, tokens)
+
+    def head_servers(self, excluded: frozenset[str] = frozenset()) -> frozenset[str]:
+        """Usable servers that answer head queries (none when the client keeps the head: ``head="client"``)."""
+        if self.config.head != "auto":
+            return frozenset()
+        return frozenset(peer for peer, record in self.servers.items() if record.head and peer not in excluded
+                         and record.end == self.num_blocks and record.state == ServerState.ONLINE)
 
     def refresh_if_stale(self, tokens: int = 128) -> None:
         """Re-read the servers and rebuild the route when the last read is older than ``route_refresh``.
@@ -205,11 +223,13 @@ class RemoteSequence:
 
     # ----- one pass through all blocks -------------------------------------------------------------
     def forward(self, hidden: torch.Tensor, session_id: Optional[str] = None, step: int = -1,
-                extra: Optional[dict] = None) -> torch.Tensor:
+                extra: Optional[dict] = None, head: Optional[HeadQuery] = None) -> torch.Tensor | Predictions:
         """Hidden states after every block, retrying failed hops elsewhere within the configured bounds.
 
         ``extra`` travels with every hop (the activation-cache directive). A hop without the session's cache
         raises :class:`CacheMiss`. With ``ClientConfig.push`` the pass is first tried as one pushed chain.
+        With a ``head`` query, a last hop on a head server answers its :class:`Predictions` instead (any other
+        last hop, e.g. after a failover to a server without the head, answers hidden states as usual).
         """
         extra = dict(extra or {})
         tokens = hidden.shape[0] * hidden.shape[1]
@@ -217,15 +237,35 @@ class RemoteSequence:
             self.refresh_if_stale(tokens)
         session_id = session_id or uuid.uuid4().hex
         if self.receiver is not None and self.spot_checker.fraction == 0:
-            pushed = self._try_push(hidden, session_id, step, extra, tokens)
+            pushed = self._try_push(hidden, session_id, step, extra, tokens, head)
             if pushed is not None:
                 return pushed
-        return self._hop_by_hop(hidden, session_id, step, extra, tokens)
+        return self._hop_by_hop(hidden, session_id, step, extra, tokens, head)
+
+    def _head_extra(self, hop: RouteHop, extra: dict, head: Optional[HeadQuery]) -> Optional[dict]:
+        """``extra`` with the head query, for a last hop on a head server; None when the hop answers hidden states."""
+        record = self.servers.get(hop.peer_id)
+        if head is None or hop.end != self.num_blocks or record is None or not record.head:
+            return None
+        return dict(extra, head=head.to_dict())
+
+    def _as_output(self, output: torch.Tensor, head_extra: Optional[dict], head: Optional[HeadQuery],
+                   peer_id: str) -> torch.Tensor | Predictions:
+        """A hop's answer as the pass's output: checked predictions when it was asked for them."""
+        if head_extra is None:
+            return output
+        problem = check_predictions(output, head, self.vocab_size)
+        if problem is not None:
+            raise RemoteError(ErrorCode.INTERNAL, f"head server answered {problem}", peer_id)
+        return Predictions(output, head)
 
     def _try_push(self, hidden: torch.Tensor, session_id: str, step: int, extra: dict,
-                  tokens: int) -> Optional[torch.Tensor]:
+                  tokens: int, head: Optional[HeadQuery]) -> Optional[torch.Tensor | Predictions]:
         """One pushed pass over the whole route, or None when it failed and the hop-by-hop path should run."""
         route = self.full_route(tokens)
+        head_extra = self._head_extra(route[-1], extra, head)
+        if head_extra is not None:
+            extra = head_extra
         try:
             output = self.loop.run(self._pushed_pass(route, hidden, session_id, step, extra, tokens))
         except RemoteError as error:
@@ -237,11 +277,16 @@ class RemoteSequence:
         except asyncio.TimeoutError:
             logger.warning("pushed pass got no delivery in time: continuing hop by hop")
             return None
-        if output.shape != hidden.shape:
+        expected = hidden.shape if head_extra is None else head.output_shape
+        if tuple(output.shape) != tuple(expected):
             logger.warning("pushed pass returned shape %s, expected %s: continuing hop by hop",
-                           tuple(output.shape), tuple(hidden.shape))
+                           tuple(output.shape), tuple(expected))
             return None
-        return output
+        try:
+            return self._as_output(output, head_extra, head, route[-1].peer_id)
+        except RemoteError as error:
+            logger.warning("pushed pass: %s: continuing hop by hop", error)
+            return None
 
     async def _pushed_pass(self, route: list[RouteHop], hidden: torch.Tensor, session_id: str, step: int,
                            extra: dict, tokens: int) -> torch.Tensor:
@@ -272,7 +317,8 @@ class RemoteSequence:
             return error
         return None
 
-    def _hop_by_hop(self, hidden: torch.Tensor, session_id: str, step: int, extra: dict, tokens: int) -> torch.Tensor:
+    def _hop_by_hop(self, hidden: torch.Tensor, session_id: str, step: int, extra: dict, tokens: int,
+                    head: Optional[HeadQuery] = None) -> torch.Tensor | Predictions:
         """Each hop of the route in turn; a failed hop is redone from its first block on another server."""
         budget = RetryBudget(self.config)
         block = 0
@@ -280,7 +326,7 @@ class RemoteSequence:
             hidden, block = call_with_failover(
                 lambda avoid: self._next_hop(block, tokens, avoid, budget),
                 lambda hop: hop.peer_id,
-                lambda hop: self._call_hop(hop, hidden, session_id, step, extra),
+                lambda hop: self._call_hop(hop, hidden, session_id, step, extra, head),
                 health=self.health, budget=budget, final=lambda error: self._final_error(error, step),
                 on_failure=lambda hop, error: self.failovers.append(FailoverEvent(hop.peer_id, hop.start, str(error))),
                 label=lambda hop: f"block {hop.start}",
@@ -300,11 +346,15 @@ class RemoteSequence:
                 budget.wait(str(error), pause or None, where=f" at block {block}")  # 0: the usual back-off
 
     def _call_hop(self, hop: RouteHop, hidden: torch.Tensor, session_id: str, step: int,
-                  extra: dict) -> tuple[torch.Tensor, int]:
+                  extra: dict, head: Optional[HeadQuery] = None) -> tuple[torch.Tensor | Predictions, int]:
         """One server's blocks: its output (spot-checked when drawn) and the block the next hop starts at."""
-        request = ForwardRequest(hop.start, hop.end, hidden, session_id, step, extra)
+        head_extra = self._head_extra(hop, extra, head)
+        request = ForwardRequest(hop.start, hop.end, hidden, session_id, step, head_extra or extra)
         work = request.rows * (hop.end - hop.start)
         started = time.perf_counter()
         output = self.loop.run(self.caller.forward(hop.peer_id, request, self.health.timeout(hop.peer_id, work)))
+        output = self._as_output(output, head_extra, head, hop.peer_id)  # before the success is recorded
         self.health.record_success(hop.peer_id, time.perf_counter() - started, work)
+        if isinstance(output, Predictions):
+            return Predictions(self.spot_checker.maybe_check(request, hop.peer_id, output.rows), head), hop.end
         return self.spot_checker.maybe_check(request, hop.peer_id, output), hop.end

@@ -58,6 +58,17 @@ def relative_difference(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / (b.float().norm() + 1e-12))
 
 
+def answers_agree(a: torch.Tensor, b: torch.Tensor, rtol: float) -> bool:
+    """Two servers' answers to one request agree: hidden states within ``rtol``; a head server's predictions
+    (float64 rows of token, probability, margin, negative entropy) with the same tokens and confidences within
+    ``rtol`` (a relative norm would hide one wrong token among large ids)."""
+    if a.shape != b.shape:
+        return False
+    if a.dtype != torch.float64:
+        return relative_difference(a, b) <= rtol
+    return torch.equal(a[..., 0], b[..., 0]) and relative_difference(a[..., 1:], b[..., 1:]) <= rtol
+
+
 class FillInputs:
     """The hidden states each hop's cache fills were computed from, so a checker can rebuild the same cache.
 
@@ -91,7 +102,7 @@ class SpotChecker:
     """Draws which hops to check (from a seed: reproducible) and follows the majority of the answers."""
 
     def __init__(self, health: PeerHealth, caller: RemoteCaller, loop: BackgroundLoop, config: ClientConfig,
-                 holders: Callable[[int, int, frozenset[str]], list[str]]):
+                 holders: Callable[[int, int, frozenset[str], bool], list[str]]):
         self.health, self.caller, self.loop, self.config = health, caller, loop, config
         self.holders = holders
         self.rtol = config.spot_check_rtol
@@ -115,7 +126,7 @@ class SpotChecker:
         """Compare with a second server; on disagreement ask a third and follow the majority."""
         asked: list[str] = []
         answers: dict[str, torch.Tensor] = {primary: output}
-        for peer in self.holders(request.start, request.end, frozenset({primary})):
+        for peer in self.holders(request.start, request.end, frozenset({primary}), "head" in request.extra):
             result = self._call(peer, request)
             if result is None:
                 continue
@@ -173,13 +184,13 @@ class SpotChecker:
     def _verdict(self, answers: dict[str, torch.Tensor], primary: str) -> Optional[str]:
         peers = list(answers)
         if len(peers) == 2:
-            agree = relative_difference(answers[peers[1]], answers[primary]) <= self.rtol
+            agree = answers_agree(answers[peers[1]], answers[primary], self.rtol)
             return "agreed" if agree else None
         # Three answers: the odd one out is faulty.
         a, b, c = peers[0], peers[1], peers[2]
-        ab = relative_difference(answers[a], answers[b]) <= self.rtol
-        ac = relative_difference(answers[a], answers[c]) <= self.rtol
-        bc = relative_difference(answers[b], answers[c]) <= self.rtol
+        ab = answers_agree(answers[a], answers[b], self.rtol)
+        ac = answers_agree(answers[a], answers[c], self.rtol)
+        bc = answers_agree(answers[b], answers[c], self.rtol)
         if bc and not ab and not ac:
             return "primary_faulty"
         if ac and not ab:

@@ -58,6 +58,9 @@ class ServerRecord:
     # address (the server restarted elsewhere with the same identity) dials these. Trustworthy because only
     # the server's own key can write its record.
     addresses: list[str] = field(default_factory=list)
+    # The server also holds the final norm and the output head (``--head``, only with the last block) and
+    # answers a client's head query with the sampler's predictions instead of hidden states.
+    head: bool = False
 
     @property
     def approximate(self) -> bool:
@@ -82,7 +85,7 @@ class ServerRecord:
                 version=str(value.get("version", "")), cache_tokens_left=int(value.get("cache_tokens_left", 0)),
                 experts=list(value.get("experts", [])), extra=dict(value.get("extra", {})),
                 numerics=str(value.get("numerics", "exact"))[:MAX_NUMERICS_CHARS],
-                addresses=_addresses(value.get("addresses", [])),
+                addresses=_addresses(value.get("addresses", [])), head=value.get("head", False) is True,
             )
             if not 0 <= record.start < record.end or record.throughput < 0:
                 raise ValueError(f"bad span {record.start}:{record.end} or throughput {record.throughput}")

@@ -47,6 +47,7 @@ class CorrectorSampler(DiffusionSampler):
         super().__init__(denoiser, config, mask_token_id, eos_token_ids, logits_hook)
         self.corrector_steps = corrector_steps
         self.composition = composition
+        self.accepts_predictions = False  # confidences are read from the logits
         self.confidence = torch.zeros(0, dtype=torch.float64)
 
     def initial_state(self, prompt_ids: Sequence[int]) -> torch.Tensor:

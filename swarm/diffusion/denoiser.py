@@ -11,24 +11,29 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Callable, Protocol, Union
+from typing import Callable, Optional, Protocol, Union
 
 import torch
+
+from swarm.diffusion.prediction import HeadQuery
 
 
 @dataclass(frozen=True)
 class DenoiseContext:
-    """What the denoiser may want to know about the rows it scores (caching layers use it)."""
+    """What the denoiser may want to know about the rows it scores (caching layers use it). ``head`` is set
+    when the sampler can decide from a head server's predictions instead of logits."""
 
     steps: tuple[int, ...]
     block_start: int
     block_end: int
     prompt_length: int
+    head: Optional[HeadQuery] = None
 
 
 class Denoiser(Protocol):
     def __call__(self, tokens: torch.Tensor, context: DenoiseContext) -> torch.Tensor:
-        """tokens (batch, length) int64 -> logits (batch, length, vocab), position i scoring token i."""
+        """tokens (batch, length) int64 -> logits (batch, length, vocab), position i scoring token i (or, only
+        when ``context.head`` is set, a head server's :class:`~swarm.diffusion.prediction.Predictions`)."""
         ...
 
 

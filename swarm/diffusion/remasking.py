@@ -1,34 +1,36 @@
-"""Confidence scores that decide which masked positions are unmasked first (higher = sooner)."""
+"""Confidence scores that decide which masked positions are unmasked first (higher = sooner).
+
+Each strategy reads a block's prediction rows (:data:`swarm.diffusion.prediction.PREDICTION_FIELDS`: token,
+probability, margin, negative entropy, float64) and the step's remasking draws ``uniform`` (positions,) in
+[0, 1): what a server holding the output head answers is all a strategy needs.
+"""
 from __future__ import annotations
 
 from typing import Callable
 
 import torch
 
-# probs: (positions, vocab) float64 softmax of the un-noised logits; x0: (positions,) predicted ids;
-# uniform: (positions,) draws in [0, 1) from the step's seeded generator.
-Scorer = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+Scorer = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def low_confidence(probs: torch.Tensor, x0: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+def low_confidence(prediction: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     """Probability of the predicted token (LLaDA's default)."""
-    return probs.gather(-1, x0[:, None]).squeeze(-1)
+    return prediction[:, 1]
 
 
-def random_order(probs: torch.Tensor, x0: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+def random_order(prediction: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     """A seeded random order, ignoring the model's confidence."""
     return uniform
 
 
-def margin(probs: torch.Tensor, x0: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
-    """Gap between the two most likely tokens."""
-    top2 = probs.topk(2, dim=-1).values
-    return top2[:, 0] - top2[:, 1]
+def margin(prediction: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """Gap between the probabilities of the two most likely tokens."""
+    return prediction[:, 2]
 
 
-def negative_entropy(probs: torch.Tensor, x0: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+def negative_entropy(prediction: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     """Minus the entropy of the position's distribution: peaked distributions go first."""
-    return (probs * probs.clamp_min(1e-300).log()).sum(-1)
+    return prediction[:, 3]
 
 
 STRATEGIES: dict[str, Scorer] = {

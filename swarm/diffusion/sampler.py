@@ -11,21 +11,35 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence, Union
 
 import torch
 
 from swarm.diffusion.config import GenerationConfig
 from swarm.diffusion.denoiser import AnyDenoiser, DenoiseContext, Denoiser, Pending, pipelined
-from swarm.diffusion.remasking import STRATEGIES, low_confidence
+from swarm.diffusion.prediction import (
+    HeadQuery,
+    Predictions,
+    StatePrediction,
+    block_prediction,
+    guided,
+    masked_scores,
+    predict_tokens,
+    step_generator,
+    step_uniform,
+)
+from swarm.diffusion.remasking import STRATEGIES
 
 __all__ = ["DenoiseContext", "Denoiser", "DiffusionSampler", "Halted", "LogitsHook", "SamplerStats", "StepEvent",
-           "WindowStats", "predict_tokens", "step_generator"]  # DenoiseContext, Denoiser: swarm.diffusion.denoiser
+           "WindowStats", "predict_tokens", "step_generator"]  # re-exported from swarm.diffusion.denoiser, .prediction
 
 logger = logging.getLogger(__name__)
 
 LogitsHook = Callable[[torch.Tensor, torch.Tensor, DenoiseContext], torch.Tensor]
 """``hook(logits, tokens, context)``: rewrites a call's logits before a step uses them (expert composition)."""
+
+Scores = Union[torch.Tensor, StatePrediction]
+"""What a step decides from: one state's logits (length, vocab), or a head server's predictions for it."""
 
 
 @dataclass
@@ -35,7 +49,7 @@ class Evaluation:
     states: torch.Tensor
     context: DenoiseContext
     pending: Pending
-    logits: Optional[torch.Tensor] = None
+    logits: Optional[torch.Tensor | Predictions] = None
 
 
 class Halted(Exception):
@@ -95,21 +109,6 @@ def num_transfer_schedule(masked: int, steps: int) -> list[int]:
     return [base + (1 if i < remainder else 0) for i in range(steps)]
 
 
-def step_generator(seed: int, step: int) -> torch.Generator:
-    """A generator whose stream depends only on (seed, step)."""
-    mixed = (seed * 0x9E3779B97F4A7C15 + step * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) % (2**63 - 1)
-    return torch.Generator().manual_seed(mixed)
-
-
-def predict_tokens(scores: torch.Tensor, temperature: float, generator: torch.Generator) -> torch.Tensor:
-    """Each position's token: the argmax, or with ``temperature`` > 0 a Gumbel-max draw from ``generator``."""
-    if temperature <= 0:
-        return scores.argmax(-1)
-    uniform = torch.rand(scores.shape, generator=generator, dtype=torch.float64)
-    gumbel = -torch.log(-torch.log(uniform.clamp(1e-300, 1.0 - 1e-16)))
-    return (scores + temperature * gumbel).argmax(-1)
-
-
 class DiffusionSampler:
     """Runs LLaDA-style generation for one sequence over any :class:`Denoiser`."""
 
@@ -130,6 +129,9 @@ class DiffusionSampler:
         self.schedule = num_transfer_schedule(config.block_length, config.steps_per_block)
         self.stats = SamplerStats()
         self.prompt_length = 0
+        # A head server may answer predictions instead of logits when nothing else reads the logits (no hook)
+        # and every step decides from its own state's (no staleness). Subclasses that read logits turn it off.
+        self.accepts_predictions = logits_hook is None and config.staleness == 0
 
     # ----- states -------------------------------------------------------------------------------
     def initial_state(self, prompt_ids: Sequence[int]) -> torch.Tensor:
@@ -159,10 +161,23 @@ class DiffusionSampler:
         return False
 
     # ----- one step -----------------------------------------------------------------------------
-    def context(self, x: torch.Tensor, steps: Sequence[int]) -> DenoiseContext:
+    def decided_block(self, x: torch.Tensor) -> tuple[int, int]:
+        """Bounds of the block a step from ``x`` decides: the active one (the last one once all are full)."""
         block = self.active_block(x)
-        start, end = self.block_bounds(block if block is not None else self.config.num_blocks - 1)
-        return DenoiseContext(tuple(steps), start, end, self.prompt_length)
+        return self.block_bounds(block if block is not None else self.config.num_blocks - 1)
+
+    def context(self, states: torch.Tensor, steps: Sequence[int]) -> DenoiseContext:
+        start, end = self.decided_block(states[0])
+        return DenoiseContext(tuple(steps), start, end, self.prompt_length, self.head_query(states, steps))
+
+    def head_query(self, states: torch.Tensor, steps: Sequence[int]) -> Optional[HeadQuery]:
+        """What a head server needs to predict these states' steps (None when this sampler needs logits)."""
+        if not self.accepts_predictions:
+            return None
+        cfg = self.config
+        starts = tuple(self.decided_block(state)[0] for state in states)
+        return HeadQuery(starts, cfg.block_length, tuple(steps), cfg.seed, cfg.temperature, cfg.cfg_scale,
+                         self.mask_token_id)
 
     def evaluate(self, states: torch.Tensor, steps: Sequence[int]) -> torch.Tensor:
         """Logits for a batch of states (one denoiser call), classifier-free guidance applied."""
@@ -170,7 +185,7 @@ class DiffusionSampler:
 
     def submit(self, states: torch.Tensor, steps: Sequence[int]) -> Evaluation:
         """Start one denoiser call (it runs at once unless the denoiser is pipelined: then in the background)."""
-        context = self.context(states[0], steps)
+        context = self.context(states, steps)
         rows = states
         if self.config.cfg_scale > 0:
             unconditional = states.clone()
@@ -181,43 +196,50 @@ class DiffusionSampler:
         self.stats.states_evaluated += len(states)
         return Evaluation(states, context, pending)
 
-    def collect(self, evaluation: Evaluation) -> torch.Tensor:
-        """The call's logits with guidance and the logits hook applied (computed once per evaluation)."""
+    def collect(self, evaluation: Evaluation) -> torch.Tensor | Predictions:
+        """The call's logits with guidance and the logits hook applied (computed once per evaluation), or a head
+        server's predictions (guidance applied there)."""
         if evaluation.logits is None:
             logits = evaluation.pending.result()
-            states = evaluation.states
-            if self.config.cfg_scale > 0:
-                cond, uncond = logits[: len(states)], logits[len(states):]
-                logits = uncond + (self.config.cfg_scale + 1) * (cond - uncond)
+            if isinstance(logits, Predictions):
+                if not self.accepts_predictions:
+                    raise RuntimeError("the denoiser answered predictions to a sampler that reads logits")
+                evaluation.logits = logits
+                return logits
+            logits = guided(logits, len(evaluation.states), self.config.cfg_scale)
             if self.logits_hook is not None:
-                logits = self.logits_hook(logits, states, evaluation.context)
+                logits = self.logits_hook(logits, evaluation.states, evaluation.context)
             evaluation.logits = logits
         return evaluation.logits
 
     def block_scores(self, logits: torch.Tensor, start: int, end: int) -> torch.Tensor:
         """Float64 scores of the block's positions; a position is never "unmasked" to the mask token."""
-        scores = logits[start:end].double()
-        scores[:, self.mask_token_id] = float("-inf")
-        return scores
+        return masked_scores(logits[start:end], self.mask_token_id)
 
-    def transition(self, x: torch.Tensor, logits: torch.Tensor, step: int) -> tuple[torch.Tensor, list[int]]:
-        """The state after ``step``, from the state before it and that state's logits (length, vocab)."""
+    def block_prediction(self, scores: Scores, start: int, end: int, step: int) -> Optional[torch.Tensor]:
+        """Prediction rows (:data:`~swarm.diffusion.prediction.PREDICTION_FIELDS`) of the block at ``step``."""
+        cfg = self.config
+        return block_prediction(scores, start, end, step, cfg.temperature, cfg.seed, self.mask_token_id)
+
+    def transition(self, x: torch.Tensor, scores: Scores, step: int) -> tuple[torch.Tensor, list[int]]:
+        """The state after ``step``, from the state before it and that state's logits (length, vocab) or a head
+        server's predictions for it."""
         block = self.active_block(x)
         if block is None:
             return x, []
         cfg = self.config
         start, end = self.block_bounds(block)
-        scores = self.block_scores(logits, start, end)
-        generator = step_generator(cfg.seed, step)
-        x0 = predict_tokens(scores, cfg.temperature, generator)
-        uniform = torch.rand(end - start, generator=generator, dtype=torch.float64)
-        probs = torch.softmax(scores, dim=-1)
+        prediction = self.block_prediction(scores, start, end, step)
+        if prediction is None:  # predictions made for another block: only a guess's state can lead here
+            return x, []
+        x0 = prediction[:, 0].long()
+        uniform = step_uniform(cfg.seed, step, end - start)
         masked = x[start:end] == self.mask_token_id
-        confidence = STRATEGIES[cfg.remasking](probs, x0, uniform)
+        confidence = STRATEGIES[cfg.remasking](prediction, uniform)
         confidence = torch.where(masked, confidence, torch.full_like(confidence, float("-inf")))
         order = torch.sort(confidence, descending=True, stable=True).indices
         if cfg.threshold is not None:
-            chosen = masked & (low_confidence(probs, x0, uniform) >= cfg.threshold)
+            chosen = masked & (prediction[:, 1] >= cfg.threshold)
             if not chosen.any():
                 chosen[order[0]] = True
             picked = chosen.nonzero().flatten()
@@ -331,8 +353,7 @@ class DiffusionSampler:
     def _predicts(self, logits: torch.Tensor, guess: Guess) -> bool:
         """Whether ``logits`` (of the guess's own state) predict every token the guess unmasked."""
         start, end = self.block_bounds(self.active_block(guess.before))
-        generator = step_generator(self.config.seed, guess.step)  # the step's own noise, as its transition drew
-        predicted = predict_tokens(self.block_scores(logits, start, end), self.config.temperature, generator)
+        predicted = self.block_prediction(logits, start, end, guess.step)[:, 0].long()  # the step's own noise
         positions = torch.tensor(guess.unmasked)
         return torch.equal(predicted[positions - start], guess.after[positions])
 

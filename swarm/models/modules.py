@@ -92,17 +92,24 @@ class OutputHead(nn.Module):
         """Float32 logits of ``hidden`` (rows at absolute positions ``offset``...), the head computed only for the
         absolute positions ``scored`` = (a, b): at LLaDA-8B's widths the head costs as much as a block per row,
         and the sampler reads one block. Every other row is NaN, so that a reader of a row never asked for
-        fails loudly instead of using stale numbers. Row alignment is :func:`align_logits`'s (Dream's row i is
-        scored from hidden row i - 1)."""
+        fails loudly instead of using stale numbers."""
         batch, length, _ = hidden.shape
         first, last = max(scored[0] - offset, 0), min(scored[1] - offset, length)
         out = torch.full((batch, length, self.config.vocab_size), float("nan"), dtype=torch.float32,
                          device=hidden.device)
         if first < last:
-            shift = 1 if self.config.logits_shift else 0
-            source = (torch.arange(first, last, device=hidden.device) - shift).clamp(min=0)
-            out[:, first:last] = self.lm_head(self.norm(hidden[:, source])).float()
+            out[:, first:last] = self.scored_logits(hidden, offset, scored)
         return out
+
+    def scored_logits(self, hidden: torch.Tensor, offset: int, scored: tuple[int, int]) -> torch.Tensor:
+        """Float32 logits (batch, rows, vocab) of the absolute positions ``scored`` that ``hidden`` holds (its rows
+        start at ``offset``): the one computation behind every head of the project, in the client, the local
+        model and a head server, so that they agree to the bit. Row alignment is :func:`align_logits`'s
+        (Dream's row i is scored from hidden row i - 1)."""
+        first, last = max(scored[0] - offset, 0), min(scored[1] - offset, hidden.shape[1])
+        shift = 1 if self.config.logits_shift else 0
+        source = (torch.arange(first, last, device=hidden.device) - shift).clamp(min=0)
+        return self.lm_head(self.norm(hidden[:, source])).float()
 
 
 def align_logits(logits: torch.Tensor, config: ModelConfig) -> torch.Tensor:

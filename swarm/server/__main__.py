@@ -51,6 +51,10 @@ def print_ready(server: Server) -> None:
 @click.option("--quant", type=click.Choice(["int8"]), default=None,
               help="Weight-only int8 quantization of the hosted blocks: about half the memory of bfloat16, not exact "
                    "(announced as approximate, like --dtype).")
+@click.option("--head", is_flag=True, default=False,
+              help="Also hold the final norm and output head (the span must end at the last block) and answer "
+                   "clients' head queries with the sampler's predictions instead of hidden states: the client then "
+                   "needs no head (at LLaDA-8B's widths about 1 GB and most of its CPU per step).")
 @click.option("--max-batch-tokens", type=click.IntRange(min=1), default=ServerConfig.max_batch_tokens,
               help="Largest batch x length accepted in one request.")
 @click.option("--max-concurrent-requests", type=click.IntRange(min=1), default=ServerConfig.max_concurrent_requests,

@@ -11,8 +11,9 @@ from typing import Callable, Optional, TypeVar
 
 import torch
 
+from swarm.diffusion.prediction import HeadQuery, predict_states
 from swarm.models.kv_cache import SpanKV
-from swarm.models.modules import BlockSpan
+from swarm.models.modules import BlockSpan, OutputHead
 from swarm.protocol import ErrorCode, RemoteError
 
 logger = logging.getLogger(__name__)
@@ -217,11 +218,16 @@ def _call_soon(loop: asyncio.AbstractEventLoop, callback: Callable[[], None]) ->
 
 
 class SpanBackend:
-    """Runs forward passes of one span; refuses work beyond its bounds instead of queueing forever."""
+    """Runs forward passes of one span; refuses work beyond its bounds instead of queueing forever.
+
+    With ``head`` (the final norm and output head, for a span ending at the last block) a pass can end with the
+    sampler's predictions instead of hidden states (:func:`swarm.diffusion.prediction.predict_states`)."""
 
     def __init__(self, span: BlockSpan, max_concurrent: int, device: str = "cpu",
-                 max_queued_tokens: Optional[int] = None, peer_share: float = 1.0):
+                 max_queued_tokens: Optional[int] = None, peer_share: float = 1.0,
+                 head: Optional[OutputHead] = None):
         self.span = span
+        self.head = head
         self.device = torch.device(device)
         self.dtype = next(span.parameters()).dtype
         self.queue = ComputeQueue(max_concurrent, max_queued_tokens, "span-compute", peer_share)
@@ -244,18 +250,24 @@ class SpanBackend:
 
     @torch.inference_mode()
     def forward_sync(self, hidden: torch.Tensor, start: int, end: int, kv: Optional[SpanKV] = None,
-                     rows: Optional[tuple[int, int]] = None) -> torch.Tensor:
-        """Run blocks ``start:end`` (a sub-span of the held one), filling or reusing ``kv`` (see BlockSpan)."""
+                     rows: Optional[tuple[int, int]] = None, head: Optional[HeadQuery] = None) -> torch.Tensor:
+        """Run blocks ``start:end`` (a sub-span of the held one), filling or reusing ``kv`` (see BlockSpan); with a
+        ``head`` query, answer its predictions (float64) instead of the hidden states."""
         x = self.span(hidden.to(self.device, self.dtype), blocks=(start, end), kv=kv, rows=rows)
-        return x.to(self.dtype).cpu()  # the compute dtype: the wire carries it as is by default (lossless)
+        x = x.to(self.dtype)  # the compute dtype: the wire carries it as is by default (lossless)
+        if head is None:
+            return x.cpu()
+        logits = self.head.scored_logits(x, rows[0] if rows is not None else 0, head.scored)
+        return predict_states(logits.cpu(), head)
 
     async def forward(self, hidden: torch.Tensor, start: int, end: int, kv: Optional[SpanKV] = None,
                       rows: Optional[tuple[int, int]] = None, *, peer: str = "",
-                      grant: Optional[Grant] = None) -> torch.Tensor:
+                      grant: Optional[Grant] = None, head: Optional[HeadQuery] = None) -> torch.Tensor:
         """The span's output; ``grant`` is the place :meth:`ComputeQueue.admit` gave the request (taken here
         for ``peer`` when None)."""
         tokens = hidden.shape[0] * hidden.shape[1]
-        return await self.queue.run(tokens, self.forward_sync, hidden, start, end, kv, rows, peer=peer, grant=grant)
+        return await self.queue.run(tokens, self.forward_sync, hidden, start, end, kv, rows, head, peer=peer,
+                                    grant=grant)
 
     def shutdown(self) -> None:
         self.queue.shutdown()

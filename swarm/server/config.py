@@ -19,6 +19,7 @@ class ServerConfig:
     device: str = "cpu"  # "cuda", "cuda:1": checked on start (a clear error when CUDA is absent)
     dtype: Optional[str] = None  # None: the checkpoint's (ModelFiles.default_dtype); another is announced approximate
     quant: Optional[str] = None  # "int8": weight-only quantization of the span (smaller, not exact)
+    head: bool = False  # also hold the final norm and output head (last block only) and answer head queries
     max_batch_tokens: int = 16384  # batch * length of one request
     max_concurrent_requests: int = 32  # being received, in compute or waiting for it; more get a BUSY error
     max_queued_tokens: int = 65536  # batch x length summed over those requests

@@ -20,6 +20,7 @@ from hivemind.proto import runtime_pb2
 from hivemind.utils import MSGPackSerializer
 from hivemind.utils.asyncio import iter_as_aiter
 
+from swarm.diffusion.prediction import HeadQuery
 from swarm.models.kv_cache import CacheMiss, SpanKV
 from swarm.protocol import (
     MAX_STREAM_MESSAGE_BYTES,
@@ -58,6 +59,7 @@ class Declared:
     parts: int  # messages the request comes in
     max_bytes: int  # the most its parts may weigh together
     push: Optional[PushSpec]
+    head: Optional[HeadQuery] = None  # answer the sampler's predictions instead of hidden states
 
     @property
     def tokens(self) -> int:
@@ -182,12 +184,25 @@ class ForwardHandler(SpanService):
                 f"metadata 'parts' must be an integer in 1..{max_parts}, got {parts!r}")
         extra = metadata.get("extra", {})
         push = PushSpec.parse(extra["push"], self.num_layers, end) if "push" in extra else None
+        head = self._head_query(extra, end, batch, length)
         if unary and push is None:
             answer = tensor_wire_bytes(shape, self.wire_dtype, self.backend.dtype)
             require(answer <= MAX_UNARY_BYTES, ErrorCode.TOO_LARGE,
                     f"the answer ({answer} bytes in {self.wire_dtype}) does not fit a unary call of at most "
                     f"{MAX_UNARY_BYTES} bytes: send this request on the stream RPC")
-        return Declared(metadata, start, end, shape, parts, max_bytes, push)
+        return Declared(metadata, start, end, shape, parts, max_bytes, push, head)
+
+    def _head_query(self, extra: dict, end: int, batch: int, length: int) -> Optional[HeadQuery]:
+        """The request's head query, for the hop that ends at the last block (earlier hops pass it on)."""
+        if "head" not in extra or end != self.num_layers:
+            return None
+        head = self.backend.head
+        require(head is not None, ErrorCode.WRONG_SPAN, "this server holds no output head (it was started "
+                "without --head): ask for hidden states")
+        try:
+            return HeadQuery.parse(extra["head"], batch, length, head.config.vocab_size)
+        except ValueError as error:
+            raise RemoteError(ErrorCode.BAD_REQUEST, str(error)) from None
 
     def _push_place(self, peer: str, declared: Declared) -> contextlib.AbstractContextManager[Optional[Grant]]:
         """A place in the push budget for a pushed request's output (nothing for other requests)."""
@@ -227,7 +242,8 @@ class ForwardHandler(SpanService):
             computed = False
             try:
                 output = await asyncio.wait_for(
-                    self.backend.forward(hidden, declared.start, declared.end, kv, rows, grant=place),
+                    self.backend.forward(hidden, declared.start, declared.end, kv, rows, grant=place,
+                                         head=declared.head),
                     self.request_timeout)
                 computed = True
             finally:

@@ -27,6 +27,7 @@ from swarm.dht.schema import (
 from swarm.governance.guard import GovernanceGuard
 from swarm.models.checkpoint import parse_dtype
 from swarm.models.loading import EXACT, ModelFiles, numerics, resolve_device
+from swarm.models.modules import OutputHead
 from swarm.models.quantization import quantize_span_int8
 from swarm.server.backend import SpanBackend
 from swarm.server.block_selection import choose_span
@@ -115,7 +116,18 @@ class Server:
         self.span = span.to(self.config.device)
         self.throughput = self._throughput(lambda: measure_throughput(self.span, self.config.device))
         return SpanBackend(self.span, self.config.max_concurrent_requests, self.config.device,
-                           max_queued_tokens=self.config.max_queued_tokens, peer_share=self.config.peer_share)
+                           max_queued_tokens=self.config.max_queued_tokens, peer_share=self.config.peer_share,
+                           head=self._load_head(dtype))
+
+    def _load_head(self, dtype: torch.dtype) -> Optional[OutputHead]:
+        """The final norm and output head (``--head``), in the span's dtype: only with the last block."""
+        if not self.config.head:
+            return None
+        if self.end != self.model_config.num_layers:
+            raise ValueError(f"--head needs the span to end at the last block ({self.model_config.num_layers}), "
+                             f"not at {self.end}")
+        logger.info("loading the output head: this server answers head queries")
+        return self.files.head(dtype).to(self.config.device).eval()
 
     def _session_caches(self) -> Optional[SessionCaches]:
         if self.backend is None:
@@ -165,7 +177,8 @@ class Server:
         return ServerRecord(
             peer_id=self.peer_id, state=self.state, start=self.start, end=self.end, throughput=self.throughput,
             public_name=self.config.public_name, version=__version__, experts=sorted(self.experts),
-            numerics=self.numerics, addresses=self.addresses,
+            numerics=self.numerics, addresses=self.addresses, head=self.backend is not None and
+            self.backend.head is not None,
         )
 
     def expert_records(self) -> list[ExpertRecord]:

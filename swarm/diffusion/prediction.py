@@ -1,0 +1,223 @@
+"""What one sampler step reads from a state's logits, computed wherever the logits are.
+
+A step reads, for each position of the state's active block, four numbers only: the predicted token x0 (the
+argmax, or with a temperature a Gumbel-max draw from the step's seeded noise) and the three confidences the
+remasking strategies rank by (the probability of x0, the margin between the two most likely tokens, minus
+the entropy). :func:`predict_block` computes them in float64 from the block's logits. The local sampler calls
+it on its own logits; a server that holds the output head (``--head``) calls the same function on the same
+logits and answers these numbers (a :class:`HeadQuery` says for which rows, steps and settings) instead of
+hidden states: at LLaDA-8B's widths, 32 bytes per row instead of a 126464-wide head on the client. Same
+inputs through the same code give the same numbers, so the tokens equal the local run's.
+
+Noise comes from two streams per (seed, step): the remasking draws (``random`` order), which the client
+needs, and the Gumbel noise for x0, which only the side computing x0 draws (a block x vocabulary of it).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+PREDICTION_FIELDS = ("token", "probability", "margin", "negative_entropy")
+"""The columns of a prediction row (float64; the token id is exact in float64)."""
+
+REMASKING_STREAM, GUMBEL_STREAM = 0, 1
+
+
+def step_generator(seed: int, step: int, stream: int = REMASKING_STREAM) -> torch.Generator:
+    """A generator whose draws depend only on (seed, step, stream)."""
+    mixed = (seed * 0x9E3779B97F4A7C15 + step * 0xBF58476D1CE4E5B9 + stream * 0xD6E8FEB86659FD93
+             + 0x94D049BB133111EB) % (2**63 - 1)
+    return torch.Generator().manual_seed(mixed)
+
+
+def step_uniform(seed: int, step: int, rows: int) -> torch.Tensor:
+    """The step's remasking draws in [0, 1), one per block position (the ``random`` strategy's order)."""
+    return torch.rand(rows, generator=step_generator(seed, step, REMASKING_STREAM), dtype=torch.float64)
+
+
+def predict_tokens(scores: torch.Tensor, temperature: float, generator: torch.Generator) -> torch.Tensor:
+    """Each position's token: the argmax, or with ``temperature`` > 0 a Gumbel-max draw from ``generator``."""
+    if temperature <= 0:
+        return scores.argmax(-1)
+    uniform = torch.rand(scores.shape, generator=generator, dtype=torch.float64)
+    gumbel = -torch.log(-torch.log(uniform.clamp(1e-300, 1.0 - 1e-16)))
+    return (scores + temperature * gumbel).argmax(-1)
+
+
+def masked_scores(logits: torch.Tensor, mask_token_id: int) -> torch.Tensor:
+    """Float64 scores of some positions' logits; a position is never "unmasked" to the mask token."""
+    scores = logits.double()
+    scores[..., mask_token_id] = float("-inf")
+    return scores
+
+
+def guided(logits: torch.Tensor, states: int, cfg_scale: float) -> torch.Tensor:
+    """Classifier-free guidance over a batch of ``states`` conditional rows followed by their unconditional
+    copies (unchanged when ``cfg_scale`` is 0)."""
+    if cfg_scale <= 0:
+        return logits
+    cond, uncond = logits[:states], logits[states:]
+    return uncond + (cfg_scale + 1) * (cond - uncond)
+
+
+def predict_block(scores: torch.Tensor, temperature: float, seed: int, step: int) -> torch.Tensor:
+    """(positions, 4) float64 rows of :data:`PREDICTION_FIELDS` from (positions, vocab) float64 scores."""
+    x0 = predict_tokens(scores, temperature, step_generator(seed, step, GUMBEL_STREAM))
+    probs = torch.softmax(scores, dim=-1)
+    probability = probs.gather(-1, x0[:, None]).squeeze(-1)
+    top2 = probs.topk(2, dim=-1).values
+    negative_entropy = (probs * probs.clamp_min(1e-300).log()).sum(-1)
+    return torch.stack([x0.double(), probability, top2[:, 0] - top2[:, 1], negative_entropy], dim=-1)
+
+
+@dataclass(frozen=True)
+class HeadQuery:
+    """What a head server needs to answer predictions instead of hidden states, for one denoiser call.
+
+    The batch holds ``len(block_starts)`` states (and, with guidance, their unconditional copies after them);
+    state i is predicted over its active block ``block_starts[i]:+block_length`` with the noise of
+    ``steps[i]``. ``scored`` is the range of absolute positions whose logits are computed, exactly as the
+    local model's head computes them (:func:`swarm.diffusion.pipeline.scored_rows`), so that the matrix
+    product, and hence every number, is the same.
+    """
+
+    block_starts: tuple[int, ...]
+    block_length: int
+    steps: tuple[int, ...]
+    seed: int
+    temperature: float
+    cfg_scale: float
+    mask_token_id: int
+    scored: tuple[int, int] = (0, 0)
+
+    @property
+    def states(self) -> int:
+        return len(self.block_starts)
+
+    @property
+    def batch(self) -> int:
+        """Rows of hidden states the call carries: the states, and their unconditional copies with guidance."""
+        return self.states * (2 if self.cfg_scale > 0 else 1)
+
+    @property
+    def output_shape(self) -> tuple[int, int, int]:
+        return self.states, self.block_length, len(PREDICTION_FIELDS)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The request metadata a head server reads (``extra["head"]``)."""
+        return {"block_starts": list(self.block_starts), "block_length": self.block_length,
+                "steps": list(self.steps), "seed": self.seed, "temperature": self.temperature,
+                "cfg_scale": self.cfg_scale, "mask_token_id": self.mask_token_id, "scored": list(self.scored)}
+
+    @classmethod
+    def parse(cls, value: Any, batch: int, length: int, vocab_size: int) -> "HeadQuery":
+        """A query from remote metadata, checked against the call it comes with; ValueError says what is wrong."""
+        if not isinstance(value, dict):
+            raise ValueError("extra['head'] must be a map")
+        starts, steps, scored = value.get("block_starts"), value.get("steps"), value.get("scored")
+        block_length, seed, mask = value.get("block_length"), value.get("seed"), value.get("mask_token_id")
+        temperature, cfg_scale = value.get("temperature"), value.get("cfg_scale")
+        if not (_int_list(starts) and _int_list(steps) and _int_list(scored) and len(scored) == 2):
+            raise ValueError("head block_starts, steps and scored must be lists of integers (scored: [start, end])")
+        if not all(_is_int(v) for v in (block_length, seed, mask)):
+            raise ValueError("head block_length, seed and mask_token_id must be integers")
+        if not all(_is_number(v) and 0 <= v <= 1e6 for v in (temperature, cfg_scale)):
+            raise ValueError("head temperature and cfg_scale must be finite numbers >= 0")
+        query = cls(tuple(starts), block_length, tuple(steps), seed, float(temperature), float(cfg_scale), mask,
+                    (scored[0], scored[1]))
+        if not starts or len(steps) != len(starts) or query.batch != batch:
+            raise ValueError(f"head query for {len(starts)} states (guidance {cfg_scale}) with {len(steps)} steps "
+                             f"does not match a batch of {batch}")
+        if not 0 <= scored[0] < scored[1] <= length or not 0 < block_length <= length:
+            raise ValueError(f"head rows {scored} or block length {block_length} do not fit {length} positions")
+        if any(not scored[0] <= s or s + block_length > scored[1] for s in starts):
+            raise ValueError(f"head blocks {list(starts)} of length {block_length} are not inside the scored rows "
+                             f"{scored[0]}:{scored[1]}")
+        if not 0 <= mask < vocab_size or not all(0 <= s < 2**31 for s in steps) or not 0 <= seed < 2**63:
+            raise ValueError("head mask_token_id, steps or seed out of range")
+        return query
+
+
+def answer_shape(head: dict) -> tuple[int, int, int]:
+    """The shape of a head server's answer to a query the client made (``HeadQuery.to_dict``)."""
+    return len(head["block_starts"]), head["block_length"], len(PREDICTION_FIELDS)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
+
+
+def _int_list(value: Any) -> bool:
+    return isinstance(value, list) and len(value) <= 4096 and all(_is_int(v) for v in value)
+
+
+def predict_states(logits: torch.Tensor, query: HeadQuery) -> torch.Tensor:
+    """The answer to ``query`` from the float32 logits of its scored rows (batch, scored rows, vocab):
+    guidance applied, then each state's block predicted with its step's noise."""
+    logits = guided(logits, query.states, query.cfg_scale)
+    out = torch.empty(query.output_shape, dtype=torch.float64)
+    for i, (start, step) in enumerate(zip(query.block_starts, query.steps)):
+        first = start - query.scored[0]
+        scores = masked_scores(logits[i, first:first + query.block_length], query.mask_token_id)
+        out[i] = predict_block(scores, query.temperature, query.seed, step)
+    return out
+
+
+def check_predictions(predictions: torch.Tensor, query: HeadQuery, vocab_size: int) -> Optional[str]:
+    """What is wrong with a head server's answer, or None: the shape, finite values, token ids in the
+    vocabulary and not the mask, probabilities and margins in [0, 1], negative entropies <= 0."""
+    if tuple(predictions.shape) != query.output_shape or predictions.dtype != torch.float64:
+        return f"predictions of shape {tuple(predictions.shape)} ({predictions.dtype}), expected {query.output_shape}"
+    if not bool(torch.isfinite(predictions).all()):
+        return "predictions with non-finite values"
+    tokens, probability, margin, negative_entropy = predictions.unbind(-1)
+    if not (bool((tokens == tokens.round()).all()) and bool(((tokens >= 0) & (tokens < vocab_size)).all())
+            and not bool((tokens == query.mask_token_id).any())):
+        return "predicted tokens that are not vocabulary ids (or are the mask)"
+    in_unit = ((probability >= 0) & (probability <= 1) & (margin >= 0) & (margin <= 1)).all()
+    if not bool(in_unit) or not bool((negative_entropy <= 1e-9).all()):
+        return "predicted probabilities, margins or entropies out of range"
+    return None
+
+
+@dataclass(frozen=True)
+class StatePrediction:
+    """One state's predictions, as a head server answered them: rows of :data:`PREDICTION_FIELDS` for the block
+    starting at ``block_start``, drawn with the noise of ``step``."""
+
+    block_start: int
+    step: int
+    rows: torch.Tensor
+
+
+class Predictions:
+    """A call's answer from a head server: one :class:`StatePrediction` per state (indexable like logits)."""
+
+    def __init__(self, rows: torch.Tensor, query: HeadQuery):
+        self.rows = rows  # (states, block length, fields) float64, as the server answered
+        self.states = [StatePrediction(start, step, rows[i])
+                       for i, (start, step) in enumerate(zip(query.block_starts, query.steps))]
+
+    def __len__(self) -> int:
+        return len(self.states)
+
+    def __getitem__(self, index: int) -> StatePrediction:
+        return self.states[index]
+
+
+def block_prediction(scores: torch.Tensor | StatePrediction, start: int, end: int, step: int, temperature: float,
+                     seed: int, mask_token_id: int) -> Optional[torch.Tensor]:
+    """Prediction rows of positions ``start:end`` at ``step``: computed from one state's logits (length, vocab),
+    or taken from a head server's answer. An answer for another block is of no use (None); one drawn for another
+    step is what the sampler's cheap guesses (a Picard window's tail) use in place of re-drawn noise."""
+    if isinstance(scores, StatePrediction):
+        return scores.rows if scores.block_start == start and len(scores.rows) == end - start else None
+    return predict_block(masked_scores(scores[start:end], mask_token_id), temperature, seed, step)
+

@@ -1,0 +1,214 @@
+"""The output head on the swarm (issue 17, item 3): a server started with ``--head`` answers the sampler's
+predictions instead of hidden states, the client loads no head, and the tokens equal the local model's for
+greedy and sampled decoding, every remasking strategy, threshold decoding, guidance and Picard windows. What
+needs logits (the activation cache's reuses, experts, correctors, staleness) falls back to the client's head."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import swarm
+from swarm.client import DistributedDiffusionLM
+from swarm.client.spot_check import answers_agree
+from swarm.diffusion.prediction import (
+    HeadQuery,
+    Predictions,
+    check_predictions,
+    guided,
+    masked_scores,
+    predict_block,
+    predict_states,
+)
+from swarm.diffusion.remasking import STRATEGIES
+from swarm.models.loading import ModelFiles
+from tests.test_formats import dream_path, llada_path  # noqa: F401  (module fixtures: small bfloat16 checkpoints)
+
+PROMPT = "the cat sat"
+SHORT = dict(gen_length=16, steps=8, block_length=8, seed=5)
+ON_THE_SWARM = {
+    "greedy": {},
+    "temperature": dict(temperature=0.8),
+    **{f"remasking={name}": dict(remasking=name, temperature=0.7) for name in STRATEGIES},
+    "threshold": dict(threshold=0.2, temperature=0.7),
+    "cfg": dict(cfg_scale=1.5, temperature=0.7),
+    "picard window": dict(parallel_window=3, temperature=0.7),
+}
+ON_THE_CLIENT = {  # these read logits: the head server answers hidden states, the client's head scores them
+    "dual cache": dict(cache="dual", temperature=0.7),
+    "corrector": dict(corrector_steps=1, temperature=0.7),
+    "staleness": dict(staleness=1, temperature=0.7),
+}
+QUERY = HeadQuery((4,), 4, (0,), seed=1, temperature=0.5, cfg_scale=0.0, mask_token_id=3, scored=(4, 8))
+
+
+# ----- the contract, without a network --------------------------------------------------------------------
+def test_a_head_query_is_checked_against_its_call():
+    value = QUERY.to_dict()
+    assert HeadQuery.parse(value, batch=1, length=8, vocab_size=10) == QUERY
+    bad = {
+        "states and batch differ": (dict(value), 2),
+        "guidance needs the copies": (dict(value, cfg_scale=1.0), 1),
+        "block outside the scored rows": (dict(value, block_starts=[5]), 1),
+        "rows past the sequence": (dict(value, scored=[4, 9]), 1),
+        "steps and states differ": (dict(value, steps=[0, 1]), 1),
+        "mask outside the vocabulary": (dict(value, mask_token_id=10), 1),
+        "NaN temperature": (dict(value, temperature=float("nan")), 1),
+        "not a list": (dict(value, block_starts="4"), 1),
+        "huge list": (dict(value, steps=list(range(5000))), 1),
+        "bool as an int": (dict(value, seed=True), 1),
+    }
+    for name, (query, batch) in bad.items():
+        with pytest.raises(ValueError):
+            HeadQuery.parse(query, batch=batch, length=8, vocab_size=10)
+            pytest.fail(name)
+
+
+def test_predictions_are_the_samplers_own_numbers():
+    """A head server's answer is what the sampler computes from the same logits, guidance included."""
+    torch.manual_seed(0)
+    logits = torch.randn(4, 6, 12)  # two states and their unconditional copies, rows 2:8 scored
+    query = HeadQuery((2, 4), 4, (3, 4), seed=9, temperature=0.9, cfg_scale=1.5, mask_token_id=0, scored=(2, 8))
+    answer = predict_states(logits, query)
+    combined = guided(logits, 2, 1.5)
+    for i, (start, step) in enumerate(zip(query.block_starts, query.steps)):
+        rows = combined[i, start - 2:start + 2]
+        assert torch.equal(answer[i], predict_block(masked_scores(rows, 0), 0.9, 9, step))
+    assert check_predictions(answer, query, vocab_size=12) is None
+    assert not (answer[..., 0] == 0).any(), "the mask token is never predicted"
+
+
+def test_a_malformed_answer_is_refused():
+    answer = predict_states(torch.randn(1, 4, 10), QUERY)
+    assert check_predictions(answer, QUERY, 10) is None
+    broken = {"shape": answer[:, :2], "dtype": answer.float()}
+    for column, value in ((0, 3.0), (0, 10.0), (0, 1.5), (1, 1.5), (2, -0.1), (2, 1.1), (3, 0.5), (1, float("nan"))):
+        changed = answer.clone()
+        changed[0, 0, column] = value
+        broken[f"column {column} = {value}"] = changed
+    for name, tensor in broken.items():
+        assert check_predictions(tensor, QUERY, 10) is not None, name
+
+
+def test_one_wrong_token_fails_a_spot_check():
+    """Token ids are large numbers: a relative norm would hide one wrong id, so they are compared exactly."""
+    answer = predict_states(torch.randn(1, 4, 200), QUERY)
+    lying = answer.clone()
+    lying[0, 1, 0] = (lying[0, 1, 0] + 1) % 200 or 1
+    assert answers_agree(answer, answer.clone(), 1e-3)
+    assert not answers_agree(answer, lying, 1e-3)
+
+
+# ----- through a swarm ----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def head_swarm(local_swarm, tiny_model_path):
+    """Servers 0:2 and 2:4 (with the head) of the tiny model under a prefix of their own, and a client."""
+    prefix = "head-test"
+    servers = [local_swarm.start_server(str(tiny_model_path), span, "--dht-prefix", prefix, "--compute-threads",
+                                        "1", *extra, name=f"head-{span}", wait=False)
+               for span, extra in (("0:2", ()), ("2:4", ("--head",)))]
+    for server in servers:
+        local_swarm.wait_ready(server)
+    with DistributedDiffusionLM.from_pretrained(tiny_model_path, initial_peers=local_swarm.initial_peers,
+                                                dht_prefix=prefix, request_timeout=20) as lm:
+        yield lm, servers
+    for server in servers:
+        if server.alive:
+            local_swarm.terminate(server)
+
+
+@pytest.mark.parametrize("name", list(ON_THE_SWARM))
+def test_head_on_the_swarm_gives_the_local_tokens(head_swarm, local_lm, name):
+    lm, _ = head_swarm
+    settings = dict(SHORT, **ON_THE_SWARM[name])
+    remote = lm.generate(PROMPT, **settings)
+    assert remote.token_ids == local_lm.generate(PROMPT, **settings).token_ids
+    assert lm._head is None, "the client loaded the head although the swarm's answered"
+    assert lm.show_route()[-1].end == 4 and lm.sequence.servers[lm.show_route()[-1].peer_id].head
+
+
+@pytest.mark.parametrize("name", list(ON_THE_CLIENT))
+def test_what_needs_logits_falls_back_to_the_clients_head(head_swarm, local_lm, name):
+    lm, _ = head_swarm
+    settings = dict(SHORT, **ON_THE_CLIENT[name])
+    assert lm.generate(PROMPT, **settings).token_ids == local_lm.generate(PROMPT, **settings).token_ids
+    assert lm._head is not None
+
+
+def test_a_client_that_keeps_the_head_gets_the_same_tokens(local_swarm, head_swarm, tiny_model_path, local_lm):
+    settings = dict(SHORT, temperature=0.7)
+    with DistributedDiffusionLM.from_pretrained(tiny_model_path, initial_peers=local_swarm.initial_peers,
+                                                dht_prefix="head-test", head="client") as lm:
+        assert lm.generate(PROMPT, **settings).token_ids == local_lm.generate(PROMPT, **settings).token_ids
+        assert lm._head is not None
+
+
+def test_head_requests_are_checked_by_the_server(head_swarm, remote_lm):
+    """A head query that does not fit its call, or sent to a server without the head, is refused with its reason;
+    a hop that does not end at the last block ignores it (it travels with every pushed hop)."""
+    from swarm.protocol import ErrorCode, ForwardRequest, RemoteError
+
+    lm, _ = head_swarm
+    hidden = torch.randn(1, 8, lm.config.hidden_size)
+    query = HeadQuery((4,), 4, (0,), 1, 0.5, 0.0, lm.config.mask_token_id, (4, 8)).to_dict()
+    head_peer = next(p for p, r in lm.sequence.servers.items() if r.head)
+    first = next(p for p, r in lm.sequence.servers.items() if r.start == 0)
+    remote_lm.sequence.refresh()
+    no_head = next(p for p, r in remote_lm.sequence.servers.items() if (r.start, r.end) == (2, 4))
+    refused = ((head_peer, 2, dict(query, block_starts=[6]), ErrorCode.BAD_REQUEST),
+               (no_head, 2, query, ErrorCode.WRONG_SPAN))
+    for peer, start, head, code in refused:
+        with pytest.raises(RemoteError) as error:
+            lm.loop.run(lm.caller.forward(peer, ForwardRequest(start, 4, hidden, "s", 0, {"head": head}), 10))
+        assert error.value.code == code, error.value
+    answer = lm.loop.run(lm.caller.forward(head_peer, ForwardRequest(2, 4, hidden, "s", 0, {"head": query}), 10))
+    assert answer.dtype == torch.float64 and answer.shape == (1, 4, 4)
+    passed_on = lm.loop.run(lm.caller.forward(first, ForwardRequest(0, 2, hidden, "s", 0, {}), 10))
+    assert passed_on.shape == hidden.shape
+
+
+def test_losing_the_head_server_mid_run_keeps_the_tokens(local_swarm, head_swarm, tiny_model_path, local_lm):
+    """The head server dies mid-generation: the step goes on over a replica without the head, whose hidden states
+    the client now scores itself (loading its head then); the tokens do not change."""
+    lm, servers = head_swarm
+    replica = local_swarm.start_server(str(tiny_model_path), "2:4", "--dht-prefix", "head-test", "--compute-threads",
+                                       "1", name="head-replica")
+    settings = dict(SHORT, temperature=0.7)
+    try:
+        with DistributedDiffusionLM.from_pretrained(tiny_model_path, initial_peers=local_swarm.initial_peers,
+                                                    dht_prefix="head-test", request_timeout=20) as fresh:
+            chunks = fresh.generate_stream(PROMPT, **settings)
+            next(chunks)
+            assert fresh._head is None
+            local_swarm.terminate(servers[1])
+            result = [chunk for chunk in chunks][-1].result
+            assert result.token_ids == local_lm.generate(PROMPT, **settings).token_ids
+            assert fresh._head is not None and result.info["failovers"]
+    finally:
+        local_swarm.terminate(replica)
+
+
+@pytest.mark.parametrize("layout", ["llada", "dream"])
+def test_bfloat16_checkpoints_with_the_head_on_the_swarm(local_swarm, layout, llada_path, dream_path):  # noqa: F811
+    """Default settings everywhere (bfloat16 from the checkpoint's config): the swarm's tokens are the local
+    model's with the head on a server, for both published layouts (Dream's one-row shift included)."""
+    path = {"llada": llada_path, "dream": dream_path}[layout]
+    prefix = f"head-{layout}"
+    layers = ModelFiles(path).config.num_layers
+    server = local_swarm.start_server(str(path), f"0:{layers}", "--dht-prefix", prefix, "--head",
+                                      "--compute-threads", "1", name=prefix)
+    try:
+        local = swarm.DiffusionLM.from_pretrained(path)
+        with DistributedDiffusionLM.from_pretrained(path, initial_peers=local_swarm.initial_peers,
+                                                    dht_prefix=prefix) as lm:
+            for settings in (dict(gen_length=8, steps=8, block_length=4, seed=2),
+                             dict(gen_length=8, steps=4, block_length=4, seed=2, temperature=0.8, cfg_scale=1.0)):
+                assert lm.generate(PROMPT, **settings).token_ids == local.generate(PROMPT, **settings).token_ids
+            assert lm._head is None
+    finally:
+        local_swarm.terminate(server)
+
+
+def test_predictions_object_indexes_states():
+    answer = predict_states(torch.randn(1, 4, 10), QUERY)
+    predictions = Predictions(answer, QUERY)
+    assert len(predictions) == 1 and predictions[0].block_start == 4 and predictions[0].step == 0

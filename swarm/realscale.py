@@ -5,8 +5,9 @@ SwiGLU 12288, vocabulary 126464, bfloat16) and ``--blocks`` blocks of random wei
 (deleted after), starts servers of ``--span`` blocks (default 1), and prints per denoising step, side by
 side: the client's milliseconds (embedding, head, sampler and the rest), the servers' compute milliseconds,
 the bytes of one crossing each way, the client's resident memory and tokens/s, for the old defaults (float32
-client and wire, head over every row) against the new ones (bfloat16 client and wire, head over the active
-block); then the servers' resident memory and a projection for 32 blocks on GPU servers, with its assumptions.
+client and wire, head over every row) against the new ones (bfloat16 client and wire, the head on the last
+server, started with ``--head``, or over the active block in the client); then the servers' resident memory
+and a projection for 32 blocks on GPU servers, with its assumptions.
 """
 from __future__ import annotations
 
@@ -55,12 +56,16 @@ class Setting:
     wire_dtype: str  # client requests and servers' answers
     head_rows: str
     client_dtype: Optional[str] = None  # None: the checkpoint's (bfloat16)
+    head: str = "client"  # ClientConfig.head: "auto" lets the last server (started with --head) answer predictions
 
 
-SETTINGS = (Setting("old: fp32 client+wire, head all rows", "float32", "all", "float32"),
-            Setting("bf16 client, fp32 wire, head all rows", "float32", "all"),
+# The bfloat16-wire group runs first, the head on the swarm first of all: the process's resident memory then
+# shows what that client holds (the embedding only), before other settings' heads have been loaded.
+SETTINGS = (Setting("new default: head on the swarm (--head)", "auto", "active", head="auto"),
+            Setting("bf16 client+wire, head active block", "auto", "active"),
             Setting("bf16 client+wire, head all rows", "auto", "all"),
-            Setting("new default: bf16, head active block", "auto", "active"))
+            Setting("old: fp32 client+wire, head all rows", "float32", "all", "float32"),
+            Setting("bf16 client, fp32 wire, head all rows", "float32", "all"))
 
 
 def write_tokenizer(directory: Path) -> None:
@@ -126,6 +131,12 @@ class StepFigures:
     tokens: list[int]
     client_rss_mb: float
     tokens_per_s: float
+    client_weights_mb: float = 0.0  # the embedding's and (when loaded) the head's parameters
+    head_on_swarm: bool = False
+
+
+def weights_mb(*modules) -> float:
+    return sum(p.numel() * p.element_size() for m in modules if m is not None for p in m.parameters()) / 2**20
 
 
 def measure(lm, swarm_servers, prompt: list[int], settings: dict, label: str) -> StepFigures:
@@ -146,7 +157,7 @@ def measure(lm, swarm_servers, prompt: list[int], settings: dict, label: str) ->
     crossings = max(1, caller.calls - calls)
     return StepFigures(label, steps, client, server_ms, (caller.bytes_sent - sent) / crossings,
                        (caller.bytes_received - received) / crossings, list(result.token_ids), rss_mb(),
-                       len(result.token_ids) / total)
+                       len(result.token_ids) / total, weights_mb(lm.embedding, lm._head), lm._head is None)
 
 
 def server_compute_seconds(lm, servers) -> float:
@@ -159,12 +170,12 @@ def server_compute_seconds(lm, servers) -> float:
 
 def print_table(figures: list[StepFigures], server_rss: list[float]) -> None:
     click.echo(f"\n{'setting (per step)':<40}{'embed ms':>9}{'head ms':>9}{'sampler ms':>11}{'wait ms':>9}"
-               f"{'server ms':>10}{'req B/hop':>12}{'ans B/hop':>12}{'client MiB':>11}{'tok/s':>8}")
+               f"{'server ms':>10}{'req B/hop':>12}{'ans B/hop':>12}{'weights MiB':>12}{'RSS MiB':>9}{'tok/s':>8}")
     for f in figures:
         c = f.client_ms
         click.echo(f"{f.label:<40}{c['embedding']:>9.1f}{c['head']:>9.1f}{c['sampler+rest']:>11.1f}"
                    f"{c['wait']:>9.1f}{f.server_ms:>10.1f}{f.request_bytes:>12,.0f}{f.answer_bytes:>12,.0f}"
-                   f"{f.client_rss_mb:>11,.0f}{f.tokens_per_s:>8.2f}")
+                   f"{f.client_weights_mb:>12,.0f}{f.client_rss_mb:>9,.0f}{f.tokens_per_s:>8.2f}")
     click.echo(f"\nserver RSS: {', '.join(f'{m:,.0f}' for m in server_rss)} MiB; client RSS is the "
                "benchmark process's (earlier settings' freed memory may still count)")
 
@@ -174,10 +185,11 @@ def print_projection(figures: list[StepFigures], rows: int, blocks: int) -> None
     click.echo(
         f"\nProjection, 32 blocks on GPU servers (assumptions: each block {block_gflop:.1f} GFLOP for {rows} rows, "
         "computed at ~1 ms on a datacenter GPU (bfloat16, memory-bound: 0.44 GB of weights at ~2 TB/s = 0.2 ms, "
-        "plus launch overheads); 4 servers of 8 blocks; 20 ms one-way network latency; client on this CPU):")
+        "plus launch overheads); the head on the last GPU server ~1 ms more (1 GB of bfloat16 weights); "
+        "4 servers of 8 blocks; 20 ms one-way network latency; client on this CPU):")
     crossing_ms = 2 * 20
-    servers_ms = 32 * 1.0 + 4 * crossing_ms
     for f in figures:
+        servers_ms = 32 * 1.0 + 4 * crossing_ms + (1.0 if f.head_on_swarm else 0.0)
         client_ms = f.client_ms["embedding"] + f.client_ms["head"] + f.client_ms["sampler+rest"]
         step = client_ms + servers_ms
         click.echo(f"  {f.label:<44} client {client_ms:>7.0f} ms + swarm {servers_ms:.0f} ms = {step:>6.0f} ms/step")
@@ -199,7 +211,8 @@ def print_projection(figures: list[StepFigures], rows: int, blocks: int) -> None
               help="--compute-threads of each server.")
 def realscale(model: Optional[str], blocks: int, span: int, gen_length: int, prompt_tokens: int, device: str,
               threads: int) -> None:
-    """Per-step costs at LLaDA-8B's widths: float32 vs bfloat16 wire, head over all rows vs the active block."""
+    """Per-step costs at LLaDA-8B's widths: float32 vs bfloat16 wire, head over all rows, the active block or on
+    the swarm."""
     logging.basicConfig(level=logging.WARNING)
     settings = dict(gen_length=gen_length, steps=gen_length, block_length=gen_length, seed=0)
     prompt = [SPECIALS["<|startoftext|>"]] + [1 + i % len(WORDS) for i in range(prompt_tokens - 1)]
@@ -207,10 +220,11 @@ def realscale(model: Optional[str], blocks: int, span: int, gen_length: int, pro
         num_layers = ModelFiles(path).config.num_layers
         swarm.start_bootstrap()
         figures, server_rss = [], []
-        for wire in ("float32", "auto"):
+        for wire in ("auto", "float32"):
             servers = [swarm.start_server(str(path), f"{start}:{min(start + span, num_layers)}", "--wire-dtype", wire,
                                           "--device", device, "--compute-threads", str(threads),
-                                          "--dht-prefix", f"realscale-{wire}", wait=False)
+                                          "--dht-prefix", f"realscale-{wire}",
+                                          *(["--head"] if start + span >= num_layers else []), wait=False)
                        for start in range(0, num_layers, span)]
             for server in servers:
                 swarm.wait_ready(server)
@@ -220,7 +234,7 @@ def realscale(model: Optional[str], blocks: int, span: int, gen_length: int, pro
             for server in servers:
                 swarm.terminate(server)
         print_table(figures, server_rss)
-        same = len({tuple(f.tokens) for f in figures[1:]}) == 1
+        same = len({tuple(f.tokens) for f in figures if "fp32 client" not in f.label}) == 1
         click.echo(f"tokens identical across the bfloat16-client settings: {same}")
         print_projection(figures, prompt_tokens + gen_length, num_layers)
 
@@ -232,7 +246,7 @@ def run_setting(path: Path, swarm: LocalSwarm, servers, prompt: list[int], setti
     wire = setting.wire_dtype
     with DistributedDiffusionLM.from_pretrained(path, initial_peers=swarm.initial_peers, wire_dtype=wire,
                                                 head_rows=setting.head_rows, dht_prefix=f"realscale-{wire}",
-                                                dtype=setting.client_dtype,
+                                                dtype=setting.client_dtype, head=setting.head,
                                                 request_timeout=120, connect_timeout=60) as lm:
         click.echo(f"running: {setting.label} ...", err=True)
         return measure(lm, servers, prompt, settings, setting.label)

@@ -1,7 +1,9 @@
 """Shared fixtures: tiny checkpoints in the real native format, built once per test session."""
 from __future__ import annotations
 
+import time
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
@@ -81,3 +83,16 @@ def local_lm(tiny_model_path):
     from swarm.local import DiffusionLM
 
     return DiffusionLM.from_pretrained(tiny_model_path)
+
+
+# ----- waiting on events instead of sleeping --------------------------------------------------------------
+def wait_until(condition: Callable[[], bool], timeout: float = 30.0, interval: float = 0.05) -> bool:
+    """Poll ``condition`` until it holds (True) or ``timeout`` seconds pass (False): for tests that wait on an
+    observable event (a log line, a counter, a record) rather than sleeping for a guessed time."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if condition():
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(interval)

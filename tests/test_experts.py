@@ -166,11 +166,14 @@ def test_incompatible_expert_is_refused_locally(local_lm, tmp_path, changes, fie
         local_lm.generate("Hello", experts={str(path): 1.0}, **SETTINGS)
 
 
-def test_auto_skips_missing_experts_with_a_warning(local_lm):
+def test_auto_composes_the_expert_the_prompt_calls_for(local_lm):
+    """Arithmetic selects the addition expert, which ships with the package: composed at weight 1.0."""
     result = local_lm.generate("12+34=", experts="auto", **SETTINGS)
-    assert result.info["experts"]["auto"] is True
-    if "addition" not in result.info["experts"]["weights"]:  # until the addition expert ships
-        assert any("addition" in warning for warning in result.info["warnings"])
+    assert result.info["experts"]["auto"] is True and result.info["experts"]["weights"] == {"addition": 1.0}
+    assert result.info["warnings"] == []
+    assert len(result.telemetry) == result.steps
+    assert all(step["experts"]["addition"]["weight"] == 1.0 and step["experts"]["addition"]["norm"] > 0
+               for step in result.telemetry)
 
 
 def test_composition_evaluation_scores_every_configuration(tiny_model_path, alpha_path):
@@ -262,6 +265,15 @@ def test_expert_with_no_server_left_is_dropped_with_a_warning(remote_lm, local_l
     assert result.token_ids == local_lm.generate("Hello", **SETTINGS).token_ids  # the backbone alone
     assert any("'ghost' dropped at step 0" in warning for warning in result.info["warnings"])
     assert result.info["experts"]["dropped"] == ["ghost"] and result.telemetry[-1]["experts"]["ghost"]["dropped"]
+
+
+def test_auto_skips_missing_experts_with_a_warning(remote_lm, local_lm):
+    """No server of this swarm hosts the addition expert that arithmetic selects: the generation goes on with
+    the backbone alone and says which expert it skipped."""
+    result = remote_lm.generate("12+34=", experts="auto", **SETTINGS)
+    assert result.info["experts"]["auto"] is True and result.info["experts"]["weights"] == {}
+    assert len(result.info["warnings"]) == 1 and "'addition'" in result.info["warnings"][0], result.info["warnings"]
+    assert result.token_ids == local_lm.generate("12+34=", **SETTINGS).token_ids
 
 
 # ----- the expert RPC's checks -----------------------------------------------------------------------------

@@ -187,6 +187,22 @@ def hf_path(request, llada_path, dream_path) -> Path:
     return {LLADA: llada_path, DREAM: dream_path}[request.param]
 
 
+def as_published_bfloat16(source: Path, directory: Path) -> Path:
+    """The checkpoint at ``source`` as LLaDA and Dream are published: bfloat16 tensors, ``torch_dtype`` bfloat16."""
+    for name in source.iterdir():
+        if name.name != INDEX_FILE and not name.name.endswith(".safetensors"):
+            (directory / name.name).write_bytes(name.read_bytes())  # tokenizer files
+    config = dict(json.loads((source / "config.json").read_text()), torch_dtype="bfloat16")
+    tensors = {name: tensor.to(torch.bfloat16) for name, tensor in raw_tensors(source).items()}
+    return write_checkpoint(directory, config, tensors)
+
+
+@pytest.fixture(scope="module", params=[LLADA, DREAM])
+def bf16_path(request, llada_path, dream_path, tmp_path_factory) -> Path:
+    source = {LLADA: llada_path, DREAM: dream_path}[request.param]
+    return as_published_bfloat16(source, tmp_path_factory.mktemp(f"{request.param}_bf16"))
+
+
 def raw_tensors(directory: Path) -> dict[str, torch.Tensor]:
     index = json.loads((directory / INDEX_FILE).read_text())["weight_map"]
     out = {}
@@ -386,11 +402,27 @@ def test_span_reads_only_its_own_tensors(hf_path):
     assert reader.tensors_read == top  # embedding + final norm + output projection, no block tensor
 
 
+class ReferenceModel(torch.nn.Module):
+    """The published architecture restated above (float64, from the raw tensors), as a model the sampler runs."""
+
+    def __init__(self, path: Path, config):
+        super().__init__()
+        self.path, self.config = path, config
+        self.anchor = torch.nn.Parameter(torch.zeros(1))  # DiffusionLM reads the device from a parameter
+
+    def forward(self, tokens: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        return reference_logits(self.path, tokens).float()
+
+
 def test_local_generation_loads_published_layouts(hf_path):
-    lm = swarm.DiffusionLM.from_pretrained(hf_path)
-    result = lm.generate("the cat sat on the mat", gen_length=8, steps=8, block_length=8)
-    assert isinstance(result.text, str) and len(result.token_ids) <= 8
-    assert all(0 <= t < lm.config.vocab_size and t != lm.config.mask_token_id for t in result.token_ids)
+    """Generation over the loaded checkpoint gives the tokens of generation over the reference forward."""
+    lm = swarm.DiffusionLM.from_pretrained(hf_path, dtype="float32")
+    reference = swarm.DiffusionLM(ReferenceModel(hf_path, lm.config), lm.tokenizer, hf_path, head_rows="all")
+    settings = dict(gen_length=8, steps=8, block_length=8, seed=4)
+    for prompt, extra in (("the cat sat on the mat", {}), ("once upon a time", dict(temperature=0.7))):
+        result = lm.generate(prompt, **settings, **extra)
+        assert result.token_ids == reference.generate(prompt, **settings, **extra).token_ids
+        assert result.token_ids and all(t != lm.config.mask_token_id for t in result.token_ids)
 
 
 def test_chat_uses_the_tokenizer_template(hf_path):
@@ -442,23 +474,29 @@ def test_int8_span_stays_close_to_full_precision(llada_path):
     assert agreement >= 0.9, agreement
 
 
-def test_published_layouts_run_through_the_swarm(hf_path, local_swarm):
+def test_published_layouts_run_through_the_swarm(bf16_path, local_swarm):
     """`python -m swarm.server --model PATH --blocks 0:2` and the client work with a published directory, with
     default settings everywhere: the checkpoint's bfloat16 locally, on the client, on the servers and on the wire
     gives the local model's tokens."""
     from swarm.client import DistributedDiffusionLM
 
-    layers = swarm.DiffusionLM.from_pretrained(hf_path).config.num_layers
-    servers = [local_swarm.start_server(str(hf_path), span, "--compute-threads", "1", wait=False)
+    local = swarm.DiffusionLM.from_pretrained(bf16_path)  # defaults, as a user gets them
+    assert {p.dtype for p in local.model.parameters()} == {torch.bfloat16}
+    layers = local.config.num_layers
+    servers = [local_swarm.start_server(str(bf16_path), span, "--compute-threads", "1", wait=False)
                for span in (f"0:{layers // 2}", f"{layers // 2}:{layers}")]
     try:
         for server in servers:
             local_swarm.wait_ready(server)
-        settings = dict(gen_length=8, steps=8, block_length=8, seed=1, temperature=0.5)
-        expected = swarm.DiffusionLM.from_pretrained(hf_path).generate("the cat sat", **settings)
-        with DistributedDiffusionLM.from_pretrained(hf_path, initial_peers=local_swarm.initial_peers) as lm:
+        settings = dict(gen_length=16, steps=16, block_length=8, seed=1)
+        expected = local.generate("the cat sat", **settings)
+        # The control: float32 gives other tokens here, so equal tokens below mean one dtype everywhere.
+        float32 = swarm.DiffusionLM.from_pretrained(bf16_path, dtype="float32").generate("the cat sat", **settings)
+        assert float32.token_ids != expected.token_ids
+        with DistributedDiffusionLM.from_pretrained(bf16_path, initial_peers=local_swarm.initial_peers) as lm:
             assert len(lm.show_route()) == 2
             assert lm.embedding.embed.weight.dtype == torch.bfloat16
+            assert all(record.numerics == "exact" for record in lm.sequence.servers.values())
             result = lm.generate("the cat sat", **settings)
             assert result.token_ids == expected.token_ids
             assert result.info["approximate"] == []

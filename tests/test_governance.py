@@ -67,46 +67,106 @@ def test_unknown_key_bad_signature_wrong_prefix_and_future_are_ignored():
 
 
 # ----- with live servers ------------------------------------------------------------------------------
+import json  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+from pathlib import Path  # noqa: E402
+
 import torch  # noqa: E402
+from hivemind.dht import DHT  # noqa: E402
+from hivemind.utils import MSGPackSerializer, get_dht_time  # noqa: E402
 
 from swarm.client import DistributedDiffusionLM  # noqa: E402
 from swarm.dht.node import NetworkConfig, start_dht, stop_dht  # noqa: E402
 from swarm.dht.schema import default_prefix  # noqa: E402
-from swarm.governance.records import governance_key, publish  # noqa: E402
+from swarm.dht.validation import sign_slot  # noqa: E402
+from swarm.governance.records import governance_key, publish, read_decisions  # noqa: E402
 from swarm.protocol import ErrorCode, ForwardRequest, RemoteError  # noqa: E402
-from tests.conftest import make_checkpoint, tiny_config  # noqa: E402
+from swarm.utils.local_swarm import ManagedProcess  # noqa: E402
+from tests.conftest import make_checkpoint, tiny_config, wait_until  # noqa: E402
 
 SETTINGS = dict(gen_length=16, steps=16, block_length=8, seed=2)
 
 
+@dataclass
+class Governed:
+    """A model served by one server that trusts three governance keys, and an operator DHT peer."""
+
+    path: Path
+    key: Ed25519PrivateKey  # halts (and resumes)
+    resumer: Ed25519PrivateKey  # a second operator: resumes while the first key's halt stays in its slot
+    probe: Ed25519PrivateKey  # signs only records the server logs as invalid: shows that it polled
+    server: ManagedProcess
+    operator: DHT
+    probes: int = 0
+
+    @property
+    def prefix(self) -> str:
+        return default_prefix(self.path)
+
+    def trusted(self, *keys: Ed25519PrivateKey) -> dict:
+        return {public_key_text(k): k.public_key() for k in keys}
+
+    def server_polled(self, times: int = 2, timeout: float = 30.0) -> bool:
+        """Wait until the server has read the governance records ``times`` more times (it polls every 2 s).
+
+        Each time the probe key stores a record for another prefix, which the server logs once when it reads it
+        ("ignoring an invalid governance record: record is for prefix 'poll-probe-N'"). So every record stored
+        before this call was read by the first poll; after the second, that poll has also applied what it read.
+        """
+        for _ in range(times):
+            self.probes += 1
+            name = f"poll-probe-{self.probes}"
+            marker = repr(name)  # as the server's log line quotes it
+            body = {"action": "probe", "reason": "", "prefix": name, "sequence": 0, "timestamp": time.time()}
+            expiration = get_dht_time() + 3600 + self.probes  # later than the probe it replaces in the slot
+            value = sign_slot(self.probe, governance_key(self.prefix), MSGPackSerializer.dumps(body), expiration)
+            assert self.operator.store(governance_key(self.prefix), value, expiration,
+                                       subkey=governance_subkey(self.probe))
+            if not wait_until(lambda: any(marker in line for line in self.server.log), timeout):
+                return False
+        return True
+
+
 @pytest.fixture(scope="module")
-def governed(local_swarm, tmp_path_factory):
-    """A model served by one server that trusts a governance key; an operator DHT peer to publish with."""
+def governed(local_swarm, tmp_path_factory) -> Governed:
     root = tmp_path_factory.mktemp("governed")
-    key = generate_private_key(root / "gov.key")
+    key, resumer, probe = (generate_private_key(root / f"{name}.key") for name in ("gov", "resumer", "probe"))
     path = make_checkpoint(root / "model", tiny_config(), seed=6)
-    server = local_swarm.start_server(str(path), "0:4", "--compute-threads", "1",
-                                      "--governance-key", public_key_text(key))
+    trust = [arg for k in (key, resumer, probe) for arg in ("--governance-key", public_key_text(k))]
+    server = local_swarm.start_server(str(path), "0:4", "--compute-threads", "1", *trust)
     operator = start_dht(NetworkConfig(initial_peers=local_swarm.initial_peers, client_mode=True))
-    yield path, key, server, operator
+    yield Governed(path, key, resumer, probe, server, operator)
     stop_dht(operator)
     local_swarm.terminate(server)
 
 
-def wait_for(condition, timeout=15.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.2)
-    return False
+def refused(lm, server: ManagedProcess) -> bool:
+    """Whether the server refuses a step now with ``halted``."""
+    hidden = torch.randn(1, 4, tiny_config().hidden_size)
+    try:
+        lm.loop.run(lm.caller.forward(server.peer_id, ForwardRequest(0, 4, hidden), 10))
+        return False
+    except RemoteError as error:
+        return error.code == ErrorCode.HALTED
 
 
-def test_halt_stops_generation_before_next_step_then_resume_and_replay(local_swarm, governed):
-    path, key, server, operator = governed
-    prefix = default_prefix(path)
-    with DistributedDiffusionLM.from_pretrained(path, initial_peers=local_swarm.initial_peers,
-                                                governance_keys=(public_key_text(key),)) as lm:
+RESUME_LIFETIME = 12.0  # seconds the second operator's resume stays on the DHT in the replay test
+
+
+@pytest.fixture
+def replayed(governed):
+    """The test below leaves the first key's old halt in its slot: that key resumes afterwards, for the tests
+    whose readers trust only it."""
+    yield governed
+    assert publish(governed.operator, governed.key, governed.prefix, RESUME, "replay test over",
+                   trusted=[governed.resumer.public_key()])
+
+
+def test_halt_stops_generation_before_next_step_then_resume_and_replay(local_swarm, replayed):
+    g = replayed
+    keys = (public_key_text(g.key), public_key_text(g.resumer))
+    with DistributedDiffusionLM.from_pretrained(g.path, initial_peers=local_swarm.initial_peers,
+                                                governance_keys=keys) as lm:
         steps = []
         for chunk in lm.generate_stream("halt me", **SETTINGS):
             if chunk.done:
@@ -114,39 +174,52 @@ def test_halt_stops_generation_before_next_step_then_resume_and_replay(local_swa
                 break
             steps.append(chunk.step)
             if chunk.step == 2:
-                assert publish(operator, key, prefix, HALT, "incident 42", timestamp=time.time() - 1)
+                halt = publish(g.operator, g.key, g.prefix, HALT, "incident 42", timestamp=time.time() - 1)
+                assert halt is not None
         assert result.finish_reason == "halted"
         assert result.info["halt"]["reason"] == "incident 42" and result.info["halt"]["step"] == 3
         assert steps == [0, 1, 2], "not a single step after the halt"
 
         # The server refuses new steps too, with a distinct error.
-        hidden = torch.randn(1, 4, tiny_config().hidden_size)
-        def refused() -> bool:
-            try:
-                lm.loop.run(lm.caller.forward(server.peer_id, ForwardRequest(0, 4, hidden), 10))
-                return False
-            except RemoteError as error:
-                return error.code == ErrorCode.HALTED
-        assert wait_for(refused), "server did not refuse while halted"
+        assert wait_until(lambda: refused(lm, g.server)), "server did not refuse while halted"
 
-        slot = governance_subkey(key)
-        old_halt = operator.get(governance_key(prefix), latest=True).value[slot]
-        assert publish(operator, key, prefix, RESUME, "fixed", timestamp=time.time())
-        assert wait_for(lambda: not refused())
+        # The halt's signed bytes cannot be stored with another expiration (the signature covers it), so under
+        # its own key a later resume, stored with a later expiration, replaces it for good
+        # (tests/test_security_records.py). The replay that can reach readers is the old halt alone on the DHT
+        # after a later resume: here a second operator resumes with a short-lived record, the halt stays.
+        slot = governance_subkey(g.key)
+        old_halt = g.operator.get(governance_key(g.prefix), latest=True).value[slot]
+        assert not g.operator.store(governance_key(g.prefix), old_halt.value, time.time() + 3600, subkey=slot)
+        expiration = get_dht_time() + RESUME_LIFETIME
+        resume = sign_decision(g.resumer, g.prefix, RESUME, "fixed", halt.sequence + 1, expiration, time.time())
+        g.operator.store(governance_key(g.prefix), resume, expiration, subkey=governance_subkey(g.resumer))
+        resumed = lm.guard.current(force=True)  # the client reads it at once, before it expires
+        assert resumed.action == RESUME and resumed.sequence == halt.sequence + 1
+        assert wait_until(lambda: not refused(lm, g.server), timeout=RESUME_LIFETIME - 2), "the resume was ignored"
         assert lm.generate("after resume", **SETTINGS).finish_reason != "halted"
 
-        # Replaying the old halt record (same signed bytes, later or same expiration) is refused and changes nothing.
-        for expiration in (time.time() + 3600, old_halt.expiration_time):
-            assert not operator.store(governance_key(prefix), old_halt.value, expiration, subkey=slot)
-        assert lm.generate("after replay", **SETTINGS).finish_reason != "halted"
+        trusted = g.trusted(g.key, g.resumer)
+        assert wait_until(lambda: [d for d, _ in read_decisions(g.operator, g.prefix, trusted)] == [halt],
+                          timeout=3 * RESUME_LIFETIME), "the resume did not expire"
+        fresh = GovernanceState(g.prefix, trusted.values())
+        assert fresh.refresh(g.operator) == halt, "a reader that never saw the resume obeys the old halt"
+        # Readers that saw the resume never go back to the lower sequence.
+        assert g.server_polled(), "the server did not poll the governance records"
+        assert not refused(lm, g.server), "the server obeyed the replayed halt"
+        after = lm.generate("after replay", **SETTINGS)
+        assert after.finish_reason != "halted" and after.steps == SETTINGS["steps"]
+        assert lm.guard.state.current == resumed
 
 
 def test_halt_signed_with_another_key_changes_nothing(local_swarm, governed, tmp_path):
-    path, key, server, operator = governed
+    g = governed
     intruder = generate_private_key(tmp_path / "intruder.key")
-    assert publish(operator, intruder, default_prefix(path), HALT, "not yours", timestamp=time.time() + 1)
-    with DistributedDiffusionLM.from_pretrained(path, initial_peers=local_swarm.initial_peers,
-                                                governance_keys=(public_key_text(key),)) as lm:
+    assert publish(g.operator, intruder, g.prefix, HALT, "not yours", timestamp=time.time() + 1)
+    assert governance_subkey(intruder) in g.operator.get(governance_key(g.prefix), latest=True).value
+    assert g.server_polled(), "the server did not poll the governance records"
+    with DistributedDiffusionLM.from_pretrained(g.path, initial_peers=local_swarm.initial_peers,
+                                                governance_keys=(public_key_text(g.key),)) as lm:
+        assert not refused(lm, g.server), "the server obeyed a halt signed by a key it does not trust"
         result = lm.generate("still running", **SETTINGS)
     assert result.finish_reason != "halted" and result.steps == 16
 
@@ -172,36 +245,57 @@ def test_tier_rules_classify_and_only_tighten(tmp_path):
     assert loaded.policies["public"].spot_check_fraction == 0.5
 
 
-def test_restricted_request_uses_only_trusted_servers_and_is_audited(local_swarm, governed, tmp_path):
-    path, key, server, operator = governed
+@pytest.fixture(scope="module")
+def tiered_swarm(local_swarm, tmp_path_factory):
+    """Two servers a client trusts and, announcing itself far faster, one it does not, all holding every block."""
+    path = make_checkpoint(tmp_path_factory.mktemp("tiered") / "tiered", tiny_config(), seed=8)
+    servers = [local_swarm.start_server(str(path), "0:4", "--compute-threads", "1", *extra, wait=False)
+               for extra in ((), (), ("--throughput", "1e9"))]
+    for server in servers:
+        local_swarm.wait_ready(server)
+    yield path, servers[:2], servers[2]
+    for server in servers:
+        local_swarm.terminate(server)
+
+
+def test_restricted_request_uses_only_trusted_servers_and_is_audited(local_swarm, tiered_swarm, tmp_path):
+    path, trusted, untrusted = tiered_swarm
+    trusted_ids = {server.peer_id for server in trusted}
     audit = tmp_path / "audit.jsonl"
     with DistributedDiffusionLM.from_pretrained(path, initial_peers=local_swarm.initial_peers,
                                                 audit_log=str(audit)) as lm:
         with pytest.raises(ValueError, match="trusted_peers"):
             lm.generate("my password is hunter2", **SETTINGS)
-        lm.client_config.trusted_peers = (server.peer_id,)
+        lm.client_config.trusted_peers = tuple(sorted(trusted_ids))
+        public = lm.generate("a story", **SETTINGS)
+        assert public.info["tier"] == "public" and public.info["spot_checks"] == []
+        assert [hop[:8] for hop in public.info["route"]] == [untrusted.peer_id[-8:]], "the fastest, when allowed"
+
         result = lm.generate("my password is hunter2", **SETTINGS)
         assert result.info["tier"] == "restricted"
-        assert all(server.peer_id[-8:] in hop for hop in result.info["route"])
-        assert result.info["spot_checks"], "restricted requests are always spot-checked (or say why not)"
-        public = lm.generate("a story", **SETTINGS)
-        assert public.info["tier"] == "public" and not public.info["spot_checks"]
-    import json
+        route = [hop[:8] for hop in result.info["route"]]
+        assert route and set(route) <= {peer[-8:] for peer in trusted_ids}, route
+        # Every hop of every call re-run on another trusted server, and the two agreed.
+        checks = result.info["spot_checks"]
+        assert len(checks) == result.denoiser_calls * len(route)
+        for check in checks:
+            assert check["verdict"] == "agreed", check
+            assert check["primary"] in trusted_ids and set(check["checkers"]) == trusted_ids - {check["primary"]}
 
     records = [json.loads(line) for line in audit.read_text().splitlines()]
-    assert [r["tier"] for r in records] == ["restricted", "public"]
-    assert records[0]["route"] and records[0]["finish_reason"] in ("eos", "length")
+    assert [r["tier"] for r in records] == ["public", "restricted"]
+    assert records[1]["route"] == result.info["route"] and records[1]["spot_checks"] == checks
+    assert records[1]["finish_reason"] in ("eos", "length")
 
 
 def test_client_without_keys_still_ends_cleanly_when_a_server_refuses_as_halted(local_swarm, governed):
-    path, key, server, operator = governed
-    assert publish(operator, key, default_prefix(path), HALT, "server-side halt", timestamp=time.time())
+    g = governed
+    assert publish(g.operator, g.key, g.prefix, HALT, "server-side halt", timestamp=time.time())
     try:
-        with DistributedDiffusionLM.from_pretrained(path, initial_peers=local_swarm.initial_peers) as lm:
-            def halted_result():
-                return lm.generate("x", **SETTINGS).finish_reason == "halted"
-            assert wait_for(halted_result)
+        assert g.server_polled(), "the server did not poll the governance records"
+        with DistributedDiffusionLM.from_pretrained(g.path, initial_peers=local_swarm.initial_peers) as lm:
             result = lm.generate("x", **SETTINGS)
+            assert result.finish_reason == "halted"
             assert "server-side halt" in result.info["halt"]["reason"] and result.info["halt"]["step"] == 0
     finally:
-        assert publish(operator, key, default_prefix(path), RESUME, "done", timestamp=time.time() + 0.5)
+        assert publish(g.operator, g.key, g.prefix, RESUME, "done", timestamp=time.time() + 0.5)

@@ -212,3 +212,32 @@ def test_predictions_object_indexes_states():
     answer = predict_states(torch.randn(1, 4, 10), QUERY)
     predictions = Predictions(answer, QUERY)
     assert len(predictions) == 1 and predictions[0].block_start == 4 and predictions[0].step == 0
+
+
+def test_a_lying_head_server_is_caught_by_spot_checks(local_swarm, tiny_model_path, local_lm):
+    """A head server that answers well-formed predictions with wrong tokens (announcing itself fastest, so it is
+    routed to) is outvoted by two honest head servers, distrusted, and the tokens stay the local model's."""
+    from pathlib import Path
+
+    prefix = "head-liar"
+    common = ("--dht-prefix", prefix, "--compute-threads", "1", "--head")
+    honest = [local_swarm.start_server(str(tiny_model_path), "0:4", *common, name=f"head-honest-{i}", wait=False)
+              for i in range(2)]
+    liar = local_swarm.start_server(str(tiny_model_path), "0:4", *common, "--throughput", "1e9", name="head-liar",
+                                    entry=(str(Path(__file__).with_name("faulty_server.py")),), wait=False)
+    servers = honest + [liar]
+    settings = dict(SHORT, temperature=0.7)
+    try:
+        for server in servers:
+            local_swarm.wait_ready(server)
+        with DistributedDiffusionLM.from_pretrained(tiny_model_path, initial_peers=local_swarm.initial_peers,
+                                                    dht_prefix=prefix, spot_check_fraction=1.0) as lm:
+            assert lm.show_route()[0].peer_id == liar.peer_id, "the liar should be the first choice"
+            result = lm.generate(PROMPT, **settings)
+            assert result.token_ids == local_lm.generate(PROMPT, **settings).token_ids
+            assert liar.peer_id in result.info["distrusted"]
+            assert result.info["spot_checks"][0]["verdict"] == "primary_faulty"
+            assert lm._head is None
+    finally:
+        for server in servers:
+            local_swarm.terminate(server)

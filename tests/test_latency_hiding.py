@@ -7,18 +7,20 @@ its budget. A failover (the cache rebuilt where it lands, the same tokens): test
 from __future__ import annotations
 
 import asyncio
+import copy
 import time
 
 import pytest
 import torch
 
+from swarm.client.push import PushStats
 from swarm.diffusion.config import GenerationConfig
 from swarm.diffusion.pipeline import DenoiserCalls
 from swarm.diffusion.sampler import DiffusionSampler, StepEvent
 from swarm.models.kv_cache import CacheMiss, SpanKV
 from swarm.models.modules import DiffusionTransformer
 from swarm.server.session_cache import SessionCaches
-from tests.conftest import tiny_config
+from tests.conftest import tiny_config, wait_until
 
 SETTINGS = dict(gen_length=32, steps=32, block_length=16, seed=3)
 PROMPT = "hide the latency"
@@ -78,7 +80,7 @@ def test_server_cache_store_stays_within_its_budget_and_expires():
     config = tiny_config()
     # two blocks, batch 1, 40 positions, counted at their real cost (keys, values and per-version overhead)
     one = SessionCaches(config, budget_bytes=1, ttl=1.0).cost_of(2, 1, 40)
-    caches = SessionCaches(config, budget_bytes=int(2.5 * one), ttl=0.2)
+    caches = SessionCaches(config, budget_bytes=int(2.5 * one), ttl=60.0, arrival_wait=0.01)  # no fill is coming
     for session in ("a", "b", "c"):
         kv = caches.for_fill(session, 1, 0, 2, 1, 40)
         assert kv is not None
@@ -88,7 +90,8 @@ def test_server_cache_store_stays_within_its_budget_and_expires():
     with pytest.raises(CacheMiss):
         asyncio.run(caches.for_reuse("a", 1))
     assert caches.for_fill("huge", 1, 0, 2, 1, 4000) is None and caches.stats.refused == 1
-    time.sleep(0.3)
+    for entry in caches.entries.values():  # idle for longer than the TTL, without sleeping past it
+        entry.used = time.monotonic() - 2 * caches.ttl
     with pytest.raises(CacheMiss):
         asyncio.run(caches.for_reuse("b", 1))
     assert caches.used_bytes == 0
@@ -206,14 +209,60 @@ def push_off(remote_lm):
     remote_lm.client_config.push = False
 
 
+def push_stats(lm) -> PushStats:
+    """A copy of the client's push counters so far (all zero before its first pushed pass)."""
+    receiver = lm._receiver
+    return copy.deepcopy(receiver.stats) if receiver is not None else PushStats()
+
+
+def no_pass_in_flight(lm) -> bool:
+    """Waits until every pushed pass has ended: calls of dropped guesses may still run after a generation."""
+    return lm._receiver is None or wait_until(lambda: not lm._receiver.waiting, timeout=60)
+
+
+def pushed_passes(lm, run, monkeypatch) -> tuple[object, PushStats, int]:
+    """``run()``'s result, what happened to the pushed passes it made, and how many passes ran hop by hop (with
+    push on, each one is a pushed pass that fell back: the tokens are the same, so only this count tells)."""
+    hop_by_hop, original = [], lm.sequence._hop_by_hop
+    monkeypatch.setattr(lm.sequence, "_hop_by_hop", lambda *args: hop_by_hop.append(1) or original(*args))
+    assert no_pass_in_flight(lm)
+    before = push_stats(lm)
+    result = run()
+    assert no_pass_in_flight(lm)
+    after = push_stats(lm)
+    failed = {code: count - before.failed.get(code, 0) for code, count in after.failed.items()
+              if count > before.failed.get(code, 0)}
+    since = PushStats(after.passes - before.passes, after.delivered - before.delivered, failed,
+                      after.undelivered - before.undelivered, after.ignored - before.ignored)
+    return result, since, len(hop_by_hop)
+
+
+def assert_pushed(pushed: PushStats, hop_by_hop: int, calls: int, staleness: int) -> None:
+    """Every pass of ``calls`` denoiser calls was pushed and delivered, none redone hop by hop. With staleness,
+    calls of dropped guesses may be cancelled before they start, or miss a cache fill that was dropped with
+    them (their answers are never read, so nothing is redone)."""
+    assert hop_by_hop == 0, f"{hop_by_hop} pushed passes fell back to hop-by-hop calls: {pushed}"
+    assert pushed.ignored == 0 and pushed.delivered > 0
+    assert pushed.passes == pushed.delivered + sum(pushed.failed.values()) + pushed.undelivered
+    if staleness:
+        assert set(pushed.failed) <= {"cache_miss"} and pushed.passes <= calls, pushed
+    else:
+        assert pushed == PushStats(passes=calls, delivered=calls)
+
+
 @pytest.mark.parametrize("push", [False, True], ids=["hop-by-hop", "push"])
 @pytest.mark.parametrize("mode", MODES, ids=lambda m: "+".join(f"{k}={v}" for k, v in m.items()))
-def test_every_mode_gives_the_local_tokens_through_the_swarm(push_off, local_lm, mode, push):
+def test_every_mode_gives_the_local_tokens_through_the_swarm(push_off, local_lm, mode, push, monkeypatch):
     push_off.client_config.push = push
     expected = local_lm.generate(PROMPT, **SETTINGS, **mode)
-    result = push_off.generate(PROMPT, **SETTINGS, **mode)
+    result, pushed, hop_by_hop = pushed_passes(push_off, lambda: push_off.generate(PROMPT, **SETTINGS, **mode),
+                                               monkeypatch)
     assert result.token_ids == expected.token_ids
     assert result.info["cache"]["misses"] == 0
+    if push:
+        assert_pushed(pushed, hop_by_hop, result.denoiser_calls, mode.get("staleness", 0))
+    else:
+        assert pushed.passes == 0 and 0 < hop_by_hop <= result.denoiser_calls
 
 
 def test_a_generation_keeps_its_route_when_the_server_list_is_refreshed(remote_lm, local_lm, monkeypatch):
@@ -229,15 +278,17 @@ def test_a_generation_keeps_its_route_when_the_server_list_is_refreshed(remote_l
     assert result.info["cache"]["misses"] == 0
 
 
-def test_exact_mode_with_push_gives_the_local_tokens(push_off, local_lm):
+def test_exact_mode_with_push_gives_the_local_tokens(push_off, local_lm, monkeypatch):
     push_off.client_config.push = True
     before = [push_off.loop.run(push_off.caller.info(hop.peer_id, 5))[0]["push"]["delivered"]
               for hop in push_off.show_route()]
-    result = push_off.generate(PROMPT, **SETTINGS, temperature=0.8)
+    result, pushed, hop_by_hop = pushed_passes(
+        push_off, lambda: push_off.generate(PROMPT, **SETTINGS, temperature=0.8), monkeypatch)
     assert result.token_ids == local_lm.generate(PROMPT, **SETTINGS, temperature=0.8).token_ids
     after = [push_off.loop.run(push_off.caller.info(hop.peer_id, 5))[0]["push"]["delivered"]
              for hop in push_off.show_route()]
     assert after[-1] - before[-1] >= SETTINGS["steps"]  # the last server delivered every pass itself
+    assert_pushed(pushed, hop_by_hop, SETTINGS["steps"], staleness=0)  # ... and the client took each one
 
 
 def server_infos(lm) -> dict[str, dict]:

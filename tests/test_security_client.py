@@ -16,8 +16,9 @@ from swarm.client import DistributedDiffusionLM, MissingBlocksError
 from swarm.client.config import ClientConfig
 from swarm.client.peers import PeerHealth
 from swarm.client.spot_check import UnverifiedResultError
+from swarm.dht.schema import ServerState, default_prefix, read_servers
 from swarm.local import DiffusionLM
-from tests.conftest import make_checkpoint, tiny_config
+from tests.conftest import make_checkpoint, tiny_config, wait_until
 
 TARPIT = (str(Path(__file__).with_name("tarpit_server.py")),)
 FAULTY = (str(Path(__file__).with_name("faulty_server.py")),)
@@ -88,11 +89,12 @@ def test_four_tarpits_cost_one_short_challenge_not_minutes(local_swarm, tarpit_m
             started = time.monotonic()
             result = lm.generate("tarpit", **SETTINGS)
             elapsed = time.monotonic() - started
+            print(f"generation past four tarpits: {elapsed:.2f} s")
             assert result.token_ids == expected.token_ids
             assert all(fake.peer_id[-8:] not in " ".join(result.info["route"]) for fake in fakes)
             assert {fake.peer_id for fake in fakes} <= lm.sequence.health.excluded()
-            assert elapsed < 15.0, f"four tarpits cost {elapsed:.1f} s"
-            print(f"generation past four tarpits: {elapsed:.2f} s")
+            # Caught by the challenge alone: no call of the generation was sent to a fake (no request timeout).
+            assert result.info["failovers"] == []
     finally:
         stop_all(local_swarm, honest + fakes)
 
@@ -107,14 +109,18 @@ def test_a_tarpit_that_passes_the_challenge_costs_one_adaptive_timeout(local_swa
     try:
         with client(local_swarm, tarpit_model, request_timeout=30.0, timeout_floor=2.0) as lm:
             assert lm.show_route()[0].peer_id == fake.peer_id, "the fake passes the challenge and looks fastest"
+            rows = len(lm.encode_prompt("tarpit")) + SETTINGS["gen_length"]
+            waits = lm.sequence.health.timeout(fake.peer_id, rows * lm.config.num_layers)
             started = time.monotonic()
             result = lm.generate("tarpit", **SETTINGS)
             elapsed = time.monotonic() - started
+            print(f"generation past one tarpit that passes the challenge: {elapsed:.2f} s (waited at most "
+                  f"{waits:.2f} s for it)")
             assert result.token_ids == expected.token_ids
             lost = [event for event in result.info["failovers"] if event["peer_id"] == fake.peer_id]
-            assert len(lost) == 1, "a peer that stalled a call is not asked again"
-            assert elapsed < 15.0, f"one smart tarpit cost {elapsed:.1f} s (request timeout 30 s)"
-            print(f"generation past one tarpit that passes the challenge: {elapsed:.2f} s")
+            assert len(lost) == 1 and "timeout" in lost[0]["error"], "a peer that stalled a call is not asked again"
+            # The wait follows the speed the challenge measured, not the request timeout.
+            assert waits < lm.client_config.request_timeout / 3, waits
     finally:
         stop_all(local_swarm, honest + [fake])
 
@@ -136,23 +142,29 @@ def test_a_server_restarted_elsewhere_with_its_identity_is_reached_at_once(local
         listen = ("--identity-path", identity, "--host-maddrs", f"/ip4/127.0.0.1/tcp/{free_port()}")
         return start_all(local_swarm, tarpit_model, [("0:4", listen, ("-m", "swarm.server"))])[0]
 
+    def announced(lm, peer_id: str):
+        return read_servers(lm.dht, default_prefix(tarpit_model), 4).get(peer_id)
+
     first = on_a_new_port()
-    try:
-        with client(local_swarm, tarpit_model, retry_deadline=5.0) as lm:
+    try:  # a ban far longer than a restart takes: only lifting it lets the client reach the server again
+        with client(local_swarm, tarpit_model, retry_deadline=5.0, ban_base=120.0) as lm:
             assert lm.generate("moved", **settings).token_ids == expected.token_ids
+            old_addresses = announced(lm, first.peer_id).addresses
             local_swarm.terminate(first)
+            with pytest.raises(MissingBlocksError):  # the server is gone: banned as unreachable
+                lm.generate("moved", **settings)
+            assert not lm.sequence.health.usable(first.peer_id)
             second = on_a_new_port()
             assert second.peer_id == first.peer_id
-            started, result = time.monotonic(), None
-            while result is None and time.monotonic() - started < 30:
-                try:
-                    result = lm.generate("moved", **settings)
-                except MissingBlocksError:  # the call that found the old address gone
-                    time.sleep(0.5)
-            elapsed = time.monotonic() - started
-            assert result is not None and result.token_ids == expected.token_ids
-            assert elapsed < 8.0, f"the moved server was unreachable for {elapsed:.1f} s"
-            print(f"server restarted on a new port reached again after {elapsed:.2f} s")
+            # The event the client needs: the server's signed record carries its new address.
+            assert wait_until(lambda: (record := announced(lm, second.peer_id)) is not None
+                              and record.state == ServerState.ONLINE and record.addresses != old_addresses)
+            started = time.monotonic()
+            result = lm.generate("moved", **settings)  # the ban for the old address is lifted, not waited out
+            print(f"server restarted on a new port reached again after {time.monotonic() - started:.2f} s")
+            assert result.token_ids == expected.token_ids
+            assert {event["peer_id"] for event in result.info["failovers"]} <= {first.peer_id}
+            assert len(result.info["failovers"]) <= 1, "one call at the old address at most"
     finally:
         stop_all(local_swarm, [first, second] if "second" in locals() else [first])
 

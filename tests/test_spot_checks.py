@@ -17,7 +17,10 @@ SETTINGS = dict(gen_length=16, steps=8, block_length=8, seed=3, temperature=0.5)
 def audited_swarm(local_swarm, tmp_path_factory):
     """Two honest servers and one faulty one (announcing itself as the fastest) for the same blocks."""
     path = make_checkpoint(tmp_path_factory.mktemp("audited"), tiny_config(), seed=9)
-    honest = [local_swarm.start_server(str(path), "0:4", "--compute-threads", "1", wait=False) for _ in range(2)]
+    # The honest ones announce a low throughput, so that the route picks the faulty one whatever round trips a busy
+    # machine measures.
+    honest = [local_swarm.start_server(str(path), "0:4", "--compute-threads", "1", "--throughput", "1", wait=False)
+              for _ in range(2)]
     faulty = local_swarm.start_server(str(path), "0:4", "--compute-threads", "1", "--throughput", "1e9",
                                       entry=FAULTY, name="faulty", wait=False)
     for server in honest + [faulty]:

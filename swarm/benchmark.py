@@ -22,6 +22,7 @@ from typing import Iterator
 import click
 import torch
 
+from swarm.cli_options import SwarmGroup, run_main
 from swarm.client import DistributedDiffusionLM
 from swarm.diffusion.config import MAX_STALENESS
 from swarm.diffusion.remasking import STRATEGIES
@@ -73,7 +74,7 @@ def time_calls(fn, repeats: int) -> float:
     return statistics.median(samples)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=SwarmGroup, context_settings={"help_option_names": ["-h", "--help"]})
 def main() -> None:
     """Benchmarks that print ratios measured side by side in one run."""
     logging.basicConfig(level=logging.WARNING)
@@ -276,4 +277,4 @@ def hiding(model: str, modes: str, latency_ms: float, gen_length: int, block_len
 main.add_command(realscale)  # issue 17: per-step costs at LLaDA-8B's widths (swarm/realscale.py)
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

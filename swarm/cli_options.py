@@ -1,21 +1,205 @@
-"""Click options shared by the commands that generate text or join the swarm (one definition, many commands).
+"""What every command line of the project shares (one definition, many commands).
 
-The generation options are not written here: they are made from the declared settings of
-:class:`~swarm.diffusion.config.GenerationConfig` and :class:`~swarm.lm.GenerationRequest` (name, type,
-default, help text, bounds), so that a new setting gets its flag without touching this module.
+* **Errors and exit codes.** Every command is a :class:`SwarmCommand` (or :class:`SwarmGroup`): an error it
+  knows (a bad value, a port in use, a swarm it cannot reach, missing blocks, a halt) ends the command with one
+  line saying what to change and an exit code from :data:`EXIT_CODES` (the table in docs/OPERATIONS.md);
+  ``--verbose``, which every such command has, adds the traceback. Anything else is a bug: run as a program
+  (:func:`run_main`) it is one line too, exit 70; called from Python, it raises as usual.
+* **Threads.** ``--threads`` (:func:`threads_option`): torch's CPU threads, by default half of this machine's.
+* **Options** to join the swarm (:func:`network_options`) and to generate. The generation options are not
+  written here: they are made from the declared settings of :class:`~swarm.diffusion.config.GenerationConfig`
+  and :class:`~swarm.lm.GenerationRequest` (name, type, default, help text, bounds), so that a new setting
+  gets its flag without touching this module.
 """
 from __future__ import annotations
 
+import datetime
+import logging
+import os
+import sys
+import traceback
 from typing import Any, Callable, Iterable, Optional
 
 import click
+import torch
 from click.core import ParameterSource
 
-from swarm.dht.node import NetworkConfig
+from swarm.dht.node import AddressInUseError, NetworkConfig, SwarmJoinError
+from swarm.dht.peers import check_peer_multiaddr
 from swarm.diffusion.config import GenerationConfig, SettingField, settings_of
+from swarm.diffusion.experts import ExpertNotFoundError
+from swarm.diffusion.sampler import Halted
 from swarm.lm import GenerationRequest
 
+# ----- exit codes and one-line errors -----------------------------------------------------------------
+EXIT_OK = 0
+EXIT_NOT_SERVED = 1
+EXIT_USAGE = 2
+EXIT_UNREACHABLE = 3
+EXIT_IN_USE = 4
+EXIT_HALTED = 5
+EXIT_INTERNAL = 70
+EXIT_INTERRUPTED = 130
+EXIT_CODES = {
+    EXIT_OK: "success (swarm.health: every block has an online server)",
+    EXIT_NOT_SERVED: "the model is not fully served: some block has no online server",
+    EXIT_USAGE: "a bad command line or value (a flag, a multiaddr, a model path, a key file): the message names it",
+    EXIT_UNREACHABLE: "the swarm could not be joined: no initial peer could be reached",
+    EXIT_IN_USE: "a port to listen on, or the identity key, is already used by another process",
+    EXIT_HALTED: "the swarm is halted by governance (swarm.generate, swarm.governance status)",
+    EXIT_INTERNAL: "an unexpected error (a bug): run again with --verbose and report the traceback",
+    EXIT_INTERRUPTED: "interrupted (Ctrl-C)",
+}
+VERBOSE_KEY = "swarm.verbose"
+# Exceptions that mean "the user gave something wrong": bad values and files that are missing or unreadable.
+USAGE_ERRORS = (ValueError, FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError,
+                PermissionError)
 
+
+class CLIError(click.ClickException):
+    """One line for the user (``Error: ...``) and its exit code."""
+
+    def __init__(self, message: str, exit_code: int = EXIT_INTERNAL):
+        super().__init__(" ".join(message.split()))  # one line, whatever the source wrapped
+        self.exit_code = exit_code
+
+
+def as_cli_error(error: BaseException) -> Optional[CLIError]:
+    """The line and exit code of an error a command knows; None for anything else (a bug: see :func:`run_main`)."""
+    from swarm.client.routing import MissingBlocksError  # on failure only: commands that never use the client
+
+    if isinstance(error, KeyboardInterrupt):
+        return CLIError("interrupted", EXIT_INTERRUPTED)
+    codes = ((AddressInUseError, EXIT_IN_USE), (SwarmJoinError, EXIT_UNREACHABLE), (Halted, EXIT_HALTED),
+             ((MissingBlocksError, ExpertNotFoundError), EXIT_NOT_SERVED), (USAGE_ERRORS, EXIT_USAGE))
+    for kinds, code in codes:
+        if isinstance(error, kinds):
+            return CLIError(str(error) or type(error).__name__, code)
+    return None
+
+
+def _verbose_callback(ctx: click.Context, param: click.Parameter, value: bool) -> None:
+    if value:
+        ctx.meta[VERBOSE_KEY] = True
+
+
+def verbose_option() -> click.Option:
+    """``--verbose``: log at INFO level and print the traceback of an error (read with :func:`is_verbose`)."""
+    return click.Option(["--verbose"], is_flag=True, expose_value=False, is_eager=True, callback=_verbose_callback,
+                        help="Log at INFO level, and show the full traceback of an error.")
+
+
+def is_verbose() -> bool:
+    ctx = click.get_current_context(silent=True)
+    return bool(ctx and ctx.meta.get(VERBOSE_KEY))
+
+
+class OneLineErrors:
+    """Mixin for click commands: errors end as one line and a documented exit code (:func:`as_cli_error`), and the
+    command gets ``--verbose`` (:func:`verbose_option`) unless it declares its own."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        if not any(param.name == "verbose" for param in self.params):
+            self.params.append(verbose_option())
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except click.UsageError as error:  # raised by the command itself: one line too, without the usage text
+            raise CLIError(error.format_message(), error.exit_code) from error
+        except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort, SystemExit):
+            raise
+        except (Exception, KeyboardInterrupt) as error:
+            failure = as_cli_error(error)
+            if failure is None:
+                raise  # a bug: run_main makes it one line, callers in Python (tests) get the exception
+            if ctx.meta.get(VERBOSE_KEY):
+                traceback.print_exception(error, file=sys.stderr)
+            raise failure from error
+
+
+def run_main(command: click.Command) -> None:
+    """``python -m swarm.X``: run ``command``; an error it does not know (a bug) ends as one line, exit 70, its
+    traceback shown with --verbose, so that no mistake of the user or the program floods the terminal."""
+    try:
+        command.main()
+    except Exception as error:
+        if "--verbose" in sys.argv[1:]:
+            traceback.print_exception(error, file=sys.stderr)
+        click.echo(f"Error: internal error: {type(error).__name__}: {' '.join(str(error).split())} (a bug: run "
+                   "again with --verbose and report the traceback)", err=True)
+        sys.exit(EXIT_INTERNAL)
+
+
+class SwarmCommand(OneLineErrors, click.Command):
+    """A command of the project (``@click.command(cls=SwarmCommand)``)."""
+
+
+class SwarmGroup(OneLineErrors, click.Group):
+    """A group of commands of the project; its subcommands are :class:`SwarmCommand`."""
+
+    command_class = SwarmCommand
+
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+QUIET_LOGGERS = ("gensim", "smart_open")  # libraries whose INFO lines drown a command's own (unless --verbose)
+
+
+def setup_logging(level: int | str) -> None:
+    """Log at ``level`` (at least INFO with --verbose), keeping chatty libraries at WARNING."""
+    numeric = logging.getLevelName(level) if isinstance(level, str) else level
+    logging.basicConfig(level=min(numeric, logging.INFO) if is_verbose() else numeric, format=LOG_FORMAT)
+    if not is_verbose():
+        for name in QUIET_LOGGERS:
+            logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def utc_time(timestamp: float) -> str:
+    """Epoch seconds as a date a person reads: ``2026-12-01 18:15:05 UTC``."""
+    return datetime.datetime.fromtimestamp(timestamp, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def halt_message(halt: dict[str, Any]) -> str:
+    """A governance halt (``result.info["halt"]``) as one sentence: why, who signed it and when, where it stopped."""
+    signed = f", signed {utc_time(halt['signed_at'])}" if isinstance(halt.get("signed_at"), (int, float)) else ""
+    sequence = f" #{halt['sequence']}" if "sequence" in halt else ""
+    return (f"the swarm is halted by governance (halt{sequence}{signed}): {halt.get('reason') or 'no reason given'}; "
+            f"generation stopped before step {halt.get('step')}. Retry once the swarm's operators resume it.")
+
+
+# ----- threads -----------------------------------------------------------------------------------------
+def default_threads() -> int:
+    """Half the CPUs this process may use, at least 1.
+
+    torch's own default takes every core; two such pools on one machine (a client beside its servers, two
+    servers) spin against each other: on 2 busy cores a generation took 65 s with 2 threads, 3.4 s with 1
+    (docs/OPERATIONS.md). ``$OMP_NUM_THREADS`` wins.
+    """
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit() and int(os.environ["OMP_NUM_THREADS"]) > 0:
+        return int(os.environ["OMP_NUM_THREADS"])
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cpus // 2)
+
+
+THREADS_HELP = ("torch CPU threads for this process's compute. Default: $OMP_NUM_THREADS if set, else half of the "
+                "CPUs it may use (at least 1), which leaves room for the swarm's other processes.")
+
+
+def threads_option(*flags: str, dest: str = "threads", help: str = THREADS_HELP) -> Callable[[Callable], Callable]:
+    """``--threads`` (plus any other ``flags``), an int >= 1 or nothing; apply it with :func:`apply_threads`."""
+    return click.option("--threads", *flags, dest, type=click.IntRange(min=1), default=None, show_default=False,
+                        help=help)
+
+
+def apply_threads(threads: Optional[int]) -> int:
+    """Set torch's CPU threads to ``threads`` (default :func:`default_threads`) and return the number set."""
+    count = threads or default_threads()
+    torch.set_num_threads(count)
+    return count
+
+
+# ----- options -----------------------------------------------------------------------------------------
 def cli_settings() -> tuple[SettingField, ...]:
     """The settings offered on the command line: the sampler's, then the request's, in declaration order."""
     return tuple(field for cls in (GenerationConfig, GenerationRequest) for field in settings_of(cls) if field.spec.cli)
@@ -115,6 +299,10 @@ def network_options(command: Callable) -> Callable:
 
 
 def pop_network_config(options: dict[str, Any], client_mode: bool = False) -> NetworkConfig:
+    """The :class:`NetworkConfig` of :func:`network_options`; a malformed ``--initial-peers`` is refused here."""
+    for peer in options["initial_peers"]:
+        for part in peer.replace(",", " ").split():
+            check_peer_multiaddr(part)
     return NetworkConfig(
         initial_peers=list(options.pop("initial_peers")), host_maddrs=list(options.pop("host_maddrs")),
         announce_maddrs=list(options.pop("announce_maddrs")), identity_path=options.pop("identity_path"),

@@ -1,17 +1,25 @@
 """``python -m swarm.api --initial-peers ... --port 8000``: serve the OpenAI-style API over the swarm or locally."""
 from __future__ import annotations
 
-import logging
 from typing import Optional
 
 import click
 
-from swarm.cli_options import network_options, pop_network_config
+from swarm.cli_options import (
+    SwarmCommand,
+    apply_threads,
+    network_options,
+    pop_network_config,
+    run_main,
+    setup_logging,
+    threads_option,
+)
+from swarm.dht.node import check_port_free
 from swarm.dht.peers import resolve_initial_peers
 from swarm.models.loading import DEFAULT_MODEL
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
+@click.command(cls=SwarmCommand, context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
 @click.option("--model", default=DEFAULT_MODEL,
               help="Embedded model name or checkpoint directory (the client reads its tokenizer, embeddings and head).")
 @click.option("--model-name", default=None,
@@ -31,13 +39,17 @@ from swarm.models.loading import DEFAULT_MODEL
               help="With --local: an expert name or checkpoint directory requests may name, besides the embedded "
                    "experts (repeatable). Requests naming any other expert get 400.")
 @network_options
+@threads_option()
 @click.option("--log-level", type=click.Choice(["DEBUG", "INFO", "WARNING"]), default="INFO",
               help="Logging verbosity.")
 def main(model: str, model_name: Optional[str], dht_prefix: Optional[str], local: bool, host: str, port: int,
-         max_pending: int, request_memory_mb: Optional[int], allow_experts: tuple[str, ...], log_level: str,
-         **options) -> None:
-    """Serve /v1/completions, /v1/chat/completions, /v1/models and /health in the OpenAI API's shape."""
-    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+         max_pending: int, request_memory_mb: Optional[int], allow_experts: tuple[str, ...], threads: Optional[int],
+         log_level: str, **options) -> None:
+    """Serve /v1/completions, /v1/chat/completions, /v1/models and /health in the OpenAI API's shape.
+
+    A --port (or --host-maddrs port) in use is refused before the model loads (exit 4); docs/OPERATIONS.md lists
+    every exit code."""
+    setup_logging(log_level)
     import uvicorn
 
     from swarm.api import create_app, load_engine
@@ -46,12 +58,10 @@ def main(model: str, model_name: Optional[str], dht_prefix: Optional[str], local
     if not local and not resolve_initial_peers(network.initial_peers, use_defaults=network.use_default_peers):
         raise click.UsageError("no swarm to join: pass --initial-peers (or set $SWARM_INITIAL_PEERS), "
                                "or use --local to run the model in this process")
-    try:
-        engine = load_engine(model, local=local, network=network, dht_prefix=dht_prefix, model_id=model_name,
-                             max_pending=max_pending, request_memory_mb=request_memory_mb,
-                             allow_experts=allow_experts)
-    except (FileNotFoundError, ValueError) as error:
-        raise click.UsageError(str(error)) from error
+    check_port_free(host, port, where=" (--port)")
+    apply_threads(threads)
+    engine = load_engine(model, local=local, network=network, dht_prefix=dht_prefix, model_id=model_name,
+                         max_pending=max_pending, request_memory_mb=request_memory_mb, allow_experts=allow_experts)
     click.echo(f"Serving model {engine.model_id!r} ({engine.mode}) on http://{host}:{port}/v1", err=True)
     try:
         uvicorn.run(create_app(engine), host=host, port=port, log_level=log_level.lower())
@@ -60,4 +70,4 @@ def main(model: str, model_name: Optional[str], dht_prefix: Optional[str], local
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -162,7 +162,8 @@ class GenerationEngine:
 
     # ----- health -----------------------------------------------------------------------------------
     def health(self) -> dict[str, Any]:
-        """Blocking: for the swarm, reads the health map from the DHT (call it from a thread)."""
+        """Blocking: for the swarm, reads the health map and the governance records from the DHT (call it from a
+        thread). A standing halt makes the report not ok, with ``halted`` saying why and since when."""
         report: dict[str, Any] = {"model": self.model_id, "mode": self.mode, "ok": True}
         if self.mode == "swarm":
             from swarm.health import read_health_map
@@ -170,6 +171,13 @@ class GenerationEngine:
             health = read_health_map(self.lm.dht, self.lm.prefix, self.lm.config.num_layers)
             report.update(ok=health.fully_served, num_blocks=health.num_blocks, servers=len(health.servers),
                           uncovered=[list(span) for span in health.uncovered])
+        guard = getattr(self.lm, "guard", None)
+        decision = guard.current() if guard is not None else None
+        if decision is not None and decision.halted:
+            from swarm.cli_options import utc_time
+
+            report.update(ok=False, halted={"reason": decision.reason, "sequence": decision.sequence,
+                                            "signed_at": utc_time(decision.timestamp)})
         return report
 
     def close(self) -> None:

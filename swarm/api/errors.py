@@ -6,12 +6,17 @@ so validation errors, unknown routes and failures inside generation all answer w
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from swarm.cli_options import halt_message
+
+if TYPE_CHECKING:
+    from swarm.lm import GenerationResult
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +49,19 @@ class Unavailable(APIError):
 
     status = 503
     type = "service_unavailable"
+
+
+class SwarmHalted(Unavailable):
+    """The swarm's governance halted generation: 503 with ``code: swarm_halted``, never a 200 with empty text."""
+
+    def __init__(self, halt: dict[str, Any]):
+        super().__init__(halt_message(halt), code="swarm_halted")
+
+
+def raise_if_halted(result: "GenerationResult") -> None:
+    """A generation a governance halt stopped is an error for the caller, not a short completion."""
+    if result.finish_reason == "halted":
+        raise SwarmHalted(result.info.get("halt") or {})
 
 
 def error_body(message: str, type_: str, param: Optional[str] = None, code: Optional[str] = None) -> dict[str, Any]:

@@ -7,24 +7,26 @@ import threading
 
 import click
 
-from swarm.cli_options import network_options, pop_network_config
+from swarm.cli_options import SwarmCommand, network_options, pop_network_config, run_main, setup_logging
 from swarm.dht.node import start_dht, stop_dht, visible_maddrs
 
 logger = logging.getLogger(__name__)
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
+@click.command(cls=SwarmCommand, context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
 @network_options
 @click.option("--log-level", type=click.Choice(["DEBUG", "INFO", "WARNING"]), default="INFO", help="Logging verbosity.")
 def main(log_level: str, **options) -> None:
-    """Run a DHT peer and print the multiaddrs to pass to others as --initial-peers."""
-    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    """Run a DHT peer and print the multiaddrs to pass to others as --initial-peers.
+
+    A port in --host-maddrs already in use is refused (exit 4); docs/OPERATIONS.md lists every exit code."""
+    setup_logging(log_level)
     network = pop_network_config(options)
     network.use_default_peers = False  # a bootstrap peer joins only the peers it is told about
+    dht = start_dht(network)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    dht = start_dht(network)
     addrs = visible_maddrs(dht)
     click.echo("Bootstrap peer running. Others join with:", err=True)
     click.echo(f"  --initial-peers {' '.join(addrs)}", err=True)
@@ -37,4 +39,4 @@ def main(log_level: str, **options) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

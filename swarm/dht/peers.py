@@ -11,6 +11,8 @@ import os
 from pathlib import Path
 from typing import Iterable, Optional
 
+from multiaddr import Multiaddr
+
 logger = logging.getLogger(__name__)
 
 ENV_PEERS = "SWARM_INITIAL_PEERS"
@@ -29,19 +31,45 @@ def read_bootstrap_file(path: Path) -> list[str]:
     return peers
 
 
+PEER_EXAMPLE = "/ip4/203.0.113.5/tcp/31337/p2p/12D3KooW..."
+
+
+def check_peer_multiaddr(text: str, source: str = "--initial-peers") -> str:
+    """``text`` if it is a multiaddr hivemind can dial: a transport address, then ``/p2p/<peer id>``.
+
+    Checked before any daemon starts, so that ``127.0.0.1:31337`` gets one line naming the flag instead of a
+    daemon's parse error. The peer id itself is left to libp2p (a wrong one means "cannot join").
+    """
+    transport, separator, peer_id = text.partition("/p2p/")
+    if not text.startswith("/") or not separator or not peer_id:
+        raise ValueError(f"{source}: {text!r} is not a peer's multiaddr; expected {PEER_EXAMPLE}, as printed by "
+                         "the bootstrap peer or a server")
+    try:
+        Multiaddr(transport)
+    except ValueError as error:
+        reason = str(error).split(":", 1)[-1].split(" (string:", 1)[0].strip()
+        raise ValueError(f"{source}: {text!r} is not a valid multiaddr ({reason}); expected {PEER_EXAMPLE}") from None
+    return text
+
+
+def split_peers(texts: Iterable[str], source: str) -> list[str]:
+    """Multiaddrs separated by spaces or commas, each checked."""
+    return [check_peer_multiaddr(p, source) for text in texts for p in text.replace(",", " ").split() if p]
+
+
 def resolve_initial_peers(explicit: Optional[Iterable[str]] = None, use_defaults: bool = True) -> list[str]:
-    """Explicit peers win; otherwise the environment; otherwise the bootstrap file. Order kept, no duplicates."""
-    peers: list[str] = []
-    for peer in explicit or ():
-        peers.extend(p for p in peer.replace(",", " ").split() if p)
+    """Explicit peers win; otherwise the environment; otherwise the bootstrap file. Order kept, no duplicates.
+
+    Every multiaddr is checked (:func:`check_peer_multiaddr`): a ValueError names where a bad one came from.
+    """
+    peers = split_peers(explicit or (), "--initial-peers")
     if not peers and use_defaults:
-        env = os.environ.get(ENV_PEERS, "")
-        peers = [p for p in env.replace(",", " ").split() if p]
+        peers = split_peers([os.environ.get(ENV_PEERS, "")], f"${ENV_PEERS}")
         if peers:
             logger.info("initial peers from $%s", ENV_PEERS)
     if not peers and use_defaults:
         path = Path(os.environ.get(ENV_BOOTSTRAP_FILE, PACKAGED_BOOTSTRAP_FILE))
-        peers = read_bootstrap_file(path)
+        peers = split_peers(read_bootstrap_file(path), str(path))
         if peers:
             logger.info("initial peers from %s", path)
     return list(dict.fromkeys(peers))

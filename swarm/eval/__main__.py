@@ -10,6 +10,7 @@ from typing import Optional
 import click
 import torch
 
+from swarm.cli_options import SwarmCommand, apply_threads, run_main, setup_logging, threads_option
 from swarm.diffusion.config import GenerationConfig
 from swarm.eval.report import EvalPlan, ModelReport, evaluate_models, trained_on
 from swarm.eval.tasks import TaskGeneration
@@ -46,7 +47,7 @@ def describe(report: ModelReport) -> list[str]:
     return lines
 
 
-@click.command(context_settings={"show_default": True, "help_option_names": ["-h", "--help"]})
+@click.command(cls=SwarmCommand, context_settings={"show_default": True, "help_option_names": ["-h", "--help"]})
 @click.option(
     "--model",
     default=DEFAULT_MODEL,
@@ -120,26 +121,21 @@ def describe(report: ModelReport) -> list[str]:
     default=TaskGeneration.block_length,
     help="Sampler block length for task answers.",
 )
-@click.option("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice).")
+@threads_option()
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
 @click.option("--progress/--no-progress", default=True, help="Show progress bars on stderr.")
-@click.option("--verbose", is_flag=True, help="Log at INFO level.")
 def main(model: str, baseline: str, corpus: Optional[str], data_files: tuple[str, ...], task: Optional[str],
          examples: int, seq_len: Optional[int], t_draws: int, seed: int, batch_size: int, gen_length: int,
-         steps: int, block_length: int, threads: Optional[int], as_json: bool, progress: bool, verbose: bool) -> None:
+         steps: int, block_length: int, threads: Optional[int], as_json: bool, progress: bool) -> None:
     """Score a model on held-out data: masked-token accuracy and LLaDA's likelihood bound, plus exact-match
     accuracy on a task's held-out problems; the baseline is scored on the same rows and problems."""
-    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if threads:
-        torch.set_num_threads(threads)
-    try:
-        models = models_to_run(model, baseline)
-        trained_corpus, trained_seq_len = trained_on(model)
-        generation = TaskGeneration(gen_length=gen_length, steps=steps, block_length=block_length)
-        GenerationConfig(**asdict(generation))  # reject impossible sampler settings before any compute
-    except (FileNotFoundError, ValueError) as error:
-        raise click.UsageError(str(error)) from error
+    setup_logging(logging.WARNING)
+    apply_threads(threads)
+    # Bad models and impossible sampler settings are refused (one line, exit 2) before any compute.
+    models = models_to_run(model, baseline)
+    trained_corpus, trained_seq_len = trained_on(model)
+    generation = TaskGeneration(gen_length=gen_length, steps=steps, block_length=block_length)
+    GenerationConfig(**asdict(generation))
     corpus_name = corpus or trained_corpus
     if task is None:
         task = trained_corpus if trained_corpus in TASKS else "none"
@@ -161,4 +157,4 @@ def main(model: str, baseline: str, corpus: Optional[str], data_files: tuple[str
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

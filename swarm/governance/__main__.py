@@ -1,12 +1,28 @@
-"""``python -m swarm.governance keygen | halt --reason ... | resume | status``: the swarm's kill switch."""
+"""``python -m swarm.governance keygen | halt --reason ... | resume | status``: the swarm's kill switch.
+
+``status`` exits 5 while the swarm is halted (the exit codes of every command are in docs/OPERATIONS.md).
+"""
 from __future__ import annotations
 
 import logging
 import sys
+from pathlib import Path
 
 import click
 
-from swarm.cli_options import network_options, pop_network_config
+from swarm.cli_options import (
+    EXIT_HALTED,
+    EXIT_UNREACHABLE,
+    CLIError,
+    SwarmGroup,
+    network_options,
+    pop_network_config,
+    run_main,
+    setup_logging,
+    utc_time,
+)
+from swarm.dht.node import NetworkConfig
+from swarm.dht.peers import resolve_initial_peers
 from swarm.governance.keys import (
     generate_private_key,
     load_private_key,
@@ -14,15 +30,15 @@ from swarm.governance.keys import (
     public_key_text,
     public_keys_from_env,
 )
-from swarm.governance.records import HALT, RESUME, GovernanceState, publish
+from swarm.governance.records import HALT, RESUME, Decision, GovernanceState, publish
 
 PREFIX_HELP = "DHT prefix of the model to govern (servers' --dht-prefix; default: the embedded model's 'default')."
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=SwarmGroup, context_settings={"help_option_names": ["-h", "--help"]})
 def main() -> None:
     """Create a governance key, and halt or resume the swarm with records signed by it."""
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(logging.WARNING)
 
 
 @main.command()
@@ -45,6 +61,33 @@ TRUSTED_HELP = ("Another trusted governance public key (base64 or file; repeatab
                 "the new decision's sequence number goes above theirs too.")
 
 
+def _private_key(path: str):
+    """The governance private key in ``path``, or one line saying what the file is instead."""
+    try:
+        return load_private_key(path)
+    except ValueError:
+        try:
+            parse_public_key(path)
+        except ValueError:
+            hint = "a PEM file made by `python -m swarm.governance keygen`"
+        else:
+            hint = f"it holds a public key; give the private key file ({Path(path).name.removesuffix('.pub')})"
+        raise click.BadParameter(f"{path} is not a governance private key: {hint}", param_hint="--key") from None
+
+
+def _network(options: dict) -> NetworkConfig:
+    """A client's network config; refused up front when it names no peer (nothing could store a record)."""
+    network = pop_network_config(options, client_mode=True)
+    if not resolve_initial_peers(network.initial_peers, use_defaults=network.use_default_peers):
+        raise click.UsageError("no swarm to join: pass --initial-peers (or set $SWARM_INITIAL_PEERS)")
+    return network
+
+
+def describe(decision: Decision) -> str:
+    """``halt #3 signed 2026-12-01 18:15:05 UTC``."""
+    return f"{decision.action} #{decision.sequence} signed {utc_time(decision.timestamp)}"
+
+
 def _parse_keys(texts: tuple[str, ...]) -> list:
     try:
         return [parse_public_key(k) for k in texts]
@@ -62,18 +105,17 @@ def _decision_command(action: str):
     def command(key_path: str, reason: str, dht_prefix: str, trusted: tuple[str, ...], **options) -> None:
         from swarm.dht.node import start_dht, stop_dht
 
-        key = load_private_key(key_path)
+        key = _private_key(key_path)
         others = _parse_keys(trusted or tuple(public_keys_from_env()))
-        dht = start_dht(pop_network_config(options, client_mode=True))
+        dht = start_dht(_network(options))
         try:
             decision = publish(dht, key, dht_prefix, action, reason, trusted=others)
         finally:
             stop_dht(dht)
         if decision is None:
-            click.echo("the DHT did not accept the record (no reachable peers?)", err=True)
-            sys.exit(1)
-        click.echo(f"{action} #{decision.sequence} signed and stored for '{dht_prefix}'"
-                   + (f": {reason}" if reason else ""))
+            raise CLIError("no DHT peer accepted the record: are the initial peers part of the swarm?",
+                           EXIT_UNREACHABLE)
+        click.echo(f"{describe(decision)} and stored for '{dht_prefix}'" + (f": {reason}" if reason else ""))
 
     command.__doc__ = {HALT: "Halt the swarm: servers refuse new steps, clients stop before their next step.",
                        RESUME: "Resume a halted swarm (a decision with a higher sequence than the halt)."}[action]
@@ -94,7 +136,7 @@ def status(keys: tuple[str, ...], dht_prefix: str, **options) -> None:
     from swarm.dht.node import start_dht, stop_dht
 
     state = GovernanceState(dht_prefix, _parse_keys(keys))
-    dht = start_dht(pop_network_config(options, client_mode=True))
+    dht = start_dht(_network(options))
     try:
         decision = state.refresh(dht)
     finally:
@@ -102,10 +144,10 @@ def status(keys: tuple[str, ...], dht_prefix: str, **options) -> None:
     if decision is None:
         click.echo("running (no valid governance record)")
     else:
-        click.echo(f"{'HALTED' if decision.halted else 'running'}: last {decision.action} #{decision.sequence} "
-                   f"at {decision.timestamp:.0f}" + (f" ({decision.reason})" if decision.reason else ""))
-    sys.exit(3 if state.halted else 0)
+        click.echo(f"{'HALTED' if decision.halted else 'running'}: last {describe(decision)}"
+                   + (f" ({decision.reason})" if decision.reason else ""))
+    sys.exit(EXIT_HALTED if state.halted else 0)
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -13,12 +13,13 @@ import math
 import os
 import shutil
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 import torch
 from tqdm.auto import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from swarm.models.checkpoint import load_config, parse_dtype, save_checkpoint
 from swarm.models.config import ModelConfig
@@ -35,6 +36,7 @@ TRAINING_INFO_FILE = "training.json"
 # Flags that change what a resumed run computes; a mismatch is reported, not silently ignored.
 RUN_DEFINING_FIELDS = ("corpus", "data_files", "batch_size", "seq_len", "lr", "warmup", "weight_decay", "seed", "steps")
 ARCHITECTURE_FIELDS = ("hidden_size", "layers", "heads", "kv_heads", "intermediate_size")
+ESTIMATE_AFTER_STEPS = 3  # steps timed before the time of the whole run is estimated (the first is the slowest)
 
 
 @dataclass
@@ -95,16 +97,53 @@ def learning_rate(cfg: TrainConfig, step: int) -> float:
     return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
+def saved_architecture(output: Path) -> dict[str, int]:
+    """The architecture fields of :class:`TrainConfig` as the checkpoint in ``output`` has them."""
+    config = load_config(output)
+    return {"hidden_size": config.hidden_size, "layers": config.num_layers, "heads": config.num_heads,
+            "kv_heads": config.num_kv_heads, "intermediate_size": config.intermediate_size}
+
+
+def resume_conflicts(cfg: TrainConfig, names: Iterable[str]) -> list[str]:
+    """The architecture settings among ``names`` (those a user gave) that differ from the run being resumed,
+    as ``--hidden-size 32 (the checkpoint has 64)``; empty when nothing is resumed."""
+    output = Path(cfg.output)
+    if not (output / STATE_FILE).exists():
+        return []
+    saved = saved_architecture(output)
+    return [f"--{name.replace('_', '-')} {getattr(cfg, name)} (the checkpoint has {saved[name]})"
+            for name in ARCHITECTURE_FIELDS if name in set(names) and getattr(cfg, name) != saved[name]]
+
+
+def adopt_saved_architecture(cfg: TrainConfig) -> TrainConfig:
+    """``cfg`` with the resumed checkpoint's architecture, so that training.json records what was trained."""
+    saved = saved_architecture(Path(cfg.output))
+    ignored = [f"{name}={getattr(cfg, name)}" for name in ARCHITECTURE_FIELDS if getattr(cfg, name) != saved[name]]
+    if ignored:
+        logger.warning("ignoring %s on resume: the architecture comes from the saved config", ", ".join(ignored))
+    return replace(cfg, **saved)
+
+
+def duration(seconds: float) -> str:
+    """``6780`` -> ``1 h 53 min``; ``250`` -> ``4 min 10 s``."""
+    minutes, secs = divmod(round(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours} h {minutes} min" if hours else f"{minutes} min {secs} s" if minutes else f"{secs} s"
+
+
 def train(cfg: TrainConfig, corpus: Corpus, *, stop_at: Optional[int] = None) -> Path:
     """Train (or resume) and return the checkpoint directory.
 
     ``stop_at`` ends this session after that step (saving a resumable checkpoint) without changing the
     schedule, which is always laid out over ``cfg.steps``: the way to split one run over several sessions.
+    On resume the architecture comes from the saved config (differing settings are logged and replaced).
     """
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     output = Path(cfg.output)
     state_path = output / STATE_FILE
+    if state_path.exists():
+        cfg = adopt_saved_architecture(cfg)
     torch.manual_seed(cfg.seed)
     # On resume the architecture comes from the saved config, the weights from the full-precision state.
     model = DiffusionTransformer(load_config(output) if state_path.exists() else byte_model_config(cfg))
@@ -115,16 +154,25 @@ def train(cfg: TrainConfig, corpus: Corpus, *, stop_at: Optional[int] = None) ->
     run = restore(state_path, cfg, model, optimizer, generator) if state_path.exists() else RunState()
     end = cfg.steps if stop_at is None else min(cfg.steps, stop_at)
     first = run.step
+    parameters = sum(p.numel() for p in model.parameters()) / 1e6
+    logger.info("training steps %d..%d of %d (batch %d x %d tokens, %.2fM parameters, %d threads); the time it "
+                "takes is estimated after %d steps", first, end, cfg.steps, cfg.batch_size, cfg.seq_len, parameters,
+                torch.get_num_threads(), ESTIMATE_AFTER_STEPS)
     bar = tqdm(range(first, end), initial=first, total=cfg.steps, desc=f"train {cfg.corpus}")
     session_start, wall_before = time.perf_counter(), run.wall_s
-    for step in bar:
-        loss = train_step(model, optimizer, corpus, generator, cfg, step)
-        run.smoothed_loss = loss if run.smoothed_loss is None else 0.98 * run.smoothed_loss + 0.02 * loss
-        run.step = step + 1
-        bar.set_postfix(loss=f"{run.smoothed_loss:.3f}", lr=f"{learning_rate(cfg, step):.1e}")
-        if run.step % cfg.save_every == 0 or run.step == end:
-            run.wall_s = wall_before + time.perf_counter() - session_start
-            save(model, optimizer, generator, run, cfg)
+    with logging_redirect_tqdm():  # log lines above the progress bar, not inside it
+        for step in bar:
+            if step - first == ESTIMATE_AFTER_STEPS:
+                per_step = (time.perf_counter() - session_start) / ESTIMATE_AFTER_STEPS
+                logger.info("%.2f s per step: about %s for the %d steps left (--steps sets the total)", per_step,
+                            duration(per_step * (end - step)), end - step)
+            loss = train_step(model, optimizer, corpus, generator, cfg, step)
+            run.smoothed_loss = loss if run.smoothed_loss is None else 0.98 * run.smoothed_loss + 0.02 * loss
+            run.step = step + 1
+            bar.set_postfix(loss=f"{run.smoothed_loss:.3f}", lr=f"{learning_rate(cfg, step):.1e}")
+            if run.step % cfg.save_every == 0 or run.step == end:
+                run.wall_s = wall_before + time.perf_counter() - session_start
+                save(model, optimizer, generator, run, cfg)
     logger.info("trained steps %d..%d in %.0f s", first, end, time.perf_counter() - session_start)
     return output
 
@@ -156,9 +204,6 @@ def restore(state_path: Path, cfg: TrainConfig, model: DiffusionTransformer, opt
         if name in saved and _comparable(saved[name]) != _comparable(getattr(cfg, name)):
             logger.warning("resuming with %s=%r but the run was started with %r: it will not match an "
                            "uninterrupted run", name, getattr(cfg, name), saved[name])
-    ignored = [n for n in ARCHITECTURE_FIELDS if n in saved and saved[n] != getattr(cfg, n)]
-    if ignored:
-        logger.warning("ignoring %s on resume: the architecture comes from the saved config", ", ".join(ignored))
     run = RunState(step=state["step"], wall_s=state.get("wall_s", 0.0), smoothed_loss=state.get("smoothed_loss"))
     logger.info("resuming %s at step %d", state_path.parent, run.step)
     return run

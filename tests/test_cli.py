@@ -1,0 +1,444 @@
+"""Every command's mistakes end in one line and a documented exit code; halts are visible (issue 20).
+
+The error path is :class:`swarm.cli_options.OneLineErrors`: these tests drive the real commands (in process with
+click's runner, or as subprocesses where the whole output matters) into the mistakes a newcomer makes.
+"""
+from __future__ import annotations
+
+import json
+import re
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import click
+import pytest
+import torch
+from click.testing import CliRunner, Result
+
+from swarm.cli_options import (
+    EXIT_CODES,
+    EXIT_HALTED,
+    EXIT_IN_USE,
+    EXIT_INTERNAL,
+    EXIT_INTERRUPTED,
+    EXIT_NOT_SERVED,
+    EXIT_UNREACHABLE,
+    EXIT_USAGE,
+    OneLineErrors,
+    SwarmCommand,
+    default_threads,
+    run_main,
+    utc_time,
+)
+from swarm.dht.node import NetworkConfig
+from swarm.dht.peers import ENV_BOOTSTRAP_FILE, ENV_PEERS, check_peer_multiaddr, resolve_initial_peers
+from swarm.governance.keys import generate_private_key, public_key_text
+from tests.conftest import make_checkpoint, tiny_config
+
+ROOT = Path(__file__).resolve().parent.parent
+DEAD_PEER = "/ip4/127.0.0.1/tcp/1/p2p/12D3KooWRJaumqk3B8gSfjnNoP38rNHSXe69Tw2JKm8EYLuU1zCQ"
+
+
+def commands() -> dict[str, click.Command]:
+    from swarm.api.__main__ import main as api
+    from swarm.benchmark import main as benchmark
+    from swarm.dht.__main__ import main as dht
+    from swarm.eval.__main__ import main as evaluate
+    from swarm.generate import main as generate
+    from swarm.governance.__main__ import main as governance
+    from swarm.health.__main__ import main as health
+    from swarm.server.__main__ import main as server
+    from swarm.train.__main__ import main as train
+
+    return {"generate": generate, "api": api, "server": server, "dht": dht, "governance": governance,
+            "train": train, "eval": evaluate, "health": health, "benchmark": benchmark}
+
+
+def run(name: str, *args: str, env: dict | None = None) -> Result:
+    return CliRunner().invoke(commands()[name], list(args), env=env, catch_exceptions=False)
+
+
+def error_lines(result: Result) -> list[str]:
+    return [line for line in result.stderr.splitlines() if line.strip()]
+
+
+def assert_one_line(result: Result, code: int, *fragments: str) -> str:
+    """The command failed with ``code`` and said so on stderr in one line holding every fragment."""
+    lines = error_lines(result)
+    assert result.exit_code == code, (result.exit_code, result.output)
+    assert len(lines) == 1 and lines[0].startswith("Error: "), lines
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.fixture(autouse=True)
+def keep_torch_threads():
+    """Commands run in this process set torch's thread count (--threads): give the next test its count back."""
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
+def no_default_peers(monkeypatch, tmp_path):
+    monkeypatch.delenv(ENV_PEERS, raising=False)
+    monkeypatch.setenv(ENV_BOOTSTRAP_FILE, str(tmp_path / "no-bootstrap-peers.txt"))
+
+
+@pytest.fixture
+def busy_port():
+    """A port another process listens on (a plain socket, as any program would hold it)."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        yield listener.getsockname()[1]
+
+
+# ----- every command ---------------------------------------------------------------------------------------
+def test_every_command_shares_the_error_path_verbose_and_threads():
+    for name, command in commands().items():
+        assert isinstance(command, OneLineErrors), name
+        assert "verbose" in [p.name for p in command.params], name
+    for name in ("generate", "api", "server", "train", "eval"):
+        flags = [flag for p in commands()[name].params for flag in p.opts]
+        assert "--threads" in flags, name
+    assert "--compute-threads" in [f for p in commands()["server"].params for f in p.opts], "the old name stays"
+
+
+def test_the_exit_codes_are_the_documented_table():
+    text = (ROOT / "docs" / "OPERATIONS.md").read_text()
+    section = text[text.index("### Exit codes"):]
+    documented = {int(code) for code in re.findall(r"^\| `(\d+)` \|", section, re.M)}
+    assert documented == set(EXIT_CODES)
+    for code in (EXIT_NOT_SERVED, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_IN_USE, EXIT_HALTED):
+        assert f"`{code}`" in section
+
+
+def test_an_unexpected_error_is_one_line_and_its_traceback_needs_verbose(monkeypatch, capsys):
+    """A bug: ``python -m`` (run_main) prints one line and exits 70; a Python caller still gets the exception."""
+    @click.command(cls=SwarmCommand)
+    def broken() -> None:
+        raise RuntimeError("boom\nsecond line")
+
+    @click.command(cls=SwarmCommand)
+    def interrupted() -> None:
+        raise KeyboardInterrupt
+
+    for argv, traceback_shown in ((["broken"], False), (["broken", "--verbose"], True)):
+        monkeypatch.setattr(sys, "argv", argv)
+        with pytest.raises(SystemExit) as exit_:
+            run_main(broken)
+        stderr = capsys.readouterr().err
+        assert exit_.value.code == EXIT_INTERNAL and ("Traceback" in stderr) == traceback_shown
+        assert stderr.splitlines()[-1] == ("Error: internal error: RuntimeError: boom second line (a bug: run again "
+                                           "with --verbose and report the traceback)")
+        assert len(stderr.splitlines()) == 1 or traceback_shown
+    with pytest.raises(RuntimeError, match="boom"):
+        CliRunner().invoke(broken, [], catch_exceptions=False)
+    assert_one_line(CliRunner().invoke(interrupted, []), EXIT_INTERRUPTED, "interrupted")
+
+
+def test_a_malformed_initial_peer_is_one_line_from_the_real_process():
+    """The issue's 44-line traceback: now the command's whole stderr is one line; --verbose shows the rest."""
+    command = [sys.executable, "-m", "swarm.generate", "Hi", "--initial-peers", "127.0.0.1:31337"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == EXIT_USAGE
+    assert done.stderr.strip().splitlines() == [
+        "Error: --initial-peers: '127.0.0.1:31337' is not a peer's multiaddr; expected "
+        "/ip4/203.0.113.5/tcp/31337/p2p/12D3KooW..., as printed by the bootstrap peer or a server"]
+    verbose = run("generate", "Hi", "--initial-peers", "127.0.0.1:31337", "--verbose")
+    assert verbose.exit_code == EXIT_USAGE and "Traceback" in verbose.stderr
+
+
+# ----- bad values --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name, args, fragment", [
+    ("generate", ["Hi", "--model", "/nonexistent"], "neither a checkpoint directory nor an embedded model"),
+    ("generate", ["Hi", "--gen-length", "7", "--block-length", "3"], "divisible"),
+    ("api", ["--local", "--model", "/nonexistent", "--port", "0"], "neither a checkpoint directory"),
+    ("eval", ["--model", "/nonexistent"], "neither a checkpoint directory"),
+    ("server", ["--num-blocks", "40", "--throughput", "1"], "--num-blocks 40 must be 1..16"),
+    ("server", ["--blocks", "0:8", "--num-blocks", "4", "--throughput", "1"], "not both"),
+    ("server", ["--blocks", "0:99", "--throughput", "1"], "not inside the model's 16 blocks"),
+    ("server", ["--host-maddrs", "0.0.0.0:31338"], "--host-maddrs: '0.0.0.0:31338' is not a multiaddr"),
+    ("dht", ["--initial-peers", "/ip4/127.0.0.1/tcp/31337"], "is not a peer's multiaddr"),
+    ("health", ["--dht-prefix", "m", "--num-blocks", "2", "--initial-peers", "/ip4/1.2.3/tcp/1/p2p/x"],
+     "is not a valid multiaddr"),
+])
+def test_bad_values_are_refused_in_one_line(name, args, fragment, no_default_peers):
+    assert_one_line(run(name, *args), EXIT_USAGE, fragment)
+
+
+def test_click_range_checks_refuse_zero_blocks_and_zero_threads():
+    """--num-blocks 0 once served the whole model; click's own message, exit 2, no traceback."""
+    for name, args in (("server", ["--num-blocks", "0"]), ("generate", ["Hi", "--threads", "0"]),
+                       ("train", ["--output", "x", "--steps", "0"])):
+        result = run(name, *args)
+        assert result.exit_code == EXIT_USAGE and "Traceback" not in result.output
+        assert "is not in the range" in result.stderr
+
+
+def test_health_and_governance_without_any_peer_say_so(no_default_peers, tmp_path):
+    """They once started a DHT of their own and reported it empty (health: exit 1, 'not served')."""
+    result = run("health", "--dht-prefix", "m", "--num-blocks", "2")
+    assert result.exit_code == EXIT_USAGE and "no swarm to ask: pass --initial-peers" in result.stderr
+    key = tmp_path / "gov.key"
+    generate_private_key(key)
+    result = run("governance", "halt", "--key", str(key))
+    assert result.exit_code == EXIT_USAGE and "no swarm to join: pass --initial-peers" in result.stderr
+
+
+def test_governance_halt_given_the_public_key_says_which_file_to_give(tmp_path):
+    key = tmp_path / "governance.key"
+    public = tmp_path / "governance.key.pub"
+    public.write_text(public_key_text(generate_private_key(key)) + "\n")
+    result = run("governance", "halt", "--key", str(public), "--initial-peers", DEAD_PEER)
+    assert result.exit_code == EXIT_USAGE
+    assert "holds a public key; give the private key file (governance.key)" in result.stderr
+    assert "Traceback" not in result.output
+
+
+def test_peer_multiaddrs_are_checked_where_they_come_from(monkeypatch, tmp_path):
+    assert check_peer_multiaddr(DEAD_PEER) == DEAD_PEER
+    with pytest.raises(ValueError, match=r"^--initial-peers: '127.0.0.1:31337' is not a peer's multiaddr"):
+        check_peer_multiaddr("127.0.0.1:31337")
+    monkeypatch.setenv(ENV_PEERS, f"{DEAD_PEER}, /ip4/127.0.0.1/tcp/5")
+    with pytest.raises(ValueError, match=r"^\$SWARM_INITIAL_PEERS: '/ip4/127.0.0.1/tcp/5'"):
+        resolve_initial_peers([])
+    monkeypatch.delenv(ENV_PEERS)
+    listing = tmp_path / "peers.txt"
+    listing.write_text(f"# bootstrap\n{DEAD_PEER}\nlocalhost:1\n")
+    monkeypatch.setenv(ENV_BOOTSTRAP_FILE, str(listing))
+    with pytest.raises(ValueError, match=re.escape(f"{listing}: 'localhost:1'")):
+        resolve_initial_peers([])
+
+
+def test_training_refuses_an_architecture_flag_that_a_resume_would_ignore(tmp_path):
+    """The issue: a resumed run recorded hidden_size 32 in training.json while config.json said 64."""
+    from swarm.train.data import TextCorpus
+    from swarm.train.loop import TRAINING_INFO_FILE, TrainConfig, train
+
+    data = tmp_path / "data.txt"
+    data.write_bytes(b"the quick brown fox jumps over the lazy dog. " * 50)
+    args = ["--output", str(tmp_path / "run"), "--data", str(data), "--steps", "1", "--batch-size", "2",
+            "--seq-len", "16", "--hidden-size", "64", "--layers", "1", "--heads", "4", "--kv-heads", "2",
+            "--intermediate-size", "32", "--threads", "1"]
+    assert run("train", *args).exit_code == 0
+    changed = args[:11] + ["32"] + args[12:]
+    changed[5] = "2"  # --steps 2: a real resume
+    assert_one_line(run("train", *changed), EXIT_USAGE, "--hidden-size 32 (the checkpoint has 64)", "drop the flag")
+    # A library caller is not refused, but what it records is what was trained.
+    cfg = TrainConfig(output=str(tmp_path / "run"), corpus="files", steps=2, batch_size=2, seq_len=16,
+                      hidden_size=32, layers=1, heads=4, kv_heads=2, intermediate_size=32, threads=1)
+    train(cfg, TextCorpus(data.read_bytes(), "toy"))
+    info = json.loads((tmp_path / "run" / TRAINING_INFO_FILE).read_text())
+    assert info["step"] == 2 and info["train_config"]["hidden_size"] == 64
+
+
+def test_training_logs_how_long_the_run_will_take(tmp_path, caplog):
+    from swarm.train.data import TextCorpus
+    from swarm.train.loop import TrainConfig, train
+
+    cfg = TrainConfig(output=str(tmp_path / "run"), corpus="files", steps=5, batch_size=2, seq_len=16,
+                      hidden_size=16, layers=1, heads=2, kv_heads=1, intermediate_size=16, threads=1)
+    with caplog.at_level("INFO", logger="swarm.train.loop"):
+        train(cfg, TextCorpus(b"abc " * 400, "toy"))
+    assert re.search(r"s per step: about \d+ s for the 2 steps left", caplog.text), caplog.text
+
+
+# ----- threads and the server's first line -------------------------------------------------------------------
+def test_default_threads_leave_room_for_the_rest_of_the_swarm(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    import os
+
+    cpus = len(os.sched_getaffinity(0))
+    assert default_threads() == max(1, cpus // 2)
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert default_threads() == 3
+
+
+def test_a_server_that_joined_through_the_environment_does_not_claim_a_new_swarm(monkeypatch, no_default_peers):
+    from swarm.server.__main__ import join_message
+
+    addrs = ["/ip4/127.0.0.1/tcp/5/p2p/12D3KooWSelf"]
+    assert join_message(NetworkConfig(), addrs).startswith("Started a new swarm. Others join with: --initial-peers")
+    monkeypatch.setenv(ENV_PEERS, DEAD_PEER)  # the README's own method
+    assert join_message(NetworkConfig(), addrs).startswith("Joined the swarm through 1 initial peer(s)")
+    assert join_message(NetworkConfig(initial_peers=[DEAD_PEER]), addrs).startswith("Joined")
+
+
+# ----- ports and swarms that cannot be reached ---------------------------------------------------------------
+@pytest.mark.parametrize("name", ["server", "dht", "api"])
+def test_a_port_in_use_is_refused_before_anything_loads(name, busy_port, no_default_peers):
+    maddr = f"/ip4/127.0.0.1/tcp/{busy_port}"
+    args = {"server": ["--host-maddrs", maddr, "--blocks", "0:8"], "dht": ["--host-maddrs", maddr],
+            "api": ["--local", "--port", str(busy_port)]}[name]
+    started = time.monotonic()
+    assert_one_line(run(name, *args), EXIT_IN_USE, f"port {busy_port} (tcp) is already in use")
+    assert time.monotonic() - started < 5, "refused at start, not after loading the model"
+
+
+def test_an_unreachable_bootstrap_peer_has_its_own_exit_code(no_default_peers):
+    assert_one_line(run("generate", "Hi", "--initial-peers", DEAD_PEER), EXIT_UNREACHABLE,
+                    "could not reach any initial peer", DEAD_PEER)
+
+
+def test_missing_blocks_exit_as_not_served(local_swarm, tmp_path):
+    unserved = make_checkpoint(tmp_path / "nobody-serves-this", tiny_config(), seed=21)
+    result = run("generate", "Hi", "--model", str(unserved), "--initial-peers", local_swarm.initial_peers[0],
+                 "--gen-length", "8", "--steps", "4", "--block-length", "8", "--threads", "1")
+    assert_one_line(result, EXIT_NOT_SERVED, "no online server holds blocks 0:4")
+
+
+# ----- a halted swarm ------------------------------------------------------------------------------------------
+SETTINGS = dict(gen_length=64, steps=64, block_length=64, seed=1)
+
+
+@pytest.fixture(scope="module")
+def halted(local_swarm, tmp_path_factory):
+    """A model served by one server that trusts a governance key, halted by that key; the operator's DHT peer."""
+    from swarm.dht.node import start_dht, stop_dht
+    from swarm.dht.schema import default_prefix
+    from swarm.governance.records import HALT, publish
+
+    root = tmp_path_factory.mktemp("halted")
+    key = generate_private_key(root / "gov.key")
+    path = make_checkpoint(root / "halted-model", tiny_config(), seed=8)
+    server = local_swarm.start_server(str(path), "0:4", "--compute-threads", "1",
+                                      "--governance-key", public_key_text(key))
+    operator = start_dht(NetworkConfig(initial_peers=local_swarm.initial_peers, client_mode=True))
+    try:
+        assert publish(operator, key, default_prefix(path), HALT, "incident 7", timestamp=time.time() - 1)
+        yield path, key, operator
+    finally:
+        stop_dht(operator)
+        local_swarm.terminate(server)
+
+
+def test_generate_on_a_halted_swarm_exits_5_with_the_reason_and_a_date(local_swarm, halted):
+    path, key, _ = halted
+    result = run("generate", "Hi", "--model", str(path), "--initial-peers", local_swarm.initial_peers[0],
+                 "--gen-length", "8", "--steps", "8", "--threads", "1",
+                 env={"SWARM_GOVERNANCE_KEYS": public_key_text(key)})
+    line = assert_one_line(result, EXIT_HALTED, "halted by governance", "incident 7", "before step 0")
+    assert re.search(r"signed \d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC", line), line
+    assert result.stdout == "", "no text is printed for a halted generation"
+
+
+def test_governance_status_prints_a_date_and_exits_5(local_swarm, halted):
+    path, key, _ = halted
+    from swarm.dht.schema import default_prefix
+
+    result = run("governance", "status", "--governance-key", public_key_text(key), "--dht-prefix",
+                 default_prefix(path), "--initial-peers", local_swarm.initial_peers[0])
+    assert result.exit_code == EXIT_HALTED, result.output
+    assert re.search(r"HALTED: last halt #\d+ signed \d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC \(incident 7\)",
+                     result.stdout), result.stdout
+
+
+@pytest.fixture(scope="module")
+def halted_api(local_swarm, halted):
+    pytest.importorskip("uvicorn", reason="the API needs fastapi and uvicorn")
+    from swarm.api import GenerationEngine, create_app
+    from swarm.client import DistributedDiffusionLM
+    from tests.test_api import serve
+
+    path, key, operator = halted
+    lm = DistributedDiffusionLM.from_pretrained(path, initial_peers=local_swarm.initial_peers,
+                                                governance_keys=(public_key_text(key),))
+    try:
+        engine = GenerationEngine(lm, "halted-model")
+        with serve(create_app(engine)) as url:
+            yield url
+    finally:
+        lm.shutdown()
+
+
+def post(url: str, body: dict) -> tuple[int, dict]:
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_api_answers_a_halt_with_503_swarm_halted(halted_api, stream):
+    """It once answered 200 with empty text and finish_reason 'length'."""
+    for route, prompt in (("completions", {"prompt": "Hi"}), ("chat/completions", {"messages": [
+            {"role": "user", "content": "Hi"}]})):
+        status, body = post(f"{halted_api}/v1/{route}", {"model": "halted-model", "max_tokens": 8, "stream": stream,
+                                                         **prompt})
+        assert status == 503, body
+        error = body["error"]
+        assert (error["type"], error["code"]) == ("service_unavailable", "swarm_halted")
+        assert "incident 7" in error["message"] and " UTC" in error["message"]
+
+
+def test_the_api_health_shows_the_halt(halted_api):
+    try:
+        urllib.request.urlopen(f"{halted_api}/health", timeout=60)
+        raise AssertionError("a halted swarm answered healthy")
+    except urllib.error.HTTPError as error:
+        assert error.code == 503
+        report = json.loads(error.read())
+    assert report["status"] == "degraded" and report["halted"]["reason"] == "incident 7"
+    assert report["halted"]["signed_at"].endswith(" UTC")
+
+
+def test_a_halt_during_a_stream_ends_it_with_an_error_event(local_swarm, halted, tmp_path):
+    """Resume, start a stream, halt after its first event: the stream ends with OpenAI's error event and no
+    final text or [DONE]."""
+    pytest.importorskip("uvicorn", reason="the API needs fastapi and uvicorn")
+    from swarm.api import GenerationEngine, create_app
+    from swarm.client import DistributedDiffusionLM
+    from swarm.dht.schema import default_prefix
+    from swarm.governance.records import HALT, RESUME, publish
+    from tests.test_api import serve
+
+    path, key, operator = halted
+    prefix = default_prefix(path)
+    assert publish(operator, key, prefix, RESUME, "drill over", timestamp=time.time())
+    try:
+        with DistributedDiffusionLM.from_pretrained(path, initial_peers=local_swarm.initial_peers,
+                                                    governance_keys=(public_key_text(key),)) as lm:
+            with serve(create_app(GenerationEngine(lm, "halted-model"))) as url:
+                body = {"model": "halted-model", "prompt": "Hi", "max_tokens": SETTINGS["gen_length"],
+                        "steps": SETTINGS["steps"], "block_length": SETTINGS["block_length"], "stream": True}
+                events = []
+                with open_stream(f"{url}/v1/completions", body) as response:
+                    for raw in response:
+                        line = raw.decode().strip()
+                        if not line.startswith("data: "):
+                            continue
+                        events.append(line[len("data: "):])
+                        if len(events) == 1:
+                            assert publish(operator, key, prefix, HALT, "incident 8", timestamp=time.time())
+    finally:
+        assert publish(operator, key, prefix, HALT, "incident 7", timestamp=time.time())  # as the fixture left it
+    last = json.loads(events[-1])
+    assert last["error"]["code"] == "swarm_halted" and "incident 8" in last["error"]["message"]
+    assert "[DONE]" not in events and 1 < len(events) < SETTINGS["steps"] + 1
+
+
+def open_stream(url: str, body: dict, wait_s: float = 20.0):
+    """The stream's response once the server has seen the resume too (it polls the records every 2 s, and
+    refuses steps until then: the API answers those with 503 swarm_halted)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+        try:
+            return urllib.request.urlopen(request, timeout=120)
+        except urllib.error.HTTPError as error:
+            assert error.code == 503 and time.monotonic() < deadline, error.read()
+            time.sleep(0.5)
+
+
+def test_utc_time_is_readable():
+    assert utc_time(0) == "1970-01-01 00:00:00 UTC"

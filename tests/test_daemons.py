@@ -1,0 +1,173 @@
+"""Ports in use are refused; DHT processes and libp2p daemons never outlive their parent (issue 20, items 1-2).
+
+libp2p listens with SO_REUSEPORT, so before the check a second daemon on a busy port started as if nothing were
+wrong; and a ``kill -9`` of a server left its DHT process and its ``p2pd`` running, holding the port.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from click.testing import CliRunner
+
+from swarm.dht.__main__ import main as dht_main
+from swarm.dht.node import AddressInUseError, check_listen_addresses, check_port_free
+from swarm.utils.local_swarm import LocalSwarm
+
+ROOT = Path(__file__).resolve().parent.parent
+GONE_WITHIN_S = 10.0
+
+
+def port_of(maddrs: list[str]) -> int:
+    return int(re.search(r"/tcp/(\d+)", maddrs[0]).group(1))
+
+
+# ----- ports --------------------------------------------------------------------------------------------------
+def test_a_plain_listener_blocks_the_port_and_port_zero_is_always_free():
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        for maddr in (f"/ip4/127.0.0.1/tcp/{port}", f"/ip4/0.0.0.0/tcp/{port}"):
+            with pytest.raises(AddressInUseError, match=f"port {port} \\(tcp\\) is already in use"):
+                check_listen_addresses([maddr])
+    check_listen_addresses([f"/ip4/127.0.0.1/tcp/{port}", "/ip4/127.0.0.1/tcp/0", "/ip4/0.0.0.0/udp/0/quic"])
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp:
+        udp.bind(("127.0.0.1", 0))
+        with pytest.raises(AddressInUseError, match="\\(udp\\)"):
+            check_port_free("127.0.0.1", udp.getsockname()[1], "udp")
+    with pytest.raises(ValueError, match="not an address of this machine"):
+        check_port_free("192.0.2.1", 31337)
+
+
+def test_a_second_daemon_on_the_bootstrap_peers_port_is_refused(local_swarm):
+    """The real case: p2pd listens with SO_REUSEPORT, and a second swarm.dht used to start beside it."""
+    port = port_of(local_swarm.bootstrap.maddrs)
+    with pytest.raises(AddressInUseError, match=f"port {port}"):
+        check_listen_addresses([f"/ip4/127.0.0.1/tcp/{port}"])
+    done = CliRunner().invoke(dht_main, ["--host-maddrs", f"/ip4/127.0.0.1/tcp/{port}"], env=local_swarm.env)
+    assert done.exit_code == 4, done.output
+    assert done.stderr.strip().splitlines() == [
+        f"Error: port {port} (tcp) is already in use (--host-maddrs /ip4/127.0.0.1/tcp/{port}): another process "
+        "listens on it (a server or DHT peer already running?); choose another port or stop that process"]
+
+
+# ----- daemons die with their parent ---------------------------------------------------------------------------
+def descendants(pid: int) -> list[psutil.Process]:
+    return psutil.Process(pid).children(recursive=True)
+
+
+def daemons_of(pid: int) -> tuple[psutil.Process, psutil.Process]:
+    """The DHT process (hivemind's, a child) and its p2pd (a grandchild) of a swarm process."""
+    family = descendants(pid)
+    p2pd = [p for p in family if p.name() == "p2pd"]
+    assert len(p2pd) == 1, [(p.pid, p.name()) for p in family]
+    return p2pd[0].parent(), p2pd[0]
+
+
+def wait_gone(processes: list[psutil.Process]) -> float:
+    """Seconds until every process has exited (reaped or a zombie of a dead parent), failing after GONE_WITHIN_S."""
+    started = time.monotonic()
+    while time.monotonic() - started < GONE_WITHIN_S:
+        alive = [p for p in processes if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        if not alive:
+            return time.monotonic() - started
+        psutil.wait_procs(alive, timeout=0.1)
+    raise AssertionError(f"still running after {GONE_WITHIN_S} s: {[(p.pid, p.name()) for p in alive]}")
+
+
+@pytest.fixture
+def swarm():
+    with LocalSwarm() as local:
+        yield local
+
+
+@pytest.mark.parametrize("role", ["dht", "server"])
+def test_kill_9_of_a_process_takes_its_daemons_and_frees_its_port(swarm, tiny_model_path, role):
+    """SIGKILL of the main process alone (not its group, unlike LocalSwarm.terminate)."""
+    if role == "dht":
+        managed = swarm.start_bootstrap()
+    else:
+        swarm.start_bootstrap()
+        managed = swarm.start_server(str(tiny_model_path), "0:4", "--threads", "1")
+    port = port_of(managed.maddrs)
+    dht_process, p2pd = daemons_of(managed.process.pid)
+    os.kill(managed.process.pid, signal.SIGKILL)
+    elapsed = wait_gone([dht_process, p2pd])
+    check_port_free("127.0.0.1", port)
+    print(f"{role}: DHT process and p2pd gone {elapsed:.2f} s after kill -9 of the main process")
+
+
+SILENT_DAEMONS = """
+import shutil, subprocess, sys, time
+from swarm.dht.node import dies_with_this_process
+command = [shutil.which("sleep"), "600"]
+guarded, bare = subprocess.Popen(dies_with_this_process(command)), subprocess.Popen(command)
+print(guarded.pid, bare.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_the_launcher_kills_even_a_silent_daemon_with_its_parent():
+    """An orphaned p2pd dies of SIGPIPE once it logs a line nobody reads (0.03-0.16 s here), which depends on its
+    writing; a daemon behind the launcher dies with its parent even if it never writes, and one without lives on.
+    """
+    from swarm.dht.node import P2P, guard_daemons
+
+    guard_daemons()
+    assert P2P._make_process_args("p2pd", b=1)[:3] == [sys.executable, "-I", "-S"], "hivemind's p2pd is guarded"
+    parent = subprocess.Popen([sys.executable, "-c", SILENT_DAEMONS], stdout=subprocess.PIPE, text=True, cwd=ROOT,
+                              start_new_session=True)
+    try:
+        guarded, bare = (psutil.Process(int(pid)) for pid in parent.stdout.readline().split())
+        deadline = time.monotonic() + GONE_WITHIN_S
+        while guarded.name() != "sleep":  # the launcher has exec'd the daemon: the same pid, now running it
+            assert time.monotonic() < deadline, guarded.cmdline()
+            time.sleep(0.05)
+        parent.kill()
+        parent.wait()
+        wait_gone([guarded])
+        assert bare.is_running() and bare.status() != psutil.STATUS_ZOMBIE, "without the launcher it lives on"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(parent.pid, signal.SIGKILL)
+
+
+STARTED_FROM_A_THREAD = """
+import threading, time
+from swarm.dht.node import NetworkConfig, start_dht
+def start():
+    dht = start_dht(NetworkConfig())
+    print("READY", flush=True)
+thread = threading.Thread(target=start)
+thread.start()
+thread.join()  # the starting thread ends; the DHT must live on while this process does
+print("JOINED", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_dht_started_from_a_thread_outlives_the_thread_not_the_process():
+    """A death signal fires when the starting *thread* exits: such a DHT process watches its parent pid instead."""
+    process = subprocess.Popen([sys.executable, "-c", STARTED_FROM_A_THREAD], stdout=subprocess.PIPE, text=True,
+                               cwd=ROOT, start_new_session=True)
+    try:
+        assert [process.stdout.readline().strip() for _ in range(2)] == ["READY", "JOINED"]
+        dht_process, p2pd = daemons_of(process.pid)
+        gone, alive = psutil.wait_procs([dht_process, p2pd], timeout=0.5)  # a wrong death signal acts at once
+        assert not gone and len(alive) == 2
+        process.kill()
+        wait_gone([dht_process, p2pd])
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()

@@ -1,21 +1,56 @@
-"""Starting a hivemind DHT peer with the swarm's network options (one place for every command)."""
+"""Starting a hivemind DHT peer with the swarm's network options (one place for every command).
+
+Besides starting the peer, this module makes sure of two things a user should never have to check:
+
+* **No port is shared by accident.** libp2p listens with ``SO_REUSEPORT``, so a second daemon on a port in
+  use starts as if nothing were wrong and the kernel splits incoming connections between the two. Every
+  listening multiaddr is therefore probed first with a plain socket (:func:`check_listen_addresses`), and a
+  port in use is refused with :class:`AddressInUseError`, naming it.
+* **No daemon outlives its parent**, however the parent dies (``kill -9`` included). A DHT peer is two
+  processes below the caller: hivemind's DHT process, and the ``p2pd`` daemon it starts. The DHT process
+  exits when its starter is gone (:func:`follow_parent`), and each ``p2pd`` gets ``PR_SET_PDEATHSIG`` from a
+  tiny launcher (:func:`guard_daemons`), so the kernel kills it when the DHT process dies.
+"""
 from __future__ import annotations
 
+import ctypes
+import errno
 import logging
+import os
+import re
+import signal
+import socket
+import sys
+import threading
+import time
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
 from hivemind.dht import DHT
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.validation import RecordValidatorBase
+from hivemind.p2p import P2P
+from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
+from multiaddr import Multiaddr
 
 from swarm.dht.identity import Identity
+from swarm.dht.nat import listen_addresses, relay_plan, wait_for_relay
 from swarm.dht.peers import resolve_initial_peers
 from swarm.dht.validation import swarm_validators
 
 logger = logging.getLogger(__name__)
 
 LOOPBACK_MADDRS = ("/ip4/127.0.0.1/tcp/0",)
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+ORPHAN_POLL_S = 0.25  # how often a DHT process started from a non-main thread checks that its starter lives
+
+
+class AddressInUseError(RuntimeError):
+    """A port to listen on, or a libp2p identity, is already used by another process."""
+
+
+class SwarmJoinError(RuntimeError):
+    """The DHT peer could not start or reach any initial peer."""
 
 
 @dataclass
@@ -30,11 +65,161 @@ class NetworkConfig:
     use_auto_relay: bool = False
     client_mode: bool = False
     use_default_peers: bool = True  # fall back to $SWARM_INITIAL_PEERS and the bootstrap file
+    # Behind NAT (detected, swarm.dht.nat): seconds to wait for a relay reservation before going on unreachable
+    relay_wait: float = 20.0
 
 
+# ----- ports ---------------------------------------------------------------------------------------
+def check_port_free(host: str, port: int, transport: str = "tcp", where: str = "") -> None:
+    """Raise :class:`AddressInUseError` if another socket listens on ``host:port`` (``transport`` tcp or udp).
+
+    The probe binds without ``SO_REUSEPORT``, so a daemon listening there with it still blocks the bind; for TCP
+    it sets ``SO_REUSEADDR``, which on Linux passes connections in TIME_WAIT (a restart) but never a listener.
+    Port 0 (any free port) is always free. ``where`` names the flag for the message.
+    """
+    if port == 0:
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    kind = socket.SOCK_STREAM if transport == "tcp" else socket.SOCK_DGRAM
+    with socket.socket(family, kind) as probe:
+        if kind == socket.SOCK_STREAM:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as error:
+            if error.errno == errno.EADDRINUSE:
+                raise AddressInUseError(f"port {port} ({transport}) is already in use{where}: another process listens "
+                                        "on it (a server or DHT peer already running?); choose another port or stop "
+                                        "that process") from None
+            if error.errno == errno.EADDRNOTAVAIL:
+                raise ValueError(f"cannot listen on {host}{where}: not an address of this machine") from None
+            if error.errno == errno.EACCES:
+                raise ValueError(f"port {port}{where} needs privileges; choose a port above 1023") from None
+            raise
+
+
+def check_listen_addresses(maddrs: Iterable[str], flag: str = "--host-maddrs") -> None:
+    """Check every ``/ip4|ip6/HOST/tcp|udp/PORT...`` multiaddr to listen on (others are left to libp2p)."""
+    for text in maddrs:
+        try:
+            addr = Multiaddr(str(text))
+        except ValueError:
+            expected = "expected e.g. /ip4/0.0.0.0/tcp/31337"
+            raise ValueError(f"{flag}: {str(text)!r} is not a multiaddr; {expected}") from None
+        parts = [(p.name, addr.value_for_protocol(p.code)) for p in addr.protocols()][:2]
+        if len(parts) == 2 and parts[0][0] in ("ip4", "ip6") and parts[1][0] in ("tcp", "udp"):
+            (_, host), (transport, port) = parts
+            check_port_free(host, int(port), transport, where=f" ({flag} {text})")
+
+
+# ----- daemons that die with their parent ----------------------------------------------------------
+def set_parent_death_signal(sig: int = signal.SIGKILL) -> bool:
+    """Linux: have the kernel send ``sig`` to this process when the thread that started it exits."""
+    if not sys.platform.startswith("linux"):
+        return False
+    return ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
+
+
+# Runs in the child between fork and p2pd: the death signal survives exec, and a parent that died before the
+# prctl is caught by the parent-pid check. It execs p2pd in place, so hivemind signals and waits for the same pid.
+_LAUNCHER = """import ctypes, os, signal, sys
+if ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0) != 0:
+    sys.exit("p2pd launcher: prctl(PR_SET_PDEATHSIG) failed")
+if os.getppid() != int(sys.argv[1]):
+    sys.exit("p2pd launcher: the process that started p2pd is gone")
+os.execv(sys.argv[2], sys.argv[2:])
+"""
+
+
+def dies_with_this_process(command: list[str]) -> list[str]:
+    """``command`` behind the launcher above: started from this process, it is killed when this process (precisely:
+    the thread that starts it) dies."""
+    return [sys.executable, "-I", "-S", "-c", _LAUNCHER, str(os.getpid()), *command]
+
+
+def guard_daemons() -> None:
+    """Make every ``p2pd`` that hivemind starts from now on, in this process and in processes forked from it, die
+    with the process that started it (Linux; elsewhere a no-op). Idempotent.
+
+    A p2pd whose parent died also dies of SIGPIPE at its next line of log, as nobody reads its output any more,
+    but only if it writes one; the death signal does not depend on that. hivemind 1.1.12 starts p2pd with
+    ``asyncio.create_subprocess_exec`` and has no hook for the child, but it builds the command line in one
+    place, ``P2P._make_process_args``: that is wrapped to put the launcher in front of the command. Code that
+    calls ``hivemind.P2P.create`` itself should call this first.
+    """
+    original = P2P._make_process_args
+    if not sys.platform.startswith("linux") or not sys.executable or getattr(original, "guarded", False):
+        return
+
+    def with_launcher(*args, **kwargs) -> list[str]:
+        return dies_with_this_process(original(*args, **kwargs))
+
+    with_launcher.guarded = True
+    P2P._make_process_args = staticmethod(with_launcher)
+
+
+def follow_parent(parent_pid: int, started_by_main_thread: bool) -> None:
+    """In a child process: exit as soon as ``parent_pid`` is gone.
+
+    With a parent's main thread as starter this is the kernel's death signal. A death signal fires when the
+    starting *thread* exits, so a child started from another thread instead polls its parent pid (a thread pool
+    may end the starting thread while the process lives on).
+    """
+    if started_by_main_thread and set_parent_death_signal(signal.SIGKILL):
+        if os.getppid() != parent_pid:
+            os._exit(0)
+        return
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(ORPHAN_POLL_S)
+        logger.warning("the process that started this DHT peer (pid %d) is gone; exiting", parent_pid)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="follow-parent", daemon=True).start()
+
+
+class GuardedDHT(DHT):
+    """hivemind's DHT process, which exits when the process that started it is gone, however it died."""
+
+    def __init__(self, *args, **kwargs):
+        self.starter_pid = os.getpid()
+        self.started_by_main_thread = threading.current_thread() is threading.main_thread()
+        super().__init__(*args, **kwargs)  # forks here with start=True
+
+    def run(self) -> None:
+        follow_parent(self.starter_pid, self.started_by_main_thread)
+        super().run()
+
+
+_DAEMON_LOG_PREFIX = re.compile(r"^(Daemon failed to start: )?\d{4}/\d\d/\d\d \d\d:\d\d:\d\d ")
+
+
+def join_error(error: P2PDaemonError, peers: list[str], identity_path: Optional[str]) -> Exception:
+    """hivemind's daemon error as the exception a user can act on (what to change, in one line)."""
+    message = _DAEMON_LOG_PREFIX.sub("", str(error)).strip()
+    if "failed to connect to bootstrap peers" in message:
+        listed = ", ".join(peers[:3]) + (f" and {len(peers) - 3} more" if len(peers) > 3 else "")
+        return SwarmJoinError(f"could not reach any initial peer ({listed}): check that the peer runs and that the "
+                              "address, port and peer id are the ones it printed")
+    if "already taken by another peer" in message:
+        return AddressInUseError(f"the identity in {identity_path} is already used by a running peer; stop it or "
+                                 "give another --identity-path")
+    if "address already in use" in message:
+        return AddressInUseError(f"a port to listen on is already in use: {message}")
+    if "failed to parse multiaddr" in message:
+        return ValueError(f"a multiaddr was refused by the libp2p daemon: {message}")
+    return SwarmJoinError(f"could not start the DHT peer: {message}")
+
+
+# ----- starting and stopping ---------------------------------------------------------------------------
 def start_dht(network: NetworkConfig, record_validators: Iterable[RecordValidatorBase] = (),
               identity: Optional[Identity] = None) -> DHT:
     """Start a DHT peer (with its libp2p daemon) and wait until it is ready.
+
+    Raises ValueError for a malformed multiaddr, :class:`AddressInUseError` for a port or identity in use and
+    :class:`SwarmJoinError` when no initial peer can be reached, each with a message saying what to change. The
+    peer's processes die with this one (see the module's docstring).
 
     Every peer runs the swarm's record validators (``swarm.dht.validation``) and hivemind's
     ``RSASignatureValidator``, so storing peers refuse forged writes and readers strip the signatures. With an
@@ -46,12 +231,20 @@ def start_dht(network: NetworkConfig, record_validators: Iterable[RecordValidato
     if not any(isinstance(v, RSASignatureValidator) for v in validators):
         validators.append(RSASignatureValidator())
     peers = resolve_initial_peers(network.initial_peers, use_defaults=network.use_default_peers)
+    host_maddrs = listen_addresses(network.host_maddrs, LOOPBACK_MADDRS, peers)
+    check_listen_addresses(host_maddrs)
+    guard_daemons()
     kwargs = dict(
-        host_maddrs=network.host_maddrs, use_relay=network.use_relay, use_auto_relay=network.use_auto_relay,
+        host_maddrs=host_maddrs, use_relay=network.use_relay, use_auto_relay=network.use_auto_relay,
         client_mode=network.client_mode,
     )
     if network.announce_maddrs:
         kwargs["announce_maddrs"] = network.announce_maddrs
+    relays = relay_plan(host_maddrs, network.announce_maddrs, peers, use_relay=network.use_relay,
+                        use_auto_relay=network.use_auto_relay, client_mode=network.client_mode)
+    if relays is not None:
+        logger.info("reachable through relays only (%s): relays %s", relays.reason, ", ".join(relays.relays) or "?")
+        kwargs.update(relays.daemon_options())
     if identity is not None:
         kwargs["identity_path"] = str(identity.path)
         kwargs["check_if_identity_free"] = not identity.fresh  # a key made a moment ago cannot be in use
@@ -59,14 +252,30 @@ def start_dht(network: NetworkConfig, record_validators: Iterable[RecordValidato
         kwargs["identity_path"] = network.identity_path
     logger.info("starting DHT peer (%d initial peers)", len(peers))
     try:
-        dht = DHT(initial_peers=peers or None, start=True, record_validators=validators, **kwargs)
+        dht = GuardedDHT(initial_peers=peers or None, start=True, record_validators=validators, **kwargs)
+    except P2PDaemonError as error:
+        raise join_error(error, peers, kwargs.get("identity_path")) from error
     finally:
         if identity is not None:
             identity.remove()
     if identity is not None and str(dht.peer_id) != identity.peer_id:
         stop_dht(dht)
         raise RuntimeError(f"the DHT runs as {dht.peer_id}, not as its identity {identity.peer_id}")
+    if relays is not None and relays.detected:
+        report_relay(dht, network.relay_wait)
     return dht
+
+
+def report_relay(dht: DHT, timeout: float) -> list[str]:
+    """Wait (up to ``timeout`` s) until the daemon holds a relay reservation, so that the addresses a server then
+    announces include its ``/p2p-circuit`` ones; say how long it took, or that the peer is unreachable so far."""
+    found, waited = wait_for_relay(lambda: dht.get_visible_maddrs(latest=True), timeout)
+    if found:
+        logger.info("reachable through %d relay(s) after %.1f s: %s", len(found), waited, ", ".join(found))
+    else:
+        logger.warning("no relay reservation after %.0f s: other peers cannot reach this one yet (libp2p waits up to "
+                       "3 min for relays when it knows fewer than 4 public peers; list more --initial-peers)", waited)
+    return found
 
 
 def visible_maddrs(dht: DHT) -> list[str]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from swarm.health.map import HealthMap, format_spans
+from swarm.health.reachability import reachability
 
 
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
@@ -20,11 +21,13 @@ def render_text(health: HealthMap) -> str:
     lines = [f"Model {health.prefix!r}: {health.num_blocks} blocks, {len(health.servers)} servers announced", ""]
     if health.servers:
         rows = [
-            (f"{r.start}:{r.end}", r.state.name.lower(), f"{r.throughput:.1f}", r.version or "?",
-             r.public_name or "-", "exact" if not r.approximate else f"APPROXIMATE ({r.numerics})", r.peer_id)
+            (f"{r.start}:{r.end}" + (" +head" if r.head else ""), r.state.name.lower(), f"{r.throughput:.1f}",
+             r.version or "?",
+             r.public_name or "-", "exact" if not r.approximate else f"APPROXIMATE ({r.numerics})",
+             reachability(r.addresses), r.peer_id)
             for r in health.servers
         ]
-        lines += format_table(("BLOCKS", "STATE", "TOK/S", "VERSION", "NAME", "NUMERICS", "PEER ID"), rows)
+        lines += format_table(("BLOCKS", "STATE", "TOK/S", "VERSION", "NAME", "NUMERICS", "REACH", "PEER ID"), rows)
     else:
         lines.append("No server has announced any block of this model (check --initial-peers and the prefix).")
     lines.append("")
@@ -32,6 +35,11 @@ def render_text(health: HealthMap) -> str:
     lines += format_table(("BLOCKS", "ONLINE REPLICAS"), runs)
     for domain, announcements in health.experts.items():
         lines.append(f"Expert {domain!r}: {len(announcements)} peers")
+    if health.adapters:
+        lines.append("")
+        rows = [(f"{a['name']}@{a['author']}", f"{a['size']}", "-" if a["score"] is None else f"{a['score']:g}",
+                 str(len(a["hosts"])), a["sha256"][:16]) for a in health.adapters]
+        lines += format_table(("ADAPTER", "BYTES", "SCORE", "HOSTS", "SHA256"), rows)
     lines.append("")
     if health.fully_served:
         lines.append(f"OK: every block is served by at least one online server (min {min(health.replicas)} replicas).")

@@ -20,10 +20,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 import swarm
 from swarm.api.engine import GenerationEngine
-from swarm.api.errors import ModelNotFound, as_api_error, error_body, install_error_handlers
+from swarm.api.errors import ModelNotFound, as_api_error, error_body, install_error_handlers, raise_if_halted
 from swarm.api.responses import CHAT, COMPLETION, SSE_DONE, ResponseBuilder, ResponseShape, sse
 from swarm.api.schemas import ChatCompletionRequest, CompletionRequest, OpenAIFields
 from swarm.lm import GenerationResult, StreamChunk
+from swarm.web import mount_api_pages
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +46,7 @@ def create_app(engine: GenerationEngine) -> FastAPI:
     app.state.engine = engine
     app.state.started = int(time.time())
     install_error_handlers(app)
+    mount_api_pages(app, engine)  # /map, /map.json, /playground (docs/WEB.md)
 
     @app.get("/health", summary="Liveness, and for a swarm whether every block is served")
     async def health() -> JSONResponse:
@@ -92,7 +94,8 @@ async def respond(engine: GenerationEngine, request: OpenAIFields, make_prompt: 
     """Validate, then answer with one JSON body or with a stream of step events.
 
     A stream is started only after its first step has come back, so that errors found on the way
-    (settings, empty or too long prompts, a swarm missing blocks) still get a proper 4xx/5xx status.
+    (settings, empty or too long prompts, a swarm missing blocks, a governance halt) still get a proper
+    4xx/5xx status; a halt later in a stream ends it with an error event.
     Every bound is checked before the request waits for the model.
     """
     check_model(engine, request.model)
@@ -104,13 +107,17 @@ async def respond(engine: GenerationEngine, request: OpenAIFields, make_prompt: 
         prompt = await asyncio.to_thread(make_prompt)  # chat templates may tokenise a long conversation
         chunks = engine.stream(prompt, settings)
         first = await unless_disconnected(connection, anext(chunks))
+        if first.done:
+            raise_if_halted(first.result)  # halted before its first step: a 503, not an empty stream
         if request.stream:
             response = StreamingResponse(events(builder, first, chunks, request.include_usage),
                                          media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
             chunks = None  # the stream owns it now
             return response
-        return builder.complete(await unless_disconnected(connection, last_result(first, chunks)))
+        result = await unless_disconnected(connection, last_result(first, chunks))
+        raise_if_halted(result)
+        return builder.complete(result)
     except ClientDisconnected:
         logger.info("client disconnected; its generation was cancelled")
         return Response(status_code=CLIENT_CLOSED_REQUEST)
@@ -161,6 +168,7 @@ async def events(builder: ResponseBuilder, first: StreamChunk, rest: AsyncIterat
     try:
         while True:
             if chunk.done:
+                raise_if_halted(chunk.result)  # halted mid-stream: the error event below, no final text
                 yield sse(builder.final_event(chunk.result, first=index == 0))
                 if include_usage:
                     yield sse(builder.usage_event(chunk.result))

@@ -109,7 +109,8 @@ class ResponseBuilder:
     def step_event(self, chunk: StreamChunk, first: bool) -> dict[str, Any]:
         choice = self.shape.chunk_choice("", None, first)
         choice["diffusion"] = {"step": chunk.step, "block": chunk.block, "masked_left": chunk.masked_left,
-                               "text": chunk.text}
+                               "text": chunk.text, "tokens": chunk.tokens, "unmasked": chunk.unmasked,
+                               "route": chunk.route, "failovers": chunk.failovers}
         return self.envelope(self.shape.chunk_object, [choice])
 
     def final_event(self, result: GenerationResult, first: bool) -> dict[str, Any]:

@@ -1,0 +1,9 @@
+"""The web pages: a live swarm map and a playground that draws the denoising (docs/WEB.md).
+
+Served by ``python -m swarm.api`` (both pages) and ``python -m swarm.health --serve`` (the map). Needs FastAPI
+and uvicorn, like the API; the pages themselves are plain HTML, CSS and JS in ``swarm/web/static``.
+"""
+from swarm.web.routes import mount_api_pages, mount_pages
+from swarm.web.watcher import SwarmWatcher, WatchConfig
+
+__all__ = ["SwarmWatcher", "WatchConfig", "mount_api_pages", "mount_pages"]

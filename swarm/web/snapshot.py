@@ -1,0 +1,133 @@
+"""What the swarm map page shows, as plain JSON: the health map plus what this peer sees of each server.
+
+Pure functions, no network, so the arithmetic and the sanitising are testable on their own. Everything a
+server announces is remote input: strings are cut, non-finite numbers become null (a ``NaN`` throughput would
+otherwise make the whole document invalid JSON) and only the fields the page draws are passed on. The page
+still writes every string with ``textContent``, never as HTML.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Iterable, Optional
+
+from swarm.dht.schema import ExpertRecord
+from swarm.health.map import ExpertAnnouncement, HealthMap, server_json
+
+MAX_TEXT = 120  # characters kept of any announced string (names, versions, numerics)
+MAX_ITEMS = 32  # items kept of any announced list (a server's experts)
+MAX_EXPERT_PEERS = 64  # announcements shown per expert domain
+MAX_DOMAINS = 64  # expert domains shown
+
+# The colour of a server's bar: the first status that applies, in this order.
+STATUSES = ("offline", "joining", "banned", "busy", "online")
+
+
+@dataclass(frozen=True)
+class Probe:
+    """One ``rpc_info`` round trip from this peer to a server (None fields: not measured)."""
+
+    rtt_ms: Optional[float] = None
+    in_flight: Optional[int] = None  # requests the server is computing or queueing now
+    error: Optional[str] = None  # why it did not answer
+
+
+@dataclass(frozen=True)
+class ClientView:
+    """What the local client knows of the servers (empty when the page is served without a client)."""
+
+    banned: frozenset[str] = frozenset()  # avoided by this client right now (failed, busy back-off, disputed)
+    distrusted: frozenset[str] = frozenset()  # caught returning wrong results: never used again
+    route: tuple[str, ...] = ()  # the client's current route, hop by hop (``peer[start:end]``)
+    route_peers: frozenset[str] = frozenset()
+
+
+def text(value: Any, limit: int = MAX_TEXT) -> Optional[str]:
+    """A remote string, cut to ``limit`` characters; anything that is not a string becomes None."""
+    return value[:limit] if isinstance(value, str) else None
+
+
+def number(value: Any) -> Optional[float]:
+    """A finite number or None (JSON has no NaN or infinity)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return None
+    return value
+
+
+def status_of(state: str, banned: bool, probe: Optional[Probe]) -> str:
+    """The bar's colour (see :data:`STATUSES`); approximate numerics are drawn as stripes on top of it."""
+    if state in ("offline", "joining"):
+        return state
+    if banned:
+        return "banned"
+    if probe is not None and probe.in_flight:
+        return "busy"
+    return "online"
+
+
+def server_view(record: dict[str, Any], probe: Optional[Probe], client: ClientView) -> dict[str, Any]:
+    """One server row: the announced fields (sanitised), then what this peer measured and decided."""
+    peer = str(record["peer_id"])
+    banned = peer in client.banned or peer in client.distrusted
+    return {
+        "peer_id": peer, "public_name": text(record.get("public_name")),
+        "start": int(record["start"]), "end": int(record["end"]), "state": str(record["state"]),
+        "throughput": number(record.get("throughput")), "version": text(record.get("version"), 40),
+        "cache_tokens_left": number(record.get("cache_tokens_left")),
+        "experts": [item for item in map(text, list(record.get("experts") or [])[:MAX_ITEMS]) if item],
+        "numerics": text(record.get("numerics")), "approximate": bool(record.get("approximate")),
+        "status": status_of(str(record["state"]), banned, probe),
+        "rtt_ms": None if probe is None else number(probe.rtt_ms),
+        "in_flight": None if probe is None else probe.in_flight,
+        "probe_error": None if probe is None else text(probe.error, 200),
+        "banned": peer in client.banned, "distrusted": peer in client.distrusted,
+        "in_route": peer in client.route_peers,
+    }
+
+
+def expert_view(domain: str, announcements: Iterable[ExpertAnnouncement]) -> dict[str, Any]:
+    """One expert domain: its valid announcements with their compatibility tags; malformed ones are counted."""
+    peers, malformed = [], 0
+    for announcement in list(announcements)[:MAX_EXPERT_PEERS]:
+        record = ExpertRecord.from_value(announcement.peer_id, announcement.value)
+        if record is None or record.domain != domain:
+            malformed += 1
+            continue
+        peers.append({"peer_id": record.peer_id, "model": text(record.model), "state": record.state.name.lower(),
+                      "public_name": text(record.public_name), "version": text(record.version, 40),
+                      "throughput": number(record.throughput),
+                      "tag": {"tokenizer": text(record.tag.tokenizer, 40), "vocab_size": record.tag.vocab_size,
+                              "mask_token_id": record.tag.mask_token_id}})
+    return {"domain": text(domain), "peers": peers, "malformed": malformed}
+
+
+def governance_view(enabled: bool, decision: Any = None, error: Optional[str] = None) -> dict[str, Any]:
+    """The newest valid governance decision: halted or not, by which key, since when (Unix seconds)."""
+    view: dict[str, Any] = {"enabled": enabled, "halted": False, "error": error}
+    if decision is not None:
+        view.update(halted=bool(decision.halted), action=decision.action, reason=text(decision.reason, 500),
+                    signer=decision.signer, since=number(decision.timestamp), sequence=decision.sequence)
+    return view
+
+
+def map_snapshot(health: HealthMap, probes: dict[str, Probe], client: ClientView, governance: dict[str, Any],
+                 source: str, playground: bool) -> dict[str, Any]:
+    """The document ``/map.json`` answers: everything the map page draws, JSON-safe."""
+    servers = [server_view(server_json(record), probes.get(record.peer_id), client) for record in health.servers]
+    domains = sorted(health.experts.items())[:MAX_DOMAINS]
+    return {
+        "mode": "swarm", "source": source, "playground": playground, "generated_at": time.time(),
+        "model": text(health.prefix), "num_blocks": health.num_blocks, "fully_served": health.fully_served,
+        "uncovered": [list(span) for span in health.uncovered], "replicas": list(health.replicas),
+        "servers": servers, "route": list(client.route),
+        "experts": [expert_view(domain, found) for domain, found in domains],
+        "governance": governance,
+    }
+
+
+def local_snapshot(model: str) -> dict[str, Any]:
+    """``/map.json`` of an API that runs the whole model in its own process: there is no swarm to draw."""
+    return {"mode": "local", "source": "api", "playground": True, "generated_at": time.time(), "model": model,
+            "num_blocks": 0, "fully_served": True, "uncovered": [], "replicas": [], "servers": [], "route": [],
+            "experts": [], "governance": governance_view(False)}

@@ -1,0 +1,489 @@
+"""The web pages (docs/WEB.md) in a real headless Chromium, against a real local swarm of the default model.
+
+The swarm map is read through the API's client and through ``python -m swarm.health --serve``; the playground
+streams from the API. Set ``SWARM_WEB_SCREENSHOTS=docs`` to save the README's screenshots while the tests run.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional
+
+import pytest
+
+pytest.importorskip("fastapi", reason="the pages are served by FastAPI (pip install fastapi uvicorn)")
+uvicorn = pytest.importorskip("uvicorn", reason="the pages are served by uvicorn (pip install fastapi uvicorn)")
+webdriver = pytest.importorskip("selenium.webdriver", reason="the browser tests need selenium (pip install selenium)")
+
+from selenium.common.exceptions import StaleElementReferenceException, TimeoutException  # noqa: E402
+from selenium.webdriver.common.action_chains import ActionChains  # noqa: E402
+from selenium.webdriver.common.by import By  # noqa: E402
+from selenium.webdriver.common.keys import Keys  # noqa: E402
+from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
+
+from swarm.api import GenerationEngine, create_app  # noqa: E402
+from swarm.dht.schema import RECORD_VERSION, ServerRecord  # noqa: E402
+from swarm.governance.keys import generate_private_key, public_key_text  # noqa: E402
+from swarm.governance.records import HALT, RESUME, publish  # noqa: E402
+from swarm.health.map import ExpertAnnouncement, build_health_map  # noqa: E402
+from swarm.utils.local_swarm import LocalSwarm  # noqa: E402
+from swarm.web.server import listen  # noqa: E402
+from swarm.web.snapshot import ClientView, Probe, map_snapshot  # noqa: E402
+from swarm.web.watcher import SwarmWatcher, WatchConfig, in_flight_of  # noqa: E402
+from tests.test_api import serve  # noqa: E402  (uvicorn on a free loopback port, in a thread)
+
+MODEL = "default"  # the embedded model: 16 blocks, readable text for the screenshots
+HOSTILE_NAME = "second half <b>as text</b>"  # a server's public name is remote input: never markup
+SETTINGS = dict(gen_length=32, steps=16, block_length=16, temperature=0.5, remasking="random", seed=7)
+PROMPT = "The government said"
+SCREENSHOTS = os.environ.get("SWARM_WEB_SCREENSHOTS")
+WAIT_S = 60
+
+
+def find_browser() -> tuple[str, str]:
+    """Debian's chromium and chromium-driver (never downloaded at run time); skip naming what is missing."""
+    binary = next(filter(None, map(shutil.which, ("chromium", "chromium-browser", "google-chrome"))), None)
+    driver = shutil.which("chromedriver")
+    missing = [name for name, path in (("chromium", binary), ("chromedriver (chromium-driver)", driver)) if not path]
+    if missing:
+        pytest.skip(f"the browser tests need {' and '.join(missing)}: apt-get install -y chromium chromium-driver")
+    return binary, driver
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    binary, driver_path = find_browser()
+    options = webdriver.ChromeOptions()
+    for argument in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
+                     "--window-size=1100,900", "--no-first-run", "--disable-extensions"):
+        options.add_argument(argument)
+    options.binary_location = binary
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    driver = webdriver.Chrome(options=options, service=webdriver.ChromeService(executable_path=driver_path))
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+@pytest.fixture(scope="module")
+def governance_key(tmp_path_factory):
+    return generate_private_key(tmp_path_factory.mktemp("governance") / "key")
+
+
+@pytest.fixture(scope="module")
+def web_swarm() -> Iterator[LocalSwarm]:
+    """A bootstrap peer and three servers of the default model: 0:8 and two of 8:16 (the last tests stop those)."""
+    with LocalSwarm() as swarm:
+        swarm.start_bootstrap()
+        servers = [swarm.start_server(MODEL, span, "--compute-threads", "1", "--public-name", name, wait=False)
+                   for span, name in (("0:8", "first half"), ("8:16", HOSTILE_NAME), ("8:16", "spare"))]
+        for server in servers:
+            swarm.wait_ready(server)
+        yield swarm
+
+
+@pytest.fixture(scope="module")
+def web_lm(web_swarm, governance_key):
+    from swarm.client import DistributedDiffusionLM
+
+    lm = DistributedDiffusionLM.from_pretrained(MODEL, initial_peers=web_swarm.initial_peers, request_timeout=20,
+                                                governance_keys=(public_key_text(governance_key),),
+                                                route_refresh=600)  # keeps its route: a stopped hop fails over
+    yield lm
+    lm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def local_model():
+    from swarm.local import DiffusionLM
+
+    return DiffusionLM.from_pretrained(MODEL)
+
+
+@pytest.fixture(scope="module")
+def api_url(web_lm) -> Iterator[str]:
+    with serve(create_app(GenerationEngine(web_lm, MODEL))) as url:
+        yield url
+
+
+# ----- browser helpers --------------------------------------------------------------------------------------
+def wait_for(driver, condition: Callable[[Any], Any], what: str, timeout: float = WAIT_S) -> Any:
+    try:
+        return WebDriverWait(driver, timeout, poll_frequency=0.1,
+                             ignored_exceptions=(StaleElementReferenceException,)).until(condition)
+    except TimeoutException:
+        raise AssertionError(f"timed out after {timeout} s waiting for {what}; page says: "
+                             f"{driver.find_element(By.TAG_NAME, 'main').text[-2000:]}") from None
+
+
+def text_of(driver, element_id: str) -> str:
+    """An element's exact text (``textContent``: no whitespace folding, unlike selenium's ``.text``)."""
+    return driver.find_element(By.ID, element_id).get_attribute("textContent")
+
+
+def console_errors(driver, allowed: tuple[str, ...] = ()) -> list[str]:
+    """SEVERE browser log entries since the last call, minus those naming an ``allowed`` status."""
+    return [entry["message"] for entry in driver.get_log("browser")
+            if entry["level"] == "SEVERE" and not any(status in entry["message"] for status in allowed)]
+
+
+def screenshot(driver, name: str) -> None:
+    if SCREENSHOTS:
+        Path(SCREENSHOTS).mkdir(parents=True, exist_ok=True)
+        driver.save_screenshot(str(Path(SCREENSHOTS) / name))
+
+
+def server_rows(driver) -> list[dict[str, str]]:
+    """The server table as {column: text} per row, read in one go (the page redraws it every poll)."""
+    return driver.execute_script("""
+        return Array.from(document.querySelectorAll('#servers tbody tr[id^="server-"]')).map((row) =>
+            Object.fromEntries([['id', row.id], ...Array.from(row.cells).map((td) => [td.dataset.label,
+                                                                                       td.textContent])]));""")
+
+
+def bars(driver) -> list[tuple[str, str]]:
+    """(aria-label, class) of each server's bar, read in one go."""
+    return driver.execute_script("""return Array.from(document.querySelectorAll('.bar')).map((bar) =>
+                                        [bar.getAttribute('aria-label'), bar.className]);""")
+
+
+def map_is_drawn(driver, answering: int, servers: Optional[int] = None) -> bool:
+    """``answering`` servers answered this peer's ping, of ``servers`` listed (any number when None)."""
+    rows = server_rows(driver)
+    return sum(row["Round trip (ms)"] != "—" for row in rows) == answering and len(rows) == (servers or len(rows))
+
+
+def no_horizontal_scroll(driver) -> bool:
+    return driver.execute_script("return document.documentElement.scrollWidth <= window.innerWidth")
+
+
+def tab_to(driver, wanted: str, presses: int = 40) -> None:
+    """Press Tab from the top of the page until ``wanted`` (JS, about ``document.activeElement``) holds."""
+    driver.execute_script("document.activeElement && document.activeElement.blur(); window.scrollTo(0, 0)")
+    for _ in range(presses):
+        ActionChains(driver).send_keys(Keys.TAB).perform()
+        if driver.execute_script(f"return Boolean({wanted})"):
+            return
+    raise AssertionError(f"{presses} presses of Tab never reached an element where {wanted}")
+
+
+def open_playground(driver, url: str) -> None:
+    driver.get(f"{url}/playground")
+    wait_for(driver, lambda d: d.find_element(By.TAG_NAME, "body").get_attribute("data-ready"), "the settings")
+
+
+def type_settings(driver, settings: dict[str, Any], prompt: str = PROMPT) -> None:
+    """Fill the form with the keyboard only; the last field's Enter submits it, as in any form."""
+    fields = {"prompt": prompt, **{name: value for name, value in settings.items()}}
+    for name, value in fields.items():
+        field = driver.find_element(By.ID, name)
+        if field.tag_name == "select":
+            driver.execute_script("arguments[0].focus()", field)
+            for _ in range(8):  # arrow keys walk the options, as a keyboard user would
+                if field.get_attribute("value") == value:
+                    break
+                field.send_keys(Keys.ARROW_DOWN)
+            assert field.get_attribute("value") == value
+            continue
+        type_into(field, value)
+    driver.switch_to.active_element.send_keys(Keys.ENTER)
+
+
+def type_into(field, value: Any) -> None:
+    """Replace a field's text as a user would: select all, delete, type (modifiers are released per call)."""
+    field.send_keys(Keys.CONTROL, "a")
+    field.send_keys(Keys.DELETE, str(value))
+
+
+def watch_canvas(driver) -> None:
+    """Record (masked, newest) cell counts after every change of the canvas, for :func:`canvas_history`."""
+    driver.execute_script("""
+        window.canvasHistory = [];
+        const canvas = document.getElementById('canvas');
+        new MutationObserver(() => window.canvasHistory.push([
+            canvas.querySelectorAll('.cell.masked').length, canvas.querySelectorAll('.cell.new').length,
+            canvas.querySelectorAll('.cell').length])).observe(canvas, {subtree: true, childList: true,
+            attributes: true, characterData: true});""")
+
+
+def finished(driver) -> str:
+    summary = text_of(driver, "summary")
+    return summary if summary.startswith(("Done", "Stopped")) else ""
+
+
+def post(url: str, body: dict) -> tuple[int, dict]:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+# ----- no browser: the map's data and the stream's new fields -----------------------------------------------
+def hostile_record(peer: str, **changes) -> ServerRecord:
+    value = {"record_version": RECORD_VERSION, "state": 2, "start": 0, "end": 2, "throughput": 10.0, **changes}
+    record = ServerRecord.from_value(peer, value)
+    assert record is not None, "the schema refused the record: this test wants one it accepts"
+    return record
+
+
+def test_map_data_is_valid_json_whatever_servers_announce():
+    """NaN and infinite numbers, markup, huge strings and wrong types in records never break /map.json."""
+    records = [hostile_record("peerA", throughput=float("nan"),
+                              public_name={"not": "a string"}, version="v" * 10_000, experts=[1, None, "code"]),
+               hostile_record("peerB", start=2, end=4, throughput=float("inf"),
+                              public_name=HOSTILE_NAME, numerics="int8 weights")]
+    experts = {"code": [ExpertAnnouncement("code", "peerC", {"garbage": True}),
+                        ExpertAnnouncement("code", "peerD", float("nan"))]}
+    health = build_health_map(records, "m", 6, experts)
+    probes = {"peerA": Probe(rtt_ms=float("nan"), in_flight=2), "peerB": Probe(error="x" * 5000)}
+    snapshot = map_snapshot(health, probes, ClientView(banned=frozenset({"peerB"})), {"enabled": False}, "api", True)
+    json.dumps(snapshot, allow_nan=False)  # raises on NaN / infinity
+    first, second = snapshot["servers"]
+    assert first["throughput"] is None and first["public_name"] is None and len(first["version"]) == 40
+    assert first["experts"] == ["code"] and first["rtt_ms"] is None and first["status"] == "busy"
+    assert second["public_name"] == HOSTILE_NAME and second["status"] == "banned" and second["approximate"]
+    assert len(second["probe_error"]) == 200 and snapshot["uncovered"] == [[4, 6]]
+    assert snapshot["experts"] == [{"domain": "code", "peers": [], "malformed": 2}]
+
+
+@pytest.mark.parametrize("info, expected", [
+    ({"admission": {"span": {"in_flight": 2}, "experts": {"in_flight": 1}}}, 3),
+    ({"admission": {"span": {"in_flight": -5}}}, None),
+    ({"admission": {"span": {"in_flight": "9"}}}, None),
+    ({"admission": {"span": {"in_flight": True}}}, None),
+    ({"admission": ["span"]}, None),
+    ("not a dict", None),
+])
+def test_server_load_is_read_defensively(info, expected):
+    assert in_flight_of(info) == expected
+
+
+class SlowWatcher(SwarmWatcher):
+    """A watcher whose reads of the swarm last until ``release`` is set: only the waiting policy is under test."""
+
+    def __init__(self, **kwargs):
+        super().__init__(access=None, source="api", playground=True, **kwargs)
+        self.release, self.reads = threading.Event(), 0
+
+    def _read(self) -> dict[str, Any]:
+        self.reads += 1
+        assert self.release.wait(10)
+        return {"read": self.reads}
+
+
+def test_a_slow_read_of_the_swarm_holds_no_other_page():
+    watcher = SlowWatcher(config=WatchConfig(min_interval=0, read_timeout=0.3))
+    watcher.release.set()
+    assert watcher.snapshot() == {"read": 1}
+    watcher.release.clear()
+    reading = threading.Thread(target=watcher.snapshot)
+    reading.start()
+    while watcher.reads < 2:
+        time.sleep(0.01)
+    started = time.monotonic()
+    assert watcher.snapshot() == {"read": 1} and time.monotonic() - started < 0.2  # the previous one, at once
+    watcher.release.set()
+    reading.join(5)
+    first = SlowWatcher(config=WatchConfig(read_timeout=0.3))
+    threading.Thread(target=first.snapshot, daemon=True).start()
+    while not first.reads:
+        time.sleep(0.01)
+    with pytest.raises(TimeoutError, match="still being read after 0 s"):
+        first.snapshot()  # nothing to show yet: a clear error after read_timeout, not a hang
+    first.release.set()
+
+
+def test_serve_refuses_a_port_in_use_before_joining_any_swarm():
+    from click.testing import CliRunner
+
+    from swarm.health.__main__ import main as health_main
+
+    with listen("127.0.0.1", 0) as taken:
+        port = str(taken.getsockname()[1])
+        result = CliRunner().invoke(health_main, ["--serve", "--port", port, "--dht-prefix", "m", "--num-blocks", "4",
+                                                  "--initial-peers", "/ip4/127.0.0.1/tcp/1/p2p/12D3KooWRVbNXZSAwuv4jbz"
+                                                  "q2sMzNsKzEMKruFjT9mKuXxBYHUBc"])
+    assert result.exit_code == 2 and f"cannot listen on 127.0.0.1:{port}" in result.output
+
+
+def test_stream_chunks_carry_the_canvas(local_model):
+    """Per step: each position's text or None, the positions just filled, and the tokens decode to the answer."""
+    chunks = list(local_model.generate_stream(PROMPT, **SETTINGS))
+    steps, result = chunks[:-1], chunks[-1].result
+    assert len(steps) == SETTINGS["steps"] and all(len(c.tokens) == SETTINGS["gen_length"] for c in steps)
+    previous = [None] * SETTINGS["gen_length"]
+    for chunk in steps:
+        assert chunk.unmasked and all(previous[i] is None and chunk.tokens[i] is not None for i in chunk.unmasked)
+        assert sum(token is None for token in chunk.tokens) == chunk.masked_left
+        assert chunk.route == [] and chunk.failovers == []  # one process: no route
+        previous = chunk.tokens
+    final_state = result.sequence[len(result.prompt_ids):].tolist()
+    assert previous == [local_model.tokenizer.decode([token]) for token in final_state]
+
+
+# ----- in the browser ---------------------------------------------------------------------------------------
+def test_map_shows_every_server_read_through_the_api(browser, api_url):
+    browser.get(f"{api_url}/map?every=1")
+    wait_for(browser, lambda d: map_is_drawn(d, 3, servers=3), "every server, pinged")
+    assert text_of(browser, "coverage").startswith("Every block is served: 16 blocks")
+    assert "no governance decision" in text_of(browser, "governance")
+    names = [row["Name"] for row in server_rows(browser)]
+    assert names[0] == "first half" and sorted(names[1:]) == sorted([HOSTILE_NAME, "spare"])  # markup as text
+    assert not browser.find_elements(By.CSS_SELECTOR, "main b")
+    assert [label.split(":")[0] for label, _ in bars(browser)] == names
+    assert all("status-online" in classes for _, classes in bars(browser))
+    assert browser.find_element(By.ID, "nav-playground").is_displayed()
+    screenshot(browser, "web-map.png")
+    tab_to(browser, "document.activeElement.classList.contains('bar')")
+    time.sleep(1.5)  # a redraw replaces the bars: the focus stays on the same one
+    ActionChains(browser).send_keys(Keys.ENTER).perform()  # a bar leads to its server's row, without a mouse
+    assert browser.execute_script("return location.hash") == f"#{server_rows(browser)[0]['id']}"
+    browser.set_window_size(380, 800)  # a phone: the table becomes cards, nothing scrolls sideways
+    try:
+        assert wait_for(browser, no_horizontal_scroll, "a narrow layout", timeout=5)
+    finally:
+        browser.set_window_size(1100, 900)
+    assert console_errors(browser) == []
+
+
+def test_playground_text_equals_the_api_and_the_local_model(browser, api_url, local_model):
+    open_playground(browser, api_url)
+    fields = browser.find_elements(By.CSS_SELECTOR, "input, select, textarea")
+    assert fields and all(browser.execute_script("return arguments[0].labels.length", f) == 1 for f in fields)
+    watch_canvas(browser)
+    type_settings(browser, SETTINGS)  # keyboard only: typed, then Enter
+    summary = wait_for(browser, finished, "the generation to end")
+    assert summary.startswith("Done"), text_of(browser, "error")
+    status, api = post(f"{api_url}/v1/completions", {"model": MODEL, "prompt": PROMPT, "stream": False, **SETTINGS})
+    assert status == 200, api
+    expected = local_model.generate(PROMPT, **SETTINGS).text
+    assert text_of(browser, "final-text") == api["choices"][0]["text"] == expected
+    history = browser.execute_script("return window.canvasHistory")
+    masked = [entry[0] for entry in history if entry[2]]
+    assert masked[0] > 0 and masked[-1] == 0 and masked == sorted(masked, reverse=True)  # masks fill in
+    assert any(entry[1] for entry in history)  # the newest cells were highlighted
+    assert history[-1][2] == SETTINGS["gen_length"]  # one cell per generated position
+    assert text_of(browser, "step") == str(SETTINGS["steps"])
+    assert "[0:8]" in text_of(browser, "route") and "[8:16]" in text_of(browser, "route")
+    assert not math.isnan(float(text_of(browser, "rate")))
+    tab_to(browser, "document.activeElement.id === 'generate' && !document.activeElement.disabled")
+    browser.set_window_size(380, 800)
+    try:
+        assert wait_for(browser, no_horizontal_scroll, "a narrow layout", timeout=5)
+    finally:
+        browser.set_window_size(1100, 900)
+    if SCREENSHOTS:
+        capture_mid_generation(browser)
+    assert console_errors(browser) == []
+
+
+def capture_mid_generation(driver) -> None:
+    """The README's screenshot: a longer answer caught while about half of it is still masked."""
+    driver.set_window_size(1000, 1250)
+    try:
+        for name, value in (("gen_length", 96), ("steps", 96), ("block_length", 32)):
+            type_into(driver.find_element(By.ID, name), value)
+        driver.find_element(By.ID, "generate").send_keys(Keys.ENTER)
+        wait_for(driver, lambda d: 35 <= len(d.find_elements(By.CSS_SELECTOR, "#canvas .cell.masked")) <= 50,
+                 "a half-filled canvas")
+        screenshot(driver, "web-playground.png")
+        wait_for(driver, finished, "the generation to end")
+    finally:
+        driver.set_window_size(1100, 900)
+
+
+def test_playground_shows_bad_settings_and_a_halt(browser, api_url, web_lm, governance_key):
+    open_playground(browser, api_url)
+    type_settings(browser, {**SETTINGS, "block_length": 5})
+    wait_for(browser, lambda d: d.find_element(By.ID, "error").is_displayed(), "the API's message")
+    assert "divisible by block_length" in text_of(browser, "error") and "HTTP 400" in text_of(browser, "error")
+    type_settings(browser, {**SETTINGS, "experts": "code:lots"})  # caught before any request
+    wait_for(browser, lambda d: "is not name:weight" in text_of(d, "error"), "the form's own message")
+    assert text_of(browser, "error").startswith('experts: "code:lots" is not name:weight')
+    assert publish(web_lm.dht, governance_key, MODEL, HALT, "maintenance window") is not None
+    try:
+        open_playground(browser, api_url)
+        type_settings(browser, SETTINGS)
+        wait_for(browser, lambda d: d.find_element(By.ID, "error").is_displayed(), "the halt message")
+        assert "halted" in text_of(browser, "error").lower() and "maintenance window" in text_of(browser, "error")
+        assert text_of(browser, "final-text") == ""
+        browser.get(f"{api_url}/map?every=1")
+        wait_for(browser, lambda d: "HALTED" in text_of(d, "governance"), "the halt on the map")
+        governance = text_of(browser, "governance")
+        assert "maintenance window" in governance and "ago)" in governance
+    finally:
+        publish(web_lm.dht, governance_key, MODEL, RESUME, "done", trusted=[governance_key.public_key()])
+    assert console_errors(browser, allowed=("status of 400", "status of 503")) == []
+
+
+def test_playground_shows_a_failover(browser, api_url, web_swarm, web_lm, local_model):
+    """The server of the route's second hop stops: the answer is the same, and the page names the failover."""
+    hop = next(hop for hop in web_lm.sequence.route if hop.start == 8)
+    web_swarm.terminate(next(p for p in web_swarm.processes if p.peer_id == hop.peer_id))
+    open_playground(browser, api_url)
+    type_settings(browser, SETTINGS)
+    assert wait_for(browser, finished, "the generation to end").startswith("Done"), text_of(browser, "error")
+    assert text_of(browser, "final-text") == local_model.generate(PROMPT, **SETTINGS).text
+    failovers = text_of(browser, "failovers")
+    assert f"block 8: …{hop.peer_id[-8:]} failed" in failovers and "another server took over" in failovers
+    assert hop.peer_id not in text_of(browser, "route") and "[8:16]" in text_of(browser, "route")
+    assert console_errors(browser) == []
+
+
+def test_health_serve_map_warns_once_a_server_stops(browser, web_swarm, api_url, governance_key):
+    command = [sys.executable, "-m", "swarm.health", "--serve", "--port", "0", "--model", MODEL,
+               *[arg for peer in web_swarm.initial_peers for arg in ("--initial-peers", peer)]]
+    env = dict(web_swarm.env, SWARM_GOVERNANCE_KEYS=public_key_text(governance_key))
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env,
+                               start_new_session=True)
+    try:
+        url = read_ready_url(process)
+        browser.get(f"{url}?every=1")
+        # The server stopped by the last test is listed as offline until its record expires (2.5 update periods).
+        wait_for(browser, lambda d: map_is_drawn(d, 2), "the running servers on the operator's map")
+        assert not browser.find_element(By.ID, "nav-playground").is_displayed()  # no API here
+        assert "Running" in text_of(browser, "governance")  # watched: the keys came from the environment
+        web_swarm.terminate(next(p for p in web_swarm.processes if p.span == (8, 16) and p.alive))
+        wait_for(browser, lambda d: text_of(d, "coverage").startswith("Uncovered blocks 8:16"), "the warning")
+        assert browser.execute_script("return document.querySelectorAll('.replicas.uncovered').length") == 8
+        statuses = {row["Status"] for row in server_rows(browser) if row["Blocks"] == "8:16"}
+        assert statuses == {"offline"}
+        assert console_errors(browser) == []
+        browser.get("about:blank")  # stop polling before the map's server goes away
+    finally:
+        process.send_signal(signal.SIGTERM)
+        code = process.wait(30)
+    assert code == 0, f"--serve did not stop cleanly on SIGTERM (exit code {code})"
+    open_playground(browser, api_url)  # and the playground says which blocks are missing
+    type_settings(browser, SETTINGS)
+    wait_for(browser, lambda d: d.find_element(By.ID, "error").is_displayed(), "the missing-blocks message")
+    assert "HTTP 503" in text_of(browser, "error") and "blocks 8:16" in text_of(browser, "error")
+    assert console_errors(browser, allowed=("status of 503",)) == []
+
+
+def read_ready_url(process: subprocess.Popen) -> str:
+    """The URL ``--serve`` prints once it listens (``MAP READY <url>``)."""
+    deadline = time.monotonic() + WAIT_S
+    lines: list[str] = []
+    while time.monotonic() < deadline:
+        line = process.stderr.readline()
+        if not line and process.poll() is not None:
+            break
+        lines.append(line)
+        if line.startswith("MAP READY "):
+            threading.Thread(target=lambda: lines.extend(process.stderr), daemon=True).start()  # drain the pipe
+            return line.split()[-1]
+    raise AssertionError("python -m swarm.health --serve did not start:\n" + "".join(lines[-30:]))

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
 
 import torch
 from tqdm.auto import tqdm
@@ -31,6 +32,7 @@ from swarm.diffusion.experts import ExpertSource
 from swarm.diffusion.mixture import DEFAULT_TAU
 from swarm.diffusion.pipeline import DenoiserCalls, Forward
 from swarm.diffusion.sampler import DiffusionSampler, Halted, WindowStats
+from swarm.finetune.adapter import AdapterError, SoftPrompt, base_of, check_fits
 from swarm.governance.tiers import TIERS
 from swarm.models.config import ModelConfig
 from swarm.models.tokenizer import MASK_PLACEHOLDER, Tokenizer
@@ -68,6 +70,11 @@ class StreamChunk:
     done: bool = False
     result: Optional[GenerationResult] = None
     telemetry: dict = field(default_factory=dict)
+    # What a page needs to draw the canvas (docs/WEB.md), per generated position and as the step happens:
+    tokens: list[Optional[str]] = field(default_factory=list)  # each position's text, None while masked
+    unmasked: list[int] = field(default_factory=list)  # positions this step filled (0: the first generated one)
+    route: list[str] = field(default_factory=list)  # the hops the request is routed through (empty in one process)
+    failovers: list[dict] = field(default_factory=list)  # this request's failovers so far
 
 
 @dataclass(frozen=True)
@@ -93,6 +100,10 @@ class GenerationRequest:
     chat: bool = setting(False, "Wrap the text prompt in the tokenizer's chat template (instruct checkpoints).",
                          api=False)  # the HTTP API has an endpoint for conversations
     progress: bool = setting(False, "Show a progress bar.", cli=False, api=False)  # the command shows every step
+    adapter: Optional[str] = setting(
+        None, "A fine-tuned adapter (a soft prompt): its directory, as written by python -m swarm.finetune, or the "
+              "name it was published under; see docs/TRAINING.md.",
+        api=False)  # a path names a file of the API's host: not for remote callers
 
     @classmethod
     def split(cls, kwargs: Mapping[str, Any]) -> tuple["GenerationRequest", dict[str, Any]]:
@@ -159,11 +170,30 @@ class BaseDiffusionLM(ABC):
         self._limits = limits
 
     @abstractmethod
-    def denoising_session(self, generation: GenerationConfig) -> contextlib.AbstractContextManager[Forward]:
+    def denoising_session(self, generation: GenerationConfig,
+                          adapter: Optional[SoftPrompt] = None) -> contextlib.AbstractContextManager[Forward]:
         """The model's pass for one generation (remote sessions are opened and closed around it).
 
         It honours cache directives (:mod:`swarm.diffusion.pipeline`); the sampler's denoiser is built on it.
+        With an ``adapter`` its prompt vectors go before the embedded sequence and its rows are sliced off
+        before the head.
         """
+
+    def load_adapter(self, name_or_path: Optional[str]) -> Optional[SoftPrompt]:
+        """The adapter a request names (a directory; subclasses may also find published names), checked against
+        this model; loaded once per name. :class:`AdapterError` (a ValueError) says what is wrong."""
+        if name_or_path is None:
+            return None
+        if not isinstance(name_or_path, str) or not 0 < len(name_or_path) <= 4096:
+            raise AdapterError(f"adapter must be a directory or a published name, got {name_or_path!r}")
+        cache = self.__dict__.setdefault("_adapters", {})
+        if name_or_path not in cache:
+            cache[name_or_path] = self.find_adapter(name_or_path, base_of(self.config, self.tokenizer))
+        return cache[name_or_path]
+
+    def find_adapter(self, name_or_path: str, base: dict[str, Any]) -> SoftPrompt:
+        """An adapter directory (the swarm client also resolves published names)."""
+        return SoftPrompt.load(name_or_path, base)
 
     def denoiser_workers(self, generation: GenerationConfig) -> int:
         """Threads for denoiser calls in flight: none locally (calls run at once, in order)."""
@@ -286,7 +316,8 @@ class BaseDiffusionLM(ABC):
         prompt's own (docs/GOVERNANCE.md); a governance halt ends the stream with ``finish_reason == "halted"``
         and ``info["halt"]``. ``scale`` (``local``, ``auto``, ``max``) sizes how much of the swarm the request
         uses (:mod:`swarm.scale`). ``chat`` wraps the text prompt in the tokenizer's chat template (instruct
-        checkpoints); ``progress`` shows a progress bar.
+        checkpoints); ``progress`` shows a progress bar. ``adapter`` applies a fine-tuned soft prompt (a directory
+        written by ``python -m swarm.finetune``, or a published name; docs/TRAINING.md).
 
         Every setting is bounded (:meth:`check_request`, :mod:`swarm.diffusion.config`): out-of-range,
         infinite or NaN values and requests too large for the model's context or the memory budget
@@ -300,10 +331,15 @@ class BaseDiffusionLM(ABC):
         request_info = {**self.begin_request(prompt, prompt_ids, options.tier, plan), **plan.info()}
         composition = self.composition(generation, prompt_ids, options.experts, options.expert_tau,
                                        options.corrector_steps)
+        adapter = self.load_adapter(options.adapter)
+        if adapter is not None:
+            check_fits(adapter, len(prompt_ids) + generation.gen_length, self.config.max_position_embeddings)
+            request_info["adapter"] = {"name": options.adapter, "prompt_length": adapter.length}
         telemetry: list[dict] = []
+        pieces = self._token_pieces()
         bar = tqdm(total=generation.gen_length, desc="denoising", unit="tok", disable=not options.progress,
                    leave=False)
-        with self.denoising_session(generation) as forward, bar:
+        with self.denoising_session(generation, adapter) as forward, bar:
             denoiser = DenoiserCalls(forward, generation, self.config.logits_shift, self.denoiser_workers(generation))
             if composition is None:
                 sampler = DiffusionSampler(denoiser, generation, self.config.mask_token_id, self.eos_token_ids())
@@ -318,10 +354,12 @@ class BaseDiffusionLM(ABC):
                     step_telemetry = composition.telemetry(event.step) if composition else event.telemetry
                     if composition:
                         telemetry.append(step_telemetry)
+                    generated = state[len(prompt_ids):].tolist()
                     yield StreamChunk(
                         step=event.step, block=event.block, masked_left=event.masked_left,
-                        text=self.tokenizer.decode(state[len(prompt_ids):].tolist(), mask_placeholder=MASK_PLACEHOLDER),
-                        telemetry=step_telemetry,
+                        text=self.tokenizer.decode(generated, mask_placeholder=MASK_PLACEHOLDER),
+                        telemetry=step_telemetry, tokens=pieces(generated),
+                        unmasked=[position - len(prompt_ids) for position in event.unmasked], **self._progress(),
                     )
             except Halted as stop:  # e.g. a governance halt: stop cleanly, say why and where
                 halt = stop
@@ -339,6 +377,17 @@ class BaseDiffusionLM(ABC):
             result.info.update(request_info)
             self.finish_request(result)
         yield StreamChunk(step=result.steps - 1, block=-1, text=result.text, masked_left=0, done=True, result=result)
+
+    def _token_pieces(self) -> Callable[[list[int]], list[Optional[str]]]:
+        """Each generated position's own text (None while masked), decoding each distinct id once per request."""
+        mask = self.config.mask_token_id
+        piece = functools.lru_cache(maxsize=4096)(lambda token: self.tokenizer.decode([token]))
+        return lambda ids: [None if token == mask else piece(token) for token in ids]
+
+    def _progress(self) -> dict[str, Any]:
+        """The route and failovers so far, for each streamed step (the result has them all at the end)."""
+        info = self.run_info()
+        return {"route": list(info.get("route", [])), "failovers": list(info.get("failovers", []))}
 
     def _result(self, prompt_ids: list[int], state: torch.Tensor, sampler: DiffusionSampler, elapsed: float,
                 composition: Optional[Composition] = None, telemetry: Optional[list[dict]] = None) -> GenerationResult:

@@ -12,6 +12,7 @@ from swarm.diffusion.config import GenerationConfig
 from swarm.diffusion.experts import ExpertNotFoundError, InProcessExpert
 from swarm.diffusion.pipeline import CacheDirective, Forward, check_head_rows, rows_to_score
 from swarm.diffusion.sampler import DenoiseContext
+from swarm.finetune.adapter import SoftPrompt
 from swarm.lm import BaseDiffusionLM
 from swarm.models.kv_cache import CacheMiss, SpanKV
 from swarm.models.loading import DEFAULT_MODEL, ModelFiles, resolve_device
@@ -78,9 +79,11 @@ class DiffusionLM(BaseDiffusionLM):
         return expert
 
     @contextlib.contextmanager
-    def denoising_session(self, generation: GenerationConfig) -> Iterator[Forward]:
+    def denoising_session(self, generation: GenerationConfig,
+                          adapter: Optional[SoftPrompt] = None) -> Iterator[Forward]:
         """Passes over the whole model; cache directives keep this generation's keys and values in ``kv``."""
         kv: Optional[SpanKV] = None
+        extra_rows = adapter.length if adapter is not None else 0
 
         @torch.inference_mode()
         def forward(tokens: torch.Tensor, directive: Optional[CacheDirective], context: DenoiseContext) -> torch.Tensor:
@@ -88,13 +91,28 @@ class DiffusionLM(BaseDiffusionLM):
             scored = rows_to_score(self.head_rows, context, generation, tokens.shape[1])
             tokens = tokens.to(self.device)
             if directive is None:
-                return self.model(tokens, scored=scored).float().cpu()
+                return self._pass(tokens, adapter, scored=scored)
             if directive.fill:
-                kv = SpanKV(tokens.shape[0], tokens.shape[1])
-                return self.model(tokens, kv=kv, scored=scored).float().cpu()
+                kv = SpanKV(tokens.shape[0], tokens.shape[1] + extra_rows)
+                return self._pass(tokens, adapter, kv=kv, scored=scored)
             if kv is None:
                 raise CacheMiss("nothing filled yet")
             start, end = directive.rows
-            return self.model(tokens[:, start:end], kv=kv, rows=(start, end), scored=scored).float().cpu()
+            return self._pass(tokens[:, start:end], adapter, kv=kv, rows=(start, end), scored=scored)
 
         yield forward
+
+    def _pass(self, tokens: torch.Tensor, adapter: Optional[SoftPrompt], kv: Optional[SpanKV] = None,
+              rows: Optional[tuple[int, int]] = None, scored: Optional[tuple[int, int]] = None) -> torch.Tensor:
+        """Float32 logits of one denoiser call; an adapter's prompt vectors go first (a reuse's rows shift past
+        them, as the cache holds them) and its rows are sliced off before the head."""
+        if adapter is None:
+            return self.model(tokens, kv=kv, rows=rows, scored=scored).float().cpu()
+        model = self.model
+        hidden = model.embedding(tokens)
+        if rows is None:
+            hidden = adapter.strip(model.span(adapter.extend(hidden), kv=kv))
+        else:
+            hidden = model.span(hidden, kv=kv, rows=adapter.shift(rows))
+        logits = model.head(hidden) if scored is None else model.head.score_rows(hidden, rows[0] if rows else 0, scored)
+        return logits.float().cpu()

@@ -4,6 +4,10 @@ A forward request carries hidden states (batch, length, hidden) for a span ``sta
 payloads travel as one unary message; larger ones as a stream of parts whose count is announced in the
 first part's metadata and checked on arrival (a stream can lose its tail silently on loopback).
 
+A backward request carries, for a span ``start:end``, the span's input hidden states and the gradient of its
+output (same shape), stacked along the batch dimension into one tensor (2 x batch, length, hidden) so that it
+travels, is bounded and validated exactly as a forward request's; the answer is the gradient of the input.
+
 An expert request carries token ids (batch, length) int64 and asks a hosted expert model for the
 log-probabilities of positions ``start:end``; it is always small, while the answer (positions x vocabulary)
 may not be, so it comes back as a stream of parts counted the same way.
@@ -61,6 +65,8 @@ class ErrorCode(str, enum.Enum):
     HALTED = "halted"
     CACHE_MISS = "cache_miss"  # a reuse request found no cache for its session here: the client fills again
     INCOMPLETE = "incomplete"  # a request's or an answer's stream lost parts on the way: the call is made again once
+    NO_BACKWARD = "no_backward"  # this server does not answer backward calls (started with --no-backward)
+    NO_ADAPTER = "no_adapter"  # this server does not serve the requested adapter files
     INTERNAL = "internal"
     # Raised by the client about a server, never sent on the wire:
     TIMEOUT = "timeout"  # no answer within the request timeout (a hung or overloaded server)
@@ -90,6 +96,30 @@ class ForwardRequest:
     def rows(self) -> int:
         """Positions carried: batch x length of the hidden states."""
         return self.hidden.shape[0] * self.hidden.shape[1]
+
+
+@dataclass
+class BackwardRequest:
+    """The gradient of a span's input, given that input and the gradient of the span's output (see the module doc).
+
+    Both travel in float32 whatever the model's dtype, so that gradients are not rounded on the wire."""
+
+    start: int
+    end: int
+    inputs: torch.Tensor  # (batch, length, hidden): what the forward pass sent to the span
+    grad_outputs: torch.Tensor  # (batch, length, hidden): d loss / d span output
+    session_id: str = ""
+    step: int = -1
+
+    def __post_init__(self) -> None:
+        if self.inputs.shape != self.grad_outputs.shape:
+            raise ValueError(f"inputs {tuple(self.inputs.shape)} and output gradients "
+                             f"{tuple(self.grad_outputs.shape)} must have the same shape")
+
+    def as_forward(self) -> ForwardRequest:
+        """The wire form: one forward-shaped request whose tensor stacks inputs and gradients along the batch."""
+        stacked = torch.cat([self.inputs.detach().float(), self.grad_outputs.detach().float()])
+        return ForwardRequest(self.start, self.end, stacked, self.session_id, self.step, {})
 
 
 @dataclass
@@ -141,14 +171,15 @@ def wire_chunks(tensor: runtime_pb2.Tensor) -> list[runtime_pb2.Tensor]:
     return list(split_for_streaming(tensor, STREAM_CHUNK_BYTES))
 
 
-def request_parts(request: ForwardRequest, wire_dtype: str = AUTO_WIRE) -> list[runtime_pb2.ExpertRequest]:
+def request_parts(request: ForwardRequest, wire_dtype: str = AUTO_WIRE,
+                  uid: str = "forward") -> list[runtime_pb2.ExpertRequest]:
     """One part when small, else stream parts; the first part's metadata says how many follow."""
     tensor = encode_tensor(request.hidden, wire_dtype)
     metadata = {"start": request.start, "end": request.end, "session_id": request.session_id,
                 "step": request.step, "extra": request.extra}
     chunks = wire_chunks(tensor)
     metadata["parts"] = len(chunks)
-    parts = [runtime_pb2.ExpertRequest(uid="forward", tensors=[chunks[0]], metadata=MSGPackSerializer.dumps(metadata))]
+    parts = [runtime_pb2.ExpertRequest(uid=uid, tensors=[chunks[0]], metadata=MSGPackSerializer.dumps(metadata))]
     parts += [runtime_pb2.ExpertRequest(tensors=[chunk]) for chunk in chunks[1:]]
     return parts
 
@@ -252,6 +283,36 @@ def collect_response(parts: list[runtime_pb2.ExpertResponse],
     metadata = response_metadata(parts, peer_id)
     tensors = [t for part in parts for t in part.tensors]
     return decode_tensor(join_parts(tensors, metadata.get("parts"), peer_id)), metadata
+
+
+# ----- adapter files (swarm.finetune.sharing) ---------------------------------------------------------
+def adapter_request(sha256: str) -> runtime_pb2.ExpertRequest:
+    """Ask a server for the adapter files whose content hash is ``sha256``."""
+    return runtime_pb2.ExpertRequest(uid="adapter", metadata=MSGPackSerializer.dumps({"sha256": sha256}))
+
+
+def adapter_parts(files: dict[str, bytes]) -> list[runtime_pb2.ExpertResponse]:
+    """Files as a stream: the first part names them with their sizes, the bytes follow in chunks."""
+    data = b"".join(files.values())
+    chunks = [data[i:i + STREAM_CHUNK_BYTES] for i in range(0, len(data), STREAM_CHUNK_BYTES)] or [b""]
+    meta = {"files": [[name, len(content)] for name, content in files.items()], "parts": len(chunks)}
+    tensors = [runtime_pb2.Tensor(buffer=chunk, dtype="uint8", size=[len(chunk)]) for chunk in chunks]
+    return [runtime_pb2.ExpertResponse(metadata=MSGPackSerializer.dumps(meta) if i == 0 else b"", tensors=[t])
+            for i, t in enumerate(tensors)]
+
+
+def adapter_declared(metadata: dict, max_bytes: int, peer_id: Optional[str] = None) -> list[tuple[str, int]]:
+    """The (name, size) list a server's first part declares, refused when malformed or over ``max_bytes``."""
+    files = metadata.get("files")
+    if not isinstance(files, list) or not 0 < len(files) <= 8 or not all(
+            isinstance(f, list) and len(f) == 2 and isinstance(f[0], str) and isinstance(f[1], int) and f[1] >= 0
+            for f in files):
+        raise RemoteError(ErrorCode.BAD_REQUEST, "the answer must declare its files as [[name, size], ...]", peer_id)
+    total = sum(size for _, size in files)
+    if total > max_bytes:
+        raise RemoteError(ErrorCode.TOO_LARGE, f"the server declares {total} bytes of adapter files, over the "
+                          f"{max_bytes} expected", peer_id)
+    return [(name, size) for name, size in files]
 
 
 class BoundedStream:
@@ -435,10 +496,29 @@ class SpanService(FixedNameService):
         raise NotImplementedError
         yield  # pragma: no cover  (makes this an async generator, as the stream RPC must be)
 
+    async def rpc_backward(self, request: runtime_pb2.ExpertRequest,
+                           context: P2PContext) -> runtime_pb2.ExpertResponse:
+        """The gradient of a span's input (see :class:`BackwardRequest`), when it fits one message."""
+        raise NotImplementedError
+
+    async def rpc_backward_stream(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        raise NotImplementedError
+        yield  # pragma: no cover
+
     async def rpc_expert_logits(
         self, request: runtime_pb2.ExpertRequest, context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         """Log-probabilities of a hosted expert (see :class:`ExpertQuery`), streamed as counted parts."""
+        raise NotImplementedError
+        yield  # pragma: no cover
+
+    async def rpc_adapter_files(
+        self, request: runtime_pb2.ExpertRequest, context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        """The files of a served adapter, by content hash (see :func:`adapter_request`), streamed as counted
+        parts."""
         raise NotImplementedError
         yield  # pragma: no cover
 

@@ -1,4 +1,5 @@
-"""Calling one server: the forward RPC (unary or streamed, by size), expert queries and the info/ping RPC.
+"""Calling one server: the forward and backward RPCs (unary or streamed, by size), expert queries and the info/ping
+RPC.
 
 Part of the wire layer: clients call servers with it, and servers call the next server of a pushed route.
 """
@@ -20,15 +21,19 @@ from multiaddr import Multiaddr
 from swarm.diffusion.prediction import answer_shape
 from swarm.protocol import (
     AUTO_WIRE,
+    BackwardRequest,
     ErrorCode,
     ExpertQuery,
     ForwardRequest,
     RemoteError,
     SpanService,
+    adapter_declared,
+    adapter_request,
     collect_ack,
     collect_response,
     expert_query_message,
     request_parts,
+    response_metadata,
 )
 
 logger = logging.getLogger(__name__)
@@ -95,17 +100,23 @@ class RemoteCaller:
                 retries -= 1
                 logger.warning("answer from %s was incomplete (%s): asking again", peer_id, error.message)
 
-    def _forward_rpc(self, peer_id: str, request: ForwardRequest) -> Callable[[], Awaitable[list]]:
-        parts = request_parts(request, self.wire_dtype)
+    def _forward_rpc(self, peer_id: str, request: ForwardRequest, backward: bool = False
+                     ) -> Callable[[], Awaitable[list]]:
+        """The forward RPC, or with ``backward`` the backward RPC (whose request has a forward's form, always sent
+        in its own dtype: float32 gradients are not rounded on the wire)."""
+        uid = "backward" if backward else "forward"
+        parts = request_parts(request, AUTO_WIRE if backward else self.wire_dtype, uid)
         stub = self._stub(peer_id)
         self.rows_sent += request.rows
         self.bytes_sent += sum(part.ByteSize() for part in parts)
+        unary, stream = ((stub.rpc_backward, stub.rpc_backward_stream) if backward
+                         else (stub.rpc_forward, stub.rpc_forward_stream))
 
         async def rpc() -> list:
             if len(parts) == 1:
-                responses = [await stub.rpc_forward(parts[0])]
+                responses = [await unary(parts[0])]
             else:
-                responses = await _read_stream(stub.rpc_forward_stream(iter_as_aiter(parts)))
+                responses = await _read_stream(stream(iter_as_aiter(parts)))
             self.bytes_received += sum(response.ByteSize() for response in responses)
             return responses
 
@@ -125,6 +136,18 @@ class RemoteCaller:
                               f"expected {expected}", peer_id)
         return output
 
+    async def backward(self, peer_id: str, request: BackwardRequest, timeout: float) -> torch.Tensor:
+        """The gradient of the input of the server's blocks ``request.start:request.end`` (float32, the inputs'
+        shape), given their inputs and the gradient of their outputs; the server's weights stay frozen."""
+        output, _ = await self._call(peer_id, self._forward_rpc(peer_id, request.as_forward(), backward=True), timeout)
+        expected = tuple(request.inputs.shape)
+        if tuple(output.shape) != expected:
+            raise RemoteError(ErrorCode.INTERNAL, f"server returned a gradient of shape {tuple(output.shape)}, "
+                              f"expected {expected}", peer_id)
+        if not bool(torch.isfinite(output).all()):
+            raise RemoteError(ErrorCode.INTERNAL, "server returned a gradient with NaN or infinite values", peer_id)
+        return output.float()
+
     async def expert_logits(self, peer_id: str, request: ExpertQuery, timeout: float) -> torch.Tensor:
         """Log-probabilities (batch, end - start, vocab) from the server's hosted expert ``request.domain``."""
         stub = self._stub(peer_id)
@@ -138,6 +161,38 @@ class RemoteCaller:
             raise RemoteError(ErrorCode.INTERNAL, f"expert returned shape {tuple(log_probs.shape)}, expected "
                               f"({batch}, {request.end - request.start}, vocab)", peer_id)
         return log_probs
+
+    async def adapter_files(self, peer_id: str, sha256: str, max_bytes: int, timeout: float) -> dict[str, bytes]:
+        """The files of the adapter ``sha256`` served by ``peer_id``; reading stops, refused, as soon as the answer
+        passes ``max_bytes`` (the published size). The caller checks the content hash."""
+        self.calls += 1
+
+        async def read() -> dict[str, bytes]:
+            stream = await self._stub(peer_id).rpc_adapter_files(adapter_request(sha256))
+            declared: list[tuple[str, int]] = []
+            data, parts, expected = bytearray(), 0, None
+            async for part in stream:
+                if expected is None:
+                    metadata = response_metadata([part], peer_id)
+                    declared = adapter_declared(metadata, max_bytes, peer_id)
+                    expected = metadata.get("parts")
+                parts += 1
+                data += b"".join(tensor.buffer for tensor in part.tensors)
+                if len(data) > max_bytes or not isinstance(expected, int) or parts > expected:
+                    raise RemoteError(ErrorCode.TOO_LARGE, f"the adapter files exceed the {max_bytes} bytes or "
+                                      f"the parts the server declared", peer_id)
+            if expected is None or parts != expected or len(data) != sum(size for _, size in declared):
+                raise RemoteError(ErrorCode.INCOMPLETE, f"the adapter files ended after {parts} parts and "
+                                  f"{len(data)} bytes", peer_id)
+            files, offset = {}, 0
+            for name, size in declared:
+                files[name], offset = bytes(data[offset:offset + size]), offset + size
+            return files
+
+        try:
+            return await asyncio.wait_for(read(), timeout)
+        except Exception as error:
+            raise as_remote_error(error, peer_id) from error
 
 
 async def _read_stream(call: Awaitable[AsyncIterator]) -> list:

@@ -216,7 +216,8 @@ def test_predictions_object_indexes_states():
 
 def test_a_lying_head_server_is_caught_by_spot_checks(local_swarm, tiny_model_path, local_lm):
     """A head server that answers well-formed predictions with wrong tokens (announcing itself by far the fastest,
-    so it is routed to whatever the round trips measured on a busy machine) is outvoted by two honest head servers, distrusted, and the tokens stay the local model's."""
+    so it is routed to whatever the round trips measured on a busy machine) is outvoted by two honest head
+    servers, distrusted, and the tokens stay the local model's."""
     from pathlib import Path
 
     prefix = "head-liar"

@@ -87,7 +87,9 @@ class ReplicaLM(DiffusionLM):
         self.forward: Optional[ReplicaForward] = None
 
     @contextlib.contextmanager
-    def denoising_session(self, generation: GenerationConfig) -> Iterator[ReplicaForward]:
+    def denoising_session(self, generation: GenerationConfig, adapter=None) -> Iterator[ReplicaForward]:
+        if adapter is not None:
+            raise ValueError("this test model takes no adapter")
         self.forward = ReplicaForward(self.model, self.lose_at)
         yield self.forward
 

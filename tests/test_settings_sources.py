@@ -117,7 +117,7 @@ def test_the_command_line_refuses_out_of_range_values_with_the_same_message(tiny
 @pytest.mark.parametrize("model", [CompletionRequest, ChatCompletionRequest])
 def test_every_setting_is_a_request_field_with_its_help(model):
     offered = [field for field in SETTINGS if field.spec.api]
-    assert {field.name for field in SETTINGS} - {field.name for field in offered} == {"chat", "progress"}
+    assert {field.name for field in SETTINGS} - {field.name for field in offered} == {"chat", "progress", "adapter"}
     for field in offered:
         assert field.name in model.model_fields, f"{field.name} is missing from {model.__name__}"
         assert model.model_fields[field.name].description == field.describe()

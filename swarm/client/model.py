@@ -24,6 +24,8 @@ from swarm.diffusion.config import GenerationConfig
 from swarm.diffusion.pipeline import CacheDirective, Forward, check_head_rows, rows_to_score
 from swarm.diffusion.prediction import HeadQuery, Predictions
 from swarm.diffusion.sampler import DenoiseContext
+from swarm.finetune.adapter import SoftPrompt
+from swarm.finetune.sharing import default_cache_dir, fetch_published
 from swarm.governance.audit import AuditLog
 from swarm.governance.guard import GovernanceGuard
 from swarm.governance.tiers import TierRules
@@ -31,6 +33,7 @@ from swarm.lm import BaseDiffusionLM, StreamChunk
 from swarm.local import DiffusionLM
 from swarm.models.loading import DEFAULT_MODEL, ModelFiles
 from swarm.models.modules import OutputHead
+from swarm.protocol import ErrorCode, RemoteError
 from swarm.remote import RemoteCaller
 from swarm.scale import ScalePlan, check_scale
 from swarm.utils.event_loop import BackgroundLoop
@@ -113,34 +116,42 @@ class DistributedDiffusionLM(BaseDiffusionLM):
         """The final norm and output head, read from the checkpoint the first time this client computes it."""
         if self._head is None:
             logger.info("loading the output head into the client")
-            self._head = self.files.head(self.client_config.dtype)
+            with torch.inference_mode(False):  # first needed inside a denoiser call: fine-tuning needs normal tensors
+                self._head = self.files.head(self.client_config.dtype)
         return self._head
 
     # ----- the denoiser ---------------------------------------------------------------------------
     @torch.inference_mode()
     def logits(self, input_ids: torch.Tensor, session_id: Optional[str] = None, step: int = -1,
                directive: Optional[CacheDirective] = None, scored: Optional[tuple[int, int]] = None,
-               head: Optional[HeadQuery] = None) -> torch.Tensor | Predictions:
+               head: Optional[HeadQuery] = None, adapter: Optional[SoftPrompt] = None) -> torch.Tensor | Predictions:
         """Per-position logits computed through the swarm (same contract as ``DiffusionLM.logits``).
 
         With a reuse ``directive`` only its rows are embedded, sent and scored (the servers hold the rest); with
         ``scored`` the head computes only those absolute positions (the other rows are NaN). With a ``head``
         query a head server at the route's end may answer the sampler's predictions instead (returned as is).
+        An ``adapter``'s prompt vectors go before the embedded rows (the servers see them as more positions) and
+        are sliced off before the head.
         """
         if input_ids.dim() == 1:
             input_ids = input_ids[None]
-        extra, offset = {}, 0
+        extra, offset, reuse = {}, 0, directive is not None and not directive.fill
         if directive is not None:
-            extra = directive.as_extra()
-            if not directive.fill:
+            rows = adapter.shift(directive.rows) if adapter is not None else directive.rows
+            extra = dataclasses.replace(directive, rows=rows).as_extra()
+            if reuse:
                 offset = directive.rows[0]
                 input_ids = input_ids[:, directive.rows[0]:directive.rows[1]]
         with self.timings.measure("embedding"):
             hidden = self.embedding(input_ids)  # in the compute dtype: the wire carries it as is by default
+            if adapter is not None and not reuse:
+                hidden = adapter.extend(hidden)
         with self.timings.measure("swarm"):
             hidden = self.sequence.forward(hidden, session_id, step, extra, head)
         if isinstance(hidden, Predictions):
             return hidden
+        if adapter is not None and not reuse:
+            hidden = adapter.strip(hidden)
         with self.timings.measure("head"):
             hidden = hidden.to(self.compute_dtype)
             if scored is None:
@@ -148,7 +159,8 @@ class DistributedDiffusionLM(BaseDiffusionLM):
             return self.head.score_rows(hidden, offset, scored)
 
     @contextlib.contextmanager
-    def denoising_session(self, generation: GenerationConfig) -> Iterator[Forward]:
+    def denoising_session(self, generation: GenerationConfig,
+                          adapter: Optional[SoftPrompt] = None) -> Iterator[Forward]:
         session_id = uuid.uuid4().hex
         self._use_push(self.client_config.push)
         self.sequence.refresh_if_stale()  # servers that left or joined; the route then stays for the session
@@ -156,8 +168,8 @@ class DistributedDiffusionLM(BaseDiffusionLM):
         def forward(tokens: torch.Tensor, directive: Optional[CacheDirective], context: DenoiseContext) -> torch.Tensor:
             self.guard.check(context.steps[0])  # a valid governance halt stops before this step
             scored = rows_to_score(self.client_config.head_rows, context, generation, tokens.shape[1])
-            return self.logits(tokens, session_id, context.steps[0], directive, scored,
-                               self.head_query(context, directive, scored))
+            query = self.head_query(context, directive, scored) if adapter is None else None  # rows would shift
+            return self.logits(tokens, session_id, context.steps[0], directive, scored, query, adapter)
 
         yield forward
 
@@ -250,6 +262,35 @@ class DistributedDiffusionLM(BaseDiffusionLM):
         servers = self.sequence.servers
         return [f"{hop}: {servers[hop.peer_id].numerics}" for hop in self.sequence.route
                 if hop.peer_id in servers and servers[hop.peer_id].approximate]
+
+    # ----- adapters ---------------------------------------------------------------------------------
+    adapter_cache: Optional[Path] = None  # where fetched adapters are kept (default: $SWARM_ADAPTER_CACHE or ~/.cache)
+
+    def find_adapter(self, name_or_path: str, base: dict[str, Any]) -> SoftPrompt:
+        """An adapter directory, or else a name published on the swarm (``name`` or ``name@AUTHOR``), fetched
+        from a peer that serves it and checked against its signed record (docs/TRAINING.md, 'Sharing adapters')."""
+        if Path(name_or_path).is_dir() or "/" in name_or_path:  # a path (a missing one is refused as such)
+            return SoftPrompt.load(name_or_path, base)
+
+        directory = fetch_published(self.dht, self.prefix, name_or_path, base,
+                                    self.adapter_cache or default_cache_dir(), self._fetch_adapter_files)
+        return SoftPrompt.load(directory, base)
+
+    def _fetch_adapter_files(self, peer_id: str, addresses: list[str], sha256: str, max_bytes: int
+                             ) -> dict[str, bytes]:
+        """One host's adapter files (dialing the addresses it announced if the daemon cannot reach it)."""
+        timeout = self.client_config.request_timeout
+
+        async def fetch() -> dict[str, bytes]:
+            try:
+                return await self.caller.adapter_files(peer_id, sha256, max_bytes, timeout)
+            except RemoteError as error:
+                if error.code != ErrorCode.UNREACHABLE or not addresses:
+                    raise
+                await self.caller.connect(peer_id, addresses, self.client_config.connect_timeout)
+                return await self.caller.adapter_files(peer_id, sha256, max_bytes, timeout)
+
+        return self.loop.run(fetch(), timeout=2 * timeout + self.client_config.connect_timeout + 5)
 
     # ----- route and lifecycle ----------------------------------------------------------------------
     def show_route(self) -> list[RouteHop]:

@@ -7,6 +7,11 @@ costs one short timeout. When a server fails mid-step the step continues from th
 servers, through the one failover loop of :mod:`swarm.client.failover`: the result is the same, because a
 call depends on no earlier call, except through the activation cache, whose absence on a new server is
 reported as a cache miss and repaired by rebuilding the lost version.
+
+Training goes through the same forward: asked for a ``trace``, a pass records each hop's input, and
+:meth:`RemoteSequence.backward` walks those hops backwards (each server recomputes its blocks with autograd and
+answers the gradient of their input), failing over to a replica holding the same blocks, or recomputing the
+hop's forward over servers that hold them between them when no single one does.
 """
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ import logging
 import threading
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -30,11 +36,21 @@ from swarm.dht.schema import ServerRecord, ServerState, read_servers
 from swarm.diffusion.prediction import HeadQuery, Predictions, check_predictions
 from swarm.diffusion.sampler import Halted
 from swarm.models.kv_cache import CacheMiss
-from swarm.protocol import ErrorCode, ForwardRequest, RemoteError
+from swarm.protocol import BackwardRequest, ErrorCode, ForwardRequest, RemoteError
 from swarm.remote import RemoteCaller
 from swarm.utils.event_loop import BackgroundLoop
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class HopTrace:
+    """One hop of a recorded pass: the server that computed blocks ``start:end`` and the input it was sent."""
+
+    peer_id: str
+    start: int
+    end: int
+    inputs: torch.Tensor
 
 
 class RemoteSequence:
@@ -223,24 +239,75 @@ class RemoteSequence:
 
     # ----- one pass through all blocks -------------------------------------------------------------
     def forward(self, hidden: torch.Tensor, session_id: Optional[str] = None, step: int = -1,
-                extra: Optional[dict] = None, head: Optional[HeadQuery] = None) -> torch.Tensor | Predictions:
+                extra: Optional[dict] = None, head: Optional[HeadQuery] = None,
+                trace: Optional[list[HopTrace]] = None) -> torch.Tensor | Predictions:
         """Hidden states after every block, retrying failed hops elsewhere within the configured bounds.
 
         ``extra`` travels with every hop (the activation-cache directive). A hop without the session's cache
         raises :class:`CacheMiss`. With ``ClientConfig.push`` the pass is first tried as one pushed chain.
         With a ``head`` query, a last hop on a head server answers its :class:`Predictions` instead (any other
         last hop, e.g. after a failover to a server without the head, answers hidden states as usual).
+        With a ``trace`` list, each hop's input is appended to it (for :meth:`backward`); such a pass goes hop
+        by hop, as spot-checked ones do.
         """
         extra = dict(extra or {})
         tokens = hidden.shape[0] * hidden.shape[1]
         if session_id is None:  # a one-off pass; generations refresh between their sessions
             self.refresh_if_stale(tokens)
         session_id = session_id or uuid.uuid4().hex
-        if self.receiver is not None and self.spot_checker.fraction == 0:
+        if self.receiver is not None and self.spot_checker.fraction == 0 and trace is None:
             pushed = self._try_push(hidden, session_id, step, extra, tokens, head)
             if pushed is not None:
                 return pushed
-        return self._hop_by_hop(hidden, session_id, step, extra, tokens, head)
+        return self._hop_by_hop(hidden, session_id, step, extra, tokens, head, trace)
+
+    def backward(self, trace: list[HopTrace], grad: torch.Tensor) -> torch.Tensor:
+        """The gradient of a recorded pass's input (float32), from the gradient of its output: each hop's server
+        (or a replica holding its blocks) recomputes its blocks with autograd, last hop first."""
+        for hop in reversed(trace):
+            grad = self._backward_hop(hop, grad)
+        return grad
+
+    def _backward_hop(self, hop: HopTrace, grad: torch.Tensor) -> torch.Tensor:
+        budget = RetryBudget(self.config)
+        request = BackwardRequest(hop.start, hop.end, hop.inputs, grad, uuid.uuid4().hex)
+        try:
+            return call_with_failover(
+                lambda avoid: self._backward_peer(hop, avoid),
+                lambda peer: peer,
+                lambda peer: self._call_backward(peer, request),
+                health=self.health, budget=budget,
+                final=lambda error: error if error.code in CLIENT_FAULTS else None,
+                on_failure=lambda peer, error: self.failovers.append(FailoverEvent(peer, hop.start, str(error))),
+                label=lambda peer: f"backward of block {hop.start}",
+            )
+        except MissingBlocksError:  # no single usable server holds the hop's blocks now: split it
+            logger.info("no server holds blocks %d:%d for backward: recomputing them over several", hop.start, hop.end)
+            tokens = hop.inputs.shape[0] * hop.inputs.shape[1]
+            split: list[HopTrace] = []
+            self._hop_by_hop(hop.inputs, uuid.uuid4().hex, -1, {}, tokens, None, split, hop.start, hop.end)
+            if len(split) == 1 and split[0].start == hop.start and split[0].end == hop.end:
+                raise
+            return self.backward(split, grad)
+
+    def _backward_peer(self, hop: HopTrace, avoid: frozenset[str]) -> str:
+        """The server that computed the hop, else the fastest usable one holding all its blocks."""
+        if hop.peer_id not in self.excluded(avoid):
+            return hop.peer_id
+        holders = self.holders(hop.start, hop.end, avoid)
+        if not holders:
+            self.refresh()
+            holders = self.holders(hop.start, hop.end, avoid)
+        if not holders:
+            raise MissingBlocksError(list(range(hop.start, hop.end)))
+        return holders[0]
+
+    def _call_backward(self, peer_id: str, request: BackwardRequest) -> torch.Tensor:
+        work = 3 * request.inputs.shape[0] * request.inputs.shape[1] * (request.end - request.start)
+        started = time.perf_counter()
+        grad = self.loop.run(self.caller.backward(peer_id, request, self.health.timeout(peer_id, work)))
+        self.health.record_success(peer_id, time.perf_counter() - started, work)
+        return grad
 
     def _head_extra(self, hop: RouteHop, extra: dict, head: Optional[HeadQuery]) -> Optional[dict]:
         """``extra`` with the head query, for a last hop on a head server; None when the hop answers hidden states."""
@@ -318,35 +385,40 @@ class RemoteSequence:
         return None
 
     def _hop_by_hop(self, hidden: torch.Tensor, session_id: str, step: int, extra: dict, tokens: int,
-                    head: Optional[HeadQuery] = None) -> torch.Tensor | Predictions:
-        """Each hop of the route in turn; a failed hop is redone from its first block on another server."""
+                    head: Optional[HeadQuery] = None, trace: Optional[list[HopTrace]] = None,
+                    start: int = 0, end: Optional[int] = None) -> torch.Tensor | Predictions:
+        """Each hop of the route in turn (blocks ``start:end``, by default all); a failed hop is redone from its
+        first block on another server. Each answered hop's input is appended to ``trace`` when given."""
         budget = RetryBudget(self.config)
-        block = 0
-        while block < self.num_blocks:
+        block, end = start, self.num_blocks if end is None else end
+        while block < end:
             hidden, block = call_with_failover(
-                lambda avoid: self._next_hop(block, tokens, avoid, budget),
+                lambda avoid: self._next_hop(block, tokens, avoid, budget, end),
                 lambda hop: hop.peer_id,
-                lambda hop: self._call_hop(hop, hidden, session_id, step, extra, head),
+                lambda hop: self._call_hop(hop, hidden, session_id, step, extra, head, trace),
                 health=self.health, budget=budget, final=lambda error: self._final_error(error, step),
                 on_failure=lambda hop, error: self.failovers.append(FailoverEvent(hop.peer_id, hop.start, str(error))),
                 label=lambda hop: f"block {hop.start}",
             )
         return hidden
 
-    def _next_hop(self, block: int, tokens: int, avoid: frozenset[str], budget: RetryBudget) -> RouteHop:
-        """The hop from ``block``; when no usable server covers the rest, wait for a busy one or say which
-        blocks are missing and what was tried."""
+    def _next_hop(self, block: int, tokens: int, avoid: frozenset[str], budget: RetryBudget,
+                  end: Optional[int] = None) -> RouteHop:
+        """The hop from ``block`` (cut at ``end``); when no usable server covers the rest, wait for a busy one or
+        say which blocks are missing and what was tried."""
         while True:
             try:
-                return self.hop_from(block, tokens, avoid)
+                hop = self.hop_from(block, tokens, avoid)
+                return hop if end is None or hop.end <= end else RouteHop(hop.peer_id, hop.start, end)
             except MissingBlocksError as error:
                 pause = self.health.wait_for_busy()
                 if pause is None:
                     raise MissingBlocksError(error.blocks, list(budget.errors) or None) from None
                 budget.wait(str(error), pause or None, where=f" at block {block}")  # 0: the usual back-off
 
-    def _call_hop(self, hop: RouteHop, hidden: torch.Tensor, session_id: str, step: int,
-                  extra: dict, head: Optional[HeadQuery] = None) -> tuple[torch.Tensor | Predictions, int]:
+    def _call_hop(self, hop: RouteHop, hidden: torch.Tensor, session_id: str, step: int, extra: dict,
+                  head: Optional[HeadQuery] = None, trace: Optional[list[HopTrace]] = None
+                  ) -> tuple[torch.Tensor | Predictions, int]:
         """One server's blocks: its output (spot-checked when drawn) and the block the next hop starts at."""
         head_extra = self._head_extra(hop, extra, head)
         request = ForwardRequest(hop.start, hop.end, hidden, session_id, step, head_extra or extra)
@@ -355,6 +427,8 @@ class RemoteSequence:
         output = self.loop.run(self.caller.forward(hop.peer_id, request, self.health.timeout(hop.peer_id, work)))
         output = self._as_output(output, head_extra, head, hop.peer_id)  # before the success is recorded
         self.health.record_success(hop.peer_id, time.perf_counter() - started, work)
+        if trace is not None:
+            trace.append(HopTrace(hop.peer_id, hop.start, hop.end, hidden))
         if isinstance(output, Predictions):
             return Predictions(self.spot_checker.maybe_check(request, hop.peer_id, output.rows), head), hop.end
         return self.spot_checker.maybe_check(request, hop.peer_id, output), hop.end

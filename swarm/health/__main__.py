@@ -1,27 +1,44 @@
 """``python -m swarm.health``: print the swarm's health map; the exit code says whether the model is served.
 
-Exit codes: 0 every block has an online server, 1 some block has none (scripts and probes can alert on it),
-2 bad command line, 3 the swarm could not be joined.
+Exit codes (shared by every command, docs/OPERATIONS.md): 0 every block has an online server, 1 some block has
+none (scripts and probes can alert on it), 2 bad command line (no initial peers at all, too), 3 the swarm could not
+be joined.
 """
 from __future__ import annotations
 
 import json
-import logging
 from typing import Optional
 
 import click
 
-from swarm.cli_options import network_options, pop_network_config
+from swarm.cli_options import (
+    EXIT_NOT_SERVED,
+    EXIT_UNREACHABLE,
+    CLIError,
+    SwarmCommand,
+    network_options,
+    pop_network_config,
+    run_main,
+    setup_logging,
+)
 from swarm.dht.node import NetworkConfig, start_dht
+from swarm.dht.peers import resolve_initial_peers
 from swarm.health.map import HealthMap, read_health_map
 from swarm.health.render import render_text
 
-EXIT_NOT_SERVED = 1
-EXIT_UNREACHABLE = 3
+
+class UnreachableSwarm(CLIError):
+    def __init__(self, message: str):
+        super().__init__(message, EXIT_UNREACHABLE)
 
 
-class UnreachableSwarm(click.ClickException):
-    exit_code = EXIT_UNREACHABLE
+def client_network(options: dict) -> NetworkConfig:
+    """As every command's, refusing no peers at all: an empty DHT of its own would only say "nothing served"."""
+    network = pop_network_config(options, client_mode=True)
+    if not resolve_initial_peers(network.initial_peers, use_defaults=network.use_default_peers):
+        raise click.UsageError("no swarm to ask: pass --initial-peers (or set $SWARM_INITIAL_PEERS, or list peers in "
+                               "$SWARM_BOOTSTRAP_FILE)")
+    return network
 
 
 def resolve_target(model: Optional[str], dht_prefix: Optional[str], num_blocks: Optional[int]) -> tuple[str, int]:
@@ -48,12 +65,31 @@ def read_map(network: NetworkConfig, prefix: str, num_blocks: int) -> HealthMap:
     except Exception as error:  # hivemind raises daemon, timeout and parse errors alike; all mean "cannot join"
         raise UnreachableSwarm(f"could not join the swarm: {error}") from error
     try:
-        return read_health_map(dht, prefix, num_blocks)
+        return read_health_map(dht, prefix, num_blocks, adapters=True)
     finally:
         dht.shutdown()
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
+def serve_page(network: NetworkConfig, prefix: str, num_blocks: int, host: str, port: int, log_level: str) -> None:
+    """``--serve``: the live map page (docs/WEB.md) until SIGINT / SIGTERM; prints ``MAP READY <url>``."""
+    try:
+        from swarm.web.server import listen, serve_map
+        from swarm.web.watcher import own_access
+    except ImportError as error:
+        raise click.UsageError(f"--serve needs fastapi and uvicorn (pip install 'diffusion-swarm[api]'): {error}")
+    try:
+        sock = listen(host, port)
+    except OSError as error:
+        raise click.UsageError(f"cannot listen on {host}:{port}: {error}") from error
+    try:
+        access = own_access(network, prefix, num_blocks)
+    except Exception as error:  # as read_map: daemon, timeout and parse errors all mean "cannot join"
+        sock.close()
+        raise UnreachableSwarm(f"could not join the swarm: {error}") from error
+    serve_map(access, sock, log_level, announce=lambda url: click.echo(f"MAP READY {url}", err=True))
+
+
+@click.command(cls=SwarmCommand, context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
 @network_options
 @click.option("--model", default=None, help="Embedded model name or checkpoint directory; gives the DHT prefix and "
               "block count. Default: the embedded 'default' model.")
@@ -62,18 +98,27 @@ def read_map(network: NetworkConfig, prefix: str, num_blocks: int) -> HealthMap:
 @click.option("--num-blocks", type=click.IntRange(min=1), default=None,
               help="Number of transformer blocks of the model (default: from the model's config).")
 @click.option("--json", "as_json", is_flag=True, help="Print the map as JSON instead of a table.")
+@click.option("--serve", is_flag=True, help="Serve the live map as a web page (/map, its data at /map.json) until "
+              "interrupted, instead of printing it once. Needs fastapi and uvicorn (the 'api' extra).")
+@click.option("--host", default="127.0.0.1", help="With --serve: address to listen on; 0.0.0.0 accepts other "
+              "machines.")
+@click.option("--port", type=click.IntRange(0, 65535), default=8100,
+              help="With --serve: TCP port to listen on (0 picks a free one; the URL is printed).")
 @click.option("--log-level", type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"]), default="WARNING",
               help="Logging verbosity.")
-def main(model: Optional[str], dht_prefix: Optional[str], num_blocks: Optional[int], as_json: bool, log_level: str,
-         **options) -> None:
+def main(model: Optional[str], dht_prefix: Optional[str], num_blocks: Optional[int], as_json: bool, serve: bool,
+         host: str, port: int, log_level: str, **options) -> None:
     """Show which servers serve which blocks of a model, and which blocks no online server holds."""
-    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(log_level)
     prefix, num_blocks = resolve_target(model, dht_prefix, num_blocks)
-    health = read_map(pop_network_config(options, client_mode=True), prefix, num_blocks)
+    if serve:
+        serve_page(client_network(options), prefix, num_blocks, host, port, log_level)
+        return
+    health = read_map(client_network(options), prefix, num_blocks)
     click.echo(json.dumps(health.to_json(), indent=2) if as_json else render_text(health))
     if not health.fully_served:
         raise SystemExit(EXIT_NOT_SERVED)
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

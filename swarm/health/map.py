@@ -14,6 +14,7 @@ from typing import Any, Iterable, Mapping
 from hivemind.dht import DHT
 
 from swarm.dht.schema import ServerRecord, ServerState, expert_key, read_expert_domains, read_owned, read_servers
+from swarm.health.reachability import reachability
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +39,7 @@ class HealthMap:
     servers: list[ServerRecord]  # sorted by span, then peer id
     replicas: list[int]  # online servers per block
     experts: dict[str, list[ExpertAnnouncement]] = field(default_factory=dict)
+    adapters: list[dict[str, Any]] = field(default_factory=list)  # published adapters (read when asked for)
 
     @property
     def uncovered(self) -> list[Span]:
@@ -70,6 +72,7 @@ class HealthMap:
             "servers": [server_json(record) for record in self.servers],
             "experts": {domain: [{"peer_id": a.peer_id, "value": a.value} for a in found]
                         for domain, found in self.experts.items()},
+            "adapters": list(self.adapters),
         }
 
 
@@ -79,6 +82,7 @@ def server_json(record: ServerRecord) -> dict[str, Any]:
         "state": record.state.name.lower(), "throughput": record.throughput, "version": record.version,
         "cache_tokens_left": record.cache_tokens_left, "experts": list(record.experts),
         "numerics": record.numerics, "approximate": record.approximate,
+        "addresses": list(record.addresses), "reachability": reachability(record.addresses), "head": record.head,
     }
 
 
@@ -134,11 +138,21 @@ def read_experts(dht: DHT, prefix: str, domains: Iterable[str]) -> dict[str, lis
     return found
 
 
-def read_health_map(dht: DHT, prefix: str, num_blocks: int) -> HealthMap:
-    """Read every server record of the model (and the expert domains they mention or list) from the DHT."""
+def read_adapters(dht: DHT, prefix: str) -> list[dict[str, Any]]:
+    """Published adapters (signed records listed in the adapters index) and the peers serving each now."""
+    from swarm.finetune.sharing import read_catalog  # the sharing module pulls in the adapter code: only if asked
+
+    return [dict(record.to_json(), hosts=hosts) for record, hosts in read_catalog(dht, prefix)]
+
+
+def read_health_map(dht: DHT, prefix: str, num_blocks: int, adapters: bool = False) -> HealthMap:
+    """Read every server record of the model (and the expert domains they mention or list) from the DHT; with
+    ``adapters``, the published adapters too."""
     servers = read_servers(dht, prefix, num_blocks)
     domains = {domain for record in servers.values() for domain in record.experts}
     domains |= read_expert_domains(dht, prefix)  # servers that host experts only have no block record
     experts = read_experts(dht, prefix, domains) if domains else {}
     logger.debug("health map of %s: %d servers, %d expert domains", prefix, len(servers), len(experts))
-    return build_health_map(servers, prefix, num_blocks, experts)
+    health = build_health_map(servers, prefix, num_blocks, experts)
+    health.adapters = read_adapters(dht, prefix) if adapters else []
+    return health

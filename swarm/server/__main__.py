@@ -2,36 +2,54 @@
 from __future__ import annotations
 
 import asyncio
-import logging
 
 import click
 
-from swarm.cli_options import network_options, parse_span, pop_network_config
+from swarm.cli_options import (
+    SwarmCommand,
+    default_threads,
+    network_options,
+    parse_span,
+    pop_network_config,
+    run_main,
+    setup_logging,
+    threads_option,
+)
+from swarm.dht.node import NetworkConfig
+from swarm.dht.peers import resolve_initial_peers
 from swarm.protocol import WIRE_CHOICES
 from swarm.server.config import ServerConfig
 from swarm.server.server import Server
+
+
+def join_message(network: NetworkConfig, addrs: list[str]) -> str:
+    """How this server joined, from the peers it really used (``--initial-peers``, else $SWARM_INITIAL_PEERS, else
+    the bootstrap file): only a server that had none started a new swarm whose address others need."""
+    peers = resolve_initial_peers(network.initial_peers, use_defaults=network.use_default_peers)
+    if peers:
+        return f"Joined the swarm through {len(peers)} initial peer(s); this server listens on {' '.join(addrs)}"
+    return f"Started a new swarm. Others join with: --initial-peers {' '.join(addrs)}"
 
 
 def print_ready(server: Server) -> None:
     from swarm.dht.node import visible_maddrs
 
     addrs = visible_maddrs(server.dht)
-    if not server.config.network.initial_peers:
-        click.echo(f"Started a new swarm. Others join with: --initial-peers {' '.join(addrs)}", err=True)
+    click.echo(join_message(server.config.network, addrs), err=True)
     # One machine-readable line on stdout, so scripts and tests can wait for readiness.
     blocks = f" blocks={server.start}:{server.end}" if server.hosts_blocks else ""
     experts = f" experts={','.join(sorted(server.experts))}" if server.experts else ""
     click.echo(f"SERVER READY peer_id={server.peer_id}{blocks} maddrs={','.join(addrs)}{experts}")
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
+@click.command(cls=SwarmCommand, context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
 @click.option("--model", default="default",
               help="Embedded model name or checkpoint directory (native, LLaDA or Dream layout).")
 @click.option("--blocks", default=None,
               help="Blocks to host as START:END (end exclusive), e.g. 0:16. Omitted: the least-covered span of "
                    "--num-blocks.")
-@click.option("--num-blocks", type=int, default=None,
-              help="Span length when --blocks is omitted (default: the whole model).")
+@click.option("--num-blocks", type=click.IntRange(min=1), default=None,
+              help="Span length when --blocks is omitted (default: the whole model); not with --blocks.")
 @click.option("--expert", "experts", multiple=True,
               help="Also host a whole expert model: an embedded name (code, addition) or a checkpoint directory, "
                    "optionally as DOMAIN=NAME_OR_PATH; clients ask for it by DOMAIN (default: the model's directory "
@@ -89,23 +107,30 @@ def print_ready(server: Server) -> None:
 @click.option("--wire-dtype", type=click.Choice(WIRE_CHOICES), default=ServerConfig.wire_dtype,
               help="dtype of returned activations. auto: the compute dtype (lossless; bfloat16 models send half "
                    "float32's bytes); float16 halves float32 traffic but is not exact.")
-@click.option("--compute-threads", type=int, default=None,
-              help="torch CPU threads for compute (default: torch's choice).")
+@click.option("--backward/--no-backward", "allow_backward", default=ServerConfig.allow_backward,
+              help="Answer backward calls, so clients can fine-tune adapters through this server's blocks "
+                   "(docs/TRAINING.md). The weights never change; a backward call is bounded like a forward one "
+                   "and costs about three forwards of compute. --no-backward refuses them with 'no_backward'.")
+@click.option("--serve-adapter", "serve_adapters", multiple=True, type=click.Path(exists=True, file_okay=False),
+              help="Serve this adapter directory's files to clients that use it by its published name "
+                   "(docs/TRAINING.md, 'Sharing adapters'); announced by content hash. Repeatable.")
+@threads_option("--compute-threads", dest="compute_threads")
 @click.option("--governance-key", "governance_keys", multiple=True,
               help="Trusted governance public key (base64 or a file holding it; repeatable; default "
                    "$SWARM_GOVERNANCE_KEYS). While a halt signed by one of them stands, the server refuses new steps.")
 @click.option("--log-level", type=click.Choice(["DEBUG", "INFO", "WARNING"]), default="INFO", help="Logging verbosity.")
 def main(blocks: str | None, experts: tuple[str, ...], log_level: str, **options) -> None:
-    """Host a span of a model's transformer blocks and/or expert models, and announce them on the swarm's DHT."""
-    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    """Host a span of a model's transformer blocks and/or expert models, and announce them on the swarm's DHT.
+
+    Errors end in one line and an exit code (docs/OPERATIONS.md): 2 a bad value, 3 the swarm cannot be joined,
+    4 a port in --host-maddrs (or the identity) is in use."""
+    setup_logging(log_level)
     network = pop_network_config(options)
+    options["compute_threads"] = options["compute_threads"] or default_threads()
     config = ServerConfig(blocks=parse_span(blocks), network=network, **options)
-    try:
-        server = Server(config, experts)
-    except (ValueError, FileNotFoundError) as error:
-        raise click.UsageError(str(error)) from error
+    server = Server(config, experts)
     asyncio.run(server.serve(on_ready=print_ready))
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

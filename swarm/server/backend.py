@@ -226,8 +226,8 @@ class SpanBackend:
     def __init__(self, span: BlockSpan, max_concurrent: int, device: str = "cpu",
                  max_queued_tokens: Optional[int] = None, peer_share: float = 1.0,
                  head: Optional[OutputHead] = None):
-        self.span = span
-        self.head = head
+        self.span = span.requires_grad_(False)  # frozen: a backward call computes the inputs' gradient only
+        self.head = head.requires_grad_(False) if head is not None else None
         self.device = torch.device(device)
         self.dtype = next(span.parameters()).dtype
         self.queue = ComputeQueue(max_concurrent, max_queued_tokens, "span-compute", peer_share)
@@ -267,6 +267,24 @@ class SpanBackend:
         for ``peer`` when None)."""
         tokens = hidden.shape[0] * hidden.shape[1]
         return await self.queue.run(tokens, self.forward_sync, hidden, start, end, kv, rows, head, peer=peer,
+                                    grant=grant)
+
+    def backward_sync(self, inputs: torch.Tensor, grad_outputs: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        """The gradient of blocks ``start:end``'s input (float32), recomputing their forward with autograd.
+
+        The weights take no gradient (they are frozen), so autograd keeps only the activations of this one pass,
+        freed when it returns."""
+        with torch.inference_mode(False), torch.enable_grad():
+            x = inputs.to(self.device, self.dtype).requires_grad_(True)
+            y = self.span(x, blocks=(start, end))
+            (grad,) = torch.autograd.grad(y, x, grad_outputs.to(self.device, y.dtype))
+        return grad.float().cpu()
+
+    async def backward(self, inputs: torch.Tensor, grad_outputs: torch.Tensor, start: int, end: int, *,
+                       peer: str = "", grant: Optional[Grant] = None) -> torch.Tensor:
+        """:meth:`backward_sync` on the compute thread, under the same queue and bounds as forward passes."""
+        tokens = 2 * inputs.shape[0] * inputs.shape[1]
+        return await self.queue.run(tokens, self.backward_sync, inputs, grad_outputs, start, end, peer=peer,
                                     grant=grant)
 
     def shutdown(self) -> None:

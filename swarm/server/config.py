@@ -35,6 +35,8 @@ class ServerConfig:
     governance_poll: float = 2.0  # seconds between reads of the governance records
     update_period: float = 15.0  # seconds between DHT announcements
     expiration: Optional[float] = None  # record lifetime; default 2.5 x update_period
+    allow_backward: bool = True  # answer backward calls (fine-tuning through the swarm; weights stay frozen)
+    serve_adapters: tuple[str, ...] = ()  # adapter directories whose files this server serves (by content hash)
     wire_dtype: str = "auto"  # "auto": the compute dtype (lossless); "float16" halves float32's bytes (not exact)
     compute_threads: Optional[int] = None
 

@@ -1,8 +1,10 @@
-"""The RPC surface of a server on hivemind's P2P layer: forward (unary and streamed), experts, and info.
+"""The RPC surface of a server on hivemind's P2P layer: forward and backward (unary and streamed), experts, info.
 
 A forward request is refused as early as its first part allows: the metadata, the declared tensor shape,
 whether its answer fits a unary call, and a place in the compute queue (and, for a push, in the push
-budget) are all settled before the rest of its payload is received, decoded or computed.
+budget) are all settled before the rest of its payload is received, decoded or computed. A backward request
+(:class:`~swarm.protocol.BackwardRequest`) has a forward request's form and takes the same path, with its own
+checks: no cache, push or head directives, an even stacked batch, and a server that answers backward calls.
 """
 from __future__ import annotations
 
@@ -10,9 +12,10 @@ import asyncio
 import contextlib
 import logging
 import math
+import re
 import time
 from dataclasses import dataclass
-from typing import AsyncIterable, AsyncIterator, Awaitable, Callable, Optional
+from typing import TYPE_CHECKING, AsyncIterable, AsyncIterator, Awaitable, Callable, Optional
 
 import torch
 from hivemind.p2p import P2PContext
@@ -23,12 +26,14 @@ from hivemind.utils.asyncio import iter_as_aiter
 from swarm.diffusion.prediction import HeadQuery
 from swarm.models.kv_cache import CacheMiss, SpanKV
 from swarm.protocol import (
+    AUTO_WIRE,
     MAX_STREAM_MESSAGE_BYTES,
     MAX_UNARY_BYTES,
     ErrorCode,
     RemoteError,
     SpanService,
     ack_response,
+    adapter_parts,
     decode_tensor,
     error_response,
     join_parts,
@@ -42,8 +47,12 @@ from swarm.server.push import Pusher, PushLimits, PushSpec
 from swarm.server.session_cache import SessionCaches
 from swarm.server.validation import is_count, require, validate_declared, validate_hidden, validate_metadata
 
+if TYPE_CHECKING:
+    from swarm.finetune.sharing import AdapterLibrary
+
 logger = logging.getLogger(__name__)
 
+ADAPTER_HASH = re.compile(r"[0-9a-f]{64}")
 PAYLOAD_SLACK_BYTES = 64 * 1024
 MIN_CHUNK_BYTES = 2**16  # the smallest stream chunk a client may use (hivemind's default): bounds the part count
 
@@ -60,9 +69,11 @@ class Declared:
     max_bytes: int  # the most its parts may weigh together
     push: Optional[PushSpec]
     head: Optional[HeadQuery] = None  # answer the sampler's predictions instead of hidden states
+    backward: bool = False  # the tensor stacks the span's inputs and its output gradient: answer the input gradient
 
     @property
     def tokens(self) -> int:
+        """Positions the request carries (a backward request's inputs and gradients both count: it computes more)."""
         return self.shape[0] * self.shape[1]
 
 
@@ -72,11 +83,14 @@ class ForwardHandler(SpanService):
     ``backend`` is None on a server that hosts only experts; ``experts`` is None on one that hosts none.
     """
 
+    adapters: Optional["AdapterLibrary"] = None  # adapter files served by content hash (--serve-adapter)
+
     def __init__(self, backend: Optional[SpanBackend], *, hidden_size: int, max_batch_tokens: int, wire_dtype: str,
                  request_timeout: float, info: Callable[[], dict], experts: Optional[ExpertHandler] = None,
                  caches: Optional[SessionCaches] = None, num_layers: int = 0,
-                 push_limits: PushLimits = PushLimits()):
+                 push_limits: PushLimits = PushLimits(), allow_backward: bool = True):
         self.backend = backend
+        self.allow_backward = allow_backward  # answer backward calls (training through the swarm)
         self.caches = caches
         self.num_layers = num_layers
         self.pusher = Pusher(wire_dtype, request_timeout, push_limits)
@@ -112,10 +126,31 @@ class ForwardHandler(SpanService):
         for response in await self._answer(lambda: self._forward(requests, context, unary=False), context):
             yield response
 
+    async def rpc_backward(self, request: runtime_pb2.ExpertRequest,
+                           context: P2PContext) -> runtime_pb2.ExpertResponse:
+        parts = await self._answer(
+            lambda: self._forward(iter_as_aiter([request]), context, unary=True, backward=True), context)
+        if len(parts) != 1:  # checked before compute, as for forward
+            return self._refuse(RemoteError(ErrorCode.TOO_LARGE, "response too large for a unary call"), context)
+        return parts[0]
+
+    async def rpc_backward_stream(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        for response in await self._answer(lambda: self._forward(requests, context, unary=False, backward=True),
+                                           context):
+            yield response
+
     async def rpc_expert_logits(
         self, request: runtime_pb2.ExpertRequest, context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         for response in await self._answer(lambda: self._expert_logits(request, context), context):
+            yield response
+
+    async def rpc_adapter_files(
+        self, request: runtime_pb2.ExpertRequest, context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        for response in await self._answer(lambda: self._adapter_files(request), context):
             yield response
 
     # ----- one request -----------------------------------------------------------------------------
@@ -142,32 +177,49 @@ class ForwardHandler(SpanService):
         require(self.experts is not None, ErrorCode.NO_EXPERT, "this server hosts no experts")
         return await self.experts.serve(request, str(context.remote_id))
 
+    async def _adapter_files(self, request: runtime_pb2.ExpertRequest) -> list[runtime_pb2.ExpertResponse]:
+        """The files of an adapter this server serves (``--serve-adapter``), named by their content hash."""
+        sha256 = parse_metadata(request.metadata).get("sha256")
+        require(isinstance(sha256, str) and ADAPTER_HASH.fullmatch(sha256) is not None, ErrorCode.BAD_REQUEST,
+                "an adapter request names the files' sha256 (64 lowercase hex digits)")
+        files = self.adapters.get(sha256) if self.adapters is not None else None
+        require(files is not None, ErrorCode.NO_ADAPTER, f"this server does not serve adapter {sha256}")
+        return adapter_parts(files)
+
     async def _forward(self, requests: AsyncIterable[runtime_pb2.ExpertRequest], context: P2PContext,
-                       unary: bool) -> list[runtime_pb2.ExpertResponse]:
+                       unary: bool, backward: bool = False) -> list[runtime_pb2.ExpertResponse]:
         started = time.perf_counter()
         require(self.backend is not None, ErrorCode.WRONG_SPAN, "this server hosts experts only, no blocks")
+        require(self.allow_backward or not backward, ErrorCode.NO_BACKWARD,
+                "this server does not answer backward calls (it was started with --no-backward): train through "
+                "another server")
         stream = aiter(requests)
         first = await anext(stream, None)
         require(first is not None, ErrorCode.BAD_REQUEST, "empty request")
-        declared = self._declared(first, unary)
+        declared = self._declared(first, unary, backward)
         peer = str(context.remote_id)
         with self.backend.queue.admit(peer, declared.tokens) as place, self._push_place(peer, declared) as push_place:
             hidden = await self._receive(first, stream, declared)
             extra = declared.metadata.get("extra", {})
             session_id = declared.metadata.get("session_id", "")
             computing = time.perf_counter()
-            output = await self._compute(hidden, declared, extra, session_id, place)
+            if declared.backward:
+                output = await self._backward(hidden, declared, place)
+            else:
+                output = await self._compute(hidden, declared, extra, session_id, place)
             self.compute_seconds += time.perf_counter() - computing
             self.rows_computed += declared.tokens
-            logger.debug("forward %d:%d %s from %s in %.1f ms", declared.start, declared.end, declared.shape, peer,
-                         1000 * (time.perf_counter() - started))
+            logger.debug("%s %d:%d %s from %s in %.1f ms", "backward" if declared.backward else "forward",
+                         declared.start, declared.end, declared.shape, peer, 1000 * (time.perf_counter() - started))
+            if declared.backward:  # gradients travel in float32, unrounded
+                return response_parts(output, AUTO_WIRE)
             if declared.push is None:
                 return response_parts(output, self.wire_dtype)
             self.pusher.send(declared.push, output, session_id, declared.metadata.get("step", -1),
                              {k: v for k, v in extra.items() if k != "push"}, push_place)
             return [ack_response()]
 
-    def _declared(self, first: runtime_pb2.ExpertRequest, unary: bool) -> Declared:
+    def _declared(self, first: runtime_pb2.ExpertRequest, unary: bool, backward: bool = False) -> Declared:
         """Check everything the first part says, before the rest is received or anything computed."""
         require(first.ByteSize() <= self.max_payload_bytes, ErrorCode.TOO_LARGE,
                 f"payload over {self.max_payload_bytes} bytes")
@@ -183,14 +235,32 @@ class ForwardHandler(SpanService):
         require(is_count(parts) and 0 < parts <= max_parts, ErrorCode.BAD_REQUEST,
                 f"metadata 'parts' must be an integer in 1..{max_parts}, got {parts!r}")
         extra = metadata.get("extra", {})
+        if backward:
+            self._check_backward(extra, batch)
+            if unary:
+                self._check_unary_answer((batch // 2, length, self.hidden_size), AUTO_WIRE, torch.float32)
+            return Declared(metadata, start, end, shape, parts, max_bytes, None, None, backward=True)
         push = PushSpec.parse(extra["push"], self.num_layers, end) if "push" in extra else None
         head = self._head_query(extra, end, batch, length)
         if unary and push is None:
-            answer = tensor_wire_bytes(shape, self.wire_dtype, self.backend.dtype)
-            require(answer <= MAX_UNARY_BYTES, ErrorCode.TOO_LARGE,
-                    f"the answer ({answer} bytes in {self.wire_dtype}) does not fit a unary call of at most "
-                    f"{MAX_UNARY_BYTES} bytes: send this request on the stream RPC")
+            self._check_unary_answer(shape, self.wire_dtype, self.backend.dtype)
         return Declared(metadata, start, end, shape, parts, max_bytes, push, head)
+
+    @staticmethod
+    def _check_unary_answer(shape: tuple[int, int, int], wire_dtype: str, dtype: torch.dtype) -> None:
+        answer = tensor_wire_bytes(shape, wire_dtype, dtype)
+        require(answer <= MAX_UNARY_BYTES, ErrorCode.TOO_LARGE,
+                f"the answer ({answer} bytes in {wire_dtype}) does not fit a unary call of at most "
+                f"{MAX_UNARY_BYTES} bytes: send this request on the stream RPC")
+
+    @staticmethod
+    def _check_backward(extra: dict, batch: int) -> None:
+        """A backward request stacks inputs and output gradients (an even batch) and carries no directive."""
+        require(not extra, ErrorCode.BAD_REQUEST,
+                f"a backward request takes no cache, push or head directive, got {sorted(extra)}")
+        require(batch % 2 == 0, ErrorCode.BAD_REQUEST,
+                f"a backward request stacks inputs and output gradients along the batch: its batch ({batch}) must "
+                f"be even")
 
     def _head_query(self, extra: dict, end: int, batch: int, length: int) -> Optional[HeadQuery]:
         """The request's head query, for the hop that ends at the last block (earlier hops pass it on)."""
@@ -252,6 +322,13 @@ class ForwardHandler(SpanService):
         except CacheMiss as miss:
             raise RemoteError(ErrorCode.CACHE_MISS, str(miss)) from None
         return output
+
+    async def _backward(self, stacked: torch.Tensor, declared: Declared, place: Grant) -> torch.Tensor:
+        """The gradient of the span's input from the stacked inputs and output gradients, under ``place``."""
+        inputs, grad_outputs = stacked.chunk(2)
+        return await asyncio.wait_for(
+            self.backend.backward(inputs, grad_outputs, declared.start, declared.end, grant=place),
+            self.request_timeout)
 
     async def _cache_for(self, extra: dict, session_id: str, hidden: torch.Tensor, start: int, end: int
                          ) -> tuple[Optional[SpanKV], Optional[tuple[int, int]], Optional[int]]:

@@ -12,7 +12,7 @@ from hivemind.dht import DHT
 
 from swarm.dht.compatibility import CompatibilityTag
 from swarm.dht.identity import Identity
-from swarm.dht.node import start_dht, stop_dht
+from swarm.dht.node import check_listen_addresses, start_dht, stop_dht
 from swarm.dht.schema import (
     MAX_ADDRESSES,
     ExpertRecord,
@@ -24,6 +24,7 @@ from swarm.dht.schema import (
     now,
     read_servers,
 )
+from swarm.finetune.sharing import AdapterLibrary, declare_hosted
 from swarm.governance.guard import GovernanceGuard
 from swarm.models.checkpoint import parse_dtype
 from swarm.models.loading import EXACT, ModelFiles, numerics, resolve_device
@@ -52,7 +53,7 @@ logger = logging.getLogger(__name__)
 
 def listening_addresses(maddrs: Sequence) -> list[str]:
     """Multiaddrs to announce, without their ``/p2p/<peer id>`` part (the record says whose they are)."""
-    return [str(addr).split("/p2p/", 1)[0] for addr in maddrs][:MAX_ADDRESSES]
+    return [str(addr).rsplit("/p2p/", 1)[0] for addr in maddrs][:MAX_ADDRESSES]  # a relayed one keeps the relay's
 
 
 class Server:
@@ -64,13 +65,16 @@ class Server:
 
     def __init__(self, config: ServerConfig, experts: Sequence[str] = ()):
         self.config = config
+        check_listen_addresses(config.network.host_maddrs)  # a port in use is refused before anything loads
         resolve_device(config.device)  # before loading anything: "cuda" without CUDA fails here, clearly
         self.files = ModelFiles(config.model)
         self.model_config = self.files.config
+        self._check_span_settings()
         self.prefix = config.dht_prefix or default_prefix(self.files.path)
         if config.compute_threads:
             torch.set_num_threads(config.compute_threads)
         self.experts = self._load_experts(experts)  # before joining: an incompatible expert fails fast
+        self.adapters = AdapterLibrary(config.serve_adapters)  # before joining, too: a bad directory fails fast
         self.hosts_blocks = not self.experts or config.blocks is not None or config.num_blocks is not None
         # The libp2p identity signs the records too, so they prove the peer id they speak for.
         self.identity = Identity.load_or_create(config.network.identity_path)
@@ -95,8 +99,9 @@ class Server:
             self.backend, hidden_size=self.model_config.hidden_size, max_batch_tokens=config.max_batch_tokens,
             wire_dtype=config.wire_dtype, request_timeout=config.request_timeout, info=self.info,
             experts=expert_handler, caches=self._session_caches(), num_layers=self.model_config.num_layers,
-            push_limits=push_limits,
+            push_limits=push_limits, allow_backward=config.allow_backward,
         )
+        self.handler.adapters = self.adapters
         self.state = ServerState.JOINING
         self._stop: Optional[asyncio.Event] = None
 
@@ -155,13 +160,20 @@ class Server:
             experts[spec.domain] = expert
         return experts
 
+    def _check_span_settings(self) -> None:
+        """Refuse a span the model cannot have before joining the swarm (``--num-blocks 0`` once served 0:16)."""
+        blocks, num_blocks, num_layers = self.config.blocks, self.config.num_blocks, self.model_config.num_layers
+        if blocks is not None and num_blocks is not None:
+            raise ValueError("give --blocks (the span) or --num-blocks (its length, placed automatically), not both")
+        if blocks is not None and not 0 <= blocks[0] < blocks[1] <= num_layers:
+            raise ValueError(f"--blocks {blocks[0]}:{blocks[1]} is not inside the model's {num_layers} blocks")
+        if num_blocks is not None and not 1 <= num_blocks <= num_layers:
+            raise ValueError(f"--num-blocks {num_blocks} must be 1..{num_layers}, the model's number of blocks")
+
     def _pick_blocks(self) -> tuple[int, int]:
         num_layers = self.model_config.num_layers
-        if self.config.blocks is not None:
-            start, end = self.config.blocks
-            if not 0 <= start < end <= num_layers:
-                raise ValueError(f"--blocks {start}:{end} is not inside the model's {num_layers} blocks")
-            return start, end
+        if self.config.blocks is not None:  # checked by _check_span_settings
+            return self.config.blocks
         servers = read_servers(self.dht, self.prefix, num_layers).values()
         return choose_span(servers, num_layers, self.config.num_blocks or num_layers)
 
@@ -209,6 +221,9 @@ class Server:
         if self.experts:
             futures.append(declare_experts(self.dht, self.prefix, self.expert_records(), self.subkey, expiration,
                                            wait=False))
+        if self.adapters.files and self.state != ServerState.OFFLINE:  # leaving: the hosts records expire
+            futures.append(declare_hosted(self.dht, self.prefix, self.adapters.sizes, self.subkey, expiration,
+                                          self.addresses, wait=False))
         deadline = time.monotonic() + timeout
         try:
             return all([bool(f.result(max(0.0, deadline - time.monotonic()))) for f in futures])
@@ -245,7 +260,8 @@ class Server:
         while not self._stop.is_set():
             try:
                 await asyncio.wait_for(self._stop.wait(), self.config.update_period)
-            except asyncio.TimeoutError:
+            except asyncio.TimeoutError:  # relays gained or lost since the last announcement reach the record
+                self.addresses = listening_addresses(await p2p.get_visible_maddrs(latest=True))
                 await loop.run_in_executor(None, self.announce)  # the store blocks: keep the loop serving
         if watcher is not None:
             watcher.cancel()

@@ -1,0 +1,401 @@
+"""Sharing adapters: a name published by its author's key, files served by any server, fetched by hash.
+
+Three kinds of DHT entries, all small (adapter bytes never go into the DHT):
+
+* ``{prefix}.adapters.{name}``: the published record (:class:`PublishedAdapter`: base model, training metadata,
+  size, sha256 content hash, evaluation score, hosts seen at publication), in the signed slot of its author's
+  Ed25519 key (``swarm.dht.validation``): only that key can write or overwrite it. Several authors may use one
+  name; a client then refuses to guess and asks for ``name@AUTHOR`` (the author id: 16 hex digits of the key's
+  sha256).
+* ``{prefix}.adapters``: each author's list of names, in the same signed slot (the DHT cannot list keys: the
+  health map reads names from here).
+* ``{prefix}.adapters.hosts.{sha256}``: servers started with ``--serve-adapter DIR`` announce the content they
+  serve under their owner subkey (the same rule as block records), so any server can host any adapter.
+
+A client resolves a name to a record, checks the base model and the size before fetching, fetches the files
+from a host (``rpc_adapter_files``), checks the size and the content hash, and keeps them in a cache directory.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from hivemind.dht import DHT
+from hivemind.utils import MSGPackSerializer, get_dht_time
+
+from swarm.dht.schema import MAX_ADDRESSES, _store, read_owned
+from swarm.dht.validation import (
+    dht_key_id,
+    ed25519_public_key,
+    ed25519_text,
+    sign_slot,
+    slot_signer,
+    slot_subkey,
+    verify_slot,
+)
+from swarm.finetune.adapter import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    MAX_CONFIG_BYTES,
+    MAX_WEIGHTS_BYTES,
+    AdapterConfig,
+    AdapterError,
+    SoftPrompt,
+)
+from swarm.protocol import RemoteError
+
+logger = logging.getLogger(__name__)
+
+FILES = (ADAPTER_CONFIG, ADAPTER_WEIGHTS)  # the order files are hashed and sent in
+MAX_ADAPTER_BYTES = MAX_CONFIG_BYTES + MAX_WEIGHTS_BYTES
+NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+AUTHOR_PATTERN = re.compile(r"[0-9a-f]{16}")
+HASH_PATTERN = re.compile(r"[0-9a-f]{64}")
+RECORD_VERSION = 1
+PUBLISH_LIFETIME = 7 * 24 * 3600.0  # seconds a published record lives; publishing again refreshes it
+MAX_NAMES_PER_AUTHOR = 64
+MAX_HOSTS_LISTED = 16
+ENV_CACHE = "SWARM_ADAPTER_CACHE"
+
+
+# ----- names, keys and hashes -------------------------------------------------------------------------
+def check_name(name: Any) -> str:
+    """A publishable name: 1-64 letters, digits, ``_.-``, starting with a letter or digit."""
+    if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
+        raise AdapterError(f"adapter name {name!r} must be 1-64 letters, digits, '_', '.' or '-', starting with a "
+                           f"letter or digit")
+    return name
+
+
+def split_reference(reference: str) -> tuple[str, Optional[str]]:
+    """``name`` or ``name@AUTHOR`` -> (name, author id or None)."""
+    name, _, author = reference.partition("@")
+    if author and not AUTHOR_PATTERN.fullmatch(author):
+        raise AdapterError(f"author id {author!r} must be 16 lowercase hex digits (as python -m swarm.health lists)")
+    return check_name(name), author or None
+
+
+def author_id(public_key_text: str) -> str:
+    """16 hex digits naming an author's key: short enough to type after ``name@``."""
+    digest = hashes.Hash(hashes.SHA256())
+    digest.update(ed25519_public_key(public_key_text).public_bytes_raw())
+    return digest.finalize().hex()[:16]
+
+
+def name_key(prefix: str, name: str) -> str:
+    return f"{prefix}.adapters.{name}"
+
+
+def index_key(prefix: str) -> str:
+    return f"{prefix}.adapters"
+
+
+def hosts_key(prefix: str, sha256: str) -> str:
+    return f"{prefix}.adapters.hosts.{sha256}"
+
+
+def content_hash(files: dict[str, bytes]) -> str:
+    """sha256 over each file's name, length and bytes, in :data:`FILES` order: names the exact content."""
+    digest = hashlib.sha256()
+    for name in FILES:
+        data = files[name]
+        digest.update(f"{name}\0{len(data)}\0".encode())
+        digest.update(data)
+    return digest.hexdigest()
+
+
+def read_adapter_files(directory: str | Path, base: Optional[dict[str, Any]] = None) -> dict[str, bytes]:
+    """The files of a valid adapter directory (checked by :meth:`SoftPrompt.load`, sizes capped)."""
+    SoftPrompt.load(directory, base)
+    return {name: (Path(directory) / name).read_bytes() for name in FILES}
+
+
+def adapter_config(files: dict[str, bytes]) -> AdapterConfig:
+    try:
+        return AdapterConfig.from_dict(json.loads(files[ADAPTER_CONFIG]))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise AdapterError(f"{ADAPTER_CONFIG} is not valid JSON: {error}") from None
+
+
+# ----- the published record --------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PublishedAdapter:
+    """What an author publishes under a name: enough to check an adapter before fetching it."""
+
+    name: str
+    sha256: str
+    size: int
+    base: dict[str, Any]
+    training: dict[str, Any] = field(default_factory=dict)
+    score: Optional[float] = None  # an evaluation score the author reports (e.g. exact match on held-out data)
+    served_by: tuple[str, ...] = ()  # peers announcing the content when it was published
+    published: float = 0.0  # the author's clock, seconds since the epoch
+    author: str = ""  # the signing key (base64), filled in from the slot when read
+
+    @property
+    def author_id(self) -> str:
+        return author_id(self.author)
+
+    def payload(self) -> bytes:
+        return MSGPackSerializer.dumps({
+            "record_version": RECORD_VERSION, "name": self.name, "sha256": self.sha256, "size": self.size,
+            "base": self.base, "training": self.training, "score": self.score, "served_by": list(self.served_by),
+            "published": self.published})
+
+    @classmethod
+    def from_payload(cls, payload: bytes, author: str) -> "PublishedAdapter":
+        """Parse a verified payload; ValueError for anything malformed (its author may still be careless)."""
+        value = MSGPackSerializer.loads(payload)
+        if not isinstance(value, dict) or value.get("record_version") != RECORD_VERSION:
+            raise ValueError("unknown adapter record version")
+        sha, size, score = value.get("sha256"), value.get("size"), value.get("score")
+        if not isinstance(sha, str) or not HASH_PATTERN.fullmatch(sha):
+            raise ValueError(f"sha256 must be 64 hex digits, got {sha!r}")
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise ValueError(f"size must be a positive integer, got {size!r}")
+        if score is not None and (not isinstance(score, (int, float)) or isinstance(score, bool)):
+            raise ValueError(f"score must be a number, got {score!r}")
+        base, training, served = value.get("base"), value.get("training", {}), value.get("served_by", [])
+        if not isinstance(base, dict) or not isinstance(training, dict):
+            raise ValueError("base and training must be maps")
+        if not isinstance(served, list) or not all(isinstance(p, str) for p in served):
+            raise ValueError("served_by must be a list of peer ids")
+        return cls(check_name(value.get("name")), sha, size, base, training, score, tuple(served[:MAX_HOSTS_LISTED]),
+                   float(value.get("published", 0.0)), author)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "author": self.author_id, "sha256": self.sha256, "size": self.size,
+                "score": self.score, "base": self.base, "training": self.training, "served_by": list(self.served_by),
+                "published": self.published}
+
+
+def _signed_entries(dht: DHT, key: str) -> list[tuple[str, bytes]]:
+    """(signer, payload) of every entry under ``key`` whose Ed25519 signature holds; anything else is ignored
+    (a peer that stores without validating may still hand it back)."""
+    found = dht.get(key, latest=True)
+    if found is None or not isinstance(found.value, dict):
+        return []
+    entries = []
+    for subkey, item in found.value.items():
+        try:
+            payload = verify_slot(dht_key_id(key), subkey, item.value, item.expiration_time)
+            entries.append((slot_signer(subkey), payload))
+        except ValueError as error:
+            logger.debug("ignoring an entry under %s: %s", key, error)
+    return entries
+
+
+def read_published(dht: DHT, prefix: str, name: str) -> list[PublishedAdapter]:
+    """Every validly signed record under ``name``, one per author."""
+    records = []
+    for signer, payload in _signed_entries(dht, name_key(prefix, name)):
+        try:
+            record = PublishedAdapter.from_payload(payload, signer)
+        except Exception as error:  # msgpack raises many types on junk
+            logger.debug("ignoring a malformed adapter record under %r: %s", name, error)
+            continue
+        if record.name == name:  # a record signed for another name cannot be moved here (the key is signed too)
+            records.append(record)
+    return records
+
+
+def read_names(dht: DHT, prefix: str) -> dict[str, list[str]]:
+    """Names each author lists in the index, by the author's key."""
+    names: dict[str, list[str]] = {}
+    for signer, payload in _signed_entries(dht, index_key(prefix)):
+        try:
+            listed = MSGPackSerializer.loads(payload)
+        except Exception:
+            continue
+        if isinstance(listed, list):
+            names[signer] = [n for n in listed[:MAX_NAMES_PER_AUTHOR]
+                             if isinstance(n, str) and NAME_PATTERN.fullmatch(n)]
+    return names
+
+
+def read_catalog(dht: DHT, prefix: str) -> list[tuple[PublishedAdapter, list[str]]]:
+    """Every published adapter listed in the index, with the peers serving its content now."""
+    catalog = []
+    for name in sorted({n for listed in read_names(dht, prefix).values() for n in listed}):
+        for record in read_published(dht, prefix, name):
+            catalog.append((record, sorted(read_hosts(dht, prefix, record.sha256))))
+    return catalog
+
+
+def _store_slot(dht: DHT, key: Ed25519PrivateKey, dht_key: str, payload: bytes, expiration: float) -> bool:
+    value = sign_slot(key, dht_key, payload, expiration)
+    return bool(dht.store(dht_key, value, expiration_time=expiration, subkey=slot_subkey(key)))
+
+
+def publish(dht: DHT, key: Ed25519PrivateKey, prefix: str, record: PublishedAdapter,
+            lifetime: float = PUBLISH_LIFETIME) -> PublishedAdapter:
+    """Sign and store ``record`` under its name and add the name to the author's index entry; the stored record
+    (read back) or :class:`AdapterError`. Publishing again replaces the author's record (a later expiration)."""
+    own = ed25519_text(key)
+    expiration = get_dht_time() + lifetime
+    listed = read_names(dht, prefix).get(own, [])
+    names = sorted(set(listed) | {record.name})
+    if len(names) > MAX_NAMES_PER_AUTHOR:
+        raise AdapterError(f"an author may list at most {MAX_NAMES_PER_AUTHOR} names")
+    stored = _store_slot(dht, key, name_key(prefix, record.name), record.payload(), expiration)
+    indexed = _store_slot(dht, key, index_key(prefix), MSGPackSerializer.dumps(names), expiration)
+    found = [r for r in read_published(dht, prefix, record.name) if r.author == own and r.sha256 == record.sha256]
+    if not found:
+        raise AdapterError(f"the swarm did not keep the record for {record.name!r} (stored: {stored}, indexed: "
+                           f"{indexed})")
+    return found[0]
+
+
+def make_record(directory: str | Path, name: str, score: Optional[float], served_by: list[str]) -> PublishedAdapter:
+    """The record of the adapter in ``directory`` (files checked) under ``name``."""
+    files = read_adapter_files(directory)
+    config = adapter_config(files)
+    return PublishedAdapter(check_name(name), content_hash(files), sum(map(len, files.values())), config.base,
+                            config.training, score, tuple(served_by[:MAX_HOSTS_LISTED]), time.time())
+
+
+# ----- hosts -------------------------------------------------------------------------------------------
+def declare_hosted(dht: DHT, prefix: str, hosted: dict[str, int], subkey: bytes, expiration: float,
+                   addresses: list[str], wait: bool = True):
+    """Announce the content hashes a server serves (``{sha256: size}``) and where it listens, under its owner
+    subkey."""
+    keys = [hosts_key(prefix, sha) for sha in hosted]
+    values = [{"record_version": RECORD_VERSION, "size": size, "addresses": addresses[:MAX_ADDRESSES]}
+              for size in hosted.values()]
+    return dht.run_coroutine(partial(_store, keys=keys, subkey=subkey, values=values, expiration=expiration),
+                             return_future=not wait)
+
+
+def read_hosts(dht: DHT, prefix: str, sha256: str) -> dict[str, list[str]]:
+    """Peers that provably announced serving ``sha256``, with the addresses they announce."""
+    hosts = {}
+    for _, peer_id, value in read_owned(dht, [hosts_key(prefix, sha256)]):
+        if isinstance(value, dict) and value.get("record_version") == RECORD_VERSION:
+            addresses = value.get("addresses", [])
+            hosts[peer_id] = [a for a in addresses[:MAX_ADDRESSES] if isinstance(a, str)] \
+                if isinstance(addresses, list) else []
+    return hosts
+
+
+class AdapterLibrary:
+    """The adapters a server serves, in memory (each at most :data:`MAX_ADAPTER_BYTES`), by content hash."""
+
+    def __init__(self, directories: tuple[str, ...] | list[str] = ()):
+        self.files: dict[str, dict[str, bytes]] = {}
+        for directory in directories:
+            files = read_adapter_files(directory)
+            self.files[content_hash(files)] = files
+            logger.info("serving adapter %s as %s", directory, content_hash(files))
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        return {sha: sum(map(len, files.values())) for sha, files in self.files.items()}
+
+    def get(self, sha256: str) -> Optional[dict[str, bytes]]:
+        return self.files.get(sha256)
+
+
+# ----- fetching and caching ---------------------------------------------------------------------------
+def default_cache_dir() -> Path:
+    return Path(os.environ.get(ENV_CACHE) or Path.home() / ".cache" / "swarm" / "adapters")
+
+
+def choose_record(records: list[PublishedAdapter], reference: str, author: Optional[str]) -> PublishedAdapter:
+    """The one record a reference names; a clear error for none, or for several authors without ``@AUTHOR``."""
+    if author is not None:
+        records = [r for r in records if r.author_id == author]
+    if not records:
+        raise AdapterError(f"no adapter is published under {reference!r} (not a directory either); "
+                           f"python -m swarm.health lists published adapters")
+    if len({r.author for r in records}) > 1:
+        authors = ", ".join(sorted(f"{r.name}@{r.author_id}" for r in records))
+        raise AdapterError(f"several authors published {reference!r}: choose one of {authors}")
+    return records[0]
+
+
+def check_before_fetch(record: PublishedAdapter, base: dict[str, Any]) -> None:
+    """Refuse what can be refused from the record alone: an oversized adapter or another base model."""
+    if record.size > MAX_ADAPTER_BYTES:
+        raise AdapterError(f"adapter {record.name!r} declares {record.size} bytes, over the limit of "
+                           f"{MAX_ADAPTER_BYTES}")
+    AdapterConfig(1, 1, record.base).require_base(base, repr(record.name))
+
+
+def check_fetched(record: PublishedAdapter, files: dict[str, bytes], peer_id: str) -> None:
+    """The files a host sent must be exactly the published content."""
+    size = sum(map(len, files.values()))
+    if size != record.size:
+        raise AdapterError(f"peer {peer_id} sent {size} bytes for adapter {record.name!r}, the record says "
+                           f"{record.size}")
+    if content_hash(files) != record.sha256:
+        raise AdapterError(f"peer {peer_id} sent files for adapter {record.name!r} whose sha256 differs from the "
+                           f"published one")
+
+
+def cached(cache_dir: Path, record: PublishedAdapter) -> Optional[Path]:
+    """The cached copy of ``record``'s content if present and intact (its hash is checked again)."""
+    directory = cache_dir / record.sha256
+    try:
+        files = {name: (directory / name).read_bytes() for name in FILES}
+    except OSError:
+        return None
+    return directory if content_hash(files) == record.sha256 else None
+
+
+def store_in_cache(cache_dir: Path, record: PublishedAdapter, files: dict[str, bytes]) -> Path:
+    """Write checked files to ``cache_dir/SHA256`` (whole or not at all)."""
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    target = cache_dir / record.sha256
+    staging = Path(tempfile.mkdtemp(dir=cache_dir, prefix=".partial-"))
+    try:
+        for name in FILES:
+            (staging / name).write_bytes(files[name])
+        if target.exists():
+            shutil.rmtree(target)
+        staging.replace(target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+Fetch = Callable[[str, list[str], str, int], dict[str, bytes]]  # (peer, addresses, sha256, max bytes) -> files
+
+
+def fetch_published(dht: DHT, prefix: str, reference: str, base: dict[str, Any], cache_dir: Path,
+                    fetch: Fetch) -> Path:
+    """The directory of the published adapter ``reference`` (``name`` or ``name@AUTHOR``): from the cache, or
+    fetched from a peer that serves it and checked (size, content hash) first. :class:`AdapterError` otherwise."""
+    name, author = split_reference(reference)
+    record = choose_record(read_published(dht, prefix, name), reference, author)
+    check_before_fetch(record, base)
+    directory = cached(cache_dir, record)
+    if directory is not None:
+        return directory
+    hosts = {peer_id: [] for peer_id in record.served_by} | read_hosts(dht, prefix, record.sha256)
+    if not hosts:
+        raise AdapterError(f"adapter {reference!r} is published but no peer serves its files now (start a server "
+                           f"with --serve-adapter DIR)")
+    failures = []
+    for peer_id, addresses in hosts.items():
+        try:
+            files = fetch(peer_id, addresses, record.sha256, record.size)
+            check_fetched(record, files, peer_id)
+        except (AdapterError, RemoteError) as error:
+            logger.warning("adapter %r from %s refused: %s", reference, peer_id, error)
+            failures.append(str(error))
+            continue
+        logger.info("fetched adapter %r (%d bytes, sha256 %s) from %s", reference, record.size, record.sha256, peer_id)
+        return store_in_cache(cache_dir, record, files)
+    raise AdapterError(f"no peer served adapter {reference!r} as published: {'; '.join(failures)}")

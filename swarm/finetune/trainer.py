@@ -1,0 +1,322 @@
+"""Training a soft prompt with the masked-diffusion SFT objective, on the local model or through the swarm.
+
+The frozen model is seen as three differentiable pieces (:class:`Backbone`): the embedding (no gradient needed),
+the blocks, and the head. Locally the blocks are the in-memory span; through the swarm they are one
+:class:`SwarmBlocks` call, whose forward is the client's ordinary pass (recording each hop's input) and whose
+backward asks each hop's server for the gradient of its input. Only the adapter's vectors are trained.
+
+A run is a deterministic function of its :class:`FinetuneConfig` and data: batches and masking noise come from
+one seeded generator saved with the optimiser, so an interrupted run resumes exactly where it stopped. With a
+:class:`~swarm.finetune.together.CollaborationConfig` the optimiser is a ``hivemind.Optimizer`` shared by every
+process of the run (``swarm/finetune/together.py``): a run's steps are then the collaboration's global steps.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional, Protocol
+
+import torch
+from hivemind.dht import DHT
+from torch import nn
+from tqdm.auto import tqdm
+
+from swarm.client.model import DistributedDiffusionLM
+from swarm.client.sequence import HopTrace, RemoteSequence
+from swarm.finetune.adapter import ADAPTER_CONFIG, AdapterConfig, SoftPrompt, base_of
+from swarm.finetune.data import Example, SFTBatch, data_digest, load_examples, make_batch
+from swarm.finetune.together import (
+    CollaborationConfig,
+    collaborative_optimizer,
+    peer_seed,
+    peers_in_run,
+    wait_for_peers,
+)
+from swarm.lm import BaseDiffusionLM
+from swarm.local import DiffusionLM
+from swarm.train.objective import mask_tokens, masked_cross_entropy
+
+logger = logging.getLogger(__name__)
+
+STATE_FILE = "finetune_state.pt"
+# Settings that change what a resumed run computes: a mismatch is refused, not silently mixed.
+RUN_DEFINING = ("batch_size", "lr", "prompt_length", "seed", "data_sha256")
+
+
+@dataclass
+class FinetuneConfig:
+    data: str
+    output: str
+    steps: int = 100
+    lr: float = 1e-2
+    batch_size: int = 8
+    prompt_length: int = 16
+    seed: int = 0
+    save_every: int = 10
+    data_sha256: str = ""  # filled from the data file
+    # Set to train together with every process of the same run id (hivemind.Optimizer over the DHT)
+    collaboration: Optional[CollaborationConfig] = None
+
+    def run_defining(self) -> dict[str, Any]:
+        """The settings a resumed run must keep (the collaboration's run id and global batch included)."""
+        collaboration = self.collaboration
+        return {**{key: getattr(self, key) for key in RUN_DEFINING},
+                "run_id": collaboration.run_id if collaboration else "",
+                "target_batch_size": collaboration.target_batch_size if collaboration else self.batch_size}
+
+
+def saved_run_defining(saved: dict[str, Any]) -> dict[str, Any]:
+    """:meth:`FinetuneConfig.run_defining` of a saved run (runs saved before collaborations trained alone)."""
+    collaboration = saved.get("collaboration") or {}
+    return {**{key: saved.get(key) for key in RUN_DEFINING}, "run_id": collaboration.get("run_id", ""),
+            "target_batch_size": collaboration.get("target_batch_size", saved.get("batch_size"))}
+
+
+class Backbone(Protocol):
+    """The frozen model as differentiable pieces (see the module doc)."""
+
+    lm: BaseDiffusionLM
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor: ...
+
+    def blocks(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+
+class LocalBackbone:
+    """Every block in this process (:class:`DiffusionLM`)."""
+
+    def __init__(self, lm: DiffusionLM):
+        self.lm = lm
+        lm.model.requires_grad_(False)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.lm.model.embedding(ids)
+
+    def blocks(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm.model.span(hidden)
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm.model.head(hidden)
+
+
+class SwarmBlocks(torch.autograd.Function):
+    """Every block through the swarm as one differentiable function of the hidden states."""
+
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, sequence: RemoteSequence) -> torch.Tensor:
+        trace: list[HopTrace] = []
+        output = sequence.forward(hidden.detach(), trace=trace)
+        ctx.sequence, ctx.trace, ctx.dtype = sequence, trace, hidden.dtype
+        return output.to(hidden.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return ctx.sequence.backward(ctx.trace, grad.float()).to(ctx.dtype), None
+
+
+class SwarmBackbone:
+    """The client's embedding and head, the blocks on the swarm (:class:`DistributedDiffusionLM`)."""
+
+    def __init__(self, lm: DistributedDiffusionLM):
+        self.lm = lm
+        lm.embedding.requires_grad_(False)
+        lm.head.requires_grad_(False)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.lm.embedding(ids)
+
+    def blocks(self, hidden: torch.Tensor) -> torch.Tensor:
+        return SwarmBlocks.apply(hidden, self.lm.sequence)
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm.head(hidden.to(self.lm.compute_dtype))
+
+
+def backbone_of(lm: BaseDiffusionLM) -> Backbone:
+    return SwarmBackbone(lm) if isinstance(lm, DistributedDiffusionLM) else LocalBackbone(lm)
+
+
+def adapted_logits(backbone: Backbone, adapter: SoftPrompt, tokens: torch.Tensor) -> torch.Tensor:
+    """Logits of ``tokens`` with the adapter's vectors in front, differentiable with respect to the vectors."""
+    with torch.no_grad():
+        hidden = backbone.embed(tokens)
+    return backbone.head(adapter.strip(backbone.blocks(adapter.extend(hidden)))).float()
+
+
+def sft_loss(backbone: Backbone, adapter: SoftPrompt, batch: SFTBatch, generator: torch.Generator) -> torch.Tensor:
+    """LLaDA's SFT loss: the prompt stays clean, the response (and its EOS padding) is masked with ratio
+    t ~ U(eps, 1]; cross-entropy on the masked positions weighted by 1/t, per row over its response length."""
+    mask_id = backbone.lm.config.mask_token_id
+    noisy, masked, t = mask_tokens(batch.tokens, mask_id, generator, given=batch.given)
+    logits = adapted_logits(backbone, adapter, noisy)
+    per_token = masked_cross_entropy(logits, batch.tokens, masked, t)
+    return (per_token.sum(1) / batch.answer_lengths).mean()
+
+
+@dataclass
+class StepReport:
+    step: int  # this process's steps
+    loss: float
+    seconds: float
+    epoch: int = 0  # the run's optimizer steps (the collaboration's, in a collaboration)
+    peers: int = 1  # peers of the collaboration counted at this step
+
+
+@dataclass
+class FinetuneState:
+    """What a resumed run needs besides the adapter: the step, the generator, the optimiser, the losses."""
+
+    step: int = 0  # this process's steps (batches it computed)
+    losses: list[float] = field(default_factory=list)
+    wall_s: float = 0.0
+    epoch: int = 0  # optimizer steps of the run: equal to ``step`` alone, the global steps in a collaboration
+    epochs: list[int] = field(default_factory=list)  # the epoch each loss was computed at
+    peers: list[int] = field(default_factory=list)  # peers counted at each step
+
+
+class Finetuner:
+    """One run: load or resume the adapter in ``config.output``, train it, save it every ``save_every`` steps.
+
+    With ``config.collaboration`` (and the ``dht`` to meet the other peers on) it trains together with them.
+    """
+
+    def __init__(self, lm: BaseDiffusionLM, config: FinetuneConfig,
+                 optimizer_factory: Optional[Callable[[list[nn.Parameter]], torch.optim.Optimizer]] = None,
+                 dht: Optional[DHT] = None):
+        if config.collaboration is not None and dht is None:
+            raise ValueError("a collaboration needs a DHT peer to meet the others on")
+        self.lm, self.config = lm, config
+        self.examples: list[Example] = load_examples(config.data, lm.tokenizer, self._eos())
+        config.data_sha256 = data_digest(config.data)
+        self.backbone = backbone_of(lm)
+        self.output = Path(config.output)
+        self.generator = torch.Generator().manual_seed(config.seed)
+        self.state = FinetuneState()
+        self.adapter = self._start_adapter()  # every peer of a run starts from the same vectors (one --seed)
+        params = [self.adapter.prompts]
+        if config.collaboration is not None:
+            self.generator.manual_seed(peer_seed(config.seed, str(dht.peer_id)))
+            self.optimizer = collaborative_optimizer(dht, config.collaboration, params, config.lr, config.batch_size)
+        elif optimizer_factory is not None:
+            self.optimizer = optimizer_factory(params)
+        else:
+            self.optimizer = torch.optim.Adam(params, lr=config.lr)
+        self._joined = False  # set once this process has met the run's other peers (wait_for_peers)
+        self._resume()
+
+    @property
+    def collaborative(self) -> bool:
+        return self.config.collaboration is not None
+
+    def close(self) -> None:
+        """Leave the collaboration (its averagers and progress tracker run in background processes)."""
+        if self.collaborative:
+            self.optimizer.shutdown()
+
+    def _eos(self) -> int:
+        eos = self.lm.config.eos_token_id
+        return eos if eos is not None else self.lm.tokenizer.eos_token_id
+
+    def _start_adapter(self) -> SoftPrompt:
+        base = base_of(self.lm.config, self.lm.tokenizer)
+        if (self.output / ADAPTER_CONFIG).is_file():
+            adapter = SoftPrompt.load(self.output, base)
+            if adapter.length != self.config.prompt_length:
+                raise ValueError(f"{self.output} holds an adapter of {adapter.length} vectors, not "
+                                 f"--prompt-length {self.config.prompt_length}")
+            return adapter
+        config = AdapterConfig(self.config.prompt_length, self.lm.config.hidden_size, base)
+        return SoftPrompt.initialized(config, self.backbone.embed, self.lm.config.vocab_size, self.generator)
+
+    def _resume(self) -> None:
+        path = self.output / STATE_FILE
+        if not path.is_file():
+            return
+        saved = torch.load(path, weights_only=False)
+        before = saved_run_defining(saved["config"])
+        differ = [f"{key}: {before[key]!r} -> {value!r}" for key, value in self.config.run_defining().items()
+                  if before[key] != value]
+        if differ:
+            raise ValueError(f"{self.output} holds a run with other settings ({'; '.join(differ)}): resume it with "
+                             f"the same ones or choose another --output")
+        self.state = FinetuneState(**saved["state"])
+        if not self.collaborative:
+            self.state.epoch = self.state.step  # alone, every step is an optimizer step
+        self.generator.set_state(saved["generator"])
+        self.optimizer.load_state_dict(saved["optimizer"])
+        logger.info("resuming %s at step %d", self.output, self.state.step)
+
+    def save(self) -> None:
+        """The adapter and the run's state, each replaced whole."""
+        training = {"steps": self.state.epoch, "loss": self.smoothed_loss(), "lr": self.config.lr,
+                    "batch_size": self.config.batch_size, "data_sha256": self.config.data_sha256,
+                    "examples": len(self.examples), "wall_s": round(self.state.wall_s, 1),
+                    "through_swarm": isinstance(self.lm, DistributedDiffusionLM)}
+        if self.collaborative:
+            training.update(run_id=self.config.collaboration.run_id, local_steps=self.state.step,
+                            target_batch_size=self.config.collaboration.target_batch_size,
+                            max_peers=max(self.state.peers, default=1))
+        self.adapter.save(self.output, training)
+        state = {"config": asdict(self.config), "state": asdict(self.state), "generator": self.generator.get_state(),
+                 "optimizer": self.optimizer.state_dict()}
+        temporary = self.output / (STATE_FILE + ".tmp")
+        torch.save(state, temporary)
+        temporary.replace(self.output / STATE_FILE)
+
+    def smoothed_loss(self, last: int = 10) -> Optional[float]:
+        recent = self.state.losses[-last:]
+        return round(sum(recent) / len(recent), 4) if recent else None
+
+    def next_batch(self) -> SFTBatch:
+        rows = torch.randint(len(self.examples), (self.config.batch_size,), generator=self.generator)
+        return make_batch([self.examples[i] for i in rows.tolist()], self._eos())
+
+    def step(self) -> StepReport:
+        """One batch of this process; the optimizer steps now (alone) or once the peers' samples reach the
+        collaboration's target (the ``epoch`` then advances)."""
+        started = time.perf_counter()
+        self.optimizer.zero_grad()
+        epoch = self.state.epoch
+        loss = sft_loss(self.backbone, self.adapter, self.next_batch(), self.generator)
+        loss.backward()
+        self.optimizer.step()
+        seconds = time.perf_counter() - started
+        self.state.step += 1
+        self.state.epoch = self.optimizer.local_epoch if self.collaborative else self.state.step
+        if self.collaborative and not self._joined:
+            wait_for_peers(self.optimizer, self.config.collaboration)
+            self._joined = True
+        peers = peers_in_run(self.optimizer) if self.collaborative else 1
+        self.state.losses.append(loss.item())
+        self.state.epochs.append(epoch)
+        self.state.peers.append(peers)
+        self.state.wall_s += seconds
+        return StepReport(self.state.step, self.state.losses[-1], seconds, self.state.epoch, peers)
+
+    def run(self, progress: bool = True) -> list[StepReport]:
+        """Train up to ``config.steps`` optimizer steps (from wherever the run stands), saving every
+        ``save_every`` and at the end."""
+        reports = []
+        bar = tqdm(total=self.config.steps, initial=self.state.epoch, desc="finetune", unit="step",
+                   disable=not progress)
+        with bar:
+            while self.state.epoch < self.config.steps:
+                saved_at = self.state.epoch // self.config.save_every
+                report = self.step()
+                reports.append(report)
+                bar.update(min(report.epoch, self.config.steps) - bar.n)
+                postfix = dict(loss=f"{report.loss:.4f}", avg=f"{self.smoothed_loss():.4f}")
+                bar.set_postfix(postfix if not self.collaborative else dict(postfix, peers=report.peers))
+                if self.state.epoch // self.config.save_every > saved_at:
+                    self.save()
+        self.save()
+        (self.output / "losses.json").write_text(json.dumps(self.state.losses))
+        history = [dict(epoch=e, loss=loss, peers=p) for e, loss, p in
+                   zip(self.state.epochs, self.state.losses, self.state.peers)]
+        (self.output / "history.json").write_text(json.dumps(history))
+        return reports

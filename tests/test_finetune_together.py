@@ -1,0 +1,89 @@
+"""Training one adapter together (issue 19, item 3): ``python -m swarm.finetune --run-id`` processes on 127.0.0.1,
+meeting on a real DHT and averaging gradients with hivemind.Optimizer; one of them SIGKILLed mid-run.
+
+Each peer runs the tiny model in its own process (``--local-model``): the collaboration is what is tested here;
+training through the swarm's servers is tested in test_finetune.py.
+"""
+from __future__ import annotations
+
+import json
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from swarm.finetune.adapter import ADAPTER_CONFIG, SoftPrompt
+from swarm.finetune.trainer import STATE_FILE, FinetuneConfig, Finetuner
+from swarm.utils.local_swarm import LocalSwarm, ManagedProcess
+from tests.conftest import wait_until
+
+BATCH, TARGET = 2, 8  # alone, a peer needs TARGET / BATCH = 4 batches per optimizer step
+
+
+@pytest.fixture
+def bootstrap():
+    with LocalSwarm() as swarm:
+        swarm.start_bootstrap()
+        yield swarm
+
+
+@pytest.fixture
+def pairs(tmp_path) -> str:
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"{a}+{b}=", "response": str(a + b)}) + "\n"
+                            for a in range(6) for b in range(6)))
+    return str(path)
+
+
+def start_peer(swarm: LocalSwarm, model: Path, data: str, output: Path, steps: int) -> ManagedProcess:
+    args = ["-m", "swarm.finetune", "--model", str(model), "--data", data, "--output", str(output),
+            "--steps", str(steps), "--batch-size", str(BATCH), "--target-batch-size", str(TARGET),
+            "--prompt-length", "4", "--lr", "0.05", "--save-every", "2", "--run-id", "pytest-together",
+            "--local-model", "--threads", "1", "--matchmaking-time", "1", "--averaging-timeout", "3",
+            "--min-peers", "2", "--peer-wait", "60"]
+    for peer in swarm.initial_peers:
+        args += ["--initial-peers", peer]
+    return swarm._start(output.name, args, wait=False)
+
+
+def finish(swarm: LocalSwarm, peer: ManagedProcess, timeout: float = 90) -> None:
+    assert wait_until(lambda: not peer.alive, timeout=timeout), f"{peer.name} still running:\n" + "\n".join(
+        peer.log[-20:])
+    assert peer.process.returncode == 0, "\n".join(peer.log[-30:])
+
+
+def training(output: Path) -> dict:
+    return json.loads((output / ADAPTER_CONFIG).read_text())["training"]
+
+
+def test_two_peers_make_global_steps_together(bootstrap, tiny_model_path, local_lm, pairs, tmp_path):
+    steps = 4
+    peers = [start_peer(bootstrap, tiny_model_path, pairs, tmp_path / name, steps) for name in ("a", "b")]
+    for peer in peers:
+        finish(bootstrap, peer)
+    runs = [training(tmp_path / name) for name in ("a", "b")]
+    for run in runs:
+        assert run["steps"] == steps and run["run_id"] == "pytest-together" and run["max_peers"] == 2, run
+    # Each peer draws batches of its own (a seed per peer): they end equal only if every step averaged both.
+    a, b = (SoftPrompt.load(tmp_path / name).prompts for name in ("a", "b"))
+    start = Finetuner(local_lm, FinetuneConfig(pairs, str(tmp_path / "start"), prompt_length=4)).adapter.prompts
+    assert torch.allclose(a, b, atol=1e-5), (a - b).abs().max()
+    assert (a - start).abs().max() > 1e-2  # and they did train
+
+
+def test_a_peer_killed_mid_run_does_not_stop_the_other(bootstrap, tiny_model_path, pairs, tmp_path):
+    steps = 8
+    victim = start_peer(bootstrap, tiny_model_path, pairs, tmp_path / "victim", steps)
+    survivor = start_peer(bootstrap, tiny_model_path, pairs, tmp_path / "survivor", steps)
+    assert wait_until(lambda: all((tmp_path / name / STATE_FILE).is_file() for name in ("victim", "survivor")),
+                      timeout=60), "\n".join(victim.log[-20:] + survivor.log[-20:])
+    bootstrap.terminate(victim, signal.SIGKILL)
+    killed_at = time.monotonic()
+    finish(bootstrap, survivor, timeout=90)
+    run = training(tmp_path / "survivor")
+    assert run["steps"] == steps and run["max_peers"] == 2, run
+    history = json.loads((tmp_path / "survivor" / "history.json").read_text())
+    assert any(entry["peers"] == 2 for entry in history)
+    print(f"survivor finished {time.monotonic() - killed_at:.1f} s after the SIGKILL")

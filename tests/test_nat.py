@@ -189,7 +189,9 @@ def test_lab_leaves_nothing_behind(sig):
     """Whatever ends a lab's process, its namespaces and processes go: at once on SIGTERM and Ctrl-C, and after
     SIGKILL by the next lab (``clean_leftovers``, also ``python -m tests.netlab clean``)."""
     require_lab()
-    script = ("import time\nfrom tests.netlab import LabConfig, NetLab\n"
+    # Python's own Ctrl-C handler, whatever this process left its children (an ignored SIGINT is inherited)
+    script = ("import signal, time\nsignal.signal(signal.SIGINT, signal.default_int_handler)\n"
+              "from tests.netlab import LabConfig, NetLab\n"
               "with NetLab(LabConfig(homes=1, client_homes=0, public_peers=1)) as lab:\n"
               "    sleeper = lab.popen('home1', ['-c', 'import time; time.sleep(600)'])\n"
               "    print(sleeper.pid, flush=True)\n    time.sleep(600)\n")

@@ -30,10 +30,11 @@ import psutil
 import torch
 from hivemind.p2p import P2P
 
-from swarm.protocol import DeliveryService, ForwardRequest, RemoteError
+from swarm.protocol import ForwardRequest, RemoteError
 from swarm.remote import RemoteCaller
 from swarm.utils.event_loop import BackgroundLoop
 from swarm.utils.local_swarm import LocalSwarm, ManagedProcess
+from tests.silent_delivery import add_silent_delivery
 
 MiB = 2**20
 HIDDEN = 128  # the default model's hidden size
@@ -58,17 +59,7 @@ class Attacker:
 
     async def silent_target(self) -> str:
         """A delivery namespace whose handler accepts each stream and never reads it."""
-        namespace = uuid.uuid4().hex
-
-        async def never_read(info, reader, writer) -> None:
-            try:
-                await asyncio.sleep(3600)
-            except asyncio.CancelledError:  # the peer shuts down
-                pass
-
-        name = DeliveryService._get_handle_name(namespace, "rpc_deliver")
-        await self.p2p.add_binary_stream_handler(name, never_read)
-        return namespace
+        return await add_silent_delivery(self.p2p, uuid.uuid4().hex)
 
     async def call(self, request: ForwardRequest, push: bool) -> Optional[RemoteError]:
         """None when accepted, else the error (busy, too_large, ...)."""

@@ -23,7 +23,6 @@ from swarm.models.modules import BlockSpan
 from swarm.protocol import (
     MAX_METADATA_BYTES,
     MAX_STREAM_MESSAGE_BYTES,
-    DeliveryService,
     ErrorCode,
     ForwardRequest,
     RemoteError,
@@ -40,6 +39,7 @@ from swarm.server.session_cache import SessionCaches
 from swarm.utils.event_loop import BackgroundLoop
 from swarm.utils.local_swarm import LocalSwarm, ManagedProcess
 from tests.conftest import tiny_config
+from tests.silent_delivery import add_silent_delivery
 
 HIDDEN = 32  # tiny_config's hidden size
 LIMITS = {  # small enough to reach in a test, large enough for a unary answer over 1 MiB
@@ -86,17 +86,7 @@ class Peer:
 
     def silent_target(self) -> str:
         """A delivery namespace whose handler accepts each stream and never reads it."""
-        namespace = f"silent-{self.peer_id[-6:]}"
-
-        async def never_read(info, reader, writer) -> None:
-            try:
-                await asyncio.sleep(3600)
-            except asyncio.CancelledError:  # the peer shuts down
-                pass
-
-        name = DeliveryService._get_handle_name(namespace, "rpc_deliver")
-        self.run(self.p2p.add_binary_stream_handler(name, never_read))
-        return namespace
+        return self.run(add_silent_delivery(self.p2p, f"silent-{self.peer_id[-6:]}"))
 
     def close(self) -> None:
         self.run(self.p2p.shutdown(), timeout=30)

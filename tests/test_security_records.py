@@ -304,3 +304,21 @@ def test_identity_file_is_the_servers_signing_key(tmp_path):
     ed25519.write_bytes(crypto_pb2.PrivateKey(key_type=crypto_pb2.Ed25519, data=b"x" * 64).SerializeToString())
     with pytest.raises(ValueError, match="RSA identity"):
         Identity.load_or_create(ed25519)
+
+
+def test_records_with_unusable_values_are_ignored():
+    """A signed record is still remote input: a NaN or infinite throughput (every route through it would cost NaN),
+    a public name or expert names that are not text are refused whole; long texts are cut."""
+    from swarm.dht.schema import MAX_NAME_CHARS, ExpertRecord
+
+    good = ServerRecord("peer", ServerState.ONLINE, 0, 2, 10.0, public_name="alice", experts=["code"]).to_value()
+    assert ServerRecord.from_value("peer", good) is not None
+    for change in ({"throughput": float("nan")}, {"throughput": float("inf")}, {"throughput": -1.0},
+                   {"public_name": 7}, {"public_name": ["a"]}, {"experts": "code"}, {"experts": [1]},
+                   {"experts": ["x"] * 1000}):
+        assert ServerRecord.from_value("peer", dict(good, **change)) is None, change
+    long = ServerRecord.from_value("peer", dict(good, public_name="n" * 10_000, experts=["e" * 10_000]))
+    assert len(long.public_name) == MAX_NAME_CHARS and len(long.experts[0]) == MAX_NAME_CHARS
+    expert = {"record_version": good["record_version"], "domain": "code", "state": 1, "throughput": float("nan"),
+              "tag": {"tokenizer": "byte", "vocab_size": 260, "mask_token_id": 259}}
+    assert ExpertRecord.from_value("peer", expert) is None

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import logging
+import math
 import re
 from dataclasses import dataclass, field
 from functools import partial  # picklable: run_coroutine ships it to the DHT process
@@ -81,14 +82,15 @@ class ServerRecord:
                 raise ValueError("unknown record version")
             record = cls(
                 peer_id=peer_id, state=ServerState(int(value["state"])), start=int(value["start"]),
-                end=int(value["end"]), throughput=float(value["throughput"]), public_name=value.get("public_name"),
+                end=int(value["end"]), throughput=_throughput(value["throughput"]),
+                public_name=_optional_text(value.get("public_name")),
                 version=str(value.get("version", "")), cache_tokens_left=int(value.get("cache_tokens_left", 0)),
-                experts=list(value.get("experts", [])), extra=dict(value.get("extra", {})),
+                experts=_texts(value.get("experts", [])), extra=dict(value.get("extra", {})),
                 numerics=str(value.get("numerics", "exact"))[:MAX_NUMERICS_CHARS],
                 addresses=_addresses(value.get("addresses", [])), head=value.get("head", False) is True,
             )
-            if not 0 <= record.start < record.end or record.throughput < 0:
-                raise ValueError(f"bad span {record.start}:{record.end} or throughput {record.throughput}")
+            if not 0 <= record.start < record.end:
+                raise ValueError(f"bad span {record.start}:{record.end}")
             return record
         except (KeyError, TypeError, ValueError) as error:
             logger.debug("ignoring malformed record from %s: %s", peer_id, error)
@@ -96,6 +98,29 @@ class ServerRecord:
 
 
 MAX_ADDRESSES, MAX_ADDRESS_CHARS = 8, 256
+MAX_NAME_CHARS, MAX_EXPERTS = 120, 32  # a record's public name, and the expert names a server record lists
+
+
+def _throughput(raw: Any) -> float:
+    """An announced speed: a finite number >= 0 (a NaN would make every route through it cost NaN), or ValueError."""
+    value = float(raw)
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"bad throughput {raw!r}")
+    return value
+
+
+def _optional_text(raw: Any) -> Optional[str]:
+    """An optional short text (a public name), or ValueError."""
+    if raw is not None and not isinstance(raw, str):
+        raise ValueError(f"a text field holds {type(raw).__name__}")
+    return None if raw is None else raw[:MAX_NAME_CHARS]
+
+
+def _texts(raw: Any) -> list[str]:
+    """A short list of short texts (expert names), or ValueError."""
+    if not isinstance(raw, list) or len(raw) > MAX_EXPERTS or not all(isinstance(item, str) for item in raw):
+        raise ValueError("expert names must be a short list of texts")
+    return [item[:MAX_NAME_CHARS] for item in raw]
 
 
 def _addresses(raw: Any) -> list[str]:
@@ -132,12 +157,10 @@ class ExpertRecord:
                 raise ValueError("unknown record version")
             record = cls(
                 peer_id=peer_id, domain=str(value["domain"]), state=ServerState(int(value["state"])),
-                tag=CompatibilityTag.from_value(value["tag"]), throughput=float(value["throughput"]),
-                model=str(value.get("model", "")), public_name=value.get("public_name"),
+                tag=CompatibilityTag.from_value(value["tag"]), throughput=_throughput(value["throughput"]),
+                model=str(value.get("model", "")), public_name=_optional_text(value.get("public_name")),
                 version=str(value.get("version", "")),
             )
-            if record.throughput < 0:
-                raise ValueError(f"bad throughput {record.throughput}")
             return record
         except (KeyError, TypeError, ValueError) as error:
             logger.debug("ignoring malformed expert record from %s: %s", peer_id, error)

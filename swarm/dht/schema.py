@@ -193,13 +193,17 @@ async def _store(dht: DHT, node: DHTNode, keys: list[str], subkey: bytes, values
     return all(results.values())
 
 
+def store_owned(dht: DHT, keys: list[str], subkey: bytes, values: list, expiration: float, wait: bool = True):
+    """Store ``values[i]`` under ``keys[i]`` and this peer's owner ``subkey``: True when every store succeeded (a
+    future of it when ``wait`` is false)."""
+    return dht.run_coroutine(partial(_store, keys=keys, subkey=subkey, values=values, expiration=expiration),
+                             return_future=not wait)
+
+
 def declare_span(dht: DHT, prefix: str, record: ServerRecord, subkey: bytes, expiration: float, wait: bool = True):
     """Store ``record`` under every block key of its span (a future when ``wait`` is false)."""
     keys = [block_key(prefix, b) for b in range(record.start, record.end)]
-    return dht.run_coroutine(
-        partial(_store, keys=keys, subkey=subkey, values=[record.to_value()] * len(keys), expiration=expiration),
-        return_future=not wait,
-    )
+    return store_owned(dht, keys, subkey, [record.to_value()] * len(keys), expiration, wait)
 
 
 def declare_experts(dht: DHT, prefix: str, records: list[ExpertRecord], subkey: bytes, expiration: float,
@@ -207,8 +211,7 @@ def declare_experts(dht: DHT, prefix: str, records: list[ExpertRecord], subkey: 
     """Store each record under its domain's key and the list of domains under the index key."""
     keys = [expert_key(prefix, r.domain) for r in records] + [expert_index_key(prefix)]
     values = [r.to_value() for r in records] + [sorted(r.domain for r in records)]
-    return dht.run_coroutine(partial(_store, keys=keys, subkey=subkey, values=values, expiration=expiration),
-                             return_future=not wait)
+    return store_owned(dht, keys, subkey, values, expiration, wait)
 
 
 async def _get_many(dht: DHT, node: DHTNode, keys: list[str]) -> dict:

@@ -26,16 +26,14 @@ import shutil
 import tempfile
 import time
 from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hivemind.dht import DHT
 from hivemind.utils import MSGPackSerializer, get_dht_time
 
-from swarm.dht.schema import MAX_ADDRESSES, _store, read_owned
+from swarm.dht.schema import MAX_ADDRESSES, read_owned, store_owned
 from swarm.dht.validation import (
     dht_key_id,
     ed25519_public_key,
@@ -89,9 +87,7 @@ def split_reference(reference: str) -> tuple[str, Optional[str]]:
 
 def author_id(public_key_text: str) -> str:
     """16 hex digits naming an author's key: short enough to type after ``name@``."""
-    digest = hashes.Hash(hashes.SHA256())
-    digest.update(ed25519_public_key(public_key_text).public_bytes_raw())
-    return digest.finalize().hex()[:16]
+    return hashlib.sha256(ed25519_public_key(public_key_text).public_bytes_raw()).hexdigest()[:16]
 
 
 def name_key(prefix: str, name: str) -> str:
@@ -274,8 +270,7 @@ def declare_hosted(dht: DHT, prefix: str, hosted: dict[str, int], subkey: bytes,
     keys = [hosts_key(prefix, sha) for sha in hosted]
     values = [{"record_version": RECORD_VERSION, "size": size, "addresses": addresses[:MAX_ADDRESSES]}
               for size in hosted.values()]
-    return dht.run_coroutine(partial(_store, keys=keys, subkey=subkey, values=values, expiration=expiration),
-                             return_future=not wait)
+    return store_owned(dht, keys, subkey, values, expiration, wait)
 
 
 def read_hosts(dht: DHT, prefix: str, sha256: str) -> dict[str, list[str]]:

@@ -12,6 +12,7 @@ import logging
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
 
 import torch
@@ -157,6 +158,8 @@ class BaseDiffusionLM(ABC):
     tokenizer: Tokenizer
     remote = False  # True when every denoiser call is a round trip through the network
     _limits: Optional[GenerationLimits] = None
+    # The model's own defaults for some sampler settings (ModelFiles.sampling_defaults); the caller's win.
+    sampling_defaults: Mapping[str, Any] = MappingProxyType({})
 
     @property
     def limits(self) -> GenerationLimits:
@@ -252,7 +255,8 @@ class BaseDiffusionLM(ABC):
             options = dataclasses.replace(options, experts=plan.experts)
         if options.experts == "auto":
             expert_count = len(AUTO_RULES)  # at most every rule matches
-        generation = make_generation_config(**settings, **plan.settings)
+        chosen = {k: v for k, v in self.sampling_defaults.items() if k not in plan.settings} | settings
+        generation = make_generation_config(**chosen, **plan.settings)
         prompt_length = None if prompt_ids is None else len(prompt_ids)
         if "parallel_window" in plan.filled:  # the scale's choice, not the caller's: fit it to the budget
             room = self.limits.window_room(generation, prompt_length or 1, expert_count)

@@ -42,7 +42,9 @@ class DiffusionLM(BaseDiffusionLM):
         as servers default to; ``device`` "cuda" fails clearly without CUDA."""
         target = resolve_device(device)
         files = ModelFiles(name_or_path)
-        return cls(files.full_model(dtype).to(target), files.tokenizer(), files.path, head_rows)
+        lm = cls(files.full_model(dtype).to(target), files.tokenizer(), files.path, head_rows)
+        lm.sampling_defaults = files.sampling_defaults()
+        return lm
 
     @torch.inference_mode()
     def logits(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -12,7 +12,7 @@ from swarm.eval import EvalPlan, evaluate_likelihood, evaluate_model, trained_on
 from swarm.eval.__main__ import main as eval_cli
 from swarm.models.loading import ASSETS, embedded_models
 from swarm.models.modules import DiffusionTransformer
-from swarm.train.data import AdditionTask, Problem, TextCorpus, load_corpus
+from swarm.train.data import AdditionTask, Problem, TextCorpus
 from tests.conftest import tiny_config
 from tests.test_train import one_thread  # noqa: F401  (autouse fixture: one torch thread)
 
@@ -55,7 +55,7 @@ def test_shipped_models_are_embedded_small_and_documented():
 
 
 def plan(corpus_name: str, seq_len: int, task=None, examples: int = 8) -> EvalPlan:
-    return EvalPlan(corpus=load_corpus(corpus_name), seq_len=seq_len, task=task, examples=examples, t_draws=2)
+    return EvalPlan(corpus=corpus_name, seq_len=seq_len, task=task, examples=examples, t_draws=2)
 
 
 def test_default_model_predicts_held_out_prose_far_above_chance():

@@ -116,7 +116,7 @@ def test_addition_rows_are_bos_problem_eos_padding():
         assert row[0] == ByteTokenizer.BOS and bytes(row[1: 1 + len(text)]) == text
         assert set(row[1 + len(text):]) == {ByteTokenizer.EOS}
         assert int(problem.prompt.split("+")[0]) + int(problem.prompt[:-1].split("+")[1]) == int(problem.answer)
-    given = AdditionTask.given_positions(rows)
+    given = AdditionTask().given_positions(rows)
     for problem, row_given in zip(problems, given.tolist()):
         assert row_given == [True] * (1 + len(problem.prompt)) + [False] * (16 - 1 - len(problem.prompt))
     held_out = AdditionTask().problems(50, seed=0, held_out=True)
@@ -131,7 +131,7 @@ def test_addition_rows_end_at_random_lengths_keeping_answer_and_one_eos():
     for row, length in zip(rows.tolist(), lengths.tolist()):
         assert row[length:] == [ByteTokenizer.PAD] * (24 - length)
         assert row[length - 1] == ByteTokenizer.EOS and ByteTokenizer.PAD not in row[:length]
-    given = AdditionTask.given_positions(rows)
+    given = AdditionTask().given_positions(rows)
     assert torch.equal(given & (rows == ByteTokenizer.PAD), rows == ByteTokenizer.PAD)
     _, masked, _ = mask_tokens(rows, ByteTokenizer.MASK, torch.Generator().manual_seed(0), t=torch.ones(256),
                                given=given)

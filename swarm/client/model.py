@@ -76,6 +76,7 @@ class DistributedDiffusionLM(BaseDiffusionLM):
         self.config = files.config
         self.client_config = config
         self.tokenizer = files.tokenizer()
+        self.sampling_defaults = files.sampling_defaults()
         config.validate()
         check_head_rows(config.head_rows)
         # The checkpoint's dtype, as servers default to: bfloat16 halves the client's memory and the wire's bytes

@@ -15,7 +15,7 @@ from swarm.diffusion.config import GenerationConfig
 from swarm.eval.report import EvalPlan, ModelReport, evaluate_models, trained_on
 from swarm.eval.tasks import TaskGeneration
 from swarm.models.loading import DEFAULT_MODEL, resolve_model_path
-from swarm.train.data import BUILTIN_CORPORA, TASKS, load_corpus
+from swarm.train.data import BUILTIN_CORPORA, TASKS
 
 NO_BASELINE = "none"
 
@@ -88,7 +88,7 @@ def describe(report: ModelReport) -> list[str]:
     "--seq-len",
     type=click.IntRange(min=2),
     default=None,
-    help="Tokens per held-out row, BOS included [default: the model's training sequence length, else 128].",
+    help="Tokens per held-out row, BOS included [default: each model's training sequence length, else 128].",
 )
 @click.option(
     "--t-draws",
@@ -133,14 +133,14 @@ def main(model: str, baseline: str, corpus: Optional[str], data_files: tuple[str
     apply_threads(threads)
     # Bad models and impossible sampler settings are refused (one line, exit 2) before any compute.
     models = models_to_run(model, baseline)
-    trained_corpus, trained_seq_len = trained_on(model)
+    trained_corpus, _ = trained_on(model)
     generation = TaskGeneration(gen_length=gen_length, steps=steps, block_length=block_length)
     GenerationConfig(**asdict(generation))
     corpus_name = corpus or trained_corpus
     if task is None:
         task = trained_corpus if trained_corpus in TASKS else "none"
     plan = EvalPlan(
-        corpus=load_corpus(corpus_name, data_files), seq_len=seq_len or trained_seq_len,
+        corpus="files" if data_files else corpus_name, data_files=data_files, seq_len=seq_len,
         task=None if task == "none" else task, examples=examples, seed=seed, t_draws=t_draws,
         batch_size=batch_size, generation=generation,
     )

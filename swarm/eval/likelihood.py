@@ -1,4 +1,4 @@
-"""Held-out masked-token accuracy and LLaDA's likelihood bound for any model with the byte tokenizer.
+"""Held-out masked-token accuracy and LLaDA's likelihood bound, per token and per byte of text.
 
 The bound is the training objective evaluated on data the model never saw: for each row, the expectation
 over the masking rate t of the 1/t-weighted cross-entropy of the masked tokens upper-bounds the row's
@@ -16,10 +16,21 @@ import torch
 from tqdm.auto import tqdm
 
 from swarm.models.modules import DiffusionTransformer
+from swarm.models.tokenizer import ByteTokenizer, Tokenizer
 from swarm.train.data import Corpus, padding_mask
 from swarm.train.objective import EPS, mask_tokens, masked_cross_entropy
 
 BYTE_IDS = 256  # ids below this are UTF-8 bytes in the byte tokenizer
+
+
+def text_bytes(tokenizer: Tokenizer, rows: torch.Tensor, scored: torch.Tensor) -> int:
+    """UTF-8 bytes of the text at the scored positions (specials such as EOS padding excluded).
+
+    Per byte of text is the unit in which models with different tokenizers can be compared.
+    """
+    if isinstance(tokenizer, ByteTokenizer):
+        return int(((rows < BYTE_IDS) & scored).sum())
+    return sum(len(tokenizer.decode(row[keep].tolist()).encode("utf-8")) for row, keep in zip(rows, scored))
 
 
 @dataclass
@@ -59,18 +70,18 @@ def evaluate_likelihood(
             for chunk in chunks:
                 t = stratified_rates(len(chunk), draw, t_draws, generator)
                 noisy, masked, t = mask_tokens(chunk, mask_id, generator, t=t, given=corpus.given_positions(chunk))
-                logits = model(noisy, padding_mask(chunk)).float()
+                logits = model(noisy, padding_mask(chunk, model.config.pad_token_id)).float()
                 nats += masked_cross_entropy(logits, chunk, masked, t).sum().item()
                 logits[..., mask_id] = float("-inf")  # as the sampler does: a prediction is never the mask
                 correct += int(((logits.argmax(-1) == chunk) & masked).sum())
                 masked_total += int(masked.sum())
                 bar.update()
     nats_per_draw = nats / t_draws
-    scored = rows[~corpus.given_positions(rows)]
+    scored = ~corpus.given_positions(rows)
     return LikelihoodReport(
         corpus=corpus.name, examples=examples, seq_len=seq_len, t_draws=t_draws, masked_tokens=masked_total,
         masked_accuracy=correct / max(1, masked_total),
-        nats_per_token=nats_per_draw / scored.numel(),
-        bits_per_byte=nats_per_draw / max(1, int((scored < BYTE_IDS).sum())) / math.log(2),
+        nats_per_token=nats_per_draw / int(scored.sum()),
+        bits_per_byte=nats_per_draw / max(1, text_bytes(corpus.tokenizer, rows, scored)) / math.log(2),
         elapsed_s=time.perf_counter() - started,
     )

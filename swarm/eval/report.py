@@ -2,7 +2,8 @@
 
 Which data a model is judged on defaults to what it was trained on, read from the ``training.json``
 written next to every checkpoint by ``python -m swarm.train``; a comparison model (the backbone) is then
-judged on exactly the same rows and problems.
+judged on the same held-out text and problems: the same rows when the two share a tokenizer, otherwise
+windows of the same held-out text in each model's own ids (compare them per byte, not per token).
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from swarm.eval.likelihood import LikelihoodReport, evaluate_likelihood
 from swarm.eval.tasks import TaskGeneration, TaskReport, evaluate_task
 from swarm.local import DiffusionLM
 from swarm.models.loading import resolve_model_path
-from swarm.train.data import BUILTIN_CORPORA, TASKS, Corpus
+from swarm.train.data import BUILTIN_CORPORA, TASKS, load_corpus
 from swarm.train.loop import TRAINING_INFO_FILE
 
 logger = logging.getLogger(__name__)
@@ -29,10 +30,11 @@ FALLBACK_SEQ_LEN = 128
 class EvalPlan:
     """The data every model of one evaluation is scored on."""
 
-    corpus: Corpus
-    seq_len: int
+    corpus: str  # a built-in corpus, or "files" with data_files
+    seq_len: Optional[int]  # tokens per row; None: each model's training length
     task: Optional[str]
     examples: int
+    data_files: tuple[str, ...] = ()
     seed: int = 0
     t_draws: int = 8
     batch_size: int = 64
@@ -40,7 +42,8 @@ class EvalPlan:
 
     def to_dict(self) -> dict[str, Any]:
         """The plan as plain data (the corpus by name), for JSON output."""
-        return {"corpus": self.corpus.name, "seq_len": self.seq_len, "task": self.task, "examples": self.examples,
+        return {"corpus": self.corpus, "data_files": list(self.data_files), "seq_len": self.seq_len,
+                "task": self.task, "examples": self.examples,
                 "seed": self.seed, "t_draws": self.t_draws, "batch_size": self.batch_size,
                 "generation": asdict(self.generation)}
 
@@ -77,13 +80,14 @@ def trained_on(name_or_path: str | Path) -> tuple[str, int]:
 
 def evaluate_model(name_or_path: str | Path, plan: EvalPlan, *, progress: bool = False) -> ModelReport:
     lm = DiffusionLM.from_pretrained(name_or_path)
+    corpus = load_corpus(plan.corpus, plan.data_files, lm.tokenizer)
     likelihood = evaluate_likelihood(
-        lm.model, plan.corpus, examples=plan.examples, seq_len=plan.seq_len, t_draws=plan.t_draws,
-        seed=plan.seed, batch_size=plan.batch_size, progress=progress,
+        lm.model, corpus, examples=plan.examples, seq_len=plan.seq_len or trained_on(name_or_path)[1],
+        t_draws=plan.t_draws, seed=plan.seed, batch_size=plan.batch_size, progress=progress,
     )
     task = None
     if plan.task is not None:
-        task = evaluate_task(lm, TASKS[plan.task](), examples=plan.examples, seed=plan.seed,
+        task = evaluate_task(lm, TASKS[plan.task](tokenizer=lm.tokenizer), examples=plan.examples, seed=plan.seed,
                              generation=plan.generation, progress=progress)
     config = lm.config
     return ModelReport(

@@ -1,8 +1,9 @@
 """Finding a model by name or path and loading exactly the parts a process needs."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -10,11 +11,14 @@ from swarm.models.checkpoint import CheckpointReader, load_module, parse_dtype
 from swarm.models.config import ModelConfig
 from swarm.models.formats import CheckpointFormat, detect_format
 from swarm.models.modules import BlockSpan, DiffusionTransformer, OutputHead, TokenEmbedding
-from swarm.models.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+from swarm.models.tokenizer import ByteTokenizer, HFTokenizer, SubwordTokenizer, Tokenizer
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 DEFAULT_MODEL = "default"
 EXACT = "exact"  # a part computing in the checkpoint's own dtype, unquantized
+GENERATION_DEFAULTS_FILE = "generation.json"
+# Settings a model may choose defaults for: those that change how its text reads, never lengths or budgets.
+MODEL_DEFAULT_SETTINGS = ("temperature", "remasking", "threshold", "cfg_scale")
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -115,9 +119,30 @@ class ModelFiles:
         parts = (self.embedding(dtype), self.span(0, self.config.num_layers, dtype), self.head(dtype))
         return DiffusionTransformer(self.config, parts).eval()
 
+    def sampling_defaults(self) -> dict[str, Any]:
+        """The sampler settings the model reads best with (``generation.json``); a caller's own settings win.
+
+        The local model and the swarm client read the same file, so default settings give the same tokens.
+        """
+        from swarm.diffusion.config import GenerationConfig
+
+        path = self.path / GENERATION_DEFAULTS_FILE
+        if not path.exists():
+            return {}
+        try:
+            defaults = json.loads(path.read_text(encoding="utf-8"))
+        except ValueError as error:
+            raise ValueError(f"{path} is not valid JSON ({error})") from None
+        if not isinstance(defaults, dict) or set(defaults) - set(MODEL_DEFAULT_SETTINGS):
+            raise ValueError(f"{path} may only set {', '.join(MODEL_DEFAULT_SETTINGS)}")
+        GenerationConfig(**defaults)  # refuses out-of-range values, naming them
+        return defaults
+
     def tokenizer(self) -> Tokenizer:
         if self.config.tokenizer == "byte":
             return ByteTokenizer()
+        if self.config.tokenizer == "bpe":
+            return SubwordTokenizer.from_file(self.path / SubwordTokenizer.FILE)
         return HFTokenizer.from_directory(
             self.path, fallback_class=self.format.tokenizer_fallback, mask_token_id=self.config.mask_token_id,
             pad_token_id=self.config.pad_token_id, eos_token_id=self.config.eos_token_id,

@@ -1,6 +1,6 @@
-"""Tokenizers: a byte-level one for the project's own models, and an adapter for Hugging Face tokenizers.
+"""Tokenizers: byte-level and subword (BPE) ones for the project's own models, and an adapter for Hugging Face's.
 
-Both satisfy :class:`Tokenizer`, which is all the generation code uses.
+All satisfy :class:`Tokenizer`, which is all the generation code uses.
 """
 from __future__ import annotations
 
@@ -61,12 +61,64 @@ class ByteTokenizer:
 
     def encode_chat(self, text: str) -> list[int]:
         raise ValueError(
-            "chat=True needs a chat template, and the byte tokenizer of the project's own models has none; "
+            "chat=True needs a chat template, and the tokenizers of the project's own models have none; "
             "use an instruct checkpoint with a Hugging Face tokenizer (LLaDA-8B-Instruct, Dream-v0-Instruct-7B)"
         )
 
     def fingerprint(self) -> str:
         return "byte-v1"
+
+
+class SubwordTokenizer:
+    """A byte-level BPE vocabulary trained by the project (``tokenizer.json`` of the ``tokenizers`` library).
+
+    Its first four ids are the specials the sampler needs (PAD, BOS, EOS, MASK); digits are always single
+    tokens, so numbers read the same to the model wherever they stand.
+    """
+
+    FILE = "tokenizer.json"
+    SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<mask>")
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        ids = [tokenizer.token_to_id(token) for token in self.SPECIAL_TOKENS]
+        if any(i is None for i in ids):
+            raise ValueError(f"a subword tokenizer needs the special tokens {', '.join(self.SPECIAL_TOKENS)}")
+        self.pad_token_id, self.bos_token_id, self.eos_token_id, self.mask_token_id = ids
+        self.special_ids = frozenset(ids)
+        self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "SubwordTokenizer":
+        from tokenizers import Tokenizer as RustTokenizer
+
+        return cls(RustTokenizer.from_file(str(path)))
+
+    def save(self, directory: str | Path) -> Path:
+        path = Path(directory) / self.FILE
+        self.tokenizer.save(str(path))
+        return path
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Sequence[int], mask_placeholder: Optional[str] = None) -> str:
+        """Text of the non-special ids; each MASK shown as ``mask_placeholder`` when given, dropped otherwise."""
+        pieces, run = [], []
+        for token in map(int, ids):
+            if token == self.mask_token_id and mask_placeholder is not None:
+                pieces.append(self.tokenizer.decode(run) + mask_placeholder)
+                run = []
+            elif token not in self.special_ids and 0 <= token < self.vocab_size:
+                run.append(token)
+        pieces.append(self.tokenizer.decode(run))
+        return "".join(pieces)
+
+    def encode_chat(self, text: str) -> list[int]:
+        return ByteTokenizer().encode_chat(text)
+
+    def fingerprint(self) -> str:
+        return "bpe-" + hashlib.sha256(self.tokenizer.to_str().encode("utf-8")).hexdigest()[:16]
 
 
 class HFTokenizer:

@@ -1,4 +1,4 @@
-"""``python -m swarm.train``: train a byte-level masked-diffusion model (LLaDA's objective)."""
+"""``python -m swarm.train``: train a masked-diffusion model of the project's own (LLaDA's objective)."""
 from __future__ import annotations
 
 import logging
@@ -8,7 +8,7 @@ from click.core import ParameterSource
 
 from swarm.cli_options import SwarmCommand, apply_threads, run_main, setup_logging, threads_option
 from swarm.train.data import BUILTIN_CORPORA, load_corpus
-from swarm.train.loop import ARCHITECTURE_FIELDS, TrainConfig, resume_conflicts, train
+from swarm.train.loop import ARCHITECTURE_FIELDS, TrainConfig, resume_conflicts, train, training_tokenizer
 
 
 def given_options(ctx: click.Context) -> set[str]:
@@ -76,9 +76,15 @@ def given_options(ctx: click.Context) -> set[str]:
     default=TrainConfig.save_dtype,
     help="dtype of the saved weights (training itself is float32).",
 )
+@click.option(
+    "--tokenizer",
+    default=TrainConfig.tokenizer,
+    help="'byte', or a subword tokenizer for a new run: a tokenizer.json (python -m swarm.train.tokenizer writes "
+         "one) or a directory holding one. It is copied into --output and shipped with the model.",
+)
 @threads_option()
 def main(data_files: tuple[str, ...], **options) -> None:
-    """Train a masked-diffusion LM with the byte tokenizer and write a native checkpoint.
+    """Train a masked-diffusion LM (byte or subword tokenizer) and write a native checkpoint.
 
     The defaults (2000 steps of 32 x 128 tokens) take hours on a CPU: the time per step, and what is left of
     the run, are logged after its first 3 steps."""
@@ -90,7 +96,7 @@ def main(data_files: tuple[str, ...], **options) -> None:
     if conflicts:
         raise click.UsageError(f"{cfg.output} is resumed with its own architecture, which {', '.join(conflicts)} "
                                "would change: drop the flag, or train into a new --output")
-    corpus = load_corpus(cfg.corpus, data_files)
+    corpus = load_corpus(cfg.corpus, data_files, training_tokenizer(cfg))
     path = train(cfg, corpus)
     click.echo(f"checkpoint written to {path}")
 

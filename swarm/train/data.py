@@ -1,7 +1,7 @@
-"""Training corpora for the byte-level models: English prose, Python sources, generated arithmetic.
+"""Training corpora of the project's own models: English prose, Python sources, generated arithmetic.
 
-Every corpus yields fixed-length rows ``[BOS] + tokens`` and keeps a held-out part that training never
-sees, so that evaluation figures mean something.
+Every corpus yields fixed-length rows ``[BOS] + tokens`` in the ids of a tokenizer (bytes unless another is
+given) and keeps a held-out part that training never sees, so that evaluation figures mean something.
 """
 from __future__ import annotations
 
@@ -12,28 +12,24 @@ import sysconfig
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Protocol, Sequence
+from typing import Optional, Protocol, Sequence, TypeVar
 
 import torch
 
-from swarm.models.tokenizer import ByteTokenizer
+from swarm.models.tokenizer import ByteTokenizer, Tokenizer
+from swarm.train.prose import prose_sources
 
 logger = logging.getLogger(__name__)
 
 HELD_OUT_FRACTION = 0.05
-PROSE_FILES = (
-    "lee_background.cor",
-    "lee.cor",
-    "crime-and-punishment.txt",
-    "para2para_text1.txt",
-    "para2para_text2.txt",
-)
+T = TypeVar("T", bytes, str, torch.Tensor)
 
 
 class Corpus(Protocol):
     """What training and evaluation draw rows from."""
 
     name: str
+    tokenizer: Tokenizer  # the ids rows are made of
 
     def batch(self, size: int, seq_len: int, generator: torch.Generator, held_out: bool = False) -> torch.Tensor:
         """``size`` rows of ``seq_len`` token ids, each starting with BOS, from the training or held-out part."""
@@ -50,22 +46,47 @@ def bos_only(rows: torch.Tensor) -> torch.Tensor:
     return given
 
 
-class TextCorpus:
-    """A long byte stream; rows are random windows of it, each starting with BOS."""
+def held_out_split(data: T) -> tuple[T, T]:
+    """(training part, held-out tail) of one source: its last :data:`HELD_OUT_FRACTION`."""
+    cut = int(len(data) * (1 - HELD_OUT_FRACTION))
+    return data[:cut], data[cut:]
 
-    def __init__(self, data: bytes, name: str):
-        if len(data) < 1024:
-            raise ValueError(f"corpus {name!r} is too small ({len(data)} bytes)")
-        cut = int(len(data) * (1 - HELD_OUT_FRACTION))
+
+class TextCorpus:
+    """Token streams (training and held-out); rows are random windows of them, each starting with BOS.
+
+    ``sources`` are held out separately, each losing its own tail, so that a small source still has
+    held-out text and a large one does not hide the others'. With the byte tokenizer a token is a byte.
+    """
+
+    def __init__(self, sources: bytes | str | Sequence[bytes | str], name: str,
+                 tokenizer: Optional[Tokenizer] = None):
         self.name = name
-        self.train_bytes = torch.frombuffer(bytearray(data[:cut]), dtype=torch.uint8).long()
-        self.held_out_bytes = torch.frombuffer(bytearray(data[cut:]), dtype=torch.uint8).long()
+        self.tokenizer = tokenizer or ByteTokenizer()
+        self.bos = self.tokenizer.bos_token_id
+        sources = [sources] if isinstance(sources, (bytes, str)) else list(sources)
+        splits = [held_out_split(source) for source in sources]
+        self.train_ids = self._encode([train for train, _ in splits])
+        self.held_out_ids = self._encode([held for _, held in splits])
+        if min(len(self.train_ids), len(self.held_out_ids)) < 64:
+            raise ValueError(f"corpus {name!r} is too small ({len(self.train_ids) + len(self.held_out_ids)} tokens)")
+        logger.info("corpus %s: %d training and %d held-out tokens", name, len(self.train_ids), len(self.held_out_ids))
+
+    def _encode(self, parts: Sequence[bytes | str]) -> torch.Tensor:
+        ids: list[int] = []
+        for part in parts:
+            if isinstance(self.tokenizer, ByteTokenizer):
+                ids.extend(part if isinstance(part, bytes) else part.encode("utf-8"))
+            else:
+                ids.extend(self.tokenizer.encode(part.decode("utf-8", errors="ignore") if isinstance(part, bytes)
+                                                 else part))
+        return torch.tensor(ids, dtype=torch.long)
 
     def batch(self, size: int, seq_len: int, generator: torch.Generator, held_out: bool = False) -> torch.Tensor:
-        source = self.held_out_bytes if held_out else self.train_bytes
+        source = self.held_out_ids if held_out else self.train_ids
         starts = torch.randint(0, len(source) - seq_len, (size,), generator=generator)
         rows = torch.stack([source[s: s + seq_len - 1] for s in starts.tolist()])
-        return torch.cat([torch.full((size, 1), ByteTokenizer.BOS), rows], dim=1)
+        return torch.cat([torch.full((size, 1), self.bos), rows], dim=1)
 
     def given_positions(self, rows: torch.Tensor) -> torch.Tensor:
         return bos_only(rows)
@@ -93,19 +114,20 @@ class AdditionTask:
 
     name = "addition"
 
-    def __init__(self, max_digits: int = 3):
+    def __init__(self, max_digits: int = 3, tokenizer: Optional[Tokenizer] = None):
         self.max_digits = max_digits
+        self.tokenizer = tokenizer or ByteTokenizer()
+        (self.equals_id,) = self.tokenizer.encode("=")
 
     def _problem(self, rng: random.Random) -> Problem:
         a = rng.randrange(10 ** rng.randint(1, self.max_digits))
         b = rng.randrange(10 ** rng.randint(1, self.max_digits))
         return Problem(f"{a}+{b}=", str(a + b))
 
-    @staticmethod
-    def given_positions(rows: torch.Tensor) -> torch.Tensor:
+    def given_positions(self, rows: torch.Tensor) -> torch.Tensor:
         """BOS and the prompt (everything up to and including the first ``=``), and PAD."""
-        equals = rows == ord("=")
-        return ((equals.long().cumsum(1) - equals.long()) == 0) | (rows == ByteTokenizer.PAD)
+        equals = rows == self.equals_id
+        return ((equals.long().cumsum(1) - equals.long()) == 0) | (rows == self.tokenizer.pad_token_id)
 
     @staticmethod
     def is_held_out(problem: Problem) -> bool:
@@ -121,43 +143,37 @@ class AdditionTask:
 
     def batch(self, size: int, seq_len: int, generator: torch.Generator, held_out: bool = False) -> torch.Tensor:
         seed = int(torch.randint(0, 2**31 - 1, (1,), generator=generator))
-        return end_at_random_lengths(encode_problems(self.problems(size, seed, held_out), seq_len), generator)
+        rows = encode_problems(self.problems(size, seed, held_out), seq_len, self.tokenizer)
+        return end_at_random_lengths(rows, generator, self.tokenizer)
 
 
-def encode_problems(problems: Sequence[Problem], seq_len: int) -> torch.Tensor:
+def encode_problems(problems: Sequence[Problem], seq_len: int, tokenizer: Optional[Tokenizer] = None) -> torch.Tensor:
     """``[BOS] prompt answer [EOS]…`` padded with EOS, as LLaDA's supervised data is."""
-    rows = torch.full((len(problems), seq_len), ByteTokenizer.EOS)
+    tokenizer = tokenizer or ByteTokenizer()
+    rows = torch.full((len(problems), seq_len), tokenizer.eos_token_id)
     for i, problem in enumerate(problems):
-        ids = [ByteTokenizer.BOS] + list((problem.prompt + problem.answer).encode())
+        ids = [tokenizer.bos_token_id] + tokenizer.encode(problem.prompt + problem.answer)
         rows[i, : min(len(ids), seq_len)] = torch.tensor(ids[:seq_len])
     return rows
 
 
-def end_at_random_lengths(rows: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+def end_at_random_lengths(rows: torch.Tensor, generator: torch.Generator,
+                          tokenizer: Optional[Tokenizer] = None) -> torch.Tensor:
     """PAD each row after a length drawn uniformly between its content plus one EOS and the full row."""
+    tokenizer = tokenizer or ByteTokenizer()
     seq_len = rows.shape[1]
-    is_eos = rows == ByteTokenizer.EOS
+    is_eos = rows == tokenizer.eos_token_id
     first_eos = torch.where(is_eos.any(1), is_eos.int().argmax(1), torch.full((len(rows),), seq_len - 1))
     shortest = first_eos + 1
     lengths = shortest + (torch.rand(len(rows), generator=generator) * (seq_len - shortest + 1)).long()
     beyond = torch.arange(seq_len)[None, :] >= lengths[:, None]
-    return rows.masked_fill(beyond, ByteTokenizer.PAD)
+    return rows.masked_fill(beyond, tokenizer.pad_token_id)
 
 
-def padding_mask(rows: torch.Tensor) -> Optional[torch.Tensor]:
+def padding_mask(rows: torch.Tensor, pad_id: int = ByteTokenizer.PAD) -> Optional[torch.Tensor]:
     """Attention mask (True for real tokens) when some rows end in PAD; None when none do."""
-    real = rows != ByteTokenizer.PAD
+    real = rows != pad_id
     return None if bool(real.all()) else real
-
-
-def prose_bytes() -> bytes:
-    """English prose from gensim's test data (installed by the ``train`` extra)."""
-    try:
-        from gensim.test.utils import datapath
-    except ImportError as error:
-        raise RuntimeError("the prose corpus needs gensim: pip install -e .[train]") from error
-    texts = [Path(datapath(name)).read_text(encoding="utf-8", errors="ignore") for name in PROSE_FILES]
-    return "\n".join(" ".join(t.split()) for t in texts).encode("utf-8")
 
 
 def python_bytes(limit: int = 4_000_000) -> bytes:
@@ -182,16 +198,16 @@ BUILTIN_CORPORA = ("prose", "python", "addition")
 TASKS = {"addition": AdditionTask}
 
 
-def load_corpus(name_or_files: str, files: Optional[Sequence[str]] = None) -> Corpus:
-    """A built-in corpus by name, or the concatenation of the given text files."""
+def load_corpus(name_or_files: str, files: Optional[Sequence[str]] = None,
+                tokenizer: Optional[Tokenizer] = None) -> Corpus:
+    """A built-in corpus by name, or the given text files (each holding out its own tail), in ``tokenizer``'s ids."""
     if files:
-        data = b"\n".join(Path(f).read_bytes() for f in files)
-        return TextCorpus(data, "files")
+        return TextCorpus([Path(f).read_bytes() for f in files], "files", tokenizer)
     if name_or_files == "prose":
-        return TextCorpus(prose_bytes(), "prose")
+        return TextCorpus(prose_sources(), "prose", tokenizer)
     if name_or_files == "python":
-        return TextCorpus(python_bytes(), "python")
+        return TextCorpus(python_bytes(), "python", tokenizer)
     if name_or_files == "addition":
-        return AdditionTask()
+        return AdditionTask(tokenizer=tokenizer)
     raise ValueError(f"unknown corpus {name_or_files!r}; "
                      f"choose one of {', '.join(BUILTIN_CORPORA)} or pass --data FILE")

@@ -15,6 +15,7 @@ import torch
 
 from swarm.models.checkpoint import INDEX_FILE, SINGLE_FILE
 from swarm.models.config import CONFIG_FILE
+from swarm.models.tokenizer import SubwordTokenizer
 from swarm.train.loop import STATE_FILE, TRAINING_INFO_FILE, RunState, TrainConfig, training_info
 
 
@@ -30,7 +31,8 @@ def export_model(run_dir: str | Path, dest: str | Path) -> Path:
     for stale in dest.iterdir():
         if stale.is_file():
             stale.unlink()
-    for path in [run_dir / CONFIG_FILE, *weights]:
+    tokenizer = [run_dir / SubwordTokenizer.FILE] if (run_dir / SubwordTokenizer.FILE).exists() else []
+    for path in [run_dir / CONFIG_FILE, *weights, *tokenizer]:
         shutil.copy2(path, dest / path.name)
     info_path = run_dir / TRAINING_INFO_FILE
     info = json.loads(info_path.read_text()) if info_path.exists() else info_from_state(run_dir / STATE_FILE)

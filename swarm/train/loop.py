@@ -24,7 +24,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from swarm.models.checkpoint import load_config, parse_dtype, save_checkpoint
 from swarm.models.config import ModelConfig
 from swarm.models.modules import DiffusionTransformer
-from swarm.models.tokenizer import ByteTokenizer
+from swarm.models.tokenizer import ByteTokenizer, SubwordTokenizer, Tokenizer
 from swarm.train.data import Corpus, padding_mask
 from swarm.train.objective import diffusion_loss, mask_tokens
 
@@ -59,6 +59,8 @@ class TrainConfig:
     save_every: int = 500
     save_dtype: str = "float16"
     threads: Optional[int] = None
+    # "byte", or a subword tokenizer: its tokenizer.json or a directory holding one (copied into the run).
+    tokenizer: str = "byte"
 
 
 @dataclass
@@ -70,12 +72,25 @@ class RunState:
     smoothed_loss: Optional[float] = None
 
 
-def byte_model_config(cfg: TrainConfig) -> ModelConfig:
-    tok = ByteTokenizer()
+def training_tokenizer(cfg: TrainConfig) -> Tokenizer:
+    """The run's tokenizer: bytes, or the subword vocabulary at ``cfg.tokenizer`` (a resumed run keeps its copy)."""
+    if cfg.tokenizer == "byte":
+        return ByteTokenizer()
+    copy = Path(cfg.output) / SubwordTokenizer.FILE
+    given = Path(cfg.tokenizer)
+    path = copy if copy.exists() else given / SubwordTokenizer.FILE if given.is_dir() else given
+    if not path.is_file():
+        raise FileNotFoundError(f"no tokenizer at {cfg.tokenizer} (give a tokenizer.json or a directory holding one)")
+    return SubwordTokenizer.from_file(path)
+
+
+def new_model_config(cfg: TrainConfig, tokenizer: Tokenizer) -> ModelConfig:
     return ModelConfig(
-        vocab_size=tok.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-        num_layers=cfg.layers, num_heads=cfg.heads, num_kv_heads=cfg.kv_heads, mask_token_id=tok.MASK,
-        pad_token_id=tok.PAD, bos_token_id=tok.BOS, eos_token_id=tok.EOS, max_position_embeddings=1024,
+        vocab_size=tokenizer.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_layers=cfg.layers, num_heads=cfg.heads, num_kv_heads=cfg.kv_heads,
+        mask_token_id=tokenizer.mask_token_id, pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, max_position_embeddings=1024,
+        tokenizer="byte" if isinstance(tokenizer, ByteTokenizer) else "bpe",
     )
 
 
@@ -146,7 +161,8 @@ def train(cfg: TrainConfig, corpus: Corpus, *, stop_at: Optional[int] = None) ->
         cfg = adopt_saved_architecture(cfg)
     torch.manual_seed(cfg.seed)
     # On resume the architecture comes from the saved config, the weights from the full-precision state.
-    model = DiffusionTransformer(load_config(output) if state_path.exists() else byte_model_config(cfg))
+    tokenizer = training_tokenizer(cfg)
+    model = DiffusionTransformer(load_config(output) if state_path.exists() else new_model_config(cfg, tokenizer))
     initialise(model)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
@@ -172,7 +188,7 @@ def train(cfg: TrainConfig, corpus: Corpus, *, stop_at: Optional[int] = None) ->
             bar.set_postfix(loss=f"{run.smoothed_loss:.3f}", lr=f"{learning_rate(cfg, step):.1e}")
             if run.step % cfg.save_every == 0 or run.step == end:
                 run.wall_s = wall_before + time.perf_counter() - session_start
-                save(model, optimizer, generator, run, cfg)
+                save(model, optimizer, generator, run, cfg, tokenizer)
     logger.info("trained steps %d..%d in %.0f s", first, end, time.perf_counter() - session_start)
     return output
 
@@ -184,7 +200,7 @@ def train_step(model: DiffusionTransformer, optimizer: torch.optim.Optimizer, co
         group["lr"] = learning_rate(cfg, step)
     tokens = corpus.batch(cfg.batch_size, cfg.seq_len, generator)
     noisy, masked, t = mask_tokens(tokens, model.config.mask_token_id, generator, given=corpus.given_positions(tokens))
-    loss = diffusion_loss(model(noisy, padding_mask(tokens)), tokens, masked, t)
+    loss = diffusion_loss(model(noisy, padding_mask(tokens, model.config.pad_token_id)), tokens, masked, t)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -214,7 +230,7 @@ def _comparable(value: Any) -> Any:
 
 
 def save(model: DiffusionTransformer, optimizer: torch.optim.Optimizer, generator: torch.Generator,
-         run: RunState, cfg: TrainConfig) -> None:
+         run: RunState, cfg: TrainConfig, tokenizer: Tokenizer) -> None:
     """Write the checkpoint, its training record and the resumable state, each file replaced atomically.
 
     Files are written to a scratch folder first, so an interrupted save leaves the previous checkpoint
@@ -225,6 +241,8 @@ def save(model: DiffusionTransformer, optimizer: torch.optim.Optimizer, generato
     shutil.rmtree(scratch, ignore_errors=True)
     save_checkpoint(scratch, model.config, model.native_state_dict(), dtype=parse_dtype(cfg.save_dtype))
     (scratch / TRAINING_INFO_FILE).write_text(json.dumps(training_info(cfg, run), indent=2) + "\n")
+    if isinstance(tokenizer, SubwordTokenizer):
+        tokenizer.save(scratch)
     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "generator": generator.get_state(),
                 "step": run.step, "wall_s": run.wall_s, "smoothed_loss": run.smoothed_loss,
                 "train_config": asdict(cfg)}, scratch / STATE_FILE)
@@ -235,6 +253,8 @@ def save(model: DiffusionTransformer, optimizer: torch.optim.Optimizer, generato
 
 def training_info(cfg: TrainConfig, run: RunState) -> dict[str, Any]:
     """The record shipped with a model: the settings that made it and how far it got."""
-    settings = {k: v for k, v in asdict(cfg).items() if k not in ("output", "threads", "save_every")}
+    settings = {k: v for k, v in asdict(cfg).items() if k not in ("output", "threads", "save_every", "tokenizer")}
+    if cfg.tokenizer != "byte":
+        settings["tokenizer"] = SubwordTokenizer.FILE  # shipped next to the weights, wherever it was trained from
     return {"train_config": settings, "step": run.step, "wall_s": round(run.wall_s, 1),
             "smoothed_loss": None if run.smoothed_loss is None else round(run.smoothed_loss, 4)}

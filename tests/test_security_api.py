@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import time
 from typing import Any, Iterator
@@ -288,3 +289,53 @@ def test_dropped_requests_stop_their_generation(default_lm, stream, caplog):
     print(f"{'streamed' if stream else 'plain'}: dropped requests stopped {stopped_in:.2f} s after the hang-up, "
           f"{ran - at_hang_up} step(s) later, "
           f"after {ran} of {SLOW['steps']} steps; the next request took {time.monotonic() - started:.2f} s")
+
+
+# ----- request bodies -------------------------------------------------------------------------------------
+def read_answer(sock: socket.socket) -> tuple[int, dict]:
+    """Status and JSON body of the one answer on ``sock``."""
+    data = b""
+    with sock:
+        sock.settimeout(30)
+        while b"\r\n\r\n" not in data or len(data.split(b"\r\n\r\n", 1)[1]) < int(
+                re.search(rb"content-length: (\d+)", data.lower()).group(1)):
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+    head, body = data.split(b"\r\n\r\n", 1)
+    return int(head.split()[1]), json.loads(body)
+
+
+def test_an_oversized_body_is_refused_before_it_is_read(tiny_url):
+    """A declared 100 MB body: 413 at once, without the server waiting for (or holding) the bytes."""
+    address = urlparse(tiny_url)
+    sock = socket.create_connection((address.hostname, address.port), timeout=30)
+    sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {address.netloc}\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {100 << 20}\r\n\r\n{{\"prompt\": \"".encode())
+    status, body = read_answer(sock)
+    assert status == 413 and body["error"]["code"] == "request_too_large", body
+    assert "limit is 1048576 bytes" in body["error"]["message"]
+
+
+def test_an_oversized_chunked_body_is_refused_while_it_arrives(tiny_url):
+    """No Content-Length (chunked): the bytes are counted as they come and the request refused past the cap."""
+    address = urlparse(tiny_url)
+    sock = socket.create_connection((address.hostname, address.port), timeout=30)
+    sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {address.netloc}\r\nContent-Type: application/json\r\n"
+                 "Transfer-Encoding: chunked\r\n\r\n".encode())
+    piece = b"x" * 65536
+    try:
+        for _ in range(32):  # 2 MiB in all, twice the cap
+            sock.sendall(b"%x\r\n%s\r\n" % (len(piece), piece))
+    except (BrokenPipeError, ConnectionResetError):
+        pass  # the server answered and closed before the client finished: also a refusal
+    status, body = read_answer(sock)
+    assert status == 413 and body["error"]["code"] == "request_too_large", body
+
+
+def test_a_body_under_the_cap_is_served_as_before(tiny_url):
+    """Half the cap (JSON whitespace, so the prompt still fits the tiny model) is read and answered."""
+    fields = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 4}).encode()
+    status, body = read_answer(post_raw(tiny_url, fields[:-1] + b" " * (512 << 10) + b"}"))
+    assert status == 200 and isinstance(body["choices"][0]["text"], str), body

@@ -5,6 +5,7 @@ from typing import Optional
 
 import click
 
+from swarm.api.body_limit import DEFAULT_MAX_BODY_BYTES
 from swarm.cli_options import (
     SwarmCommand,
     apply_threads,
@@ -35,6 +36,8 @@ from swarm.models.loading import DEFAULT_MODEL
               help="Memory one request's denoiser calls may hold (window x CFG rows x calls in flight x models x "
                    "sequence); larger requests get 400. Default: a quarter of this machine's memory, never less "
                    "than one sequence at full context.")
+@click.option("--max-body-bytes", type=click.IntRange(min=1024), default=DEFAULT_MAX_BODY_BYTES,
+              help="Largest request body accepted; larger ones get 413 before they are read or parsed.")
 @click.option("--allow-expert", "allow_experts", multiple=True,
               help="With --local: an expert name or checkpoint directory requests may name, besides the embedded "
                    "experts (repeatable). Requests naming any other expert get 400.")
@@ -43,8 +46,8 @@ from swarm.models.loading import DEFAULT_MODEL
 @click.option("--log-level", type=click.Choice(["DEBUG", "INFO", "WARNING"]), default="INFO",
               help="Logging verbosity.")
 def main(model: str, model_name: Optional[str], dht_prefix: Optional[str], local: bool, host: str, port: int,
-         max_pending: int, request_memory_mb: Optional[int], allow_experts: tuple[str, ...], threads: Optional[int],
-         log_level: str, **options) -> None:
+         max_pending: int, request_memory_mb: Optional[int], max_body_bytes: int, allow_experts: tuple[str, ...],
+         threads: Optional[int], log_level: str, **options) -> None:
     """Serve /v1/completions, /v1/chat/completions, /v1/models and /health in the OpenAI API's shape.
 
     A --port (or --host-maddrs port) in use is refused before the model loads (exit 4); docs/OPERATIONS.md lists
@@ -64,7 +67,7 @@ def main(model: str, model_name: Optional[str], dht_prefix: Optional[str], local
                          max_pending=max_pending, request_memory_mb=request_memory_mb, allow_experts=allow_experts)
     click.echo(f"Serving model {engine.model_id!r} ({engine.mode}) on http://{host}:{port}/v1", err=True)
     try:
-        uvicorn.run(create_app(engine), host=host, port=port, log_level=log_level.lower())
+        uvicorn.run(create_app(engine, max_body_bytes), host=host, port=port, log_level=log_level.lower())
     finally:
         engine.close()
 

@@ -19,6 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 import swarm
+from swarm.api.body_limit import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
 from swarm.api.engine import GenerationEngine
 from swarm.api.errors import ModelNotFound, as_api_error, error_body, install_error_handlers, raise_if_halted
 from swarm.api.responses import CHAT, COMPLETION, SSE_DONE, ResponseBuilder, ResponseShape, sse
@@ -39,10 +40,14 @@ class ClientDisconnected(Exception):
     """The client closed the connection before its answer was ready."""
 
 
-def create_app(engine: GenerationEngine) -> FastAPI:
-    """An app serving ``engine``; the caller owns the engine (and closes it after the server stops)."""
+def create_app(engine: GenerationEngine, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+    """An app serving ``engine``; the caller owns the engine (and closes it after the server stops).
+
+    Request bodies over ``max_body_bytes`` are refused with 413 before they are parsed (:mod:`swarm.api.body_limit`).
+    """
     app = FastAPI(title="diffusion-swarm", version=swarm.__version__,
                   description="OpenAI-style completions from a masked-diffusion LM, local or over a swarm.")
+    app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
     app.state.engine = engine
     app.state.started = int(time.time())
     install_error_handlers(app)

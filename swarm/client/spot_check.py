@@ -139,6 +139,11 @@ class SpotChecker:
         self._record(request, primary, asked, verdict)
         if verdict == UNRESOLVED:
             return self._unresolved(request, primary, asked, answers)
+        if self.require_verified:  # nothing to compare with: unverified, which this request does not accept
+            raise UnverifiedResultError(
+                f"no other usable server holds blocks {request.start}:{request.end} to check {primary[-8:]} at step "
+                f"{request.step}; this request accepts only verified results, so every span needs two holders it "
+                "may use (for a restricted request: two trusted peers)")
         return output
 
     def _unresolved(self, request: ForwardRequest, primary: str, asked: list[str],

@@ -33,7 +33,7 @@ from swarm.diffusion.experts import ExpertSource
 from swarm.diffusion.mixture import DEFAULT_TAU
 from swarm.diffusion.pipeline import DenoiserCalls, Forward
 from swarm.diffusion.sampler import DiffusionSampler, Halted, WindowStats
-from swarm.finetune.adapter import AdapterError, SoftPrompt, base_of, check_fits
+from swarm.finetune.adapter import AdapterError, PromptAdapter, base_of, check_fits
 from swarm.governance.tiers import TIERS
 from swarm.models.config import ModelConfig
 from swarm.models.tokenizer import MASK_PLACEHOLDER, Tokenizer
@@ -102,8 +102,8 @@ class GenerationRequest:
                          api=False)  # the HTTP API has an endpoint for conversations
     progress: bool = setting(False, "Show a progress bar.", cli=False, api=False)  # the command shows every step
     adapter: Optional[str] = setting(
-        None, "A fine-tuned adapter (a soft prompt): its directory, as written by python -m swarm.finetune, or the "
-              "name it was published under; see docs/TRAINING.md.",
+        None, "A fine-tuned adapter (a soft or deep prompt): its directory, as written by python -m swarm.finetune, "
+              "or the name it was published under; see docs/TRAINING.md.",
         api=False)  # a path names a file of the API's host: not for remote callers
 
     @classmethod
@@ -158,8 +158,17 @@ class BaseDiffusionLM(ABC):
     tokenizer: Tokenizer
     remote = False  # True when every denoiser call is a round trip through the network
     _limits: Optional[GenerationLimits] = None
-    # The model's own defaults for some sampler settings (ModelFiles.sampling_defaults); the caller's win.
-    sampling_defaults: Mapping[str, Any] = MappingProxyType({})
+    _sampling_defaults: Mapping[str, Any] = MappingProxyType({})
+
+    @property
+    def sampling_defaults(self) -> Mapping[str, Any]:
+        """The model's own defaults for some sampler settings (``generation.json``); the caller's settings win."""
+        return self._sampling_defaults
+
+    @sampling_defaults.setter
+    def sampling_defaults(self, defaults: Mapping[str, Any]) -> None:
+        GenerationConfig(**defaults)  # refuses out-of-range values, naming them, as for any request
+        self._sampling_defaults = MappingProxyType(dict(defaults))
 
     @property
     def limits(self) -> GenerationLimits:
@@ -174,7 +183,7 @@ class BaseDiffusionLM(ABC):
 
     @abstractmethod
     def denoising_session(self, generation: GenerationConfig,
-                          adapter: Optional[SoftPrompt] = None) -> contextlib.AbstractContextManager[Forward]:
+                          adapter: Optional[PromptAdapter] = None) -> contextlib.AbstractContextManager[Forward]:
         """The model's pass for one generation (remote sessions are opened and closed around it).
 
         It honours cache directives (:mod:`swarm.diffusion.pipeline`); the sampler's denoiser is built on it.
@@ -182,7 +191,7 @@ class BaseDiffusionLM(ABC):
         before the head.
         """
 
-    def load_adapter(self, name_or_path: Optional[str]) -> Optional[SoftPrompt]:
+    def load_adapter(self, name_or_path: Optional[str]) -> Optional[PromptAdapter]:
         """The adapter a request names (a directory; subclasses may also find published names), checked against
         this model; loaded once per name. :class:`AdapterError` (a ValueError) says what is wrong."""
         if name_or_path is None:
@@ -194,9 +203,9 @@ class BaseDiffusionLM(ABC):
             cache[name_or_path] = self.find_adapter(name_or_path, base_of(self.config, self.tokenizer))
         return cache[name_or_path]
 
-    def find_adapter(self, name_or_path: str, base: dict[str, Any]) -> SoftPrompt:
+    def find_adapter(self, name_or_path: str, base: dict[str, Any]) -> PromptAdapter:
         """An adapter directory (the swarm client also resolves published names)."""
-        return SoftPrompt.load(name_or_path, base)
+        return PromptAdapter.load(name_or_path, base)
 
     def denoiser_workers(self, generation: GenerationConfig) -> int:
         """Threads for denoiser calls in flight: none locally (calls run at once, in order)."""
@@ -320,8 +329,8 @@ class BaseDiffusionLM(ABC):
         prompt's own (docs/GOVERNANCE.md); a governance halt ends the stream with ``finish_reason == "halted"``
         and ``info["halt"]``. ``scale`` (``local``, ``auto``, ``max``) sizes how much of the swarm the request
         uses (:mod:`swarm.scale`). ``chat`` wraps the text prompt in the tokenizer's chat template (instruct
-        checkpoints); ``progress`` shows a progress bar. ``adapter`` applies a fine-tuned soft prompt (a directory
-        written by ``python -m swarm.finetune``, or a published name; docs/TRAINING.md).
+        checkpoints); ``progress`` shows a progress bar. ``adapter`` applies a fine-tuned soft or deep prompt (a
+        directory written by ``python -m swarm.finetune``, or a published name; docs/TRAINING.md).
 
         Every setting is bounded (:meth:`check_request`, :mod:`swarm.diffusion.config`): out-of-range,
         infinite or NaN values and requests too large for the model's context or the memory budget

@@ -12,7 +12,7 @@ from swarm.diffusion.config import GenerationConfig
 from swarm.diffusion.experts import ExpertNotFoundError, InProcessExpert
 from swarm.diffusion.pipeline import CacheDirective, Forward, check_head_rows, rows_to_score
 from swarm.diffusion.sampler import DenoiseContext
-from swarm.finetune.adapter import SoftPrompt
+from swarm.finetune.adapter import PromptAdapter
 from swarm.lm import BaseDiffusionLM
 from swarm.models.kv_cache import CacheMiss, SpanKV
 from swarm.models.loading import DEFAULT_MODEL, ModelFiles, resolve_device
@@ -82,7 +82,7 @@ class DiffusionLM(BaseDiffusionLM):
 
     @contextlib.contextmanager
     def denoising_session(self, generation: GenerationConfig,
-                          adapter: Optional[SoftPrompt] = None) -> Iterator[Forward]:
+                          adapter: Optional[PromptAdapter] = None) -> Iterator[Forward]:
         """Passes over the whole model; cache directives keep this generation's keys and values in ``kv``."""
         kv: Optional[SpanKV] = None
         extra_rows = adapter.length if adapter is not None else 0
@@ -104,17 +104,18 @@ class DiffusionLM(BaseDiffusionLM):
 
         yield forward
 
-    def _pass(self, tokens: torch.Tensor, adapter: Optional[SoftPrompt], kv: Optional[SpanKV] = None,
+    def _pass(self, tokens: torch.Tensor, adapter: Optional[PromptAdapter], kv: Optional[SpanKV] = None,
               rows: Optional[tuple[int, int]] = None, scored: Optional[tuple[int, int]] = None) -> torch.Tensor:
-        """Float32 logits of one denoiser call; an adapter's prompt vectors go first (a reuse's rows shift past
-        them, as the cache holds them) and its rows are sliced off before the head."""
+        """Float32 logits of one denoiser call; an adapter's prompt positions go first (a reuse's rows shift past
+        them, as the cache holds them), a deep prompt's vectors join before each block, and the prompt rows are
+        sliced off before the head."""
         if adapter is None:
             return self.model(tokens, kv=kv, rows=rows, scored=scored).float().cpu()
         model = self.model
         hidden = model.embedding(tokens)
         if rows is None:
-            hidden = adapter.strip(model.span(adapter.extend(hidden), kv=kv))
+            hidden = adapter.strip(model.span(adapter.extend(hidden), kv=kv, prompts=adapter.block_prompts))
         else:
-            hidden = model.span(hidden, kv=kv, rows=adapter.shift(rows))
+            hidden = model.span(hidden, kv=kv, rows=adapter.shift(rows), prompts=adapter.block_prompts)
         logits = model.head(hidden) if scored is None else model.head.score_rows(hidden, rows[0] if rows else 0, scored)
         return logits.float().cpu()

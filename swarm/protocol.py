@@ -8,6 +8,12 @@ A backward request carries, for a span ``start:end``, the span's input hidden st
 output (same shape), stacked along the batch dimension into one tensor (2 x batch, length, hidden) so that it
 travels, is bounded and validated exactly as a forward request's; the answer is the gradient of the input.
 
+Either request may carry a second tensor, a deep prompt's vectors for the span's blocks (end - start, P, hidden),
+float32, declared in the metadata (``prompt_length`` P, ``prompt_parts``) and sent after the hidden states' parts;
+the answer to a backward request that carried one carries the prompts' gradient after the inputs' (its parts
+counted by ``prompt_parts`` too). When everything fits one message, the hidden states and the prompts share it
+(a unary call); otherwise every message of the stream carries one tensor part.
+
 An expert request carries token ids (batch, length) int64 and asks a hosted expert model for the
 log-probabilities of positions ``start:end``; it is always small, while the answer (positions x vocabulary)
 may not be, so it comes back as a stream of parts counted the same way.
@@ -91,6 +97,7 @@ class ForwardRequest:
     session_id: str = ""
     step: int = -1
     extra: dict[str, Any] = field(default_factory=dict)
+    prompts: Optional[torch.Tensor] = None  # a deep prompt's vectors for blocks start:end: (end - start, P, hidden)
 
     @property
     def rows(self) -> int:
@@ -110,6 +117,7 @@ class BackwardRequest:
     grad_outputs: torch.Tensor  # (batch, length, hidden): d loss / d span output
     session_id: str = ""
     step: int = -1
+    prompts: Optional[torch.Tensor] = None  # the deep prompt's vectors the forward added (their gradient is answered)
 
     def __post_init__(self) -> None:
         if self.inputs.shape != self.grad_outputs.shape:
@@ -119,7 +127,7 @@ class BackwardRequest:
     def as_forward(self) -> ForwardRequest:
         """The wire form: one forward-shaped request whose tensor stacks inputs and gradients along the batch."""
         stacked = torch.cat([self.inputs.detach().float(), self.grad_outputs.detach().float()])
-        return ForwardRequest(self.start, self.end, stacked, self.session_id, self.step, {})
+        return ForwardRequest(self.start, self.end, stacked, self.session_id, self.step, {}, self.prompts)
 
 
 @dataclass
@@ -171,16 +179,34 @@ def wire_chunks(tensor: runtime_pb2.Tensor) -> list[runtime_pb2.Tensor]:
     return list(split_for_streaming(tensor, STREAM_CHUNK_BYTES))
 
 
+def packed_chunks(main: runtime_pb2.Tensor, second: Optional[runtime_pb2.Tensor] = None
+                  ) -> tuple[list[list[runtime_pb2.Tensor]], dict[str, int]]:
+    """The tensor parts of each message (see the module doc) and their counts for the first part's metadata:
+    ``parts`` of ``main``, then ``prompt_parts`` of ``second`` when given."""
+    chunks = wire_chunks(main)
+    counts = {"parts": len(chunks)}
+    if second is None:
+        return [[chunk] for chunk in chunks], counts
+    extra = wire_chunks(second)
+    counts["prompt_parts"] = len(extra)
+    if len(chunks) == 1 and len(extra) == 1 and main.ByteSize() + second.ByteSize() <= MAX_UNARY_BYTES:
+        return [[main, second]], counts
+    return [[chunk] for chunk in chunks + extra], counts
+
+
 def request_parts(request: ForwardRequest, wire_dtype: str = AUTO_WIRE,
                   uid: str = "forward") -> list[runtime_pb2.ExpertRequest]:
     """One part when small, else stream parts; the first part's metadata says how many follow."""
-    tensor = encode_tensor(request.hidden, wire_dtype)
     metadata = {"start": request.start, "end": request.end, "session_id": request.session_id,
                 "step": request.step, "extra": request.extra}
-    chunks = wire_chunks(tensor)
-    metadata["parts"] = len(chunks)
-    parts = [runtime_pb2.ExpertRequest(uid=uid, tensors=[chunks[0]], metadata=MSGPackSerializer.dumps(metadata))]
-    parts += [runtime_pb2.ExpertRequest(tensors=[chunk]) for chunk in chunks[1:]]
+    prompts = None
+    if request.prompts is not None:  # the client's float32 parameters: never rounded on the wire
+        prompts = encode_tensor(request.prompts.float(), "float32")
+        metadata["prompt_length"] = int(request.prompts.shape[1])
+    messages, counts = packed_chunks(encode_tensor(request.hidden, wire_dtype), prompts)
+    metadata.update(counts)
+    parts = [runtime_pb2.ExpertRequest(uid=uid, tensors=messages[0], metadata=MSGPackSerializer.dumps(metadata))]
+    parts += [runtime_pb2.ExpertRequest(tensors=tensors) for tensors in messages[1:]]
     return parts
 
 
@@ -238,12 +264,15 @@ def decode_tensor(proto: runtime_pb2.Tensor) -> torch.Tensor:
         raise RemoteError(ErrorCode.BAD_REQUEST, f"cannot decode tensor: {error}") from None
 
 
-def response_parts(hidden: torch.Tensor, wire_dtype: str,
-                   metadata: Optional[dict] = None) -> list[runtime_pb2.ExpertResponse]:
-    chunks = wire_chunks(encode_tensor(hidden, wire_dtype))
-    meta = dict(metadata or {}, parts=len(chunks))
-    parts = [runtime_pb2.ExpertResponse(tensors=[chunks[0]], metadata=MSGPackSerializer.dumps(meta))]
-    return parts + [runtime_pb2.ExpertResponse(tensors=[chunk]) for chunk in chunks[1:]]
+def response_parts(hidden: torch.Tensor, wire_dtype: str, metadata: Optional[dict] = None,
+                   prompts: Optional[torch.Tensor] = None) -> list[runtime_pb2.ExpertResponse]:
+    """An answer's parts: ``hidden`` (and, for a backward call that carried a deep prompt, the prompts' gradient
+    after it, float32)."""
+    second = encode_tensor(prompts.float(), "float32") if prompts is not None else None
+    messages, counts = packed_chunks(encode_tensor(hidden, wire_dtype), second)
+    meta = dict(metadata or {}, **counts)
+    parts = [runtime_pb2.ExpertResponse(tensors=messages[0], metadata=MSGPackSerializer.dumps(meta))]
+    return parts + [runtime_pb2.ExpertResponse(tensors=tensors) for tensors in messages[1:]]
 
 
 def error_response(error: RemoteError, metadata: Optional[dict] = None) -> runtime_pb2.ExpertResponse:
@@ -280,9 +309,27 @@ def check_error(metadata: dict[str, Any], peer_id: Optional[str] = None) -> None
 
 def collect_response(parts: list[runtime_pb2.ExpertResponse],
                      peer_id: Optional[str] = None) -> tuple[torch.Tensor, dict]:
+    """The answer's tensor; a second one (a deep prompt's gradient) is in the metadata under ``prompts``."""
     metadata = response_metadata(parts, peer_id)
     tensors = [t for part in parts for t in part.tensors]
-    return decode_tensor(join_parts(tensors, metadata.get("parts"), peer_id)), metadata
+    main, second = split_parts(tensors, metadata.get("parts"), metadata.get("prompt_parts"), peer_id)
+    if second is not None:
+        metadata["prompts"] = decode_tensor(join_parts(second, len(second), peer_id))
+    return decode_tensor(join_parts(main, metadata.get("parts"), peer_id)), metadata
+
+
+def split_parts(tensors: list[runtime_pb2.Tensor], parts: Any, prompt_parts: Any, peer_id: Optional[str] = None
+                ) -> tuple[list[runtime_pb2.Tensor], Optional[list[runtime_pb2.Tensor]]]:
+    """The parts of the main tensor and of the deep prompt's (None when none was declared), their counts checked."""
+    if prompt_parts is None:
+        return tensors, None
+    if not isinstance(parts, int) or not isinstance(prompt_parts, int) or parts < 1 or prompt_parts < 1:
+        raise RemoteError(ErrorCode.BAD_REQUEST, f"metadata 'parts' and 'prompt_parts' must be positive integers, "
+                          f"got {parts!r} and {prompt_parts!r}")
+    if len(tensors) != parts + prompt_parts:
+        raise RemoteError(ErrorCode.INCOMPLETE, f"stream ended after {len(tensors)} of {parts + prompt_parts} "
+                          f"parts", peer_id)
+    return tensors[:parts], tensors[parts:]
 
 
 # ----- adapter files (swarm.finetune.sharing) ---------------------------------------------------------

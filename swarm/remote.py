@@ -139,14 +139,30 @@ class RemoteCaller:
     async def backward(self, peer_id: str, request: BackwardRequest, timeout: float) -> torch.Tensor:
         """The gradient of the input of the server's blocks ``request.start:request.end`` (float32, the inputs'
         shape), given their inputs and the gradient of their outputs; the server's weights stay frozen."""
-        output, _ = await self._call(peer_id, self._forward_rpc(peer_id, request.as_forward(), backward=True), timeout)
-        expected = tuple(request.inputs.shape)
-        if tuple(output.shape) != expected:
-            raise RemoteError(ErrorCode.INTERNAL, f"server returned a gradient of shape {tuple(output.shape)}, "
-                              f"expected {expected}", peer_id)
-        if not bool(torch.isfinite(output).all()):
-            raise RemoteError(ErrorCode.INTERNAL, "server returned a gradient with NaN or infinite values", peer_id)
-        return output.float()
+        return (await self.backward_all(peer_id, request, timeout))[0]
+
+    async def backward_all(self, peer_id: str, request: BackwardRequest, timeout: float
+                           ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """:meth:`backward`, and the gradient of the request's deep prompt vectors when it carries them (None
+        otherwise); both checked for shape and finite values."""
+        output, metadata = await self._call(peer_id, self._forward_rpc(peer_id, request.as_forward(), backward=True),
+                                            timeout)
+        grad_prompts = metadata.get("prompts")
+        expected = [(output, tuple(request.inputs.shape), "gradient")]
+        if request.prompts is not None:
+            if grad_prompts is None:
+                raise RemoteError(ErrorCode.INTERNAL, "server answered no gradient for the deep prompt", peer_id)
+            expected.append((grad_prompts, tuple(request.prompts.shape), "deep prompt gradient"))
+        elif grad_prompts is not None:
+            raise RemoteError(ErrorCode.INTERNAL, "server answered a deep prompt gradient it was not asked for",
+                              peer_id)
+        for tensor, shape, what in expected:
+            if tuple(tensor.shape) != shape:
+                raise RemoteError(ErrorCode.INTERNAL, f"server returned a {what} of shape {tuple(tensor.shape)}, "
+                                  f"expected {shape}", peer_id)
+            if not bool(torch.isfinite(tensor).all()):
+                raise RemoteError(ErrorCode.INTERNAL, f"server returned a {what} with NaN or infinite values", peer_id)
+        return output.float(), grad_prompts.float() if grad_prompts is not None else None
 
     async def expert_logits(self, peer_id: str, request: ExpertQuery, timeout: float) -> torch.Tensor:
         """Log-probabilities (batch, end - start, vocab) from the server's hosted expert ``request.domain``."""

@@ -71,7 +71,7 @@ def test_a_server_killed_mid_backward_is_replaced_by_a_replica(local_swarm, tiny
     victim = fast_server(local_swarm, tiny_model_path, "0:2")
     lm = client(local_swarm, tiny_model_path)
     calls = []
-    backward = lm.caller.backward
+    backward = lm.caller.backward_all
 
     async def kill_after_first(peer_id, request, timeout):  # the last hop answers, then the first hop's server dies
         calls.append(peer_id)
@@ -79,7 +79,7 @@ def test_a_server_killed_mid_backward_is_replaced_by_a_replica(local_swarm, tiny
             local_swarm.terminate(victim, signal.SIGKILL)
         return await backward(peer_id, request, timeout)
 
-    lm.caller.backward = kill_after_first
+    lm.caller.backward_all = kill_after_first
     try:
         prompts = adapter_for(local_lm).prompts.detach()
         _, swarm_grad = sft_gradient(lm, tmp_path, prompts)

@@ -24,7 +24,7 @@ from swarm.diffusion.config import GenerationConfig
 from swarm.diffusion.pipeline import CacheDirective, Forward, check_head_rows, rows_to_score
 from swarm.diffusion.prediction import HeadQuery, Predictions
 from swarm.diffusion.sampler import DenoiseContext
-from swarm.finetune.adapter import SoftPrompt
+from swarm.finetune.adapter import PromptAdapter
 from swarm.finetune.sharing import default_cache_dir, fetch_published
 from swarm.governance.audit import AuditLog
 from swarm.governance.guard import GovernanceGuard
@@ -125,14 +125,14 @@ class DistributedDiffusionLM(BaseDiffusionLM):
     @torch.inference_mode()
     def logits(self, input_ids: torch.Tensor, session_id: Optional[str] = None, step: int = -1,
                directive: Optional[CacheDirective] = None, scored: Optional[tuple[int, int]] = None,
-               head: Optional[HeadQuery] = None, adapter: Optional[SoftPrompt] = None) -> torch.Tensor | Predictions:
+               head: Optional[HeadQuery] = None, adapter: Optional[PromptAdapter] = None) -> torch.Tensor | Predictions:
         """Per-position logits computed through the swarm (same contract as ``DiffusionLM.logits``).
 
         With a reuse ``directive`` only its rows are embedded, sent and scored (the servers hold the rest); with
         ``scored`` the head computes only those absolute positions (the other rows are NaN). With a ``head``
         query a head server at the route's end may answer the sampler's predictions instead (returned as is).
-        An ``adapter``'s prompt vectors go before the embedded rows (the servers see them as more positions) and
-        are sliced off before the head.
+        An ``adapter``'s prompt positions go before the embedded rows (the servers see them as more positions; a
+        deep prompt's vectors travel with each hop) and are sliced off before the head.
         """
         if input_ids.dim() == 1:
             input_ids = input_ids[None]
@@ -148,7 +148,8 @@ class DistributedDiffusionLM(BaseDiffusionLM):
             if adapter is not None and not reuse:
                 hidden = adapter.extend(hidden)
         with self.timings.measure("swarm"):
-            hidden = self.sequence.forward(hidden, session_id, step, extra, head)
+            prompts = adapter.block_prompts if adapter is not None else None
+            hidden = self.sequence.forward(hidden, session_id, step, extra, head, prompts=prompts)
         if isinstance(hidden, Predictions):
             return hidden
         if adapter is not None and not reuse:
@@ -161,7 +162,7 @@ class DistributedDiffusionLM(BaseDiffusionLM):
 
     @contextlib.contextmanager
     def denoising_session(self, generation: GenerationConfig,
-                          adapter: Optional[SoftPrompt] = None) -> Iterator[Forward]:
+                          adapter: Optional[PromptAdapter] = None) -> Iterator[Forward]:
         session_id = uuid.uuid4().hex
         self._use_push(self.client_config.push)
         self.sequence.refresh_if_stale()  # servers that left or joined; the route then stays for the session
@@ -267,15 +268,15 @@ class DistributedDiffusionLM(BaseDiffusionLM):
     # ----- adapters ---------------------------------------------------------------------------------
     adapter_cache: Optional[Path] = None  # where fetched adapters are kept (default: $SWARM_ADAPTER_CACHE or ~/.cache)
 
-    def find_adapter(self, name_or_path: str, base: dict[str, Any]) -> SoftPrompt:
+    def find_adapter(self, name_or_path: str, base: dict[str, Any]) -> PromptAdapter:
         """An adapter directory, or else a name published on the swarm (``name`` or ``name@AUTHOR``), fetched
         from a peer that serves it and checked against its signed record (docs/TRAINING.md, 'Sharing adapters')."""
         if Path(name_or_path).is_dir() or "/" in name_or_path:  # a path (a missing one is refused as such)
-            return SoftPrompt.load(name_or_path, base)
+            return PromptAdapter.load(name_or_path, base)
 
         directory = fetch_published(self.dht, self.prefix, name_or_path, base,
                                     self.adapter_cache or default_cache_dir(), self._fetch_adapter_files)
-        return SoftPrompt.load(directory, base)
+        return PromptAdapter.load(directory, base)
 
     def _fetch_adapter_files(self, peer_id: str, addresses: list[str], sha256: str, max_bytes: int
                              ) -> dict[str, bytes]:

@@ -12,6 +12,11 @@ Training goes through the same forward: asked for a ``trace``, a pass records ea
 :meth:`RemoteSequence.backward` walks those hops backwards (each server recomputes its blocks with autograd and
 answers the gradient of their input), failing over to a replica holding the same blocks, or recomputing the
 hop's forward over servers that hold them between them when no single one does.
+
+A deep prompt (``prompts``: (blocks, P, hidden), the client's trainable vectors) travels with each hop as the slice
+of its blocks, forward and backward; a backward call then also answers the gradient of that slice. Such passes go
+hop by hop (a pushed pass cannot carry per-hop slices; the tokens are the same, the pass only crosses the network
+more often), with one log line per sequence.
 """
 from __future__ import annotations
 
@@ -73,6 +78,7 @@ class RemoteSequence:
         self._refreshed_at = 0.0
         self._route_lock = threading.RLock()  # calls in flight (stale pipelining) share the route
         self.receiver: Optional[PushReceiver] = None  # set when push is enabled
+        self._said_no_push = False  # the log line about deep prompts and push is written once
 
     @property
     def distrusted(self) -> frozenset[str]:
@@ -240,7 +246,8 @@ class RemoteSequence:
     # ----- one pass through all blocks -------------------------------------------------------------
     def forward(self, hidden: torch.Tensor, session_id: Optional[str] = None, step: int = -1,
                 extra: Optional[dict] = None, head: Optional[HeadQuery] = None,
-                trace: Optional[list[HopTrace]] = None) -> torch.Tensor | Predictions:
+                trace: Optional[list[HopTrace]] = None, prompts: Optional[torch.Tensor] = None
+                ) -> torch.Tensor | Predictions:
         """Hidden states after every block, retrying failed hops elsewhere within the configured bounds.
 
         ``extra`` travels with every hop (the activation-cache directive). A hop without the session's cache
@@ -248,31 +255,49 @@ class RemoteSequence:
         With a ``head`` query, a last hop on a head server answers its :class:`Predictions` instead (any other
         last hop, e.g. after a failover to a server without the head, answers hidden states as usual).
         With a ``trace`` list, each hop's input is appended to it (for :meth:`backward`); such a pass goes hop
-        by hop, as spot-checked ones do.
+        by hop, as spot-checked ones do. With ``prompts`` (a deep prompt for every block), each hop carries its
+        blocks' slice, and the pass goes hop by hop.
         """
         extra = dict(extra or {})
         tokens = hidden.shape[0] * hidden.shape[1]
         if session_id is None:  # a one-off pass; generations refresh between their sessions
             self.refresh_if_stale(tokens)
         session_id = session_id or uuid.uuid4().hex
-        if self.receiver is not None and self.spot_checker.fraction == 0 and trace is None:
+        if prompts is not None and (prompts.dim() != 3 or prompts.shape[0] != self.num_blocks):
+            raise ValueError(f"a deep prompt for this model has shape ({self.num_blocks}, P, hidden), got "
+                             f"{tuple(prompts.shape)}")
+        if self.receiver is not None and prompts is not None and not self._said_no_push:
+            logger.info("push is off for passes with a deep prompt (each hop carries its own blocks' vectors): "
+                        "they go hop by hop, with the same tokens")
+            self._said_no_push = True
+        if self.receiver is not None and self.spot_checker.fraction == 0 and trace is None and prompts is None:
             pushed = self._try_push(hidden, session_id, step, extra, tokens, head)
             if pushed is not None:
                 return pushed
-        return self._hop_by_hop(hidden, session_id, step, extra, tokens, head, trace)
+        return self._hop_by_hop(hidden, session_id, step, extra, tokens, head, trace, prompts=prompts)
 
     def backward(self, trace: list[HopTrace], grad: torch.Tensor) -> torch.Tensor:
         """The gradient of a recorded pass's input (float32), from the gradient of its output: each hop's server
         (or a replica holding its blocks) recomputes its blocks with autograd, last hop first."""
-        for hop in reversed(trace):
-            grad = self._backward_hop(hop, grad)
-        return grad
+        return self.backward_all(trace, grad)[0]
 
-    def _backward_hop(self, hop: HopTrace, grad: torch.Tensor) -> torch.Tensor:
+    def backward_all(self, trace: list[HopTrace], grad: torch.Tensor, prompts: Optional[torch.Tensor] = None
+                     ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """:meth:`backward`, and with the pass's deep ``prompts`` their gradient too (float32, their shape), each
+        hop's server answering its blocks' slice."""
+        grad_prompts = None if prompts is None else torch.zeros(prompts.shape, dtype=torch.float32)
+        for hop in reversed(trace):
+            grad = self._backward_hop(hop, grad, prompts, grad_prompts)
+        return grad, grad_prompts
+
+    def _backward_hop(self, hop: HopTrace, grad: torch.Tensor, prompts: Optional[torch.Tensor] = None,
+                      grad_prompts: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The gradient of the hop's input; the gradient of its blocks' prompt slice goes into ``grad_prompts``."""
         budget = RetryBudget(self.config)
-        request = BackwardRequest(hop.start, hop.end, hop.inputs, grad, uuid.uuid4().hex)
+        piece = prompts[hop.start:hop.end] if prompts is not None else None
+        request = BackwardRequest(hop.start, hop.end, hop.inputs, grad, uuid.uuid4().hex, prompts=piece)
         try:
-            return call_with_failover(
+            grad_input, grad_piece = call_with_failover(
                 lambda avoid: self._backward_peer(hop, avoid),
                 lambda peer: peer,
                 lambda peer: self._call_backward(peer, request),
@@ -285,10 +310,15 @@ class RemoteSequence:
             logger.info("no server holds blocks %d:%d for backward: recomputing them over several", hop.start, hop.end)
             tokens = hop.inputs.shape[0] * hop.inputs.shape[1]
             split: list[HopTrace] = []
-            self._hop_by_hop(hop.inputs, uuid.uuid4().hex, -1, {}, tokens, None, split, hop.start, hop.end)
+            self._hop_by_hop(hop.inputs, uuid.uuid4().hex, -1, {}, tokens, None, split, hop.start, hop.end, prompts)
             if len(split) == 1 and split[0].start == hop.start and split[0].end == hop.end:
                 raise
-            return self.backward(split, grad)
+            for part in reversed(split):
+                grad = self._backward_hop(part, grad, prompts, grad_prompts)
+            return grad
+        if grad_prompts is not None:
+            grad_prompts[hop.start:hop.end] = grad_piece
+        return grad_input
 
     def _backward_peer(self, hop: HopTrace, avoid: frozenset[str]) -> str:
         """The server that computed the hop, else the fastest usable one holding all its blocks."""
@@ -302,12 +332,12 @@ class RemoteSequence:
             raise MissingBlocksError(list(range(hop.start, hop.end)))
         return holders[0]
 
-    def _call_backward(self, peer_id: str, request: BackwardRequest) -> torch.Tensor:
+    def _call_backward(self, peer_id: str, request: BackwardRequest) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         work = 3 * request.inputs.shape[0] * request.inputs.shape[1] * (request.end - request.start)
         started = time.perf_counter()
-        grad = self.loop.run(self.caller.backward(peer_id, request, self.health.timeout(peer_id, work)))
+        grads = self.loop.run(self.caller.backward_all(peer_id, request, self.health.timeout(peer_id, work)))
         self.health.record_success(peer_id, time.perf_counter() - started, work)
-        return grad
+        return grads
 
     def _head_extra(self, hop: RouteHop, extra: dict, head: Optional[HeadQuery]) -> Optional[dict]:
         """``extra`` with the head query, for a last hop on a head server; None when the hop answers hidden states."""
@@ -386,16 +416,18 @@ class RemoteSequence:
 
     def _hop_by_hop(self, hidden: torch.Tensor, session_id: str, step: int, extra: dict, tokens: int,
                     head: Optional[HeadQuery] = None, trace: Optional[list[HopTrace]] = None,
-                    start: int = 0, end: Optional[int] = None) -> torch.Tensor | Predictions:
+                    start: int = 0, end: Optional[int] = None, prompts: Optional[torch.Tensor] = None
+                    ) -> torch.Tensor | Predictions:
         """Each hop of the route in turn (blocks ``start:end``, by default all); a failed hop is redone from its
-        first block on another server. Each answered hop's input is appended to ``trace`` when given."""
+        first block on another server. Each answered hop's input is appended to ``trace`` when given. ``prompts``
+        holds a deep prompt's vectors for every block of the model; each hop is sent its blocks' slice."""
         budget = RetryBudget(self.config)
         block, end = start, self.num_blocks if end is None else end
         while block < end:
             hidden, block = call_with_failover(
                 lambda avoid: self._next_hop(block, tokens, avoid, budget, end),
                 lambda hop: hop.peer_id,
-                lambda hop: self._call_hop(hop, hidden, session_id, step, extra, head, trace),
+                lambda hop: self._call_hop(hop, hidden, session_id, step, extra, head, trace, prompts),
                 health=self.health, budget=budget, final=lambda error: self._final_error(error, step),
                 on_failure=lambda hop, error: self.failovers.append(FailoverEvent(hop.peer_id, hop.start, str(error))),
                 label=lambda hop: f"block {hop.start}",
@@ -417,11 +449,12 @@ class RemoteSequence:
                 budget.wait(str(error), pause or None, where=f" at block {block}")  # 0: the usual back-off
 
     def _call_hop(self, hop: RouteHop, hidden: torch.Tensor, session_id: str, step: int, extra: dict,
-                  head: Optional[HeadQuery] = None, trace: Optional[list[HopTrace]] = None
-                  ) -> tuple[torch.Tensor | Predictions, int]:
+                  head: Optional[HeadQuery] = None, trace: Optional[list[HopTrace]] = None,
+                  prompts: Optional[torch.Tensor] = None) -> tuple[torch.Tensor | Predictions, int]:
         """One server's blocks: its output (spot-checked when drawn) and the block the next hop starts at."""
         head_extra = self._head_extra(hop, extra, head)
-        request = ForwardRequest(hop.start, hop.end, hidden, session_id, step, head_extra or extra)
+        piece = prompts[hop.start:hop.end].detach() if prompts is not None else None
+        request = ForwardRequest(hop.start, hop.end, hidden, session_id, step, head_extra or extra, piece)
         work = request.rows * (hop.end - hop.start)
         started = time.perf_counter()
         output = self.loop.run(self.caller.forward(hop.peer_id, request, self.health.timeout(hop.peer_id, work)))

@@ -180,10 +180,10 @@ class SpotChecker:
         version = directive["version"]
         session = f"check-{uuid.uuid4().hex}"
         fill = ForwardRequest(request.start, request.end, fill_input, session, request.step,
-                              {"cache": {"rows": None, "version": version, "keep_from": version}})
+                              {"cache": {"rows": None, "version": version, "keep_from": version}}, request.prompts)
         self._forward(peer, fill)
         reuse = ForwardRequest(request.start, request.end, request.hidden, session, request.step,
-                               {"cache": dict(directive, keep_from=version)})
+                               {"cache": dict(directive, keep_from=version)}, request.prompts)
         return self._forward(peer, reuse)
 
     def _verdict(self, answers: dict[str, torch.Tensor], primary: str) -> Optional[str]:

@@ -1,4 +1,5 @@
-"""``python -m swarm.finetune --data pairs.jsonl --output DIR``: train a soft-prompt adapter, here or on a swarm.
+"""``python -m swarm.finetune --data pairs.jsonl --output DIR``: train a soft- or deep-prompt adapter, here or on a
+swarm.
 
 With ``--initial-peers`` the blocks run on the swarm's servers (forward and backward); without (or with
 ``--local-model``), the whole model runs in this process. Rerunning the same command resumes the run in DIR;
@@ -18,6 +19,7 @@ from hivemind.dht import DHT
 from swarm.cli_options import SwarmCommand, apply_threads, run_main, setup_logging, threads_option
 from swarm.dht.node import LOOPBACK_MADDRS, NetworkConfig, start_dht, stop_dht, visible_maddrs
 from swarm.dht.peers import split_peers
+from swarm.finetune.adapter import KINDS, MAX_PROMPT_LENGTH
 from swarm.finetune.together import CollaborationConfig
 from swarm.finetune.trainer import FinetuneConfig, Finetuner
 from swarm.lm import BaseDiffusionLM
@@ -51,8 +53,17 @@ def open_model(model: str, peers: list[str], request_timeout: float, dht: Option
               help="Adam learning rate of the prompt vectors.")
 @click.option("--batch-size", type=click.IntRange(min=1, max=1024), default=FinetuneConfig.batch_size,
               help="Examples per step.")
-@click.option("--prompt-length", type=click.IntRange(min=1, max=256), default=FinetuneConfig.prompt_length,
-              help="Trainable vectors prepended to every sequence (the adapter's size).")
+@click.option("--prompt-length", type=click.IntRange(min=1, max=MAX_PROMPT_LENGTH),
+              default=FinetuneConfig.prompt_length,
+              help="Prompt positions before every sequence: the adapter's vectors (per block for a deep prompt).")
+@click.option("--adapter-kind", type=click.Choice(KINDS), default=FinetuneConfig.adapter_kind,
+              help="soft_prompt (the default: servers only see more positions, any server serves it): vectors "
+                   "before the first block; deep_prompt: vectors added before every block (each request carries "
+                   "its blocks' vectors; push is off), blocks x more parameters and a lower training loss, not yet "
+                   "shown clearly better on held-out answers (docs/TRAINING.md).")
+@click.option("--pad-response", type=click.IntRange(min=0, max=1024), default=FinetuneConfig.pad_response,
+              help="EOS-pad every response to at least this many tokens (use generation's --gen-length): the model "
+                   "learns where an answer ends at the length it will generate.")
 @click.option("--seed", type=int, default=FinetuneConfig.seed, help="Seeds the initial vectors, batches and masking.")
 @click.option("--save-every", type=click.IntRange(min=1), default=FinetuneConfig.save_every,
               help="Steps between saves of the adapter and the run's state.")
@@ -87,7 +98,7 @@ def main(model: str, initial_peers: tuple[str, ...], request_timeout: float, thr
          local_model: bool, run_id: Optional[str], target_batch_size: Optional[int], matchmaking_time: float,
          averaging_timeout: float, min_peers: int, peer_wait: float, host_maddrs: tuple[str, ...],
          announce_maddrs: tuple[str, ...], **options) -> None:
-    """Fine-tune a soft prompt on prompt/response pairs with LLaDA's SFT objective (docs/TRAINING.md); use it
+    """Fine-tune a soft or deep prompt on prompt/response pairs with LLaDA's SFT objective (docs/TRAINING.md); use it
     with generate(..., adapter=OUTPUT) or python -m swarm.generate --adapter OUTPUT."""
     setup_logging(getattr(logging, log_level))
     peers = split_peers(initial_peers, "--initial-peers")

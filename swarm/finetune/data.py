@@ -66,9 +66,10 @@ def data_digest(path: str | Path) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
-def make_batch(examples: Sequence[Example], eos_token_id: int) -> SFTBatch:
-    """Rows padded with EOS to the longest; the prompt positions are given."""
-    length = max(len(e.prompt) + len(e.response) for e in examples)
+def make_batch(examples: Sequence[Example], eos_token_id: int, pad_response: int = 0) -> SFTBatch:
+    """Rows padded with EOS to the longest (and every response to at least ``pad_response`` tokens, so that the
+    model learns where an answer ends at the length it will generate); the prompt positions are given."""
+    length = max(len(e.prompt) + max(len(e.response), pad_response) for e in examples)
     tokens = torch.full((len(examples), length), eos_token_id, dtype=torch.long)
     given = torch.zeros(len(examples), length, dtype=torch.bool)
     for row, example in enumerate(examples):

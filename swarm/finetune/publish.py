@@ -17,7 +17,7 @@ from swarm.cli_options import SwarmCommand, network_options, pop_network_config,
 from swarm.dht.node import start_dht, stop_dht
 from swarm.dht.peers import resolve_initial_peers
 from swarm.dht.schema import default_prefix
-from swarm.finetune.adapter import SoftPrompt, base_of
+from swarm.finetune.adapter import PromptAdapter, base_of
 from swarm.finetune.sharing import PUBLISH_LIFETIME, make_record, publish, read_hosts
 from swarm.governance.keys import load_private_key
 from swarm.models.loading import DEFAULT_MODEL, ModelFiles
@@ -64,7 +64,7 @@ def publish_main(directory: str, name: str, key_path: str, score: Optional[float
     setup_logging(getattr(logging, log_level))
     key = author_key(key_path)
     files = ModelFiles(model)
-    SoftPrompt.load(directory, base_of(files.config, files.tokenizer()))  # trained on this model, or refused
+    PromptAdapter.load(directory, base_of(files.config, files.tokenizer()))  # trained on this model, or refused
     network = pop_network_config(options, client_mode=True)
     if not resolve_initial_peers(network.initial_peers, use_defaults=network.use_default_peers):
         raise click.UsageError("no swarm to publish on: pass --initial-peers")

@@ -50,7 +50,7 @@ from swarm.finetune.adapter import (
     MAX_WEIGHTS_BYTES,
     AdapterConfig,
     AdapterError,
-    SoftPrompt,
+    PromptAdapter,
 )
 from swarm.protocol import RemoteError
 
@@ -113,8 +113,8 @@ def content_hash(files: dict[str, bytes]) -> str:
 
 
 def read_adapter_files(directory: str | Path, base: Optional[dict[str, Any]] = None) -> dict[str, bytes]:
-    """The files of a valid adapter directory (checked by :meth:`SoftPrompt.load`, sizes capped)."""
-    SoftPrompt.load(directory, base)
+    """The files of a valid adapter directory (checked by :meth:`PromptAdapter.load`, sizes capped)."""
+    PromptAdapter.load(directory, base)
     return {name: (Path(directory) / name).read_bytes() for name in FILES}
 
 

@@ -1,9 +1,10 @@
-"""Training a soft prompt with the masked-diffusion SFT objective, on the local model or through the swarm.
+"""Training a soft or deep prompt with the masked-diffusion SFT objective, on the local model or through the swarm.
 
 The frozen model is seen as three differentiable pieces (:class:`Backbone`): the embedding (no gradient needed),
-the blocks, and the head. Locally the blocks are the in-memory span; through the swarm they are one
-:class:`SwarmBlocks` call, whose forward is the client's ordinary pass (recording each hop's input) and whose
-backward asks each hop's server for the gradient of its input. Only the adapter's vectors are trained.
+the blocks (a function of the hidden states and, for a deep prompt, of its per-block vectors), and the head.
+Locally the blocks are the in-memory span; through the swarm they are one :class:`SwarmBlocks` call, whose forward
+is the client's ordinary pass (recording each hop's input) and whose backward asks each hop's server for the
+gradient of its input and of its blocks' prompt vectors. Only the adapter's vectors are trained.
 
 A run is a deterministic function of its :class:`FinetuneConfig` and data: batches and masking noise come from
 one seeded generator saved with the optimiser, so an interrupted run resumes exactly where it stopped. With a
@@ -26,7 +27,7 @@ from tqdm.auto import tqdm
 
 from swarm.client.model import DistributedDiffusionLM
 from swarm.client.sequence import HopTrace, RemoteSequence
-from swarm.finetune.adapter import ADAPTER_CONFIG, AdapterConfig, SoftPrompt, base_of
+from swarm.finetune.adapter import ADAPTER_CONFIG, SOFT_PROMPT, PromptAdapter, base_of, new_adapter
 from swarm.finetune.data import Example, SFTBatch, data_digest, load_examples, make_batch
 from swarm.finetune.together import (
     CollaborationConfig,
@@ -43,7 +44,7 @@ logger = logging.getLogger(__name__)
 
 STATE_FILE = "finetune_state.pt"
 # Settings that change what a resumed run computes: a mismatch is refused, not silently mixed.
-RUN_DEFINING = ("batch_size", "lr", "prompt_length", "seed", "data_sha256")
+RUN_DEFINING = ("batch_size", "lr", "prompt_length", "seed", "data_sha256", "adapter_kind", "pad_response")
 
 
 @dataclass
@@ -54,6 +55,8 @@ class FinetuneConfig:
     lr: float = 1e-2
     batch_size: int = 8
     prompt_length: int = 16
+    adapter_kind: str = SOFT_PROMPT  # soft_prompt (vectors before the first block) or deep_prompt (per block)
+    pad_response: int = 0  # EOS-pad every response to at least this many tokens (generation's gen_length)
     seed: int = 0
     save_every: int = 10
     data_sha256: str = ""  # filled from the data file
@@ -71,6 +74,7 @@ class FinetuneConfig:
 def saved_run_defining(saved: dict[str, Any]) -> dict[str, Any]:
     """:meth:`FinetuneConfig.run_defining` of a saved run (runs saved before collaborations trained alone)."""
     collaboration = saved.get("collaboration") or {}
+    saved = {"adapter_kind": SOFT_PROMPT, "pad_response": 0, **saved}  # defaults of runs saved before them
     return {**{key: saved.get(key) for key in RUN_DEFINING}, "run_id": collaboration.get("run_id", ""),
             "target_batch_size": collaboration.get("target_batch_size", saved.get("batch_size"))}
 
@@ -82,7 +86,7 @@ class Backbone(Protocol):
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor: ...
 
-    def blocks(self, hidden: torch.Tensor) -> torch.Tensor: ...
+    def blocks(self, hidden: torch.Tensor, prompts: Optional[torch.Tensor] = None) -> torch.Tensor: ...
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
@@ -97,26 +101,30 @@ class LocalBackbone:
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.lm.model.embedding(ids)
 
-    def blocks(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm.model.span(hidden)
+    def blocks(self, hidden: torch.Tensor, prompts: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return self.lm.model.span(hidden, prompts=prompts)
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm.model.head(hidden)
 
 
 class SwarmBlocks(torch.autograd.Function):
-    """Every block through the swarm as one differentiable function of the hidden states."""
+    """Every block through the swarm as one differentiable function of the hidden states (and of a deep prompt's
+    vectors, when given: None for a soft prompt)."""
 
     @staticmethod
-    def forward(ctx: Any, hidden: torch.Tensor, sequence: RemoteSequence) -> torch.Tensor:
+    def forward(ctx: Any, hidden: torch.Tensor, prompts: Optional[torch.Tensor],
+                sequence: RemoteSequence) -> torch.Tensor:
         trace: list[HopTrace] = []
-        output = sequence.forward(hidden.detach(), trace=trace)
-        ctx.sequence, ctx.trace, ctx.dtype = sequence, trace, hidden.dtype
+        prompts = prompts.detach() if prompts is not None else None
+        output = sequence.forward(hidden.detach(), trace=trace, prompts=prompts)
+        ctx.sequence, ctx.trace, ctx.dtype, ctx.prompts = sequence, trace, hidden.dtype, prompts
         return output.to(hidden.dtype)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return ctx.sequence.backward(ctx.trace, grad.float()).to(ctx.dtype), None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor], None]:
+        grad_hidden, grad_prompts = ctx.sequence.backward_all(ctx.trace, grad.float(), ctx.prompts)
+        return grad_hidden.to(ctx.dtype), grad_prompts, None
 
 
 class SwarmBackbone:
@@ -130,8 +138,8 @@ class SwarmBackbone:
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.lm.embedding(ids)
 
-    def blocks(self, hidden: torch.Tensor) -> torch.Tensor:
-        return SwarmBlocks.apply(hidden, self.lm.sequence)
+    def blocks(self, hidden: torch.Tensor, prompts: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return SwarmBlocks.apply(hidden, prompts, self.lm.sequence)
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm.head(hidden.to(self.lm.compute_dtype))
@@ -141,14 +149,14 @@ def backbone_of(lm: BaseDiffusionLM) -> Backbone:
     return SwarmBackbone(lm) if isinstance(lm, DistributedDiffusionLM) else LocalBackbone(lm)
 
 
-def adapted_logits(backbone: Backbone, adapter: SoftPrompt, tokens: torch.Tensor) -> torch.Tensor:
-    """Logits of ``tokens`` with the adapter's vectors in front, differentiable with respect to the vectors."""
+def adapted_logits(backbone: Backbone, adapter: PromptAdapter, tokens: torch.Tensor) -> torch.Tensor:
+    """Logits of ``tokens`` with the adapter's positions in front, differentiable with respect to its vectors."""
     with torch.no_grad():
         hidden = backbone.embed(tokens)
-    return backbone.head(adapter.strip(backbone.blocks(adapter.extend(hidden)))).float()
+    return backbone.head(adapter.strip(backbone.blocks(adapter.extend(hidden), adapter.block_prompts))).float()
 
 
-def sft_loss(backbone: Backbone, adapter: SoftPrompt, batch: SFTBatch, generator: torch.Generator) -> torch.Tensor:
+def sft_loss(backbone: Backbone, adapter: PromptAdapter, batch: SFTBatch, generator: torch.Generator) -> torch.Tensor:
     """LLaDA's SFT loss: the prompt stays clean, the response (and its EOS padding) is masked with ratio
     t ~ U(eps, 1]; cross-entropy on the masked positions weighted by 1/t, per row over its response length."""
     mask_id = backbone.lm.config.mask_token_id
@@ -222,16 +230,17 @@ class Finetuner:
         eos = self.lm.config.eos_token_id
         return eos if eos is not None else self.lm.tokenizer.eos_token_id
 
-    def _start_adapter(self) -> SoftPrompt:
+    def _start_adapter(self) -> PromptAdapter:
         base = base_of(self.lm.config, self.lm.tokenizer)
         if (self.output / ADAPTER_CONFIG).is_file():
-            adapter = SoftPrompt.load(self.output, base)
-            if adapter.length != self.config.prompt_length:
-                raise ValueError(f"{self.output} holds an adapter of {adapter.length} vectors, not "
-                                 f"--prompt-length {self.config.prompt_length}")
+            adapter = PromptAdapter.load(self.output, base)
+            if adapter.length != self.config.prompt_length or adapter.kind != self.config.adapter_kind:
+                raise ValueError(f"{self.output} holds a {adapter.kind} adapter of {adapter.length} vectors, not "
+                                 f"--adapter-kind {self.config.adapter_kind} --prompt-length "
+                                 f"{self.config.prompt_length}")
             return adapter
-        config = AdapterConfig(self.config.prompt_length, self.lm.config.hidden_size, base)
-        return SoftPrompt.initialized(config, self.backbone.embed, self.lm.config.vocab_size, self.generator)
+        return new_adapter(self.config.adapter_kind, self.config.prompt_length, self.lm.config, base,
+                           self.backbone.embed, self.generator)
 
     def _resume(self) -> None:
         path = self.output / STATE_FILE
@@ -274,7 +283,7 @@ class Finetuner:
 
     def next_batch(self) -> SFTBatch:
         rows = torch.randint(len(self.examples), (self.config.batch_size,), generator=self.generator)
-        return make_batch([self.examples[i] for i in rows.tolist()], self._eos())
+        return make_batch([self.examples[i] for i in rows.tolist()], self._eos(), self.config.pad_response)
 
     def step(self) -> StepReport:
         """One batch of this process; the optimizer steps now (alone) or once the peers' samples reach the

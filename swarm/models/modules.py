@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from swarm.models.config import ModelConfig
@@ -47,12 +48,15 @@ class BlockSpan(nn.Module):
         blocks: Optional[tuple[int, int]] = None,
         kv: Optional[SpanKV] = None,
         rows: Optional[tuple[int, int]] = None,
+        prompts: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """hidden (batch, length, d); attention_mask (batch, length) bool, True for real tokens.
 
         ``blocks=(a, b)`` runs only the held blocks ``a:b`` (a server may serve part of its span).
         ``kv`` with ``rows`` None fills the cache from this full pass; with ``rows=(a, b)`` the hidden states
         are those rows only and every other position's keys and values come from the cache.
+        ``prompts`` (blocks run, P, d): a deep prompt; before each block its vectors are added to the states of
+        the absolute positions 0:P (:func:`add_prompt`).
         """
         batch, length, _ = hidden.shape
         if position_ids is None:
@@ -68,11 +72,32 @@ class BlockSpan(nn.Module):
             if length != rows[1] - rows[0]:
                 raise ValueError(f"{length} hidden rows given for rows {rows[0]}:{rows[1]}")
             kv.check_reuse(start, end, batch, rows)
+        if prompts is not None and (prompts.dim() != 3 or prompts.shape[0] != end - start
+                                    or prompts.shape[2] != hidden.shape[2]):
+            raise ValueError(f"prompts of shape {tuple(prompts.shape)} for blocks {start}:{end}: expected "
+                             f"({end - start}, P, {hidden.shape[2]})")
         cos, sin = rotary_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, hidden.dtype)
+        offset = rows[0] if rows is not None else 0
         for index in range(start, end):
+            if prompts is not None:
+                hidden = add_prompt(hidden, prompts[index - start], offset)
             hidden = self.blocks[str(index)](hidden, cos, sin, attention_mask,
                                              kv.block(index) if kv is not None else None, rows)
         return hidden
+
+
+def add_prompt(hidden: torch.Tensor, prompt: torch.Tensor, offset: int = 0) -> torch.Tensor:
+    """``hidden`` (rows at absolute positions ``offset``...) with ``prompt`` (P, d) added to the rows at absolute
+    positions 0:P that it holds: one deep-prompt step, the same arithmetic in the local model and on a server.
+
+    Added, not replacing: a zero prompt is the identity, so each block still sees what the blocks before made of
+    the prompt rows, and the gradient flows through them to every earlier block's vectors."""
+    length = hidden.shape[1]
+    first, last = max(offset, 0), min(prompt.shape[0], offset + length)
+    if first >= last:  # a cache reuse of rows after the prompt: nothing to add
+        return hidden
+    delta = F.pad(prompt[first:last].to(hidden.dtype), (0, 0, first - offset, offset + length - last))
+    return hidden + delta
 
 
 class OutputHead(nn.Module):

@@ -5,6 +5,11 @@ whether its answer fits a unary call, and a place in the compute queue (and, for
 budget) are all settled before the rest of its payload is received, decoded or computed. A backward request
 (:class:`~swarm.protocol.BackwardRequest`) has a forward request's form and takes the same path, with its own
 checks: no cache, push or head directives, an even stacked batch, and a server that answers backward calls.
+
+Either kind may carry a deep prompt's vectors for the requested blocks (``prompt_length`` P in the metadata): their
+shape (blocks, P, hidden), dtype, size (P at most ``MAX_PROMPT_LENGTH``, blocks x P at most ``--max-batch-tokens``)
+and finite values are checked like the hidden states', and they count in the request's declared payload. A pushed
+request may not carry them (the next hops would need their own).
 """
 from __future__ import annotations
 
@@ -45,7 +50,15 @@ from swarm.server.backend import Grant, SpanBackend
 from swarm.server.expert_handler import ExpertHandler
 from swarm.server.push import Pusher, PushLimits, PushSpec
 from swarm.server.session_cache import SessionCaches
-from swarm.server.validation import is_count, require, validate_declared, validate_hidden, validate_metadata
+from swarm.server.validation import (
+    is_count,
+    require,
+    validate_declared,
+    validate_hidden,
+    validate_metadata,
+    validate_prompt_declared,
+    validate_prompts,
+)
 
 if TYPE_CHECKING:
     from swarm.finetune.sharing import AdapterLibrary
@@ -70,6 +83,12 @@ class Declared:
     push: Optional[PushSpec]
     head: Optional[HeadQuery] = None  # answer the sampler's predictions instead of hidden states
     backward: bool = False  # the tensor stacks the span's inputs and its output gradient: answer the input gradient
+    prompt_length: int = 0  # P of the deep prompt the request carries (0: none)
+    prompt_parts: int = 0  # the messages' tensor parts holding it, after the hidden states' ``parts``
+
+    @property
+    def prompt_shape(self) -> tuple[int, int, int]:
+        return (self.end - self.start, self.prompt_length, self.shape[2])
 
     @property
     def tokens(self) -> int:
@@ -102,6 +121,8 @@ class ForwardHandler(SpanService):
         self.hidden_size = hidden_size
         self.max_batch_tokens = max_batch_tokens
         self.max_payload_bytes = max_batch_tokens * hidden_size * 4 + PAYLOAD_SLACK_BYTES
+        # a first message may also carry a deep prompt, which weighs at most as much as the hidden states
+        self.max_first_bytes = 2 * max_batch_tokens * hidden_size * 4 + PAYLOAD_SLACK_BYTES
         self.wire_dtype = wire_dtype
         self.request_timeout = request_timeout
         self.info = info
@@ -199,20 +220,21 @@ class ForwardHandler(SpanService):
         declared = self._declared(first, unary, backward)
         peer = str(context.remote_id)
         with self.backend.queue.admit(peer, declared.tokens) as place, self._push_place(peer, declared) as push_place:
-            hidden = await self._receive(first, stream, declared)
+            hidden, prompts = await self._receive(first, stream, declared)
             extra = declared.metadata.get("extra", {})
             session_id = declared.metadata.get("session_id", "")
             computing = time.perf_counter()
+            grad_prompts = None
             if declared.backward:
-                output = await self._backward(hidden, declared, place)
+                output, grad_prompts = await self._backward(hidden, prompts, declared, place)
             else:
-                output = await self._compute(hidden, declared, extra, session_id, place)
+                output = await self._compute(hidden, prompts, declared, extra, session_id, place)
             self.compute_seconds += time.perf_counter() - computing
             self.rows_computed += declared.tokens
             logger.debug("%s %d:%d %s from %s in %.1f ms", "backward" if declared.backward else "forward",
                          declared.start, declared.end, declared.shape, peer, 1000 * (time.perf_counter() - started))
             if declared.backward:  # gradients travel in float32, unrounded
-                return response_parts(output, AUTO_WIRE)
+                return response_parts(output, AUTO_WIRE, prompts=grad_prompts)
             if declared.push is None:
                 return response_parts(output, self.wire_dtype)
             self.pusher.send(declared.push, output, session_id, declared.metadata.get("step", -1),
@@ -221,34 +243,47 @@ class ForwardHandler(SpanService):
 
     def _declared(self, first: runtime_pb2.ExpertRequest, unary: bool, backward: bool = False) -> Declared:
         """Check everything the first part says, before the rest is received or anything computed."""
-        require(first.ByteSize() <= self.max_payload_bytes, ErrorCode.TOO_LARGE,
-                f"payload over {self.max_payload_bytes} bytes")
+        require(first.ByteSize() <= self.max_first_bytes, ErrorCode.TOO_LARGE,
+                f"payload over {self.max_first_bytes} bytes")
         metadata = parse_metadata(first.metadata)
         start, end = validate_metadata(metadata, (self.backend.start, self.backend.end))
-        require(len(first.tensors) == 1, ErrorCode.BAD_REQUEST,
-                f"the first part must carry one tensor, it carries {len(first.tensors)}")
+        prompt_length, prompt_parts = validate_prompt_declared(metadata, end - start, self.max_batch_tokens)
+        require(len(first.tensors) == 1 or (len(first.tensors) == 2 and prompt_parts == 1), ErrorCode.BAD_REQUEST,
+                f"the first part must carry one tensor (two: the hidden states and a deep prompt of one part each), "
+                f"it carries {len(first.tensors)}")
         proto = first.tensors[0]
         batch, length = validate_declared(proto.dtype, tuple(proto.size), self.hidden_size, self.max_batch_tokens)
         shape = (batch, length, self.hidden_size)
-        max_bytes = min(self.max_payload_bytes, 4 * math.prod(shape) + PAYLOAD_SLACK_BYTES)
+        prompt_bytes = 4 * (end - start) * prompt_length * self.hidden_size
+        max_bytes = min(self.max_payload_bytes, 4 * math.prod(shape) + PAYLOAD_SLACK_BYTES) + prompt_bytes
         parts, max_parts = metadata.get("parts"), self.max_payload_bytes // MIN_CHUNK_BYTES + 1
         require(is_count(parts) and 0 < parts <= max_parts, ErrorCode.BAD_REQUEST,
                 f"metadata 'parts' must be an integer in 1..{max_parts}, got {parts!r}")
+        require(len(first.tensors) == 1 or parts == 1, ErrorCode.BAD_REQUEST,
+                "the hidden states and a deep prompt share the first part only when each is one part")
+        require(first.ByteSize() <= max_bytes, ErrorCode.TOO_LARGE,
+                f"first part of {first.ByteSize()} bytes, over the {max_bytes} its declared shapes need")
         extra = metadata.get("extra", {})
+        prompted = dict(prompt_length=prompt_length, prompt_parts=prompt_parts)
         if backward:
             self._check_backward(extra, batch)
             if unary:
-                self._check_unary_answer((batch // 2, length, self.hidden_size), AUTO_WIRE, torch.float32)
-            return Declared(metadata, start, end, shape, parts, max_bytes, None, None, backward=True)
+                self._check_unary_answer([(batch // 2, length, self.hidden_size)]
+                                         + [(end - start, prompt_length, self.hidden_size)] * bool(prompt_length),
+                                         AUTO_WIRE, torch.float32)
+            return Declared(metadata, start, end, shape, parts, max_bytes, None, None, backward=True, **prompted)
+        require(not (prompt_length and "push" in extra), ErrorCode.BAD_REQUEST,
+                "a pushed request cannot carry a deep prompt (the next hops need their own blocks' vectors): send "
+                "it hop by hop")
         push = PushSpec.parse(extra["push"], self.num_layers, end) if "push" in extra else None
         head = self._head_query(extra, end, batch, length)
         if unary and push is None:
-            self._check_unary_answer(shape, self.wire_dtype, self.backend.dtype)
-        return Declared(metadata, start, end, shape, parts, max_bytes, push, head)
+            self._check_unary_answer([shape], self.wire_dtype, self.backend.dtype)
+        return Declared(metadata, start, end, shape, parts, max_bytes, push, head, **prompted)
 
     @staticmethod
-    def _check_unary_answer(shape: tuple[int, int, int], wire_dtype: str, dtype: torch.dtype) -> None:
-        answer = tensor_wire_bytes(shape, wire_dtype, dtype)
+    def _check_unary_answer(shapes: list[tuple[int, int, int]], wire_dtype: str, dtype: torch.dtype) -> None:
+        answer = sum(tensor_wire_bytes(shape, wire_dtype, dtype) for shape in shapes)
         require(answer <= MAX_UNARY_BYTES, ErrorCode.TOO_LARGE,
                 f"the answer ({answer} bytes in {wire_dtype}) does not fit a unary call of at most "
                 f"{MAX_UNARY_BYTES} bytes: send this request on the stream RPC")
@@ -281,9 +316,11 @@ class ForwardHandler(SpanService):
         return self.pusher.reserve(peer, declared.shape)
 
     async def _receive(self, first: runtime_pb2.ExpertRequest, stream: AsyncIterator[runtime_pb2.ExpertRequest],
-                       declared: Declared) -> torch.Tensor:
-        """The rest of the request's parts, within its declared size and the request timeout, decoded."""
-        chunks, size = [first.tensors[0]], first.ByteSize()
+                       declared: Declared) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """The rest of the request's parts, within its declared size and the request timeout, decoded: the hidden
+        states and the deep prompt (None when the request carries none), both validated."""
+        chunks, size = list(first.tensors), first.ByteSize()
+        expected = declared.parts + declared.prompt_parts
 
         async def rest() -> None:
             nonlocal size
@@ -291,20 +328,25 @@ class ForwardHandler(SpanService):
                 size += part.ByteSize()
                 require(size <= declared.max_bytes, ErrorCode.TOO_LARGE,
                         f"payload over {declared.max_bytes} bytes, the most shape {declared.shape} needs")
-                require(len(chunks) < declared.parts and len(part.tensors) == 1, ErrorCode.BAD_REQUEST,
-                        f"the stream sends more than its {declared.parts} declared parts of one tensor each")
+                require(len(chunks) < expected and len(part.tensors) == 1, ErrorCode.BAD_REQUEST,
+                        f"the stream sends more than its {expected} declared parts of one tensor each")
                 chunks.append(part.tensors[0])
 
         try:
             await asyncio.wait_for(rest(), self.request_timeout)
         except asyncio.TimeoutError:
             raise RemoteError(ErrorCode.INCOMPLETE, f"the request stream did not end within {self.request_timeout} s")
-        hidden = decode_tensor(join_parts(chunks, declared.parts))
+        require(len(chunks) == expected, ErrorCode.INCOMPLETE, f"stream ended after {len(chunks)} of {expected} parts")
+        hidden = decode_tensor(join_parts(chunks[:declared.parts], declared.parts))
         validate_hidden(hidden, self.hidden_size, self.max_batch_tokens)
-        return hidden
+        if not declared.prompt_length:
+            return hidden, None
+        prompts = decode_tensor(join_parts(chunks[declared.parts:], declared.prompt_parts))
+        validate_prompts(prompts, declared.prompt_shape)
+        return hidden, prompts
 
-    async def _compute(self, hidden: torch.Tensor, declared: Declared, extra: dict, session_id: str,
-                       place: Grant) -> torch.Tensor:
+    async def _compute(self, hidden: torch.Tensor, prompts: Optional[torch.Tensor], declared: Declared, extra: dict,
+                       session_id: str, place: Grant) -> torch.Tensor:
         """Run the span under ``place`` (the compute queue releases it when the work leaves its thread),
         filling or reusing the session's cache as ``extra`` says."""
         try:  # no cache for this session here, or one filled for another batch or blocks: the client refills
@@ -313,7 +355,7 @@ class ForwardHandler(SpanService):
             try:
                 output = await asyncio.wait_for(
                     self.backend.forward(hidden, declared.start, declared.end, kv, rows, grant=place,
-                                         head=declared.head),
+                                         head=declared.head, prompts=prompts),
                     self.request_timeout)
                 computed = True
             finally:
@@ -323,11 +365,13 @@ class ForwardHandler(SpanService):
             raise RemoteError(ErrorCode.CACHE_MISS, str(miss)) from None
         return output
 
-    async def _backward(self, stacked: torch.Tensor, declared: Declared, place: Grant) -> torch.Tensor:
-        """The gradient of the span's input from the stacked inputs and output gradients, under ``place``."""
+    async def _backward(self, stacked: torch.Tensor, prompts: Optional[torch.Tensor], declared: Declared,
+                        place: Grant) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """The gradients of the span's input (and of the deep prompt, when one came) from the stacked inputs and
+        output gradients, under ``place``."""
         inputs, grad_outputs = stacked.chunk(2)
         return await asyncio.wait_for(
-            self.backend.backward(inputs, grad_outputs, declared.start, declared.end, grant=place),
+            self.backend.backward(inputs, grad_outputs, declared.start, declared.end, grant=place, prompts=prompts),
             self.request_timeout)
 
     async def _cache_for(self, extra: dict, session_id: str, hidden: torch.Tensor, start: int, end: int

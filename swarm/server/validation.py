@@ -5,6 +5,7 @@ from typing import Any
 
 import torch
 
+from swarm.finetune.adapter import MAX_PROMPT_LENGTH  # a deep prompt's vectors per block: the adapters' own limit
 from swarm.protocol import ErrorCode, RemoteError
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -62,3 +63,29 @@ def validate_hidden(hidden: torch.Tensor, hidden_size: int, max_batch_tokens: in
             f"hidden states must be float32/float16/bfloat16, got {hidden.dtype}")
     validate_shape(tuple(hidden.shape), hidden_size, max_batch_tokens)
     require(bool(torch.isfinite(hidden).all()), ErrorCode.NOT_FINITE, "hidden states contain NaN or infinite values")
+
+
+def validate_prompt_declared(metadata: dict[str, Any], blocks: int, max_batch_tokens: int) -> tuple[int, int]:
+    """(P, parts) of the deep prompt a request declares ((0, 0) for none), bounded before anything is received:
+    P at most MAX_PROMPT_LENGTH, and blocks x P vectors at most the positions a request may carry."""
+    length, parts = metadata.get("prompt_length"), metadata.get("prompt_parts")
+    if length is None and parts is None:
+        return 0, 0
+    require(is_count(length) and 0 < length <= MAX_PROMPT_LENGTH, ErrorCode.BAD_REQUEST,
+            f"metadata 'prompt_length' must be an integer in 1..{MAX_PROMPT_LENGTH}, got {length!r}")
+    require(is_count(parts) and parts > 0, ErrorCode.BAD_REQUEST,
+            f"metadata 'prompt_parts' must be a positive integer, got {parts!r}")
+    require(blocks * length <= max_batch_tokens, ErrorCode.TOO_LARGE,
+            f"a deep prompt of {length} vectors for {blocks} blocks ({blocks * length}) exceeds this server's limit "
+            f"of {max_batch_tokens}")
+    return length, parts
+
+
+def validate_prompts(prompts: torch.Tensor, shape: tuple[int, int, int]) -> None:
+    """A deep prompt's vectors: float, exactly the declared (blocks, P, hidden), finite."""
+    require(prompts.dtype in FLOAT_DTYPES, ErrorCode.BAD_REQUEST,
+            f"deep prompt vectors must be float32/float16/bfloat16, got {prompts.dtype}")
+    require(tuple(prompts.shape) == tuple(shape), ErrorCode.BAD_REQUEST,
+            f"deep prompt vectors have shape {tuple(prompts.shape)}, the request declares {tuple(shape)}")
+    require(bool(torch.isfinite(prompts).all()), ErrorCode.NOT_FINITE, "deep prompt vectors contain NaN or infinite "
+            "values")

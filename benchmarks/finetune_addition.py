@@ -1,0 +1,249 @@
+"""Issue 19, item 5: a deep-prompt adapter trained through a 2-server swarm teaches the backbone addition.
+
+One run, everything measured, nothing assumed:
+
+1. writes ``--train-examples`` training problems of ``swarm.train.data.AdditionTask`` (held-out ones excluded) as
+   prompt/response pairs, in the model's own tokenizer;
+2. scores the backbone alone on ``--eval-examples`` held-out problems (``swarm.eval.tasks.evaluate_task``: exact
+   match of the generated text cut at EOS);
+3. starts a local swarm (a bootstrap peer and two servers, each holding half of the model's blocks) and trains a
+   deep-prompt adapter through it with ``swarm.finetune`` (forward and backward calls to the servers);
+4. trains the same adapter locally for ``--timing-steps`` steps from the same seed: per-step wall-clock side by
+   side, and the losses of those steps compared (the two runs follow one trajectory);
+5. scores the trained adapter on the same held-out problems (locally: the swarm gives the same tokens, which
+   ``--swarm-check`` problems confirm through the swarm).
+
+Sizes (vocabulary, hidden size, depth) are read from the model, so it runs on whichever model ``--model`` names.
+
+    python benchmarks/finetune_addition.py                           # the figures of docs/TRAINING.md
+    python benchmarks/finetune_addition.py --steps 50 --eval-examples 20 --json   # a quick look
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shutil
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the package, when run as a script
+
+import torch  # noqa: E402
+
+from swarm.eval.tasks import TaskGeneration, TaskReport, evaluate_task, prompt_ids  # noqa: E402
+from swarm.finetune.adapter import DEEP_PROMPT, KINDS  # noqa: E402
+from swarm.finetune.trainer import FinetuneConfig, Finetuner, StepReport  # noqa: E402
+from swarm.local import DiffusionLM  # noqa: E402
+from swarm.models.loading import DEFAULT_MODEL, resolve_model_path  # noqa: E402
+from swarm.train.data import AdditionTask  # noqa: E402
+from swarm.utils.local_swarm import LocalSwarm  # noqa: E402
+
+logger = logging.getLogger("finetune_addition")
+
+
+@dataclass
+class DemoConfig:
+    """The run's settings (every flag of the command)."""
+
+    model: str = DEFAULT_MODEL
+    output: str = "finetune-addition"
+    adapter_kind: str = DEEP_PROMPT
+    prompt_length: int = 16
+    lr: float = 0.05
+    steps: int = 800
+    batch_size: int = 16
+    pad_response: int = TaskGeneration.gen_length  # EOS-pad answers to the length generation will fill
+    seed: int = 0
+    train_examples: int = 2000
+    eval_examples: int = 100
+    timing_steps: int = 20
+    swarm_check: int = 5
+    threads: int = 1
+    startup_timeout: float = 600.0  # seconds a swarm process may take to start (a busy machine is slow)
+
+
+@dataclass
+class DemoResult:
+    config: DemoConfig
+    model: dict[str, Any]
+    before: dict[str, Any]
+    after: dict[str, Any]
+    swarm_step_s: float  # median wall-clock of a training step through the swarm (the first one left out)
+    local_step_s: float  # the same, with every block in this process
+    first_swarm_step_s: float  # route, compute challenges and connections included
+    swarm_loss_final: Optional[float]  # mean loss of the last 10 steps through the swarm
+    timing_loss_max_diff: float  # the timing steps' losses, swarm vs local
+    swarm_check: dict[str, int] = field(default_factory=dict)  # held-out problems generated through the swarm too
+    wall_s: dict[str, float] = field(default_factory=dict)
+
+
+def write_pairs(task: AdditionTask, count: int, seed: int, path: Path) -> Path:
+    """Training problems (never held-out ones) as prompt/response lines for ``swarm.finetune``."""
+    lines = [json.dumps({"prompt": p.prompt, "response": p.answer}) for p in task.problems(count, seed, held_out=False)]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def score(lm: Any, task: AdditionTask, examples: int, adapter: Optional[str] = None) -> TaskReport:
+    options = {"adapter": adapter} if adapter else None
+    return evaluate_task(lm, task, examples=examples, generate_options=options, keep=5)
+
+
+def median_after_first(reports: list[StepReport]) -> float:
+    seconds = [r.seconds for r in reports[1:]] or [r.seconds for r in reports]
+    return statistics.median(seconds)
+
+
+def finetune(lm: Any, config: DemoConfig, data: Path, output: Path, steps: int) -> tuple[Finetuner, list[StepReport]]:
+    trainer = Finetuner(lm, FinetuneConfig(str(data), str(output), steps=steps, lr=config.lr,
+                                           batch_size=config.batch_size, prompt_length=config.prompt_length,
+                                           adapter_kind=config.adapter_kind, seed=config.seed,
+                                           pad_response=config.pad_response,
+                                           save_every=max(10, steps // 10)))
+    return trainer, trainer.run(progress=sys.stderr.isatty())
+
+
+def halves(num_layers: int) -> tuple[str, str]:
+    middle = num_layers // 2
+    return f"0:{middle}", f"{middle}:{num_layers}"
+
+
+def run(config: DemoConfig) -> DemoResult:
+    torch.set_num_threads(config.threads)
+    out = Path(config.output)
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in ("swarm", "local", "model"):  # a rerun trains from scratch: no resumed runs in the figures
+        shutil.rmtree(out / stale, ignore_errors=True)
+    # one snapshot of the model for this process and every server: the files may be replaced during the run
+    model_path = str(shutil.copytree(resolve_model_path(config.model), out / "model"))
+    lm = DiffusionLM.from_pretrained(model_path)
+    task = AdditionTask(tokenizer=lm.tokenizer)
+    data = write_pairs(task, config.train_examples, config.seed, out / "addition.jsonl")
+    wall: dict[str, float] = {}
+
+    started = time.perf_counter()
+    before = score(lm, task, config.eval_examples)
+    wall["score_before"] = time.perf_counter() - started
+    logger.info("before: %d/%d", before.correct, before.examples)
+
+    with LocalSwarm(startup_timeout=config.startup_timeout) as swarm:
+        swarm.start_bootstrap()
+        servers = [swarm.start_server(model_path, span, "--compute-threads", str(config.threads), wait=False)
+                   for span in halves(lm.config.num_layers)]
+        for server in servers:
+            swarm.wait_ready(server)
+        from swarm.client import DistributedDiffusionLM
+
+        client = DistributedDiffusionLM.from_pretrained(model_path, initial_peers=swarm.initial_peers,
+                                                        request_timeout=60)
+        try:
+            started = time.perf_counter()
+            trainer, swarm_reports = finetune(client, config, data, out / "swarm", config.steps)
+            wall["train_swarm"] = time.perf_counter() - started
+            checked = out / "swarm"
+            agree = 0
+            for problem in task.problems(config.swarm_check, 0, held_out=True):
+                ids = prompt_ids(lm, problem.prompt)
+                settings = dict(asdict(TaskGeneration()), seed=0, adapter=str(checked))
+                agree += client.generate(ids, **settings).token_ids == lm.generate(ids, **settings).token_ids
+        finally:
+            client.shutdown()
+
+    started = time.perf_counter()
+    local_trainer, local_reports = finetune(lm, config, data, out / "local", config.timing_steps)
+    wall["train_local_timing"] = time.perf_counter() - started
+    shared = min(len(local_reports), len(swarm_reports))
+    loss_diff = max((abs(a.loss - b.loss) for a, b in zip(local_reports[:shared], swarm_reports[:shared])),
+                    default=0.0)
+
+    started = time.perf_counter()
+    after = score(lm, task, config.eval_examples, adapter=str(out / "swarm"))
+    wall["score_after"] = time.perf_counter() - started
+    model = {"name": config.model, "vocab_size": lm.config.vocab_size, "hidden_size": lm.config.hidden_size,
+             "num_layers": lm.config.num_layers, "adapter_parameters": trainer.adapter.prompts.numel(),
+             "servers": list(halves(lm.config.num_layers))}
+    return DemoResult(config, model, asdict(before), asdict(after), median_after_first(swarm_reports),
+                      median_after_first(local_reports), swarm_reports[0].seconds, trainer.smoothed_loss(),
+                      loss_diff, {"agree": agree, "of": config.swarm_check}, wall)
+
+
+def show(result: DemoResult) -> str:
+    c, m = result.config, result.model
+    lines = [
+        f"model {m['name']}: vocabulary {m['vocab_size']}, hidden {m['hidden_size']}, {m['num_layers']} blocks; "
+        f"swarm: servers {' and '.join(m['servers'])} on 127.0.0.1",
+        f"adapter: {c.adapter_kind}, {c.prompt_length} positions, {m['adapter_parameters']} parameters; "
+        f"{c.steps} steps, batch {c.batch_size}, lr {c.lr}, answers padded to {c.pad_response}, "
+        f"{c.train_examples} training problems, seed {c.seed}",
+        "",
+        "| held-out addition (exact match) | correct | accuracy |",
+        "|---|---|---|",
+        f"| backbone alone | {result.before['correct']}/{result.before['examples']} | "
+        f"{result.before['accuracy']:.1%} |",
+        f"| with the adapter trained through the swarm | {result.after['correct']}/{result.after['examples']} | "
+        f"{result.after['accuracy']:.1%} |",
+        "",
+        "| training step | wall-clock |",
+        "|---|---|",
+        f"| through the 2-server swarm (median of steps 2-{c.steps}) | {result.swarm_step_s:.3f} s |",
+        f"| local, every block here (median of steps 2-{c.timing_steps}) | {result.local_step_s:.3f} s |",
+        f"| first step through the swarm (route, challenges) | {result.first_swarm_step_s:.2f} s |",
+        "",
+        f"final loss (mean of the last 10 steps): {result.swarm_loss_final}; the first {c.timing_steps} steps' losses, "
+        f"swarm vs local: max difference {result.timing_loss_max_diff:.2e}",
+        f"same tokens through the swarm as locally with the adapter: {result.swarm_check['agree']}/"
+        f"{result.swarm_check['of']} held-out problems",
+        "samples after: " + "; ".join(f"{s['prompt']}{s['output']!r} (want {s['answer']})"
+                                      for s in result.after["samples"]),
+        "wall-clock: " + ", ".join(f"{k} {v:.0f} s" for k, v in result.wall_s.items()),
+    ]
+    return "\n".join(lines)
+
+
+def parse_args(argv: Optional[list[str]] = None) -> tuple[DemoConfig, bool]:
+    defaults = DemoConfig()
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=defaults.model, help="Embedded model name or checkpoint directory.")
+    parser.add_argument("--output", default=defaults.output,
+                        help="Directory for the data, the adapters (swarm/, local/) and results.json.")
+    parser.add_argument("--adapter-kind", choices=KINDS, default=defaults.adapter_kind, help="The adapter trained.")
+    parser.add_argument("--prompt-length", type=int, default=defaults.prompt_length, help="Prompt positions.")
+    parser.add_argument("--lr", type=float, default=defaults.lr, help="Adam learning rate.")
+    parser.add_argument("--steps", type=int, default=defaults.steps, help="Training steps through the swarm.")
+    parser.add_argument("--batch-size", type=int, default=defaults.batch_size, help="Problems per step.")
+    parser.add_argument("--pad-response", type=int, default=defaults.pad_response,
+                        help="EOS-pad every training answer to this many tokens (the evaluation's gen_length).")
+    parser.add_argument("--seed", type=int, default=defaults.seed, help="Seeds the problems, vectors and batches.")
+    parser.add_argument("--train-examples", type=int, default=defaults.train_examples,
+                        help="Training problems (none of them held out).")
+    parser.add_argument("--eval-examples", type=int, default=defaults.eval_examples,
+                        help="Held-out problems scored before and after.")
+    parser.add_argument("--timing-steps", type=int, default=defaults.timing_steps,
+                        help="Local training steps timed against the swarm's (same seed: same first losses).")
+    parser.add_argument("--swarm-check", type=int, default=defaults.swarm_check,
+                        help="Held-out problems also generated through the swarm with the adapter (same tokens?).")
+    parser.add_argument("--threads", type=int, default=defaults.threads,
+                        help="Torch threads of this process and of each server.")
+    parser.add_argument("--startup-timeout", type=float, default=defaults.startup_timeout,
+                        help="Seconds the bootstrap peer and each server may take to start.")
+    parser.add_argument("--json", action="store_true", help="Print the results as JSON instead of tables.")
+    args = vars(parser.parse_args(argv))
+    as_json = args.pop("json")
+    return DemoConfig(**args), as_json
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config, as_json = parse_args(argv)
+    result = run(config)
+    (Path(config.output) / "results.json").write_text(json.dumps(asdict(result), indent=2, default=str))
+    sys.stdout.write((json.dumps(asdict(result), indent=2, default=str) if as_json else show(result)) + "\n")
+
+
+if __name__ == "__main__":
+    main()

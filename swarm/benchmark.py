@@ -34,6 +34,8 @@ from swarm.train.data import AdditionTask
 from swarm.utils.local_swarm import LocalSwarm
 
 PROMPT = "The government said"
+# Greedy whatever a model's own sampling defaults (generation.json): the figures compare mechanisms, run after run.
+GREEDY = {"temperature": 0.0}
 
 
 @contextlib.contextmanager
@@ -137,7 +139,7 @@ def picard(model: str, windows: list[int], latencies_ms: list[float], gen_length
     if unknown:
         raise click.BadParameter(f"unknown strategies {unknown}; choose from {', '.join(STRATEGIES)}",
                                  param_hint="--remasking")
-    base_settings = dict(gen_length=gen_length, steps=steps, block_length=block_length)
+    base_settings = dict(gen_length=gen_length, steps=steps, block_length=block_length, **GREEDY)
     references = {name: DiffusionLM.from_pretrained(model).generate(prompt, remasking=name, **base_settings)
                   for name in strategies}
     with two_server_swarm(model, threads) as swarm:
@@ -170,7 +172,7 @@ def picard(model: str, windows: list[int], latencies_ms: list[float], gen_length
 def scale(model: str, latency_ms: float, remasking: str, prompt: str, threads: int) -> None:
     """One request at scale local, auto and max, through two servers and a full replica."""
     torch.set_num_threads(threads)
-    settings = dict(gen_length=64, steps=64, block_length=32, remasking=remasking)
+    settings = dict(gen_length=64, steps=64, block_length=32, remasking=remasking, **GREEDY)
     with two_server_swarm(model, threads, replica=True) as swarm:
         with DistributedDiffusionLM.from_pretrained(model, initial_peers=swarm.initial_peers,
                                                     inject_latency=latency_ms / 1000) as lm:
@@ -233,7 +235,7 @@ def hiding(model: str, modes: str, latency_ms: float, gen_length: int, block_len
     """Latency hiding: each mode's wall time at 0 and --latency-ms per crossing, through two servers."""
     torch.set_num_threads(threads)
     parsed = {spec: parse_mode(spec) for spec in modes.split(",") if spec}
-    base = dict(gen_length=gen_length, steps=gen_length, block_length=block_length)
+    base = dict(gen_length=gen_length, steps=gen_length, block_length=block_length, **GREEDY)
     exact = DiffusionLM.from_pretrained(model).generate(prompt, **base)
     accuracy = {}
     if task_model != "none":  # computed locally: the swarm gives the same tokens for every mode (tests)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -17,7 +18,6 @@ from tests.conftest import tiny_config
 from tests.test_train import one_thread  # noqa: F401  (autouse fixture: one torch thread)
 
 SHIPPED = ("default", "code", "addition")
-CHANCE = 1 / 256
 
 
 def test_bound_of_a_uniform_model_is_log_vocabulary():
@@ -48,7 +48,8 @@ def test_shipped_models_are_embedded_small_and_documented():
         assert (found[name] / "model.safetensors").exists() and (found[name] / "training.json").exists()
         assert not (found[name] / "training_state.pt").exists()
     size = sum(p.stat().st_size for p in ASSETS.rglob("*") if p.is_file())
-    assert size < 20e6, f"package assets are {size / 1e6:.1f} MB"
+    assert size < 40e6, f"package assets are {size / 1e6:.1f} MB"
+    assert (found["default"] / "model.safetensors").stat().st_size <= 40e6  # issue 22's bound on the backbone
     assert trained_on("default")[0] == "prose"
     assert trained_on("code")[0] == "python"
     assert trained_on("addition")[0] == "addition"
@@ -58,16 +59,18 @@ def plan(corpus_name: str, seq_len: int, task=None, examples: int = 8) -> EvalPl
     return EvalPlan(corpus=corpus_name, seq_len=seq_len, task=task, examples=examples, t_draws=2)
 
 
+# Chance is 1/vocabulary per token and 8 bits per byte (a uniform byte model); the shipped models score about
+# 3 bits per byte on held-out prose and 2.5 on held-out Python (docs/MODEL_CARD.md).
 def test_default_model_predicts_held_out_prose_far_above_chance():
-    report = evaluate_model("default", plan("prose", 128)).likelihood
-    assert report.masked_accuracy > 40 * CHANCE
-    assert report.nats_per_token < 0.7 * math.log(256)
+    report = evaluate_model("default", plan("prose", 128))
+    assert report.likelihood.masked_accuracy > 40 / report.vocab_size
+    assert report.likelihood.bits_per_byte < 4.0
 
 
 def test_code_expert_predicts_held_out_python_far_above_chance():
-    report = evaluate_model("code", plan("python", 128)).likelihood
-    assert report.masked_accuracy > 40 * CHANCE
-    assert report.nats_per_token < 0.7 * math.log(256)
+    report = evaluate_model("code", plan("python", 128))
+    assert report.likelihood.masked_accuracy > 40 / report.vocab_size
+    assert report.likelihood.bits_per_byte < 4.0
 
 
 def test_addition_expert_solves_held_out_problems():
@@ -93,3 +96,19 @@ def test_cli_json_compares_expert_with_backbone_on_the_same_problems():
 def test_cli_rejects_an_unknown_model():
     result = CliRunner().invoke(eval_cli, ["--model", "no-such-model", "--no-progress"])
     assert result.exit_code != 0 and "no-such-model" in result.output
+
+
+def test_code_expert_and_auto_experts_write_code_not_whitespace():
+    """The first code expert wrote only spaces for ``def f(x):`` with every strategy (issue 22)."""
+    from swarm.diffusion.remasking import STRATEGIES
+    from swarm.eval.text_quality import PYTHON_KEYWORDS, is_code_shaped
+    from swarm.local import DiffusionLM
+
+    code = DiffusionLM.from_pretrained("code")
+    for strategy in STRATEGIES:
+        text = code.generate("def f(x):", gen_length=32, remasking=strategy).text
+        assert text.strip() and PYTHON_KEYWORDS & set(re.findall(r"[A-Za-z]+", text)), (strategy, text)
+    assert is_code_shaped(code.generate("def f(x):", gen_length=32).text)  # brackets balanced too, by default
+    composed = DiffusionLM.from_pretrained("default").generate("def f(x):", gen_length=32, experts="auto")
+    assert composed.info["experts"]["weights"] == {"code": 0.5} and composed.info["experts"]["auto"]
+    assert is_code_shaped(composed.text), composed.text

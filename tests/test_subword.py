@@ -178,7 +178,7 @@ def test_sampling_defaults_apply_and_the_callers_settings_win(subword_model, tmp
 ])
 def test_bad_sampling_defaults_are_refused(subword_model, tmp_path, defaults, message):
     with pytest.raises(ValueError, match=message):
-        ModelFiles(with_defaults(subword_model, tmp_path, defaults)).sampling_defaults()
+        DiffusionLM.from_pretrained(with_defaults(subword_model, tmp_path, defaults))
 
 
 # ----- readability figures -------------------------------------------------------------------------------
@@ -201,3 +201,13 @@ def test_dictionary_share_and_code_shape(tmp_path):
     assert parse_experts("code=1,addition=0.5") == {"code": 1.0, "addition": 0.5} and parse_experts("auto") == "auto"
     with pytest.raises(FileNotFoundError, match="wamerican"):
         load_dictionary(tmp_path / "missing")
+
+
+def test_the_playground_form_starts_from_the_models_defaults():
+    from swarm.web.routes import playground_settings
+
+    declared = {item["name"]: item["default"] for item in playground_settings()}
+    tuned = {item["name"]: item["default"] for item in playground_settings({"temperature": 0.5})}
+    assert declared["temperature"] == 0.0 and tuned["temperature"] == 0.5
+    assert {k: v for k, v in tuned.items() if k != "temperature"} == {
+        k: v for k, v in declared.items() if k != "temperature"}

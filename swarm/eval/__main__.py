@@ -31,8 +31,8 @@ def describe(report: ModelReport) -> list[str]:
     """Human-readable lines for one model."""
     lk = report.likelihood
     lines = [
-        f"{report.model}: {report.parameters / 1e6:.2f}M parameters, {report.layers} layers x {report.hidden_size} "
-        f"({report.path})",
+        f"{report.model}: {report.parameters / 1e6:.2f}M parameters, {report.layers} layers x {report.hidden_size}, "
+        f"{report.vocab_size} ids ({report.path})",
         f"  held-out {lk.corpus}: {lk.examples} rows x {lk.seq_len} tokens, {lk.t_draws} t draws per row "
         f"({lk.elapsed_s:.1f} s)",
         f"    masked-token accuracy {lk.masked_accuracy:.4f} over {lk.masked_tokens} masked tokens",

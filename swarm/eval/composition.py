@@ -25,7 +25,8 @@ from swarm.train.data import TASKS, Problem
 
 logger = logging.getLogger(__name__)
 
-ANSWER_SETTINGS = dict(gen_length=8, steps=8, block_length=8)  # one block, one token per step: short answers
+# One block, one token per step, greedy (whatever the backbone's own defaults): the model's best short answer.
+ANSWER_SETTINGS = dict(gen_length=8, steps=8, block_length=8, temperature=0.0, remasking="low_confidence")
 
 
 @dataclass

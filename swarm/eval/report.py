@@ -55,6 +55,7 @@ class ModelReport:
     parameters: int
     layers: int
     hidden_size: int
+    vocab_size: int
     likelihood: LikelihoodReport
     task: Optional[TaskReport]
 
@@ -92,7 +93,8 @@ def evaluate_model(name_or_path: str | Path, plan: EvalPlan, *, progress: bool =
     config = lm.config
     return ModelReport(
         model=str(name_or_path), path=str(lm.path), parameters=sum(p.numel() for p in lm.model.parameters()),
-        layers=config.num_layers, hidden_size=config.hidden_size, likelihood=likelihood, task=task,
+        layers=config.num_layers, hidden_size=config.hidden_size, vocab_size=config.vocab_size,
+        likelihood=likelihood, task=task,
     )
 
 

@@ -123,9 +123,9 @@ class ModelFiles:
         """The sampler settings the model reads best with (``generation.json``); a caller's own settings win.
 
         The local model and the swarm client read the same file, so default settings give the same tokens.
+        Only the names are checked here; their values are checked as any setting is, when a model adopts them
+        (``BaseDiffusionLM.sampling_defaults``).
         """
-        from swarm.diffusion.config import GenerationConfig
-
         path = self.path / GENERATION_DEFAULTS_FILE
         if not path.exists():
             return {}
@@ -135,7 +135,6 @@ class ModelFiles:
             raise ValueError(f"{path} is not valid JSON ({error})") from None
         if not isinstance(defaults, dict) or set(defaults) - set(MODEL_DEFAULT_SETTINGS):
             raise ValueError(f"{path} may only set {', '.join(MODEL_DEFAULT_SETTINGS)}")
-        GenerationConfig(**defaults)  # refuses out-of-range values, naming them
         return defaults
 
     def tokenizer(self) -> Tokenizer:

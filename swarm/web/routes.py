@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping, Optional
 
 from fastapi import FastAPI
 from fastapi.responses import FileResponse, JSONResponse, RedirectResponse
@@ -46,16 +46,23 @@ def setting_json(declared: SettingField) -> dict[str, Any]:
             "high": spec.high if isinstance(spec.high, (int, float)) else None}
 
 
-def playground_settings() -> list[dict[str, Any]]:
+def playground_settings(model_defaults: Optional[Mapping[str, Any]] = None) -> list[dict[str, Any]]:
+    """The form's inputs; ``model_defaults`` (the model's ``generation.json``) replace generate()'s defaults, so
+    the form starts from the settings a request without them would get."""
     declared = {field.name: field for cls in (GenerationConfig, GenerationRequest) for field in settings_of(cls)}
-    return [setting_json(declared[name]) for name in PLAYGROUND_SETTINGS]
+    inputs = [setting_json(declared[name]) for name in PLAYGROUND_SETTINGS]
+    for item in inputs:
+        if model_defaults and item["name"] in model_defaults:
+            item["default"] = model_defaults[item["name"]]
+    return inputs
 
 
 def page(name: str) -> FileResponse:
     return FileResponse(STATIC / name, media_type="text/html", headers=PAGE_HEADERS)
 
 
-def mount_pages(app: FastAPI, map_source: Callable[[], dict[str, Any]], playground: bool) -> None:
+def mount_pages(app: FastAPI, map_source: Callable[[], dict[str, Any]], playground: bool,
+                model_defaults: Optional[Mapping[str, Any]] = None) -> None:
     """Add ``/map``, ``/map.json`` and (with ``playground``) ``/playground`` to ``app``; ``/`` leads to the map.
 
     ``map_source`` is blocking (it may read the DHT): it runs in a worker thread, bounded by a timeout.
@@ -90,7 +97,7 @@ def mount_pages(app: FastAPI, map_source: Callable[[], dict[str, Any]], playgrou
 
     @app.get("/web/settings.json", summary="The playground's settings, as generate() declares them")
     async def settings_json() -> list[dict[str, Any]]:
-        return playground_settings()
+        return playground_settings(model_defaults)
 
 
 def mount_api_pages(app: FastAPI, engine: Any) -> None:
@@ -103,4 +110,4 @@ def mount_api_pages(app: FastAPI, engine: Any) -> None:
     else:
         def source() -> dict[str, Any]:
             return local_snapshot(engine.model_id)
-    mount_pages(app, source, playground=True)
+    mount_pages(app, source, playground=True, model_defaults=engine.lm.sampling_defaults)

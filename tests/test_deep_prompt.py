@@ -7,7 +7,6 @@ with clear codes and go on serving; bad adapter files are refused; a server kill
 from __future__ import annotations
 
 import json
-import signal
 
 import pytest
 import torch
@@ -49,7 +48,15 @@ from swarm.protocol import (
 )
 from swarm.remote import _read_stream
 from swarm.server.validation import validate_prompt_declared
-from tests.test_finetune import GENERATION, TOLERANCE, client, fast_server, run_finetune, write_pairs
+from tests.test_finetune import (
+    GENERATION,
+    TOLERANCE,
+    client,
+    fast_server,
+    kill_on_second_backward,
+    run_finetune,
+    write_pairs,
+)
 
 
 def deep_adapter_for(lm, length: int = 3, seed: int = 0, scale: float = 0.5) -> DeepPrompt:
@@ -88,16 +95,7 @@ def test_a_server_killed_mid_backward_is_replaced_with_the_same_deep_prompt_grad
                                                                                      local_lm, tmp_path):
     victim = fast_server(local_swarm, tiny_model_path, "0:2")
     lm = client(local_swarm, tiny_model_path)
-    calls = []
-    backward = lm.caller.backward_all
-
-    async def kill_after_first(peer_id, request, timeout):  # the last hop answers, then the first hop's server dies
-        calls.append(peer_id)
-        if len(calls) == 2:
-            local_swarm.terminate(victim, signal.SIGKILL)
-        return await backward(peer_id, request, timeout)
-
-    lm.caller.backward_all = kill_after_first
+    calls = kill_on_second_backward(local_swarm, lm, victim)
     try:
         adapter = deep_adapter_for(local_lm, seed=1)
         _, swarm_grad = deep_gradient(lm, tmp_path, adapter)

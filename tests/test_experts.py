@@ -91,9 +91,9 @@ def test_tau_must_be_positive():
 
 def test_auto_classifier_rules():
     assert auto_experts("12+345=") == {"addition": 1.0}
-    assert auto_experts("def area(r):\n    return 3.14 * r * r") == {"code": 0.5}
-    assert auto_experts("def double():\n    return 2 * 21") == {"addition": 1.0, "code": 0.5}
-    assert auto_experts("import os\nfor name in os.listdir('.'):\n") == {"code": 0.5}
+    assert auto_experts("def area(r):\n    return 3.14 * r * r") == {"code": 1.0}
+    assert auto_experts("def double():\n    return 2 * 21") == {"addition": 1.0, "code": 1.0}
+    assert auto_experts("import os\nfor name in os.listdir('.'):\n") == {"code": 1.0}
     assert auto_experts("Once upon a time, from the hills, came a bear.") == {}
     assert expert_weights("auto", "7 + 8") == ({"addition": 1.0}, True)
 

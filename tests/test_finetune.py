@@ -67,19 +67,26 @@ def test_swarm_gradients_equal_local_autograd(remote_lm, local_lm, tmp_path):
     assert (swarm_grad - local_grad).abs().max().item() <= TOLERANCE
 
 
-def test_a_server_killed_mid_backward_is_replaced_by_a_replica(local_swarm, tiny_model_path, local_lm, tmp_path):
-    victim = fast_server(local_swarm, tiny_model_path, "0:2")
-    lm = client(local_swarm, tiny_model_path)
-    calls = []
+def kill_on_second_backward(local_swarm, lm, victim) -> list[str]:
+    """Make ``lm``'s second backward call SIGKILL ``victim`` first (the last hop answers, then the first hop's server
+    dies); returns the list of peers called, filled as calls happen."""
+    calls: list[str] = []
     backward = lm.caller.backward_all
 
-    async def kill_after_first(peer_id, request, timeout):  # the last hop answers, then the first hop's server dies
+    async def kill_after_first(peer_id, request, timeout):
         calls.append(peer_id)
         if len(calls) == 2:
             local_swarm.terminate(victim, signal.SIGKILL)
         return await backward(peer_id, request, timeout)
 
     lm.caller.backward_all = kill_after_first
+    return calls
+
+
+def test_a_server_killed_mid_backward_is_replaced_by_a_replica(local_swarm, tiny_model_path, local_lm, tmp_path):
+    victim = fast_server(local_swarm, tiny_model_path, "0:2")
+    lm = client(local_swarm, tiny_model_path)
+    calls = kill_on_second_backward(local_swarm, lm, victim)
     try:
         prompts = adapter_for(local_lm).prompts.detach()
         _, swarm_grad = sft_gradient(lm, tmp_path, prompts)

@@ -198,6 +198,7 @@ def test_dictionary_share_and_code_shape(tmp_path):
     assert balanced_brackets("f(a[1], {2: (3)})") and not balanced_brackets("f(a]") and not balanced_brackets("((")
     assert is_code_shaped("\n    return f(x)\n") and not is_code_shaped(" " * 63) and not is_code_shaped("the cat")
     assert not is_code_shaped("return f(x")
+    assert not is_code_shaped("It is in the house, for him and her (as it was).")  # English, however many "in"s
     assert parse_experts("code=1,addition=0.5") == {"code": 1.0, "addition": 0.5} and parse_experts("auto") == "auto"
     with pytest.raises(FileNotFoundError, match="wamerican"):
         load_dictionary(tmp_path / "missing")

@@ -14,7 +14,9 @@ PYTHON = re.compile(
 )
 AUTO_RULES: tuple[tuple[str, re.Pattern, float], ...] = (
     ("addition", ARITHMETIC, 1.0),  # a narrow task expert: let it lead (clipping still bounds it)
-    ("code", PYTHON, 0.5),  # a style/domain expert: nudge the backbone
+    # At 0.5 the prose backbone won every code prompt (0/8 code-shaped completions, docs/MODEL_CARD.md); at 1.0 the
+    # expert leads, with clipping still bounding it.
+    ("code", PYTHON, 1.0),
 )
 
 
@@ -23,7 +25,7 @@ def auto_experts(prompt: str) -> dict[str, float]:
 
     An arithmetic pattern (``12+34``, ``3 * 4``) selects ``addition`` at weight 1.0; Python syntax (a line
     starting ``def f(``, ``class C:``, ``import x``, ``from x import``, ``return``, a compound statement
-    ending in ``:``, or ``print(`` / ``self.`` anywhere) selects ``code`` at 0.5. No match: no expert.
+    ending in ``:``, or ``print(`` / ``self.`` anywhere) selects ``code`` at 1.0. No match: no expert.
     """
     return {name: weight for name, pattern, weight in AUTO_RULES if pattern.search(prompt)}
 

@@ -7,7 +7,7 @@ non-words or loops on one phrase scores badly on them, which is what they are fo
 two sampler settings of one model, on exactly the same prompts.
 
 Code (``--kind code``): the share of completions of Python prompts that are *code-shaped*: not blank, with a
-Python keyword, and with balanced brackets.
+word that marks Python and is rare in prose (``def``, ``return``, ``self``, ``None``...), brackets balanced.
 """
 from __future__ import annotations
 
@@ -50,10 +50,12 @@ CODE_PROMPTS = (
     "with open(path) as f:",
     "def __init__(self, name):",
 )
-PYTHON_KEYWORDS = frozenset(
-    "def return if elif else for while in import from class self with as try except raise not and or is None True "
-    "False lambda yield pass break continue".split()
+# Words that mark Python and are rare in English prose ("in", "for", "is", "and"... are both, so they do not count).
+PYTHON_MARKERS = frozenset(
+    "def return import class self elif None True False lambda yield except isinstance len print __init__ "
+    "__name__ kwargs args".split()
 )
+_IDENTIFIER = re.compile(r"[A-Za-z_]+")
 _CLOSING = {")": "(", "]": "[", "}": "{"}
 SWEEP_TEMPERATURES = (0.0, 0.5, 1.0)
 SWEEP_SEEDS = (0, 1)
@@ -91,8 +93,8 @@ def balanced_brackets(text: str) -> bool:
 
 
 def is_code_shaped(text: str) -> bool:
-    """Not blank, at least one Python keyword, brackets balanced: the least a code completion should be."""
-    return bool(text.strip()) and bool(PYTHON_KEYWORDS & set(_WORD.findall(text))) and balanced_brackets(text)
+    """Not blank, at least one word that marks Python, brackets balanced: the least a code completion should be."""
+    return bool(text.strip()) and bool(PYTHON_MARKERS & set(_IDENTIFIER.findall(text))) and balanced_brackets(text)
 
 
 @dataclass

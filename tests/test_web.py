@@ -190,6 +190,7 @@ def type_settings(driver, settings: dict[str, Any], prompt: str = PROMPT) -> Non
         field = driver.find_element(By.ID, name)
         if field.tag_name == "select":
             driver.execute_script("arguments[0].focus()", field)
+            field.send_keys(Keys.HOME)  # from the first option: the form may start on any (the model's default)
             for _ in range(8):  # arrow keys walk the options, as a keyboard user would
                 if field.get_attribute("value") == value:
                     break

@@ -171,3 +171,30 @@ def test_a_dht_started_from_a_thread_outlives_the_thread_not_the_process():
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)
         process.wait()
+
+
+def test_sigterm_to_a_script_holding_a_local_swarm_stops_its_processes(tmp_path):
+    """A benchmark stopped with SIGTERM (kill, a timeout) unwinds its ``with LocalSwarm()`` and stops its peers."""
+    script = tmp_path / "holder.py"
+    script.write_text(
+        "import sys, time\n"
+        f"sys.path.insert(0, {str(ROOT)!r})\n"
+        "from swarm.utils.local_swarm import LocalSwarm\n"
+        "with LocalSwarm() as swarm:\n"
+        "    peer = swarm.start_bootstrap()\n"
+        "    print(peer.process.pid, flush=True)\n"
+        "    time.sleep(120)\n"
+    )
+    holder = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        peer_pid = int(holder.stdout.readline())
+        assert psutil.pid_exists(peer_pid)
+        holder.send_signal(signal.SIGTERM)
+        assert holder.wait(60) == 128 + signal.SIGTERM
+        deadline = time.monotonic() + GONE_WITHIN_S
+        while psutil.pid_exists(peer_pid) and psutil.Process(peer_pid).status() != psutil.STATUS_ZOMBIE:
+            assert time.monotonic() < deadline, "the bootstrap peer outlived the script that was stopped"
+            time.sleep(0.2)
+    finally:
+        holder.kill()
+        holder.wait()

@@ -135,7 +135,19 @@ class LocalSwarm:
         self.processes.clear()
 
     def __enter__(self) -> "LocalSwarm":
+        self._previous_sigterm = None
+        if threading.current_thread() is threading.main_thread():  # a benchmark stopped with SIGTERM (kill, a
+            self._previous_sigterm = signal.signal(signal.SIGTERM, _exit_on_sigterm)  # timeout) stops its servers
         return self
 
     def __exit__(self, *exc) -> None:
-        self.stop()
+        try:
+            self.stop()
+        finally:
+            if self._previous_sigterm is not None:
+                signal.signal(signal.SIGTERM, self._previous_sigterm)
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    """Turn SIGTERM into SystemExit, so that ``with LocalSwarm()`` blocks unwind and terminate their processes."""
+    raise SystemExit(128 + signum)

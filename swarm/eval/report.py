@@ -79,9 +79,16 @@ def trained_on(name_or_path: str | Path) -> tuple[str, int]:
     return corpus, int(settings.get("seq_len", FALLBACK_SEQ_LEN))
 
 
-def evaluate_model(name_or_path: str | Path, plan: EvalPlan, *, progress: bool = False) -> ModelReport:
+def evaluate_model(name_or_path: str | Path, plan: EvalPlan, *, progress: bool = False,
+                   corpora: Optional[dict[tuple, Any]] = None) -> ModelReport:
+    """One model's report; ``corpora`` caches the encoded corpus per tokenizer, so models that share a tokenizer
+    (the backbone and its experts) build it once (extracting and encoding the prose takes seconds)."""
     lm = DiffusionLM.from_pretrained(name_or_path)
-    corpus = load_corpus(plan.corpus, plan.data_files, lm.tokenizer)
+    key = (plan.corpus, tuple(plan.data_files or ()), lm.tokenizer.fingerprint())
+    corpora = {} if corpora is None else corpora
+    if key not in corpora:
+        corpora[key] = load_corpus(plan.corpus, plan.data_files, lm.tokenizer)
+    corpus = corpora[key]
     likelihood = evaluate_likelihood(
         lm.model, corpus, examples=plan.examples, seq_len=plan.seq_len or trained_on(name_or_path)[1],
         t_draws=plan.t_draws, seed=plan.seed, batch_size=plan.batch_size, progress=progress,
@@ -99,4 +106,5 @@ def evaluate_model(name_or_path: str | Path, plan: EvalPlan, *, progress: bool =
 
 
 def evaluate_models(models: Sequence[str | Path], plan: EvalPlan, *, progress: bool = False) -> list[ModelReport]:
-    return [evaluate_model(model, plan, progress=progress) for model in models]
+    corpora: dict[tuple, Any] = {}
+    return [evaluate_model(model, plan, progress=progress, corpora=corpora) for model in models]

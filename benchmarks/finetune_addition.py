@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the package, whe
 import torch  # noqa: E402
 
 from swarm.eval.tasks import TaskGeneration, TaskReport, evaluate_task, prompt_ids  # noqa: E402
-from swarm.finetune.adapter import DEEP_PROMPT, KINDS  # noqa: E402
+from swarm.finetune.adapter import BOTTLENECK, DEEP_PROMPT, KINDS  # noqa: E402
 from swarm.finetune.trainer import FinetuneConfig, Finetuner, StepReport  # noqa: E402
 from swarm.local import DiffusionLM  # noqa: E402
 from swarm.models.loading import DEFAULT_MODEL, resolve_model_path  # noqa: E402
@@ -54,6 +54,8 @@ class DemoConfig:
     output: str = "finetune-addition"
     adapter_kind: str = DEEP_PROMPT
     prompt_length: int = 16
+    rank: int = 16  # a bottleneck adapter's rank
+    head_rank: int = 0  # the rank of the client's head correction (0: none)
     lr: float = 0.05
     steps: int = 800
     batch_size: int = 16
@@ -102,7 +104,8 @@ def median_after_first(reports: list[StepReport]) -> float:
 def finetune(lm: Any, config: DemoConfig, data: Path, output: Path, steps: int) -> tuple[Finetuner, list[StepReport]]:
     trainer = Finetuner(lm, FinetuneConfig(str(data), str(output), steps=steps, lr=config.lr,
                                            batch_size=config.batch_size, prompt_length=config.prompt_length,
-                                           adapter_kind=config.adapter_kind, seed=config.seed,
+                                           adapter_kind=config.adapter_kind, rank=config.rank,
+                                           head_rank=config.head_rank, seed=config.seed,
                                            pad_response=config.pad_response,
                                            save_every=max(10, steps // 10)))
     return trainer, trainer.run(progress=sys.stderr.isatty())
@@ -165,7 +168,8 @@ def run(config: DemoConfig) -> DemoResult:
     after = score(lm, task, config.eval_examples, adapter=str(out / "swarm"))
     wall["score_after"] = time.perf_counter() - started
     model = {"name": config.model, "vocab_size": lm.config.vocab_size, "hidden_size": lm.config.hidden_size,
-             "num_layers": lm.config.num_layers, "adapter_parameters": trainer.adapter.prompts.numel(),
+             "num_layers": lm.config.num_layers,
+             "adapter_parameters": sum(p.numel() for p in trainer.adapter.parameters()),
              "servers": list(halves(lm.config.num_layers))}
     return DemoResult(config, model, asdict(before), asdict(after), median_after_first(swarm_reports),
                       median_after_first(local_reports), swarm_reports[0].seconds, trainer.smoothed_loss(),
@@ -177,7 +181,10 @@ def show(result: DemoResult) -> str:
     lines = [
         f"model {m['name']}: vocabulary {m['vocab_size']}, hidden {m['hidden_size']}, {m['num_layers']} blocks; "
         f"swarm: servers {' and '.join(m['servers'])} on 127.0.0.1",
-        f"adapter: {c.adapter_kind}, {c.prompt_length} positions, {m['adapter_parameters']} parameters; "
+        f"adapter: {c.adapter_kind}, "
+        + (f"rank {c.rank}" if c.adapter_kind == BOTTLENECK else f"{c.prompt_length} positions")
+        + (f", head correction of rank {c.head_rank}" if c.head_rank else "")
+        + f", {m['adapter_parameters']} parameters; "
         f"{c.steps} steps, batch {c.batch_size}, lr {c.lr}, answers padded to {c.pad_response}, "
         f"{c.train_examples} training problems, seed {c.seed}",
         "",
@@ -212,7 +219,11 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[DemoConfig, bool]:
     parser.add_argument("--output", default=defaults.output,
                         help="Directory for the data, the adapters (swarm/, local/) and results.json.")
     parser.add_argument("--adapter-kind", choices=KINDS, default=defaults.adapter_kind, help="The adapter trained.")
-    parser.add_argument("--prompt-length", type=int, default=defaults.prompt_length, help="Prompt positions.")
+    parser.add_argument("--prompt-length", type=int, default=defaults.prompt_length,
+                        help="Prompt positions (the prompt kinds).")
+    parser.add_argument("--rank", type=int, default=defaults.rank, help="A bottleneck adapter's rank.")
+    parser.add_argument("--head-rank", type=int, default=defaults.head_rank,
+                        help="Rank of the head correction the client trains too (0: none).")
     parser.add_argument("--lr", type=float, default=defaults.lr, help="Adam learning rate.")
     parser.add_argument("--steps", type=int, default=defaults.steps, help="Training steps through the swarm.")
     parser.add_argument("--batch-size", type=int, default=defaults.batch_size, help="Problems per step.")

@@ -107,15 +107,19 @@ class DiffusionLM(BaseDiffusionLM):
     def _pass(self, tokens: torch.Tensor, adapter: Optional[PromptAdapter], kv: Optional[SpanKV] = None,
               rows: Optional[tuple[int, int]] = None, scored: Optional[tuple[int, int]] = None) -> torch.Tensor:
         """Float32 logits of one denoiser call; an adapter's prompt positions go first (a reuse's rows shift past
-        them, as the cache holds them), a deep prompt's vectors join before each block, and the prompt rows are
-        sliced off before the head."""
+        them, as the cache holds them), a per-block adapter's tensor applies before each block, and the prompt rows
+        are sliced off before the head."""
         if adapter is None:
             return self.model(tokens, kv=kv, rows=rows, scored=scored).float().cpu()
         model = self.model
         hidden = model.embedding(tokens)
         if rows is None:
-            hidden = adapter.strip(model.span(adapter.extend(hidden), kv=kv, prompts=adapter.block_prompts))
+            hidden = adapter.strip(model.span(adapter.extend(hidden), kv=kv, prompts=adapter.block_prompts,
+                                              prompt_kind=adapter.kind))
         else:
-            hidden = model.span(hidden, kv=kv, rows=adapter.shift(rows), prompts=adapter.block_prompts)
-        logits = model.head(hidden) if scored is None else model.head.score_rows(hidden, rows[0] if rows else 0, scored)
+            hidden = model.span(hidden, kv=kv, rows=adapter.shift(rows), prompts=adapter.block_prompts,
+                                prompt_kind=adapter.kind)
+        lora = adapter.head_lora
+        logits = (model.head(hidden, lora) if scored is None
+                  else model.head.score_rows(hidden, rows[0] if rows else 0, scored, lora))
         return logits.float().cpu()

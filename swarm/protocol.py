@@ -8,11 +8,13 @@ A backward request carries, for a span ``start:end``, the span's input hidden st
 output (same shape), stacked along the batch dimension into one tensor (2 x batch, length, hidden) so that it
 travels, is bounded and validated exactly as a forward request's; the answer is the gradient of the input.
 
-Either request may carry a second tensor, a deep prompt's vectors for the span's blocks (end - start, P, hidden),
-float32, declared in the metadata (``prompt_length`` P, ``prompt_parts``) and sent after the hidden states' parts;
-the answer to a backward request that carried one carries the prompts' gradient after the inputs' (its parts
-counted by ``prompt_parts`` too). When everything fits one message, the hidden states and the prompts share it
-(a unary call); otherwise every message of the stream carries one tensor part.
+Either request may carry a second tensor, a per-block adapter's tensor for the span's blocks (end - start, R, hidden),
+float32, declared in the metadata (``prompt_length`` R, ``prompt_parts``, and ``prompt_kind``: ``deep_prompt``
+vectors added to positions 0:R, the default, or ``bottleneck`` weights of rank R / 2 applied to every row) and
+sent after the hidden states' parts; the answer to a backward request that carried one carries the tensor's
+gradient after the inputs' (its parts counted by ``prompt_parts`` too). When everything fits one message, the
+hidden states and the adapter's tensor share it (a unary call); otherwise every message of the stream carries
+one tensor part.
 
 An expert request carries token ids (batch, length) int64 and asks a hosted expert model for the
 log-probabilities of positions ``start:end``; it is always small, while the answer (positions x vocabulary)
@@ -39,6 +41,8 @@ from hivemind.proto import runtime_pb2
 from hivemind.proto.p2pd_pb2 import RPCError
 from hivemind.utils import MSGPackSerializer
 from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
+
+from swarm.models.modules import DEEP_PROMPT
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +101,8 @@ class ForwardRequest:
     session_id: str = ""
     step: int = -1
     extra: dict[str, Any] = field(default_factory=dict)
-    prompts: Optional[torch.Tensor] = None  # a deep prompt's vectors for blocks start:end: (end - start, P, hidden)
+    prompts: Optional[torch.Tensor] = None  # a per-block adapter's tensor for blocks start:end: (blocks, R, hidden)
+    prompt_kind: str = DEEP_PROMPT  # how the blocks apply it (swarm.models.modules.apply_block_adapter)
 
     @property
     def rows(self) -> int:
@@ -117,7 +122,8 @@ class BackwardRequest:
     grad_outputs: torch.Tensor  # (batch, length, hidden): d loss / d span output
     session_id: str = ""
     step: int = -1
-    prompts: Optional[torch.Tensor] = None  # the deep prompt's vectors the forward added (their gradient is answered)
+    prompts: Optional[torch.Tensor] = None  # the per-block tensor the forward applied (its gradient is answered)
+    prompt_kind: str = DEEP_PROMPT
 
     def __post_init__(self) -> None:
         if self.inputs.shape != self.grad_outputs.shape:
@@ -127,7 +133,8 @@ class BackwardRequest:
     def as_forward(self) -> ForwardRequest:
         """The wire form: one forward-shaped request whose tensor stacks inputs and gradients along the batch."""
         stacked = torch.cat([self.inputs.detach().float(), self.grad_outputs.detach().float()])
-        return ForwardRequest(self.start, self.end, stacked, self.session_id, self.step, {}, self.prompts)
+        return ForwardRequest(self.start, self.end, stacked, self.session_id, self.step, {}, self.prompts,
+                              self.prompt_kind)
 
 
 @dataclass
@@ -203,6 +210,7 @@ def request_parts(request: ForwardRequest, wire_dtype: str = AUTO_WIRE,
     if request.prompts is not None:  # the client's float32 parameters: never rounded on the wire
         prompts = encode_tensor(request.prompts.float(), "float32")
         metadata["prompt_length"] = int(request.prompts.shape[1])
+        metadata["prompt_kind"] = request.prompt_kind
     messages, counts = packed_chunks(encode_tensor(request.hidden, wire_dtype), prompts)
     metadata.update(counts)
     parts = [runtime_pb2.ExpertRequest(uid=uid, tensors=messages[0], metadata=MSGPackSerializer.dumps(metadata))]

@@ -220,8 +220,8 @@ def test_deep_prompts_and_their_gradients_cross_the_wire_intact(length):
 
 
 def test_a_deep_prompt_for_more_positions_than_a_server_takes_is_refused_before_receiving():
-    assert validate_prompt_declared({}, 4, 100) == (0, 0)
-    assert validate_prompt_declared({"prompt_length": 16, "prompt_parts": 1}, 4, 100) == (16, 1)
+    assert validate_prompt_declared({}, 4, 100) == (0, 0, DEEP_PROMPT)
+    assert validate_prompt_declared({"prompt_length": 16, "prompt_parts": 1}, 4, 100) == (16, 1, DEEP_PROMPT)
     with pytest.raises(RemoteError, match="exceeds this server's limit of 100") as refused:
         validate_prompt_declared({"prompt_length": 30, "prompt_parts": 1}, 4, 100)
     assert refused.value.code == ErrorCode.TOO_LARGE

@@ -32,7 +32,7 @@ from swarm.governance.tiers import TierRules
 from swarm.lm import BaseDiffusionLM, StreamChunk
 from swarm.local import DiffusionLM
 from swarm.models.loading import DEFAULT_MODEL, ModelFiles
-from swarm.models.modules import OutputHead
+from swarm.models.modules import DEEP_PROMPT, OutputHead
 from swarm.protocol import ErrorCode, RemoteError
 from swarm.remote import RemoteCaller
 from swarm.scale import ScalePlan, check_scale
@@ -132,7 +132,7 @@ class DistributedDiffusionLM(BaseDiffusionLM):
         ``scored`` the head computes only those absolute positions (the other rows are NaN). With a ``head``
         query a head server at the route's end may answer the sampler's predictions instead (returned as is).
         An ``adapter``'s prompt positions go before the embedded rows (the servers see them as more positions; a
-        deep prompt's vectors travel with each hop) and are sliced off before the head.
+        per-block adapter's tensor travels with each hop) and are sliced off before the head.
         """
         if input_ids.dim() == 1:
             input_ids = input_ids[None]
@@ -149,16 +149,18 @@ class DistributedDiffusionLM(BaseDiffusionLM):
                 hidden = adapter.extend(hidden)
         with self.timings.measure("swarm"):
             prompts = adapter.block_prompts if adapter is not None else None
-            hidden = self.sequence.forward(hidden, session_id, step, extra, head, prompts=prompts)
+            hidden = self.sequence.forward(hidden, session_id, step, extra, head, prompts=prompts,
+                                           prompt_kind=adapter.kind if adapter is not None else DEEP_PROMPT)
         if isinstance(hidden, Predictions):
             return hidden
         if adapter is not None and not reuse:
             hidden = adapter.strip(hidden)
         with self.timings.measure("head"):
             hidden = hidden.to(self.compute_dtype)
+            lora = adapter.head_lora if adapter is not None else None  # an adapter's head correction, held here
             if scored is None:
-                return self.head(hidden).float()
-            return self.head.score_rows(hidden, offset, scored)
+                return self.head(hidden, lora).float()
+            return self.head.score_rows(hidden, offset, scored, lora)
 
     @contextlib.contextmanager
     def denoising_session(self, generation: GenerationConfig,

@@ -13,10 +13,11 @@ Training goes through the same forward: asked for a ``trace``, a pass records ea
 answers the gradient of their input), failing over to a replica holding the same blocks, or recomputing the
 hop's forward over servers that hold them between them when no single one does.
 
-A deep prompt (``prompts``: (blocks, P, hidden), the client's trainable vectors) travels with each hop as the slice
-of its blocks, forward and backward; a backward call then also answers the gradient of that slice. Such passes go
-hop by hop (a pushed pass cannot carry per-hop slices; the tokens are the same, the pass only crosses the network
-more often), with one log line per sequence.
+A per-block adapter (``prompts``: (blocks, R, hidden), the client's trainable tensor: a deep prompt's vectors or a
+bottleneck adapter's weights, ``prompt_kind``) travels with each hop as the slice of its blocks, forward and
+backward; a backward call then also answers the gradient of that slice. Such passes go hop by hop (a pushed
+pass cannot carry per-hop slices; the tokens are the same, the pass only crosses the network more often), with
+one log line per sequence.
 """
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ from swarm.dht.schema import ServerRecord, ServerState, read_servers
 from swarm.diffusion.prediction import HeadQuery, Predictions, check_predictions
 from swarm.diffusion.sampler import Halted
 from swarm.models.kv_cache import CacheMiss
+from swarm.models.modules import DEEP_PROMPT
 from swarm.protocol import BackwardRequest, ErrorCode, ForwardRequest, RemoteError
 from swarm.remote import RemoteCaller
 from swarm.utils.event_loop import BackgroundLoop
@@ -246,8 +248,8 @@ class RemoteSequence:
     # ----- one pass through all blocks -------------------------------------------------------------
     def forward(self, hidden: torch.Tensor, session_id: Optional[str] = None, step: int = -1,
                 extra: Optional[dict] = None, head: Optional[HeadQuery] = None,
-                trace: Optional[list[HopTrace]] = None, prompts: Optional[torch.Tensor] = None
-                ) -> torch.Tensor | Predictions:
+                trace: Optional[list[HopTrace]] = None, prompts: Optional[torch.Tensor] = None,
+                prompt_kind: str = DEEP_PROMPT) -> torch.Tensor | Predictions:
         """Hidden states after every block, retrying failed hops elsewhere within the configured bounds.
 
         ``extra`` travels with every hop (the activation-cache directive). A hop without the session's cache
@@ -255,8 +257,8 @@ class RemoteSequence:
         With a ``head`` query, a last hop on a head server answers its :class:`Predictions` instead (any other
         last hop, e.g. after a failover to a server without the head, answers hidden states as usual).
         With a ``trace`` list, each hop's input is appended to it (for :meth:`backward`); such a pass goes hop
-        by hop, as spot-checked ones do. With ``prompts`` (a deep prompt for every block), each hop carries its
-        blocks' slice, and the pass goes hop by hop.
+        by hop, as spot-checked ones do. With ``prompts`` (a per-block adapter's tensor for every block, applied as
+        ``prompt_kind`` says), each hop carries its blocks' slice, and the pass goes hop by hop.
         """
         extra = dict(extra or {})
         tokens = hidden.shape[0] * hidden.shape[1]
@@ -264,38 +266,41 @@ class RemoteSequence:
             self.refresh_if_stale(tokens)
         session_id = session_id or uuid.uuid4().hex
         if prompts is not None and (prompts.dim() != 3 or prompts.shape[0] != self.num_blocks):
-            raise ValueError(f"a deep prompt for this model has shape ({self.num_blocks}, P, hidden), got "
+            raise ValueError(f"a {prompt_kind} for this model has shape ({self.num_blocks}, R, hidden), got "
                              f"{tuple(prompts.shape)}")
         if self.receiver is not None and prompts is not None and not self._said_no_push:
-            logger.info("push is off for passes with a deep prompt (each hop carries its own blocks' vectors): "
-                        "they go hop by hop, with the same tokens")
+            logger.info("push is off for passes with a %s (each hop carries its own blocks' slice): they go hop by "
+                        "hop, with the same tokens", prompt_kind.replace("_", " "))
             self._said_no_push = True
         if self.receiver is not None and self.spot_checker.fraction == 0 and trace is None and prompts is None:
             pushed = self._try_push(hidden, session_id, step, extra, tokens, head)
             if pushed is not None:
                 return pushed
-        return self._hop_by_hop(hidden, session_id, step, extra, tokens, head, trace, prompts=prompts)
+        return self._hop_by_hop(hidden, session_id, step, extra, tokens, head, trace, prompts=prompts,
+                                prompt_kind=prompt_kind)
 
     def backward(self, trace: list[HopTrace], grad: torch.Tensor) -> torch.Tensor:
         """The gradient of a recorded pass's input (float32), from the gradient of its output: each hop's server
         (or a replica holding its blocks) recomputes its blocks with autograd, last hop first."""
         return self.backward_all(trace, grad)[0]
 
-    def backward_all(self, trace: list[HopTrace], grad: torch.Tensor, prompts: Optional[torch.Tensor] = None
-                     ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """:meth:`backward`, and with the pass's deep ``prompts`` their gradient too (float32, their shape), each
-        hop's server answering its blocks' slice."""
+    def backward_all(self, trace: list[HopTrace], grad: torch.Tensor, prompts: Optional[torch.Tensor] = None,
+                     prompt_kind: str = DEEP_PROMPT) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """:meth:`backward`, and with the pass's per-block ``prompts`` their gradient too (float32, their shape),
+        each hop's server answering its blocks' slice."""
         grad_prompts = None if prompts is None else torch.zeros(prompts.shape, dtype=torch.float32)
         for hop in reversed(trace):
-            grad = self._backward_hop(hop, grad, prompts, grad_prompts)
+            grad = self._backward_hop(hop, grad, prompts, grad_prompts, prompt_kind)
         return grad, grad_prompts
 
     def _backward_hop(self, hop: HopTrace, grad: torch.Tensor, prompts: Optional[torch.Tensor] = None,
-                      grad_prompts: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """The gradient of the hop's input; the gradient of its blocks' prompt slice goes into ``grad_prompts``."""
+                      grad_prompts: Optional[torch.Tensor] = None, prompt_kind: str = DEEP_PROMPT) -> torch.Tensor:
+        """The gradient of the hop's input; the gradient of its blocks' slice of ``prompts`` goes into
+        ``grad_prompts``."""
         budget = RetryBudget(self.config)
         piece = prompts[hop.start:hop.end] if prompts is not None else None
-        request = BackwardRequest(hop.start, hop.end, hop.inputs, grad, uuid.uuid4().hex, prompts=piece)
+        request = BackwardRequest(hop.start, hop.end, hop.inputs, grad, uuid.uuid4().hex, prompts=piece,
+                                  prompt_kind=prompt_kind)
         try:
             grad_input, grad_piece = call_with_failover(
                 lambda avoid: self._backward_peer(hop, avoid),
@@ -310,11 +315,12 @@ class RemoteSequence:
             logger.info("no server holds blocks %d:%d for backward: recomputing them over several", hop.start, hop.end)
             tokens = hop.inputs.shape[0] * hop.inputs.shape[1]
             split: list[HopTrace] = []
-            self._hop_by_hop(hop.inputs, uuid.uuid4().hex, -1, {}, tokens, None, split, hop.start, hop.end, prompts)
+            self._hop_by_hop(hop.inputs, uuid.uuid4().hex, -1, {}, tokens, None, split, hop.start, hop.end, prompts,
+                             prompt_kind)
             if len(split) == 1 and split[0].start == hop.start and split[0].end == hop.end:
                 raise
             for part in reversed(split):
-                grad = self._backward_hop(part, grad, prompts, grad_prompts)
+                grad = self._backward_hop(part, grad, prompts, grad_prompts, prompt_kind)
             return grad
         if grad_prompts is not None:
             grad_prompts[hop.start:hop.end] = grad_piece
@@ -416,18 +422,18 @@ class RemoteSequence:
 
     def _hop_by_hop(self, hidden: torch.Tensor, session_id: str, step: int, extra: dict, tokens: int,
                     head: Optional[HeadQuery] = None, trace: Optional[list[HopTrace]] = None,
-                    start: int = 0, end: Optional[int] = None, prompts: Optional[torch.Tensor] = None
-                    ) -> torch.Tensor | Predictions:
+                    start: int = 0, end: Optional[int] = None, prompts: Optional[torch.Tensor] = None,
+                    prompt_kind: str = DEEP_PROMPT) -> torch.Tensor | Predictions:
         """Each hop of the route in turn (blocks ``start:end``, by default all); a failed hop is redone from its
         first block on another server. Each answered hop's input is appended to ``trace`` when given. ``prompts``
-        holds a deep prompt's vectors for every block of the model; each hop is sent its blocks' slice."""
+        holds a per-block adapter's tensor for every block of the model; each hop is sent its blocks' slice."""
         budget = RetryBudget(self.config)
         block, end = start, self.num_blocks if end is None else end
         while block < end:
             hidden, block = call_with_failover(
                 lambda avoid: self._next_hop(block, tokens, avoid, budget, end),
                 lambda hop: hop.peer_id,
-                lambda hop: self._call_hop(hop, hidden, session_id, step, extra, head, trace, prompts),
+                lambda hop: self._call_hop(hop, hidden, session_id, step, extra, head, trace, prompts, prompt_kind),
                 health=self.health, budget=budget, final=lambda error: self._final_error(error, step),
                 on_failure=lambda hop, error: self.failovers.append(FailoverEvent(hop.peer_id, hop.start, str(error))),
                 label=lambda hop: f"block {hop.start}",
@@ -450,11 +456,12 @@ class RemoteSequence:
 
     def _call_hop(self, hop: RouteHop, hidden: torch.Tensor, session_id: str, step: int, extra: dict,
                   head: Optional[HeadQuery] = None, trace: Optional[list[HopTrace]] = None,
-                  prompts: Optional[torch.Tensor] = None) -> tuple[torch.Tensor | Predictions, int]:
+                  prompts: Optional[torch.Tensor] = None, prompt_kind: str = DEEP_PROMPT
+                  ) -> tuple[torch.Tensor | Predictions, int]:
         """One server's blocks: its output (spot-checked when drawn) and the block the next hop starts at."""
         head_extra = self._head_extra(hop, extra, head)
         piece = prompts[hop.start:hop.end].detach() if prompts is not None else None
-        request = ForwardRequest(hop.start, hop.end, hidden, session_id, step, head_extra or extra, piece)
+        request = ForwardRequest(hop.start, hop.end, hidden, session_id, step, head_extra or extra, piece, prompt_kind)
         work = request.rows * (hop.end - hop.start)
         started = time.perf_counter()
         output = self.loop.run(self.caller.forward(hop.peer_id, request, self.health.timeout(hop.peer_id, work)))

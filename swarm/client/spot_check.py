@@ -180,10 +180,11 @@ class SpotChecker:
         version = directive["version"]
         session = f"check-{uuid.uuid4().hex}"
         fill = ForwardRequest(request.start, request.end, fill_input, session, request.step,
-                              {"cache": {"rows": None, "version": version, "keep_from": version}}, request.prompts)
+                              {"cache": {"rows": None, "version": version, "keep_from": version}}, request.prompts,
+                              request.prompt_kind)
         self._forward(peer, fill)
         reuse = ForwardRequest(request.start, request.end, request.hidden, session, request.step,
-                               {"cache": dict(directive, keep_from=version)}, request.prompts)
+                               {"cache": dict(directive, keep_from=version)}, request.prompts, request.prompt_kind)
         return self._forward(peer, reuse)
 
     def _verdict(self, answers: dict[str, torch.Tensor], primary: str) -> Optional[str]:

@@ -19,7 +19,7 @@ from hivemind.dht import DHT
 from swarm.cli_options import SwarmCommand, apply_threads, run_main, setup_logging, threads_option
 from swarm.dht.node import LOOPBACK_MADDRS, NetworkConfig, start_dht, stop_dht, visible_maddrs
 from swarm.dht.peers import split_peers
-from swarm.finetune.adapter import KINDS, MAX_PROMPT_LENGTH
+from swarm.finetune.adapter import KINDS, MAX_PROMPT_LENGTH, MAX_RANK
 from swarm.finetune.together import CollaborationConfig
 from swarm.finetune.trainer import FinetuneConfig, Finetuner
 from swarm.lm import BaseDiffusionLM
@@ -58,9 +58,16 @@ def open_model(model: str, peers: list[str], request_timeout: float, dht: Option
               help="Prompt positions before every sequence: the adapter's vectors (per block for a deep prompt).")
 @click.option("--adapter-kind", type=click.Choice(KINDS), default=FinetuneConfig.adapter_kind,
               help="soft_prompt (the default: servers only see more positions, any server serves it): vectors "
-                   "before the first block; deep_prompt: vectors added before every block (each request carries "
-                   "its blocks' vectors; push is off), blocks x more parameters and a lower training loss, not yet "
-                   "shown clearly better on held-out answers (docs/TRAINING.md).")
+                   "before the first block; deep_prompt: vectors added before every block; bottleneck: a small "
+                   "residual MLP of --rank per block, on every position (the one that taught the default model "
+                   "addition, docs/TRAINING.md). The last two travel with each request (push is off).")
+@click.option("--rank", type=click.IntRange(min=1, max=MAX_RANK), default=FinetuneConfig.rank,
+              help="With --adapter-kind bottleneck: the rank of each block's adapter (2 x rank x hidden weights per "
+                   "block).")
+@click.option("--head-rank", type=click.IntRange(min=0, max=MAX_RANK), default=FinetuneConfig.head_rank,
+              help="Also train a low-rank correction of the output head (held by the client, never sent; rank x "
+                   "(hidden + vocabulary) weights), with any kind; 0: none. The default model needs one to end "
+                   "answers with EOS (docs/TRAINING.md).")
 @click.option("--pad-response", type=click.IntRange(min=0, max=1024), default=FinetuneConfig.pad_response,
               help="EOS-pad every response to at least this many tokens (use generation's --gen-length): the model "
                    "learns where an answer ends at the length it will generate.")
@@ -98,8 +105,9 @@ def main(model: str, initial_peers: tuple[str, ...], request_timeout: float, thr
          local_model: bool, run_id: Optional[str], target_batch_size: Optional[int], matchmaking_time: float,
          averaging_timeout: float, min_peers: int, peer_wait: float, host_maddrs: tuple[str, ...],
          announce_maddrs: tuple[str, ...], **options) -> None:
-    """Fine-tune a soft or deep prompt on prompt/response pairs with LLaDA's SFT objective (docs/TRAINING.md); use it
-    with generate(..., adapter=OUTPUT) or python -m swarm.generate --adapter OUTPUT."""
+    """Fine-tune an adapter (a soft or deep prompt, or bottleneck adapters) on prompt/response pairs with LLaDA's
+    SFT objective (docs/TRAINING.md); use it with generate(..., adapter=OUTPUT) or python -m swarm.generate
+    --adapter OUTPUT."""
     setup_logging(getattr(logging, log_level))
     peers = split_peers(initial_peers, "--initial-peers")
     apply_threads(threads)

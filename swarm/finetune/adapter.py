@@ -1,6 +1,7 @@
 """Adapters: what fine-tuning learns, held by the client, and how a generation applies them.
 
-Two kinds, both ``P`` trainable vectors of the model's hidden size for ``P`` extra positions before the sequence:
+Three kinds. Two are ``P`` trainable vectors of the model's hidden size for ``P`` extra positions before the
+sequence:
 
 * a *soft prompt* (``soft_prompt``, Petals' shallow "ptune"): the vectors are the states of the ``P`` positions
   before the first block. Servers need nothing to serve it: they only see ``P`` more positions, so caching,
@@ -10,13 +11,23 @@ Two kinds, both ``P`` trainable vectors of the model's hidden size for ``P`` ext
   block, not only the input (:func:`swarm.models.modules.add_prompt`). Each forward and backward request carries
   the vectors of its span's blocks; the server adds them and its backward answers their gradient too.
 
+The third adds no positions: a *bottleneck adapter* (``bottleneck``, after Houlsby et al.'s adapters) is, per block,
+a residual MLP of rank ``r`` applied to every row before the block (:func:`swarm.models.modules.add_bottleneck`):
+``(blocks, 2r, hidden)`` weights that travel per hop exactly like a deep prompt's vectors. It can change what every
+position computes, where prompt vectors can only be attended to.
+
+Any kind may also carry a *head correction* (``head_rank`` > 0): LoRA on the output head, which the client holds,
+``logits += (norm(h) @ down.T) @ up.T`` (:meth:`swarm.models.modules.OutputHead.project`). It never travels to a
+server. It matters when the frozen head cannot express what the task needs: the default backbone never saw EOS as
+a target, so its head cannot end an answer, and no adapter of the blocks alone learnt to (docs/TRAINING.md).
+
 The client slices the ``P`` prompt rows off before its head, so position i still scores token i (Dream's one-row
 shift applies within the real rows, as without an adapter).
 
 An adapter directory holds ``adapter.json`` (kind, sizes, the base model it was trained on, training metadata)
-and ``adapter.safetensors`` (the prompt vectors, float32: (P, hidden) or (blocks, P, hidden)). Loading checks every
-field, the sizes, finiteness and that the base model matches the one it is applied to, and refuses anything else
-with :class:`AdapterError`.
+and ``adapter.safetensors`` (one float32 tensor: (P, hidden), (blocks, P, hidden) or (blocks, 2r, hidden)).
+Loading checks every field, the sizes, finiteness and that the base model matches the one it is applied to, and
+refuses anything else with :class:`AdapterError`.
 """
 from __future__ import annotations
 
@@ -33,14 +44,17 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from swarm.dht.compatibility import CompatibilityTag
+from swarm.models.modules import BOTTLENECK, DEEP_PROMPT, HeadLoRA
 
 ADAPTER_CONFIG = "adapter.json"
 ADAPTER_WEIGHTS = "adapter.safetensors"
 PROMPT_KEY = "prompt"
+HEAD_DOWN_KEY, HEAD_UP_KEY = "head_down", "head_up"  # the head correction's tensors, when head_rank > 0
 SOFT_PROMPT = "soft_prompt"
-DEEP_PROMPT = "deep_prompt"
-KINDS = (SOFT_PROMPT, DEEP_PROMPT)
-MAX_PROMPT_LENGTH = 256
+KINDS = (SOFT_PROMPT, DEEP_PROMPT, BOTTLENECK)
+PER_BLOCK_KINDS = (DEEP_PROMPT, BOTTLENECK)  # a tensor slice per block, carried by every request
+MAX_PROMPT_LENGTH = 256  # rows of one block's tensor (prompt vectors, or a bottleneck's 2 x rank)
+MAX_RANK = MAX_PROMPT_LENGTH // 2
 MAX_CONFIG_BYTES = 64 * 1024
 MAX_WEIGHTS_BYTES = 64 * 2**20  # 256 vectors of 65536 floats: far above any real prompt
 
@@ -64,7 +78,8 @@ def _positive_int(value: Any) -> bool:
 class AdapterConfig:
     """``adapter.json``: the adapter's kind and sizes, its base model and how it was trained.
 
-    ``num_blocks`` is the depth a deep prompt has vectors for (0 for a soft prompt)."""
+    ``num_blocks`` is the depth a per-block adapter has weights for (0 for a soft prompt); ``rank`` is a
+    bottleneck adapter's (0 for the prompt kinds, whose ``prompt_length`` is 0 for a bottleneck)."""
 
     prompt_length: int
     hidden_size: int
@@ -72,18 +87,45 @@ class AdapterConfig:
     kind: str = SOFT_PROMPT
     training: dict[str, Any] = field(default_factory=dict)
     num_blocks: int = 0
+    rank: int = 0
+    head_rank: int = 0  # the head correction's rank (0: none)
+    vocab_size: int = 0  # the head's vocabulary (set with a head correction)
+
+    @property
+    def head_shapes(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        """The shapes of the head correction's down and up projections."""
+        return (self.head_rank, self.hidden_size), (self.vocab_size, self.head_rank)
+
+    @property
+    def weight_bytes(self) -> int:
+        """Float32 bytes of every tensor the config declares."""
+        head = sum(math.prod(shape) for shape in self.head_shapes) if self.head_rank else 0
+        return 4 * (math.prod(self.shape) + head)
 
     @property
     def shape(self) -> tuple[int, ...]:
         """The shape of the weights file's one tensor."""
+        if self.kind == BOTTLENECK:
+            return (self.num_blocks, 2 * self.rank, self.hidden_size)
         if self.kind == DEEP_PROMPT:
             return (self.num_blocks, self.prompt_length, self.hidden_size)
         return (self.prompt_length, self.hidden_size)
 
+    @property
+    def size(self) -> int:
+        """The number a user chose: the rank of a bottleneck, the vectors of a prompt."""
+        return self.rank if self.kind == BOTTLENECK else self.prompt_length
+
     def to_dict(self) -> dict[str, Any]:
         value = {"kind": self.kind, "prompt_length": self.prompt_length, "hidden_size": self.hidden_size,
                  "base": dict(self.base), "training": dict(self.training)}
-        return dict(value, num_blocks=self.num_blocks) if self.kind == DEEP_PROMPT else value
+        if self.kind in PER_BLOCK_KINDS:
+            value["num_blocks"] = self.num_blocks
+        if self.kind == BOTTLENECK:
+            value["rank"] = self.rank
+        if self.head_rank:
+            value.update(head_rank=self.head_rank, vocab_size=self.vocab_size)
+        return value
 
     @classmethod
     def from_dict(cls, value: Any) -> "AdapterConfig":
@@ -93,25 +135,39 @@ class AdapterConfig:
         kind, length, hidden = value.get("kind"), value.get("prompt_length"), value.get("hidden_size")
         if kind not in KINDS:
             raise AdapterError(f"unknown adapter kind {kind!r}; this version knows {', '.join(map(repr, KINDS))}")
-        numbers = [("prompt_length", length), ("hidden_size", hidden)]
-        blocks = value.get("num_blocks", 0)
-        if kind == DEEP_PROMPT:
+        blocks, rank = value.get("num_blocks", 0), value.get("rank", 0)
+        head_rank, vocab = value.get("head_rank", 0), value.get("vocab_size", 0)
+        numbers = [("hidden_size", hidden)]
+        numbers += [("rank", rank)] if kind == BOTTLENECK else [("prompt_length", length)]
+        if kind in PER_BLOCK_KINDS:
             numbers.append(("num_blocks", blocks))
+        if head_rank != 0:
+            numbers += [("head_rank", head_rank), ("vocab_size", vocab)]
         for name, number in numbers:
             if not _positive_int(number):
                 raise AdapterError(f"{ADAPTER_CONFIG}: {name} must be a positive integer, got {number!r}")
-        if length > MAX_PROMPT_LENGTH:
+        if kind == BOTTLENECK and length != 0:
+            raise AdapterError(f"{ADAPTER_CONFIG}: a bottleneck adapter adds no positions: prompt_length must be 0, "
+                               f"got {length!r}")
+        for name, number in (("rank", rank), ("head_rank", head_rank)):
+            if number > MAX_RANK:
+                raise AdapterError(f"{name} {number} is over the limit of {MAX_RANK}")
+        if kind != BOTTLENECK and length > MAX_PROMPT_LENGTH:
             raise AdapterError(f"prompt_length {length} is over the limit of {MAX_PROMPT_LENGTH}")
         base, training = value.get("base"), value.get("training", {})
         if not isinstance(base, dict) or not isinstance(training, dict):
             raise AdapterError(f"{ADAPTER_CONFIG}: 'base' and 'training' must be objects")
-        config = cls(length, hidden, base, kind, training, blocks if kind == DEEP_PROMPT else 0)
-        if 4 * math.prod(config.shape) > MAX_WEIGHTS_BYTES:
-            raise AdapterError(f"an adapter of shape {config.shape} has {4 * math.prod(config.shape)} bytes of "
-                               f"float32, over the limit of {MAX_WEIGHTS_BYTES}")
-        if kind == DEEP_PROMPT and "num_layers" in base and base["num_layers"] != blocks:
-            raise AdapterError(f"{ADAPTER_CONFIG}: a deep prompt for {blocks} blocks cannot belong to a base model "
-                               f"of {base['num_layers']!r} blocks")
+        config = cls(length, hidden, base, kind, training, blocks if kind in PER_BLOCK_KINDS else 0,
+                     rank if kind == BOTTLENECK else 0, head_rank, vocab if head_rank else 0)
+        if config.weight_bytes > MAX_WEIGHTS_BYTES:
+            raise AdapterError(f"an adapter of shape {config.shape} (head rank {head_rank}) has "
+                               f"{config.weight_bytes} bytes of float32, over the limit of {MAX_WEIGHTS_BYTES}")
+        if head_rank and "vocab_size" in base and base["vocab_size"] != vocab:
+            raise AdapterError(f"{ADAPTER_CONFIG}: a head correction for a vocabulary of {vocab} cannot belong to a "
+                               f"base model of {base['vocab_size']!r} tokens")
+        if kind in PER_BLOCK_KINDS and "num_layers" in base and base["num_layers"] != blocks:
+            raise AdapterError(f"{ADAPTER_CONFIG}: a {kind.replace('_', ' ')} for {blocks} blocks cannot belong to a "
+                               f"base model of {base['num_layers']!r} blocks")
         return config
 
     def require_base(self, base: dict[str, Any], name: str = "") -> None:
@@ -123,12 +179,14 @@ class AdapterConfig:
 
 
 class PromptAdapter(nn.Module):
-    """``P`` trainable vectors for ``P`` positions before the sequence; the kinds differ in where they enter the
-    model (see the module doc). :meth:`load` reads either kind."""
+    """An adapter's main trainable tensor and how it enters the model (see the module doc): ``P`` positions before
+    the sequence (0 for a bottleneck) and, for the per-block kinds, a slice applied before each block; plus the
+    optional head correction. :meth:`load` reads every kind."""
 
     kind = ""
 
-    def __init__(self, config: AdapterConfig, prompts: Optional[torch.Tensor] = None):
+    def __init__(self, config: AdapterConfig, prompts: Optional[torch.Tensor] = None,
+                 head: Optional[HeadLoRA] = None):
         super().__init__()
         if config.kind != self.kind:
             raise AdapterError(f"a {type(self).__name__} needs an adapter config of kind {self.kind!r}, "
@@ -139,6 +197,36 @@ class PromptAdapter(nn.Module):
         if tuple(prompts.shape) != config.shape:
             raise AdapterError(f"prompt vectors of shape {tuple(prompts.shape)}, expected {config.shape}")
         self.prompts = nn.Parameter(prompts.detach().float().clone())
+        self.head_down: Optional[nn.Parameter] = None
+        self.head_up: Optional[nn.Parameter] = None
+        if config.head_rank:
+            head = head if head is not None else tuple(torch.zeros(shape) for shape in config.head_shapes)
+            for name, tensor, shape in zip((HEAD_DOWN_KEY, HEAD_UP_KEY), head, config.head_shapes):
+                if tuple(tensor.shape) != shape:
+                    raise AdapterError(f"{name} of shape {tuple(tensor.shape)}, expected {shape}")
+                setattr(self, name, nn.Parameter(tensor.detach().float().clone()))
+        elif head is not None:
+            raise AdapterError("a head correction needs an adapter config with head_rank > 0")
+
+    def init_head(self, generator: torch.Generator) -> None:
+        """Down projection random (unit-scale outputs from the normed rows), up zero: the head starts unchanged."""
+        if self.head_down is not None:
+            with torch.no_grad():
+                self.head_down.copy_(torch.randn(self.head_down.shape, generator=generator)
+                                     / math.sqrt(self.config.hidden_size))
+                self.head_up.zero_()
+
+    @property
+    def head_lora(self) -> Optional[HeadLoRA]:
+        """(down, up) of the head correction, or None."""
+        return None if self.head_down is None else (self.head_down, self.head_up)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every trained tensor by its name in the weights file (float32, detached)."""
+        named = {PROMPT_KEY: self.prompts}
+        if self.head_down is not None:
+            named.update({HEAD_DOWN_KEY: self.head_down, HEAD_UP_KEY: self.head_up})
+        return {name: tensor.detach().float().contiguous() for name, tensor in named.items()}
 
     @property
     def length(self) -> int:
@@ -146,7 +234,8 @@ class PromptAdapter(nn.Module):
 
     @property
     def block_prompts(self) -> Optional[torch.Tensor]:
-        """(blocks, P, hidden) vectors added before each block (a deep prompt), or None."""
+        """(blocks, R, hidden): the tensor applied before each block (a deep prompt's vectors, a bottleneck's
+        weights), or None."""
         return None
 
     def extend(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -168,8 +257,11 @@ class PromptAdapter(nn.Module):
         return None if rows is None else (rows[0] + self.length, rows[1] + self.length)
 
     def digest(self) -> str:
-        """sha256 of the vectors' float32 bytes: names the exact weights (publishing, reports)."""
-        return hashlib.sha256(self.prompts.detach().float().contiguous().numpy().tobytes()).hexdigest()
+        """sha256 of the tensors' float32 bytes: names the exact weights (publishing, reports)."""
+        digest = hashlib.sha256()
+        for tensor in self.tensors().values():
+            digest.update(tensor.numpy().tobytes())
+        return digest.hexdigest()
 
     # ----- files -----------------------------------------------------------------------------------
     def save(self, directory: str | Path, training: Optional[dict[str, Any]] = None) -> Path:
@@ -178,7 +270,7 @@ class PromptAdapter(nn.Module):
         directory.mkdir(parents=True, exist_ok=True)
         config = dataclasses.replace(self.config, training=dict(self.config.training, **(training or {})))
         weights = directory / (ADAPTER_WEIGHTS + ".tmp")
-        save_file({PROMPT_KEY: self.prompts.detach().float().contiguous()}, str(weights))
+        save_file(self.tensors(), str(weights))
         weights.replace(directory / ADAPTER_WEIGHTS)
         meta = directory / (ADAPTER_CONFIG + ".tmp")
         meta.write_text(json.dumps(config.to_dict(), indent=2, sort_keys=True))
@@ -206,7 +298,8 @@ class PromptAdapter(nn.Module):
             tensors = load_file(str(weights_path))
         except Exception as error:  # safetensors raises its own error types on corrupt headers
             raise AdapterError(f"{weights_path} is not a valid safetensors file: {error}") from None
-        return ADAPTER_KINDS[config.kind](config, check_prompts(tensors, config, str(weights_path)))
+        prompts, head = check_tensors(tensors, config, str(weights_path))
+        return ADAPTER_KINDS[config.kind](config, prompts, head)
 
 
 class SoftPrompt(PromptAdapter):
@@ -251,31 +344,67 @@ class DeepPrompt(PromptAdapter):
         return torch.zeros(self.length, self.config.hidden_size, dtype=self.prompts.dtype)
 
 
-ADAPTER_KINDS: dict[str, type[PromptAdapter]] = {SOFT_PROMPT: SoftPrompt, DEEP_PROMPT: DeepPrompt}
+class BottleneckAdapter(PromptAdapter):
+    """Per block, a residual MLP of rank r on every row (see the module doc): no extra positions."""
+
+    kind = BOTTLENECK
+
+    @classmethod
+    def initialized(cls, config: AdapterConfig, embed: Callable[[torch.Tensor], torch.Tensor], vocab_size: int,
+                    generator: torch.Generator) -> "BottleneckAdapter":
+        """Down projections random (unit-scale activations from the normed rows), up projections zero: before
+        training the adapter is the identity, and the first gradients reach every down projection."""
+        weights = torch.zeros(config.shape)
+        weights[:, :config.rank] = torch.randn(config.num_blocks, config.rank, config.hidden_size,
+                                               generator=generator) / math.sqrt(config.hidden_size)
+        return cls(config, weights)
+
+    @property
+    def block_prompts(self) -> torch.Tensor:
+        return self.prompts
+
+    def input_states(self) -> torch.Tensor:
+        return torch.zeros(0, self.config.hidden_size, dtype=self.prompts.dtype)
 
 
-def new_adapter(kind: str, prompt_length: int, config: Any, base: dict[str, Any],
-                embed: Callable[[torch.Tensor], torch.Tensor], generator: torch.Generator) -> PromptAdapter:
-    """A freshly initialised adapter of ``kind`` for a model of ``config`` (its sizes read from it)."""
+ADAPTER_KINDS: dict[str, type[PromptAdapter]] = {SOFT_PROMPT: SoftPrompt, DEEP_PROMPT: DeepPrompt,
+                                                 BOTTLENECK: BottleneckAdapter}
+
+
+def new_adapter(kind: str, size: int, config: Any, base: dict[str, Any],
+                embed: Callable[[torch.Tensor], torch.Tensor], generator: torch.Generator,
+                head_rank: int = 0) -> PromptAdapter:
+    """A freshly initialised adapter of ``kind`` for a model of ``config`` (its sizes read from it); ``size`` is
+    the prompt's vectors, or the bottleneck's rank; ``head_rank`` > 0 adds a head correction."""
     if kind not in ADAPTER_KINDS:
         raise AdapterError(f"unknown adapter kind {kind!r}; choose one of {', '.join(KINDS)}")
-    blocks = int(config.num_layers) if kind == DEEP_PROMPT else 0
-    adapter_config = AdapterConfig(prompt_length, int(config.hidden_size), base, kind, num_blocks=blocks)
-    return ADAPTER_KINDS[kind].initialized(adapter_config, embed, int(config.vocab_size), generator)
+    blocks = int(config.num_layers) if kind in PER_BLOCK_KINDS else 0
+    length, rank = (0, size) if kind == BOTTLENECK else (size, 0)
+    adapter_config = AdapterConfig(length, int(config.hidden_size), base, kind, num_blocks=blocks, rank=rank,
+                                   head_rank=head_rank, vocab_size=int(config.vocab_size) if head_rank else 0)
+    adapter = ADAPTER_KINDS[kind].initialized(adapter_config, embed, int(config.vocab_size), generator)
+    adapter.init_head(generator)  # after the main tensor: adapters without a head draw what they always drew
+    return adapter
 
 
-def check_prompts(tensors: dict[str, torch.Tensor], config: AdapterConfig, where: str) -> torch.Tensor:
-    """The prompt tensor of an adapter file, refused unless it is exactly what the config declares."""
-    if set(tensors) != {PROMPT_KEY}:
-        raise AdapterError(f"{where} must hold exactly one tensor {PROMPT_KEY!r}, it holds {sorted(tensors)}")
-    prompts = tensors[PROMPT_KEY]
-    expected = config.shape
-    if tuple(prompts.shape) != expected or not prompts.is_floating_point():
-        raise AdapterError(f"{where}: prompt has shape {tuple(prompts.shape)} {prompts.dtype}, expected {expected} "
-                           f"floats")
-    if not bool(torch.isfinite(prompts).all()):
-        raise AdapterError(f"{where}: prompt contains NaN or infinite values")
-    return prompts.float()
+def check_tensors(tensors: dict[str, torch.Tensor], config: AdapterConfig, where: str
+                  ) -> tuple[torch.Tensor, Optional[HeadLoRA]]:
+    """The main tensor and the head correction (None without one) of an adapter file, refused unless they are
+    exactly what the config declares."""
+    expected = {PROMPT_KEY: config.shape}
+    if config.head_rank:
+        expected.update(zip((HEAD_DOWN_KEY, HEAD_UP_KEY), config.head_shapes))
+    if set(tensors) != set(expected):
+        raise AdapterError(f"{where} must hold exactly the tensors {sorted(expected)}, it holds {sorted(tensors)}")
+    for name, shape in expected.items():
+        tensor = tensors[name]
+        if tuple(tensor.shape) != shape or not tensor.is_floating_point():
+            raise AdapterError(f"{where}: {name} has shape {tuple(tensor.shape)} {tensor.dtype}, expected {shape} "
+                               f"floats")
+        if not bool(torch.isfinite(tensor).all()):
+            raise AdapterError(f"{where}: {name} contains NaN or infinite values")
+    head = (tensors[HEAD_DOWN_KEY].float(), tensors[HEAD_UP_KEY].float()) if config.head_rank else None
+    return tensors[PROMPT_KEY].float(), head
 
 
 def check_fits(adapter: PromptAdapter, rows: int, max_positions: int) -> None:

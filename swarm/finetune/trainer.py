@@ -27,7 +27,15 @@ from tqdm.auto import tqdm
 
 from swarm.client.model import DistributedDiffusionLM
 from swarm.client.sequence import HopTrace, RemoteSequence
-from swarm.finetune.adapter import ADAPTER_CONFIG, SOFT_PROMPT, PromptAdapter, base_of, new_adapter
+from swarm.finetune.adapter import (
+    ADAPTER_CONFIG,
+    BOTTLENECK,
+    DEEP_PROMPT,
+    SOFT_PROMPT,
+    PromptAdapter,
+    base_of,
+    new_adapter,
+)
 from swarm.finetune.data import Example, SFTBatch, data_digest, load_examples, make_batch
 from swarm.finetune.together import (
     CollaborationConfig,
@@ -38,13 +46,15 @@ from swarm.finetune.together import (
 )
 from swarm.lm import BaseDiffusionLM
 from swarm.local import DiffusionLM
+from swarm.models.modules import HeadLoRA
 from swarm.train.objective import mask_tokens, masked_cross_entropy
 
 logger = logging.getLogger(__name__)
 
 STATE_FILE = "finetune_state.pt"
 # Settings that change what a resumed run computes: a mismatch is refused, not silently mixed.
-RUN_DEFINING = ("batch_size", "lr", "prompt_length", "seed", "data_sha256", "adapter_kind", "pad_response")
+RUN_DEFINING = ("batch_size", "lr", "prompt_length", "seed", "data_sha256", "adapter_kind", "pad_response", "rank",
+                "head_rank")
 
 
 @dataclass
@@ -55,7 +65,9 @@ class FinetuneConfig:
     lr: float = 1e-2
     batch_size: int = 8
     prompt_length: int = 16
-    adapter_kind: str = SOFT_PROMPT  # soft_prompt (vectors before the first block) or deep_prompt (per block)
+    adapter_kind: str = SOFT_PROMPT  # soft_prompt (vectors before the first block), deep_prompt or bottleneck
+    rank: int = 16  # a bottleneck adapter's rank (its weights per block: 2 x rank x hidden)
+    head_rank: int = 0  # the rank of a correction of the client's output head (0: none)
     pad_response: int = 0  # EOS-pad every response to at least this many tokens (generation's gen_length)
     seed: int = 0
     save_every: int = 10
@@ -74,7 +86,8 @@ class FinetuneConfig:
 def saved_run_defining(saved: dict[str, Any]) -> dict[str, Any]:
     """:meth:`FinetuneConfig.run_defining` of a saved run (runs saved before collaborations trained alone)."""
     collaboration = saved.get("collaboration") or {}
-    saved = {"adapter_kind": SOFT_PROMPT, "pad_response": 0, **saved}  # defaults of runs saved before them
+    saved = {"adapter_kind": SOFT_PROMPT, "pad_response": 0, "rank": FinetuneConfig.rank, "head_rank": 0,
+             **saved}  # defaults of runs saved before them
     return {**{key: saved.get(key) for key in RUN_DEFINING}, "run_id": collaboration.get("run_id", ""),
             "target_batch_size": collaboration.get("target_batch_size", saved.get("batch_size"))}
 
@@ -86,9 +99,10 @@ class Backbone(Protocol):
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor: ...
 
-    def blocks(self, hidden: torch.Tensor, prompts: Optional[torch.Tensor] = None) -> torch.Tensor: ...
+    def blocks(self, hidden: torch.Tensor, prompts: Optional[torch.Tensor] = None,
+               prompt_kind: str = DEEP_PROMPT) -> torch.Tensor: ...
 
-    def head(self, hidden: torch.Tensor) -> torch.Tensor: ...
+    def head(self, hidden: torch.Tensor, lora: Optional[HeadLoRA] = None) -> torch.Tensor: ...
 
 
 class LocalBackbone:
@@ -101,30 +115,31 @@ class LocalBackbone:
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.lm.model.embedding(ids)
 
-    def blocks(self, hidden: torch.Tensor, prompts: Optional[torch.Tensor] = None) -> torch.Tensor:
-        return self.lm.model.span(hidden, prompts=prompts)
+    def blocks(self, hidden: torch.Tensor, prompts: Optional[torch.Tensor] = None,
+               prompt_kind: str = DEEP_PROMPT) -> torch.Tensor:
+        return self.lm.model.span(hidden, prompts=prompts, prompt_kind=prompt_kind)
 
-    def head(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm.model.head(hidden)
+    def head(self, hidden: torch.Tensor, lora: Optional[HeadLoRA] = None) -> torch.Tensor:
+        return self.lm.model.head(hidden, lora)
 
 
 class SwarmBlocks(torch.autograd.Function):
-    """Every block through the swarm as one differentiable function of the hidden states (and of a deep prompt's
-    vectors, when given: None for a soft prompt)."""
+    """Every block through the swarm as one differentiable function of the hidden states (and of a per-block
+    adapter's tensor, when given: None for a soft prompt)."""
 
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, prompts: Optional[torch.Tensor],
-                sequence: RemoteSequence) -> torch.Tensor:
+                sequence: RemoteSequence, prompt_kind: str) -> torch.Tensor:
         trace: list[HopTrace] = []
         prompts = prompts.detach() if prompts is not None else None
-        output = sequence.forward(hidden.detach(), trace=trace, prompts=prompts)
-        ctx.sequence, ctx.trace, ctx.dtype, ctx.prompts = sequence, trace, hidden.dtype, prompts
+        output = sequence.forward(hidden.detach(), trace=trace, prompts=prompts, prompt_kind=prompt_kind)
+        ctx.sequence, ctx.trace, ctx.dtype, ctx.prompts, ctx.kind = sequence, trace, hidden.dtype, prompts, prompt_kind
         return output.to(hidden.dtype)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor], None]:
-        grad_hidden, grad_prompts = ctx.sequence.backward_all(ctx.trace, grad.float(), ctx.prompts)
-        return grad_hidden.to(ctx.dtype), grad_prompts, None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor], None, None]:
+        grad_hidden, grad_prompts = ctx.sequence.backward_all(ctx.trace, grad.float(), ctx.prompts, ctx.kind)
+        return grad_hidden.to(ctx.dtype), grad_prompts, None, None
 
 
 class SwarmBackbone:
@@ -138,11 +153,12 @@ class SwarmBackbone:
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.lm.embedding(ids)
 
-    def blocks(self, hidden: torch.Tensor, prompts: Optional[torch.Tensor] = None) -> torch.Tensor:
-        return SwarmBlocks.apply(hidden, prompts, self.lm.sequence)
+    def blocks(self, hidden: torch.Tensor, prompts: Optional[torch.Tensor] = None,
+               prompt_kind: str = DEEP_PROMPT) -> torch.Tensor:
+        return SwarmBlocks.apply(hidden, prompts, self.lm.sequence, prompt_kind)
 
-    def head(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm.head(hidden.to(self.lm.compute_dtype))
+    def head(self, hidden: torch.Tensor, lora: Optional[HeadLoRA] = None) -> torch.Tensor:
+        return self.lm.head(hidden.to(self.lm.compute_dtype), lora)
 
 
 def backbone_of(lm: BaseDiffusionLM) -> Backbone:
@@ -153,7 +169,8 @@ def adapted_logits(backbone: Backbone, adapter: PromptAdapter, tokens: torch.Ten
     """Logits of ``tokens`` with the adapter's positions in front, differentiable with respect to its vectors."""
     with torch.no_grad():
         hidden = backbone.embed(tokens)
-    return backbone.head(adapter.strip(backbone.blocks(adapter.extend(hidden), adapter.block_prompts))).float()
+    blocks = backbone.blocks(adapter.extend(hidden), adapter.block_prompts, adapter.kind)
+    return backbone.head(adapter.strip(blocks), adapter.head_lora).float()
 
 
 def sft_loss(backbone: Backbone, adapter: PromptAdapter, batch: SFTBatch, generator: torch.Generator) -> torch.Tensor:
@@ -206,7 +223,7 @@ class Finetuner:
         self.generator = torch.Generator().manual_seed(config.seed)
         self.state = FinetuneState()
         self.adapter = self._start_adapter()  # every peer of a run starts from the same vectors (one --seed)
-        params = [self.adapter.prompts]
+        params = list(self.adapter.parameters())  # the main tensor, and the head correction's when there is one
         if config.collaboration is not None:
             self.generator.manual_seed(peer_seed(config.seed, str(dht.peer_id)))
             self.optimizer = collaborative_optimizer(dht, config.collaboration, params, config.lr, config.batch_size)
@@ -234,13 +251,22 @@ class Finetuner:
         base = base_of(self.lm.config, self.lm.tokenizer)
         if (self.output / ADAPTER_CONFIG).is_file():
             adapter = PromptAdapter.load(self.output, base)
-            if adapter.length != self.config.prompt_length or adapter.kind != self.config.adapter_kind:
-                raise ValueError(f"{self.output} holds a {adapter.kind} adapter of {adapter.length} vectors, not "
-                                 f"--adapter-kind {self.config.adapter_kind} --prompt-length "
-                                 f"{self.config.prompt_length}")
+            if adapter.config.head_rank != self.config.head_rank:
+                raise ValueError(f"{self.output} holds an adapter with a head correction of rank "
+                                 f"{adapter.config.head_rank}, not --head-rank {self.config.head_rank}")
+            if adapter.config.size != self.adapter_size or adapter.kind != self.config.adapter_kind:
+                size = f"rank {adapter.config.size}" if adapter.kind == BOTTLENECK else f"{adapter.length} vectors"
+                asked = "--rank" if self.config.adapter_kind == BOTTLENECK else "--prompt-length"
+                raise ValueError(f"{self.output} holds a {adapter.kind} adapter of {size}, not --adapter-kind "
+                                 f"{self.config.adapter_kind} {asked} {self.adapter_size}")
             return adapter
-        return new_adapter(self.config.adapter_kind, self.config.prompt_length, self.lm.config, base,
-                           self.backbone.embed, self.generator)
+        return new_adapter(self.config.adapter_kind, self.adapter_size, self.lm.config, base,
+                           self.backbone.embed, self.generator, self.config.head_rank)
+
+    @property
+    def adapter_size(self) -> int:
+        """The size the run asks for: a bottleneck's rank, a prompt's vectors."""
+        return self.config.rank if self.config.adapter_kind == BOTTLENECK else self.config.prompt_length
 
     def _resume(self) -> None:
         path = self.output / STATE_FILE

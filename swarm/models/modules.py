@@ -16,6 +16,12 @@ from swarm.models.config import ModelConfig
 from swarm.models.kv_cache import SpanKV
 from swarm.models.layers import RMSNorm, TransformerBlock, rotary_cos_sin
 
+DEEP_PROMPT = "deep_prompt"
+BOTTLENECK = "bottleneck"
+BLOCK_ADAPTER_KINDS = (DEEP_PROMPT, BOTTLENECK)  # adapters whose tensor has a slice per block: (blocks, R, hidden)
+HeadLoRA = tuple[torch.Tensor, torch.Tensor]  # an adapter's head correction: down (r, hidden), up (vocab, r)
+
+
 
 class TokenEmbedding(nn.Module):
     def __init__(self, config: ModelConfig):
@@ -49,14 +55,16 @@ class BlockSpan(nn.Module):
         kv: Optional[SpanKV] = None,
         rows: Optional[tuple[int, int]] = None,
         prompts: Optional[torch.Tensor] = None,
+        prompt_kind: str = DEEP_PROMPT,
     ) -> torch.Tensor:
         """hidden (batch, length, d); attention_mask (batch, length) bool, True for real tokens.
 
         ``blocks=(a, b)`` runs only the held blocks ``a:b`` (a server may serve part of its span).
         ``kv`` with ``rows`` None fills the cache from this full pass; with ``rows=(a, b)`` the hidden states
         are those rows only and every other position's keys and values come from the cache.
-        ``prompts`` (blocks run, P, d): a deep prompt; before each block its vectors are added to the states of
-        the absolute positions 0:P (:func:`add_prompt`).
+        ``prompts`` (blocks run, R, d): an adapter's tensor for each block run, applied before the block as
+        ``prompt_kind`` says (:func:`apply_block_adapter`): a deep prompt's vectors, added to the absolute positions
+        0:R, or a bottleneck adapter's weights, applied to every row.
         """
         batch, length, _ = hidden.shape
         if position_ids is None:
@@ -76,14 +84,47 @@ class BlockSpan(nn.Module):
                                     or prompts.shape[2] != hidden.shape[2]):
             raise ValueError(f"prompts of shape {tuple(prompts.shape)} for blocks {start}:{end}: expected "
                              f"({end - start}, P, {hidden.shape[2]})")
+        if prompts is not None:
+            check_block_adapter(prompt_kind, prompts.shape[1])
         cos, sin = rotary_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, hidden.dtype)
         offset = rows[0] if rows is not None else 0
         for index in range(start, end):
             if prompts is not None:
-                hidden = add_prompt(hidden, prompts[index - start], offset)
+                hidden = apply_block_adapter(prompt_kind, hidden, prompts[index - start], offset)
             hidden = self.blocks[str(index)](hidden, cos, sin, attention_mask,
                                              kv.block(index) if kv is not None else None, rows)
         return hidden
+
+
+def check_block_adapter(kind: str, rows: int) -> None:
+    """A per-block adapter tensor of ``rows`` rows per block must be of a known kind (a bottleneck's rows are its
+    down and up projections, so an even number)."""
+    if kind not in BLOCK_ADAPTER_KINDS:
+        raise ValueError(f"unknown per-block adapter kind {kind!r}; known: {', '.join(BLOCK_ADAPTER_KINDS)}")
+    if kind == BOTTLENECK and rows % 2:
+        raise ValueError(f"a bottleneck adapter's tensor holds 2 x rank rows per block, got {rows}")
+
+
+def apply_block_adapter(kind: str, hidden: torch.Tensor, weights: torch.Tensor, offset: int = 0) -> torch.Tensor:
+    """One block's share of a per-block adapter, applied to ``hidden`` before the block (rows at absolute positions
+    ``offset``...): the one function the local model and every server run, so their tokens agree."""
+    if kind == BOTTLENECK:
+        return add_bottleneck(hidden, weights)
+    return add_prompt(hidden, weights, offset)
+
+
+def add_bottleneck(hidden: torch.Tensor, weights: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """``hidden`` plus a small residual MLP of each row: ``silu(norm(h) @ down.T) @ up``, ``weights`` (2r, d) holding
+    ``down`` (r, d) then ``up`` (r, d).
+
+    Row by row, so a cache reuse that computes only some rows applies it exactly as the full pass did. The norm has
+    no weight: the residual stream's scale grows with depth, and a fixed-scale input keeps one learning rate right
+    for every block. ``up`` starts at zero, so a new adapter is the identity."""
+    rank = weights.shape[0] // 2
+    states = hidden.float()
+    normed = states * torch.rsqrt(states.pow(2).mean(-1, keepdim=True) + eps)
+    down, up = weights[:rank].float(), weights[rank:].float()
+    return (states + F.silu(normed @ down.T) @ up).to(hidden.dtype)
 
 
 def add_prompt(hidden: torch.Tensor, prompt: torch.Tensor, offset: int = 0) -> torch.Tensor:
@@ -109,11 +150,22 @@ class OutputHead(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(self.norm(hidden))
-        return align_logits(logits, self.config)
+    def forward(self, hidden: torch.Tensor, lora: Optional[HeadLoRA] = None) -> torch.Tensor:
+        """Logits of every row; ``lora`` is an adapter's low-rank correction of the projection (client side)."""
+        return align_logits(self.project(hidden, lora), self.config)
 
-    def score_rows(self, hidden: torch.Tensor, offset: int, scored: tuple[int, int]) -> torch.Tensor:
+    def project(self, hidden: torch.Tensor, lora: Optional[HeadLoRA] = None) -> torch.Tensor:
+        """``lm_head(norm(hidden))``, plus ``(normed @ down.T) @ up.T`` when a ``lora`` (down (r, d), up (vocab, r))
+        is given: the one place an adapter's head correction enters, for training and generation alike."""
+        normed = self.norm(hidden)
+        logits = self.lm_head(normed)
+        if lora is None:
+            return logits
+        down, up = lora
+        return logits + ((normed.float() @ down.float().T) @ up.float().T).to(logits.dtype)
+
+    def score_rows(self, hidden: torch.Tensor, offset: int, scored: tuple[int, int],
+                   lora: Optional[HeadLoRA] = None) -> torch.Tensor:
         """Float32 logits of ``hidden`` (rows at absolute positions ``offset``...), the head computed only for the
         absolute positions ``scored`` = (a, b): at LLaDA-8B's widths the head costs as much as a block per row,
         and the sampler reads one block. Every other row is NaN, so that a reader of a row never asked for
@@ -123,10 +175,11 @@ class OutputHead(nn.Module):
         out = torch.full((batch, length, self.config.vocab_size), float("nan"), dtype=torch.float32,
                          device=hidden.device)
         if first < last:
-            out[:, first:last] = self.scored_logits(hidden, offset, scored)
+            out[:, first:last] = self.scored_logits(hidden, offset, scored, lora)
         return out
 
-    def scored_logits(self, hidden: torch.Tensor, offset: int, scored: tuple[int, int]) -> torch.Tensor:
+    def scored_logits(self, hidden: torch.Tensor, offset: int, scored: tuple[int, int],
+                      lora: Optional[HeadLoRA] = None) -> torch.Tensor:
         """Float32 logits (batch, rows, vocab) of the absolute positions ``scored`` that ``hidden`` holds (its rows
         start at ``offset``): the one computation behind every head of the project, in the client, the local
         model and a head server, so that they agree to the bit. Row alignment is :func:`align_logits`'s
@@ -134,7 +187,7 @@ class OutputHead(nn.Module):
         first, last = max(scored[0] - offset, 0), min(scored[1] - offset, hidden.shape[1])
         shift = 1 if self.config.logits_shift else 0
         source = (torch.arange(first, last, device=hidden.device) - shift).clamp(min=0)
-        return self.lm_head(self.norm(hidden[:, source])).float()
+        return self.project(hidden[:, source], lora).float()
 
 
 def align_logits(logits: torch.Tensor, config: ModelConfig) -> torch.Tensor:

@@ -13,7 +13,7 @@ import torch
 
 from swarm.diffusion.prediction import HeadQuery, predict_states
 from swarm.models.kv_cache import SpanKV
-from swarm.models.modules import BlockSpan, OutputHead
+from swarm.models.modules import DEEP_PROMPT, BlockSpan, OutputHead
 from swarm.protocol import ErrorCode, RemoteError
 
 logger = logging.getLogger(__name__)
@@ -251,12 +251,12 @@ class SpanBackend:
     @torch.inference_mode()
     def forward_sync(self, hidden: torch.Tensor, start: int, end: int, kv: Optional[SpanKV] = None,
                      rows: Optional[tuple[int, int]] = None, head: Optional[HeadQuery] = None,
-                     prompts: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Run blocks ``start:end`` (a sub-span of the held one), filling or reusing ``kv`` (see BlockSpan), adding
-        a deep prompt's vectors before each block; with a ``head`` query, answer its predictions (float64) instead
-        of the hidden states."""
+                     prompts: Optional[torch.Tensor] = None, prompt_kind: str = DEEP_PROMPT) -> torch.Tensor:
+        """Run blocks ``start:end`` (a sub-span of the held one), filling or reusing ``kv`` (see BlockSpan), applying
+        a per-block adapter's tensor before each block; with a ``head`` query, answer its predictions (float64)
+        instead of the hidden states."""
         x = self.span(hidden.to(self.device, self.dtype), blocks=(start, end), kv=kv, rows=rows,
-                      prompts=self._on_device(prompts))
+                      prompts=self._on_device(prompts), prompt_kind=prompt_kind)
         x = x.to(self.dtype)  # the compute dtype: the wire carries it as is by default (lossless)
         if head is None:
             return x.cpu()
@@ -266,21 +266,22 @@ class SpanBackend:
     async def forward(self, hidden: torch.Tensor, start: int, end: int, kv: Optional[SpanKV] = None,
                       rows: Optional[tuple[int, int]] = None, *, peer: str = "",
                       grant: Optional[Grant] = None, head: Optional[HeadQuery] = None,
-                      prompts: Optional[torch.Tensor] = None) -> torch.Tensor:
+                      prompts: Optional[torch.Tensor] = None, prompt_kind: str = DEEP_PROMPT) -> torch.Tensor:
         """The span's output; ``grant`` is the place :meth:`ComputeQueue.admit` gave the request (taken here
         for ``peer`` when None)."""
         tokens = hidden.shape[0] * hidden.shape[1]
-        return await self.queue.run(tokens, self.forward_sync, hidden, start, end, kv, rows, head, prompts,
+        return await self.queue.run(tokens, self.forward_sync, hidden, start, end, kv, rows, head, prompts, prompt_kind,
                                     peer=peer, grant=grant)
 
     def _on_device(self, prompts: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-        """A deep prompt's vectors where the blocks compute, in float32 (each block adds them in its own dtype)."""
+        """A per-block adapter's tensor where the blocks compute, in float32 (each block adds them in its own dtype)."""
         return None if prompts is None else prompts.to(self.device, torch.float32)
 
     def backward_sync(self, inputs: torch.Tensor, grad_outputs: torch.Tensor, start: int, end: int,
-                      prompts: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                      prompts: Optional[torch.Tensor] = None, prompt_kind: str = DEEP_PROMPT
+                      ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """The gradient of blocks ``start:end``'s input (float32), recomputing their forward with autograd, and
-        of the deep prompt's vectors when given (float32, else None).
+        of the per-block adapter's tensor when given (float32, else None).
 
         The weights take no gradient (they are frozen), so autograd keeps only the activations of this one pass,
         freed when it returns."""
@@ -288,16 +289,16 @@ class SpanBackend:
             x = inputs.to(self.device, self.dtype).requires_grad_(True)
             p = self._on_device(prompts)
             leaves = (x,) if p is None else (x, p.requires_grad_(True))
-            y = self.span(x, blocks=(start, end), prompts=p)
+            y = self.span(x, blocks=(start, end), prompts=p, prompt_kind=prompt_kind)
             grads = torch.autograd.grad(y, leaves, grad_outputs.to(self.device, y.dtype))
         return grads[0].float().cpu(), grads[1].float().cpu() if p is not None else None
 
     async def backward(self, inputs: torch.Tensor, grad_outputs: torch.Tensor, start: int, end: int, *,
-                       peer: str = "", grant: Optional[Grant] = None, prompts: Optional[torch.Tensor] = None
-                       ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                       peer: str = "", grant: Optional[Grant] = None, prompts: Optional[torch.Tensor] = None,
+                       prompt_kind: str = DEEP_PROMPT) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """:meth:`backward_sync` on the compute thread, under the same queue and bounds as forward passes."""
         tokens = 2 * inputs.shape[0] * inputs.shape[1]
-        return await self.queue.run(tokens, self.backward_sync, inputs, grad_outputs, start, end, prompts,
+        return await self.queue.run(tokens, self.backward_sync, inputs, grad_outputs, start, end, prompts, prompt_kind,
                                     peer=peer, grant=grant)
 
     def shutdown(self) -> None:

@@ -6,10 +6,11 @@ budget) are all settled before the rest of its payload is received, decoded or c
 (:class:`~swarm.protocol.BackwardRequest`) has a forward request's form and takes the same path, with its own
 checks: no cache, push or head directives, an even stacked batch, and a server that answers backward calls.
 
-Either kind may carry a deep prompt's vectors for the requested blocks (``prompt_length`` P in the metadata): their
-shape (blocks, P, hidden), dtype, size (P at most ``MAX_PROMPT_LENGTH``, blocks x P at most ``--max-batch-tokens``)
-and finite values are checked like the hidden states', and they count in the request's declared payload. A pushed
-request may not carry them (the next hops would need their own).
+Either kind may carry a per-block adapter's tensor for the requested blocks (``prompt_length`` R in the metadata,
+``prompt_kind`` deep_prompt or bottleneck): its shape (blocks, R, hidden), dtype, size (R at most
+``MAX_PROMPT_LENGTH``, blocks x R at most ``--max-batch-tokens``), kind and finite values are checked like the
+hidden states', and it counts in the request's declared payload. A pushed request may not carry one (the next
+hops would need their own).
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from hivemind.utils.asyncio import iter_as_aiter
 
 from swarm.diffusion.prediction import HeadQuery
 from swarm.models.kv_cache import CacheMiss, SpanKV
+from swarm.models.modules import DEEP_PROMPT
 from swarm.protocol import (
     AUTO_WIRE,
     MAX_STREAM_MESSAGE_BYTES,
@@ -83,8 +85,9 @@ class Declared:
     push: Optional[PushSpec]
     head: Optional[HeadQuery] = None  # answer the sampler's predictions instead of hidden states
     backward: bool = False  # the tensor stacks the span's inputs and its output gradient: answer the input gradient
-    prompt_length: int = 0  # P of the deep prompt the request carries (0: none)
+    prompt_length: int = 0  # rows per block of the per-block adapter tensor the request carries (0: none)
     prompt_parts: int = 0  # the messages' tensor parts holding it, after the hidden states' ``parts``
+    prompt_kind: str = DEEP_PROMPT  # how the blocks apply it (a deep prompt's vectors, a bottleneck's weights)
 
     @property
     def prompt_shape(self) -> tuple[int, int, int]:
@@ -247,7 +250,8 @@ class ForwardHandler(SpanService):
                 f"payload over {self.max_first_bytes} bytes")
         metadata = parse_metadata(first.metadata)
         start, end = validate_metadata(metadata, (self.backend.start, self.backend.end))
-        prompt_length, prompt_parts = validate_prompt_declared(metadata, end - start, self.max_batch_tokens)
+        prompt_length, prompt_parts, prompt_kind = validate_prompt_declared(metadata, end - start,
+                                                                            self.max_batch_tokens)
         require(len(first.tensors) == 1 or (len(first.tensors) == 2 and prompt_parts == 1), ErrorCode.BAD_REQUEST,
                 f"the first part must carry one tensor (two: the hidden states and a deep prompt of one part each), "
                 f"it carries {len(first.tensors)}")
@@ -264,7 +268,7 @@ class ForwardHandler(SpanService):
         require(first.ByteSize() <= max_bytes, ErrorCode.TOO_LARGE,
                 f"first part of {first.ByteSize()} bytes, over the {max_bytes} its declared shapes need")
         extra = metadata.get("extra", {})
-        prompted = dict(prompt_length=prompt_length, prompt_parts=prompt_parts)
+        prompted = dict(prompt_length=prompt_length, prompt_parts=prompt_parts, prompt_kind=prompt_kind)
         if backward:
             self._check_backward(extra, batch)
             if unary:
@@ -355,7 +359,7 @@ class ForwardHandler(SpanService):
             try:
                 output = await asyncio.wait_for(
                     self.backend.forward(hidden, declared.start, declared.end, kv, rows, grant=place,
-                                         head=declared.head, prompts=prompts),
+                                         head=declared.head, prompts=prompts, prompt_kind=declared.prompt_kind),
                     self.request_timeout)
                 computed = True
             finally:
@@ -371,7 +375,8 @@ class ForwardHandler(SpanService):
         output gradients, under ``place``."""
         inputs, grad_outputs = stacked.chunk(2)
         return await asyncio.wait_for(
-            self.backend.backward(inputs, grad_outputs, declared.start, declared.end, grant=place, prompts=prompts),
+            self.backend.backward(inputs, grad_outputs, declared.start, declared.end, grant=place, prompts=prompts,
+                                  prompt_kind=declared.prompt_kind),
             self.request_timeout)
 
     async def _cache_for(self, extra: dict, session_id: str, hidden: torch.Tensor, start: int, end: int

@@ -6,6 +6,7 @@ from typing import Any
 import torch
 
 from swarm.finetune.adapter import MAX_PROMPT_LENGTH  # a deep prompt's vectors per block: the adapters' own limit
+from swarm.models.modules import BLOCK_ADAPTER_KINDS, BOTTLENECK, DEEP_PROMPT
 from swarm.protocol import ErrorCode, RemoteError
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -65,12 +66,17 @@ def validate_hidden(hidden: torch.Tensor, hidden_size: int, max_batch_tokens: in
     require(bool(torch.isfinite(hidden).all()), ErrorCode.NOT_FINITE, "hidden states contain NaN or infinite values")
 
 
-def validate_prompt_declared(metadata: dict[str, Any], blocks: int, max_batch_tokens: int) -> tuple[int, int]:
-    """(P, parts) of the deep prompt a request declares ((0, 0) for none), bounded before anything is received:
-    P at most MAX_PROMPT_LENGTH, and blocks x P vectors at most the positions a request may carry."""
+def validate_prompt_declared(metadata: dict[str, Any], blocks: int, max_batch_tokens: int
+                             ) -> tuple[int, int, str]:
+    """(R, parts, kind) of the per-block adapter tensor a request declares ((0, 0, deep_prompt) for none), bounded
+    before anything is received: R at most MAX_PROMPT_LENGTH, blocks x R rows at most the positions a request may
+    carry, a known kind (a bottleneck's R = 2 x rank is even)."""
     length, parts = metadata.get("prompt_length"), metadata.get("prompt_parts")
-    if length is None and parts is None:
-        return 0, 0
+    kind = metadata.get("prompt_kind", DEEP_PROMPT)
+    if length is None and parts is None and "prompt_kind" not in metadata:
+        return 0, 0, DEEP_PROMPT
+    require(isinstance(kind, str) and kind in BLOCK_ADAPTER_KINDS, ErrorCode.BAD_REQUEST,
+            f"metadata 'prompt_kind' must be one of {', '.join(BLOCK_ADAPTER_KINDS)}, got {kind!r}")
     require(is_count(length) and 0 < length <= MAX_PROMPT_LENGTH, ErrorCode.BAD_REQUEST,
             f"metadata 'prompt_length' must be an integer in 1..{MAX_PROMPT_LENGTH}, got {length!r}")
     require(is_count(parts) and parts > 0, ErrorCode.BAD_REQUEST,
@@ -78,7 +84,9 @@ def validate_prompt_declared(metadata: dict[str, Any], blocks: int, max_batch_to
     require(blocks * length <= max_batch_tokens, ErrorCode.TOO_LARGE,
             f"a deep prompt of {length} vectors for {blocks} blocks ({blocks * length}) exceeds this server's limit "
             f"of {max_batch_tokens}")
-    return length, parts
+    require(kind != BOTTLENECK or length % 2 == 0, ErrorCode.BAD_REQUEST,
+            f"a bottleneck adapter carries 2 x rank rows per block: 'prompt_length' must be even, got {length}")
+    return length, parts, kind
 
 
 def validate_prompts(prompts: torch.Tensor, shape: tuple[int, int, int]) -> None:

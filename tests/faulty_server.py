@@ -16,8 +16,8 @@ _honest_forward = backend.SpanBackend.forward_sync
 REUSE_ONLY = "faulty-reuse" in sys.argv
 
 
-def _perturbed_forward(self, hidden, start, end, kv=None, rows=None, head=None, prompts=None):
-    output = _honest_forward(self, hidden, start, end, kv, rows, head, prompts)
+def _perturbed_forward(self, hidden, start, end, kv=None, rows=None, head=None, *rest, **options):
+    output = _honest_forward(self, hidden, start, end, kv, rows, head, *rest, **options)
     if REUSE_ONLY and rows is None:
         return output
     if head is not None:  # predictions: lie about tokens, keep everything in range

@@ -102,7 +102,8 @@ class GenerationRequest:
                          api=False)  # the HTTP API has an endpoint for conversations
     progress: bool = setting(False, "Show a progress bar.", cli=False, api=False)  # the command shows every step
     adapter: Optional[str] = setting(
-        None, "A fine-tuned adapter (a soft or deep prompt): its directory, as written by python -m swarm.finetune, "
+        None, "A fine-tuned adapter (a soft or deep prompt, a bottleneck): its directory, as written by python -m "
+              "swarm.finetune, "
               "or the name it was published under; see docs/TRAINING.md.",
         api=False)  # a path names a file of the API's host: not for remote callers
 
@@ -329,7 +330,7 @@ class BaseDiffusionLM(ABC):
         prompt's own (docs/GOVERNANCE.md); a governance halt ends the stream with ``finish_reason == "halted"``
         and ``info["halt"]``. ``scale`` (``local``, ``auto``, ``max``) sizes how much of the swarm the request
         uses (:mod:`swarm.scale`). ``chat`` wraps the text prompt in the tokenizer's chat template (instruct
-        checkpoints); ``progress`` shows a progress bar. ``adapter`` applies a fine-tuned soft or deep prompt (a
+        checkpoints); ``progress`` shows a progress bar. ``adapter`` applies a fine-tuned adapter (a
         directory written by ``python -m swarm.finetune``, or a published name; docs/TRAINING.md).
 
         Every setting is bounded (:meth:`check_request`, :mod:`swarm.diffusion.config`): out-of-range,

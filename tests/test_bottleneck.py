@@ -194,6 +194,7 @@ def test_bad_head_corrections_are_refused_with_a_clear_error(local_lm, tmp_path)
         ("rank", lambda d: _edit_json(d, head_rank=129), "head_rank 129 is over the limit of 128"),
         ("vocab", lambda d: _edit_json(d, vocab_size=7), "a head correction for a vocabulary of 7 cannot belong"),
         ("no-vocab", lambda d: _edit_json(d, vocab_size=None), "vocab_size must be a positive integer"),
+        ("text-rank", lambda d: _edit_json(d, head_rank="3"), "head_rank must be a positive integer"),
     ]
     for name, edit, message in cases:
         directory = loaded.save(tmp_path / name)

@@ -59,8 +59,9 @@ def open_model(model: str, peers: list[str], request_timeout: float, dht: Option
 @click.option("--adapter-kind", type=click.Choice(KINDS), default=FinetuneConfig.adapter_kind,
               help="soft_prompt (the default: servers only see more positions, any server serves it): vectors "
                    "before the first block; deep_prompt: vectors added before every block; bottleneck: a small "
-                   "residual MLP of --rank per block, on every position (the one that taught the default model "
-                   "addition, docs/TRAINING.md). The last two travel with each request (push is off).")
+                   "residual MLP of --rank per block, on every position (it changes what each position computes, "
+                   "not only what it can attend to; docs/TRAINING.md). The last two travel with each request (push "
+                   "is off).")
 @click.option("--rank", type=click.IntRange(min=1, max=MAX_RANK), default=FinetuneConfig.rank,
               help="With --adapter-kind bottleneck: the rank of each block's adapter (2 x rank x hidden weights per "
                    "block).")

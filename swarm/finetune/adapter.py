@@ -25,7 +25,8 @@ The client slices the ``P`` prompt rows off before its head, so position i still
 shift applies within the real rows, as without an adapter).
 
 An adapter directory holds ``adapter.json`` (kind, sizes, the base model it was trained on, training metadata)
-and ``adapter.safetensors`` (one float32 tensor: (P, hidden), (blocks, P, hidden) or (blocks, 2r, hidden)).
+and ``adapter.safetensors`` (float32: the main tensor ``prompt``, (P, hidden), (blocks, P, hidden) or
+(blocks, 2r, hidden), and the head correction's ``head_down`` and ``head_up`` when there is one).
 Loading checks every field, the sizes, finiteness and that the base model matches the one it is applied to, and
 refuses anything else with :class:`AdapterError`.
 """
@@ -149,7 +150,7 @@ class AdapterConfig:
         if kind == BOTTLENECK and length != 0:
             raise AdapterError(f"{ADAPTER_CONFIG}: a bottleneck adapter adds no positions: prompt_length must be 0, "
                                f"got {length!r}")
-        for name, number in (("rank", rank), ("head_rank", head_rank)):
+        for name, number in (("rank", rank if kind == BOTTLENECK else 0), ("head_rank", head_rank)):
             if number > MAX_RANK:
                 raise AdapterError(f"{name} {number} is over the limit of {MAX_RANK}")
         if kind != BOTTLENECK and length > MAX_PROMPT_LENGTH:

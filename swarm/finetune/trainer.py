@@ -1,10 +1,11 @@
-"""Training a soft or deep prompt with the masked-diffusion SFT objective, on the local model or through the swarm.
+"""Training an adapter with the masked-diffusion SFT objective, on the local model or through the swarm.
 
 The frozen model is seen as three differentiable pieces (:class:`Backbone`): the embedding (no gradient needed),
-the blocks (a function of the hidden states and, for a deep prompt, of its per-block vectors), and the head.
-Locally the blocks are the in-memory span; through the swarm they are one :class:`SwarmBlocks` call, whose forward
-is the client's ordinary pass (recording each hop's input) and whose backward asks each hop's server for the
-gradient of its input and of its blocks' prompt vectors. Only the adapter's vectors are trained.
+the blocks (a function of the hidden states and, for a per-block adapter, of its tensor), and the head (with the
+adapter's head correction, when it has one). Locally the blocks are the in-memory span; through the swarm they are
+one :class:`SwarmBlocks` call, whose forward is the client's ordinary pass (recording each hop's input) and whose
+backward asks each hop's server for the gradient of its input and of its blocks' slice of the adapter. Only the
+adapter's tensors are trained.
 
 A run is a deterministic function of its :class:`FinetuneConfig` and data: batches and masking noise come from
 one seeded generator saved with the optimiser, so an interrupted run resumes exactly where it stopped. With a

@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the package, whe
 import torch  # noqa: E402
 
 from swarm.eval.tasks import TaskGeneration, TaskReport, evaluate_task, prompt_ids  # noqa: E402
-from swarm.finetune.adapter import BOTTLENECK, DEEP_PROMPT, KINDS  # noqa: E402
+from swarm.finetune.adapter import BOTTLENECK, KINDS  # noqa: E402
 from swarm.finetune.trainer import FinetuneConfig, Finetuner, StepReport  # noqa: E402
 from swarm.local import DiffusionLM  # noqa: E402
 from swarm.models.loading import DEFAULT_MODEL, resolve_model_path  # noqa: E402
@@ -52,16 +52,16 @@ class DemoConfig:
 
     model: str = DEFAULT_MODEL
     output: str = "finetune-addition"
-    adapter_kind: str = DEEP_PROMPT
+    adapter_kind: str = BOTTLENECK
     prompt_length: int = 16
-    rank: int = 16  # a bottleneck adapter's rank
-    head_rank: int = 0  # the rank of the client's head correction (0: none)
-    lr: float = 0.05
-    steps: int = 800
+    rank: int = 32  # a bottleneck adapter's rank
+    head_rank: int = 32  # the rank of the client's head correction (0: none)
+    lr: float = 0.003
+    steps: int = 6000
     batch_size: int = 16
     pad_response: int = TaskGeneration.gen_length  # EOS-pad answers to the length generation will fill
     seed: int = 0
-    train_examples: int = 2000
+    train_examples: int = 20000
     eval_examples: int = 100
     timing_steps: int = 20
     swarm_check: int = 5
@@ -81,6 +81,8 @@ class DemoResult:
     swarm_loss_final: Optional[float]  # mean loss of the last 10 steps through the swarm
     timing_loss_max_diff: float  # the timing steps' losses, swarm vs local
     swarm_check: dict[str, int] = field(default_factory=dict)  # held-out problems generated through the swarm too
+    shape_before: dict[str, int] = field(default_factory=dict)  # answer_shape of the answers before and after
+    shape_after: dict[str, int] = field(default_factory=dict)
     wall_s: dict[str, float] = field(default_factory=dict)
 
 
@@ -93,7 +95,15 @@ def write_pairs(task: AdditionTask, count: int, seed: int, path: Path) -> Path:
 
 def score(lm: Any, task: AdditionTask, examples: int, adapter: Optional[str] = None) -> TaskReport:
     options = {"adapter": adapter} if adapter else None
-    return evaluate_task(lm, task, examples=examples, generate_options=options, keep=5)
+    return evaluate_task(lm, task, examples=examples, generate_options=options, keep=examples)
+
+
+def answer_shape(samples: list[dict[str, str]]) -> dict[str, int]:
+    """Finer than exact match, on the same answers: how many have the right number of digits, the right first
+    digit, the right last digit (the units, which need no carry: chance is about 1 in 10)."""
+    return {"length": sum(len(s["output"]) == len(s["answer"]) for s in samples),
+            "first_digit": sum(s["output"][:1] == s["answer"][:1] for s in samples),
+            "last_digit": sum(s["output"][-1:] == s["answer"][-1:] for s in samples)}
 
 
 def median_after_first(reports: list[StepReport]) -> float:
@@ -173,7 +183,8 @@ def run(config: DemoConfig) -> DemoResult:
              "servers": list(halves(lm.config.num_layers))}
     return DemoResult(config, model, asdict(before), asdict(after), median_after_first(swarm_reports),
                       median_after_first(local_reports), swarm_reports[0].seconds, trainer.smoothed_loss(),
-                      loss_diff, {"agree": agree, "of": config.swarm_check}, wall)
+                      loss_diff, {"agree": agree, "of": config.swarm_check}, wall_s=wall,
+                      shape_before=answer_shape(before.samples), shape_after=answer_shape(after.samples))
 
 
 def show(result: DemoResult) -> str:
@@ -195,6 +206,12 @@ def show(result: DemoResult) -> str:
         f"| with the adapter trained through the swarm | {result.after['correct']}/{result.after['examples']} | "
         f"{result.after['accuracy']:.1%} |",
         "",
+        "| the same answers | right length | right first digit | right last digit |",
+        "|---|---|---|---|",
+        *(f"| {label} | {shape['length']}/{n} | {shape['first_digit']}/{n} | {shape['last_digit']}/{n} |"
+          for label, shape, n in (("backbone alone", result.shape_before, result.before["examples"]),
+                                  ("with the adapter", result.shape_after, result.after["examples"]))),
+        "",
         "| training step | wall-clock |",
         "|---|---|",
         f"| through the 2-server swarm (median of steps 2-{c.steps}) | {result.swarm_step_s:.3f} s |",
@@ -206,7 +223,7 @@ def show(result: DemoResult) -> str:
         f"same tokens through the swarm as locally with the adapter: {result.swarm_check['agree']}/"
         f"{result.swarm_check['of']} held-out problems",
         "samples after: " + "; ".join(f"{s['prompt']}{s['output']!r} (want {s['answer']})"
-                                      for s in result.after["samples"]),
+                                      for s in result.after["samples"][:5]),
         "wall-clock: " + ", ".join(f"{k} {v:.0f} s" for k, v in result.wall_s.items()),
     ]
     return "\n".join(lines)

@@ -24,17 +24,14 @@ from swarm.finetune.adapter import (
     ADAPTER_WEIGHTS,
     BOTTLENECK,
     AdapterConfig,
-    AdapterError,
     BottleneckAdapter,
     PromptAdapter,
     base_of,
 )
-from swarm.finetune.data import load_examples, make_batch
-from swarm.finetune.trainer import backbone_of, sft_loss
 from swarm.models.modules import add_bottleneck
 from swarm.protocol import ErrorCode, ForwardRequest, RemoteError, request_parts
 from swarm.server.validation import validate_prompt_declared
-from tests.test_deep_prompt import _edit_json, _set_metadata, raw_call
+from tests.test_deep_prompt import _edit_json, _set_metadata, adapter_gradient, assert_files_refused, raw_call
 from tests.test_finetune import GENERATION, TOLERANCE, run_finetune, write_pairs
 
 
@@ -49,17 +46,6 @@ def bottleneck_for(lm, rank: int = 2, seed: int = 0, scale: float = 0.5, head_ra
     return BottleneckAdapter(config, scale * torch.randn(config.shape, generator=generator), head)
 
 
-def bottleneck_gradient(lm, tmp_path, adapter: BottleneckAdapter) -> tuple[float, torch.Tensor]:
-    """The SFT loss of a fixed batch and its gradient with respect to every block's adapter weights."""
-    examples = load_examples(write_pairs(tmp_path / "pairs.jsonl", [("12+7=", "19"), ("hello ", "world!")]),
-                             lm.tokenizer, lm.config.eos_token_id)
-    adapter = BottleneckAdapter(adapter.config, adapter.prompts.detach())
-    loss = sft_loss(backbone_of(lm), adapter, make_batch(examples, lm.config.eos_token_id),
-                    torch.Generator().manual_seed(3))
-    loss.backward()
-    return loss.item(), adapter.prompts.grad
-
-
 def test_the_bottleneck_is_row_by_row_and_starts_as_the_identity():
     hidden, weights = torch.randn(2, 9, 32), torch.randn(8, 32)
     full = add_bottleneck(hidden, weights)
@@ -71,8 +57,8 @@ def test_the_bottleneck_is_row_by_row_and_starts_as_the_identity():
 
 def test_bottleneck_gradients_through_the_swarm_equal_local_autograd(remote_lm, local_lm, tmp_path):
     adapter = bottleneck_for(local_lm)
-    local_loss, local_grad = bottleneck_gradient(local_lm, tmp_path, adapter)
-    swarm_loss, swarm_grad = bottleneck_gradient(remote_lm, tmp_path, adapter)
+    local_loss, local_grad = adapter_gradient(local_lm, tmp_path, adapter)
+    swarm_loss, swarm_grad = adapter_gradient(remote_lm, tmp_path, adapter)
     assert len({hop.peer_id for hop in remote_lm.sequence.route}) >= 2  # the weights are split between servers
     rank = adapter.config.rank
     for block in range(local_lm.config.num_layers):  # both projections of every block get a gradient
@@ -139,11 +125,7 @@ def test_bad_bottleneck_files_are_refused_with_a_clear_error(local_lm, tmp_path)
         ("depth", lambda d: _edit_json(d, num_blocks=3), "a bottleneck for 3 blocks cannot belong"),
         ("shape", lambda d: _edit_json(d, rank=3), r"shape \(4, 4, 32\).*expected \(4, 6, 32\)"),
     ]
-    for name, edit, message in cases:
-        directory = loaded.save(tmp_path / name)
-        edit(directory)
-        with pytest.raises(AdapterError, match=message):
-            local_lm.generate("x", adapter=str(directory), gen_length=8, steps=2, block_length=8)
+    assert_files_refused(local_lm, loaded, tmp_path, cases)
 
 
 def test_finetune_command_trains_a_bottleneck_through_the_swarm(local_swarm, tiny_model_path, tmp_path):
@@ -196,11 +178,7 @@ def test_bad_head_corrections_are_refused_with_a_clear_error(local_lm, tmp_path)
         ("no-vocab", lambda d: _edit_json(d, vocab_size=None), "vocab_size must be a positive integer"),
         ("text-rank", lambda d: _edit_json(d, head_rank="3"), "head_rank must be a positive integer"),
     ]
-    for name, edit, message in cases:
-        directory = loaded.save(tmp_path / name)
-        edit(directory)
-        with pytest.raises(AdapterError, match=message):
-            local_lm.generate("x", adapter=str(directory), gen_length=8, steps=2, block_length=8)
+    assert_files_refused(local_lm, loaded, tmp_path, cases)
 
 
 def test_finetune_command_trains_a_head_correction(local_swarm, tiny_model_path, tmp_path):

@@ -68,11 +68,12 @@ def deep_adapter_for(lm, length: int = 3, seed: int = 0, scale: float = 0.5) -> 
     return DeepPrompt(config, prompts)
 
 
-def deep_gradient(lm, tmp_path, adapter: DeepPrompt) -> tuple[float, torch.Tensor]:
-    """The SFT loss of a fixed batch and its gradient with respect to every block's prompt vectors."""
+def adapter_gradient(lm, tmp_path, adapter: PromptAdapter) -> tuple[float, torch.Tensor]:
+    """The SFT loss of a fixed batch and its gradient with respect to the adapter's main tensor (every block's
+    slice, for a per-block kind)."""
     examples = load_examples(write_pairs(tmp_path / "pairs.jsonl", [("12+7=", "19"), ("hello ", "world!")]),
                              lm.tokenizer, lm.config.eos_token_id)
-    adapter = DeepPrompt(adapter.config, adapter.prompts.detach())
+    adapter = type(adapter)(adapter.config, adapter.prompts.detach())
     loss = sft_loss(backbone_of(lm), adapter, make_batch(examples, lm.config.eos_token_id),
                     torch.Generator().manual_seed(3))
     loss.backward()
@@ -82,9 +83,9 @@ def deep_gradient(lm, tmp_path, adapter: DeepPrompt) -> tuple[float, torch.Tenso
 # ----- gradients ---------------------------------------------------------------------------------------
 def test_deep_prompt_gradients_through_the_swarm_equal_local_autograd(remote_lm, local_lm, tmp_path):
     adapter = deep_adapter_for(local_lm)
-    local_loss, local_grad = deep_gradient(local_lm, tmp_path, adapter)
+    local_loss, local_grad = adapter_gradient(local_lm, tmp_path, adapter)
     remote_lm.sequence.failovers.clear()
-    swarm_loss, swarm_grad = deep_gradient(remote_lm, tmp_path, adapter)
+    swarm_loss, swarm_grad = adapter_gradient(remote_lm, tmp_path, adapter)
     assert len({hop.peer_id for hop in remote_lm.sequence.route}) >= 2  # the prompt is split between servers
     assert all(local_grad[block].abs().max() > 1e-4 for block in range(local_lm.config.num_layers))
     assert swarm_loss == pytest.approx(local_loss, abs=1e-6)
@@ -98,8 +99,8 @@ def test_a_server_killed_mid_backward_is_replaced_with_the_same_deep_prompt_grad
     calls = kill_on_second_backward(local_swarm, lm, victim)
     try:
         adapter = deep_adapter_for(local_lm, seed=1)
-        _, swarm_grad = deep_gradient(lm, tmp_path, adapter)
-        _, local_grad = deep_gradient(local_lm, tmp_path, adapter)
+        _, swarm_grad = adapter_gradient(lm, tmp_path, adapter)
+        _, local_grad = adapter_gradient(local_lm, tmp_path, adapter)
         assert calls[1] == victim.peer_id and victim.peer_id not in calls[2:]  # a replica answered instead
         assert (swarm_grad - local_grad).abs().max().item() <= TOLERANCE
     finally:
@@ -247,11 +248,17 @@ def test_bad_deep_prompt_files_are_refused_with_a_clear_error(local_lm, tmp_path
         ("huge", lambda d: _edit_json(d, num_blocks=4000, prompt_length=256, hidden_size=32), "over the limit"),
         ("kind", lambda d: _edit_json(d, kind="deep"), "unknown adapter kind"),
     ]
+    assert_files_refused(local_lm, PromptAdapter.load(good), tmp_path, cases)
+
+
+def assert_files_refused(lm, adapter: PromptAdapter, tmp_path, cases) -> None:
+    """Each case (name, edit of a saved copy of ``adapter``, message): generating with the edited copy is refused
+    with an :class:`AdapterError` matching the message."""
     for name, edit, message in cases:
-        directory = PromptAdapter.load(good).save(tmp_path / name)
+        directory = adapter.save(tmp_path / name)
         edit(directory)
         with pytest.raises(AdapterError, match=message):
-            local_lm.generate("x", adapter=str(directory), gen_length=8, steps=2, block_length=8)
+            lm.generate("x", adapter=str(directory), gen_length=8, steps=2, block_length=8)
 
 
 # ----- the command and sharing ---------------------------------------------------------------------------

@@ -193,3 +193,14 @@ def test_finetune_command_trains_a_head_correction(local_swarm, tiny_model_path,
     assert trained.head_up.abs().max() > 0  # the head correction trained (it starts at zero)
     changed = CliRunner().invoke(finetune_main, [*common[:-1], "0", "--steps", "3"])
     assert changed.exit_code != 0 and "head correction of rank 3, not --head-rank 0" in changed.output
+
+
+def test_a_bottleneck_run_resumes_whatever_the_unused_prompt_length(tiny_model_path, tmp_path):
+    data = write_pairs(tmp_path / "pairs.jsonl", [("1+1=", "2"), ("5+3=", "8")])
+    common = ["--model", str(tiny_model_path), "--data", data, "--output", str(tmp_path / "run"), "--batch-size", "2",
+              "--adapter-kind", "bottleneck", "--rank", "2"]
+    run_finetune(*common, "--steps", "1", "--prompt-length", "16")
+    run_finetune(*common, "--steps", "2", "--prompt-length", "4")  # a prompt length means nothing to a bottleneck
+    assert json.loads((tmp_path / "run" / ADAPTER_CONFIG).read_text())["training"]["steps"] == 2
+    changed = CliRunner().invoke(finetune_main, [*common, "--steps", "3", "--lr", "0.5"])
+    assert changed.exit_code != 0 and "lr: 0.01 -> 0.5" in changed.output

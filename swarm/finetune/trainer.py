@@ -79,9 +79,16 @@ class FinetuneConfig:
     def run_defining(self) -> dict[str, Any]:
         """The settings a resumed run must keep (the collaboration's run id and global batch included)."""
         collaboration = self.collaboration
-        return {**{key: getattr(self, key) for key in RUN_DEFINING},
-                "run_id": collaboration.run_id if collaboration else "",
-                "target_batch_size": collaboration.target_batch_size if collaboration else self.batch_size}
+        target = collaboration.target_batch_size if collaboration else self.batch_size
+        return only_relevant({**{key: getattr(self, key) for key in RUN_DEFINING},
+                              "run_id": collaboration.run_id if collaboration else "", "target_batch_size": target})
+
+
+def only_relevant(settings: dict[str, Any]) -> dict[str, Any]:
+    """Run-defining settings without the size the kind does not use (a prompt's length for a bottleneck, a
+    bottleneck's rank for a prompt): changing an unused flag does not change the run."""
+    unused = "prompt_length" if settings["adapter_kind"] == BOTTLENECK else "rank"
+    return {key: value for key, value in settings.items() if key != unused}
 
 
 def saved_run_defining(saved: dict[str, Any]) -> dict[str, Any]:
@@ -89,8 +96,8 @@ def saved_run_defining(saved: dict[str, Any]) -> dict[str, Any]:
     collaboration = saved.get("collaboration") or {}
     saved = {"adapter_kind": SOFT_PROMPT, "pad_response": 0, "rank": FinetuneConfig.rank, "head_rank": 0,
              **saved}  # defaults of runs saved before them
-    return {**{key: saved.get(key) for key in RUN_DEFINING}, "run_id": collaboration.get("run_id", ""),
-            "target_batch_size": collaboration.get("target_batch_size", saved.get("batch_size"))}
+    return only_relevant({**{key: saved.get(key) for key in RUN_DEFINING}, "run_id": collaboration.get("run_id", ""),
+                          "target_batch_size": collaboration.get("target_batch_size", saved.get("batch_size"))})
 
 
 class Backbone(Protocol):
@@ -275,8 +282,8 @@ class Finetuner:
             return
         saved = torch.load(path, weights_only=False)
         before = saved_run_defining(saved["config"])
-        differ = [f"{key}: {before[key]!r} -> {value!r}" for key, value in self.config.run_defining().items()
-                  if before[key] != value]
+        differ = [f"{key}: {before.get(key)!r} -> {value!r}" for key, value in self.config.run_defining().items()
+                  if before.get(key) != value]
         if differ:
             raise ValueError(f"{self.output} holds a run with other settings ({'; '.join(differ)}): resume it with "
                              f"the same ones or choose another --output")

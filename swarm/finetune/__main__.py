@@ -50,7 +50,7 @@ def open_model(model: str, peers: list[str], request_timeout: float, dht: Option
 @click.option("--steps", type=click.IntRange(min=1), default=FinetuneConfig.steps,
               help="Optimizer steps in total (a resumed run goes on up to this many).")
 @click.option("--lr", type=click.FloatRange(min=0, min_open=True), default=FinetuneConfig.lr,
-              help="Adam learning rate of the prompt vectors.")
+              help="Adam learning rate of the adapter's tensors.")
 @click.option("--batch-size", type=click.IntRange(min=1, max=1024), default=FinetuneConfig.batch_size,
               help="Examples per step.")
 @click.option("--prompt-length", type=click.IntRange(min=1, max=MAX_PROMPT_LENGTH),
@@ -72,7 +72,7 @@ def open_model(model: str, peers: list[str], request_timeout: float, dht: Option
 @click.option("--pad-response", type=click.IntRange(min=0, max=1024), default=FinetuneConfig.pad_response,
               help="EOS-pad every response to at least this many tokens (use generation's --gen-length): the model "
                    "learns where an answer ends at the length it will generate.")
-@click.option("--seed", type=int, default=FinetuneConfig.seed, help="Seeds the initial vectors, batches and masking.")
+@click.option("--seed", type=int, default=FinetuneConfig.seed, help="Seeds the initial weights, batches and masking.")
 @click.option("--save-every", type=click.IntRange(min=1), default=FinetuneConfig.save_every,
               help="Steps between saves of the adapter and the run's state.")
 @click.option("--request-timeout", type=click.FloatRange(min=0, min_open=True), default=60.0,

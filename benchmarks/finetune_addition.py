@@ -168,7 +168,7 @@ def run(config: DemoConfig) -> DemoResult:
             client.shutdown()
 
     started = time.perf_counter()
-    local_trainer, local_reports = finetune(lm, config, data, out / "local", config.timing_steps)
+    _, local_reports = finetune(lm, config, data, out / "local", config.timing_steps)
     wall["train_local_timing"] = time.perf_counter() - started
     shared = min(len(local_reports), len(swarm_reports))
     loss_diff = max((abs(a.loss - b.loss) for a, b in zip(local_reports[:shared], swarm_reports[:shared])),

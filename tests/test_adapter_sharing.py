@@ -6,6 +6,7 @@ Everything runs on the real DHT of the session's local swarm; the lying hosts ar
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import time
@@ -83,17 +84,29 @@ def lying_host(peer, remote_lm):
     loop.run(handler.remove_p2p_handlers(p2p))
 
 
-def test_publish_serve_and_generate_by_name(local_swarm, remote_lm, local_lm, tiny_model_path, tmp_path, cache):
-    directory = make_adapter(local_lm, tmp_path / "adapter", seed=1)
+@contextlib.contextmanager
+def served_and_published(local_swarm, model_path, directory, name: str, tmp_path, *options: str):
+    """A server hosting ``directory`` (``--serve-adapter``) while the publish command, run with a fresh author key
+    and ``options``, publishes it as ``name``; yields the command's result. The server stops afterwards."""
     key_path = tmp_path / "author.key"
     generate_private_key(key_path)
-    host = local_swarm.start_server(str(tiny_model_path), "3:4", "--throughput", "0.001", "--compute-threads", "1",
+    host = local_swarm.start_server(str(model_path), "3:4", "--throughput", "0.001", "--compute-threads", "1",
                                     "--serve-adapter", str(directory))
     try:
         peers = [arg for peer in local_swarm.initial_peers for arg in ("--initial-peers", peer)]
-        result = CliRunner().invoke(publish_main, [str(directory), "--name", "shared-one", "--key", str(key_path),
-                                                   "--score", "0.5", "--model", str(tiny_model_path), *peers])
+        result = CliRunner().invoke(publish_main, [str(directory), "--name", name, "--key", str(key_path), *options,
+                                                   "--model", str(model_path), *peers])
         assert result.exit_code == 0, result.output
+        yield result
+    finally:
+        local_swarm.terminate(host)
+
+
+def test_publish_serve_and_generate_by_name(local_swarm, remote_lm, local_lm, tiny_model_path, tmp_path, cache):
+    directory = make_adapter(local_lm, tmp_path / "adapter", seed=1)
+    with served_and_published(local_swarm, tiny_model_path, directory, "shared-one", tmp_path,
+                              "--score", "0.5") as result:
+        peers = [arg for peer in local_swarm.initial_peers for arg in ("--initial-peers", peer)]
         published = json.loads(result.stdout)
         assert published["sha256"] == content_hash(read_adapter_files(directory))
         assert published["score"] == 0.5 and published["training"]["steps"] == 7
@@ -111,8 +124,6 @@ def test_publish_serve_and_generate_by_name(local_swarm, remote_lm, local_lm, ti
         assert listed["shared-one"]["sha256"] == published["sha256"] and listed["shared-one"]["hosts"]
         text = CliRunner().invoke(health_main, ["--model", str(tiny_model_path), *peers]).stdout
         assert f"shared-one@{published['author']}" in text
-    finally:
-        local_swarm.terminate(host)
     with pytest.raises(AdapterError, match="no adapter is published under 'nobody-published-this'"):
         remote_lm.generate("adapt", adapter="nobody-published-this", **GENERATION)
 

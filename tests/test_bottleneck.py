@@ -204,3 +204,13 @@ def test_a_bottleneck_run_resumes_whatever_the_unused_prompt_length(tiny_model_p
     assert json.loads((tmp_path / "run" / ADAPTER_CONFIG).read_text())["training"]["steps"] == 2
     changed = CliRunner().invoke(finetune_main, [*common, "--steps", "3", "--lr", "0.5"])
     assert changed.exit_code != 0 and "lr: 0.01 -> 0.5" in changed.output
+
+
+def test_a_server_refuses_nan_bottleneck_weights_naming_them(remote_lm):
+    server = remote_lm.sequence.holders(0, 2)[0]
+    weights = torch.randn(2, 4, 32)
+    weights[1, 3, 5] = float("nan")
+    parts = request_parts(ForwardRequest(0, 2, torch.randn(1, 5, 32), prompts=weights, prompt_kind=BOTTLENECK))
+    with pytest.raises(RemoteError, match="bottleneck weights contain NaN") as refused:
+        raw_call(remote_lm, server, parts)
+    assert refused.value.code == ErrorCode.NOT_FINITE

@@ -30,9 +30,7 @@ from swarm.finetune.adapter import (
     base_of,
 )
 from swarm.finetune.data import load_examples, make_batch
-from swarm.finetune.publish import publish_main
 from swarm.finetune.trainer import backbone_of, sft_loss
-from swarm.governance.keys import generate_private_key
 from swarm.protocol import (
     MAX_UNARY_BYTES,
     ErrorCode,
@@ -48,6 +46,7 @@ from swarm.protocol import (
 )
 from swarm.remote import _read_stream
 from swarm.server.validation import validate_prompt_declared
+from tests.test_adapter_sharing import served_and_published
 from tests.test_finetune import (
     GENERATION,
     TOLERANCE,
@@ -282,19 +281,9 @@ def test_a_published_deep_prompt_is_used_by_name(local_swarm, remote_lm, local_l
                                                  monkeypatch):
     monkeypatch.setattr(remote_lm, "adapter_cache", tmp_path / "cache")
     directory = deep_adapter_for(local_lm, seed=7).save(tmp_path / "adapter")
-    key = tmp_path / "author.key"
-    generate_private_key(key)
-    host = local_swarm.start_server(str(tiny_model_path), "3:4", "--throughput", "0.001", "--compute-threads", "1",
-                                    "--serve-adapter", str(directory))
-    try:
-        peers = [arg for peer in local_swarm.initial_peers for arg in ("--initial-peers", peer)]
-        result = CliRunner().invoke(publish_main, [str(directory), "--name", "deep-one", "--key", str(key),
-                                                   "--model", str(tiny_model_path), *peers])
-        assert result.exit_code == 0, result.output
+    with served_and_published(local_swarm, tiny_model_path, directory, "deep-one", tmp_path):
         by_name = remote_lm.generate("adapt", adapter="deep-one", **GENERATION)
         assert by_name.token_ids == local_lm.generate("adapt", adapter=str(directory), **GENERATION).token_ids
-    finally:
-        local_swarm.terminate(host)
 
 
 def test_responses_are_padded_to_the_generation_length_when_asked(local_lm, tmp_path):

@@ -1,5 +1,5 @@
-"""``python -m swarm.finetune --data pairs.jsonl --output DIR``: train a soft- or deep-prompt adapter, here or on a
-swarm.
+"""``python -m swarm.finetune --data pairs.jsonl --output DIR``: train an adapter (soft or deep prompt, bottleneck,
+head correction), here or on a swarm.
 
 With ``--initial-peers`` the blocks run on the swarm's servers (forward and backward); without (or with
 ``--local-model``), the whole model runs in this process. Rerunning the same command resumes the run in DIR;

@@ -36,6 +36,7 @@ from swarm.finetune.adapter import (
     PromptAdapter,
     base_of,
     new_adapter,
+    size_setting,
 )
 from swarm.finetune.data import Example, SFTBatch, data_digest, load_examples, make_batch
 from swarm.finetune.together import (
@@ -87,8 +88,8 @@ class FinetuneConfig:
 def only_relevant(settings: dict[str, Any]) -> dict[str, Any]:
     """Run-defining settings without the size the kind does not use (a prompt's length for a bottleneck, a
     bottleneck's rank for a prompt): changing an unused flag does not change the run."""
-    unused = "prompt_length" if settings["adapter_kind"] == BOTTLENECK else "rank"
-    return {key: value for key, value in settings.items() if key != unused}
+    used = size_setting(settings["adapter_kind"])
+    return {key: value for key, value in settings.items() if key not in ("rank", "prompt_length") or key == used}
 
 
 def saved_run_defining(saved: dict[str, Any]) -> dict[str, Any]:
@@ -264,7 +265,7 @@ class Finetuner:
                                  f"{adapter.config.head_rank}, not --head-rank {self.config.head_rank}")
             if adapter.config.size != self.adapter_size or adapter.kind != self.config.adapter_kind:
                 size = f"rank {adapter.config.size}" if adapter.kind == BOTTLENECK else f"{adapter.length} vectors"
-                asked = "--rank" if self.config.adapter_kind == BOTTLENECK else "--prompt-length"
+                asked = "--" + size_setting(self.config.adapter_kind).replace("_", "-")
                 raise ValueError(f"{self.output} holds a {adapter.kind} adapter of {size}, not --adapter-kind "
                                  f"{self.config.adapter_kind} {asked} {self.adapter_size}")
             return adapter
@@ -274,7 +275,7 @@ class Finetuner:
     @property
     def adapter_size(self) -> int:
         """The size the run asks for: a bottleneck's rank, a prompt's vectors."""
-        return self.config.rank if self.config.adapter_kind == BOTTLENECK else self.config.prompt_length
+        return getattr(self.config, size_setting(self.config.adapter_kind))
 
     def _resume(self) -> None:
         path = self.output / STATE_FILE

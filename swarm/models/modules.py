@@ -22,7 +22,6 @@ BLOCK_ADAPTER_KINDS = (DEEP_PROMPT, BOTTLENECK)  # adapters whose tensor has a s
 HeadLoRA = tuple[torch.Tensor, torch.Tensor]  # an adapter's head correction: down (r, hidden), up (vocab, r)
 
 
-
 class TokenEmbedding(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -80,11 +79,10 @@ class BlockSpan(nn.Module):
             if length != rows[1] - rows[0]:
                 raise ValueError(f"{length} hidden rows given for rows {rows[0]}:{rows[1]}")
             kv.check_reuse(start, end, batch, rows)
-        if prompts is not None and (prompts.dim() != 3 or prompts.shape[0] != end - start
-                                    or prompts.shape[2] != hidden.shape[2]):
-            raise ValueError(f"prompts of shape {tuple(prompts.shape)} for blocks {start}:{end}: expected "
-                             f"({end - start}, P, {hidden.shape[2]})")
         if prompts is not None:
+            if prompts.dim() != 3 or prompts.shape[0] != end - start or prompts.shape[2] != hidden.shape[2]:
+                raise ValueError(f"prompts of shape {tuple(prompts.shape)} for blocks {start}:{end}: expected "
+                                 f"({end - start}, R, {hidden.shape[2]})")
             check_block_adapter(prompt_kind, prompts.shape[1])
         cos, sin = rotary_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, hidden.dtype)
         offset = rows[0] if rows is not None else 0

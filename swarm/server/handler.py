@@ -253,7 +253,7 @@ class ForwardHandler(SpanService):
         prompt_length, prompt_parts, prompt_kind = validate_prompt_declared(metadata, end - start,
                                                                             self.max_batch_tokens)
         require(len(first.tensors) == 1 or (len(first.tensors) == 2 and prompt_parts == 1), ErrorCode.BAD_REQUEST,
-                f"the first part must carry one tensor (two: the hidden states and a deep prompt of one part each), "
+                f"the first part must carry one tensor (two: the hidden states and an adapter's of one part each), "
                 f"it carries {len(first.tensors)}")
         proto = first.tensors[0]
         batch, length = validate_declared(proto.dtype, tuple(proto.size), self.hidden_size, self.max_batch_tokens)
@@ -264,7 +264,7 @@ class ForwardHandler(SpanService):
         require(is_count(parts) and 0 < parts <= max_parts, ErrorCode.BAD_REQUEST,
                 f"metadata 'parts' must be an integer in 1..{max_parts}, got {parts!r}")
         require(len(first.tensors) == 1 or parts == 1, ErrorCode.BAD_REQUEST,
-                "the hidden states and a deep prompt share the first part only when each is one part")
+                "the hidden states and an adapter's tensor share the first part only when each is one part")
         require(first.ByteSize() <= max_bytes, ErrorCode.TOO_LARGE,
                 f"first part of {first.ByteSize()} bytes, over the {max_bytes} its declared shapes need")
         extra = metadata.get("extra", {})
@@ -346,7 +346,7 @@ class ForwardHandler(SpanService):
         if not declared.prompt_length:
             return hidden, None
         prompts = decode_tensor(join_parts(chunks[declared.parts:], declared.prompt_parts))
-        validate_prompts(prompts, declared.prompt_shape)
+        validate_prompts(prompts, declared.prompt_shape, declared.prompt_kind)
         return hidden, prompts
 
     async def _compute(self, hidden: torch.Tensor, prompts: Optional[torch.Tensor], declared: Declared, extra: dict,

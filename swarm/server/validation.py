@@ -82,18 +82,18 @@ def validate_prompt_declared(metadata: dict[str, Any], blocks: int, max_batch_to
     require(is_count(parts) and parts > 0, ErrorCode.BAD_REQUEST,
             f"metadata 'prompt_parts' must be a positive integer, got {parts!r}")
     require(blocks * length <= max_batch_tokens, ErrorCode.TOO_LARGE,
-            f"a deep prompt of {length} vectors for {blocks} blocks ({blocks * length}) exceeds this server's limit "
-            f"of {max_batch_tokens}")
+            f"a {kind.replace('_', ' ')} of {length} rows for {blocks} blocks ({blocks * length}) exceeds this "
+            f"server's limit of {max_batch_tokens}")
     require(kind != BOTTLENECK or length % 2 == 0, ErrorCode.BAD_REQUEST,
             f"a bottleneck adapter carries 2 x rank rows per block: 'prompt_length' must be even, got {length}")
     return length, parts, kind
 
 
-def validate_prompts(prompts: torch.Tensor, shape: tuple[int, int, int]) -> None:
-    """A deep prompt's vectors: float, exactly the declared (blocks, P, hidden), finite."""
+def validate_prompts(prompts: torch.Tensor, shape: tuple[int, int, int], kind: str = DEEP_PROMPT) -> None:
+    """A per-block adapter's tensor: float, exactly the declared (blocks, R, hidden), finite."""
+    what = "deep prompt vectors" if kind == DEEP_PROMPT else f"{kind} weights"
     require(prompts.dtype in FLOAT_DTYPES, ErrorCode.BAD_REQUEST,
-            f"deep prompt vectors must be float32/float16/bfloat16, got {prompts.dtype}")
+            f"{what} must be float32/float16/bfloat16, got {prompts.dtype}")
     require(tuple(prompts.shape) == tuple(shape), ErrorCode.BAD_REQUEST,
-            f"deep prompt vectors have shape {tuple(prompts.shape)}, the request declares {tuple(shape)}")
-    require(bool(torch.isfinite(prompts).all()), ErrorCode.NOT_FINITE, "deep prompt vectors contain NaN or infinite "
-            "values")
+            f"{what} have shape {tuple(prompts.shape)}, the request declares {tuple(shape)}")
+    require(bool(torch.isfinite(prompts).all()), ErrorCode.NOT_FINITE, f"{what} contain NaN or infinite values")

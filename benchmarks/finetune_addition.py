@@ -29,7 +29,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the package, when run as a script
 
@@ -229,6 +229,16 @@ def show(result: DemoResult) -> str:
     return "\n".join(lines)
 
 
+def count(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an integer of at least ``minimum``, else a clear error naming the value."""
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {value}")
+        return value
+    return parse
+
+
 def parse_args(argv: Optional[list[str]] = None) -> tuple[DemoConfig, bool]:
     defaults = DemoConfig()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -236,26 +246,26 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[DemoConfig, bool]:
     parser.add_argument("--output", default=defaults.output,
                         help="Directory for the data, the adapters (swarm/, local/) and results.json.")
     parser.add_argument("--adapter-kind", choices=KINDS, default=defaults.adapter_kind, help="The adapter trained.")
-    parser.add_argument("--prompt-length", type=int, default=defaults.prompt_length,
+    parser.add_argument("--prompt-length", type=count(1), default=defaults.prompt_length,
                         help="Prompt positions (the prompt kinds).")
-    parser.add_argument("--rank", type=int, default=defaults.rank, help="A bottleneck adapter's rank.")
-    parser.add_argument("--head-rank", type=int, default=defaults.head_rank,
+    parser.add_argument("--rank", type=count(1), default=defaults.rank, help="A bottleneck adapter's rank.")
+    parser.add_argument("--head-rank", type=count(0), default=defaults.head_rank,
                         help="Rank of the head correction the client trains too (0: none).")
     parser.add_argument("--lr", type=float, default=defaults.lr, help="Adam learning rate.")
-    parser.add_argument("--steps", type=int, default=defaults.steps, help="Training steps through the swarm.")
-    parser.add_argument("--batch-size", type=int, default=defaults.batch_size, help="Problems per step.")
-    parser.add_argument("--pad-response", type=int, default=defaults.pad_response,
+    parser.add_argument("--steps", type=count(1), default=defaults.steps, help="Training steps through the swarm.")
+    parser.add_argument("--batch-size", type=count(1), default=defaults.batch_size, help="Problems per step.")
+    parser.add_argument("--pad-response", type=count(0), default=defaults.pad_response,
                         help="EOS-pad every training answer to this many tokens (the evaluation's gen_length).")
     parser.add_argument("--seed", type=int, default=defaults.seed, help="Seeds the problems, vectors and batches.")
-    parser.add_argument("--train-examples", type=int, default=defaults.train_examples,
+    parser.add_argument("--train-examples", type=count(1), default=defaults.train_examples,
                         help="Training problems (none of them held out).")
-    parser.add_argument("--eval-examples", type=int, default=defaults.eval_examples,
+    parser.add_argument("--eval-examples", type=count(1), default=defaults.eval_examples,
                         help="Held-out problems scored before and after.")
-    parser.add_argument("--timing-steps", type=int, default=defaults.timing_steps,
+    parser.add_argument("--timing-steps", type=count(1), default=defaults.timing_steps,
                         help="Local training steps timed against the swarm's (same seed: same first losses).")
-    parser.add_argument("--swarm-check", type=int, default=defaults.swarm_check,
+    parser.add_argument("--swarm-check", type=count(0), default=defaults.swarm_check,
                         help="Held-out problems also generated through the swarm with the adapter (same tokens?).")
-    parser.add_argument("--threads", type=int, default=defaults.threads,
+    parser.add_argument("--threads", type=count(1), default=defaults.threads,
                         help="Torch threads of this process and of each server.")
     parser.add_argument("--startup-timeout", type=float, default=defaults.startup_timeout,
                         help="Seconds the bootstrap peer and each server may take to start.")

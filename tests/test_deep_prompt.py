@@ -33,6 +33,7 @@ from swarm.finetune.data import load_examples, make_batch
 from swarm.finetune.trainer import backbone_of, sft_loss
 from swarm.protocol import (
     MAX_UNARY_BYTES,
+    BackwardRequest,
     ErrorCode,
     ForwardRequest,
     RemoteError,
@@ -295,3 +296,41 @@ def test_responses_are_padded_to_the_generation_length_when_asked(local_lm, tmp_
     assert padded.tokens.shape[1] == len(examples[1].prompt) + 8
     assert padded.answer_lengths.tolist() == [padded.tokens.shape[1] - len(e.prompt) for e in examples]
     assert bool((padded.tokens[:, plain.tokens.shape[1]:] == local_lm.config.eos_token_id).all())
+
+
+@pytest.mark.parametrize("lie, message", [
+    ("shape", r"a gradient of shape \(1, 4, 32\), expected \(1, 5, 32\)"),
+    ("nan", "a gradient with NaN or infinite values"),
+    ("missing", "answered no gradient for the deep prompt"),
+    ("prompt-shape", r"a deep prompt gradient of shape \(2, 2, 32\), expected \(2, 3, 32\)"),
+    ("prompt-nan", "a deep prompt gradient with NaN or infinite values"),
+    ("unasked", "a deep prompt gradient it was not asked for"),
+])
+def test_a_lying_backward_answer_is_refused(remote_lm, monkeypatch, lie, message):
+    """A server's backward answer, in real wire messages, that lies about either gradient is refused by the client
+    before it reaches the optimiser (the failover loop then asks a replica)."""
+    inputs, prompts = torch.randn(1, 5, 32), torch.randn(2, 3, 32)
+    grad, grad_prompts = torch.randn(1, 5, 32), torch.randn(2, 3, 32)
+    if lie == "shape":
+        grad = torch.randn(1, 4, 32)
+    elif lie == "nan":
+        grad[0, 1, 2] = float("nan")
+    elif lie == "missing":
+        grad_prompts = None
+    elif lie == "prompt-shape":
+        grad_prompts = torch.randn(2, 2, 32)
+    elif lie == "prompt-nan":
+        grad_prompts[1, 0, 0] = float("inf")
+    asked = None if lie == "unasked" else prompts
+    answer = response_parts(grad, "auto", prompts=grad_prompts)
+
+    def lying_rpc(*args, **kwargs):
+        async def rpc() -> list:
+            return answer
+        return rpc
+
+    monkeypatch.setattr(remote_lm.caller, "_forward_rpc", lying_rpc)
+    request = BackwardRequest(0, 2, inputs, torch.randn(1, 5, 32), prompts=asked)
+    with pytest.raises(RemoteError, match=message) as refused:
+        remote_lm.loop.run(remote_lm.caller.backward_all("QmLiar", request, 10))
+    assert refused.value.code == ErrorCode.INTERNAL

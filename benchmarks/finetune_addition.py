@@ -1,4 +1,4 @@
-"""Issue 19, item 5: a deep-prompt adapter trained through a 2-server swarm teaches the backbone addition.
+"""Issue 19, item 5: does an adapter trained through a 2-server swarm teach the default backbone addition?
 
 One run, everything measured, nothing assumed:
 
@@ -6,8 +6,9 @@ One run, everything measured, nothing assumed:
    prompt/response pairs, in the model's own tokenizer;
 2. scores the backbone alone on ``--eval-examples`` held-out problems (``swarm.eval.tasks.evaluate_task``: exact
    match of the generated text cut at EOS);
-3. starts a local swarm (a bootstrap peer and two servers, each holding half of the model's blocks) and trains a
-   deep-prompt adapter through it with ``swarm.finetune`` (forward and backward calls to the servers);
+3. starts a local swarm (a bootstrap peer and two servers, each holding half of the model's blocks) and trains
+   an adapter (``--adapter-kind``, a bottleneck by default) through it with ``swarm.finetune`` (forward and
+   backward calls to the servers);
 4. trains the same adapter locally for ``--timing-steps`` steps from the same seed: per-step wall-clock side by
    side, and the losses of those steps compared (the two runs follow one trajectory);
 5. scores the trained adapter on the same held-out problems (locally: the swarm gives the same tokens, which

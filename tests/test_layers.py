@@ -8,6 +8,7 @@ an exception that is no longer needed fails too, so the list only shrinks.
 from __future__ import annotations
 
 import ast
+import functools
 import gc
 import re
 from pathlib import Path
@@ -58,23 +59,11 @@ def layer_of(path: Path, table: list[tuple[str, list[str]]]) -> Optional[int]:
     return None if best is None else best[1]
 
 
-def parse_source(path: Path) -> ast.Module:
-    """``ast.parse`` with the garbage collector paused: earlier tests leave objects whose finalizers raise (an
-    asyncio loop gone), and CPython 3.11 fails a parse that a collection interrupts with "SystemError: AST
-    constructor recursion depth mismatch" (seen once in a full run)."""
-    gc.collect()
-    gc.disable()
-    try:
-        return ast.parse(path.read_text(), str(path))
-    finally:
-        gc.enable()
-
-
 def imported_modules(path: Path, known: dict[str, Path]) -> Iterator[tuple[str, int]]:
     """(module, line) for every import of a package module in ``path``, wherever it stands in the file."""
     own = module_name(path)
     package = own if path.name == "__init__.py" else own.rpartition(".")[0]
-    for node in ast.walk(parse_source(path)):
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -92,10 +81,20 @@ def imported_modules(path: Path, known: dict[str, Path]) -> Iterator[tuple[str, 
                 yield target, node.lineno
 
 
+@functools.lru_cache(maxsize=1)
 def import_graph() -> dict[str, dict[str, int]]:
+    """Built once per session, with the garbage collector paused: earlier tests leave objects whose finalizers
+    raise (an asyncio loop gone), and CPython 3.11 fails a parse that a collection interrupts with "SystemError:
+    AST constructor recursion depth mismatch" (seen once in a full run). One collection first, not one per file:
+    after the swarm tests the heap is large and a collection per parsed file cost 40 s per test."""
     known = modules()
-    return {name: {target: line for target, line in imported_modules(path, known) if target != name}
-            for name, path in known.items()}
+    gc.collect()
+    gc.disable()
+    try:
+        return {name: {target: line for target, line in imported_modules(path, known) if target != name}
+                for name, path in known.items()}
+    finally:
+        gc.enable()
 
 
 def cycles(graph: dict[str, dict[str, int]]) -> list[list[str]]:

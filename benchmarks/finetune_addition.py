@@ -68,6 +68,7 @@ class DemoConfig:
     swarm_check: int = 5
     threads: int = 1
     startup_timeout: float = 600.0  # seconds a swarm process may take to start (a busy machine is slow)
+    resume: bool = False  # go on with the swarm training already in ``output`` (a long run over several sessions)
 
 
 @dataclass
@@ -108,8 +109,9 @@ def answer_shape(samples: list[dict[str, str]]) -> dict[str, int]:
 
 
 def median_after_first(reports: list[StepReport]) -> float:
+    """NaN when no step ran (a resumed run that was already complete)."""
     seconds = [r.seconds for r in reports[1:]] or [r.seconds for r in reports]
-    return statistics.median(seconds)
+    return statistics.median(seconds) if seconds else float("nan")
 
 
 def finetune(lm: Any, config: DemoConfig, data: Path, output: Path, steps: int) -> tuple[Finetuner, list[StepReport]]:
@@ -131,7 +133,9 @@ def run(config: DemoConfig) -> DemoResult:
     torch.set_num_threads(config.threads)
     out = Path(config.output)
     out.mkdir(parents=True, exist_ok=True)
-    for stale in ("swarm", "local", "model"):  # a rerun trains from scratch: no resumed runs in the figures
+    # A rerun trains from scratch unless told to resume the swarm's run (the finetuner resumes bit for bit: the
+    # same adapter as a run straight through; the data file is rewritten with the same bytes).
+    for stale in ("local", "model") if config.resume else ("swarm", "local", "model"):
         shutil.rmtree(out / stale, ignore_errors=True)
     # one snapshot of the model for this process and every server: the files may be replaced during the run
     model_path = str(shutil.copytree(resolve_model_path(config.model), out / "model"))
@@ -171,9 +175,8 @@ def run(config: DemoConfig) -> DemoResult:
     started = time.perf_counter()
     _, local_reports = finetune(lm, config, data, out / "local", config.timing_steps)
     wall["train_local_timing"] = time.perf_counter() - started
-    shared = min(len(local_reports), len(swarm_reports))
-    loss_diff = max((abs(a.loss - b.loss) for a, b in zip(local_reports[:shared], swarm_reports[:shared])),
-                    default=0.0)
+    # the run's first losses (kept in its state, also when resumed) against the local ones of the same steps
+    loss_diff = max((abs(a.loss - b) for a, b in zip(local_reports, trainer.state.losses)), default=0.0)
 
     started = time.perf_counter()
     after = score(lm, task, config.eval_examples, adapter=str(out / "swarm"))
@@ -183,7 +186,8 @@ def run(config: DemoConfig) -> DemoResult:
              "adapter_parameters": sum(p.numel() for p in trainer.adapter.parameters()),
              "servers": list(halves(lm.config.num_layers))}
     return DemoResult(config, model, asdict(before), asdict(after), median_after_first(swarm_reports),
-                      median_after_first(local_reports), swarm_reports[0].seconds, trainer.smoothed_loss(),
+                      median_after_first(local_reports),
+                      swarm_reports[0].seconds if swarm_reports else float("nan"), trainer.smoothed_loss(),
                       loss_diff, {"agree": agree, "of": config.swarm_check}, wall_s=wall,
                       shape_before=answer_shape(before.samples), shape_after=answer_shape(after.samples))
 
@@ -270,6 +274,9 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[DemoConfig, bool]:
                         help="Torch threads of this process and of each server.")
     parser.add_argument("--startup-timeout", type=float, default=defaults.startup_timeout,
                         help="Seconds the bootstrap peer and each server may take to start.")
+    parser.add_argument("--resume", action="store_true",
+                        help="Go on with the swarm training already in --output up to --steps (same flags), instead "
+                             "of starting again: a long run split over sessions. Step timings cover this session.")
     parser.add_argument("--json", action="store_true", help="Print the results as JSON instead of tables.")
     args = vars(parser.parse_args(argv))
     as_json = args.pop("json")

@@ -144,10 +144,15 @@ def test_cli_trains_on_files_and_resumes(tmp_path):
     args = ["--output", str(tmp_path / "run"), "--data", str(data), "--steps", "3", "--batch-size", "4",
             "--seq-len", "16", "--hidden-size", "32", "--layers", "1", "--heads", "4", "--kv-heads", "2",
             "--intermediate-size", "64", "--save-every", "2", "--threads", "1"]
+    state = tmp_path / "run" / STATE_FILE
+    result = CliRunner().invoke(train_cli, args + ["--stop-at", "2"])  # step 2 of a 3-step schedule
+    assert result.exit_code == 0, result.output
+    assert torch.load(state, weights_only=False)["step"] == 2
     result = CliRunner().invoke(train_cli, args)
     assert result.exit_code == 0, result.output
     assert "checkpoint written" in result.output
+    assert torch.load(state, weights_only=False)["step"] == 3
     assert ModelFiles(tmp_path / "run").config.num_layers == 1
     result = CliRunner().invoke(train_cli, args[:5] + ["4"] + args[6:])  # --steps 4: one more step
     assert result.exit_code == 0, result.output
-    assert torch.load(tmp_path / "run" / STATE_FILE, weights_only=False)["step"] == 4
+    assert torch.load(state, weights_only=False)["step"] == 4

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Optional
 
 import click
 from click.core import ParameterSource
@@ -82,8 +83,11 @@ def given_options(ctx: click.Context) -> set[str]:
     help="'byte', or a subword tokenizer for a new run: a tokenizer.json (python -m swarm.train.tokenizer writes "
          "one) or a directory holding one. It is copied into --output and shipped with the model.",
 )
+@click.option("--stop-at", type=click.IntRange(min=1), default=None,
+              help="End this session after this step (a resumable checkpoint is written) without changing the "
+                   "schedule, which --steps lays out: split one run over sessions, or look at it part-way.")
 @threads_option()
-def main(data_files: tuple[str, ...], **options) -> None:
+def main(data_files: tuple[str, ...], stop_at: Optional[int], **options) -> None:
     """Train a masked-diffusion LM (byte or subword tokenizer) and write a native checkpoint.
 
     The defaults (2000 steps of 32 x 128 tokens) take hours on a CPU: the time per step, and what is left of
@@ -97,7 +101,7 @@ def main(data_files: tuple[str, ...], **options) -> None:
         raise click.UsageError(f"{cfg.output} is resumed with its own architecture, which {', '.join(conflicts)} "
                                "would change: drop the flag, or train into a new --output")
     corpus = load_corpus(cfg.corpus, data_files, training_tokenizer(cfg))
-    path = train(cfg, corpus)
+    path = train(cfg, corpus, stop_at=stop_at)
     click.echo(f"checkpoint written to {path}")
 
 

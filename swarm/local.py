@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
 import torch
+import torch.nn.functional as F
 
 from swarm.dht.compatibility import CompatibilityTag, IncompatibleExpertError
 from swarm.diffusion.config import GenerationConfig
@@ -47,12 +48,15 @@ class DiffusionLM(BaseDiffusionLM):
         return lm
 
     @torch.inference_mode()
-    def logits(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Per-position logits (batch, length, vocab) in float32 on the CPU; position i scores token i."""
+    def logits(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+               adapter: Optional[str] = None) -> torch.Tensor:
+        """Per-position logits (batch, length, vocab) in float32 on the CPU; position i scores token i. With
+        ``adapter`` (a directory or, on the swarm client, a published name) the adapted model's, as generation
+        with that adapter computes them."""
         if input_ids.dim() == 1:
             input_ids = input_ids[None]
         mask = attention_mask.to(self.device) if attention_mask is not None else None
-        return self.model(input_ids.to(self.device), mask).float().cpu()
+        return self._pass(input_ids.to(self.device), self.load_adapter(adapter), attention_mask=mask)
 
     def open_experts(self, names: Sequence[str], required: bool) -> tuple[dict[str, InProcessExpert], list[str]]:
         """Experts by embedded name or checkpoint directory, loaded into this process in their own dtype."""
@@ -105,16 +109,18 @@ class DiffusionLM(BaseDiffusionLM):
         yield forward
 
     def _pass(self, tokens: torch.Tensor, adapter: Optional[PromptAdapter], kv: Optional[SpanKV] = None,
-              rows: Optional[tuple[int, int]] = None, scored: Optional[tuple[int, int]] = None) -> torch.Tensor:
+              rows: Optional[tuple[int, int]] = None, scored: Optional[tuple[int, int]] = None,
+              attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Float32 logits of one denoiser call; an adapter's prompt positions go first (a reuse's rows shift past
-        them, as the cache holds them), a per-block adapter's tensor applies before each block, and the prompt rows
-        are sliced off before the head."""
+        them, as the cache holds them; the padding mask, full passes only, attends to them), a per-block adapter's
+        tensor applies before each block, and the prompt rows are sliced off before the head."""
         if adapter is None:
-            return self.model(tokens, kv=kv, rows=rows, scored=scored).float().cpu()
+            return self.model(tokens, attention_mask, kv=kv, rows=rows, scored=scored).float().cpu()
         model = self.model
         hidden = model.embedding(tokens)
         if rows is None:
-            hidden = adapter.strip(model.span(adapter.extend(hidden), kv=kv, prompts=adapter.block_prompts,
+            mask = None if attention_mask is None else F.pad(attention_mask, (adapter.length, 0), value=True)
+            hidden = adapter.strip(model.span(adapter.extend(hidden), mask, kv=kv, prompts=adapter.block_prompts,
                                               prompt_kind=adapter.kind))
         else:
             hidden = model.span(hidden, kv=kv, rows=adapter.shift(rows), prompts=adapter.block_prompts,

@@ -112,3 +112,52 @@ def test_code_expert_and_auto_experts_write_code_not_whitespace():
     composed = DiffusionLM.from_pretrained("default").generate("def f(x):", gen_length=32, experts="auto")
     assert composed.info["experts"]["weights"] == {"code": 1.0} and composed.info["experts"]["auto"]
     assert composed.text.strip() and PYTHON_MARKERS & set(re.findall(r"[A-Za-z_]+", composed.text)), composed.text
+
+
+# ----- an adapter's figures (python -m swarm.eval --adapter) ---------------------------------------------------
+def test_padding_is_masked_for_a_model_with_an_adapter_too(local_lm, tmp_path):
+    """With a soft prompt's positions in front, PAD after a row changes none of its real positions' logits: the
+    padding mask is widened over the prompt positions (an off-by-P mask would hide real tokens instead)."""
+    from tests.test_finetune import adapter_for
+
+    path = str(adapter_for(local_lm).save(tmp_path / "soft"))
+    pad = local_lm.config.pad_token_id
+    ids = torch.tensor([[local_lm.tokenizer.bos_token_id, *local_lm.tokenizer.encode("12+7="), 3, 3]])
+    padded = torch.cat([ids, torch.full((1, 3), pad)], 1)
+    alone = local_lm.logits(ids, adapter=path)
+    assert torch.allclose(local_lm.logits(padded, padded != pad, adapter=path)[:, :ids.shape[1]], alone, atol=1e-5)
+    assert not torch.allclose(local_lm.logits(ids), alone, atol=1e-3)  # the adapter does change them
+
+
+def test_an_adapter_is_scored_against_its_base_model(tiny_model_path, local_lm, tmp_path):
+    """The identity adapter gives the base model's figures; a random one changes the likelihood, and its task
+    answers are those generation with the adapter gives. The command keeps the same base model as baseline."""
+    from swarm.eval.tasks import evaluate_task
+    from swarm.finetune.adapter import BottleneckAdapter
+    from tests.test_bottleneck import bottleneck_for
+
+    changing = bottleneck_for(local_lm, rank=2)
+    weights = changing.prompts.detach().clone()
+    weights[:, 2:] = 0  # the up projections: zero makes the bottleneck the identity
+    identity = str(BottleneckAdapter(changing.config, weights).save(tmp_path / "identity"))
+    changed = str(changing.save(tmp_path / "changing"))
+    settings = plan("addition", 16, task="addition", examples=6)
+    base = evaluate_model(tiny_model_path, settings)
+    same = evaluate_model(tiny_model_path, settings, adapter=identity)
+    assert same.likelihood.nats_per_token == pytest.approx(base.likelihood.nats_per_token, rel=1e-6)
+    assert same.task.samples == base.task.samples and same.adapter == identity
+    adapted = evaluate_model(tiny_model_path, settings, adapter=changed)
+    assert adapted.likelihood.nats_per_token != pytest.approx(base.likelihood.nats_per_token, rel=1e-3)
+    direct = evaluate_task(local_lm, AdditionTask(tokenizer=local_lm.tokenizer), examples=6,
+                           generate_options={"adapter": changed})
+    assert adapted.task.samples == direct.samples and adapted.task.correct == direct.correct
+
+    args = ["--model", str(tiny_model_path), "--baseline", str(tiny_model_path), "--corpus", "addition",
+            "--task", "addition", "--seq-len", "16", "--examples", "4", "--t-draws", "1", "--no-progress"]
+    result = CliRunner().invoke(eval_cli, args + ["--adapter", changed, "--json"])
+    assert result.exit_code == 0, result.output
+    with_adapter, without = json.loads(result.output)["models"]
+    assert (with_adapter["adapter"], without["adapter"]) == (changed, None)
+    assert with_adapter["path"] == without["path"]
+    result = CliRunner().invoke(eval_cli, args + ["--adapter", str(tmp_path / "none")])
+    assert result.exit_code == 2 and "adapter.json is missing" in result.output, result.output

@@ -20,9 +20,10 @@ from swarm.train.data import BUILTIN_CORPORA, TASKS
 NO_BASELINE = "none"
 
 
-def models_to_run(model: str, baseline: str) -> list[str]:
-    """The model, then the comparison model unless disabled or the same checkpoint."""
-    if baseline == NO_BASELINE or resolve_model_path(baseline) == resolve_model_path(model):
+def models_to_run(model: str, baseline: str, adapter: Optional[str] = None) -> list[str]:
+    """The model, then the comparison model unless disabled or the same checkpoint (kept when the model is scored
+    with an adapter: the same model without it is then the comparison that matters)."""
+    if baseline == NO_BASELINE or (adapter is None and resolve_model_path(baseline) == resolve_model_path(model)):
         return [model]
     return [model, baseline]
 
@@ -30,9 +31,10 @@ def models_to_run(model: str, baseline: str) -> list[str]:
 def describe(report: ModelReport) -> list[str]:
     """Human-readable lines for one model."""
     lk = report.likelihood
+    adapted = f" with the adapter {report.adapter}" if report.adapter else ""
     lines = [
-        f"{report.model}: {report.parameters / 1e6:.2f}M parameters, {report.layers} layers x {report.hidden_size}, "
-        f"{report.vocab_size} ids ({report.path})",
+        f"{report.model}{adapted}: {report.parameters / 1e6:.2f}M parameters, {report.layers} layers x "
+        f"{report.hidden_size}, {report.vocab_size} ids ({report.path})",
         f"  held-out {lk.corpus}: {lk.examples} rows x {lk.seq_len} tokens, {lk.t_draws} t draws per row "
         f"({lk.elapsed_s:.1f} s)",
         f"    masked-token accuracy {lk.masked_accuracy:.4f} over {lk.masked_tokens} masked tokens",
@@ -52,6 +54,12 @@ def describe(report: ModelReport) -> list[str]:
     "--model",
     default=DEFAULT_MODEL,
     help="Model to evaluate: an embedded model's name (default, code, addition) or a checkpoint directory.",
+)
+@click.option(
+    "--adapter",
+    default=None,
+    help="Score --model with this adapter (a directory written by python -m swarm.finetune): the likelihood "
+         "figures and the task's answers; the baseline, by default the same base model, is scored without it.",
 )
 @click.option(
     "--baseline",
@@ -124,15 +132,16 @@ def describe(report: ModelReport) -> list[str]:
 @threads_option()
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
 @click.option("--progress/--no-progress", default=True, help="Show progress bars on stderr.")
-def main(model: str, baseline: str, corpus: Optional[str], data_files: tuple[str, ...], task: Optional[str],
-         examples: int, seq_len: Optional[int], t_draws: int, seed: int, batch_size: int, gen_length: int,
-         steps: int, block_length: int, threads: Optional[int], as_json: bool, progress: bool) -> None:
+def main(model: str, adapter: Optional[str], baseline: str, corpus: Optional[str], data_files: tuple[str, ...],
+         task: Optional[str], examples: int, seq_len: Optional[int], t_draws: int, seed: int, batch_size: int,
+         gen_length: int, steps: int, block_length: int, threads: Optional[int], as_json: bool,
+         progress: bool) -> None:
     """Score a model on held-out data: masked-token accuracy and LLaDA's likelihood bound, plus exact-match
     accuracy on a task's held-out problems; the baseline is scored on the same rows and problems."""
     setup_logging(logging.WARNING)
     apply_threads(threads)
     # Bad models and impossible sampler settings are refused (one line, exit 2) before any compute.
-    models = models_to_run(model, baseline)
+    models = models_to_run(model, baseline, adapter)
     trained_corpus, _ = trained_on(model)
     generation = TaskGeneration(gen_length=gen_length, steps=steps, block_length=block_length)
     GenerationConfig(**asdict(generation))
@@ -142,7 +151,7 @@ def main(model: str, baseline: str, corpus: Optional[str], data_files: tuple[str
     plan = EvalPlan(
         corpus="files" if data_files else corpus_name, data_files=data_files, seq_len=seq_len,
         task=None if task == "none" else task, examples=examples, seed=seed, t_draws=t_draws,
-        batch_size=batch_size, generation=generation,
+        batch_size=batch_size, generation=generation, adapter=adapter,
     )
     started = time.perf_counter()
     reports = evaluate_models(models, plan, progress=progress)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
 from tqdm.auto import tqdm
@@ -20,6 +21,7 @@ from swarm.models.tokenizer import ByteTokenizer, Tokenizer
 from swarm.train.data import Corpus, padding_mask
 from swarm.train.objective import EPS, mask_tokens, masked_cross_entropy
 
+Logits = Callable[[torch.Tensor, Optional[torch.Tensor]], torch.Tensor]
 BYTE_IDS = 256  # ids below this are UTF-8 bytes in the byte tokenizer
 
 
@@ -56,9 +58,13 @@ def stratified_rates(rows: int, draw: int, draws: int, generator: torch.Generato
 @torch.inference_mode()
 def evaluate_likelihood(
     model: DiffusionTransformer, corpus: Corpus, *, examples: int = 256, seq_len: int = 128, t_draws: int = 8,
-    seed: int = 0, batch_size: int = 64, progress: bool = False,
+    seed: int = 0, batch_size: int = 64, progress: bool = False, forward: Optional[Logits] = None,
 ) -> LikelihoodReport:
-    """Score ``examples`` held-out rows of ``corpus``; the rows and the noise depend only on ``seed``."""
+    """Score ``examples`` held-out rows of ``corpus``; the rows and the noise depend only on ``seed``.
+
+    ``forward(tokens, attention_mask)`` gives the logits scored (default: ``model``'s); an adapted model's
+    (``DiffusionLM.logits`` with an adapter) is scored on the same rows and noise as its base."""
+    forward = forward or model
     started = time.perf_counter()
     generator = torch.Generator().manual_seed(seed)
     rows = corpus.batch(examples, seq_len, generator, held_out=True)
@@ -70,7 +76,7 @@ def evaluate_likelihood(
             for chunk in chunks:
                 t = stratified_rates(len(chunk), draw, t_draws, generator)
                 noisy, masked, t = mask_tokens(chunk, mask_id, generator, t=t, given=corpus.given_positions(chunk))
-                logits = model(noisy, padding_mask(chunk, model.config.pad_token_id)).float()
+                logits = forward(noisy, padding_mask(chunk, model.config.pad_token_id)).float()
                 nats += masked_cross_entropy(logits, chunk, masked, t).sum().item()
                 logits[..., mask_id] = float("-inf")  # as the sampler does: a prediction is never the mask
                 correct += int(((logits.argmax(-1) == chunk) & masked).sum())

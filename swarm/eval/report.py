@@ -7,6 +7,7 @@ windows of the same held-out text in each model's own ids (compare them per byte
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from dataclasses import asdict, dataclass
@@ -39,11 +40,12 @@ class EvalPlan:
     t_draws: int = 8
     batch_size: int = 64
     generation: TaskGeneration = TaskGeneration()
+    adapter: Optional[str] = None  # applied to the first model only: the baseline shows what it changes
 
     def to_dict(self) -> dict[str, Any]:
         """The plan as plain data (the corpus by name), for JSON output."""
         return {"corpus": self.corpus, "data_files": list(self.data_files), "seq_len": self.seq_len,
-                "task": self.task, "examples": self.examples,
+                "task": self.task, "examples": self.examples, "adapter": self.adapter,
                 "seed": self.seed, "t_draws": self.t_draws, "batch_size": self.batch_size,
                 "generation": asdict(self.generation)}
 
@@ -58,6 +60,7 @@ class ModelReport:
     vocab_size: int
     likelihood: LikelihoodReport
     task: Optional[TaskReport]
+    adapter: Optional[str] = None  # the adapter the figures were computed with
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -80,10 +83,12 @@ def trained_on(name_or_path: str | Path) -> tuple[str, int]:
 
 
 def evaluate_model(name_or_path: str | Path, plan: EvalPlan, *, progress: bool = False,
-                   corpora: Optional[dict[tuple, Any]] = None) -> ModelReport:
-    """One model's report; ``corpora`` caches the encoded corpus per tokenizer, so models that share a tokenizer
+                   corpora: Optional[dict[tuple, Any]] = None, adapter: Optional[str] = None) -> ModelReport:
+    """One model's report, with ``adapter`` applied to every figure when given (a bad or foreign adapter is an
+    ``AdapterError``); ``corpora`` caches the encoded corpus per tokenizer, so models that share a tokenizer
     (the backbone and its experts) build it once (extracting and encoding the prose takes seconds)."""
     lm = DiffusionLM.from_pretrained(name_or_path)
+    lm.load_adapter(adapter)  # checked before any compute
     key = (plan.corpus, tuple(plan.data_files or ()), lm.tokenizer.fingerprint())
     corpora = {} if corpora is None else corpora
     if key not in corpora:
@@ -92,19 +97,23 @@ def evaluate_model(name_or_path: str | Path, plan: EvalPlan, *, progress: bool =
     likelihood = evaluate_likelihood(
         lm.model, corpus, examples=plan.examples, seq_len=plan.seq_len or trained_on(name_or_path)[1],
         t_draws=plan.t_draws, seed=plan.seed, batch_size=plan.batch_size, progress=progress,
+        forward=functools.partial(lm.logits, adapter=adapter) if adapter else None,
     )
     task = None
     if plan.task is not None:
         task = evaluate_task(lm, TASKS[plan.task](tokenizer=lm.tokenizer), examples=plan.examples, seed=plan.seed,
-                             generation=plan.generation, progress=progress)
+                             generation=plan.generation, progress=progress,
+                             generate_options={"adapter": adapter} if adapter else None)
     config = lm.config
     return ModelReport(
         model=str(name_or_path), path=str(lm.path), parameters=sum(p.numel() for p in lm.model.parameters()),
         layers=config.num_layers, hidden_size=config.hidden_size, vocab_size=config.vocab_size,
-        likelihood=likelihood, task=task,
+        likelihood=likelihood, task=task, adapter=adapter,
     )
 
 
 def evaluate_models(models: Sequence[str | Path], plan: EvalPlan, *, progress: bool = False) -> list[ModelReport]:
+    """Each model's report; ``plan.adapter`` applies to the first one (the others are its baselines)."""
     corpora: dict[tuple, Any] = {}
-    return [evaluate_model(model, plan, progress=progress, corpora=corpora) for model in models]
+    return [evaluate_model(model, plan, progress=progress, corpora=corpora,
+                           adapter=plan.adapter if index == 0 else None) for index, model in enumerate(models)]

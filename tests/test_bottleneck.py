@@ -12,6 +12,7 @@ refused.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -33,6 +34,8 @@ from swarm.protocol import ErrorCode, ForwardRequest, RemoteError, request_parts
 from swarm.server.validation import validate_prompt_declared
 from tests.test_deep_prompt import _edit_json, _set_metadata, adapter_gradient, assert_files_refused, raw_call
 from tests.test_finetune import GENERATION, TOLERANCE, run_finetune, write_pairs
+
+OLD_SERVER = (str(Path(__file__).with_name("old_server.py")),)
 
 
 def bottleneck_for(lm, rank: int = 2, seed: int = 0, scale: float = 0.5, head_rank: int = 0) -> BottleneckAdapter:
@@ -214,3 +217,45 @@ def test_a_server_refuses_nan_bottleneck_weights_naming_them(remote_lm):
     with pytest.raises(RemoteError, match="bottleneck weights contain NaN") as refused:
         raw_call(remote_lm, server, parts)
     assert refused.value.code == ErrorCode.NOT_FINITE
+
+
+def test_a_server_that_does_not_list_bottlenecks_is_never_sent_one(tiny_model_path, local_lm, tmp_path):
+    """The attack (or just an old version): a server whose record lists no per-block adapter kinds and whose blocks
+    add any per-block tensor as a deep prompt (tests/old_server.py). It answers a bottleneck wrongly without an
+    error, so the client sends bottlenecks only to servers that list the kind: the tokens stay the local ones, plain
+    passes still use that server, and with no other server left a bottleneck pass says what is missing."""
+    from swarm.client import DistributedDiffusionLM
+    from swarm.client.routing import MissingBlocksError
+    from swarm.utils.local_swarm import LocalSwarm
+
+    adapter = bottleneck_for(local_lm)
+    path = str(adapter.save(tmp_path / "bottleneck"))
+    with LocalSwarm() as swarm:
+        swarm.start_bootstrap()
+        old = swarm.start_server(str(tiny_model_path), "0:4", "--compute-threads", "1", name="old", wait=False,
+                                 entry=OLD_SERVER)
+        honest = swarm.start_server(str(tiny_model_path), "0:4", "--compute-threads", "1", wait=False)
+        for server in (old, honest):
+            swarm.wait_ready(server)
+        lm = DistributedDiffusionLM.from_pretrained(tiny_model_path, initial_peers=swarm.initial_peers,
+                                                    request_timeout=10)
+        try:
+            hidden = torch.randn(1, 6, local_lm.config.hidden_size, generator=torch.Generator().manual_seed(0))
+            weights = adapter.prompts.detach()
+            request = ForwardRequest(0, 4, hidden, "probe", -1, {}, weights, BOTTLENECK)
+            answers = {server.name: lm.loop.run(lm.caller.forward(server.peer_id, request, 30))
+                       for server in (old, honest)}
+            expected = local_lm.model.span(hidden, prompts=weights, prompt_kind=BOTTLENECK)
+            assert torch.allclose(answers[honest.name], expected, atol=1e-4)
+            assert not torch.allclose(answers["old"], expected, atol=1e-2)  # the danger is real
+
+            for seed in range(3):
+                assert (lm.generate("adapt", adapter=path, seed=seed, **GENERATION).token_ids
+                        == local_lm.generate("adapt", adapter=path, seed=seed, **GENERATION).token_ids)
+            swarm.terminate(honest)
+            assert lm.generate("adapt", **GENERATION).token_ids == local_lm.generate("adapt", **GENERATION).token_ids
+            with pytest.raises(MissingBlocksError, match="no online server that applies bottleneck adapters holds "
+                                                         "blocks 0:4"):
+                lm.generate("adapt", adapter=path, **GENERATION)
+        finally:
+            lm.shutdown()

@@ -21,11 +21,12 @@ class RouteHop:
 class MissingBlocksError(RuntimeError):
     """No usable server covers some blocks; the message names them."""
 
-    def __init__(self, blocks: list[int], tried: Optional[list[str]] = None):
+    def __init__(self, blocks: list[int], tried: Optional[list[str]] = None, requirement: str = ""):
         self.blocks = blocks
         ranges = compress_ranges(blocks)
         tried_text = f"; tried: {'; '.join(tried)}" if tried else ""
-        super().__init__(f"no online server holds blocks {ranges}{tried_text}")
+        that = f" that {requirement}" if requirement else ""
+        super().__init__(f"no online server{that} holds blocks {ranges}{tried_text}")
 
 
 def compress_ranges(blocks: list[int]) -> str:

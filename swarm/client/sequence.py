@@ -107,10 +107,18 @@ class RemoteSequence:
         """Known servers whose records say their numerics differ from the checkpoint's."""
         return frozenset(peer for peer, record in self.servers.items() if record.approximate)
 
-    def holders(self, start: int, end: int, avoid: frozenset[str] = frozenset(), head: bool = False) -> list[str]:
-        """Usable online servers holding blocks ``start:end`` (and the output head, with ``head``), fastest first
-        (spot checks ask these)."""
-        excluded = self.excluded(avoid)
+    def without_adapter_kind(self, kind: Optional[str]) -> frozenset[str]:
+        """Known servers whose records do not say they apply per-block adapters of ``kind`` (none when ``kind`` is
+        None: a pass without one). A server that predates the record field could misapply one silently."""
+        if kind is None:
+            return frozenset()
+        return frozenset(peer for peer, record in self.servers.items() if kind not in record.adapter_kinds)
+
+    def holders(self, start: int, end: int, avoid: frozenset[str] = frozenset(), head: bool = False,
+                adapter_kind: Optional[str] = None) -> list[str]:
+        """Usable online servers holding blocks ``start:end`` (and the output head, with ``head``; applying
+        per-block adapters of ``adapter_kind``, when given), fastest first (spot checks ask these)."""
+        excluded = self.excluded(avoid | self.without_adapter_kind(adapter_kind))
         found = [peer for peer, record in self.servers.items()
                  if record.state == ServerState.ONLINE and peer not in excluded
                  and record.start <= start and end <= record.end and (record.head or not head)]
@@ -301,9 +309,10 @@ class RemoteSequence:
         piece = prompts[hop.start:hop.end] if prompts is not None else None
         request = BackwardRequest(hop.start, hop.end, hop.inputs, grad, uuid.uuid4().hex, prompts=piece,
                                   prompt_kind=prompt_kind)
+        unable = self.without_adapter_kind(prompt_kind if prompts is not None else None)
         try:
             grad_input, grad_piece = call_with_failover(
-                lambda avoid: self._backward_peer(hop, avoid),
+                lambda avoid: self._backward_peer(hop, avoid | unable),
                 lambda peer: peer,
                 lambda peer: self._call_backward(peer, request),
                 health=self.health, budget=budget,
@@ -429,9 +438,11 @@ class RemoteSequence:
         holds a per-block adapter's tensor for every block of the model; each hop is sent its blocks' slice."""
         budget = RetryBudget(self.config)
         block, end = start, self.num_blocks if end is None else end
+        kind = prompt_kind if prompts is not None else None
+        unable = self.without_adapter_kind(kind)
         while block < end:
             hidden, block = call_with_failover(
-                lambda avoid: self._next_hop(block, tokens, avoid, budget, end),
+                lambda avoid: self._next_hop(block, tokens, avoid | unable, budget, end, kind),
                 lambda hop: hop.peer_id,
                 lambda hop: self._call_hop(hop, hidden, session_id, step, extra, head, trace, prompts, prompt_kind),
                 health=self.health, budget=budget, final=lambda error: self._final_error(error, step),
@@ -441,9 +452,10 @@ class RemoteSequence:
         return hidden
 
     def _next_hop(self, block: int, tokens: int, avoid: frozenset[str], budget: RetryBudget,
-                  end: Optional[int] = None) -> RouteHop:
+                  end: Optional[int] = None, adapter_kind: Optional[str] = None) -> RouteHop:
         """The hop from ``block`` (cut at ``end``); when no usable server covers the rest, wait for a busy one or
-        say which blocks are missing and what was tried."""
+        say which blocks are missing (for a pass with a per-block adapter: among servers that apply its kind) and
+        what was tried."""
         while True:
             try:
                 hop = self.hop_from(block, tokens, avoid)
@@ -451,7 +463,8 @@ class RemoteSequence:
             except MissingBlocksError as error:
                 pause = self.health.wait_for_busy()
                 if pause is None:
-                    raise MissingBlocksError(error.blocks, list(budget.errors) or None) from None
+                    requirement = f"applies {adapter_kind.replace('_', ' ')} adapters" if adapter_kind else ""
+                    raise MissingBlocksError(error.blocks, list(budget.errors) or None, requirement) from None
                 budget.wait(str(error), pause or None, where=f" at block {block}")  # 0: the usual back-off
 
     def _call_hop(self, hop: RouteHop, hidden: torch.Tensor, session_id: str, step: int, extra: dict,

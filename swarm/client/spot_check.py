@@ -102,7 +102,7 @@ class SpotChecker:
     """Draws which hops to check (from a seed: reproducible) and follows the majority of the answers."""
 
     def __init__(self, health: PeerHealth, caller: RemoteCaller, loop: BackgroundLoop, config: ClientConfig,
-                 holders: Callable[[int, int, frozenset[str], bool], list[str]]):
+                 holders: Callable[[int, int, frozenset[str], bool, Optional[str]], list[str]]):
         self.health, self.caller, self.loop, self.config = health, caller, loop, config
         self.holders = holders
         self.rtol = config.spot_check_rtol
@@ -126,7 +126,8 @@ class SpotChecker:
         """Compare with a second server; on disagreement ask a third and follow the majority."""
         asked: list[str] = []
         answers: dict[str, torch.Tensor] = {primary: output}
-        for peer in self.holders(request.start, request.end, frozenset({primary}), "head" in request.extra):
+        kind = request.prompt_kind if request.prompts is not None else None
+        for peer in self.holders(request.start, request.end, frozenset({primary}), "head" in request.extra, kind):
             result = self._call(peer, request)
             if result is None:
                 continue

@@ -62,6 +62,10 @@ class ServerRecord:
     # The server also holds the final norm and the output head (``--head``, only with the last block) and
     # answers a client's head query with the sampler's predictions instead of hidden states.
     head: bool = False
+    # The per-block adapter kinds (deep_prompt, bottleneck) its blocks apply. A record without the field is from a
+    # server that predates it: it may treat any per-block tensor as a deep prompt (a bottleneck's weights added to
+    # the first rows: wrong numbers, no error), so clients send per-block adapters only to servers that list them.
+    adapter_kinds: list[str] = field(default_factory=list)
 
     @property
     def approximate(self) -> bool:
@@ -88,6 +92,7 @@ class ServerRecord:
                 experts=_texts(value.get("experts", [])), extra=dict(value.get("extra", {})),
                 numerics=str(value.get("numerics", "exact"))[:MAX_NUMERICS_CHARS],
                 addresses=_addresses(value.get("addresses", [])), head=value.get("head", False) is True,
+                adapter_kinds=_texts(value.get("adapter_kinds", [])),
             )
             if not 0 <= record.start < record.end:
                 raise ValueError(f"bad span {record.start}:{record.end}")

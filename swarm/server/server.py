@@ -28,7 +28,7 @@ from swarm.finetune.sharing import AdapterLibrary, declare_hosted
 from swarm.governance.guard import GovernanceGuard
 from swarm.models.checkpoint import parse_dtype
 from swarm.models.loading import EXACT, ModelFiles, numerics, resolve_device
-from swarm.models.modules import OutputHead
+from swarm.models.modules import BLOCK_ADAPTER_KINDS, OutputHead
 from swarm.models.quantization import quantize_span_int8
 from swarm.server.backend import SpanBackend
 from swarm.server.block_selection import choose_span
@@ -190,7 +190,7 @@ class Server:
             peer_id=self.peer_id, state=self.state, start=self.start, end=self.end, throughput=self.throughput,
             public_name=self.config.public_name, version=__version__, experts=sorted(self.experts),
             numerics=self.numerics, addresses=self.addresses, head=self.backend is not None and
-            self.backend.head is not None,
+            self.backend.head is not None, adapter_kinds=list(BLOCK_ADAPTER_KINDS),
         )
 
     def expert_records(self) -> list[ExpertRecord]:

@@ -97,10 +97,12 @@ class RemoteSequence:
             self.route = []  # rebuilt under the new policy
 
     # ----- servers and route ----------------------------------------------------------------------
-    def excluded(self, also: frozenset[str] = frozenset()) -> frozenset[str]:
+    def excluded(self, also: frozenset[str] = frozenset(), adapter_kind: Optional[str] = None) -> frozenset[str]:
         """Peers a route may not use now: per :class:`PeerHealth`, plus ``also`` (failed within this call), plus
-        servers announcing approximate numerics unless ``ClientConfig.allow_approximate``."""
-        excluded = self.health.excluded(self.servers) | also
+        servers that do not list ``adapter_kind`` (a pass with a per-block adapter), plus servers announcing
+        approximate numerics unless ``ClientConfig.allow_approximate``. Read from the records known now, so a
+        server found by a refresh during the pass is judged too."""
+        excluded = self.health.excluded(self.servers) | also | self.without_adapter_kind(adapter_kind)
         return excluded if self.config.allow_approximate else excluded | self.approximate_peers()
 
     def approximate_peers(self) -> frozenset[str]:
@@ -118,7 +120,7 @@ class RemoteSequence:
                 adapter_kind: Optional[str] = None) -> list[str]:
         """Usable online servers holding blocks ``start:end`` (and the output head, with ``head``; applying
         per-block adapters of ``adapter_kind``, when given), fastest first (spot checks ask these)."""
-        excluded = self.excluded(avoid | self.without_adapter_kind(adapter_kind))
+        excluded = self.excluded(avoid, adapter_kind)
         found = [peer for peer, record in self.servers.items()
                  if record.state == ServerState.ONLINE and peer not in excluded
                  and record.start <= start and end <= record.end and (record.head or not head)]
@@ -189,26 +191,28 @@ class RemoteSequence:
         self.health.record_ping(peer_id, rtt)
         self.health.record_success(peer_id, time.perf_counter() - started, record.end - record.start)
 
-    def build_route(self, start_block: int = 0, tokens: int = 128,
-                    avoid: frozenset[str] = frozenset()) -> list[RouteHop]:
-        """The cheapest chain from ``start_block`` to the end, avoiding ``avoid`` as well as unusable peers."""
+    def build_route(self, start_block: int = 0, tokens: int = 128, avoid: frozenset[str] = frozenset(),
+                    adapter_kind: Optional[str] = None) -> list[RouteHop]:
+        """The cheapest chain from ``start_block`` to the end, avoiding ``avoid`` as well as unusable peers (and,
+        for a pass with a per-block adapter of ``adapter_kind``, servers that do not apply it)."""
         with self._route_lock:
             if self._servers_stale() or not self.servers:
                 self.refresh()
             else:
                 self._ping_unmeasured()  # peers whose ban ran out are challenged again before use
             try:
-                tail = self._find(start_block, tokens, avoid)
+                tail = self._find(start_block, tokens, avoid, adapter_kind)
             except MissingBlocksError:
                 self.refresh()  # the DHT may know servers that joined since the last read
-                tail = self._find(start_block, tokens, avoid)
+                tail = self._find(start_block, tokens, avoid, adapter_kind)
             self.route = [hop for hop in self.route if hop.end <= start_block] + tail
             logger.info("route: %s", " -> ".join(map(str, self.route)))
             return self.route
 
-    def _find(self, start_block: int, tokens: int, avoid: frozenset[str]) -> list[RouteHop]:
+    def _find(self, start_block: int, tokens: int, avoid: frozenset[str],
+              adapter_kind: Optional[str] = None) -> list[RouteHop]:
         """The cheapest route, ending on a head server when one is usable (``ClientConfig.head`` "auto")."""
-        excluded, latencies = self.excluded(avoid), self.health.latencies()
+        excluded, latencies = self.excluded(avoid, adapter_kind), self.health.latencies()
         heads = self.head_servers(excluded)
         if heads:
             try:
@@ -238,12 +242,13 @@ class RemoteSequence:
     def _servers_stale(self) -> bool:
         return time.monotonic() - self._refreshed_at > self.config.route_refresh
 
-    def hop_from(self, block: int, tokens: int, avoid: frozenset[str] = frozenset()) -> RouteHop:
-        excluded = self.excluded(avoid)
+    def hop_from(self, block: int, tokens: int, avoid: frozenset[str] = frozenset(),
+                 adapter_kind: Optional[str] = None) -> RouteHop:
+        excluded = self.excluded(avoid, adapter_kind)
         for hop in self.route:
             if hop.start == block and hop.peer_id not in excluded:
                 return hop
-        route = self.build_route(block, tokens, avoid)
+        route = self.build_route(block, tokens, avoid, adapter_kind)
         return next(hop for hop in route if hop.start == block)
 
     def full_route(self, tokens: int) -> list[RouteHop]:
@@ -309,10 +314,10 @@ class RemoteSequence:
         piece = prompts[hop.start:hop.end] if prompts is not None else None
         request = BackwardRequest(hop.start, hop.end, hop.inputs, grad, uuid.uuid4().hex, prompts=piece,
                                   prompt_kind=prompt_kind)
-        unable = self.without_adapter_kind(prompt_kind if prompts is not None else None)
+        kind = prompt_kind if prompts is not None else None
         try:
             grad_input, grad_piece = call_with_failover(
-                lambda avoid: self._backward_peer(hop, avoid | unable),
+                lambda avoid: self._backward_peer(hop, avoid, kind),
                 lambda peer: peer,
                 lambda peer: self._call_backward(peer, request),
                 health=self.health, budget=budget,
@@ -335,14 +340,14 @@ class RemoteSequence:
             grad_prompts[hop.start:hop.end] = grad_piece
         return grad_input
 
-    def _backward_peer(self, hop: HopTrace, avoid: frozenset[str]) -> str:
+    def _backward_peer(self, hop: HopTrace, avoid: frozenset[str], adapter_kind: Optional[str] = None) -> str:
         """The server that computed the hop, else the fastest usable one holding all its blocks."""
-        if hop.peer_id not in self.excluded(avoid):
+        if hop.peer_id not in self.excluded(avoid, adapter_kind):
             return hop.peer_id
-        holders = self.holders(hop.start, hop.end, avoid)
+        holders = self.holders(hop.start, hop.end, avoid, adapter_kind=adapter_kind)
         if not holders:
             self.refresh()
-            holders = self.holders(hop.start, hop.end, avoid)
+            holders = self.holders(hop.start, hop.end, avoid, adapter_kind=adapter_kind)
         if not holders:
             raise MissingBlocksError(list(range(hop.start, hop.end)))
         return holders[0]
@@ -439,10 +444,9 @@ class RemoteSequence:
         budget = RetryBudget(self.config)
         block, end = start, self.num_blocks if end is None else end
         kind = prompt_kind if prompts is not None else None
-        unable = self.without_adapter_kind(kind)
         while block < end:
             hidden, block = call_with_failover(
-                lambda avoid: self._next_hop(block, tokens, avoid | unable, budget, end, kind),
+                lambda avoid: self._next_hop(block, tokens, avoid, budget, end, kind),
                 lambda hop: hop.peer_id,
                 lambda hop: self._call_hop(hop, hidden, session_id, step, extra, head, trace, prompts, prompt_kind),
                 health=self.health, budget=budget, final=lambda error: self._final_error(error, step),
@@ -458,7 +462,7 @@ class RemoteSequence:
         what was tried."""
         while True:
             try:
-                hop = self.hop_from(block, tokens, avoid)
+                hop = self.hop_from(block, tokens, avoid, adapter_kind)
                 return hop if end is None or hop.end <= end else RouteHop(hop.peer_id, hop.start, end)
             except MissingBlocksError as error:
                 pause = self.health.wait_for_busy()

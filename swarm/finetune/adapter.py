@@ -56,13 +56,13 @@ KINDS = (SOFT_PROMPT, DEEP_PROMPT, BOTTLENECK)
 PER_BLOCK_KINDS = (DEEP_PROMPT, BOTTLENECK)  # a tensor slice per block, carried by every request
 MAX_PROMPT_LENGTH = 256  # rows of one block's tensor (prompt vectors, or a bottleneck's 2 x rank)
 MAX_RANK = MAX_PROMPT_LENGTH // 2
+MAX_CONFIG_BYTES = 64 * 1024
+MAX_WEIGHTS_BYTES = 64 * 2**20  # 256 vectors of 65536 floats: far above any real prompt
 
 
 def size_setting(kind: str) -> str:
     """The setting that sizes an adapter of ``kind``: a bottleneck's ``rank``, a prompt's ``prompt_length``."""
     return "rank" if kind == BOTTLENECK else "prompt_length"
-MAX_CONFIG_BYTES = 64 * 1024
-MAX_WEIGHTS_BYTES = 64 * 2**20  # 256 vectors of 65536 floats: far above any real prompt
 
 
 class AdapterError(ValueError):

@@ -37,6 +37,9 @@ def main() -> None:
     parser.add_argument("--train-examples", type=count(1), default=20000, help="Training problems (none held out).")
     parser.add_argument("--eval-examples", type=count(1), default=100, help="Held-out problems scored after training.")
     parser.add_argument("--seed", type=int, default=0, help="Seeds the problems, batches and masking.")
+    parser.add_argument("--score-at", default="",
+                        help="Comma-separated steps at which to score as well as at the end (a learning curve in "
+                             "one run; each point is written to results.json as it comes).")
     args = parser.parse_args()
     torch.set_num_threads(1)
     out = Path(args.output)
@@ -55,7 +58,8 @@ def main() -> None:
     for parameter in trained:
         parameter.requires_grad_(True)
     optimizer = torch.optim.Adam(trained, lr=args.lr)
-    losses, started = [], time.perf_counter()
+    score_at = {int(step) for step in args.score_at.split(",") if step.strip()} | {args.steps}
+    losses, curve, started = [], [], time.perf_counter()
     for step in range(args.steps):
         rows = torch.randint(len(examples), (args.batch_size,), generator=generator)
         batch = make_batch([examples[i] for i in rows.tolist()], eos, args.pad_response)
@@ -67,16 +71,19 @@ def main() -> None:
         if (step + 1) % 100 == 0:
             print(f"step {step + 1}: loss {sum(losses[-100:]) / 100:.3f} (mean of 100), "
                   f"{time.perf_counter() - started:.0f} s", flush=True)
-    lm.model.requires_grad_(False)
-    after = score(lm, task, args.eval_examples)
-    shape = answer_shape(after.samples)
-    result = {"args": vars(args), "trained_parameters": sum(p.numel() for p in trained),
-              "loss_last_10": sum(losses[-10:]) / max(1, len(losses[-10:])), "exact": after.correct,
-              "examples": after.examples, "shape": shape, "samples": after.samples[:5]}
-    (out / "results.json").write_text(json.dumps(result, indent=2))
-    print(f"{result['trained_parameters']} weights trained for {args.steps} steps: loss {result['loss_last_10']:.3f} "
-          f"(last 10); held-out exact match {after.correct}/{after.examples}, right length {shape['length']}, "
-          f"first digit {shape['first_digit']}, last digit {shape['last_digit']}")
+        if step + 1 in score_at:
+            after = score(lm, task, args.eval_examples)
+            shape = answer_shape(after.samples)
+            curve.append({"step": step + 1, "samples": (step + 1) * args.batch_size, "exact": after.correct,
+                          "examples": after.examples, "shape": shape})
+            result = {"args": vars(args), "trained_parameters": sum(p.numel() for p in trained),
+                      "loss_last_10": sum(losses[-10:]) / max(1, len(losses[-10:])), "exact": after.correct,
+                      "examples": after.examples, "shape": shape, "curve": curve, "samples": after.samples[:5]}
+            (out / "results.json").write_text(json.dumps(result, indent=2))
+            print(f"{result['trained_parameters']} weights trained for {step + 1} steps: loss "
+                  f"{result['loss_last_10']:.3f} (last 10); held-out exact match {after.correct}/{after.examples}, "
+                  f"right length {shape['length']}, first digit {shape['first_digit']}, "
+                  f"last digit {shape['last_digit']}", flush=True)
 
 
 if __name__ == "__main__":

@@ -47,8 +47,19 @@ def test_full_coverage_and_json_shape():
     assert data["servers"][0] == {"peer_id": "a", "public_name": "name-a", "start": 0, "end": 3, "state": "online",
                                   "throughput": 100.0, "version": "0.1.0", "cache_tokens_left": 0, "experts": [],
                                   "numerics": "exact", "approximate": False, "addresses": [],
-                                  "reachability": "unknown", "head": False}
+                                  "reachability": "unknown", "head": False, "adapter_kinds": []}
     assert "OK: every block" in render_text(health)
+
+
+def test_servers_list_the_adapter_kinds_they_apply():
+    """A fine-tuning user reads here which servers can carry their bottleneck or deep prompt."""
+    trains = record("a", 0, 2)
+    trains.adapter_kinds = ["deep_prompt", "bottleneck"]
+    health = build_health_map([trains, record("b", 2, 4)], "m", 4)
+    lines = render_text(health).splitlines()
+    assert "ADAPTERS" in lines[2]
+    assert "deep_prompt,bottleneck" in lines[3] and "deep_prompt" not in lines[4]
+    assert [server["adapter_kinds"] for server in health.to_json()["servers"]] == [["deep_prompt", "bottleneck"], []]
 
 
 def test_no_servers_is_not_served():

@@ -10,6 +10,7 @@ from swarm.local import DiffusionLM
 from tests.conftest import make_checkpoint, tiny_config
 
 FAULTY = (str(Path(__file__).with_name("faulty_server.py")),)
+MISAPPLYING = (str(Path(__file__).with_name("misapplying_server.py")),)
 SETTINGS = dict(gen_length=16, steps=8, block_length=8, seed=3, temperature=0.5)
 
 
@@ -53,3 +54,37 @@ def test_without_spot_checks_the_faulty_server_changes_the_answer(local_swarm, a
         assert lm.show_route()[0].peer_id == faulty.peer_id
         difference = (lm.logits(ids) - local.logits(ids)).abs().max()
         assert difference > 1e-2
+
+
+def test_a_server_that_lists_bottlenecks_and_misapplies_them_is_caught(local_swarm, tmp_path_factory):
+    """The subtle liar: its record says it applies bottleneck adapters, its plain passes are exact, and it adds a
+    bottleneck's weights as a deep prompt (tests/misapplying_server.py). Spot checks resend the adapter with the
+    request, so the fine-tuned tokens stay the local ones and the liar is distrusted."""
+    from tests.test_bottleneck import bottleneck_for
+
+    path = make_checkpoint(tmp_path_factory.mktemp("misapplying"), tiny_config(), seed=10)
+    local = DiffusionLM.from_pretrained(path)
+    adapter = str(bottleneck_for(local).save(tmp_path_factory.mktemp("misapplying-adapter") / "bottleneck"))
+    honest = [local_swarm.start_server(str(path), "0:4", "--compute-threads", "1", "--throughput", "1", wait=False)
+              for _ in range(2)]  # two, so that a disagreement has a third opinion
+    liar = local_swarm.start_server(str(path), "0:4", "--compute-threads", "1", "--throughput", "1e9",
+                                    entry=MISAPPLYING, name="misapplying", wait=False)
+    try:
+        for server in (*honest, liar):
+            local_swarm.wait_ready(server)
+        with DistributedDiffusionLM.from_pretrained(path, initial_peers=local_swarm.initial_peers) as lm:
+            assert lm.show_route()[0].peer_id == liar.peer_id, "the liar should be the first choice"
+            assert lm.generate("audit", **SETTINGS).token_ids == local.generate("audit", **SETTINGS).token_ids
+            unchecked = lm.generate("audit", adapter=adapter, **SETTINGS).token_ids
+            assert unchecked != local.generate("audit", adapter=adapter, **SETTINGS).token_ids  # the danger is real
+        with DistributedDiffusionLM.from_pretrained(path, initial_peers=local_swarm.initial_peers,
+                                                    spot_check_fraction=1.0) as lm:
+            for seed in range(2):
+                options = dict(SETTINGS, seed=seed)
+                assert (lm.generate("audit", adapter=adapter, **options).token_ids
+                        == local.generate("audit", adapter=adapter, **options).token_ids)
+            verdicts = [o.verdict for o in lm.sequence.spot_checker.outcomes]
+            assert "primary_faulty" in verdicts and liar.peer_id in lm.sequence.distrusted
+    finally:
+        for server in (*honest, liar):
+            local_swarm.terminate(server)

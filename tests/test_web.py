@@ -248,7 +248,8 @@ def test_map_data_is_valid_json_whatever_servers_announce():
     refused = {"record_version": RECORD_VERSION, "state": 2, "start": 0, "end": 2, "throughput": float("nan")}
     assert ServerRecord.from_value("peerA", refused) is None  # the first line of defence; the map is the second
     records = [hostile_record("peerA", throughput=float("nan"),
-                              public_name={"not": "a string"}, version="v" * 10_000, experts=[1, None, "code"]),
+                              public_name={"not": "a string"}, version="v" * 10_000, experts=[1, None, "code"],
+                              adapter_kinds=[None, "bottleneck", "<b>" * 100]),
                hostile_record("peerB", start=2, end=4, throughput=float("inf"),
                               public_name=HOSTILE_NAME, numerics="int8 weights")]
     experts = {"code": [ExpertAnnouncement("code", "peerC", {"garbage": True}),
@@ -260,6 +261,7 @@ def test_map_data_is_valid_json_whatever_servers_announce():
     first, second = snapshot["servers"]
     assert first["throughput"] is None and first["public_name"] is None and len(first["version"]) == 40
     assert first["experts"] == ["code"] and first["rtt_ms"] is None and first["status"] == "busy"
+    assert first["adapter_kinds"] == ["bottleneck", ("<b>" * 100)[:120]] and second["adapter_kinds"] == []
     assert second["public_name"] == HOSTILE_NAME and second["status"] == "banned" and second["approximate"]
     assert len(second["probe_error"]) == 200 and snapshot["uncovered"] == [[4, 6]]
     assert snapshot["experts"] == [{"domain": "code", "peers": [], "malformed": 2}]

@@ -83,6 +83,7 @@ def server_json(record: ServerRecord) -> dict[str, Any]:
         "cache_tokens_left": record.cache_tokens_left, "experts": list(record.experts),
         "numerics": record.numerics, "approximate": record.approximate,
         "addresses": list(record.addresses), "reachability": reachability(record.addresses), "head": record.head,
+        "adapter_kinds": list(record.adapter_kinds),
     }
 
 

@@ -24,10 +24,11 @@ def render_text(health: HealthMap) -> str:
             (f"{r.start}:{r.end}" + (" +head" if r.head else ""), r.state.name.lower(), f"{r.throughput:.1f}",
              r.version or "?",
              r.public_name or "-", "exact" if not r.approximate else f"APPROXIMATE ({r.numerics})",
-             reachability(r.addresses), r.peer_id)
+             reachability(r.addresses), ",".join(r.adapter_kinds) or "-", r.peer_id)
             for r in health.servers
         ]
-        lines += format_table(("BLOCKS", "STATE", "TOK/S", "VERSION", "NAME", "NUMERICS", "REACH", "PEER ID"), rows)
+        lines += format_table(("BLOCKS", "STATE", "TOK/S", "VERSION", "NAME", "NUMERICS", "REACH", "ADAPTERS",
+                               "PEER ID"), rows)
     else:
         lines.append("No server has announced any block of this model (check --initial-peers and the prefix).")
     lines.append("")

@@ -77,6 +77,7 @@ def server_view(record: dict[str, Any], probe: Optional[Probe], client: ClientVi
         "cache_tokens_left": number(record.get("cache_tokens_left")),
         "experts": [item for item in map(text, list(record.get("experts") or [])[:MAX_ITEMS]) if item],
         "numerics": text(record.get("numerics")), "approximate": bool(record.get("approximate")),
+        "adapter_kinds": [item for item in map(text, list(record.get("adapter_kinds") or [])[:MAX_ITEMS]) if item],
         "status": status_of(str(record["state"]), banned, probe),
         "rtt_ms": None if probe is None else number(probe.rtt_ms),
         "in_flight": None if probe is None else probe.in_flight,

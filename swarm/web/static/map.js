@@ -115,9 +115,10 @@ function drawServers(servers) {
     cell("Cache room (tokens)", num(server.cache_tokens_left)),
     cell("Version", server.version || "?"),
     cell("Numerics", server.numerics || "?"),
-    cell("Experts", server.experts.join(", ") || "—")));
+    cell("Experts", server.experts.join(", ") || "—"),
+    cell("Adapters", server.adapter_kinds.join(", ") || "—")));
   if (!rows.length) {
-    rows.push(el("tr", {}, el("td", { colspan: 11 }, "No server has announced any block of this model.")));
+    rows.push(el("tr", {}, el("td", { colspan: 12 }, "No server has announced any block of this model.")));
   }
   document.querySelector("#servers tbody").replaceChildren(...rows);
 }

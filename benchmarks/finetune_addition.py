@@ -253,7 +253,7 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[DemoConfig, bool]:
     parser.add_argument("--adapter-kind", choices=KINDS, default=defaults.adapter_kind, help="The adapter trained.")
     parser.add_argument("--prompt-length", type=count(1), default=defaults.prompt_length,
                         help="Prompt positions (the prompt kinds).")
-    parser.add_argument("--rank", type=count(1), default=defaults.rank, help="A bottleneck adapter's rank.")
+    parser.add_argument("--rank", type=count(1), default=defaults.rank, help="A bottleneck's or LoRA's rank.")
     parser.add_argument("--head-rank", type=count(0), default=defaults.head_rank,
                         help="Rank of the head correction the client trains too (0: none).")
     parser.add_argument("--lr", type=float, default=defaults.lr, help="Adam learning rate.")

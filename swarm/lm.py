@@ -102,8 +102,8 @@ class GenerationRequest:
                          api=False)  # the HTTP API has an endpoint for conversations
     progress: bool = setting(False, "Show a progress bar.", cli=False, api=False)  # the command shows every step
     adapter: Optional[str] = setting(
-        None, "A fine-tuned adapter (a soft or deep prompt, a bottleneck): its directory, as written by python -m "
-              "swarm.finetune, or the name it was published under; see docs/TRAINING.md.",
+        None, "A fine-tuned adapter (a soft or deep prompt, a bottleneck, a LoRA): its directory, as written by "
+              "python -m swarm.finetune, or the name it was published under; see docs/TRAINING.md.",
         api=False)  # a path names a file of the API's host: not for remote callers
 
     @classmethod

@@ -10,7 +10,8 @@ travels, is bounded and validated exactly as a forward request's; the answer is 
 
 Either request may carry a second tensor, a per-block adapter's tensor for the span's blocks (end - start, R, hidden),
 float32, declared in the metadata (``prompt_length`` R, ``prompt_parts``, and ``prompt_kind``: ``deep_prompt``
-vectors added to positions 0:R, the default, or ``bottleneck`` weights of rank R / 2 applied to every row) and
+vectors added to positions 0:R, the default, ``bottleneck`` weights of rank R / 2 applied to every row, or ``lora``
+matrices of every projection packed into R rows, ``swarm/models/lora.py``) and
 sent after the hidden states' parts; the answer to a backward request that carried one carries the tensor's
 gradient after the inputs' (its parts counted by ``prompt_parts`` too). When everything fits one message, the
 hidden states and the adapter's tensor share it (a unary call); otherwise every message of the stream carries

@@ -29,6 +29,7 @@ from swarm.finetune.adapter import (
     PromptAdapter,
     base_of,
 )
+from swarm.models.lora import BlockWidths
 from swarm.models.modules import add_bottleneck
 from swarm.protocol import ErrorCode, ForwardRequest, RemoteError, request_parts
 from swarm.server.validation import validate_prompt_declared
@@ -86,8 +87,8 @@ def test_a_bottleneck_gives_the_same_tokens_locally_and_through_the_swarm(remote
 
 
 @pytest.mark.parametrize("case, message", [
-    ("kind", "'prompt_kind' must be one of deep_prompt, bottleneck, got 'lora'"),
-    ("odd", "'prompt_length' must be even, got 3"),
+    ("kind", "'prompt_kind' must be one of deep_prompt, bottleneck, lora, got 'houlsby'"),
+    ("odd", "2 x rank rows per block, got 3"),
 ])
 def test_servers_refuse_a_malformed_bottleneck_and_go_on(remote_lm, local_lm, case, message):
     server = remote_lm.sequence.holders(0, 2)[0]
@@ -95,7 +96,7 @@ def test_servers_refuse_a_malformed_bottleneck_and_go_on(remote_lm, local_lm, ca
     weights = torch.randn(2, 3 if case == "odd" else 4, 32)
     parts = request_parts(ForwardRequest(0, 2, hidden, prompts=weights, prompt_kind=BOTTLENECK))
     if case == "kind":
-        _set_metadata(parts[0], prompt_kind="lora")
+        _set_metadata(parts[0], prompt_kind="houlsby")
     with pytest.raises(RemoteError, match=message) as refused:
         raw_call(remote_lm, server, parts)
     assert refused.value.code == ErrorCode.BAD_REQUEST
@@ -111,10 +112,11 @@ def test_servers_refuse_a_malformed_bottleneck_and_go_on(remote_lm, local_lm, ca
 
 def test_a_bottleneck_declaration_is_checked_before_receiving():
     declared = {"prompt_length": 8, "prompt_parts": 1, "prompt_kind": BOTTLENECK}
-    assert validate_prompt_declared(declared, 4, 100) == (8, 1, BOTTLENECK)
+    widths = BlockWidths(32, 4, 2, 64)
+    assert validate_prompt_declared(declared, 4, 100, widths) == (8, 1, BOTTLENECK)
     for kind in (7, None, "deep"):
         with pytest.raises(RemoteError, match="'prompt_kind' must be one of"):
-            validate_prompt_declared(dict(declared, prompt_kind=kind), 4, 100)
+            validate_prompt_declared(dict(declared, prompt_kind=kind), 4, 100, widths)
 
 
 def test_bad_bottleneck_files_are_refused_with_a_clear_error(local_lm, tmp_path):

@@ -31,6 +31,7 @@ from swarm.finetune.adapter import (
 )
 from swarm.finetune.data import load_examples, make_batch
 from swarm.finetune.trainer import backbone_of, sft_loss
+from swarm.models.lora import BlockWidths
 from swarm.protocol import (
     MAX_UNARY_BYTES,
     BackwardRequest,
@@ -57,6 +58,8 @@ from tests.test_finetune import (
     run_finetune,
     write_pairs,
 )
+
+WIDTHS = BlockWidths(32, 4, 2, 64)  # a model's projection widths (hidden, heads, kv heads, MLP)
 
 
 def deep_adapter_for(lm, length: int = 3, seed: int = 0, scale: float = 0.5) -> DeepPrompt:
@@ -221,10 +224,10 @@ def test_deep_prompts_and_their_gradients_cross_the_wire_intact(length):
 
 
 def test_a_deep_prompt_for_more_positions_than_a_server_takes_is_refused_before_receiving():
-    assert validate_prompt_declared({}, 4, 100) == (0, 0, DEEP_PROMPT)
-    assert validate_prompt_declared({"prompt_length": 16, "prompt_parts": 1}, 4, 100) == (16, 1, DEEP_PROMPT)
+    assert validate_prompt_declared({}, 4, 100, WIDTHS) == (0, 0, DEEP_PROMPT)
+    assert validate_prompt_declared({"prompt_length": 16, "prompt_parts": 1}, 4, 100, WIDTHS) == (16, 1, DEEP_PROMPT)
     with pytest.raises(RemoteError, match="exceeds this server's limit of 100") as refused:
-        validate_prompt_declared({"prompt_length": 30, "prompt_parts": 1}, 4, 100)
+        validate_prompt_declared({"prompt_length": 30, "prompt_parts": 1}, 4, 100, WIDTHS)
     assert refused.value.code == ErrorCode.TOO_LARGE
 
 

@@ -192,7 +192,7 @@ def test_bad_adapters_are_refused_with_a_clear_error(local_lm, tmp_path):
     cases = {"missing": (tmp_path / "nowhere", "adapter.json is missing"),
              "foreign": (foreign, "another base model: hidden_size 64")}
     for name, edit, message in [
-        ("kind", lambda d: _edit_json(d, kind="lora"), "unknown adapter kind"),
+        ("kind", lambda d: _edit_json(d, kind="houlsby"), "unknown adapter kind"),
         ("length", lambda d: _edit_json(d, prompt_length=5), r"shape \(4, 32\).*expected \(5, 32\)"),
         ("nan", lambda d: save_file({"prompt": torch.full((4, 32), float("nan"))}, str(d / ADAPTER_WEIGHTS)),
          "NaN"),

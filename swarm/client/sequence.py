@@ -13,9 +13,9 @@ Training goes through the same forward: asked for a ``trace``, a pass records ea
 answers the gradient of their input), failing over to a replica holding the same blocks, or recomputing the
 hop's forward over servers that hold them between them when no single one does.
 
-A per-block adapter (``prompts``: (blocks, R, hidden), the client's trainable tensor: a deep prompt's vectors or a
-bottleneck adapter's weights, ``prompt_kind``) travels with each hop as the slice of its blocks, forward and
-backward; a backward call then also answers the gradient of that slice. Such passes go hop by hop (a pushed
+A per-block adapter (``prompts``: (blocks, R, hidden), the client's trainable tensor: a deep prompt's vectors, a
+bottleneck adapter's weights or a packed LoRA, ``prompt_kind``) travels with each hop as the slice of its blocks,
+forward and backward; a backward call then also answers the gradient of that slice. Such passes go hop by hop (a pushed
 pass cannot carry per-hop slices; the tokens are the same, the pass only crosses the network more often), with
 one log line per sequence.
 """

@@ -62,7 +62,7 @@ class ServerRecord:
     # The server also holds the final norm and the output head (``--head``, only with the last block) and
     # answers a client's head query with the sampler's predictions instead of hidden states.
     head: bool = False
-    # The per-block adapter kinds (deep_prompt, bottleneck) its blocks apply. A record without the field is from a
+    # The per-block adapter kinds (deep_prompt, bottleneck, lora) its blocks apply. A record without the field is from a
     # server that predates it: it may treat any per-block tensor as a deep prompt (a bottleneck's weights added to
     # the first rows: wrong numbers, no error), so clients send per-block adapters only to servers that list them.
     adapter_kinds: list[str] = field(default_factory=list)

@@ -1,5 +1,5 @@
 """``python -m swarm.finetune --data pairs.jsonl --output DIR``: train an adapter (soft or deep prompt, bottleneck,
-head correction), here or on a swarm.
+LoRA, head correction), here or on a swarm.
 
 With ``--initial-peers`` the blocks run on the swarm's servers (forward and backward); without (or with
 ``--local-model``), the whole model runs in this process. Rerunning the same command resumes the run in DIR;
@@ -60,11 +60,12 @@ def open_model(model: str, peers: list[str], request_timeout: float, dht: Option
               help="soft_prompt (the default: servers only see more positions, any server serves it): vectors "
                    "before the first block; deep_prompt: vectors added before every block; bottleneck: a small "
                    "residual MLP of --rank per block, on every position (it changes what each position computes, "
-                   "not only what it can attend to; docs/TRAINING.md). The last two travel with each request (push "
-                   "is off).")
+                   "not only what it can attend to); lora: LoRA of --rank on every projection of every block (the "
+                   "closest to training every weight; docs/TRAINING.md). The last three travel with each request "
+                   "(push is off).")
 @click.option("--rank", type=click.IntRange(min=1, max=MAX_RANK), default=FinetuneConfig.rank,
-              help="With --adapter-kind bottleneck: the rank of each block's adapter (2 x rank x hidden weights per "
-                   "block).")
+              help="With --adapter-kind bottleneck or lora: the rank of each block's adapter (a bottleneck: 2 x rank "
+                   "x hidden weights per block; a LoRA: rank x (in + out) per projection).")
 @click.option("--head-rank", type=click.IntRange(min=0, max=MAX_RANK), default=FinetuneConfig.head_rank,
               help="Also train a low-rank correction of the output head (held by the client, never sent; rank x "
                    "(hidden + vocabulary) weights), with any kind; 0: none. The default model needs one to end "
@@ -106,7 +107,7 @@ def main(model: str, initial_peers: tuple[str, ...], request_timeout: float, thr
          local_model: bool, run_id: Optional[str], target_batch_size: Optional[int], matchmaking_time: float,
          averaging_timeout: float, min_peers: int, peer_wait: float, host_maddrs: tuple[str, ...],
          announce_maddrs: tuple[str, ...], **options) -> None:
-    """Fine-tune an adapter (a soft or deep prompt, or bottleneck adapters) on prompt/response pairs with LLaDA's
+    """Fine-tune an adapter (a soft or deep prompt, bottleneck adapters or LoRA) on prompt/response pairs with LLaDA's
     SFT objective (docs/TRAINING.md); use it with generate(..., adapter=OUTPUT) or python -m swarm.generate
     --adapter OUTPUT."""
     setup_logging(getattr(logging, log_level))

@@ -1,6 +1,6 @@
 """Adapters: what fine-tuning learns, held by the client, and how a generation applies them.
 
-Three kinds. Two are ``P`` trainable vectors of the model's hidden size for ``P`` extra positions before the
+Four kinds. Two are ``P`` trainable vectors of the model's hidden size for ``P`` extra positions before the
 sequence:
 
 * a *soft prompt* (``soft_prompt``, Petals' shallow "ptune"): the vectors are the states of the ``P`` positions
@@ -11,10 +11,13 @@ sequence:
   block, not only the input (:func:`swarm.models.modules.add_prompt`). Each forward and backward request carries
   the vectors of its span's blocks; the server adds them and its backward answers their gradient too.
 
-The third adds no positions: a *bottleneck adapter* (``bottleneck``, after Houlsby et al.'s adapters) is, per block,
-a residual MLP of rank ``r`` applied to every row before the block (:func:`swarm.models.modules.add_bottleneck`):
+Two add no positions: a *bottleneck adapter* (``bottleneck``, after Houlsby et al.'s adapters) is, per block, a
+residual MLP of rank ``r`` applied to every row before the block (:func:`swarm.models.modules.add_bottleneck`):
 ``(blocks, 2r, hidden)`` weights that travel per hop exactly like a deep prompt's vectors. It can change what every
-position computes, where prompt vectors can only be attended to.
+position computes, where prompt vectors can only be attended to. A *LoRA* (``lora``, after Hu et al.) corrects
+every projection of every block, attention's included, by ``up @ down`` of rank ``r``; per block its matrices are
+packed into ``R`` rows of ``hidden`` (:mod:`swarm.models.lora`) and travel the same way. It is the closest an
+adapter gets to training every weight, which is what learnt held-out addition on the default backbone.
 
 Any kind may also carry a *head correction* (``head_rank`` > 0): LoRA on the output head, which the client holds,
 ``logits += (norm(h) @ down.T) @ up.T`` (:meth:`swarm.models.modules.OutputHead.project`). It never travels to a
@@ -25,8 +28,9 @@ The client slices the ``P`` prompt rows off before its head, so position i still
 shift applies within the real rows, as without an adapter).
 
 An adapter directory holds ``adapter.json`` (kind, sizes, the base model it was trained on, training metadata)
-and ``adapter.safetensors`` (float32: the main tensor ``prompt``, (P, hidden), (blocks, P, hidden) or
-(blocks, 2r, hidden), and the head correction's ``head_down`` and ``head_up`` when there is one).
+and ``adapter.safetensors`` (float32: the main tensor ``prompt``, (P, hidden), (blocks, P, hidden),
+(blocks, 2r, hidden) or a LoRA's (blocks, R, hidden), and the head correction's ``head_down`` and ``head_up`` when
+there is one).
 Loading checks every field, the sizes, finiteness and that the base model matches the one it is applied to, and
 refuses anything else with :class:`AdapterError`.
 """
@@ -45,24 +49,35 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from swarm.dht.compatibility import CompatibilityTag
-from swarm.models.modules import BOTTLENECK, DEEP_PROMPT, HeadLoRA
+from swarm.models.lora import LORA, BlockWidths, new_lora_weights
+from swarm.models.modules import BLOCK_ADAPTER_KINDS, BOTTLENECK, DEEP_PROMPT, HeadLoRA
 
 ADAPTER_CONFIG = "adapter.json"
 ADAPTER_WEIGHTS = "adapter.safetensors"
 PROMPT_KEY = "prompt"
 HEAD_DOWN_KEY, HEAD_UP_KEY = "head_down", "head_up"  # the head correction's tensors, when head_rank > 0
 SOFT_PROMPT = "soft_prompt"
-KINDS = (SOFT_PROMPT, DEEP_PROMPT, BOTTLENECK)
-PER_BLOCK_KINDS = (DEEP_PROMPT, BOTTLENECK)  # a tensor slice per block, carried by every request
+KINDS = (SOFT_PROMPT, DEEP_PROMPT, BOTTLENECK, LORA)
+PER_BLOCK_KINDS = BLOCK_ADAPTER_KINDS  # a tensor slice per block, carried by every request
+RANKED_KINDS = (BOTTLENECK, LORA)  # sized by a rank and adding no positions; the prompt kinds by their vectors
 MAX_PROMPT_LENGTH = 256  # rows of one block's tensor (prompt vectors, or a bottleneck's 2 x rank)
 MAX_RANK = MAX_PROMPT_LENGTH // 2
+# Model widths an adapter's base records since LoRA, whose layout depends on them; adapters saved before (none of
+# them a LoRA) lack them and do not depend on them.
+LAYOUT_KEYS = ("num_heads", "num_kv_heads", "intermediate_size")
 MAX_CONFIG_BYTES = 64 * 1024
 MAX_WEIGHTS_BYTES = 64 * 2**20  # 256 vectors of 65536 floats: far above any real prompt
 
 
 def size_setting(kind: str) -> str:
-    """The setting that sizes an adapter of ``kind``: a bottleneck's ``rank``, a prompt's ``prompt_length``."""
-    return "rank" if kind == BOTTLENECK else "prompt_length"
+    """The setting that sizes an adapter of ``kind``: a bottleneck's or LoRA's ``rank``, a prompt's
+    ``prompt_length``."""
+    return "rank" if kind in RANKED_KINDS else "prompt_length"
+
+
+def max_block_rows(kind: str, widths: BlockWidths) -> int:
+    """The most rows one block's slice of a per-block adapter of ``kind`` may have (what a server accepts)."""
+    return widths.rows(MAX_RANK) if kind == LORA else MAX_PROMPT_LENGTH
 
 
 class AdapterError(ValueError):
@@ -73,7 +88,8 @@ def base_of(config: Any, tokenizer: Any) -> dict[str, Any]:
     """What an adapter must share with the model it is applied to: the experts' compatibility tag (tokenizer,
     vocabulary, mask token) plus the widths and depth its vectors were trained against."""
     tag = CompatibilityTag.of(config, tokenizer).to_value()
-    return {**tag, "hidden_size": int(config.hidden_size), "num_layers": int(config.num_layers)}
+    return {**tag, "hidden_size": int(config.hidden_size), "num_layers": int(config.num_layers),
+            **{key: int(getattr(config, key)) for key in LAYOUT_KEYS}}
 
 
 def _positive_int(value: Any) -> bool:
@@ -85,7 +101,8 @@ class AdapterConfig:
     """``adapter.json``: the adapter's kind and sizes, its base model and how it was trained.
 
     ``num_blocks`` is the depth a per-block adapter has weights for (0 for a soft prompt); ``rank`` is a
-    bottleneck adapter's (0 for the prompt kinds, whose ``prompt_length`` is 0 for a bottleneck)."""
+    bottleneck's or LoRA's (0 for the prompt kinds, whose ``prompt_length`` is 0 for the ranked kinds). A LoRA's
+    layout follows from the widths its ``base`` records."""
 
     prompt_length: int
     hidden_size: int
@@ -113,6 +130,8 @@ class AdapterConfig:
         """The shape of the weights file's one tensor."""
         if self.kind == BOTTLENECK:
             return (self.num_blocks, 2 * self.rank, self.hidden_size)
+        if self.kind == LORA:
+            return (self.num_blocks, BlockWidths.of(self.base).rows(self.rank), self.hidden_size)
         if self.kind == DEEP_PROMPT:
             return (self.num_blocks, self.prompt_length, self.hidden_size)
         return (self.prompt_length, self.hidden_size)
@@ -127,7 +146,7 @@ class AdapterConfig:
                  "base": dict(self.base), "training": dict(self.training)}
         if self.kind in PER_BLOCK_KINDS:
             value["num_blocks"] = self.num_blocks
-        if self.kind == BOTTLENECK:
+        if self.kind in RANKED_KINDS:
             value["rank"] = self.rank
         if self.head_rank:
             value.update(head_rank=self.head_rank, vocab_size=self.vocab_size)
@@ -144,7 +163,7 @@ class AdapterConfig:
         blocks, rank = value.get("num_blocks", 0), value.get("rank", 0)
         head_rank, vocab = value.get("head_rank", 0), value.get("vocab_size", 0)
         numbers = [("hidden_size", hidden)]
-        numbers += [("rank", rank)] if kind == BOTTLENECK else [("prompt_length", length)]
+        numbers += [("rank", rank)] if kind in RANKED_KINDS else [("prompt_length", length)]
         if kind in PER_BLOCK_KINDS:
             numbers.append(("num_blocks", blocks))
         if head_rank != 0:
@@ -152,19 +171,27 @@ class AdapterConfig:
         for name, number in numbers:
             if not _positive_int(number):
                 raise AdapterError(f"{ADAPTER_CONFIG}: {name} must be a positive integer, got {number!r}")
-        if kind == BOTTLENECK and length != 0:
-            raise AdapterError(f"{ADAPTER_CONFIG}: a bottleneck adapter adds no positions: prompt_length must be 0, "
+        if kind in RANKED_KINDS and length != 0:
+            raise AdapterError(f"{ADAPTER_CONFIG}: a {kind} adapter adds no positions: prompt_length must be 0, "
                                f"got {length!r}")
-        for name, number in (("rank", rank if kind == BOTTLENECK else 0), ("head_rank", head_rank)):
+        for name, number in (("rank", rank if kind in RANKED_KINDS else 0), ("head_rank", head_rank)):
             if number > MAX_RANK:
                 raise AdapterError(f"{name} {number} is over the limit of {MAX_RANK}")
-        if kind != BOTTLENECK and length > MAX_PROMPT_LENGTH:
+        if kind not in RANKED_KINDS and length > MAX_PROMPT_LENGTH:
             raise AdapterError(f"prompt_length {length} is over the limit of {MAX_PROMPT_LENGTH}")
         base, training = value.get("base"), value.get("training", {})
         if not isinstance(base, dict) or not isinstance(training, dict):
             raise AdapterError(f"{ADAPTER_CONFIG}: 'base' and 'training' must be objects")
+        if kind == LORA:
+            for name in ("hidden_size", *LAYOUT_KEYS):
+                if not _positive_int(base.get(name)):
+                    raise AdapterError(f"{ADAPTER_CONFIG}: a LoRA's base must record the model's {name} (its layout "
+                                       f"depends on it), got {base.get(name)!r}")
+            if base["hidden_size"] != hidden or base["hidden_size"] % base["num_heads"]:
+                raise AdapterError(f"{ADAPTER_CONFIG}: a LoRA's base widths do not fit together: hidden_size "
+                                   f"{hidden} (base {base['hidden_size']}), {base['num_heads']} heads")
         config = cls(length, hidden, base, kind, training, blocks if kind in PER_BLOCK_KINDS else 0,
-                     rank if kind == BOTTLENECK else 0, head_rank, vocab if head_rank else 0)
+                     rank if kind in RANKED_KINDS else 0, head_rank, vocab if head_rank else 0)
         if config.weight_bytes > MAX_WEIGHTS_BYTES:
             raise AdapterError(f"an adapter of shape {config.shape} (head rank {head_rank}) has "
                                f"{config.weight_bytes} bytes of float32, over the limit of {MAX_WEIGHTS_BYTES}")
@@ -179,7 +206,8 @@ class AdapterConfig:
     def require_base(self, base: dict[str, Any], name: str = "") -> None:
         """Refuse an adapter trained on another base model, naming every difference."""
         differ = [f"{key} {self.base.get(key)!r} (this model: {value!r})" for key, value in base.items()
-                  if self.base.get(key) != value]
+                  if self.base.get(key) != value and not (key in LAYOUT_KEYS and key not in self.base
+                                                          and self.kind != LORA)]
         if differ:
             raise AdapterError(f"adapter {name or ''} was trained on another base model: {'; '.join(differ)}".strip())
 
@@ -373,19 +401,38 @@ class BottleneckAdapter(PromptAdapter):
         return torch.zeros(0, self.config.hidden_size, dtype=self.prompts.dtype)
 
 
+class LoRAAdapter(PromptAdapter):
+    """Per block, LoRA of rank r on every projection (:mod:`swarm.models.lora`): no extra positions."""
+
+    kind = LORA
+
+    @classmethod
+    def initialized(cls, config: AdapterConfig, embed: Callable[[torch.Tensor], torch.Tensor], vocab_size: int,
+                    generator: torch.Generator) -> "LoRAAdapter":
+        """Down projections random, up projections zero: the identity before training, as a bottleneck."""
+        return cls(config, new_lora_weights(BlockWidths.of(config.base), config.rank, config.num_blocks, generator))
+
+    @property
+    def block_prompts(self) -> torch.Tensor:
+        return self.prompts
+
+    def input_states(self) -> torch.Tensor:
+        return torch.zeros(0, self.config.hidden_size, dtype=self.prompts.dtype)
+
+
 ADAPTER_KINDS: dict[str, type[PromptAdapter]] = {SOFT_PROMPT: SoftPrompt, DEEP_PROMPT: DeepPrompt,
-                                                 BOTTLENECK: BottleneckAdapter}
+                                                 BOTTLENECK: BottleneckAdapter, LORA: LoRAAdapter}
 
 
 def new_adapter(kind: str, size: int, config: Any, base: dict[str, Any],
                 embed: Callable[[torch.Tensor], torch.Tensor], generator: torch.Generator,
                 head_rank: int = 0) -> PromptAdapter:
     """A freshly initialised adapter of ``kind`` for a model of ``config`` (its sizes read from it); ``size`` is
-    the prompt's vectors, or the bottleneck's rank; ``head_rank`` > 0 adds a head correction."""
+    the prompt's vectors, or the bottleneck's or LoRA's rank; ``head_rank`` > 0 adds a head correction."""
     if kind not in ADAPTER_KINDS:
         raise AdapterError(f"unknown adapter kind {kind!r}; choose one of {', '.join(KINDS)}")
     blocks = int(config.num_layers) if kind in PER_BLOCK_KINDS else 0
-    length, rank = (0, size) if kind == BOTTLENECK else (size, 0)
+    length, rank = (0, size) if kind in RANKED_KINDS else (size, 0)
     adapter_config = AdapterConfig(length, int(config.hidden_size), base, kind, num_blocks=blocks, rank=rank,
                                    head_rank=head_rank, vocab_size=int(config.vocab_size) if head_rank else 0)
     adapter = ADAPTER_KINDS[kind].initialized(adapter_config, embed, int(config.vocab_size), generator)

@@ -30,8 +30,8 @@ from swarm.client.model import DistributedDiffusionLM
 from swarm.client.sequence import HopTrace, RemoteSequence
 from swarm.finetune.adapter import (
     ADAPTER_CONFIG,
-    BOTTLENECK,
     DEEP_PROMPT,
+    RANKED_KINDS,
     SOFT_PROMPT,
     PromptAdapter,
     base_of,
@@ -67,8 +67,8 @@ class FinetuneConfig:
     lr: float = 1e-2
     batch_size: int = 8
     prompt_length: int = 16
-    adapter_kind: str = SOFT_PROMPT  # soft_prompt (vectors before the first block), deep_prompt or bottleneck
-    rank: int = 16  # a bottleneck adapter's rank (its weights per block: 2 x rank x hidden)
+    adapter_kind: str = SOFT_PROMPT  # soft_prompt (vectors before the first block), deep_prompt, bottleneck or lora
+    rank: int = 16  # a bottleneck's or LoRA's rank (per block: 2 x rank x hidden weights; rank x every projection's)
     head_rank: int = 0  # the rank of a correction of the client's output head (0: none)
     pad_response: int = 0  # EOS-pad every response to at least this many tokens (generation's gen_length)
     seed: int = 0
@@ -264,7 +264,7 @@ class Finetuner:
                 raise ValueError(f"{self.output} holds an adapter with a head correction of rank "
                                  f"{adapter.config.head_rank}, not --head-rank {self.config.head_rank}")
             if adapter.config.size != self.adapter_size or adapter.kind != self.config.adapter_kind:
-                size = f"rank {adapter.config.size}" if adapter.kind == BOTTLENECK else f"{adapter.length} vectors"
+                size = f"rank {adapter.config.size}" if adapter.kind in RANKED_KINDS else f"{adapter.length} vectors"
                 asked = "--" + size_setting(self.config.adapter_kind).replace("_", "-")
                 raise ValueError(f"{self.output} holds a {adapter.kind} adapter of {size}, not --adapter-kind "
                                  f"{self.config.adapter_kind} {asked} {self.adapter_size}")

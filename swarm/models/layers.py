@@ -13,6 +13,7 @@ from torch import nn
 
 from swarm.models.config import ModelConfig
 from swarm.models.kv_cache import BlockKV
+from swarm.models.lora import BlockLoRA, project
 
 
 class RMSNorm(nn.Module):
@@ -62,14 +63,16 @@ class Attention(nn.Module):
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, key_padding: Optional[torch.Tensor],
-        kv: Optional[BlockKV] = None, rows: Optional[tuple[int, int]] = None,
+        kv: Optional[BlockKV] = None, rows: Optional[tuple[int, int]] = None, lora: Optional[BlockLoRA] = None,
     ) -> torch.Tensor:
-        """``x`` holds rows ``rows`` of the sequence (all of it when None); ``kv`` remembers or supplies the rest."""
+        """``x`` holds rows ``rows`` of the sequence (all of it when None); ``kv`` remembers or supplies the rest;
+        ``lora`` corrects the projections (:mod:`swarm.models.lora`)."""
         batch, length, _ = x.shape
         cfg = self.config
-        q = self.q_proj(x).view(batch, length, cfg.num_heads, cfg.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(batch, length, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(batch, length, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
+        q, k, v = (project(linear, x, lora, name).view(batch, length, heads, cfg.head_dim).transpose(1, 2)
+                   for linear, name, heads in ((self.q_proj, "q_proj", cfg.num_heads),
+                                               (self.k_proj, "k_proj", cfg.num_kv_heads),
+                                               (self.v_proj, "v_proj", cfg.num_kv_heads)))
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if kv is not None:
             k, v = kv.merge(k, v, rows)
@@ -79,7 +82,7 @@ class Attention(nn.Module):
             v = v.repeat_interleave(groups, dim=1)
         attn_mask = None if key_padding is None else key_padding[:, None, None, :]
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=False)
-        return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
+        return project(self.o_proj, out.transpose(1, 2).reshape(batch, length, -1), lora, "o_proj")
 
 
 class SwiGLU(nn.Module):
@@ -89,8 +92,9 @@ class SwiGLU(nn.Module):
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x: torch.Tensor, lora: Optional[BlockLoRA] = None) -> torch.Tensor:
+        gated = F.silu(project(self.gate_proj, x, lora, "gate_proj")) * project(self.up_proj, x, lora, "up_proj")
+        return project(self.down_proj, gated, lora, "down_proj")
 
 
 class TransformerBlock(nn.Module):
@@ -106,7 +110,7 @@ class TransformerBlock(nn.Module):
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, key_padding: Optional[torch.Tensor] = None,
-        kv: Optional[BlockKV] = None, rows: Optional[tuple[int, int]] = None,
+        kv: Optional[BlockKV] = None, rows: Optional[tuple[int, int]] = None, lora: Optional[BlockLoRA] = None,
     ) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin, key_padding, kv, rows)
-        return x + self.mlp(self.mlp_norm(x))
+        x = x + self.attn(self.attn_norm(x), cos, sin, key_padding, kv, rows, lora)
+        return x + self.mlp(self.mlp_norm(x), lora)

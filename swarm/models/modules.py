@@ -15,10 +15,13 @@ from torch import nn
 from swarm.models.config import ModelConfig
 from swarm.models.kv_cache import SpanKV
 from swarm.models.layers import RMSNorm, TransformerBlock, rotary_cos_sin
+from swarm.models.lora import LORA, BlockLoRA, BlockWidths, unpack_lora
 
 DEEP_PROMPT = "deep_prompt"
 BOTTLENECK = "bottleneck"
-BLOCK_ADAPTER_KINDS = (DEEP_PROMPT, BOTTLENECK)  # adapters whose tensor has a slice per block: (blocks, R, hidden)
+# adapters whose tensor has a slice per block, (blocks, R, hidden): a deep prompt's vectors and a bottleneck's
+# weights are applied to the rows before each block, a LoRA's inside it (swarm/models/lora.py)
+BLOCK_ADAPTER_KINDS = (DEEP_PROMPT, BOTTLENECK, LORA)
 HeadLoRA = tuple[torch.Tensor, torch.Tensor]  # an adapter's head correction: down (r, hidden), up (vocab, r)
 
 
@@ -63,7 +66,7 @@ class BlockSpan(nn.Module):
         are those rows only and every other position's keys and values come from the cache.
         ``prompts`` (blocks run, R, d): an adapter's tensor for each block run, applied before the block as
         ``prompt_kind`` says (:func:`apply_block_adapter`): a deep prompt's vectors, added to the absolute positions
-        0:R, or a bottleneck adapter's weights, applied to every row.
+        0:R, or a bottleneck adapter's weights, applied to every row; or a LoRA of the block's projections.
         """
         batch, length, _ = hidden.shape
         if position_ids is None:
@@ -83,24 +86,31 @@ class BlockSpan(nn.Module):
             if prompts.dim() != 3 or prompts.shape[0] != end - start or prompts.shape[2] != hidden.shape[2]:
                 raise ValueError(f"prompts of shape {tuple(prompts.shape)} for blocks {start}:{end}: expected "
                                  f"({end - start}, R, {hidden.shape[2]})")
-            check_block_adapter(prompt_kind, prompts.shape[1])
+            check_block_adapter(prompt_kind, prompts.shape[1], BlockWidths.of(self.config))
         cos, sin = rotary_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, hidden.dtype)
         offset = rows[0] if rows is not None else 0
         for index in range(start, end):
-            if prompts is not None:
+            lora: Optional[BlockLoRA] = None
+            if prompts is not None and prompt_kind == LORA:
+                lora = unpack_lora(prompts[index - start], BlockWidths.of(self.config))
+            elif prompts is not None:
                 hidden = apply_block_adapter(prompt_kind, hidden, prompts[index - start], offset)
             hidden = self.blocks[str(index)](hidden, cos, sin, attention_mask,
-                                             kv.block(index) if kv is not None else None, rows)
+                                             kv.block(index) if kv is not None else None, rows, lora)
         return hidden
 
 
-def check_block_adapter(kind: str, rows: int) -> None:
+def check_block_adapter(kind: str, rows: int, widths: BlockWidths) -> None:
     """A per-block adapter tensor of ``rows`` rows per block must be of a known kind (a bottleneck's rows are its
-    down and up projections, so an even number)."""
+    down and up projections, so an even number; a LoRA's, its packed projections of some rank)."""
     if kind not in BLOCK_ADAPTER_KINDS:
         raise ValueError(f"unknown per-block adapter kind {kind!r}; known: {', '.join(BLOCK_ADAPTER_KINDS)}")
     if kind == BOTTLENECK and rows % 2:
         raise ValueError(f"a bottleneck adapter's tensor holds 2 x rank rows per block, got {rows}")
+    if kind == LORA and widths.rank(rows) is None:
+        raise ValueError(f"{rows} rows per block are no LoRA of this model: rank r takes "
+                         f"ceil(r x {widths.floats_per_rank()} / {widths.hidden_size}) rows "
+                         f"({widths.rows(1)} for rank 1, {widths.rows(8)} for rank 8)")
 
 
 def apply_block_adapter(kind: str, hidden: torch.Tensor, weights: torch.Tensor, offset: int = 0) -> torch.Tensor:

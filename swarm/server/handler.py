@@ -7,10 +7,10 @@ budget) are all settled before the rest of its payload is received, decoded or c
 checks: no cache, push or head directives, an even stacked batch, and a server that answers backward calls.
 
 Either kind may carry a per-block adapter's tensor for the requested blocks (``prompt_length`` R in the metadata,
-``prompt_kind`` deep_prompt or bottleneck): its shape (blocks, R, hidden), dtype, size (R at most
-``MAX_PROMPT_LENGTH``, blocks x R at most ``--max-batch-tokens``), kind and finite values are checked like the
-hidden states', and it counts in the request's declared payload. A pushed request may not carry one (the next
-hops would need their own).
+``prompt_kind`` deep_prompt, bottleneck or lora): its shape (blocks, R, hidden), dtype, size (R at most the
+kind's limit and a size the kind can have, blocks x R at most ``--max-batch-tokens``), kind and finite values are
+checked like the hidden states', and it counts in the request's declared payload. A pushed request may not carry
+one (the next hops would need their own).
 """
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ from hivemind.utils.asyncio import iter_as_aiter
 
 from swarm.diffusion.prediction import HeadQuery
 from swarm.models.kv_cache import CacheMiss, SpanKV
+from swarm.models.lora import BlockWidths
 from swarm.models.modules import DEEP_PROMPT
 from swarm.protocol import (
     AUTO_WIRE,
@@ -87,7 +88,7 @@ class Declared:
     backward: bool = False  # the tensor stacks the span's inputs and its output gradient: answer the input gradient
     prompt_length: int = 0  # rows per block of the per-block adapter tensor the request carries (0: none)
     prompt_parts: int = 0  # the messages' tensor parts holding it, after the hidden states' ``parts``
-    prompt_kind: str = DEEP_PROMPT  # how the blocks apply it (a deep prompt's vectors, a bottleneck's weights)
+    prompt_kind: str = DEEP_PROMPT  # how the blocks apply it (a deep prompt's vectors, a bottleneck's weights, a LoRA)
 
     @property
     def prompt_shape(self) -> tuple[int, int, int]:
@@ -250,8 +251,8 @@ class ForwardHandler(SpanService):
                 f"payload over {self.max_first_bytes} bytes")
         metadata = parse_metadata(first.metadata)
         start, end = validate_metadata(metadata, (self.backend.start, self.backend.end))
-        prompt_length, prompt_parts, prompt_kind = validate_prompt_declared(metadata, end - start,
-                                                                            self.max_batch_tokens)
+        prompt_length, prompt_parts, prompt_kind = validate_prompt_declared(
+            metadata, end - start, self.max_batch_tokens, BlockWidths.of(self.backend.span.config))
         require(len(first.tensors) == 1 or (len(first.tensors) == 2 and prompt_parts == 1), ErrorCode.BAD_REQUEST,
                 f"the first part must carry one tensor (two: the hidden states and an adapter's of one part each), "
                 f"it carries {len(first.tensors)}")

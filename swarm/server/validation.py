@@ -5,8 +5,9 @@ from typing import Any
 
 import torch
 
-from swarm.finetune.adapter import MAX_PROMPT_LENGTH  # a deep prompt's vectors per block: the adapters' own limit
-from swarm.models.modules import BLOCK_ADAPTER_KINDS, BOTTLENECK, DEEP_PROMPT
+from swarm.finetune.adapter import max_block_rows  # the adapters' own limits
+from swarm.models.lora import BlockWidths
+from swarm.models.modules import BLOCK_ADAPTER_KINDS, DEEP_PROMPT, check_block_adapter
 from swarm.protocol import ErrorCode, RemoteError
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -66,26 +67,30 @@ def validate_hidden(hidden: torch.Tensor, hidden_size: int, max_batch_tokens: in
     require(bool(torch.isfinite(hidden).all()), ErrorCode.NOT_FINITE, "hidden states contain NaN or infinite values")
 
 
-def validate_prompt_declared(metadata: dict[str, Any], blocks: int, max_batch_tokens: int
+def validate_prompt_declared(metadata: dict[str, Any], blocks: int, max_batch_tokens: int, widths: BlockWidths
                              ) -> tuple[int, int, str]:
     """(R, parts, kind) of the per-block adapter tensor a request declares ((0, 0, deep_prompt) for none), bounded
-    before anything is received: R at most MAX_PROMPT_LENGTH, blocks x R rows at most the positions a request may
-    carry, a known kind (a bottleneck's R = 2 x rank is even)."""
+    before anything is received: R at most the kind's limit, blocks x R rows at most the positions a request may
+    carry, a known kind and an R it can have (a bottleneck's 2 x rank is even, a LoRA's is the packed size of some
+    rank for these ``widths``)."""
     length, parts = metadata.get("prompt_length"), metadata.get("prompt_parts")
     kind = metadata.get("prompt_kind", DEEP_PROMPT)
     if length is None and parts is None and "prompt_kind" not in metadata:
         return 0, 0, DEEP_PROMPT
     require(isinstance(kind, str) and kind in BLOCK_ADAPTER_KINDS, ErrorCode.BAD_REQUEST,
             f"metadata 'prompt_kind' must be one of {', '.join(BLOCK_ADAPTER_KINDS)}, got {kind!r}")
-    require(is_count(length) and 0 < length <= MAX_PROMPT_LENGTH, ErrorCode.BAD_REQUEST,
-            f"metadata 'prompt_length' must be an integer in 1..{MAX_PROMPT_LENGTH}, got {length!r}")
+    limit = max_block_rows(kind, widths)
+    require(is_count(length) and 0 < length <= limit, ErrorCode.BAD_REQUEST,
+            f"metadata 'prompt_length' must be an integer in 1..{limit} for a {kind}, got {length!r}")
     require(is_count(parts) and parts > 0, ErrorCode.BAD_REQUEST,
             f"metadata 'prompt_parts' must be a positive integer, got {parts!r}")
     require(blocks * length <= max_batch_tokens, ErrorCode.TOO_LARGE,
             f"a {kind.replace('_', ' ')} of {length} rows for {blocks} blocks ({blocks * length}) exceeds this "
             f"server's limit of {max_batch_tokens}")
-    require(kind != BOTTLENECK or length % 2 == 0, ErrorCode.BAD_REQUEST,
-            f"a bottleneck adapter carries 2 x rank rows per block: 'prompt_length' must be even, got {length}")
+    try:
+        check_block_adapter(kind, length, widths)
+    except ValueError as error:
+        raise RemoteError(ErrorCode.BAD_REQUEST, f"metadata 'prompt_length': {error}") from None
     return length, parts, kind
 
 

@@ -1,0 +1,139 @@
+"""LoRA adapters (issue 19): low-rank corrections of every projection of every block, held by the client and
+carried per hop packed in the per-block adapter tensor, like a bottleneck's weights.
+
+The packed LoRA computes exactly what the merged weights ``W + up @ down`` compute; gradients through real servers
+equal local autograd (float32); the same tokens locally and through the swarm (plain, dual cache, Picard windows);
+servers refuse a tensor that is no LoRA and go on; bad files are refused; adapters saved before the base recorded
+the model's widths still load; the command trains one through the swarm.
+"""
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+from swarm.finetune.adapter import ADAPTER_CONFIG, LAYOUT_KEYS, LORA, AdapterConfig, LoRAAdapter, PromptAdapter, base_of
+from swarm.models.lora import BlockWidths, unpack_lora
+from swarm.protocol import ErrorCode, ForwardRequest, RemoteError, request_parts
+from tests.test_bottleneck import bottleneck_for
+from tests.test_deep_prompt import _edit_json, adapter_gradient, assert_files_refused, raw_call
+from tests.test_finetune import GENERATION, TOLERANCE, run_finetune, write_pairs
+
+
+def lora_for(lm, rank: int = 2, seed: int = 0, scale: float = 0.3) -> LoRAAdapter:
+    """Random down and up projections for every projection of every block (up nonzero: it changes the output)."""
+    config = AdapterConfig(0, lm.config.hidden_size, base_of(lm.config, lm.tokenizer), LORA,
+                           num_blocks=lm.config.num_layers, rank=rank)
+    weights = scale * torch.randn(config.shape, generator=torch.Generator().manual_seed(seed))
+    return LoRAAdapter(config, weights)
+
+
+def merged_model(lm, adapter: LoRAAdapter):
+    """A copy of the model whose projection weights include the LoRA: W + up @ down."""
+    model = copy.deepcopy(lm.model)
+    widths = BlockWidths.of(lm.config)
+    for index, block in model.span.blocks.items():
+        projections = {**dict(block.attn.named_children()), **dict(block.mlp.named_children())}
+        for name, (down, up) in unpack_lora(adapter.prompts.detach()[int(index)], widths).items():
+            projections[name].weight.data += up @ down
+    return model
+
+
+def test_the_packed_layout_is_exactly_lora_of_every_projection(local_lm):
+    widths = BlockWidths.of(local_lm.config)
+    assert all(widths.rank(widths.rows(rank)) == rank for rank in range(1, 40))
+    assert widths.rank(widths.rows(3) + 1) is None and widths.rank(0) is None
+    adapter = lora_for(local_lm, rank=3)
+    hidden = local_lm.model.embedding(torch.randint(4, 200, (2, 9), generator=torch.Generator().manual_seed(1)))
+    with torch.no_grad():
+        applied = local_lm.model.span(hidden, prompts=adapter.prompts, prompt_kind=LORA)
+        merged = merged_model(local_lm, adapter).span(hidden)
+        plain = local_lm.model.span(hidden)
+    assert (applied - merged).abs().max().item() <= 1e-4
+    assert (applied - plain).abs().max().item() > 1e-2
+    fresh = LoRAAdapter.initialized(adapter.config, local_lm.model.embedding, local_lm.config.vocab_size,
+                                    torch.Generator().manual_seed(0))
+    for down, up in unpack_lora(fresh.prompts.detach()[0], widths).values():
+        assert down.abs().max() > 0 and up.abs().max() == 0  # a new adapter is the identity
+    with torch.no_grad():
+        assert torch.equal(local_lm.model.span(hidden, prompts=fresh.prompts, prompt_kind=LORA), plain)
+
+
+def test_lora_gradients_through_the_swarm_equal_local_autograd(remote_lm, local_lm, tmp_path):
+    adapter = lora_for(local_lm)
+    local_loss, local_grad = adapter_gradient(local_lm, tmp_path, adapter)
+    swarm_loss, swarm_grad = adapter_gradient(remote_lm, tmp_path, adapter)
+    assert len({hop.peer_id for hop in remote_lm.sequence.route}) >= 2  # the weights are split between servers
+    widths = BlockWidths.of(local_lm.config)
+    for block in range(local_lm.config.num_layers):  # every projection of every block gets a gradient
+        assert all(down.abs().max() > 1e-5 and up.abs().max() > 1e-5
+                   for down, up in unpack_lora(local_grad[block], widths).values())
+    assert swarm_loss == pytest.approx(local_loss, abs=1e-6)
+    assert (swarm_grad - local_grad).abs().max().item() <= TOLERANCE
+
+
+def test_a_lora_gives_the_same_tokens_locally_and_through_the_swarm(remote_lm, local_lm, tmp_path):
+    path = str(lora_for(local_lm, rank=2, seed=5).save(tmp_path / "lora"))
+    plain = local_lm.generate("adapt", **GENERATION).token_ids
+    for options in ({}, {"cache": "dual", "cache_refresh": 2}, {"remasking": "random", "parallel_window": 2}):
+        local = local_lm.generate("adapt", adapter=path, **GENERATION, **options)
+        swarm = remote_lm.generate("adapt", adapter=path, **GENERATION, **options)
+        assert swarm.token_ids == local.token_ids, options
+    assert local_lm.generate("adapt", adapter=path, **GENERATION).token_ids != plain  # it changes the text
+
+
+def test_servers_refuse_a_tensor_that_is_no_lora_and_go_on(remote_lm, local_lm):
+    server = remote_lm.sequence.holders(0, 2)[0]
+    hidden = torch.randn(1, 5, 32)
+    rows = BlockWidths.of(local_lm.config).rows(1)
+    parts = request_parts(ForwardRequest(0, 2, hidden, prompts=torch.randn(2, rows + 1, 32), prompt_kind=LORA))
+    with pytest.raises(RemoteError, match=f"{rows + 1} rows per block are no LoRA of this model") as refused:
+        raw_call(remote_lm, server, parts)
+    assert refused.value.code == ErrorCode.BAD_REQUEST
+    weights = 0.3 * torch.randn(2, rows, 32)
+    output, _ = raw_call(remote_lm, server, request_parts(ForwardRequest(0, 2, hidden, prompts=weights,
+                                                                         prompt_kind=LORA)))
+    with torch.no_grad():
+        expected = local_lm.model.span(hidden, blocks=(0, 2), prompts=weights, prompt_kind=LORA)
+    assert (output - expected).abs().max().item() <= TOLERANCE
+
+
+def test_bad_lora_files_are_refused_with_a_clear_error(local_lm, tmp_path):
+    good = lora_for(local_lm).save(tmp_path / "good")
+    loaded = PromptAdapter.load(good)
+    assert isinstance(loaded, LoRAAdapter) and loaded.length == 0 and loaded.config.shape == (4, 32, 32)
+    base = json.loads((good / ADAPTER_CONFIG).read_text())["base"]
+    cases = [
+        ("positions", lambda d: _edit_json(d, prompt_length=4), "a lora adapter adds no positions"),
+        ("widths", lambda d: _edit_json(d, base={k: v for k, v in base.items() if k != "intermediate_size"}),
+         "a LoRA's base must record the model's intermediate_size"),
+        ("rank", lambda d: _edit_json(d, rank=3), r"shape \(4, 32, 32\).*expected \(4, 48, 32\)"),
+        ("mlp", lambda d: _edit_json(d, base=dict(base, intermediate_size=128)), "intermediate_size 128"),
+    ]
+    assert_files_refused(local_lm, loaded, tmp_path, cases)
+
+
+def test_adapters_saved_before_the_base_recorded_widths_still_load(local_lm, tmp_path):
+    """Bottlenecks and prompts do not depend on the MLP or head widths, so their older files stay usable."""
+    saved = bottleneck_for(local_lm).save(tmp_path / "old")
+    config = json.loads((saved / ADAPTER_CONFIG).read_text())
+    _edit_json(saved, base={k: v for k, v in config["base"].items() if k not in LAYOUT_KEYS})
+    loaded = PromptAdapter.load(saved, base_of(local_lm.config, local_lm.tokenizer))
+    assert loaded.config.rank == 2
+
+
+def test_finetune_command_trains_a_lora_through_the_swarm(local_swarm, tiny_model_path, tmp_path):
+    data = write_pairs(tmp_path / "pairs.jsonl", [("1+1=", "2"), ("5+3=", "8")])
+    output = tmp_path / "adapter"
+    peers = [arg for peer in local_swarm.initial_peers for arg in ("--initial-peers", peer)]
+    run_finetune("--model", str(tiny_model_path), "--data", data, "--output", str(output), "--batch-size", "2",
+                 "--adapter-kind", "lora", "--rank", "2", *peers, "--steps", "2", "--lr", "0.05")
+    config = json.loads((output / ADAPTER_CONFIG).read_text())
+    assert config["kind"] == "lora" and config["rank"] == 2 and config["prompt_length"] == 0
+    assert config["training"]["through_swarm"] is True and config["training"]["steps"] == 2
+    trained = PromptAdapter.load(output)
+    widths = BlockWidths.of(trained.config.base)
+    for block in range(trained.config.num_blocks):  # every projection's up moved from zero
+        assert all(up.abs().max() > 0 for _, up in unpack_lora(trained.prompts.detach()[block], widths).values())

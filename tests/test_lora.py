@@ -137,3 +137,18 @@ def test_finetune_command_trains_a_lora_through_the_swarm(local_swarm, tiny_mode
     widths = BlockWidths.of(trained.config.base)
     for block in range(trained.config.num_blocks):  # every projection's up moved from zero
         assert all(up.abs().max() > 0 for _, up in unpack_lora(trained.prompts.detach()[block], widths).values())
+
+
+def test_a_lora_declaration_is_checked_before_receiving():
+    from swarm.server.validation import validate_prompt_declared
+
+    widths = BlockWidths(32, 4, 2, 64)
+    declared = {"prompt_length": widths.rows(4), "prompt_parts": 1, "prompt_kind": LORA}
+    assert validate_prompt_declared(declared, 2, 10_000, widths) == (widths.rows(4), 1, LORA)
+    with pytest.raises(RemoteError, match="are no LoRA of this model"):
+        validate_prompt_declared(dict(declared, prompt_length=widths.rows(4) + 1), 2, 10_000, widths)
+    with pytest.raises(RemoteError, match=f"integer in 1..{widths.rows(128)} for a lora"):
+        validate_prompt_declared(dict(declared, prompt_length=widths.rows(129)), 2, 100_000, widths)
+    with pytest.raises(RemoteError, match="exceeds this server's limit") as refused:
+        validate_prompt_declared(declared, 4, widths.rows(4) * 4 - 1, widths)
+    assert refused.value.code == ErrorCode.TOO_LARGE

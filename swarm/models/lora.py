@@ -4,7 +4,7 @@ Per-block adapters travel with each request as one ``(blocks, R, hidden)`` tenso
 (deep prompts and bottlenecks use the same wire format, validation and backward). A LoRA is many small matrices of
 different widths, so each block's row of that tensor holds them flattened: for each projection in
 :data:`LORA_TARGETS` order its ``down`` (r, in) then its ``up`` (out, r), zero-padded to whole rows of ``hidden``.
-The rank follows from R (:func:`lora_rank`), so a request needs no more metadata than a bottleneck's.
+The rank follows from R (:meth:`BlockWidths.rank`), so a request needs no more metadata than a bottleneck's.
 
 Why every projection and not only attention: on the default backbone training every weight learns held-out
 addition in 192k samples, where a bottleneck (rows only) stays near chance at 512k (docs/TRAINING.md).

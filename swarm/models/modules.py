@@ -82,17 +82,18 @@ class BlockSpan(nn.Module):
             if length != rows[1] - rows[0]:
                 raise ValueError(f"{length} hidden rows given for rows {rows[0]}:{rows[1]}")
             kv.check_reuse(start, end, batch, rows)
+        widths = BlockWidths.of(self.config)
         if prompts is not None:
             if prompts.dim() != 3 or prompts.shape[0] != end - start or prompts.shape[2] != hidden.shape[2]:
                 raise ValueError(f"prompts of shape {tuple(prompts.shape)} for blocks {start}:{end}: expected "
                                  f"({end - start}, R, {hidden.shape[2]})")
-            check_block_adapter(prompt_kind, prompts.shape[1], BlockWidths.of(self.config))
+            check_block_adapter(prompt_kind, prompts.shape[1], widths)
         cos, sin = rotary_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, hidden.dtype)
         offset = rows[0] if rows is not None else 0
         for index in range(start, end):
             lora: Optional[BlockLoRA] = None
             if prompts is not None and prompt_kind == LORA:
-                lora = unpack_lora(prompts[index - start], BlockWidths.of(self.config))
+                lora = unpack_lora(prompts[index - start], widths)
             elif prompts is not None:
                 hidden = apply_block_adapter(prompt_kind, hidden, prompts[index - start], offset)
             hidden = self.blocks[str(index)](hidden, cos, sin, attention_mask,

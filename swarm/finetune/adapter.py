@@ -378,7 +378,19 @@ class DeepPrompt(PromptAdapter):
         return torch.zeros(self.length, self.config.hidden_size, dtype=self.prompts.dtype)
 
 
-class BottleneckAdapter(PromptAdapter):
+class RankedAdapter(PromptAdapter):
+    """A per-block adapter sized by a rank that adds no positions (a bottleneck, a LoRA): its whole tensor is
+    applied per block."""
+
+    @property
+    def block_prompts(self) -> torch.Tensor:
+        return self.prompts
+
+    def input_states(self) -> torch.Tensor:
+        return torch.zeros(0, self.config.hidden_size, dtype=self.prompts.dtype)
+
+
+class BottleneckAdapter(RankedAdapter):
     """Per block, a residual MLP of rank r on every row (see the module doc): no extra positions."""
 
     kind = BOTTLENECK
@@ -393,15 +405,8 @@ class BottleneckAdapter(PromptAdapter):
                                                generator=generator) / math.sqrt(config.hidden_size)
         return cls(config, weights)
 
-    @property
-    def block_prompts(self) -> torch.Tensor:
-        return self.prompts
 
-    def input_states(self) -> torch.Tensor:
-        return torch.zeros(0, self.config.hidden_size, dtype=self.prompts.dtype)
-
-
-class LoRAAdapter(PromptAdapter):
+class LoRAAdapter(RankedAdapter):
     """Per block, LoRA of rank r on every projection (:mod:`swarm.models.lora`): no extra positions."""
 
     kind = LORA
@@ -411,13 +416,6 @@ class LoRAAdapter(PromptAdapter):
                     generator: torch.Generator) -> "LoRAAdapter":
         """Down projections random, up projections zero: the identity before training, as a bottleneck."""
         return cls(config, new_lora_weights(BlockWidths.of(config.base), config.rank, config.num_blocks, generator))
-
-    @property
-    def block_prompts(self) -> torch.Tensor:
-        return self.prompts
-
-    def input_states(self) -> torch.Tensor:
-        return torch.zeros(0, self.config.hidden_size, dtype=self.prompts.dtype)
 
 
 ADAPTER_KINDS: dict[str, type[PromptAdapter]] = {SOFT_PROMPT: SoftPrompt, DEEP_PROMPT: DeepPrompt,

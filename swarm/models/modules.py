@@ -82,7 +82,7 @@ class BlockSpan(nn.Module):
             if length != rows[1] - rows[0]:
                 raise ValueError(f"{length} hidden rows given for rows {rows[0]}:{rows[1]}")
             kv.check_reuse(start, end, batch, rows)
-        widths = BlockWidths.of(self.config)
+        widths = BlockWidths.of(self.config) if prompts is not None else None  # only a per-block adapter needs them
         if prompts is not None:
             if prompts.dim() != 3 or prompts.shape[0] != end - start or prompts.shape[2] != hidden.shape[2]:
                 raise ValueError(f"prompts of shape {tuple(prompts.shape)} for blocks {start}:{end}: expected "

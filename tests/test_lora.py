@@ -129,10 +129,11 @@ def test_finetune_command_trains_a_lora_through_the_swarm(local_swarm, tiny_mode
     output = tmp_path / "adapter"
     peers = [arg for peer in local_swarm.initial_peers for arg in ("--initial-peers", peer)]
     run_finetune("--model", str(tiny_model_path), "--data", data, "--output", str(output), "--batch-size", "2",
-                 "--adapter-kind", "lora", "--rank", "2", *peers, "--steps", "2", "--lr", "0.05")
+                 "--adapter-kind", "lora", "--rank", "2", *peers, "--steps", "2", "--lr", "0.05", "--down-scale", "4")
     config = json.loads((output / ADAPTER_CONFIG).read_text())
     assert config["kind"] == "lora" and config["rank"] == 2 and config["prompt_length"] == 0
     assert config["training"]["through_swarm"] is True and config["training"]["steps"] == 2
+    assert config["training"]["down_scale"] == 4
     trained = PromptAdapter.load(output)
     widths = BlockWidths.of(trained.config.base)
     for block in range(trained.config.num_blocks):  # every projection's up moved from zero
@@ -152,3 +153,38 @@ def test_a_lora_declaration_is_checked_before_receiving():
     with pytest.raises(RemoteError, match="exceeds this server's limit") as refused:
         validate_prompt_declared(declared, 4, widths.rows(4) * 4 - 1, widths)
     assert refused.value.code == ErrorCode.TOO_LARGE
+
+
+def test_scaled_down_projections_are_lora_plus_under_adam(local_lm):
+    """--down-scale c: the down projections start c times larger (the adapter still the identity), and Adam at lr
+    moves the product ``up @ down`` as Adam with lr / c on the down projections and c * lr on the up ones (LoRA+'s
+    ratio c**2) from the unscaled start: the doc's claim, checked on a least-squares problem."""
+    from swarm.finetune.adapter import new_adapter
+
+    base = base_of(local_lm.config, local_lm.tokenizer)
+    plain, scaled = (new_adapter(LORA, 2, local_lm.config, base, local_lm.model.embedding,
+                                 torch.Generator().manual_seed(0), head_rank=3, down_scale=scale)
+                     for scale in (1.0, 4.0))
+    widths = BlockWidths.of(local_lm.config)
+    for (down, up), (scaled_down, scaled_up) in zip(unpack_lora(plain.prompts.detach()[1], widths).values(),
+                                                    unpack_lora(scaled.prompts.detach()[1], widths).values()):
+        assert torch.allclose(scaled_down, 4 * down) and down.abs().max() > 0 and scaled_up.abs().max() == 0
+    assert torch.allclose(scaled.head_down, 4 * plain.head_down) and scaled.head_up.abs().max() == 0
+
+    generator = torch.Generator().manual_seed(2)
+    inputs, targets = torch.randn(64, 12, generator=generator), torch.randn(64, 10, generator=generator)
+    start = torch.randn(3, 12, generator=generator) / 12 ** 0.5
+
+    def trained_product(down_scale: float, down_lr: float, up_lr: float) -> torch.Tensor:
+        down = torch.nn.Parameter(down_scale * start.clone())
+        up = torch.nn.Parameter(torch.zeros(10, 3))
+        adam = torch.optim.Adam([{"params": [down], "lr": down_lr}, {"params": [up], "lr": up_lr}], eps=1e-12)
+        for _ in range(20):
+            adam.zero_grad()
+            ((inputs @ down.T @ up.T - targets) ** 2).mean().backward()
+            adam.step()
+        return (up @ down).detach()
+
+    lr, c = 0.01, 4.0
+    assert torch.allclose(trained_product(c, lr, lr), trained_product(1.0, lr / c, c * lr), atol=1e-5)
+    assert not torch.allclose(trained_product(c, lr, lr), trained_product(1.0, lr, lr), atol=1e-3)

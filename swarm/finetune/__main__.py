@@ -70,6 +70,11 @@ def open_model(model: str, peers: list[str], request_timeout: float, dht: Option
               help="Also train a low-rank correction of the output head (held by the client, never sent; rank x "
                    "(hidden + vocabulary) weights), with any kind; 0: none. The default model needs one to end "
                    "answers with EOS (docs/TRAINING.md).")
+@click.option("--down-scale", type=click.FloatRange(min=0, min_open=True, max=100), default=FinetuneConfig.down_scale,
+              help="A new adapter's random down projections (a LoRA's, a bottleneck's, the head correction's) start "
+                   "this many times unit scale. Under Adam a scale c makes the up projections learn c^2 times faster "
+                   "than the down ones, as LoRA+'s learning-rate ratio; docs/TRAINING.md finding 4 measures c = 4 "
+                   "with lora.")
 @click.option("--pad-response", type=click.IntRange(min=0, max=1024), default=FinetuneConfig.pad_response,
               help="EOS-pad every response to at least this many tokens (use generation's --gen-length): the model "
                    "learns where an answer ends at the length it will generate.")

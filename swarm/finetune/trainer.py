@@ -56,7 +56,7 @@ logger = logging.getLogger(__name__)
 STATE_FILE = "finetune_state.pt"
 # Settings that change what a resumed run computes: a mismatch is refused, not silently mixed.
 RUN_DEFINING = ("batch_size", "lr", "prompt_length", "seed", "data_sha256", "adapter_kind", "pad_response", "rank",
-                "head_rank")
+                "head_rank", "down_scale")
 
 
 @dataclass
@@ -70,6 +70,7 @@ class FinetuneConfig:
     adapter_kind: str = SOFT_PROMPT  # soft_prompt (vectors before the first block), deep_prompt, bottleneck or lora
     rank: int = 16  # a bottleneck's or LoRA's rank (per block: 2 x rank x hidden weights; rank x every projection's)
     head_rank: int = 0  # the rank of a correction of the client's output head (0: none)
+    down_scale: float = 1.0  # a new adapter's down projections start this many times unit scale (LoRA+ under Adam)
     pad_response: int = 0  # EOS-pad every response to at least this many tokens (generation's gen_length)
     seed: int = 0
     save_every: int = 10
@@ -96,7 +97,7 @@ def saved_run_defining(saved: dict[str, Any]) -> dict[str, Any]:
     """:meth:`FinetuneConfig.run_defining` of a saved run (runs saved before collaborations trained alone)."""
     collaboration = saved.get("collaboration") or {}
     saved = {"adapter_kind": SOFT_PROMPT, "pad_response": 0, "rank": FinetuneConfig.rank, "head_rank": 0,
-             **saved}  # defaults of runs saved before them
+             "down_scale": 1.0, **saved}  # defaults of runs saved before them
     return only_relevant({**{key: saved.get(key) for key in RUN_DEFINING}, "run_id": collaboration.get("run_id", ""),
                           "target_batch_size": collaboration.get("target_batch_size", saved.get("batch_size"))})
 
@@ -270,7 +271,7 @@ class Finetuner:
                                  f"{self.config.adapter_kind} {asked} {self.adapter_size}")
             return adapter
         return new_adapter(self.config.adapter_kind, self.adapter_size, self.lm.config, base,
-                           self.backbone.embed, self.generator, self.config.head_rank)
+                           self.backbone.embed, self.generator, self.config.head_rank, self.config.down_scale)
 
     @property
     def adapter_size(self) -> int:
@@ -298,7 +299,8 @@ class Finetuner:
     def save(self) -> None:
         """The adapter and the run's state, each replaced whole."""
         training = {"steps": self.state.epoch, "loss": self.smoothed_loss(), "lr": self.config.lr,
-                    "batch_size": self.config.batch_size, "data_sha256": self.config.data_sha256,
+                    "down_scale": self.config.down_scale, "batch_size": self.config.batch_size,
+                    "data_sha256": self.config.data_sha256,
                     "examples": len(self.examples), "wall_s": round(self.state.wall_s, 1),
                     "through_swarm": isinstance(self.lm, DistributedDiffusionLM)}
         if self.collaborative:

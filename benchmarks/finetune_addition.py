@@ -58,6 +58,7 @@ class DemoConfig:
     rank: int = 32  # a bottleneck adapter's rank
     head_rank: int = 32  # the rank of the client's head correction (0: none)
     down_scale: float = 1.0  # the down projections' starting scale (a LoRA learns faster with 4)
+    max_grad_norm: float = 0.0  # clip each step's gradient to this norm (0: never)
     lr: float = 0.003
     steps: int = 6000
     batch_size: int = 16
@@ -120,6 +121,7 @@ def finetune(lm: Any, config: DemoConfig, data: Path, output: Path, steps: int) 
                                            batch_size=config.batch_size, prompt_length=config.prompt_length,
                                            adapter_kind=config.adapter_kind, rank=config.rank,
                                            head_rank=config.head_rank, down_scale=config.down_scale,
+                                           max_grad_norm=config.max_grad_norm,
                                            seed=config.seed,
                                            pad_response=config.pad_response,
                                            save_every=max(10, steps // 10)))
@@ -203,6 +205,7 @@ def show(result: DemoResult) -> str:
         + (f"rank {c.rank}" if c.adapter_kind in RANKED_KINDS else f"{c.prompt_length} positions")
         + (f", head correction of rank {c.head_rank}" if c.head_rank else "")
         + (f", down projections x{c.down_scale}" if c.down_scale != 1.0 else "")
+        + (f", gradient norm clipped at {c.max_grad_norm}" if c.max_grad_norm else "")
         + f", {m['adapter_parameters']} parameters; "
         f"{c.steps} steps, batch {c.batch_size}, lr {c.lr}, answers padded to {c.pad_response}, "
         f"{c.train_examples} training problems, seed {c.seed}",
@@ -261,6 +264,8 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[DemoConfig, bool]:
                         help="Rank of the head correction the client trains too (0: none).")
     parser.add_argument("--down-scale", type=float, default=defaults.down_scale,
                         help="Start the down projections at this many times unit scale (swarm.finetune --down-scale).")
+    parser.add_argument("--max-grad-norm", type=float, default=defaults.max_grad_norm,
+                        help="Clip each step's gradient to this norm (swarm.finetune --max-grad-norm; 0: never).")
     parser.add_argument("--lr", type=float, default=defaults.lr, help="Adam learning rate.")
     parser.add_argument("--steps", type=count(1), default=defaults.steps, help="Training steps through the swarm.")
     parser.add_argument("--batch-size", type=count(1), default=defaults.batch_size, help="Problems per step.")

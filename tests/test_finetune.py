@@ -240,6 +240,25 @@ def test_finetuning_lowers_the_loss(local_lm, tmp_path):
     assert after < 0.7 * before, (before, after)
 
 
+def test_max_grad_norm_clips_what_the_optimizer_sees(local_lm, tmp_path):
+    """--max-grad-norm: every step's gradient reaches Adam at most that long; without it, as computed."""
+    data = write_pairs(tmp_path / "pairs.jsonl", [("2+2=", "4"), ("3+4=", "7"), ("hi ", "there")])
+    seen: dict[float, list[float]] = {}
+    for limit in (0.0, 1e-3):
+        norms = seen.setdefault(limit, [])
+
+        class Recording(torch.optim.Adam):
+            def step(self, closure=None):
+                norms.append(torch.cat([p.grad.reshape(-1) for g in self.param_groups for p in g["params"]]).norm())
+                return super().step(closure)
+
+        config = FinetuneConfig(data, str(tmp_path / f"run{limit}"), steps=3, lr=0.05, batch_size=3,
+                                prompt_length=4, max_grad_norm=limit)
+        Finetuner(local_lm, config, optimizer_factory=lambda params: Recording(params, lr=0.05)).run(progress=False)
+    assert len(seen[0.0]) == len(seen[1e-3]) == 3
+    assert min(seen[0.0]) > 1e-2 and max(seen[1e-3]) <= 1e-3 * (1 + 1e-4)
+
+
 def test_finetune_command_resumes_exactly(tiny_model_path, tmp_path):
     data = write_pairs(tmp_path / "pairs.jsonl", [("2+2=", "4"), ("3+4=", "7"), ("hi ", "there")])
     common = ["--model", str(tiny_model_path), "--data", data, "--batch-size", "3", "--lr", "0.05",

@@ -60,6 +60,11 @@ class HopTrace:
     inputs: torch.Tensor
 
 
+def adapter_requirement(adapter_kind: Optional[str]) -> str:
+    """What a server must also do for a pass with a per-block adapter of ``adapter_kind`` (for error messages)."""
+    return f"applies {adapter_kind.replace('_', ' ')} adapters" if adapter_kind else ""
+
+
 class RemoteSequence:
     """The route through the swarm's servers for one client, and the passes over it (see the module doc).
 
@@ -349,7 +354,7 @@ class RemoteSequence:
             self.refresh()
             holders = self.holders(hop.start, hop.end, avoid, adapter_kind=adapter_kind)
         if not holders:
-            raise MissingBlocksError(list(range(hop.start, hop.end)))
+            raise MissingBlocksError(list(range(hop.start, hop.end)), requirement=adapter_requirement(adapter_kind))
         return holders[0]
 
     def _call_backward(self, peer_id: str, request: BackwardRequest) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -467,8 +472,8 @@ class RemoteSequence:
             except MissingBlocksError as error:
                 pause = self.health.wait_for_busy()
                 if pause is None:
-                    requirement = f"applies {adapter_kind.replace('_', ' ')} adapters" if adapter_kind else ""
-                    raise MissingBlocksError(error.blocks, list(budget.errors) or None, requirement) from None
+                    raise MissingBlocksError(error.blocks, list(budget.errors) or None,
+                                             adapter_requirement(adapter_kind)) from None
                 budget.wait(str(error), pause or None, where=f" at block {block}")  # 0: the usual back-off
 
     def _call_hop(self, hop: RouteHop, hidden: torch.Tensor, session_id: str, step: int, extra: dict,

@@ -75,6 +75,10 @@ def open_model(model: str, peers: list[str], request_timeout: float, dht: Option
                    "this many times unit scale. Under Adam a scale c makes the up projections learn c^2 times faster "
                    "than the down ones, as LoRA+'s learning-rate ratio; docs/TRAINING.md finding 4 measures c = 4 "
                    "with lora.")
+@click.option("--max-grad-norm", type=click.FloatRange(min=0), default=FinetuneConfig.max_grad_norm,
+              help="Clip each batch's gradient to this norm before the optimizer step (with --run-id: each peer "
+                   "its own batch's); 0: never. Keeps one huge gradient from throwing a run back (LoRA at a high "
+                   "--lr; docs/TRAINING.md).")
 @click.option("--pad-response", type=click.IntRange(min=0, max=1024), default=FinetuneConfig.pad_response,
               help="EOS-pad every response to at least this many tokens (use generation's --gen-length): the model "
                    "learns where an answer ends at the length it will generate.")

@@ -56,7 +56,7 @@ logger = logging.getLogger(__name__)
 STATE_FILE = "finetune_state.pt"
 # Settings that change what a resumed run computes: a mismatch is refused, not silently mixed.
 RUN_DEFINING = ("batch_size", "lr", "prompt_length", "seed", "data_sha256", "adapter_kind", "pad_response", "rank",
-                "head_rank", "down_scale")
+                "head_rank", "down_scale", "max_grad_norm")
 
 
 @dataclass
@@ -71,6 +71,7 @@ class FinetuneConfig:
     rank: int = 16  # a bottleneck's or LoRA's rank (per block: 2 x rank x hidden weights; rank x every projection's)
     head_rank: int = 0  # the rank of a correction of the client's output head (0: none)
     down_scale: float = 1.0  # a new adapter's down projections start this many times unit scale (LoRA+ under Adam)
+    max_grad_norm: float = 0.0  # clip each batch's gradient to this norm before the optimizer sees it (0: never)
     pad_response: int = 0  # EOS-pad every response to at least this many tokens (generation's gen_length)
     seed: int = 0
     save_every: int = 10
@@ -97,7 +98,7 @@ def saved_run_defining(saved: dict[str, Any]) -> dict[str, Any]:
     """:meth:`FinetuneConfig.run_defining` of a saved run (runs saved before collaborations trained alone)."""
     collaboration = saved.get("collaboration") or {}
     saved = {"adapter_kind": SOFT_PROMPT, "pad_response": 0, "rank": FinetuneConfig.rank, "head_rank": 0,
-             "down_scale": 1.0, **saved}  # defaults of runs saved before them
+             "down_scale": 1.0, "max_grad_norm": 0.0, **saved}  # defaults of runs saved before them
     return only_relevant({**{key: saved.get(key) for key in RUN_DEFINING}, "run_id": collaboration.get("run_id", ""),
                           "target_batch_size": collaboration.get("target_batch_size", saved.get("batch_size"))})
 
@@ -299,7 +300,8 @@ class Finetuner:
     def save(self) -> None:
         """The adapter and the run's state, each replaced whole."""
         training = {"steps": self.state.epoch, "loss": self.smoothed_loss(), "lr": self.config.lr,
-                    "down_scale": self.config.down_scale, "batch_size": self.config.batch_size,
+                    "down_scale": self.config.down_scale, "max_grad_norm": self.config.max_grad_norm,
+                    "batch_size": self.config.batch_size,
                     "data_sha256": self.config.data_sha256,
                     "examples": len(self.examples), "wall_s": round(self.state.wall_s, 1),
                     "through_swarm": isinstance(self.lm, DistributedDiffusionLM)}
@@ -330,6 +332,8 @@ class Finetuner:
         epoch = self.state.epoch
         loss = sft_loss(self.backbone, self.adapter, self.next_batch(), self.generator)
         loss.backward()
+        if self.config.max_grad_norm:  # a rare huge gradient (a loss spike) moves the adapter no further than usual
+            torch.nn.utils.clip_grad_norm_(list(self.adapter.parameters()), self.config.max_grad_norm)
         self.optimizer.step()
         seconds = time.perf_counter() - started
         self.state.step += 1

@@ -38,7 +38,7 @@ import torch  # noqa: E402
 
 from swarm.eval.tasks import TaskGeneration, TaskReport, evaluate_task, prompt_ids  # noqa: E402
 from swarm.finetune.adapter import BOTTLENECK, KINDS, RANKED_KINDS  # noqa: E402
-from swarm.finetune.trainer import FinetuneConfig, Finetuner, StepReport  # noqa: E402
+from swarm.finetune.trainer import FinetuneConfig, Finetuner, StepReport, parse_lr_from  # noqa: E402
 from swarm.local import DiffusionLM  # noqa: E402
 from swarm.models.loading import DEFAULT_MODEL, resolve_model_path  # noqa: E402
 from swarm.train.data import AdditionTask  # noqa: E402
@@ -59,6 +59,7 @@ class DemoConfig:
     head_rank: int = 32  # the rank of the client's head correction (0: none)
     down_scale: float = 1.0  # the down projections' starting scale (a LoRA learns faster with 4)
     max_grad_norm: float = 0.0  # clip each step's gradient to this norm (0: never)
+    lr_from: tuple[tuple[int, float], ...] = ()  # (step, lr): the learning rate from that step on
     lr: float = 0.003
     steps: int = 6000
     batch_size: int = 16
@@ -121,7 +122,7 @@ def finetune(lm: Any, config: DemoConfig, data: Path, output: Path, steps: int) 
                                            batch_size=config.batch_size, prompt_length=config.prompt_length,
                                            adapter_kind=config.adapter_kind, rank=config.rank,
                                            head_rank=config.head_rank, down_scale=config.down_scale,
-                                           max_grad_norm=config.max_grad_norm,
+                                           max_grad_norm=config.max_grad_norm, lr_from=config.lr_from,
                                            seed=config.seed,
                                            pad_response=config.pad_response,
                                            save_every=max(10, steps // 10)))
@@ -207,7 +208,9 @@ def show(result: DemoResult) -> str:
         + (f", down projections x{c.down_scale}" if c.down_scale != 1.0 else "")
         + (f", gradient norm clipped at {c.max_grad_norm}" if c.max_grad_norm else "")
         + f", {m['adapter_parameters']} parameters; "
-        f"{c.steps} steps, batch {c.batch_size}, lr {c.lr}, answers padded to {c.pad_response}, "
+        f"{c.steps} steps, batch {c.batch_size}, lr {c.lr}"
+        + "".join(f", {lr} from step {step}" for step, lr in c.lr_from)
+        + f", answers padded to {c.pad_response}, "
         f"{c.train_examples} training problems, seed {c.seed}",
         "",
         "| held-out addition (exact match) | correct | accuracy |",
@@ -250,6 +253,14 @@ def count(minimum: int) -> Callable[[str], int]:
     return parse
 
 
+def lr_change(text: str) -> tuple[int, float]:
+    """An argparse type: ``STEP:LR``."""
+    try:
+        return parse_lr_from((text,))[0]
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 def parse_args(argv: Optional[list[str]] = None) -> tuple[DemoConfig, bool]:
     defaults = DemoConfig()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -267,6 +278,8 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[DemoConfig, bool]:
     parser.add_argument("--max-grad-norm", type=float, default=defaults.max_grad_norm,
                         help="Clip each step's gradient to this norm (swarm.finetune --max-grad-norm; 0: never).")
     parser.add_argument("--lr", type=float, default=defaults.lr, help="Adam learning rate.")
+    parser.add_argument("--lr-from", type=lr_change, action="append", default=[], metavar="STEP:LR",
+                        help="The learning rate from step STEP on (repeatable; swarm.finetune --lr-from).")
     parser.add_argument("--steps", type=count(1), default=defaults.steps, help="Training steps through the swarm.")
     parser.add_argument("--batch-size", type=count(1), default=defaults.batch_size, help="Problems per step.")
     parser.add_argument("--pad-response", type=count(0), default=defaults.pad_response,
@@ -289,6 +302,7 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[DemoConfig, bool]:
                              "of starting again: a long run split over sessions. Step timings cover this session.")
     parser.add_argument("--json", action="store_true", help="Print the results as JSON instead of tables.")
     args = vars(parser.parse_args(argv))
+    args["lr_from"] = tuple(sorted(args["lr_from"]))
     as_json = args.pop("json")
     return DemoConfig(**args), as_json
 

@@ -272,7 +272,29 @@ def test_finetune_command_resumes_exactly(tiny_model_path, tmp_path):
     config = json.loads((tmp_path / "straight" / ADAPTER_CONFIG).read_text())
     assert config["training"]["steps"] == 8 and config["base"]["hidden_size"] == 32
     changed = CliRunner().invoke(finetune_main, [*common, "--output", str(tmp_path / "straight"), "--lr", "0.1"])
-    assert changed.exit_code != 0 and "other settings (lr: 0.05 -> 0.1)" in changed.output
+    assert changed.exit_code != 0 and "other settings (lr at step 0: 0.05 -> 0.1)" in changed.output
+
+
+def test_a_learning_rate_schedule_may_change_only_the_steps_to_come(tiny_model_path, tmp_path):
+    """--lr-from STEP:LR: a run resumed at step 3 with a new rate from step 3 on is the run planned that way from the
+    start (bit for bit); changing the rate of a step already taken is refused, naming it."""
+    data = write_pairs(tmp_path / "pairs.jsonl", [("2+2=", "4"), ("3+4=", "7"), ("hi ", "there")])
+    common = ["--model", str(tiny_model_path), "--data", data, "--batch-size", "3", "--lr", "0.05",
+              "--prompt-length", "4", "--save-every", "3"]
+    run_finetune(*common, "--output", str(tmp_path / "planned"), "--steps", "6", "--lr-from", "3:0.005")
+    run_finetune(*common, "--output", str(tmp_path / "annealed"), "--steps", "3")
+    run_finetune(*common, "--output", str(tmp_path / "annealed"), "--steps", "6", "--lr-from", "3:0.005")
+    run_finetune(*common, "--output", str(tmp_path / "constant"), "--steps", "6")
+    planned, annealed, constant = (SoftPrompt.load(tmp_path / name) for name in ("planned", "annealed", "constant"))
+    assert torch.equal(planned.prompts, annealed.prompts)
+    assert not torch.equal(planned.prompts, constant.prompts)
+    training = json.loads((tmp_path / "planned" / ADAPTER_CONFIG).read_text())["training"]
+    assert training["lr"] == 0.05 and training["lr_from"] == [[3, 0.005]]
+    changed = CliRunner().invoke(finetune_main, [*common, "--output", str(tmp_path / "planned"), "--steps", "8",
+                                                 "--lr-from", "2:0.005"])
+    assert changed.exit_code != 0 and "lr at step 2: 0.05 -> 0.005" in changed.output
+    bad = CliRunner().invoke(finetune_main, [*common, "--output", str(tmp_path / "x"), "--lr-from", "3:-1"])
+    assert bad.exit_code != 0 and "LR a positive number" in bad.output
 
 
 def test_finetune_through_the_swarm(local_swarm, tiny_model_path, local_lm, tmp_path):

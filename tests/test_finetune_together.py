@@ -89,3 +89,24 @@ def test_a_peer_killed_mid_run_does_not_stop_the_other(bootstrap, tiny_model_pat
     history = json.loads((tmp_path / "survivor" / "history.json").read_text())
     assert any(entry["peers"] == 2 for entry in history)
     print(f"survivor finished {time.monotonic() - killed_at:.1f} s after the SIGKILL")
+
+
+def test_the_learning_rate_schedule_reaches_the_collaboration_s_adam():
+    """hivemind.Optimizer hands out copies of its inner Adam's groups: --lr-from must set the inner ones."""
+    import torch
+    from hivemind import DHT
+
+    from swarm.dht.node import LOOPBACK_MADDRS
+    from swarm.finetune.together import CollaborationConfig, collaborative_optimizer
+    from swarm.finetune.trainer import set_lr
+
+    dht = DHT(start=True, host_maddrs=list(LOOPBACK_MADDRS))
+    optimizer = collaborative_optimizer(dht, CollaborationConfig("pytest-lr", 4), [torch.nn.Parameter(torch.zeros(3))],
+                                        lr=0.05, batch_size=2)
+    try:
+        set_lr(optimizer, 0.005)
+        assert [group["lr"] for group in optimizer.state_averager.optimizer.param_groups] == [0.005]
+        assert [group["lr"] for group in optimizer.param_groups] == [0.005]
+    finally:
+        optimizer.shutdown()
+        dht.shutdown()

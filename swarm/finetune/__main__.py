@@ -21,7 +21,7 @@ from swarm.dht.node import LOOPBACK_MADDRS, NetworkConfig, start_dht, stop_dht, 
 from swarm.dht.peers import split_peers
 from swarm.finetune.adapter import KINDS, MAX_PROMPT_LENGTH, MAX_RANK
 from swarm.finetune.together import CollaborationConfig
-from swarm.finetune.trainer import FinetuneConfig, Finetuner
+from swarm.finetune.trainer import FinetuneConfig, Finetuner, parse_lr_from
 from swarm.lm import BaseDiffusionLM
 from swarm.models.loading import DEFAULT_MODEL
 
@@ -38,6 +38,14 @@ def open_model(model: str, peers: list[str], request_timeout: float, dht: Option
     return DiffusionLM.from_pretrained(model)
 
 
+def lr_schedule(_ctx: click.Context, _param: click.Parameter, values: tuple[str, ...]
+                ) -> tuple[tuple[int, float], ...]:
+    try:
+        return parse_lr_from(values)
+    except ValueError as error:
+        raise click.BadParameter(str(error), param_hint="--lr-from") from None
+
+
 @click.command(cls=SwarmCommand, context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
 @click.option("--model", default=DEFAULT_MODEL, help="Embedded model name or checkpoint directory (the frozen base).")
 @click.option("--initial-peers", multiple=True,
@@ -51,6 +59,11 @@ def open_model(model: str, peers: list[str], request_timeout: float, dht: Option
               help="Optimizer steps in total (a resumed run goes on up to this many).")
 @click.option("--lr", type=click.FloatRange(min=0, min_open=True), default=FinetuneConfig.lr,
               help="Adam learning rate of the adapter's tensors.")
+@click.option("--lr-from", "lr_from", multiple=True, callback=lr_schedule,
+              metavar="STEP:LR",
+              help="From optimizer step STEP on, the learning rate is LR (repeatable: a step schedule; --lr before "
+                   "the first). A resumed run may add or change entries for steps it has not taken yet, e.g. "
+                   "--lr-from 2100:0.001 to anneal a run that stands at step 2100.")
 @click.option("--batch-size", type=click.IntRange(min=1, max=1024), default=FinetuneConfig.batch_size,
               help="Examples per step.")
 @click.option("--prompt-length", type=click.IntRange(min=1, max=MAX_PROMPT_LENGTH),

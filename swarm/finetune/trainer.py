@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Callable, Iterable, Optional, Protocol
 
+import hivemind
 import torch
 from hivemind.dht import DHT
 from torch import nn
@@ -55,7 +57,7 @@ logger = logging.getLogger(__name__)
 
 STATE_FILE = "finetune_state.pt"
 # Settings that change what a resumed run computes: a mismatch is refused, not silently mixed.
-RUN_DEFINING = ("batch_size", "lr", "prompt_length", "seed", "data_sha256", "adapter_kind", "pad_response", "rank",
+RUN_DEFINING = ("batch_size", "prompt_length", "seed", "data_sha256", "adapter_kind", "pad_response", "rank",
                 "head_rank", "down_scale", "max_grad_norm")
 
 
@@ -65,6 +67,8 @@ class FinetuneConfig:
     output: str
     steps: int = 100
     lr: float = 1e-2
+    # (step, lr) pairs: from that optimizer step on, the learning rate is lr (a step schedule; --lr before the first)
+    lr_from: tuple[tuple[int, float], ...] = ()
     batch_size: int = 8
     prompt_length: int = 16
     adapter_kind: str = SOFT_PROMPT  # soft_prompt (vectors before the first block), deep_prompt, bottleneck or lora
@@ -79,6 +83,10 @@ class FinetuneConfig:
     # Set to train together with every process of the same run id (hivemind.Optimizer over the DHT)
     collaboration: Optional[CollaborationConfig] = None
 
+    def lr_at(self, epoch: int) -> float:
+        """The learning rate of optimizer step ``epoch`` (counted from 0)."""
+        return lr_at(self.lr, self.lr_from, epoch)
+
     def run_defining(self) -> dict[str, Any]:
         """The settings a resumed run must keep (the collaboration's run id and global batch included)."""
         collaboration = self.collaboration
@@ -92,6 +100,46 @@ def only_relevant(settings: dict[str, Any]) -> dict[str, Any]:
     bottleneck's rank for a prompt): changing an unused flag does not change the run."""
     used = size_setting(settings["adapter_kind"])
     return {key: value for key, value in settings.items() if key not in ("rank", "prompt_length") or key == used}
+
+
+def lr_at(lr: float, lr_from: Any, epoch: int) -> float:
+    for step, value in sorted((int(step), float(value)) for step, value in lr_from):
+        if epoch >= step:
+            lr = value
+    return lr
+
+
+def parse_lr_from(values: Iterable[str]) -> tuple[tuple[int, float], ...]:
+    """``("2100:0.001", ...)`` -> ``((2100, 0.001), ...)`` sorted, or a ValueError naming the bad entry."""
+    schedule = []
+    for value in values:
+        step, _, lr = value.partition(":")
+        try:
+            change = (int(step), float(lr))
+        except ValueError:
+            raise ValueError(f"{value!r} is not STEP:LR (e.g. 2100:0.001)") from None
+        if change[0] < 1 or not math.isfinite(change[1]) or change[1] <= 0:
+            raise ValueError(f"{value!r}: STEP must be >= 1 and LR a positive number")
+        schedule.append(change)
+    if len({step for step, _ in schedule}) != len(schedule):
+        raise ValueError("one learning rate per step")
+    return tuple(sorted(schedule))
+
+
+def set_lr(optimizer: Any, lr: float) -> None:
+    """Set the learning rate of every group (a ``hivemind.Optimizer`` hands out copies of its inner Adam's groups)."""
+    inner = optimizer.state_averager.optimizer if isinstance(optimizer, hivemind.Optimizer) else optimizer
+    for group in inner.param_groups:
+        group["lr"] = lr
+
+
+def schedule_differences(saved: dict[str, Any], config: FinetuneConfig, steps_taken: int) -> list[str]:
+    """Where the learning rates of the steps a saved run has taken differ from ``config``'s: the schedule may
+    change only for the steps still to come (e.g. to anneal a run from where it stands)."""
+    saved_from = saved.get("lr_from") or ()
+    changes = {0} | {int(step) for step, _ in (*saved_from, *config.lr_from) if int(step) < steps_taken}
+    return [f"lr at step {step}: {lr_at(saved['lr'], saved_from, step)!r} -> {config.lr_at(step)!r}"
+            for step in sorted(changes) if lr_at(saved["lr"], saved_from, step) != config.lr_at(step)]
 
 
 def saved_run_defining(saved: dict[str, Any]) -> dict[str, Any]:
@@ -287,6 +335,8 @@ class Finetuner:
         before = saved_run_defining(saved["config"])
         differ = [f"{key}: {before.get(key)!r} -> {value!r}" for key, value in self.config.run_defining().items()
                   if before.get(key) != value]
+        taken = saved["state"].get("epoch", 0) if self.collaborative else saved["state"]["step"]
+        differ += schedule_differences(saved["config"], self.config, taken)
         if differ:
             raise ValueError(f"{self.output} holds a run with other settings ({'; '.join(differ)}): resume it with "
                              f"the same ones or choose another --output")
@@ -300,6 +350,7 @@ class Finetuner:
     def save(self) -> None:
         """The adapter and the run's state, each replaced whole."""
         training = {"steps": self.state.epoch, "loss": self.smoothed_loss(), "lr": self.config.lr,
+                    "lr_from": [list(change) for change in self.config.lr_from],
                     "down_scale": self.config.down_scale, "max_grad_norm": self.config.max_grad_norm,
                     "batch_size": self.config.batch_size,
                     "data_sha256": self.config.data_sha256,
@@ -334,6 +385,7 @@ class Finetuner:
         loss.backward()
         if self.config.max_grad_norm:  # a rare huge gradient (a loss spike) moves the adapter no further than usual
             torch.nn.utils.clip_grad_norm_(list(self.adapter.parameters()), self.config.max_grad_norm)
+        set_lr(self.optimizer, self.config.lr_at(epoch))
         self.optimizer.step()
         seconds = time.perf_counter() - started
         self.state.step += 1

@@ -272,7 +272,7 @@ def test_finetune_command_resumes_exactly(tiny_model_path, tmp_path):
     config = json.loads((tmp_path / "straight" / ADAPTER_CONFIG).read_text())
     assert config["training"]["steps"] == 8 and config["base"]["hidden_size"] == 32
     changed = CliRunner().invoke(finetune_main, [*common, "--output", str(tmp_path / "straight"), "--lr", "0.1"])
-    assert changed.exit_code != 0 and "other settings (lr at step 0: 0.05 -> 0.1)" in changed.output
+    assert changed.exit_code != 0 and "other settings (lr: 0.05 -> 0.1)" in changed.output
 
 
 def test_a_learning_rate_schedule_may_change_only_the_steps_to_come(tiny_model_path, tmp_path):

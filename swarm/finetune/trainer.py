@@ -138,8 +138,12 @@ def schedule_differences(saved: dict[str, Any], config: FinetuneConfig, steps_ta
     change only for the steps still to come (e.g. to anneal a run from where it stands)."""
     saved_from = saved.get("lr_from") or ()
     changes = {0} | {int(step) for step, _ in (*saved_from, *config.lr_from) if int(step) < steps_taken}
-    return [f"lr at step {step}: {lr_at(saved['lr'], saved_from, step)!r} -> {config.lr_at(step)!r}"
-            for step in sorted(changes) if lr_at(saved["lr"], saved_from, step) != config.lr_at(step)]
+    differences = []
+    for step in sorted(changes):
+        before, after = lr_at(saved["lr"], saved_from, step), config.lr_at(step)
+        if before != after:
+            differences.append(f"{'lr' if step == 0 else f'lr at step {step}'}: {before!r} -> {after!r}")
+    return differences
 
 
 def saved_run_defining(saved: dict[str, Any]) -> dict[str, Any]:

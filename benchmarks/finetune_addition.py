@@ -16,7 +16,11 @@ One run, everything measured, nothing assumed:
 
 Sizes (vocabulary, hidden size, depth) are read from the model, so it runs on whichever model ``--model`` names.
 
-    python benchmarks/finetune_addition.py                           # the figures of docs/TRAINING.md
+    # the LoRA demonstration of docs/TRAINING.md (about 70 minutes on 2 cores)
+    python benchmarks/finetune_addition.py --output demo_lora --adapter-kind lora --rank 16 --head-rank 32 \
+        --down-scale 4 --max-grad-norm 1 --lr 0.002 --lr-from 2100:0.001 --batch-size 64 --steps 3000 \
+        --train-examples 500000 --threads 2
+    python benchmarks/finetune_addition.py --output demo           # the first (bottleneck) figures
     python benchmarks/finetune_addition.py --steps 50 --eval-examples 20 --json   # a quick look
 """
 from __future__ import annotations
@@ -86,6 +90,7 @@ class DemoResult:
     swarm_loss_final: Optional[float]  # mean loss of the last 10 steps through the swarm
     timing_loss_max_diff: float  # the timing steps' losses, swarm vs local
     swarm_check: dict[str, int] = field(default_factory=dict)  # held-out problems generated through the swarm too
+    swarm_steps_timed: tuple[int, int] = (0, 0)  # the steps swarm_step_s is the median of (this session's)
     shape_before: dict[str, int] = field(default_factory=dict)  # answer_shape of the answers before and after
     shape_after: dict[str, int] = field(default_factory=dict)
     wall_s: dict[str, float] = field(default_factory=dict)
@@ -115,6 +120,12 @@ def median_after_first(reports: list[StepReport]) -> float:
     """NaN when no step ran (a resumed run that was already complete)."""
     seconds = [r.seconds for r in reports[1:]] or [r.seconds for r in reports]
     return statistics.median(seconds) if seconds else float("nan")
+
+
+def timed_steps(reports: list[StepReport]) -> tuple[int, int]:
+    """The first and last step :func:`median_after_first` covers (a resumed run times only this session's)."""
+    timed = reports[1:] or reports
+    return (timed[0].step, timed[-1].step) if timed else (0, 0)
 
 
 def finetune(lm: Any, config: DemoConfig, data: Path, output: Path, steps: int) -> tuple[Finetuner, list[StepReport]]:
@@ -194,11 +205,13 @@ def run(config: DemoConfig) -> DemoResult:
                       median_after_first(local_reports),
                       swarm_reports[0].seconds if swarm_reports else float("nan"), trainer.smoothed_loss(),
                       loss_diff, {"agree": agree, "of": config.swarm_check}, wall_s=wall,
-                      shape_before=answer_shape(before.samples), shape_after=answer_shape(after.samples))
+                      shape_before=answer_shape(before.samples), shape_after=answer_shape(after.samples),
+                      swarm_steps_timed=timed_steps(swarm_reports))
 
 
 def show(result: DemoResult) -> str:
     c, m = result.config, result.model
+    first, last = result.swarm_steps_timed
     lines = [
         f"model {m['name']}: vocabulary {m['vocab_size']}, hidden {m['hidden_size']}, {m['num_layers']} blocks; "
         f"swarm: servers {' and '.join(m['servers'])} on 127.0.0.1",
@@ -228,7 +241,7 @@ def show(result: DemoResult) -> str:
         "",
         "| training step | wall-clock |",
         "|---|---|",
-        f"| through the 2-server swarm (median of steps 2-{c.steps}) | {result.swarm_step_s:.3f} s |",
+        f"| through the 2-server swarm (median of steps {first}-{last}) | {result.swarm_step_s:.3f} s |",
         f"| local, every block here (median of steps 2-{c.timing_steps}) | {result.local_step_s:.3f} s |",
         f"| first step through the swarm (route, challenges) | {result.first_swarm_step_s:.2f} s |",
         "",
@@ -298,8 +311,9 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[DemoConfig, bool]:
     parser.add_argument("--startup-timeout", type=float, default=defaults.startup_timeout,
                         help="Seconds the bootstrap peer and each server may take to start.")
     parser.add_argument("--resume", action="store_true",
-                        help="Go on with the swarm training already in --output up to --steps (same flags), instead "
-                             "of starting again: a long run split over sessions. Step timings cover this session.")
+                        help="Go on with the swarm training already in --output up to --steps (same flags, or an "
+                             "--lr-from for steps not taken yet), instead of starting again: a long run split over "
+                             "sessions. Step timings cover this session.")
     parser.add_argument("--json", action="store_true", help="Print the results as JSON instead of tables.")
     args = vars(parser.parse_args(argv))
     args["lr_from"] = tuple(sorted(args["lr_from"]))

@@ -102,7 +102,9 @@ def only_relevant(settings: dict[str, Any]) -> dict[str, Any]:
     return {key: value for key, value in settings.items() if key not in ("rank", "prompt_length") or key == used}
 
 
-def lr_at(lr: float, lr_from: Any, epoch: int) -> float:
+def lr_at(lr: float, lr_from: Iterable[tuple[int, float]], epoch: int) -> float:
+    """The rate of optimizer step ``epoch`` under base rate ``lr`` and the (step, lr) changes ``lr_from`` (as saved:
+    lists or tuples)."""
     for step, value in sorted((int(step), float(value)) for step, value in lr_from):
         if epoch >= step:
             lr = value

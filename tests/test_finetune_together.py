@@ -12,9 +12,13 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+from hivemind import DHT
 
+from swarm.dht.node import LOOPBACK_MADDRS
 from swarm.finetune.adapter import ADAPTER_CONFIG, SoftPrompt
-from swarm.finetune.trainer import STATE_FILE, FinetuneConfig, Finetuner
+from swarm.finetune.together import CollaborationConfig, collaborative_optimizer
+from swarm.finetune.trainer import STATE_FILE, FinetuneConfig, Finetuner, set_lr
 from swarm.utils.local_swarm import LocalSwarm, ManagedProcess
 from tests.conftest import wait_until
 
@@ -93,13 +97,6 @@ def test_a_peer_killed_mid_run_does_not_stop_the_other(bootstrap, tiny_model_pat
 
 def test_the_learning_rate_schedule_reaches_the_collaboration_s_adam():
     """hivemind.Optimizer hands out copies of its inner Adam's groups: --lr-from must set the inner ones."""
-    import torch
-    from hivemind import DHT
-
-    from swarm.dht.node import LOOPBACK_MADDRS
-    from swarm.finetune.together import CollaborationConfig, collaborative_optimizer
-    from swarm.finetune.trainer import set_lr
-
     dht = DHT(start=True, host_maddrs=list(LOOPBACK_MADDRS))
     optimizer = collaborative_optimizer(dht, CollaborationConfig("pytest-lr", 4), [torch.nn.Parameter(torch.zeros(3))],
                                         lr=0.05, batch_size=2)

@@ -8,7 +8,9 @@ backward asks each hop's server for the gradient of its input and of its blocks'
 adapter's tensors are trained.
 
 A run is a deterministic function of its :class:`FinetuneConfig` and data: batches and masking noise come from
-one seeded generator saved with the optimiser, so an interrupted run resumes exactly where it stopped. With a
+one seeded generator saved with the optimiser, so an interrupted run resumes exactly where it stopped; its
+settings must stay the same, except the learning rate of the steps still to come (:func:`schedule_differences`),
+so a run can be annealed where it stands. With a
 :class:`~swarm.finetune.together.CollaborationConfig` the optimiser is a ``hivemind.Optimizer`` shared by every
 process of the run (``swarm/finetune/together.py``): a run's steps are then the collaboration's global steps.
 """

@@ -266,14 +266,6 @@ def count(minimum: int) -> Callable[[str], int]:
     return parse
 
 
-def lr_change(text: str) -> tuple[int, float]:
-    """An argparse type: ``STEP:LR``."""
-    try:
-        return parse_lr_from((text,))[0]
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
-
-
 def parse_args(argv: Optional[list[str]] = None) -> tuple[DemoConfig, bool]:
     defaults = DemoConfig()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -291,7 +283,7 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[DemoConfig, bool]:
     parser.add_argument("--max-grad-norm", type=float, default=defaults.max_grad_norm,
                         help="Clip each step's gradient to this norm (swarm.finetune --max-grad-norm; 0: never).")
     parser.add_argument("--lr", type=float, default=defaults.lr, help="Adam learning rate.")
-    parser.add_argument("--lr-from", type=lr_change, action="append", default=[], metavar="STEP:LR",
+    parser.add_argument("--lr-from", action="append", default=[], metavar="STEP:LR",
                         help="The learning rate from step STEP on (repeatable; swarm.finetune --lr-from).")
     parser.add_argument("--steps", type=count(1), default=defaults.steps, help="Training steps through the swarm.")
     parser.add_argument("--batch-size", type=count(1), default=defaults.batch_size, help="Problems per step.")
@@ -316,8 +308,12 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[DemoConfig, bool]:
                              "sessions. Step timings cover this session.")
     parser.add_argument("--json", action="store_true", help="Print the results as JSON instead of tables.")
     args = vars(parser.parse_args(argv))
-    args["lr_from"] = tuple(sorted(args["lr_from"]))
     as_json = args.pop("json")
+    try:  # the finetuner's own checks, before anything runs
+        args["lr_from"] = parse_lr_from(args["lr_from"])
+        FinetuneConfig("", "", down_scale=args["down_scale"], max_grad_norm=args["max_grad_norm"])
+    except ValueError as error:
+        parser.error(str(error))
     return DemoConfig(**args), as_json
 
 

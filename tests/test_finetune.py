@@ -259,6 +259,14 @@ def test_max_grad_norm_clips_what_the_optimizer_sees(local_lm, tmp_path):
     assert min(seen[0.0]) > 1e-2 and max(seen[1e-3]) <= 1e-3 * (1 + 1e-4)
 
 
+@pytest.mark.parametrize("setting", [{"down_scale": 0.0}, {"down_scale": float("nan")}, {"max_grad_norm": -1.0},
+                                     {"max_grad_norm": float("inf")}])
+def test_bad_trainer_settings_are_refused_naming_them(setting):
+    name = next(iter(setting))
+    with pytest.raises(ValueError, match=name):
+        FinetuneConfig("pairs.jsonl", "out", **setting)
+
+
 def test_finetune_command_resumes_exactly(tiny_model_path, tmp_path):
     data = write_pairs(tmp_path / "pairs.jsonl", [("2+2=", "4"), ("3+4=", "7"), ("hi ", "there")])
     common = ["--model", str(tiny_model_path), "--data", data, "--batch-size", "3", "--lr", "0.05",

@@ -458,8 +458,7 @@ def new_adapter(kind: str, size: int, config: Any, base: dict[str, Any],
                                    head_rank=head_rank, vocab_size=int(config.vocab_size) if head_rank else 0)
     adapter = ADAPTER_KINDS[kind].initialized(adapter_config, embed, int(config.vocab_size), generator)
     adapter.init_head(generator)  # after the main tensor: adapters without a head draw what they always drew
-    if down_scale != 1.0:
-        adapter.scale_down_projections(down_scale)
+    adapter.scale_down_projections(down_scale)  # x 1.0 leaves every float as drawn
     return adapter
 
 

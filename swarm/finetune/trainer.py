@@ -85,6 +85,13 @@ class FinetuneConfig:
     # Set to train together with every process of the same run id (hivemind.Optimizer over the DHT)
     collaboration: Optional[CollaborationConfig] = None
 
+    def __post_init__(self) -> None:
+        """The new-adapter and optimiser settings any caller (command, benchmark, library) may get wrong."""
+        if not (math.isfinite(self.down_scale) and self.down_scale > 0):
+            raise ValueError(f"down_scale must be a positive number, got {self.down_scale!r}")
+        if not (math.isfinite(self.max_grad_norm) and self.max_grad_norm >= 0):
+            raise ValueError(f"max_grad_norm must be a number >= 0 (0: no clipping), got {self.max_grad_norm!r}")
+
     def lr_at(self, epoch: int) -> float:
         """The learning rate of optimizer step ``epoch`` (counted from 0)."""
         return lr_at(self.lr, self.lr_from, epoch)

@@ -22,6 +22,7 @@ from typing import Iterator
 import click
 import torch
 
+from swarm.adapter_wire import adapter_wire
 from swarm.cli_options import SwarmGroup, run_main
 from swarm.client import DistributedDiffusionLM
 from swarm.diffusion.config import MAX_STALENESS
@@ -277,6 +278,7 @@ def hiding(model: str, modes: str, latency_ms: float, gen_length: int, block_len
 
 
 main.add_command(realscale)  # issue 17: per-step costs at LLaDA-8B's widths (swarm/realscale.py)
+main.add_command(adapter_wire)  # issue 19: a LoRA on the wire at those widths (swarm/adapter_wire.py)
 
 if __name__ == "__main__":
     run_main(main)

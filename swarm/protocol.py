@@ -15,7 +15,8 @@ matrices of every projection packed into R rows, ``swarm/models/lora.py``) and
 sent after the hidden states' parts; the answer to a backward request that carried one carries the tensor's
 gradient after the inputs' (its parts counted by ``prompt_parts`` too). When everything fits one message, the
 hidden states and the adapter's tensor share it (a unary call); otherwise every message of the stream carries
-one tensor part.
+one tensor part. A server that kept an adapter tensor says so in its answer (``prompt_held``); later requests then
+name it by :func:`adapter_digest` (``prompt_digest``) instead of carrying it (``swarm/server/adapter_tensors.py``).
 
 An expert request carries token ids (batch, length) int64 and asks a hosted expert model for the
 log-probabilities of positions ``start:end``; it is always small, while the answer (positions x vocabulary)
@@ -26,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import functools
+import hashlib
 import logging
 import math
 import time
@@ -57,6 +59,7 @@ MAX_STREAM_MESSAGE_BYTES = 2 * MAX_UNARY_BYTES  # one message of a stream: a chu
 DRAIN_BYTES = 128 * 2**20
 DRAIN_SECONDS = 10.0
 MAX_DRAINING = 64  # streams drained at once in a process
+ADAPTER_DIGEST_DOMAIN = "swarm-adapter-tensor-v1"
 MAX_OPEN_STREAMS = 256  # request streams served at once in a process: each may hold one message being read
 
 WIRE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -78,6 +81,7 @@ class ErrorCode(str, enum.Enum):
     INCOMPLETE = "incomplete"  # a request's or an answer's stream lost parts on the way: the call is made again once
     NO_BACKWARD = "no_backward"  # this server does not answer backward calls (started with --no-backward)
     NO_ADAPTER = "no_adapter"  # this server does not serve the requested adapter files
+    ADAPTER_MISS = "adapter_miss"  # a request named its adapter tensor by digest and this server no longer holds it
     INTERNAL = "internal"
     # Raised by the client about a server, never sent on the wire:
     TIMEOUT = "timeout"  # no answer within the request timeout (a hung or overloaded server)
@@ -104,6 +108,7 @@ class ForwardRequest:
     extra: dict[str, Any] = field(default_factory=dict)
     prompts: Optional[torch.Tensor] = None  # a per-block adapter's tensor for blocks start:end: (blocks, R, hidden)
     prompt_kind: str = DEEP_PROMPT  # how the blocks apply it (swarm.models.modules.apply_block_adapter)
+    prompt_digest: Optional[str] = None  # send only this adapter_digest of ``prompts``: the server holds the tensor
 
     @property
     def rows(self) -> int:
@@ -208,15 +213,31 @@ def request_parts(request: ForwardRequest, wire_dtype: str = AUTO_WIRE,
     metadata = {"start": request.start, "end": request.end, "session_id": request.session_id,
                 "step": request.step, "extra": request.extra}
     prompts = None
-    if request.prompts is not None:  # the client's float32 parameters: never rounded on the wire
-        prompts = encode_tensor(request.prompts.float(), "float32")
+    if request.prompts is not None:
         metadata["prompt_length"] = int(request.prompts.shape[1])
         metadata["prompt_kind"] = request.prompt_kind
+        if request.prompt_digest is not None:  # the server keeps the tensor from an earlier call
+            metadata["prompt_digest"] = request.prompt_digest
+        else:  # the client's float32 parameters: never rounded on the wire
+            prompts = encode_tensor(request.prompts.float(), "float32")
     messages, counts = packed_chunks(encode_tensor(request.hidden, wire_dtype), prompts)
     metadata.update(counts)
     parts = [runtime_pb2.ExpertRequest(uid=uid, tensors=messages[0], metadata=MSGPackSerializer.dumps(metadata))]
     parts += [runtime_pb2.ExpertRequest(tensors=tensors) for tensors in messages[1:]]
     return parts
+
+
+def adapter_digest(prompts: torch.Tensor, kind: str) -> str:
+    """The name of a per-block adapter tensor as it travels (float32): a hash of its kind, shape and bytes. A
+    server files what it received under the digest it computes itself, so a name always means those bytes."""
+    tensor = prompts.detach().to(torch.float32).contiguous().cpu()
+    digest = hashlib.sha256(MSGPackSerializer.dumps([ADAPTER_DIGEST_DOMAIN, kind, list(tensor.shape)]))
+    digest.update(tensor.view(torch.uint8).numpy().data if tensor.numel() else b"")
+    return digest.hexdigest()
+
+
+def is_adapter_digest(value: Any) -> bool:
+    return isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)
 
 
 def tensor_wire_bytes(shape: tuple[int, ...], wire_dtype: str = AUTO_WIRE,

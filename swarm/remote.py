@@ -6,9 +6,11 @@ Part of the wire layer: clients call servers with it, and servers call the next 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import random
 import time
+from collections import OrderedDict
 from typing import AsyncIterator, Awaitable, Callable, Optional
 
 import torch
@@ -28,6 +30,7 @@ from swarm.protocol import (
     RemoteError,
     SpanService,
     adapter_declared,
+    adapter_digest,
     adapter_request,
     collect_ack,
     collect_response,
@@ -38,14 +41,22 @@ from swarm.protocol import (
 
 logger = logging.getLogger(__name__)
 
+MAX_HELD_ADAPTERS = 4096  # (server, digest) pairs remembered; an old one forgotten costs one upload
+HASH_OFF_LOOP_BYTES = 2**20  # adapter tensors larger than this are hashed in a thread (~1 GB/s)
+
 
 class RemoteCaller:
     """Thin async wrapper over a server's RPCs; every failure surfaces as :class:`RemoteError`."""
 
-    def __init__(self, p2p: P2P, wire_dtype: str = AUTO_WIRE, latency: float = 0.0, jitter: float = 0.0):
+    def __init__(self, p2p: P2P, wire_dtype: str = AUTO_WIRE, latency: float = 0.0, jitter: float = 0.0,
+                 adapter_by_digest: bool = True):
         """``latency``/``jitter`` emulate a wide-area network in user space (benchmarks only): each crossing,
-        request or answer, is delayed by ``latency`` plus up to ``jitter`` seconds, so a call costs two."""
+        request or answer, is delayed by ``latency`` plus up to ``jitter`` seconds, so a call costs two. With
+        ``adapter_by_digest`` an adapter's tensor goes to each server once while the server keeps it."""
         self.p2p = p2p
+        self.adapter_by_digest = adapter_by_digest
+        self.adapters_held: OrderedDict[tuple[str, str], None] = OrderedDict()  # (peer, digest) the peer said it keeps
+        self.adapter_misses = 0  # calls that named a tensor the server no longer held, and sent it again
         self.wire_dtype = wire_dtype
         self.latency, self.jitter = latency, jitter
         self.calls = 0
@@ -122,6 +133,37 @@ class RemoteCaller:
 
         return rpc
 
+    async def _adapted_call(self, peer_id: str, request: ForwardRequest, timeout: float, backward: bool = False
+                            ) -> tuple[torch.Tensor, dict]:
+        """A forward or backward call whose adapter tensor, if it has one, is named by digest when ``peer_id``
+        said it keeps it, and sent otherwise (or when the server no longer has it: ``adapter_miss``)."""
+        digest = None
+        if request.prompts is not None and self.adapter_by_digest:
+            digest = await self._digest(request)
+            if (peer_id, digest) in self.adapters_held:
+                self.adapters_held.move_to_end((peer_id, digest))
+                named = dataclasses.replace(request, prompt_digest=digest)
+                try:
+                    return await self._call(peer_id, self._forward_rpc(peer_id, named, backward), timeout)
+                except RemoteError as error:
+                    if error.code != ErrorCode.ADAPTER_MISS:
+                        raise
+                    del self.adapters_held[peer_id, digest]
+                    self.adapter_misses += 1
+                    logger.debug("%s no longer holds adapter tensor %s: sending it", peer_id, digest[:16])
+        output, metadata = await self._call(peer_id, self._forward_rpc(peer_id, request, backward), timeout)
+        if digest is not None and metadata.get("prompt_held") is True:
+            self.adapters_held[peer_id, digest] = None
+            while len(self.adapters_held) > MAX_HELD_ADAPTERS:
+                self.adapters_held.popitem(last=False)
+        return output, metadata
+
+    @staticmethod
+    async def _digest(request: ForwardRequest) -> str:
+        if request.prompts.numel() * 4 <= HASH_OFF_LOOP_BYTES:
+            return adapter_digest(request.prompts, request.prompt_kind)
+        return await asyncio.to_thread(adapter_digest, request.prompts, request.prompt_kind)
+
     async def push(self, peer_id: str, request: ForwardRequest, timeout: float) -> None:
         """Send a request whose ``extra["push"]`` names the next hops; the server only acknowledges it."""
         await self._call(peer_id, self._forward_rpc(peer_id, request), timeout, collect_ack)
@@ -129,7 +171,7 @@ class RemoteCaller:
     async def forward(self, peer_id: str, request: ForwardRequest, timeout: float) -> torch.Tensor:
         """Hidden states after the server's blocks ``request.start:request.end`` (with a head query in
         ``request.extra``, the head server's predictions: :mod:`swarm.diffusion.prediction`)."""
-        output, _ = await self._call(peer_id, self._forward_rpc(peer_id, request), timeout)
+        output, _ = await self._adapted_call(peer_id, request, timeout)
         expected = answer_shape(request.extra["head"]) if "head" in request.extra else tuple(request.hidden.shape)
         if tuple(output.shape) != expected:
             raise RemoteError(ErrorCode.INTERNAL, f"server returned shape {tuple(output.shape)}, "
@@ -145,8 +187,7 @@ class RemoteCaller:
                            ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """:meth:`backward`, and the gradient of the request's deep prompt vectors when it carries them (None
         otherwise); both checked for shape and finite values."""
-        output, metadata = await self._call(peer_id, self._forward_rpc(peer_id, request.as_forward(), backward=True),
-                                            timeout)
+        output, metadata = await self._adapted_call(peer_id, request.as_forward(), timeout, backward=True)
         grad_prompts = metadata.get("prompts")
         expected = [(output, tuple(request.inputs.shape), "gradient")]
         if request.prompts is not None:

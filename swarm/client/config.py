@@ -53,6 +53,9 @@ class ClientConfig:
     # to this client (k + 1 network crossings per pass instead of 2k). Falls back to hop-by-hop on failure;
     # off while spot checks run (they need each hop's output).
     push: bool = False
+    # An adapter's tensor (a LoRA's weights) goes to each server once; calls after that name it by digest while
+    # the server keeps it (it says so when it does). False sends it with every call, as servers before this did.
+    adapter_by_digest: bool = True
     # Benchmarks only: user-space delay of every network crossing (these machines have no netem). A call to a
     # server crosses twice (request, answer); pushed passes ask servers to delay their crossings the same way.
     inject_latency: float = 0.0  # seconds per one-way crossing

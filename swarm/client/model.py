@@ -89,7 +89,8 @@ class DistributedDiffusionLM(BaseDiffusionLM):
         self.dht = dht if dht is not None else start_dht(config.network)
         self.loop = BackgroundLoop.shared()
         self.p2p = self.loop.run(self.dht.replicate_p2p())
-        self.caller = RemoteCaller(self.p2p, config.wire_dtype, config.inject_latency, config.inject_jitter)
+        self.caller = RemoteCaller(self.p2p, config.wire_dtype, config.inject_latency, config.inject_jitter,
+                                   adapter_by_digest=config.adapter_by_digest)
         self.sequence = RemoteSequence(self.dht, self.caller, self.loop, self.prefix, self.config.num_layers,
                                        self.config.hidden_size, config, self.config.vocab_size)
         self.guard = GovernanceGuard(self.dht, self.prefix, config.governance_keys, ttl=config.governance_ttl)

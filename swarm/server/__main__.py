@@ -111,6 +111,10 @@ def print_ready(server: Server) -> None:
               help="Answer backward calls, so clients can fine-tune adapters through this server's blocks "
                    "(docs/TRAINING.md). The weights never change; a backward call is bounded like a forward one "
                    "and costs about three forwards of compute. --no-backward refuses them with 'no_backward'.")
+@click.option("--adapter-memory-mb", type=click.FloatRange(min=0), default=ServerConfig.adapter_memory_mb,
+              help="MiB for adapter tensors clients sent (a LoRA's weights), kept by content digest so that their "
+                   "later calls name them instead of sending them again (a rank-8 LoRA at LLaDA-8B's widths is "
+                   "2.6 MB per block); least recently used first, one peer at most --peer-share of it. 0 keeps none.")
 @click.option("--serve-adapter", "serve_adapters", multiple=True, type=click.Path(exists=True, file_okay=False),
               help="Serve this adapter directory's files to clients that use it by its published name "
                    "(docs/TRAINING.md, 'Sharing adapters'); announced by content hash. Repeatable.")

@@ -288,7 +288,9 @@ class SpanBackend:
         with torch.inference_mode(False), torch.enable_grad():
             x = inputs.to(self.device, self.dtype).requires_grad_(True)
             p = self._on_device(prompts)
-            leaves = (x,) if p is None else (x, p.requires_grad_(True))
+            if p is not None:  # a leaf of its own: the tensor may be the store's, shared with other requests
+                p = p.detach().requires_grad_(True)
+            leaves = (x,) if p is None else (x, p)
             y = self.span(x, blocks=(start, end), prompts=p, prompt_kind=prompt_kind)
             grads = torch.autograd.grad(y, leaves, grad_outputs.to(self.device, y.dtype))
         return grads[0].float().cpu(), grads[1].float().cpu() if p is not None else None

@@ -36,6 +36,7 @@ class ServerConfig:
     update_period: float = 15.0  # seconds between DHT announcements
     expiration: Optional[float] = None  # record lifetime; default 2.5 x update_period
     allow_backward: bool = True  # answer backward calls (fine-tuning through the swarm; weights stay frozen)
+    adapter_memory_mb: float = 512.0  # adapter tensors clients sent, kept so later calls name them (0: none kept)
     serve_adapters: tuple[str, ...] = ()  # adapter directories whose files this server serves (by content hash)
     wire_dtype: str = "auto"  # "auto": the compute dtype (lossless); "float16" halves float32's bytes (not exact)
     compute_threads: Optional[int] = None

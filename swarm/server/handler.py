@@ -10,7 +10,9 @@ Either kind may carry a per-block adapter's tensor for the requested blocks (``p
 ``prompt_kind`` deep_prompt, bottleneck or lora): its shape (blocks, R, hidden), dtype, size (R at most the
 kind's limit and a size the kind can have, blocks x R at most ``--max-batch-tokens``), kind and finite values are
 checked like the hidden states', and it counts in the request's declared payload. A pushed request may not carry
-one (the next hops would need their own).
+one (the next hops would need their own). A tensor received is kept by its digest (``swarm/server/adapter_tensors.py``)
+and the answer says so (``prompt_held``): the client's later calls name it (``prompt_digest``) instead of sending
+it, and one the server no longer holds is refused with ``adapter_miss`` before anything else is received.
 """
 from __future__ import annotations
 
@@ -41,6 +43,7 @@ from swarm.protocol import (
     RemoteError,
     SpanService,
     ack_response,
+    adapter_digest,
     adapter_parts,
     decode_tensor,
     error_response,
@@ -49,6 +52,7 @@ from swarm.protocol import (
     response_parts,
     tensor_wire_bytes,
 )
+from swarm.server.adapter_tensors import AdapterTensors
 from swarm.server.backend import Grant, SpanBackend
 from swarm.server.expert_handler import ExpertHandler
 from swarm.server.push import Pusher, PushLimits, PushSpec
@@ -89,6 +93,7 @@ class Declared:
     prompt_length: int = 0  # rows per block of the per-block adapter tensor the request carries (0: none)
     prompt_parts: int = 0  # the messages' tensor parts holding it, after the hidden states' ``parts``
     prompt_kind: str = DEEP_PROMPT  # how the blocks apply it (a deep prompt's vectors, a bottleneck's weights, a LoRA)
+    held_prompts: Optional[torch.Tensor] = None  # the tensor the request named by digest, from the server's store
 
     @property
     def prompt_shape(self) -> tuple[int, int, int]:
@@ -111,8 +116,10 @@ class ForwardHandler(SpanService):
     def __init__(self, backend: Optional[SpanBackend], *, hidden_size: int, max_batch_tokens: int, wire_dtype: str,
                  request_timeout: float, info: Callable[[], dict], experts: Optional[ExpertHandler] = None,
                  caches: Optional[SessionCaches] = None, num_layers: int = 0,
-                 push_limits: PushLimits = PushLimits(), allow_backward: bool = True):
+                 push_limits: PushLimits = PushLimits(), allow_backward: bool = True,
+                 adapter_tensors: Optional[AdapterTensors] = None):
         self.backend = backend
+        self.adapter_tensors = adapter_tensors  # adapter tensors received, by digest (None: kept nowhere)
         self.allow_backward = allow_backward  # answer backward calls (training through the swarm)
         self.caches = caches
         self.num_layers = num_layers
@@ -224,7 +231,8 @@ class ForwardHandler(SpanService):
         declared = self._declared(first, unary, backward)
         peer = str(context.remote_id)
         with self.backend.queue.admit(peer, declared.tokens) as place, self._push_place(peer, declared) as push_place:
-            hidden, prompts = await self._receive(first, stream, declared)
+            hidden, prompts, held = await self._receive(first, stream, declared, peer)
+            answer = {"prompt_held": True} if held else None
             extra = declared.metadata.get("extra", {})
             session_id = declared.metadata.get("session_id", "")
             computing = time.perf_counter()
@@ -238,9 +246,9 @@ class ForwardHandler(SpanService):
             logger.debug("%s %d:%d %s from %s in %.1f ms", "backward" if declared.backward else "forward",
                          declared.start, declared.end, declared.shape, peer, 1000 * (time.perf_counter() - started))
             if declared.backward:  # gradients travel in float32, unrounded
-                return response_parts(output, AUTO_WIRE, prompts=grad_prompts)
+                return response_parts(output, AUTO_WIRE, answer, prompts=grad_prompts)
             if declared.push is None:
-                return response_parts(output, self.wire_dtype)
+                return response_parts(output, self.wire_dtype, answer)
             self.pusher.send(declared.push, output, session_id, declared.metadata.get("step", -1),
                              {k: v for k, v in extra.items() if k != "push"}, push_place)
             return [ack_response()]
@@ -259,7 +267,8 @@ class ForwardHandler(SpanService):
         proto = first.tensors[0]
         batch, length = validate_declared(proto.dtype, tuple(proto.size), self.hidden_size, self.max_batch_tokens)
         shape = (batch, length, self.hidden_size)
-        prompt_bytes = 4 * (end - start) * prompt_length * self.hidden_size
+        held = self._held_prompts(metadata.get("prompt_digest"), prompt_kind, (end - start, prompt_length))
+        prompt_bytes = 4 * (end - start) * prompt_length * self.hidden_size if prompt_parts else 0
         max_bytes = min(self.max_payload_bytes, 4 * math.prod(shape) + PAYLOAD_SLACK_BYTES) + prompt_bytes
         parts, max_parts = metadata.get("parts"), self.max_payload_bytes // MIN_CHUNK_BYTES + 1
         require(is_count(parts) and 0 < parts <= max_parts, ErrorCode.BAD_REQUEST,
@@ -269,7 +278,8 @@ class ForwardHandler(SpanService):
         require(first.ByteSize() <= max_bytes, ErrorCode.TOO_LARGE,
                 f"first part of {first.ByteSize()} bytes, over the {max_bytes} its declared shapes need")
         extra = metadata.get("extra", {})
-        prompted = dict(prompt_length=prompt_length, prompt_parts=prompt_parts, prompt_kind=prompt_kind)
+        prompted = dict(prompt_length=prompt_length, prompt_parts=prompt_parts, prompt_kind=prompt_kind,
+                        held_prompts=held)
         if backward:
             self._check_backward(extra, batch)
             if unary:
@@ -285,6 +295,22 @@ class ForwardHandler(SpanService):
         if unary and push is None:
             self._check_unary_answer([shape], self.wire_dtype, self.backend.dtype)
         return Declared(metadata, start, end, shape, parts, max_bytes, push, head, **prompted)
+
+    def _held_prompts(self, digest: Optional[str], kind: str, blocks_rows: tuple[int, int]
+                      ) -> Optional[torch.Tensor]:
+        """The adapter tensor a request names by ``digest`` (None when it names none), of its declared kind and
+        (blocks, R); ``adapter_miss`` when this server does not hold it (any more): the client sends it again."""
+        if digest is None:
+            return None
+        found = self.adapter_tensors.get(digest) if self.adapter_tensors is not None else None
+        require(found is not None, ErrorCode.ADAPTER_MISS,
+                f"no adapter tensor {digest[:16]}... here (evicted, or never sent to this server): send it")
+        tensor, held_kind = found
+        shape = (*blocks_rows, self.hidden_size)
+        require(held_kind == kind and tuple(tensor.shape) == shape, ErrorCode.BAD_REQUEST,
+                f"adapter tensor {digest[:16]}... is a {held_kind} of shape {tuple(tensor.shape)}, the request "
+                f"declares a {kind} of {shape}")
+        return tensor
 
     @staticmethod
     def _check_unary_answer(shapes: list[tuple[int, int, int]], wire_dtype: str, dtype: torch.dtype) -> None:
@@ -321,9 +347,10 @@ class ForwardHandler(SpanService):
         return self.pusher.reserve(peer, declared.shape)
 
     async def _receive(self, first: runtime_pb2.ExpertRequest, stream: AsyncIterator[runtime_pb2.ExpertRequest],
-                       declared: Declared) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                       declared: Declared, peer: str) -> tuple[torch.Tensor, Optional[torch.Tensor], bool]:
         """The rest of the request's parts, within its declared size and the request timeout, decoded: the hidden
-        states and the deep prompt (None when the request carries none), both validated."""
+        states and the adapter's tensor (None when the request has none; the held one when it named it), both
+        validated, and whether a tensor that came is now kept for later calls to name."""
         chunks, size = list(first.tensors), first.ByteSize()
         expected = declared.parts + declared.prompt_parts
 
@@ -344,11 +371,14 @@ class ForwardHandler(SpanService):
         require(len(chunks) == expected, ErrorCode.INCOMPLETE, f"stream ended after {len(chunks)} of {expected} parts")
         hidden = decode_tensor(join_parts(chunks[:declared.parts], declared.parts))
         validate_hidden(hidden, self.hidden_size, self.max_batch_tokens)
-        if not declared.prompt_length:
-            return hidden, None
+        if not declared.prompt_length or declared.held_prompts is not None:
+            return hidden, declared.held_prompts, False
         prompts = decode_tensor(join_parts(chunks[declared.parts:], declared.prompt_parts))
         validate_prompts(prompts, declared.prompt_shape, declared.prompt_kind)
-        return hidden, prompts
+        if self.adapter_tensors is None or not self.adapter_tensors.enabled:
+            return hidden, prompts, False
+        digest = await asyncio.to_thread(adapter_digest, prompts, declared.prompt_kind)  # ~1 GB/s: off the loop
+        return hidden, prompts, self.adapter_tensors.put(digest, prompts, declared.prompt_kind, peer)
 
     async def _compute(self, hidden: torch.Tensor, prompts: Optional[torch.Tensor], declared: Declared, extra: dict,
                        session_id: str, place: Grant) -> torch.Tensor:

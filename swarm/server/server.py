@@ -30,6 +30,7 @@ from swarm.models.checkpoint import parse_dtype
 from swarm.models.loading import EXACT, ModelFiles, numerics, resolve_device
 from swarm.models.modules import BLOCK_ADAPTER_KINDS, OutputHead
 from swarm.models.quantization import quantize_span_int8
+from swarm.server.adapter_tensors import AdapterTensors
 from swarm.server.backend import SpanBackend
 from swarm.server.block_selection import choose_span
 from swarm.server.config import ServerConfig
@@ -100,6 +101,7 @@ class Server:
             wire_dtype=config.wire_dtype, request_timeout=config.request_timeout, info=self.info,
             experts=expert_handler, caches=self._session_caches(), num_layers=self.model_config.num_layers,
             push_limits=push_limits, allow_backward=config.allow_backward,
+            adapter_tensors=AdapterTensors(int(config.adapter_memory_mb * 2**20), config.peer_share),
         )
         self.handler.adapters = self.adapters
         self.state = ServerState.JOINING
@@ -210,7 +212,7 @@ class Server:
                 "cache": self.handler.caches.info() if self.handler.caches else None,
                 "admission": {name: backend.queue.info() for name, backend in
                               (("span", self.backend), ("experts", self.expert_backend)) if backend is not None},
-                "push": self.handler.pusher.info()}
+                "push": self.handler.pusher.info(), "adapter_tensors": self.handler.adapter_tensors.info()}
 
     def announce(self, timeout: float = 30.0) -> bool:
         """Store the current records (blocks, experts); False if the DHT did not confirm within ``timeout``."""

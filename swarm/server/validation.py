@@ -8,7 +8,7 @@ import torch
 from swarm.finetune.adapter import max_block_rows  # the adapters' own limits
 from swarm.models.lora import BlockWidths
 from swarm.models.modules import BLOCK_ADAPTER_KINDS, DEEP_PROMPT, check_block_adapter
-from swarm.protocol import ErrorCode, RemoteError
+from swarm.protocol import ErrorCode, RemoteError, is_adapter_digest
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 FLOAT_DTYPE_NAMES = ("float32", "float16", "bfloat16")
@@ -72,7 +72,7 @@ def validate_prompt_declared(metadata: dict[str, Any], blocks: int, max_batch_to
     """(R, parts, kind) of the per-block adapter tensor a request declares ((0, 0, deep_prompt) for none), bounded
     before anything is received: R at most the kind's limit, blocks x R rows at most the positions a request may
     carry, a known kind and an R it can have (a bottleneck's 2 x rank is even, a LoRA's is the packed size of some
-    rank for these ``widths``)."""
+    rank for these ``widths``). parts is 0 for a tensor named by a well-formed ``prompt_digest`` instead of sent."""
     length, parts = metadata.get("prompt_length"), metadata.get("prompt_parts")
     kind = metadata.get("prompt_kind", DEEP_PROMPT)
     if length is None and parts is None and "prompt_kind" not in metadata:
@@ -82,8 +82,16 @@ def validate_prompt_declared(metadata: dict[str, Any], blocks: int, max_batch_to
     limit = max_block_rows(kind, widths)
     require(is_count(length) and 0 < length <= limit, ErrorCode.BAD_REQUEST,
             f"metadata 'prompt_length' must be an integer in 1..{limit} for a {kind}, got {length!r}")
-    require(is_count(parts) and parts > 0, ErrorCode.BAD_REQUEST,
-            f"metadata 'prompt_parts' must be a positive integer, got {parts!r}")
+    digest = metadata.get("prompt_digest")
+    if digest is None:
+        require(is_count(parts) and parts > 0, ErrorCode.BAD_REQUEST,
+                f"metadata 'prompt_parts' must be a positive integer, got {parts!r}")
+    else:  # named by digest (held from an earlier call): no tensor travels
+        require(is_adapter_digest(digest), ErrorCode.BAD_REQUEST,
+                f"metadata 'prompt_digest' must be 64 lowercase hex digits, got {str(digest)[:80]!r}")
+        require(parts is None, ErrorCode.BAD_REQUEST,
+                "a request either sends its adapter tensor (prompt_parts) or names it (prompt_digest), not both")
+        parts = 0
     require(blocks * length <= max_batch_tokens, ErrorCode.TOO_LARGE,
             f"a {kind.replace('_', ' ')} of {length} rows for {blocks} blocks ({blocks * length}) exceeds this "
             f"server's limit of {max_batch_tokens}")

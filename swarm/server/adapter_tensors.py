@@ -1,0 +1,113 @@
+"""Per-block adapter tensors that clients sent, kept by content digest so that later calls can name them.
+
+A client training or generating with a LoRA sends the same (blocks, R, hidden) tensor with every call of a step, and
+with every denoising step of a generation: at LLaDA-8B's widths a rank-8 LoRA is 2.6 MB per block, as much as the
+hidden states of a few hundred positions. A server keeps each tensor it received under the digest it computes itself
+from the bytes (:func:`swarm.protocol.adapter_digest`), and answers that it did (``prompt_held``); the client's
+next call for the same tensor carries the digest alone.
+
+Hostile clients: the digest is the server's own hash of what arrived, so nobody can file a tensor under another
+one's digest; naming a digest one never sent finds nothing, or a tensor whose bytes one would need to know to name it.
+Memory is bounded in bytes, least recently used first, and one peer may fill at most ``peer_share`` of it (its own
+oldest tensors go first), so a flood evicts the flooder's entries before anyone else's. A tensor over a peer's
+share is not kept: that client just sends it every time, as without this store. Nothing is lost to an eviction: the
+client's next call misses (``adapter_miss``) and sends the tensor again.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+ENTRY_OVERHEAD_BYTES = 512  # the entry's Python objects and its keys in the indexes
+
+
+@dataclass
+class AdapterTensorStats:
+    stored: int = 0
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    refused: int = 0  # tensors over a peer's share, not kept
+
+
+@dataclass(slots=True)
+class _Entry:
+    tensor: torch.Tensor
+    kind: str  # how blocks apply it (part of the digest: a name never means another kind)
+    peer: str  # the peer whose upload is counted for it (the latest one to send it)
+    size: int
+
+
+class AdapterTensors:
+    """Tensors by digest, least recently used first, bounded in bytes overall and per peer."""
+
+    def __init__(self, max_bytes: int, peer_share: float = 0.5):
+        if max_bytes < 0 or not 0 < peer_share <= 1:
+            raise ValueError(f"max_bytes must be >= 0 and peer_share in (0, 1], got {max_bytes} and {peer_share}")
+        self.max_bytes = max_bytes
+        self.max_peer_bytes = int(max_bytes * peer_share)
+        self.entries: OrderedDict[str, _Entry] = OrderedDict()
+        self.bytes = 0
+        self.peer_bytes: dict[str, int] = {}
+        self.stats = AdapterTensorStats()
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_bytes > 0
+
+    def info(self) -> dict:
+        """For the server's info RPC: entries, bytes and counters."""
+        return {"entries": len(self.entries), "bytes": self.bytes, "max_bytes": self.max_bytes,
+                **dataclasses.asdict(self.stats)}
+
+    def get(self, digest: str) -> Optional[tuple[torch.Tensor, str]]:
+        """The tensor filed under ``digest`` and its kind (now the most recently used), or None."""
+        entry = self.entries.get(digest)
+        if entry is None:
+            self.stats.misses += 1
+            return None
+        self.entries.move_to_end(digest)
+        self.stats.hits += 1
+        return entry.tensor, entry.kind
+
+    def put(self, digest: str, tensor: torch.Tensor, kind: str, peer: str) -> bool:
+        """Keep ``tensor`` of ``kind`` (which the caller hashed to ``digest``) as ``peer``'s upload; False when it
+        is over the peer's share and was not kept."""
+        size = tensor.numel() * tensor.element_size() + ENTRY_OVERHEAD_BYTES
+        if size > self.max_peer_bytes:
+            self.stats.refused += 1
+            return False
+        self._drop(digest)
+        self._evict(lambda: self.peer_bytes.get(peer, 0) + size > self.max_peer_bytes, peer)
+        self._evict(lambda: self.bytes + size > self.max_bytes)
+        self.entries[digest] = _Entry(tensor, kind, peer, size)
+        self.bytes += size
+        self.peer_bytes[peer] = self.peer_bytes.get(peer, 0) + size
+        self.stats.stored += 1
+        return True
+
+    def _evict(self, over, peer: Optional[str] = None) -> None:
+        """Drop the least recently used entries (only ``peer``'s when given) while ``over()``."""
+        for digest in [d for d, e in self.entries.items() if peer is None or e.peer == peer]:
+            if not over():
+                return
+            self._drop(digest)
+            self.stats.evictions += 1
+
+    def _drop(self, digest: str) -> None:
+        entry = self.entries.pop(digest, None)
+        if entry is None:
+            return
+        self.bytes -= entry.size
+        left = self.peer_bytes[entry.peer] - entry.size
+        if left:
+            self.peer_bytes[entry.peer] = left
+        else:
+            del self.peer_bytes[entry.peer]

@@ -6,7 +6,10 @@ Starts one server of the default model (blocks 0:8) on 127.0.0.1 and attacks it 
    stream and never reads it, two at a time (more would be refused by the compute queue's per-peer share);
 2. ``--fills`` cache fills of one position each, every one under a new session id, then the latency of a
    cached reuse call;
-3. one request stream of ``--stream-mb`` MiB, far over the payload limit.
+3. one request stream of ``--stream-mb`` MiB, far over the payload limit;
+4. ``--adapters`` forward requests each carrying a new rank-64 LoRA of the 8 blocks (6.9 MB), while another peer's
+   LoRA, sent before the flood, should stay held (the server keeps adapter tensors by digest, ``--adapter-memory-mb``,
+   one peer at most ``--peer-share`` of it).
 
 It prints the server's resident memory (its Python process; the libp2p daemon separately) before, at the
 peak and after, what was accepted and refused (with the first refusal's message), and the server's own
@@ -15,29 +18,37 @@ exported with ``git archive HEAD | tar -x -C DIR``), with the same attack, for b
 
     python benchmarks/server_bounds.py
     python benchmarks/server_bounds.py --baseline /tmp/old --cache-memory-mb 64
+    python benchmarks/server_bounds.py --pushes 0 --fills 0 --stream-mb 0 --adapters 100
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import statistics
+import sys
 import threading
 import time
 import uuid
+from pathlib import Path
 from typing import Optional
 
 import psutil
 import torch
 from hivemind.p2p import P2P
 
+from swarm.models.loading import ModelFiles
+from swarm.models.lora import LORA, BlockWidths
 from swarm.protocol import ForwardRequest, RemoteError
 from swarm.remote import RemoteCaller
 from swarm.utils.event_loop import BackgroundLoop
 from swarm.utils.local_swarm import LocalSwarm, ManagedProcess
-from tests.silent_delivery import add_silent_delivery
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's tests package, run as a script
+from tests.silent_delivery import add_silent_delivery  # noqa: E402
 
 MiB = 2**20
-HIDDEN = 128  # the default model's hidden size
+CONFIG = ModelFiles("default").config
+HIDDEN = CONFIG.hidden_size  # the default model's
 MAX_TOKENS = 16384  # the server's default --max-batch-tokens
 
 
@@ -197,6 +208,32 @@ def oversized_stream(attacker: Attacker, memory: Memory, size_mb: int) -> None:
           f"{attacker.info()['rows_computed'] - computed}")
 
 
+def flood_adapters(attacker: Attacker, honest: Attacker, memory: Memory, count: int) -> None:
+    rows = BlockWidths.of(CONFIG).rows(64)
+
+    def with_lora(seed: int) -> ForwardRequest:
+        weights = torch.randn(8, rows, HIDDEN, generator=torch.Generator().manual_seed(seed)) * 1e-3
+        return ForwardRequest(0, 8, torch.randn(1, 4, HIDDEN), prompts=weights, prompt_kind=LORA)
+
+    kept = with_lora(-1)
+    assert honest.run(honest.call(kept, push=False)) is None
+    before = memory.now()
+    started = time.perf_counter()
+    with memory:
+        results = [attacker.run(attacker.call(with_lora(i), push=False)) for i in range(count)]
+    after = memory.now()
+    named = honest.run(honest.call(kept, push=False))  # named by digest: held unless the flood evicted it
+    store = attacker.info()["adapter_tensors"]
+    print(f"adapter tensors: {count} LoRAs of rank 64 x 8 blocks ({mb(kept.prompts.numel() * 4)} each) from one peer, "
+          f"{time.perf_counter() - started:.0f} s")
+    print(f"  server RSS {mb(before[0])} -> peak {mb(memory.peak)} -> {mb(after[0])}; counted {mb(store['bytes'])} of "
+          f"{mb(store['max_bytes'])} in {store['entries']} entries, {store['evictions']} evicted, "
+          f"{store['refused']} not kept")
+    print(f"  {refusals(results)}")
+    print(f"  another peer's LoRA sent before the flood, named after it: "
+          f"{'still held' if named is None and honest.caller.adapter_misses == 0 else f'sent again ({named})'}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pushes", type=int, default=47, help="maximum-size pushes to a target that never reads")
@@ -204,6 +241,8 @@ def main() -> None:
     parser.add_argument("--fills", type=int, default=14000, help="one-position cache fills, each a new session")
     parser.add_argument("--stream-mb", type=int, default=100, help="size of the oversized request stream")
     parser.add_argument("--cache-memory-mb", type=float, default=64.0, help="the server's --cache-memory-mb")
+    parser.add_argument("--adapters", type=int, default=100, help="forward requests each with a new LoRA tensor")
+    parser.add_argument("--adapter-memory-mb", type=float, default=64.0, help="the server's --adapter-memory-mb")
     parser.add_argument("--baseline", default=None, help="run the server from this checkout instead")
     args = parser.parse_args()
 
@@ -212,10 +251,12 @@ def main() -> None:
         entry = ("-c", f"import sys, runpy; sys.path.insert(0, {args.baseline!r}); "
                        "runpy.run_module('swarm.server', run_name='__main__')")
     with LocalSwarm() as swarm:
+        adapter_memory = ("--adapter-memory-mb", str(args.adapter_memory_mb)) if args.adapters else ()
         server = swarm.start_server("default", "0:8", "--compute-threads", "1", "--cache-memory-mb",
-                                    str(args.cache_memory_mb), entry=entry)
+                                    str(args.cache_memory_mb), *adapter_memory, entry=entry)
         memory = Memory(server.process.pid)
         attacker = Attacker(server)
+        honest = Attacker(server) if args.adapters else None
         try:
             print(f"server {'from ' + args.baseline if args.baseline else 'of this checkout'}, "
                   f"RSS {mb(memory.now()[0])} at start")
@@ -225,9 +266,13 @@ def main() -> None:
                 flood_fills(attacker, memory, args.fills)
             if args.stream_mb:
                 oversized_stream(attacker, memory, args.stream_mb)
+            if args.adapters:
+                flood_adapters(attacker, honest, memory, args.adapters)
             print(f"server alive: {server.alive}")
         finally:
             attacker.close()
+            if honest is not None:
+                honest.close()
 
 
 if __name__ == "__main__":

@@ -30,8 +30,6 @@ from swarm.models.lora import BlockWidths, new_lora_weights
 from swarm.realscale import SPECIALS, WORDS, checkpoint, server_compute_seconds
 from swarm.utils.local_swarm import LocalSwarm
 
-logger = logging.getLogger(__name__)
-
 
 @dataclass
 class WireFigures:
@@ -154,5 +152,6 @@ def adapter_wire(model: Optional[str], blocks: int, span: int, rank: int, batch:
         print_rows(f"generation with the LoRA ({gen_steps} denoising steps), per step", generation)
         every, named = (f.outputs for f in training.values())
         difference = max((a - b).abs().max().item() for a, b in zip(every, named))
+        tokens = [f.outputs for f in generation.values()]
         click.echo(f"\nsame gradients in both settings: max difference {difference:.3g}; same tokens: "
-                   f"{[f.outputs for f in generation.values()][0] == [f.outputs for f in generation.values()][1]}")
+                   f"{tokens[0] == tokens[1]}")

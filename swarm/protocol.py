@@ -59,8 +59,8 @@ MAX_STREAM_MESSAGE_BYTES = 2 * MAX_UNARY_BYTES  # one message of a stream: a chu
 DRAIN_BYTES = 128 * 2**20
 DRAIN_SECONDS = 10.0
 MAX_DRAINING = 64  # streams drained at once in a process
-ADAPTER_DIGEST_DOMAIN = "swarm-adapter-tensor-v1"
 MAX_OPEN_STREAMS = 256  # request streams served at once in a process: each may hold one message being read
+ADAPTER_DIGEST_DOMAIN = "swarm-adapter-tensor-v1"  # hashed first: a digest names nothing but an adapter tensor
 
 WIRE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 AUTO_WIRE = "auto"  # hidden states travel in the dtype they were computed in: lossless, and half the bytes for

@@ -16,14 +16,11 @@ client's next call misses (``adapter_miss``) and sends the tensor again.
 from __future__ import annotations
 
 import dataclasses
-import logging
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
-
-logger = logging.getLogger(__name__)
 
 ENTRY_OVERHEAD_BYTES = 512  # the entry's Python objects and its keys in the indexes
 

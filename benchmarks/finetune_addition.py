@@ -61,8 +61,8 @@ class DemoConfig:
     prompt_length: int = 16
     rank: int = 32  # a bottleneck adapter's rank
     head_rank: int = 32  # the rank of the client's head correction (0: none)
-    down_scale: float = 1.0  # the down projections' starting scale (a LoRA learns faster with 4)
-    max_grad_norm: float = 0.0  # clip each step's gradient to this norm (0: never)
+    down_scale: Optional[float] = None  # the down projections' starting scale (None: the finetuner's default)
+    max_grad_norm: Optional[float] = None  # clip each step's gradient to this norm (0: never; None: the default)
     lr_from: tuple[tuple[int, float], ...] = ()  # (step, lr): the learning rate from that step on
     lr: float = 0.003
     steps: int = 6000
@@ -178,6 +178,8 @@ def run(config: DemoConfig) -> DemoResult:
         try:
             started = time.perf_counter()
             trainer, swarm_reports = finetune(client, config, data, out / "swarm", config.steps)
+            # the settings the run has (the kind's defaults, or a resumed run's own): the local run takes them too
+            config.down_scale, config.max_grad_norm = trainer.config.down_scale, trainer.config.max_grad_norm
             wall["train_swarm"] = time.perf_counter() - started
             checked = out / "swarm"
             agree = 0
@@ -279,9 +281,11 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[DemoConfig, bool]:
     parser.add_argument("--head-rank", type=count(0), default=defaults.head_rank,
                         help="Rank of the head correction the client trains too (0: none).")
     parser.add_argument("--down-scale", type=float, default=defaults.down_scale,
-                        help="Start the down projections at this many times unit scale (swarm.finetune --down-scale).")
+                        help="Start the down projections at this many times unit scale (swarm.finetune --down-scale; "
+                             "default: 4 for lora, else 1).")
     parser.add_argument("--max-grad-norm", type=float, default=defaults.max_grad_norm,
-                        help="Clip each step's gradient to this norm (swarm.finetune --max-grad-norm; 0: never).")
+                        help="Clip each step's gradient to this norm (swarm.finetune --max-grad-norm; 0: never; "
+                             "default: 1 for lora, else 0).")
     parser.add_argument("--lr", type=float, default=defaults.lr, help="Adam learning rate.")
     parser.add_argument("--lr-from", action="append", default=[], metavar="STEP:LR",
                         help="The learning rate from step STEP on (repeatable; swarm.finetune --lr-from).")

@@ -15,7 +15,9 @@ import pytest
 import torch
 
 from swarm.finetune.adapter import ADAPTER_CONFIG, LAYOUT_KEYS, LORA, AdapterConfig, LoRAAdapter, PromptAdapter, base_of
+from swarm.finetune.trainer import STATE_FILE, FinetuneConfig, Finetuner
 from swarm.models.lora import BlockWidths, unpack_lora
+from swarm.models.modules import BOTTLENECK
 from swarm.protocol import ErrorCode, ForwardRequest, RemoteError, request_parts
 from tests.test_bottleneck import bottleneck_for
 from tests.test_deep_prompt import _edit_json, adapter_gradient, assert_files_refused, raw_call
@@ -188,3 +190,39 @@ def test_scaled_down_projections_are_lora_plus_under_adam(local_lm):
     lr, c = 0.01, 4.0
     assert torch.allclose(trained_product(c, lr, lr), trained_product(1.0, lr / c, c * lr), atol=1e-5)
     assert not torch.allclose(trained_product(c, lr, lr), trained_product(1.0, lr, lr), atol=1e-3)
+
+
+def test_a_lora_run_takes_its_kind_s_defaults_and_a_resumed_run_keeps_its_own(local_lm, tmp_path):
+    """--down-scale and --max-grad-norm default to 4 and 1 for a LoRA (finding 4), to 1 and 0 for other kinds; a
+    resumed run left without them keeps what it was started with (also a run saved before they existed)."""
+    data = write_pairs(tmp_path / "pairs.jsonl", [("1+1=", "2"), ("5+3=", "8")])
+
+    def config(output: str, kind: str = LORA, steps: int = 1, **settings) -> FinetuneConfig:
+        return FinetuneConfig(data, str(tmp_path / output), steps=steps, lr=0.01, batch_size=2, adapter_kind=kind,
+                              rank=2, prompt_length=2, **settings)
+
+    lora = config("lora")
+    Finetuner(local_lm, lora).run(progress=False)
+    assert (lora.down_scale, lora.max_grad_norm) == (4.0, 1.0)
+    training = json.loads((tmp_path / "lora" / ADAPTER_CONFIG).read_text())["training"]
+    assert (training["down_scale"], training["max_grad_norm"]) == (4.0, 1.0)
+    for kind in (BOTTLENECK, "deep_prompt"):
+        other = config(kind, kind)
+        Finetuner(local_lm, other)
+        assert (other.down_scale, other.max_grad_norm) == (1.0, 0.0), kind
+
+    Finetuner(local_lm, config("plain", down_scale=1.0, max_grad_norm=0.0)).run(progress=False)
+    resumed = config("plain", steps=2)
+    Finetuner(local_lm, resumed).run(progress=False)
+    assert (resumed.down_scale, resumed.max_grad_norm) == (1.0, 0.0)
+    with pytest.raises(ValueError, match=r"down_scale: 1\.0 -> 4\.0"):
+        Finetuner(local_lm, config("plain", steps=3, down_scale=4.0))
+
+    state_path = tmp_path / "lora" / STATE_FILE  # as a run saved before the settings existed: it ran without them
+    state = torch.load(state_path, weights_only=False)
+    for name in ("down_scale", "max_grad_norm"):
+        del state["config"][name]
+    torch.save(state, state_path)
+    older = config("lora", steps=2)
+    Finetuner(local_lm, older)
+    assert (older.down_scale, older.max_grad_norm) == (1.0, 0.0)

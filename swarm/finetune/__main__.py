@@ -83,15 +83,15 @@ def lr_schedule(_ctx: click.Context, _param: click.Parameter, values: tuple[str,
               help="Also train a low-rank correction of the output head (held by the client, never sent; rank x "
                    "(hidden + vocabulary) weights), with any kind; 0: none. The default model needs one to end "
                    "answers with EOS (docs/TRAINING.md).")
-@click.option("--down-scale", type=click.FloatRange(min=0, min_open=True, max=100), default=FinetuneConfig.down_scale,
+@click.option("--down-scale", type=click.FloatRange(min=0, min_open=True, max=100), default=None,
               help="A new adapter's random down projections (a LoRA's, a bottleneck's, the head correction's) start "
                    "this many times unit scale. Under Adam a scale c makes the up projections learn c^2 times faster "
-                   "than the down ones, as LoRA+'s learning-rate ratio; docs/TRAINING.md finding 4 measures c = 4 "
-                   "with lora.")
-@click.option("--max-grad-norm", type=click.FloatRange(min=0), default=FinetuneConfig.max_grad_norm,
+                   "than the down ones, as LoRA+'s learning-rate ratio (docs/TRAINING.md finding 4). Default: 4 for "
+                   "lora, 1 for the other kinds; a resumed run keeps its own.")
+@click.option("--max-grad-norm", type=click.FloatRange(min=0), default=None,
               help="Clip each batch's gradient to this norm before the optimizer step (with --run-id: each peer "
-                   "its own batch's); 0: never. Keeps one huge gradient from throwing a run back (LoRA at a high "
-                   "--lr; docs/TRAINING.md).")
+                   "its own batch's); 0: never. Keeps one huge gradient from throwing a run back (docs/TRAINING.md). "
+                   "Default: 1 for lora, 0 for the other kinds; a resumed run keeps its own.")
 @click.option("--pad-response", type=click.IntRange(min=0, max=1024), default=FinetuneConfig.pad_response,
               help="EOS-pad every response to at least this many tokens (use generation's --gen-length): the model "
                    "learns where an answer ends at the length it will generate.")

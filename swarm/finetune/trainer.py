@@ -35,6 +35,7 @@ from swarm.client.sequence import HopTrace, RemoteSequence
 from swarm.finetune.adapter import (
     ADAPTER_CONFIG,
     DEEP_PROMPT,
+    LORA,
     RANKED_KINDS,
     SOFT_PROMPT,
     PromptAdapter,
@@ -61,6 +62,16 @@ STATE_FILE = "finetune_state.pt"
 # Settings that change what a resumed run computes: a mismatch is refused, not silently mixed.
 RUN_DEFINING = ("batch_size", "prompt_length", "seed", "data_sha256", "adapter_kind", "pad_response", "rank",
                 "head_rank", "down_scale", "max_grad_norm")
+# Settings whose default depends on the adapter's kind: a LoRA learns only with its up projections faster than its
+# down ones and with its rare huge gradients clipped (docs/TRAINING.md, finding 4); other kinds train as they did.
+KIND_DEFAULTED = ("down_scale", "max_grad_norm")
+KIND_DEFAULTS = {LORA: {"down_scale": 4.0, "max_grad_norm": 1.0}}
+PLAIN_DEFAULTS = {"down_scale": 1.0, "max_grad_norm": 0.0}  # also what runs saved before these settings used
+
+
+def kind_defaults(kind: str) -> dict[str, float]:
+    """The defaults of :data:`KIND_DEFAULTED` for a new run of adapter ``kind``."""
+    return KIND_DEFAULTS.get(kind, PLAIN_DEFAULTS)
 
 
 @dataclass
@@ -76,8 +87,9 @@ class FinetuneConfig:
     adapter_kind: str = SOFT_PROMPT  # soft_prompt (vectors before the first block), deep_prompt, bottleneck or lora
     rank: int = 16  # a bottleneck's or LoRA's rank (per block: 2 x rank x hidden weights; rank x every projection's)
     head_rank: int = 0  # the rank of a correction of the client's output head (0: none)
-    down_scale: float = 1.0  # a new adapter's down projections start this many times unit scale (LoRA+ under Adam)
-    max_grad_norm: float = 0.0  # clip each batch's gradient to this norm before the optimizer sees it (0: never)
+    # None: the kind's default (KIND_DEFAULTS; a resumed run keeps what it was started with)
+    down_scale: Optional[float] = None  # a new adapter's down projections start this many times unit scale (LoRA+)
+    max_grad_norm: Optional[float] = None  # clip each batch's gradient to this norm before the step (0: never)
     pad_response: int = 0  # EOS-pad every response to at least this many tokens (generation's gen_length)
     seed: int = 0
     save_every: int = 10
@@ -87,10 +99,18 @@ class FinetuneConfig:
 
     def __post_init__(self) -> None:
         """The new-adapter and optimiser settings any caller (command, benchmark, library) may get wrong."""
-        if not (math.isfinite(self.down_scale) and self.down_scale > 0):
+        if self.down_scale is not None and not (math.isfinite(self.down_scale) and self.down_scale > 0):
             raise ValueError(f"down_scale must be a positive number, got {self.down_scale!r}")
-        if not (math.isfinite(self.max_grad_norm) and self.max_grad_norm >= 0):
+        if self.max_grad_norm is not None and not (math.isfinite(self.max_grad_norm) and self.max_grad_norm >= 0):
             raise ValueError(f"max_grad_norm must be a number >= 0 (0: no clipping), got {self.max_grad_norm!r}")
+
+    def fill_defaults(self, saved: Optional[dict[str, Any]] = None) -> None:
+        """Settings left at None take the ``saved`` run's values when resuming one (runs saved before a setting
+        existed ran with its old default), else the kind's default."""
+        before = saved_settings(saved) if saved is not None else kind_defaults(self.adapter_kind)
+        for name in KIND_DEFAULTED:
+            if getattr(self, name) is None:
+                setattr(self, name, before[name])
 
     def lr_at(self, epoch: int) -> float:
         """The learning rate of optimizer step ``epoch`` (counted from 0)."""
@@ -157,11 +177,16 @@ def schedule_differences(saved: dict[str, Any], config: FinetuneConfig, steps_ta
     return differences
 
 
+def saved_settings(saved: dict[str, Any]) -> dict[str, Any]:
+    """A saved run's config with the defaults of runs saved before a setting existed."""
+    return {"adapter_kind": SOFT_PROMPT, "pad_response": 0, "rank": FinetuneConfig.rank, "head_rank": 0,
+            **PLAIN_DEFAULTS, **{key: value for key, value in saved.items() if value is not None}}
+
+
 def saved_run_defining(saved: dict[str, Any]) -> dict[str, Any]:
     """:meth:`FinetuneConfig.run_defining` of a saved run (runs saved before collaborations trained alone)."""
     collaboration = saved.get("collaboration") or {}
-    saved = {"adapter_kind": SOFT_PROMPT, "pad_response": 0, "rank": FinetuneConfig.rank, "head_rank": 0,
-             "down_scale": 1.0, "max_grad_norm": 0.0, **saved}  # defaults of runs saved before them
+    saved = saved_settings(saved)
     return only_relevant({**{key: saved.get(key) for key in RUN_DEFINING}, "run_id": collaboration.get("run_id", ""),
                           "target_batch_size": collaboration.get("target_batch_size", saved.get("batch_size"))})
 
@@ -292,8 +317,10 @@ class Finetuner:
         self.lm, self.config = lm, config
         self.examples: list[Example] = load_examples(config.data, lm.tokenizer, self._eos())
         config.data_sha256 = data_digest(config.data)
-        self.backbone = backbone_of(lm)
         self.output = Path(config.output)
+        saved = self._saved()
+        config.fill_defaults(saved["config"] if saved is not None else None)
+        self.backbone = backbone_of(lm)
         self.generator = torch.Generator().manual_seed(config.seed)
         self.state = FinetuneState()
         self.adapter = self._start_adapter()  # every peer of a run starts from the same vectors (one --seed)
@@ -306,7 +333,8 @@ class Finetuner:
         else:
             self.optimizer = torch.optim.Adam(params, lr=config.lr)
         self._joined = False  # set once this process has met the run's other peers (wait_for_peers)
-        self._resume()
+        if saved is not None:
+            self._resume(saved)
 
     @property
     def collaborative(self) -> bool:
@@ -342,11 +370,12 @@ class Finetuner:
         """The size the run asks for: a bottleneck's rank, a prompt's vectors."""
         return getattr(self.config, size_setting(self.config.adapter_kind))
 
-    def _resume(self) -> None:
+    def _saved(self) -> Optional[dict[str, Any]]:
+        """The state of the run in ``output`` (None for a new run)."""
         path = self.output / STATE_FILE
-        if not path.is_file():
-            return
-        saved = torch.load(path, weights_only=False)
+        return torch.load(path, weights_only=False) if path.is_file() else None
+
+    def _resume(self, saved: dict[str, Any]) -> None:
         before = saved_run_defining(saved["config"])
         differ = [f"{key}: {before.get(key)!r} -> {value!r}" for key, value in self.config.run_defining().items()
                   if before.get(key) != value]

@@ -12,6 +12,7 @@ import logging
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
 
@@ -76,6 +77,14 @@ class StreamChunk:
     unmasked: list[int] = field(default_factory=list)  # positions this step filled (0: the first generated one)
     route: list[str] = field(default_factory=list)  # the hops the request is routed through (empty in one process)
     failovers: list[dict] = field(default_factory=list)  # this request's failovers so far
+
+
+def files_stamp(name_or_path: str) -> Optional[tuple[tuple[str, int, int], ...]]:
+    """(name, modification time, size) of each file of a directory; None for anything else (a published name)."""
+    directory = Path(name_or_path)
+    if not directory.is_dir():
+        return None
+    return tuple(sorted((f.name, f.stat().st_mtime_ns, f.stat().st_size) for f in directory.iterdir() if f.is_file()))
 
 
 @dataclass(frozen=True)
@@ -193,15 +202,17 @@ class BaseDiffusionLM(ABC):
 
     def load_adapter(self, name_or_path: Optional[str]) -> Optional[PromptAdapter]:
         """The adapter a request names (a directory; subclasses may also find published names), checked against
-        this model; loaded once per name. :class:`AdapterError` (a ValueError) says what is wrong."""
+        this model; loaded once per name, and again when a directory's files changed (a run that goes on training
+        into it). :class:`AdapterError` (a ValueError) says what is wrong."""
         if name_or_path is None:
             return None
         if not isinstance(name_or_path, str) or not 0 < len(name_or_path) <= 4096:
             raise AdapterError(f"adapter must be a directory or a published name, got {name_or_path!r}")
         cache = self.__dict__.setdefault("_adapters", {})
-        if name_or_path not in cache:
-            cache[name_or_path] = self.find_adapter(name_or_path, base_of(self.config, self.tokenizer))
-        return cache[name_or_path]
+        stamp = files_stamp(name_or_path)
+        if name_or_path not in cache or cache[name_or_path][0] != stamp:
+            cache[name_or_path] = (stamp, self.find_adapter(name_or_path, base_of(self.config, self.tokenizer)))
+        return cache[name_or_path][1]
 
     def find_adapter(self, name_or_path: str, base: dict[str, Any]) -> PromptAdapter:
         """An adapter directory (the swarm client also resolves published names)."""

@@ -183,6 +183,17 @@ def test_an_adapter_gives_the_same_tokens_locally_and_through_the_swarm(remote_l
     assert local_lm.generate("adapt", adapter=str(path), **GENERATION).token_ids != plain.token_ids
 
 
+def test_an_adapter_directory_that_changed_is_loaded_again(local_lm, tmp_path):
+    """A process scoring a run that goes on training into the same directory sees each save (it was held once)."""
+    path = str(adapter_for(local_lm, seed=1).save(tmp_path / "adapter"))
+    first = local_lm.load_adapter(path)
+    assert local_lm.load_adapter(path) is first, "unchanged: loaded once"
+    adapter_for(local_lm, seed=2).save(tmp_path / "adapter")
+    again = local_lm.load_adapter(path)
+    assert torch.equal(again.prompts, adapter_for(local_lm, seed=2).prompts)
+    assert not torch.equal(again.prompts, first.prompts)
+
+
 def test_bad_adapters_are_refused_with_a_clear_error(local_lm, tmp_path):
     good = adapter_for(local_lm).save(tmp_path / "good")
     other = make_checkpoint(tmp_path / "other", tiny_config(hidden_size=64))

@@ -27,7 +27,7 @@ import torch
 from swarm.finetune.adapter import LORA, AdapterConfig, LoRAAdapter, base_of
 from swarm.models.loading import ModelFiles
 from swarm.models.lora import BlockWidths, new_lora_weights
-from swarm.realscale import SPECIALS, WORDS, checkpoint, server_compute_seconds
+from swarm.realscale import SPECIALS, WORDS, checkpoint, server_compute_seconds, start_span_servers, swarm_options
 from swarm.utils.local_swarm import LocalSwarm
 
 
@@ -92,11 +92,7 @@ def print_rows(title: str, figures: dict[str, WireFigures]) -> None:
 
 
 @click.command("adapter-wire")
-@click.option("--model", default=None, help="A LLaDA-layout checkpoint to use instead of building one.")
-@click.option("--blocks", type=click.IntRange(min=1), default=2, show_default=True,
-              help="Blocks of random weights in the built checkpoint.")
-@click.option("--span", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Blocks per server (servers = blocks / span, the last one takes the rest).")
+@swarm_options
 @click.option("--rank", type=click.IntRange(min=1), default=8, show_default=True, help="The LoRA's rank.")
 @click.option("--batch", type=click.IntRange(min=1), default=1, show_default=True, help="Rows of a training step.")
 @click.option("--length", type=click.IntRange(min=1), default=32, show_default=True,
@@ -105,9 +101,6 @@ def print_rows(title: str, figures: dict[str, WireFigures]) -> None:
               help="Timed training steps per setting (after one warm-up step).")
 @click.option("--gen-steps", type=click.IntRange(min=1), default=8, show_default=True,
               help="Denoising steps (and tokens) of the timed generation.")
-@click.option("--device", default="cpu", show_default=True, help="Servers' --device (cuda for GPU servers).")
-@click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True,
-              help="--compute-threads of each server.")
 def adapter_wire(model: Optional[str], blocks: int, span: int, rank: int, batch: int, length: int, train_steps: int,
                  gen_steps: int, device: str, threads: int) -> None:
     """A LoRA through the swarm at LLaDA-8B's widths: sent with every call vs named by digest."""
@@ -123,13 +116,8 @@ def adapter_wire(model: Optional[str], blocks: int, span: int, rank: int, batch:
         with torch.no_grad():  # a trained LoRA's up projections are not zero: make the weights change the output
             weights.add_(torch.randn(weights.shape, generator=torch.Generator().manual_seed(2)) * 1e-3)
         swarm.start_bootstrap()
-        servers = [swarm.start_server(str(path), f"{start}:{min(start + span, config.num_layers)}", "--device", device,
-                                      "--compute-threads", str(threads), "--dht-prefix", "adapter-wire",
-                                      "--request-timeout", "600",
-                                      *(["--head"] if start + span >= config.num_layers else []), wait=False)
-                   for start in range(0, config.num_layers, span)]
-        for server in servers:
-            swarm.wait_ready(server)
+        servers = start_span_servers(swarm, path, span, "--device", device, "--compute-threads", str(threads),
+                                     "--dht-prefix", "adapter-wire", "--request-timeout", "600")
         per_block = widths.rows(rank) * config.hidden_size * 4
         click.echo(f"LoRA rank {rank} of every projection: {per_block / 1e6:.2f} MB per block in float32, "
                    f"{per_block * config.num_layers / 1e6:.1f} MB for {config.num_layers} blocks; training rows "

@@ -196,19 +196,41 @@ def print_projection(figures: list[StepFigures], rows: int, blocks: int) -> None
     click.echo(f"  (client figures measured here with {blocks} blocks; they do not depend on the number of blocks)")
 
 
+def swarm_options(command):
+    """The checkpoint and server options of the benchmarks at LLaDA-8B's widths (this one and adapter-wire)."""
+    options = [
+        click.option("--model", default=None, help="A LLaDA-layout checkpoint to use instead of building one."),
+        click.option("--blocks", type=click.IntRange(min=1), default=2, show_default=True,
+                     help="Blocks of random weights in the built checkpoint."),
+        click.option("--span", type=click.IntRange(min=1), default=1, show_default=True,
+                     help="Blocks per server (servers = blocks / span, the last one takes the rest)."),
+        click.option("--device", default="cpu", show_default=True, help="Servers' --device (cuda for GPU servers)."),
+        click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True,
+                     help="--compute-threads of each server."),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+def start_span_servers(swarm: LocalSwarm, path: Path, span: int, *options: str) -> list:
+    """Servers of ``span`` blocks each over the checkpoint's blocks (the last also ``--head``), started together
+    and waited for."""
+    num_layers = ModelFiles(path).config.num_layers
+    servers = [swarm.start_server(str(path), f"{start}:{min(start + span, num_layers)}", *options,
+                                  *(["--head"] if start + span >= num_layers else []), wait=False)
+               for start in range(0, num_layers, span)]
+    for server in servers:
+        swarm.wait_ready(server)
+    return servers
+
+
 @click.command("realscale")
-@click.option("--model", default=None, help="A LLaDA-layout checkpoint to use instead of building one.")
-@click.option("--blocks", type=click.IntRange(min=1), default=2, show_default=True,
-              help="Blocks of random weights in the built checkpoint.")
-@click.option("--span", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Blocks per server (servers = blocks / span, the last one takes the rest).")
+@swarm_options
 @click.option("--gen-length", type=click.IntRange(min=1), default=16, show_default=True,
               help="Tokens generated per run (one block; steps = gen length).")
 @click.option("--prompt-tokens", type=click.IntRange(min=1), default=16, show_default=True,
               help="Prompt length in tokens.")
-@click.option("--device", default="cpu", show_default=True, help="Servers' --device (cuda for GPU servers).")
-@click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True,
-              help="--compute-threads of each server.")
 def realscale(model: Optional[str], blocks: int, span: int, gen_length: int, prompt_tokens: int, device: str,
               threads: int) -> None:
     """Per-step costs at LLaDA-8B's widths: float32 vs bfloat16 wire, head over all rows, the active block or on
@@ -221,13 +243,8 @@ def realscale(model: Optional[str], blocks: int, span: int, gen_length: int, pro
         swarm.start_bootstrap()
         figures, server_rss = [], []
         for wire in ("auto", "float32"):
-            servers = [swarm.start_server(str(path), f"{start}:{min(start + span, num_layers)}", "--wire-dtype", wire,
-                                          "--device", device, "--compute-threads", str(threads),
-                                          "--dht-prefix", f"realscale-{wire}",
-                                          *(["--head"] if start + span >= num_layers else []), wait=False)
-                       for start in range(0, num_layers, span)]
-            for server in servers:
-                swarm.wait_ready(server)
+            servers = start_span_servers(swarm, path, span, "--wire-dtype", wire, "--device", device,
+                                         "--compute-threads", str(threads), "--dht-prefix", f"realscale-{wire}")
             for setting in [s for s in SETTINGS if s.wire_dtype == wire]:
                 figures.append(run_setting(path, swarm, servers, prompt, settings, setting))
             server_rss = [rss_mb(server.process.pid) for server in servers]

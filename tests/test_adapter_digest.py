@@ -69,32 +69,39 @@ def measured_gradient(lm, tmp_path, adapter, by_digest: bool) -> tuple[float, to
     return loss, grad, lm.caller.bytes_sent - sent
 
 
-def test_a_lora_travels_once_and_gives_the_same_gradients_and_tokens(remote_lm, local_lm, fresh_caller, tmp_path):
+def test_a_lora_travels_once_and_gives_the_same_gradients_and_tokens(local_swarm, tiny_model_path, local_lm,
+                                                                      tmp_path):
+    from swarm.client import DistributedDiffusionLM
+
     adapter = lora_for(local_lm, rank=3, seed=7)
     local_loss, local_grad = adapter_gradient(local_lm, tmp_path, adapter)
-    every_loss, every_grad, every_bytes = measured_gradient(remote_lm, tmp_path, adapter, by_digest=False)
-    assert not fresh_caller.adapters_held
-    first_loss, first_grad, first_bytes = measured_gradient(remote_lm, tmp_path, adapter, by_digest=True)
-    again_loss, again_grad, again_bytes = measured_gradient(remote_lm, tmp_path, adapter, by_digest=True)
-    for loss, grad in ((every_loss, every_grad), (first_loss, first_grad), (again_loss, again_grad)):
-        assert loss == pytest.approx(local_loss, abs=1e-6)
-        assert (grad - local_grad).abs().max().item() <= TOLERANCE
-    tensor_bytes = adapter.prompts.numel() * 4  # every block's slice, once per pass
-    # Sent every time: forward and backward each carry it. Named: the forward sends it, the backward names it;
-    # the next step names it both ways.
-    assert every_bytes - first_bytes >= 0.9 * tensor_bytes, (every_bytes, first_bytes, tensor_bytes)
-    assert every_bytes - again_bytes >= 1.8 * tensor_bytes, (every_bytes, again_bytes, tensor_bytes)
-    hops = {(hop.peer_id, hop.start, hop.end) for hop in remote_lm.sequence.route}
-    assert len(fresh_caller.adapters_held) >= len(hops) and fresh_caller.adapter_misses == 0
-    info, _ = remote_lm.loop.run(remote_lm.caller.info(next(iter(hops))[0], 10))
-    assert info["adapter_tensors"]["hits"] >= 2 and info["adapter_tensors"]["entries"] >= 1
+    # Its own client, whose route stays put (a route rebuilt between the passes could reach a server that has
+    # not seen the tensor yet, which would rightly cost an upload and blur the byte counts).
+    with DistributedDiffusionLM.from_pretrained(tiny_model_path, initial_peers=local_swarm.initial_peers,
+                                                route_refresh=3600.0, request_timeout=20) as lm:
+        every_loss, every_grad, every_bytes = measured_gradient(lm, tmp_path, adapter, by_digest=False)
+        assert not lm.caller.adapters_held
+        first_loss, first_grad, first_bytes = measured_gradient(lm, tmp_path, adapter, by_digest=True)
+        again_loss, again_grad, again_bytes = measured_gradient(lm, tmp_path, adapter, by_digest=True)
+        for loss, grad in ((every_loss, every_grad), (first_loss, first_grad), (again_loss, again_grad)):
+            assert loss == pytest.approx(local_loss, abs=1e-6)
+            assert (grad - local_grad).abs().max().item() <= TOLERANCE
+        tensor_bytes = adapter.prompts.numel() * 4  # every block's slice, once per pass
+        # Sent every time: forward and backward each carry it. Named: the forward sends it, the backward names it;
+        # the next step names it both ways.
+        assert every_bytes - first_bytes >= 0.9 * tensor_bytes, (every_bytes, first_bytes, tensor_bytes)
+        assert every_bytes - again_bytes >= 1.8 * tensor_bytes, (every_bytes, again_bytes, tensor_bytes)
+        hops = {(hop.peer_id, hop.start, hop.end) for hop in lm.sequence.route}
+        assert len(lm.caller.adapters_held) >= len(hops) and lm.caller.adapter_misses == 0
+        info, _ = lm.loop.run(lm.caller.info(next(iter(hops))[0], 10))
+        assert info["adapter_tensors"]["hits"] >= 2 and info["adapter_tensors"]["entries"] >= 1
 
-    path = str(adapter.save(tmp_path / "lora"))
-    sent = fresh_caller.bytes_sent
-    swarm = remote_lm.generate("named", adapter=path, **GENERATION)
-    assert swarm.token_ids == local_lm.generate("named", adapter=path, **GENERATION).token_ids
-    per_step = (fresh_caller.bytes_sent - sent) / GENERATION["steps"]
-    assert per_step < tensor_bytes, "after its first step a generation names the tensor instead of sending it"
+        path = str(adapter.save(tmp_path / "lora"))
+        sent = lm.caller.bytes_sent
+        swarm = lm.generate("named", adapter=path, **GENERATION)
+        assert swarm.token_ids == local_lm.generate("named", adapter=path, **GENERATION).token_ids
+        per_step = (lm.caller.bytes_sent - sent) / GENERATION["steps"]
+        assert per_step < tensor_bytes, "after its first step a generation names the tensor instead of sending it"
 
 
 def test_a_tensor_the_server_no_longer_holds_is_sent_again(local_swarm, remote_lm, local_lm, fresh_caller,

@@ -42,15 +42,17 @@ class WireFigures:
     outputs: list  # gradients (training) or tokens (generation): compared across settings
 
 
-def measured(lm, servers, steps: int, run_step) -> WireFigures:
-    """``run_step(i)`` for ``steps`` steps after one untimed warm-up step (route, connections)."""
+def measured(lm, servers, runs: int, run_step, steps_per_run: int = 1) -> WireFigures:
+    """``run_step(i)`` ``runs`` times after one untimed warm-up run (route, connections); figures per step, a run
+    being ``steps_per_run`` steps."""
     run_step(-1)
     caller = lm.caller
     sent, received = caller.bytes_sent, caller.bytes_received
     compute = server_compute_seconds(lm, servers)
     started = time.perf_counter()
-    outputs = [run_step(step) for step in range(steps)]
+    outputs = [run_step(run) for run in range(runs)]
     seconds = time.perf_counter() - started
+    steps = runs * steps_per_run
     return WireFigures((caller.bytes_sent - sent) / steps, (caller.bytes_received - received) / steps,
                        seconds / steps, (server_compute_seconds(lm, servers) - compute) / steps, outputs)
 
@@ -74,10 +76,7 @@ def training_phase(lm, servers, weights: torch.Tensor, steps: int, rows: tuple[i
 
 def generation_phase(lm, servers, adapter_path: str, prompt: list[int], steps: int) -> WireFigures:
     settings = dict(gen_length=steps, steps=steps, block_length=steps, seed=0, adapter=adapter_path)
-    figures = measured(lm, servers, 1, lambda _: list(lm.generate(prompt, **settings).token_ids))
-    for name in ("sent", "received", "seconds", "server_seconds"):
-        setattr(figures, name, getattr(figures, name) / steps)
-    return figures
+    return measured(lm, servers, 1, lambda _: list(lm.generate(prompt, **settings).token_ids), steps_per_run=steps)
 
 
 def print_rows(title: str, figures: dict[str, WireFigures]) -> None:

@@ -84,7 +84,8 @@ def files_stamp(name_or_path: str) -> Optional[tuple[tuple[str, int, int], ...]]
     directory = Path(name_or_path)
     if not directory.is_dir():
         return None
-    return tuple(sorted((f.name, f.stat().st_mtime_ns, f.stat().st_size) for f in directory.iterdir() if f.is_file()))
+    stats = ((f.name, f.stat()) for f in directory.iterdir() if f.is_file())
+    return tuple(sorted((name, stat.st_mtime_ns, stat.st_size) for name, stat in stats))
 
 
 @dataclass(frozen=True)

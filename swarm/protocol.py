@@ -30,6 +30,7 @@ import functools
 import hashlib
 import logging
 import math
+import re
 import time
 from contextlib import closing
 from dataclasses import dataclass, field
@@ -61,6 +62,7 @@ DRAIN_SECONDS = 10.0
 MAX_DRAINING = 64  # streams drained at once in a process
 MAX_OPEN_STREAMS = 256  # request streams served at once in a process: each may hold one message being read
 ADAPTER_DIGEST_DOMAIN = "swarm-adapter-tensor-v1"  # hashed first: a digest names nothing but an adapter tensor
+SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 
 WIRE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 AUTO_WIRE = "auto"  # hidden states travel in the dtype they were computed in: lossless, and half the bytes for
@@ -236,8 +238,9 @@ def adapter_digest(prompts: torch.Tensor, kind: str) -> str:
     return digest.hexdigest()
 
 
-def is_adapter_digest(value: Any) -> bool:
-    return isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)
+def is_sha256_hex(value: Any) -> bool:
+    """A SHA-256 as 64 lowercase hex digits: how adapter tensors and adapter files are named on the wire."""
+    return isinstance(value, str) and SHA256_HEX.fullmatch(value) is not None
 
 
 def tensor_wire_bytes(shape: tuple[int, ...], wire_dtype: str = AUTO_WIRE,

@@ -13,9 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from hivemind import DHT
 
-from swarm.dht.node import LOOPBACK_MADDRS
+from swarm.dht.node import NetworkConfig, start_dht, stop_dht
 from swarm.finetune.adapter import ADAPTER_CONFIG, SoftPrompt
 from swarm.finetune.together import CollaborationConfig, collaborative_optimizer
 from swarm.finetune.trainer import STATE_FILE, FinetuneConfig, Finetuner, set_lr
@@ -97,7 +96,7 @@ def test_a_peer_killed_mid_run_does_not_stop_the_other(bootstrap, tiny_model_pat
 
 def test_the_learning_rate_schedule_reaches_the_collaboration_s_adam():
     """hivemind.Optimizer hands out copies of its inner Adam's groups: --lr-from must set the inner ones."""
-    dht = DHT(start=True, host_maddrs=list(LOOPBACK_MADDRS))
+    dht = start_dht(NetworkConfig(use_default_peers=False))  # alone on 127.0.0.1, and gone if this process dies
     optimizer = collaborative_optimizer(dht, CollaborationConfig("pytest-lr", 4), [torch.nn.Parameter(torch.zeros(3))],
                                         lr=0.05, batch_size=2)
     try:
@@ -106,4 +105,4 @@ def test_the_learning_rate_schedule_reaches_the_collaboration_s_adam():
         assert [group["lr"] for group in optimizer.param_groups] == [0.005]
     finally:
         optimizer.shutdown()
-        dht.shutdown()
+        stop_dht(dht)

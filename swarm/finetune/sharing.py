@@ -52,7 +52,7 @@ from swarm.finetune.adapter import (
     AdapterError,
     PromptAdapter,
 )
-from swarm.protocol import RemoteError
+from swarm.protocol import RemoteError, is_sha256_hex
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +60,6 @@ FILES = (ADAPTER_CONFIG, ADAPTER_WEIGHTS)  # the order files are hashed and sent
 MAX_ADAPTER_BYTES = MAX_CONFIG_BYTES + MAX_WEIGHTS_BYTES
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 AUTHOR_PATTERN = re.compile(r"[0-9a-f]{16}")
-HASH_PATTERN = re.compile(r"[0-9a-f]{64}")
 RECORD_VERSION = 1
 PUBLISH_LIFETIME = 7 * 24 * 3600.0  # seconds a published record lives; publishing again refreshes it
 MAX_NAMES_PER_AUTHOR = 64
@@ -157,7 +156,7 @@ class PublishedAdapter:
         if not isinstance(value, dict) or value.get("record_version") != RECORD_VERSION:
             raise ValueError("unknown adapter record version")
         sha, size, score = value.get("sha256"), value.get("size"), value.get("score")
-        if not isinstance(sha, str) or not HASH_PATTERN.fullmatch(sha):
+        if not is_sha256_hex(sha):
             raise ValueError(f"sha256 must be 64 hex digits, got {sha!r}")
         if not isinstance(size, int) or isinstance(size, bool) or size < 1:
             raise ValueError(f"size must be a positive integer, got {size!r}")

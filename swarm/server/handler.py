@@ -20,7 +20,6 @@ import asyncio
 import contextlib
 import logging
 import math
-import re
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, AsyncIterable, AsyncIterator, Awaitable, Callable, Optional
@@ -47,6 +46,7 @@ from swarm.protocol import (
     adapter_parts,
     decode_tensor,
     error_response,
+    is_sha256_hex,
     join_parts,
     parse_metadata,
     response_parts,
@@ -72,7 +72,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-ADAPTER_HASH = re.compile(r"[0-9a-f]{64}")
 PAYLOAD_SLACK_BYTES = 64 * 1024
 MIN_CHUNK_BYTES = 2**16  # the smallest stream chunk a client may use (hivemind's default): bounds the part count
 
@@ -212,7 +211,7 @@ class ForwardHandler(SpanService):
     async def _adapter_files(self, request: runtime_pb2.ExpertRequest) -> list[runtime_pb2.ExpertResponse]:
         """The files of an adapter this server serves (``--serve-adapter``), named by their content hash."""
         sha256 = parse_metadata(request.metadata).get("sha256")
-        require(isinstance(sha256, str) and ADAPTER_HASH.fullmatch(sha256) is not None, ErrorCode.BAD_REQUEST,
+        require(is_sha256_hex(sha256), ErrorCode.BAD_REQUEST,
                 "an adapter request names the files' sha256 (64 lowercase hex digits)")
         files = self.adapters.get(sha256) if self.adapters is not None else None
         require(files is not None, ErrorCode.NO_ADAPTER, f"this server does not serve adapter {sha256}")

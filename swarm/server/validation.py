@@ -8,7 +8,7 @@ import torch
 from swarm.finetune.adapter import max_block_rows  # the adapters' own limits
 from swarm.models.lora import BlockWidths
 from swarm.models.modules import BLOCK_ADAPTER_KINDS, DEEP_PROMPT, check_block_adapter
-from swarm.protocol import ErrorCode, RemoteError, is_adapter_digest
+from swarm.protocol import ErrorCode, RemoteError, is_sha256_hex
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 FLOAT_DTYPE_NAMES = ("float32", "float16", "bfloat16")
@@ -87,7 +87,7 @@ def validate_prompt_declared(metadata: dict[str, Any], blocks: int, max_batch_to
         require(is_count(parts) and parts > 0, ErrorCode.BAD_REQUEST,
                 f"metadata 'prompt_parts' must be a positive integer, got {parts!r}")
     else:  # named by digest (held from an earlier call): no tensor travels
-        require(is_adapter_digest(digest), ErrorCode.BAD_REQUEST,
+        require(is_sha256_hex(digest), ErrorCode.BAD_REQUEST,
                 f"metadata 'prompt_digest' must be 64 lowercase hex digits, got {str(digest)[:80]!r}")
         require(parts is None, ErrorCode.BAD_REQUEST,
                 "a request either sends its adapter tensor (prompt_parts) or names it (prompt_digest), not both")

@@ -14,6 +14,9 @@ from typing import Any, Iterator
 from urllib.parse import urlparse
 
 import pytest
+from hypothesis import given
+from hypothesis import settings as hypothesis_settings
+from hypothesis import strategies as st
 
 pytest.importorskip("uvicorn", reason="the API needs fastapi and uvicorn")
 
@@ -339,3 +342,66 @@ def test_a_body_under_the_cap_is_served_as_before(tiny_url):
     fields = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 4}).encode()
     status, body = read_answer(post_raw(tiny_url, fields[:-1] + b" " * (512 << 10) + b"}"))
     assert status == 200 and isinstance(body["choices"][0]["text"], str), body
+
+
+# ----- text that is not Unicode, bodies that are not UTF-8 (issue 33, item 7) -------------------------------
+LONE_SURROGATE = '"hi \\ud800 there"'  # valid JSON, and a Python str no tokenizer can encode
+
+
+@pytest.fixture(scope="module")
+def default_url(default_lm) -> Iterator[str]:
+    """The default model's API: its subword tokenizer (Rust) is the one a lone surrogate used to crash (500)."""
+    with serve(create_app(GenerationEngine(default_lm, "default"))) as url:
+        yield url
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", '{"model": "default", "max_tokens": 4, "prompt": %s}'),
+    ("/v1/completions", '{"model": "default", "max_tokens": 4, "prompt": [%s]}'),
+    ("/v1/chat/completions", '{"model": "default", "max_tokens": 4, "messages": [{"role": "user", "content": %s}]}'),
+    ("/v1/chat/completions", '{"model": "default", "max_tokens": 4, '
+                             '"messages": [{"role": "user", "content": [{"type": "text", "text": %s}]}]}'),
+], ids=["prompt", "prompt-list", "chat", "chat-parts"])
+def test_a_lone_surrogate_is_a_400_not_a_500(default_url, path, body):
+    status, answer = read_answer(post_raw(default_url, (body % LONE_SURROGATE).encode(), path))
+    assert status == 400, answer
+    assert "lone surrogate (U+D800)" in answer["error"]["message"], answer
+
+
+def test_the_python_api_refuses_a_lone_surrogate_the_same_way(default_lm):
+    with pytest.raises(ValueError, match=r"character 3 is a lone surrogate \(U\+D800\)"):
+        default_lm.generate("hi \ud800", gen_length=4, steps=4, block_length=4)
+
+
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-le", "utf-32", "latin-1"])
+def test_a_body_not_in_utf8_is_refused(tiny_url, encoding):
+    """JSON over HTTP is UTF-8: other encodings (which Python's json would guess and read) get a 400."""
+    text = json.dumps({"model": MODEL, "prompt": "caf\u00e9", "max_tokens": 4}, ensure_ascii=False)
+    status, answer = read_answer(post_raw(tiny_url, text.encode(encoding)))
+    assert status == 400 and answer["error"]["code"] == "invalid_encoding", answer
+    status, answer = read_answer(post_raw(tiny_url, text.encode("utf-8")))  # the same body in UTF-8 is served
+    assert status == 200, answer
+
+
+@hypothesis_settings(max_examples=300, deadline=None)
+@given(text=st.text(alphabet=st.characters(codec=None)), raw=st.binary(max_size=64))
+def test_text_and_body_checks_never_raise_anything_else(text, raw):
+    """Any str (surrogates included) is either tokenizable text or a ValueError; any bytes either UTF-8 without
+    NUL (which is what Python's json then reads as UTF-8) or a reason."""
+    from swarm.api.body_limit import encoding_problem
+    from swarm.models.tokenizer import ByteTokenizer
+
+    try:
+        assert ByteTokenizer().encode(text) == list(text.encode("utf-8"))
+    except ValueError as error:
+        assert "lone surrogate" in str(error)
+    problem = encoding_problem(raw)
+    assert (problem is None) == (b"\x00" not in raw and _is_utf8(raw))
+
+
+def _is_utf8(raw: bytes) -> bool:
+    try:
+        raw.decode("utf-8")
+        return True
+    except UnicodeDecodeError:
+        return False

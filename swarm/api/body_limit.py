@@ -1,9 +1,13 @@
-"""A cap on request bodies, enforced before FastAPI parses them.
+"""A cap on request bodies, and their encoding, enforced before FastAPI parses them.
 
 Without it, a body of any size is read into memory and parsed as JSON before a single setting is checked: one
 request with a gigabyte of prompt could exhaust the API's host. The cap is checked on the declared
 ``Content-Length`` (refused before reading) and on the bytes actually received (a chunked body declares
 none), and a refused request gets the API's usual error shape with status 413.
+
+JSON over HTTP is UTF-8 (RFC 8259). Python's ``json`` also guesses UTF-16 and UTF-32 from the bytes, so a
+body in another encoding would be read one way here and another way by any proxy or log in front: a body
+that is not UTF-8, or holds a NUL byte (which JSON text never contains raw), gets a 400 instead.
 """
 from __future__ import annotations
 
@@ -45,15 +49,29 @@ class BodySizeLimit:
             if not message.get("more_body", False):
                 break
         whole = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+        problem = encoding_problem(whole["body"])
+        if problem is not None:
+            return await self.refuse(send, problem, status=400, code="invalid_encoding")
         await self.app(scope, replay([whole], receive), send)
 
-    async def refuse(self, send: Send, what: str) -> None:
-        body = json.dumps(error_body(f"request body too large ({what}); the limit is {self.max_bytes} bytes",
-                                     "invalid_request_error", code="request_too_large")).encode()
-        await send({"type": "http.response.start", "status": 413,
+    async def refuse(self, send: Send, what: str, status: int = 413, code: str = "request_too_large") -> None:
+        message = what if status != 413 else f"request body too large ({what}); the limit is {self.max_bytes} bytes"
+        body = json.dumps(error_body(message, "invalid_request_error", code=code)).encode()
+        await send({"type": "http.response.start", "status": status,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                                 (b"connection", b"close")]})
         await send({"type": "http.response.body", "body": body})
+
+
+def encoding_problem(body: bytes) -> str | None:
+    """Why ``body`` is not UTF-8 JSON text (None when it is, or is empty)."""
+    if b"\x00" in body:
+        return "the request body holds NUL bytes: JSON bodies are UTF-8 text (UTF-16 and UTF-32 are refused)"
+    try:
+        body.decode("utf-8")
+    except UnicodeDecodeError as error:
+        return f"the request body is not UTF-8 (byte {error.start}): JSON bodies are UTF-8 text"
+    return None
 
 
 def replay(messages: list[Message], receive: Receive) -> Receive:

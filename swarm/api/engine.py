@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Optional, Sequence
 
 from swarm.diffusion.config import GenerationLimits, SettingError
 from swarm.lm import BaseDiffusionLM, StreamChunk
+from swarm.models.tokenizer import unicode_text
 
 if TYPE_CHECKING:
     from swarm.dht.node import NetworkConfig
@@ -83,6 +84,8 @@ class GenerationEngine:
         one (the project's byte-level models) get a plain ``Role: text`` transcript ending in ``Assistant:``,
         so chat clients still work with them, as a continuation of that transcript.
         """
+        for message in messages:  # before the template, whose "no template" ValueError is caught below
+            unicode_text(message["content"])
         template = getattr(self.lm.tokenizer, "apply_chat_template", None)
         if template is not None:
             try:

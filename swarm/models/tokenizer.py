@@ -14,6 +14,24 @@ logger = logging.getLogger(__name__)
 MASK_PLACEHOLDER = "_"
 
 
+def unicode_text(text: str) -> str:
+    """``text`` if it is valid Unicode (encodable as UTF-8), else a ValueError naming the first bad character.
+
+    JSON and Python strings can hold lone surrogates (``"\\ud800"``), which no tokenizer can encode: the Rust
+    tokenizers fail with an unhelpful type error. Every tokenizer checks here, so every front end (Python, the
+    command line, the HTTP API's prompts and chat messages) refuses such text the same way.
+    """
+    if not isinstance(text, str):
+        raise ValueError(f"text to tokenize must be a string, got {type(text).__name__}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        bad = ord(text[error.start])
+        raise ValueError(f"the text is not valid Unicode: character {error.start} is a lone surrogate "
+                         f"(U+{bad:04X}); send UTF-8 text") from None
+    return text
+
+
 @runtime_checkable
 class Tokenizer(Protocol):
     vocab_size: int
@@ -46,7 +64,7 @@ class ByteTokenizer:
     mask_token_id, pad_token_id, bos_token_id, eos_token_id = MASK, PAD, BOS, EOS
 
     def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
+        return list(unicode_text(text).encode("utf-8"))
 
     def decode(self, ids: Sequence[int], mask_placeholder: Optional[str] = None) -> str:
         """Bytes become text; specials are dropped, masks shown as ``mask_placeholder`` when given."""
@@ -100,7 +118,7 @@ class SubwordTokenizer:
         return path
 
     def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
+        return self.tokenizer.encode(unicode_text(text), add_special_tokens=False).ids
 
     def decode(self, ids: Sequence[int], mask_placeholder: Optional[str] = None) -> str:
         """Text of the non-special ids; each MASK shown as ``mask_placeholder`` when given, dropped otherwise."""
@@ -155,7 +173,7 @@ class HFTokenizer:
         return cls(hf, **kwargs)
 
     def encode(self, text: str) -> list[int]:
-        return list(self.hf.encode(text, add_special_tokens=False))
+        return list(self.hf.encode(unicode_text(text), add_special_tokens=False))
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
         """Render ``messages`` with the tokenizer's template and a generation prompt, then encode the text.

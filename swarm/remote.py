@@ -42,6 +42,9 @@ from swarm.protocol import (
 logger = logging.getLogger(__name__)
 
 MAX_HELD_ADAPTERS = 4096  # (server, digest) pairs remembered; an old one forgotten costs one upload
+# A server whose "I keep it" (prompt_held) turns out false this often, and more often than true, is not believed
+# again: each false claim costs the client a wasted call and a resend, and a liar could claim forever.
+MAX_BROKEN_HOLDS = 3
 HASH_OFF_LOOP_BYTES = 2**20  # adapter tensors larger than this are hashed in a thread (~1 GB/s)
 
 
@@ -57,6 +60,8 @@ class RemoteCaller:
         self.adapter_by_digest = adapter_by_digest
         self.adapters_held: OrderedDict[tuple[str, str], None] = OrderedDict()  # (peer, digest) the peer said it keeps
         self.adapter_misses = 0  # calls that named a tensor the server no longer held, and sent it again
+        self.named_calls: dict[str, list[int]] = {}  # peer -> [named calls it served, named calls it missed]
+        self.holds_distrusted: set[str] = set()  # peers whose prompt_held is no longer believed
         self.wire_dtype = wire_dtype
         self.latency, self.jitter = latency, jitter
         self.calls = 0
@@ -138,25 +143,41 @@ class RemoteCaller:
         """A forward or backward call whose adapter tensor, if it has one, is named by digest when ``peer_id``
         said it keeps it, and sent otherwise (or when the server no longer has it: ``adapter_miss``)."""
         digest = None
-        if request.prompts is not None and self.adapter_by_digest:
+        if request.prompts is not None and self.adapter_by_digest and peer_id not in self.holds_distrusted:
             digest = await self._digest(request)
             if (peer_id, digest) in self.adapters_held:
                 self.adapters_held.move_to_end((peer_id, digest))
                 named = dataclasses.replace(request, prompt_digest=digest)
                 try:
-                    return await self._call(peer_id, self._forward_rpc(peer_id, named, backward), timeout)
+                    answer = await self._call(peer_id, self._forward_rpc(peer_id, named, backward), timeout)
+                    self._count_named(peer_id, missed=False)
+                    return answer
                 except RemoteError as error:
                     if error.code != ErrorCode.ADAPTER_MISS:
                         raise
                     del self.adapters_held[peer_id, digest]
                     self.adapter_misses += 1
+                    self._count_named(peer_id, missed=True)
                     logger.debug("%s no longer holds adapter tensor %s: sending it", peer_id, digest[:16])
         output, metadata = await self._call(peer_id, self._forward_rpc(peer_id, request, backward), timeout)
-        if digest is not None and metadata.get("prompt_held") is True:
+        if digest is not None and metadata.get("prompt_held") is True and peer_id not in self.holds_distrusted:
             self.adapters_held[peer_id, digest] = None
             while len(self.adapters_held) > MAX_HELD_ADAPTERS:
                 self.adapters_held.popitem(last=False)
         return output, metadata
+
+    def _count_named(self, peer_id: str, missed: bool) -> None:
+        """Keep score of a server's "I keep it": one that breaks it often, and more often than it keeps it, gets
+        the tensor with every call from now on (what a server that keeps none costs), never a named call."""
+        served_missed = self.named_calls.setdefault(peer_id, [0, 0])
+        served_missed[missed] += 1
+        served, misses = served_missed
+        if missed and misses >= MAX_BROKEN_HOLDS and misses > served and peer_id not in self.holds_distrusted:
+            self.holds_distrusted.add(peer_id)
+            for key in [key for key in self.adapters_held if key[0] == peer_id]:
+                del self.adapters_held[key]
+            logger.warning("%s said it kept adapter tensors and then did not have them %d times (%d named calls "
+                           "served): sending it the tensor with every call from now on", peer_id, misses, served)
 
     @staticmethod
     async def _digest(request: ForwardRequest) -> str:

@@ -143,7 +143,10 @@ class ForwardHandler(SpanService):
 
     # ----- RPCs ----------------------------------------------------------------------------------
     async def rpc_info(self, request: runtime_pb2.ExpertUID, context: P2PContext) -> runtime_pb2.ExpertInfo:
-        return runtime_pb2.ExpertInfo(serialized_info=MSGPackSerializer.dumps(self.info()))
+        info = self.info()
+        if self.adapter_tensors is not None:  # the caller's own uploads only: nobody learns another's use
+            info["adapter_tensors"] = self.adapter_tensors.info(str(context.remote_id))
+        return runtime_pb2.ExpertInfo(serialized_info=MSGPackSerializer.dumps(info))
 
     async def rpc_forward(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
         parts = await self._answer(lambda: self._forward(iter_as_aiter([request]), context, unary=True), context)
@@ -227,8 +230,8 @@ class ForwardHandler(SpanService):
         stream = aiter(requests)
         first = await anext(stream, None)
         require(first is not None, ErrorCode.BAD_REQUEST, "empty request")
-        declared = self._declared(first, unary, backward)
         peer = str(context.remote_id)
+        declared = self._declared(first, unary, peer, backward)
         with self.backend.queue.admit(peer, declared.tokens) as place, self._push_place(peer, declared) as push_place:
             hidden, prompts, held = await self._receive(first, stream, declared, peer)
             answer = {"prompt_held": True} if held else None
@@ -252,7 +255,8 @@ class ForwardHandler(SpanService):
                              {k: v for k, v in extra.items() if k != "push"}, push_place)
             return [ack_response()]
 
-    def _declared(self, first: runtime_pb2.ExpertRequest, unary: bool, backward: bool = False) -> Declared:
+    def _declared(self, first: runtime_pb2.ExpertRequest, unary: bool, peer: str, backward: bool = False
+                  ) -> Declared:
         """Check everything the first part says, before the rest is received or anything computed."""
         require(first.ByteSize() <= self.max_first_bytes, ErrorCode.TOO_LARGE,
                 f"payload over {self.max_first_bytes} bytes")
@@ -266,7 +270,7 @@ class ForwardHandler(SpanService):
         proto = first.tensors[0]
         batch, length = validate_declared(proto.dtype, tuple(proto.size), self.hidden_size, self.max_batch_tokens)
         shape = (batch, length, self.hidden_size)
-        held = self._held_prompts(metadata.get("prompt_digest"), prompt_kind, (end - start, prompt_length))
+        held = self._held_prompts(metadata.get("prompt_digest"), prompt_kind, (end - start, prompt_length), peer)
         prompt_bytes = 4 * (end - start) * prompt_length * self.hidden_size if prompt_parts else 0
         max_bytes = min(self.max_payload_bytes, 4 * math.prod(shape) + PAYLOAD_SLACK_BYTES) + prompt_bytes
         parts, max_parts = metadata.get("parts"), self.max_payload_bytes // MIN_CHUNK_BYTES + 1
@@ -295,13 +299,14 @@ class ForwardHandler(SpanService):
             self._check_unary_answer([shape], self.wire_dtype, self.backend.dtype)
         return Declared(metadata, start, end, shape, parts, max_bytes, push, head, **prompted)
 
-    def _held_prompts(self, digest: Optional[str], kind: str, blocks_rows: tuple[int, int]
+    def _held_prompts(self, digest: Optional[str], kind: str, blocks_rows: tuple[int, int], peer: str
                       ) -> Optional[torch.Tensor]:
-        """The adapter tensor a request names by ``digest`` (None when it names none), of its declared kind and
-        (blocks, R); ``adapter_miss`` when this server does not hold it (any more): the client sends it again."""
+        """The adapter tensor ``peer`` sent earlier and now names by ``digest`` (None when it names none), of its
+        declared kind and (blocks, R); ``adapter_miss`` when this server does not hold it (any more) for that peer:
+        the client sends it again. Only the peer's own uploads are found, so a digest tells nobody else anything."""
         if digest is None:
             return None
-        found = self.adapter_tensors.get(digest) if self.adapter_tensors is not None else None
+        found = self.adapter_tensors.get(digest, peer) if self.adapter_tensors is not None else None
         require(found is not None, ErrorCode.ADAPTER_MISS,
                 f"no adapter tensor {digest[:16]}... here (evicted, or never sent to this server): send it")
         tensor, held_kind = found

@@ -1,32 +1,62 @@
 """A deliberately faulty server for the spot-check tests (never a production flag).
 
 Runs the real ``python -m swarm.server`` CLI with the backend's output perturbed by noise of 5% of its
-scale: plausible-looking but wrong hidden states, as a dishonest or broken volunteer would return. Started
-with ``--public-name faulty-reuse`` it lies only on passes that reuse the activation cache (a liar that hopes
-the checks skip those). Started with ``--head`` it answers head queries with every other predicted token
-replaced by the next id (well-formed predictions, wrong tokens).
+scale: plausible-looking but wrong hidden states, as a dishonest or broken volunteer would return. The mode is
+chosen by ``--public-name``:
+
+* (any other name) lies on every answer. Started with ``--head`` it answers head queries with every other
+  predicted token replaced by the next id (well-formed predictions, wrong tokens). Announced slower than an honest
+  replica, so that routes never pick it, every call it answers is a spot check: a liar acting only as checker.
+* ``faulty-reuse`` lies only on passes that reuse the activation cache (a liar that hopes the checks skip those).
+* ``faulty-head`` (with ``--head``) lies only in its predictions; the hidden states it answers when asked for them
+  are honest (a liar that hopes no replica without the head can check it).
+* ``faulty-1in20`` (any N in ``faulty-1inN``) lies on a random one in N of its answers.
+* ``faulty-stall`` answers its first call (the client's compute challenge) honestly and holds every later one.
 """
+import random
+import re
 import sys
+import time
 
 import torch
 
 from swarm.server import backend
 
 _honest_forward = backend.SpanBackend.forward_sync
-REUSE_ONLY = "faulty-reuse" in sys.argv
+NAME = next((arg for arg in sys.argv if arg.startswith("faulty")), "faulty")
+ONE_IN = re.fullmatch(r"faulty-1in(\d+)", NAME)
+_calls = [0]
+
+
+def _lies_now(rows, head) -> bool:
+    """Whether this answer is a lie, in the mode ``NAME`` chooses."""
+    if NAME == "faulty-reuse":
+        return rows is not None
+    if NAME == "faulty-head":
+        return head is not None
+    if ONE_IN:
+        return random.randrange(int(ONE_IN.group(1))) == 0
+    return True
+
+
+def _wrong_predictions(self, output, head):
+    """Every other predicted token replaced by the next id, everything kept in range."""
+    output = output.clone()
+    vocab = self.head.config.vocab_size
+    wrong = (output[..., ::2, 0] + 1) % vocab
+    output[..., ::2, 0] = torch.where(wrong == head.mask_token_id, (wrong + 1) % vocab, wrong)
+    return output
 
 
 def _perturbed_forward(self, hidden, start, end, kv=None, rows=None, head=None, *rest, **options):
+    _calls[0] += 1
+    if NAME == "faulty-stall" and _calls[0] > 1:
+        time.sleep(3600)
     output = _honest_forward(self, hidden, start, end, kv, rows, head, *rest, **options)
-    if REUSE_ONLY and rows is None:
+    if NAME == "faulty-stall" or not _lies_now(rows, head):
         return output
     if head is not None:  # predictions: lie about tokens, keep everything in range
-        output = output.clone()
-        tokens = output[..., ::2, 0]
-        wrong = (tokens + 1) % self.head.config.vocab_size
-        output[..., ::2, 0] = torch.where(wrong == head.mask_token_id, (wrong + 1) % self.head.config.vocab_size,
-                                          wrong)
-        return output
+        return _wrong_predictions(self, output, head)
     return output + 0.05 * output.std() * torch.randn_like(output)
 
 

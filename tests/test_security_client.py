@@ -1,7 +1,9 @@
-"""Attacks on the client through the servers it meets: tarpits and liars (issue 16, items 5 and 6).
+"""Attacks on the client through the servers it meets: tarpits and liars (issue 16, items 5 and 6; issue 33,
+item 3: a lying head server, a liar acting only as checker, predictable checks, challenges told apart by size).
 
 Each test replays an attack against real server processes on 127.0.0.1 and checks that the client loses
-seconds, not minutes, and never returns tokens it could not verify when the request asks for verified ones.
+seconds, not minutes, and never returns tokens it could not verify: a disagreement nobody can settle is redone
+elsewhere or stops the generation, never settled by trusting one side.
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import pytest
 from swarm.client import DistributedDiffusionLM, MissingBlocksError
 from swarm.client.config import ClientConfig
 from swarm.client.peers import PeerHealth
-from swarm.client.spot_check import UnverifiedResultError
+from swarm.client.spot_check import OWN_HIDDEN_STATES, UnverifiedResultError
 from swarm.dht.schema import ServerState, default_prefix, read_servers
 from swarm.local import DiffusionLM
 from tests.conftest import make_checkpoint, tiny_config, wait_until
@@ -99,12 +101,32 @@ def test_four_tarpits_cost_one_short_challenge_not_minutes(local_swarm, tarpit_m
         stop_all(local_swarm, honest + fakes)
 
 
-def test_a_tarpit_that_passes_the_challenge_costs_one_adaptive_timeout(local_swarm, tarpit_model):
-    """A smarter fake answers the one-token challenge and holds real calls: the call times out after what its
-    measured speed predicts (seconds), not the 30 s request timeout, and it is not asked again in that call."""
+def test_a_fake_that_answers_only_short_calls_fails_the_challenge(local_swarm, tarpit_model):
+    """A fake answers one-token calls and holds the rest (it hoped the compute challenge is one token, as it was):
+    the challenge is shaped like a real pass (its length drawn like real requests'), so the fake fails it and no
+    call of the generation is ever sent to it."""
     honest = start_all(local_swarm, tarpit_model, [("0:4", (), ("-m", "swarm.server"))])
     fake, = start_all(local_swarm, tarpit_model,
                       [("0:4", ("--throughput", "1e9", "--public-name", "tarpit-large"), TARPIT)])
+    expected = DiffusionLM.from_pretrained(tarpit_model).generate("tarpit", **SETTINGS)
+    try:
+        with client(local_swarm, tarpit_model, connect_timeout=3.0) as lm:
+            assert fake.peer_id not in {hop.peer_id for hop in lm.show_route()}
+            assert fake.peer_id in lm.sequence.health.excluded(), "failed its challenge"
+            result = lm.generate("tarpit", **SETTINGS)
+            assert result.token_ids == expected.token_ids
+            assert result.info["failovers"] == [], "no call of the generation went to the fake"
+    finally:
+        stop_all(local_swarm, honest + [fake])
+
+
+def test_a_tarpit_that_passes_the_challenge_costs_one_adaptive_timeout(local_swarm, tarpit_model):
+    """A smarter fake answers its first call (the challenge, whatever its shape) and holds the rest: the call
+    times out after what its measured speed predicts (seconds), not the 30 s request timeout, and it is not asked
+    again in that call."""
+    honest = start_all(local_swarm, tarpit_model, [("0:4", (), ("-m", "swarm.server"))])
+    fake, = start_all(local_swarm, tarpit_model,
+                      [("0:4", ("--throughput", "1e9", "--public-name", "faulty-stall"), FAULTY)])
     expected = DiffusionLM.from_pretrained(tarpit_model).generate("tarpit", **SETTINGS)
     try:
         with client(local_swarm, tarpit_model, request_timeout=30.0, timeout_floor=2.0) as lm:
@@ -180,18 +202,18 @@ def two_holders(local_swarm, tmp_path_factory):
     stop_all(local_swarm, [faulty, honest])
 
 
-def test_an_unresolved_check_is_reported_and_the_unverified_server_avoided(local_swarm, two_holders):
+def test_an_unresolved_check_with_no_other_route_stops_with_both_servers_named(local_swarm, two_holders):
+    """Two servers disagree and no third opinion exists: neither answer is used (the checker's is as unverified
+    as the primary's), both are avoided, and with no other route the generation stops, naming both."""
     path, faulty, honest = two_holders
-    expected = DiffusionLM.from_pretrained(path).generate("audit", **SETTINGS)
     with client(local_swarm, path, spot_check_fraction=1.0) as lm:
         assert lm.show_route()[0].peer_id == faulty.peer_id
-        result = lm.generate("audit", **SETTINGS)
-        first = result.info["spot_checks"][0]
-        assert (first["primary"], first["checkers"], first["verdict"]) == (faulty.peer_id, [honest.peer_id],
-                                                                           "unresolved")
-        assert result.token_ids == expected.token_ids, "the generation went on with the checker's answer and route"
-        assert faulty.peer_id not in " ".join(result.info["route"])
-        assert faulty.peer_id in lm.sequence.health.disputes()
+        with pytest.raises(UnverifiedResultError, match=f"unresolved: {faulty.peer_id[-8:]} and {honest.peer_id[-8:]}"
+                           ".*no other route"):
+            lm.generate("audit", **SETTINGS)
+        first = lm.sequence.spot_checker.outcomes[0]
+        assert (first.primary, first.checkers, first.verdict) == (faulty.peer_id, [honest.peer_id], "unresolved")
+        assert set(lm.sequence.health.disputes()) == {faulty.peer_id, honest.peer_id}
 
 
 def test_restricted_requests_stop_on_an_unresolved_check(local_swarm, two_holders):
@@ -227,3 +249,83 @@ def test_reuse_passes_are_checked_and_a_reuse_liar_is_caught(local_swarm, reuse_
         assert [(c["verdict"], c["reuse"]) for c in checks] == [("agreed", False), ("primary_faulty", True)]
         assert liar.peer_id in lm.sequence.distrusted
         assert result.token_ids == expected.token_ids
+
+
+# ----- issue 33, item 3: liars a check must catch, and checks a liar cannot steer ---------------------------
+@pytest.fixture(scope="module")
+def checker_liar(local_swarm, tmp_path_factory):
+    """An honest server routed first (announced fastest), a liar for the same blocks announced slower (so every
+    call it answers is a spot check: a liar acting only as checker), and honest 0:2 + 2:4 announced slowest."""
+    path = make_checkpoint(tmp_path_factory.mktemp("checker_liar"), tiny_config(), seed=14)
+    servers = start_all(local_swarm, path, [("0:4", ("--throughput", "1e9"), ("-m", "swarm.server")),
+                                            ("0:4", ("--throughput", "100"), FAULTY),
+                                            ("0:2", ("--throughput", "1"), ("-m", "swarm.server")),
+                                            ("2:4", ("--throughput", "1"), ("-m", "swarm.server"))])
+    yield path, servers
+    stop_all(local_swarm, servers)
+
+
+def test_a_liar_acting_only_as_checker_cannot_take_the_honest_servers_place(local_swarm, checker_liar):
+    """Before, the unresolved check trusted the checker: the honest server was avoided and the route moved onto
+    the liar. Now both are avoided (the outcome names both), the hop is redone over the other servers, and the
+    tokens are the honest ones."""
+    path, (honest, liar, *split) = checker_liar
+    expected = DiffusionLM.from_pretrained(path).generate("audit", **SETTINGS)
+    with client(local_swarm, path, spot_check_fraction=1.0) as lm:
+        assert lm.show_route()[0].peer_id == honest.peer_id
+        result = lm.generate("audit", **SETTINGS)
+        first = result.info["spot_checks"][0]
+        assert (first["primary"], first["checkers"], first["verdict"]) == (honest.peer_id, [liar.peer_id],
+                                                                           "unresolved")
+        assert result.token_ids == expected.token_ids
+        used = " ".join(result.info["route"])
+        assert liar.peer_id[-8:] not in used and all(server.peer_id[-8:] in used for server in split)
+        assert set(lm.sequence.health.disputes()) == {honest.peer_id, liar.peer_id}
+        assert honest.peer_id not in result.info["distrusted"], "a dispute is no verdict against the honest server"
+
+
+@pytest.fixture(scope="module")
+def head_liar(local_swarm, tmp_path_factory):
+    """A ``--head`` server that lies only in its predictions (announced fastest) beside one honest replica
+    without the head: no other server can answer a head query."""
+    path = make_checkpoint(tmp_path_factory.mktemp("head_liar"), tiny_config(), seed=15)
+    servers = start_all(local_swarm, path, [("0:4", ("--head", "--throughput", "1e9", "--public-name", "faulty-head"),
+                                             FAULTY), ("0:4", ("--throughput", "1"), ("-m", "swarm.server"))])
+    yield path, servers
+    stop_all(local_swarm, servers)
+
+
+def test_a_lying_head_server_beside_a_replica_without_the_head_is_caught(local_swarm, head_liar):
+    """Checkers of a head hop had to hold the head: every check was ``no_checker`` and the liar's tokens were the
+    output. Now the replica's hidden states, scored by the client's own head, contradict the liar's predictions,
+    and so do the liar's own hidden states: it is distrusted and the tokens are the honest local run's."""
+    path, (liar, replica) = head_liar
+    expected = DiffusionLM.from_pretrained(path).generate("audit", **SETTINGS)
+    with client(local_swarm, path) as lm:
+        assert lm.show_route()[-1].peer_id == liar.peer_id, "the route ends on the head server"
+        assert lm.generate("audit", **SETTINGS).token_ids != expected.token_ids, "unchecked, the lie is the output"
+    with client(local_swarm, path, spot_check_fraction=1.0) as lm:
+        result = lm.generate("audit", **SETTINGS)
+        assert result.token_ids == expected.token_ids
+        first = result.info["spot_checks"][0]
+        assert (first["primary"], first["checkers"], first["verdict"], first["note"]) == (
+            liar.peer_id, [replica.peer_id], "primary_faulty", OWN_HIDDEN_STATES)
+        assert result.info["distrusted"] == [liar.peer_id]
+        assert {c["verdict"] for c in result.info["spot_checks"][1:]} <= {"no_checker"}, "then only the replica"
+
+
+def check_schedule(local_swarm, path, **options) -> list[tuple[int, tuple[int, int]]]:
+    """The (step, blocks) a fresh client checked in one generation at fraction 0.5."""
+    with client(local_swarm, path, spot_check_fraction=0.5, **options) as lm:
+        lm.generate("audit", **SETTINGS)
+        return [(outcome.step, outcome.blocks) for outcome in lm.sequence.spot_checker.outcomes]
+
+
+def test_clients_draw_their_own_check_schedules(local_swarm, tiny_model_path):
+    """A constant default seed let a liar learn which hops a default client never checks. Two clients with default
+    settings now draw different schedules (the same one by chance: 2^-16 over the 16 hops of this generation); a
+    seed still reproduces one."""
+    schedules = [check_schedule(local_swarm, tiny_model_path) for _ in range(2)]
+    assert schedules[0] != schedules[1]
+    assert check_schedule(local_swarm, tiny_model_path, spot_check_seed=7) == check_schedule(
+        local_swarm, tiny_model_path, spot_check_seed=7)

@@ -30,7 +30,7 @@ class ClientConfig:
     # seconds a failing peer is avoided; doubles on repeat failures (at least 2 x request_timeout for a peer that
     # let a call run into its timeout)
     ban_base: float = 15.0
-    ban_max: float = 300.0  # also how long a server is avoided after an unresolved spot check
+    ban_max: float = 300.0
     route_refresh: float = 30.0  # seconds after which the server list is re-read (between generations only)
     wire_dtype: str = "auto"  # "auto": the compute dtype (lossless); "float16" halves float32 traffic, not exact
     dtype: Optional[str] = None  # the embedding's and head's dtype; None: the checkpoint's (as servers default to)
@@ -43,7 +43,8 @@ class ClientConfig:
     head: str = "auto"
     spot_check_fraction: float = 0.0  # share of hops re-executed on another server (tiers may raise it)
     spot_check_rtol: float = 1e-3  # relative difference tolerated between two servers (float32 wire)
-    spot_check_seed: int = 0  # which hops get checked is drawn from this seed: reproducible
+    # Which hops get checked: None draws from os.urandom (a server cannot predict it); a seed makes it reproducible
+    spot_check_seed: Optional[int] = None
     trusted_peers: tuple[str, ...] = ()  # allow-list of peer ids for restricted requests
     tier_rules_path: Optional[str] = None  # JSON rules and policies for safety tiers (default rules if None)
     governance_keys: tuple[str, ...] = ()  # trusted governance public keys (also $SWARM_GOVERNANCE_KEYS)

@@ -93,6 +93,8 @@ class DistributedDiffusionLM(BaseDiffusionLM):
                                    adapter_by_digest=config.adapter_by_digest)
         self.sequence = RemoteSequence(self.dht, self.caller, self.loop, self.prefix, self.config.num_layers,
                                        self.config.hidden_size, config, self.config.vocab_size)
+        # challenges embed random tokens; spot checks of a head server score a replica's hidden states here
+        self.sequence.use_client_parts(self.embedding, lambda: self.head, self.config.max_position_embeddings)
         self.guard = GovernanceGuard(self.dht, self.prefix, config.governance_keys, ttl=config.governance_ttl)
         self.tier_rules = TierRules.from_file(config.tier_rules_path) if config.tier_rules_path else TierRules()
         self.audit = AuditLog(config.audit_log)

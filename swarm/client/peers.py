@@ -8,7 +8,7 @@ server caught lying is never used for anything again.
 Bans double on every repeat, and a ban for a stalled call outlasts two request timeouts, so a peer that
 does not answer is never retried within the call it stalled; a peer that could not be dialled and then
 announces new addresses is tried again at once. Timeouts adapt to what each peer has shown: a peer
-that answered a one-token challenge in 20 ms is not given the full request timeout for the next call.
+that answered its compute challenge in 20 ms is not given the full request timeout for the next call.
 """
 from __future__ import annotations
 
@@ -81,7 +81,7 @@ class PeerHealth:
 
     def forgive(self, peer: str, reason: str) -> None:
         """Lift a ban that no longer applies (an unreachable server announced new addresses); the peer is
-        challenged again before any route uses it. Distrust and stalls are never forgiven."""
+        challenged again before any route uses it. Distrust, disputes and stalls are never forgiven."""
         with self._lock:
             ban = self._bans.get(peer)
             if ban is None or ban.stalled or peer in self._distrusted:
@@ -96,11 +96,12 @@ class PeerHealth:
         logger.error("not using peer %s again: %s", peer, reason)
 
     def dispute(self, peer: str, reason: str) -> None:
-        """An unresolved spot check against ``peer``: it is avoided for the longest ban while others serve."""
+        """One side of an unresolved spot check (two servers disagreed, nobody could tell who lied): avoided for
+        the rest of the session, like the other side, so that neither can get the other avoided and take its
+        place; unlike distrust it is no verdict, and it says so in the log."""
         with self._lock:
             self._disputes[peer] = self._disputes.get(peer, 0) + 1
-            self._bans[peer] = Ban(time.monotonic() + self.config.ban_max, self._disputes[peer], False)
-        logger.warning("avoiding peer %s for %.0f s: %s", peer, self.config.ban_max, reason)
+        logger.warning("avoiding peer %s for the rest of the session: %s", peer, reason)
 
     def allow_only(self, peers: Optional[frozenset[str]]) -> bool:
         """Restrict (or, with None, stop restricting) which peers may serve; True when the set changed."""
@@ -113,10 +114,12 @@ class PeerHealth:
         return peer not in self.excluded((peer,))
 
     def excluded(self, peers: Iterable[str] = ()) -> frozenset[str]:
-        """Peers that may not be used now: banned, distrusted, or (among ``peers``) not on the allow-list."""
+        """Peers that may not be used now: banned, distrusted, disputed, or (among ``peers``) not on the
+        allow-list."""
         now = time.monotonic()
         with self._lock:
-            out = {peer for peer, ban in self._bans.items() if ban.until > now} | set(self._distrusted)
+            out = ({peer for peer, ban in self._bans.items() if ban.until > now} | set(self._distrusted)
+                   | set(self._disputes))
         if self.allowed is not None:
             out |= {peer for peer in peers if peer not in self.allowed}
         return frozenset(out)

@@ -2,11 +2,17 @@
 
 Keeps the list of servers read from the DHT and the current route; what the client knows about each peer
 (bans, round trips, speeds, distrust) lives in :class:`~swarm.client.peers.PeerHealth`. Before a server is
-routed to, it must answer a compute challenge (one token through the span it announces), so a fake server
-costs one short timeout. When a server fails mid-step the step continues from the failed block over other
-servers, through the one failover loop of :mod:`swarm.client.failover`: the result is the same, because a
-call depends on no earlier call, except through the activation cache, whose absence on a new server is
-reported as a cache miss and repaired by rebuilding the lost version.
+routed to, it must answer a compute challenge through the span it announces, shaped like a real pass (a length
+drawn like real requests', embeddings of random tokens, a plausible step), so a fake server costs one short
+timeout and a server cannot answer challenges and stall real calls by telling them apart by size. The challenge
+proves that the server computes a real-sized pass in time; whether it computes it *right* is the spot checks'
+job (:mod:`swarm.client.spot_check`). A spot check that cannot tell which of two servers lied makes the hop be
+redone on another route, or stops the pass with :class:`UnverifiedResultError` when none exists.
+
+When a server fails mid-step the step continues from the failed block over other servers, through the one
+failover loop of :mod:`swarm.client.failover`: the result is the same, because a call depends on no earlier
+call, except through the activation cache, whose absence on a new server is reported as a cache miss and
+repaired by rebuilding the lost version.
 
 Training goes through the same forward: asked for a ``trace``, a pass records each hop's input, and
 :meth:`RemoteSequence.backward` walks those hops backwards (each server recomputes its blocks with autograd and
@@ -23,11 +29,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from hivemind.dht import DHT
@@ -37,18 +44,22 @@ from swarm.client.failover import CLIENT_FAULTS, FailoverEvent, RetryBudget, cal
 from swarm.client.peers import PeerHealth
 from swarm.client.push import PushReceiver
 from swarm.client.routing import MissingBlocksError, RouteHop, find_route
-from swarm.client.spot_check import SpotChecker
+from swarm.client.spot_check import SpotChecker, UnresolvedCheck, UnverifiedResultError
 from swarm.dht.schema import ServerRecord, ServerState, read_servers
 from swarm.diffusion.prediction import HeadQuery, Predictions, check_predictions
 from swarm.diffusion.sampler import Halted
 from swarm.models.kv_cache import CacheMiss
-from swarm.models.modules import DEEP_PROMPT
+from swarm.models.modules import DEEP_PROMPT, OutputHead
 from swarm.protocol import BackwardRequest, ErrorCode, ForwardRequest, RemoteError
 from swarm.remote import RemoteCaller
 from swarm.utils.event_loop import BackgroundLoop
 
 logger = logging.getLogger(__name__)
 
+# Rows of a compute challenge, drawn uniformly: the lengths of real requests (a prompt and 16-128 generated
+# tokens), capped by the model's positions.
+CHALLENGE_ROWS = (16, 192)
+CHALLENGE_STEPS = 64  # a challenge carries a step drawn below this, like a generation's call
 
 @dataclass(frozen=True)
 class HopTrace:
@@ -86,6 +97,17 @@ class RemoteSequence:
         self._route_lock = threading.RLock()  # calls in flight (stale pipelining) share the route
         self.receiver: Optional[PushReceiver] = None  # set when push is enabled
         self._said_no_push = False  # the log line about deep prompts and push is written once
+        # Real-looking challenge inputs: the client's embedding of token ids (None: Gaussian hidden states)
+        self.embed: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+        self.max_positions = CHALLENGE_ROWS[1]
+        self._challenge_rng = random.SystemRandom()  # a server cannot predict a challenge's size or content
+
+    def use_client_parts(self, embed: Callable[[torch.Tensor], torch.Tensor], load_head: Callable[[], OutputHead],
+                         max_positions: int) -> None:
+        """The client's embedding (challenges look like real passes) and its head, loaded when first needed (spot
+        checks score a replica's hidden states to check a head server's predictions)."""
+        self.embed, self.max_positions = embed, max_positions
+        self.spot_checker.load_head = load_head
 
     @property
     def distrusted(self) -> frozenset[str]:
@@ -180,21 +202,44 @@ class RemoteSequence:
             info, rtt = await self.caller.info(peer_id, self.config.connect_timeout)
         if info.get("prefix") != self.prefix:
             raise RemoteError(ErrorCode.WRONG_SPAN, f"serves {info.get('prefix')!r}, not {self.prefix!r}", peer_id)
-        probe = torch.randn(1, 1, self.hidden_size)
-        request = ForwardRequest(record.start, record.end, probe, uuid.uuid4().hex, -1, {})
+        request = self.challenge_request(record.start, record.end)
+        work = request.rows * (record.end - record.start)
         started = time.perf_counter()
         try:
-            output = await self.caller.forward(peer_id, request, self.config.connect_timeout)
+            output = await self.caller.forward(peer_id, request, self.challenge_timeout(record, request.rows))
         except RemoteError as error:
             if error.code in (ErrorCode.BUSY, ErrorCode.HALTED):
                 self.health.record_ping(peer_id, rtt)
                 return
             raise RemoteError(error.code, f"compute challenge over {record.start}:{record.end}: {error.message}",
                               peer_id) from None
-        if not bool(torch.isfinite(output).all()):
-            raise RemoteError(ErrorCode.INTERNAL, "answered its compute challenge with non-finite values", peer_id)
+        if tuple(output.shape) != tuple(request.hidden.shape) or not bool(torch.isfinite(output).all()):
+            raise RemoteError(ErrorCode.INTERNAL, f"answered its compute challenge with {tuple(output.shape)} "
+                              "values (or non-finite ones)", peer_id)
         self.health.record_ping(peer_id, rtt)
-        self.health.record_success(peer_id, time.perf_counter() - started, record.end - record.start)
+        self.health.record_success(peer_id, time.perf_counter() - started, work)
+
+    def challenge_request(self, start: int, end: int) -> ForwardRequest:
+        """A forward call through blocks ``start:end`` that a server cannot tell from a real uncached pass: a length
+        drawn like real requests', the embeddings of random tokens, a step drawn like a generation's and a fresh
+        session (only a client's later calls could tell it apart, and it has none)."""
+        rng = self._challenge_rng
+        low, high = CHALLENGE_ROWS
+        length = rng.randint(min(low, self.max_positions), min(high, self.max_positions))
+        if self.embed is not None and self.vocab_size > 0:
+            ids = torch.tensor([[rng.randrange(self.vocab_size) for _ in range(length)]])
+            with torch.no_grad():
+                hidden = self.embed(ids)
+        else:
+            hidden = torch.randn(1, length, self.hidden_size)
+        return ForwardRequest(start, end, hidden, uuid.uuid4().hex, rng.randrange(CHALLENGE_STEPS), {})
+
+    def challenge_timeout(self, record: ServerRecord, rows: int) -> float:
+        """How long a challenge of ``rows`` may take: ``connect_timeout``, plus what the server's announced
+        throughput predicts for the rows (a slow honest server is not failed; a fake announcing a huge
+        throughput gets about ``connect_timeout``), at most ``request_timeout``."""
+        compute = rows / max(record.throughput, 1e-3)
+        return min(self.config.request_timeout, self.config.connect_timeout + self.config.timeout_factor * compute)
 
     def build_route(self, start_block: int = 0, tokens: int = 128, avoid: frozenset[str] = frozenset(),
                     adapter_kind: Optional[str] = None) -> list[RouteHop]:
@@ -449,15 +494,26 @@ class RemoteSequence:
         budget = RetryBudget(self.config)
         block, end = start, self.num_blocks if end is None else end
         kind = prompt_kind if prompts is not None else None
+        disputed: Optional[UnresolvedCheck] = None
         while block < end:
-            hidden, block = call_with_failover(
-                lambda avoid: self._next_hop(block, tokens, avoid, budget, end, kind),
-                lambda hop: hop.peer_id,
-                lambda hop: self._call_hop(hop, hidden, session_id, step, extra, head, trace, prompts, prompt_kind),
-                health=self.health, budget=budget, final=lambda error: self._final_error(error, step),
-                on_failure=lambda hop, error: self.failovers.append(FailoverEvent(hop.peer_id, hop.start, str(error))),
-                label=lambda hop: f"block {hop.start}",
-            )
+            try:
+                hidden, block = call_with_failover(
+                    lambda avoid: self._next_hop(block, tokens, avoid, budget, end, kind),
+                    lambda hop: hop.peer_id,
+                    lambda hop: self._call_hop(hop, hidden, session_id, step, extra, head, trace, prompts,
+                                               prompt_kind),
+                    health=self.health, budget=budget, final=lambda error: self._final_error(error, step),
+                    on_failure=lambda hop, error: self.failovers.append(FailoverEvent(hop.peer_id, hop.start,
+                                                                                      str(error))),
+                    label=lambda hop: f"block {hop.start}",
+                )
+            except UnresolvedCheck as dispute:  # both sides are avoided now: redo the hop on another route
+                logger.warning("%s: redoing blocks from %d on another route", dispute, block)
+                disputed = dispute
+            except MissingBlocksError as missing:
+                if disputed is None:
+                    raise
+                raise UnverifiedResultError(f"{disputed}, and no other route is left ({missing})") from None
         return hidden
 
     def _next_hop(self, block: int, tokens: int, avoid: frozenset[str], budget: RetryBudget,
@@ -489,8 +545,10 @@ class RemoteSequence:
         output = self.loop.run(self.caller.forward(hop.peer_id, request, self.health.timeout(hop.peer_id, work)))
         output = self._as_output(output, head_extra, head, hop.peer_id)  # before the success is recorded
         self.health.record_success(hop.peer_id, time.perf_counter() - started, work)
-        if trace is not None:
-            trace.append(HopTrace(hop.peer_id, hop.start, hop.end, hidden))
         if isinstance(output, Predictions):
-            return Predictions(self.spot_checker.maybe_check(request, hop.peer_id, output.rows), head), hop.end
-        return self.spot_checker.maybe_check(request, hop.peer_id, output), hop.end
+            output = Predictions(self.spot_checker.maybe_check(request, hop.peer_id, output.rows, head), head)
+        else:
+            output = self.spot_checker.maybe_check(request, hop.peer_id, output)
+        if trace is not None:  # only a checked (or unchecked) answer: a disputed hop is redone, traced once
+            trace.append(HopTrace(hop.peer_id, hop.start, hop.end, hidden))
+        return output, hop.end

@@ -1,43 +1,69 @@
 """Spot checks: re-execute some span computations on an independent server and compare.
 
-A server whose output disagrees with the majority (the checker plus a third server as tie-breaker) is
-distrusted for the rest of the session, reported in the result and the log, and never used again by
-this client. The majority's output is what the generation continues with.
+Which hops are checked is drawn per client from the operating system's randomness (``os.urandom``), so a server
+cannot predict which of its answers will be compared; ``ClientConfig.spot_check_seed`` makes the draws
+reproducible for tests and measurements.
 
-A check that finds no majority (two servers disagree and no third holds the blocks) is *unresolved*: it
-is reported in the result, the checked server is avoided from then on (the generation continues with the
-checker's answer and route), and under a policy that requires verified tokens (the ``restricted`` tier)
-the generation stops with :class:`UnverifiedResultError` instead of returning unverified tokens.
+A check asks other holders of the hop's blocks, fastest first, until two servers agree: the first agreeing pair
+is the majority, every server whose answer disagrees with it is distrusted for the rest of the session, reported
+in the result and the log, and never used again by this client. The majority's answer is what the generation
+continues with.
+
+A head hop (its server answered the sampler's predictions, :mod:`swarm.diffusion.prediction`) is checkable by a
+replica without the head: such a checker is asked for hidden states, which this client scores with its own final
+norm and head (loaded lazily, the first time), and the predictions are compared. When only two opinions exist and
+they disagree, the head server is also asked for its hidden states: if those agree with the checker's, its
+predictions contradict its own hidden states and it is the liar (it cannot clear itself this way, only convict
+itself).
+
+A check that finds no majority (two servers disagree and no third opinion exists) is *unresolved*: nobody can tell
+who lied, so both are avoided for the rest of the session, the outcome names both, and the hop is redone on
+another route (:class:`UnresolvedCheck`); when no other route exists the generation stops with
+:class:`UnverifiedResultError`. Neither answer is ever used, so a liar acting only as a checker cannot move the
+route onto itself. Under a policy that requires verified tokens (the ``restricted`` tier) an unresolved check
+stops the generation at once.
 
 Reuse passes of the activation cache are checked too: the checker first receives the same fill the
 checked server reused (the client keeps each hop's fill input while checks are on), then the reuse.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import threading
 import uuid
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, NoReturn, Optional
 
 import torch
 
 from swarm.client.config import ClientConfig
 from swarm.client.failover import SwarmError
 from swarm.client.peers import PeerHealth
+from swarm.diffusion.prediction import HeadQuery, predict_from_hidden
 from swarm.protocol import ForwardRequest, RemoteError
 from swarm.remote import RemoteCaller
 from swarm.utils.event_loop import BackgroundLoop
+
+if TYPE_CHECKING:
+    from swarm.models.modules import OutputHead
 
 logger = logging.getLogger(__name__)
 
 UNRESOLVED = "unresolved"
 NO_CHECKER = "no_checker"
+OWN_HIDDEN_STATES = "its predictions contradict its own hidden states"
 
 
 class UnverifiedResultError(SwarmError):
-    """A spot check found no majority under a policy that accepts only verified results."""
+    """A spot check found no majority and no other route, or no checker under a policy that accepts only verified
+    results."""
+
+
+class UnresolvedCheck(Exception):
+    """Two servers disagreed on a hop with no third opinion: both are avoided now, and the hop must be redone on
+    another route (raised to :class:`~swarm.client.sequence.RemoteSequence`, which does so)."""
 
 
 @dataclass
@@ -48,10 +74,17 @@ class SpotCheckOutcome:
     checkers: list[str]
     verdict: str  # "agreed", "primary_faulty", "checker_faulty", "unresolved", "no_checker"
     reuse: bool = False  # the checked call reused the activation cache
+    note: str = ""  # how a verdict without a majority of servers was reached
 
     def to_dict(self) -> dict:
         return {"step": self.step, "blocks": list(self.blocks), "primary": self.primary,
-                "checkers": self.checkers, "verdict": self.verdict, "reuse": self.reuse}
+                "checkers": self.checkers, "verdict": self.verdict, "reuse": self.reuse, "note": self.note}
+
+
+def schedule_rng(seed: Optional[int]) -> random.Random:
+    """The draws of which hops to check: from ``seed`` (reproducible), or with None from ``os.urandom`` on every
+    draw, so that neither a server nor another client can predict them."""
+    return random.SystemRandom() if seed is None else random.Random(seed)
 
 
 def relative_difference(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -67,6 +100,11 @@ def answers_agree(a: torch.Tensor, b: torch.Tensor, rtol: float) -> bool:
     if a.dtype != torch.float64:
         return relative_difference(a, b) <= rtol
     return torch.equal(a[..., 0], b[..., 0]) and relative_difference(a[..., 1:], b[..., 1:]) <= rtol
+
+
+def without_head(request: ForwardRequest) -> ForwardRequest:
+    """The same call asking for hidden states instead of a head server's predictions."""
+    return dataclasses.replace(request, extra={k: v for k, v in request.extra.items() if k != "head"})
 
 
 class FillInputs:
@@ -98,21 +136,31 @@ class FillInputs:
             self._inputs.clear()
 
 
+Holders = Callable[[int, int, frozenset[str], bool, Optional[str]], list[str]]
+
+
 class SpotChecker:
-    """Draws which hops to check (from a seed: reproducible) and follows the majority of the answers."""
+    """Draws which hops to check and follows the first two servers that agree (see the module doc)."""
 
     def __init__(self, health: PeerHealth, caller: RemoteCaller, loop: BackgroundLoop, config: ClientConfig,
-                 holders: Callable[[int, int, frozenset[str], bool, Optional[str]], list[str]]):
+                 holders: Holders):
         self.health, self.caller, self.loop, self.config = health, caller, loop, config
-        self.holders = holders
+        self.holders = holders  # (start, end, avoid, head, adapter kind) -> usable holders, fastest first
         self.rtol = config.spot_check_rtol
         self.fraction = config.spot_check_fraction
         self.require_verified = False  # set by the request's policy: stop instead of returning unverified tokens
-        self.rng = random.Random(config.spot_check_seed)
+        self.rng = schedule_rng(config.spot_check_seed)
         self.outcomes: list[SpotCheckOutcome] = []
         self.fills = FillInputs()
+        # The client's own final norm and head, to score a replica's hidden states for a head hop (None: only
+        # head servers can check head servers).
+        self.load_head: Optional[Callable[[], "OutputHead"]] = None
+        self._said_scoring = False
 
-    def maybe_check(self, request: ForwardRequest, primary: str, output: torch.Tensor) -> torch.Tensor:
+    def maybe_check(self, request: ForwardRequest, primary: str, output: torch.Tensor,
+                    head: Optional[HeadQuery] = None) -> torch.Tensor:
+        """``output`` (``primary``'s answer to ``request``: predictions when ``head`` was asked) or, when this hop
+        is drawn for a check, the majority's answer."""
         if self.fraction <= 0:
             return output
         cache = request.extra.get("cache")
@@ -120,41 +168,83 @@ class SpotChecker:
             self.fills.remember(request)
         if self.rng.random() >= self.fraction:
             return output
-        return self.check(request, primary, output)
+        return self.check(request, primary, output, head)
 
-    def check(self, request: ForwardRequest, primary: str, output: torch.Tensor) -> torch.Tensor:
-        """Compare with a second server; on disagreement ask a third and follow the majority."""
+    def check(self, request: ForwardRequest, primary: str, output: torch.Tensor,
+              head: Optional[HeadQuery] = None) -> torch.Tensor:
+        """Ask other holders until two servers agree; the first agreeing pair wins (see the module doc)."""
         asked: list[str] = []
         answers: dict[str, torch.Tensor] = {primary: output}
-        kind = request.prompt_kind if request.prompts is not None else None
-        for peer in self.holders(request.start, request.end, frozenset({primary}), "head" in request.extra, kind):
-            result = self._call(peer, request)
-            if result is None:
+        for peer, holds_head in self._checkers(request, primary, head):
+            answer = self._answer(peer, request, head, holds_head)
+            if answer is None:
                 continue
             asked.append(peer)
-            answers[peer] = result
-            verdict = self._verdict(answers, primary)
-            if verdict is not None:
-                return self._conclude(request, primary, asked, answers, verdict)
-        verdict = NO_CHECKER if not asked else UNRESOLVED
-        self._record(request, primary, asked, verdict)
-        if verdict == UNRESOLVED:
-            return self._unresolved(request, primary, asked, answers)
-        if self.require_verified:  # nothing to compare with: unverified, which this request does not accept
-            raise UnverifiedResultError(
-                f"no other usable server holds blocks {request.start}:{request.end} to check {primary[-8:]} at step "
-                f"{request.step}; this request accepts only verified results, so every span needs two holders it "
-                "may use (for a restricted request: two trusted peers)")
-        return output
+            answers[peer] = answer
+            pair = self._agreeing_pair(answers)
+            if pair is not None:
+                return self._conclude(request, primary, asked, answers, pair)
+        if not asked:
+            return self._no_checker(request, primary, output)
+        if head is not None:
+            honest = self._contradicted_by_own_hidden_states(request, primary, head, answers)
+            if honest is not None:
+                return self._conclude(request, primary, asked, answers, (honest, honest), OWN_HIDDEN_STATES)
+        return self._unresolved(request, primary, asked)
 
-    def _unresolved(self, request: ForwardRequest, primary: str, asked: list[str],
-                    answers: dict[str, torch.Tensor]) -> torch.Tensor:
-        what = (f"spot check of {primary[-8:]} on blocks {request.start}:{request.end} at step {request.step} "
-                f"unresolved: {', '.join(p[-8:] for p in asked)} disagreed and no third server holds these blocks")
-        if self.require_verified:
-            raise UnverifiedResultError(f"{what}; this request accepts only verified results")
-        self.health.dispute(primary, what)
-        return answers[asked[0]]
+    def _checkers(self, request: ForwardRequest, primary: str,
+                  head: Optional[HeadQuery]) -> list[tuple[str, bool]]:
+        """Who may check, and whether each answers a head query: holders of the blocks; for a head hop head servers
+        first, then (when this client can score hidden states) replicas without the head."""
+        kind = request.prompt_kind if request.prompts is not None else None
+        avoid = frozenset({primary})
+        with_head = self.holders(request.start, request.end, avoid, head is not None, kind)
+        checkers = [(peer, head is not None) for peer in with_head]
+        if head is None or self.load_head is None:
+            return checkers
+        return checkers + [(peer, False) for peer in self.holders(request.start, request.end, avoid, False, kind)
+                           if peer not in with_head]
+
+    def _answer(self, peer: str, request: ForwardRequest, head: Optional[HeadQuery],
+                holds_head: bool) -> Optional[torch.Tensor]:
+        """``peer``'s answer in the primary's form (for a head hop: predictions, its own when it holds the head,
+        else its hidden states scored here); None when the call failed."""
+        if head is None or holds_head:
+            return self._call(peer, request)
+        hidden = self._call(peer, without_head(request))
+        return None if hidden is None else self._score(hidden, head, peer)
+
+    def _score(self, hidden: torch.Tensor, head: HeadQuery, peer: str) -> torch.Tensor:
+        """The predictions a head server should answer for these hidden states, computed by this client's head."""
+        if not self._said_scoring:
+            logger.info("checking a head server's predictions against %s's hidden states scored by this client's "
+                        "own head (loaded once for spot checks)", peer[-8:])
+            self._said_scoring = True
+        return predict_from_hidden(self.load_head(), hidden, head)
+
+    def _contradicted_by_own_hidden_states(self, request: ForwardRequest, primary: str, head: HeadQuery,
+                                           answers: dict[str, torch.Tensor]) -> Optional[str]:
+        """The checker whose predictions the head server's own hidden states give (scored here), when its answered
+        predictions differ from them: then the head server contradicts itself. None otherwise (this can only
+        convict the head server, never clear it: its two answers are one opinion)."""
+        if self.load_head is None:
+            return None
+        hidden = self._call(primary, without_head(request))
+        if hidden is None:
+            return None
+        own = self._score(hidden, head, primary)
+        return next((peer for peer, answer in answers.items()
+                     if peer != primary and answers_agree(own, answer, self.rtol)), None)
+
+    def _agreeing_pair(self, answers: dict[str, torch.Tensor]) -> Optional[tuple[str, str]]:
+        """The earlier server whose answer the newest one agrees with, and the newest: two independent servers
+        that computed the same. None when the newest agrees with nobody."""
+        peers = list(answers)
+        newest = peers[-1]
+        for other in peers[:-1]:
+            if answers_agree(answers[newest], answers[other], self.rtol):
+                return other, newest
+        return None
 
     def _call(self, peer: str, request: ForwardRequest) -> Optional[torch.Tensor]:
         """The checker's answer to ``request``; for a reuse pass, after the same fill. None if it failed."""
@@ -188,32 +278,41 @@ class SpotChecker:
                                {"cache": dict(directive, keep_from=version)}, request.prompts, request.prompt_kind)
         return self._forward(peer, reuse)
 
-    def _verdict(self, answers: dict[str, torch.Tensor], primary: str) -> Optional[str]:
-        peers = list(answers)
-        if len(peers) == 2:
-            agree = answers_agree(answers[peers[1]], answers[primary], self.rtol)
-            return "agreed" if agree else None
-        # Three answers: the odd one out is faulty.
-        a, b, c = peers[0], peers[1], peers[2]
-        ab = answers_agree(answers[a], answers[b], self.rtol)
-        ac = answers_agree(answers[a], answers[c], self.rtol)
-        bc = answers_agree(answers[b], answers[c], self.rtol)
-        if bc and not ab and not ac:
-            return "primary_faulty"
-        if ac and not ab:
-            return "checker_faulty"
-        return None
+    def _conclude(self, request: ForwardRequest, primary: str, asked: list[str], answers: dict[str, torch.Tensor],
+                  pair: tuple[str, str], note: str = "") -> torch.Tensor:
+        """Follow the agreeing ``pair``: every server whose answer disagrees with it is distrusted."""
+        winner = pair[0]
+        liars = [peer for peer in answers if peer not in pair]
+        verdict = "agreed" if not liars else "checker_faulty" if primary in pair else "primary_faulty"
+        self._record(request, primary, asked, verdict, note)
+        for liar in liars:
+            reason = f"spot check: returned wrong results for blocks {request.start}:{request.end}"
+            self.health.distrust(liar, f"{reason} ({note})" if note else reason)
+        return answers[winner]
 
-    def _conclude(self, request, primary, asked, answers, verdict: str) -> torch.Tensor:
-        self._record(request, primary, asked, verdict)
-        if verdict == "agreed":
-            return answers[primary]
-        liar = primary if verdict == "primary_faulty" else asked[0]
-        self.health.distrust(liar, f"spot check: returned wrong results for blocks {request.start}:{request.end}")
-        honest = asked[-1] if verdict == "primary_faulty" else primary
-        return answers[honest]
+    def _no_checker(self, request: ForwardRequest, primary: str, output: torch.Tensor) -> torch.Tensor:
+        """Nobody else can compute this hop: it stays unchecked (and says so), unless the request needs it checked."""
+        self._record(request, primary, [], NO_CHECKER)
+        if self.require_verified:
+            raise UnverifiedResultError(
+                f"no other usable server holds blocks {request.start}:{request.end} to check {primary[-8:]} at step "
+                f"{request.step}; this request accepts only verified results, so every span needs two holders it "
+                "may use (for a restricted request: two trusted peers)")
+        return output
 
-    def _record(self, request: ForwardRequest, primary: str, asked: list[str], verdict: str) -> None:
+    def _unresolved(self, request: ForwardRequest, primary: str, asked: list[str]) -> NoReturn:
+        """No two servers agree: avoid every one of them and have the hop redone elsewhere (never trust one)."""
+        self._record(request, primary, asked, UNRESOLVED)
+        peers = [primary, *asked]
+        what = (f"spot check of blocks {request.start}:{request.end} at step {request.step} unresolved: "
+                f"{' and '.join(p[-8:] for p in peers)} disagreed and no third opinion exists")
+        if self.require_verified:
+            raise UnverifiedResultError(f"{what}; this request accepts only verified results")
+        for peer in peers:
+            self.health.dispute(peer, what)
+        raise UnresolvedCheck(what)
+
+    def _record(self, request: ForwardRequest, primary: str, asked: list[str], verdict: str, note: str = "") -> None:
         reuse = request.extra.get("cache", {}).get("rows") is not None
         self.outcomes.append(SpotCheckOutcome(request.step, (request.start, request.end), primary, asked, verdict,
-                                              reuse))
+                                              reuse, note))

@@ -16,9 +16,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
+
+if TYPE_CHECKING:
+    from swarm.models.modules import OutputHead
 
 PREDICTION_FIELDS = ("token", "probability", "margin", "negative_entropy")
 """The columns of a prediction row (float64; the token id is exact in float64)."""
@@ -168,6 +171,16 @@ def predict_states(logits: torch.Tensor, query: HeadQuery) -> torch.Tensor:
         scores = masked_scores(logits[i, first:first + query.block_length], query.mask_token_id)
         out[i] = predict_block(scores, query.temperature, query.seed, step)
     return out
+
+
+def predict_from_hidden(head: "OutputHead", hidden: torch.Tensor, query: HeadQuery) -> torch.Tensor:
+    """The answer a head server owes ``query`` for the hidden states after the last block (batch, length, hidden):
+    the computation a head server runs (final norm and head over the scored rows, then :func:`predict_states`),
+    here for a client that checks a head server's predictions against another server's hidden states."""
+    dtype = next(head.parameters()).dtype
+    with torch.no_grad():
+        logits = head.scored_logits(hidden.to(dtype), 0, query.scored)
+    return predict_states(logits.cpu(), query)
 
 
 def check_predictions(predictions: torch.Tensor, query: HeadQuery, vocab_size: int) -> Optional[str]:

@@ -7,8 +7,6 @@ kind or shape, claiming a digest for other bytes, a malformed digest; a flood of
 """
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -41,24 +39,6 @@ def test_the_store_is_bounded_overall_and_per_peer():
     with pytest.raises(ValueError):
         AdapterTensors(max_bytes=10, peer_share=0.0)
     assert not AdapterTensors(0).enabled
-
-
-def test_each_peer_finds_only_its_own_uploads():
-    """Naming a digest finds nothing of another peer's; uploading its bytes makes the uploader a copy of its
-    own, which the uploader's flood then evicts without touching the original; info shows a peer its own only."""
-    tensor = torch.zeros(10, 25)
-    size = 1000 + ENTRY_OVERHEAD_BYTES
-    store = AdapterTensors(max_bytes=8 * size, peer_share=0.5)
-    assert store.put("secret", tensor, LORA, "victim")
-    assert store.get("secret", "mallory") is None, "a digest told mallory the victim's adapter is in use"
-    assert store.put("secret", tensor, LORA, "mallory")
-    for i in range(8):
-        store.put(f"flood{i}", tensor, LORA, "mallory")
-    assert store.get("secret", "victim") is not None, "mallory's upload and flood took the victim's entry"
-    assert store.info("mallory") == {"max_bytes": 8 * size, "max_peer_bytes": 4 * size, "entries": 4,
-                                     "bytes": 4 * size, "hits": 0}
-    assert store.info("victim")["hits"] == 1 and store.info("nobody")["entries"] == 0
-    assert store.info()["misses"] == 1 and store.info()["entries"] == 5  # the operator's view: everything
 
 
 def test_a_digest_names_exactly_the_kind_shape_and_bytes():
@@ -210,74 +190,3 @@ def test_a_server_that_keeps_no_adapter_tensors_gets_them_every_time(local_swarm
     finally:
         local_swarm.terminate(server)
 
-
-# ----- hostile peers and servers (issue 33, item 6) ---------------------------------------------------------
-FORGETFUL = (str(Path(__file__).with_name("forgetful_server.py")),)
-
-
-@pytest.fixture(scope="module")
-def small_stores(local_swarm, tmp_path_factory):
-    """Two servers of blocks 0:4 with 1 MiB of adapter memory (0.5 MiB a peer), each under its own prefix: an
-    honest one, and one that says it keeps every tensor and never has it."""
-    servers = {}
-    for name, entry in (("honest", ("-m", "swarm.server")), ("forgetful", FORGETFUL)):
-        path = make_checkpoint(tmp_path_factory.mktemp(name) / f"small-{name}", tiny_config(), seed=0)
-        servers[name] = (path, local_swarm.start_server(str(path), "0:4", "--compute-threads", "1",
-                                                        "--adapter-memory-mb", "1", entry=entry, wait=False))
-    for _, server in servers.values():
-        local_swarm.wait_ready(server)
-    yield servers
-    for _, server in servers.values():
-        local_swarm.terminate(server)
-
-
-def lora_request(weights: torch.Tensor, digest: str | None = None):
-    hidden = torch.randn(1, 5, 32, generator=torch.Generator().manual_seed(1))
-    return request_parts(ForwardRequest(0, 2, hidden, prompts=weights, prompt_kind=LORA, prompt_digest=digest))
-
-
-def test_a_digest_tells_a_stranger_nothing_and_cannot_be_taken_over(small_stores, local_lm):
-    from tests.test_security_server import Peer
-
-    server = small_stores["honest"][1]
-    rows = BlockWidths.of(local_lm.config).rows(32)  # 128 KiB a tensor: four fill a peer's share
-    secret = 0.3 * torch.randn(2, rows, 32, generator=torch.Generator().manual_seed(5))
-    digest = adapter_digest(secret, LORA)
-    victim, stranger = Peer(server), Peer(server)
-    try:
-        assert victim.stream(lora_request(secret))[1].get("prompt_held") is True
-        with pytest.raises(RemoteError) as probed:  # the stranger has the bytes and asks whether it is in use
-            stranger.stream(lora_request(secret, digest))
-        assert probed.value.code == ErrorCode.ADAPTER_MISS
-        seen = stranger.info()["adapter_tensors"]
-        assert seen["entries"] == 0 and seen["bytes"] == 0 and "misses" not in seen and "stored" not in seen
-        assert stranger.stream(lora_request(secret))[1].get("prompt_held") is True  # a copy of its own
-        for seed in range(6):  # then a flood past its share, which evicts its own oldest uploads
-            stranger.stream(lora_request(torch.randn(2, rows, 32, generator=torch.Generator().manual_seed(seed))))
-        assert stranger.info()["adapter_tensors"]["bytes"] <= stranger.info()["adapter_tensors"]["max_peer_bytes"]
-        output, _ = victim.stream(lora_request(secret, digest))  # the victim's entry is still its own
-        with torch.no_grad():
-            hidden = torch.randn(1, 5, 32, generator=torch.Generator().manual_seed(1))
-            expected = local_lm.model.span(hidden, blocks=(0, 2), prompts=secret, prompt_kind=LORA)
-        assert (output - expected).abs().max().item() <= TOLERANCE
-        assert victim.info()["adapter_tensors"]["hits"] == 1
-    finally:
-        victim.close()
-        stranger.close()
-
-
-def test_a_server_that_never_keeps_what_it_claims_is_not_believed_for_long(local_swarm, small_stores, local_lm,
-                                                                           tmp_path):
-    """Without the score every named call would miss and be resent: one wasted call per step, forever."""
-    from swarm.client import DistributedDiffusionLM
-    from swarm.remote import MAX_BROKEN_HOLDS
-
-    path, server = small_stores["forgetful"]
-    adapter_dir = str(lora_for(local_lm, rank=2, seed=9).save(tmp_path / "lora"))
-    peers = local_swarm.initial_peers
-    with DistributedDiffusionLM.from_pretrained(path, initial_peers=peers, request_timeout=20) as lm:
-        result = lm.generate("forgetful", adapter=adapter_dir, **GENERATION)
-        assert result.token_ids == local_lm.generate("forgetful", adapter=adapter_dir, **GENERATION).token_ids
-        assert GENERATION["steps"] > 2 * MAX_BROKEN_HOLDS
-        assert lm.caller.adapter_misses == MAX_BROKEN_HOLDS, "the liar kept being believed"
-        assert lm.caller.holds_distrusted == {server.peer_id}

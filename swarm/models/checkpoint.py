@@ -2,7 +2,8 @@
 
 A sharded checkpoint has ``model.safetensors.index.json`` (the Hugging Face layout: ``weight_map`` from
 tensor name to shard file). Readers open only the shards holding the tensors they ask for and read only
-those tensors, so a server hosting blocks 0:8 never touches the bytes of blocks 8:16.
+those tensors, so a server hosting blocks 0:8 never touches the bytes of blocks 8:16; for a model named by repo
+id the other shards need not even be on disk (they are fetched only when a part reads from them).
 """
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import json
 import logging
 from collections import defaultdict
 from pathlib import Path
-from typing import Callable, Iterable, Optional, TypeVar
+from typing import Callable, Iterable, Optional, Sequence, TypeVar
 
 import torch
 from safetensors import safe_open
@@ -24,6 +25,9 @@ logger = logging.getLogger(__name__)
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+
+# Brings the named files of a checkpoint directory that are not there yet (see swarm.models.hub).
+Fetch = Callable[[Sequence[str]], None]
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -99,10 +103,16 @@ def _natural_key(name: str) -> list:
 class CheckpointReader:
     """Reads named tensors from a checkpoint directory, touching only the shards that hold them."""
 
-    def __init__(self, directory: str | Path, rename: Callable[[str], str] = lambda name: name):
+    def __init__(self, directory: str | Path, rename: Callable[[str], str] = lambda name: name,
+                 fetch: Optional[Fetch] = None):
+        """``fetch`` brings files of ``directory`` that are not there yet (a model named by repo id: its shards
+        come from the hub when a part first needs them); without it every file must already be there."""
         self.directory = Path(directory)
         self.rename = rename
+        self.fetch = fetch
         index = self.directory / INDEX_FILE
+        if not index.exists() and fetch is not None:
+            fetch([SINGLE_FILE])  # a repo without an index holds all its weights in one file
         if index.exists():
             self.weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
         elif (self.directory / SINGLE_FILE).exists():
@@ -128,6 +138,8 @@ class CheckpointReader:
             if stored not in self.weight_map:
                 raise KeyError(f"tensor {stored!r} (for {name!r}) is not in the checkpoint at {self.directory}")
             by_file[self.weight_map[stored]].append((name, stored))
+        if self.fetch is not None:
+            self.fetch(list(by_file))
         out = {}
         for file_name, pairs in by_file.items():
             self.files_opened.add(file_name)

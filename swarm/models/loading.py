@@ -2,14 +2,16 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
-from swarm.models.checkpoint import CheckpointReader, load_module, parse_dtype
+from swarm.models.checkpoint import CheckpointReader, Fetch, load_module, parse_dtype
 from swarm.models.config import ModelConfig
 from swarm.models.formats import CheckpointFormat, detect_format
+from swarm.models.hub import HubCheckpoint, HubName
 from swarm.models.modules import BlockSpan, DiffusionTransformer, OutputHead, TokenEmbedding
 from swarm.models.tokenizer import ByteTokenizer, HFTokenizer, SubwordTokenizer, Tokenizer
 
@@ -62,32 +64,59 @@ def embedded_models() -> dict[str, Path]:
     return found
 
 
-def resolve_model_path(name_or_path: str | Path = DEFAULT_MODEL) -> Path:
-    """A directory path is used as is; a bare name picks a model embedded in the package."""
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a named model's files are: a directory, and for a model named by repo id how to fetch the files of
+    that directory a part needs that are not there yet."""
+
+    path: Path
+    fetch: Optional[Fetch] = None
+
+
+def resolve_model(name_or_path: str | Path = DEFAULT_MODEL) -> ModelSource:
+    """The one way every command and loader names a model, tried in this order:
+
+    * a checkpoint directory, used as is (``./ORG/NAME`` picks a local copy over the hub);
+    * the name of a model embedded in the package (``default``, the experts);
+    * a Hugging Face repo id, ``ORG/NAME`` or ``ORG/NAME@REVISION``: its config and tokenizer files are fetched
+      now, its shards when a part needs them (:mod:`swarm.models.hub`).
+    """
     path = Path(name_or_path).expanduser()
     if path.is_dir():
-        return path
+        return ModelSource(path)
     embedded = embedded_models()
     if str(name_or_path) in embedded:
-        return embedded[str(name_or_path)]
+        return ModelSource(embedded[str(name_or_path)])
+    hub_name = HubName.parse(str(name_or_path))
+    if hub_name is not None:
+        checkpoint = HubCheckpoint(hub_name)
+        return ModelSource(checkpoint.path, checkpoint.fetch)
     raise FileNotFoundError(
-        f"model {str(name_or_path)!r} is neither a checkpoint directory nor an embedded model "
-        f"(embedded: {', '.join(embedded) or 'none'})"
+        f"model {str(name_or_path)!r} is neither a checkpoint directory, an embedded model "
+        f"(embedded: {', '.join(embedded) or 'none'}) nor a Hugging Face repo id (ORG/NAME or ORG/NAME@REVISION)"
     )
+
+
+def resolve_model_path(name_or_path: str | Path = DEFAULT_MODEL) -> Path:
+    """The directory of a named model (for a repo id: its config and tokenizer files, not its weights)."""
+    return resolve_model(name_or_path).path
 
 
 class ModelFiles:
     """A checkpoint directory: its config, a lazy tensor reader, and constructors for each part.
 
     The directory may be in the native format or in LLaDA's or Dream's published layout
-    (:mod:`swarm.models.formats`); parts are built the same way for all, reading only their own tensors.
+    (:mod:`swarm.models.formats`); parts are built the same way for all, reading only their own tensors. For a
+    model named by repo id only the shards holding those tensors are downloaded, when the part is built: a
+    server's span fetches its blocks' shards (and the head's with ``--head``), a client the embedding's.
     """
 
     def __init__(self, name_or_path: str | Path = DEFAULT_MODEL):
-        self.path = resolve_model_path(name_or_path)
+        source = resolve_model(name_or_path)
+        self.path = source.path
         self.format: CheckpointFormat = detect_format(self.path)
         self.config: ModelConfig = self.format.load_config(self.path)
-        self.reader = CheckpointReader(self.path, rename=self.format.tensor_name)
+        self.reader = CheckpointReader(self.path, rename=self.format.tensor_name, fetch=source.fetch)
 
     @property
     def default_dtype(self) -> torch.dtype:

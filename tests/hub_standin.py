@@ -1,0 +1,184 @@
+"""A stand-in for the Hugging Face hub's file endpoint, on 127.0.0.1, for tests that cannot reach the real one.
+
+It serves directories as repos under the URLs ``huggingface_hub`` asks for
+(``{endpoint}/{repo_id}/resolve/{revision}/{filename}``, ``constants.HUGGINGFACE_CO_URL_TEMPLATE``), answering
+HEAD and GET with the headers ``hf_hub_download`` reads (``X-Repo-Commit``, ``ETag``, ``Content-Length``), byte
+ranges for resumed downloads, and the hub's errors as ``huggingface_hub`` recognises them (``X-Error-Code``:
+``RepoNotFound``, ``RevisionNotFound``, ``EntryNotFound``, ``GatedRepo``). It counts the bytes it sends per
+file, so a test can tell exactly what a process downloaded.
+
+    with HubStandin() as hub:
+        hub.add_repo("org/model", directory)          # branch main
+        hub.add_repo("org/model", other, ref="v2")    # a second revision
+        env = {"HF_ENDPOINT": hub.url, "HF_HOME": ...}
+"""
+from __future__ import annotations
+
+import hashlib
+import threading
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Optional
+from urllib.parse import unquote, urlsplit
+
+
+@dataclass
+class Repo:
+    refs: dict[str, str] = field(default_factory=dict)  # branch or tag -> commit
+    commits: dict[str, Path] = field(default_factory=dict)  # commit -> directory of its files
+    gated: bool = False
+
+
+@dataclass(frozen=True)
+class Answer:
+    status: int
+    headers: dict[str, str]
+    file: Optional[Path] = None
+
+
+def commit_id(repo_id: str, ref: str) -> str:
+    """A 40-hex commit id, as the hub's (huggingface_hub treats such a revision as a commit)."""
+    return hashlib.sha1(f"{repo_id}@{ref}".encode()).hexdigest()
+
+
+def error(status: int, code: str, message: str, commit: Optional[str] = None) -> Answer:
+    headers = {"X-Error-Code": code, "X-Error-Message": message}
+    if commit:
+        headers["X-Repo-Commit"] = commit
+    return Answer(status, headers)
+
+
+class HubStandin:
+    """A threaded HTTP server on 127.0.0.1 serving repos; ``served`` lists (repo_id, filename, bytes) per GET."""
+
+    def __init__(self):
+        self.repos: dict[str, Repo] = {}
+        self.served: list[tuple[str, str, int]] = []
+        self._etags: dict[Path, str] = {}
+        self._lock = threading.Lock()
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler_class())
+        self._server.daemon_threads = True
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+    @property
+    def url(self) -> str:
+        host, port = self._server.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def __enter__(self) -> "HubStandin":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+    # ----- what is served ------------------------------------------------------------------------------------
+    def add_repo(self, repo_id: str, directory: Path, ref: str = "main", gated: bool = False) -> str:
+        """Serve ``directory`` as ``ref`` of ``repo_id``; returns the commit id it is served as."""
+        repo = self.repos.setdefault(repo_id, Repo())
+        repo.gated = repo.gated or gated
+        commit = commit_id(repo_id, ref)
+        repo.refs[ref] = commit
+        repo.commits[commit] = Path(directory)
+        return commit
+
+    def bytes_served(self, repo_id: Optional[str] = None) -> dict[str, int]:
+        """Bytes sent per file name (of one repo, or of all)."""
+        totals: dict[str, int] = {}
+        with self._lock:
+            for repo, filename, nbytes in self.served:
+                if repo_id in (None, repo):
+                    totals[filename] = totals.get(filename, 0) + nbytes
+        return totals
+
+    def reset_counts(self) -> None:
+        with self._lock:
+            self.served.clear()
+
+    # ----- answering -----------------------------------------------------------------------------------------
+    def answer(self, path: str) -> Answer:
+        """What the hub would answer for ``/{org}/{name}/resolve/{revision}/{filename}``."""
+        parts = [unquote(p) for p in urlsplit(path).path.split("/")[1:]]
+        if len(parts) < 5 or parts[2] != "resolve":
+            return Answer(404, {})
+        repo_id, revision, filename = f"{parts[0]}/{parts[1]}", parts[3], "/".join(parts[4:])
+        repo = self.repos.get(repo_id)
+        if repo is None:
+            return error(404, "RepoNotFound", "Repository not found")
+        if repo.gated:
+            return error(403, "GatedRepo", "Access to this model is restricted: accept its conditions")
+        commit = repo.refs.get(revision, revision if revision in repo.commits else None)
+        if commit is None:
+            return error(404, "RevisionNotFound", "Invalid rev id: " + revision)
+        file = repo.commits[commit] / filename
+        if not file.is_file():
+            return error(404, "EntryNotFound", f"{filename} does not exist on {revision!r}", commit)
+        headers = {"X-Repo-Commit": commit, "ETag": f'"{self._etag(file)}"', "Accept-Ranges": "bytes"}
+        return Answer(200, headers, file)
+
+    def _etag(self, file: Path) -> str:
+        with self._lock:
+            if file not in self._etags:
+                self._etags[file] = hashlib.sha256(file.read_bytes()).hexdigest()
+            return self._etags[file]
+
+    def _record(self, path: str, nbytes: int) -> None:
+        parts = [unquote(p) for p in urlsplit(path).path.split("/")[1:]]
+        with self._lock:
+            self.served.append((f"{parts[0]}/{parts[1]}", "/".join(parts[4:]), nbytes))
+
+    def _handler_class(self) -> type[BaseHTTPRequestHandler]:
+        hub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_HEAD(self) -> None:  # noqa: N802 (http.server's naming)
+                self._reply(send_body=False)
+
+            def do_GET(self) -> None:  # noqa: N802
+                self._reply(send_body=True)
+
+            def _reply(self, send_body: bool) -> None:
+                answer = hub.answer(self.path)
+                if answer.file is None:
+                    self._send(answer.status, answer.headers, b"")
+                    return
+                data = answer.file.read_bytes()
+                start = self._range_start(len(data))
+                status = 206 if start else 200
+                headers = dict(answer.headers)
+                if start:
+                    headers["Content-Range"] = f"bytes {start}-{len(data) - 1}/{len(data)}"
+                body = data[start:]
+                if not send_body:
+                    headers["Content-Length"] = str(len(body))
+                    self._send(status, headers, b"", length_set=True)
+                    return
+                hub._record(self.path, len(body))
+                self._send(status, headers, body)
+
+            def _range_start(self, size: int) -> int:
+                """Where a ``Range: bytes=N-`` request (a resumed download) starts; 0 without one."""
+                spec = self.headers.get("Range", "")
+                if not spec.startswith("bytes="):
+                    return 0
+                start = int(spec[len("bytes="):].split("-", 1)[0] or 0)
+                return min(start, size)
+
+            def _send(self, status: int, headers: dict[str, str], body: bytes, length_set: bool = False) -> None:
+                self.send_response(status)
+                for key, value in headers.items():
+                    self.send_header(key, value)
+                if not length_set:
+                    self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                if body:
+                    self.wfile.write(body)
+
+            def log_message(self, format: str, *args) -> None:  # quiet: tests read .served instead
+                pass
+
+        return Handler

@@ -1,0 +1,249 @@
+"""Models named by Hugging Face repo id, fetched by ``huggingface_hub`` from a local stand-in of the hub.
+
+The stand-in (tests/hub_standin.py) serves a real-layout LLaDA checkpoint, one shard per block, under the hub's
+file URLs on 127.0.0.1 and counts the bytes it sends, so each test says exactly what a role downloaded.
+In-process tests point ``huggingface_hub``'s constants (read from the environment at import) at the stand-in and
+a fresh cache; subprocesses get the same through ``HF_ENDPOINT`` / ``HF_HOME`` / ``HF_HUB_OFFLINE``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from huggingface_hub import constants
+from safetensors.torch import save_file
+
+from swarm.models.checkpoint import INDEX_FILE
+from swarm.models.hub import HubName, ModelFetchError
+from swarm.models.loading import ModelFiles, resolve_model_path
+from tests.hub_standin import HubStandin, commit_id
+from tests.test_formats import LLADA_CONFIG, llada_shapes, random_tensors, save_llada_tokenizer
+
+ROOT = Path(__file__).resolve().parent.parent
+REPO = "org/llada-tiny"
+NUM_BLOCKS = 4
+CONFIG = dict(LLADA_CONFIG, n_layers=NUM_BLOCKS)
+EMBEDDING, HEAD = "model.transformer.wte.weight", ("model.transformer.ln_f.weight", "model.transformer.ff_out.weight")
+SMALL_FILES = {"config.json", INDEX_FILE, "tokenizer.json", "tokenizer_config.json"}  # at least these
+
+
+# ----- a published-layout checkpoint, sharded as the real ones are ------------------------------------------
+def shard_group(name: str) -> int:
+    """Shard 0 holds the embedding, shard 1+i block i, the last shard the final norm and output head."""
+    if name == EMBEDDING:
+        return 0
+    if ".blocks." in name:
+        return 1 + int(name.split(".blocks.")[1].split(".")[0])
+    return NUM_BLOCKS + 1
+
+
+def write_sharded_llada(directory: Path, seed: int) -> Path:
+    """``config.json``, tokenizer files, ``model-0000K-of-0000N.safetensors`` and the index, as on the hub."""
+    directory.mkdir(parents=True, exist_ok=True)
+    save_llada_tokenizer(directory)
+    (directory / "config.json").write_text(json.dumps(CONFIG, indent=2))
+    tensors = random_tensors(llada_shapes(CONFIG), seed=seed)
+    count = NUM_BLOCKS + 2
+    shards: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in tensors.items():
+        shards.setdefault(f"model-{shard_group(name) + 1:05d}-of-{count:05d}.safetensors", {})[name] = tensor
+    for file_name, shard in shards.items():
+        save_file(shard, str(directory / file_name), metadata={"format": "pt"})
+    weight_map = {name: file for file, shard in shards.items() for name in shard}
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    (directory / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
+    return directory
+
+
+def shards_of(directory: Path, prefixes: tuple[str, ...]) -> set[str]:
+    weight_map = json.loads((directory / INDEX_FILE).read_text())["weight_map"]
+    return {file for name, file in weight_map.items() if name.startswith(prefixes)}
+
+
+def small_files(directory: Path) -> set[str]:
+    """Config, index and tokenizer files: what every role fetches when it names the model."""
+    return {path.name for path in directory.iterdir() if not path.name.endswith(".safetensors")}
+
+
+def blocks(start: int, end: int) -> tuple[str, ...]:
+    return tuple(f"model.transformer.blocks.{i}." for i in range(start, end))
+
+
+# ----- fixtures: one stand-in per module, a fresh cache per test --------------------------------------------
+@pytest.fixture(scope="module")
+def published(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("published")
+    return {"main": write_sharded_llada(root / "main", seed=1), "v2": write_sharded_llada(root / "v2", seed=2)}
+
+
+@pytest.fixture(scope="module")
+def hub(published):
+    with HubStandin() as standin:
+        standin.add_repo(REPO, published["main"])
+        standin.add_repo(REPO, published["v2"], ref="v2")
+        standin.add_repo("org/gated", published["main"], gated=True)
+        yield standin
+
+
+@pytest.fixture
+def hub_env(hub, tmp_path, monkeypatch) -> dict[str, str]:
+    """This process's huggingface_hub pointed at the stand-in and an empty cache; the same as environment
+    variables for subprocesses (which read them at import, as users' processes do)."""
+    home = tmp_path / "hf_home"
+    env = {"HF_ENDPOINT": hub.url, "HF_HOME": str(home), "HF_HUB_CACHE": str(home / "hub"),
+           "HF_HUB_DISABLE_TELEMETRY": "1", "NO_PROXY": "127.0.0.1", "no_proxy": "127.0.0.1"}
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(constants, "ENDPOINT", hub.url)
+    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", hub.url + "/{repo_id}/resolve/{revision}/{filename}")
+    monkeypatch.setattr(constants, "HF_HOME", str(home))
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(home / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    hub.reset_counts()
+    return env
+
+
+def cached_files(env: dict[str, str]) -> set[str]:
+    """File names in the cache's snapshots (what is on this machine's disk)."""
+    snapshots = Path(env["HF_HUB_CACHE"]).glob("models--*/snapshots/*/*")
+    return {path.name for path in snapshots if path.is_file()}
+
+
+def weight_files(names) -> set[str]:
+    return {name for name in names if name.endswith(".safetensors")}
+
+
+# ----- naming ----------------------------------------------------------------------------------------------
+def test_names_that_are_repo_ids_and_names_that_are_not():
+    assert HubName.parse("GSAI-ML/LLaDA-8B-Instruct") == HubName("GSAI-ML/LLaDA-8B-Instruct", "main")
+    assert HubName.parse("org/model@v1.0") == HubName("org/model", "v1.0")
+    assert HubName.parse("org/model@refs/pr/1") == HubName("org/model", "refs/pr/1")
+    for not_an_id in ("default", "/abs/dir", "./org/model", "a/b/c", "org/model@", "a/../b", "org--x/model"):
+        assert HubName.parse(not_an_id) is None, not_an_id
+
+
+def test_a_name_that_is_nothing_keeps_the_clear_error(hub_env):
+    with pytest.raises(FileNotFoundError, match="neither a checkpoint directory, an embedded model .* nor a "
+                                                "Hugging Face repo id"):
+        resolve_model_path("./no/such/dir")
+
+
+# ----- (a) a server downloads only its blocks' shards --------------------------------------------------------
+def test_server_span_downloads_only_the_shards_of_its_blocks(hub, hub_env, published):
+    files = ModelFiles(REPO)
+    assert weight_files(hub.bytes_served()) == set(), "naming the model fetches config and tokenizer, no weights"
+    span = files.span(0, 2)
+
+    wanted = shards_of(published["main"], blocks(0, 2))
+    served = hub.bytes_served(REPO)
+    assert weight_files(served) == wanted and len(wanted) == 2
+    assert all(served[f] == (published["main"] / f).stat().st_size for f in wanted), "each shard sent once, whole"
+    assert set(served) - wanted == small_files(published["main"]), "and every small file, once"
+    assert weight_files(cached_files(hub_env)) == wanted, "no other block's shard is on disk"
+    # the span loaded from a directory lacking other blocks' shards holds the published weights
+    expected = ModelFiles(published["main"]).span(0, 2).state_dict()
+    assert all(torch.equal(span.state_dict()[k], v) for k, v in expected.items())
+    assert files.path.name == "llada-tiny", "the DHT prefix is the model's name, as for a local copy"
+
+
+def test_server_with_the_head_also_fetches_the_head_shard_only(hub, hub_env, published):
+    files = ModelFiles(REPO)
+    files.span(2, 4)
+    files.head()
+    wanted = shards_of(published["main"], blocks(2, 4) + HEAD)
+    assert weight_files(hub.bytes_served()) == wanted
+    assert shards_of(published["main"], (EMBEDDING,)) & wanted == set()
+
+
+# ----- (b) a client fetches config, tokenizer and the embedding ---------------------------------------------
+def test_client_role_fetches_config_tokenizer_and_embedding_only(hub, hub_env, published):
+    files = ModelFiles(REPO)
+    files.tokenizer().encode("the cat sat")
+    files.embedding()
+    embedding_shard = shards_of(published["main"], (EMBEDDING,))
+    assert weight_files(hub.bytes_served()) == embedding_shard
+    assert SMALL_FILES <= set(hub.bytes_served())
+    files.head()  # a client scoring itself (no head server) fetches the head's shard then, not before
+    assert weight_files(hub.bytes_served()) == embedding_shard | shards_of(published["main"], HEAD)
+
+
+# ----- (c) revisions and the one-line errors ------------------------------------------------------------------
+def test_a_revision_is_fetched_as_named(hub, hub_env, published):
+    def embedding(name) -> torch.Tensor:
+        return ModelFiles(name).embedding().state_dict()["embed.weight"]
+
+    v2 = embedding(f"{REPO}@v2")
+    assert torch.equal(v2, embedding(published["v2"]))
+    assert not torch.equal(v2, embedding(REPO))
+    commits = {path.name for path in Path(hub_env["HF_HUB_CACHE"]).glob("models--*/snapshots/*")}
+    assert commits == {commit_id(REPO, "v2"), commit_id(REPO, "main")}, "each revision its own snapshot"
+
+
+@pytest.mark.parametrize("name, message", [
+    (f"{REPO}@no-such-branch", f"model {REPO} has no revision 'no-such-branch'"),
+    ("org/no-such-model", "model 'org/no-such-model' is neither a directory here nor a repository on http"),
+    ("org/gated", "model org/gated is gated: accept its terms at http"),
+])
+def test_missing_revision_repo_and_gated_repo_are_one_line_errors(hub_env, name, message):
+    with pytest.raises(ModelFetchError) as caught:
+        ModelFiles(name)
+    assert str(caught.value).startswith(message)
+    assert "\n" not in str(caught.value)
+    assert weight_files(cached_files(hub_env)) == set()
+
+
+def test_a_shard_missing_from_the_repo_is_a_clear_error(hub, hub_env, published, tmp_path):
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for path in published["main"].iterdir():
+        if path.name != "model-00002-of-00006.safetensors":  # block 0's shard, still in the index
+            (broken / path.name).symlink_to(path)
+    hub.add_repo("org/broken", broken)
+    files = ModelFiles("org/broken")
+    files.span(1, 2)
+    with pytest.raises(ModelFetchError, match="model org/broken has no file 'model-00002-of-00006.safetensors'"):
+        files.span(0, 1)
+
+
+def test_the_cli_maps_a_fetch_error_to_one_line_and_exit_2(hub_env):
+    result = subprocess.run([sys.executable, "-m", "swarm.server", "--model", "org/no-such-model"], cwd=ROOT,
+                            env=dict(os.environ, **hub_env), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.startswith("Error:")]
+    assert lines == ["Error: model 'org/no-such-model' is neither a directory here nor a repository on "
+                     f"{hub_env['HF_ENDPOINT']} (a private repo needs `hf auth login` or HF_TOKEN)"]
+
+
+# ----- (d) offline mode: the cache only ---------------------------------------------------------------------
+OFFLINE_PROBE = """
+import sys
+from swarm.models.hub import ModelFetchError
+from swarm.models.loading import ModelFiles
+files = ModelFiles(sys.argv[1])
+files.span(0, 2)
+print("SPAN 0:2 OK")
+try:
+    files.span(2, 3)
+except ModelFetchError as error:
+    print("ERROR", error)
+"""
+
+
+def test_offline_works_from_the_cache_and_names_what_is_missing(hub, hub_env, published):
+    ModelFiles(REPO).span(0, 2)  # online, once
+    hub.reset_counts()
+    env = dict(os.environ, **hub_env, HF_HUB_OFFLINE="1")
+    result = subprocess.run([sys.executable, "-c", OFFLINE_PROBE, REPO], cwd=ROOT, env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "SPAN 0:2 OK" in result.stdout
+    missing = sorted(shards_of(published["main"], blocks(2, 3)))[0]
+    assert f"ERROR model {REPO}: {missing} is not in the Hugging Face cache" in result.stdout
+    assert "HF_HUB_OFFLINE is set" in result.stdout
+    assert hub.served == [], "offline, nothing is asked of the hub"

@@ -247,3 +247,29 @@ def test_offline_works_from_the_cache_and_names_what_is_missing(hub, hub_env, pu
     assert f"ERROR model {REPO}: {missing} is not in the Hugging Face cache" in result.stdout
     assert "HF_HUB_OFFLINE is set" in result.stdout
     assert hub.served == [], "offline, nothing is asked of the hub"
+
+
+# ----- (e) end to end: a server from an empty cache, generation through it -----------------------------------
+def test_server_from_repo_id_with_empty_cache_generates_the_local_models_tokens(hub, hub_env, published, tmp_path):
+    from swarm.client import DistributedDiffusionLM
+    from swarm.local import DiffusionLM
+    from swarm.utils.local_swarm import LocalSwarm
+
+    server_home = tmp_path / "server_hf_home"  # the volunteer's machine: its own, empty cache
+    server_env = dict(hub_env, HF_HOME=str(server_home), HF_HUB_CACHE=str(server_home / "hub"))
+    settings = dict(gen_length=8, steps=8, block_length=8, seed=3)
+    expected = DiffusionLM.from_pretrained(published["main"]).generate("the cat sat on the mat", **settings)
+    with LocalSwarm(env=server_env) as swarm:
+        swarm.start_bootstrap()
+        swarm.start_server(REPO, f"0:{NUM_BLOCKS}", "--compute-threads", "1")
+        lm = DistributedDiffusionLM.from_pretrained(REPO, initial_peers=swarm.initial_peers, request_timeout=30)
+        try:
+            result = lm.generate("the cat sat on the mat", **settings)
+        finally:
+            lm.shutdown()
+    assert result.token_ids == expected.token_ids
+    assert lm.prefix == "llada-tiny"
+    main = published["main"]
+    assert weight_files(cached_files(server_env)) == shards_of(main, blocks(0, NUM_BLOCKS)), "server: its blocks"
+    client_shards = weight_files(cached_files(hub_env))
+    assert shards_of(main, (EMBEDDING,)) <= client_shards and not client_shards & shards_of(main, blocks(0, 1))

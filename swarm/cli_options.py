@@ -43,7 +43,8 @@ EXIT_INTERRUPTED = 130
 EXIT_CODES = {
     EXIT_OK: "success (swarm.health: every block has an online server)",
     EXIT_NOT_SERVED: "the model is not fully served: some block has no online server",
-    EXIT_USAGE: "a bad command line or value (a flag, a multiaddr, a model path, a key file): the message names it",
+    EXIT_USAGE: "a bad command line or value (a flag, a multiaddr, a model path or a repo id whose files cannot be "
+                "fetched, a key file): the message names it",
     EXIT_UNREACHABLE: "the swarm could not be joined: no initial peer could be reached",
     EXIT_IN_USE: "a port to listen on, or the identity key, is already used by another process",
     EXIT_HALTED: "the swarm is halted by governance (swarm.generate, swarm.governance status)",

@@ -26,7 +26,8 @@ from swarm.models.loading import DEFAULT_MODEL
 
 @click.command(cls=SwarmCommand, context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("prompt")
-@click.option("--model", default=DEFAULT_MODEL, show_default=True, help="Embedded model name or checkpoint directory.")
+@click.option("--model", default=DEFAULT_MODEL, show_default=True,
+              help="Embedded model name, checkpoint directory or Hugging Face repo id ORG/NAME[@REVISION].")
 @click.option("--initial-peers", multiple=True,
               help="Multiaddr of a swarm peer (repeatable); without any, the model runs in this process.")
 @click.option("--push", is_flag=True,

@@ -22,7 +22,8 @@ from swarm.models.loading import DEFAULT_MODEL
 
 @click.command(cls=SwarmCommand, context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
 @click.option("--model", default=DEFAULT_MODEL,
-              help="Embedded model name or checkpoint directory (the client reads its tokenizer, embeddings and head).")
+              help="Embedded model name, checkpoint directory or Hugging Face repo id ORG/NAME[@REVISION] (the client "
+                   "reads its tokenizer, embeddings and head; from a repo it fetches only those).")
 @click.option("--model-name", default=None,
               help="Model id clients pass as 'model' (default: the model's DHT prefix, e.g. 'default').")
 @click.option("--dht-prefix", default=None,

@@ -44,7 +44,8 @@ def print_ready(server: Server) -> None:
 
 @click.command(cls=SwarmCommand, context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
 @click.option("--model", default="default",
-              help="Embedded model name or checkpoint directory (native, LLaDA or Dream layout).")
+              help="Embedded model name, checkpoint directory (native, LLaDA or Dream layout) or Hugging Face repo "
+                   "id ORG/NAME[@REVISION]: then only the config, tokenizer and this server's shards are fetched.")
 @click.option("--blocks", default=None,
               help="Blocks to host as START:END (end exclusive), e.g. 0:16. Omitted: the least-covered span of "
                    "--num-blocks.")

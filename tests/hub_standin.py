@@ -3,9 +3,9 @@
 It serves directories as repos under the URLs ``huggingface_hub`` asks for
 (``{endpoint}/{repo_id}/resolve/{revision}/{filename}``, ``constants.HUGGINGFACE_CO_URL_TEMPLATE``), answering
 HEAD and GET with the headers ``hf_hub_download`` reads (``X-Repo-Commit``, ``ETag``, ``Content-Length``), byte
-ranges for resumed downloads, and the hub's errors as ``huggingface_hub`` recognises them (``X-Error-Code``:
-``RepoNotFound``, ``RevisionNotFound``, ``EntryNotFound``, ``GatedRepo``). It counts the bytes it sends per
-file, so a test can tell exactly what a process downloaded.
+ranges for resumed downloads (and, on request, a connection that drops mid-file), and the hub's errors as
+``huggingface_hub`` recognises them (``X-Error-Code``: ``RepoNotFound``, ``RevisionNotFound``, ``EntryNotFound``,
+``GatedRepo``). It counts the bytes it sends per file, so a test can tell exactly what a process downloaded.
 
     with HubStandin() as hub:
         hub.add_repo("org/model", directory)          # branch main
@@ -55,6 +55,7 @@ class HubStandin:
     def __init__(self):
         self.repos: dict[str, Repo] = {}
         self.served: list[tuple[str, str, int]] = []
+        self.break_once: dict[str, int] = {}  # file name -> bytes after which its next GET's connection drops
         self._etags: dict[Path, str] = {}
         self._lock = threading.Lock()
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler_class())
@@ -92,6 +93,11 @@ class HubStandin:
                 if repo_id in (None, repo):
                     totals[filename] = totals.get(filename, 0) + nbytes
         return totals
+
+    def take_break(self, filename: str) -> Optional[int]:
+        """The byte count after which to drop this GET's connection, once per :attr:`break_once` entry."""
+        with self._lock:
+            return self.break_once.pop(filename, None)
 
     def reset_counts(self) -> None:
         with self._lock:
@@ -156,6 +162,13 @@ class HubStandin:
                 if not send_body:
                     headers["Content-Length"] = str(len(body))
                     self._send(status, headers, b"", length_set=True)
+                    return
+                cut = hub.take_break(answer.file.name)
+                if cut is not None and cut < len(body):  # a connection that drops mid-file
+                    hub._record(self.path, cut)
+                    self._send(status, dict(headers, **{"Content-Length": str(len(body))}), body[:cut],
+                               length_set=True)
+                    self.close_connection = True
                     return
                 hub._record(self.path, len(body))
                 self._send(status, headers, body)

@@ -211,6 +211,30 @@ def test_a_shard_missing_from_the_repo_is_a_clear_error(hub, hub_env, published,
         files.span(0, 1)
 
 
+@pytest.fixture
+def full_disk(tmp_path):
+    """A 64 KiB tmpfs, too small for the shards: a real ENOSPC (needs root and mount; skipped without)."""
+    mount_point = tmp_path / "full_disk"
+    mount_point.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount_point)],
+                             capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", str(mount_point)], check=True)
+
+
+@pytest.mark.filterwarnings("ignore:Not enough free disk space")  # huggingface_hub's own warning, first
+def test_a_full_disk_is_a_one_line_error(hub_env, full_disk, monkeypatch):
+    monkeypatch.setattr(constants, "HF_HOME", str(full_disk))
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(full_disk / "hub"))
+    with pytest.raises(ModelFetchError, match=f"model {REPO}: no space left on the disk of {full_disk}/hub "
+                                              "while fetching model-.*safetensors: free some, or point HF_HOME"):
+        ModelFiles(REPO).span(0, NUM_BLOCKS)
+
+
 def test_the_cli_maps_a_fetch_error_to_one_line_and_exit_2(hub_env):
     result = subprocess.run([sys.executable, "-m", "swarm.server", "--model", "org/no-such-model"], cwd=ROOT,
                             env=dict(os.environ, **hub_env), capture_output=True, text=True, timeout=300)
@@ -218,6 +242,20 @@ def test_the_cli_maps_a_fetch_error_to_one_line_and_exit_2(hub_env):
     lines = [line for line in result.stderr.splitlines() if line.startswith("Error:")]
     assert lines == ["Error: model 'org/no-such-model' is neither a directory here nor a repository on "
                      f"{hub_env['HF_ENDPOINT']} (a private repo needs `hf auth login` or HF_TOKEN)"]
+
+
+def test_a_download_that_breaks_off_resumes_where_it_stopped(hub, hub_env, published, monkeypatch):
+    # huggingface_hub keeps what it received in whole chunks (10 MB); this shard is 36 kB, so 4 kB chunks here
+    monkeypatch.setattr(constants, "DOWNLOAD_CHUNK_SIZE", 4096)
+    shard = sorted(shards_of(published["main"], blocks(1, 2)))[0]
+    size = (published["main"] / shard).stat().st_size
+    hub.break_once[shard] = size // 2  # 4 whole chunks arrive, then the connection drops
+    span = ModelFiles(REPO).span(1, 2)
+    assert hub.break_once == {}, "the connection did drop"
+    # a restart would download the whole file again: resumption sends less than twice the cut
+    assert size <= hub.bytes_served()[shard] < size + size // 2
+    expected = ModelFiles(published["main"]).span(1, 2).state_dict()
+    assert all(torch.equal(span.state_dict()[k], v) for k, v in expected.items())
 
 
 # ----- (d) offline mode: the cache only ---------------------------------------------------------------------

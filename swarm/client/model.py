@@ -19,7 +19,7 @@ from swarm.client.routing import RouteHop, compress_ranges
 from swarm.client.sequence import RemoteSequence
 from swarm.dht.compatibility import CompatibilityTag
 from swarm.dht.node import start_dht, stop_dht
-from swarm.dht.schema import default_prefix
+from swarm.dht.schema import default_prefix, protected_keys
 from swarm.diffusion.config import GenerationConfig
 from swarm.diffusion.pipeline import CacheDirective, Forward, check_head_rows, rows_to_score
 from swarm.diffusion.prediction import HeadQuery, Predictions
@@ -28,6 +28,7 @@ from swarm.finetune.adapter import PromptAdapter
 from swarm.finetune.sharing import default_cache_dir, fetch_published
 from swarm.governance.audit import AuditLog
 from swarm.governance.guard import GovernanceGuard
+from swarm.governance.keys import trusted_signers
 from swarm.governance.tiers import TierRules
 from swarm.lm import BaseDiffusionLM, StreamChunk
 from swarm.local import DiffusionLM
@@ -86,16 +87,22 @@ class DistributedDiffusionLM(BaseDiffusionLM):
         self.timings = StepTimings()
         self.prefix = config.dht_prefix or default_prefix(files.path)
         self._own_dht = dht is None
-        self.dht = dht if dht is not None else start_dht(config.network)
+        self.dht = dht if dht is not None else start_dht(config.network, protect=protected_keys(
+            self.prefix, self.config.num_layers, trusted_signers(config.governance_keys)))
         self.loop = BackgroundLoop.shared()
         self.p2p = self.loop.run(self.dht.replicate_p2p())
         self.caller = RemoteCaller(self.p2p, config.wire_dtype, config.inject_latency, config.inject_jitter,
                                    adapter_by_digest=config.adapter_by_digest)
         self.sequence = RemoteSequence(self.dht, self.caller, self.loop, self.prefix, self.config.num_layers,
                                        self.config.hidden_size, config, self.config.vocab_size)
-        # challenges embed random tokens; spot checks of a head server score a replica's hidden states here
-        self.sequence.use_client_parts(self.embedding, lambda: self.head, self.config.max_position_embeddings)
-        self.guard = GovernanceGuard(self.dht, self.prefix, config.governance_keys, ttl=config.governance_ttl)
+        # Challenges embed random tokens; spot checks of a head server score a replica's hidden states with this
+        # client's head, only when they arrive unrounded and the head computes in the servers' dtype (otherwise its
+        # numbers would differ from an honest head server's)
+        exact = self.compute_dtype == files.default_dtype and config.wire_dtype == "auto"
+        self.sequence.use_client_parts(self.embedding, (lambda: self.head) if exact else None,
+                                       self.config.max_position_embeddings)
+        self.guard = GovernanceGuard(self.dht, self.prefix, config.governance_keys, ttl=config.governance_ttl,
+                                     stale_after=config.governance_stale_after)
         self.tier_rules = TierRules.from_file(config.tier_rules_path) if config.tier_rules_path else TierRules()
         self.audit = AuditLog(config.audit_log)
         self._spot_checks_seen = self._failovers_seen = 0

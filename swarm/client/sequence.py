@@ -102,10 +102,11 @@ class RemoteSequence:
         self.max_positions = CHALLENGE_ROWS[1]
         self._challenge_rng = random.SystemRandom()  # a server cannot predict a challenge's size or content
 
-    def use_client_parts(self, embed: Callable[[torch.Tensor], torch.Tensor], load_head: Callable[[], OutputHead],
-                         max_positions: int) -> None:
+    def use_client_parts(self, embed: Callable[[torch.Tensor], torch.Tensor],
+                         load_head: Optional[Callable[[], OutputHead]], max_positions: int) -> None:
         """The client's embedding (challenges look like real passes) and its head, loaded when first needed (spot
-        checks score a replica's hidden states to check a head server's predictions)."""
+        checks score a replica's hidden states to check a head server's predictions; None: only head servers
+        check head servers)."""
         self.embed, self.max_positions = embed, max_positions
         self.spot_checker.load_head = load_head
 

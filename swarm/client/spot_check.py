@@ -215,7 +215,10 @@ class SpotChecker:
         return None if hidden is None else self._score(hidden, head, peer)
 
     def _score(self, hidden: torch.Tensor, head: HeadQuery, peer: str) -> torch.Tensor:
-        """The predictions a head server should answer for these hidden states, computed by this client's head."""
+        """The predictions a head server should answer for these hidden states, computed by this client's head (a
+        malformed answer is returned as is: it agrees with no predictions)."""
+        if hidden.dim() != 3 or hidden.shape[0] != head.batch or not hidden.shape[1] >= head.scored[1]:
+            return hidden
         if not self._said_scoring:
             logger.info("checking a head server's predictions against %s's hidden states scored by this client's "
                         "own head (loaded once for spot checks)", peer[-8:])

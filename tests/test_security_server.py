@@ -1,7 +1,9 @@
 """A hostile swarm, server side: every resource a remote peer can make a server spend is bounded.
 
-Network tests run one real server process (tiny model, small limits) and attack it from two bare libp2p
-peers, as any client could; unit tests check the admission rules and the activation cache's accounting.
+Network tests run one real server process (tiny model, small limits) and attack it from bare libp2p peers
+(two, or twenty sybil ids), as any client could; one more server, of a long-context model, shows that a long
+pass whose caller has gone is cancelled. Unit tests check the admission rules and the activation cache's
+accounting.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from hivemind.proto import runtime_pb2
 from hivemind.utils import MSGPackSerializer
 from hivemind.utils.streaming import split_for_streaming
 
+from swarm.models.loading import ModelFiles
 from swarm.models.modules import BlockSpan
 from swarm.protocol import (
     MAX_METADATA_BYTES,
@@ -38,17 +41,21 @@ from swarm.protocol import (
     tensor_wire_bytes,
 )
 from swarm.remote import RemoteCaller
-from swarm.server.backend import Admission, ComputeQueue
+from swarm.server.backend import Admission, ComputeQueue, attention_length_scale, request_cost
 from swarm.server.session_cache import SessionCaches
 from swarm.utils.event_loop import BackgroundLoop
 from swarm.utils.local_swarm import LocalSwarm, ManagedProcess
-from tests.conftest import tiny_config
+from tests.conftest import make_checkpoint, tiny_config
 from tests.silent_delivery import add_silent_delivery
 
 HIDDEN = 32  # tiny_config's hidden size
+POSITIONS = 512  # tiny_config's context
 LIMITS = {  # small enough to reach in a test, large enough for a unary answer over 1 MiB
-    "--max-batch-tokens": 16384, "--max-concurrent-requests": 4, "--max-queued-tokens": 32768,
+    "--max-batch-tokens": 16384, "--max-concurrent-requests": 4, "--max-queued-tokens": 262144,
     "--peer-share": 0.5, "--max-pending-pushes": 4, "--push-timeout": 3,
+    # 2 stream places per peer, 3 for peers without completed requests, 1 kept for those with some;
+    # a stream of 4 x 512 has 4 s to arrive
+    "--max-unfinished-streams": 4, "--known-peer-reserve": 0.25, "--receive-timeout": 1, "--receive-rate-mb": 0.1,
 }
 
 
@@ -79,14 +86,28 @@ class Peer:
         return collect(self.run(call()), self.server.peer_id)
 
     def hold(self, first: runtime_pb2.ExpertRequest):
-        """Send a stream's first part and nothing more, until the returned future is cancelled (which
-        closes the stream)."""
-        async def call() -> list:
-            responses = await self.stub.rpc_forward_stream(_aiter([first], stall=True))
-            async with contextlib.aclosing(responses):
-                return [r async for r in responses]
+        """Send a stream's first part and nothing more, until the server answers (a refusal, or the drop at its
+        deadline) or the returned future is cancelled (which closes the stream)."""
+        return asyncio.run_coroutine_threadsafe(self._stalled(first), self.loop.loop)
 
-        return asyncio.run_coroutine_threadsafe(call(), self.loop.loop)
+    def stall_forever(self, first: runtime_pb2.ExpertRequest):
+        """Stall streams one after another, a new one as soon as the server answered the last (refused it, or
+        dropped it at its deadline), as a sybil that wants to keep its places would, until the returned future
+        is cancelled."""
+        async def loop() -> None:
+            while True:
+                with contextlib.suppress(Exception):
+                    await self._stalled(first, until_answered=True)
+                await asyncio.sleep(0.2)
+
+        return asyncio.run_coroutine_threadsafe(loop(), self.loop.loop)
+
+    async def _stalled(self, first: runtime_pb2.ExpertRequest, until_answered: bool = False) -> list:
+        responses = await self.stub.rpc_forward_stream(_aiter([first], stall=True))
+        async with contextlib.aclosing(responses):
+            if until_answered:  # the server's answer, then the stream is cut (it would drain it for 10 s)
+                return [await anext(responses)]
+            return [r async for r in responses]
 
     def silent_target(self) -> str:
         """A delivery namespace whose handler accepts each stream and never reads it."""
@@ -112,6 +133,16 @@ def server(tiny_model_path):
 
 
 @pytest.fixture(scope="module")
+def long_server(tmp_path_factory):
+    """A server of a model with a long context and many blocks, whose requests time out after 3 s: one pass of
+    6,144 positions takes it far longer (attention's quadratic term), so a caller gives up while it runs."""
+    path = make_checkpoint(tmp_path_factory.mktemp("long"), tiny_config(num_layers=32, max_position_embeddings=8192))
+    with LocalSwarm() as swarm:
+        yield swarm.start_server(str(path), "0:32", "--compute-threads", "1", "--throughput", "100",
+                                 "--request-timeout", "3", "--max-batch-tokens", "8192")
+
+
+@pytest.fixture(scope="module")
 def alice(server):
     peer = Peer(server)
     yield peer
@@ -129,17 +160,17 @@ def forward(hidden: torch.Tensor, **extra) -> ForwardRequest:
     return ForwardRequest(0, 2, hidden, "session", 0, extra)
 
 
-def stream_parts(hidden: torch.Tensor, chunk: int = 2**16) -> list[runtime_pb2.ExpertRequest]:
+def stream_parts(hidden: torch.Tensor, chunk: int = 2**16, end: int = 2) -> list[runtime_pb2.ExpertRequest]:
     """A request split into many small parts (as a client with hivemind's default chunk size would)."""
     chunks = list(split_for_streaming(encode_tensor(hidden), chunk))
-    metadata = {"start": 0, "end": 2, "session_id": "s", "step": 0, "extra": {}, "parts": len(chunks)}
+    metadata = {"start": 0, "end": end, "session_id": "s", "step": 0, "extra": {}, "parts": len(chunks)}
     return ([runtime_pb2.ExpertRequest(uid="forward", tensors=[chunks[0]], metadata=MSGPackSerializer.dumps(metadata))]
             + [runtime_pb2.ExpertRequest(tensors=[c]) for c in chunks[1:]])
 
 
-def one_part(hidden: torch.Tensor) -> runtime_pb2.ExpertRequest:
+def one_part(hidden: torch.Tensor, end: int = 2) -> runtime_pb2.ExpertRequest:
     """A request in one message, whatever its size."""
-    metadata = {"start": 0, "end": 2, "session_id": "s", "step": 0, "extra": {}, "parts": 1}
+    metadata = {"start": 0, "end": end, "session_id": "s", "step": 0, "extra": {}, "parts": 1}
     return runtime_pb2.ExpertRequest(uid="forward", tensors=[encode_tensor(hidden)],
                                      metadata=MSGPackSerializer.dumps(metadata))
 
@@ -161,6 +192,11 @@ def assert_serves(peer: Peer) -> None:
     hidden = torch.randn(1, 5, HIDDEN)
     output, _ = peer.unary(request_parts(forward(hidden))[0])
     assert output.shape == hidden.shape and peer.server.alive
+
+
+def span_info(peer: Peer) -> dict:
+    """The server's admission counters of its span: compute queue, unfinished streams, cancelled passes."""
+    return peer.info()["admission"]["span"]
 
 
 # ----- against a live server ---------------------------------------------------------------------
@@ -187,21 +223,100 @@ def test_pushes_to_a_target_that_never_reads_are_bounded_and_dropped(alice, bob)
     assert_serves(alice)
 
 
-def test_one_peer_cannot_take_every_compute_slot(alice, bob):
-    """Requests hold their place from their first part: a peer stalling streams gets at most its share
-    (here 2 of 4), and another peer is still served."""
-    first = stream_parts(torch.randn(1, 2048, HIDDEN))[0]
-    held = [alice.hold(first) for _ in range(2)]
+def test_one_peer_stalling_streams_holds_its_share_of_stream_places_and_no_compute_slot(server):
+    """A stream holds a place among the unfinished streams from its first part until its last: one peer
+    stalling streams gets at most its share of those (here 2 of 4), counted at their length-aware cost, and
+    no compute slot, so another peer is still served."""
+    stalling, other = Peer(server), Peer(server)
+    first = stream_parts(torch.randn(4, POSITIONS, HIDDEN))[0]
+    held = [stalling.hold(first) for _ in range(2)]
     try:
-        wait_until(lambda: alice.info()["admission"]["span"]["in_flight"] == 2)
-        error = refused(lambda: alice.stream(stream_parts(torch.randn(1, 2048, HIDDEN))))
-        assert error.code == ErrorCode.BUSY and "this peer holds 2 requests" in error.message
-        assert_serves(bob)
+        wait_until(lambda: span_info(other)["unfinished"]["in_flight"] == 2)
+        info = span_info(other)
+        assert info["in_flight"] == 0  # the compute queue is untouched
+        scale = attention_length_scale(tiny_config())
+        assert info["unfinished"]["tokens"] == 2 * request_cost(4, POSITIONS, scale) > 2 * 4 * POSITIONS
+        error = refused(lambda: stalling.stream(stream_parts(torch.randn(4, POSITIONS, HIDDEN))))
+        assert error.code == ErrorCode.BUSY and "this peer holds 2 unfinished streams" in error.message
+        assert_serves(other)
     finally:
         for future in held:
             future.cancel()
-    wait_until(lambda: alice.info()["admission"]["span"]["in_flight"] == 0)  # a cut stream frees its place
+    wait_until(lambda: span_info(other)["unfinished"]["in_flight"] == 0)  # a cut stream frees its place
+    assert_serves(stalling)
+    stalling.close()
+    other.close()
+
+
+def test_twenty_sybils_stalling_streams_do_not_keep_honest_peers_out(server, alice):
+    """20 peer ids (each a bare libp2p peer) keep stalling streams, each sending its first part only and
+    opening another once the server answered. They hold no compute slot, at most the 3 stream places left to
+    peers without completed requests, and each for its deadline only (1 s plus its size at 0.1 MiB/s: 4 s): an
+    unknown peer's unary request and a known peer's stream are both served meanwhile, and the stalled
+    streams are counted as dropped."""
+    for _ in range(2):  # alice completes requests: she becomes a known peer
+        assert_serves(alice)
+    before = span_info(alice)
+    newcomer = Peer(server)  # no completed request here yet
+    sybils = [Peer(server) for _ in range(20)]
+    first = stream_parts(torch.randn(4, POSITIONS, HIDDEN))[0]
+    stalling = [sybil.stall_forever(first) for sybil in sybils]
+    try:
+        wait_until(lambda: span_info(alice)["unfinished"]["in_flight"] == 3)
+        for _ in range(3):
+            assert_serves(newcomer)  # a unary call: whole on arrival, it needs no stream place
+            hidden = torch.randn(4, POSITIONS, HIDDEN)
+            output, _ = alice.stream(stream_parts(hidden))  # a stream from a known peer: the reserved place
+            assert output.shape == hidden.shape
+            assert span_info(alice)["unfinished"]["in_flight"] <= 4
+        wait_until(lambda: span_info(alice)["unfinished"]["dropped"] - before["unfinished"]["dropped"] >= 6, 60)
+        during = span_info(alice)
+        assert during["unfinished"]["refused"] > before["unfinished"]["refused"]  # sybils beyond the cap
+    finally:
+        for future in stalling:
+            future.cancel()
+        for sybil in [*sybils, newcomer]:
+            sybil.close()
+    wait_until(lambda: span_info(alice)["unfinished"]["in_flight"] == 0)
     assert_serves(alice)
+
+
+def test_a_request_beyond_the_models_positions_is_refused_before_compute(alice):
+    """A sequence longer than the model's context (512 positions here) is refused on its first part with an
+    error naming the limit, whether it comes as a stream or in one message; nothing is computed."""
+    computed = alice.info()["rows_computed"]
+    for call in (lambda: alice.stream(stream_parts(torch.randn(1, POSITIONS + 1, HIDDEN))),
+                 lambda: alice.unary(one_part(torch.randn(1, 4 * POSITIONS, HIDDEN)))):
+        error = refused(call)
+        assert error.code == ErrorCode.TOO_LARGE
+        assert f"exceed the model's context of {POSITIONS} positions" in error.message
+    assert alice.info()["rows_computed"] == computed
+    assert_serves(alice)
+
+
+def test_a_long_pass_whose_caller_has_gone_is_cancelled(long_server):
+    """A pass of 6,144 positions through 32 blocks runs far longer than the server's 3 s request timeout.
+    Told ``busy`` at the timeout, or given up by its caller, it is stopped between blocks (``cancelled``
+    counts it) and the compute thread serves the next request; a caller that gave up gets no answer, so
+    the server counts no failure for it (it did not wait for its own timeout)."""
+    peer = Peer(long_server)
+    long = one_part(torch.randn(1, 6144, HIDDEN), end=32)
+    small = one_part(torch.randn(1, 8, HIDDEN), end=32)
+    try:
+        error = refused(lambda: peer.unary(long))
+        assert error.code == ErrorCode.BUSY and "compute took over 3" in error.message
+        wait_until(lambda: span_info(peer)["cancelled"] == 1, 60)
+        assert peer.unary(small)[0].shape == (1, 8, HIDDEN)
+
+        failed = peer.info()["requests_failed"]
+        with pytest.raises(asyncio.TimeoutError):
+            peer.run(asyncio.wait_for(peer.stub.rpc_forward(long), 0.5))
+        wait_until(lambda: span_info(peer)["cancelled"] == 2, 60)
+        assert peer.info()["requests_failed"] == failed
+        assert peer.unary(small)[0].shape == (1, 8, HIDDEN)
+        assert span_info(peer)["in_flight"] == 0 and long_server.alive
+    finally:
+        peer.close()
 
 
 def test_garbage_metadata_gets_a_specific_message(alice):
@@ -234,7 +349,7 @@ def test_oversized_requests_are_refused_before_compute(alice, kind):
         error = refused(lambda: alice.stream([part]))
         assert "stream message of" in error.message
     else:  # 1.5 MiB of hidden states in one unary message: the answer would need a stream
-        error = refused(lambda: alice.unary(one_part(torch.randn(1, 12288, HIDDEN))))
+        error = refused(lambda: alice.unary(one_part(torch.randn(24, POSITIONS, HIDDEN))))
         assert "does not fit a unary call" in error.message
     assert error.code == ErrorCode.TOO_LARGE
     assert alice.info()["rows_computed"] == computed
@@ -242,6 +357,29 @@ def test_oversized_requests_are_refused_before_compute(alice, kind):
 
 
 # ----- admission rules ---------------------------------------------------------------------------
+def test_reserved_places_are_kept_for_known_peers():
+    admission = Admission("requests", max_count=4, max_amount=100, peer_share=1.0, reserve=0.25)
+    grants = [admission.acquire(f"new-{i}", 10) for i in range(3)]
+    with pytest.raises(RemoteError, match="kept for peers that completed requests"):
+        admission.acquire("new-3", 10)
+    grants.append(admission.acquire("known", 10, known=True))
+    with pytest.raises(RemoteError, match="4 requests in flight"):
+        admission.acquire("known-2", 10, known=True)
+    for grant in grants:
+        grant.release()
+
+
+def test_the_cost_of_a_pass_includes_attentions_length_term():
+    """At the default model's widths attention costs as much as the projections at 1,024 positions, so a
+    request of 1 x 1024 is counted at twice its tokens, and one of 16 x 64 at about its tokens."""
+    scale = attention_length_scale(ModelFiles("default").config)
+    assert scale == 1024
+    assert request_cost(1, 1024, scale) == 2 * 1024
+    assert request_cost(16, 64, scale) == 16 * 64 + 64
+    assert request_cost(1, 4096, scale) == 5 * 4096  # four times the positions, five times the cost
+
+
+
 def test_admission_gives_each_peer_at_most_its_share():
     admission = Admission("requests", max_count=4, max_amount=100, peer_share=0.5)
     a1, a2 = admission.acquire("a", 10), admission.acquire("a", 10)

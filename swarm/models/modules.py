@@ -6,6 +6,7 @@ indices, so a span's ``state_dict`` keys are exactly the checkpoint keys it need
 """
 from __future__ import annotations
 
+import threading
 from typing import Optional
 
 import torch
@@ -23,6 +24,10 @@ BOTTLENECK = "bottleneck"
 # weights are applied to the rows before each block, a LoRA's inside it (swarm/models/lora.py)
 BLOCK_ADAPTER_KINDS = (DEEP_PROMPT, BOTTLENECK, LORA)
 HeadLoRA = tuple[torch.Tensor, torch.Tensor]  # an adapter's head correction: down (r, hidden), up (vocab, r)
+
+
+class PassCancelled(Exception):
+    """A pass stopped between blocks because its ``cancel`` event was set: nobody would read its answer."""
 
 
 class TokenEmbedding(nn.Module):
@@ -58,6 +63,7 @@ class BlockSpan(nn.Module):
         rows: Optional[tuple[int, int]] = None,
         prompts: Optional[torch.Tensor] = None,
         prompt_kind: str = DEEP_PROMPT,
+        cancel: Optional[threading.Event] = None,
     ) -> torch.Tensor:
         """hidden (batch, length, d); attention_mask (batch, length) bool, True for real tokens.
 
@@ -67,6 +73,8 @@ class BlockSpan(nn.Module):
         ``prompts`` (blocks run, R, d): an adapter's tensor for each block run, applied before the block as
         ``prompt_kind`` says (:func:`apply_block_adapter`): a deep prompt's vectors, added to the absolute positions
         0:R, or a bottleneck adapter's weights, applied to every row; or a LoRA of the block's projections.
+        ``cancel``: checked before each block; once set, :class:`PassCancelled` is raised, so a server stops a
+        pass whose caller has gone within one block's time (a cache being filled is then dropped by its caller).
         """
         batch, length, _ = hidden.shape
         if position_ids is None:
@@ -91,6 +99,8 @@ class BlockSpan(nn.Module):
         cos, sin = rotary_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, hidden.dtype)
         offset = rows[0] if rows is not None else 0
         for index in range(start, end):
+            if cancel is not None and cancel.is_set():
+                raise PassCancelled(f"pass cancelled before block {index}")
             lora: Optional[BlockLoRA] = None
             if prompts is not None and prompt_kind == LORA:
                 lora = unpack_lora(prompts[index - start], widths)

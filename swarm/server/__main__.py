@@ -95,6 +95,18 @@ def print_ready(server: Server) -> None:
                    "(the next server of a pushed route has --request-timeout, as it computes first).")
 @click.option("--request-timeout", type=float, default=ServerConfig.request_timeout,
               help="Seconds a request may take to arrive or to compute before it is failed.")
+@click.option("--max-unfinished-streams", type=click.IntRange(min=1), default=ServerConfig.max_unfinished_streams,
+              help="Request streams whose parts are still arriving, over all peers (one peer at most --peer-share "
+                   "of them); more are refused as busy. A request takes its compute place only once it is whole.")
+@click.option("--receive-timeout", type=click.FloatRange(min=0, min_open=True), default=ServerConfig.receive_timeout,
+              help="Seconds a request stream has to deliver all its parts, plus the time its declared size takes at "
+                   "--receive-rate-mb (at most --request-timeout); a stream late past it is dropped and its sender "
+                   "loses its record of completed requests.")
+@click.option("--receive-rate-mb", type=click.FloatRange(min=0, min_open=True), default=ServerConfig.receive_rate_mb,
+              help="MiB/s a request stream must at least deliver: its deadline grows with its declared size.")
+@click.option("--known-peer-reserve", type=click.FloatRange(min=0, max=0.9), default=ServerConfig.known_peer_reserve,
+              help="Share of --max-concurrent-requests and --max-unfinished-streams (and of the queued tokens) kept "
+                   "for peers that completed requests here: new peer ids, which cost nothing, cannot take them.")
 @click.option("--cache-memory-mb", type=click.FloatRange(min=0), default=ServerConfig.cache_memory_mb,
               help="MiB for the activation cache (per-session keys and values of cache='prefix'/'dual' clients), "
                    "each version counted at its keys and values plus a measured overhead; least recently used "

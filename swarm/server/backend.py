@@ -1,20 +1,34 @@
-"""The compute side of a server: a loaded span, run on a worker thread, with bounded and fair admission."""
+"""The compute side of a server: a loaded span, run on a worker thread, with bounded and fair admission.
+
+A request holds two kinds of place, each bounded in count and cost: while its stream's parts arrive, one of the
+*unfinished streams* (also bounded in time: :class:`StreamLimits`); once it is whole, one in the compute queue.
+So a peer that sends a first part and stalls holds no compute slot, and only a capped share of stream slots,
+for a few seconds. A request is counted at :func:`request_cost`, which includes attention's length term, and a
+pass whose caller has gone (timed out, told busy, disconnected) is cancelled between blocks.
+"""
 from __future__ import annotations
 
 import asyncio
 import ctypes
 import logging
+import math
+import threading
 import weakref
-from collections import Counter
+from collections import Counter, OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, Optional, TypeVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Optional, TypeVar
 
 import torch
 
 from swarm.diffusion.prediction import HeadQuery, predict_states
+from swarm.models.config import ModelConfig
 from swarm.models.kv_cache import SpanKV
-from swarm.models.modules import DEEP_PROMPT, BlockSpan, OutputHead
+from swarm.models.modules import DEEP_PROMPT, BlockSpan, OutputHead, PassCancelled
 from swarm.protocol import ErrorCode, RemoteError
+
+if TYPE_CHECKING:
+    from swarm.server.config import ServerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +86,23 @@ def _glibc() -> Optional[ctypes.CDLL]:
 TRIMMER = HeapTrimmer()
 
 
+def attention_length_scale(config: ModelConfig) -> float:
+    """The sequence length at which a block's attention costs as much per token as all its projections.
+
+    Per token a block multiplies by its projections (q, k, v, o and the three MLP matrices), and attention
+    adds about 2 x heads x head_dim multiply-adds per position attended: 1,024 positions for the default model,
+    about 27,000 at LLaDA-8B's widths, 144 for the test models."""
+    d, heads, kv_heads, head_dim = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
+    projections = d * heads * head_dim * 2 + 2 * d * kv_heads * head_dim + 3 * d * config.intermediate_size
+    return projections / (2 * heads * head_dim)
+
+
+def request_cost(batch: int, length: int, scale: float) -> int:
+    """What a pass of ``batch`` x ``length`` positions is counted at: its tokens, each weighted by
+    ``1 + length / scale`` for attention's quadratic term (``scale``: :func:`attention_length_scale`)."""
+    return math.ceil(batch * length * (1 + length / scale))
+
+
 class Admission:
     """Counts what peers hold (a number of items and an amount: tokens or bytes), in total and per peer.
 
@@ -84,11 +115,16 @@ class Admission:
     """
 
     def __init__(self, what: str, max_count: int, max_amount: Optional[int] = None, unit: str = "tokens",
-                 peer_share: float = 1.0, computes: bool = True):
+                 peer_share: float = 1.0, computes: bool = True, reserve: float = 0.0):
         if not 0 < peer_share <= 1:
             raise ValueError(f"peer_share must be in (0, 1], got {peer_share}")
+        if not 0 <= reserve < 1:
+            raise ValueError(f"reserve must be in [0, 1), got {reserve}")
         self.what, self.unit, self.computes = what, unit, computes
         self.max_count, self.max_amount, self.peer_share = max_count, max_amount, peer_share
+        # kept for known peers (see PeerRecords): ids are free, so a flood of new ones cannot take these
+        self.reserved_count = min(max_count - 1, round(max_count * reserve))
+        self.reserved_amount = int(max_amount * reserve) if max_amount is not None else 0
         self.count = self.amount = 0
         self.peer_counts: Counter[str] = Counter()
         self.peer_amounts: Counter[str] = Counter()
@@ -98,12 +134,10 @@ class Admission:
     def peer_max_count(self) -> int:
         return max(1, int(self.max_count * self.peer_share))
 
-    def acquire(self, peer: str, amount: int) -> "Grant":
-        """Hold ``amount`` for ``peer`` until the grant is released; :class:`RemoteError` (busy) if over a bound."""
-        reason = self._over_bound(peer, amount)
-        if reason is not None:
-            self.refused += 1
-            raise RemoteError(ErrorCode.BUSY, f"server busy: {reason}")
+    def acquire(self, peer: str, amount: int, known: bool = False) -> "Grant":
+        """Hold ``amount`` for ``peer`` until the grant is released; :class:`RemoteError` (busy) if over a bound.
+        Only a ``known`` peer may take the reserved places."""
+        self.check(peer, amount, known)
         self.count += 1
         self.amount += amount
         self.peer_counts[peer] += 1
@@ -111,11 +145,23 @@ class Admission:
         TRIMMER.busy(self)
         return Grant(self, peer, amount)
 
-    def _over_bound(self, peer: str, amount: int) -> Optional[str]:
+    def check(self, peer: str, amount: int, known: bool = False) -> None:
+        """:class:`RemoteError` (busy) if ``acquire`` would refuse now: a request is refused before its rest is
+        received when it could not be admitted anyway."""
+        reason = self._over_bound(peer, amount, known)
+        if reason is not None:
+            self.refused += 1
+            raise RemoteError(ErrorCode.BUSY, f"server busy: {reason}")
+
+    def _over_bound(self, peer: str, amount: int, known: bool = False) -> Optional[str]:
         if self.count >= self.max_count:
             return f"{self.count} {self.what} in flight, the most it takes"
-        if self.max_amount is not None and self.count and self.amount + amount > self.max_amount:
-            return f"{self.amount} {self.unit} of {self.what} queued, {amount} more would pass {self.max_amount}"
+        if not known and self.count >= self.max_count - self.reserved_count:
+            return (f"{self.count} {self.what} in flight; the other {self.reserved_count} are kept for peers that "
+                    f"completed requests here")
+        max_amount = self.max_amount if known or self.max_amount is None else self.max_amount - self.reserved_amount
+        if max_amount is not None and self.count and self.amount + amount > max_amount:
+            return f"{self.amount} {self.unit} of {self.what} queued, {amount} more would pass {max_amount}"
         held, held_amount = self.peer_counts[peer], self.peer_amounts[peer]
         if held >= self.peer_max_count:
             return f"this peer holds {held} {self.what}, its share of the {self.max_count} it takes"
@@ -167,18 +213,78 @@ class Grant:
             self.release()
 
 
+class PeerRecords:
+    """Peers that completed requests here, most recent last: they are admitted to the reserved places.
+
+    A peer becomes known after ``known_after`` requests computed and answered, and loses its record when a
+    stream of its own is dropped for missing its deadline. At most ``max_peers`` are remembered (the least
+    recently seen forgotten first), so a flood of ids costs a bounded amount of memory."""
+
+    def __init__(self, known_after: int = 2, max_peers: int = 4096):
+        self.known_after, self.max_peers = known_after, max_peers
+        self.completed: OrderedDict[str, int] = OrderedDict()
+
+    def known(self, peer: str) -> bool:
+        return self.completed.get(peer, 0) >= self.known_after
+
+    def complete(self, peer: str) -> None:
+        self.completed[peer] = self.completed.pop(peer, 0) + 1
+        while len(self.completed) > self.max_peers:
+            self.completed.popitem(last=False)
+
+    def stalled(self, peer: str) -> None:
+        self.completed.pop(peer, None)
+
+    def info(self) -> dict:
+        return {"known": sum(count >= self.known_after for count in self.completed.values())}
+
+
+@dataclass(frozen=True)
+class StreamLimits:
+    """Bounds on requests whose stream has not delivered all its parts yet (``--max-unfinished-streams``...).
+
+    Their count and cost are capped over all peers (ids are free), one peer holds at most its share, and each
+    has a deadline proportional to its declared size (:meth:`deadline`), far shorter than the request timeout:
+    a peer that sends a first part and stalls loses its place within seconds. ``known_reserve`` of these and
+    of the compute queue's places are kept for peers with completed requests (:class:`PeerRecords`)."""
+
+    max_unfinished: int = 16
+    receive_timeout: float = 5.0  # seconds, plus the time the declared bytes take at receive_rate
+    receive_rate: float = 2**20  # bytes per second a sender must at least keep up
+    known_reserve: float = 0.25
+
+    @classmethod
+    def of(cls, config: "ServerConfig") -> "StreamLimits":
+        return cls(config.max_unfinished_streams, config.receive_timeout, config.receive_rate_mb * 2**20,
+                   config.known_peer_reserve)
+
+    def deadline(self, max_bytes: int, request_timeout: float) -> float:
+        """Seconds a stream declaring at most ``max_bytes`` has to deliver them, never over ``request_timeout``."""
+        return min(request_timeout, self.receive_timeout + max_bytes / self.receive_rate)
+
+
 class ComputeQueue:
-    """One compute thread behind an :class:`Admission` of requests and tokens.
+    """One compute thread behind an :class:`Admission` of requests and tokens, and an admission of unfinished
+    streams in front of it (:class:`StreamLimits`).
 
     Requests run one at a time in arrival order (torch uses its own threads inside each). A request keeps
     its place until its work has left the thread, even when its caller stopped waiting (a timeout): the
-    thread's backlog is what the bounds are about.
+    thread's backlog is what the bounds are about. A pass run with a ``cancel`` event is told to stop when
+    its caller stops waiting, so it leaves the thread within about one block's time.
     """
 
     def __init__(self, max_concurrent: int, max_queued_tokens: Optional[int] = None, name: str = "compute",
-                 peer_share: float = 1.0):
-        self.admission = Admission("requests", max_concurrent, max_queued_tokens, "tokens", peer_share)
+                 peer_share: float = 1.0, streams: StreamLimits = StreamLimits()):
+        self.streams = streams
+        self.admission = Admission("requests", max_concurrent, max_queued_tokens, "tokens", peer_share,
+                                   reserve=streams.known_reserve)
+        self.unfinished = Admission("unfinished streams", streams.max_unfinished, max_queued_tokens, "tokens",
+                                    peer_share, computes=False, reserve=streams.known_reserve)
+        self.records = PeerRecords()
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+        self.abandoned = 0  # passes whose caller stopped waiting (timeout, busy answer, disconnect)
+        self.cancelled = 0  # ... of which were stopped between blocks (the others had not started or had ended)
+        self.dropped_streams = 0  # unfinished streams dropped at their deadline
 
     @property
     def in_flight(self) -> int:
@@ -189,21 +295,50 @@ class ComputeQueue:
         return self.admission.amount
 
     def admit(self, peer: str, tokens: int) -> Grant:
-        """Take a place before the request's payload is received or decoded (see :class:`Admission`)."""
-        return self.admission.acquire(peer, tokens)
+        """Take a place in the compute queue (see :class:`Admission`); known peers may take the reserved ones."""
+        return self.admission.acquire(peer, tokens, self.records.known(peer))
 
-    async def run(self, tokens: int, fn: Callable[..., T], *args, peer: str = "", grant: Optional[Grant] = None) -> T:
-        """Run ``fn(*args)`` on the compute thread under ``grant`` (taken here for ``peer`` when None)."""
+    def check(self, peer: str, tokens: int) -> None:
+        """Busy now if :meth:`admit` would refuse: checked on a stream's first part, before the rest comes."""
+        self.admission.check(peer, tokens, self.records.known(peer))
+
+    def receive_place(self, peer: str, tokens: int) -> Grant:
+        """A place among the unfinished streams while the request's parts arrive."""
+        return self.unfinished.acquire(peer, tokens, self.records.known(peer))
+
+    def stream_dropped(self, peer: str) -> None:
+        """``peer``'s stream missed its deadline: counted, and the peer loses its record."""
+        self.dropped_streams += 1
+        self.records.stalled(peer)
+
+    async def run(self, tokens: int, fn: Callable[..., T], *args, peer: str = "", grant: Optional[Grant] = None,
+                  cancel: Optional[threading.Event] = None) -> T:
+        """Run ``fn(*args)`` on the compute thread under ``grant`` (taken here for ``peer`` when None); ``cancel``
+        (an event ``fn`` checks as it goes) is set when the caller stops waiting."""
         with grant if grant is not None else self.admit(peer, tokens) as held:
             loop = asyncio.get_running_loop()
             work: Future = self.executor.submit(fn, *args)
             # Released when the work leaves the thread (done, failed, or cancelled before it started).
-            work.add_done_callback(lambda _: _call_soon(loop, held.release))
+            work.add_done_callback(lambda done: _call_soon(loop, lambda: self._left(done, held)))
             held.hand_on()
-        return await asyncio.wrap_future(work)
+        try:
+            return await asyncio.wrap_future(work)
+        except asyncio.CancelledError:  # a timeout, a busy answer or a caller that left: nobody reads the answer
+            self.abandoned += 1
+            if cancel is not None:
+                cancel.set()
+            raise
+
+    def _left(self, work: Future, grant: Grant) -> None:
+        """The work has left the thread: its place is free again."""
+        if not work.cancelled() and isinstance(work.exception(), PassCancelled):
+            self.cancelled += 1
+        grant.release()
 
     def info(self) -> dict:
-        return self.admission.info()
+        return {**self.admission.info(), "abandoned": self.abandoned, "cancelled": self.cancelled,
+                "unfinished": {**self.unfinished.info(), "dropped": self.dropped_streams},
+                **self.records.info()}
 
     def shutdown(self) -> None:
         self.executor.shutdown(wait=True, cancel_futures=True)
@@ -225,12 +360,18 @@ class SpanBackend:
 
     def __init__(self, span: BlockSpan, max_concurrent: int, device: str = "cpu",
                  max_queued_tokens: Optional[int] = None, peer_share: float = 1.0,
-                 head: Optional[OutputHead] = None):
+                 head: Optional[OutputHead] = None, streams: StreamLimits = StreamLimits()):
         self.span = span.requires_grad_(False)  # frozen: a backward call computes the inputs' gradient only
         self.head = head.requires_grad_(False) if head is not None else None
         self.device = torch.device(device)
         self.dtype = next(span.parameters()).dtype
-        self.queue = ComputeQueue(max_concurrent, max_queued_tokens, "span-compute", peer_share)
+        self.queue = ComputeQueue(max_concurrent, max_queued_tokens, "span-compute", peer_share, streams)
+        self.max_positions = span.config.max_position_embeddings
+        self.length_scale = attention_length_scale(span.config)
+
+    def cost(self, batch: int, length: int) -> int:
+        """What a pass of ``batch`` x ``length`` positions is admitted at (:func:`request_cost`)."""
+        return request_cost(batch, length, self.length_scale)
 
     @property
     def in_flight(self) -> int:
@@ -251,12 +392,13 @@ class SpanBackend:
     @torch.inference_mode()
     def forward_sync(self, hidden: torch.Tensor, start: int, end: int, kv: Optional[SpanKV] = None,
                      rows: Optional[tuple[int, int]] = None, head: Optional[HeadQuery] = None,
-                     prompts: Optional[torch.Tensor] = None, prompt_kind: str = DEEP_PROMPT) -> torch.Tensor:
+                     prompts: Optional[torch.Tensor] = None, prompt_kind: str = DEEP_PROMPT,
+                     cancel: Optional[threading.Event] = None) -> torch.Tensor:
         """Run blocks ``start:end`` (a sub-span of the held one), filling or reusing ``kv`` (see BlockSpan), applying
         a per-block adapter's tensor before each block; with a ``head`` query, answer its predictions (float64)
-        instead of the hidden states."""
+        instead of the hidden states. Stopped between blocks once ``cancel`` is set."""
         x = self.span(hidden.to(self.device, self.dtype), blocks=(start, end), kv=kv, rows=rows,
-                      prompts=self._on_device(prompts), prompt_kind=prompt_kind)
+                      prompts=self._on_device(prompts), prompt_kind=prompt_kind, cancel=cancel)
         x = x.to(self.dtype)  # the compute dtype: the wire carries it as is by default (lossless)
         if head is None:
             return x.cpu()
@@ -269,17 +411,17 @@ class SpanBackend:
                       prompts: Optional[torch.Tensor] = None, prompt_kind: str = DEEP_PROMPT) -> torch.Tensor:
         """The span's output; ``grant`` is the place :meth:`ComputeQueue.admit` gave the request (taken here
         for ``peer`` when None)."""
-        tokens = hidden.shape[0] * hidden.shape[1]
-        return await self.queue.run(tokens, self.forward_sync, hidden, start, end, kv, rows, head, prompts, prompt_kind,
-                                    peer=peer, grant=grant)
+        cost, cancel = self.cost(*hidden.shape[:2]), threading.Event()
+        return await self.queue.run(cost, self.forward_sync, hidden, start, end, kv, rows, head, prompts, prompt_kind,
+                                    cancel, peer=peer, grant=grant, cancel=cancel)
 
     def _on_device(self, prompts: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         """A per-block adapter's tensor where the blocks compute, in float32 (each block adds them in its own dtype)."""
         return None if prompts is None else prompts.to(self.device, torch.float32)
 
     def backward_sync(self, inputs: torch.Tensor, grad_outputs: torch.Tensor, start: int, end: int,
-                      prompts: Optional[torch.Tensor] = None, prompt_kind: str = DEEP_PROMPT
-                      ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                      prompts: Optional[torch.Tensor] = None, prompt_kind: str = DEEP_PROMPT,
+                      cancel: Optional[threading.Event] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """The gradient of blocks ``start:end``'s input (float32), recomputing their forward with autograd, and
         of the per-block adapter's tensor when given (float32, else None).
 
@@ -291,7 +433,7 @@ class SpanBackend:
             if p is not None:  # a leaf of its own: the tensor may be the store's, shared with other requests
                 p = p.detach().requires_grad_(True)
             leaves = (x,) if p is None else (x, p)
-            y = self.span(x, blocks=(start, end), prompts=p, prompt_kind=prompt_kind)
+            y = self.span(x, blocks=(start, end), prompts=p, prompt_kind=prompt_kind, cancel=cancel)
             grads = torch.autograd.grad(y, leaves, grad_outputs.to(self.device, y.dtype))
         return grads[0].float().cpu(), grads[1].float().cpu() if p is not None else None
 
@@ -299,9 +441,9 @@ class SpanBackend:
                        peer: str = "", grant: Optional[Grant] = None, prompts: Optional[torch.Tensor] = None,
                        prompt_kind: str = DEEP_PROMPT) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """:meth:`backward_sync` on the compute thread, under the same queue and bounds as forward passes."""
-        tokens = 2 * inputs.shape[0] * inputs.shape[1]
-        return await self.queue.run(tokens, self.backward_sync, inputs, grad_outputs, start, end, prompts, prompt_kind,
-                                    peer=peer, grant=grant)
+        cost, cancel = self.cost(2 * inputs.shape[0], inputs.shape[1]), threading.Event()
+        return await self.queue.run(cost, self.backward_sync, inputs, grad_outputs, start, end, prompts, prompt_kind,
+                                    cancel, peer=peer, grant=grant, cancel=cancel)
 
     def shutdown(self) -> None:
         self.queue.shutdown()

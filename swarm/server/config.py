@@ -28,6 +28,10 @@ class ServerConfig:
     push_memory_mb: float = 256.0  # their memory (tensor and wire copies)
     push_timeout: float = 10.0  # seconds a client has to take a delivered output before it is dropped
     request_timeout: float = 60.0
+    max_unfinished_streams: int = 16  # request streams whose parts are still arriving (over all peers)
+    receive_timeout: float = 5.0  # seconds a stream has to deliver its parts, beyond receive_rate_mb's time
+    receive_rate_mb: float = 1.0  # MiB/s a stream must at least deliver: its deadline grows with its declared size
+    known_peer_reserve: float = 0.25  # share of request and stream places kept for peers that completed requests
     cache_memory_mb: float = 512.0  # activation cache (keys and values of sessions), least recently used evicted
     cache_max_entries: int = 4096  # cache versions kept at once, whatever their size
     cache_ttl: float = 300.0  # seconds a session's cache survives without being used

@@ -1,8 +1,11 @@
 """The RPC surface of a server on hivemind's P2P layer: forward and backward (unary and streamed), experts, info.
 
-A forward request is refused as early as its first part allows: the metadata, the declared tensor shape,
-whether its answer fits a unary call, and a place in the compute queue (and, for a push, in the push
-budget) are all settled before the rest of its payload is received, decoded or computed. A backward request
+A forward request is refused as early as its first part allows: the metadata, the declared tensor shape (within
+the model's context), whether its answer fits a unary call, and whether the compute queue has room are all settled
+before the rest of its payload is received, decoded or computed. The rest of a stream is received under a place
+among the unfinished streams and a deadline proportional to its declared size (``StreamLimits``); only a whole
+request takes a place in the compute queue (and, for a push, in the push budget), so a peer that stalls its
+streams holds no compute slot. A pass whose caller stopped waiting is cancelled between blocks. A backward request
 (:class:`~swarm.protocol.BackwardRequest`) has a forward request's form and takes the same path, with its own
 checks: no cache, push or head directives, an even stacked batch, and a server that answers backward calls.
 
@@ -22,7 +25,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, AsyncIterable, AsyncIterator, Awaitable, Callable, Optional
+from typing import TYPE_CHECKING, AsyncIterable, AsyncIterator, Awaitable, Callable, Optional, TypeVar
 
 import torch
 from hivemind.p2p import P2PContext
@@ -63,6 +66,7 @@ from swarm.server.validation import (
     validate_declared,
     validate_hidden,
     validate_metadata,
+    validate_positions,
     validate_prompt_declared,
     validate_prompts,
 )
@@ -71,6 +75,8 @@ if TYPE_CHECKING:
     from swarm.finetune.sharing import AdapterLibrary
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 PAYLOAD_SLACK_BYTES = 64 * 1024
 MIN_CHUNK_BYTES = 2**16  # the smallest stream chunk a client may use (hivemind's default): bounds the part count
@@ -228,12 +234,13 @@ class ForwardHandler(SpanService):
                 "this server does not answer backward calls (it was started with --no-backward): train through "
                 "another server")
         stream = aiter(requests)
-        first = await anext(stream, None)
-        require(first is not None, ErrorCode.BAD_REQUEST, "empty request")
         peer = str(context.remote_id)
+        first = await self._first_part(stream, peer)
         declared = self._declared(first, unary, peer, backward)
-        with self.backend.queue.admit(peer, declared.tokens) as place, self._push_place(peer, declared) as push_place:
-            hidden, prompts, held = await self._receive(first, stream, declared, peer)
+        queue, cost = self.backend.queue, self.backend.cost(*declared.shape[:2])
+        queue.check(peer, cost)  # no room now: refused before the rest is received
+        hidden, prompts, held = await self._receive(first, stream, declared, peer, unary, cost)
+        with queue.admit(peer, cost) as place, self._push_place(peer, declared) as push_place:
             answer = {"prompt_held": True} if held else None
             extra = declared.metadata.get("extra", {})
             session_id = declared.metadata.get("session_id", "")
@@ -245,6 +252,7 @@ class ForwardHandler(SpanService):
                 output = await self._compute(hidden, prompts, declared, extra, session_id, place)
             self.compute_seconds += time.perf_counter() - computing
             self.rows_computed += declared.tokens
+            queue.records.complete(peer)
             logger.debug("%s %d:%d %s from %s in %.1f ms", "backward" if declared.backward else "forward",
                          declared.start, declared.end, declared.shape, peer, 1000 * (time.perf_counter() - started))
             if declared.backward:  # gradients travel in float32, unrounded
@@ -269,6 +277,7 @@ class ForwardHandler(SpanService):
                 f"it carries {len(first.tensors)}")
         proto = first.tensors[0]
         batch, length = validate_declared(proto.dtype, tuple(proto.size), self.hidden_size, self.max_batch_tokens)
+        validate_positions(length, self.backend.max_positions)
         shape = (batch, length, self.hidden_size)
         held = self._held_prompts(metadata.get("prompt_digest"), prompt_kind, (end - start, prompt_length), peer)
         prompt_bytes = 4 * (end - start) * prompt_length * self.hidden_size if prompt_parts else 0
@@ -350,11 +359,32 @@ class ForwardHandler(SpanService):
             return contextlib.nullcontext()
         return self.pusher.reserve(peer, declared.shape)
 
+    async def _first_part(self, stream: AsyncIterator[runtime_pb2.ExpertRequest], peer: str
+                          ) -> runtime_pb2.ExpertRequest:
+        """The request's first part, within the deadline of one stream message: a stream that sends nothing
+        holds an open stream until then, no longer."""
+        deadline = self.backend.queue.streams.deadline(self.max_stream_message_bytes, self.request_timeout)
+        first = await self._within(anext(stream, None), deadline, peer, "its first part")
+        require(first is not None, ErrorCode.BAD_REQUEST, "empty request")
+        return first
+
+    async def _within(self, work: Awaitable[T], deadline: float, peer: str, what: str) -> T:
+        """``work`` (reading a stream), or ``incomplete`` when the stream did not deliver ``what`` by ``deadline``:
+        the stream is dropped, counted, and its sender loses its record of completed requests."""
+        try:
+            return await asyncio.wait_for(work, deadline)
+        except asyncio.TimeoutError:
+            self.backend.queue.stream_dropped(peer)
+            raise RemoteError(ErrorCode.INCOMPLETE, f"the request stream did not deliver {what} within {deadline:.1f} "
+                              f"s (--receive-timeout, --receive-rate-mb)") from None
+
     async def _receive(self, first: runtime_pb2.ExpertRequest, stream: AsyncIterator[runtime_pb2.ExpertRequest],
-                       declared: Declared, peer: str) -> tuple[torch.Tensor, Optional[torch.Tensor], bool]:
-        """The rest of the request's parts, within its declared size and the request timeout, decoded: the hidden
+                       declared: Declared, peer: str, unary: bool, cost: int
+                       ) -> tuple[torch.Tensor, Optional[torch.Tensor], bool]:
+        """The rest of the request's parts, within its declared size and its deadline, decoded: the hidden
         states and the adapter's tensor (None when the request has none; the held one when it named it), both
-        validated, and whether a tensor that came is now kept for later calls to name."""
+        validated, and whether a tensor that came is now kept for later calls to name. A stream holds a place
+        among the unfinished streams meanwhile (a unary call has nothing more to receive)."""
         chunks, size = list(first.tensors), first.ByteSize()
         expected = declared.parts + declared.prompt_parts
 
@@ -368,13 +398,15 @@ class ForwardHandler(SpanService):
                         f"the stream sends more than its {expected} declared parts of one tensor each")
                 chunks.append(part.tensors[0])
 
-        try:
-            await asyncio.wait_for(rest(), self.request_timeout)
-        except asyncio.TimeoutError:
-            raise RemoteError(ErrorCode.INCOMPLETE, f"the request stream did not end within {self.request_timeout} s")
+        queue = self.backend.queue
+        with contextlib.nullcontext() if unary else queue.receive_place(peer, cost):
+            deadline = queue.streams.deadline(declared.max_bytes, self.request_timeout)
+            await self._within(rest(), deadline, peer, f"its {expected} parts")
         require(len(chunks) == expected, ErrorCode.INCOMPLETE, f"stream ended after {len(chunks)} of {expected} parts")
         hidden = decode_tensor(join_parts(chunks[:declared.parts], declared.parts))
         validate_hidden(hidden, self.hidden_size, self.max_batch_tokens)
+        require(tuple(hidden.shape) == declared.shape, ErrorCode.BAD_REQUEST,
+                f"hidden states of shape {tuple(hidden.shape)}, the first part declared {declared.shape}")
         if not declared.prompt_length or declared.held_prompts is not None:
             return hidden, declared.held_prompts, False
         prompts = decode_tensor(join_parts(chunks[declared.parts:], declared.prompt_parts))

@@ -31,7 +31,7 @@ from swarm.models.loading import EXACT, ModelFiles, numerics, resolve_device
 from swarm.models.modules import BLOCK_ADAPTER_KINDS, OutputHead
 from swarm.models.quantization import quantize_span_int8
 from swarm.server.adapter_tensors import AdapterTensors
-from swarm.server.backend import SpanBackend
+from swarm.server.backend import SpanBackend, StreamLimits
 from swarm.server.block_selection import choose_span
 from swarm.server.config import ServerConfig
 from swarm.server.expert_handler import ExpertHandler
@@ -124,7 +124,7 @@ class Server:
         self.throughput = self._throughput(lambda: measure_throughput(self.span, self.config.device))
         return SpanBackend(self.span, self.config.max_concurrent_requests, self.config.device,
                            max_queued_tokens=self.config.max_queued_tokens, peer_share=self.config.peer_share,
-                           head=self._load_head(dtype))
+                           head=self._load_head(dtype), streams=StreamLimits.of(self.config))
 
     def _load_head(self, dtype: torch.dtype) -> Optional[OutputHead]:
         """The final norm and output head (``--head``), in the span's dtype: only with the last block."""

@@ -53,6 +53,14 @@ def validate_shape(shape: tuple[int, ...], hidden_size: int, max_batch_tokens: i
     return batch, length
 
 
+def validate_positions(length: int, max_positions: int) -> None:
+    """A pass is at most the model's context long: beyond it the model is untrained, and attention's cost grows
+    with the square of the length (a 16,384-position request once held a server's compute thread for 248 s)."""
+    require(length <= max_positions, ErrorCode.TOO_LARGE,
+            f"{length} positions exceed the model's context of {max_positions} positions: send at most "
+            f"{max_positions} per sequence")
+
+
 def validate_declared(dtype: str, shape: tuple[int, ...], hidden_size: int, max_batch_tokens: int) -> tuple[int, int]:
     """The dtype and shape a serialized tensor declares, before its bytes are received or decoded."""
     require(dtype in FLOAT_DTYPE_NAMES, ErrorCode.BAD_REQUEST,

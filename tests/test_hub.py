@@ -161,6 +161,14 @@ def test_server_with_the_head_also_fetches_the_head_shard_only(hub, hub_env, pub
     assert shards_of(published["main"], (EMBEDDING,)) & wanted == set()
 
 
+def test_a_repo_with_one_unsharded_file_in_the_native_format(hub, hub_env, tiny_model_path):
+    hub.add_repo("org/tiny-native", tiny_model_path)  # config.json + model.safetensors, no index, byte tokenizer
+    span = ModelFiles("org/tiny-native").span(1, 3)
+    assert set(hub.bytes_served("org/tiny-native")) == {"config.json", "model.safetensors"}
+    expected = ModelFiles(tiny_model_path).span(1, 3).state_dict()
+    assert all(torch.equal(span.state_dict()[k], v) for k, v in expected.items())
+
+
 # ----- (b) a client fetches config, tokenizer and the embedding ---------------------------------------------
 def test_client_role_fetches_config_tokenizer_and_embedding_only(hub, hub_env, published):
     files = ModelFiles(REPO)

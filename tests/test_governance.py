@@ -135,6 +135,8 @@ def governed(local_swarm, tmp_path_factory) -> Governed:
     trust = [arg for k in (key, resumer, probe) for arg in ("--governance-key", public_key_text(k))]
     server = local_swarm.start_server(str(path), "0:4", "--compute-threads", "1", *trust)
     operator = start_dht(NetworkConfig(initial_peers=local_swarm.initial_peers, client_mode=True))
+    # As operators do when they set up keys: a server trusting them stops when it reads no decision for long.
+    assert publish(operator, key, default_prefix(path), RESUME, "set-up")
     yield Governed(path, key, resumer, probe, server, operator)
     stop_dht(operator)
     local_swarm.terminate(server)

@@ -34,7 +34,6 @@ from swarm.dht.schema import (
     declare_experts,
     default_prefix,
     expert_index_key,
-    expert_key,
     now,
     read_expert_domains,
     read_expert_records,
@@ -224,10 +223,13 @@ def expert_announcer(local_swarm):
 def test_forged_expert_records_and_index_are_ignored(local_swarm, attacker, client, expert_announcer):
     victim, peers = expert_announcer, honest_peers(local_swarm)
     offline = ExpertRecord(victim, "guarded", ServerState.OFFLINE, CompatibilityTag("byte-v1", 260, 259), 1.0)
+    evil = ExpertRecord(victim, "evil", ServerState.ONLINE, CompatibilityTag("byte-v1", 260, 259), 1.0)
+    entry = {"record_version": 1, "experts": [offline.to_value(), evil.to_value()]}
     for subkey, refused in ((victim.encode(), False), (victim.encode() + RSASignatureValidator().local_public_key,
                                                        True)):
-        answers = forge(attacker, expert_key("security", "guarded"), subkey, offline.to_value(), now() + 600, peers)
-        answers += forge(attacker, expert_index_key("security"), subkey, ["evil"], now() + 600, peers)
+        # No peer here knows the prefix "security": a plain subkey is stored (tests/test_security_dht.py shows
+        # peers that know it refuse it), a subkey with another peer's id before one's own key is refused by all.
+        answers = forge(attacker, expert_index_key("security"), subkey, entry, now() + 600, peers)
         assert legacy_peer_id(subkey) == victim and answers == [not refused] * len(answers)
     for reader in (client.dht, attacker):
         records = read_expert_records(reader, "security", "guarded")

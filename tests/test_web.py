@@ -100,6 +100,8 @@ def web_lm(web_swarm, governance_key):
     lm = DistributedDiffusionLM.from_pretrained(MODEL, initial_peers=web_swarm.initial_peers, request_timeout=20,
                                                 governance_keys=(public_key_text(governance_key),),
                                                 route_refresh=600)  # keeps its route: a stopped hop fails over
+    # As operators do when they set up keys: clients trusting them stop when they read no decision for long.
+    assert publish(lm.dht, governance_key, MODEL, RESUME, "set-up") is not None
     yield lm
     lm.shutdown()
 

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from swarm.dht.node import NetworkConfig
+from swarm.governance.records import check_stale_after
 
 HEAD_PLACES = ("auto", "client")  # where the output head may run (ClientConfig.head)
 
@@ -49,6 +50,9 @@ class ClientConfig:
     tier_rules_path: Optional[str] = None  # JSON rules and policies for safety tiers (default rules if None)
     governance_keys: tuple[str, ...] = ()  # trusted governance public keys (also $SWARM_GOVERNANCE_KEYS)
     governance_ttl: float = 0.0  # seconds a read of the halt records is reused; 0 reads before every step
+    # With trusted keys: seconds without reading a valid decision (halt or resume) after which generation stops
+    # with finish_reason "halted" (fail safe against flooded or unreachable records); 0 turns it off.
+    governance_stale_after: float = 120.0
     audit_log: Optional[str] = None  # JSON-lines file: one record per generation
     # Server-to-server push: each server sends its output straight to the next one and the last delivers it
     # to this client (k + 1 network crossings per pass instead of 2k). Falls back to hop-by-hop on failure;
@@ -71,6 +75,7 @@ class ClientConfig:
             if not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"ClientConfig.{name} must be a positive number of seconds (or factor), "
                                  f"got {value!r}")
+        check_stale_after(self.governance_stale_after, "ClientConfig.governance_stale_after")
         for name in ("timeout_floor", "route_refresh", "inject_latency", "inject_jitter"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not value >= 0:

@@ -22,7 +22,7 @@ from swarm.client.config import ClientConfig
 from swarm.client.failover import FailoverEvent, RetryBudget, SwarmError, call_with_failover
 from swarm.client.peers import PeerHealth
 from swarm.dht.compatibility import CompatibilityTag, IncompatibleExpertError
-from swarm.dht.schema import ExpertRecord, ServerState, expert_key, read_expert_records
+from swarm.dht.schema import ExpertRecord, ServerState, expert_index_key, read_expert_records
 from swarm.diffusion.denoiser import DenoiseContext, Pending
 from swarm.diffusion.experts import ExpertNotFoundError, ExpertUnavailable
 from swarm.protocol import ErrorCode, ExpertQuery, RemoteError
@@ -40,7 +40,7 @@ def find_expert_servers(dht: DHT, prefix: str, domain: str, backbone: Compatibil
     """
     records = [r for r in read_expert_records(dht, prefix, domain).values() if r.state == ServerState.ONLINE]
     if not records:
-        raise ExpertNotFoundError(f"no online server hosts expert {domain!r} (DHT key {expert_key(prefix, domain)})")
+        raise ExpertNotFoundError(f"no online server hosts expert {domain!r} (DHT key {expert_index_key(prefix)})")
     compatible = [r for r in records if not backbone.mismatches(r.tag)]
     if not compatible:
         problems = sorted({"; ".join(backbone.mismatches(r.tag)) for r in records})

@@ -8,6 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from swarm.dht import fields
+
+MAX_TOKENIZER_CHARS, MAX_VOCAB = 128, 2**31
 
 class IncompatibleExpertError(ValueError):
     """An expert that does not share the backbone's tokenizer, vocabulary or mask token."""
@@ -31,8 +34,12 @@ class CompatibilityTag:
 
     @classmethod
     def from_value(cls, value: Any) -> "CompatibilityTag":
-        """Raises ValueError/TypeError/KeyError on anything malformed (callers treat it as a bad record)."""
-        return cls(str(value["tokenizer"]), int(value["vocab_size"]), int(value["mask_token_id"]))
+        """Every field bounded; raises ValueError on anything malformed (callers treat it as a bad record)."""
+        if not isinstance(value, dict):
+            raise ValueError("a compatibility tag is a map")
+        return cls(fields.text(value.get("tokenizer"), MAX_TOKENIZER_CHARS),
+                   fields.integer(value.get("vocab_size"), 1, MAX_VOCAB),
+                   fields.integer(value.get("mask_token_id"), 0, MAX_VOCAB))
 
     def mismatches(self, other: "CompatibilityTag") -> list[str]:
         """Human-readable differences, empty when compatible."""

@@ -24,9 +24,10 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Iterable, Optional
+from functools import partial
+from typing import Any, Iterable, Optional
 
-from hivemind.dht import DHT
+from hivemind.dht import DHT, DHTNode
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.validation import RecordValidatorBase
 from hivemind.p2p import P2P
@@ -36,13 +37,14 @@ from multiaddr import Multiaddr
 from swarm.dht.identity import Identity
 from swarm.dht.nat import listen_addresses, relay_plan, wait_for_relay
 from swarm.dht.peers import resolve_initial_peers
-from swarm.dht.validation import swarm_validators
+from swarm.dht.validation import KeyPolicy, dht_key_id, protect_storage, swarm_validators
 
 logger = logging.getLogger(__name__)
 
 LOOPBACK_MADDRS = ("/ip4/127.0.0.1/tcp/0",)
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 ORPHAN_POLL_S = 0.25  # how often a DHT process started from a non-main thread checks that its starter lives
+FAILED_REPLY_WARN_S = 60.0  # one warning per peer per this many seconds about replies lost on protected keys
 
 
 class AddressInUseError(RuntimeError):
@@ -212,9 +214,51 @@ def join_error(error: P2PDaemonError, peers: list[str], identity_path: Optional[
     return SwarmJoinError(f"could not start the DHT peer: {message}")
 
 
+# ----- the keys the swarm reads: bounded storage, loud failed replies ------------------------------------
+class FailedReplyWarnings:
+    """A rate-limited WARNING when a peer's answer to a find for a protected key is lost.
+
+    hivemind drops a peer's failed reply (over the 4 MiB message limit, timed out, peer gone) at debug level and
+    goes on with the other peers' answers; a reader must know that one source was lost, so this says so once per
+    peer per ``period`` seconds, naming the keys.
+    """
+
+    def __init__(self, names: dict[bytes, str], period: float = FAILED_REPLY_WARN_S):
+        self.names, self.period = names, period
+        self._last: dict[str, float] = {}
+
+    def report(self, peer: Any, key_ids: Iterable[Any]) -> None:
+        named = [self.names[k.to_bytes()] for k in key_ids if k.to_bytes() in self.names]
+        if not named:
+            return
+        now, peer = time.monotonic(), str(peer)
+        if now - self._last.get(peer, float("-inf")) < self.period:
+            return
+        self._last[peer] = now
+        shown = ", ".join(named[:4]) + ("..." if len(named) > 4 else "")
+        logger.warning("DHT peer %s gave no usable reply for %s (over the message size limit, a timeout or gone); "
+                       "reading the other peers' replies", peer, shown)
+
+
+async def _guard_node(dht: DHT, node: DHTNode, policies: dict[bytes, KeyPolicy]) -> None:
+    """In the DHT process: keep only what the policies allow under protected keys, and warn of lost replies."""
+    protect_storage([node.protocol.storage, node.protocol.cache], policies)
+    warnings = FailedReplyWarnings({key_id: policy.name for key_id, policy in policies.items()})
+    original = node.protocol.call_find
+
+    async def call_find(peer, keys):
+        keys = list(keys)
+        reply = await original(peer, keys)
+        if reply is None:
+            warnings.report(peer, keys)
+        return reply
+
+    node.protocol.call_find = call_find
+
+
 # ----- starting and stopping ---------------------------------------------------------------------------
 def start_dht(network: NetworkConfig, record_validators: Iterable[RecordValidatorBase] = (),
-              identity: Optional[Identity] = None) -> DHT:
+              identity: Optional[Identity] = None, protect: Iterable[KeyPolicy] = ()) -> DHT:
     """Start a DHT peer (with its libp2p daemon) and wait until it is ready.
 
     Raises ValueError for a malformed multiaddr, :class:`AddressInUseError` for a port or identity in use and
@@ -225,7 +269,11 @@ def start_dht(network: NetworkConfig, record_validators: Iterable[RecordValidato
     ``RSASignatureValidator``, so storing peers refuse forged writes and readers strip the signatures. With an
     ``identity`` the daemon runs with that key and records are signed with it (what servers do); a temporary
     identity file is removed once the daemon has read it.
+
+    ``protect`` lists the swarm's keys this process knows (``swarm.dht.schema.protected_keys``): it refuses to
+    store what no reader would use under them, bounds their subkeys, and warns when a peer's reply for one is lost.
     """
+    policies = {dht_key_id(policy.name): policy for policy in protect}
     validators = [identity.validator] if identity is not None else []  # the first RSA validator is the one used
     validators += [*record_validators, *swarm_validators()]
     if not any(isinstance(v, RSASignatureValidator) for v in validators):
@@ -261,6 +309,8 @@ def start_dht(network: NetworkConfig, record_validators: Iterable[RecordValidato
     if identity is not None and str(dht.peer_id) != identity.peer_id:
         stop_dht(dht)
         raise RuntimeError(f"the DHT runs as {dht.peer_id}, not as its identity {identity.peer_id}")
+    if policies:
+        dht.run_coroutine(partial(_guard_node, policies=policies))
     if relays is not None and relays.detected:
         report_relay(dht, network.relay_wait)
     return dht

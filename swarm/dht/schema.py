@@ -4,16 +4,20 @@ One key per block, ``{prefix}.{block}``; the subkey is the server's peer id foll
 (``[owner:ssh-rsa …]``), whose key is the server's libp2p identity. hivemind's ``RSASignatureValidator`` only
 accepts writes signed by that key, and ``swarm.dht.validation`` only those whose key derives the peer id in
 front of it; readers here apply the same rule (:func:`swarm.dht.validation.owner_peer_id`) and ignore every other entry.
-Experts announce under ``{prefix}.experts.{domain}`` the same way (an :class:`ExpertRecord` with the
-compatibility tag), and list their domains under ``{prefix}.experts`` so that readers who cannot list keys
-(the health map) find them.
+Experts announce under one key, ``{prefix}.experts``, the same way: each server's entry lists its
+:class:`ExpertRecord` s (at most :data:`MAX_EXPERTS_PER_SERVER`, with the compatibility tag), so a reader finds every
+domain in one read of one key that every server protects (a key per domain could not be protected: the DHT only
+shows peers the hash of a key, and domain names are open-ended).
+
+Every key a reader uses is listed by :func:`protected_keys` with what it may hold (``swarm.dht.validation``):
+processes that know the prefix refuse plain subkeys, oversized values and subkeys beyond a bound there, so no
+honest peer's reply can be inflated past libp2p's message limit.
 """
 from __future__ import annotations
 
 import dataclasses
 import enum
 import logging
-import math
 import re
 from dataclasses import dataclass, field
 from functools import partial  # picklable: run_coroutine ships it to the DHT process
@@ -21,10 +25,12 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator, Optional
 
 from hivemind.dht import DHT, DHTNode
+from hivemind.dht.routing import DHTID
 from hivemind.utils import get_dht_time
 
+from swarm.dht import fields
 from swarm.dht.compatibility import CompatibilityTag
-from swarm.dht.validation import owner_peer_id
+from swarm.dht.validation import OWNED, SLOT, KeyPolicy, owner_peer_id
 
 logger = logging.getLogger(__name__)
 
@@ -80,52 +86,63 @@ class ServerRecord:
 
     @classmethod
     def from_value(cls, peer_id: str, value: Any) -> Optional["ServerRecord"]:
-        """Parse a stored value; None (and a log line) for anything malformed, never an exception."""
+        """Parse a stored value, every field bounded; None (and a debug line) for anything else, never an
+        exception."""
         try:
-            if not isinstance(value, dict) or value.get("record_version") != RECORD_VERSION:
-                raise ValueError("unknown record version")
+            _check_version(value)
             record = cls(
-                peer_id=peer_id, state=ServerState(int(value["state"])), start=int(value["start"]),
-                end=int(value["end"]), throughput=_throughput(value["throughput"]),
+                peer_id=peer_id, state=ServerState(fields.integer(value["state"], 0, 2)),
+                start=fields.integer(value["start"], 0, MAX_BLOCKS), end=fields.integer(value["end"], 1, MAX_BLOCKS),
+                throughput=_throughput(value["throughput"]),
                 public_name=_optional_text(value.get("public_name")),
-                version=str(value.get("version", "")), cache_tokens_left=int(value.get("cache_tokens_left", 0)),
-                experts=_texts(value.get("experts", [])), extra=dict(value.get("extra", {})),
-                numerics=str(value.get("numerics", "exact"))[:MAX_NUMERICS_CHARS],
+                version=fields.text(value.get("version", ""), MAX_VERSION_CHARS),
+                cache_tokens_left=fields.integer(value.get("cache_tokens_left", 0)),
+                experts=_texts(value.get("experts", [])), extra=fields.scalar_map(value.get("extra", {})),
+                numerics=fields.text(value.get("numerics", "exact"), MAX_NUMERICS_CHARS),
                 addresses=_addresses(value.get("addresses", [])), head=value.get("head", False) is True,
-                adapter_kinds=_texts(value.get("adapter_kinds", [])),
+                adapter_kinds=fields.texts(value.get("adapter_kinds", []), MAX_ADAPTER_KINDS, MAX_NAME_CHARS),
             )
-            if not 0 <= record.start < record.end:
+            if not record.start < record.end:
                 raise ValueError(f"bad span {record.start}:{record.end}")
             return record
-        except (KeyError, TypeError, ValueError) as error:
-            logger.debug("ignoring malformed record from %s: %s", peer_id, error)
+        except Exception as error:  # remote input: whatever it is, it is not a record (never raise to a reader)
+            logger.debug("ignoring malformed record from %s: %s", peer_id, _describe(error))
             return None
 
 
 MAX_ADDRESSES, MAX_ADDRESS_CHARS = 8, 256
 MAX_NAME_CHARS, MAX_EXPERTS = 120, 32  # a record's public name, and the expert names a server record lists
+MAX_BLOCKS = 100_000  # no model has more blocks; spans beyond are malformed
+MAX_VERSION_CHARS, MAX_ADAPTER_KINDS = 64, 8
+MAX_THROUGHPUT = 1e12
+
+
+def _check_version(value: Any) -> None:
+    if not isinstance(value, dict) or value.get("record_version") != RECORD_VERSION:
+        raise ValueError("unknown record version")
+
+
+def _describe(error: BaseException) -> str:
+    """An exception as a short log text (str() of some exceptions is itself huge or raises)."""
+    try:
+        return f"{type(error).__name__}: {str(error)[:200]}"
+    except Exception:  # noqa: BLE001 - describing must never fail
+        return type(error).__name__
 
 
 def _throughput(raw: Any) -> float:
     """An announced speed: a finite number >= 0 (a NaN would make every route through it cost NaN), or ValueError."""
-    value = float(raw)
-    if not math.isfinite(value) or value < 0:
-        raise ValueError(f"bad throughput {raw!r}")
-    return value
+    return fields.number(raw, 0.0, MAX_THROUGHPUT)
 
 
 def _optional_text(raw: Any) -> Optional[str]:
     """An optional short text (a public name), or ValueError."""
-    if raw is not None and not isinstance(raw, str):
-        raise ValueError(f"a text field holds {type(raw).__name__}")
-    return None if raw is None else raw[:MAX_NAME_CHARS]
+    return fields.optional_text(raw, MAX_NAME_CHARS)
 
 
 def _texts(raw: Any) -> list[str]:
     """A short list of short texts (expert names), or ValueError."""
-    if not isinstance(raw, list) or len(raw) > MAX_EXPERTS or not all(isinstance(item, str) for item in raw):
-        raise ValueError("expert names must be a short list of texts")
-    return [item[:MAX_NAME_CHARS] for item in raw]
+    return fields.texts(raw, MAX_EXPERTS, MAX_NAME_CHARS)
 
 
 def _addresses(raw: Any) -> list[str]:
@@ -133,7 +150,7 @@ def _addresses(raw: Any) -> list[str]:
     if not isinstance(raw, list) or len(raw) > MAX_ADDRESSES or \
             not all(isinstance(a, str) and 0 < len(a) <= MAX_ADDRESS_CHARS for a in raw):
         raise ValueError(f"addresses must be a list of at most {MAX_ADDRESSES} strings")
-    return list(raw)
+    return [fields.text(a, MAX_ADDRESS_CHARS) for a in raw]
 
 
 @dataclass
@@ -156,20 +173,28 @@ class ExpertRecord:
 
     @classmethod
     def from_value(cls, peer_id: str, value: Any) -> Optional["ExpertRecord"]:
-        """Parse a stored value; None (and a log line) for anything malformed, never an exception."""
+        """Parse a stored value, every field bounded; None (and a debug line) for anything else, never an
+        exception."""
         try:
-            if not isinstance(value, dict) or value.get("record_version") != RECORD_VERSION:
-                raise ValueError("unknown record version")
-            record = cls(
-                peer_id=peer_id, domain=str(value["domain"]), state=ServerState(int(value["state"])),
+            _check_version(value)
+            domain = fields.text(value["domain"], MAX_DOMAIN_CHARS)
+            if not domain:
+                raise ValueError("empty domain")
+            return cls(
+                peer_id=peer_id, domain=domain, state=ServerState(fields.integer(value["state"], 0, 2)),
                 tag=CompatibilityTag.from_value(value["tag"]), throughput=_throughput(value["throughput"]),
-                model=str(value.get("model", "")), public_name=_optional_text(value.get("public_name")),
-                version=str(value.get("version", "")),
+                model=fields.text(value.get("model", ""), MAX_NAME_CHARS),
+                public_name=_optional_text(value.get("public_name")),
+                version=fields.text(value.get("version", ""), MAX_VERSION_CHARS),
             )
-            return record
-        except (KeyError, TypeError, ValueError) as error:
-            logger.debug("ignoring malformed expert record from %s: %s", peer_id, error)
+        except Exception as error:  # remote input: never raise to a reader
+            logger.debug("ignoring malformed expert record from %s: %s", peer_id, _describe(error))
             return None
+
+
+MAX_DOMAIN_CHARS = 64
+MAX_EXPERTS_PER_SERVER = 8  # expert records one server lists in its index entry
+MAX_EXPERT_DOMAINS = 256  # distinct domains a reader keeps from the whole index (the rest are dropped, loudly)
 
 
 def default_prefix(model_path: Path) -> str:
@@ -182,14 +207,46 @@ def block_key(prefix: str, block: int) -> str:
     return f"{prefix}.{block}"
 
 
-def expert_key(prefix: str, domain: str) -> str:
-    """Where servers hosting the expert ``domain`` announce it."""
-    return f"{prefix}.experts.{domain}"
-
-
 def expert_index_key(prefix: str) -> str:
-    """Where each expert-hosting server lists its domains (the DHT cannot list keys)."""
+    """Where each expert-hosting server lists its expert records (the DHT cannot list keys)."""
     return f"{prefix}.experts"
+
+
+def governance_key(prefix: str) -> str:
+    """Where the signed halt / resume decisions live (``swarm.governance.records``)."""
+    return f"{prefix}.governance"
+
+
+def adapter_index_key(prefix: str) -> str:
+    """Where each adapter author lists the names it published (``swarm.finetune.sharing``)."""
+    return f"{prefix}.adapters"
+
+
+# What the swarm's keys may hold. A reply holds a key's whole dictionary: subkeys x value bytes stay far below
+# libp2p's 4 MiB message even when a find asks a peer for 16 keys at once (32 x 6 KiB x 16 = 3 MiB).
+MAX_OWNED_VALUE_BYTES = 6 * 1024  # a signed server record with every field at its bound is 4.8 KiB
+MAX_OWNED_SUBKEYS = 32  # servers per block key (and expert-hosting servers) one storing peer keeps
+MAX_DECISION_VALUE_BYTES = 2 * 1024  # a signed governance decision (its reason is cut to 512 characters)
+MAX_UNTRUSTED_SLOTS = 64  # governance slots kept by a peer that trusts no key (it cannot tell which matter)
+MAX_ADAPTER_INDEX_BYTES, MAX_ADAPTER_AUTHORS = 8 * 1024, 64
+
+
+def protected_keys(prefix: str, num_blocks: int = 0, governance_signers: Optional[Iterable[str]] = None
+                   ) -> list[KeyPolicy]:
+    """The keys a process of the model ``prefix`` reads, with what each may hold (``start_dht(protect=...)``).
+
+    ``governance_signers``: the trusted governance public keys (base64); a process that trusts some keeps only
+    their slots under the governance key, one that trusts none keeps any signed slot (bounded in count).
+    """
+    signers = frozenset(governance_signers or ()) or None
+    owned = partial(KeyPolicy, kind=OWNED, max_value_bytes=MAX_OWNED_VALUE_BYTES, max_subkeys=MAX_OWNED_SUBKEYS)
+    return [
+        *(owned(block_key(prefix, block)) for block in range(min(num_blocks, MAX_BLOCKS))),
+        owned(expert_index_key(prefix)),
+        KeyPolicy(governance_key(prefix), SLOT, MAX_DECISION_VALUE_BYTES,
+                  len(signers) if signers else MAX_UNTRUSTED_SLOTS, signers),
+        KeyPolicy(adapter_index_key(prefix), SLOT, MAX_ADAPTER_INDEX_BYTES, MAX_ADAPTER_AUTHORS),
+    ]
 
 
 async def _store(dht: DHT, node: DHTNode, keys: list[str], subkey: bytes, values: list, expiration: float) -> bool:
@@ -213,10 +270,13 @@ def declare_span(dht: DHT, prefix: str, record: ServerRecord, subkey: bytes, exp
 
 def declare_experts(dht: DHT, prefix: str, records: list[ExpertRecord], subkey: bytes, expiration: float,
                     wait: bool = True):
-    """Store each record under its domain's key and the list of domains under the index key."""
-    keys = [expert_key(prefix, r.domain) for r in records] + [expert_index_key(prefix)]
-    values = [r.to_value() for r in records] + [sorted(r.domain for r in records)]
-    return store_owned(dht, keys, subkey, values, expiration, wait)
+    """Store this server's expert records (at most :data:`MAX_EXPERTS_PER_SERVER`) as its entry of the index."""
+    if len(records) > MAX_EXPERTS_PER_SERVER:
+        logger.warning("a server announces at most %d experts: %s are not announced", MAX_EXPERTS_PER_SERVER,
+                       ", ".join(r.domain for r in records[MAX_EXPERTS_PER_SERVER:]))
+        records = records[:MAX_EXPERTS_PER_SERVER]
+    value = {"record_version": RECORD_VERSION, "experts": [r.to_value() for r in records]}
+    return store_owned(dht, [expert_index_key(prefix)], subkey, [value], expiration, wait)
 
 
 async def _get_many(dht: DHT, node: DHTNode, keys: list[str]) -> dict:
@@ -256,23 +316,51 @@ def read_owned(dht: DHT, keys: Iterable[str]) -> Iterator[tuple[str, str, Any]]:
     return _records(dht.run_coroutine(partial(_get_many, keys=list(keys))))
 
 
+def parse_expert_entry(peer_id: str, value: Any) -> list[ExpertRecord]:
+    """The expert records of one server's index entry (malformed ones dropped; never raises)."""
+    if not isinstance(value, dict) or value.get("record_version") != RECORD_VERSION \
+            or not isinstance(value.get("experts"), list):
+        logger.debug("ignoring a malformed expert index entry from %s", peer_id)
+        return []
+    parsed = (ExpertRecord.from_value(peer_id, item) for item in value["experts"][:MAX_EXPERTS_PER_SERVER])
+    return [record for record in parsed if record is not None]
+
+
+def read_all_experts(dht: DHT, prefix: str) -> dict[str, dict[str, ExpertRecord]]:
+    """Every announced expert, by domain then peer id: one read of the index key, at most
+    :data:`MAX_EXPERT_DOMAINS` domains (the first in name order; a warning says when more were dropped)."""
+    found: dict[str, dict[str, ExpertRecord]] = {}
+    for _, peer_id, value in read_owned(dht, [expert_index_key(prefix)]):
+        for record in parse_expert_entry(peer_id, value):
+            found.setdefault(record.domain, {})[peer_id] = record
+    if len(found) > MAX_EXPERT_DOMAINS:
+        logger.warning("the expert index of %s lists %d domains; keeping the first %d", prefix, len(found),
+                       MAX_EXPERT_DOMAINS)
+        found = {domain: found[domain] for domain in sorted(found)[:MAX_EXPERT_DOMAINS]}
+    return found
+
+
 def read_expert_records(dht: DHT, prefix: str, domain: str) -> dict[str, ExpertRecord]:
-    """Every server announcing the expert ``domain``, by peer id (records for another domain are ignored)."""
-    records = {}
-    for _, peer_id, value in read_owned(dht, [expert_key(prefix, domain)]):
-        record = ExpertRecord.from_value(peer_id, value)
-        if record is not None and record.domain == domain:
-            records[peer_id] = record
-    return records
+    """Every server announcing the expert ``domain``, by peer id."""
+    return read_all_experts(dht, prefix).get(domain, {})
 
 
 def read_expert_domains(dht: DHT, prefix: str) -> set[str]:
     """Expert domains listed under the index key by any server."""
-    domains = set()
-    for _, _, value in read_owned(dht, [expert_index_key(prefix)]):
-        if isinstance(value, (list, tuple)):
-            domains.update(d for d in value if isinstance(d, str) and d)
-    return domains
+    return set(read_all_experts(dht, prefix))
+
+
+async def _forget(dht: DHT, node: DHTNode, keys: list[str]) -> None:
+    for key_id in map(DHTID.generate, keys):
+        for storage in (node.protocol.storage, node.protocol.cache):
+            if storage.get(key_id) is not None:
+                del storage[key_id]
+
+
+def forget_local_copies(dht: DHT, keys: Iterable[str]) -> None:
+    """Drop this peer's own copies of ``keys`` (stored or cached), so that the next read of them is what other
+    peers answer: a writer checking that readers get its record back must not read its own copy."""
+    dht.run_coroutine(partial(_forget, keys=list(keys)))
 
 
 def now() -> float:

@@ -9,8 +9,12 @@ Two kinds of protected subkeys (hivemind validates only the subkey and the value
   accepts a write only with a signature by that key over the DHT key, the payload and the expiration time, so
   nobody can squat the slot with junk or replay a signed value with a later expiration.
 
-Subkeys without either tag are left alone (hivemind's own features use plain subkeys); the swarm's readers
-ignore them.
+Subkeys without either tag are left alone on keys the swarm does not use (hivemind's own features, such as the
+averager of ``swarm.finetune.together``, use plain subkeys). On the keys the swarm reads, a process that knows them
+(its prefix, block count and trusted governance keys: :class:`KeyPolicy`, built by ``swarm.dht.schema.protected_keys``)
+refuses to store what no reader would use: plain subkeys, values over a size bound, more than a bounded number of
+subkeys per key (:class:`ProtectedStorage`). A DHT get returns a key's whole dictionary in one reply, and a reply over
+libp2p's 4 MiB message limit is lost: these bounds keep every reply of an honest peer far below it.
 """
 from __future__ import annotations
 
@@ -18,13 +22,15 @@ import base64
 import binascii
 import logging
 import re
-from typing import Any, Optional
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional
 
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.routing import DHTID
+from hivemind.dht.storage import DHTLocalStorage, DictionaryDHTValue
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils import MSGPackSerializer
 
@@ -179,6 +185,81 @@ class SignedSlotValidator(RecordValidatorBase):
 
     def merge_with(self, other: RecordValidatorBase) -> bool:
         return isinstance(other, SignedSlotValidator)
+
+
+# ----- keys the swarm reads: what they may hold -------------------------------------------------------
+OWNED, SLOT = "owned", "slot"
+
+
+@dataclass(frozen=True)
+class KeyPolicy:
+    """What one DHT key the swarm reads may hold: only ``kind`` subkeys (``owned`` records of a proven peer id,
+    or ``slot`` entries of Ed25519 keys, only of ``signers`` when given), each value at most ``max_value_bytes``
+    (as stored, signature included), at most ``max_subkeys`` subkeys at one storing peer."""
+
+    name: str  # the DHT key itself, for log lines (validators only see its hash)
+    kind: str
+    max_value_bytes: int
+    max_subkeys: int
+    signers: Optional[frozenset[str]] = None
+
+    def refusal(self, subkey: Any, value_size: int) -> Optional[str]:
+        """Why an entry may not be stored under this key, or None if it may."""
+        if value_size > self.max_value_bytes:
+            return f"a value of {value_size} bytes (at most {self.max_value_bytes})"
+        if self.kind == OWNED:
+            return None if owner_peer_id(subkey) is not None else "a subkey that proves no peer id"
+        signer = slot_signer(subkey)
+        if signer is None:
+            return "a subkey that is no signed slot"
+        if self.signers is not None and signer not in self.signers:
+            return "a slot of a key no process here trusts"
+        return None
+
+
+class ProtectedStorage(DHTLocalStorage):
+    """A peer's local storage that keeps, under the keys of its policies, only what a :class:`KeyPolicy` allows.
+
+    A check at storage rather than a record validator: validators also run on every reply a reader gets, and
+    hivemind then drops a peer's whole answer for a key when one entry fails, so one junk entry on a peer that
+    knows nothing of the swarm's keys (a bootstrap peer) would hide that peer's honest records from readers too.
+    Here only writes are refused: plain subkeys, oversized values, a whole (regular) value replacing the key's
+    dictionary, and a new subkey under a key already holding its maximum (updates of a held subkey pass).
+    Installed on a running node by :func:`protect_storage` (the class of its storages is swapped in place).
+    """
+
+    policies: dict[bytes, KeyPolicy]
+
+    def store(self, key: DHTID, value: bytes, expiration_time: float, subkey: Any = None) -> bool:
+        if subkey is None and key.to_bytes() in self.policies:
+            return self._refuse(self.policies[key.to_bytes()], "a regular value (it would replace every record)")
+        return super().store(key, value, expiration_time, subkey)
+
+    def store_subkey(self, key: DHTID, subkey: Any, value: bytes, expiration_time: float) -> bool:
+        policy = self.policies.get(key.to_bytes())
+        if policy is not None:
+            reason = policy.refusal(subkey, len(value)) or self._over_limit(key, subkey, policy)
+            if reason is not None:
+                return self._refuse(policy, reason)
+        return super().store_subkey(key, subkey, value, expiration_time)
+
+    def _over_limit(self, key: DHTID, subkey: Any, policy: KeyPolicy) -> Optional[str]:
+        current = self.get(key)
+        if current is None or not isinstance(current.value, DictionaryDHTValue) or subkey in current.value:
+            return None
+        return f"a subkey beyond the {policy.max_subkeys} held" if len(current.value) >= policy.max_subkeys else None
+
+    @staticmethod
+    def _refuse(policy: KeyPolicy, reason: str) -> bool:
+        logger.debug("refusing %s under %s", reason, policy.name)
+        return False
+
+
+def protect_storage(storages: list[DHTLocalStorage], policies: Mapping[bytes, KeyPolicy]) -> None:
+    """Make each storage a :class:`ProtectedStorage` with ``policies`` (by key hash)."""
+    for storage in storages:
+        storage.__class__ = ProtectedStorage
+        storage.policies = dict(policies)
 
 
 def swarm_validators() -> list[RecordValidatorBase]:

@@ -1,6 +1,11 @@
 """``python -m swarm.governance keygen | halt --reason ... | resume | status``: the swarm's kill switch.
 
 ``status`` exits 5 while the swarm is halted (the exit codes of every command are in docs/OPERATIONS.md).
+
+Servers and clients that trust keys fail safe: when they read no valid decision by those keys for longer than
+``--governance-stale-after`` / ``ClientConfig.governance_stale_after`` (120 s by default), they stop as if halted.
+So publish a ``resume`` once when setting up keys; ``halt`` and ``resume`` report success only once the record is
+read back from the swarm.
 """
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ from swarm.cli_options import (
 )
 from swarm.dht.node import NetworkConfig
 from swarm.dht.peers import resolve_initial_peers
+from swarm.dht.schema import protected_keys
 from swarm.governance.keys import (
     generate_private_key,
     load_private_key,
@@ -107,18 +113,25 @@ def _decision_command(action: str):
 
         key = _private_key(key_path)
         others = _parse_keys(trusted or tuple(public_keys_from_env()))
-        dht = start_dht(_network(options))
+        signers = [public_key_text(k) for k in [key, *others]]
+        dht = start_dht(_network(options), protect=protected_keys(dht_prefix, governance_signers=signers))
         try:
             decision = publish(dht, key, dht_prefix, action, reason, trusted=others)
         finally:
             stop_dht(dht)
         if decision is None:
-            raise CLIError("no DHT peer accepted the record: are the initial peers part of the swarm?",
+            raise CLIError("the record could not be read back from the swarm (no peer kept it, or the governance key "
+                           "is flooded); readers do not see it: are the initial peers part of the swarm?",
                            EXIT_UNREACHABLE)
-        click.echo(f"{describe(decision)} and stored for '{dht_prefix}'" + (f": {reason}" if reason else ""))
+        click.echo(f"{describe(decision)} stored and read back for '{dht_prefix}'" + (f": {reason}" if reason else ""))
 
-    command.__doc__ = {HALT: "Halt the swarm: servers refuse new steps, clients stop before their next step.",
-                       RESUME: "Resume a halted swarm (a decision with a higher sequence than the halt)."}[action]
+    command.__doc__ = {
+        HALT: "Halt the swarm: servers refuse new steps, clients stop before their next step. Succeeds only once "
+              "the record is read back from the swarm.",
+        RESUME: "Resume a halted swarm (a decision with a higher sequence than the halt). Publish one once when "
+                "setting up keys: servers and clients that trust keys stop when they read no decision for "
+                "--governance-stale-after seconds (120 by default).",
+    }[action]
     return main.command(name=action)(command)
 
 
@@ -132,17 +145,22 @@ _decision_command(RESUME)
 @click.option("--dht-prefix", default="default", show_default=True, help=PREFIX_HELP)
 @network_options
 def status(keys: tuple[str, ...], dht_prefix: str, **options) -> None:
-    """Print whether the swarm is halted according to records signed by the given keys."""
+    """Print whether the swarm is halted according to records signed by the given keys ("no valid governance
+    record" means servers and clients trusting these keys will stop after --governance-stale-after seconds:
+    publish a resume)."""
     from swarm.dht.node import start_dht, stop_dht
 
-    state = GovernanceState(dht_prefix, _parse_keys(keys))
-    dht = start_dht(_network(options))
+    trusted = _parse_keys(keys)
+    state = GovernanceState(dht_prefix, trusted)
+    signers = [public_key_text(k) for k in trusted]
+    dht = start_dht(_network(options), protect=protected_keys(dht_prefix, governance_signers=signers))
     try:
         decision = state.refresh(dht)
     finally:
         stop_dht(dht)
     if decision is None:
-        click.echo("running (no valid governance record)")
+        click.echo("running (no valid governance record: servers and clients trusting these keys stop after "
+                   "--governance-stale-after seconds; publish a resume)")
     else:
         click.echo(f"{'HALTED' if decision.halted else 'running'}: last {describe(decision)}"
                    + (f" ({decision.reason})" if decision.reason else ""))

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Iterable
 
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
@@ -50,3 +51,13 @@ def parse_public_key(text: str) -> Ed25519PublicKey:
 
 def public_keys_from_env() -> list[str]:
     return [k for k in os.environ.get(ENV_PUBLIC_KEYS, "").replace(",", " ").split() if k]
+
+
+def trusted_key_texts(keys: Iterable[str] = ()) -> list[str]:
+    """The trusted keys as given (base64 or files), else ``$SWARM_GOVERNANCE_KEYS``."""
+    return list(keys) or public_keys_from_env()
+
+
+def trusted_signers(keys: Iterable[str] = ()) -> list[str]:
+    """The trusted keys as the base64 text their slots name (what storing peers keep under the governance key)."""
+    return [public_key_text(parse_public_key(k)) for k in trusted_key_texts(keys)]

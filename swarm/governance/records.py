@@ -3,7 +3,10 @@
 Each governance key has one slot under ``{prefix}.governance``: the subkey ``[ed25519:PUBLIC KEY]``
 (``swarm.dht.validation``). Every swarm peer refuses a write to that slot unless that key signed the DHT key,
 the payload and the expiration time, so nobody else can fill the slot, and a replayed value cannot come back
-with a later expiration than it was signed with (a slot keeps the value with the latest expiration).
+with a later expiration than it was signed with (a slot keeps the value with the latest expiration). A peer that
+knows the prefix also refuses, under that key, plain subkeys, values over 2 KiB and (when it trusts governance keys)
+the slots of keys it does not trust (``swarm.dht.schema.protected_keys``): the key cannot be flooded past the size of
+a DHT reply on honest peers.
 
 The payload (msgpack) holds action, reason, prefix, timestamp and a sequence number. :func:`publish` reads the
 current decisions and signs a sequence above the newest one. Readers accept only records signed by a key they
@@ -13,7 +16,6 @@ back to a lower one, so an old record can never win. Anything else is ignored.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Optional
@@ -22,6 +24,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from hivemind.dht import DHT
 from hivemind.utils import MSGPackSerializer, get_dht_time
 
+from swarm.dht import fields
+from swarm.dht.schema import forget_local_copies, governance_key
 from swarm.dht.validation import dht_key_id, sign_slot, slot_signer, slot_subkey, verify_slot
 from swarm.governance.keys import public_key_text
 
@@ -31,10 +35,18 @@ HALT, RESUME = "halt", "resume"
 RECORD_LIFETIME = 30 * 24 * 3600.0  # a halt stands until resumed; the DHT keeps it this long
 MAX_CLOCK_SKEW = 300.0
 _MAX_WARNINGS = 256  # distinct invalid records worth a warning line; the rest go to debug
+MAX_REASON_CHARS = 512  # a decision's reason, as signed and as read
+MAX_SEQUENCE = 2**63 - 1
+READ_BACK_TRIES, READ_BACK_PAUSE = 3, 1.0  # publish() reads its record back this many times before giving up
+
+MAX_STALE_AFTER = 7 * 24 * 3600.0
 
 
-def governance_key(prefix: str) -> str:
-    return f"{prefix}.governance"
+def check_stale_after(value: float, name: str = "governance_stale_after") -> float:
+    """A fail-safe bound (``GovernanceGuard``): 0 (off) or seconds up to a week."""
+    if not isinstance(value, (int, float)) or not 0 <= value <= MAX_STALE_AFTER:
+        raise ValueError(f"{name} must be 0 (off) or at most {MAX_STALE_AFTER:.0f} seconds, got {value}")
+    return value
 
 
 def governance_subkey(key: Ed25519PrivateKey | Ed25519PublicKey) -> str:
@@ -68,6 +80,8 @@ def sign_decision(key: Ed25519PrivateKey, prefix: str, action: str, reason: str,
     """The value to store in ``key``'s slot with exactly ``expiration`` (the signature covers it)."""
     if action not in (HALT, RESUME):
         raise ValueError(f"action must be {HALT!r} or {RESUME!r}")
+    if len(reason) > MAX_REASON_CHARS:
+        raise ValueError(f"the reason must be at most {MAX_REASON_CHARS} characters")
     body = {"action": action, "reason": reason, "prefix": prefix, "sequence": int(sequence),
             "timestamp": time.time() if timestamp is None else float(timestamp)}
     return sign_slot(key, governance_key(prefix), MSGPackSerializer.dumps(body), expiration)
@@ -82,17 +96,21 @@ def parse_decision(prefix: str, subkey: Any, value: Any, expiration: float,
     payload = verify_slot(dht_key_id(governance_key(prefix)), subkey, value, expiration)
     try:
         body = MSGPackSerializer.loads(payload)
-        decision = Decision(body["action"], body["reason"], float(body["timestamp"]), signer, body["sequence"])
-    except Exception as error:  # a trusted key signed something that is not a decision
-        raise ValueError(f"malformed decision payload: {error!r}") from None
-    if body.get("prefix") != prefix:
-        raise ValueError(f"record is for prefix {body.get('prefix')!r}")
-    if decision.action not in (HALT, RESUME) or not isinstance(decision.reason, str):
-        raise ValueError(f"unknown action {decision.action!r} or reason type")
-    if not isinstance(decision.sequence, int) or isinstance(decision.sequence, bool) or decision.sequence < 0:
-        raise ValueError(f"bad sequence {decision.sequence!r}")
-    if not math.isfinite(decision.timestamp) or decision.timestamp > time.time() + MAX_CLOCK_SKEW:
-        raise ValueError("timestamp in the future")
+        if not isinstance(body, dict):
+            raise ValueError("not a map")
+        claimed = body.get("prefix")
+    except Exception as error:  # a trusted key signed something that is not a decision: msgpack raises many types
+        raise ValueError(f"malformed decision payload: {type(error).__name__}") from None
+    if claimed != prefix:
+        raise ValueError(f"record is for prefix {str(claimed)[:80]!r}")
+    try:
+        decision = Decision(fields.text(body.get("action"), 16), fields.text(body.get("reason"), MAX_REASON_CHARS),
+                            fields.number(body.get("timestamp"), 0.0, time.time() + MAX_CLOCK_SKEW), signer,
+                            fields.integer(body.get("sequence"), 0, MAX_SEQUENCE))
+    except ValueError as error:
+        raise ValueError(f"malformed decision: {error}") from None
+    if decision.action not in (HALT, RESUME):
+        raise ValueError(f"unknown action {decision.action!r}")
     return decision
 
 
@@ -117,7 +135,9 @@ def read_decisions(dht: DHT, prefix: str, trusted: Mapping[str, Ed25519PublicKey
 
 def publish(dht: DHT, key: Ed25519PrivateKey, prefix: str, action: str, reason: str,
             timestamp: Optional[float] = None, trusted: Iterable[Ed25519PublicKey] = ()) -> Optional[Decision]:
-    """Sign and store a decision that outranks every current one of ``key`` and ``trusted``; None if unstored.
+    """Sign and store a decision that outranks every current one of ``key`` and ``trusted``; the decision once
+    readers get it back from the swarm, None if they do not (a peer's "stored" proves nothing: what counts is
+    what readers read, and a flooded key may be unreadable).
 
     The sequence is above the newest such decision and at least the time in milliseconds, so decisions of
     keys that cannot see each other still order by time.
@@ -130,22 +150,28 @@ def publish(dht: DHT, key: Ed25519PrivateKey, prefix: str, action: str, reason: 
     expiration = max([get_dht_time() + RECORD_LIFETIME] + [e + 1.0 for d, e in current if d.signer == own])
     value = sign_decision(key, prefix, action, reason, sequence, expiration, timestamp)
     decision = parse_decision(prefix, governance_subkey(key), value, expiration, keys)
-    if dht.store(governance_key(prefix), value, expiration_time=expiration, subkey=governance_subkey(key)):
-        return decision
-    # The answer is the last replica's, and a hostile peer may say no; what counts is what readers get back.
-    if any(found == decision for found, _ in read_decisions(dht, prefix, {own: key.public_key()})):
-        logger.info("a peer refused the record, but the swarm returns it")
-        return decision
+    stored = dht.store(governance_key(prefix), value, expiration_time=expiration, subkey=governance_subkey(key))
+    for attempt in range(READ_BACK_TRIES):
+        forget_local_copies(dht, [governance_key(prefix)])  # what readers get, not this peer's own copy
+        if any(found == decision for found, _ in read_decisions(dht, prefix, {own: key.public_key()})):
+            if not stored:
+                logger.info("a peer refused the record, but the swarm returns it")
+            return decision
+        time.sleep(READ_BACK_PAUSE * (attempt + 1))
+    logger.warning("the decision was %s but readers do not get it back from the swarm",
+                   "stored" if stored else "refused")
     return None
 
 
 class GovernanceState:
-    """Tracks the highest-ranked valid decision for one prefix, given the trusted public keys."""
+    """Tracks the highest-ranked valid decision for one prefix, given the trusted public keys, and when a valid
+    decision was last read (a reader that reads none for long may be blinded: ``GovernanceGuard`` fails safe)."""
 
     def __init__(self, prefix: str, trusted: Iterable[Ed25519PublicKey]):
         self.prefix = prefix
         self.trusted = {public_key_text(k): k for k in trusted}
         self.current: Optional[Decision] = None
+        self.seen_at: Optional[float] = None  # time.monotonic() of the last read that returned a valid decision
         self._warned: set[str] = set()
 
     @property
@@ -156,16 +182,22 @@ class GovernanceState:
     def halted(self) -> bool:
         return self.current is not None and self.current.halted
 
-    def consider(self, subkey: Any, value: Any, expiration: float) -> Optional[Decision]:
-        """Check one stored record; adopt it if valid and it outranks the current decision."""
+    def parse(self, subkey: Any, value: Any, expiration: float) -> Optional[Decision]:
+        """The valid trusted decision a stored record carries, or None (never raises: records are remote input)."""
         try:
-            decision = parse_decision(self.prefix, subkey, value, expiration, self.trusted)
+            return parse_decision(self.prefix, subkey, value, expiration, self.trusted)
         except UntrustedRecord as error:
             logger.debug("ignoring a governance record: %s", error)
+        except Exception as error:  # ValueError for what it says; anything else is junk all the same
+            self._warn_once(f"ignoring an invalid governance record: {str(error)[:200]}")
+        return None
+
+    def consider(self, subkey: Any, value: Any, expiration: float) -> Optional[Decision]:
+        """Check one stored record; adopt it if valid and it outranks the current decision."""
+        decision = self.parse(subkey, value, expiration)
+        if decision is None:
             return None
-        except ValueError as error:
-            self._warn_once(f"ignoring an invalid governance record: {error}")
-            return None
+        self.seen_at = time.monotonic()
         if not decision.outranks(self.current):
             return None
         logger.warning("governance: %s #%d (%s) signed at %.0f", decision.action, decision.sequence,

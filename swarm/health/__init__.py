@@ -3,11 +3,10 @@ from swarm.health.map import (
     ExpertAnnouncement,
     HealthMap,
     build_health_map,
-    expert_key,
     format_spans,
     read_experts,
     read_health_map,
 )
 
-__all__ = ["ExpertAnnouncement", "HealthMap", "build_health_map", "expert_key", "format_spans", "read_experts",
+__all__ = ["ExpertAnnouncement", "HealthMap", "build_health_map", "format_spans", "read_experts",
            "read_health_map"]

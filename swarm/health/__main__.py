@@ -23,6 +23,7 @@ from swarm.cli_options import (
 )
 from swarm.dht.node import NetworkConfig, start_dht
 from swarm.dht.peers import resolve_initial_peers
+from swarm.dht.schema import protected_keys
 from swarm.health.map import HealthMap, read_health_map
 from swarm.health.render import render_text
 
@@ -61,7 +62,7 @@ def resolve_target(model: Optional[str], dht_prefix: Optional[str], num_blocks: 
 
 def read_map(network: NetworkConfig, prefix: str, num_blocks: int) -> HealthMap:
     try:
-        dht = start_dht(network)
+        dht = start_dht(network, protect=protected_keys(prefix, num_blocks))  # it warns of replies lost for them
     except Exception as error:  # hivemind raises daemon, timeout and parse errors alike; all mean "cannot join"
         raise UnreachableSwarm(f"could not join the swarm: {error}") from error
     try:

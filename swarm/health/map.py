@@ -13,7 +13,7 @@ from typing import Any, Iterable, Mapping
 
 from hivemind.dht import DHT
 
-from swarm.dht.schema import ServerRecord, ServerState, expert_key, read_expert_domains, read_owned, read_servers
+from swarm.dht.schema import ServerRecord, ServerState, read_all_experts, read_servers
 from swarm.health.reachability import reachability
 
 logger = logging.getLogger(__name__)
@@ -23,7 +23,8 @@ Span = tuple[int, int]
 
 @dataclass
 class ExpertAnnouncement:
-    """One peer's record under ``{prefix}.experts.{domain}``, kept raw until the expert schema is settled."""
+    """One peer's expert record for ``domain`` from the index ``{prefix}.experts``: ``value`` is the parsed record's
+    value (``ExpertRecord.to_value``), so every field is bounded and JSON-safe."""
 
     domain: str
     peer_id: str
@@ -123,20 +124,12 @@ def build_health_map(
 
 
 # ----- experts (hook) ---------------------------------------------------------------------------------
-def read_experts(dht: DHT, prefix: str, domains: Iterable[str]) -> dict[str, list[ExpertAnnouncement]]:
-    """Peers announced under each expert domain key.
-
-    The DHT cannot list keys, so domains come from the ``experts`` field of server records and from the
-    experts index (``swarm.dht.schema.read_expert_domains``). Values are kept raw. Only entries whose owner
-    key proves their peer id are listed (``swarm.dht.schema.read_owned``): nobody can speak for another peer.
-    """
-    found: dict[str, list[ExpertAnnouncement]] = {}
-    for domain in sorted(set(domains)):
-        announcements = [ExpertAnnouncement(domain, peer_id, value)
-                         for _, peer_id, value in read_owned(dht, [expert_key(prefix, domain)])]
-        if announcements:
-            found[domain] = sorted(announcements, key=lambda a: a.peer_id)
-    return found
+def read_experts(dht: DHT, prefix: str) -> dict[str, list[ExpertAnnouncement]]:
+    """Peers announcing each expert domain, from one read of the experts index (``read_all_experts``: its
+    number of domains is capped). Only entries whose owner key proves their peer id count: nobody can speak for
+    another peer."""
+    return {domain: [ExpertAnnouncement(domain, peer, record.to_value()) for peer, record in sorted(found.items())]
+            for domain, found in sorted(read_all_experts(dht, prefix).items())}
 
 
 def read_adapters(dht: DHT, prefix: str) -> list[dict[str, Any]]:
@@ -147,12 +140,10 @@ def read_adapters(dht: DHT, prefix: str) -> list[dict[str, Any]]:
 
 
 def read_health_map(dht: DHT, prefix: str, num_blocks: int, adapters: bool = False) -> HealthMap:
-    """Read every server record of the model (and the expert domains they mention or list) from the DHT; with
+    """Read every server record of the model and the expert index from the DHT (two batched reads); with
     ``adapters``, the published adapters too."""
     servers = read_servers(dht, prefix, num_blocks)
-    domains = {domain for record in servers.values() for domain in record.experts}
-    domains |= read_expert_domains(dht, prefix)  # servers that host experts only have no block record
-    experts = read_experts(dht, prefix, domains) if domains else {}
+    experts = read_experts(dht, prefix)
     logger.debug("health map of %s: %d servers, %d expert domains", prefix, len(servers), len(experts))
     health = build_health_map(servers, prefix, num_blocks, experts)
     health.adapters = read_adapters(dht, prefix) if adapters else []

@@ -135,6 +135,10 @@ def print_ready(server: Server) -> None:
 @click.option("--governance-key", "governance_keys", multiple=True,
               help="Trusted governance public key (base64 or a file holding it; repeatable; default "
                    "$SWARM_GOVERNANCE_KEYS). While a halt signed by one of them stands, the server refuses new steps.")
+@click.option("--governance-stale-after", type=click.FloatRange(0, 7 * 24 * 3600.0), default=120.0, show_default=True,
+              help="With governance keys: seconds without reading a valid decision by them (a halt or a resume) after "
+                   "which the server refuses new steps until it reads one again (fail safe: a flooded or unreachable "
+                   "record must not look like 'running'); 0 turns it off. Publish a resume once when setting up keys.")
 @click.option("--log-level", type=click.Choice(["DEBUG", "INFO", "WARNING"]), default="INFO", help="Logging verbosity.")
 def main(blocks: str | None, experts: tuple[str, ...], log_level: str, **options) -> None:
     """Host a span of a model's transformer blocks and/or expert models, and announce them on the swarm's DHT.

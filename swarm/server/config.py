@@ -37,6 +37,9 @@ class ServerConfig:
     cache_ttl: float = 300.0  # seconds a session's cache survives without being used
     governance_keys: tuple[str, ...] = ()  # trusted governance public keys (also $SWARM_GOVERNANCE_KEYS)
     governance_poll: float = 2.0  # seconds between reads of the governance records
+    # With trusted keys: seconds without reading a valid decision after which the server refuses new steps (fail
+    # safe: the records may be flooded or the DHT unreachable); 0 turns it off. Publish a resume once at set-up.
+    governance_stale_after: float = 120.0
     update_period: float = 15.0  # seconds between DHT announcements
     expiration: Optional[float] = None  # record lifetime; default 2.5 x update_period
     allow_backward: bool = True  # answer backward calls (fine-tuning through the swarm; weights stay frozen)

@@ -22,10 +22,12 @@ from swarm.dht.schema import (
     declare_span,
     default_prefix,
     now,
+    protected_keys,
     read_servers,
 )
 from swarm.finetune.sharing import AdapterLibrary, declare_hosted
 from swarm.governance.guard import GovernanceGuard
+from swarm.governance.keys import trusted_signers
 from swarm.models.checkpoint import parse_dtype
 from swarm.models.loading import EXACT, ModelFiles, numerics, resolve_device
 from swarm.models.modules import BLOCK_ADAPTER_KINDS, OutputHead
@@ -79,10 +81,13 @@ class Server:
         self.hosts_blocks = not self.experts or config.blocks is not None or config.num_blocks is not None
         # The libp2p identity signs the records too, so they prove the peer id they speak for.
         self.identity = Identity.load_or_create(config.network.identity_path)
-        self.dht: DHT = start_dht(config.network, identity=self.identity)
+        # Storage here keeps only what readers use under the model's keys (swarm.dht.schema.protected_keys).
+        protect = protected_keys(self.prefix, self.model_config.num_layers, trusted_signers(config.governance_keys))
+        self.dht: DHT = start_dht(config.network, identity=self.identity, protect=protect)
         self.peer_id = str(self.dht.peer_id)
         self.subkey = self.identity.owner_subkey()
-        self.governance = GovernanceGuard(self.dht, self.prefix, config.governance_keys, ttl=0.0)
+        self.governance = GovernanceGuard(self.dht, self.prefix, config.governance_keys, ttl=0.0,
+                                          stale_after=config.governance_stale_after)
         self.start: Optional[int] = None
         self.end: Optional[int] = None
         self.numerics = EXACT  # what differs from the checkpoint's numerics, announced in the record
@@ -270,11 +275,13 @@ class Server:
         await self._leave(p2p)
 
     async def _watch_governance(self) -> None:
-        """Refuse new steps while a valid signed halt stands; serve again after a newer resume."""
+        """Refuse new steps while a valid signed halt stands, or while the governance state cannot be read for
+        longer than ``--governance-stale-after`` (fail safe); serve again after a newer resume."""
         loop = asyncio.get_running_loop()
         while True:
             decision = await loop.run_in_executor(None, self.governance.current)
             reason = (decision.reason or "no reason given") if decision is not None and decision.halted else None
+            reason = reason or self.governance.unreadable()
             if reason != self.handler.halt_reason:
                 logger.warning("governance: %s", f"halted ({reason})" if reason else "resumed")
                 self.handler.halt_reason = reason

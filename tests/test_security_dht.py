@@ -1,0 +1,270 @@
+"""Attacks on what readers get back from the DHT, by a peer with no key, against real processes (issue 33, 1-2).
+
+A DHT get returns a key's whole subkey dictionary in one reply, and a reply over libp2p's 4 MiB message is lost.
+An attacker who stores enough plain subkeys under a key the swarm reads blinds every reader of it (the kill switch
+first). Peers that know the swarm's keys (``swarm.dht.schema.protected_keys``) refuse such writes; readers use the
+other peers' replies and warn of the lost one; ``halt`` reports success only once readers read it back. And no
+record, however signed, makes a reader raise or the health map print invalid JSON.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from functools import partial
+
+import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from hivemind.dht import DHT, DHTNode
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.routing import DHTID
+from hivemind.p2p import PeerID
+from hivemind.utils import MSGPackSerializer
+from hivemind.utils.crypto import RSAPrivateKey
+
+from swarm.client import DistributedDiffusionLM
+from swarm.dht.identity import Identity
+from swarm.dht.node import NetworkConfig, start_dht, stop_dht, visible_maddrs
+from swarm.dht.schema import (
+    MAX_EXPERTS_PER_SERVER,
+    MAX_OWNED_SUBKEYS,
+    RECORD_VERSION,
+    block_key,
+    default_prefix,
+    expert_index_key,
+    governance_key,
+    now,
+    protected_keys,
+    read_all_experts,
+    read_servers,
+)
+from swarm.governance.guard import GovernanceGuard
+from swarm.governance.keys import generate_private_key, public_key_text
+from swarm.governance.records import HALT, RESUME, publish
+from tests.test_security_records import SETTINGS, attacker, forge, honest_peers, run_cli  # noqa: F401 (fixture)
+
+FLOOD_VALUE = b"x" * 4096
+FLOOD_COUNT = 1100  # 1,100 plain 4 KiB subkeys: a reply of ~4.5 MiB, just past libp2p's 4 MiB message
+FLOOD_LIFETIME = 120.0  # the bootstrap peer (which knows no prefix) keeps the flood this long
+
+
+# ----- the attacker's flood (runs in its DHT process) ------------------------------------------------------
+async def _flood(dht: DHT, node: DHTNode, key: str, peers: list[str], count: int, expiration: float) -> list:
+    """Store ``count`` plain 4 KiB subkeys under ``key`` in the attacker's own storage and push them to each peer
+    (in requests of 200, below the message limit); per peer, whether every batch was accepted."""
+    key_id = DHTID.generate(source=key)
+    value = MSGPackSerializer.dumps(FLOOD_VALUE)
+    subkeys = [f"flood-{i}".encode() for i in range(count)]
+    for subkey in subkeys:
+        node.protocol.storage.store_subkey(key_id, subkey, value, expiration)
+    accepted = []
+    for peer in peers:
+        answers = []
+        for start in range(0, count, 200):
+            batch = subkeys[start:start + 200]
+            answer = await node.protocol.call_store(PeerID.from_base58(peer), [key_id] * len(batch),
+                                                    [value] * len(batch), expiration, subkeys=batch)
+            answers += answer or [False]
+        accepted.append(all(answers))
+    return accepted
+
+
+def flood(attacker_dht: DHT, key: str, peers: list[str], count: int = FLOOD_COUNT) -> list:
+    return attacker_dht.run_coroutine(partial(_flood, key=key, peers=peers, count=count,
+                                              expiration=now() + FLOOD_LIFETIME))
+
+
+def plain_attacker(initial_peers: list[str]) -> DHT:
+    """A stock hivemind peer: it keeps whatever it is sent, as every peer did before the fix."""
+    return DHT(initial_peers=initial_peers, start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+               record_validators=[RSASignatureValidator()])
+
+
+def env_without_peers() -> dict:
+    return dict(os.environ, SWARM_BOOTSTRAP_FILE=os.devnull, SWARM_INITIAL_PEERS="")
+
+
+# ----- without protection the flood blinds; halt says so ---------------------------------------------------
+def test_a_flood_on_peers_that_know_no_prefix_blinds_readers_and_halt_says_it_was_not_read_back(tmp_path):
+    """The issue's attack where no storing peer knows the model: readers see nothing, loudly, and ``publish``
+    (``python -m swarm.governance halt``) no longer says "stored" for a record nobody can read."""
+    bootstrap = start_dht(NetworkConfig(use_default_peers=False))  # a bootstrap peer: it knows no prefix
+    peers = visible_maddrs(bootstrap)
+    attacker_dht = plain_attacker(peers)
+    operator = start_dht(NetworkConfig(initial_peers=peers, client_mode=True, use_default_peers=False))
+    try:
+        prefix, key = "blinded", generate_private_key(tmp_path / "gov.key")
+        assert flood(attacker_dht, governance_key(prefix), [str(bootstrap.peer_id)]) == [True]
+        assert publish(operator, key, prefix, HALT, "incident") is None, "a halt nobody can read was 'stored'"
+        assert GovernanceGuard(operator, prefix, [public_key_text(key)]).current(force=True) is None
+        # The reader says which key and which peer it lost (the DHT process's warning, on the command's stderr).
+        status = subprocess.run(
+            [sys.executable, "-m", "swarm.governance", "status", "--governance-key", public_key_text(key),
+             "--dht-prefix", prefix, "--initial-peers", peers[0]],
+            capture_output=True, text=True, timeout=120, env=env_without_peers())
+        assert "no valid governance record" in status.stdout, status.stdout + status.stderr
+        assert f"gave no usable reply for {governance_key(prefix)}" in status.stderr, status.stderr
+    finally:
+        for dht in (operator, attacker_dht, bootstrap):
+            stop_dht(dht)
+
+
+# ----- with protection: honest peers refuse the flood, the halt stops a client ----------------------------------
+def test_servers_refuse_the_flood_and_a_halt_still_stops_a_client(local_swarm, attacker,  # noqa: F811 (fixture)
+                                                                  tiny_model_path, tmp_path):
+    prefix, peers = default_prefix(tiny_model_path), honest_peers(local_swarm)
+    servers = [p.peer_id for p in local_swarm.processes[1:4]]  # the fixture's three servers of this model
+    accepted = dict(zip(peers, flood(attacker, governance_key(prefix), peers)))
+    # Servers know the model's keys and refuse every plain subkey; the bootstrap peer knows none and keeps them.
+    assert not any(accepted[p] for p in servers), accepted
+    key = generate_private_key(tmp_path / "gov.key")
+    public = public_key_text(key)
+    network = [arg for peer in local_swarm.initial_peers for arg in ("--initial-peers", peer)]
+    operator = ["--key", str(tmp_path / "gov.key"), "--dht-prefix", prefix, *network]
+    assert "read back" in run_cli("halt", *operator, "--reason", "flooded but heard")
+    try:
+        with DistributedDiffusionLM.from_pretrained(tiny_model_path, initial_peers=local_swarm.initial_peers,
+                                                    governance_keys=(public,)) as governed:
+            result = governed.generate("stop me", **SETTINGS)
+        assert result.finish_reason == "halted" and result.info["halt"]["reason"] == "flooded but heard"
+    finally:
+        assert "read back" in run_cli("resume", *operator, "--reason", "over")
+
+
+def test_protected_keys_hold_only_bounded_owned_records(tmp_path):
+    """On a peer that knows the model: a plain subkey, an oversized value, a regular value replacing the
+    dictionary and a subkey beyond the bound are refused; other keys (hivemind's own) keep plain subkeys."""
+    storer = start_dht(NetworkConfig(use_default_peers=False), protect=protected_keys("capped", 2))
+    peers = visible_maddrs(storer)
+    attacker_dht = plain_attacker(peers)
+    target = [str(storer.peer_id)]
+    try:
+        key, expiration = block_key("capped", 1), now() + 60
+        assert forge(attacker_dht, key, b"plain", {"a": 1}, expiration, target) == [False]
+        assert forge(attacker_dht, "someone.elses.key", b"plain", {"a": 1}, expiration, target) == [True]
+        owners = [RSASignatureValidator(RSAPrivateKey()) for _ in range(MAX_OWNED_SUBKEYS + 1)]
+        subkeys = [owned_subkey(v) for v in owners]
+        big = attacker_dht.run_coroutine(partial(_push_owned, owner=owners[0], key=key, subkey=subkeys[0],
+                                                 value={"pad": "x" * 8192}, expiration=expiration, peer=target[0]))
+        assert big is False, "an oversized value was stored"
+        answers = [attacker_dht.run_coroutine(partial(_push_owned, owner=owner, key=key, subkey=subkey,
+                                                      value={"n": i}, expiration=expiration, peer=target[0]))
+                   for i, (owner, subkey) in enumerate(zip(owners, subkeys))]
+        assert answers == [True] * MAX_OWNED_SUBKEYS + [False], answers
+        again = attacker_dht.run_coroutine(partial(_push_owned, owner=owners[0], key=key, subkey=subkeys[0],
+                                                   value={"n": -1}, expiration=expiration + 1, peer=target[0]))
+        assert again is True, "an update of a held subkey must pass"
+        regular = attacker_dht.run_coroutine(partial(_push_regular, key=key, expiration=expiration + 600,
+                                                     peer=target[0]))
+        assert regular is False, "a regular value would replace every record under the key"
+    finally:
+        stop_dht(attacker_dht)
+        stop_dht(storer)
+
+
+def owned_subkey(validator: RSASignatureValidator) -> bytes:
+    """``{peer id}[owner:KEY]`` for the peer id of ``validator``'s own key (as a server's identity makes it)."""
+    from swarm.dht.identity import peer_id_from_owner_key
+
+    owner = validator.local_public_key
+    return peer_id_from_owner_key(owner[len(b"[owner:"):-1]).encode() + owner
+
+
+async def _push_owned(dht: DHT, node: DHTNode, owner: RSASignatureValidator, key: str, subkey: bytes, value,
+                      expiration: float, peer: str) -> bool:
+    from hivemind.dht.validation import DHTRecord
+
+    record = DHTRecord(DHTID.generate(source=key).to_bytes(), MSGPackSerializer.dumps(subkey),
+                       MSGPackSerializer.dumps(value), expiration)
+    signed = owner.sign_value(record)
+    answer = await node.protocol.call_store(PeerID.from_base58(peer), [DHTID.generate(source=key)], [signed],
+                                            expiration, subkeys=[subkey])
+    return bool(answer and answer[0])
+
+
+async def _push_regular(dht: DHT, node: DHTNode, key: str, expiration: float, peer: str) -> bool:
+    answer = await node.protocol.call_store(PeerID.from_base58(peer), [DHTID.generate(source=key)],
+                                            [MSGPackSerializer.dumps("junk")], expiration)
+    return bool(answer and answer[0])
+
+
+# ----- records signed by the attacker's own id: nobody raises, the health map stays valid JSON ------------------
+def hostile_values() -> dict[int, dict]:
+    """Records by block (one per key: a peer holds one subkey per key); each raised OverflowError or worse before.
+    Built inside the DHT process: hivemind's pipe to it refuses messages of a megabyte."""
+    base = {"record_version": RECORD_VERSION, "state": 2, "start": 0, "end": 2, "throughput": 1.0}
+    return {0: dict(base, start=float("inf")), 1: dict(base, state=float("inf")),
+            2: dict(base, cache_tokens_left=float("inf")),
+            3: dict(base, version="v" * 1_000_000, extra={"x": {"nested": [1, 2]}}, public_name=b"bytes")}
+
+
+def hostile_index() -> dict:
+    """An expert index entry of 2,000 domains, one with a NaN throughput and one with bytes for its model."""
+    tag = {"tokenizer": "byte-v1", "vocab_size": 260, "mask_token_id": 259}
+    experts = [{"record_version": RECORD_VERSION, "domain": f"d{i}", "state": 2, "tag": tag, "throughput": 1.0}
+               for i in range(2000)]
+    experts[0] = dict(experts[0], throughput=float("nan"))
+    experts[1] = dict(experts[1], model=b"\xff\xfe bytes")
+    return {"record_version": RECORD_VERSION, "experts": experts}
+
+
+async def _store_hostile(dht: DHT, node: DHTNode, prefix: str, subkey: bytes, expiration: float) -> None:
+    records = hostile_values()
+    keys = [block_key(prefix, block) for block in records] + [expert_index_key(prefix)]
+    await node.store_many(keys, subkeys=[subkey] * len(keys), values=[*records.values(), hostile_index()],
+                          expiration_time=expiration)
+
+
+@pytest.fixture(scope="module")
+def hostile_records(local_swarm, tiny_model_path):
+    """A peer with its own identity (anyone can make one) signs hostile records under the model's keys. Peers
+    that know the model keep those within the size bound (the infinities); the hostile peer keeps them all."""
+    prefix = default_prefix(tiny_model_path)
+    identity = Identity.load_or_create(None)
+    dht = start_dht(NetworkConfig(initial_peers=local_swarm.initial_peers), identity=identity)
+    dht.run_coroutine(partial(_store_hostile, prefix=prefix, subkey=identity.owner_subkey(), expiration=now() + 300))
+    yield prefix, dht
+    stop_dht(dht)
+    identity.remove()
+
+
+def test_no_hostile_record_stops_a_client_or_breaks_the_health_json(local_swarm, hostile_records, tiny_model_path,
+                                                                     local_lm):
+    prefix, hostile = hostile_records
+    for reader in (hostile,):  # the hostile peer's own storage holds every record: the readers meet them all
+        servers = read_servers(reader, prefix, 4)
+        assert all(record.start < record.end <= 4 for record in servers.values())
+        experts = read_all_experts(reader, prefix)
+        assert len(experts) <= MAX_EXPERTS_PER_SERVER and "d0" not in experts  # NaN throughput: refused
+    with DistributedDiffusionLM.from_pretrained(tiny_model_path, initial_peers=local_swarm.initial_peers,
+                                                route_refresh=0.0, request_timeout=20) as lm:
+        assert lm.generate("still here", **SETTINGS).token_ids == local_lm.generate("still here", **SETTINGS).token_ids
+    result = subprocess.run(
+        [sys.executable, "-m", "swarm.health", "--json", "--dht-prefix", prefix, "--num-blocks", "4",
+         *[arg for peer in local_swarm.initial_peers for arg in ("--initial-peers", peer)]],
+        capture_output=True, text=True, timeout=120, env=env_without_peers())
+    assert result.returncode in (0, 1), result.stderr[-2000:]
+
+    def no_constants(name: str):
+        raise AssertionError(f"invalid JSON constant {name}")
+
+    health = json.loads(result.stdout, parse_constant=no_constants)
+    assert health["fully_served"] and len(health["experts"]) <= MAX_EXPERTS_PER_SERVER
+
+
+def test_signed_slots_of_strangers_are_refused_under_a_trusted_governance_key(tmp_path):
+    """A peer that trusts governance keys keeps only their slots: free Ed25519 keys cannot fill the key."""
+    trusted = generate_private_key(tmp_path / "gov.key")
+    storer = start_dht(NetworkConfig(use_default_peers=False),
+                       protect=protected_keys("governed", governance_signers=[public_key_text(trusted)]))
+    peers = visible_maddrs(storer)
+    operator = start_dht(NetworkConfig(initial_peers=peers, client_mode=True, use_default_peers=False))
+    try:
+        stranger = Ed25519PrivateKey.generate()
+        assert publish(operator, stranger, "governed", HALT, "free keys") is None
+        decision = publish(operator, trusted, "governed", RESUME, "set-up")
+        assert decision is not None and decision.action == RESUME
+    finally:
+        stop_dht(operator)
+        stop_dht(storer)

@@ -106,7 +106,8 @@ def fetch_error(name: HubName, filename: str, error: Exception) -> ModelFetchErr
 
 
 def download(name: HubName, filename: str, revision: str) -> Path:
-    """One file of the repo at ``revision`` into the Hugging Face cache (resumed if a previous try broke off)."""
+    """One file of the repo at ``revision`` into the Hugging Face cache (a dropped connection is resumed with a
+    byte range; a file already there is not fetched again)."""
     try:
         return Path(hf_hub_download(name.repo_id, filename, revision=revision))
     except (HfHubHTTPError, LocalEntryNotFoundError, OSError) as error:

@@ -181,6 +181,16 @@ def test_client_role_fetches_config_tokenizer_and_embedding_only(hub, hub_env, p
     assert weight_files(hub.bytes_served()) == embedding_shard | shards_of(published["main"], HEAD)
 
 
+def test_the_local_model_fetches_every_shard_and_gives_the_copys_tokens(hub, hub_env, published):
+    from swarm.local import DiffusionLM
+
+    settings = dict(gen_length=8, steps=8, block_length=8, seed=5)
+    from_hub = DiffusionLM.from_pretrained(REPO).generate("once upon a time", **settings)
+    assert from_hub.token_ids == DiffusionLM.from_pretrained(published["main"]).generate("once upon a time",
+                                                                                         **settings).token_ids
+    assert weight_files(hub.bytes_served()) == {path.name for path in published["main"].glob("*.safetensors")}
+
+
 # ----- (c) revisions and the one-line errors ------------------------------------------------------------------
 def test_a_revision_is_fetched_as_named(hub, hub_env, published):
     def embedding(name) -> torch.Tensor:

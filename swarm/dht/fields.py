@@ -66,11 +66,22 @@ def scalar(raw: Any, max_chars: int) -> Scalar:
     return text(raw, max_chars)
 
 
-def scalar_map(raw: Any, max_items: int = 16, max_key_chars: int = 64, max_chars: int = 256) -> dict[str, Scalar]:
-    """A map of at most ``max_items`` text keys to scalar values (no nesting)."""
+def small_value(raw: Any, max_chars: int, depth: int = 0, max_items: int = 16) -> Any:
+    """A scalar, or (with ``depth`` > 0) a list of at most ``max_items`` small values one level shallower."""
+    if isinstance(raw, list) and depth > 0:
+        if len(raw) > max_items:
+            raise ValueError(f"expected a list of at most {max_items} items")
+        return [small_value(item, max_chars, depth - 1, max_items) for item in raw]
+    return scalar(raw, max_chars)
+
+
+def scalar_map(raw: Any, max_items: int = 16, max_key_chars: int = 64, max_chars: int = 256,
+               list_depth: int = 0) -> dict[str, Any]:
+    """A map of at most ``max_items`` text keys to scalar values; with ``list_depth``, values may also be small
+    lists nested that deep (e.g. a learning-rate schedule ``[[step, lr], ...]``), never maps."""
     if not isinstance(raw, dict) or len(raw) > max_items:
         raise ValueError(f"expected a map of at most {max_items} entries")
-    return {text(key, max_key_chars): scalar(value, max_chars) for key, value in raw.items()}
+    return {text(key, max_key_chars): small_value(value, max_chars, list_depth) for key, value in raw.items()}
 
 
 def _show(raw: Any) -> str:

@@ -33,7 +33,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hivemind.dht import DHT
 from hivemind.utils import MSGPackSerializer, get_dht_time
 
-from swarm.dht.schema import MAX_ADDRESSES, read_owned, store_owned
+from swarm.dht import fields
+from swarm.dht.schema import MAX_ADDRESS_CHARS, MAX_ADDRESSES, adapter_index_key, read_owned, store_owned
 from swarm.dht.validation import (
     dht_key_id,
     ed25519_public_key,
@@ -64,6 +65,11 @@ RECORD_VERSION = 1
 PUBLISH_LIFETIME = 7 * 24 * 3600.0  # seconds a published record lives; publishing again refreshes it
 MAX_NAMES_PER_AUTHOR = 64
 MAX_HOSTS_LISTED = 16
+MAX_PEER_ID_CHARS = 128
+MAX_HOSTS_READ = 64  # peers a client considers for one adapter's files
+MAX_CATALOG_NAMES = 64  # names the catalog (the health map) reads records and hosts for
+MAX_AUTHORS_READ = 64  # authors whose names a reader lists (as many as a peer that knows the model keeps)
+MAX_SCORE = 1e12
 ENV_CACHE = "SWARM_ADAPTER_CACHE"
 
 
@@ -94,7 +100,8 @@ def name_key(prefix: str, name: str) -> str:
 
 
 def index_key(prefix: str) -> str:
-    return f"{prefix}.adapters"
+    """Each author's list of names (a key every peer that knows the model protects: signed slots only)."""
+    return adapter_index_key(prefix)
 
 
 def hosts_key(prefix: str, sha256: str) -> str:
@@ -151,24 +158,27 @@ class PublishedAdapter:
 
     @classmethod
     def from_payload(cls, payload: bytes, author: str) -> "PublishedAdapter":
-        """Parse a verified payload; ValueError for anything malformed (its author may still be careless)."""
-        value = MSGPackSerializer.loads(payload)
+        """Parse a verified payload, every field bounded; ValueError for anything malformed (its author may still be
+        careless or hostile: base and training are flat maps of scalars, numbers finite, lists capped)."""
+        try:
+            value = MSGPackSerializer.loads(payload)
+        except Exception as error:  # msgpack raises many types on junk
+            raise ValueError(f"not msgpack: {type(error).__name__}") from None
         if not isinstance(value, dict) or value.get("record_version") != RECORD_VERSION:
             raise ValueError("unknown adapter record version")
-        sha, size, score = value.get("sha256"), value.get("size"), value.get("score")
+        sha, score = value.get("sha256"), value.get("score")
         if not is_sha256_hex(sha):
-            raise ValueError(f"sha256 must be 64 hex digits, got {sha!r}")
-        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-            raise ValueError(f"size must be a positive integer, got {size!r}")
-        if score is not None and (not isinstance(score, (int, float)) or isinstance(score, bool)):
-            raise ValueError(f"score must be a number, got {score!r}")
-        base, training, served = value.get("base"), value.get("training", {}), value.get("served_by", [])
-        if not isinstance(base, dict) or not isinstance(training, dict):
-            raise ValueError("base and training must be maps")
-        if not isinstance(served, list) or not all(isinstance(p, str) for p in served):
+            raise ValueError("sha256 must be 64 hex digits")
+        served = value.get("served_by", [])
+        if not isinstance(served, list):
             raise ValueError("served_by must be a list of peer ids")
-        return cls(check_name(value.get("name")), sha, size, base, training, score, tuple(served[:MAX_HOSTS_LISTED]),
-                   float(value.get("published", 0.0)), author)
+        # size: any positive integer here; check_before_fetch refuses one over MAX_ADAPTER_BYTES, saying so
+        return cls(check_name(value.get("name")), sha, fields.integer(value.get("size"), 1),
+                   fields.scalar_map(value.get("base")),
+                   fields.scalar_map(value.get("training", {}), max_items=32, list_depth=2),
+                   None if score is None else fields.number(score, -MAX_SCORE, MAX_SCORE),
+                   tuple(fields.texts(served[:MAX_HOSTS_LISTED], MAX_HOSTS_LISTED, MAX_PEER_ID_CHARS)),
+                   fields.number(value.get("published", 0.0), 0.0, 1e11), author)
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "author": self.author_id, "sha256": self.sha256, "size": self.size,
@@ -198,8 +208,8 @@ def read_published(dht: DHT, prefix: str, name: str) -> list[PublishedAdapter]:
     for signer, payload in _signed_entries(dht, name_key(prefix, name)):
         try:
             record = PublishedAdapter.from_payload(payload, signer)
-        except Exception as error:  # msgpack raises many types on junk
-            logger.debug("ignoring a malformed adapter record under %r: %s", name, error)
+        except Exception as error:  # remote input: whatever went wrong, it is not a record
+            logger.debug("ignoring a malformed adapter record under %r: %s", name, str(error)[:200])
             continue
         if record.name == name:  # a record signed for another name cannot be moved here (the key is signed too)
             records.append(record)
@@ -217,13 +227,20 @@ def read_names(dht: DHT, prefix: str) -> dict[str, list[str]]:
         if isinstance(listed, list):
             names[signer] = [n for n in listed[:MAX_NAMES_PER_AUTHOR]
                              if isinstance(n, str) and NAME_PATTERN.fullmatch(n)]
+        if len(names) >= MAX_AUTHORS_READ:
+            break
     return names
 
 
 def read_catalog(dht: DHT, prefix: str) -> list[tuple[PublishedAdapter, list[str]]]:
-    """Every published adapter listed in the index, with the peers serving its content now."""
+    """Every published adapter listed in the index (the first :data:`MAX_CATALOG_NAMES` names: each costs reads),
+    with the peers serving its content now."""
     catalog = []
-    for name in sorted({n for listed in read_names(dht, prefix).values() for n in listed}):
+    names = sorted({n for listed in read_names(dht, prefix).values() for n in listed})
+    if len(names) > MAX_CATALOG_NAMES:
+        logger.warning("the adapter index of %s lists %d names; showing the first %d", prefix, len(names),
+                       MAX_CATALOG_NAMES)
+    for name in names[:MAX_CATALOG_NAMES]:
         for record in read_published(dht, prefix, name):
             catalog.append((record, sorted(read_hosts(dht, prefix, record.sha256))))
     return catalog
@@ -278,8 +295,10 @@ def read_hosts(dht: DHT, prefix: str, sha256: str) -> dict[str, list[str]]:
     for _, peer_id, value in read_owned(dht, [hosts_key(prefix, sha256)]):
         if isinstance(value, dict) and value.get("record_version") == RECORD_VERSION:
             addresses = value.get("addresses", [])
-            hosts[peer_id] = [a for a in addresses[:MAX_ADDRESSES] if isinstance(a, str)] \
-                if isinstance(addresses, list) else []
+            hosts[peer_id] = [fields.text(a, MAX_ADDRESS_CHARS) for a in addresses[:MAX_ADDRESSES]
+                              if isinstance(a, str)] if isinstance(addresses, list) else []
+        if len(hosts) >= MAX_HOSTS_READ:
+            break
     return hosts
 
 

@@ -1,0 +1,208 @@
+"""Every parser of a record read from the DHT, fuzzed over every field and type (issue 33, item 2).
+
+A record is remote input even when its signature holds: its signer may be the attacker. Each parser must return a
+valid, bounded record or None (or raise ValueError where the callers' contract says so), never anything else, and
+what the health map prints of it must be valid JSON (no NaN, no Infinity, no bytes).
+"""
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from hivemind.utils import MSGPackSerializer, get_dht_time
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from swarm.dht import fields
+from swarm.dht.compatibility import CompatibilityTag
+from swarm.dht.schema import (
+    MAX_EXPERTS_PER_SERVER,
+    MAX_NAME_CHARS,
+    RECORD_VERSION,
+    ExpertRecord,
+    ServerRecord,
+    ServerState,
+    governance_key,
+    parse_expert_entry,
+)
+from swarm.dht.validation import ed25519_text, sign_slot, slot_subkey
+from swarm.finetune.adapter import AdapterError
+from swarm.finetune.sharing import PublishedAdapter
+from swarm.governance.records import GovernanceState
+from swarm.health.map import ExpertAnnouncement, build_health_map
+
+FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+HUGE_TEXT = "x" * 1_000_000
+
+scalars = st.one_of(
+    st.none(), st.booleans(), st.integers(), st.integers(min_value=2**53, max_value=2**70),
+    st.floats(allow_nan=True, allow_infinity=True), st.sampled_from([math.inf, -math.inf, math.nan, 1e308, -0.0]),
+    st.text(max_size=50), st.binary(max_size=50), st.just(HUGE_TEXT), st.just("\ud800 lone surrogate"),
+)
+junk = st.recursive(scalars, lambda inner: st.one_of(st.lists(inner, max_size=5),
+                                                      st.dictionaries(st.one_of(st.text(max_size=5), st.integers()),
+                                                                      inner, max_size=5)), max_leaves=12)
+
+
+def strict_json(value: Any) -> str:
+    """What the health map and the web map print: JSON without NaN or Infinity."""
+    return json.dumps(value, allow_nan=False)
+
+
+def mutated(base: dict, changes: dict) -> dict:
+    """``base`` with some fields replaced by junk and some removed (a junk of None removes nothing)."""
+    return {**base, **changes}
+
+
+TAG = {"tokenizer": "byte-v1", "vocab_size": 260, "mask_token_id": 259}
+SERVER = ServerRecord("peer", ServerState.ONLINE, 0, 2, 10.0, public_name="a", version="1", cache_tokens_left=5,
+                      experts=["code"], extra={"k": 1}, addresses=["/ip4/1.2.3.4/tcp/1"], head=True,
+                      adapter_kinds=["lora"]).to_value()
+EXPERT = {"record_version": RECORD_VERSION, "domain": "code", "state": 2, "tag": TAG, "throughput": 1.0,
+          "model": "m", "public_name": None, "version": "1"}
+
+
+def field_changes(base: dict) -> st.SearchStrategy[dict]:
+    return st.dictionaries(st.sampled_from(sorted(base)), junk, min_size=1, max_size=3)
+
+
+# ----- server records -------------------------------------------------------------------------------------
+def check_server(value: Any) -> None:
+    record = ServerRecord.from_value("peer", value)
+    if record is None:
+        return
+    assert 0 <= record.start < record.end and isinstance(record.start, int) and isinstance(record.end, int)
+    assert math.isfinite(record.throughput) and 0 <= record.throughput
+    assert isinstance(record.cache_tokens_left, int) and 0 <= record.cache_tokens_left <= fields.MAX_SAFE_INT
+    assert record.public_name is None or len(record.public_name) <= MAX_NAME_CHARS
+    assert len(record.version) <= 64 and len(record.experts) <= 32 and len(record.extra) <= 16
+    health = build_health_map([record], "m", 4)
+    strict_json(health.to_json())
+
+
+@FUZZ
+@given(field_changes(SERVER))
+def test_server_record_fields(changes):
+    check_server(mutated(SERVER, changes))
+
+
+@FUZZ
+@given(junk)
+def test_server_record_whole_values(value):
+    check_server(value)
+
+
+def test_server_record_issue_values():
+    """The values the issue measured: each made every new client raise or the health map print invalid JSON."""
+    for change in ({"start": math.inf}, {"state": math.inf}, {"cache_tokens_left": math.inf},
+                   {"end": 2**80}, {"version": HUGE_TEXT}, {"extra": {"x": HUGE_TEXT}}, {"public_name": b"x"}):
+        record = ServerRecord.from_value("peer", mutated(SERVER, change))
+        assert record is None or (len(record.version) <= 64 and all(len(str(v)) <= 256 for v in record.extra.values()))
+
+
+# ----- expert records and the expert index -----------------------------------------------------------------
+def check_expert(value: Any) -> None:
+    record = ExpertRecord.from_value("peer", value)
+    if record is not None:
+        assert record.domain and len(record.domain) <= 64 and math.isfinite(record.throughput)
+        strict_json(record.to_value())
+
+
+@FUZZ
+@given(field_changes(EXPERT))
+def test_expert_record_fields(changes):
+    check_expert(mutated(EXPERT, changes))
+
+
+@FUZZ
+@given(st.dictionaries(st.sampled_from(sorted(TAG)), junk, min_size=1, max_size=3))
+def test_compatibility_tag_fields(changes):
+    try:
+        tag = CompatibilityTag.from_value(mutated(TAG, changes))
+    except ValueError:
+        return  # the contract: record parsers turn it into "not a record"
+    assert isinstance(tag.vocab_size, int) and isinstance(tag.mask_token_id, int) and len(tag.tokenizer) <= 128
+    check_expert(mutated(EXPERT, {"tag": mutated(TAG, changes)}))
+
+
+@FUZZ
+@given(st.lists(st.one_of(junk, field_changes(EXPERT).map(lambda c: mutated(EXPERT, c))), max_size=12), junk)
+def test_expert_index_entries(items, whole):
+    for value in ({"record_version": RECORD_VERSION, "experts": items}, whole):
+        records = parse_expert_entry("peer", value)
+        assert len(records) <= MAX_EXPERTS_PER_SERVER
+        announcements = {r.domain: [ExpertAnnouncement(r.domain, "peer", r.to_value())] for r in records}
+        strict_json(build_health_map([], "m", 1, announcements).to_json())
+
+
+# ----- governance decisions ---------------------------------------------------------------------------------
+GOVERNOR = Ed25519PrivateKey.generate()
+DECISION = {"action": "halt", "reason": "r", "prefix": "m", "sequence": 1, "timestamp": 1.0}
+
+
+def check_decision(body: Any) -> None:
+    """A body signed by a trusted key (the worst case: a careless or compromised operator tool)."""
+    try:
+        payload = MSGPackSerializer.dumps(body)
+    except Exception:  # msgpack cannot carry it (ints over 64 bits): nobody can store it either
+        return
+    if len(payload) > 16 * 1024:
+        return  # over the slot's size bound: refused by every peer before any reader sees it
+    expiration = get_dht_time() + 60
+    value = sign_slot(GOVERNOR, governance_key("m"), payload, expiration)
+    decision = GovernanceState("m", [GOVERNOR.public_key()]).consider(slot_subkey(GOVERNOR), value, expiration)
+    if decision is not None:
+        assert decision.action in ("halt", "resume") and len(decision.reason) <= 512
+        assert math.isfinite(decision.timestamp) and 0 <= decision.sequence < 2**63
+
+
+@FUZZ
+@given(field_changes(DECISION))
+def test_governance_decision_fields(changes):
+    check_decision(mutated(DECISION, changes))
+
+
+@FUZZ
+@given(junk)
+def test_governance_decision_whole_payloads(body):
+    check_decision(body)
+
+
+def test_governance_record_junk_values_never_raise():
+    state = GovernanceState("m", [GOVERNOR.public_key()])
+    for value in (None, 1, b"x", {"payload": 1, "signature": 2}, {"payload": b"x" * 100_000, "signature": b""}):
+        for subkey in (slot_subkey(GOVERNOR), b"plain", 7, None):
+            assert state.consider(subkey, value, get_dht_time() + 60) is None
+
+
+# ----- published adapters ---------------------------------------------------------------------------------
+ADAPTER = {"record_version": 1, "name": "a", "sha256": "0" * 64, "size": 10, "base": {"vocab_size": 260},
+           "training": {"steps": 3, "lr_from": [[100, 0.5]]}, "score": 0.5, "served_by": ["peer"], "published": 1.0}
+
+
+def check_adapter(body: Any) -> None:
+    try:
+        payload = MSGPackSerializer.dumps(body)
+    except Exception:
+        return
+    try:
+        record = PublishedAdapter.from_payload(payload, ed25519_text(GOVERNOR))
+    except (ValueError, AdapterError):
+        return  # the contract: read_published skips it
+    assert record.size >= 1 and (record.score is None or math.isfinite(record.score))
+    assert len(record.served_by) <= 16 and len(record.base) <= 16 and len(record.training) <= 32
+    strict_json(record.to_json())
+
+
+@FUZZ
+@given(field_changes(ADAPTER))
+def test_published_adapter_fields(changes):
+    check_adapter(mutated(ADAPTER, changes))
+
+
+@FUZZ
+@given(junk)
+def test_published_adapter_whole_payloads(body):
+    check_adapter(body)

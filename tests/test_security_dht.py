@@ -42,6 +42,7 @@ from swarm.dht.schema import (
 from swarm.governance.guard import GovernanceGuard
 from swarm.governance.keys import generate_private_key, public_key_text
 from swarm.governance.records import HALT, RESUME, publish
+from tests.conftest import wait_until
 from tests.test_security_records import SETTINGS, attacker, forge, honest_peers, run_cli  # noqa: F401 (fixture)
 
 FLOOD_VALUE = b"x" * 4096
@@ -268,3 +269,38 @@ def test_signed_slots_of_strangers_are_refused_under_a_trusted_governance_key(tm
     finally:
         stop_dht(operator)
         stop_dht(storer)
+
+
+# ----- governance fails safe ------------------------------------------------------------------------------------
+def test_a_client_that_reads_no_decision_for_longer_than_the_bound_stops(local_swarm, tiny_model_path, tmp_path):
+    """Keys trusted, no decision readable (blinded, or never published): generation stops with 'halted' and a
+    reason that says so, then goes on once a decision is read."""
+    key = generate_private_key(tmp_path / "gov.key")
+    with DistributedDiffusionLM.from_pretrained(tiny_model_path, initial_peers=local_swarm.initial_peers,
+                                                governance_keys=(public_key_text(key),),
+                                                governance_stale_after=1.0) as lm:
+        assert wait_until(lambda: lm.guard.unreadable() is not None, timeout=30)
+        stopped = lm.generate("blind", **SETTINGS)
+        assert stopped.finish_reason == "halted" and stopped.steps == 0
+        assert "governance state unreadable" in stopped.info["halt"]["reason"]
+        assert publish(lm.dht, key, default_prefix(tiny_model_path), RESUME, "set-up") is not None
+        assert lm.generate("heard", **SETTINGS).finish_reason != "halted"
+
+
+def test_a_server_that_reads_no_decision_for_longer_than_the_bound_refuses(local_swarm, tmp_path):
+    """The same for a server (--governance-stale-after): it answers with the reason, then serves after a resume."""
+    from tests.conftest import make_checkpoint, tiny_config
+    from tests.test_governance import refused
+
+    key = generate_private_key(tmp_path / "gov.key")
+    path = make_checkpoint(tmp_path / "stale-model", tiny_config(), seed=9)
+    server = local_swarm.start_server(str(path), "0:4", "--compute-threads", "1", "--governance-key",
+                                      public_key_text(key), "--governance-stale-after", "2")
+    try:
+        with DistributedDiffusionLM.from_pretrained(path, initial_peers=local_swarm.initial_peers) as lm:
+            assert wait_until(lambda: refused(lm, server), timeout=60), "the server served on, unaware"
+            assert any("governance state unreadable" in line for line in server.log)
+            assert publish(lm.dht, key, default_prefix(path), RESUME, "set-up") is not None
+            assert wait_until(lambda: not refused(lm, server), timeout=60), "the resume was not read"
+    finally:
+        local_swarm.terminate(server)

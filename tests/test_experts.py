@@ -15,8 +15,8 @@ from swarm.dht.node import NetworkConfig, start_dht
 from swarm.dht.schema import (
     ExpertRecord,
     ServerState,
+    declare_experts,
     default_prefix,
-    expert_key,
     read_expert_domains,
     read_expert_records,
 )
@@ -202,10 +202,13 @@ def forger(local_swarm):
     identity = Identity.load_or_create(None)
     dht = start_dht(NetworkConfig(initial_peers=local_swarm.initial_peers), identity=identity)
 
+    announced: dict[str, list[ExpertRecord]] = {}
+
     def announce(prefix: str, domain: str, tag: CompatibilityTag, throughput: float = 1e9) -> None:
-        record = ExpertRecord(identity.peer_id, domain, ServerState.ONLINE, tag, throughput)
-        assert dht.store(expert_key(prefix, domain), record.to_value(), expiration_time=time.time() + 300,
-                         subkey=identity.owner_subkey())
+        """Add ``domain`` to this peer's one entry of the expert index (every record it announces, as a server)."""
+        records = announced.setdefault(prefix, [])
+        records.append(ExpertRecord(identity.peer_id, domain, ServerState.ONLINE, tag, throughput))
+        assert declare_experts(dht, prefix, records, identity.owner_subkey(), time.time() + 300)
 
     yield announce
     dht.shutdown()

@@ -16,7 +16,7 @@ import click
 from swarm.cli_options import SwarmCommand, network_options, pop_network_config, setup_logging
 from swarm.dht.node import start_dht, stop_dht
 from swarm.dht.peers import resolve_initial_peers
-from swarm.dht.schema import default_prefix
+from swarm.dht.schema import default_prefix, protected_keys
 from swarm.finetune.adapter import PromptAdapter, base_of
 from swarm.finetune.sharing import PUBLISH_LIFETIME, make_record, publish, read_hosts
 from swarm.governance.keys import load_private_key
@@ -69,7 +69,7 @@ def publish_main(directory: str, name: str, key_path: str, score: Optional[float
     if not resolve_initial_peers(network.initial_peers, use_defaults=network.use_default_peers):
         raise click.UsageError("no swarm to publish on: pass --initial-peers")
     prefix = dht_prefix or default_prefix(files.path)
-    dht = start_dht(network)
+    dht = start_dht(network, protect=protected_keys(prefix))  # it warns of replies lost for the adapter index
     try:
         record = make_record(directory, name, score, [])
         record = dataclasses.replace(record, served_by=tuple(sorted(read_hosts(dht, prefix, record.sha256))))

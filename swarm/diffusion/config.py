@@ -32,6 +32,7 @@ MAX_STALENESS = 3
 # Bounds of single settings. A Picard window beyond a few states only adds compute (docs/ARCHITECTURE.md);
 # beyond these values the other settings change nothing useful and only risk overflow or waste.
 MAX_PARALLEL_WINDOW = 32
+MAX_DRAFT_STEPS = MAX_PARALLEL_WINDOW - 1  # a verification call evaluates draft_steps + 1 states
 MAX_TEMPERATURE = 10.0  # the Gumbel noise already swamps any logit gap
 MAX_CFG_SCALE = 10.0  # LLaDA uses 0..3; (cfg + 1) * (cond - uncond) must stay far from overflow
 MAX_SEED = 2**63 - 1
@@ -230,6 +231,9 @@ class GenerationConfig:
     stop_at_eos: bool = setting(True, "Stop once a finished block contains an end-of-sequence token.")
     parallel_window: int = setting(1, "Picard window: states evaluated per denoiser call (1 is sequential; "
                                       "identical tokens).", low=1, high=MAX_PARALLEL_WINDOW)
+    draft_steps: int = setting(0, "Draft-and-verify: steps drafted from the last verified state's own pass and "
+                                  "checked in one batched call of draft_steps + 1 states (0 is off; identical "
+                                  "tokens).", low=0, high=MAX_DRAFT_STEPS)
     staleness: int = setting(0, "Steps decide on logits this many steps old, keeping that many more calls in "
                                 "flight; each is checked when its own logits arrive (0 is exact).",
                              low=0, high=MAX_STALENESS)
@@ -253,6 +257,11 @@ class GenerationConfig:
         return self.steps // self.num_blocks
 
     @property
+    def states_per_call(self) -> int:
+        """States one denoiser call evaluates: a Picard window, or a draft-and-verify call's verified states."""
+        return max(self.parallel_window, self.draft_steps + 1)
+
+    @property
     def rows_per_state(self) -> int:
         """Sequences per evaluated state: two with classifier-free guidance (conditional and unconditional)."""
         return 2 if self.cfg_scale > 0 else 1
@@ -268,6 +277,12 @@ class GenerationConfig:
             field.check(getattr(self, field.name), self)
         need(self.parallel_window == 1 or (self.staleness == 0 and self.cache == "none"),
              "parallel_window > 1 is exact only over a stateless denoiser: use it with staleness=0 and cache='none'")
+        need(self.draft_steps == 0 or (self.staleness == 0 and self.cache == "none"),
+             "draft_steps > 0 is exact only over a stateless denoiser: use it with staleness=0 and cache='none'",
+             "draft_steps")
+        need(self.draft_steps == 0 or self.parallel_window == 1,
+             "draft_steps and parallel_window both choose the states of a batched call: set one of them",
+             "draft_steps")
 
     def _validate_lengths(self) -> None:
         need(self.gen_length > 0, f"gen_length must be positive, got {self.gen_length}", "gen_length")
@@ -326,11 +341,11 @@ class GenerationLimits:
     @staticmethod
     def resident_tokens(generation: GenerationConfig, prompt_length: int, experts: int = 0, window: int = 0) -> int:
         """Positions held at once: rows per call x calls in flight x models (backbone and experts) x sequence."""
-        rows = (window or generation.parallel_window) * generation.rows_per_state
+        rows = (window or generation.states_per_call) * generation.rows_per_state
         return rows * (generation.staleness + 1) * (1 + experts) * (prompt_length + generation.gen_length)
 
     def window_room(self, generation: GenerationConfig, prompt_length: int, experts: int = 0) -> int:
-        """The largest Picard window this request fits in memory (at least 1)."""
+        """The most states per call (a Picard window, draft_steps + 1) this request fits in memory (at least 1)."""
         one_state = self.resident_tokens(generation, prompt_length, experts, window=1)
         return max(1, min(MAX_PARALLEL_WINDOW, self.max_resident_tokens // one_state))
 
@@ -351,12 +366,13 @@ class GenerationLimits:
         held = self.resident_tokens(generation, prompt_length, experts)
         room = self.max_resident_tokens
         need(held <= room,
-             f"this request would hold {held} sequence positions in memory at once (parallel_window "
-             f"{generation.parallel_window} x {generation.rows_per_state} for cfg_scale x "
+             f"this request would hold {held} sequence positions in memory at once ({generation.states_per_call} "
+             f"states per call (parallel_window, draft_steps + 1) x {generation.rows_per_state} for cfg_scale x "
              f"{generation.staleness + 1} calls in flight x {1 + experts} models x ({prompt_length} prompt + "
              f"{generation.gen_length} generated) positions); the limit here is {room} "
              f"({self.memory_budget >> 20} MiB at {self.bytes_per_token} bytes per position): "
-             "lower parallel_window, staleness, cfg_scale, experts or gen_length", "parallel_window")
+             "lower parallel_window, draft_steps, staleness, cfg_scale, experts or gen_length",
+             "draft_steps" if generation.draft_steps else "parallel_window")
 
 
 def check_experts(experts: Any) -> int:

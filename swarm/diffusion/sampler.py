@@ -3,9 +3,10 @@
 A generation is a trajectory of states (token id sequences). Each step is a pure function
 ``next = transition(state, logits(state), step)``: the noise of step ``s`` comes from a generator seeded
 by ``(seed, s)``, so the trajectory is a deterministic function of the seed. That makes the same sampler
-exact over a local model, over remote spans, and with Picard windows (several future states evaluated in
+exact over a local model, over remote spans, with Picard windows (several future states evaluated in
 one batched denoiser call, then checked against the exact chain; ``parallel_window=1`` is the plain
-sequential loop).
+sequential loop) and with draft-and-verify (``draft_steps``: future states drafted from the last verified
+state's own logits, checked the same way).
 """
 from __future__ import annotations
 
@@ -252,11 +253,18 @@ class DiffusionSampler:
 
     # ----- the trajectory -----------------------------------------------------------------------
     def iterate(self, prompt_ids: Sequence[int]) -> Iterator[StepEvent]:
-        """Yield every step of the generation in order (Picard windows when ``parallel_window`` > 1, stale
-        pipelining when ``staleness`` > 0)."""
+        """Yield every step of the generation in order (Picard windows when ``parallel_window`` > 1,
+        draft-and-verify when ``draft_steps`` > 0, stale pipelining when ``staleness`` > 0)."""
         if self.config.staleness > 0:
             yield from self._iterate_stale(prompt_ids)
-            return
+        elif self.config.draft_steps > 0:
+            yield from self._iterate_drafts(prompt_ids)
+        else:
+            yield from self._iterate_windows(prompt_ids)
+
+    def _iterate_windows(self, prompt_ids: Sequence[int]) -> Iterator[StepEvent]:
+        """Picard windows: the exact state and ``parallel_window`` - 1 guessed future states per call (1: the plain
+        sequential loop); the guesses are the recomputed chain's tail."""
         x = self.initial_state(prompt_ids)
         step = 0
         guesses: list[torch.Tensor] = []
@@ -266,15 +274,60 @@ class DiffusionSampler:
             states += [states[-1]] * (window - len(states))
             logits = self.evaluate(torch.stack(states), [step + i for i in range(window)])
             chain, unmasked = self._recompute_chain(states, logits, step)
-            accepted = 1  # chain[1] came from the exact state x and its exact logits
-            while (accepted < window and torch.equal(states[accepted], chain[accepted])
-                   and not self.is_done(chain[accepted])):
-                accepted += 1
-            self.stats.windows.append(WindowStats(step, window, accepted))
-            for i in range(1, accepted + 1):
-                yield self._event(chain[i], step + i - 1, unmasked[i - 1])
+            accepted = self._accepted(states, chain)
+            yield from self._accept(chain, unmasked, step, accepted, window)
             x, step = chain[accepted], step + accepted
             guesses = chain[accepted + 1:]
+
+    def _iterate_drafts(self, prompt_ids: Sequence[int]) -> Iterator[StepEvent]:
+        """Draft-and-verify (FreeDave's and SSD's lossless drafting): each call evaluates the exact state and up to
+        ``draft_steps`` states drafted from it, the steps the sampler would take if the last verified state's own
+        scores (the row of the exact state before it) did not change. Each row then gives the exact step from its
+        own state, so the drafts are checked in order (:meth:`_accepted`): the longest prefix equal to the exact
+        chain, plus the exact step after it, is accepted, and the row of the last accepted state is the source of
+        the next drafts, at no extra call. Steps per call: 1 + accepted drafts.
+        """
+        x = self.initial_state(prompt_ids)
+        step = 0
+        source: Optional[Scores] = None  # the scores of the verified state just before x (None at the start)
+        while not self.is_done(x):
+            states = [x] + self._draft(x, source, step)
+            logits = self.evaluate(torch.stack(states), [step + i for i in range(len(states))])
+            chain, unmasked = self._recompute_chain(states, logits, step, tail=False)
+            accepted = self._accepted(states, chain)
+            yield from self._accept(chain, unmasked, step, accepted, len(states))
+            x, step, source = chain[accepted], step + accepted, logits[accepted - 1]
+
+    def _draft(self, x: torch.Tensor, source: Optional[Scores], step: int) -> list[torch.Tensor]:
+        """Up to ``draft_steps`` states after ``x``: the sampler's own transitions, all from ``source``. A draft
+        stops before a finished state (never evaluated by the exact run) or one that fills nothing (``source``
+        predicted another block)."""
+        drafts: list[torch.Tensor] = []
+        if source is None:
+            return drafts
+        state = x
+        for i in range(self.config.draft_steps):
+            state, filled = self.transition(state, source, step + i)
+            if not filled or self.is_done(state):
+                break
+            drafts.append(state)
+        return drafts
+
+    def _accepted(self, states: list[torch.Tensor], chain: list[torch.Tensor]) -> int:
+        """How many steps of the recomputed chain are exact: the first always (its state is exact), then one more
+        for each evaluated state equal to its exact step, never past a finished state."""
+        accepted = 1  # chain[1] came from the exact state states[0] and its own logits
+        while (accepted < len(states) and torch.equal(states[accepted], chain[accepted])
+               and not self.is_done(chain[accepted])):
+            accepted += 1
+        return accepted
+
+    def _accept(self, chain: list[torch.Tensor], unmasked: list[list[int]], step: int, accepted: int,
+                evaluated: int) -> Iterator[StepEvent]:
+        """Record one call's statistics and yield its accepted steps."""
+        self.stats.windows.append(WindowStats(step, evaluated, accepted))
+        for i in range(1, accepted + 1):
+            yield self._event(chain[i], step + i - 1, unmasked[i - 1])
 
     def _iterate_stale(self, prompt_ids: Sequence[int]) -> Iterator[StepEvent]:
         """Stale pipelining: step t submits its state and decides on the logits of step t - s.
@@ -358,19 +411,20 @@ class DiffusionSampler:
         return torch.equal(predicted[positions - start], guess.after[positions])
 
     def _recompute_chain(
-        self, states: list[torch.Tensor], logits: torch.Tensor, step: int
+        self, states: list[torch.Tensor], logits: torch.Tensor | Predictions, step: int, tail: bool = True
     ) -> tuple[list[torch.Tensor], list[list[int]]]:
         """Apply the transitions in sequence, each with the logits evaluated at the guessed state.
 
         ``chain[i+1]`` is exact whenever ``chain[i]`` is exact and equals the guess ``states[i]``.
-        The tail beyond the window reuses the last logits: a cheap guess for the next window.
+        With ``tail``, the chain goes on beyond the evaluated states with the last logits: a Picard window's
+        cheap guesses for the next window.
         """
         chain, unmasked = [states[0]], []
         for i in range(len(states)):
             nxt, filled = self.transition(chain[-1], logits[i], step + i)
             chain.append(nxt)
             unmasked.append(filled)
-        for i in range(len(states), 2 * len(states) - 1):
+        for i in range(len(states), 2 * len(states) - 1 if tail else len(states)):
             chain.append(self.transition(chain[-1], logits[-1], step + i)[0])
         return chain, unmasked
 

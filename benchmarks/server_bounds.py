@@ -9,7 +9,12 @@ Starts one server of the default model (blocks 0:8) on 127.0.0.1 and attacks it 
 3. one request stream of ``--stream-mb`` MiB, far over the payload limit;
 4. ``--adapters`` forward requests each carrying a new rank-64 LoRA of the 8 blocks (6.9 MB), while another peer's
    LoRA, sent before the flood, should stay held (the server keeps adapter tensors by digest, ``--adapter-memory-mb``,
-   one peer at most ``--peer-share`` of it).
+   one peer at most ``--peer-share`` of it);
+5. ``--sybils`` bare libp2p peers (each its own peer id) that keep stalling request streams: each sends the first
+   part of a request of 1 x 1024 positions (small, to take as many places as the count allows) and nothing more,
+   and opens another as soon as the server answered. It prints an honest client's median latency, unloaded and
+   during the attack, side by side: a unary request (one part), and a streamed one from the same client (which has
+   completed requests here), and whether a new peer's streamed request gets in.
 
 It prints the server's resident memory (its Python process; the libp2p daemon separately) before, at the
 peak and after, what was accepted and refused (with the first refusal's message), and the server's own
@@ -19,26 +24,29 @@ exported with ``git archive HEAD | tar -x -C DIR``), with the same attack, for b
     python benchmarks/server_bounds.py
     python benchmarks/server_bounds.py --baseline /tmp/old --cache-memory-mb 64
     python benchmarks/server_bounds.py --pushes 0 --fills 0 --stream-mb 0 --adapters 100
+    python benchmarks/server_bounds.py --pushes 0 --fills 0 --stream-mb 0 --adapters 0 --sybils 20
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import multiprocessing
 import statistics
 import sys
 import threading
 import time
 import uuid
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Optional
 
 import psutil
 import torch
-from hivemind.p2p import P2P
+from hivemind.p2p import P2P, PeerID
 
 from swarm.models.loading import ModelFiles
 from swarm.models.lora import LORA, BlockWidths
-from swarm.protocol import ForwardRequest, RemoteError
+from swarm.protocol import ForwardRequest, RemoteError, SpanService, request_parts
 from swarm.remote import RemoteCaller
 from swarm.utils.event_loop import BackgroundLoop
 from swarm.utils.local_swarm import LocalSwarm, ManagedProcess
@@ -91,6 +99,32 @@ class Attacker:
                 return await self.call(request, push)
 
         return await asyncio.gather(*[one(request) for request in requests])
+
+    def stall_forever(self, request: ForwardRequest, streams: int, retry: float) -> asyncio.Future:
+        """Keep ``streams`` streams stalled: send the first part of ``request``'s stream and nothing more, again
+        ``retry`` seconds after the server answered (refused, or dropped at the deadline), until the returned future
+        is cancelled."""
+        first = request_parts(request)[0]
+        stub = SpanService.get_stub(self.p2p, PeerID.from_base58(self.server.peer_id))
+
+        async def parts():
+            yield first
+            await asyncio.sleep(3600)
+
+        async def loop() -> None:
+            while True:
+                try:
+                    responses = await stub.rpc_forward_stream(parts())
+                    await anext(responses)  # the server's answer; then the stream is cut
+                    await responses.aclose()
+                except Exception:
+                    pass
+                await asyncio.sleep(retry)
+
+        async def loops() -> None:
+            await asyncio.gather(*[loop() for _ in range(streams)])
+
+        return asyncio.run_coroutine_threadsafe(loops(), self.loop.loop)
 
     def close(self) -> None:
         self.run(self.p2p.shutdown(), timeout=30)
@@ -234,6 +268,74 @@ def flood_adapters(attacker: Attacker, honest: Attacker, memory: Memory, count: 
           f"{'still held' if named is None and honest.caller.adapter_misses == 0 else f'sent again ({named})'}")
 
 
+def median_ms(attacker: Attacker, request: ForwardRequest, calls: int) -> tuple[float, int]:
+    """The median latency of the calls that succeeded, and how many did."""
+    times = []
+    for _ in range(calls):
+        started = time.perf_counter()
+        if attacker.run(attacker.call(request, push=False)) is None:
+            times.append(1000 * (time.perf_counter() - started))
+    return (statistics.median(times) if times else float("nan")), len(times)
+
+
+def held_places(span: dict) -> int:
+    """Places the stalled streams hold: among the unfinished streams (a server of a checkout before them: in the
+    compute queue)."""
+    return span["unfinished"]["in_flight"] if "unfinished" in span else span["in_flight"]
+
+
+def run_sybils(maddrs: list[str], peer_id: str, count: int, streams: int, retry: float, ready, stop) -> None:
+    """In a process of its own (the sybils' client side must not share the honest client's interpreter): ``count``
+    peer ids each keeping ``streams`` streams stalled, until ``stop`` is set."""
+    server = SimpleNamespace(maddrs=maddrs, peer_id=peer_id)
+    stalled = ForwardRequest(0, 8, torch.randn(1, 1024, HIDDEN))  # small: as many places as the count allows
+    sybils = [Attacker(server) for _ in range(count)]
+    loops = [sybil.stall_forever(stalled, streams, retry) for sybil in sybils]
+    ready.set()
+    stop.wait()
+    for future in loops:
+        future.cancel()
+    for sybil in sybils:
+        sybil.close()
+
+
+def stalling_sybils(server: ManagedProcess, honest: Attacker, count: int, calls: int, streams: int,
+                    retry: float) -> None:
+    unary = ForwardRequest(0, 8, torch.randn(1, 256, HIDDEN))  # one part: a unary call
+    streamed = ForwardRequest(0, 8, torch.randn(4, 1024, HIDDEN))  # 3 MiB: a stream of several parts
+    assert len(request_parts(unary)) == 1 and len(request_parts(streamed)) > 1
+    median_ms(honest, unary, 3)  # warm up; the client completes requests here (a known peer)
+    before = {name: median_ms(honest, request, calls) for name, request in (("unary", unary), ("stream", streamed))}
+    started = time.perf_counter()
+    spawn = multiprocessing.get_context("spawn")
+    ready, stop = spawn.Event(), spawn.Event()
+    attack = spawn.Process(target=run_sybils, args=(server.maddrs, server.peer_id, count, streams, retry, ready, stop))
+    attack.start()
+    newcomer = Attacker(server)
+    try:
+        assert ready.wait(300), "the sybils did not start"
+        time.sleep(3)  # the sybils' streams take every place they may
+        held = held_places(honest.info()["admission"]["span"])
+        during = {name: median_ms(honest, request, calls) for name, request in (("unary", unary), ("stream", streamed))}
+        new_stream = median_ms(newcomer, streamed, 5)
+        info = honest.info()["admission"]["span"]
+    finally:
+        stop.set()
+        attack.join(120)
+        newcomer.close()
+    print(f"stalling sybils: {count} peer ids each keep {streams} streams of 1 x 1024 positions stalled after their "
+          f"first part (another {retry} s after each answer), "
+          f"{time.perf_counter() - started:.0f} s; {held} places held by stalled streams when measured")
+    for name in ("unary", "stream"):
+        (alone, ok_alone), (attacked, ok_attacked) = before[name], during[name]
+        print(f"  honest {name} call: {alone:.1f} ms unloaded, {attacked:.1f} ms with the sybils "
+              f"(x{attacked / alone:.2f}); {ok_alone}/{calls} and {ok_attacked}/{calls} served")
+    print(f"  a new peer's stream call during the attack: {new_stream[1]}/5 served")
+    unfinished = info.get("unfinished", {})
+    print(f"  server: unfinished streams {unfinished.get('refused', '-')} refused, {unfinished.get('dropped', '-')} "
+          f"dropped at their deadline; compute queue {info['refused']} refused; {info.get('known', '-')} known peers")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pushes", type=int, default=47, help="maximum-size pushes to a target that never reads")
@@ -243,6 +345,11 @@ def main() -> None:
     parser.add_argument("--cache-memory-mb", type=float, default=64.0, help="the server's --cache-memory-mb")
     parser.add_argument("--adapters", type=int, default=100, help="forward requests each with a new LoRA tensor")
     parser.add_argument("--adapter-memory-mb", type=float, default=64.0, help="the server's --adapter-memory-mb")
+    parser.add_argument("--sybils", type=int, default=20, help="peer ids stalling request streams")
+    parser.add_argument("--stalls-per-sybil", type=int, default=2, help="streams each sybil keeps stalled at once")
+    parser.add_argument("--sybil-retry", type=float, default=1.0,
+                        help="seconds a sybil waits after an answer before it stalls another stream")
+    parser.add_argument("--honest-calls", type=int, default=20, help="honest calls timed, unloaded and attacked")
     parser.add_argument("--baseline", default=None, help="run the server from this checkout instead")
     args = parser.parse_args()
 
@@ -268,6 +375,9 @@ def main() -> None:
                 oversized_stream(attacker, memory, args.stream_mb)
             if args.adapters:
                 flood_adapters(attacker, honest, memory, args.adapters)
+            if args.sybils:
+                stalling_sybils(server, attacker, args.sybils, args.honest_calls, args.stalls_per_sybil,
+                                args.sybil_retry)
             print(f"server alive: {server.alive}")
         finally:
             attacker.close()

@@ -298,10 +298,15 @@ def test_a_long_pass_whose_caller_has_gone_is_cancelled(long_server):
     """A pass of 6,144 positions through 32 blocks runs far longer than the server's 3 s request timeout.
     Told ``busy`` at the timeout, or given up by its caller, it is stopped between blocks (``cancelled``
     counts it) and the compute thread serves the next request; a caller that gave up gets no answer, so
-    the server counts no failure for it (it did not wait for its own timeout)."""
+    the server counts no failure for it (it did not wait for its own timeout). A cancelled cache fill leaves
+    no half-written cache behind: its reuse misses."""
     peer = Peer(long_server)
     long = one_part(torch.randn(1, 6144, HIDDEN), end=32)
     small = one_part(torch.randn(1, 8, HIDDEN), end=32)
+    fill = request_parts(ForwardRequest(0, 32, torch.randn(1, 6144, HIDDEN), "filled", 0,
+                                        {"cache": {"rows": None, "version": 1, "keep_from": 0}}))[0]
+    reuse = request_parts(ForwardRequest(0, 32, torch.randn(1, 8, HIDDEN), "filled", 1,
+                                         {"cache": {"rows": [0, 8], "version": 1, "keep_from": 0}}))[0]
     try:
         error = refused(lambda: peer.unary(long))
         assert error.code == ErrorCode.BUSY and "compute took over 3" in error.message
@@ -310,9 +315,11 @@ def test_a_long_pass_whose_caller_has_gone_is_cancelled(long_server):
 
         failed = peer.info()["requests_failed"]
         with pytest.raises(asyncio.TimeoutError):
-            peer.run(asyncio.wait_for(peer.stub.rpc_forward(long), 0.5))
+            peer.run(asyncio.wait_for(peer.stub.rpc_forward(fill), 0.5))
         wait_until(lambda: span_info(peer)["cancelled"] == 2, 60)
         assert peer.info()["requests_failed"] == failed
+        assert refused(lambda: peer.unary(reuse)).code == ErrorCode.CACHE_MISS
+        assert peer.info()["cache"]["versions"] == 0
         assert peer.unary(small)[0].shape == (1, 8, HIDDEN)
         assert span_info(peer)["in_flight"] == 0 and long_server.alive
     finally:

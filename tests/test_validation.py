@@ -78,6 +78,7 @@ HOSTILE = {
     "wrong hidden size": (lambda: valid_parts(torch.randn(1, 5, HIDDEN + 1)), ErrorCode.BAD_REQUEST),
     "wrong rank": (lambda: valid_parts(torch.randn(5, HIDDEN)), ErrorCode.BAD_REQUEST),
     "oversized batch": (lambda: valid_parts(torch.randn(40, 500, HIDDEN)), ErrorCode.TOO_LARGE),
+    "longer than the context": (lambda: valid_parts(torch.randn(1, 600, HIDDEN)), ErrorCode.TOO_LARGE),
     "huge declared length": (lambda: with_tensor(huge_shape_tensor()), ErrorCode.TOO_LARGE),
     "corrupt buffer": (lambda: with_tensor(corrupt_buffer_tensor()), ErrorCode.BAD_REQUEST),
     "NaN": (lambda: valid_parts(torch.full((1, 3, HIDDEN), float("nan"))), ErrorCode.NOT_FINITE),
@@ -137,12 +138,12 @@ def test_hostile_request_gets_clear_error_and_server_keeps_serving(remote_lm, ta
 
 
 def test_truncated_stream_of_a_large_payload_is_refused(remote_lm, target):
-    parts = request_parts(ForwardRequest(0, 2, torch.randn(8, 1500, HIDDEN), "s", 0))
+    parts = request_parts(ForwardRequest(0, 2, torch.randn(24, 500, HIDDEN), "s", 0))
     assert len(parts) > 2, "payload should be large enough to be streamed"
     with pytest.raises(RemoteError, match="parts"):
         send(remote_lm, target.peer_id, parts[:-1], stream=True)
     output, _ = send(remote_lm, target.peer_id, parts, stream=True)
-    assert output.shape == (8, 1500, HIDDEN)
+    assert output.shape == (24, 500, HIDDEN)
 
 
 def test_backend_refuses_beyond_its_queue_bounds():

@@ -75,11 +75,14 @@ def print_ready(server: Server) -> None:
                    "clients' head queries with the sampler's predictions instead of hidden states: the client then "
                    "needs no head (at LLaDA-8B's widths about 1 GB and most of its CPU per step).")
 @click.option("--max-batch-tokens", type=click.IntRange(min=1), default=ServerConfig.max_batch_tokens,
-              help="Largest batch x length accepted in one request.")
+              help="Largest batch x length accepted in one request (each sequence at most the model's context).")
 @click.option("--max-concurrent-requests", type=click.IntRange(min=1), default=ServerConfig.max_concurrent_requests,
-              help="Requests being received, computed or waiting for compute; more are refused as busy.")
+              help="Whole requests being computed or waiting for compute; more are refused as busy (streams still "
+                   "arriving count in --max-unfinished-streams instead).")
 @click.option("--max-queued-tokens", type=click.IntRange(min=1), default=ServerConfig.max_queued_tokens,
-              help="Tokens (batch x length) of those requests, summed; more are refused as busy.")
+              help="Cost of those requests, summed, each counted at batch x length x (1 + length / S), S the length "
+                   "at which attention costs as much as the projections (1,024 for the default model); more are "
+                   "refused as busy. The same bound holds for unfinished streams.")
 @click.option("--peer-share", type=click.FloatRange(min=0, max=1, min_open=True), default=ServerConfig.peer_share,
               help="Largest share of --max-concurrent-requests, --max-queued-tokens, --max-pending-pushes and "
                    "--push-memory-mb that one peer (libp2p id) may hold; its requests beyond it are refused as "

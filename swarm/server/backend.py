@@ -251,7 +251,7 @@ class StreamLimits:
     max_unfinished: int = 16
     receive_timeout: float = 5.0  # seconds, plus the time the declared bytes take at receive_rate
     receive_rate: float = 2**20  # bytes per second a sender must at least keep up
-    known_reserve: float = 0.25
+    known_reserve: float = 0.0  # none unless configured: a queue whose handler keeps no records (experts) needs none
 
     @classmethod
     def of(cls, config: "ServerConfig") -> "StreamLimits":

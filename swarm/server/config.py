@@ -21,8 +21,8 @@ class ServerConfig:
     quant: Optional[str] = None  # "int8": weight-only quantization of the span (smaller, not exact)
     head: bool = False  # also hold the final norm and output head (last block only) and answer head queries
     max_batch_tokens: int = 16384  # batch * length of one request
-    max_concurrent_requests: int = 32  # being received, in compute or waiting for it; more get a BUSY error
-    max_queued_tokens: int = 65536  # batch x length summed over those requests
+    max_concurrent_requests: int = 32  # whole requests in compute or waiting for it; more get a BUSY error
+    max_queued_tokens: int = 65536  # their cost summed: batch x length x (1 + length / attention's scale)
     peer_share: float = 0.5  # share of the request, token and push bounds one peer (libp2p id) may hold
     max_pending_pushes: int = 32  # pushed outputs not yet taken by the next hop or the client
     push_memory_mb: float = 256.0  # their memory (tensor and wire copies)

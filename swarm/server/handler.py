@@ -24,6 +24,7 @@ import contextlib
 import logging
 import math
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, AsyncIterable, AsyncIterator, Awaitable, Callable, Optional, TypeVar
 
@@ -79,7 +80,30 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 PAYLOAD_SLACK_BYTES = 64 * 1024
+REFUSAL_LOG_PERIOD_S = 1.0  # refusals of one error code are logged at most this often
 MIN_CHUNK_BYTES = 2**16  # the smallest stream chunk a client may use (hivemind's default): bounds the part count
+
+
+class ThrottledLog:
+    """Warnings of one kind at most once per ``period`` seconds, with the count of those left out.
+
+    A flood of refusals (a hundred busy answers a second to sybils) would otherwise spend the server's CPU, and
+    its operator's disk, on log lines; ``rpc_info`` counts every refusal anyway."""
+
+    def __init__(self, period: float):
+        self.period = period
+        self.last: dict[str, float] = {}
+        self.skipped: Counter[str] = Counter()
+
+    def warning(self, kind: str, message: str, *args) -> None:
+        now = time.monotonic()
+        if now - self.last.get(kind, -math.inf) < self.period:
+            self.skipped[kind] += 1
+            return
+        self.last[kind] = now
+        skipped = self.skipped.pop(kind, 0)
+        suffix = f" ({skipped} more of this kind in the last {self.period:.0f} s)" if skipped else ""
+        logger.warning(message + suffix, *args)
 
 
 @dataclass(frozen=True)
@@ -146,6 +170,7 @@ class ForwardHandler(SpanService):
         self.halt_reason: Optional[str] = None  # set while a valid governance halt stands
         self.requests_served = 0
         self.requests_failed = 0
+        self.refusal_log = ThrottledLog(REFUSAL_LOG_PERIOD_S)
 
     # ----- RPCs ----------------------------------------------------------------------------------
     async def rpc_info(self, request: runtime_pb2.ExpertUID, context: P2PContext) -> runtime_pb2.ExpertInfo:
@@ -235,6 +260,8 @@ class ForwardHandler(SpanService):
                 "another server")
         stream = aiter(requests)
         peer = str(context.remote_id)
+        if not unary:  # no stream place for this peer now: refused before its first part is even read
+            self.backend.queue.unfinished.check(peer, 0, self.backend.queue.records.known(peer))
         first = await self._first_part(stream, peer)
         declared = self._declared(first, unary, peer, backward)
         queue, cost = self.backend.queue, self.backend.cost(*declared.shape[:2])
@@ -476,5 +503,5 @@ class ForwardHandler(SpanService):
 
     def _refuse(self, error: RemoteError, context: P2PContext) -> runtime_pb2.ExpertResponse:
         self.requests_failed += 1
-        logger.warning("refused request from %s: %s", context.remote_id, error)
+        self.refusal_log.warning(error.code, "refused request from %s: %s", context.remote_id, error)
         return error_response(error)

@@ -271,7 +271,8 @@ class BaseDiffusionLM(ABC):
     def _check(self, prompt_ids: Optional[Sequence[int]], options: GenerationRequest,
                settings: dict[str, Any]) -> CheckedRequest:
         expert_count = options.check()
-        plan = plan_scale(options.scale, settings, remote=self.remote, experts=options.experts)
+        plan = plan_scale(options.scale, settings, remote=self.remote, experts=options.experts,
+                          correctors=options.corrector_steps)
         if plan.experts is not None:
             options = dataclasses.replace(options, experts=plan.experts)
         if options.experts == "auto":
@@ -282,6 +283,9 @@ class BaseDiffusionLM(ABC):
         if "parallel_window" in plan.filled:  # the scale's choice, not the caller's: fit it to the budget
             room = self.limits.window_room(generation, prompt_length or 1, expert_count)
             generation = generation.replace(parallel_window=min(generation.parallel_window, room))
+        if "draft_steps" in plan.filled:  # likewise: a call verifies draft_steps + 1 states
+            room = self.limits.window_room(generation, prompt_length or 1, expert_count)
+            generation = generation.replace(draft_steps=min(generation.draft_steps, room - 1))
         self.limits.check(generation, prompt_length, expert_count)
         return CheckedRequest(generation, plan, options, expert_count)
 
@@ -328,7 +332,7 @@ class BaseDiffusionLM(ABC):
 
         Keyword arguments, the sampler's settings (:class:`GenerationConfig`): ``gen_length``, ``steps``,
         ``block_length``, ``temperature``, ``remasking`` (low_confidence, random, margin, entropy), ``threshold``,
-        ``cfg_scale``, ``seed``, ``stop_at_eos``, ``parallel_window``, and the latency-hiding settings
+        ``cfg_scale``, ``seed``, ``stop_at_eos``, ``parallel_window``, ``draft_steps``, and the latency-hiding settings
         ``staleness`` (0..3), ``stale_check`` (``token``, ``exact``, ``none``), ``cache`` (``none``, ``prefix``,
         ``dual``) and ``cache_refresh`` (approximate except at their defaults, which are exact;
         ``stale_check="exact"`` keeps the tokens of the run without staleness).

@@ -74,10 +74,10 @@ class Composition:
         self.tau = validate_tau(tau)
         if isinstance(corrector_steps, bool) or not isinstance(corrector_steps, int) or corrector_steps < 0:
             raise ValueError(f"corrector_steps must be an integer >= 0, got {corrector_steps!r}")
-        if corrector_steps and (generation.parallel_window != 1 or generation.staleness):
-            raise ValueError("corrector_steps need parallel_window=1 and staleness=0: a corrected step makes "
-                             "denoiser calls of its own, while Picard windows and stale pipelining assume one "
-                             "call per step")
+        if corrector_steps and (generation.parallel_window != 1 or generation.draft_steps or generation.staleness):
+            raise ValueError("corrector_steps need parallel_window=1, draft_steps=0 and staleness=0: a corrected "
+                             "step makes denoiser calls of its own, while Picard windows, drafts and stale "
+                             "pipelining assume one call per step")
         self.generation = generation
         self.mask_token_id = mask_token_id
         self.corrector_steps = corrector_steps

@@ -299,14 +299,16 @@ class DiffusionSampler:
             x, step, source = chain[accepted], step + accepted, logits[accepted - 1]
 
     def _draft(self, x: torch.Tensor, source: Optional[Scores], step: int) -> list[torch.Tensor]:
-        """Up to ``draft_steps`` states after ``x``: the sampler's own transitions, all from ``source``. A draft
-        stops before a finished state (never evaluated by the exact run) or one that fills nothing (``source``
-        predicted another block)."""
+        """Up to ``draft_steps`` states after ``x``: the sampler's own transitions, all from ``source``. Drafts stay
+        in ``x``'s block (a call scores only the rows its states read, so ``source`` may know nothing of the next
+        block) and stop before a finished state (never evaluated by the exact run)."""
         drafts: list[torch.Tensor] = []
         if source is None:
             return drafts
-        state = x
+        state, block = x, self.active_block(x)
         for i in range(self.config.draft_steps):
+            if self.active_block(state) != block:
+                break
             state, filled = self.transition(state, source, step + i)
             if not filled or self.is_done(state):
                 break

@@ -155,7 +155,7 @@ def _addresses(raw: Any) -> list[str]:
 
 @dataclass
 class ExpertRecord:
-    """A server's announcement of one hosted expert, under ``{prefix}.experts.{domain}``."""
+    """A server's announcement of one hosted expert, in its entry of the expert index ``{prefix}.experts``."""
 
     peer_id: str
     domain: str

@@ -4,6 +4,8 @@
 * ``picard``: Picard windows w in {1, 2, 4, 8} at several injected per-hop latencies: sequential round
   trips, denoiser evaluations, wall time, speed-up over w = 1, and whether the tokens are identical.
 * ``scale``: one request at scale local, auto and max.
+* ``drafts``: sequential, Picard windows and draft-and-verify per remasking strategy, on prose and on the addition
+  expert's held-out problems: round trips, row evaluations, drafts accepted, identical tokens, task accuracy.
 * ``hiding``: the latency-hiding modes (cache, staleness, push) at 0 and 50 ms per hop: tokens/s, the
   fraction of the added latency hidden, agreement with the exact tokens and task accuracy.
 
@@ -17,7 +19,8 @@ import contextlib
 import logging
 import statistics
 import time
-from typing import Iterator
+from dataclasses import dataclass
+from typing import Iterator, Optional, Sequence
 
 import click
 import torch
@@ -27,7 +30,7 @@ from swarm.cli_options import SwarmGroup, run_main
 from swarm.client import DistributedDiffusionLM
 from swarm.diffusion.config import MAX_STALENESS
 from swarm.diffusion.remasking import STRATEGIES
-from swarm.eval.tasks import evaluate_task
+from swarm.eval.tasks import evaluate_task, prompt_ids
 from swarm.local import DiffusionLM
 from swarm.models.loading import ModelFiles
 from swarm.realscale import realscale
@@ -188,6 +191,106 @@ def scale(model: str, latency_ms: float, remasking: str, prompt: str, threads: i
                 click.echo(f"{name:>6}{result.elapsed_s:>9.2f}{result.denoiser_calls:>13}"
                            f"{len(result.info.get('spot_checks', [])):>13}{experts:>9}  "
                            f"{result.token_ids == reference.token_ids}")
+
+
+BATCHING_MODES = {"sequential": {}, "picard w=4": {"parallel_window": 4}, "picard w=8": {"parallel_window": 8},
+                  "drafts k=3": {"draft_steps": 3}, "drafts k=7": {"draft_steps": 7}}
+PROSE_PROMPTS = (PROMPT, "In the early years of the city", "The river", "Scientists have found that")
+
+
+@dataclass
+class Tally:
+    """Totals of one mode over a workload's prompts."""
+
+    calls: int = 0
+    evaluations: int = 0
+    steps: int = 0
+    identical: int = 0
+    correct: int = 0
+    runs: int = 0
+    drafts_accepted: int = 0  # guessed or drafted states that became steps
+    drafts_rejected: int = 0  # calls that evaluated a state that did not
+
+    def add(self, result, reference, answer: Optional[str]) -> None:
+        self.calls += result.denoiser_calls
+        self.evaluations += result.states_evaluated
+        self.steps += result.steps
+        self.identical += torch.equal(result.sequence, reference.sequence)
+        self.correct += answer is not None and result.text == answer
+        self.runs += 1
+        self.drafts_accepted += sum(window.accepted - 1 for window in result.windows)
+        self.drafts_rejected += sum(window.accepted < window.evaluated for window in result.windows)
+
+    @property
+    def acceptance(self) -> float:
+        """How often the next guessed or drafted state is accepted when the ones before it were: a call then makes
+        (1 - a**(k + 1)) / (1 - a) steps on average with k of them, so 2x fewer trips needs a >= 0.54 at k = 3."""
+        checked = self.drafts_accepted + self.drafts_rejected
+        return self.drafts_accepted / checked if checked else float("nan")
+
+
+def tally_modes(lm: DiffusionLM, prompts: Sequence[Sequence[int]], answers: Sequence[Optional[str]],
+                settings: dict) -> dict[str, Tally]:
+    """Every batching mode on every prompt, each compared with the sequential run of the same prompt."""
+    tallies = {mode: Tally() for mode in BATCHING_MODES}
+    for prompt, answer in zip(prompts, answers):
+        reference = lm.generate(list(prompt), **settings)
+        for mode, extra in BATCHING_MODES.items():
+            result = reference if not extra else lm.generate(list(prompt), **settings, **extra)
+            tallies[mode].add(result, reference, answer)
+    return tallies
+
+
+def echo_tallies(workload: str, remasking: str, tallies: dict[str, Tally], task: bool) -> None:
+    base = tallies["sequential"].calls
+    for mode, tally in tallies.items():
+        accepted = "-" if mode == "sequential" else f"{tally.acceptance:.2f}"
+        accuracy = f"{tally.correct / tally.runs:.3f}" if task else "-"
+        click.echo(f"{workload:<13}{remasking:>15}{mode:>12}{tally.calls:>7}{tally.evaluations:>7}"
+                   f"{base / tally.calls:>8.2f}x{tally.steps / tally.calls:>9.2f}{accepted:>9}"
+                   f"{tally.identical:>7}/{tally.runs:<4}{accuracy:>7}")
+
+
+@main.command()
+@click.option("--model", default="default", show_default=True, help="Backbone generating prose.")
+@click.option("--task-model", default="addition", show_default=True, help="Model answering addition problems.")
+@click.option("--task-examples", type=click.IntRange(min=1), default=50, show_default=True,
+              help="Held-out addition problems.")
+@click.option("--task-lengths", default="8,64", show_default=True, callback=comma_list(int, 1),
+              help="Comma-separated gen_length values for the addition problems (8 is the task's own).")
+@click.option("--gen-length", type=int, default=64, show_default=True, help="Prose tokens generated.")
+@click.option("--remasking", default=",".join(STRATEGIES), show_default=True, help="Comma-separated strategies.")
+def drafts(model: str, task_model: str, task_examples: int, task_lengths: list[int], gen_length: int,
+           remasking: str) -> None:
+    """Round trips of sequential, Picard and draft-and-verify decoding (greedy, one token per step), in one process.
+
+    A call through the swarm is one round trip and the swarm's tokens equal this process's for every setting
+    (pytest tests/test_draft_verify.py), so the counts are those of a swarm run. "per call" is steps per call;
+    "accepted" is how often a guessed or drafted state is accepted when the ones before it in its call were
+    (:attr:`Tally.acceptance`); "identical" counts runs whose final state equals the sequential run's.
+    """
+    torch.set_num_threads(1)
+    strategies = remasking.split(",")
+    unknown = [name for name in strategies if name not in STRATEGIES]
+    if unknown:
+        raise click.BadParameter(f"unknown strategies {unknown}; choose from {', '.join(STRATEGIES)}",
+                                 param_hint="--remasking")
+    prose_lm, task_lm = DiffusionLM.from_pretrained(model), DiffusionLM.from_pretrained(task_model)
+    prose = [prose_lm.encode_prompt(text) for text in PROSE_PROMPTS]
+    problems = AdditionTask().problems(task_examples, seed=0, held_out=True)
+    questions = [prompt_ids(task_lm, problem.prompt) for problem in problems]
+    click.echo(f"prose: {model}, {len(prose)} prompts, {gen_length} tokens; addition: {task_model}, "
+               f"{task_examples} held-out problems; greedy, one token per step, blocks of 32 (or gen_length)")
+    click.echo(f"{'workload':<13}{'remasking':>15}{'mode':>12}{'trips':>7}{'evals':>7}{'fewer':>9}{'per call':>9}"
+               f"{'accepted':>9}{'identical':>12}{'task':>7}")
+    for name in strategies:
+        settings = dict(gen_length=gen_length, remasking=name, **GREEDY)
+        echo_tallies(f"prose {gen_length}", name, tally_modes(prose_lm, prose, [None] * len(prose), settings),
+                     task=False)
+        for length in task_lengths:
+            settings = dict(gen_length=length, remasking=name, **GREEDY)
+            tallies = tally_modes(task_lm, questions, [problem.answer for problem in problems], settings)
+            echo_tallies(f"addition {length}", name, tallies, task=True)
 
 
 HIDING_MODES = ("sync,push,dual,stale3,dual+push,dual+push+stale1,dual+push+stale3,dual+push+stale3+exact,"

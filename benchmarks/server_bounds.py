@@ -278,6 +278,12 @@ def median_ms(attacker: Attacker, request: ForwardRequest, calls: int) -> tuple[
     return (statistics.median(times) if times else float("nan")), len(times)
 
 
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU time of a process and its children (the libp2p daemons) so far."""
+    processes = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    return sum(sum(process.cpu_times()[:2]) for process in processes)
+
+
 def held_places(span: dict) -> int:
     """Places the stalled streams hold: among the unfinished streams (a server of a checkout before them: in the
     compute queue)."""
@@ -316,7 +322,10 @@ def stalling_sybils(server: ManagedProcess, honest: Attacker, count: int, calls:
         assert ready.wait(300), "the sybils did not start"
         time.sleep(3)  # the sybils' streams take every place they may
         held = held_places(honest.info()["admission"]["span"])
+        cpu = (time.perf_counter(), cpu_seconds(server.process.pid), cpu_seconds(attack.pid))
         during = {name: median_ms(honest, request, calls) for name, request in (("unary", unary), ("stream", streamed))}
+        seconds = time.perf_counter() - cpu[0]
+        server_cpu, sybils_cpu = cpu_seconds(server.process.pid) - cpu[1], cpu_seconds(attack.pid) - cpu[2]
         new_stream = median_ms(newcomer, streamed, 5)
         info = honest.info()["admission"]["span"]
     finally:
@@ -331,6 +340,9 @@ def stalling_sybils(server: ManagedProcess, honest: Attacker, count: int, calls:
         print(f"  honest {name} call: {alone:.1f} ms unloaded, {attacked:.1f} ms with the sybils "
               f"(x{attacked / alone:.2f}); {ok_alone}/{calls} and {ok_attacked}/{calls} served")
     print(f"  a new peer's stream call during the attack: {new_stream[1]}/5 served")
+    print(f"  CPU while the honest calls were timed under attack ({seconds:.0f} s): server and its daemon "
+          f"{100 * server_cpu / seconds:.0f}% of a core, the sybils' process and daemons "
+          f"{100 * sybils_cpu / seconds:.0f}%")
     unfinished = info.get("unfinished", {})
     print(f"  server: unfinished streams {unfinished.get('refused', '-')} refused, {unfinished.get('dropped', '-')} "
           f"dropped at their deadline; compute queue {info['refused']} refused; {info.get('known', '-')} known peers")

@@ -42,7 +42,7 @@ def assert_same_run(sequential, drafted) -> None:
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_drafts_give_the_sequential_tokens_for_many_seeds(local_lm, remasking, temperature):
     saved = 0
-    for seed in range(8):
+    for seed in range(6):
         settings = dict(SHORT, remasking=remasking, temperature=temperature, seed=seed)
         sequential = local_lm.generate(f"draft {seed}", **settings)
         drafted = local_lm.generate(f"draft {seed}", draft_steps=1 + seed % 4, **settings)
@@ -54,8 +54,8 @@ def test_drafts_give_the_sequential_tokens_for_many_seeds(local_lm, remasking, t
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("remasking", list(STRATEGIES))
 def test_drafts_with_threshold_guidance_and_several_tokens_per_step(local_lm, variant, remasking):
-    for seed in range(3):
-        settings = dict(SHORT, **VARIANTS[variant], remasking=remasking, temperature=0.6 * (seed % 2), seed=seed)
+    for seed in range(2):
+        settings = dict(SHORT, **VARIANTS[variant], remasking=remasking, temperature=0.6 * seed, seed=seed)
         assert_same_run(local_lm.generate("variant", **settings), local_lm.generate("variant", draft_steps=3,
                                                                                      **settings))
 

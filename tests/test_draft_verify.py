@@ -182,6 +182,22 @@ def test_drafts_through_the_swarm_give_the_local_tokens(remote_lm, local_lm, set
     assert auto.token_ids == sequential.token_ids and auto.denoiser_calls < sequential.denoiser_calls
 
 
+def test_drafts_are_pushed_from_server_to_server(remote_lm, local_lm, monkeypatch):
+    """With push, each verification call is one pushed pass through the chain of servers, none redone hop by hop."""
+    from tests.test_latency_hiding import assert_pushed, pushed_passes
+
+    settings = dict(SHORT, remasking="low_confidence", temperature=0.5, seed=8, draft_steps=3)
+    remote_lm.client_config.push = True
+    try:
+        result, pushed, hop_by_hop = pushed_passes(remote_lm, lambda: remote_lm.generate("pushed", **settings),
+                                                   monkeypatch)
+    finally:
+        remote_lm.client_config.push = False
+    assert result.token_ids == local_lm.generate("pushed", **settings).token_ids
+    assert max(window.evaluated for window in result.windows) > 1
+    assert_pushed(pushed, hop_by_hop, result.denoiser_calls, staleness=0)
+
+
 @pytest.fixture(scope="module")
 def head_server(local_swarm, tiny_model_path):
     """A server of every block with the output head, announcing a huge throughput so that routes prefer it (the

@@ -75,6 +75,15 @@ def test_the_default_model_keeps_its_tokens_in_fewer_calls(default_lm, remasking
     assert drafted.denoiser_calls < sequential.denoiser_calls
 
 
+def test_drafts_compose_experts_as_the_sequential_run_does(default_lm):
+    """Each verified row's logits are composed with the expert's answers for that row, as a sequential step's."""
+    settings = dict(gen_length=16, remasking="low_confidence", temperature=0.5, seed=3, experts={"code": 0.7})
+    sequential = default_lm.generate("def add(a, b):", **settings)
+    drafted = default_lm.generate("def add(a, b):", draft_steps=3, **settings)
+    assert_same_run(sequential, drafted)
+    assert drafted.denoiser_calls < sequential.denoiser_calls
+
+
 class UncheckedDrafts(DiffusionSampler):
     """The skipped check: every evaluated draft is taken as exact. Not offered to users; here to show that the
     check is what keeps the tokens."""

@@ -300,8 +300,11 @@ class DiffusionSampler:
 
     def _draft(self, x: torch.Tensor, source: Optional[Scores], step: int) -> list[torch.Tensor]:
         """Up to ``draft_steps`` states after ``x``: the sampler's own transitions, all from ``source``. Drafts stay
-        in ``x``'s block (a call scores only the rows its states read, so ``source`` may know nothing of the next
-        block) and stop before a finished state (never evaluated by the exact run)."""
+        in ``x``'s block and stop before a finished state (never evaluated by the exact run). A call scores only
+        the rows its states read (:func:`~swarm.diffusion.pipeline.scored_rows`), so when ``x`` has just entered a
+        block that ``source``'s call did not score, its drafts are worthless guesses (NaN scores), which the check
+        rejects like any other wrong draft; a call of several states scores every later block, and drafts from it
+        into the next block are often right."""
         drafts: list[torch.Tensor] = []
         if source is None:
             return drafts

@@ -251,6 +251,32 @@ def echo_tallies(workload: str, remasking: str, tallies: dict[str, Tally], task:
                    f"{tally.identical:>7}/{tally.runs:<4}{accuracy:>7}")
 
 
+SWARM_MODES = ("sequential", "picard w=4", "drafts k=3")
+
+
+def time_through_swarm(model: str, strategies: Sequence[str], delays: Sequence[float], gen_length: int) -> None:
+    """Wall time of sequential, Picard and draft-and-verify decoding of the prose prompt through two servers."""
+    references = {name: DiffusionLM.from_pretrained(model).generate(PROMPT, gen_length=gen_length, remasking=name,
+                                                                     **GREEDY) for name in strategies}
+    click.echo(f"{'remasking':>15}{'ms/hop':>7}{'mode':>12}{'trips':>7}{'wall s':>8}{'tok/s':>7}{'speed-up':>9}"
+               f"{'identical':>10}")
+    with two_server_swarm(model, threads=1) as swarm:
+        for delay in delays:
+            with DistributedDiffusionLM.from_pretrained(model, initial_peers=swarm.initial_peers,
+                                                        inject_latency=delay / 1000) as lm:
+                lm.generate(PROMPT, gen_length=32, steps=8, block_length=32)  # warm-up
+                for name in strategies:
+                    base = None
+                    for mode in SWARM_MODES:
+                        batching = BATCHING_MODES[mode] or {"draft_steps": 0}  # explicit: the scale adds none
+                        result = lm.generate(PROMPT, gen_length=gen_length, remasking=name, **GREEDY, **batching)
+                        base = base or result
+                        same = torch.equal(result.sequence, references[name].sequence)
+                        click.echo(f"{name:>15}{delay:>7g}{mode:>12}{result.denoiser_calls:>7}{result.elapsed_s:>8.2f}"
+                                   f"{gen_length / result.elapsed_s:>7.1f}{base.elapsed_s / result.elapsed_s:>8.2f}x"
+                                   f"{str(same):>10}")
+
+
 @main.command()
 @click.option("--model", default="default", show_default=True, help="Backbone generating prose.")
 @click.option("--task-model", default="addition", show_default=True, help="Model answering addition problems.")
@@ -260,8 +286,10 @@ def echo_tallies(workload: str, remasking: str, tallies: dict[str, Tally], task:
               help="Comma-separated gen_length values for the addition problems (8 is the task's own).")
 @click.option("--gen-length", type=int, default=64, show_default=True, help="Prose tokens generated.")
 @click.option("--remasking", default=",".join(STRATEGIES), show_default=True, help="Comma-separated strategies.")
+@click.option("--latencies-ms", default="", help="Also time the prose prompt through two servers on loopback at these "
+                                                  "injected one-way delays (comma-separated ms; none by default).")
 def drafts(model: str, task_model: str, task_examples: int, task_lengths: list[int], gen_length: int,
-           remasking: str) -> None:
+           remasking: str, latencies_ms: str) -> None:
     """Round trips of sequential, Picard and draft-and-verify decoding (greedy, one token per step), in one process.
 
     A call through the swarm is one round trip and the swarm's tokens equal this process's for every setting
@@ -291,6 +319,9 @@ def drafts(model: str, task_model: str, task_examples: int, task_lengths: list[i
             settings = dict(gen_length=length, remasking=name, **GREEDY)
             tallies = tally_modes(task_lm, questions, [problem.answer for problem in problems], settings)
             echo_tallies(f"addition {length}", name, tallies, task=True)
+    if latencies_ms:
+        delays = comma_list(float, 0)(None, None, latencies_ms)
+        time_through_swarm(model, strategies, delays, gen_length)
 
 
 HIDING_MODES = ("sync,push,dual,stale3,dual+push,dual+push+stale1,dual+push+stale3,dual+push+stale3+exact,"

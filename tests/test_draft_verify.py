@@ -227,8 +227,11 @@ def test_drafts_with_the_head_on_the_server(local_swarm, tiny_model_path, head_s
     """The head server answers each row's predictions (no logits reach the client): drafts come from them."""
     with head_client(local_swarm, tiny_model_path) as lm:
         assert [hop.peer_id for hop in lm.show_route()] == [head_server.peer_id]
-        for seed, remasking in enumerate(STRATEGIES):
-            settings = dict(SHORT, remasking=remasking, temperature=0.6 * (seed % 2), seed=seed)
+        cases = [dict(remasking=remasking, temperature=0.6 * (seed % 2), seed=seed)
+                 for seed, remasking in enumerate(STRATEGIES)]
+        cases += [dict(VARIANTS["threshold"], temperature=0.6, seed=7), dict(VARIANTS["cfg"], temperature=0.6, seed=8)]
+        for case in cases:
+            settings = dict(SHORT, **case)
             assert_same_run(local_lm.generate("head", **settings), lm.generate("head", draft_steps=3, **settings))
         assert lm._head is None, "the client scored logits itself although the head server answered"
 

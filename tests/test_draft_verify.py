@@ -134,6 +134,27 @@ def test_bad_draft_settings_are_refused_with_their_bounds(settings, message):
     assert refused.value.param == "draft_steps"
 
 
+def test_the_command_line_offers_and_bounds_draft_steps(tiny_model_path):
+    from click.testing import CliRunner
+
+    from swarm.generate import main as generate_cli
+
+    result = CliRunner().invoke(generate_cli, ["hi", "--model", str(tiny_model_path), "--draft-steps", "40"])
+    assert result.exit_code == 2 and f"draft_steps must be 0..{MAX_DRAFT_STEPS}" in result.output
+
+
+def test_the_http_api_refuses_bad_draft_steps_before_any_compute(tiny_model_path):
+    pytest.importorskip("fastapi", reason="the API needs fastapi")
+    from swarm.api import load_engine
+
+    engine = load_engine(str(tiny_model_path), local=True)
+    for value, message in ((MAX_DRAFT_STEPS + 1, f"draft_steps must be 0..{MAX_DRAFT_STEPS}"),
+                           (1.5, "draft_steps must be an integer")):
+        with pytest.raises(ValueError, match=message):
+            engine.check_settings({"draft_steps": value})
+    engine.check_settings({"draft_steps": 3})
+
+
 def test_drafts_count_against_the_memory_budget(local_lm):
     """A call holds draft_steps + 1 states: too many for the budget is refused, naming draft_steps."""
     config = GenerationConfig(gen_length=64, steps=64, block_length=32, draft_steps=7)

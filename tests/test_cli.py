@@ -158,7 +158,7 @@ def test_a_malformed_initial_peer_is_one_line_from_the_real_process():
 
 # ----- bad values --------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("name, args, fragment", [
-    ("generate", ["Hi", "--model", "/nonexistent"], "neither a checkpoint directory nor an embedded model"),
+    ("generate", ["Hi", "--model", "/nonexistent"], "neither a checkpoint directory, an embedded model"),
     ("generate", ["Hi", "--gen-length", "7", "--block-length", "3"], "divisible"),
     ("api", ["--local", "--model", "/nonexistent", "--port", "0"], "neither a checkpoint directory"),
     ("eval", ["--model", "/nonexistent"], "neither a checkpoint directory"),

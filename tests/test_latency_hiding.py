@@ -22,7 +22,8 @@ from swarm.models.modules import DiffusionTransformer
 from swarm.server.session_cache import SessionCaches
 from tests.conftest import tiny_config, wait_until
 
-SETTINGS = dict(gen_length=32, steps=32, block_length=16, seed=3)
+# draft_steps=0: the passes counted here are one state each (scale="auto" would draft through the swarm)
+SETTINGS = dict(gen_length=32, steps=32, block_length=16, seed=3, draft_steps=0)
 PROMPT = "hide the latency"
 MODES = [
     {"cache": "dual"},

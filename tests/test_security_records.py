@@ -264,8 +264,12 @@ def test_junk_and_replays_cannot_bring_back_a_halt_and_resume_succeeds(local_swa
         old_halt.update(held_by(attacker, peer, gov_key))
     halt_bytes, halt_expiration = old_halt[slot]
 
-    # The attack: junk in the old resume slot. Peers still store it (a plain subkey); readers never look.
-    assert attacker.store(gov_key, {"junk": 1}, now() + FORTY_DAYS, subkey=f"{public}|resume")
+    # The attack: junk in the old resume slot (a plain subkey). The model's servers refuse it at storage;
+    # the bootstrap peer, which knows no model, keeps it, and readers never look at it.
+    servers = [p.peer_id for p in local_swarm.processes if p.alive and p.span]
+    bootstrap = [p for p in peers if p not in servers]
+    junk = forge(attacker, gov_key, f"{public}|resume", {"junk": 1}, now() + FORTY_DAYS, servers + bootstrap)
+    assert junk == [False] * len(servers) + [True] * len(bootstrap)
     # Junk in the real slot, and the old halt replayed with a later expiration: every honest peer refuses both.
     assert forge(attacker, gov_key, slot, {"junk": 1}, now() + FORTY_DAYS, peers) == [False] * len(peers)
     assert forge(attacker, gov_key, slot, halt_bytes, halt_expiration + FORTY_DAYS, peers, raw=True) == \

@@ -37,7 +37,9 @@ MAX_CLOCK_SKEW = 300.0
 _MAX_WARNINGS = 256  # distinct invalid records worth a warning line; the rest go to debug
 MAX_REASON_CHARS = 512  # a decision's reason, as signed and as read
 MAX_SEQUENCE = 2**63 - 1
-READ_BACK_TRIES, READ_BACK_PAUSE = 3, 1.0  # publish() reads its record back this many times before giving up
+# publish() reads its record back this many times (storing it again after each miss: on a busy machine the first
+# store may reach no peer in time) before giving up; the pauses grow, about 15 s in all.
+READ_BACK_TRIES, READ_BACK_PAUSE = 5, 1.0
 
 MAX_STALE_AFTER = 7 * 24 * 3600.0
 
@@ -150,8 +152,10 @@ def publish(dht: DHT, key: Ed25519PrivateKey, prefix: str, action: str, reason: 
     expiration = max([get_dht_time() + RECORD_LIFETIME] + [e + 1.0 for d, e in current if d.signer == own])
     value = sign_decision(key, prefix, action, reason, sequence, expiration, timestamp)
     decision = parse_decision(prefix, governance_subkey(key), value, expiration, keys)
-    stored = dht.store(governance_key(prefix), value, expiration_time=expiration, subkey=governance_subkey(key))
+    stored = False
     for attempt in range(READ_BACK_TRIES):
+        stored = dht.store(governance_key(prefix), value, expiration_time=expiration,
+                           subkey=governance_subkey(key)) or stored
         forget_local_copies(dht, [governance_key(prefix)])  # what readers get, not this peer's own copy
         if any(found == decision for found, _ in read_decisions(dht, prefix, {own: key.public_key()})):
             if not stored:

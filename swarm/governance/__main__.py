@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 from pathlib import Path
 
 import click
@@ -38,6 +39,7 @@ from swarm.governance.keys import (
 )
 from swarm.governance.records import HALT, RESUME, Decision, GovernanceState, publish
 
+STATUS_REREADS = (0.5, 1.0, 2.0)  # pauses before reading again when status reads no decision at first
 PREFIX_HELP = "DHT prefix of the model to govern (servers' --dht-prefix; default: the embedded model's 'default')."
 
 
@@ -156,6 +158,11 @@ def status(keys: tuple[str, ...], dht_prefix: str, **options) -> None:
     dht = start_dht(_network(options), protect=protected_keys(dht_prefix, governance_signers=signers))
     try:
         decision = state.refresh(dht)
+        for pause in STATUS_REREADS:  # a peer that has just joined may not reach the key's holders at once
+            if decision is not None:
+                break
+            time.sleep(pause)
+            decision = state.refresh(dht)
     finally:
         stop_dht(dht)
     if decision is None:

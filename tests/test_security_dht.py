@@ -97,7 +97,8 @@ def test_a_flood_on_peers_that_know_no_prefix_blinds_readers_and_halt_says_it_wa
     try:
         prefix, key = "blinded", generate_private_key(tmp_path / "gov.key")
         assert flood(attacker_dht, governance_key(prefix), [str(bootstrap.peer_id)]) == [True]
-        assert publish(operator, key, prefix, HALT, "incident") is None, "a halt nobody can read was 'stored'"
+        assert publish(operator, key, prefix, HALT, "incident", read_back_seconds=5) is None, \
+            "a halt nobody can read was 'stored'"
         assert GovernanceGuard(operator, prefix, [public_key_text(key)]).current(force=True) is None
         # The reader says which key and which peer it lost (the DHT process's warning, on the command's stderr).
         status = subprocess.run(
@@ -263,7 +264,7 @@ def test_signed_slots_of_strangers_are_refused_under_a_trusted_governance_key(tm
     operator = start_dht(NetworkConfig(initial_peers=peers, client_mode=True, use_default_peers=False))
     try:
         stranger = Ed25519PrivateKey.generate()
-        assert publish(operator, stranger, "governed", HALT, "free keys") is None
+        assert publish(operator, stranger, "governed", HALT, "free keys", read_back_seconds=5) is None
         decision = publish(operator, trusted, "governed", RESUME, "set-up")
         assert decision is not None and decision.action == RESUME
     finally:

@@ -15,6 +15,7 @@ back to a lower one, so an old record can never win. Anything else is ignored.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from dataclasses import dataclass
@@ -37,9 +38,11 @@ MAX_CLOCK_SKEW = 300.0
 _MAX_WARNINGS = 256  # distinct invalid records worth a warning line; the rest go to debug
 MAX_REASON_CHARS = 512  # a decision's reason, as signed and as read
 MAX_SEQUENCE = 2**63 - 1
-# publish() reads its record back this many times (storing it again after each miss: on a busy machine the first
-# store may reach no peer in time) before giving up; the pauses grow, about 15 s in all.
-READ_BACK_TRIES, READ_BACK_PAUSE = 5, 1.0
+# publish() reads its record back until this many seconds have passed, storing it again after each miss (on a busy
+# machine a store or a read may reach no peer in time); the pauses between tries grow from 1 s to 8 s. An operator
+# would rather wait a minute than be told a halt failed that a second store would have placed.
+READ_BACK_SECONDS = 60.0
+READ_BACK_PAUSES = (1.0, 2.0, 4.0, 8.0)
 
 MAX_STALE_AFTER = 7 * 24 * 3600.0
 
@@ -136,7 +139,8 @@ def read_decisions(dht: DHT, prefix: str, trusted: Mapping[str, Ed25519PublicKey
 
 
 def publish(dht: DHT, key: Ed25519PrivateKey, prefix: str, action: str, reason: str,
-            timestamp: Optional[float] = None, trusted: Iterable[Ed25519PublicKey] = ()) -> Optional[Decision]:
+            timestamp: Optional[float] = None, trusted: Iterable[Ed25519PublicKey] = (),
+            read_back_seconds: float = READ_BACK_SECONDS) -> Optional[Decision]:
     """Sign and store a decision that outranks every current one of ``key`` and ``trusted``; the decision once
     readers get it back from the swarm, None if they do not (a peer's "stored" proves nothing: what counts is
     what readers read, and a flooded key may be unreadable).
@@ -152,8 +156,8 @@ def publish(dht: DHT, key: Ed25519PrivateKey, prefix: str, action: str, reason: 
     expiration = max([get_dht_time() + RECORD_LIFETIME] + [e + 1.0 for d, e in current if d.signer == own])
     value = sign_decision(key, prefix, action, reason, sequence, expiration, timestamp)
     decision = parse_decision(prefix, governance_subkey(key), value, expiration, keys)
-    stored = False
-    for attempt in range(READ_BACK_TRIES):
+    stored, deadline = False, time.monotonic() + read_back_seconds
+    for attempt in itertools.count():
         stored = dht.store(governance_key(prefix), value, expiration_time=expiration,
                            subkey=governance_subkey(key)) or stored
         forget_local_copies(dht, [governance_key(prefix)])  # what readers get, not this peer's own copy
@@ -161,7 +165,11 @@ def publish(dht: DHT, key: Ed25519PrivateKey, prefix: str, action: str, reason: 
             if not stored:
                 logger.info("a peer refused the record, but the swarm returns it")
             return decision
-        time.sleep(READ_BACK_PAUSE * (attempt + 1))
+        pause = READ_BACK_PAUSES[min(attempt, len(READ_BACK_PAUSES) - 1)]
+        if time.monotonic() + pause >= deadline:
+            break
+        logger.warning("the decision is not read back yet (try %d): storing it again in %.0f s", attempt + 1, pause)
+        time.sleep(pause)
     logger.warning("the decision was %s but readers do not get it back from the swarm",
                    "stored" if stored else "refused")
     return None

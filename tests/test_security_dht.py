@@ -19,6 +19,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hivemind.dht import DHT, DHTNode
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.routing import DHTID
+from hivemind.dht.storage import DHTLocalStorage
 from hivemind.p2p import PeerID
 from hivemind.utils import MSGPackSerializer
 from hivemind.utils.crypto import RSAPrivateKey
@@ -28,7 +29,9 @@ from swarm.dht.identity import Identity
 from swarm.dht.node import NetworkConfig, start_dht, stop_dht, visible_maddrs
 from swarm.dht.schema import (
     MAX_EXPERTS_PER_SERVER,
+    MAX_OWNED_LIFETIME,
     MAX_OWNED_SUBKEYS,
+    MAX_OWNED_VALUE_BYTES,
     RECORD_VERSION,
     block_key,
     default_prefix,
@@ -39,6 +42,7 @@ from swarm.dht.schema import (
     read_all_experts,
     read_servers,
 )
+from swarm.dht.validation import STORE_SENDER, dht_key_id, protect_storage
 from swarm.governance.guard import GovernanceGuard
 from swarm.governance.keys import generate_private_key, public_key_text
 from swarm.governance.records import HALT, RESUME, publish
@@ -134,35 +138,60 @@ def test_servers_refuse_the_flood_and_a_halt_still_stops_a_client(local_swarm, a
         assert "read back" in run_cli("resume", *operator, "--reason", "over")
 
 
-def test_protected_keys_hold_only_bounded_owned_records(tmp_path):
-    """On a peer that knows the model: a plain subkey, an oversized value, a regular value replacing the
-    dictionary and a subkey beyond the bound are refused; other keys (hivemind's own) keep plain subkeys."""
+def test_protected_keys_refuse_plain_subkeys_regular_values_and_records_of_other_peers(tmp_path):
+    """On a peer that knows the model: a plain subkey, a regular value replacing the dictionary, and records of
+    other peer ids (a sybil fill: one peer signing records for free made-up ids until the block key's bound keeps
+    real servers out) are refused; a peer's own record is kept; other keys (hivemind's own) keep plain subkeys."""
     storer = start_dht(NetworkConfig(use_default_peers=False), protect=protected_keys("capped", 2))
     peers = visible_maddrs(storer)
     attacker_dht = plain_attacker(peers)
+    identity = Identity.load_or_create(None)
+    honest = start_dht(NetworkConfig(initial_peers=peers, use_default_peers=False), identity=identity)
     target = [str(storer.peer_id)]
     try:
         key, expiration = block_key("capped", 1), now() + 60
         assert forge(attacker_dht, key, b"plain", {"a": 1}, expiration, target) == [False]
         assert forge(attacker_dht, "someone.elses.key", b"plain", {"a": 1}, expiration, target) == [True]
-        owners = [RSASignatureValidator(RSAPrivateKey()) for _ in range(MAX_OWNED_SUBKEYS + 1)]
-        subkeys = [owned_subkey(v) for v in owners]
-        big = attacker_dht.run_coroutine(partial(_push_owned, owner=owners[0], key=key, subkey=subkeys[0],
-                                                 value={"pad": "x" * 8192}, expiration=expiration, peer=target[0]))
-        assert big is False, "an oversized value was stored"
-        answers = [attacker_dht.run_coroutine(partial(_push_owned, owner=owner, key=key, subkey=subkey,
+        sybils = [RSASignatureValidator(RSAPrivateKey()) for _ in range(3)]
+        answers = [attacker_dht.run_coroutine(partial(_push_owned, owner=owner, key=key, subkey=owned_subkey(owner),
                                                       value={"n": i}, expiration=expiration, peer=target[0]))
-                   for i, (owner, subkey) in enumerate(zip(owners, subkeys))]
-        assert answers == [True] * MAX_OWNED_SUBKEYS + [False], answers
-        again = attacker_dht.run_coroutine(partial(_push_owned, owner=owners[0], key=key, subkey=subkeys[0],
-                                                   value={"n": -1}, expiration=expiration + 1, peer=target[0]))
-        assert again is True, "an update of a held subkey must pass"
+                   for i, owner in enumerate(sybils)]
+        assert answers == [False] * len(sybils), "records of peer ids other than the sender's were stored"
+        own = honest.run_coroutine(partial(_push_owned, owner=identity.validator, key=key,
+                                           subkey=identity.owner_subkey(), value={"n": 0}, expiration=expiration,
+                                           peer=target[0]))
+        assert own is True, "a peer's own record was refused"
         regular = attacker_dht.run_coroutine(partial(_push_regular, key=key, expiration=expiration + 600,
                                                      peer=target[0]))
         assert regular is False, "a regular value would replace every record under the key"
     finally:
-        stop_dht(attacker_dht)
-        stop_dht(storer)
+        for dht in (honest, attacker_dht, storer):
+            stop_dht(dht)
+        identity.remove()
+
+
+def test_owned_keys_keep_a_bounded_number_of_owners_of_bounded_size():
+    """The storage bounds behind the live test, each owner sending its own record: an oversized value, an
+    expiration past the bound and a subkey beyond the bound are refused, an update of a held subkey passes."""
+    key = block_key("capped", 1)
+    policy = protected_keys("capped", 2)[1]
+    storage = DHTLocalStorage()
+    protect_storage([storage], {dht_key_id(policy.name): policy})
+    owners = [RSASignatureValidator(RSAPrivateKey()) for _ in range(MAX_OWNED_SUBKEYS + 1)]
+
+    def store(owner: RSASignatureValidator, value: bytes, expiration: float) -> bool:
+        subkey = owned_subkey(owner)
+        token = STORE_SENDER.set(subkey.split(b"[owner:")[0].decode())
+        try:
+            return storage.store_subkey(DHTID.generate(source=key), subkey, value, expiration)
+        finally:
+            STORE_SENDER.reset(token)
+
+    expiration = now() + 60
+    assert store(owners[0], b"x" * (MAX_OWNED_VALUE_BYTES + 1), expiration) is False, "an oversized value was stored"
+    assert store(owners[0], b"v", now() + MAX_OWNED_LIFETIME + 60) is False, "a squatter's month-long record was stored"
+    assert [store(owner, b"v", expiration) for owner in owners] == [True] * MAX_OWNED_SUBKEYS + [False]
+    assert store(owners[0], b"w", expiration + 1) is True, "an update of a held subkey must pass"
 
 
 def owned_subkey(validator: RSASignatureValidator) -> bytes:

@@ -29,15 +29,18 @@ from typing import Any, Iterable, Optional
 
 from hivemind.dht import DHT, DHTNode
 from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.protocol import DHTProtocol
 from hivemind.dht.validation import RecordValidatorBase
-from hivemind.p2p import P2P
+from hivemind.p2p import P2P, P2PContext
 from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
+from hivemind.proto import dht_pb2
+from hivemind.utils.auth import AuthRole, AuthRPCWrapper
 from multiaddr import Multiaddr
 
 from swarm.dht.identity import Identity
 from swarm.dht.nat import listen_addresses, relay_plan, wait_for_relay
 from swarm.dht.peers import resolve_initial_peers
-from swarm.dht.validation import KeyPolicy, dht_key_id, protect_storage, swarm_validators
+from swarm.dht.validation import STORE_SENDER, KeyPolicy, dht_key_id, protect_storage, swarm_validators
 
 logger = logging.getLogger(__name__)
 
@@ -254,6 +257,30 @@ async def _guard_node(dht: DHT, node: DHTNode, policies: dict[bytes, KeyPolicy])
         return reply
 
     node.protocol.call_find = call_find
+    await _name_store_senders(node)
+
+
+async def _name_store_senders(node: DHTNode) -> None:
+    """Serve DHT stores through a handler that names the sending peer to the protected storage (``STORE_SENDER``).
+
+    hivemind registers its bound ``rpc_store`` with the daemon when the node starts; this registers, under the
+    same protocol name, a handler that sets the sender for the duration of that call and then runs hivemind's.
+    """
+    protocol = node.protocol
+    if protocol.client_mode:
+        return  # a client-mode peer serves no DHT requests: there is no handler to replace
+    name = DHTProtocol._get_handle_name(None, "rpc_store")
+    serve = AuthRPCWrapper(protocol, AuthRole.SERVICER, protocol.authorizer).rpc_store
+
+    async def rpc_store(request: dht_pb2.StoreRequest, context: P2PContext) -> dht_pb2.StoreResponse:
+        token = STORE_SENDER.set(context.remote_id.to_base58())
+        try:
+            return await serve(request, context)
+        finally:
+            STORE_SENDER.reset(token)
+
+    await protocol.p2p.remove_protobuf_handler(name)
+    await protocol.p2p.add_protobuf_handler(name, rpc_store, dht_pb2.StoreRequest)
 
 
 # ----- starting and stopping ---------------------------------------------------------------------------

@@ -22,6 +22,7 @@ import base64
 import binascii
 import logging
 import re
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
@@ -32,7 +33,7 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.routing import DHTID
 from hivemind.dht.storage import DHTLocalStorage, DictionaryDHTValue
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
-from hivemind.utils import MSGPackSerializer
+from hivemind.utils import MSGPackSerializer, get_dht_time
 
 from swarm.dht.identity import peer_id_from_owner_key
 
@@ -202,13 +203,20 @@ class KeyPolicy:
     max_value_bytes: int
     max_subkeys: int
     signers: Optional[frozenset[str]] = None
+    max_lifetime: Optional[float] = None  # seconds from now an entry may expire at (None: any)
 
-    def refusal(self, subkey: Any, value_size: int) -> Optional[str]:
-        """Why an entry may not be stored under this key, or None if it may."""
+    def refusal(self, subkey: Any, value_size: int, sender: Optional[str] = None) -> Optional[str]:
+        """Why an entry may not be stored under this key, or None if it may. ``sender``: the peer whose store
+        request brought it (None for this process's own writes and reads)."""
         if value_size > self.max_value_bytes:
             return f"a value of {value_size} bytes (at most {self.max_value_bytes})"
         if self.kind == OWNED:
-            return None if owner_peer_id(subkey) is not None else "a subkey that proves no peer id"
+            owner = owner_peer_id(subkey)
+            if owner is None:
+                return "a subkey that proves no peer id"
+            if sender is not None and sender != owner:
+                return f"a record of peer {owner} sent by another peer ({sender})"
+            return None
         signer = slot_signer(subkey)
         if signer is None:
             return "a subkey that is no signed slot"
@@ -217,14 +225,21 @@ class KeyPolicy:
         return None
 
 
+# The peer whose DHT store request is being served (set by ``swarm.dht.node`` around hivemind's handler; None for
+# this process's own writes). Owned records are taken only from their owner: one peer holding many free peer ids
+# could otherwise fill a block key's bounded subkeys with records of made-up servers and keep real ones out.
+STORE_SENDER: ContextVar[Optional[str]] = ContextVar("swarm_dht_store_sender", default=None)
+
+
 class ProtectedStorage(DHTLocalStorage):
     """A peer's local storage that keeps, under the keys of its policies, only what a :class:`KeyPolicy` allows.
 
     A check at storage rather than a record validator: validators also run on every reply a reader gets, and
     hivemind then drops a peer's whole answer for a key when one entry fails, so one junk entry on a peer that
     knows nothing of the swarm's keys (a bootstrap peer) would hide that peer's honest records from readers too.
-    Here only writes are refused: plain subkeys, oversized values, a whole (regular) value replacing the key's
-    dictionary, and a new subkey under a key already holding its maximum (updates of a held subkey pass).
+    Here only writes are refused: plain subkeys, oversized values, owned records sent by a peer other than their
+    owner (:data:`STORE_SENDER`) or expiring later than the policy allows, a whole (regular) value replacing the
+    key's dictionary, and a new subkey under a key already holding its maximum (updates of a held subkey pass).
     Installed on a running node by :func:`protect_storage` (the class of its storages is swapped in place).
     """
 
@@ -238,10 +253,18 @@ class ProtectedStorage(DHTLocalStorage):
     def store_subkey(self, key: DHTID, subkey: Any, value: bytes, expiration_time: float) -> bool:
         policy = self.policies.get(key.to_bytes())
         if policy is not None:
-            reason = policy.refusal(subkey, len(value)) or self._over_limit(key, subkey, policy)
+            reason = (policy.refusal(subkey, len(value), STORE_SENDER.get())
+                      or self._too_late(expiration_time, policy) or self._over_limit(key, subkey, policy))
             if reason is not None:
                 return self._refuse(policy, reason)
         return super().store_subkey(key, subkey, value, expiration_time)
+
+    @staticmethod
+    def _too_late(expiration_time: float, policy: KeyPolicy) -> Optional[str]:
+        """Entries that would outlive their writer by far (a squatter that leaves its records for a month)."""
+        if policy.max_lifetime is None or expiration_time <= get_dht_time() + policy.max_lifetime:
+            return None
+        return f"an expiration {expiration_time - get_dht_time():.0f} s ahead (at most {policy.max_lifetime:.0f})"
 
     def _over_limit(self, key: DHTID, subkey: Any, policy: KeyPolicy) -> Optional[str]:
         current = self.get(key)

@@ -151,6 +151,8 @@ def test_protected_keys_refuse_plain_subkeys_regular_values_and_records_of_other
     try:
         key, expiration = block_key("capped", 1), now() + 60
         assert forge(attacker_dht, key, b"plain", {"a": 1}, expiration, target) == [False]
+        assert forge(attacker_dht, key, b"plain", {"a": 1}, expiration, target, in_cache=True) == [False], \
+            "the cache, which readers also answer from, took a plain subkey"
         assert forge(attacker_dht, "someone.elses.key", b"plain", {"a": 1}, expiration, target) == [True]
         sybils = [RSASignatureValidator(RSAPrivateKey()) for _ in range(3)]
         answers = [attacker_dht.run_coroutine(partial(_push_owned, owner=owner, key=key, subkey=owned_subkey(owner),

@@ -64,15 +64,16 @@ def _record(node: DHTNode, key: str, subkey, value, expiration: float) -> bytes:
 
 
 async def _forge(dht: DHT, node: DHTNode, key: str, subkey, value, expiration: float, peers: list[str],
-                 raw: bool = False) -> list:
-    """Keep the record in the attacker's own storage and push it to each peer; each peer's answer."""
+                 raw: bool = False, in_cache: bool = False) -> list:
+    """Keep the record in the attacker's own storage and push it to each peer (into its cache with ``in_cache``,
+    as hivemind's readers do with what they found); each peer's answer."""
     value_bytes = value if raw else _record(node, key, subkey, value, expiration)
     node.protocol.storage.store_subkey(DHTID.generate(source=key), subkey, value_bytes, expiration)
     answers = []
     for peer in peers:
         for _ in range(3):  # None: no answer in time (busy cores); ask again
             answer = await node.protocol.call_store(PeerID.from_base58(peer), [DHTID.generate(source=key)],
-                                                    [value_bytes], expiration, subkeys=[subkey])
+                                                    [value_bytes], expiration, subkeys=[subkey], in_cache=in_cache)
             if answer is not None:
                 break
         answers.append(answer[0] if answer else None)
@@ -88,9 +89,10 @@ async def _held_by(dht: DHT, node: DHTNode, peer: str, key: str) -> dict:
     return {subkey: (item.value, item.expiration_time) for subkey, item in entry.value.items()}
 
 
-def forge(attacker: DHT, key: str, subkey, value, expiration: float, peers: list[str], raw: bool = False) -> list:
+def forge(attacker: DHT, key: str, subkey, value, expiration: float, peers: list[str], raw: bool = False,
+          in_cache: bool = False) -> list:
     return attacker.run_coroutine(partial(_forge, key=key, subkey=subkey, value=value, expiration=expiration,
-                                          peers=peers, raw=raw))
+                                          peers=peers, raw=raw, in_cache=in_cache))
 
 
 def held_by(attacker: DHT, peer: str, key: str) -> dict:

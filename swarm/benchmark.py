@@ -8,6 +8,8 @@
   expert's held-out problems: round trips, row evaluations, drafts accepted, identical tokens, task accuracy.
 * ``hiding``: the latency-hiding modes (cache, staleness, push) at 0 and 50 ms per hop: tokens/s, the
   fraction of the added latency hidden, agreement with the exact tokens and task accuracy.
+* ``cache-refresh``: the activation cache's refresh schedule against the exact run on the addition expert:
+  task accuracy, fills, reuses, rows computed and wall time.
 
 Latency is injected in user space (``ClientConfig.inject_latency``), since these machines have no netem:
 every one-way network crossing is delayed, so a call to a server costs two delays, and a pushed pass
@@ -409,6 +411,47 @@ def hiding(model: str, modes: str, latency_ms: float, gen_length: int, block_len
         task = f"{accuracy[spec]:.3f}" if spec in accuracy else "-"
         click.echo(f"{spec:<26}{gen_length / fast:>10.1f}{gen_length / slow:>11.1f}"
                    f"{times[sync, latency_ms] / slow:>8.2f}x{hidden:>8.0%}{agreement[spec]:>7.2f}{task:>7}")
+
+
+@main.command("cache-refresh")
+@threads_option
+@click.option("--task-model", default="addition", show_default=True, help="Model whose addition task is scored.")
+@click.option("--task-examples", type=click.IntRange(min=1), default=200, show_default=True,
+              help="Held-out addition problems per setting.")
+@click.option("--refresh", "refreshes", callback=comma_list(int, 0), default="0,2,3,4", show_default=True,
+              help="cache_refresh values to compare with the exact run (0: one fill per block).")
+@click.option("--cache", type=click.Choice(["prefix", "dual"]), default="dual", show_default=True,
+              help="Which activation cache.")
+def cache_refresh(task_model: str, task_examples: int, refreshes: list[int], cache: str, threads: int) -> None:
+    """The activation cache's refresh schedule against the exact run, in one process (the swarm gives the same
+    tokens for every setting): task accuracy, fills and reuses, rows the model computed, and wall time."""
+    torch.set_num_threads(threads)
+    lm = DiffusionLM.from_pretrained(task_model)
+    problems = AdditionTask().problems(task_examples, seed=0, held_out=True)
+    prompts = [prompt_ids(lm, problem.prompt) for problem in problems]
+    base = dict(gen_length=8, steps=8, block_length=8, remasking="low_confidence", **GREEDY)
+    settings = {"exact": {}, **{f"{cache} refresh {r}": {"cache": cache, "cache_refresh": r} for r in refreshes}}
+    click.echo(f"{task_model}: {task_examples} held-out problems, 8 tokens in one block of 8, one per step, greedy")
+    click.echo(f"{'setting':<18}{'task':>7}{'fills':>7}{'reuses':>8}{'rows':>8}{'fewer rows':>11}{'time s':>8}"
+               f"{'speed-up':>9}")
+    exact_rows = exact_time = 0.0
+    for name, extra in settings.items():
+        correct = fills = reuses = rows = 0
+        started = time.perf_counter()
+        for prompt, problem in zip(prompts, problems):
+            result = lm.generate(prompt, **base, **extra)
+            correct += result.text == problem.answer
+            length = len(prompt) + base["gen_length"]
+            stats = result.info["cache"]
+            if extra:  # a fill computes every row, a reuse the block's (dual) or the block onwards (prefix)
+                fills, reuses = fills + stats["fills"], reuses + stats["reuses"]
+                rows += stats["fills"] * length + stats["reuses"] * base["block_length"]
+            else:
+                rows += result.steps * length
+        elapsed = time.perf_counter() - started
+        exact_rows, exact_time = (rows, elapsed) if not extra else (exact_rows, exact_time)
+        click.echo(f"{name:<18}{correct / len(problems):>7.3f}{fills:>7}{reuses:>8}{rows:>8}"
+                   f"{exact_rows / rows:>10.2f}x{elapsed:>8.1f}{exact_time / elapsed:>8.2f}x")
 
 
 main.add_command(realscale)  # issue 17: per-step costs at LLaDA-8B's widths (swarm/realscale.py)

@@ -321,3 +321,23 @@ def test_the_cache_sends_and_computes_only_the_active_block(remote_lm):
     for info in infos.values():
         assert info["cache"]["reuses"] > 0
         assert 0 < info["cache"]["used_bytes"] <= info["cache"]["budget_bytes"]
+
+
+def test_cache_refresh_benchmark_counts_rows_and_a_refresh_every_step_is_exact():
+    """``python -m swarm.benchmark cache-refresh``: refreshing every step computes what the exact run computes
+    (same rows, same task score); one fill per block computes fewer rows."""
+    from click.testing import CliRunner
+
+    from swarm.benchmark import main as benchmark
+
+    result = CliRunner().invoke(benchmark, ["cache-refresh", "--task-examples", "3", "--refresh", "0,1"])
+    assert result.exit_code == 0, result.output
+    columns = ("task", "fills", "reuses", "rows", "fewer_rows")
+    table = {}
+    for line in result.output.splitlines()[2:]:
+        name, values = line[:18].strip(), line[18:].split()
+        table[name] = dict(zip(columns, values))
+    exact, every_step, per_block = table["exact"], table["dual refresh 1"], table["dual refresh 0"]
+    assert every_step["task"] == exact["task"] and every_step["rows"] == exact["rows"]
+    assert every_step["fewer_rows"] == "1.00x" and every_step["reuses"] == "0"
+    assert per_block["fills"] == "3" and int(per_block["rows"]) < int(exact["rows"])

@@ -326,13 +326,13 @@ def drafts(model: str, task_model: str, task_examples: int, task_lengths: list[i
         time_through_swarm(model, strategies, delays, gen_length)
 
 
-HIDING_MODES = ("sync,push,dual,stale3,dual+push,dual+push+stale1,dual+push+stale3,dual+push+stale3+exact,"
-                "dual+push+stale3+unchecked")
+HIDING_MODES = ("sync,push,dual,dual+refresh3,stale3,dual+push,dual+push+stale1,dual+push+stale3,"
+                "dual+refresh3+push+stale3,dual+push+stale3+exact,dual+push+stale3+unchecked")
 
 
 def parse_mode(spec: str) -> tuple[dict, bool]:
-    """``dual+push+stale3`` -> (generate settings, push). Parts: push, prefix, dual, stale1..3, exact and
-    unchecked (the stale check; token by default), sync."""
+    """``dual+push+stale3`` -> (generate settings, push). Parts: push, prefix, dual, refreshN (the cache's
+    cache_refresh), stale1..3, exact and unchecked (the stale check; token by default), sync."""
     settings: dict = {}
     push = False
     for part in spec.split("+"):
@@ -340,12 +340,14 @@ def parse_mode(spec: str) -> tuple[dict, bool]:
             push = True
         elif part in ("prefix", "dual"):
             settings["cache"] = part
+        elif part.startswith("refresh") and part[7:].isdigit():
+            settings["cache_refresh"] = int(part[7:])
         elif part.startswith("stale") and part[5:].isdigit() and 1 <= int(part[5:]) <= MAX_STALENESS:
             settings["staleness"] = int(part[5:])
         elif part in ("exact", "unchecked"):
             settings["stale_check"] = "none" if part == "unchecked" else part
         elif part != "sync":
-            raise click.BadParameter(f"unknown part {part!r} in mode {spec!r}; use push, prefix, dual, "
+            raise click.BadParameter(f"unknown part {part!r} in mode {spec!r}; use push, prefix, dual, refreshN, "
                                      f"stale1..{MAX_STALENESS}, exact, unchecked or sync, joined by '+'",
                                      param_hint="--modes")
     return settings, push
@@ -355,7 +357,8 @@ def parse_mode(spec: str) -> tuple[dict, bool]:
 @threads_option
 @click.option("--model", default="default", show_default=True, help="Embedded model name or checkpoint directory.")
 @click.option("--modes", default=HIDING_MODES, show_default=True,
-              help="Comma-separated modes, each parts joined by '+': push, prefix, dual, stale1..3 (staleness, "
+              help="Comma-separated modes, each parts joined by '+': push, prefix, dual, refreshN (refill the "
+                   "cache every N steps), stale1..3 (staleness, "
                    "guesses checked token by token), exact (checked to be the exact step), unchecked (never "
                    "checked), sync (none of them).")
 @click.option("--latency-ms", type=float, default=50.0, show_default=True,

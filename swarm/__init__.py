@@ -1,7 +1,14 @@
-"""A peer-to-peer swarm that runs masked-diffusion language models across volunteers' machines."""
-from swarm.diffusion.config import GenerationConfig
-from swarm.lm import GenerationResult, StreamChunk
-from swarm.local import DiffusionLM
+"""A peer-to-peer swarm that runs masked-diffusion language models across volunteers' machines.
+
+``swarm.DiffusionLM`` and the other names below are imported on first use (:mod:`swarm.utils.lazy`), so that a
+command such as ``python -m swarm.server --help`` answers before torch is loaded.
+"""
+from swarm.utils.lazy import lazy_exports
 from swarm.version import __version__
 
-__all__ = ["__version__", "DiffusionLM", "GenerationConfig", "GenerationResult", "StreamChunk"]
+_EXPORTS = {
+    "DiffusionLM": "swarm.local", "GenerationConfig": "swarm.diffusion.config", "GenerationResult": "swarm.lm",
+    "StreamChunk": "swarm.lm", "SwarmError": "swarm.utils.errors",
+}
+__all__ = ["__version__", *_EXPORTS]
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -15,31 +15,33 @@ from __future__ import annotations
 
 import datetime
 import logging
-import os
 import sys
 import traceback
 from typing import Any, Callable, Iterable, Optional
 
 import click
-import torch
 from click.core import ParameterSource
 
-from swarm.dht.node import AddressInUseError, NetworkConfig, SwarmJoinError
+from swarm.dht.config import NetworkConfig
 from swarm.dht.peers import check_peer_multiaddr
-from swarm.diffusion.config import GenerationConfig, SettingField, settings_of
-from swarm.diffusion.experts import ExpertNotFoundError
-from swarm.diffusion.sampler import Halted
-from swarm.lm import GenerationRequest
+from swarm.diffusion.config import GenerationConfig
+from swarm.request import GenerationRequest
+from swarm.utils.errors import (
+    EXIT_HALTED,
+    EXIT_IN_USE,
+    EXIT_INTERNAL,
+    EXIT_INTERRUPTED,
+    EXIT_NOT_SERVED,
+    EXIT_OK,
+    EXIT_UNREACHABLE,
+    EXIT_USAGE,
+    SwarmError,
+)
+from swarm.utils.settings import SettingField, settings_of
+from swarm.utils.threads import THREADS_HELP, apply_threads, default_threads  # noqa: F401 (commands import them here)
 
 # ----- exit codes and one-line errors -----------------------------------------------------------------
-EXIT_OK = 0
-EXIT_NOT_SERVED = 1
-EXIT_USAGE = 2
-EXIT_UNREACHABLE = 3
-EXIT_IN_USE = 4
-EXIT_HALTED = 5
-EXIT_INTERNAL = 70
-EXIT_INTERRUPTED = 130
+# Each error the project raises on purpose carries its code (SwarmError.exit_code); this is their documentation.
 EXIT_CODES = {
     EXIT_OK: "success (swarm.health: every block has an online server)",
     EXIT_NOT_SERVED: "the model is not fully served: some block has no online server",
@@ -67,15 +69,12 @@ class CLIError(click.ClickException):
 
 def as_cli_error(error: BaseException) -> Optional[CLIError]:
     """The line and exit code of an error a command knows; None for anything else (a bug: see :func:`run_main`)."""
-    from swarm.client.routing import MissingBlocksError  # on failure only: commands that never use the client
-
     if isinstance(error, KeyboardInterrupt):
         return CLIError("interrupted", EXIT_INTERRUPTED)
-    codes = ((AddressInUseError, EXIT_IN_USE), (SwarmJoinError, EXIT_UNREACHABLE), (Halted, EXIT_HALTED),
-             ((MissingBlocksError, ExpertNotFoundError), EXIT_NOT_SERVED), (USAGE_ERRORS, EXIT_USAGE))
-    for kinds, code in codes:
-        if isinstance(error, kinds):
-            return CLIError(str(error) or type(error).__name__, code)
+    if isinstance(error, SwarmError) and error.exit_code != EXIT_INTERNAL:
+        return CLIError(str(error) or type(error).__name__, error.exit_code)
+    if isinstance(error, USAGE_ERRORS):
+        return CLIError(str(error) or type(error).__name__, EXIT_USAGE)
     return None
 
 
@@ -170,34 +169,10 @@ def halt_message(halt: dict[str, Any]) -> str:
 
 
 # ----- threads -----------------------------------------------------------------------------------------
-def default_threads() -> int:
-    """Half the CPUs this process may use, at least 1.
-
-    torch's own default takes every core; two such pools on one machine (a client beside its servers, two
-    servers) spin against each other: on 2 busy cores a generation took 65 s with 2 threads, 3.4 s with 1
-    (docs/OPERATIONS.md). ``$OMP_NUM_THREADS`` wins.
-    """
-    if os.environ.get("OMP_NUM_THREADS", "").isdigit() and int(os.environ["OMP_NUM_THREADS"]) > 0:
-        return int(os.environ["OMP_NUM_THREADS"])
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cpus // 2)
-
-
-THREADS_HELP = ("torch CPU threads for this process's compute. Default: $OMP_NUM_THREADS if set, else half of the "
-                "CPUs it may use (at least 1), which leaves room for the swarm's other processes.")
-
-
 def threads_option(*flags: str, dest: str = "threads", help: str = THREADS_HELP) -> Callable[[Callable], Callable]:
     """``--threads`` (plus any other ``flags``), an int >= 1 or nothing; apply it with :func:`apply_threads`."""
     return click.option("--threads", *flags, dest, type=click.IntRange(min=1), default=None, show_default=False,
                         help=help)
-
-
-def apply_threads(threads: Optional[int]) -> int:
-    """Set torch's CPU threads to ``threads`` (default :func:`default_threads`) and return the number set."""
-    count = threads or default_threads()
-    torch.set_num_threads(count)
-    return count
 
 
 # ----- options -----------------------------------------------------------------------------------------
@@ -230,19 +205,62 @@ class ExpertWeights(click.ParamType):
         return weights
 
 
-def setting_option(field: SettingField) -> Callable[[Callable], Callable]:
-    """The click option of one declared setting (``gen_length``: ``--gen-length``): type, default and help text
-    from its declaration; booleans get ``--name/--no-name``."""
-    flag = "--" + field.name.replace("_", "-")
-    default = None if field.spec.computed_default else field.default
-    common = dict(default=default, show_default=default is not None, help=field.describe(choices=False))
+def setting_option(field: SettingField, click_ranges: bool = False,
+                   help_prefix: str = "") -> Callable[[Callable], Callable]:
+    """The click option of one declared setting (``gen_length``: ``--gen-length``): names, type, default and help
+    text from its declaration; booleans get ``--name/--no-name``, tuples a repeatable option.
+
+    ``click_ranges`` makes click refuse numbers outside the declared bounds itself (and show them in ``--help``);
+    without it the config's own validation refuses them, with the message a Python caller gets.
+    """
+    spec = field.spec
+    default = None if spec.computed_default else field.default
+    help_text = field.describe(choices=False) if not click_ranges else " ".join(
+        filter(None, [spec.help, spec.computed_default and f"Default: {spec.computed_default}."]))
+    if help_prefix and help_text[1:2].islower():  # "With --initial-peers: servers pass ..."
+        help_text = help_text[0].lower() + help_text[1:]
+    common: dict[str, Any] = dict(default=default, help=help_prefix + help_text)
+    if not click_ranges:
+        common["show_default"] = default is not None
+    flags = list(spec.flags) if spec.flags else [field.flag]
     if field.kind is bool:
-        return click.option(f"{flag}/--no-{flag[2:]}", field.name, **common)
-    if field.spec.choices:
-        return click.option(flag, field.name, type=click.Choice(list(field.spec.choices)), **common)
+        return click.option(f"{flags[0]}/--no-{flags[0][2:]}", *flags[1:], field.name, **common)
+    return click.option(*flags, field.name, type=_click_type(field, click_ranges), multiple=field.repeated, **common)
+
+
+def _click_type(field: SettingField, click_ranges: bool) -> Any:
+    """The click type of a declared setting (see :func:`setting_option`)."""
+    spec = field.spec
+    if spec.choices:
+        return click.Choice(list(spec.choices))
+    if spec.directory:
+        return click.Path(exists=True, file_okay=False)
+    if click_ranges and spec.low is not None and not isinstance(spec.high, str):
+        if field.kind is int:
+            return click.IntRange(min=int(spec.low), max=None if spec.high is None else int(spec.high))
+        return click.FloatRange(min=spec.low, max=spec.high, min_open=spec.low_open)
     if field.kind in (int, float, str):
-        return click.option(flag, field.name, type=field.kind, **common)
-    return click.option(flag, field.name, type=ExpertWeights(), **common)
+        return field.kind
+    if field.repeated:
+        return str
+    return ExpertWeights()
+
+
+def config_options(cls: type, help_prefix: str = "") -> Callable[[Callable], Callable]:
+    """Decorator: an option for each declared command-line setting of the config dataclass ``cls`` (a server's,
+    a client's), bounds checked by click; the values arrive as keyword arguments named after the fields."""
+
+    def decorate(command: Callable) -> Callable:
+        for field in reversed([field for field in settings_of(cls) if field.spec.cli]):
+            command = setting_option(field, click_ranges=True, help_prefix=help_prefix)(command)
+        return command
+
+    return decorate
+
+
+def pop_config_kwargs(options: dict[str, Any], cls: type) -> dict[str, Any]:
+    """Take the options of :func:`config_options` out of a command's keyword arguments: those the user gave."""
+    return pop_generation_kwargs(options, [field.name for field in settings_of(cls) if field.spec.cli])
 
 
 def generation_options(command: Callable, fields: Optional[Iterable[SettingField]] = None) -> Callable:

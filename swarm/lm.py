@@ -14,31 +14,22 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import torch
 from tqdm.auto import tqdm
 
 from swarm.diffusion.auto_experts import AUTO_RULES, expert_weights
 from swarm.diffusion.composition import Composition
-from swarm.diffusion.config import (
-    MAX_CORRECTOR_STEPS,
-    MAX_EXPERT_TAU,
-    GenerationConfig,
-    GenerationLimits,
-    check_experts,
-    setting,
-    settings_of,
-)
+from swarm.diffusion.config import GenerationConfig, GenerationLimits, settings_of
 from swarm.diffusion.experts import ExpertSource
-from swarm.diffusion.mixture import DEFAULT_TAU
 from swarm.diffusion.pipeline import DenoiserCalls, Forward
 from swarm.diffusion.sampler import DiffusionSampler, Halted, WindowStats
 from swarm.finetune.adapter import AdapterError, PromptAdapter, base_of, check_fits
-from swarm.governance.tiers import TIERS
 from swarm.models.config import ModelConfig
 from swarm.models.tokenizer import MASK_PLACEHOLDER, Tokenizer
-from swarm.scale import SCALES, ScalePlan, plan_scale
+from swarm.request import GenerationRequest
+from swarm.scale import ScalePlan, plan_scale
 
 logger = logging.getLogger(__name__)
 
@@ -89,48 +80,6 @@ def files_stamp(name_or_path: str) -> Optional[tuple[tuple[str, int, int], ...]]
 
 
 @dataclass(frozen=True)
-class GenerationRequest:
-    """What one request asks for besides the sampler's settings: experts, safety tier, scale, prompt form, display.
-
-    ``generate(prompt, **kwargs)`` splits its keyword arguments between this object and
-    :class:`~swarm.diffusion.config.GenerationConfig` (:meth:`split`). Like the sampler's settings, each field is
-    declared once, with its help text and bounds, and the command line, the HTTP API and the documentation
-    test read the declaration. Checked by :meth:`check` (:meth:`BaseDiffusionLM.check_request` runs it).
-    """
-
-    experts: Optional[Union[dict[str, float], str]] = setting(
-        None, 'Experts composed with the backbone at every step: {"code": 0.5} (at most 8, weights 0..10) or "auto" '
-              "(chosen from the prompt); see docs/EXPERTS.md.")
-    expert_tau: float = setting(DEFAULT_TAU, "Bound of each expert's shift of a token's log-probability, in nats.",
-                                low=0.0, high=MAX_EXPERT_TAU, low_open=True)
-    corrector_steps: int = setting(0, "After each step, re-predict the least confident decided tokens this many "
-                                      "times (one denoiser call each).", low=0, high=MAX_CORRECTOR_STEPS)
-    tier: Optional[str] = setting(None, "A stricter safety tier than the prompt's own (see docs/GOVERNANCE.md).",
-                                  choices=TIERS)
-    scale: str = setting("auto", "How much of the swarm the request uses (see swarm/scale.py).", choices=SCALES)
-    chat: bool = setting(False, "Wrap the text prompt in the tokenizer's chat template (instruct checkpoints).",
-                         api=False)  # the HTTP API has an endpoint for conversations
-    progress: bool = setting(False, "Show a progress bar.", cli=False, api=False)  # the command shows every step
-    adapter: Optional[str] = setting(
-        None, "A fine-tuned adapter (a soft or deep prompt, a bottleneck, a LoRA): its directory, as written by "
-              "python -m swarm.finetune, or the name it was published under; see docs/TRAINING.md.",
-        api=False)  # a path names a file of the API's host: not for remote callers
-
-    @classmethod
-    def split(cls, kwargs: Mapping[str, Any]) -> tuple["GenerationRequest", dict[str, Any]]:
-        """This request's options out of ``generate``'s keyword arguments, and the sampler's settings left."""
-        names = {declared.name for declared in settings_of(cls)}
-        return (cls(**{key: value for key, value in kwargs.items() if key in names}),
-                {key: value for key, value in kwargs.items() if key not in names})
-
-    def check(self) -> int:
-        """Check each option against its declaration; returns how many given experts compute (weight above 0)."""
-        for declared in settings_of(GenerationRequest):
-            declared.check(getattr(self, declared.name), self)
-        return check_experts(self.experts)
-
-
-@dataclass(frozen=True)
 class CheckedRequest:
     """One request's settings after every bound was checked (:meth:`BaseDiffusionLM.check_request`)."""
 
@@ -159,6 +108,31 @@ def make_generation_config(
     if steps is None:
         steps = gen_length
     return GenerationConfig(gen_length=gen_length, steps=steps, block_length=block_length, **settings)
+
+
+def check_request(limits: GenerationLimits, sampling_defaults: Mapping[str, Any], remote: bool,
+                  prompt_ids: Optional[Sequence[int]], options: GenerationRequest,
+                  settings: dict[str, Any]) -> CheckedRequest:
+    """Check one request against its bounds and a model's ``limits`` (:meth:`BaseDiffusionLM.check_request`); also
+    usable before the model is loaded or a swarm joined (``python -m swarm.generate`` checks its flags so)."""
+    expert_count = options.check()
+    plan = plan_scale(options.scale, settings, remote=remote, experts=options.experts,
+                      correctors=options.corrector_steps)
+    if plan.experts is not None:
+        options = dataclasses.replace(options, experts=plan.experts)
+    if options.experts == "auto":
+        expert_count = len(AUTO_RULES)  # at most every rule matches
+    chosen = {k: v for k, v in sampling_defaults.items() if k not in plan.settings} | settings
+    generation = make_generation_config(**chosen, **plan.settings)
+    prompt_length = None if prompt_ids is None else len(prompt_ids)
+    if "parallel_window" in plan.filled:  # the scale's choice, not the caller's: fit it to the budget
+        room = limits.window_room(generation, prompt_length or 1, expert_count)
+        generation = generation.replace(parallel_window=min(generation.parallel_window, room))
+    if "draft_steps" in plan.filled:  # likewise: a call verifies draft_steps + 1 states
+        room = limits.window_room(generation, prompt_length or 1, expert_count)
+        generation = generation.replace(draft_steps=min(generation.draft_steps, room - 1))
+    limits.check(generation, prompt_length, expert_count)
+    return CheckedRequest(generation, plan, options, expert_count)
 
 
 class BaseDiffusionLM(ABC):
@@ -270,24 +244,7 @@ class BaseDiffusionLM(ABC):
 
     def _check(self, prompt_ids: Optional[Sequence[int]], options: GenerationRequest,
                settings: dict[str, Any]) -> CheckedRequest:
-        expert_count = options.check()
-        plan = plan_scale(options.scale, settings, remote=self.remote, experts=options.experts,
-                          correctors=options.corrector_steps)
-        if plan.experts is not None:
-            options = dataclasses.replace(options, experts=plan.experts)
-        if options.experts == "auto":
-            expert_count = len(AUTO_RULES)  # at most every rule matches
-        chosen = {k: v for k, v in self.sampling_defaults.items() if k not in plan.settings} | settings
-        generation = make_generation_config(**chosen, **plan.settings)
-        prompt_length = None if prompt_ids is None else len(prompt_ids)
-        if "parallel_window" in plan.filled:  # the scale's choice, not the caller's: fit it to the budget
-            room = self.limits.window_room(generation, prompt_length or 1, expert_count)
-            generation = generation.replace(parallel_window=min(generation.parallel_window, room))
-        if "draft_steps" in plan.filled:  # likewise: a call verifies draft_steps + 1 states
-            room = self.limits.window_room(generation, prompt_length or 1, expert_count)
-            generation = generation.replace(draft_steps=min(generation.draft_steps, room - 1))
-        self.limits.check(generation, prompt_length, expert_count)
-        return CheckedRequest(generation, plan, options, expert_count)
+        return check_request(self.limits, self.sampling_defaults, self.remote, prompt_ids, options, settings)
 
     # ----- prompts ----------------------------------------------------------------------------------
     def encode_prompt(self, prompt: str | Sequence[int], chat: bool = False) -> list[int]:

@@ -47,6 +47,7 @@ from hivemind.utils import MSGPackSerializer
 from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
 from swarm.models.modules import DEEP_PROMPT
+from swarm.utils.errors import SwarmError
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +91,7 @@ class ErrorCode(str, enum.Enum):
     UNREACHABLE = "unreachable"  # connection refused, lost, or the peer is gone
 
 
-class RemoteError(Exception):
+class RemoteError(SwarmError):
     """A structured error a server returned (or a client raised about a server)."""
 
     def __init__(self, code: ErrorCode | str, message: str, peer_id: Optional[str] = None):

@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from swarm.client import DistributedDiffusionLM  # noqa: E402
-from swarm.client.failover import SwarmError  # noqa: E402
+from swarm.client.failover import RetriesExhausted  # noqa: E402
 from swarm.local import DiffusionLM  # noqa: E402
 from swarm.utils.local_swarm import LocalSwarm  # noqa: E402
 from tests.conftest import make_checkpoint, tiny_config  # noqa: E402
@@ -39,7 +39,7 @@ def run_once(swarm: LocalSwarm, path: Path, liar: str, fraction: float, expected
                                                 spot_check_fraction=fraction) as lm:
         try:
             result = lm.generate("audit", **SETTINGS)
-        except SwarmError as error:
+        except RetriesExhausted as error:
             return None, False, str(error)[:80]
         caught = [o.step for o in lm.sequence.spot_checker.outcomes
                   if o.verdict == "primary_faulty" and o.primary == liar]

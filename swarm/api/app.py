@@ -25,6 +25,7 @@ from swarm.api.errors import ModelNotFound, as_api_error, error_body, install_er
 from swarm.api.responses import CHAT, COMPLETION, SSE_DONE, ResponseBuilder, ResponseShape, sse
 from swarm.api.schemas import ChatCompletionRequest, CompletionRequest, OpenAIFields
 from swarm.lm import GenerationResult, StreamChunk
+from swarm.utils.errors import SwarmError
 from swarm.web import mount_api_pages
 
 logger = logging.getLogger(__name__)
@@ -36,7 +37,7 @@ CLIENT_CLOSED_REQUEST = 499  # nginx's status for a request its client abandoned
 T = TypeVar("T")
 
 
-class ClientDisconnected(Exception):
+class ClientDisconnected(SwarmError):
     """The client closed the connection before its answer was ready."""
 
 

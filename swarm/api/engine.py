@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Optional, Sequence
 from swarm.diffusion.config import GenerationLimits, SettingError
 from swarm.lm import BaseDiffusionLM, StreamChunk
 from swarm.models.tokenizer import unicode_text
+from swarm.utils.errors import SwarmError
 
 if TYPE_CHECKING:
     from swarm.dht.node import NetworkConfig
@@ -28,7 +29,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class EngineBusy(RuntimeError):
+class EngineBusy(SwarmError, RuntimeError):
     """Too many requests are waiting for the model; becomes a 503 so clients back off and retry."""
 
 

@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from swarm.cli_options import halt_message
+from swarm.utils.errors import SwarmError
 
 if TYPE_CHECKING:
     from swarm.lm import GenerationResult
@@ -21,7 +22,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class APIError(Exception):
+class APIError(SwarmError):
     """An error with its HTTP status, raised anywhere in a request and answered by the handler below."""
 
     status = 500
@@ -51,17 +52,11 @@ class Unavailable(APIError):
     type = "service_unavailable"
 
 
-class SwarmHalted(Unavailable):
-    """The swarm's governance halted generation: 503 with ``code: swarm_halted``, never a 200 with empty text."""
-
-    def __init__(self, halt: dict[str, Any]):
-        super().__init__(halt_message(halt), code="swarm_halted")
-
-
 def raise_if_halted(result: "GenerationResult") -> None:
-    """A generation a governance halt stopped is an error for the caller, not a short completion."""
+    """A generation a governance halt stopped (:class:`~swarm.governance.guard.SwarmHalted`, turned into the result's
+    ``info["halt"]``) is an error for the caller, not a short completion: 503 with ``code: swarm_halted``."""
     if result.finish_reason == "halted":
-        raise SwarmHalted(result.info.get("halt") or {})
+        raise Unavailable(halt_message(result.info.get("halt") or {}), code="swarm_halted")
 
 
 def error_body(message: str, type_: str, param: Optional[str] = None, code: Optional[str] = None) -> dict[str, Any]:

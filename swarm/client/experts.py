@@ -19,7 +19,7 @@ import torch
 from hivemind.dht import DHT
 
 from swarm.client.config import ClientConfig
-from swarm.client.failover import FailoverEvent, RetryBudget, SwarmError, call_with_failover
+from swarm.client.failover import FailoverEvent, RetriesExhausted, RetryBudget, call_with_failover
 from swarm.client.peers import PeerHealth
 from swarm.dht.compatibility import CompatibilityTag, IncompatibleExpertError
 from swarm.dht.schema import ExpertRecord, ServerState, expert_index_key, read_expert_records
@@ -69,7 +69,7 @@ class PendingRemote(Pending):
             )
         except ExpertUnavailable as error:
             raise ExpertUnavailable(f"{error} ({'; '.join(budget.errors) or 'all were avoided after failures'})")
-        except SwarmError as error:
+        except RetriesExhausted as error:
             raise ExpertUnavailable(f"expert {expert.domain!r}: {error}") from None
 
     def cancel(self) -> None:

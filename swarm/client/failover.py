@@ -14,6 +14,7 @@ from typing import Callable, Optional, TypeVar
 from swarm.client.config import ClientConfig
 from swarm.client.peers import PeerHealth
 from swarm.protocol import ErrorCode, RemoteError
+from swarm.utils.errors import SwarmError
 
 logger = logging.getLogger(__name__)
 
@@ -27,8 +28,9 @@ CLIENT_FAULTS = {ErrorCode.BAD_REQUEST, ErrorCode.TOO_LARGE, ErrorCode.NOT_FINIT
 MAX_ERRORS_SHOWN = 8  # distinct recent errors a give-up message lists
 
 
-class SwarmError(RuntimeError):
-    """A remote call gave up after the configured retries or time."""
+class RetriesExhausted(SwarmError, RuntimeError):
+    """A remote call gave up after the configured retries or time (``except swarm.client.SwarmError`` catches
+    it, as before it was given its own name)."""
 
 
 @dataclass
@@ -55,20 +57,21 @@ class RetryBudget:
 
     def spend(self, error: str, pause: Optional[float] = None, where: str = "") -> None:
         """Count a failed attempt (``where``: " at block 3") and wait before the next; raise
-        :class:`SwarmError` when over budget."""
+        :class:`RetriesExhausted` when over budget."""
         self.attempts += 1
         self.wait(error, pause, where)
 
     def wait(self, error: str, pause: Optional[float] = None, where: str = "") -> None:
         """Wait before trying again (the back-off when ``pause`` is None) without counting a failed attempt: a
-        busy server is worth waiting for, within ``retry_deadline``; raise :class:`SwarmError` when over budget."""
+        busy server is worth waiting for, within ``retry_deadline``; raise :class:`RetriesExhausted` when over
+        budget."""
         if error not in self.errors[-MAX_ERRORS_SHOWN:]:
             self.errors = (self.errors + [error])[-MAX_ERRORS_SHOWN:]
         if pause is None:
             pause, self.delay = self.delay, min(2 * self.delay, self.config.backoff_max)
         elapsed = time.monotonic() - self.started
         if self.attempts > self.config.max_retries or elapsed + pause > self.config.retry_deadline:
-            raise SwarmError(f"gave up{where} after {self.attempts} failed attempts in {elapsed:.1f} s: "
+            raise RetriesExhausted(f"gave up{where} after {self.attempts} failed attempts in {elapsed:.1f} s: "
                              f"{'; '.join(self.errors)}")
         time.sleep(pause)
 

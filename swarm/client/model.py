@@ -19,6 +19,7 @@ from swarm.client.routing import RouteHop, compress_ranges
 from swarm.client.sequence import RemoteSequence
 from swarm.dht.compatibility import CompatibilityTag
 from swarm.dht.node import start_dht, stop_dht
+from swarm.dht.peers import require_initial_peers
 from swarm.dht.schema import default_prefix, protected_keys
 from swarm.diffusion.config import GenerationConfig
 from swarm.diffusion.pipeline import CacheDirective, Forward, check_head_rows, rows_to_score
@@ -38,6 +39,7 @@ from swarm.protocol import ErrorCode, RemoteError
 from swarm.remote import RemoteCaller
 from swarm.scale import ScalePlan, check_scale
 from swarm.utils.event_loop import BackgroundLoop
+from swarm.utils.settings import replaced
 
 logger = logging.getLogger(__name__)
 
@@ -73,12 +75,14 @@ class DistributedDiffusionLM(BaseDiffusionLM):
     remote = True
 
     def __init__(self, files: ModelFiles, config: ClientConfig, dht: Optional[DHT] = None):
+        config.validate()
+        if dht is None:  # before loading anything: no peers at all is one line, not a wait for absent servers
+            require_initial_peers(config.network.initial_peers, config.network.use_default_peers)
         self.files = files
         self.config = files.config
         self.client_config = config
         self.tokenizer = files.tokenizer()
         self.sampling_defaults = files.sampling_defaults()
-        config.validate()
         check_head_rows(config.head_rows)
         # The checkpoint's dtype, as servers default to: bfloat16 halves the client's memory and the wire's bytes
         self.embedding = files.embedding(config.dtype)
@@ -111,15 +115,12 @@ class DistributedDiffusionLM(BaseDiffusionLM):
 
     @classmethod
     def from_pretrained(
-        cls, name_or_path: str | Path = DEFAULT_MODEL, *, initial_peers: Sequence[str] = (),
+        cls, name_or_path: str | Path = DEFAULT_MODEL, *, initial_peers: Sequence[str] | str = (),
         config: Optional[ClientConfig] = None, dht: Optional[DHT] = None, **overrides: Any,
     ) -> "DistributedDiffusionLM":
-        """``overrides`` set :class:`ClientConfig` fields (``request_timeout=…``, ``dht_prefix=…``)."""
-        config = config or ClientConfig(network=client_network(list(initial_peers)))
-        for key, value in overrides.items():
-            if not hasattr(config, key):
-                raise TypeError(f"unknown client option {key!r}")
-            setattr(config, key, value)
+        """``initial_peers``: multiaddrs, as a list or one string. ``overrides`` set :class:`ClientConfig` fields
+        (``request_timeout=…``, ``dht_prefix=…``) on a copy: a ``config`` passed in is never changed."""
+        config = replaced(config or ClientConfig(network=client_network(initial_peers)), "client option", **overrides)
         return cls(ModelFiles(name_or_path), config, dht)
 
     @property

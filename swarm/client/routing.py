@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Mapping, Optional
 
 from swarm.dht.schema import ServerRecord, ServerState
+from swarm.utils.errors import EXIT_NOT_SERVED, SwarmError
 
 
 @dataclass(frozen=True)
@@ -18,8 +19,10 @@ class RouteHop:
         return f"{self.peer_id[-8:]}[{self.start}:{self.end}]"
 
 
-class MissingBlocksError(RuntimeError):
+class MissingBlocksError(SwarmError, RuntimeError):
     """No usable server covers some blocks; the message names them."""
+
+    exit_code = EXIT_NOT_SERVED
 
     def __init__(self, blocks: list[int], tried: Optional[list[str]] = None, requirement: str = ""):
         self.blocks = blocks

@@ -39,11 +39,12 @@ from typing import TYPE_CHECKING, Callable, NoReturn, Optional
 import torch
 
 from swarm.client.config import ClientConfig
-from swarm.client.failover import SwarmError
+from swarm.client.failover import RetriesExhausted
 from swarm.client.peers import PeerHealth
 from swarm.diffusion.prediction import HeadQuery, predict_from_hidden
 from swarm.protocol import ForwardRequest, RemoteError
 from swarm.remote import RemoteCaller
+from swarm.utils.errors import SwarmError
 from swarm.utils.event_loop import BackgroundLoop
 
 if TYPE_CHECKING:
@@ -56,12 +57,12 @@ NO_CHECKER = "no_checker"
 OWN_HIDDEN_STATES = "its predictions contradict its own hidden states"
 
 
-class UnverifiedResultError(SwarmError):
+class UnverifiedResultError(RetriesExhausted):
     """A spot check found no majority and no other route, or no checker under a policy that accepts only verified
     results."""
 
 
-class UnresolvedCheck(Exception):
+class UnresolvedCheck(SwarmError):
     """Two servers disagreed on a hop with no third opinion: both are avoided now, and the hop must be redone on
     another route (raised to :class:`~swarm.client.sequence.RemoteSequence`, which does so)."""
 

@@ -9,11 +9,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from swarm.dht import fields
+from swarm.utils.errors import EXIT_USAGE, SwarmError
 
 MAX_TOKENIZER_CHARS, MAX_VOCAB = 128, 2**31
 
-class IncompatibleExpertError(ValueError):
+class IncompatibleExpertError(SwarmError, ValueError):
     """An expert that does not share the backbone's tokenizer, vocabulary or mask token."""
+
+    exit_code = EXIT_USAGE
 
 
 @dataclass(frozen=True)

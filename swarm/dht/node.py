@@ -23,7 +23,6 @@ import socket
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Iterable, Optional
 
@@ -37,41 +36,30 @@ from hivemind.proto import dht_pb2
 from hivemind.utils.auth import AuthRole, AuthRPCWrapper
 from multiaddr import Multiaddr
 
+from swarm.dht.config import LOOPBACK_MADDRS, NetworkConfig
 from swarm.dht.identity import Identity
 from swarm.dht.nat import listen_addresses, relay_plan, wait_for_relay
 from swarm.dht.peers import resolve_initial_peers
 from swarm.dht.validation import STORE_SENDER, KeyPolicy, dht_key_id, protect_storage, swarm_validators
+from swarm.utils.errors import EXIT_IN_USE, EXIT_UNREACHABLE, SwarmError
 
 logger = logging.getLogger(__name__)
 
-LOOPBACK_MADDRS = ("/ip4/127.0.0.1/tcp/0",)
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 ORPHAN_POLL_S = 0.25  # how often a DHT process started from a non-main thread checks that its starter lives
 FAILED_REPLY_WARN_S = 60.0  # one warning per peer per this many seconds about replies lost on protected keys
 
 
-class AddressInUseError(RuntimeError):
+class AddressInUseError(SwarmError, RuntimeError):
     """A port to listen on, or a libp2p identity, is already used by another process."""
 
+    exit_code = EXIT_IN_USE
 
-class SwarmJoinError(RuntimeError):
+
+class SwarmJoinError(SwarmError, RuntimeError):
     """The DHT peer could not start or reach any initial peer."""
 
-
-@dataclass
-class NetworkConfig:
-    """How a process joins the swarm; the defaults suit one machine (loopback only)."""
-
-    initial_peers: list[str] = field(default_factory=list)
-    host_maddrs: list[str] = field(default_factory=lambda: list(LOOPBACK_MADDRS))
-    announce_maddrs: list[str] = field(default_factory=list)
-    identity_path: Optional[str] = None
-    use_relay: bool = True
-    use_auto_relay: bool = False
-    client_mode: bool = False
-    use_default_peers: bool = True  # fall back to $SWARM_INITIAL_PEERS and the bootstrap file
-    # Behind NAT (detected, swarm.dht.nat): seconds to wait for a relay reservation before going on unreachable
-    relay_wait: float = 20.0
+    exit_code = EXIT_UNREACHABLE
 
 
 # ----- ports ---------------------------------------------------------------------------------------

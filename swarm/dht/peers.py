@@ -13,6 +13,8 @@ from typing import Iterable, Optional
 
 from multiaddr import Multiaddr
 
+from swarm.utils.errors import EXIT_UNREACHABLE, SwarmError
+
 logger = logging.getLogger(__name__)
 
 ENV_PEERS = "SWARM_INITIAL_PEERS"
@@ -52,12 +54,34 @@ def check_peer_multiaddr(text: str, source: str = "--initial-peers") -> str:
     return text
 
 
-def split_peers(texts: Iterable[str], source: str) -> list[str]:
-    """Multiaddrs separated by spaces or commas, each checked."""
+def split_peers(texts: Iterable[str] | str, source: str) -> list[str]:
+    """Multiaddrs separated by spaces or commas, each checked; one string is one text, not its characters."""
+    if isinstance(texts, str):
+        texts = [texts]
     return [check_peer_multiaddr(p, source) for text in texts for p in text.replace(",", " ").split() if p]
 
 
-def resolve_initial_peers(explicit: Optional[Iterable[str]] = None, use_defaults: bool = True) -> list[str]:
+class NoInitialPeers(SwarmError, ValueError):
+    """A client was given no peer to join through, and neither the environment nor the bootstrap file has one."""
+
+    exit_code = EXIT_UNREACHABLE
+
+
+def require_initial_peers(explicit: Optional[Iterable[str] | str], use_defaults: bool = True,
+                          how: str = "initial_peers=[...]") -> list[str]:
+    """The peers a client joins through (:func:`resolve_initial_peers`); none is :class:`NoInitialPeers` at once, in
+    one line saying where peers come from (``how``: the argument or flag to name), instead of a wait for servers
+    that cannot be found."""
+    peers = resolve_initial_peers(explicit, use_defaults)
+    if not peers:
+        raise NoInitialPeers(
+            f"no initial peers: pass {how} with the address a server or python -m swarm.dht printed, or set "
+            f"${ENV_PEERS}, or list them in a bootstrap file (${ENV_BOOTSTRAP_FILE}; the packaged one is empty); "
+            "swarm.DiffusionLM runs the model in this process without a swarm")
+    return peers
+
+
+def resolve_initial_peers(explicit: Optional[Iterable[str] | str] = None, use_defaults: bool = True) -> list[str]:
     """Explicit peers win; otherwise the environment; otherwise the bootstrap file. Order kept, no duplicates.
 
     Every multiaddr is checked (:func:`check_peer_multiaddr`): a ValueError names where a bad one came from.

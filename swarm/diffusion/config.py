@@ -16,16 +16,27 @@ before it allocates anything.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import math
 import os
-import typing
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Mapping, Optional
 
 from swarm.diffusion.remasking import STRATEGIES
+from swarm.utils.settings import (  # noqa: F401 (the settings mechanism, re-exported where it was first defined)
+    Setting,
+    SettingError,
+    SettingField,
+    is_integer,
+    is_number,
+    need,
+    need_float,
+    need_int,
+    setting,
+    settings_of,
+    shown,
+)
 
 CACHE_MODES = ("none", "prefix", "dual")
+HEAD_ROWS = ("active", "all")  # what a backend's head scores: the rows readers may read, or every row
 STALE_CHECKS = ("token", "exact", "none")
 MAX_STALENESS = 3
 
@@ -41,156 +52,9 @@ MAX_EXPERT_NAME = 1024  # an embedded name, a checkpoint path or a DHT domain
 MAX_EXPERT_WEIGHT = 10.0
 MAX_EXPERT_TAU = 1000.0  # log-probability gaps never come near this: 1000 is "no clipping"
 MAX_CORRECTOR_STEPS = 8  # each one is one more denoiser call per step
+DEFAULT_TAU = 10.0  # the experts' clipping bound by default (swarm.diffusion.mixture), in nats
 MEMORY_FRACTION = 0.25  # of this machine's memory, for one request's denoiser calls (the default budget)
 FALLBACK_MEMORY_BYTES = 4 << 30  # when the machine's memory cannot be read
-
-
-class SettingError(ValueError):
-    """A setting out of its bound; ``param`` names it (the HTTP API reports it as OpenAI's ``param``)."""
-
-    def __init__(self, message: str, param: Optional[str] = None):
-        super().__init__(message)
-        self.param = param
-
-
-def need(condition: bool, message: str, param: Optional[str] = None) -> None:
-    """Refuse a setting with a message that says what to change (never ``assert``: it is remote input)."""
-    if not condition:
-        raise SettingError(message, param)
-
-
-def shown(value: Any, limit: int = 80) -> str:
-    """A value as an error message quotes it: cut, so that a huge value is not echoed back whole."""
-    text = repr(value)
-    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
-
-
-def is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def is_integer(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def need_float(name: str, value: Any, low: float, high: float, low_open: bool = False,
-               param: Optional[str] = None) -> None:
-    """A finite number in [low, high] (or (low, high] with ``low_open``); NaN and infinities are refused."""
-    interval = f"{'(' if low_open else '['}{low:g}, {high:g}]"
-    need(is_number(value) and math.isfinite(value) and (value > low if low_open else value >= low) and value <= high,
-         f"{name} must be a finite number in {interval}, got {shown(value)}", param or name)
-
-
-def need_int(name: str, value: Any, low: int, high: int) -> None:
-    need(is_integer(value), f"{name} must be an integer, got {shown(value)}", name)
-    need(low <= value <= high, f"{name} must be {low}..{high}, got {value}", name)
-
-
-SETTING = "setting"  # the metadata key of a declared setting
-
-
-@dataclass(frozen=True)
-class Setting:
-    """The declaration of one setting besides its name, type and default.
-
-    Read by validation (:meth:`SettingField.check`), the command line (:mod:`swarm.cli_options`), the HTTP
-    API's request fields (:mod:`swarm.api.schemas`) and the test that keeps the documented argument lists
-    complete, so that a setting is declared once.
-    """
-
-    help: str
-    low: Optional[float] = None
-    high: Union[float, str, None] = None  # a number, or the name of the setting whose value bounds it
-    low_open: bool = False  # (low, high] instead of [low, high]
-    choices: tuple[str, ...] = ()
-    computed_default: str = ""  # how the default follows from other settings (the default is then None)
-    cli: bool = True  # offered as a command-line option of ``python -m swarm.generate``
-    api: bool = True  # offered as a request field of the HTTP API
-
-
-def setting(default: Any, help: str, **declaration: Any) -> Any:
-    """A dataclass field declaring a setting: its default, help text and bounds (see :class:`Setting`)."""
-    return dataclasses.field(default=default, metadata={SETTING: Setting(help, **declaration)})
-
-
-@dataclass(frozen=True)
-class SettingField:
-    """One declared setting of a dataclass: name, resolved type, default and declaration."""
-
-    name: str
-    type: Any
-    default: Any
-    spec: Setting
-
-    @property
-    def optional(self) -> bool:
-        """Whether None is allowed (it then means "not used")."""
-        return typing.get_origin(self.type) is Union and type(None) in typing.get_args(self.type)
-
-    @property
-    def kind(self) -> Any:
-        """The type without ``Optional``: int, float, str, bool, or the annotation itself for anything else."""
-        args = [arg for arg in typing.get_args(self.type) if arg is not type(None)]
-        return args[0] if self.optional and len(args) == 1 else self.type
-
-    def bounds(self) -> str:
-        """The declared range (``0..3``, ``[0, 10]``, ``(0, 1]``) or choices, as help texts show them."""
-        spec = self.spec
-        if spec.choices:
-            return ", ".join(spec.choices)
-        if spec.low is None:
-            return ""
-        if self.kind is int:
-            return f"{spec.low}..{_number(spec.high)}"
-        return f"{'(' if spec.low_open else '['}{spec.low:g}, {_number(spec.high)}]"
-
-    def describe(self, choices: bool = True) -> str:
-        """The help text, then the declared bounds and a computed default: for ``--help`` and the API schema.
-
-        ``choices`` False leaves the choices out (click lists them itself).
-        """
-        shown_bounds = self.bounds() if choices or not self.spec.choices else ""
-        notes = [shown_bounds and f"{'One of' if self.spec.choices else 'Range'}: {shown_bounds}.",
-                 self.spec.computed_default and f"Default: {self.spec.computed_default}."]
-        return " ".join([self.spec.help, *filter(None, notes)])
-
-    def check(self, value: Any, owner: Any = None) -> None:
-        """Refuse ``value`` unless it has this setting's type and lies within its declared bounds.
-
-        ``owner`` (the object being validated) gives the value of a bound named by another setting.
-        """
-        spec, name = self.spec, self.name
-        if value is None and self.optional:
-            return
-        if spec.choices:
-            need(isinstance(value, str) and value in spec.choices,
-                 f"unknown {name} {shown(value)}; choose one of {', '.join(spec.choices)}", name)
-        elif self.kind is bool:
-            need(isinstance(value, bool), f"{name} must be true or false, got {shown(value)}", name)
-        elif self.kind is int and spec.low is None:
-            need(is_integer(value), f"{name} must be an integer, got {shown(value)}", name)
-        elif self.kind is int:
-            high = getattr(owner, spec.high) if isinstance(spec.high, str) else spec.high
-            need_int(name, value, int(spec.low), int(high))
-        elif self.kind is float and spec.low is not None:
-            need_float(name, value, spec.low, spec.high, low_open=spec.low_open)
-
-
-def _number(value: Union[float, str]) -> str:
-    """A bound as help texts write it: ``10``, ``2**63-1``, or the name of the setting that bounds it."""
-    if isinstance(value, str):
-        return value
-    if isinstance(value, int) and value > 2**20 and (value + 1).bit_length() - 1 == value.bit_length():
-        return f"2**{value.bit_length()}-1"
-    return f"{value:g}"
-
-
-@functools.lru_cache(maxsize=None)
-def settings_of(cls: type) -> tuple[SettingField, ...]:
-    """The declared settings of a dataclass (fields made with :func:`setting`), in declaration order."""
-    hints = typing.get_type_hints(cls)
-    return tuple(SettingField(f.name, hints[f.name], f.default, f.metadata[SETTING])
-                 for f in dataclasses.fields(cls) if SETTING in f.metadata)
 
 
 @dataclass(frozen=True)

@@ -10,13 +10,16 @@ from typing import Any, Callable, Protocol
 import torch
 
 from swarm.diffusion.denoiser import DenoiseContext, Pending, Ready
+from swarm.utils.errors import EXIT_NOT_SERVED, SwarmError
 
 
-class ExpertNotFoundError(LookupError):
+class ExpertNotFoundError(SwarmError, LookupError):
     """An expert asked for by name that is neither loadable here nor announced in the swarm."""
 
+    exit_code = EXIT_NOT_SERVED
 
-class ExpertUnavailable(RuntimeError):
+
+class ExpertUnavailable(SwarmError, RuntimeError):
     """An expert that can no longer answer (every server hosting it failed): it is dropped, with a warning."""
 
 

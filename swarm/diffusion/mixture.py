@@ -17,7 +17,7 @@ from typing import Any, Mapping
 
 import torch
 
-DEFAULT_TAU = 10.0
+from swarm.diffusion.config import DEFAULT_TAU
 
 
 def validate_weights(weights: Mapping[str, Any]) -> dict[str, float]:

@@ -22,7 +22,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from swarm.diffusion.config import GenerationConfig
+from swarm.diffusion.config import HEAD_ROWS, GenerationConfig
 from swarm.diffusion.denoiser import DenoiseContext, Pending, PipelinedDenoiser
 from swarm.models.kv_cache import CacheMiss
 
@@ -56,7 +56,6 @@ when the directive is None or a fill). Raises :class:`CacheMiss` when a reuse fi
 compute the head only for the rows :func:`scored_rows` names (the others are then NaN): no reader of a
 call's logits (sampler, guidance, expert composition, correctors, cache completion) reads any other row."""
 
-HEAD_ROWS = ("active", "all")  # what a backend's head scores: the rows readers may read, or every row
 
 
 def check_head_rows(head_rows: str) -> str:

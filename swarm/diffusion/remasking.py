@@ -6,11 +6,12 @@ probability, margin, negative entropy, float64) and the step's remasking draws `
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-import torch
+if TYPE_CHECKING:  # the scorers only index tensors: no torch at import, so --help can list the strategies fast
+    import torch
 
-Scorer = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+Scorer = Callable[["torch.Tensor", "torch.Tensor"], "torch.Tensor"]
 
 
 def low_confidence(prediction: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:

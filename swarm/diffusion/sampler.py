@@ -30,6 +30,7 @@ from swarm.diffusion.prediction import (
     step_uniform,
 )
 from swarm.diffusion.remasking import STRATEGIES
+from swarm.utils.errors import EXIT_HALTED, SwarmError
 
 __all__ = ["DenoiseContext", "Denoiser", "DiffusionSampler", "Halted", "LogitsHook", "SamplerStats", "StepEvent",
            "WindowStats", "predict_tokens", "step_generator"]  # re-exported from swarm.diffusion.denoiser, .prediction
@@ -53,11 +54,13 @@ class Evaluation:
     logits: Optional[torch.Tensor | Predictions] = None
 
 
-class Halted(Exception):
+class Halted(SwarmError):
     """Raised by a denoiser to stop a generation cleanly before ``step`` (e.g. a governance halt).
 
     The generation front end turns it into a result whose ``finish_reason`` is ``"halted"``.
     """
+
+    exit_code = EXIT_HALTED
 
     def __init__(self, step: int, reason: str, details: Optional[dict] = None):
         self.step, self.reason, self.details = step, reason, details or {}

@@ -51,6 +51,7 @@ from torch import nn
 from swarm.dht.compatibility import CompatibilityTag
 from swarm.models.lora import LORA, BlockWidths, new_lora_weights, unpack_lora
 from swarm.models.modules import BLOCK_ADAPTER_KINDS, BOTTLENECK, DEEP_PROMPT, HeadLoRA
+from swarm.utils.errors import EXIT_USAGE, SwarmError
 
 ADAPTER_CONFIG = "adapter.json"
 ADAPTER_WEIGHTS = "adapter.safetensors"
@@ -80,8 +81,10 @@ def max_block_rows(kind: str, widths: BlockWidths) -> int:
     return widths.rows(MAX_RANK) if kind == LORA else MAX_PROMPT_LENGTH
 
 
-class AdapterError(ValueError):
+class AdapterError(SwarmError, ValueError):
     """An adapter that cannot be used: missing, malformed, oversized, or trained on another base model."""
+
+    exit_code = EXIT_USAGE
 
 
 def base_of(config: Any, tokenizer: Any) -> dict[str, Any]:

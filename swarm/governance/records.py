@@ -29,6 +29,8 @@ from swarm.dht import fields
 from swarm.dht.schema import forget_local_copies, governance_key
 from swarm.dht.validation import dht_key_id, sign_slot, slot_signer, slot_subkey, verify_slot
 from swarm.governance.keys import public_key_text
+from swarm.governance.limits import MAX_STALE_AFTER
+from swarm.utils.errors import EXIT_USAGE, SwarmError
 
 logger = logging.getLogger(__name__)
 
@@ -43,8 +45,6 @@ MAX_SEQUENCE = 2**63 - 1
 # would rather wait a minute than be told a halt failed that a second store would have placed.
 READ_BACK_SECONDS = 60.0
 READ_BACK_PAUSES = (1.0, 2.0, 4.0, 8.0)
-
-MAX_STALE_AFTER = 7 * 24 * 3600.0
 
 
 def check_stale_after(value: float, name: str = "governance_stale_after") -> float:
@@ -76,8 +76,10 @@ class Decision:
         return other is None or (self.sequence, self.halted, self.signer) > (other.sequence, other.halted, other.signer)
 
 
-class UntrustedRecord(ValueError):
+class UntrustedRecord(SwarmError, ValueError):
     """A record that is not a governance decision by a trusted key: not worth a warning."""
+
+    exit_code = EXIT_USAGE
 
 
 def sign_decision(key: Ed25519PrivateKey, prefix: str, action: str, reason: str, sequence: int, expiration: float,

@@ -1,10 +1,12 @@
-"""Model pieces (embedding, block spans, head), configs, checkpoints and tokenizers."""
-from swarm.models.config import ModelConfig
-from swarm.models.loading import DEFAULT_MODEL, ModelFiles, embedded_models, resolve_model_path
-from swarm.models.modules import BlockSpan, DiffusionTransformer, OutputHead, TokenEmbedding
-from swarm.models.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+"""Model pieces (embedding, block spans, head), configs, checkpoints and tokenizers (imported on first use: the
+package itself loads no torch)."""
+from swarm.utils.lazy import lazy_exports
 
-__all__ = [
-    "ModelConfig", "DEFAULT_MODEL", "ModelFiles", "embedded_models", "resolve_model_path", "BlockSpan",
-    "DiffusionTransformer", "OutputHead", "TokenEmbedding", "ByteTokenizer", "HFTokenizer", "Tokenizer",
-]
+_EXPORTS = {
+    "ModelConfig": "swarm.models.config", "DEFAULT_MODEL": "swarm.models.config",
+    **{name: "swarm.models.loading" for name in ("ModelFiles", "embedded_models", "resolve_model_path")},
+    **{name: "swarm.models.modules" for name in ("BlockSpan", "DiffusionTransformer", "OutputHead", "TokenEmbedding")},
+    **{name: "swarm.models.tokenizer" for name in ("ByteTokenizer", "HFTokenizer", "Tokenizer")},
+}
+__all__ = list(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -7,6 +7,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+DEFAULT_MODEL = "default"  # the embedded model every command and front end uses unless told otherwise
+DTYPE_NAMES = ("float32", "bfloat16", "float16")  # the dtypes a model may be loaded in (--dtype)
+
 CONFIG_FILE = "config.json"
 NATIVE_MODEL_TYPE = "swarm-diffusion"
 

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from swarm.models.config import CONFIG_FILE, NATIVE_MODEL_TYPE, ModelConfig
+from swarm.utils.errors import EXIT_USAGE, SwarmError
 
 logger = logging.getLogger(__name__)
 
@@ -37,8 +38,10 @@ DTYPE_NAMES = ("float32", "float16", "bfloat16")
 BLOCK_NAME = re.compile(r"^blocks\.(\d+)\.(.+)$")
 
 
-class UnsupportedCheckpoint(ValueError):
+class UnsupportedCheckpoint(SwarmError, ValueError):
     """The directory is a checkpoint, but of an architecture variant this project does not implement."""
+
+    exit_code = EXIT_USAGE
 
 
 @dataclass(frozen=True)

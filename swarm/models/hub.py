@@ -33,6 +33,7 @@ from huggingface_hub.errors import (
 
 from swarm.models.checkpoint import INDEX_FILE
 from swarm.models.config import CONFIG_FILE
+from swarm.utils.errors import EXIT_USAGE, SwarmError
 
 logger = logging.getLogger(__name__)
 
@@ -49,9 +50,11 @@ OPTIONAL_FILES = (
 HUB_NAME = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*)(?:@(?P<revision>[^\s@]+))?$")
 
 
-class ModelFetchError(ValueError):
+class ModelFetchError(SwarmError, ValueError):
     """A model named by repo id whose files could not be fetched: a missing or gated repo, a revision that does
     not exist, a file missing from the repo or (offline) from the cache, an unreachable hub, a full disk."""
+
+    exit_code = EXIT_USAGE
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,10 @@ from typing import Optional
 
 import torch
 
+from swarm.utils.errors import SwarmError
 
-class CacheMiss(Exception):
+
+class CacheMiss(SwarmError):
     """A reuse pass found no usable cache (never filled, evicted, other shape): the caller must fill again."""
 
 

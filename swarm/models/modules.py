@@ -17,6 +17,7 @@ from swarm.models.config import ModelConfig
 from swarm.models.kv_cache import SpanKV
 from swarm.models.layers import RMSNorm, TransformerBlock, rotary_cos_sin
 from swarm.models.lora import LORA, BlockLoRA, BlockWidths, unpack_lora
+from swarm.utils.errors import SwarmError
 
 DEEP_PROMPT = "deep_prompt"
 BOTTLENECK = "bottleneck"
@@ -26,7 +27,7 @@ BLOCK_ADAPTER_KINDS = (DEEP_PROMPT, BOTTLENECK, LORA)
 HeadLoRA = tuple[torch.Tensor, torch.Tensor]  # an adapter's head correction: down (r, hidden), up (vocab, r)
 
 
-class PassCancelled(Exception):
+class PassCancelled(SwarmError):
     """A pass stopped between blocks because its ``cancel`` event was set: nobody would read its answer."""
 
 

@@ -1,0 +1,42 @@
+"""How a process joins the swarm (:class:`NetworkConfig`): plain data, importing no network library, so that the
+server's and the client's settings (and their ``--help``) load without hivemind."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+LOOPBACK_MADDRS = ("/ip4/127.0.0.1/tcp/0",)
+
+
+def as_peer_list(peers: "str | list[str] | tuple[str, ...] | None") -> list[str]:
+    """A list of peer multiaddrs from what users type: one string (possibly several addresses separated by spaces
+    or commas, as in ``$SWARM_INITIAL_PEERS``) or any sequence of them (each checked later, where they are used)."""
+    if peers is None:
+        return []
+    if isinstance(peers, str):
+        return peers.replace(",", " ").split()
+    return list(peers)
+
+
+@dataclass
+class NetworkConfig:
+    """How a process joins the swarm; the defaults suit one machine (loopback only).
+
+    ``initial_peers`` may be given as one string, as Hugging Face and Petals users write it: it becomes a list.
+    """
+
+    initial_peers: list[str] = field(default_factory=list)
+    host_maddrs: list[str] = field(default_factory=lambda: list(LOOPBACK_MADDRS))
+    announce_maddrs: list[str] = field(default_factory=list)
+    identity_path: Optional[str] = None
+    use_relay: bool = True
+    use_auto_relay: bool = False
+    client_mode: bool = False
+    use_default_peers: bool = True  # fall back to $SWARM_INITIAL_PEERS and the bootstrap file
+    # Behind NAT (detected, swarm.dht.nat): seconds to wait for a relay reservation before going on unreachable
+    relay_wait: float = 20.0
+
+    def __post_init__(self) -> None:
+        self.initial_peers = as_peer_list(self.initial_peers)
+        self.host_maddrs = as_peer_list(self.host_maddrs)
+        self.announce_maddrs = as_peer_list(self.announce_maddrs)

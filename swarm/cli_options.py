@@ -217,8 +217,9 @@ def setting_option(field: SettingField, click_ranges: bool = False,
     default = None if spec.computed_default else field.default
     help_text = field.describe(choices=False) if not click_ranges else " ".join(
         filter(None, [spec.help, spec.computed_default and f"Default: {spec.computed_default}."]))
-    if help_prefix and help_text[1:2].islower():  # "With --initial-peers: servers pass ..."
-        help_text = help_text[0].lower() + help_text[1:]
+    first_word = help_text.split(" ", 1)[0]
+    if help_prefix and first_word[:1].isupper() and (first_word[1:].islower() or len(first_word) == 1):
+        help_text = help_text[0].lower() + help_text[1:]  # "With --initial-peers: servers pass ..."
     common: dict[str, Any] = dict(default=default, help=help_prefix + help_text)
     if not click_ranges:
         common["show_default"] = default is not None

@@ -25,6 +25,7 @@ from click.core import ParameterSource
 from swarm.dht.config import NetworkConfig
 from swarm.dht.peers import check_peer_multiaddr
 from swarm.diffusion.config import GenerationConfig
+from swarm.models.config import MODEL_DEFAULT_SETTINGS
 from swarm.request import GenerationRequest
 from swarm.utils.errors import (
     EXIT_HALTED,
@@ -214,9 +215,12 @@ def setting_option(field: SettingField, click_ranges: bool = False,
     without it the config's own validation refuses them, with the message a Python caller gets.
     """
     spec = field.spec
-    default = None if spec.computed_default else field.default
+    model_default = not click_ranges and field.name in MODEL_DEFAULT_SETTINGS
+    default = None if spec.computed_default or model_default else field.default
     help_text = field.describe(choices=False) if not click_ranges else " ".join(
         filter(None, [spec.help, spec.computed_default and f"Default: {spec.computed_default}."]))
+    if model_default:  # the model's generation.json decides, else the declared default
+        help_text += f" Default: model default (its generation.json), else {field.default}."
     first_word = help_text.split(" ", 1)[0]
     if help_prefix and first_word[:1].isupper() and (first_word[1:].islower() or len(first_word) == 1):
         help_text = help_text[0].lower() + help_text[1:]  # "With --initial-peers: servers pass ..."

@@ -56,7 +56,7 @@ def main(prompt: str, model: str, initial_peers: tuple[str, ...], dtype: Optiona
     client_options = pop_config_kwargs(options, ClientConfig)
     require_no_options_left(options)
     peers = split_peers(initial_peers, "--initial-peers")  # a malformed one is refused before anything loads
-    apply_threads(threads)
+    apply_threads(threads)  # --threads, else the default the Python API chooses too
     check_before_loading(model, peers, settings)
     lm = open_model(model, peers, dtype, client_options)
     try:
@@ -73,8 +73,10 @@ def main(prompt: str, model: str, initial_peers: tuple[str, ...], dtype: Optiona
     if result.finish_reason == "halted":
         raise CLIError(halt_message(result.info["halt"]), EXIT_HALTED)
     click.echo(prompt + result.text)
+    used = result.info["settings"]
     click.echo(f"({result.steps} steps, {result.denoiser_calls} denoiser calls, {result.elapsed_s:.2f} s, "
-               f"finish: {result.finish_reason})", err=True)
+               f"finish: {result.finish_reason}; temperature {used['temperature']:g}, remasking {used['remasking']}, "
+               f"seed {used['seed']})", err=True)
 
 
 def check_before_loading(model: str, peers: list[str], settings: dict[str, Any]) -> None:

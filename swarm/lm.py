@@ -9,6 +9,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import secrets
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -89,6 +90,13 @@ class CheckedRequest:
     expert_count: int  # experts computing alongside the backbone (for the memory bound)
 
 
+RANDOM_SEEDS = 2**31  # a seed drawn for a request that gave none is below this: short enough to type again
+
+# What Hugging Face (max_new_tokens) and OpenAI (max_tokens) callers type, and this library's name for it: refused
+# with a hint rather than taken silently, so that one name stays the setting's name everywhere.
+OTHER_NAMES = {"max_new_tokens": "gen_length", "max_tokens": "gen_length", "num_steps": "steps"}
+
+
 def make_generation_config(
     gen_length: int = GenerationConfig.gen_length,
     steps: Optional[int] = None,
@@ -101,7 +109,11 @@ def make_generation_config(
     """
     unknown = sorted(set(settings) - {declared.name for declared in settings_of(GenerationConfig)})
     if unknown:
-        raise TypeError(f"unknown generation argument(s) {', '.join(unknown)}: see generate_stream's documentation")
+        hints = [f"use {OTHER_NAMES[name]}={settings[name]!r} instead of {name}" for name in unknown
+                 if name in OTHER_NAMES]
+        documented = "see generate_stream's documentation"
+        advice = f"{'; '.join(hints)} ({documented})" if hints else documented
+        raise TypeError(f"unknown generation argument(s) {', '.join(unknown)}: {advice}")
     if block_length is None:
         divides = isinstance(gen_length, int) and gen_length % DEFAULT_BLOCK_LENGTH == 0
         block_length = DEFAULT_BLOCK_LENGTH if divides else gen_length
@@ -124,6 +136,8 @@ def check_request(limits: GenerationLimits, sampling_defaults: Mapping[str, Any]
         expert_count = len(AUTO_RULES)  # at most every rule matches
     chosen = {k: v for k, v in sampling_defaults.items() if k not in plan.settings} | settings
     generation = make_generation_config(**chosen, **plan.settings)
+    if "seed" not in chosen and generation.temperature > 0:  # sampling: a new text each time unless a seed is given
+        generation = generation.replace(seed=secrets.randbelow(RANDOM_SEEDS))
     prompt_length = None if prompt_ids is None else len(prompt_ids)
     if "parallel_window" in plan.filled:  # the scale's choice, not the caller's: fit it to the budget
         room = limits.window_room(generation, prompt_length or 1, expert_count)
@@ -294,6 +308,11 @@ class BaseDiffusionLM(ABC):
         ``dual``) and ``cache_refresh`` (approximate except at their defaults, which are exact;
         ``stale_check="exact"`` keeps the tokens of the run without staleness).
 
+        Unset ``temperature``, ``remasking``, ``threshold`` and ``cfg_scale`` take the model's defaults (its
+        ``generation.json``), else the declared ones. Without a ``seed`` a sampling run (temperature above 0) draws a
+        random one, so each call gives new text; a given seed gives the same tokens every time. The values used are
+        in the result's ``info["settings"]``. (``max_new_tokens`` is ``gen_length`` here.)
+
         The request's other options (:class:`GenerationRequest`): ``experts`` composes expert models with the
         backbone at every step: ``{"code": 0.5}`` (weights >= 0) or ``"auto"`` (chosen from the prompt);
         ``expert_tau`` bounds each expert's per-token shift; ``corrector_steps`` re-predicts the least confident
@@ -352,6 +371,7 @@ class BaseDiffusionLM(ABC):
             finally:
                 denoiser.close()
             result = self._result(prompt_ids, state, sampler, time.perf_counter() - started, composition, telemetry)
+            result.info["settings"] = dataclasses.asdict(generation)  # the values used: model defaults, drawn seed
             result.info["staleness"] = {"steps": generation.staleness, "check": generation.stale_check,
                                         "guessed": sampler.stats.guessed, "overturned": sampler.stats.overturned}
             result.info["cache"] = {"mode": generation.cache, "fills": denoiser.policy.fills,

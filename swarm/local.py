@@ -19,6 +19,7 @@ from swarm.models.kv_cache import CacheMiss, SpanKV
 from swarm.models.loading import DEFAULT_MODEL, ModelFiles, resolve_device
 from swarm.models.modules import DiffusionTransformer
 from swarm.models.tokenizer import Tokenizer
+from swarm.utils.threads import use_threads
 
 
 class DiffusionLM(BaseDiffusionLM):
@@ -38,9 +39,11 @@ class DiffusionLM(BaseDiffusionLM):
 
     @classmethod
     def from_pretrained(cls, name_or_path: str | Path = DEFAULT_MODEL, *, dtype: Optional[str] = None,
-                        device: str = "cpu", head_rows: str = "active") -> "DiffusionLM":
+                        device: str = "cpu", head_rows: str = "active", threads: Optional[int] = None) -> "DiffusionLM":
         """``dtype`` None: the checkpoint's (bfloat16 for LLaDA / Dream, float32 for the project's own models),
-        as servers default to; ``device`` "cuda" fails clearly without CUDA."""
+        as servers default to; ``device`` "cuda" fails clearly without CUDA. ``threads``: torch's CPU threads, set
+        for the process as the commands set them (:func:`~swarm.utils.threads.use_threads`)."""
+        use_threads(threads)
         target = resolve_device(device)
         files = ModelFiles(name_or_path)
         lm = cls(files.full_model(dtype).to(target), files.tokenizer(), files.path, head_rows)

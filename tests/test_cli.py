@@ -156,6 +156,52 @@ def test_a_malformed_initial_peer_is_one_line_from_the_real_process():
     assert verbose.exit_code == EXIT_USAGE and "Traceback" in verbose.stderr
 
 
+# ----- answered at once (issue 37 item 2) ---------------------------------------------------------------------
+HEAVY_MODULES = ("torch", "hivemind", "transformers")
+# Runs one command as ``python -m`` would, then prints which heavy modules it imported (its last stderr line).
+IMPORTS_PROBE = """
+import runpy, sys
+sys.argv = [sys.argv[1]] + sys.argv[2:]
+try:
+    runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+except SystemExit as exit_:
+    code = exit_.code
+print("HEAVY", sorted(name for name in {heavy} if name in sys.modules), code, file=sys.stderr)
+""".replace("{heavy}", repr(HEAVY_MODULES))
+
+
+def heavy_imports(module: str, *args: str) -> tuple[list[str], int, str]:
+    """(heavy modules imported, exit code, stderr) of ``python -m module args`` in a fresh interpreter."""
+    done = subprocess.run([sys.executable, "-c", IMPORTS_PROBE, module, *args], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT)
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("HEAVY "), done.stderr
+    names, code = last[len("HEAVY "):].rsplit(" ", 1)
+    return eval(names), int(code), done.stderr  # noqa: S307 (our own probe's repr of a list of names)
+
+
+@pytest.mark.parametrize("module, args, code, fragment", [
+    ("swarm.server", ["--help"], 0, ""),
+    ("swarm.generate", ["--help"], 0, ""),
+    ("swarm.server", ["--blocks", "0-8"], EXIT_USAGE, "Invalid value for '--blocks': expected START:END"),
+    ("swarm.server", ["--num-blocks", "0"], EXIT_USAGE, "is not in the range x>=1"),
+    ("swarm.server", ["--max-batch-tokens", "lots"], EXIT_USAGE, "'lots' is not a valid integer"),
+    ("swarm.generate", ["Hi", "--remasking", "nope"], EXIT_USAGE, "'nope' is not one of"),
+    ("swarm.generate", ["Hi", "--request-timeout", "0"], EXIT_USAGE, "is not in the range x>0.0"),
+])
+def test_help_and_argument_mistakes_are_answered_before_torch_loads(module, args, code, fragment):
+    """--help took 5.6-18.8 s and a typo in --blocks 9-16 s: torch, hivemind and transformers loaded first."""
+    heavy, exit_code, stderr = heavy_imports(module, *args)
+    assert exit_code == code and fragment in stderr, stderr
+    assert heavy == [], f"{module} {' '.join(args)} imported {heavy}"
+
+
+def test_request_settings_are_checked_before_joining_a_swarm(no_default_peers):
+    """``--gen-length 5000`` was refused only after joining the swarm (33 s); the dead peer is never dialled."""
+    result = run("generate", "Hi", "--gen-length", "5000", "--initial-peers", DEAD_PEER)
+    assert_one_line(result, EXIT_USAGE, "gen_length (5000) + a prompt exceeds the model's context")
+
+
 # ----- bad values --------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("name, args, fragment", [
     ("generate", ["Hi", "--model", "/nonexistent"], "neither a checkpoint directory, an embedded model"),

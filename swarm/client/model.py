@@ -40,6 +40,7 @@ from swarm.remote import RemoteCaller
 from swarm.scale import ScalePlan, check_scale
 from swarm.utils.event_loop import BackgroundLoop
 from swarm.utils.settings import replaced
+from swarm.utils.threads import use_threads
 
 logger = logging.getLogger(__name__)
 
@@ -116,11 +117,15 @@ class DistributedDiffusionLM(BaseDiffusionLM):
     @classmethod
     def from_pretrained(
         cls, name_or_path: str | Path = DEFAULT_MODEL, *, initial_peers: Sequence[str] | str = (),
-        config: Optional[ClientConfig] = None, dht: Optional[DHT] = None, **overrides: Any,
+        config: Optional[ClientConfig] = None, dht: Optional[DHT] = None, threads: Optional[int] = None,
+        **overrides: Any,
     ) -> "DistributedDiffusionLM":
         """``initial_peers``: multiaddrs, as a list or one string. ``overrides`` set :class:`ClientConfig` fields
-        (``request_timeout=…``, ``dht_prefix=…``) on a copy: a ``config`` passed in is never changed."""
+        (``request_timeout=…``, ``dht_prefix=…``) on a copy: a ``config`` passed in is never changed. ``threads``:
+        torch's CPU threads, set for the process as the commands set them
+        (:func:`~swarm.utils.threads.use_threads`)."""
         config = replaced(config or ClientConfig(network=client_network(initial_peers)), "client option", **overrides)
+        use_threads(threads)
         return cls(ModelFiles(name_or_path), config, dht)
 
     @property

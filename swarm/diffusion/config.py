@@ -91,7 +91,9 @@ class GenerationConfig:
                                                "at least one per step.", low=0.0, high=1.0, low_open=True)
     cfg_scale: float = setting(0.0, "Unsupervised classifier-free guidance scale; 0 disables it.",
                                low=0.0, high=MAX_CFG_SCALE)
-    seed: int = setting(0, "Seed of the per-step noise: same seed, same tokens.", low=0, high=MAX_SEED)
+    seed: int = setting(0, "Seed of the per-step noise: same seed, same tokens.", low=0, high=MAX_SEED,
+                        computed_default="a random seed when temperature > 0 (the result's info['settings'] says "
+                                         "which), else 0")
     stop_at_eos: bool = setting(True, "Stop once a finished block contains an end-of-sequence token.")
     parallel_window: int = setting(1, "Picard window: states evaluated per denoiser call (1 is sequential; "
                                       "identical tokens).", low=1, high=MAX_PARALLEL_WINDOW)

@@ -9,7 +9,7 @@ from typing import Any, Optional
 import torch
 
 from swarm.models.checkpoint import CheckpointReader, Fetch, load_module, parse_dtype
-from swarm.models.config import DEFAULT_MODEL, ModelConfig
+from swarm.models.config import DEFAULT_MODEL, MODEL_DEFAULT_SETTINGS, ModelConfig
 from swarm.models.formats import CheckpointFormat, detect_format
 from swarm.models.hub import HubCheckpoint, HubName
 from swarm.models.modules import BlockSpan, DiffusionTransformer, OutputHead, TokenEmbedding
@@ -18,8 +18,6 @@ from swarm.models.tokenizer import ByteTokenizer, HFTokenizer, SubwordTokenizer,
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 EXACT = "exact"  # a part computing in the checkpoint's own dtype, unquantized
 GENERATION_DEFAULTS_FILE = "generation.json"
-# Settings a model may choose defaults for: those that change how its text reads, never lengths or budgets.
-MODEL_DEFAULT_SETTINGS = ("temperature", "remasking", "threshold", "cfg_scale")
 
 
 def dtype_name(dtype: torch.dtype) -> str:

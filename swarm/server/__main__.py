@@ -54,7 +54,7 @@ def print_ready(server: Server) -> None:
 @click.option("--model", default=None,
               help=declared(ServerConfig, "model").spec.help + " Also the positional "
                    "MODEL (as petals.cli.run_server MODEL). Default: default.")
-@click.option("--blocks", default=None,
+@click.option("--blocks", default=None, callback=lambda ctx, param, text: parse_span(text),
               help="Blocks to host as START:END (end exclusive), e.g. 0:16. Omitted: the least-covered span of "
                    "--num-blocks.")
 @click.option("--expert", "experts", multiple=True,
@@ -65,8 +65,8 @@ def print_ready(server: Server) -> None:
 @network_options
 @config_options(ServerConfig)  # every other setting, declared once in swarm/server/config.py
 @click.option("--log-level", type=click.Choice(["DEBUG", "INFO", "WARNING"]), default="INFO", help="Logging verbosity.")
-def main(model_argument: Optional[str], model: Optional[str], blocks: Optional[str], experts: tuple[str, ...],
-         log_level: str, **options) -> None:
+def main(model_argument: Optional[str], model: Optional[str], blocks: Optional[tuple[int, int]],
+         experts: tuple[str, ...], log_level: str, **options) -> None:
     """Host a span of a model's transformer blocks and/or expert models, and announce them on the swarm's DHT.
 
     MODEL (or --model) is an embedded name, a checkpoint directory or a Hugging Face repo id; default: default.
@@ -77,7 +77,7 @@ def main(model_argument: Optional[str], model: Optional[str], blocks: Optional[s
     setup_logging(log_level)
     network = pop_network_config(options)
     options["compute_threads"] = options["compute_threads"] or default_threads()
-    config = ServerConfig(model=model_argument or model or ServerConfig.model, blocks=parse_span(blocks),
+    config = ServerConfig(model=model_argument or model or ServerConfig.model, blocks=blocks,
                           network=network, **options)
     from swarm.server.server import Server  # after parsing: loads torch and hivemind
 

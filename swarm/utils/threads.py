@@ -24,10 +24,27 @@ def default_threads() -> int:
     return max(1, cpus // 2)
 
 
+_chosen: Optional[int] = None  # the count this process set through apply_threads, if any
+
+
 def apply_threads(threads: Optional[int]) -> int:
     """Set torch's CPU threads to ``threads`` (default :func:`default_threads`) and return the number set."""
     import torch  # here, not at import: a command's --help must not wait for torch
 
+    global _chosen
     count = threads or default_threads()
     torch.set_num_threads(count)
+    _chosen = count
+    return count
+
+
+def use_threads(threads: Optional[int] = None) -> int:
+    """The front ends' choice (``from_pretrained(threads=...)``): ``threads`` if given; else the count this
+    process already chose (a command's ``--threads``, an earlier model), else :func:`default_threads`."""
+    import torch
+
+    if threads is None and _chosen is not None:
+        return torch.get_num_threads()
+    count = apply_threads(threads)
+    logger.info("torch CPU threads: %d (from_pretrained(threads=...) or $OMP_NUM_THREADS to change)", count)
     return count

@@ -1,8 +1,10 @@
 """An OpenAI-style HTTP API in front of a diffusion LM, local or distributed (``python -m swarm.api``).
 
-Needs FastAPI and uvicorn; everything else in the project works without them.
+Needs FastAPI and uvicorn; everything else in the project works without them. The names below are imported on
+first use (:mod:`swarm.utils.lazy`), so that ``python -m swarm.api --help`` answers before torch loads.
 """
-from swarm.api.app import create_app
-from swarm.api.engine import GenerationEngine, load_engine
+from swarm.utils.lazy import lazy_exports
 
-__all__ = ["GenerationEngine", "create_app", "load_engine"]
+_EXPORTS = {"GenerationEngine": "swarm.api.engine", "create_app": "swarm.api.app", "load_engine": "swarm.api.engine"}
+__all__ = list(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

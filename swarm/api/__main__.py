@@ -9,15 +9,17 @@ from swarm.api.body_limit import DEFAULT_MAX_BODY_BYTES
 from swarm.cli_options import (
     SwarmCommand,
     apply_threads,
+    config_options,
     network_options,
+    pop_config_kwargs,
     pop_network_config,
     run_main,
     setup_logging,
     threads_option,
 )
-from swarm.dht.node import check_port_free
+from swarm.client.config import ClientConfig
 from swarm.dht.peers import resolve_initial_peers
-from swarm.models.loading import DEFAULT_MODEL
+from swarm.models.config import DEFAULT_MODEL
 
 
 @click.command(cls=SwarmCommand, context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
@@ -26,8 +28,6 @@ from swarm.models.loading import DEFAULT_MODEL
                    "reads its tokenizer, embeddings and head; from a repo it fetches only those).")
 @click.option("--model-name", default=None,
               help="Model id clients pass as 'model' (default: the model's DHT prefix, e.g. 'default').")
-@click.option("--dht-prefix", default=None,
-              help="DHT namespace of the model, as servers were started with (default: the model directory's name).")
 @click.option("--local", is_flag=True, help="Run the whole model in this process instead of through a swarm.")
 @click.option("--host", default="127.0.0.1", help="Address to listen on; 0.0.0.0 accepts other machines.")
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, help="TCP port to listen on.")
@@ -43,10 +43,11 @@ from swarm.models.loading import DEFAULT_MODEL
               help="With --local: an expert name or checkpoint directory requests may name, besides the embedded "
                    "experts (repeatable). Requests naming any other expert get 400.")
 @network_options
+@config_options(ClientConfig)  # the client's settings offered on the command line (swarm/client/config.py)
 @threads_option()
 @click.option("--log-level", type=click.Choice(["DEBUG", "INFO", "WARNING"]), default="INFO",
               help="Logging verbosity.")
-def main(model: str, model_name: Optional[str], dht_prefix: Optional[str], local: bool, host: str, port: int,
+def main(model: str, model_name: Optional[str], local: bool, host: str, port: int,
          max_pending: int, request_memory_mb: Optional[int], max_body_bytes: int, allow_experts: tuple[str, ...],
          threads: Optional[int], log_level: str, **options) -> None:
     """Serve /v1/completions, /v1/chat/completions, /v1/models and /health in the OpenAI API's shape.
@@ -57,15 +58,19 @@ def main(model: str, model_name: Optional[str], dht_prefix: Optional[str], local
     import uvicorn
 
     from swarm.api import create_app, load_engine
+    from swarm.dht.node import check_port_free
 
     network = pop_network_config(options, client_mode=True)
+    client_options = pop_config_kwargs(options, ClientConfig)
+    dht_prefix = client_options.pop("dht_prefix", None)  # names the model locally too
     if not local and not resolve_initial_peers(network.initial_peers, use_defaults=network.use_default_peers):
         raise click.UsageError("no swarm to join: pass --initial-peers (or set $SWARM_INITIAL_PEERS), "
                                "or use --local to run the model in this process")
     check_port_free(host, port, where=" (--port)")
     apply_threads(threads)
     engine = load_engine(model, local=local, network=network, dht_prefix=dht_prefix, model_id=model_name,
-                         max_pending=max_pending, request_memory_mb=request_memory_mb, allow_experts=allow_experts)
+                         max_pending=max_pending, request_memory_mb=request_memory_mb, allow_experts=allow_experts,
+                         client_options=client_options)
     click.echo(f"Serving model {engine.model_id!r} ({engine.mode}) on http://{host}:{port}/v1", err=True)
     try:
         uvicorn.run(create_app(engine, max_body_bytes), host=host, port=port, log_level=log_level.lower())

@@ -16,7 +16,7 @@ import contextlib
 import logging
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, AsyncIterator, Optional, Sequence
+from typing import TYPE_CHECKING, Any, AsyncIterator, Mapping, Optional, Sequence
 
 from swarm.diffusion.config import GenerationLimits, SettingError
 from swarm.lm import BaseDiffusionLM, StreamChunk
@@ -194,14 +194,16 @@ class GenerationEngine:
 def load_engine(model: str, *, local: bool, network: Optional["NetworkConfig"] = None,
                 dht_prefix: Optional[str] = None, model_id: Optional[str] = None,
                 max_pending: int = 16, request_memory_mb: Optional[int] = None,
-                allow_experts: Sequence[str] = ()) -> GenerationEngine:
+                allow_experts: Sequence[str] = (),
+                client_options: Optional[Mapping[str, Any]] = None) -> GenerationEngine:
     """The model a ``python -m swarm.api`` process serves: in this process (``local``) or through the swarm.
 
     The model id clients name defaults to the model's DHT prefix (its directory name, ``default`` for the
     embedded model), the same name servers and the health map use. ``request_memory_mb`` is the memory one
     request's denoiser calls may hold (default: a quarter of this machine's; see ``GenerationLimits``). A local
     model serves the embedded experts and the names or paths in ``allow_experts``, nothing else; through the
-    swarm an expert name is a DHT domain, and any may be asked for.
+    swarm an expert name is a DHT domain, and any may be asked for. ``client_options`` set other
+    :class:`~swarm.client.config.ClientConfig` fields (the command's client options).
     """
     from swarm.dht.schema import default_prefix
     from swarm.models.loading import embedded_models
@@ -215,7 +217,8 @@ def load_engine(model: str, *, local: bool, network: Optional["NetworkConfig"] =
         from swarm.client import ClientConfig, DistributedDiffusionLM
         from swarm.dht.node import NetworkConfig
 
-        config = ClientConfig(network=network or NetworkConfig(client_mode=True), dht_prefix=dht_prefix)
+        config = ClientConfig(network=network or NetworkConfig(client_mode=True), dht_prefix=dht_prefix,
+                              **(client_options or {}))
         lm = DistributedDiffusionLM.from_pretrained(model, config=config)
         prefix = lm.prefix
     if request_memory_mb is not None:

@@ -84,11 +84,11 @@ def test_the_server_command_refuses_each_bound_before_loading_anything(field):
 
 @pytest.mark.parametrize("cls", [ServerConfig, ClientConfig])
 def test_python_callers_get_the_same_bounds(cls):
-    """Each declared bound refuses a value past it from Python too, naming ``Class.field``; NaN too."""
+    """Each declared bound refuses a value past it from Python too, naming ``Class.field``; NaN and text too."""
     for field in settings_of(cls):
         if field.spec.low is None:
             continue
-        for value in (past_bound(field), math.nan if field.kind is float else "3"):
+        for value in (past_bound(field), "3", *([math.nan, math.inf] if field.kind is float else [])):
             with pytest.raises(SettingError) as refused:
                 cls(**{field.name: value})
             assert f"{cls.__name__}.{field.name}" in str(refused.value) and refused.value.param == field.name

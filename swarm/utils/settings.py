@@ -59,15 +59,13 @@ def need_float(name: str, value: Any, low: float, high: Optional[float], low_ope
                param: Optional[str] = None) -> None:
     """A finite number in [low, high] (or (low, high] with ``low_open``; no upper bound when ``high`` is None);
     NaN and infinities are refused."""
-    above = value > low if low_open else value >= low
+    ok = is_number(value) and math.isfinite(value) and (value > low if low_open else value >= low)
     if high is None:
         interval = f"{'>' if low_open else '>='} {low:g}"
-        ok = is_number(value) and math.isfinite(value) and above
         need(ok, f"{name} must be a finite number {interval}, got {shown(value)}", param or name)
-        return
-    interval = f"{'(' if low_open else '['}{low:g}, {high:g}]"
-    need(is_number(value) and math.isfinite(value) and above and value <= high,
-         f"{name} must be a finite number in {interval}, got {shown(value)}", param or name)
+    else:
+        interval = f"{'(' if low_open else '['}{low:g}, {high:g}]"
+        need(ok and value <= high, f"{name} must be a finite number in {interval}, got {shown(value)}", param or name)
 
 
 def need_int(name: str, value: Any, low: int, high: Optional[int], param: Optional[str] = None) -> None:

@@ -214,23 +214,28 @@ def setting_option(field: SettingField, click_ranges: bool = False,
     ``click_ranges`` makes click refuse numbers outside the declared bounds itself (and show them in ``--help``);
     without it the config's own validation refuses them, with the message a Python caller gets.
     """
-    spec = field.spec
     model_default = not click_ranges and field.name in MODEL_DEFAULT_SETTINGS
-    default = None if spec.computed_default or model_default else field.default
-    help_text = field.describe(choices=False) if not click_ranges else " ".join(
-        filter(None, [spec.help, spec.computed_default and f"Default: {spec.computed_default}."]))
-    if model_default:  # the model's generation.json decides, else the declared default
-        help_text += f" Default: model default (its generation.json), else {field.default}."
-    first_word = help_text.split(" ", 1)[0]
-    if help_prefix and first_word[:1].isupper() and (first_word[1:].islower() or len(first_word) == 1):
-        help_text = help_text[0].lower() + help_text[1:]  # "With --initial-peers: servers pass ..."
-    common: dict[str, Any] = dict(default=default, help=help_prefix + help_text)
+    default = None if field.spec.computed_default or model_default else field.default
+    common: dict[str, Any] = dict(default=default, help=_help_text(field, click_ranges, model_default, help_prefix))
     if not click_ranges:
         common["show_default"] = default is not None
-    flags = list(spec.flags) if spec.flags else [field.flag]
+    flags = list(field.spec.flags) if field.spec.flags else [field.flag]
     if field.kind is bool:
         return click.option(f"{flags[0]}/--no-{flags[0][2:]}", *flags[1:], field.name, **common)
     return click.option(*flags, field.name, type=_click_type(field, click_ranges), multiple=field.repeated, **common)
+
+
+def _help_text(field: SettingField, click_ranges: bool, model_default: bool, prefix: str) -> str:
+    """An option's help: the declaration's text, bounds (unless click shows them) and how the default is chosen."""
+    spec = field.spec
+    text = field.describe(choices=False) if not click_ranges else " ".join(
+        filter(None, [spec.help, spec.computed_default and f"Default: {spec.computed_default}."]))
+    if model_default:  # the model's generation.json decides, else the declared default
+        text += f" Default: model default (its generation.json), else {field.default}."
+    first_word = text.split(" ", 1)[0]
+    if prefix and first_word[:1].isupper() and (first_word[1:].islower() or len(first_word) == 1):
+        text = text[0].lower() + text[1:]  # "With --initial-peers: servers pass ..."
+    return prefix + text
 
 
 def _click_type(field: SettingField, click_ranges: bool) -> Any:

@@ -108,6 +108,9 @@ def test_types_and_choices_are_checked_for_python_callers():
     with pytest.raises(SettingError, match="ClientConfig.max_retries must be an integer"):
         ClientConfig(max_retries=1.5)
     assert ServerConfig(blocks=(0, 4), throughput="12.5").blocks == (0, 4)
+    assert ClientConfig(audit_log=Path("audit.jsonl")).audit_log == Path("audit.jsonl")  # a path may be a Path
+    with pytest.raises(SettingError, match="ClientConfig.dht_prefix must be a string"):
+        ClientConfig(dht_prefix=Path("model"))
 
 
 def test_a_setting_error_is_a_value_error_and_a_swarm_error_with_exit_code_2():

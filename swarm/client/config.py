@@ -74,7 +74,7 @@ class ClientConfig:
                                              cli=False)
     trusted_peers: tuple[str, ...] = setting((), "Allow-list of peer ids for restricted requests.", cli=False)
     tier_rules_path: Optional[str] = setting(None, "JSON rules and policies for safety tiers (default rules if "
-                                                   "None).", cli=False)
+                                                   "None).", path=True, cli=False)
     governance_keys: tuple[str, ...] = setting(
         (), "Trusted governance public key (base64 or a file holding it; repeatable; default $SWARM_GOVERNANCE_KEYS). "
             "While a halt signed by one of them stands, generation stops with exit code 5.",
@@ -85,7 +85,7 @@ class ClientConfig:
         120.0, "With trusted keys: seconds without reading a valid decision (halt or resume) after which generation "
                "stops with finish_reason 'halted' (fail safe against flooded or unreachable records); 0 turns it "
                "off.", low=0.0, high=MAX_STALE_AFTER, cli=False)
-    audit_log: Optional[str] = setting(None, "JSON-lines file: one record per generation.", cli=False)
+    audit_log: Optional[str] = setting(None, "JSON-lines file: one record per generation.", path=True, cli=False)
     push: bool = setting(
         False, "Servers pass activations straight to the next server (fewer network crossings): each sends its "
                "output to the next one and the last delivers it here (k + 1 crossings per pass instead of 2k). Falls "

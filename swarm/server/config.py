@@ -26,7 +26,8 @@ class ServerConfig:
 
     model: str = setting(DEFAULT_MODEL, "Embedded model name, checkpoint directory (native, LLaDA or Dream layout) "
                                         "or Hugging Face repo id ORG/NAME[@REVISION]: then only the config, tokenizer "
-                                        "and this server's shards are fetched.", cli=False)  # also positional
+                                        "and this server's shards are fetched.",
+                         path=True, cli=False)  # the command's positional MODEL or --model
     blocks: Optional[tuple[int, int]] = None  # None: choose the least-covered span (--blocks START:END)
     num_blocks: Optional[int] = setting(None, "Span length when --blocks is omitted (default: the whole model); not "
                                               "with --blocks.", low=1)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 import typing
 from dataclasses import dataclass
 from typing import Any, Optional, Union
@@ -95,7 +96,8 @@ class Setting:
     cli: bool = True  # offered as a command-line option
     api: bool = True  # offered as a request field of the HTTP API (generation settings)
     flags: tuple[str, ...] = ()  # the option's names when not ``--name`` (``--backward``, ``--governance-key``)
-    directory: bool = False  # the command line checks that each value is an existing directory
+    path: bool = False  # a file path: Python callers may give a ``pathlib.Path`` as well as a string
+    directory: bool = False  # a path the command line checks is an existing directory
 
 
 def setting(default: Any, help: str, **declaration: Any) -> Any:
@@ -181,10 +183,14 @@ class SettingField:
             need(is_number(value) and math.isfinite(value), f"{name} must be a finite number, got {shown(value)}",
                  self.name)
         elif self.kind is str:
-            need(isinstance(value, str), f"{name} must be a string, got {shown(value)}", self.name)
+            need(self._is_text(value), f"{name} must be a string, got {shown(value)}", self.name)
         elif self.repeated:
-            need(isinstance(value, (tuple, list)) and all(isinstance(item, str) for item in value),
+            need(isinstance(value, (tuple, list)) and all(map(self._is_text, value)),
                  f"{name} must be a tuple of strings, got {shown(value)}", self.name)
+
+    def _is_text(self, value: Any) -> bool:
+        """A string, or a path object where the setting is a path."""
+        return isinstance(value, str) or ((self.spec.path or self.spec.directory) and isinstance(value, os.PathLike))
 
 
 def _number(value: Union[float, str]) -> str:

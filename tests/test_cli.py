@@ -5,6 +5,7 @@ click's runner, or as subprocesses where the whole output matters) into the mist
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import socket
@@ -188,6 +189,8 @@ def heavy_imports(module: str, *args: str) -> tuple[list[str], int, str]:
     ("swarm.server", ["--max-batch-tokens", "lots"], EXIT_USAGE, "'lots' is not a valid integer"),
     ("swarm.generate", ["Hi", "--remasking", "nope"], EXIT_USAGE, "'nope' is not one of"),
     ("swarm.generate", ["Hi", "--request-timeout", "0"], EXIT_USAGE, "is not in the range x>0.0"),
+    pytest.param("swarm.api", ["--help"], 0, "", marks=pytest.mark.skipif(
+        importlib.util.find_spec("fastapi") is None, reason="the API needs fastapi")),
 ])
 def test_help_and_argument_mistakes_are_answered_before_torch_loads(module, args, code, fragment):
     """--help took 5.6-18.8 s and a typo in --blocks 9-16 s: torch, hivemind and transformers loaded first."""

@@ -25,7 +25,7 @@ from swarm.generate import main as generate_cli
 from swarm.server.__main__ import main as server_cli
 from swarm.server.config import ServerConfig
 from swarm.utils.errors import EXIT_UNREACHABLE, SwarmError
-from swarm.utils.settings import SettingError, SettingField, setting, settings_of
+from swarm.utils.settings import SettingError, SettingField, declared, setting, settings_of
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVER = [field for field in settings_of(ServerConfig) if field.spec.cli]
@@ -111,6 +111,13 @@ def test_types_and_choices_are_checked_for_python_callers():
     assert ClientConfig(audit_log=Path("audit.jsonl")).audit_log == Path("audit.jsonl")  # a path may be a Path
     with pytest.raises(SettingError, match="ClientConfig.dht_prefix must be a string"):
         ClientConfig(dht_prefix=Path("model"))
+
+
+def test_the_declared_wire_choices_are_the_wires():
+    from swarm.protocol import WIRE_CHOICES
+
+    for cls in (ServerConfig, ClientConfig):
+        assert declared(cls, "wire_dtype").spec.choices == WIRE_CHOICES
 
 
 def test_a_setting_error_is_a_value_error_and_a_swarm_error_with_exit_code_2():

@@ -12,11 +12,10 @@ from typing import Optional
 from swarm.dht.config import NetworkConfig, as_peer_list
 from swarm.diffusion.config import HEAD_ROWS
 from swarm.governance.limits import MAX_STALE_AFTER
-from swarm.models.config import DTYPE_NAMES
+from swarm.models.config import DTYPE_NAMES, WIRE_CHOICES
 from swarm.utils.settings import check_settings, need, setting, shown
 
 HEAD_PLACES = ("auto", "client")  # where the output head may run (ClientConfig.head)
-WIRE_CHOICES = ("auto", "float32", "float16", "bfloat16")  # swarm.protocol.WIRE_CHOICES, without importing torch
 POSITIVE = dict(low=0.0, low_open=True)  # seconds (or a factor) above 0
 AT_LEAST_0 = dict(low=0.0)
 

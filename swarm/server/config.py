@@ -12,11 +12,9 @@ from typing import Optional
 
 from swarm.dht.config import NetworkConfig
 from swarm.governance.limits import MAX_STALE_AFTER
-from swarm.models.config import DEFAULT_MODEL, DTYPE_NAMES
+from swarm.models.config import DEFAULT_MODEL, DTYPE_NAMES, WIRE_CHOICES
 from swarm.utils.settings import check_settings, is_integer, need, setting, shown
 from swarm.utils.threads import THREADS_HELP
-
-WIRE_CHOICES = ("auto", "float32", "float16", "bfloat16")  # swarm.protocol.WIRE_CHOICES, without importing torch
 
 
 @dataclass

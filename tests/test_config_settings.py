@@ -20,12 +20,13 @@ from click.testing import CliRunner
 from swarm.cli_options import EXIT_USAGE, config_options, pop_config_kwargs
 from swarm.client.config import ClientConfig
 from swarm.dht.config import NetworkConfig
-from swarm.dht.peers import ENV_BOOTSTRAP_FILE, ENV_PEERS, NoInitialPeers
+from swarm.dht.peers import NoInitialPeers
 from swarm.generate import main as generate_cli
 from swarm.server.__main__ import main as server_cli
 from swarm.server.config import ServerConfig
 from swarm.utils.errors import EXIT_UNREACHABLE, SwarmError
 from swarm.utils.settings import SettingError, SettingField, declared, setting, settings_of
+from tests.test_cli import no_default_peers  # noqa: F401 (a fixture: no peers from the environment or a file)
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVER = [field for field in settings_of(ServerConfig) if field.spec.cli]
@@ -166,13 +167,8 @@ def test_from_pretrained_never_changes_the_callers_config(local_swarm, tiny_mode
     assert dataclasses.asdict(config) == before
 
 
-@pytest.fixture
-def no_default_peers(monkeypatch, tmp_path):
-    monkeypatch.delenv(ENV_PEERS, raising=False)
-    monkeypatch.setenv(ENV_BOOTSTRAP_FILE, str(tmp_path / "no-bootstrap-peers.txt"))
-
-
-def test_no_peers_is_one_line_at_once(no_default_peers, tiny_model_path):
+@pytest.mark.usefixtures("no_default_peers")
+def test_no_peers_is_one_line_at_once(tiny_model_path):
     """Issue 37 item 4: it waited 7-11 s and said "no online server holds blocks 0:16"."""
     from swarm.client.model import DistributedDiffusionLM
 

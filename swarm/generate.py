@@ -59,15 +59,14 @@ def main(prompt: str, model: str, initial_peers: tuple[str, ...], dtype: Optiona
     apply_threads(threads)  # --threads, else the default the Python API chooses too
     check_before_loading(model, peers, settings)
     lm = open_model(model, peers, dtype, client_options)
+    result, line = None, StepLine(enabled=stream)
     try:
-        result = None
-        line = StepLine(enabled=stream)
         for chunk in lm.generate_stream(prompt, **settings):
             if not chunk.done:
                 line.show(f"[step {chunk.step + 1}] {prompt}{chunk.text}")
             result = chunk.result
-        line.close()
     finally:
+        line.close()  # an error's line starts on a line of its own
         if hasattr(lm, "shutdown"):
             lm.shutdown()
     if result.finish_reason == "halted":

@@ -25,6 +25,7 @@ from hivemind.utils import MSGPackSerializer
 from hivemind.utils.crypto import RSAPrivateKey
 
 from swarm.client import DistributedDiffusionLM
+from swarm.dht.config import MAX_UPDATE_PERIOD
 from swarm.dht.identity import Identity
 from swarm.dht.node import NetworkConfig, start_dht, stop_dht, visible_maddrs
 from swarm.dht.schema import (
@@ -46,6 +47,7 @@ from swarm.dht.validation import STORE_SENDER, dht_key_id, protect_storage
 from swarm.governance.guard import GovernanceGuard
 from swarm.governance.keys import generate_private_key, public_key_text
 from swarm.governance.records import HALT, RESUME, publish
+from swarm.server.config import ServerConfig
 from tests.conftest import wait_until
 from tests.test_security_records import SETTINGS, attacker, forge, honest_peers, run_cli  # noqa: F401 (fixture)
 
@@ -194,6 +196,8 @@ def test_owned_keys_keep_a_bounded_number_of_owners_of_bounded_size():
     assert store(owners[0], b"v", now() + MAX_OWNED_LIFETIME + 60) is False, "a squatter's month-long record was stored"
     assert [store(owner, b"v", expiration) for owner in owners] == [True] * MAX_OWNED_SUBKEYS + [False]
     assert store(owners[0], b"w", expiration + 1) is True, "an update of a held subkey must pass"
+    honest = ServerConfig(update_period=MAX_UPDATE_PERIOD).record_expiration
+    assert store(owners[1], b"v", now() + honest) is True, "a record of the longest allowed update period was refused"
 
 
 def owned_subkey(validator: RSASignatureValidator) -> bytes:

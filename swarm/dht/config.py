@@ -6,6 +6,11 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 LOOPBACK_MADDRS = ("/ip4/127.0.0.1/tcp/0",)
+# How far ahead a server or expert record may expire on the peers that store it (``swarm.dht.schema``), so that a
+# squatter's records leave within the hour; a server announces every ``update_period`` (at most
+# MAX_UPDATE_PERIOD) for 2.5 periods, which stays inside it.
+MAX_OWNED_LIFETIME = 3600.0
+MAX_UPDATE_PERIOD = 600.0
 
 
 def as_peer_list(peers: "str | list[str] | tuple[str, ...] | None") -> list[str]:

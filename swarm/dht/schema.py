@@ -30,6 +30,7 @@ from hivemind.utils import get_dht_time
 
 from swarm.dht import fields
 from swarm.dht.compatibility import CompatibilityTag
+from swarm.dht.config import MAX_OWNED_LIFETIME
 from swarm.dht.validation import OWNED, SLOT, KeyPolicy, owner_peer_id
 
 logger = logging.getLogger(__name__)
@@ -226,9 +227,6 @@ def adapter_index_key(prefix: str) -> str:
 # libp2p's 4 MiB message even when a find asks a peer for 16 keys at once (32 x 6 KiB x 16 = 3 MiB).
 MAX_OWNED_VALUE_BYTES = 6 * 1024  # a signed server record with every field at its bound is 4.8 KiB
 MAX_OWNED_SUBKEYS = 32  # servers per block key (and expert-hosting servers) one storing peer keeps
-# How far ahead a server or expert record may expire: servers announce every --update-period (at most 600 s) for
-# 2.5 periods, so an hour covers every honest record, and a squatter's records leave within the hour.
-MAX_OWNED_LIFETIME = 3600.0
 MAX_DECISION_VALUE_BYTES = 2 * 1024  # a signed governance decision (its reason is cut to 512 characters)
 MAX_UNTRUSTED_SLOTS = 64  # governance slots kept by a peer that trusts no key (it cannot tell which matter)
 MAX_ADAPTER_INDEX_BYTES, MAX_ADAPTER_AUTHORS = 8 * 1024, 64

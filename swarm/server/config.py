@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from swarm.dht.config import NetworkConfig
+from swarm.dht.config import MAX_OWNED_LIFETIME, MAX_UPDATE_PERIOD, NetworkConfig
 from swarm.governance.limits import MAX_STALE_AFTER
 from swarm.models.config import DEFAULT_MODEL, DTYPE_NAMES, WIRE_CHOICES
 from swarm.utils.settings import check_settings, is_integer, need, setting, shown
@@ -92,9 +92,9 @@ class ServerConfig:
     cache_ttl: float = setting(300.0, "Seconds a session's activation cache is kept without being used.",
                                low=0.0, low_open=True)
     update_period: float = setting(15.0, "Seconds between DHT announcements (records expire after 2.5x).",
-                                   low=0.0, low_open=True)
+                                   low=0.0, low_open=True, high=MAX_UPDATE_PERIOD)
     expiration: Optional[float] = setting(None, "Seconds a DHT record lives (default: 2.5 x update_period).",
-                                          low=0.0, low_open=True, cli=False)
+                                          low=0.0, low_open=True, high=MAX_OWNED_LIFETIME, cli=False)
     wire_dtype: str = setting(
         "auto", "dtype of returned activations. auto: the compute dtype (lossless; bfloat16 models send half float32's "
                 "bytes); float16 halves float32 traffic but is not exact.", choices=WIRE_CHOICES)

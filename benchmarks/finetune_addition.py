@@ -40,8 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the package, whe
 
 import torch  # noqa: E402
 
+from swarm.adapters.kinds import BOTTLENECK, KINDS, RANKED_KINDS  # noqa: E402
 from swarm.eval.tasks import TaskGeneration, TaskReport, evaluate_task, prompt_ids  # noqa: E402
-from swarm.finetune.adapter import BOTTLENECK, KINDS, RANKED_KINDS  # noqa: E402
 from swarm.finetune.trainer import FinetuneConfig, Finetuner, StepReport, parse_lr_from  # noqa: E402
 from swarm.local import DiffusionLM  # noqa: E402
 from swarm.models.loading import DEFAULT_MODEL, resolve_model_path  # noqa: E402

@@ -20,7 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the package, whe
 import torch  # noqa: E402
 from finetune_addition import answer_shape, count, score, write_pairs  # noqa: E402
 
-from swarm.finetune.adapter import BOTTLENECK, base_of, new_adapter  # noqa: E402
+from swarm.adapters.adapter import base_of, new_adapter  # noqa: E402
+from swarm.adapters.kinds import BOTTLENECK  # noqa: E402
 from swarm.finetune.data import load_examples, make_batch  # noqa: E402
 from swarm.finetune.trainer import LocalBackbone, sft_loss  # noqa: E402
 from swarm.local import DiffusionLM  # noqa: E402

@@ -44,8 +44,10 @@ import psutil
 import torch
 from hivemind.p2p import P2P, PeerID
 
+from swarm.adapters.block import BlockAdapter
+from swarm.adapters.kinds import LORA
+from swarm.adapters.lora import BlockWidths
 from swarm.models.loading import ModelFiles
-from swarm.models.lora import LORA, BlockWidths
 from swarm.protocol import ForwardRequest, RemoteError, SpanService, request_parts
 from swarm.remote import RemoteCaller
 from swarm.utils.event_loop import BackgroundLoop
@@ -247,7 +249,7 @@ def flood_adapters(attacker: Attacker, honest: Attacker, memory: Memory, count: 
 
     def with_lora(seed: int) -> ForwardRequest:
         weights = torch.randn(8, rows, HIDDEN, generator=torch.Generator().manual_seed(seed)) * 1e-3
-        return ForwardRequest(0, 8, torch.randn(1, 4, HIDDEN), prompts=weights, prompt_kind=LORA)
+        return ForwardRequest(0, 8, torch.randn(1, 4, HIDDEN), adapter=BlockAdapter(LORA, weights))
 
     kept = with_lora(-1)
     assert honest.run(honest.call(kept, push=False)) is None

@@ -24,9 +24,11 @@ from typing import Optional
 import click
 import torch
 
-from swarm.finetune.adapter import LORA, AdapterConfig, LoRAAdapter, base_of
+from swarm.adapters.adapter import AdapterConfig, LoRAAdapter, base_of
+from swarm.adapters.block import BlockAdapter
+from swarm.adapters.kinds import LORA
+from swarm.adapters.lora import BlockWidths, new_lora_weights
 from swarm.models.loading import ModelFiles
-from swarm.models.lora import BlockWidths, new_lora_weights
 from swarm.realscale import SPECIALS, WORDS, checkpoint, server_compute_seconds, start_span_servers, swarm_options
 from swarm.utils.local_swarm import LocalSwarm
 
@@ -65,9 +67,10 @@ def training_phase(lm, servers, weights: torch.Tensor, steps: int, rows: tuple[i
     def step(_: int) -> torch.Tensor:
         hidden = (torch.randn(*rows, lm.config.hidden_size, generator=generator) * 0.5).to(lm.compute_dtype)
         trace: list = []
-        output = lm.sequence.forward(hidden, trace=trace, prompts=weights, prompt_kind=LORA)
+        adapter = BlockAdapter(LORA, weights)
+        output = lm.sequence.forward(hidden, trace=trace, adapter=adapter)
         grad = torch.randn(output.shape, generator=generator) * 1e-3
-        _, grad_weights = lm.sequence.backward_all(trace, grad, weights, LORA)
+        _, grad_weights = lm.sequence.backward_all(trace, grad, adapter)
         weights.sub_(1e-4 * grad_weights.sign())  # what an optimizer step does to the bytes: all change
         return grad_weights
 

@@ -15,19 +15,21 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterator, Mapping, Optional, Protocol, Sequence
 
 import torch
 from tqdm.auto import tqdm
 
+from swarm.adapters.adapter import AdapterError, PromptAdapter, base_of, check_fits
+from swarm.adapters.block import BlockAdapter
 from swarm.diffusion.auto_experts import AUTO_RULES, expert_weights
 from swarm.diffusion.composition import Composition
 from swarm.diffusion.config import GenerationConfig, GenerationLimits, settings_of
 from swarm.diffusion.experts import ExpertSource
 from swarm.diffusion.pipeline import DenoiserCalls, Forward
 from swarm.diffusion.sampler import DiffusionSampler, Halted, WindowStats
-from swarm.finetune.adapter import AdapterError, PromptAdapter, base_of, check_fits
 from swarm.models.config import ModelConfig
+from swarm.models.modules import HeadLoRA
 from swarm.models.tokenizer import MASK_PLACEHOLDER, Tokenizer
 from swarm.request import GenerationRequest
 from swarm.scale import ScalePlan, plan_scale
@@ -149,6 +151,21 @@ def check_request(limits: GenerationLimits, sampling_defaults: Mapping[str, Any]
     return CheckedRequest(generation, plan, options, expert_count)
 
 
+class Backbone(Protocol):
+    """The frozen model as three differentiable pieces, what training an adapter needs (:mod:`swarm.finetune.trainer`):
+    the embedding (no gradient needed), the blocks (a function of the hidden states and of a per-block adapter's
+    weights) and the head (with an adapter's head correction). Only the adapter's tensors take gradients."""
+
+    config: ModelConfig
+    through_swarm: bool  # the blocks are computed by servers (recorded with a trained adapter)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor: ...
+
+    def blocks(self, hidden: torch.Tensor, adapter: Optional[BlockAdapter] = None) -> torch.Tensor: ...
+
+    def head(self, hidden: torch.Tensor, lora: Optional[HeadLoRA] = None) -> torch.Tensor: ...
+
+
 class BaseDiffusionLM(ABC):
     """``generate`` / ``generate_stream`` over whatever computes the logits."""
 
@@ -188,6 +205,10 @@ class BaseDiffusionLM(ABC):
         With an ``adapter`` its prompt vectors go before the embedded sequence and its rows are sliced off
         before the head.
         """
+
+    @abstractmethod
+    def backbone(self) -> Backbone:
+        """This model as differentiable pieces for training an adapter (its weights frozen by this call)."""
 
     def load_adapter(self, name_or_path: Optional[str]) -> Optional[PromptAdapter]:
         """The adapter a request names (a directory; subclasses may also find published names), checked against

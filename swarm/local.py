@@ -8,16 +8,17 @@ from typing import Iterator, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from swarm.adapters.adapter import PromptAdapter
+from swarm.adapters.block import BlockAdapter
 from swarm.dht.compatibility import CompatibilityTag, IncompatibleExpertError
 from swarm.diffusion.config import GenerationConfig
 from swarm.diffusion.experts import ExpertNotFoundError, InProcessExpert
 from swarm.diffusion.pipeline import CacheDirective, Forward, check_head_rows, rows_to_score
 from swarm.diffusion.sampler import DenoiseContext
-from swarm.finetune.adapter import PromptAdapter
 from swarm.lm import BaseDiffusionLM
 from swarm.models.kv_cache import CacheMiss, SpanKV
 from swarm.models.loading import DEFAULT_MODEL, ModelFiles, resolve_device
-from swarm.models.modules import DiffusionTransformer
+from swarm.models.modules import DiffusionTransformer, HeadLoRA
 from swarm.models.tokenizer import Tokenizer
 from swarm.utils.threads import use_threads
 
@@ -60,6 +61,9 @@ class DiffusionLM(BaseDiffusionLM):
             input_ids = input_ids[None]
         mask = attention_mask.to(self.device) if attention_mask is not None else None
         return self._pass(input_ids.to(self.device), self.load_adapter(adapter), attention_mask=mask)
+
+    def backbone(self) -> "LocalBackbone":
+        return LocalBackbone(self)
 
     def open_experts(self, names: Sequence[str], required: bool) -> tuple[dict[str, InProcessExpert], list[str]]:
         """Experts by embedded name or checkpoint directory, loaded into this process in their own dtype."""
@@ -123,12 +127,29 @@ class DiffusionLM(BaseDiffusionLM):
         hidden = model.embedding(tokens)
         if rows is None:
             mask = None if attention_mask is None else F.pad(attention_mask, (adapter.length, 0), value=True)
-            hidden = adapter.strip(model.span(adapter.extend(hidden), mask, kv=kv, prompts=adapter.block_prompts,
-                                              prompt_kind=adapter.kind))
+            hidden = adapter.strip(model.span(adapter.extend(hidden), mask, kv=kv, adapter=adapter.block_adapter))
         else:
-            hidden = model.span(hidden, kv=kv, rows=adapter.shift(rows), prompts=adapter.block_prompts,
-                                prompt_kind=adapter.kind)
+            hidden = model.span(hidden, kv=kv, rows=adapter.shift(rows), adapter=adapter.block_adapter)
         lora = adapter.head_lora
         logits = (model.head(hidden, lora) if scored is None
                   else model.head.score_rows(hidden, rows[0] if rows else 0, scored, lora))
         return logits.float().cpu()
+
+
+class LocalBackbone:
+    """Every block in this process, as :class:`swarm.lm.Backbone` pieces (the model's weights frozen)."""
+
+    through_swarm = False
+
+    def __init__(self, lm: DiffusionLM):
+        self.model, self.config = lm.model, lm.config
+        self.model.requires_grad_(False)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embedding(ids)
+
+    def blocks(self, hidden: torch.Tensor, adapter: Optional[BlockAdapter] = None) -> torch.Tensor:
+        return self.model.span(hidden, adapter=adapter)
+
+    def head(self, hidden: torch.Tensor, lora: Optional[HeadLoRA] = None) -> torch.Tensor:
+        return self.model.head(hidden, lora)

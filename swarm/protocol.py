@@ -8,15 +8,17 @@ A backward request carries, for a span ``start:end``, the span's input hidden st
 output (same shape), stacked along the batch dimension into one tensor (2 x batch, length, hidden) so that it
 travels, is bounded and validated exactly as a forward request's; the answer is the gradient of the input.
 
-Either request may carry a second tensor, a per-block adapter's tensor for the span's blocks (end - start, R, hidden),
-float32, declared in the metadata (``prompt_length`` R, ``prompt_parts``, and ``prompt_kind``: ``deep_prompt``
-vectors added to positions 0:R, the default, ``bottleneck`` weights of rank R / 2 applied to every row, or ``lora``
-matrices of every projection packed into R rows, ``swarm/models/lora.py``) and
-sent after the hidden states' parts; the answer to a backward request that carried one carries the tensor's
+Either request may carry a second tensor, a per-block adapter's weights for the span's blocks (end - start, R,
+hidden; :class:`~swarm.adapters.block.BlockAdapter`), float32, declared in the metadata (``prompt_length`` R,
+``prompt_parts``, and ``prompt_kind``: ``deep_prompt`` vectors added to positions 0:R, the default, ``bottleneck``
+weights of rank R / 2 applied to every row, or ``lora`` matrices of every projection packed into R rows,
+``swarm/adapters/lora.py``; the names predate the other kinds and stay, so that older servers still understand
+them) and sent after the hidden states' parts; the answer to a backward request that carried one carries the tensor's
 gradient after the inputs' (its parts counted by ``prompt_parts`` too). When everything fits one message, the
 hidden states and the adapter's tensor share it (a unary call); otherwise every message of the stream carries
 one tensor part. A server that kept an adapter tensor says so in its answer (``prompt_held``); later requests then
-name it by :func:`adapter_digest` (``prompt_digest``) instead of carrying it (``swarm/server/adapter_tensors.py``).
+name it by :meth:`~swarm.adapters.block.BlockAdapter.digest` (``prompt_digest``) instead of carrying it
+(``swarm/server/adapter_tensors.py``).
 
 An expert request carries token ids (batch, length) int64 and asks a hosted expert model for the
 log-probabilities of positions ``start:end``; it is always small, while the answer (positions x vocabulary)
@@ -27,10 +29,8 @@ from __future__ import annotations
 import asyncio
 import enum
 import functools
-import hashlib
 import logging
 import math
-import re
 import time
 from contextlib import closing
 from dataclasses import dataclass, field
@@ -46,7 +46,7 @@ from hivemind.proto.p2pd_pb2 import RPCError
 from hivemind.utils import MSGPackSerializer
 from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
-from swarm.models.modules import DEEP_PROMPT
+from swarm.adapters.block import BlockAdapter
 from swarm.utils.errors import SwarmError
 
 logger = logging.getLogger(__name__)
@@ -62,8 +62,6 @@ DRAIN_BYTES = 128 * 2**20
 DRAIN_SECONDS = 10.0
 MAX_DRAINING = 64  # streams drained at once in a process
 MAX_OPEN_STREAMS = 256  # request streams served at once in a process: each may hold one message being read
-ADAPTER_DIGEST_DOMAIN = "swarm-adapter-tensor-v1"  # hashed first: a digest names nothing but an adapter tensor
-SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 
 WIRE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 AUTO_WIRE = "auto"  # hidden states travel in the dtype they were computed in: lossless, and half the bytes for
@@ -109,9 +107,8 @@ class ForwardRequest:
     session_id: str = ""
     step: int = -1
     extra: dict[str, Any] = field(default_factory=dict)
-    prompts: Optional[torch.Tensor] = None  # a per-block adapter's tensor for blocks start:end: (blocks, R, hidden)
-    prompt_kind: str = DEEP_PROMPT  # how the blocks apply it (swarm.models.modules.apply_block_adapter)
-    prompt_digest: Optional[str] = None  # send only this adapter_digest of ``prompts``: the server holds the tensor
+    adapter: Optional[BlockAdapter] = None  # a per-block adapter for blocks start:end: (blocks, R, hidden) weights
+    adapter_digest: Optional[str] = None  # send only this digest of ``adapter``: the server holds the weights
 
     @property
     def rows(self) -> int:
@@ -131,8 +128,7 @@ class BackwardRequest:
     grad_outputs: torch.Tensor  # (batch, length, hidden): d loss / d span output
     session_id: str = ""
     step: int = -1
-    prompts: Optional[torch.Tensor] = None  # the per-block tensor the forward applied (its gradient is answered)
-    prompt_kind: str = DEEP_PROMPT
+    adapter: Optional[BlockAdapter] = None  # the per-block adapter the forward applied (its gradient is answered)
 
     def __post_init__(self) -> None:
         if self.inputs.shape != self.grad_outputs.shape:
@@ -142,8 +138,7 @@ class BackwardRequest:
     def as_forward(self) -> ForwardRequest:
         """The wire form: one forward-shaped request whose tensor stacks inputs and gradients along the batch."""
         stacked = torch.cat([self.inputs.detach().float(), self.grad_outputs.detach().float()])
-        return ForwardRequest(self.start, self.end, stacked, self.session_id, self.step, {}, self.prompts,
-                              self.prompt_kind)
+        return ForwardRequest(self.start, self.end, stacked, self.session_id, self.step, {}, adapter=self.adapter)
 
 
 @dataclass
@@ -215,33 +210,19 @@ def request_parts(request: ForwardRequest, wire_dtype: str = AUTO_WIRE,
     """One part when small, else stream parts; the first part's metadata says how many follow."""
     metadata = {"start": request.start, "end": request.end, "session_id": request.session_id,
                 "step": request.step, "extra": request.extra}
-    prompts = None
-    if request.prompts is not None:
-        metadata["prompt_length"] = int(request.prompts.shape[1])
-        metadata["prompt_kind"] = request.prompt_kind
-        if request.prompt_digest is not None:  # the server keeps the tensor from an earlier call
-            metadata["prompt_digest"] = request.prompt_digest
+    weights = None
+    if request.adapter is not None:
+        metadata["prompt_length"] = request.adapter.rows
+        metadata["prompt_kind"] = request.adapter.kind
+        if request.adapter_digest is not None:  # the server keeps the weights from an earlier call
+            metadata["prompt_digest"] = request.adapter_digest
         else:  # the client's float32 parameters: never rounded on the wire
-            prompts = encode_tensor(request.prompts.float(), "float32")
-    messages, counts = packed_chunks(encode_tensor(request.hidden, wire_dtype), prompts)
+            weights = encode_tensor(request.adapter.weights.float(), "float32")
+    messages, counts = packed_chunks(encode_tensor(request.hidden, wire_dtype), weights)
     metadata.update(counts)
     parts = [runtime_pb2.ExpertRequest(uid=uid, tensors=messages[0], metadata=MSGPackSerializer.dumps(metadata))]
     parts += [runtime_pb2.ExpertRequest(tensors=tensors) for tensors in messages[1:]]
     return parts
-
-
-def adapter_digest(prompts: torch.Tensor, kind: str) -> str:
-    """The name of a per-block adapter tensor as it travels (float32): a hash of its kind, shape and bytes. A
-    server files what it received under the digest it computes itself, so a name always means those bytes."""
-    tensor = prompts.detach().to(torch.float32).contiguous().cpu()
-    digest = hashlib.sha256(MSGPackSerializer.dumps([ADAPTER_DIGEST_DOMAIN, kind, list(tensor.shape)]))
-    digest.update(tensor.view(torch.uint8).numpy().data if tensor.numel() else b"")
-    return digest.hexdigest()
-
-
-def is_sha256_hex(value: Any) -> bool:
-    """A SHA-256 as 64 lowercase hex digits: how adapter tensors and adapter files are named on the wire."""
-    return isinstance(value, str) and SHA256_HEX.fullmatch(value) is not None
 
 
 def tensor_wire_bytes(shape: tuple[int, ...], wire_dtype: str = AUTO_WIRE,
@@ -366,7 +347,7 @@ def split_parts(tensors: list[runtime_pb2.Tensor], parts: Any, prompt_parts: Any
     return tensors[:parts], tensors[parts:]
 
 
-# ----- adapter files (swarm.finetune.sharing) ---------------------------------------------------------
+# ----- adapter files (swarm.adapters.sharing) ---------------------------------------------------------
 def adapter_request(sha256: str) -> runtime_pb2.ExpertRequest:
     """Ask a server for the adapter files whose content hash is ``sha256``."""
     return runtime_pb2.ExpertRequest(uid="adapter", metadata=MSGPackSerializer.dumps({"sha256": sha256}))

@@ -30,7 +30,6 @@ from swarm.protocol import (
     RemoteError,
     SpanService,
     adapter_declared,
-    adapter_digest,
     adapter_request,
     collect_ack,
     collect_response,
@@ -143,11 +142,11 @@ class RemoteCaller:
         """A forward or backward call whose adapter tensor, if it has one, is named by digest when ``peer_id``
         said it keeps it, and sent otherwise (or when the server no longer has it: ``adapter_miss``)."""
         digest = None
-        if request.prompts is not None and self.adapter_by_digest and peer_id not in self.holds_distrusted:
+        if request.adapter is not None and self.adapter_by_digest and peer_id not in self.holds_distrusted:
             digest = await self._digest(request)
             if (peer_id, digest) in self.adapters_held:
                 self.adapters_held.move_to_end((peer_id, digest))
-                named = dataclasses.replace(request, prompt_digest=digest)
+                named = dataclasses.replace(request, adapter_digest=digest)
                 try:
                     answer = await self._call(peer_id, self._forward_rpc(peer_id, named, backward), timeout)
                     self._count_named(peer_id, missed=False)
@@ -181,9 +180,9 @@ class RemoteCaller:
 
     @staticmethod
     async def _digest(request: ForwardRequest) -> str:
-        if request.prompts.numel() * 4 <= HASH_OFF_LOOP_BYTES:
-            return adapter_digest(request.prompts, request.prompt_kind)
-        return await asyncio.to_thread(adapter_digest, request.prompts, request.prompt_kind)
+        if request.adapter.weights.numel() * 4 <= HASH_OFF_LOOP_BYTES:
+            return request.adapter.digest()
+        return await asyncio.to_thread(request.adapter.digest)
 
     async def push(self, peer_id: str, request: ForwardRequest, timeout: float) -> None:
         """Send a request whose ``extra["push"]`` names the next hops; the server only acknowledges it."""
@@ -211,10 +210,10 @@ class RemoteCaller:
         output, metadata = await self._adapted_call(peer_id, request.as_forward(), timeout, backward=True)
         grad_prompts = metadata.get("prompts")
         expected = [(output, tuple(request.inputs.shape), "gradient")]
-        if request.prompts is not None:
+        if request.adapter is not None:
             if grad_prompts is None:
                 raise RemoteError(ErrorCode.INTERNAL, "server answered no gradient for the deep prompt", peer_id)
-            expected.append((grad_prompts, tuple(request.prompts.shape), "deep prompt gradient"))
+            expected.append((grad_prompts, tuple(request.adapter.weights.shape), "deep prompt gradient"))
         elif grad_prompts is not None:
             raise RemoteError(ErrorCode.INTERNAL, "server answered a deep prompt gradient it was not asked for",
                               peer_id)

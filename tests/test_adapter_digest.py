@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from swarm.finetune.adapter import LORA
-from swarm.models.lora import BlockWidths
-from swarm.models.modules import BOTTLENECK
-from swarm.protocol import ErrorCode, ForwardRequest, RemoteError, adapter_digest, request_parts
+from swarm.adapters.block import BlockAdapter
+from swarm.adapters.kinds import BOTTLENECK, LORA
+from swarm.adapters.lora import BlockWidths
+from swarm.protocol import ErrorCode, ForwardRequest, RemoteError, request_parts
 from swarm.server.adapter_tensors import ENTRY_OVERHEAD_BYTES, AdapterTensors
 from tests.conftest import make_checkpoint, tiny_config
 from tests.test_deep_prompt import _set_metadata, adapter_gradient, raw_call
@@ -26,15 +26,15 @@ def test_the_store_is_bounded_overall_and_per_peer():
     tensor = torch.zeros(10, 25)  # 1000 bytes
     size = 1000 + ENTRY_OVERHEAD_BYTES
     store = AdapterTensors(max_bytes=4 * size, peer_share=0.5)
-    assert store.put("a1", tensor, LORA, "alice") and store.put("b1", tensor, LORA, "bob")
+    assert store.put("a1", BlockAdapter(LORA, tensor), "alice") and store.put("b1", BlockAdapter(LORA, tensor), "bob")
     for i in range(5):  # a flood by one peer evicts its own oldest uploads, never bob's
-        assert store.put(f"m{i}", tensor, LORA, "mallory")
+        assert store.put(f"m{i}", BlockAdapter(LORA, tensor), "mallory")
     assert {digest for _, digest in store.entries} == {"a1", "b1", "m3", "m4"}
     assert store.peer_bytes["mallory"] == 2 * size
-    assert store.get("b1", "bob")[1] == LORA and store.get("m0", "mallory") is None
-    assert store.put("a2", tensor, LORA, "alice")  # over the total: the least recently used (a1) goes
+    assert store.get("b1", "bob").kind == LORA and store.get("m0", "mallory") is None
+    assert store.put("a2", BlockAdapter(LORA, tensor), "alice")  # over the total: the least recently used (a1) goes
     assert ("alice", "a1") not in store.entries and store.bytes == 4 * size
-    assert not store.put("huge", torch.zeros(10, 100), LORA, "alice"), "over a peer's share: not kept"
+    assert not store.put("huge", BlockAdapter(LORA, torch.zeros(10, 100)), "alice"), "over a peer's share: not kept"
     assert store.info()["refused"] == 1 and store.info()["hits"] == 1 and store.info()["misses"] == 1
     with pytest.raises(ValueError):
         AdapterTensors(max_bytes=10, peer_share=0.0)
@@ -43,12 +43,12 @@ def test_the_store_is_bounded_overall_and_per_peer():
 
 def test_a_digest_names_exactly_the_kind_shape_and_bytes():
     weights = torch.randn(2, 6, 8)
-    digest = adapter_digest(weights, LORA)
-    assert digest == adapter_digest(weights.clone(), LORA) and len(digest) == 64
+    digest = BlockAdapter(LORA, weights).digest()
+    assert digest == BlockAdapter(LORA, weights.clone()).digest() and len(digest) == 64
     changed = weights.clone()
     changed[1, 5, 7] += 1e-6
-    others = {adapter_digest(changed, LORA), adapter_digest(weights, BOTTLENECK),
-              adapter_digest(weights.reshape(2, 8, 6), LORA), adapter_digest(weights[:1], LORA)}
+    others = {BlockAdapter(LORA, changed).digest(), BlockAdapter(BOTTLENECK, weights).digest(),
+              BlockAdapter(LORA, weights.reshape(2, 8, 6)).digest(), BlockAdapter(LORA, weights[:1]).digest()}
     assert digest not in others and len(others) == 4
 
 
@@ -114,7 +114,7 @@ def test_a_tensor_the_server_no_longer_holds_is_sent_again(local_swarm, remote_l
         first, last = server.span
         for start in range(first, last):
             for end in range(start + 1, last + 1):
-                digest = adapter_digest(adapter.prompts.detach()[start:end], LORA)
+                digest = BlockAdapter(LORA, adapter.prompts.detach()[start:end]).digest()
                 fresh_caller.adapters_held[server.peer_id, digest] = None
     loss, grad = adapter_gradient(remote_lm, tmp_path, adapter)
     assert loss == pytest.approx(local_loss, abs=1e-6)
@@ -124,8 +124,8 @@ def test_a_tensor_the_server_no_longer_holds_is_sent_again(local_swarm, remote_l
 
 def named_request(hidden: torch.Tensor, weights: torch.Tensor, kind: str = LORA, digest: str | None = None):
     """The parts of a request that names ``weights`` by ``digest`` (theirs by default) instead of sending them."""
-    digest = digest or adapter_digest(weights, kind)
-    return request_parts(ForwardRequest(0, 2, hidden, prompts=weights, prompt_kind=kind, prompt_digest=digest))
+    digest = digest or BlockAdapter(kind, weights).digest()
+    return request_parts(ForwardRequest(0, 2, hidden, adapter=BlockAdapter(kind, weights), adapter_digest=digest))
 
 
 def test_naming_what_one_never_sent_or_another_shape_or_kind_is_refused(remote_lm, local_lm):
@@ -137,15 +137,16 @@ def test_naming_what_one_never_sent_or_another_shape_or_kind_is_refused(remote_l
         raw_call(remote_lm, server, named_request(hidden, weights))
     assert missing.value.code == ErrorCode.ADAPTER_MISS
 
-    _, answer = raw_call(remote_lm, server, request_parts(ForwardRequest(0, 2, hidden, prompts=weights,
-                                                                         prompt_kind=LORA)))
+    adapter = BlockAdapter(LORA, weights)
+
+    _, answer = raw_call(remote_lm, server, request_parts(ForwardRequest(0, 2, hidden, adapter=adapter)))
     assert answer.get("prompt_held") is True
     output, _ = raw_call(remote_lm, server, named_request(hidden, weights))
     with torch.no_grad():
-        expected = local_lm.model.span(hidden, blocks=(0, 2), prompts=weights, prompt_kind=LORA)
+        expected = local_lm.model.span(hidden, blocks=(0, 2), adapter=BlockAdapter(LORA, weights))
     assert (output - expected).abs().max().item() <= TOLERANCE
 
-    digest = adapter_digest(weights, LORA)
+    digest = BlockAdapter(LORA, weights).digest()
     wider = torch.zeros(2, widths.rows(3), 32)
     cases = [
         (named_request(hidden, wider, digest=digest), ErrorCode.BAD_REQUEST, "the request declares a lora of"),
@@ -155,7 +156,7 @@ def test_naming_what_one_never_sent_or_another_shape_or_kind_is_refused(remote_l
         (named_request(hidden, weights, digest=digest.upper()), ErrorCode.BAD_REQUEST, "64 lowercase hex digits"),
     ]
     other = 0.3 * torch.randn(2, widths.rows(2), 32)
-    both = request_parts(ForwardRequest(0, 2, hidden, prompts=other, prompt_kind=LORA))  # other's bytes ...
+    both = request_parts(ForwardRequest(0, 2, hidden, adapter=BlockAdapter(LORA, other)))  # other's bytes ...
     _set_metadata(both[0], prompt_digest=digest)  # ... filed under the held tensor's digest
     cases.append((both, ErrorCode.BAD_REQUEST, "either sends its adapter tensor .* or names it"))
     for parts, code, message in cases:

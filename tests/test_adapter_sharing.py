@@ -15,13 +15,8 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from swarm.dht.identity import Identity
-from swarm.dht.node import NetworkConfig, start_dht, stop_dht
-from swarm.dht.schema import now
-from swarm.dht.validation import sign_slot, slot_subkey
-from swarm.finetune.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, AdapterConfig, AdapterError, SoftPrompt, base_of
-from swarm.finetune.publish import publish_main
-from swarm.finetune.sharing import (
+from swarm.adapters.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, AdapterConfig, AdapterError, SoftPrompt, base_of
+from swarm.adapters.sharing import (
     MAX_ADAPTER_BYTES,
     PUBLISH_LIFETIME,
     AdapterLibrary,
@@ -33,6 +28,11 @@ from swarm.finetune.sharing import (
     read_adapter_files,
     read_published,
 )
+from swarm.dht.identity import Identity
+from swarm.dht.node import NetworkConfig, start_dht, stop_dht
+from swarm.dht.schema import now
+from swarm.dht.validation import sign_slot, slot_subkey
+from swarm.finetune.publish import publish_main
 from swarm.governance.keys import generate_private_key
 from swarm.health.__main__ import main as health_main
 from swarm.server.handler import ForwardHandler

@@ -19,18 +19,18 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import save_file
 
-from swarm.finetune.__main__ import main as finetune_main
-from swarm.finetune.adapter import (
+from swarm.adapters.adapter import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
-    BOTTLENECK,
     AdapterConfig,
     BottleneckAdapter,
     PromptAdapter,
     base_of,
 )
-from swarm.models.lora import BlockWidths
-from swarm.models.modules import add_bottleneck
+from swarm.adapters.block import BlockAdapter, add_bottleneck
+from swarm.adapters.kinds import BOTTLENECK, DEEP_PROMPT
+from swarm.adapters.lora import BlockWidths
+from swarm.finetune.__main__ import main as finetune_main
 from swarm.protocol import ErrorCode, ForwardRequest, RemoteError, request_parts
 from swarm.server.validation import validate_prompt_declared
 from tests.test_deep_prompt import _edit_json, _set_metadata, adapter_gradient, assert_files_refused, raw_call
@@ -94,18 +94,18 @@ def test_servers_refuse_a_malformed_bottleneck_and_go_on(remote_lm, local_lm, ca
     server = remote_lm.sequence.holders(0, 2)[0]
     hidden = torch.randn(1, 5, 32)
     weights = torch.randn(2, 3 if case == "odd" else 4, 32)
-    parts = request_parts(ForwardRequest(0, 2, hidden, prompts=weights, prompt_kind=BOTTLENECK))
+    parts = request_parts(ForwardRequest(0, 2, hidden, adapter=BlockAdapter(BOTTLENECK, weights)))
     if case == "kind":
         _set_metadata(parts[0], prompt_kind="houlsby")
     with pytest.raises(RemoteError, match=message) as refused:
         raw_call(remote_lm, server, parts)
     assert refused.value.code == ErrorCode.BAD_REQUEST
     weights = torch.randn(2, 4, 32)
-    output, _ = raw_call(remote_lm, server, request_parts(ForwardRequest(0, 2, hidden, prompts=weights,
-                                                                         prompt_kind=BOTTLENECK)))
+    adapter = BlockAdapter(BOTTLENECK, weights)
+    output, _ = raw_call(remote_lm, server, request_parts(ForwardRequest(0, 2, hidden, adapter=adapter)))
     with torch.no_grad():
-        expected = local_lm.model.span(hidden, blocks=(0, 2), prompts=weights, prompt_kind=BOTTLENECK)
-        as_deep_prompt = local_lm.model.span(hidden, blocks=(0, 2), prompts=weights)
+        expected = local_lm.model.span(hidden, blocks=(0, 2), adapter=adapter)
+        as_deep_prompt = local_lm.model.span(hidden, blocks=(0, 2), adapter=BlockAdapter(DEEP_PROMPT, weights))
     assert (output - expected).abs().max().item() <= TOLERANCE
     assert (output - as_deep_prompt).abs().max().item() > 1e-3  # the server applied it as the kind says
 
@@ -215,7 +215,7 @@ def test_a_server_refuses_nan_bottleneck_weights_naming_them(remote_lm):
     server = remote_lm.sequence.holders(0, 2)[0]
     weights = torch.randn(2, 4, 32)
     weights[1, 3, 5] = float("nan")
-    parts = request_parts(ForwardRequest(0, 2, torch.randn(1, 5, 32), prompts=weights, prompt_kind=BOTTLENECK))
+    parts = request_parts(ForwardRequest(0, 2, torch.randn(1, 5, 32), adapter=BlockAdapter(BOTTLENECK, weights)))
     with pytest.raises(RemoteError, match="bottleneck weights contain NaN") as refused:
         raw_call(remote_lm, server, parts)
     assert refused.value.code == ErrorCode.NOT_FINITE
@@ -244,10 +244,10 @@ def test_a_server_that_does_not_list_bottlenecks_is_never_sent_one(tiny_model_pa
         try:
             hidden = torch.randn(1, 6, local_lm.config.hidden_size, generator=torch.Generator().manual_seed(0))
             weights = adapter.prompts.detach()
-            request = ForwardRequest(0, 4, hidden, "probe", -1, {}, weights, BOTTLENECK)
+            request = ForwardRequest(0, 4, hidden, "probe", -1, {}, adapter=BlockAdapter(BOTTLENECK, weights))
             answers = {server.name: lm.loop.run(lm.caller.forward(server.peer_id, request, 30))
                        for server in (old, honest)}
-            expected = local_lm.model.span(hidden, prompts=weights, prompt_kind=BOTTLENECK)
+            expected = local_lm.model.span(hidden, adapter=BlockAdapter(BOTTLENECK, weights))
             assert torch.allclose(answers[honest.name], expected, atol=1e-4)
             assert not torch.allclose(answers["old"], expected, atol=1e-2)  # the danger is real
 

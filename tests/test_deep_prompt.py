@@ -17,11 +17,9 @@ from hivemind.utils import MSGPackSerializer
 from hivemind.utils.asyncio import iter_as_aiter
 from safetensors.torch import save_file
 
-from swarm.finetune.__main__ import main as finetune_main
-from swarm.finetune.adapter import (
+from swarm.adapters.adapter import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
-    DEEP_PROMPT,
     AdapterConfig,
     AdapterError,
     DeepPrompt,
@@ -29,9 +27,12 @@ from swarm.finetune.adapter import (
     SoftPrompt,
     base_of,
 )
+from swarm.adapters.block import BlockAdapter
+from swarm.adapters.kinds import DEEP_PROMPT
+from swarm.adapters.lora import BlockWidths
+from swarm.finetune.__main__ import main as finetune_main
 from swarm.finetune.data import load_examples, make_batch
-from swarm.finetune.trainer import backbone_of, sft_loss
-from swarm.models.lora import BlockWidths
+from swarm.finetune.trainer import sft_loss
 from swarm.protocol import (
     MAX_UNARY_BYTES,
     BackwardRequest,
@@ -77,7 +78,7 @@ def adapter_gradient(lm, tmp_path, adapter: PromptAdapter) -> tuple[float, torch
     examples = load_examples(write_pairs(tmp_path / "pairs.jsonl", [("12+7=", "19"), ("hello ", "world!")]),
                              lm.tokenizer, lm.config.eos_token_id)
     adapter = type(adapter)(adapter.config, adapter.prompts.detach())
-    loss = sft_loss(backbone_of(lm), adapter, make_batch(examples, lm.config.eos_token_id),
+    loss = sft_loss(lm.backbone(), adapter, make_batch(examples, lm.config.eos_token_id),
                     torch.Generator().manual_seed(3))
     loss.backward()
     return loss.item(), adapter.prompts.grad
@@ -182,7 +183,8 @@ def test_servers_refuse_malformed_deep_prompts(remote_lm, local_lm, case, code, 
         prompts[1, 2, 7] = float("nan")
     elif case == "oversized":
         prompts = torch.randn(2, 400, 32)  # 100 KiB where 3 vectors per block are declared
-    request = ForwardRequest(0, 2, torch.cat([hidden, hidden]) if backward else hidden, prompts=prompts)
+    request = ForwardRequest(0, 2, torch.cat([hidden, hidden]) if backward else hidden,
+                             adapter=BlockAdapter(DEEP_PROMPT, prompts))
     if case == "push":
         request.extra = {"push": {"route": [], "reply_to": "x", "namespace": "x", "id": "x"}}
     parts = request_parts(request, uid="backward" if backward else "forward")
@@ -199,16 +201,17 @@ def test_servers_refuse_malformed_deep_prompts(remote_lm, local_lm, case, code, 
     assert refused.value.code == code
     # the server still answers a good request, with the local model's numbers
     prompts = torch.randn(2, 3, 32)
-    output, _ = raw_call(remote_lm, server, request_parts(ForwardRequest(0, 2, hidden, prompts=prompts)))
+    adapter = BlockAdapter(DEEP_PROMPT, prompts)
+    output, _ = raw_call(remote_lm, server, request_parts(ForwardRequest(0, 2, hidden, adapter=adapter)))
     with torch.no_grad():
-        expected = local_lm.model.span(hidden, blocks=(0, 2), prompts=prompts)
+        expected = local_lm.model.span(hidden, blocks=(0, 2), adapter=adapter)
     assert (output - expected).abs().max().item() <= TOLERANCE
 
 
 @pytest.mark.parametrize("length", [5, 3000])  # one unary message; a stream of parts (over 1 MiB)
 def test_deep_prompts_and_their_gradients_cross_the_wire_intact(length):
     hidden, prompts = torch.randn(1, length, 128), torch.randn(8, 16, 128)
-    parts = request_parts(ForwardRequest(0, 8, hidden, prompts=prompts))
+    parts = request_parts(ForwardRequest(0, 8, hidden, adapter=BlockAdapter(DEEP_PROMPT, prompts)))
     assert (len(parts) == 1) == (length == 5) and all(p.ByteSize() <= MAX_UNARY_BYTES + 4096 for p in parts)
     metadata = parse_metadata(parts[0].metadata)
     tensors = [t for part in parts for t in part.tensors]
@@ -324,7 +327,7 @@ def test_a_lying_backward_answer_is_refused(remote_lm, monkeypatch, lie, message
         grad_prompts = torch.randn(2, 2, 32)
     elif lie == "prompt-nan":
         grad_prompts[1, 0, 0] = float("inf")
-    asked = None if lie == "unasked" else prompts
+    asked = None if lie == "unasked" else BlockAdapter(DEEP_PROMPT, prompts)
     answer = response_parts(grad, "auto", prompts=grad_prompts)
 
     def lying_rpc(*args, **kwargs):
@@ -333,7 +336,7 @@ def test_a_lying_backward_answer_is_refused(remote_lm, monkeypatch, lie, message
         return rpc
 
     monkeypatch.setattr(remote_lm.caller, "_forward_rpc", lying_rpc)
-    request = BackwardRequest(0, 2, inputs, torch.randn(1, 5, 32), prompts=asked)
+    request = BackwardRequest(0, 2, inputs, torch.randn(1, 5, 32), adapter=asked)
     with pytest.raises(RemoteError, match=message) as refused:
         remote_lm.loop.run(remote_lm.caller.backward_all("QmLiar", request, 10))
     assert refused.value.code == ErrorCode.INTERNAL

@@ -132,8 +132,8 @@ def test_padding_is_masked_for_a_model_with_an_adapter_too(local_lm, tmp_path):
 def test_an_adapter_is_scored_against_its_base_model(tiny_model_path, local_lm, tmp_path):
     """The identity adapter gives the base model's figures; a random one changes the likelihood, and its task
     answers are those generation with the adapter gives. The command keeps the same base model as baseline."""
+    from swarm.adapters.adapter import BottleneckAdapter
     from swarm.eval.tasks import evaluate_task
-    from swarm.finetune.adapter import BottleneckAdapter
     from tests.test_bottleneck import bottleneck_for
 
     changing = bottleneck_for(local_lm, rank=2)

@@ -13,12 +13,12 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import save_file
 
+from swarm.adapters.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, AdapterConfig, AdapterError, SoftPrompt, base_of
 from swarm.client import DistributedDiffusionLM
 from swarm.client.sequence import HopTrace
 from swarm.finetune.__main__ import main as finetune_main
-from swarm.finetune.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, AdapterConfig, AdapterError, SoftPrompt, base_of
 from swarm.finetune.data import load_examples, make_batch
-from swarm.finetune.trainer import FinetuneConfig, Finetuner, backbone_of, sft_loss
+from swarm.finetune.trainer import FinetuneConfig, Finetuner, sft_loss
 from swarm.protocol import BackwardRequest, ErrorCode, ForwardRequest, RemoteError
 from tests.conftest import make_checkpoint, tiny_config
 
@@ -41,7 +41,7 @@ def sft_gradient(lm, tmp_path, prompts: torch.Tensor) -> tuple[float, torch.Tens
     examples = load_examples(write_pairs(tmp_path / "pairs.jsonl", [("12+7=", "19"), ("hello ", "world!")]),
                              lm.tokenizer, lm.config.eos_token_id)
     adapter = SoftPrompt(adapter_for(lm).config, prompts)
-    loss = sft_loss(backbone_of(lm), adapter, make_batch(examples, lm.config.eos_token_id),
+    loss = sft_loss(lm.backbone(), adapter, make_batch(examples, lm.config.eos_token_id),
                     torch.Generator().manual_seed(3))
     loss.backward()
     return loss.item(), adapter.prompts.grad

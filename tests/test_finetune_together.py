@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from swarm.adapters.adapter import ADAPTER_CONFIG, SoftPrompt
 from swarm.dht.node import NetworkConfig, start_dht, stop_dht
-from swarm.finetune.adapter import ADAPTER_CONFIG, SoftPrompt
 from swarm.finetune.together import CollaborationConfig, collaborative_optimizer
 from swarm.finetune.trainer import STATE_FILE, FinetuneConfig, Finetuner, set_lr
 from swarm.utils.local_swarm import LocalSwarm, ManagedProcess

@@ -14,10 +14,11 @@ import json
 import pytest
 import torch
 
-from swarm.finetune.adapter import ADAPTER_CONFIG, LAYOUT_KEYS, LORA, AdapterConfig, LoRAAdapter, PromptAdapter, base_of
+from swarm.adapters.adapter import ADAPTER_CONFIG, LAYOUT_KEYS, AdapterConfig, LoRAAdapter, PromptAdapter, base_of
+from swarm.adapters.block import BlockAdapter
+from swarm.adapters.kinds import BOTTLENECK, LORA
+from swarm.adapters.lora import BlockWidths, unpack_lora
 from swarm.finetune.trainer import STATE_FILE, FinetuneConfig, Finetuner
-from swarm.models.lora import BlockWidths, unpack_lora
-from swarm.models.modules import BOTTLENECK
 from swarm.protocol import ErrorCode, ForwardRequest, RemoteError, request_parts
 from tests.test_bottleneck import bottleneck_for
 from tests.test_deep_prompt import _edit_json, adapter_gradient, assert_files_refused, raw_call
@@ -50,7 +51,7 @@ def test_the_packed_layout_is_exactly_lora_of_every_projection(local_lm):
     adapter = lora_for(local_lm, rank=3)
     hidden = local_lm.model.embedding(torch.randint(4, 200, (2, 9), generator=torch.Generator().manual_seed(1)))
     with torch.no_grad():
-        applied = local_lm.model.span(hidden, prompts=adapter.prompts, prompt_kind=LORA)
+        applied = local_lm.model.span(hidden, adapter=BlockAdapter(LORA, adapter.prompts))
         merged = merged_model(local_lm, adapter).span(hidden)
         plain = local_lm.model.span(hidden)
     assert (applied - merged).abs().max().item() <= 1e-4
@@ -60,7 +61,7 @@ def test_the_packed_layout_is_exactly_lora_of_every_projection(local_lm):
     for down, up in unpack_lora(fresh.prompts.detach()[0], widths).values():
         assert down.abs().max() > 0 and up.abs().max() == 0  # a new adapter is the identity
     with torch.no_grad():
-        assert torch.equal(local_lm.model.span(hidden, prompts=fresh.prompts, prompt_kind=LORA), plain)
+        assert torch.equal(local_lm.model.span(hidden, adapter=BlockAdapter(LORA, fresh.prompts)), plain)
 
 
 def test_lora_gradients_through_the_swarm_equal_local_autograd(remote_lm, local_lm, tmp_path):
@@ -90,15 +91,15 @@ def test_servers_refuse_a_tensor_that_is_no_lora_and_go_on(remote_lm, local_lm):
     server = remote_lm.sequence.holders(0, 2)[0]
     hidden = torch.randn(1, 5, 32)
     rows = BlockWidths.of(local_lm.config).rows(1)
-    parts = request_parts(ForwardRequest(0, 2, hidden, prompts=torch.randn(2, rows + 1, 32), prompt_kind=LORA))
+    parts = request_parts(ForwardRequest(0, 2, hidden, adapter=BlockAdapter(LORA, torch.randn(2, rows + 1, 32))))
     with pytest.raises(RemoteError, match=f"{rows + 1} rows per block are no LoRA of this model") as refused:
         raw_call(remote_lm, server, parts)
     assert refused.value.code == ErrorCode.BAD_REQUEST
     weights = 0.3 * torch.randn(2, rows, 32)
-    output, _ = raw_call(remote_lm, server, request_parts(ForwardRequest(0, 2, hidden, prompts=weights,
-                                                                         prompt_kind=LORA)))
+    adapter = BlockAdapter(LORA, weights)
+    output, _ = raw_call(remote_lm, server, request_parts(ForwardRequest(0, 2, hidden, adapter=adapter)))
     with torch.no_grad():
-        expected = local_lm.model.span(hidden, blocks=(0, 2), prompts=weights, prompt_kind=LORA)
+        expected = local_lm.model.span(hidden, blocks=(0, 2), adapter=adapter)
     assert (output - expected).abs().max().item() <= TOLERANCE
 
 
@@ -161,7 +162,7 @@ def test_scaled_down_projections_are_lora_plus_under_adam(local_lm):
     """--down-scale c: the down projections start c times larger (the adapter still the identity), and Adam at lr
     moves the product ``up @ down`` as Adam with lr / c on the down projections and c * lr on the up ones (LoRA+'s
     ratio c**2) from the unscaled start: the doc's claim, checked on a least-squares problem."""
-    from swarm.finetune.adapter import new_adapter
+    from swarm.adapters.adapter import new_adapter
 
     base = base_of(local_lm.config, local_lm.tokenizer)
     plain, scaled = (new_adapter(LORA, 2, local_lm.config, base, local_lm.model.embedding,

@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from swarm.finetune.adapter import LORA
-from swarm.models.lora import BlockWidths
-from swarm.protocol import ErrorCode, ForwardRequest, RemoteError, adapter_digest, request_parts
+from swarm.adapters.block import BlockAdapter
+from swarm.adapters.kinds import LORA
+from swarm.adapters.lora import BlockWidths
+from swarm.protocol import ErrorCode, ForwardRequest, RemoteError, request_parts
 from swarm.server.adapter_tensors import ENTRY_OVERHEAD_BYTES, AdapterTensors
 from tests.conftest import make_checkpoint, tiny_config
 from tests.test_finetune import GENERATION, TOLERANCE
@@ -27,11 +28,11 @@ def test_each_peer_finds_only_its_own_uploads():
     tensor = torch.zeros(10, 25)
     size = 1000 + ENTRY_OVERHEAD_BYTES
     store = AdapterTensors(max_bytes=8 * size, peer_share=0.5)
-    assert store.put("secret", tensor, LORA, "victim")
+    assert store.put("secret", BlockAdapter(LORA, tensor), "victim")
     assert store.get("secret", "mallory") is None, "a digest told mallory the victim's adapter is in use"
-    assert store.put("secret", tensor, LORA, "mallory")
+    assert store.put("secret", BlockAdapter(LORA, tensor), "mallory")
     for i in range(8):
-        store.put(f"flood{i}", tensor, LORA, "mallory")
+        store.put(f"flood{i}", BlockAdapter(LORA, tensor), "mallory")
     assert store.get("secret", "victim") is not None, "mallory's upload and flood took the victim's entry"
     assert store.info("mallory") == {"max_bytes": 8 * size, "max_peer_bytes": 4 * size, "entries": 4,
                                      "bytes": 4 * size, "hits": 0}
@@ -61,7 +62,7 @@ def small_stores(local_swarm, tmp_path_factory):
 
 def lora_request(weights: torch.Tensor, digest: str | None = None):
     hidden = torch.randn(1, 5, 32, generator=torch.Generator().manual_seed(1))
-    return request_parts(ForwardRequest(0, 2, hidden, prompts=weights, prompt_kind=LORA, prompt_digest=digest))
+    return request_parts(ForwardRequest(0, 2, hidden, adapter=BlockAdapter(LORA, weights), adapter_digest=digest))
 
 
 def test_a_digest_tells_a_stranger_nothing_and_cannot_be_taken_over(small_stores, local_lm):
@@ -70,7 +71,7 @@ def test_a_digest_tells_a_stranger_nothing_and_cannot_be_taken_over(small_stores
     server = small_stores["honest"][1]
     rows = BlockWidths.of(local_lm.config).rows(32)  # 128 KiB a tensor: four fill a peer's share
     secret = 0.3 * torch.randn(2, rows, 32, generator=torch.Generator().manual_seed(5))
-    digest = adapter_digest(secret, LORA)
+    digest = BlockAdapter(LORA, secret).digest()
     victim, stranger = Peer(server), Peer(server)
     try:
         assert victim.stream(lora_request(secret))[1].get("prompt_held") is True
@@ -86,7 +87,7 @@ def test_a_digest_tells_a_stranger_nothing_and_cannot_be_taken_over(small_stores
         output, _ = victim.stream(lora_request(secret, digest))  # the victim's entry is still its own
         with torch.no_grad():
             hidden = torch.randn(1, 5, 32, generator=torch.Generator().manual_seed(1))
-            expected = local_lm.model.span(hidden, blocks=(0, 2), prompts=secret, prompt_kind=LORA)
+            expected = local_lm.model.span(hidden, blocks=(0, 2), adapter=BlockAdapter(LORA, secret))
         assert (output - expected).abs().max().item() <= TOLERANCE
         assert victim.info()["adapter_tensors"]["hits"] == 1
     finally:

@@ -15,6 +15,8 @@ from hivemind.utils import MSGPackSerializer, get_dht_time
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from swarm.adapters.adapter import AdapterError
+from swarm.adapters.sharing import PublishedAdapter
 from swarm.dht import fields
 from swarm.dht.compatibility import CompatibilityTag
 from swarm.dht.schema import (
@@ -28,8 +30,6 @@ from swarm.dht.schema import (
     parse_expert_entry,
 )
 from swarm.dht.validation import ed25519_text, sign_slot, slot_subkey
-from swarm.finetune.adapter import AdapterError
-from swarm.finetune.sharing import PublishedAdapter
 from swarm.governance.records import GovernanceState
 from swarm.health.map import ExpertAnnouncement, build_health_map
 

@@ -12,6 +12,9 @@ from typing import Any, Iterator, Optional, Sequence
 import torch
 from hivemind.dht import DHT
 
+from swarm.adapters.adapter import AdapterError, PromptAdapter
+from swarm.adapters.sharing import default_cache_dir, fetch_published
+from swarm.client.backbone import SwarmBackbone
 from swarm.client.config import ClientConfig, client_network
 from swarm.client.experts import RemoteExpert, open_remote_experts
 from swarm.client.push import PushReceiver
@@ -25,8 +28,6 @@ from swarm.diffusion.config import GenerationConfig
 from swarm.diffusion.pipeline import CacheDirective, Forward, check_head_rows, rows_to_score
 from swarm.diffusion.prediction import HeadQuery, Predictions
 from swarm.diffusion.sampler import DenoiseContext
-from swarm.finetune.adapter import PromptAdapter
-from swarm.finetune.sharing import default_cache_dir, fetch_published
 from swarm.governance.audit import AuditLog
 from swarm.governance.guard import GovernanceGuard
 from swarm.governance.keys import trusted_signers
@@ -34,7 +35,7 @@ from swarm.governance.tiers import TierRules
 from swarm.lm import BaseDiffusionLM, StreamChunk
 from swarm.local import DiffusionLM
 from swarm.models.loading import DEFAULT_MODEL, ModelFiles
-from swarm.models.modules import DEEP_PROMPT, OutputHead
+from swarm.models.modules import OutputHead
 from swarm.protocol import ErrorCode, RemoteError
 from swarm.remote import RemoteCaller
 from swarm.scale import ScalePlan, check_scale
@@ -137,6 +138,9 @@ class DistributedDiffusionLM(BaseDiffusionLM):
                 self._head = self.files.head(self.client_config.dtype)
         return self._head
 
+    def backbone(self) -> SwarmBackbone:
+        return SwarmBackbone(self.config, self.sequence, self.embedding, self.head, self.compute_dtype)
+
     # ----- the denoiser ---------------------------------------------------------------------------
     @torch.inference_mode()
     def logits(self, input_ids: torch.Tensor, session_id: Optional[str] = None, step: int = -1,
@@ -164,9 +168,8 @@ class DistributedDiffusionLM(BaseDiffusionLM):
             if adapter is not None and not reuse:
                 hidden = adapter.extend(hidden)
         with self.timings.measure("swarm"):
-            prompts = adapter.block_prompts if adapter is not None else None
-            hidden = self.sequence.forward(hidden, session_id, step, extra, head, prompts=prompts,
-                                           prompt_kind=adapter.kind if adapter is not None else DEEP_PROMPT)
+            per_block = adapter.block_adapter if adapter is not None else None
+            hidden = self.sequence.forward(hidden, session_id, step, extra, head, adapter=per_block)
         if isinstance(hidden, Predictions):
             return hidden
         if adapter is not None and not reuse:
@@ -298,7 +301,8 @@ class DistributedDiffusionLM(BaseDiffusionLM):
 
     def _fetch_adapter_files(self, peer_id: str, addresses: list[str], sha256: str, max_bytes: int
                              ) -> dict[str, bytes]:
-        """One host's adapter files (dialing the addresses it announced if the daemon cannot reach it)."""
+        """One host's adapter files (dialing the addresses it announced if the daemon cannot reach it); a failed
+        call is an :class:`AdapterError`, so that the next host is tried."""
         timeout = self.client_config.request_timeout
 
         async def fetch() -> dict[str, bytes]:
@@ -310,7 +314,10 @@ class DistributedDiffusionLM(BaseDiffusionLM):
                 await self.caller.connect(peer_id, addresses, self.client_config.connect_timeout)
                 return await self.caller.adapter_files(peer_id, sha256, max_bytes, timeout)
 
-        return self.loop.run(fetch(), timeout=2 * timeout + self.client_config.connect_timeout + 5)
+        try:
+            return self.loop.run(fetch(), timeout=2 * timeout + self.client_config.connect_timeout + 5)
+        except RemoteError as error:
+            raise AdapterError(str(error)) from error
 
     # ----- route and lifecycle ----------------------------------------------------------------------
     def show_route(self) -> list[RouteHop]:

@@ -19,11 +19,11 @@ Training goes through the same forward: asked for a ``trace``, a pass records ea
 answers the gradient of their input), failing over to a replica holding the same blocks, or recomputing the
 hop's forward over servers that hold them between them when no single one does.
 
-A per-block adapter (``prompts``: (blocks, R, hidden), the client's trainable tensor: a deep prompt's vectors, a
-bottleneck adapter's weights or a packed LoRA, ``prompt_kind``) travels with each hop as the slice of its blocks,
-forward and backward; a backward call then also answers the gradient of that slice. Such passes go hop by hop (a pushed
-pass cannot carry per-hop slices; the tokens are the same, the pass only crosses the network more often), with
-one log line per sequence.
+A per-block adapter (:class:`~swarm.adapters.block.BlockAdapter`: (blocks, R, hidden) weights, the client's trainable
+tensor: a deep prompt's vectors, a bottleneck adapter's weights or a packed LoRA) travels with each hop as the slice
+of its blocks, forward and backward; a backward call then also answers the gradient of that slice. Such passes go
+hop by hop (a pushed pass cannot carry per-hop slices; the tokens are the same, the pass only crosses the network
+more often), with one log line per sequence.
 """
 from __future__ import annotations
 
@@ -39,6 +39,8 @@ from typing import Callable, Optional
 import torch
 from hivemind.dht import DHT
 
+from swarm.adapters.block import BlockAdapter
+from swarm.adapters.kinds import described
 from swarm.client.config import ClientConfig
 from swarm.client.failover import CLIENT_FAULTS, FailoverEvent, RetryBudget, call_with_failover
 from swarm.client.peers import PeerHealth
@@ -49,7 +51,7 @@ from swarm.dht.schema import ServerRecord, ServerState, read_servers
 from swarm.diffusion.prediction import HeadQuery, Predictions, check_predictions
 from swarm.diffusion.sampler import Halted
 from swarm.models.kv_cache import CacheMiss
-from swarm.models.modules import DEEP_PROMPT, OutputHead
+from swarm.models.modules import OutputHead
 from swarm.protocol import BackwardRequest, ErrorCode, ForwardRequest, RemoteError
 from swarm.remote import RemoteCaller
 from swarm.utils.event_loop import BackgroundLoop
@@ -71,9 +73,9 @@ class HopTrace:
     inputs: torch.Tensor
 
 
-def adapter_requirement(adapter_kind: Optional[str]) -> str:
-    """What a server must also do for a pass with a per-block adapter of ``adapter_kind`` (for error messages)."""
-    return f"applies {adapter_kind.replace('_', ' ')} adapters" if adapter_kind else ""
+def adapter_requirement(adapter: Optional[BlockAdapter]) -> str:
+    """What a server must also do for a pass with a per-block ``adapter`` (for error messages)."""
+    return f"applies {described(adapter.kind)} adapters" if adapter is not None else ""
 
 
 class RemoteSequence:
@@ -125,30 +127,31 @@ class RemoteSequence:
             self.route = []  # rebuilt under the new policy
 
     # ----- servers and route ----------------------------------------------------------------------
-    def excluded(self, also: frozenset[str] = frozenset(), adapter_kind: Optional[str] = None) -> frozenset[str]:
+    def excluded(self, also: frozenset[str] = frozenset(), adapter: Optional[BlockAdapter] = None) -> frozenset[str]:
         """Peers a route may not use now: per :class:`PeerHealth`, plus ``also`` (failed within this call), plus
-        servers that do not list ``adapter_kind`` (a pass with a per-block adapter), plus servers announcing
+        servers that do not list the kind of ``adapter`` (a pass with a per-block adapter), plus servers announcing
         approximate numerics unless ``ClientConfig.allow_approximate``. Read from the records known now, so a
         server found by a refresh during the pass is judged too."""
-        excluded = self.health.excluded(self.servers) | also | self.without_adapter_kind(adapter_kind)
+        excluded = self.health.excluded(self.servers) | also | self.not_applying(adapter)
         return excluded if self.config.allow_approximate else excluded | self.approximate_peers()
 
     def approximate_peers(self) -> frozenset[str]:
         """Known servers whose records say their numerics differ from the checkpoint's."""
         return frozenset(peer for peer, record in self.servers.items() if record.approximate)
 
-    def without_adapter_kind(self, kind: Optional[str]) -> frozenset[str]:
-        """Known servers whose records do not say they apply per-block adapters of ``kind`` (none when ``kind`` is
-        None: a pass without one). A server that predates the record field could misapply one silently."""
-        if kind is None:
+    def not_applying(self, adapter: Optional[BlockAdapter]) -> frozenset[str]:
+        """Known servers whose records do not say they apply per-block adapters of ``adapter``'s kind (none when
+        ``adapter`` is None: a pass without one). A server that predates the record field could misapply one
+        silently."""
+        if adapter is None:
             return frozenset()
-        return frozenset(peer for peer, record in self.servers.items() if kind not in record.adapter_kinds)
+        return frozenset(peer for peer, record in self.servers.items() if adapter.kind not in record.adapter_kinds)
 
     def holders(self, start: int, end: int, avoid: frozenset[str] = frozenset(), head: bool = False,
-                adapter_kind: Optional[str] = None) -> list[str]:
+                adapter: Optional[BlockAdapter] = None) -> list[str]:
         """Usable online servers holding blocks ``start:end`` (and the output head, with ``head``; applying
-        per-block adapters of ``adapter_kind``, when given), fastest first (spot checks ask these)."""
-        excluded = self.excluded(avoid, adapter_kind)
+        ``adapter``'s kind, when given), fastest first (spot checks ask these)."""
+        excluded = self.excluded(avoid, adapter)
         found = [peer for peer, record in self.servers.items()
                  if record.state == ServerState.ONLINE and peer not in excluded
                  and record.start <= start and end <= record.end and (record.head or not head)]
@@ -243,27 +246,27 @@ class RemoteSequence:
         return min(self.config.request_timeout, self.config.connect_timeout + self.config.timeout_factor * compute)
 
     def build_route(self, start_block: int = 0, tokens: int = 128, avoid: frozenset[str] = frozenset(),
-                    adapter_kind: Optional[str] = None) -> list[RouteHop]:
+                    adapter: Optional[BlockAdapter] = None) -> list[RouteHop]:
         """The cheapest chain from ``start_block`` to the end, avoiding ``avoid`` as well as unusable peers (and,
-        for a pass with a per-block adapter of ``adapter_kind``, servers that do not apply it)."""
+        for a pass with a per-block ``adapter``, servers that do not apply its kind)."""
         with self._route_lock:
             if self._servers_stale() or not self.servers:
                 self.refresh()
             else:
                 self._ping_unmeasured()  # peers whose ban ran out are challenged again before use
             try:
-                tail = self._find(start_block, tokens, avoid, adapter_kind)
+                tail = self._find(start_block, tokens, avoid, adapter)
             except MissingBlocksError:
                 self.refresh()  # the DHT may know servers that joined since the last read
-                tail = self._find(start_block, tokens, avoid, adapter_kind)
+                tail = self._find(start_block, tokens, avoid, adapter)
             self.route = [hop for hop in self.route if hop.end <= start_block] + tail
             logger.info("route: %s", " -> ".join(map(str, self.route)))
             return self.route
 
     def _find(self, start_block: int, tokens: int, avoid: frozenset[str],
-              adapter_kind: Optional[str] = None) -> list[RouteHop]:
+              adapter: Optional[BlockAdapter] = None) -> list[RouteHop]:
         """The cheapest route, ending on a head server when one is usable (``ClientConfig.head`` "auto")."""
-        excluded, latencies = self.excluded(avoid, adapter_kind), self.health.latencies()
+        excluded, latencies = self.excluded(avoid, adapter), self.health.latencies()
         heads = self.head_servers(excluded)
         if heads:
             try:
@@ -294,12 +297,12 @@ class RemoteSequence:
         return time.monotonic() - self._refreshed_at > self.config.route_refresh
 
     def hop_from(self, block: int, tokens: int, avoid: frozenset[str] = frozenset(),
-                 adapter_kind: Optional[str] = None) -> RouteHop:
-        excluded = self.excluded(avoid, adapter_kind)
+                 adapter: Optional[BlockAdapter] = None) -> RouteHop:
+        excluded = self.excluded(avoid, adapter)
         for hop in self.route:
             if hop.start == block and hop.peer_id not in excluded:
                 return hop
-        route = self.build_route(block, tokens, avoid, adapter_kind)
+        route = self.build_route(block, tokens, avoid, adapter)
         return next(hop for hop in route if hop.start == block)
 
     def full_route(self, tokens: int) -> list[RouteHop]:
@@ -312,8 +315,8 @@ class RemoteSequence:
     # ----- one pass through all blocks -------------------------------------------------------------
     def forward(self, hidden: torch.Tensor, session_id: Optional[str] = None, step: int = -1,
                 extra: Optional[dict] = None, head: Optional[HeadQuery] = None,
-                trace: Optional[list[HopTrace]] = None, prompts: Optional[torch.Tensor] = None,
-                prompt_kind: str = DEEP_PROMPT) -> torch.Tensor | Predictions:
+                trace: Optional[list[HopTrace]] = None, adapter: Optional[BlockAdapter] = None
+                ) -> torch.Tensor | Predictions:
         """Hidden states after every block, retrying failed hops elsewhere within the configured bounds.
 
         ``extra`` travels with every hop (the activation-cache directive). A hop without the session's cache
@@ -321,54 +324,51 @@ class RemoteSequence:
         With a ``head`` query, a last hop on a head server answers its :class:`Predictions` instead (any other
         last hop, e.g. after a failover to a server without the head, answers hidden states as usual).
         With a ``trace`` list, each hop's input is appended to it (for :meth:`backward`); such a pass goes hop
-        by hop, as spot-checked ones do. With ``prompts`` (a per-block adapter's tensor for every block, applied as
-        ``prompt_kind`` says), each hop carries its blocks' slice, and the pass goes hop by hop.
+        by hop, as spot-checked ones do. With a per-block ``adapter`` (weights for every block), each hop carries its
+        blocks' slice, and the pass goes hop by hop.
         """
         extra = dict(extra or {})
         tokens = hidden.shape[0] * hidden.shape[1]
         if session_id is None:  # a one-off pass; generations refresh between their sessions
             self.refresh_if_stale(tokens)
         session_id = session_id or uuid.uuid4().hex
-        if prompts is not None and (prompts.dim() != 3 or prompts.shape[0] != self.num_blocks):
-            raise ValueError(f"a {prompt_kind} for this model has shape ({self.num_blocks}, R, hidden), got "
-                             f"{tuple(prompts.shape)}")
-        if self.receiver is not None and prompts is not None and not self._said_no_push:
+        if adapter is not None and (adapter.weights.dim() != 3 or adapter.blocks != self.num_blocks):
+            raise ValueError(f"a {adapter.kind} for this model has shape ({self.num_blocks}, R, hidden), got "
+                             f"{tuple(adapter.weights.shape)}")
+        if self.receiver is not None and adapter is not None and not self._said_no_push:
             logger.info("push is off for passes with a %s (each hop carries its own blocks' slice): they go hop by "
-                        "hop, with the same tokens", prompt_kind.replace("_", " "))
+                        "hop, with the same tokens", described(adapter.kind))
             self._said_no_push = True
-        if self.receiver is not None and self.spot_checker.fraction == 0 and trace is None and prompts is None:
+        if self.receiver is not None and self.spot_checker.fraction == 0 and trace is None and adapter is None:
             pushed = self._try_push(hidden, session_id, step, extra, tokens, head)
             if pushed is not None:
                 return pushed
-        return self._hop_by_hop(hidden, session_id, step, extra, tokens, head, trace, prompts=prompts,
-                                prompt_kind=prompt_kind)
+        return self._hop_by_hop(hidden, session_id, step, extra, tokens, head, trace, adapter=adapter)
 
     def backward(self, trace: list[HopTrace], grad: torch.Tensor) -> torch.Tensor:
         """The gradient of a recorded pass's input (float32), from the gradient of its output: each hop's server
         (or a replica holding its blocks) recomputes its blocks with autograd, last hop first."""
         return self.backward_all(trace, grad)[0]
 
-    def backward_all(self, trace: list[HopTrace], grad: torch.Tensor, prompts: Optional[torch.Tensor] = None,
-                     prompt_kind: str = DEEP_PROMPT) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """:meth:`backward`, and with the pass's per-block ``prompts`` their gradient too (float32, their shape),
-        each hop's server answering its blocks' slice."""
-        grad_prompts = None if prompts is None else torch.zeros(prompts.shape, dtype=torch.float32)
+    def backward_all(self, trace: list[HopTrace], grad: torch.Tensor, adapter: Optional[BlockAdapter] = None
+                     ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """:meth:`backward`, and with the pass's per-block ``adapter`` the gradient of its weights too (float32,
+        their shape), each hop's server answering its blocks' slice."""
+        grad_weights = None if adapter is None else torch.zeros(adapter.weights.shape, dtype=torch.float32)
         for hop in reversed(trace):
-            grad = self._backward_hop(hop, grad, prompts, grad_prompts, prompt_kind)
-        return grad, grad_prompts
+            grad = self._backward_hop(hop, grad, adapter, grad_weights)
+        return grad, grad_weights
 
-    def _backward_hop(self, hop: HopTrace, grad: torch.Tensor, prompts: Optional[torch.Tensor] = None,
-                      grad_prompts: Optional[torch.Tensor] = None, prompt_kind: str = DEEP_PROMPT) -> torch.Tensor:
-        """The gradient of the hop's input; the gradient of its blocks' slice of ``prompts`` goes into
-        ``grad_prompts``."""
+    def _backward_hop(self, hop: HopTrace, grad: torch.Tensor, adapter: Optional[BlockAdapter] = None,
+                      grad_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The gradient of the hop's input; the gradient of its blocks' slice of ``adapter`` goes into
+        ``grad_weights``."""
         budget = RetryBudget(self.config)
-        piece = prompts[hop.start:hop.end] if prompts is not None else None
-        request = BackwardRequest(hop.start, hop.end, hop.inputs, grad, uuid.uuid4().hex, prompts=piece,
-                                  prompt_kind=prompt_kind)
-        kind = prompt_kind if prompts is not None else None
+        piece = adapter.slice(hop.start, hop.end) if adapter is not None else None
+        request = BackwardRequest(hop.start, hop.end, hop.inputs, grad, uuid.uuid4().hex, adapter=piece)
         try:
             grad_input, grad_piece = call_with_failover(
-                lambda avoid: self._backward_peer(hop, avoid, kind),
+                lambda avoid: self._backward_peer(hop, avoid, adapter),
                 lambda peer: peer,
                 lambda peer: self._call_backward(peer, request),
                 health=self.health, budget=budget,
@@ -380,27 +380,26 @@ class RemoteSequence:
             logger.info("no server holds blocks %d:%d for backward: recomputing them over several", hop.start, hop.end)
             tokens = hop.inputs.shape[0] * hop.inputs.shape[1]
             split: list[HopTrace] = []
-            self._hop_by_hop(hop.inputs, uuid.uuid4().hex, -1, {}, tokens, None, split, hop.start, hop.end, prompts,
-                             prompt_kind)
+            self._hop_by_hop(hop.inputs, uuid.uuid4().hex, -1, {}, tokens, None, split, hop.start, hop.end, adapter)
             if len(split) == 1 and split[0].start == hop.start and split[0].end == hop.end:
                 raise
             for part in reversed(split):
-                grad = self._backward_hop(part, grad, prompts, grad_prompts, prompt_kind)
+                grad = self._backward_hop(part, grad, adapter, grad_weights)
             return grad
-        if grad_prompts is not None:
-            grad_prompts[hop.start:hop.end] = grad_piece
+        if grad_weights is not None:
+            grad_weights[hop.start:hop.end] = grad_piece
         return grad_input
 
-    def _backward_peer(self, hop: HopTrace, avoid: frozenset[str], adapter_kind: Optional[str] = None) -> str:
+    def _backward_peer(self, hop: HopTrace, avoid: frozenset[str], adapter: Optional[BlockAdapter] = None) -> str:
         """The server that computed the hop, else the fastest usable one holding all its blocks."""
-        if hop.peer_id not in self.excluded(avoid, adapter_kind):
+        if hop.peer_id not in self.excluded(avoid, adapter):
             return hop.peer_id
-        holders = self.holders(hop.start, hop.end, avoid, adapter_kind=adapter_kind)
+        holders = self.holders(hop.start, hop.end, avoid, adapter=adapter)
         if not holders:
             self.refresh()
-            holders = self.holders(hop.start, hop.end, avoid, adapter_kind=adapter_kind)
+            holders = self.holders(hop.start, hop.end, avoid, adapter=adapter)
         if not holders:
-            raise MissingBlocksError(list(range(hop.start, hop.end)), requirement=adapter_requirement(adapter_kind))
+            raise MissingBlocksError(list(range(hop.start, hop.end)), requirement=adapter_requirement(adapter))
         return holders[0]
 
     def _call_backward(self, peer_id: str, request: BackwardRequest) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -487,22 +486,20 @@ class RemoteSequence:
 
     def _hop_by_hop(self, hidden: torch.Tensor, session_id: str, step: int, extra: dict, tokens: int,
                     head: Optional[HeadQuery] = None, trace: Optional[list[HopTrace]] = None,
-                    start: int = 0, end: Optional[int] = None, prompts: Optional[torch.Tensor] = None,
-                    prompt_kind: str = DEEP_PROMPT) -> torch.Tensor | Predictions:
+                    start: int = 0, end: Optional[int] = None, adapter: Optional[BlockAdapter] = None
+                    ) -> torch.Tensor | Predictions:
         """Each hop of the route in turn (blocks ``start:end``, by default all); a failed hop is redone from its
-        first block on another server. Each answered hop's input is appended to ``trace`` when given. ``prompts``
-        holds a per-block adapter's tensor for every block of the model; each hop is sent its blocks' slice."""
+        first block on another server. Each answered hop's input is appended to ``trace`` when given. ``adapter``
+        holds a per-block adapter's weights for every block of the model; each hop is sent its blocks' slice."""
         budget = RetryBudget(self.config)
         block, end = start, self.num_blocks if end is None else end
-        kind = prompt_kind if prompts is not None else None
         disputed: Optional[UnresolvedCheck] = None
         while block < end:
             try:
                 hidden, block = call_with_failover(
-                    lambda avoid: self._next_hop(block, tokens, avoid, budget, end, kind),
+                    lambda avoid: self._next_hop(block, tokens, avoid, budget, end, adapter),
                     lambda hop: hop.peer_id,
-                    lambda hop: self._call_hop(hop, hidden, session_id, step, extra, head, trace, prompts,
-                                               prompt_kind),
+                    lambda hop: self._call_hop(hop, hidden, session_id, step, extra, head, trace, adapter),
                     health=self.health, budget=budget, final=lambda error: self._final_error(error, step),
                     on_failure=lambda hop, error: self.failovers.append(FailoverEvent(hop.peer_id, hop.start,
                                                                                       str(error))),
@@ -518,29 +515,28 @@ class RemoteSequence:
         return hidden
 
     def _next_hop(self, block: int, tokens: int, avoid: frozenset[str], budget: RetryBudget,
-                  end: Optional[int] = None, adapter_kind: Optional[str] = None) -> RouteHop:
+                  end: Optional[int] = None, adapter: Optional[BlockAdapter] = None) -> RouteHop:
         """The hop from ``block`` (cut at ``end``); when no usable server covers the rest, wait for a busy one or
         say which blocks are missing (for a pass with a per-block adapter: among servers that apply its kind) and
         what was tried."""
         while True:
             try:
-                hop = self.hop_from(block, tokens, avoid, adapter_kind)
+                hop = self.hop_from(block, tokens, avoid, adapter)
                 return hop if end is None or hop.end <= end else RouteHop(hop.peer_id, hop.start, end)
             except MissingBlocksError as error:
                 pause = self.health.wait_for_busy()
                 if pause is None:
                     raise MissingBlocksError(error.blocks, list(budget.errors) or None,
-                                             adapter_requirement(adapter_kind)) from None
+                                             adapter_requirement(adapter)) from None
                 budget.wait(str(error), pause or None, where=f" at block {block}")  # 0: the usual back-off
 
     def _call_hop(self, hop: RouteHop, hidden: torch.Tensor, session_id: str, step: int, extra: dict,
                   head: Optional[HeadQuery] = None, trace: Optional[list[HopTrace]] = None,
-                  prompts: Optional[torch.Tensor] = None, prompt_kind: str = DEEP_PROMPT
-                  ) -> tuple[torch.Tensor | Predictions, int]:
+                  adapter: Optional[BlockAdapter] = None) -> tuple[torch.Tensor | Predictions, int]:
         """One server's blocks: its output (spot-checked when drawn) and the block the next hop starts at."""
         head_extra = self._head_extra(hop, extra, head)
-        piece = prompts[hop.start:hop.end].detach() if prompts is not None else None
-        request = ForwardRequest(hop.start, hop.end, hidden, session_id, step, head_extra or extra, piece, prompt_kind)
+        piece = adapter.slice(hop.start, hop.end).detach() if adapter is not None else None
+        request = ForwardRequest(hop.start, hop.end, hidden, session_id, step, head_extra or extra, adapter=piece)
         work = request.rows * (hop.end - hop.start)
         started = time.perf_counter()
         output = self.loop.run(self.caller.forward(hop.peer_id, request, self.health.timeout(hop.peer_id, work)))

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Callable, NoReturn, Optional
 
 import torch
 
+from swarm.adapters.block import BlockAdapter
 from swarm.client.config import ClientConfig
 from swarm.client.failover import RetriesExhausted
 from swarm.client.peers import PeerHealth
@@ -137,7 +138,7 @@ class FillInputs:
             self._inputs.clear()
 
 
-Holders = Callable[[int, int, frozenset[str], bool, Optional[str]], list[str]]
+Holders = Callable[[int, int, frozenset[str], bool, Optional[BlockAdapter]], list[str]]
 
 
 class SpotChecker:
@@ -146,7 +147,7 @@ class SpotChecker:
     def __init__(self, health: PeerHealth, caller: RemoteCaller, loop: BackgroundLoop, config: ClientConfig,
                  holders: Holders):
         self.health, self.caller, self.loop, self.config = health, caller, loop, config
-        self.holders = holders  # (start, end, avoid, head, adapter kind) -> usable holders, fastest first
+        self.holders = holders  # (start, end, avoid, head, adapter) -> usable holders, fastest first
         self.rtol = config.spot_check_rtol
         self.fraction = config.spot_check_fraction
         self.require_verified = False  # set by the request's policy: stop instead of returning unverified tokens
@@ -197,13 +198,13 @@ class SpotChecker:
                   head: Optional[HeadQuery]) -> list[tuple[str, bool]]:
         """Who may check, and whether each answers a head query: holders of the blocks; for a head hop head servers
         first, then (when this client can score hidden states) replicas without the head."""
-        kind = request.prompt_kind if request.prompts is not None else None
         avoid = frozenset({primary})
-        with_head = self.holders(request.start, request.end, avoid, head is not None, kind)
+        with_head = self.holders(request.start, request.end, avoid, head is not None, request.adapter)
         checkers = [(peer, head is not None) for peer in with_head]
         if head is None or self.load_head is None:
             return checkers
-        return checkers + [(peer, False) for peer in self.holders(request.start, request.end, avoid, False, kind)
+        return checkers + [(peer, False) for peer in self.holders(request.start, request.end, avoid, False,
+                                                                  request.adapter)
                            if peer not in with_head]
 
     def _answer(self, peer: str, request: ForwardRequest, head: Optional[HeadQuery],
@@ -275,11 +276,11 @@ class SpotChecker:
         version = directive["version"]
         session = f"check-{uuid.uuid4().hex}"
         fill = ForwardRequest(request.start, request.end, fill_input, session, request.step,
-                              {"cache": {"rows": None, "version": version, "keep_from": version}}, request.prompts,
-                              request.prompt_kind)
+                              {"cache": {"rows": None, "version": version, "keep_from": version}},
+                              adapter=request.adapter)
         self._forward(peer, fill)
         reuse = ForwardRequest(request.start, request.end, request.hidden, session, request.step,
-                               {"cache": dict(directive, keep_from=version)}, request.prompts, request.prompt_kind)
+                               {"cache": dict(directive, keep_from=version)}, adapter=request.adapter)
         return self._forward(peer, reuse)
 
     def _conclude(self, request: ForwardRequest, primary: str, asked: list[str], answers: dict[str, torch.Tensor],

@@ -219,7 +219,7 @@ def governance_key(prefix: str) -> str:
 
 
 def adapter_index_key(prefix: str) -> str:
-    """Where each adapter author lists the names it published (``swarm.finetune.sharing``)."""
+    """Where each adapter author lists the names it published (``swarm.adapters.sharing``)."""
     return f"{prefix}.adapters"
 
 

@@ -16,10 +16,11 @@ from typing import Optional
 import click
 from hivemind.dht import DHT
 
+from swarm.adapters.adapter import MAX_PROMPT_LENGTH, MAX_RANK
+from swarm.adapters.kinds import KINDS
 from swarm.cli_options import SwarmCommand, apply_threads, run_main, setup_logging, threads_option
 from swarm.dht.node import LOOPBACK_MADDRS, NetworkConfig, start_dht, stop_dht, visible_maddrs
 from swarm.dht.peers import split_peers
-from swarm.finetune.adapter import KINDS, MAX_PROMPT_LENGTH, MAX_RANK
 from swarm.finetune.together import CollaborationConfig
 from swarm.finetune.trainer import FinetuneConfig, Finetuner, parse_lr_from
 from swarm.lm import BaseDiffusionLM

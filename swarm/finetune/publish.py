@@ -2,7 +2,7 @@
 
 The record (base model, training metadata, size, content hash, score) is signed by the author's Ed25519 key
 (``python -m swarm.governance keygen --out author.key`` makes one); the files themselves are served by servers
-started with ``--serve-adapter DIR`` (see :mod:`swarm.finetune.sharing`).
+started with ``--serve-adapter DIR`` (see :mod:`swarm.adapters.sharing`).
 """
 from __future__ import annotations
 
@@ -13,12 +13,12 @@ from typing import Optional
 
 import click
 
+from swarm.adapters.adapter import PromptAdapter, base_of
+from swarm.adapters.sharing import PUBLISH_LIFETIME, make_record, publish, read_hosts
 from swarm.cli_options import SwarmCommand, network_options, pop_network_config, setup_logging
 from swarm.dht.node import start_dht, stop_dht
 from swarm.dht.peers import resolve_initial_peers
 from swarm.dht.schema import default_prefix, protected_keys
-from swarm.finetune.adapter import PromptAdapter, base_of
-from swarm.finetune.sharing import PUBLISH_LIFETIME, make_record, publish, read_hosts
 from swarm.governance.keys import load_private_key
 from swarm.models.loading import DEFAULT_MODEL, ModelFiles
 

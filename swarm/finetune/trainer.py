@@ -1,11 +1,11 @@
 """Training an adapter with the masked-diffusion SFT objective, on the local model or through the swarm.
 
-The frozen model is seen as three differentiable pieces (:class:`Backbone`): the embedding (no gradient needed),
-the blocks (a function of the hidden states and, for a per-block adapter, of its tensor), and the head (with the
-adapter's head correction, when it has one). Locally the blocks are the in-memory span; through the swarm they are
-one :class:`SwarmBlocks` call, whose forward is the client's ordinary pass (recording each hop's input) and whose
-backward asks each hop's server for the gradient of its input and of its blocks' slice of the adapter. Only the
-adapter's tensors are trained.
+The frozen model is seen as three differentiable pieces (:class:`swarm.lm.Backbone`, from the model's own
+``backbone()``): the embedding (no gradient needed), the blocks (a function of the hidden states and, for a
+per-block adapter, of its weights), and the head (with the adapter's head correction, when it has one). Locally the
+blocks are the in-memory span; through the swarm they are one :class:`swarm.client.backbone.SwarmBlocks` call,
+whose forward is the client's ordinary pass (recording each hop's input) and whose backward asks each hop's server
+for the gradient of its input and of its blocks' slice of the adapter. Only the adapter's tensors are trained.
 
 A run is a deterministic function of its :class:`FinetuneConfig` and data: batches and masking noise come from
 one seeded generator saved with the optimiser, so an interrupted run resumes exactly where it stopped; its
@@ -22,7 +22,7 @@ import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional, Protocol
+from typing import Any, Callable, Iterable, Optional
 
 import hivemind
 import torch
@@ -30,19 +30,8 @@ from hivemind.dht import DHT
 from torch import nn
 from tqdm.auto import tqdm
 
-from swarm.client.model import DistributedDiffusionLM
-from swarm.client.sequence import HopTrace, RemoteSequence
-from swarm.finetune.adapter import (
-    ADAPTER_CONFIG,
-    DEEP_PROMPT,
-    LORA,
-    RANKED_KINDS,
-    SOFT_PROMPT,
-    PromptAdapter,
-    base_of,
-    new_adapter,
-    size_setting,
-)
+from swarm.adapters.adapter import ADAPTER_CONFIG, PromptAdapter, base_of, new_adapter, size_setting
+from swarm.adapters.kinds import LORA, RANKED_KINDS, SOFT_PROMPT
 from swarm.finetune.data import Example, SFTBatch, data_digest, load_examples, make_batch
 from swarm.finetune.together import (
     CollaborationConfig,
@@ -51,9 +40,7 @@ from swarm.finetune.together import (
     peers_in_run,
     wait_for_peers,
 )
-from swarm.lm import BaseDiffusionLM
-from swarm.local import DiffusionLM
-from swarm.models.modules import HeadLoRA
+from swarm.lm import Backbone, BaseDiffusionLM
 from swarm.train.objective import mask_tokens, masked_cross_entropy
 
 logger = logging.getLogger(__name__)
@@ -191,91 +178,18 @@ def saved_run_defining(saved: dict[str, Any]) -> dict[str, Any]:
                           "target_batch_size": collaboration.get("target_batch_size", saved.get("batch_size"))})
 
 
-class Backbone(Protocol):
-    """The frozen model as differentiable pieces (see the module doc)."""
-
-    lm: BaseDiffusionLM
-
-    def embed(self, ids: torch.Tensor) -> torch.Tensor: ...
-
-    def blocks(self, hidden: torch.Tensor, prompts: Optional[torch.Tensor] = None,
-               prompt_kind: str = DEEP_PROMPT) -> torch.Tensor: ...
-
-    def head(self, hidden: torch.Tensor, lora: Optional[HeadLoRA] = None) -> torch.Tensor: ...
-
-
-class LocalBackbone:
-    """Every block in this process (:class:`DiffusionLM`)."""
-
-    def __init__(self, lm: DiffusionLM):
-        self.lm = lm
-        lm.model.requires_grad_(False)
-
-    def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.lm.model.embedding(ids)
-
-    def blocks(self, hidden: torch.Tensor, prompts: Optional[torch.Tensor] = None,
-               prompt_kind: str = DEEP_PROMPT) -> torch.Tensor:
-        return self.lm.model.span(hidden, prompts=prompts, prompt_kind=prompt_kind)
-
-    def head(self, hidden: torch.Tensor, lora: Optional[HeadLoRA] = None) -> torch.Tensor:
-        return self.lm.model.head(hidden, lora)
-
-
-class SwarmBlocks(torch.autograd.Function):
-    """Every block through the swarm as one differentiable function of the hidden states (and of a per-block
-    adapter's tensor, when given: None for a soft prompt)."""
-
-    @staticmethod
-    def forward(ctx: Any, hidden: torch.Tensor, prompts: Optional[torch.Tensor],
-                sequence: RemoteSequence, prompt_kind: str) -> torch.Tensor:
-        trace: list[HopTrace] = []
-        prompts = prompts.detach() if prompts is not None else None
-        output = sequence.forward(hidden.detach(), trace=trace, prompts=prompts, prompt_kind=prompt_kind)
-        ctx.sequence, ctx.trace, ctx.dtype, ctx.prompts, ctx.kind = sequence, trace, hidden.dtype, prompts, prompt_kind
-        return output.to(hidden.dtype)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor], None, None]:
-        grad_hidden, grad_prompts = ctx.sequence.backward_all(ctx.trace, grad.float(), ctx.prompts, ctx.kind)
-        return grad_hidden.to(ctx.dtype), grad_prompts, None, None
-
-
-class SwarmBackbone:
-    """The client's embedding and head, the blocks on the swarm (:class:`DistributedDiffusionLM`)."""
-
-    def __init__(self, lm: DistributedDiffusionLM):
-        self.lm = lm
-        lm.embedding.requires_grad_(False)
-        lm.head.requires_grad_(False)
-
-    def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.lm.embedding(ids)
-
-    def blocks(self, hidden: torch.Tensor, prompts: Optional[torch.Tensor] = None,
-               prompt_kind: str = DEEP_PROMPT) -> torch.Tensor:
-        return SwarmBlocks.apply(hidden, prompts, self.lm.sequence, prompt_kind)
-
-    def head(self, hidden: torch.Tensor, lora: Optional[HeadLoRA] = None) -> torch.Tensor:
-        return self.lm.head(hidden.to(self.lm.compute_dtype), lora)
-
-
-def backbone_of(lm: BaseDiffusionLM) -> Backbone:
-    return SwarmBackbone(lm) if isinstance(lm, DistributedDiffusionLM) else LocalBackbone(lm)
-
-
 def adapted_logits(backbone: Backbone, adapter: PromptAdapter, tokens: torch.Tensor) -> torch.Tensor:
     """Logits of ``tokens`` with the adapter's positions in front, differentiable with respect to its vectors."""
     with torch.no_grad():
         hidden = backbone.embed(tokens)
-    blocks = backbone.blocks(adapter.extend(hidden), adapter.block_prompts, adapter.kind)
+    blocks = backbone.blocks(adapter.extend(hidden), adapter.block_adapter)
     return backbone.head(adapter.strip(blocks), adapter.head_lora).float()
 
 
 def sft_loss(backbone: Backbone, adapter: PromptAdapter, batch: SFTBatch, generator: torch.Generator) -> torch.Tensor:
     """LLaDA's SFT loss: the prompt stays clean, the response (and its EOS padding) is masked with ratio
     t ~ U(eps, 1]; cross-entropy on the masked positions weighted by 1/t, per row over its response length."""
-    mask_id = backbone.lm.config.mask_token_id
+    mask_id = backbone.config.mask_token_id
     noisy, masked, t = mask_tokens(batch.tokens, mask_id, generator, given=batch.given)
     logits = adapted_logits(backbone, adapter, noisy)
     per_token = masked_cross_entropy(logits, batch.tokens, masked, t)
@@ -320,7 +234,7 @@ class Finetuner:
         self.output = Path(config.output)
         saved = self._saved()
         config.fill_defaults(saved["config"] if saved is not None else None)
-        self.backbone = backbone_of(lm)
+        self.backbone = lm.backbone()
         self.generator = torch.Generator().manual_seed(config.seed)
         self.state = FinetuneState()
         self.adapter = self._start_adapter()  # every peer of a run starts from the same vectors (one --seed)
@@ -399,7 +313,7 @@ class Finetuner:
                     "batch_size": self.config.batch_size,
                     "data_sha256": self.config.data_sha256,
                     "examples": len(self.examples), "wall_s": round(self.state.wall_s, 1),
-                    "through_swarm": isinstance(self.lm, DistributedDiffusionLM)}
+                    "through_swarm": self.backbone.through_swarm}
         if self.collaborative:
             training.update(run_id=self.config.collaboration.run_id, local_steps=self.state.step,
                             target_batch_size=self.config.collaboration.target_batch_size,

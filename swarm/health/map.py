@@ -134,7 +134,7 @@ def read_experts(dht: DHT, prefix: str) -> dict[str, list[ExpertAnnouncement]]:
 
 def read_adapters(dht: DHT, prefix: str) -> list[dict[str, Any]]:
     """Published adapters (signed records listed in the adapters index) and the peers serving each now."""
-    from swarm.finetune.sharing import read_catalog  # the sharing module pulls in the adapter code: only if asked
+    from swarm.adapters.sharing import read_catalog  # the sharing module pulls in the adapter code: only if asked
 
     return [dict(record.to_json(), hosts=hosts) for record, hosts in read_catalog(dht, prefix)]
 

@@ -13,7 +13,19 @@ from torch import nn
 
 from swarm.models.config import ModelConfig
 from swarm.models.kv_cache import BlockKV
-from swarm.models.lora import BlockLoRA, project
+
+# A low-rank correction of a block's projections, by projection name: (down (r, in), up (out, r)). An adapter
+# (swarm/adapters/lora.py) unpacks it from its per-block tensor; the block only applies it.
+BlockLoRA = dict[str, tuple[torch.Tensor, torch.Tensor]]
+
+
+def project(linear: nn.Module, x: torch.Tensor, lora: Optional[BlockLoRA], name: str) -> torch.Tensor:
+    """``linear(x)``, plus the LoRA correction of projection ``name`` when there is one (float32, then x's dtype)."""
+    out = linear(x)
+    if lora is None:
+        return out
+    down, up = lora[name]
+    return out + ((x.float() @ down.float().T) @ up.float().T).to(out.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -66,7 +78,7 @@ class Attention(nn.Module):
         kv: Optional[BlockKV] = None, rows: Optional[tuple[int, int]] = None, lora: Optional[BlockLoRA] = None,
     ) -> torch.Tensor:
         """``x`` holds rows ``rows`` of the sequence (all of it when None); ``kv`` remembers or supplies the rest;
-        ``lora`` corrects the projections (:mod:`swarm.models.lora`)."""
+        ``lora`` corrects the projections (:func:`project`)."""
         batch, length, _ = x.shape
         cfg = self.config
         q, k, v = (project(linear, x, lora, name).view(batch, length, heads, cfg.head_dim).transpose(1, 2)

@@ -7,24 +7,29 @@ indices, so a span's ``state_dict`` keys are exactly the checkpoint keys it need
 from __future__ import annotations
 
 import threading
-from typing import Optional
+from typing import Optional, Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from swarm.models.config import ModelConfig
 from swarm.models.kv_cache import SpanKV
-from swarm.models.layers import RMSNorm, TransformerBlock, rotary_cos_sin
-from swarm.models.lora import LORA, BlockLoRA, BlockWidths, unpack_lora
+from swarm.models.layers import BlockLoRA, RMSNorm, TransformerBlock, rotary_cos_sin
 from swarm.utils.errors import SwarmError
 
-DEEP_PROMPT = "deep_prompt"
-BOTTLENECK = "bottleneck"
-# adapters whose tensor has a slice per block, (blocks, R, hidden): a deep prompt's vectors and a bottleneck's
-# weights are applied to the rows before each block, a LoRA's inside it (swarm/models/lora.py)
-BLOCK_ADAPTER_KINDS = (DEEP_PROMPT, BOTTLENECK, LORA)
 HeadLoRA = tuple[torch.Tensor, torch.Tensor]  # an adapter's head correction: down (r, hidden), up (vocab, r)
+
+
+class SpanAdapter(Protocol):
+    """A per-block adapter as a span applies it (:class:`swarm.adapters.block.BlockAdapter`; the model layer knows
+    only this much of it)."""
+
+    def check(self, blocks: int, config: ModelConfig) -> None:
+        """ValueError unless it fits ``blocks`` blocks of this model."""
+
+    def enter(self, block: int, hidden: torch.Tensor, offset: int, config: ModelConfig
+              ) -> tuple[torch.Tensor, Optional[BlockLoRA]]:
+        """The states block ``block`` (its index among the adapter's blocks) receives, and its projections' LoRA."""
 
 
 class PassCancelled(SwarmError):
@@ -62,8 +67,7 @@ class BlockSpan(nn.Module):
         blocks: Optional[tuple[int, int]] = None,
         kv: Optional[SpanKV] = None,
         rows: Optional[tuple[int, int]] = None,
-        prompts: Optional[torch.Tensor] = None,
-        prompt_kind: str = DEEP_PROMPT,
+        adapter: Optional[SpanAdapter] = None,
         cancel: Optional[threading.Event] = None,
     ) -> torch.Tensor:
         """hidden (batch, length, d); attention_mask (batch, length) bool, True for real tokens.
@@ -71,9 +75,9 @@ class BlockSpan(nn.Module):
         ``blocks=(a, b)`` runs only the held blocks ``a:b`` (a server may serve part of its span).
         ``kv`` with ``rows`` None fills the cache from this full pass; with ``rows=(a, b)`` the hidden states
         are those rows only and every other position's keys and values come from the cache.
-        ``prompts`` (blocks run, R, d): an adapter's tensor for each block run, applied before the block as
-        ``prompt_kind`` says (:func:`apply_block_adapter`): a deep prompt's vectors, added to the absolute positions
-        0:R, or a bottleneck adapter's weights, applied to every row; or a LoRA of the block's projections.
+        ``adapter``: a per-block adapter (:class:`swarm.adapters.block.BlockAdapter`) for the blocks run, block i's
+        share applied as it enters block i: a deep prompt's vectors, added to the absolute positions 0:R, or a
+        bottleneck adapter's weights, applied to every row; or a LoRA of the block's projections.
         ``cancel``: checked before each block; once set, :class:`PassCancelled` is raised, so a server stops a
         pass whose caller has gone within one block's time (a cache being filled is then dropped by its caller).
         """
@@ -91,74 +95,19 @@ class BlockSpan(nn.Module):
             if length != rows[1] - rows[0]:
                 raise ValueError(f"{length} hidden rows given for rows {rows[0]}:{rows[1]}")
             kv.check_reuse(start, end, batch, rows)
-        widths = BlockWidths.of(self.config) if prompts is not None else None  # only a per-block adapter needs them
-        if prompts is not None:
-            if prompts.dim() != 3 or prompts.shape[0] != end - start or prompts.shape[2] != hidden.shape[2]:
-                raise ValueError(f"prompts of shape {tuple(prompts.shape)} for blocks {start}:{end}: expected "
-                                 f"({end - start}, R, {hidden.shape[2]})")
-            check_block_adapter(prompt_kind, prompts.shape[1], widths)
+        if adapter is not None:
+            adapter.check(end - start, self.config)
         cos, sin = rotary_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, hidden.dtype)
         offset = rows[0] if rows is not None else 0
         for index in range(start, end):
             if cancel is not None and cancel.is_set():
                 raise PassCancelled(f"pass cancelled before block {index}")
             lora: Optional[BlockLoRA] = None
-            if prompts is not None and prompt_kind == LORA:
-                lora = unpack_lora(prompts[index - start], widths)
-            elif prompts is not None:
-                hidden = apply_block_adapter(prompt_kind, hidden, prompts[index - start], offset)
+            if adapter is not None:
+                hidden, lora = adapter.enter(index - start, hidden, offset, self.config)
             hidden = self.blocks[str(index)](hidden, cos, sin, attention_mask,
                                              kv.block(index) if kv is not None else None, rows, lora)
         return hidden
-
-
-def check_block_adapter(kind: str, rows: int, widths: BlockWidths) -> None:
-    """A per-block adapter tensor of ``rows`` rows per block must be of a known kind (a bottleneck's rows are its
-    down and up projections, so an even number; a LoRA's, its packed projections of some rank)."""
-    if kind not in BLOCK_ADAPTER_KINDS:
-        raise ValueError(f"unknown per-block adapter kind {kind!r}; known: {', '.join(BLOCK_ADAPTER_KINDS)}")
-    if kind == BOTTLENECK and rows % 2:
-        raise ValueError(f"a bottleneck adapter's tensor holds 2 x rank rows per block, got {rows}")
-    if kind == LORA and widths.rank(rows) is None:
-        raise ValueError(f"{rows} rows per block are no LoRA of this model: rank r takes "
-                         f"ceil(r x {widths.floats_per_rank()} / {widths.hidden_size}) rows "
-                         f"({widths.rows(1)} for rank 1, {widths.rows(8)} for rank 8)")
-
-
-def apply_block_adapter(kind: str, hidden: torch.Tensor, weights: torch.Tensor, offset: int = 0) -> torch.Tensor:
-    """One block's share of a per-block adapter, applied to ``hidden`` before the block (rows at absolute positions
-    ``offset``...): the one function the local model and every server run, so their tokens agree."""
-    if kind == BOTTLENECK:
-        return add_bottleneck(hidden, weights)
-    return add_prompt(hidden, weights, offset)
-
-
-def add_bottleneck(hidden: torch.Tensor, weights: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """``hidden`` plus a small residual MLP of each row: ``silu(norm(h) @ down.T) @ up``, ``weights`` (2r, d) holding
-    ``down`` (r, d) then ``up`` (r, d).
-
-    Row by row, so a cache reuse that computes only some rows applies it exactly as the full pass did. The norm has
-    no weight: the residual stream's scale grows with depth, and a fixed-scale input keeps one learning rate right
-    for every block. ``up`` starts at zero, so a new adapter is the identity."""
-    rank = weights.shape[0] // 2
-    states = hidden.float()
-    normed = states * torch.rsqrt(states.pow(2).mean(-1, keepdim=True) + eps)
-    down, up = weights[:rank].float(), weights[rank:].float()
-    return (states + F.silu(normed @ down.T) @ up).to(hidden.dtype)
-
-
-def add_prompt(hidden: torch.Tensor, prompt: torch.Tensor, offset: int = 0) -> torch.Tensor:
-    """``hidden`` (rows at absolute positions ``offset``...) with ``prompt`` (P, d) added to the rows at absolute
-    positions 0:P that it holds: one deep-prompt step, the same arithmetic in the local model and on a server.
-
-    Added, not replacing: a zero prompt is the identity, so each block still sees what the blocks before made of
-    the prompt rows, and the gradient flows through them to every earlier block's vectors."""
-    length = hidden.shape[1]
-    first, last = max(offset, 0), min(prompt.shape[0], offset + length)
-    if first >= last:  # a cache reuse of rows after the prompt: nothing to add
-        return hidden
-    delta = F.pad(prompt[first:last].to(hidden.dtype), (0, 0, first - offset, offset + length - last))
-    return hidden + delta
 
 
 class OutputHead(nn.Module):

@@ -3,8 +3,8 @@
 A client training or generating with a LoRA sends the same (blocks, R, hidden) tensor with every call of a step, and
 with every denoising step of a generation: at LLaDA-8B's widths a rank-8 LoRA is 2.6 MB per block, as much as the
 hidden states of a few hundred positions. A server keeps each tensor it received under the digest it computes itself
-from the bytes (:func:`swarm.protocol.adapter_digest`), and answers that it did (``prompt_held``); the client's
-next call for the same tensor carries the digest alone.
+from the bytes (:meth:`swarm.adapters.block.BlockAdapter.digest`), and answers that it did (``prompt_held``); the
+client's next call for the same tensor carries the digest alone.
 
 Hostile clients: the digest is the server's own hash of what arrived, so nobody can file a tensor under another
 one's digest. Entries are kept per peer (libp2p id): a peer finds only what it sent itself, so naming a digest
@@ -24,7 +24,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Optional
 
-import torch
+from swarm.adapters.block import BlockAdapter
 
 ENTRY_OVERHEAD_BYTES = 512  # the entry's Python objects and its keys in the indexes
 
@@ -40,8 +40,7 @@ class AdapterTensorStats:
 
 @dataclass(slots=True)
 class _Entry:
-    tensor: torch.Tensor
-    kind: str  # how blocks apply it (part of the digest: a name never means another kind)
+    adapter: BlockAdapter  # its kind is part of the digest: a name never means another kind
     size: int
 
 
@@ -74,8 +73,8 @@ class AdapterTensors:
         own = sum(1 for owner, _ in self.entries if owner == peer)
         return {**bounds, "entries": own, "bytes": self.peer_bytes.get(peer, 0), "hits": self.peer_hits.get(peer, 0)}
 
-    def get(self, digest: str, peer: str) -> Optional[tuple[torch.Tensor, str]]:
-        """The tensor ``peer`` filed under ``digest`` and its kind (now the most recently used), or None."""
+    def get(self, digest: str, peer: str) -> Optional[BlockAdapter]:
+        """The adapter ``peer`` filed under ``digest`` (now the most recently used), or None."""
         entry = self.entries.get((peer, digest))
         if entry is None:
             self.stats.misses += 1
@@ -83,19 +82,20 @@ class AdapterTensors:
         self.entries.move_to_end((peer, digest))
         self.stats.hits += 1
         self.peer_hits[peer] = self.peer_hits.get(peer, 0) + 1
-        return entry.tensor, entry.kind
+        return entry.adapter
 
-    def put(self, digest: str, tensor: torch.Tensor, kind: str, peer: str) -> bool:
-        """Keep ``tensor`` of ``kind`` (which the caller hashed to ``digest``) as ``peer``'s upload; False when it
-        is over the peer's share and was not kept."""
-        size = tensor.numel() * tensor.element_size() + ENTRY_OVERHEAD_BYTES
+    def put(self, digest: str, adapter: BlockAdapter, peer: str) -> bool:
+        """Keep ``adapter`` (which the caller hashed to ``digest``) as ``peer``'s upload; False when it is over the
+        peer's share and was not kept."""
+        weights = adapter.weights
+        size = weights.numel() * weights.element_size() + ENTRY_OVERHEAD_BYTES
         if size > self.max_peer_bytes:
             self.stats.refused += 1
             return False
         self._drop((peer, digest))
         self._evict(lambda: self.peer_bytes.get(peer, 0) + size > self.max_peer_bytes, peer)
         self._evict(lambda: self.bytes + size > self.max_bytes)
-        self.entries[peer, digest] = _Entry(tensor, kind, size)
+        self.entries[peer, digest] = _Entry(adapter, size)
         self.bytes += size
         self.peer_bytes[peer] = self.peer_bytes.get(peer, 0) + size
         self.stats.stored += 1

@@ -21,10 +21,11 @@ from typing import TYPE_CHECKING, Callable, Optional, TypeVar
 
 import torch
 
+from swarm.adapters.block import BlockAdapter
 from swarm.diffusion.prediction import HeadQuery, predict_states
 from swarm.models.config import ModelConfig
 from swarm.models.kv_cache import SpanKV
-from swarm.models.modules import DEEP_PROMPT, BlockSpan, OutputHead, PassCancelled
+from swarm.models.modules import BlockSpan, OutputHead, PassCancelled
 from swarm.protocol import ErrorCode, RemoteError
 
 if TYPE_CHECKING:
@@ -392,13 +393,13 @@ class SpanBackend:
     @torch.inference_mode()
     def forward_sync(self, hidden: torch.Tensor, start: int, end: int, kv: Optional[SpanKV] = None,
                      rows: Optional[tuple[int, int]] = None, head: Optional[HeadQuery] = None,
-                     prompts: Optional[torch.Tensor] = None, prompt_kind: str = DEEP_PROMPT,
-                     cancel: Optional[threading.Event] = None) -> torch.Tensor:
+                     adapter: Optional[BlockAdapter] = None, cancel: Optional[threading.Event] = None
+                     ) -> torch.Tensor:
         """Run blocks ``start:end`` (a sub-span of the held one), filling or reusing ``kv`` (see BlockSpan), applying
         a per-block adapter's tensor before each block; with a ``head`` query, answer its predictions (float64)
         instead of the hidden states. Stopped between blocks once ``cancel`` is set."""
         x = self.span(hidden.to(self.device, self.dtype), blocks=(start, end), kv=kv, rows=rows,
-                      prompts=self._on_device(prompts), prompt_kind=prompt_kind, cancel=cancel)
+                      adapter=self._on_device(adapter), cancel=cancel)
         x = x.to(self.dtype)  # the compute dtype: the wire carries it as is by default (lossless)
         if head is None:
             return x.cpu()
@@ -408,20 +409,21 @@ class SpanBackend:
     async def forward(self, hidden: torch.Tensor, start: int, end: int, kv: Optional[SpanKV] = None,
                       rows: Optional[tuple[int, int]] = None, *, peer: str = "",
                       grant: Optional[Grant] = None, head: Optional[HeadQuery] = None,
-                      prompts: Optional[torch.Tensor] = None, prompt_kind: str = DEEP_PROMPT) -> torch.Tensor:
+                      adapter: Optional[BlockAdapter] = None) -> torch.Tensor:
         """The span's output; ``grant`` is the place :meth:`ComputeQueue.admit` gave the request (taken here
         for ``peer`` when None)."""
         cost, cancel = self.cost(*hidden.shape[:2]), threading.Event()
-        return await self.queue.run(cost, self.forward_sync, hidden, start, end, kv, rows, head, prompts, prompt_kind,
-                                    cancel, peer=peer, grant=grant, cancel=cancel)
+        return await self.queue.run(cost, self.forward_sync, hidden, start, end, kv, rows, head, adapter, cancel,
+                                    peer=peer, grant=grant, cancel=cancel)
 
-    def _on_device(self, prompts: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-        """A per-block adapter's tensor where the blocks compute, in float32 (each block adds them in its own dtype)."""
-        return None if prompts is None else prompts.to(self.device, torch.float32)
+    def _on_device(self, adapter: Optional[BlockAdapter]) -> Optional[BlockAdapter]:
+        """A per-block adapter's weights where the blocks compute, in float32 (each block adds them in its own
+        dtype)."""
+        return None if adapter is None else adapter.to(self.device)
 
     def backward_sync(self, inputs: torch.Tensor, grad_outputs: torch.Tensor, start: int, end: int,
-                      prompts: Optional[torch.Tensor] = None, prompt_kind: str = DEEP_PROMPT,
-                      cancel: Optional[threading.Event] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                      adapter: Optional[BlockAdapter] = None, cancel: Optional[threading.Event] = None
+                      ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """The gradient of blocks ``start:end``'s input (float32), recomputing their forward with autograd, and
         of the per-block adapter's tensor when given (float32, else None).
 
@@ -429,21 +431,21 @@ class SpanBackend:
         freed when it returns."""
         with torch.inference_mode(False), torch.enable_grad():
             x = inputs.to(self.device, self.dtype).requires_grad_(True)
-            p = self._on_device(prompts)
-            if p is not None:  # a leaf of its own: the tensor may be the store's, shared with other requests
-                p = p.detach().requires_grad_(True)
-            leaves = (x,) if p is None else (x, p)
-            y = self.span(x, blocks=(start, end), prompts=p, prompt_kind=prompt_kind, cancel=cancel)
+            if adapter is not None:  # a leaf of its own: the weights may be the store's, shared with other requests
+                adapter = adapter.to(self.device).detach()
+                adapter.weights.requires_grad_(True)
+            leaves = (x,) if adapter is None else (x, adapter.weights)
+            y = self.span(x, blocks=(start, end), adapter=adapter, cancel=cancel)
             grads = torch.autograd.grad(y, leaves, grad_outputs.to(self.device, y.dtype))
-        return grads[0].float().cpu(), grads[1].float().cpu() if p is not None else None
+        return grads[0].float().cpu(), grads[1].float().cpu() if adapter is not None else None
 
     async def backward(self, inputs: torch.Tensor, grad_outputs: torch.Tensor, start: int, end: int, *,
-                       peer: str = "", grant: Optional[Grant] = None, prompts: Optional[torch.Tensor] = None,
-                       prompt_kind: str = DEEP_PROMPT) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                       peer: str = "", grant: Optional[Grant] = None, adapter: Optional[BlockAdapter] = None
+                       ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """:meth:`backward_sync` on the compute thread, under the same queue and bounds as forward passes."""
         cost, cancel = self.cost(2 * inputs.shape[0], inputs.shape[1]), threading.Event()
-        return await self.queue.run(cost, self.backward_sync, inputs, grad_outputs, start, end, prompts, prompt_kind,
-                                    cancel, peer=peer, grant=grant, cancel=cancel)
+        return await self.queue.run(cost, self.backward_sync, inputs, grad_outputs, start, end, adapter, cancel,
+                                    peer=peer, grant=grant, cancel=cancel)
 
     def shutdown(self) -> None:
         self.queue.shutdown()

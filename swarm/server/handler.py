@@ -34,10 +34,11 @@ from hivemind.proto import runtime_pb2
 from hivemind.utils import MSGPackSerializer
 from hivemind.utils.asyncio import iter_as_aiter
 
+from swarm.adapters.block import BlockAdapter, is_sha256_hex
+from swarm.adapters.kinds import DEEP_PROMPT
+from swarm.adapters.lora import BlockWidths
 from swarm.diffusion.prediction import HeadQuery
 from swarm.models.kv_cache import CacheMiss, SpanKV
-from swarm.models.lora import BlockWidths
-from swarm.models.modules import DEEP_PROMPT
 from swarm.protocol import (
     AUTO_WIRE,
     MAX_STREAM_MESSAGE_BYTES,
@@ -46,11 +47,9 @@ from swarm.protocol import (
     RemoteError,
     SpanService,
     ack_response,
-    adapter_digest,
     adapter_parts,
     decode_tensor,
     error_response,
-    is_sha256_hex,
     join_parts,
     parse_metadata,
     response_parts,
@@ -64,16 +63,16 @@ from swarm.server.session_cache import SessionCaches
 from swarm.server.validation import (
     is_count,
     require,
+    validate_adapter,
     validate_declared,
     validate_hidden,
     validate_metadata,
     validate_positions,
     validate_prompt_declared,
-    validate_prompts,
 )
 
 if TYPE_CHECKING:
-    from swarm.finetune.sharing import AdapterLibrary
+    from swarm.adapters.sharing import AdapterLibrary
 
 logger = logging.getLogger(__name__)
 
@@ -122,7 +121,7 @@ class Declared:
     prompt_length: int = 0  # rows per block of the per-block adapter tensor the request carries (0: none)
     prompt_parts: int = 0  # the messages' tensor parts holding it, after the hidden states' ``parts``
     prompt_kind: str = DEEP_PROMPT  # how the blocks apply it (a deep prompt's vectors, a bottleneck's weights, a LoRA)
-    held_prompts: Optional[torch.Tensor] = None  # the tensor the request named by digest, from the server's store
+    held_adapter: Optional[BlockAdapter] = None  # the adapter the request named by digest, from the server's store
 
     @property
     def prompt_shape(self) -> tuple[int, int, int]:
@@ -266,7 +265,7 @@ class ForwardHandler(SpanService):
         declared = self._declared(first, unary, peer, backward)
         queue, cost = self.backend.queue, self.backend.cost(*declared.shape[:2])
         queue.check(peer, cost)  # no room now: refused before the rest is received
-        hidden, prompts, held = await self._receive(first, stream, declared, peer, unary, cost)
+        hidden, adapter, held = await self._receive(first, stream, declared, peer, unary, cost)
         with queue.admit(peer, cost) as place, self._push_place(peer, declared) as push_place:
             answer = {"prompt_held": True} if held else None
             extra = declared.metadata.get("extra", {})
@@ -274,9 +273,9 @@ class ForwardHandler(SpanService):
             computing = time.perf_counter()
             grad_prompts = None
             if declared.backward:
-                output, grad_prompts = await self._backward(hidden, prompts, declared, place)
+                output, grad_prompts = await self._backward(hidden, adapter, declared, place)
             else:
-                output = await self._compute(hidden, prompts, declared, extra, session_id, place)
+                output = await self._compute(hidden, adapter, declared, extra, session_id, place)
             self.compute_seconds += time.perf_counter() - computing
             self.rows_computed += declared.tokens
             queue.records.complete(peer)
@@ -306,7 +305,7 @@ class ForwardHandler(SpanService):
         batch, length = validate_declared(proto.dtype, tuple(proto.size), self.hidden_size, self.max_batch_tokens)
         validate_positions(length, self.backend.max_positions)
         shape = (batch, length, self.hidden_size)
-        held = self._held_prompts(metadata.get("prompt_digest"), prompt_kind, (end - start, prompt_length), peer)
+        held = self._held_adapter(metadata.get("prompt_digest"), prompt_kind, (end - start, prompt_length), peer)
         prompt_bytes = 4 * (end - start) * prompt_length * self.hidden_size if prompt_parts else 0
         max_bytes = min(self.max_payload_bytes, 4 * math.prod(shape) + PAYLOAD_SLACK_BYTES) + prompt_bytes
         parts, max_parts = metadata.get("parts"), self.max_payload_bytes // MIN_CHUNK_BYTES + 1
@@ -318,7 +317,7 @@ class ForwardHandler(SpanService):
                 f"first part of {first.ByteSize()} bytes, over the {max_bytes} its declared shapes need")
         extra = metadata.get("extra", {})
         prompted = dict(prompt_length=prompt_length, prompt_parts=prompt_parts, prompt_kind=prompt_kind,
-                        held_prompts=held)
+                        held_adapter=held)
         if backward:
             self._check_backward(extra, batch)
             if unary:
@@ -335,9 +334,9 @@ class ForwardHandler(SpanService):
             self._check_unary_answer([shape], self.wire_dtype, self.backend.dtype)
         return Declared(metadata, start, end, shape, parts, max_bytes, push, head, **prompted)
 
-    def _held_prompts(self, digest: Optional[str], kind: str, blocks_rows: tuple[int, int], peer: str
-                      ) -> Optional[torch.Tensor]:
-        """The adapter tensor ``peer`` sent earlier and now names by ``digest`` (None when it names none), of its
+    def _held_adapter(self, digest: Optional[str], kind: str, blocks_rows: tuple[int, int], peer: str
+                      ) -> Optional[BlockAdapter]:
+        """The adapter ``peer`` sent earlier and now names by ``digest`` (None when it names none), of its
         declared kind and (blocks, R); ``adapter_miss`` when this server does not hold it (any more) for that peer:
         the client sends it again. Only the peer's own uploads are found, so a digest tells nobody else anything."""
         if digest is None:
@@ -345,12 +344,11 @@ class ForwardHandler(SpanService):
         found = self.adapter_tensors.get(digest, peer) if self.adapter_tensors is not None else None
         require(found is not None, ErrorCode.ADAPTER_MISS,
                 f"no adapter tensor {digest[:16]}... here (evicted, or never sent to this server): send it")
-        tensor, held_kind = found
         shape = (*blocks_rows, self.hidden_size)
-        require(held_kind == kind and tuple(tensor.shape) == shape, ErrorCode.BAD_REQUEST,
-                f"adapter tensor {digest[:16]}... is a {held_kind} of shape {tuple(tensor.shape)}, the request "
-                f"declares a {kind} of {shape}")
-        return tensor
+        require(found.kind == kind and tuple(found.weights.shape) == shape, ErrorCode.BAD_REQUEST,
+                f"adapter tensor {digest[:16]}... is a {found.kind} of shape {tuple(found.weights.shape)}, the "
+                f"request declares a {kind} of {shape}")
+        return found
 
     @staticmethod
     def _check_unary_answer(shapes: list[tuple[int, int, int]], wire_dtype: str, dtype: torch.dtype) -> None:
@@ -407,9 +405,9 @@ class ForwardHandler(SpanService):
 
     async def _receive(self, first: runtime_pb2.ExpertRequest, stream: AsyncIterator[runtime_pb2.ExpertRequest],
                        declared: Declared, peer: str, unary: bool, cost: int
-                       ) -> tuple[torch.Tensor, Optional[torch.Tensor], bool]:
+                       ) -> tuple[torch.Tensor, Optional[BlockAdapter], bool]:
         """The rest of the request's parts, within its declared size and its deadline, decoded: the hidden
-        states and the adapter's tensor (None when the request has none; the held one when it named it), both
+        states and the per-block adapter (None when the request has none; the held one when it named it), both
         validated, and whether a tensor that came is now kept for later calls to name. A stream holds a place
         among the unfinished streams meanwhile (a unary call has nothing more to receive)."""
         chunks, size = list(first.tensors), first.ByteSize()
@@ -434,16 +432,17 @@ class ForwardHandler(SpanService):
         validate_hidden(hidden, self.hidden_size, self.max_batch_tokens)
         require(tuple(hidden.shape) == declared.shape, ErrorCode.BAD_REQUEST,
                 f"hidden states of shape {tuple(hidden.shape)}, the first part declared {declared.shape}")
-        if not declared.prompt_length or declared.held_prompts is not None:
-            return hidden, declared.held_prompts, False
-        prompts = decode_tensor(join_parts(chunks[declared.parts:], declared.prompt_parts))
-        validate_prompts(prompts, declared.prompt_shape, declared.prompt_kind)
+        if not declared.prompt_length or declared.held_adapter is not None:
+            return hidden, declared.held_adapter, False
+        weights = decode_tensor(join_parts(chunks[declared.parts:], declared.prompt_parts))
+        adapter = BlockAdapter(declared.prompt_kind, weights)
+        validate_adapter(adapter, declared.prompt_shape)
         if self.adapter_tensors is None or not self.adapter_tensors.enabled:
-            return hidden, prompts, False
-        digest = await asyncio.to_thread(adapter_digest, prompts, declared.prompt_kind)  # ~1 GB/s: off the loop
-        return hidden, prompts, self.adapter_tensors.put(digest, prompts, declared.prompt_kind, peer)
+            return hidden, adapter, False
+        digest = await asyncio.to_thread(adapter.digest)  # ~1 GB/s: off the loop
+        return hidden, adapter, self.adapter_tensors.put(digest, adapter, peer)
 
-    async def _compute(self, hidden: torch.Tensor, prompts: Optional[torch.Tensor], declared: Declared, extra: dict,
+    async def _compute(self, hidden: torch.Tensor, adapter: Optional[BlockAdapter], declared: Declared, extra: dict,
                        session_id: str, place: Grant) -> torch.Tensor:
         """Run the span under ``place`` (the compute queue releases it when the work leaves its thread),
         filling or reusing the session's cache as ``extra`` says."""
@@ -453,7 +452,7 @@ class ForwardHandler(SpanService):
             try:
                 output = await asyncio.wait_for(
                     self.backend.forward(hidden, declared.start, declared.end, kv, rows, grant=place,
-                                         head=declared.head, prompts=prompts, prompt_kind=declared.prompt_kind),
+                                         head=declared.head, adapter=adapter),
                     self.request_timeout)
                 computed = True
             finally:
@@ -463,14 +462,13 @@ class ForwardHandler(SpanService):
             raise RemoteError(ErrorCode.CACHE_MISS, str(miss)) from None
         return output
 
-    async def _backward(self, stacked: torch.Tensor, prompts: Optional[torch.Tensor], declared: Declared,
+    async def _backward(self, stacked: torch.Tensor, adapter: Optional[BlockAdapter], declared: Declared,
                         place: Grant) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """The gradients of the span's input (and of the deep prompt, when one came) from the stacked inputs and
         output gradients, under ``place``."""
         inputs, grad_outputs = stacked.chunk(2)
         return await asyncio.wait_for(
-            self.backend.backward(inputs, grad_outputs, declared.start, declared.end, grant=place, prompts=prompts,
-                                  prompt_kind=declared.prompt_kind),
+            self.backend.backward(inputs, grad_outputs, declared.start, declared.end, grant=place, adapter=adapter),
             self.request_timeout)
 
     async def _cache_for(self, extra: dict, session_id: str, hidden: torch.Tensor, start: int, end: int

@@ -10,6 +10,8 @@ from typing import Callable, Optional, Sequence
 import torch
 from hivemind.dht import DHT
 
+from swarm.adapters.kinds import PER_BLOCK_KINDS
+from swarm.adapters.sharing import AdapterLibrary, declare_hosted
 from swarm.dht.compatibility import CompatibilityTag
 from swarm.dht.identity import Identity
 from swarm.dht.node import check_listen_addresses, start_dht, stop_dht
@@ -25,12 +27,11 @@ from swarm.dht.schema import (
     protected_keys,
     read_servers,
 )
-from swarm.finetune.sharing import AdapterLibrary, declare_hosted
 from swarm.governance.guard import GovernanceGuard
 from swarm.governance.keys import trusted_signers
 from swarm.models.checkpoint import parse_dtype
 from swarm.models.loading import EXACT, ModelFiles, numerics, resolve_device
-from swarm.models.modules import BLOCK_ADAPTER_KINDS, OutputHead
+from swarm.models.modules import OutputHead
 from swarm.models.quantization import quantize_span_int8
 from swarm.server.adapter_tensors import AdapterTensors
 from swarm.server.backend import SpanBackend, StreamLimits
@@ -197,7 +198,7 @@ class Server:
             peer_id=self.peer_id, state=self.state, start=self.start, end=self.end, throughput=self.throughput,
             public_name=self.config.public_name, version=__version__, experts=sorted(self.experts),
             numerics=self.numerics, addresses=self.addresses, head=self.backend is not None and
-            self.backend.head is not None, adapter_kinds=list(BLOCK_ADAPTER_KINDS),
+            self.backend.head is not None, adapter_kinds=list(PER_BLOCK_KINDS),
         )
 
     def expert_records(self) -> list[ExpertRecord]:

@@ -5,10 +5,11 @@ from typing import Any
 
 import torch
 
-from swarm.finetune.adapter import max_block_rows  # the adapters' own limits
-from swarm.models.lora import BlockWidths
-from swarm.models.modules import BLOCK_ADAPTER_KINDS, DEEP_PROMPT, check_block_adapter
-from swarm.protocol import ErrorCode, RemoteError, is_sha256_hex
+from swarm.adapters.adapter import max_block_rows  # the adapters' own limits
+from swarm.adapters.block import BlockAdapter, check_rows, is_sha256_hex
+from swarm.adapters.kinds import DEEP_PROMPT, PER_BLOCK_KINDS, described
+from swarm.adapters.lora import BlockWidths
+from swarm.protocol import ErrorCode, RemoteError
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 FLOAT_DTYPE_NAMES = ("float32", "float16", "bfloat16")
@@ -85,8 +86,8 @@ def validate_prompt_declared(metadata: dict[str, Any], blocks: int, max_batch_to
     kind = metadata.get("prompt_kind", DEEP_PROMPT)
     if length is None and parts is None and "prompt_kind" not in metadata:
         return 0, 0, DEEP_PROMPT
-    require(isinstance(kind, str) and kind in BLOCK_ADAPTER_KINDS, ErrorCode.BAD_REQUEST,
-            f"metadata 'prompt_kind' must be one of {', '.join(BLOCK_ADAPTER_KINDS)}, got {kind!r}")
+    require(isinstance(kind, str) and kind in PER_BLOCK_KINDS, ErrorCode.BAD_REQUEST,
+            f"metadata 'prompt_kind' must be one of {', '.join(PER_BLOCK_KINDS)}, got {kind!r}")
     limit = max_block_rows(kind, widths)
     require(is_count(length) and 0 < length <= limit, ErrorCode.BAD_REQUEST,
             f"metadata 'prompt_length' must be an integer in 1..{limit} for a {kind}, got {length!r}")
@@ -101,20 +102,20 @@ def validate_prompt_declared(metadata: dict[str, Any], blocks: int, max_batch_to
                 "a request either sends its adapter tensor (prompt_parts) or names it (prompt_digest), not both")
         parts = 0
     require(blocks * length <= max_batch_tokens, ErrorCode.TOO_LARGE,
-            f"a {kind.replace('_', ' ')} of {length} rows for {blocks} blocks ({blocks * length}) exceeds this "
+            f"a {described(kind)} of {length} rows for {blocks} blocks ({blocks * length}) exceeds this "
             f"server's limit of {max_batch_tokens}")
     try:
-        check_block_adapter(kind, length, widths)
+        check_rows(kind, length, widths)
     except ValueError as error:
         raise RemoteError(ErrorCode.BAD_REQUEST, f"metadata 'prompt_length': {error}") from None
     return length, parts, kind
 
 
-def validate_prompts(prompts: torch.Tensor, shape: tuple[int, int, int], kind: str = DEEP_PROMPT) -> None:
-    """A per-block adapter's tensor: float, exactly the declared (blocks, R, hidden), finite."""
-    what = "deep prompt vectors" if kind == DEEP_PROMPT else f"{kind} weights"
-    require(prompts.dtype in FLOAT_DTYPES, ErrorCode.BAD_REQUEST,
-            f"{what} must be float32/float16/bfloat16, got {prompts.dtype}")
-    require(tuple(prompts.shape) == tuple(shape), ErrorCode.BAD_REQUEST,
-            f"{what} have shape {tuple(prompts.shape)}, the request declares {tuple(shape)}")
-    require(bool(torch.isfinite(prompts).all()), ErrorCode.NOT_FINITE, f"{what} contain NaN or infinite values")
+def validate_adapter(adapter: BlockAdapter, shape: tuple[int, int, int]) -> None:
+    """A per-block adapter's weights: float, exactly the declared (blocks, R, hidden), finite."""
+    what, weights = adapter.describe(), adapter.weights
+    require(weights.dtype in FLOAT_DTYPES, ErrorCode.BAD_REQUEST,
+            f"{what} must be float32/float16/bfloat16, got {weights.dtype}")
+    require(tuple(weights.shape) == tuple(shape), ErrorCode.BAD_REQUEST,
+            f"{what} have shape {tuple(weights.shape)}, the request declares {tuple(shape)}")
+    require(bool(torch.isfinite(weights).all()), ErrorCode.NOT_FINITE, f"{what} contain NaN or infinite values")

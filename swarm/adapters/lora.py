@@ -8,8 +8,8 @@ The rank follows from R (:meth:`BlockWidths.rank`), so a request needs no more m
 
 Why every projection and not only attention: on the default backbone training every weight learns held-out
 addition in 192k samples, where a bottleneck (rows only) stays near chance at 512k (docs/TRAINING.md).
-A projection computes ``linear(x) + (x @ down.T) @ up.T`` in float32; ``up`` starts at zero, so a new adapter is
-the identity.
+A projection computes ``linear(x) + (x @ down.T) @ up.T`` in float32 (:func:`swarm.models.layers.project`); ``up``
+starts at zero, so a new adapter is the identity.
 """
 from __future__ import annotations
 
@@ -18,11 +18,10 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
-from torch import nn
 
-LORA = "lora"
+from swarm.models.layers import BlockLoRA
+
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-BlockLoRA = dict[str, tuple[torch.Tensor, torch.Tensor]]  # projection name -> (down (r, in), up (out, r))
 
 
 @dataclass(frozen=True)
@@ -84,11 +83,3 @@ def new_lora_weights(widths: BlockWidths, rank: int, blocks: int, generator: tor
             down.copy_(torch.randn(down.shape, generator=generator) / math.sqrt(down.shape[1]))
     return weights
 
-
-def project(linear: nn.Module, x: torch.Tensor, lora: Optional[BlockLoRA], name: str) -> torch.Tensor:
-    """``linear(x)``, plus the LoRA correction of projection ``name`` when there is one (float32, then x's dtype)."""
-    out = linear(x)
-    if lora is None:
-        return out
-    down, up = lora[name]
-    return out + ((x.float() @ down.float().T) @ up.float().T).to(out.dtype)

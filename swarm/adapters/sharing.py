@@ -33,6 +33,16 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hivemind.dht import DHT
 from hivemind.utils import MSGPackSerializer, get_dht_time
 
+from swarm.adapters.adapter import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    MAX_CONFIG_BYTES,
+    MAX_WEIGHTS_BYTES,
+    AdapterConfig,
+    AdapterError,
+    PromptAdapter,
+)
+from swarm.adapters.block import is_sha256_hex
 from swarm.dht import fields
 from swarm.dht.schema import MAX_ADDRESS_CHARS, MAX_ADDRESSES, adapter_index_key, read_owned, store_owned
 from swarm.dht.validation import (
@@ -44,16 +54,6 @@ from swarm.dht.validation import (
     slot_subkey,
     verify_slot,
 )
-from swarm.finetune.adapter import (
-    ADAPTER_CONFIG,
-    ADAPTER_WEIGHTS,
-    MAX_CONFIG_BYTES,
-    MAX_WEIGHTS_BYTES,
-    AdapterConfig,
-    AdapterError,
-    PromptAdapter,
-)
-from swarm.protocol import RemoteError, is_sha256_hex
 
 logger = logging.getLogger(__name__)
 
@@ -383,7 +383,9 @@ def store_in_cache(cache_dir: Path, record: PublishedAdapter, files: dict[str, b
     return target
 
 
-Fetch = Callable[[str, list[str], str, int], dict[str, bytes]]  # (peer, addresses, sha256, max bytes) -> files
+# (peer, addresses, sha256, max bytes) -> files; a peer that fails or refuses raises AdapterError (the client's
+# fetcher turns its RemoteError into one), and the next host is tried.
+Fetch = Callable[[str, list[str], str, int], dict[str, bytes]]
 
 
 def fetch_published(dht: DHT, prefix: str, reference: str, base: dict[str, Any], cache_dir: Path,
@@ -405,7 +407,7 @@ def fetch_published(dht: DHT, prefix: str, reference: str, base: dict[str, Any],
         try:
             files = fetch(peer_id, addresses, record.sha256, record.size)
             check_fetched(record, files, peer_id)
-        except (AdapterError, RemoteError) as error:
+        except AdapterError as error:
             logger.warning("adapter %r from %s refused: %s", reference, peer_id, error)
             failures.append(str(error))
             continue

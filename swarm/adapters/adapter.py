@@ -8,15 +8,15 @@ sequence:
   failover, push and every sampler setting work unchanged, and only training needs a backward call.
 * a *deep prompt* (``deep_prompt``, Petals' "deep_ptune"): ``P`` vectors *per block*. The ``P`` positions start
   as zeros and before block i the vectors ``prompts[i]`` are added to their states, so the adapter steers every
-  block, not only the input (:func:`swarm.models.modules.add_prompt`). Each forward and backward request carries
+  block, not only the input (:func:`swarm.adapters.block.add_prompt`). Each forward and backward request carries
   the vectors of its span's blocks; the server adds them and its backward answers their gradient too.
 
 Two add no positions: a *bottleneck adapter* (``bottleneck``, after Houlsby et al.'s adapters) is, per block, a
-residual MLP of rank ``r`` applied to every row before the block (:func:`swarm.models.modules.add_bottleneck`):
+residual MLP of rank ``r`` applied to every row before the block (:func:`swarm.adapters.block.add_bottleneck`):
 ``(blocks, 2r, hidden)`` weights that travel per hop exactly like a deep prompt's vectors. It can change what every
 position computes, where prompt vectors can only be attended to. A *LoRA* (``lora``, after Hu et al.) corrects
 every projection of every block, attention's included, by ``up @ down`` of rank ``r``; per block its matrices are
-packed into ``R`` rows of ``hidden`` (:mod:`swarm.models.lora`) and travel the same way. It is the closest an
+packed into ``R`` rows of ``hidden`` (:mod:`swarm.adapters.lora`) and travel the same way. It is the closest an
 adapter gets to training every weight, which is what learnt held-out addition on the default backbone.
 
 Any kind may also carry a *head correction* (``head_rank`` > 0): LoRA on the output head, which the client holds,
@@ -48,19 +48,17 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from swarm.adapters.block import BlockAdapter
+from swarm.adapters.kinds import BOTTLENECK, DEEP_PROMPT, KINDS, LORA, PER_BLOCK_KINDS, RANKED_KINDS, SOFT_PROMPT
+from swarm.adapters.lora import BlockWidths, new_lora_weights, unpack_lora
 from swarm.dht.compatibility import CompatibilityTag
-from swarm.models.lora import LORA, BlockWidths, new_lora_weights, unpack_lora
-from swarm.models.modules import BLOCK_ADAPTER_KINDS, BOTTLENECK, DEEP_PROMPT, HeadLoRA
+from swarm.models.modules import HeadLoRA
 from swarm.utils.errors import EXIT_USAGE, SwarmError
 
 ADAPTER_CONFIG = "adapter.json"
 ADAPTER_WEIGHTS = "adapter.safetensors"
 PROMPT_KEY = "prompt"
 HEAD_DOWN_KEY, HEAD_UP_KEY = "head_down", "head_up"  # the head correction's tensors, when head_rank > 0
-SOFT_PROMPT = "soft_prompt"
-KINDS = (SOFT_PROMPT, DEEP_PROMPT, BOTTLENECK, LORA)
-PER_BLOCK_KINDS = BLOCK_ADAPTER_KINDS  # a tensor slice per block, carried by every request
-RANKED_KINDS = (BOTTLENECK, LORA)  # sized by a rank and adding no positions; the prompt kinds by their vectors
 MAX_PROMPT_LENGTH = 256  # rows of one block's tensor (prompt vectors, or a bottleneck's 2 x rank)
 MAX_RANK = MAX_PROMPT_LENGTH // 2
 # Model widths an adapter's base records since LoRA, whose layout depends on them; adapters saved before (none of
@@ -279,10 +277,10 @@ class PromptAdapter(nn.Module):
         return self.config.prompt_length
 
     @property
-    def block_prompts(self) -> Optional[torch.Tensor]:
-        """(blocks, R, hidden): the tensor applied before each block (a deep prompt's vectors, a bottleneck's
-        weights), or None."""
-        return None
+    def block_adapter(self) -> Optional[BlockAdapter]:
+        """The per-block part, its weights (blocks, R, hidden) this adapter's trainable tensor itself (a deep
+        prompt's vectors, a bottleneck's or LoRA's weights), or None (a soft prompt)."""
+        return BlockAdapter(self.kind, self.prompts) if self.kind in PER_BLOCK_KINDS else None
 
     def extend(self, hidden: torch.Tensor) -> torch.Tensor:
         """(batch, P + length, hidden): the prompt positions' first states, in ``hidden``'s dtype, before each
@@ -382,10 +380,6 @@ class DeepPrompt(PromptAdapter):
             prompts[0] = embed(ids).detach().float()
         return cls(config, prompts)
 
-    @property
-    def block_prompts(self) -> torch.Tensor:
-        return self.prompts
-
     def input_states(self) -> torch.Tensor:
         return torch.zeros(self.length, self.config.hidden_size, dtype=self.prompts.dtype)
 
@@ -393,10 +387,6 @@ class DeepPrompt(PromptAdapter):
 class RankedAdapter(PromptAdapter):
     """A per-block adapter sized by a rank that adds no positions (a bottleneck, a LoRA): its whole tensor is
     applied per block."""
-
-    @property
-    def block_prompts(self) -> torch.Tensor:
-        return self.prompts
 
     def input_states(self) -> torch.Tensor:
         return torch.zeros(0, self.config.hidden_size, dtype=self.prompts.dtype)
@@ -424,7 +414,7 @@ class BottleneckAdapter(RankedAdapter):
 
 
 class LoRAAdapter(RankedAdapter):
-    """Per block, LoRA of rank r on every projection (:mod:`swarm.models.lora`): no extra positions."""
+    """Per block, LoRA of rank r on every projection (:mod:`swarm.adapters.lora`): no extra positions."""
 
     kind = LORA
 

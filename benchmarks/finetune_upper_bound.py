@@ -23,7 +23,7 @@ from finetune_addition import answer_shape, count, score, write_pairs  # noqa: E
 from swarm.adapters.adapter import base_of, new_adapter  # noqa: E402
 from swarm.adapters.kinds import BOTTLENECK  # noqa: E402
 from swarm.finetune.data import load_examples, make_batch  # noqa: E402
-from swarm.finetune.trainer import LocalBackbone, sft_loss  # noqa: E402
+from swarm.finetune.trainer import sft_loss  # noqa: E402
 from swarm.local import DiffusionLM  # noqa: E402
 from swarm.train.data import AdditionTask  # noqa: E402
 
@@ -46,7 +46,7 @@ def main() -> None:
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
     lm = DiffusionLM.from_pretrained("default")
-    backbone = LocalBackbone(lm)  # freezes the model; the blocks and head are unfrozen below
+    backbone = lm.backbone()  # freezes the model; the blocks and head are unfrozen below
     task = AdditionTask(tokenizer=lm.tokenizer)
     eos = lm.config.eos_token_id
     examples = load_examples(write_pairs(task, args.train_examples, args.seed, out / "addition.jsonl"),

@@ -47,8 +47,9 @@ from hivemind.p2p import P2P, PeerID
 from swarm.adapters.block import BlockAdapter
 from swarm.adapters.kinds import LORA
 from swarm.adapters.lora import BlockWidths
+from swarm.diffusion.pipeline import CacheDirective
 from swarm.models.loading import ModelFiles
-from swarm.protocol import ForwardRequest, RemoteError, SpanService, request_parts
+from swarm.protocol import ForwardRequest, PushSpec, RemoteError, SpanService, request_parts
 from swarm.remote import RemoteCaller
 from swarm.utils.event_loop import BackgroundLoop
 from swarm.utils.local_swarm import LocalSwarm, ManagedProcess
@@ -175,9 +176,9 @@ def refusals(results: list[Optional[RemoteError]]) -> str:
 
 def flood_pushes(attacker: Attacker, memory: Memory, count: int, settle: float) -> None:
     namespace = attacker.run(attacker.silent_target())
-    spec = {"route": [], "reply_to": attacker.peer_id, "namespace": namespace, "hop_delay": [0.0, 0.0]}
     hidden = torch.randn(16, MAX_TOKENS // 16, HIDDEN)  # 16 rows of 1024: attention stays cheap
-    requests = [ForwardRequest(0, 8, hidden, f"push-{i}", 0, {"push": dict(spec, id=f"push-{i}")})
+    requests = [ForwardRequest(0, 8, hidden, f"push-{i}", 0,
+                               push=PushSpec((), attacker.peer_id, namespace, f"push-{i}", (0.0, 0.0)))
                 for i in range(count)]
     before = memory.now()
     started = time.perf_counter()
@@ -197,12 +198,10 @@ def flood_pushes(attacker: Attacker, memory: Memory, count: int, settle: float) 
 
 def flood_fills(attacker: Attacker, memory: Memory, count: int) -> None:
     def fill(session: str) -> ForwardRequest:
-        return ForwardRequest(0, 8, torch.randn(1, 1, HIDDEN), session, 0,
-                              {"cache": {"rows": None, "version": 1, "keep_from": 0}})
+        return ForwardRequest(0, 8, torch.randn(1, 1, HIDDEN), session, 0, cache=CacheDirective(1, None, 0))
 
     def reuse_ms(session: str, repeats: int = 100, warmup: int = 20) -> float:
-        request = ForwardRequest(0, 8, torch.randn(1, 1, HIDDEN), session, 1,
-                                 {"cache": {"rows": [0, 1], "version": 1, "keep_from": 0}})
+        request = ForwardRequest(0, 8, torch.randn(1, 1, HIDDEN), session, 1, cache=CacheDirective(1, (0, 1), 0))
         times = []
         for _ in range(warmup):
             attacker.run(attacker.call(request, push=False))

@@ -27,13 +27,14 @@ may not be, so it comes back as a stream of parts counted the same way.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import enum
 import functools
 import logging
 import math
 import time
 from contextlib import closing
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass
 from typing import Any, AsyncIterator, Callable, Optional
 
 import torch
@@ -47,6 +48,8 @@ from hivemind.utils import MSGPackSerializer
 from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
 from swarm.adapters.block import BlockAdapter
+from swarm.diffusion.pipeline import CacheDirective
+from swarm.diffusion.prediction import HeadQuery
 from swarm.utils.errors import SwarmError
 
 logger = logging.getLogger(__name__)
@@ -99,14 +102,41 @@ class RemoteError(SwarmError):
         self.message = message
 
 
+@dataclass(frozen=True)
+class PushSpec:
+    """Where a pushed request's output goes next (``extra["push"]`` on the wire; servers check what they receive
+    with :func:`swarm.server.push.parse_push`)."""
+
+    route: tuple[tuple[str, int, int], ...]  # (peer id, start, end) of the hops after this one
+    reply_to: str  # the client's peer id
+    namespace: str  # the client's DeliveryService namespace
+    push_id: str
+    hop_delay: tuple[float, float] = (0.0, 0.0)  # emulated (latency, jitter) of each crossing
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"route": [list(hop) for hop in self.route], "reply_to": self.reply_to, "namespace": self.namespace,
+                "id": self.push_id, "hop_delay": list(self.hop_delay)}
+
+    def onward(self) -> "PushSpec":
+        """The spec the next hop receives: the same, minus that hop."""
+        return dataclasses.replace(self, route=self.route[1:])
+
+
 @dataclass
 class ForwardRequest:
+    """Hidden states for blocks ``start:end``, and what else the call asks for; on the wire the directives travel
+    in the metadata's ``extra`` map (``cache``, ``head``, ``push``) and the adapter as a second tensor (see the
+    module doc)."""
+
     start: int
     end: int
     hidden: torch.Tensor
     session_id: str = ""
     step: int = -1
-    extra: dict[str, Any] = field(default_factory=dict)
+    _: KW_ONLY
+    cache: Optional[CacheDirective] = None  # fill the session's activation cache, or reuse it for some rows
+    head: Optional[HeadQuery] = None  # a head server at the last block answers predictions instead
+    push: Optional[PushSpec] = None  # hand the output on to the next hops instead of answering it
     adapter: Optional[BlockAdapter] = None  # a per-block adapter for blocks start:end: (blocks, R, hidden) weights
     adapter_digest: Optional[str] = None  # send only this digest of ``adapter``: the server holds the weights
 
@@ -114,6 +144,17 @@ class ForwardRequest:
     def rows(self) -> int:
         """Positions carried: batch x length of the hidden states."""
         return self.hidden.shape[0] * self.hidden.shape[1]
+
+    def directives(self) -> dict[str, Any]:
+        """The metadata's ``extra`` map: each directive the request carries, as servers read it."""
+        extra: dict[str, Any] = {}
+        if self.cache is not None:
+            extra["cache"] = self.cache.to_dict()
+        if self.head is not None:
+            extra["head"] = self.head.to_dict()
+        if self.push is not None:
+            extra["push"] = self.push.to_dict()
+        return extra
 
 
 @dataclass
@@ -138,7 +179,7 @@ class BackwardRequest:
     def as_forward(self) -> ForwardRequest:
         """The wire form: one forward-shaped request whose tensor stacks inputs and gradients along the batch."""
         stacked = torch.cat([self.inputs.detach().float(), self.grad_outputs.detach().float()])
-        return ForwardRequest(self.start, self.end, stacked, self.session_id, self.step, {}, adapter=self.adapter)
+        return ForwardRequest(self.start, self.end, stacked, self.session_id, self.step, adapter=self.adapter)
 
 
 @dataclass
@@ -209,7 +250,7 @@ def request_parts(request: ForwardRequest, wire_dtype: str = AUTO_WIRE,
                   uid: str = "forward") -> list[runtime_pb2.ExpertRequest]:
     """One part when small, else stream parts; the first part's metadata says how many follow."""
     metadata = {"start": request.start, "end": request.end, "session_id": request.session_id,
-                "step": request.step, "extra": request.extra}
+                "step": request.step, "extra": request.directives()}
     weights = None
     if request.adapter is not None:
         metadata["prompt_length"] = request.adapter.rows

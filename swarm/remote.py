@@ -11,6 +11,7 @@ import logging
 import random
 import time
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import AsyncIterator, Awaitable, Callable, Optional
 
 import torch
@@ -20,7 +21,6 @@ from hivemind.utils import MSGPackSerializer
 from hivemind.utils.asyncio import iter_as_aiter
 from multiaddr import Multiaddr
 
-from swarm.diffusion.prediction import answer_shape
 from swarm.protocol import (
     AUTO_WIRE,
     BackwardRequest,
@@ -47,6 +47,20 @@ MAX_BROKEN_HOLDS = 3
 HASH_OFF_LOOP_BYTES = 2**20  # adapter tensors larger than this are hashed in a thread (~1 GB/s)
 
 
+@dataclass
+class HoldScore:
+    """A server's record on its "I keep it" (``prompt_held``): named calls it served, and named calls that found
+    the tensor gone."""
+
+    served: int = 0
+    missed: int = 0
+
+    @property
+    def broken(self) -> bool:
+        """Broken often, and more often than kept: not to be believed again."""
+        return self.missed >= MAX_BROKEN_HOLDS and self.missed > self.served
+
+
 class RemoteCaller:
     """Thin async wrapper over a server's RPCs; every failure surfaces as :class:`RemoteError`."""
 
@@ -59,7 +73,7 @@ class RemoteCaller:
         self.adapter_by_digest = adapter_by_digest
         self.adapters_held: OrderedDict[tuple[str, str], None] = OrderedDict()  # (peer, digest) the peer said it keeps
         self.adapter_misses = 0  # calls that named a tensor the server no longer held, and sent it again
-        self.named_calls: dict[str, list[int]] = {}  # peer -> [named calls it served, named calls it missed]
+        self.named_calls: dict[str, HoldScore] = {}  # how each peer kept its "I keep it"
         self.holds_distrusted: set[str] = set()  # peers whose prompt_held is no longer believed
         self.wire_dtype = wire_dtype
         self.latency, self.jitter = latency, jitter
@@ -168,15 +182,18 @@ class RemoteCaller:
     def _count_named(self, peer_id: str, missed: bool) -> None:
         """Keep score of a server's "I keep it": one that breaks it often, and more often than it keeps it, gets
         the tensor with every call from now on (what a server that keeps none costs), never a named call."""
-        served_missed = self.named_calls.setdefault(peer_id, [0, 0])
-        served_missed[missed] += 1
-        served, misses = served_missed
-        if missed and misses >= MAX_BROKEN_HOLDS and misses > served and peer_id not in self.holds_distrusted:
+        score = self.named_calls.setdefault(peer_id, HoldScore())
+        if not missed:
+            score.served += 1
+            return
+        score.missed += 1
+        if score.broken and peer_id not in self.holds_distrusted:
             self.holds_distrusted.add(peer_id)
             for key in [key for key in self.adapters_held if key[0] == peer_id]:
                 del self.adapters_held[key]
             logger.warning("%s said it kept adapter tensors and then did not have them %d times (%d named calls "
-                           "served): sending it the tensor with every call from now on", peer_id, misses, served)
+                           "served): sending it the tensor with every call from now on", peer_id, score.missed,
+                           score.served)
 
     @staticmethod
     async def _digest(request: ForwardRequest) -> str:
@@ -185,14 +202,14 @@ class RemoteCaller:
         return await asyncio.to_thread(request.adapter.digest)
 
     async def push(self, peer_id: str, request: ForwardRequest, timeout: float) -> None:
-        """Send a request whose ``extra["push"]`` names the next hops; the server only acknowledges it."""
+        """Send a request whose ``push`` names the next hops; the server only acknowledges it."""
         await self._call(peer_id, self._forward_rpc(peer_id, request), timeout, collect_ack)
 
     async def forward(self, peer_id: str, request: ForwardRequest, timeout: float) -> torch.Tensor:
         """Hidden states after the server's blocks ``request.start:request.end`` (with a head query in
-        ``request.extra``, the head server's predictions: :mod:`swarm.diffusion.prediction`)."""
+        ``request.head``, the head server's predictions: :mod:`swarm.diffusion.prediction`)."""
         output, _ = await self._adapted_call(peer_id, request, timeout)
-        expected = answer_shape(request.extra["head"]) if "head" in request.extra else tuple(request.hidden.shape)
+        expected = request.head.output_shape if request.head is not None else tuple(request.hidden.shape)
         if tuple(output.shape) != expected:
             raise RemoteError(ErrorCode.INTERNAL, f"server returned shape {tuple(output.shape)}, "
                               f"expected {expected}", peer_id)

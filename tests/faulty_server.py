@@ -48,15 +48,15 @@ def _wrong_predictions(self, output, head):
     return output
 
 
-def _perturbed_forward(self, hidden, start, end, kv=None, rows=None, head=None, *rest, **options):
+def _perturbed_forward(self, call, *rest, **options):
     _calls[0] += 1
     if NAME == "faulty-stall" and _calls[0] > 1:
         time.sleep(3600)
-    output = _honest_forward(self, hidden, start, end, kv, rows, head, *rest, **options)
-    if NAME == "faulty-stall" or not _lies_now(rows, head):
+    output = _honest_forward(self, call, *rest, **options)
+    if NAME == "faulty-stall" or not _lies_now(call.rows, call.head):
         return output
-    if head is not None:  # predictions: lie about tokens, keep everything in range
-        return _wrong_predictions(self, output, head)
+    if call.head is not None:  # predictions: lie about tokens, keep everything in range
+        return _wrong_predictions(self, output, call.head)
     return output + 0.05 * output.std() * torch.randn_like(output)
 
 

@@ -519,7 +519,7 @@ def run_client(args: argparse.Namespace) -> None:
 
 
 def _route(lm: Any) -> list[dict]:
-    return [{"peer_id": hop.peer_id, "span": [hop.start, hop.end]} for hop in lm.sequence.route]
+    return [{"peer_id": hop.peer_id, "span": [hop.start, hop.end]} for hop in lm.planner.route]
 
 
 def _generate(lm: Any, args: argparse.Namespace, run: int) -> dict:

@@ -92,7 +92,7 @@ def test_a_lora_travels_once_and_gives_the_same_gradients_and_tokens(local_swarm
         # the next step names it both ways.
         assert every_bytes - first_bytes >= 0.9 * tensor_bytes, (every_bytes, first_bytes, tensor_bytes)
         assert every_bytes - again_bytes >= 1.8 * tensor_bytes, (every_bytes, again_bytes, tensor_bytes)
-        hops = {(hop.peer_id, hop.start, hop.end) for hop in lm.sequence.route}
+        hops = {(hop.peer_id, hop.start, hop.end) for hop in lm.planner.route}
         assert len(lm.caller.adapters_held) >= len(hops) and lm.caller.adapter_misses == 0
         info, _ = lm.loop.run(lm.caller.info(next(iter(hops))[0], 10))
         assert info["adapter_tensors"]["hits"] >= 2 and info["adapter_tensors"]["entries"] >= 1
@@ -129,7 +129,7 @@ def named_request(hidden: torch.Tensor, weights: torch.Tensor, kind: str = LORA,
 
 
 def test_naming_what_one_never_sent_or_another_shape_or_kind_is_refused(remote_lm, local_lm):
-    server = remote_lm.sequence.holders(0, 2)[0]
+    server = remote_lm.planner.holders(0, 2)[0]
     widths = BlockWidths.of(local_lm.config)
     hidden = torch.randn(1, 5, 32)
     weights = 0.3 * torch.randn(2, widths.rows(2), 32, generator=torch.Generator().manual_seed(4))

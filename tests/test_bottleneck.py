@@ -63,7 +63,7 @@ def test_bottleneck_gradients_through_the_swarm_equal_local_autograd(remote_lm, 
     adapter = bottleneck_for(local_lm)
     local_loss, local_grad = adapter_gradient(local_lm, tmp_path, adapter)
     swarm_loss, swarm_grad = adapter_gradient(remote_lm, tmp_path, adapter)
-    assert len({hop.peer_id for hop in remote_lm.sequence.route}) >= 2  # the weights are split between servers
+    assert len({hop.peer_id for hop in remote_lm.planner.route}) >= 2  # the weights are split between servers
     rank = adapter.config.rank
     for block in range(local_lm.config.num_layers):  # both projections of every block get a gradient
         assert local_grad[block, :rank].abs().max() > 1e-4 and local_grad[block, rank:].abs().max() > 1e-4
@@ -91,7 +91,7 @@ def test_a_bottleneck_gives_the_same_tokens_locally_and_through_the_swarm(remote
     ("odd", "2 x rank rows per block, got 3"),
 ])
 def test_servers_refuse_a_malformed_bottleneck_and_go_on(remote_lm, local_lm, case, message):
-    server = remote_lm.sequence.holders(0, 2)[0]
+    server = remote_lm.planner.holders(0, 2)[0]
     hidden = torch.randn(1, 5, 32)
     weights = torch.randn(2, 3 if case == "odd" else 4, 32)
     parts = request_parts(ForwardRequest(0, 2, hidden, adapter=BlockAdapter(BOTTLENECK, weights)))
@@ -212,7 +212,7 @@ def test_a_bottleneck_run_resumes_whatever_the_unused_prompt_length(tiny_model_p
 
 
 def test_a_server_refuses_nan_bottleneck_weights_naming_them(remote_lm):
-    server = remote_lm.sequence.holders(0, 2)[0]
+    server = remote_lm.planner.holders(0, 2)[0]
     weights = torch.randn(2, 4, 32)
     weights[1, 3, 5] = float("nan")
     parts = request_parts(ForwardRequest(0, 2, torch.randn(1, 5, 32), adapter=BlockAdapter(BOTTLENECK, weights)))
@@ -244,7 +244,7 @@ def test_a_server_that_does_not_list_bottlenecks_is_never_sent_one(tiny_model_pa
         try:
             hidden = torch.randn(1, 6, local_lm.config.hidden_size, generator=torch.Generator().manual_seed(0))
             weights = adapter.prompts.detach()
-            request = ForwardRequest(0, 4, hidden, "probe", -1, {}, adapter=BlockAdapter(BOTTLENECK, weights))
+            request = ForwardRequest(0, 4, hidden, "probe", -1, adapter=BlockAdapter(BOTTLENECK, weights))
             answers = {server.name: lm.loop.run(lm.caller.forward(server.peer_id, request, 30))
                        for server in (old, honest)}
             expected = local_lm.model.span(hidden, adapter=BlockAdapter(BOTTLENECK, weights))

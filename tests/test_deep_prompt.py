@@ -38,6 +38,7 @@ from swarm.protocol import (
     BackwardRequest,
     ErrorCode,
     ForwardRequest,
+    PushSpec,
     RemoteError,
     collect_response,
     decode_tensor,
@@ -90,7 +91,7 @@ def test_deep_prompt_gradients_through_the_swarm_equal_local_autograd(remote_lm,
     local_loss, local_grad = adapter_gradient(local_lm, tmp_path, adapter)
     remote_lm.sequence.failovers.clear()
     swarm_loss, swarm_grad = adapter_gradient(remote_lm, tmp_path, adapter)
-    assert len({hop.peer_id for hop in remote_lm.sequence.route}) >= 2  # the prompt is split between servers
+    assert len({hop.peer_id for hop in remote_lm.planner.route}) >= 2  # the prompt is split between servers
     assert all(local_grad[block].abs().max() > 1e-4 for block in range(local_lm.config.num_layers))
     assert swarm_loss == pytest.approx(local_loss, abs=1e-6)
     assert (swarm_grad - local_grad).abs().max().item() <= TOLERANCE
@@ -172,7 +173,7 @@ def _set_metadata(part: runtime_pb2.ExpertRequest, **changes) -> None:
     ("backward-nan", ErrorCode.NOT_FINITE, "deep prompt vectors contain NaN"),
 ])
 def test_servers_refuse_malformed_deep_prompts(remote_lm, local_lm, case, code, message):
-    server = remote_lm.sequence.holders(0, 2)[0]
+    server = remote_lm.planner.holders(0, 2)[0]
     hidden, prompts = torch.randn(1, 5, 32), torch.randn(2, 3, 32)
     backward = case.startswith("backward")
     if case == "shape":
@@ -186,7 +187,7 @@ def test_servers_refuse_malformed_deep_prompts(remote_lm, local_lm, case, code, 
     request = ForwardRequest(0, 2, torch.cat([hidden, hidden]) if backward else hidden,
                              adapter=BlockAdapter(DEEP_PROMPT, prompts))
     if case == "push":
-        request.extra = {"push": {"route": [], "reply_to": "x", "namespace": "x", "id": "x"}}
+        request.push = PushSpec((), "x", "x", "x")
     parts = request_parts(request, uid="backward" if backward else "forward")
     if case in ("shape", "oversized"):
         _set_metadata(parts[0], prompt_length=3)

@@ -16,6 +16,7 @@ from safetensors.torch import save_file
 from swarm.adapters.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, AdapterConfig, AdapterError, SoftPrompt, base_of
 from swarm.client import DistributedDiffusionLM
 from swarm.client.sequence import HopTrace
+from swarm.diffusion.pipeline import CacheDirective
 from swarm.finetune.__main__ import main as finetune_main
 from swarm.finetune.data import load_examples, make_batch
 from swarm.finetune.trainer import FinetuneConfig, Finetuner, sft_loss
@@ -150,7 +151,7 @@ def backward_call(lm, peer: str, request: ForwardRequest) -> torch.Tensor:
     ("large", ErrorCode.TOO_LARGE, "exceeds"),
 ])
 def test_hostile_backward_requests_are_refused_clearly(remote_lm, case, code, message):
-    server = remote_lm.sequence.holders(0, 2)[0]
+    server = remote_lm.planner.holders(0, 2)[0]
     stacked = torch.randn(4, 3, 32)
     request = ForwardRequest(0, 2, stacked)
     if case == "odd":
@@ -158,7 +159,7 @@ def test_hostile_backward_requests_are_refused_clearly(remote_lm, case, code, me
     elif case == "nan":
         stacked[3, 1, 5] = float("nan")  # in the gradient half
     elif case == "cache":
-        request.extra = {"cache": {"rows": None, "version": 0}}
+        request.cache = CacheDirective(0)
     elif case == "blocks":
         request.end = 5
     elif case == "large":

@@ -496,7 +496,7 @@ def test_published_layouts_run_through_the_swarm(bf16_path, local_swarm):
         with DistributedDiffusionLM.from_pretrained(bf16_path, initial_peers=local_swarm.initial_peers) as lm:
             assert len(lm.show_route()) == 2
             assert lm.embedding.embed.weight.dtype == torch.bfloat16
-            assert all(record.numerics == "exact" for record in lm.sequence.servers.values())
+            assert all(record.numerics == "exact" for record in lm.planner.servers.values())
             result = lm.generate("the cat sat", **settings)
             assert result.token_ids == expected.token_ids
             assert result.info["approximate"] == []

@@ -4,6 +4,8 @@ greedy and sampled decoding, every remasking strategy, threshold decoding, guida
 needs logits (the activation cache's reuses, experts, correctors, staleness) falls back to the client's head."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -123,7 +125,7 @@ def test_head_on_the_swarm_gives_the_local_tokens(head_swarm, local_lm, name):
     remote = lm.generate(PROMPT, **settings)
     assert remote.token_ids == local_lm.generate(PROMPT, **settings).token_ids
     assert lm._head is None, "the client loaded the head although the swarm's answered"
-    assert lm.show_route()[-1].end == 4 and lm.sequence.servers[lm.show_route()[-1].peer_id].head
+    assert lm.show_route()[-1].end == 4 and lm.planner.servers[lm.show_route()[-1].peer_id].head
 
 
 @pytest.mark.parametrize("name", list(ON_THE_CLIENT))
@@ -149,20 +151,20 @@ def test_head_requests_are_checked_by_the_server(head_swarm, remote_lm):
 
     lm, _ = head_swarm
     hidden = torch.randn(1, 8, lm.config.hidden_size)
-    query = HeadQuery((4,), 4, (0,), 1, 0.5, 0.0, lm.config.mask_token_id, (4, 8)).to_dict()
-    head_peer = next(p for p, r in lm.sequence.servers.items() if r.head)
-    first = next(p for p, r in lm.sequence.servers.items() if r.start == 0)
-    remote_lm.sequence.refresh()
-    no_head = next(p for p, r in remote_lm.sequence.servers.items() if (r.start, r.end) == (2, 4))
-    refused = ((head_peer, 2, dict(query, block_starts=[6]), ErrorCode.BAD_REQUEST),
+    query = HeadQuery((4,), 4, (0,), 1, 0.5, 0.0, lm.config.mask_token_id, (4, 8))
+    head_peer = next(p for p, r in lm.planner.servers.items() if r.head)
+    first = next(p for p, r in lm.planner.servers.items() if r.start == 0)
+    remote_lm.planner.refresh()
+    no_head = next(p for p, r in remote_lm.planner.servers.items() if (r.start, r.end) == (2, 4))
+    refused = ((head_peer, 2, dataclasses.replace(query, block_starts=(6,)), ErrorCode.BAD_REQUEST),
                (no_head, 2, query, ErrorCode.WRONG_SPAN))
     for peer, start, head, code in refused:
         with pytest.raises(RemoteError) as error:
-            lm.loop.run(lm.caller.forward(peer, ForwardRequest(start, 4, hidden, "s", 0, {"head": head}), 10))
+            lm.loop.run(lm.caller.forward(peer, ForwardRequest(start, 4, hidden, "s", 0, head=head), 10))
         assert error.value.code == code, error.value
-    answer = lm.loop.run(lm.caller.forward(head_peer, ForwardRequest(2, 4, hidden, "s", 0, {"head": query}), 10))
+    answer = lm.loop.run(lm.caller.forward(head_peer, ForwardRequest(2, 4, hidden, "s", 0, head=query), 10))
     assert answer.dtype == torch.float64 and answer.shape == (1, 4, 4)
-    passed_on = lm.loop.run(lm.caller.forward(first, ForwardRequest(0, 2, hidden, "s", 0, {}), 10))
+    passed_on = lm.loop.run(lm.caller.forward(first, ForwardRequest(0, 2, hidden, "s", 0), 10))
     assert passed_on.shape == hidden.shape
 
 

@@ -271,8 +271,8 @@ def test_a_generation_keeps_its_route_when_the_server_list_is_refreshed(remote_l
     """Re-reading the servers mid-generation could move a hop (a cost that shifts with the call size) and lose
     its cache: the route is refreshed between generations only."""
     reads = []
-    original = remote_lm.sequence.refresh
-    monkeypatch.setattr(remote_lm.sequence, "refresh", lambda: reads.append(1) or original())
+    original = remote_lm.planner.refresh
+    monkeypatch.setattr(remote_lm.planner, "refresh", lambda: reads.append(1) or original())
     monkeypatch.setattr(remote_lm.client_config, "route_refresh", 0.0)  # every read is stale at once
     result = remote_lm.generate(PROMPT, **SETTINGS, cache="dual", staleness=2)
     assert len(reads) == 1  # before the generation, not at each of its calls

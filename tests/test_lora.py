@@ -68,7 +68,7 @@ def test_lora_gradients_through_the_swarm_equal_local_autograd(remote_lm, local_
     adapter = lora_for(local_lm)
     local_loss, local_grad = adapter_gradient(local_lm, tmp_path, adapter)
     swarm_loss, swarm_grad = adapter_gradient(remote_lm, tmp_path, adapter)
-    assert len({hop.peer_id for hop in remote_lm.sequence.route}) >= 2  # the weights are split between servers
+    assert len({hop.peer_id for hop in remote_lm.planner.route}) >= 2  # the weights are split between servers
     widths = BlockWidths.of(local_lm.config)
     for block in range(local_lm.config.num_layers):  # every projection of every block gets a gradient
         assert all(down.abs().max() > 1e-5 and up.abs().max() > 1e-5
@@ -88,7 +88,7 @@ def test_a_lora_gives_the_same_tokens_locally_and_through_the_swarm(remote_lm, l
 
 
 def test_servers_refuse_a_tensor_that_is_no_lora_and_go_on(remote_lm, local_lm):
-    server = remote_lm.sequence.holders(0, 2)[0]
+    server = remote_lm.planner.holders(0, 2)[0]
     hidden = torch.randn(1, 5, 32)
     rows = BlockWidths.of(local_lm.config).rows(1)
     parts = request_parts(ForwardRequest(0, 2, hidden, adapter=BlockAdapter(LORA, torch.randn(2, rows + 1, 32))))

@@ -149,7 +149,7 @@ def test_approximate_server_is_avoided_unless_allowed(local_swarm, tiny_model_pa
                                                     request_timeout=20) as lm:
             with pytest.raises(MissingBlocksError):
                 lm.generate("hi", **settings)
-            records = lm.sequence.servers.values()
+            records = lm.planner.servers.values()
             assert sorted(r.numerics for r in records) == ["bfloat16 instead of the checkpoint's float32", "exact"]
         with DistributedDiffusionLM.from_pretrained(tiny_model_path, initial_peers=peers, dht_prefix=prefix,
                                                     request_timeout=20, allow_approximate=True) as lm:

@@ -223,7 +223,7 @@ def test_sigkill_mid_generation_keeps_the_local_tokens(victims, failover_lm, loc
     victim = victims.take()
     failover_lm.client_config.push = case.get("push", False)
     try:
-        assert [hop.peer_id for hop in failover_lm.sequence.build_route()] == [victim.peer_id]
+        assert [hop.peer_id for hop in failover_lm.planner.build_route()] == [victim.peer_id]
         result = None
         for chunk in failover_lm.generate_stream(PROMPT, **SETTINGS, **settings):
             if chunk.step == KILL_AFTER_STEP and victim.alive:
@@ -236,7 +236,7 @@ def test_sigkill_mid_generation_keeps_the_local_tokens(victims, failover_lm, loc
         if settings.get("cache"):
             assert result.info["cache"]["misses"] >= 1  # the replicas lacked the cache, and it was rebuilt
             infos = [failover_lm.loop.run(failover_lm.caller.info(hop.peer_id, 5))[0]
-                     for hop in failover_lm.sequence.route]
+                     for hop in failover_lm.planner.route]
             assert all(info["cache"]["fills"] > 0 for info in infos)
     finally:
         failover_lm.client_config.push = False

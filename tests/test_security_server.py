@@ -25,6 +25,7 @@ from hivemind.proto import runtime_pb2
 from hivemind.utils import MSGPackSerializer
 from hivemind.utils.streaming import split_for_streaming
 
+from swarm.diffusion.pipeline import CacheDirective
 from swarm.models.loading import ModelFiles
 from swarm.models.modules import BlockSpan
 from swarm.protocol import (
@@ -32,6 +33,7 @@ from swarm.protocol import (
     MAX_STREAM_MESSAGE_BYTES,
     ErrorCode,
     ForwardRequest,
+    PushSpec,
     RemoteError,
     SpanService,
     collect_ack,
@@ -156,8 +158,8 @@ def bob(server):
     peer.close()
 
 
-def forward(hidden: torch.Tensor, **extra) -> ForwardRequest:
-    return ForwardRequest(0, 2, hidden, "session", 0, extra)
+def forward(hidden: torch.Tensor, **directives) -> ForwardRequest:
+    return ForwardRequest(0, 2, hidden, "session", 0, **directives)
 
 
 def stream_parts(hidden: torch.Tensor, chunk: int = 2**16, end: int = 2) -> list[runtime_pb2.ExpertRequest]:
@@ -204,8 +206,7 @@ def test_pushes_to_a_target_that_never_reads_are_bounded_and_dropped(alice, bob)
     """Each peer may hold half of --max-pending-pushes; a push the target does not take within
     --push-timeout is dropped and its place freed."""
     def push(peer: Peer, namespace: str, index: int):
-        spec = {"route": [], "reply_to": peer.peer_id, "namespace": namespace, "id": f"p{index}",
-                "hop_delay": [0, 0]}
+        spec = PushSpec((), peer.peer_id, namespace, f"p{index}", (0, 0))
         return peer.unary(request_parts(forward(torch.randn(1, 64, HIDDEN), push=spec))[0], collect_ack)
 
     target_a, target_b = alice.silent_target(), bob.silent_target()
@@ -304,9 +305,9 @@ def test_a_long_pass_whose_caller_has_gone_is_cancelled(long_server):
     long = one_part(torch.randn(1, 6144, HIDDEN), end=32)
     small = one_part(torch.randn(1, 8, HIDDEN), end=32)
     fill = request_parts(ForwardRequest(0, 32, torch.randn(1, 6144, HIDDEN), "filled", 0,
-                                        {"cache": {"rows": None, "version": 1, "keep_from": 0}}))[0]
+                                        cache=CacheDirective(1, None, 0)))[0]
     reuse = request_parts(ForwardRequest(0, 32, torch.randn(1, 8, HIDDEN), "filled", 1,
-                                         {"cache": {"rows": [0, 8], "version": 1, "keep_from": 0}}))[0]
+                                         cache=CacheDirective(1, (0, 8), 0)))[0]
     try:
         error = refused(lambda: peer.unary(long))
         assert error.code == ErrorCode.BUSY and "compute took over 3" in error.message

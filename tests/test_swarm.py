@@ -152,7 +152,7 @@ def test_scale_local_auto_and_max(remote_lm, local_lm):
 def assert_every_hop_rerun_on_a_replica(lm, result) -> None:
     """``scale="max"`` re-runs each hop on another server holding its blocks: every hop with such a replica
     agreed with it, and a hop without one (here 0:2: the replica 1:4 lacks block 0) says so."""
-    servers = lm.sequence.servers
+    servers = lm.planner.servers
     checks = result.info["spot_checks"]
     assert len(checks) == result.denoiser_calls * len(result.info["route"])
     for check in checks:
@@ -214,7 +214,7 @@ def test_bootstrap_peer_stops_on_sigterm_after_its_parent_is_gone():
 def test_an_answer_whose_stream_lost_its_parts_is_asked_for_once_more(remote_lm):
     """hivemind streams on loopback can rarely lose messages: one such answer is not the server's failure."""
     hop = remote_lm.show_route()[0]
-    request = ForwardRequest(hop.start, hop.end, torch.randn(1, 4, remote_lm.config.hidden_size), "", -1, {})
+    request = ForwardRequest(hop.start, hop.end, torch.randn(1, 4, remote_lm.config.hidden_size), "", -1)
     send = remote_lm.caller._forward_rpc(hop.peer_id, request)
     sent = []
 

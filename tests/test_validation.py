@@ -151,13 +151,13 @@ def test_backend_refuses_beyond_its_queue_bounds():
     import asyncio
 
     from swarm.models.modules import BlockSpan
-    from swarm.server.backend import SpanBackend
+    from swarm.server.backend import SpanBackend, SpanCall
     from tests.conftest import tiny_config
 
     backend = SpanBackend(BlockSpan(tiny_config(), 0, 2), max_concurrent=2, max_queued_tokens=100)
 
     async def burst(shapes):
-        calls = [backend.forward(torch.randn(b, n, HIDDEN), 0, 2) for b, n in shapes]
+        calls = [backend.forward(SpanCall(torch.randn(b, n, HIDDEN), 0, 2)) for b, n in shapes]
         return await asyncio.gather(*calls, return_exceptions=True)
 
     try:

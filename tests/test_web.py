@@ -442,7 +442,7 @@ def test_playground_shows_bad_settings_and_a_halt(browser, api_url, web_lm, gove
 
 def test_playground_shows_a_failover(browser, api_url, web_swarm, web_lm, local_model):
     """The server of the route's second hop stops: the answer is the same, and the page names the failover."""
-    hop = next(hop for hop in web_lm.sequence.route if hop.start == 8)
+    hop = next(hop for hop in web_lm.planner.route if hop.start == 8)
     web_swarm.terminate(next(p for p in web_swarm.processes if p.peer_id == hop.peer_id))
     open_playground(browser, api_url)
     type_settings(browser, SETTINGS)

@@ -17,6 +17,7 @@ from swarm.adapters.sharing import default_cache_dir, fetch_published
 from swarm.client.backbone import SwarmBackbone
 from swarm.client.config import ClientConfig, client_network
 from swarm.client.experts import RemoteExpert, open_remote_experts
+from swarm.client.planner import RoutePlanner
 from swarm.client.push import PushReceiver
 from swarm.client.routing import RouteHop, compress_ranges
 from swarm.client.sequence import RemoteSequence
@@ -99,8 +100,9 @@ class DistributedDiffusionLM(BaseDiffusionLM):
         self.p2p = self.loop.run(self.dht.replicate_p2p())
         self.caller = RemoteCaller(self.p2p, config.wire_dtype, config.inject_latency, config.inject_jitter,
                                    adapter_by_digest=config.adapter_by_digest)
-        self.sequence = RemoteSequence(self.dht, self.caller, self.loop, self.prefix, self.config.num_layers,
-                                       self.config.hidden_size, config, self.config.vocab_size)
+        self.planner = RoutePlanner(self.dht, self.caller, self.loop, self.prefix, self.config.num_layers,
+                                    self.config.hidden_size, config, self.config.vocab_size)
+        self.sequence = RemoteSequence(self.planner)
         # Challenges embed random tokens; spot checks of a head server score a replica's hidden states with this
         # client's head, only when they arrive unrounded and the head computes in the servers' dtype (otherwise its
         # numbers would differ from an honest head server's)
@@ -156,10 +158,10 @@ class DistributedDiffusionLM(BaseDiffusionLM):
         """
         if input_ids.dim() == 1:
             input_ids = input_ids[None]
-        extra, offset, reuse = {}, 0, directive is not None and not directive.fill
+        cache, offset, reuse = None, 0, directive is not None and not directive.fill
         if directive is not None:
             rows = adapter.shift(directive.rows) if adapter is not None else directive.rows
-            extra = dataclasses.replace(directive, rows=rows).as_extra()
+            cache = dataclasses.replace(directive, rows=rows)
             if reuse:
                 offset = directive.rows[0]
                 input_ids = input_ids[:, directive.rows[0]:directive.rows[1]]
@@ -169,7 +171,7 @@ class DistributedDiffusionLM(BaseDiffusionLM):
                 hidden = adapter.extend(hidden)
         with self.timings.measure("swarm"):
             per_block = adapter.block_adapter if adapter is not None else None
-            hidden = self.sequence.forward(hidden, session_id, step, extra, head, adapter=per_block)
+            hidden = self.sequence.forward(hidden, session_id, step, cache, head, adapter=per_block)
         if isinstance(hidden, Predictions):
             return hidden
         if adapter is not None and not reuse:
@@ -186,7 +188,7 @@ class DistributedDiffusionLM(BaseDiffusionLM):
                           adapter: Optional[PromptAdapter] = None) -> Iterator[Forward]:
         session_id = uuid.uuid4().hex
         self._use_push(self.client_config.push)
-        self.sequence.refresh_if_stale()  # servers that left or joined; the route then stays for the session
+        self.planner.refresh_if_stale()  # servers that left or joined; the route then stays for the session
 
         def forward(tokens: torch.Tensor, directive: Optional[CacheDirective], context: DenoiseContext) -> torch.Tensor:
             self.guard.check(context.steps[0])  # a valid governance halt stops before this step
@@ -266,7 +268,7 @@ class DistributedDiffusionLM(BaseDiffusionLM):
 
     def run_info(self) -> dict[str, Any]:
         outcomes = self.sequence.spot_checker.outcomes[self._spot_checks_seen:]
-        return {"route": [str(hop) for hop in self.sequence.route],
+        return {"route": [str(hop) for hop in self.planner.route],
                 "approximate": self.approximate_hops(),
                 "failovers": [vars(event) for event in self.sequence.failovers[self._failovers_seen:]],
                 "spot_checks": [outcome.to_dict() for outcome in outcomes],
@@ -282,8 +284,8 @@ class DistributedDiffusionLM(BaseDiffusionLM):
     def approximate_hops(self) -> list[str]:
         """Hops of the current route on servers whose numerics differ from the checkpoint's, with what differs
         (only ever non-empty when ``ClientConfig.allow_approximate`` let the route use them)."""
-        servers = self.sequence.servers
-        return [f"{hop}: {servers[hop.peer_id].numerics}" for hop in self.sequence.route
+        servers = self.planner.servers
+        return [f"{hop}: {servers[hop.peer_id].numerics}" for hop in self.planner.route
                 if hop.peer_id in servers and servers[hop.peer_id].approximate]
 
     # ----- adapters ---------------------------------------------------------------------------------
@@ -322,7 +324,7 @@ class DistributedDiffusionLM(BaseDiffusionLM):
     # ----- route and lifecycle ----------------------------------------------------------------------
     def show_route(self) -> list[RouteHop]:
         """Build (if needed) and log the current route; returns its hops."""
-        route = self.sequence.route or self.sequence.build_route()
+        route = self.planner.route or self.planner.build_route()
         logger.info("route over %d servers: %s", len(route), " -> ".join(map(str, route)))
         return list(route)
 

@@ -42,6 +42,7 @@ from swarm.adapters.block import BlockAdapter
 from swarm.client.config import ClientConfig
 from swarm.client.failover import RetriesExhausted
 from swarm.client.peers import PeerHealth
+from swarm.diffusion.pipeline import CacheDirective
 from swarm.diffusion.prediction import HeadQuery, predict_from_hidden
 from swarm.protocol import ForwardRequest, RemoteError
 from swarm.remote import RemoteCaller
@@ -106,7 +107,7 @@ def answers_agree(a: torch.Tensor, b: torch.Tensor, rtol: float) -> bool:
 
 def without_head(request: ForwardRequest) -> ForwardRequest:
     """The same call asking for hidden states instead of a head server's predictions."""
-    return dataclasses.replace(request, extra={k: v for k, v in request.extra.items() if k != "head"})
+    return dataclasses.replace(request, head=None)
 
 
 class FillInputs:
@@ -121,15 +122,14 @@ class FillInputs:
         self._lock = threading.Lock()  # calls in flight (stale pipelining) remember fills concurrently
 
     def remember(self, request: ForwardRequest) -> None:
-        directive = request.extra["cache"]
-        keep_from = directive.get("keep_from", 0)
+        directive = request.cache
         with self._lock:
-            for key in [k for k in self._inputs if k[0] == request.session_id and k[3] < keep_from]:
+            for key in [k for k in self._inputs if k[0] == request.session_id and k[3] < directive.keep_from]:
                 del self._inputs[key]
-            self._inputs[(request.session_id, request.start, request.end, directive["version"])] = request.hidden
+            self._inputs[(request.session_id, request.start, request.end, directive.version)] = request.hidden
 
     def lookup(self, request: ForwardRequest) -> Optional[torch.Tensor]:
-        version = request.extra["cache"]["version"]
+        version = request.cache.version
         with self._lock:
             return self._inputs.get((request.session_id, request.start, request.end, version))
 
@@ -165,8 +165,7 @@ class SpotChecker:
         is drawn for a check, the majority's answer."""
         if self.fraction <= 0:
             return output
-        cache = request.extra.get("cache")
-        if cache is not None and cache["rows"] is None:
+        if request.cache is not None and request.cache.fill:
             self.fills.remember(request)
         if self.rng.random() >= self.fraction:
             return output
@@ -232,12 +231,9 @@ class SpotChecker:
         """The checker whose predictions the head server's own hidden states give (scored here), when its answered
         predictions differ from them: then the head server contradicts itself. None otherwise (this can only
         convict the head server, never clear it: its two answers are one opinion)."""
-        if self.load_head is None:
+        own = self._answer(primary, request, head, holds_head=False) if self.load_head is not None else None
+        if own is None:
             return None
-        hidden = self._call(primary, without_head(request))
-        if hidden is None:
-            return None
-        own = self._score(hidden, head, primary)
         return next((peer for peer, answer in answers.items()
                      if peer != primary and answers_agree(own, answer, self.rtol)), None)
 
@@ -254,8 +250,7 @@ class SpotChecker:
     def _call(self, peer: str, request: ForwardRequest) -> Optional[torch.Tensor]:
         """The checker's answer to ``request``; for a reuse pass, after the same fill. None if it failed."""
         try:
-            cache = request.extra.get("cache")
-            if cache is None or cache["rows"] is None:
+            if request.cache is None or request.cache.fill:
                 return self._forward(peer, request)
             return self._forward_reuse(peer, request)
         except RemoteError as error:
@@ -272,15 +267,11 @@ class SpotChecker:
             logger.info("cannot check a reuse of blocks %d:%d: its fill went through another route",
                         request.start, request.end)
             return None
-        directive = request.extra["cache"]
-        version = directive["version"]
+        version = request.cache.version
         session = f"check-{uuid.uuid4().hex}"
-        fill = ForwardRequest(request.start, request.end, fill_input, session, request.step,
-                              {"cache": {"rows": None, "version": version, "keep_from": version}},
-                              adapter=request.adapter)
-        self._forward(peer, fill)
-        reuse = ForwardRequest(request.start, request.end, request.hidden, session, request.step,
-                               {"cache": dict(directive, keep_from=version)}, adapter=request.adapter)
+        reuse = dataclasses.replace(without_head(request), session_id=session,
+                                    cache=dataclasses.replace(request.cache, keep_from=version))
+        self._forward(peer, dataclasses.replace(reuse, hidden=fill_input, cache=CacheDirective(version, None, version)))
         return self._forward(peer, reuse)
 
     def _conclude(self, request: ForwardRequest, primary: str, asked: list[str], answers: dict[str, torch.Tensor],
@@ -318,6 +309,6 @@ class SpotChecker:
         raise UnresolvedCheck(what)
 
     def _record(self, request: ForwardRequest, primary: str, asked: list[str], verdict: str, note: str = "") -> None:
-        reuse = request.extra.get("cache", {}).get("rows") is not None
+        reuse = request.cache is not None and not request.cache.fill
         self.outcomes.append(SpotCheckOutcome(request.step, (request.start, request.end), primary, asked, verdict,
                                               reuse, note))

@@ -44,10 +44,10 @@ class CacheDirective:
     def fill(self) -> bool:
         return self.rows is None
 
-    def as_extra(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, Any]:
         """The request metadata servers read (``extra["cache"]``)."""
         rows = None if self.rows is None else list(self.rows)
-        return {"cache": {"rows": rows, "version": self.version, "keep_from": self.keep_from}}
+        return {"rows": rows, "version": self.version, "keep_from": self.keep_from}
 
 
 Forward = Callable[[torch.Tensor, Optional[CacheDirective], DenoiseContext], torch.Tensor]

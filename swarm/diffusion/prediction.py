@@ -144,11 +144,6 @@ class HeadQuery:
         return query
 
 
-def answer_shape(head: dict) -> tuple[int, int, int]:
-    """The shape of a head server's answer to a query the client made (``HeadQuery.to_dict``)."""
-    return len(head["block_starts"]), head["block_length"], len(PREDICTION_FIELDS)
-
-
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 

@@ -277,10 +277,14 @@ class ComputeQueue:
     def __init__(self, max_concurrent: int, max_queued_tokens: Optional[int] = None, name: str = "compute",
                  peer_share: float = 1.0, streams: StreamLimits = StreamLimits()):
         self.streams = streams
-        self.admission = Admission("requests", max_concurrent, max_queued_tokens, "tokens", peer_share,
-                                   reserve=streams.known_reserve)
-        self.unfinished = Admission("unfinished streams", streams.max_unfinished, max_queued_tokens, "tokens",
-                                    peer_share, computes=False, reserve=streams.known_reserve)
+
+        def admission(what: str, max_count: int, computes: bool) -> Admission:
+            """Both admissions count tokens, with the same per-peer share and reserve for known peers."""
+            return Admission(what, max_count, max_queued_tokens, "tokens", peer_share, computes=computes,
+                             reserve=streams.known_reserve)
+
+        self.admission = admission("requests", max_concurrent, computes=True)
+        self.unfinished = admission("unfinished streams", streams.max_unfinished, computes=False)
         self.records = PeerRecords()
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
         self.abandoned = 0  # passes whose caller stopped waiting (timeout, busy answer, disconnect)
@@ -306,6 +310,11 @@ class ComputeQueue:
     def receive_place(self, peer: str, tokens: int) -> Grant:
         """A place among the unfinished streams while the request's parts arrive."""
         return self.unfinished.acquire(peer, tokens, self.records.known(peer))
+
+    def check_receive(self, peer: str) -> None:
+        """Busy now if ``peer`` could get no place among the unfinished streams: checked before a stream's first
+        part is even read."""
+        self.unfinished.check(peer, 0, self.records.known(peer))
 
     def stream_dropped(self, peer: str) -> None:
         """``peer``'s stream missed its deadline: counted, and the peer loses its record."""
@@ -353,6 +362,20 @@ def _call_soon(loop: asyncio.AbstractEventLoop, callback: Callable[[], None]) ->
         pass
 
 
+@dataclass(frozen=True)
+class SpanCall:
+    """One pass a backend computes: hidden states through blocks ``start:end``, filling or reusing ``kv`` (a reuse
+    computes ``rows`` only), with a per-block ``adapter``, answering ``head``'s predictions when given."""
+
+    hidden: torch.Tensor
+    start: int
+    end: int
+    kv: Optional[SpanKV] = None
+    rows: Optional[tuple[int, int]] = None
+    head: Optional[HeadQuery] = None
+    adapter: Optional[BlockAdapter] = None
+
+
 class SpanBackend:
     """Runs forward passes of one span; refuses work beyond its bounds instead of queueing forever.
 
@@ -391,61 +414,49 @@ class SpanBackend:
         return self.span.end
 
     @torch.inference_mode()
-    def forward_sync(self, hidden: torch.Tensor, start: int, end: int, kv: Optional[SpanKV] = None,
-                     rows: Optional[tuple[int, int]] = None, head: Optional[HeadQuery] = None,
-                     adapter: Optional[BlockAdapter] = None, cancel: Optional[threading.Event] = None
-                     ) -> torch.Tensor:
-        """Run blocks ``start:end`` (a sub-span of the held one), filling or reusing ``kv`` (see BlockSpan), applying
-        a per-block adapter's tensor before each block; with a ``head`` query, answer its predictions (float64)
-        instead of the hidden states. Stopped between blocks once ``cancel`` is set."""
-        x = self.span(hidden.to(self.device, self.dtype), blocks=(start, end), kv=kv, rows=rows,
-                      adapter=self._on_device(adapter), cancel=cancel)
+    def forward_sync(self, call: SpanCall, cancel: Optional[threading.Event] = None) -> torch.Tensor:
+        """Run ``call``'s blocks (a sub-span of the held one), filling or reusing its cache (see BlockSpan), applying
+        its per-block adapter before each block; with a head query, answer its predictions (float64) instead of
+        the hidden states. Stopped between blocks once ``cancel`` is set."""
+        adapter = call.adapter.to(self.device) if call.adapter is not None else None
+        x = self.span(call.hidden.to(self.device, self.dtype), blocks=(call.start, call.end), kv=call.kv,
+                      rows=call.rows, adapter=adapter, cancel=cancel)
         x = x.to(self.dtype)  # the compute dtype: the wire carries it as is by default (lossless)
-        if head is None:
+        if call.head is None:
             return x.cpu()
-        logits = self.head.scored_logits(x, rows[0] if rows is not None else 0, head.scored)
-        return predict_states(logits.cpu(), head)
+        logits = self.head.scored_logits(x, call.rows[0] if call.rows is not None else 0, call.head.scored)
+        return predict_states(logits.cpu(), call.head)
 
-    async def forward(self, hidden: torch.Tensor, start: int, end: int, kv: Optional[SpanKV] = None,
-                      rows: Optional[tuple[int, int]] = None, *, peer: str = "",
-                      grant: Optional[Grant] = None, head: Optional[HeadQuery] = None,
-                      adapter: Optional[BlockAdapter] = None) -> torch.Tensor:
+    async def forward(self, call: SpanCall, *, peer: str = "", grant: Optional[Grant] = None) -> torch.Tensor:
         """The span's output; ``grant`` is the place :meth:`ComputeQueue.admit` gave the request (taken here
         for ``peer`` when None)."""
-        cost, cancel = self.cost(*hidden.shape[:2]), threading.Event()
-        return await self.queue.run(cost, self.forward_sync, hidden, start, end, kv, rows, head, adapter, cancel,
-                                    peer=peer, grant=grant, cancel=cancel)
+        cost, cancel = self.cost(*call.hidden.shape[:2]), threading.Event()
+        return await self.queue.run(cost, self.forward_sync, call, cancel, peer=peer, grant=grant, cancel=cancel)
 
-    def _on_device(self, adapter: Optional[BlockAdapter]) -> Optional[BlockAdapter]:
-        """A per-block adapter's weights where the blocks compute, in float32 (each block adds them in its own
-        dtype)."""
-        return None if adapter is None else adapter.to(self.device)
-
-    def backward_sync(self, inputs: torch.Tensor, grad_outputs: torch.Tensor, start: int, end: int,
-                      adapter: Optional[BlockAdapter] = None, cancel: Optional[threading.Event] = None
+    def backward_sync(self, call: SpanCall, grad_outputs: torch.Tensor, cancel: Optional[threading.Event] = None
                       ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """The gradient of blocks ``start:end``'s input (float32), recomputing their forward with autograd, and
-        of the per-block adapter's tensor when given (float32, else None).
+        """The gradient of the input of ``call``'s blocks (float32, ``call.hidden`` being that input), recomputing
+        their forward with autograd, and of its per-block adapter's weights when it has one (float32, else None).
 
         The weights take no gradient (they are frozen), so autograd keeps only the activations of this one pass,
         freed when it returns."""
+        adapter = call.adapter
         with torch.inference_mode(False), torch.enable_grad():
-            x = inputs.to(self.device, self.dtype).requires_grad_(True)
+            x = call.hidden.to(self.device, self.dtype).requires_grad_(True)
             if adapter is not None:  # a leaf of its own: the weights may be the store's, shared with other requests
                 adapter = adapter.to(self.device).detach()
                 adapter.weights.requires_grad_(True)
             leaves = (x,) if adapter is None else (x, adapter.weights)
-            y = self.span(x, blocks=(start, end), adapter=adapter, cancel=cancel)
+            y = self.span(x, blocks=(call.start, call.end), adapter=adapter, cancel=cancel)
             grads = torch.autograd.grad(y, leaves, grad_outputs.to(self.device, y.dtype))
         return grads[0].float().cpu(), grads[1].float().cpu() if adapter is not None else None
 
-    async def backward(self, inputs: torch.Tensor, grad_outputs: torch.Tensor, start: int, end: int, *,
-                       peer: str = "", grant: Optional[Grant] = None, adapter: Optional[BlockAdapter] = None
-                       ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    async def backward(self, call: SpanCall, grad_outputs: torch.Tensor, *, peer: str = "",
+                       grant: Optional[Grant] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """:meth:`backward_sync` on the compute thread, under the same queue and bounds as forward passes."""
-        cost, cancel = self.cost(2 * inputs.shape[0], inputs.shape[1]), threading.Event()
-        return await self.queue.run(cost, self.backward_sync, inputs, grad_outputs, start, end, adapter, cancel,
-                                    peer=peer, grant=grant, cancel=cancel)
+        cost, cancel = self.cost(2 * call.hidden.shape[0], call.hidden.shape[1]), threading.Event()
+        return await self.queue.run(cost, self.backward_sync, call, grad_outputs, cancel, peer=peer, grant=grant,
+                                    cancel=cancel)
 
     def shutdown(self) -> None:
         self.queue.shutdown()

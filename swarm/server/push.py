@@ -13,12 +13,12 @@ when the next hop or the client does not take it in time.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
-import torch
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils.asyncio import iter_as_aiter
 
@@ -26,6 +26,7 @@ from swarm.protocol import (
     DeliveryService,
     ErrorCode,
     ForwardRequest,
+    PushSpec,
     RemoteError,
     error_response,
     response_parts,
@@ -54,47 +55,31 @@ class PushLimits:
     peer_share: float = 1.0  # share of both bounds one sender may hold
 
 
-@dataclass(frozen=True)
-class PushSpec:
-    """``extra["push"]`` of a request: where its output goes next."""
-
-    route: tuple[tuple[str, int, int], ...]  # (peer id, start, end) of the hops after this one
-    reply_to: str  # the client's peer id
-    namespace: str  # the client's DeliveryService namespace
-    push_id: str
-    hop_delay: tuple[float, float] = (0.0, 0.0)  # emulated (latency, jitter) of each crossing
-
-    @classmethod
-    def parse(cls, raw: Any, num_layers: int, end: int) -> "PushSpec":
-        """Validate the remote description; the route must continue contiguously from this hop's ``end``."""
-        require(isinstance(raw, dict), ErrorCode.BAD_REQUEST, "extra['push'] must be a map")
-        route = raw.get("route")
-        require(isinstance(route, list) and len(route) <= MAX_PUSH_HOPS, ErrorCode.BAD_REQUEST,
-                f"push route must be a list of at most {MAX_PUSH_HOPS} hops")
-        hops, position = [], end
-        for hop in route:
-            require(isinstance(hop, list) and len(hop) == 3 and isinstance(hop[0], str)
-                    and all(isinstance(v, int) for v in hop[1:]), ErrorCode.BAD_REQUEST,
-                    "each push hop must be [peer_id, start, end]")
-            require(hop[1] == position and hop[1] < hop[2] <= num_layers, ErrorCode.BAD_REQUEST,
-                    f"push hop {hop[1]}:{hop[2]} does not continue the route at block {position}")
-            _peer(hop[0])
-            hops.append((hop[0], hop[1], hop[2]))
-            position = hop[2]
-        for key in ("reply_to", "namespace", "id"):
-            require(isinstance(raw.get(key), str) and 0 < len(raw[key]) <= 128, ErrorCode.BAD_REQUEST,
-                    f"push {key!r} must be a non-empty string")
-        _peer(raw["reply_to"])
-        delay = raw.get("hop_delay", [0.0, 0.0])
-        require(isinstance(delay, list) and len(delay) == 2 and all(isinstance(v, (int, float)) for v in delay)
-                and all(0 <= v <= MAX_HOP_DELAY for v in delay), ErrorCode.BAD_REQUEST,
-                f"push hop_delay must be [latency, jitter], each 0..{MAX_HOP_DELAY} s")
-        return cls(tuple(hops), raw["reply_to"], raw["namespace"], raw["id"], (float(delay[0]), float(delay[1])))
-
-    def onward(self) -> dict[str, Any]:
-        """The spec the next hop receives: the same, minus that hop."""
-        return {"route": [list(hop) for hop in self.route[1:]], "reply_to": self.reply_to,
-                "namespace": self.namespace, "id": self.push_id, "hop_delay": list(self.hop_delay)}
+def parse_push(raw: Any, num_layers: int, end: int) -> PushSpec:
+    """A request's ``extra["push"]``, validated: the route must continue contiguously from this hop's ``end``."""
+    require(isinstance(raw, dict), ErrorCode.BAD_REQUEST, "extra['push'] must be a map")
+    route = raw.get("route")
+    require(isinstance(route, list) and len(route) <= MAX_PUSH_HOPS, ErrorCode.BAD_REQUEST,
+            f"push route must be a list of at most {MAX_PUSH_HOPS} hops")
+    hops, position = [], end
+    for hop in route:
+        require(isinstance(hop, list) and len(hop) == 3 and isinstance(hop[0], str)
+                and all(isinstance(v, int) for v in hop[1:]), ErrorCode.BAD_REQUEST,
+                "each push hop must be [peer_id, start, end]")
+        require(hop[1] == position and hop[1] < hop[2] <= num_layers, ErrorCode.BAD_REQUEST,
+                f"push hop {hop[1]}:{hop[2]} does not continue the route at block {position}")
+        _peer(hop[0])
+        hops.append((hop[0], hop[1], hop[2]))
+        position = hop[2]
+    for key in ("reply_to", "namespace", "id"):
+        require(isinstance(raw.get(key), str) and 0 < len(raw[key]) <= 128, ErrorCode.BAD_REQUEST,
+                f"push {key!r} must be a non-empty string")
+    _peer(raw["reply_to"])
+    delay = raw.get("hop_delay", [0.0, 0.0])
+    require(isinstance(delay, list) and len(delay) == 2 and all(isinstance(v, (int, float)) for v in delay)
+            and all(0 <= v <= MAX_HOP_DELAY for v in delay), ErrorCode.BAD_REQUEST,
+            f"push hop_delay must be [latency, jitter], each 0..{MAX_HOP_DELAY} s")
+    return PushSpec(tuple(hops), raw["reply_to"], raw["namespace"], raw["id"], (float(delay[0]), float(delay[1])))
 
 
 def _peer(text: str) -> PeerID:
@@ -127,26 +112,27 @@ class Pusher:
         require(self.p2p is not None, ErrorCode.SHUTTING_DOWN, "server is not connected yet")
         return self.admission.acquire(peer, self.cost(shape))
 
-    def send(self, spec: PushSpec, output: torch.Tensor, session_id: str, step: int, extra: dict,
-             grant: Grant) -> None:
-        """Hand ``output`` on in the background; ``grant`` (from :meth:`reserve`) is released when it is done."""
-        task = asyncio.create_task(self._onward(spec, output, session_id, step, extra))
+    def send(self, computed: ForwardRequest, grant: Grant) -> None:
+        """Hand ``computed`` (the pushed request, its ``hidden`` now this hop's output) on in the background;
+        ``grant`` (from :meth:`reserve`) is released when it is done."""
+        task = asyncio.create_task(self._onward(computed))
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
         task.add_done_callback(lambda _: grant.release())
         grant.hand_on()
 
-    async def _onward(self, spec: PushSpec, output: torch.Tensor, session_id: str, step: int, extra: dict) -> None:
+    async def _onward(self, computed: ForwardRequest) -> None:
+        spec = computed.push
         caller = RemoteCaller(self.p2p, self.wire_dtype, *spec.hop_delay)
         if not spec.route:
-            parts = response_parts(output, self.wire_dtype, {"push_id": spec.push_id})
-            del output  # the wire parts are all that is sent
+            parts = response_parts(computed.hidden, self.wire_dtype, {"push_id": spec.push_id})
+            del computed  # the wire parts are all that is sent
             await caller.crossing()
             await self._deliver(spec, parts)
             return
         peer, start, end = spec.route[0]
-        request = ForwardRequest(start, end, output, session_id, step, dict(extra, push=spec.onward()))
-        del output
+        request = dataclasses.replace(computed, start=start, end=end, push=spec.onward())
+        del computed
         try:  # the next hop computes before it acknowledges, so it has the request timeout
             await caller.push(peer, request, self.request_timeout)  # delays this crossing and the ack's
             self.pushed += 1

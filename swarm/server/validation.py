@@ -9,6 +9,7 @@ from swarm.adapters.adapter import max_block_rows  # the adapters' own limits
 from swarm.adapters.block import BlockAdapter, check_rows, is_sha256_hex
 from swarm.adapters.kinds import DEEP_PROMPT, PER_BLOCK_KINDS, described
 from swarm.adapters.lora import BlockWidths
+from swarm.diffusion.pipeline import CacheDirective
 from swarm.protocol import ErrorCode, RemoteError
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -119,3 +120,23 @@ def validate_adapter(adapter: BlockAdapter, shape: tuple[int, int, int]) -> None
     require(tuple(weights.shape) == tuple(shape), ErrorCode.BAD_REQUEST,
             f"{what} have shape {tuple(weights.shape)}, the request declares {tuple(shape)}")
     require(bool(torch.isfinite(weights).all()), ErrorCode.NOT_FINITE, f"{what} contain NaN or infinite values")
+
+
+def parse_cache(directive: Any, session_id: str, length: int) -> CacheDirective:
+    """A request's ``extra["cache"]``: fill the session's cache as ``version`` (``rows`` null), or reuse that version
+    for rows [a, b], which must be the ``length`` rows sent."""
+    require(isinstance(directive, dict) and "rows" in directive, ErrorCode.BAD_REQUEST,
+            "extra['cache'] must be a map with 'rows' (null to fill, [start, end] to reuse)")
+    version, keep_from = directive.get("version"), directive.get("keep_from", 0)
+    require(is_count(version) and is_count(keep_from) and keep_from <= version, ErrorCode.BAD_REQUEST,
+            f"cache version and keep_from must be integers with 0 <= keep_from <= version < 2**31, got "
+            f"{version!r} and {keep_from!r}")
+    require(bool(session_id), ErrorCode.BAD_REQUEST, "a cached request needs a session_id")
+    rows = directive["rows"]
+    if rows is None:
+        return CacheDirective(version, None, keep_from)
+    require(isinstance(rows, list) and len(rows) == 2 and all(isinstance(r, int) for r in rows)
+            and 0 <= rows[0] < rows[1], ErrorCode.BAD_REQUEST, f"cache rows must be [start, end], got {rows!r}")
+    require(rows[1] - rows[0] == length, ErrorCode.BAD_REQUEST,
+            f"cache rows {rows[0]}:{rows[1]} do not match the {length} positions sent")
+    return CacheDirective(version, (rows[0], rows[1]), keep_from)

@@ -52,12 +52,12 @@ class SwarmAccess:
 
 def client_access(lm: Any) -> SwarmAccess:
     """Read through a :class:`~swarm.client.DistributedDiffusionLM`: its DHT peer, pings, bans and route."""
-    sequence = lm.sequence
+    planner = lm.planner
 
     def client() -> ClientView:
-        route = list(sequence.route)
-        distrusted = sequence.health.distrusted
-        return ClientView(banned=sequence.health.excluded() - distrusted, distrusted=distrusted,
+        route = list(planner.route)
+        distrusted = planner.health.distrusted
+        return ClientView(banned=planner.health.excluded() - distrusted, distrusted=distrusted,
                           route=tuple(map(str, route)), route_peers=frozenset(hop.peer_id for hop in route))
 
     return SwarmAccess(lm.dht, lm.prefix, lm.config.num_layers, lm.caller, lm.loop, lm.guard, client)

@@ -49,10 +49,12 @@ from swarm.adapters.kinds import LORA
 from swarm.adapters.lora import BlockWidths
 from swarm.diffusion.pipeline import CacheDirective
 from swarm.models.loading import ModelFiles
-from swarm.protocol import ForwardRequest, PushSpec, RemoteError, SpanService, request_parts
-from swarm.remote import RemoteCaller
 from swarm.utils.event_loop import BackgroundLoop
 from swarm.utils.local_swarm import LocalSwarm, ManagedProcess
+from swarm.wire.encoding import request_parts
+from swarm.wire.messages import ForwardRequest, PushSpec, RemoteError
+from swarm.wire.remote import RemoteCaller
+from swarm.wire.services import SpanService
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's tests package, run as a script
 from tests.silent_delivery import add_silent_delivery  # noqa: E402

@@ -5,7 +5,7 @@ import asyncio
 
 from hivemind.p2p import P2P
 
-from swarm.protocol import DeliveryService
+from swarm.wire.services import DeliveryService
 
 
 async def add_silent_delivery(p2p: P2P, namespace: str) -> str:

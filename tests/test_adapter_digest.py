@@ -13,8 +13,9 @@ import torch
 from swarm.adapters.block import BlockAdapter
 from swarm.adapters.kinds import BOTTLENECK, LORA
 from swarm.adapters.lora import BlockWidths
-from swarm.protocol import ErrorCode, ForwardRequest, RemoteError, request_parts
 from swarm.server.adapter_tensors import ENTRY_OVERHEAD_BYTES, AdapterTensors
+from swarm.wire.encoding import request_parts
+from swarm.wire.messages import ErrorCode, ForwardRequest, RemoteError
 from tests.conftest import make_checkpoint, tiny_config
 from tests.test_deep_prompt import _set_metadata, adapter_gradient, raw_call
 from tests.test_finetune import GENERATION, TOLERANCE

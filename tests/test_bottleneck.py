@@ -31,8 +31,9 @@ from swarm.adapters.block import BlockAdapter, add_bottleneck
 from swarm.adapters.kinds import BOTTLENECK, DEEP_PROMPT
 from swarm.adapters.lora import BlockWidths
 from swarm.finetune.__main__ import main as finetune_main
-from swarm.protocol import ErrorCode, ForwardRequest, RemoteError, request_parts
 from swarm.server.validation import validate_prompt_declared
+from swarm.wire.encoding import request_parts
+from swarm.wire.messages import ErrorCode, ForwardRequest, RemoteError
 from tests.test_deep_prompt import _edit_json, _set_metadata, adapter_gradient, assert_files_refused, raw_call
 from tests.test_finetune import GENERATION, TOLERANCE, run_finetune, write_pairs
 

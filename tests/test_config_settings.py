@@ -115,7 +115,7 @@ def test_types_and_choices_are_checked_for_python_callers():
 
 
 def test_the_declared_wire_choices_are_the_wires():
-    from swarm.protocol import WIRE_CHOICES
+    from swarm.wire.encoding import WIRE_CHOICES
 
     for cls in (ServerConfig, ClientConfig):
         assert declared(cls, "wire_dtype").spec.choices == WIRE_CHOICES

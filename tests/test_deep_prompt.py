@@ -33,13 +33,9 @@ from swarm.adapters.lora import BlockWidths
 from swarm.finetune.__main__ import main as finetune_main
 from swarm.finetune.data import load_examples, make_batch
 from swarm.finetune.trainer import sft_loss
-from swarm.protocol import (
+from swarm.server.validation import validate_prompt_declared
+from swarm.wire.encoding import (
     MAX_UNARY_BYTES,
-    BackwardRequest,
-    ErrorCode,
-    ForwardRequest,
-    PushSpec,
-    RemoteError,
     collect_response,
     decode_tensor,
     join_parts,
@@ -48,8 +44,8 @@ from swarm.protocol import (
     response_parts,
     split_parts,
 )
-from swarm.remote import _read_stream
-from swarm.server.validation import validate_prompt_declared
+from swarm.wire.messages import BackwardRequest, ErrorCode, ForwardRequest, PushSpec, RemoteError
+from swarm.wire.remote import _read_stream
 from tests.test_adapter_sharing import served_and_published
 from tests.test_finetune import (
     GENERATION,

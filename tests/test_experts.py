@@ -33,7 +33,9 @@ from swarm.diffusion.config import GenerationConfig
 from swarm.diffusion.pipeline import DenoiserCalls
 from swarm.local import DiffusionLM
 from swarm.models.tokenizer import ByteTokenizer
-from swarm.protocol import ErrorCode, ExpertQuery, RemoteError, SpanService, collect_response, expert_query_message
+from swarm.wire.encoding import collect_response, expert_query_message
+from swarm.wire.messages import ErrorCode, ExpertQuery, RemoteError
+from swarm.wire.services import SpanService
 from tests.conftest import make_checkpoint, tiny_config
 
 SETTINGS = dict(gen_length=16, steps=8, block_length=8)
@@ -337,7 +339,8 @@ def test_expert_rpc_answers_and_forward_is_refused_on_an_expert_only_server(expe
     log_probs, _ = call_expert(remote_lm, expert_server.peer_id, request(tokens=tokens))
     expected = torch.log_softmax(DiffusionLM.from_pretrained(alpha_path).logits(tokens)[:, 2:6], -1)
     torch.testing.assert_close(log_probs, expected, rtol=1e-4, atol=1e-4)
-    from swarm.protocol import ForwardRequest, request_parts
+    from swarm.wire.encoding import request_parts
+    from swarm.wire.messages import ForwardRequest
 
     async def forward():
         stub = SpanService.get_stub(remote_lm.p2p, PeerID.from_base58(expert_server.peer_id))

@@ -20,7 +20,7 @@ from swarm.diffusion.pipeline import CacheDirective
 from swarm.finetune.__main__ import main as finetune_main
 from swarm.finetune.data import load_examples, make_batch
 from swarm.finetune.trainer import FinetuneConfig, Finetuner, sft_loss
-from swarm.protocol import BackwardRequest, ErrorCode, ForwardRequest, RemoteError
+from swarm.wire.messages import BackwardRequest, ErrorCode, ForwardRequest, RemoteError
 from tests.conftest import make_checkpoint, tiny_config
 
 TOLERANCE = 1e-5  # float32: max abs difference between swarm and local gradients

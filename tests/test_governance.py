@@ -80,8 +80,8 @@ from swarm.dht.node import NetworkConfig, start_dht, stop_dht  # noqa: E402
 from swarm.dht.schema import default_prefix  # noqa: E402
 from swarm.dht.validation import sign_slot  # noqa: E402
 from swarm.governance.records import governance_key, publish, read_decisions  # noqa: E402
-from swarm.protocol import ErrorCode, ForwardRequest, RemoteError  # noqa: E402
 from swarm.utils.local_swarm import ManagedProcess  # noqa: E402
+from swarm.wire.messages import ErrorCode, ForwardRequest, RemoteError  # noqa: E402
 from tests.conftest import make_checkpoint, tiny_config, wait_until  # noqa: E402
 
 SETTINGS = dict(gen_length=16, steps=16, block_length=8, seed=2)

@@ -147,7 +147,7 @@ def test_a_client_that_keeps_the_head_gets_the_same_tokens(local_swarm, head_swa
 def test_head_requests_are_checked_by_the_server(head_swarm, remote_lm):
     """A head query that does not fit its call, or sent to a server without the head, is refused with its reason;
     a hop that does not end at the last block ignores it (it travels with every pushed hop)."""
-    from swarm.protocol import ErrorCode, ForwardRequest, RemoteError
+    from swarm.wire.messages import ErrorCode, ForwardRequest, RemoteError
 
     lm, _ = head_swarm
     hidden = torch.randn(1, 8, lm.config.hidden_size)

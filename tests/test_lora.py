@@ -19,7 +19,8 @@ from swarm.adapters.block import BlockAdapter
 from swarm.adapters.kinds import BOTTLENECK, LORA
 from swarm.adapters.lora import BlockWidths, unpack_lora
 from swarm.finetune.trainer import STATE_FILE, FinetuneConfig, Finetuner
-from swarm.protocol import ErrorCode, ForwardRequest, RemoteError, request_parts
+from swarm.wire.encoding import request_parts
+from swarm.wire.messages import ErrorCode, ForwardRequest, RemoteError
 from tests.test_bottleneck import bottleneck_for
 from tests.test_deep_prompt import _edit_json, adapter_gradient, assert_files_refused, raw_call
 from tests.test_finetune import GENERATION, TOLERANCE, run_finetune, write_pairs

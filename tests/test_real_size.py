@@ -14,7 +14,7 @@ from swarm.client import DistributedDiffusionLM
 from swarm.client.routing import MissingBlocksError
 from swarm.diffusion.remasking import STRATEGIES
 from swarm.models.loading import ModelFiles, resolve_device
-from swarm.protocol import decode_tensor, encode_tensor
+from swarm.wire.encoding import decode_tensor, encode_tensor
 from tests.test_formats import dream_path, llada_path  # noqa: F401  (module fixtures: small bfloat16 checkpoints)
 
 PROMPT = "def add(a, b):"

@@ -15,8 +15,9 @@ import torch
 from swarm.adapters.block import BlockAdapter
 from swarm.adapters.kinds import LORA
 from swarm.adapters.lora import BlockWidths
-from swarm.protocol import ErrorCode, ForwardRequest, RemoteError, request_parts
 from swarm.server.adapter_tensors import ENTRY_OVERHEAD_BYTES, AdapterTensors
+from swarm.wire.encoding import request_parts
+from swarm.wire.messages import ErrorCode, ForwardRequest, RemoteError
 from tests.conftest import make_checkpoint, tiny_config
 from tests.test_finetune import GENERATION, TOLERANCE
 from tests.test_lora import lora_for
@@ -99,7 +100,7 @@ def test_a_server_that_never_keeps_what_it_claims_is_not_believed_for_long(local
                                                                            tmp_path):
     """Without the score every named call would miss and be resent: one wasted call per step, forever."""
     from swarm.client import DistributedDiffusionLM
-    from swarm.remote import MAX_BROKEN_HOLDS
+    from swarm.wire.remote import MAX_BROKEN_HOLDS
 
     path, server = small_stores["forgetful"]
     adapter_dir = str(lora_for(local_lm, rank=2, seed=9).save(tmp_path / "lora"))

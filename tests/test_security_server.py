@@ -28,25 +28,22 @@ from hivemind.utils.streaming import split_for_streaming
 from swarm.diffusion.pipeline import CacheDirective
 from swarm.models.loading import ModelFiles
 from swarm.models.modules import BlockSpan
-from swarm.protocol import (
+from swarm.server.backend import Admission, ComputeQueue, attention_length_scale, request_cost
+from swarm.server.session_cache import SessionCaches
+from swarm.utils.event_loop import BackgroundLoop
+from swarm.utils.local_swarm import LocalSwarm, ManagedProcess
+from swarm.wire.encoding import (
     MAX_METADATA_BYTES,
     MAX_STREAM_MESSAGE_BYTES,
-    ErrorCode,
-    ForwardRequest,
-    PushSpec,
-    RemoteError,
-    SpanService,
     collect_ack,
     collect_response,
     encode_tensor,
     request_parts,
     tensor_wire_bytes,
 )
-from swarm.remote import RemoteCaller
-from swarm.server.backend import Admission, ComputeQueue, attention_length_scale, request_cost
-from swarm.server.session_cache import SessionCaches
-from swarm.utils.event_loop import BackgroundLoop
-from swarm.utils.local_swarm import LocalSwarm, ManagedProcess
+from swarm.wire.messages import ErrorCode, ForwardRequest, PushSpec, RemoteError
+from swarm.wire.remote import RemoteCaller
+from swarm.wire.services import SpanService
 from tests.conftest import make_checkpoint, tiny_config
 from tests.silent_delivery import add_silent_delivery
 

@@ -16,7 +16,7 @@ from swarm.client import DistributedDiffusionLM, MissingBlocksError
 from swarm.dht.node import NetworkConfig, start_dht
 from swarm.dht.schema import ServerRecord, ServerState, block_key, default_prefix, read_servers
 from swarm.dht.validation import owner_peer_id
-from swarm.protocol import ErrorCode, ForwardRequest, RemoteError
+from swarm.wire.messages import ErrorCode, ForwardRequest, RemoteError
 from tests.conftest import make_checkpoint, tiny_config, wait_until
 
 CASES = [

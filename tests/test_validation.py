@@ -7,7 +7,9 @@ from hivemind.p2p import PeerID
 from hivemind.proto import runtime_pb2
 from hivemind.utils import MSGPackSerializer
 
-from swarm.protocol import ErrorCode, ForwardRequest, RemoteError, SpanService, collect_response, request_parts
+from swarm.wire.encoding import collect_response, request_parts
+from swarm.wire.messages import ErrorCode, ForwardRequest, RemoteError
+from swarm.wire.services import SpanService
 
 HIDDEN = 32  # tiny_config's hidden size
 

@@ -25,9 +25,9 @@ from swarm.dht.compatibility import CompatibilityTag, IncompatibleExpertError
 from swarm.dht.schema import ExpertRecord, ServerState, expert_index_key, read_expert_records
 from swarm.diffusion.denoiser import DenoiseContext, Pending
 from swarm.diffusion.experts import ExpertNotFoundError, ExpertUnavailable
-from swarm.protocol import ErrorCode, ExpertQuery, RemoteError
-from swarm.remote import RemoteCaller
 from swarm.utils.event_loop import BackgroundLoop
+from swarm.wire.messages import ErrorCode, ExpertQuery, RemoteError
+from swarm.wire.remote import RemoteCaller
 
 logger = logging.getLogger(__name__)
 

@@ -13,8 +13,8 @@ from typing import Callable, Optional, TypeVar
 
 from swarm.client.config import ClientConfig
 from swarm.client.peers import PeerHealth
-from swarm.protocol import ErrorCode, RemoteError
 from swarm.utils.errors import SwarmError
+from swarm.wire.messages import ErrorCode, RemoteError
 
 logger = logging.getLogger(__name__)
 

@@ -37,12 +37,12 @@ from swarm.lm import BaseDiffusionLM, StreamChunk
 from swarm.local import DiffusionLM
 from swarm.models.loading import DEFAULT_MODEL, ModelFiles
 from swarm.models.modules import OutputHead
-from swarm.protocol import ErrorCode, RemoteError
-from swarm.remote import RemoteCaller
 from swarm.scale import ScalePlan, check_scale
 from swarm.utils.event_loop import BackgroundLoop
 from swarm.utils.settings import replaced
 from swarm.utils.threads import use_threads
+from swarm.wire.messages import ErrorCode, RemoteError
+from swarm.wire.remote import RemoteCaller
 
 logger = logging.getLogger(__name__)
 

@@ -29,9 +29,9 @@ from swarm.client.failover import RetryBudget
 from swarm.client.peers import PeerHealth
 from swarm.client.routing import MissingBlocksError, RouteHop, find_route
 from swarm.dht.schema import ServerRecord, ServerState, read_servers
-from swarm.protocol import ErrorCode, ForwardRequest, RemoteError
-from swarm.remote import RemoteCaller
 from swarm.utils.event_loop import BackgroundLoop
+from swarm.wire.messages import ErrorCode, ForwardRequest, RemoteError
+from swarm.wire.remote import RemoteCaller
 
 logger = logging.getLogger(__name__)
 

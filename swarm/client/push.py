@@ -10,7 +10,9 @@ from typing import AsyncIterator
 from hivemind.p2p import P2P, P2PContext
 from hivemind.proto import runtime_pb2
 
-from swarm.protocol import DeliveryService, RemoteError, collect_response, parse_metadata
+from swarm.wire.encoding import collect_response, parse_metadata
+from swarm.wire.messages import RemoteError
+from swarm.wire.services import DeliveryService
 
 logger = logging.getLogger(__name__)
 

@@ -44,7 +44,7 @@ from swarm.diffusion.prediction import HeadQuery, Predictions, check_predictions
 from swarm.diffusion.sampler import Halted
 from swarm.models.kv_cache import CacheMiss
 from swarm.models.modules import OutputHead
-from swarm.protocol import BackwardRequest, ErrorCode, ForwardRequest, PushSpec, RemoteError
+from swarm.wire.messages import BackwardRequest, ErrorCode, ForwardRequest, PushSpec, RemoteError
 
 logger = logging.getLogger(__name__)
 

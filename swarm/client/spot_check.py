@@ -44,10 +44,10 @@ from swarm.client.failover import RetriesExhausted
 from swarm.client.peers import PeerHealth
 from swarm.diffusion.pipeline import CacheDirective
 from swarm.diffusion.prediction import HeadQuery, predict_from_hidden
-from swarm.protocol import ForwardRequest, RemoteError
-from swarm.remote import RemoteCaller
 from swarm.utils.errors import SwarmError
 from swarm.utils.event_loop import BackgroundLoop
+from swarm.wire.messages import ForwardRequest, RemoteError
+from swarm.wire.remote import RemoteCaller
 
 if TYPE_CHECKING:
     from swarm.models.modules import OutputHead

@@ -9,7 +9,7 @@ from typing import Any, Optional
 
 DEFAULT_MODEL = "default"  # the embedded model every command and front end uses unless told otherwise
 DTYPE_NAMES = ("float32", "bfloat16", "float16")  # the dtypes a model may be loaded in (--dtype)
-# What activations may travel as (--wire-dtype): "auto" is the compute dtype. swarm.protocol.WIRE_CHOICES, named
+# What activations may travel as (--wire-dtype): "auto" is the compute dtype. swarm.wire.encoding.WIRE_CHOICES, named
 # here without torch for the settings' declarations (test_config_settings.py keeps the two equal).
 WIRE_CHOICES = ("auto", "float32", "float16", "bfloat16")
 # Settings a model may choose defaults for (its generation.json): those that change how its text reads, never

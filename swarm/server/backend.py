@@ -26,7 +26,7 @@ from swarm.diffusion.prediction import HeadQuery, predict_states
 from swarm.models.config import ModelConfig
 from swarm.models.kv_cache import SpanKV
 from swarm.models.modules import BlockSpan, OutputHead, PassCancelled
-from swarm.protocol import ErrorCode, RemoteError
+from swarm.wire.messages import ErrorCode, RemoteError
 
 if TYPE_CHECKING:
     from swarm.server.config import ServerConfig

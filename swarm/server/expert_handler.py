@@ -11,9 +11,10 @@ from typing import Any
 
 from hivemind.proto import runtime_pb2
 
-from swarm.protocol import ErrorCode, decode_tensor, parse_metadata, response_parts
 from swarm.server.experts import ExpertBackend, HostedExpert
 from swarm.server.validation import MAX_SESSION_ID_LENGTH, require
+from swarm.wire.encoding import decode_tensor, parse_metadata, response_parts
+from swarm.wire.messages import ErrorCode
 
 logger = logging.getLogger(__name__)
 

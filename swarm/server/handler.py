@@ -24,15 +24,6 @@ from hivemind.utils import MSGPackSerializer
 from hivemind.utils.asyncio import iter_as_aiter
 
 from swarm.adapters.block import is_sha256_hex
-from swarm.protocol import (
-    MAX_STREAM_MESSAGE_BYTES,
-    ErrorCode,
-    RemoteError,
-    SpanService,
-    adapter_parts,
-    error_response,
-    parse_metadata,
-)
 from swarm.server.adapter_tensors import AdapterTensors
 from swarm.server.backend import SpanBackend
 from swarm.server.expert_handler import ExpertHandler
@@ -41,6 +32,9 @@ from swarm.server.request_reader import RequestReader
 from swarm.server.session_cache import SessionCaches
 from swarm.server.span_calls import BackwardCalls, ForwardCalls
 from swarm.server.validation import require
+from swarm.wire.encoding import MAX_STREAM_MESSAGE_BYTES, adapter_parts, error_response, parse_metadata
+from swarm.wire.messages import ErrorCode, RemoteError
+from swarm.wire.services import SpanService
 
 if TYPE_CHECKING:
     from swarm.adapters.sharing import AdapterLibrary

@@ -22,19 +22,12 @@ from typing import Any, Optional
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils.asyncio import iter_as_aiter
 
-from swarm.protocol import (
-    DeliveryService,
-    ErrorCode,
-    ForwardRequest,
-    PushSpec,
-    RemoteError,
-    error_response,
-    response_parts,
-    tensor_wire_bytes,
-)
-from swarm.remote import RemoteCaller, as_remote_error
 from swarm.server.backend import Admission, Grant
 from swarm.server.validation import require
+from swarm.wire.encoding import error_response, response_parts, tensor_wire_bytes
+from swarm.wire.messages import ErrorCode, ForwardRequest, PushSpec, RemoteError
+from swarm.wire.remote import RemoteCaller, as_remote_error
+from swarm.wire.services import DeliveryService
 
 logger = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ The metadata, the declared tensor shape (within the model's context), whether it
 whether the compute queue has room are all settled before the rest of its payload is received, decoded or
 computed. The rest of a stream is received under a place among the unfinished streams and a deadline proportional
 to its declared size (``StreamLimits``), so a peer that stalls its streams holds no compute slot. A backward request
-(:class:`~swarm.protocol.BackwardRequest`) has a forward request's form and is read the same way, with its own
+(:class:`~swarm.wire.messages.BackwardRequest`) has a forward request's form and is read the same way, with its own
 checks: no cache, push or head directives, and an even stacked batch.
 
 Either kind may carry a per-block adapter's tensor for the requested blocks (``prompt_length`` R in the metadata,
@@ -31,17 +31,6 @@ from swarm.adapters.kinds import DEEP_PROMPT
 from swarm.adapters.lora import BlockWidths
 from swarm.diffusion.pipeline import CacheDirective
 from swarm.diffusion.prediction import HeadQuery
-from swarm.protocol import (
-    AUTO_WIRE,
-    MAX_UNARY_BYTES,
-    ErrorCode,
-    PushSpec,
-    RemoteError,
-    decode_tensor,
-    join_parts,
-    parse_metadata,
-    tensor_wire_bytes,
-)
 from swarm.server.adapter_tensors import AdapterTensors
 from swarm.server.backend import SpanBackend
 from swarm.server.push import parse_push
@@ -56,6 +45,8 @@ from swarm.server.validation import (
     validate_positions,
     validate_prompt_declared,
 )
+from swarm.wire.encoding import AUTO_WIRE, MAX_UNARY_BYTES, decode_tensor, join_parts, parse_metadata, tensor_wire_bytes
+from swarm.wire.messages import ErrorCode, PushSpec, RemoteError
 
 T = TypeVar("T")
 

@@ -16,11 +16,12 @@ from hivemind.proto import runtime_pb2
 
 from swarm.diffusion.pipeline import CacheDirective
 from swarm.models.kv_cache import CacheMiss, SpanKV
-from swarm.protocol import AUTO_WIRE, ErrorCode, ForwardRequest, RemoteError, ack_response, response_parts
 from swarm.server.backend import Grant, SpanBackend, SpanCall
 from swarm.server.push import Pusher
 from swarm.server.request_reader import Declared, Received
 from swarm.server.session_cache import SessionCaches
+from swarm.wire.encoding import AUTO_WIRE, ack_response, response_parts
+from swarm.wire.messages import ErrorCode, ForwardRequest, RemoteError
 
 Answer = list[runtime_pb2.ExpertResponse]
 

@@ -10,7 +10,7 @@ from swarm.adapters.block import BlockAdapter, check_rows, is_sha256_hex
 from swarm.adapters.kinds import DEEP_PROMPT, PER_BLOCK_KINDS, described
 from swarm.adapters.lora import BlockWidths
 from swarm.diffusion.pipeline import CacheDirective
-from swarm.protocol import ErrorCode, RemoteError
+from swarm.wire.messages import ErrorCode, RemoteError
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 FLOAT_DTYPE_NAMES = ("float32", "float16", "bfloat16")

@@ -20,9 +20,9 @@ from swarm.dht.node import NetworkConfig, start_dht, stop_dht
 from swarm.dht.schema import ServerRecord, ServerState
 from swarm.governance.guard import GovernanceGuard
 from swarm.health.map import read_health_map
-from swarm.remote import RemoteCaller
 from swarm.utils.event_loop import BackgroundLoop
 from swarm.web.snapshot import ClientView, Probe, governance_view, map_snapshot
+from swarm.wire.remote import RemoteCaller
 
 logger = logging.getLogger(__name__)
 

@@ -21,14 +21,8 @@ from hivemind.utils import MSGPackSerializer
 from hivemind.utils.asyncio import iter_as_aiter
 from multiaddr import Multiaddr
 
-from swarm.protocol import (
+from swarm.wire.encoding import (
     AUTO_WIRE,
-    BackwardRequest,
-    ErrorCode,
-    ExpertQuery,
-    ForwardRequest,
-    RemoteError,
-    SpanService,
     adapter_declared,
     adapter_request,
     collect_ack,
@@ -37,6 +31,8 @@ from swarm.protocol import (
     request_parts,
     response_metadata,
 )
+from swarm.wire.messages import BackwardRequest, ErrorCode, ExpertQuery, ForwardRequest, RemoteError
+from swarm.wire.services import SpanService
 
 logger = logging.getLogger(__name__)
 

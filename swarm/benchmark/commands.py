@@ -1,4 +1,4 @@
-"""``python -m swarm.benchmark``: side-by-side measurements on a local swarm of two servers.
+"""The commands of ``python -m swarm.benchmark``: side-by-side measurements on a local swarm of two servers.
 
 * ``latency``: per-step latency through the swarm and in one local process, and their ratio.
 * ``picard``: Picard windows w in {1, 2, 4, 8} at several injected per-hop latencies: sequential round
@@ -27,15 +27,15 @@ from typing import Iterator, Optional, Sequence
 import click
 import torch
 
-from swarm.adapter_wire import adapter_wire
-from swarm.cli_options import SwarmGroup, run_main
+from swarm.benchmark.adapter_wire import adapter_wire
+from swarm.benchmark.realscale import realscale
+from swarm.cli_options import SwarmGroup
 from swarm.client import DistributedDiffusionLM
 from swarm.diffusion.config import MAX_STALENESS
 from swarm.diffusion.remasking import STRATEGIES
 from swarm.eval.tasks import evaluate_task, prompt_ids
 from swarm.local import DiffusionLM
 from swarm.models.loading import ModelFiles
-from swarm.realscale import realscale
 from swarm.train.data import AdditionTask
 from swarm.utils.local_swarm import LocalSwarm
 
@@ -457,8 +457,5 @@ def cache_refresh(task_model: str, task_examples: int, refreshes: list[int], cac
                    f"{exact_rows / rows:>10.2f}x{elapsed:>8.1f}{exact_time / elapsed:>8.2f}x")
 
 
-main.add_command(realscale)  # issue 17: per-step costs at LLaDA-8B's widths (swarm/realscale.py)
-main.add_command(adapter_wire)  # issue 19: a LoRA on the wire at those widths (swarm/adapter_wire.py)
-
-if __name__ == "__main__":
-    run_main(main)
+main.add_command(realscale)  # issue 17: per-step costs at LLaDA-8B's widths (realscale.py)
+main.add_command(adapter_wire)  # issue 19: a LoRA on the wire at those widths (adapter_wire.py)

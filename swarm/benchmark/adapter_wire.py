@@ -28,8 +28,15 @@ from swarm.adapters.adapter import AdapterConfig, LoRAAdapter, base_of
 from swarm.adapters.block import BlockAdapter
 from swarm.adapters.kinds import LORA
 from swarm.adapters.lora import BlockWidths, new_lora_weights
+from swarm.benchmark.realscale import (
+    SPECIALS,
+    WORDS,
+    checkpoint,
+    server_compute_seconds,
+    start_span_servers,
+    swarm_options,
+)
 from swarm.models.loading import ModelFiles
-from swarm.realscale import SPECIALS, WORDS, checkpoint, server_compute_seconds, start_span_servers, swarm_options
 from swarm.utils.local_swarm import LocalSwarm
 
 

@@ -115,11 +115,15 @@ def set_parent_death_signal(sig: int = signal.SIGKILL) -> bool:
 
 # Runs in the child between fork and p2pd: the death signal survives exec, and a parent that died before the
 # prctl is caught by the parent-pid check. It execs p2pd in place, so hivemind signals and waits for the same pid.
+# p2pd gets its own process group: a Ctrl-C in a terminal signals the foreground group, and a p2pd interrupted
+# there closed its sockets under the DHT process (an "[ERROR] ... use of closed network connection" line, then a
+# shutdown stalled until hivemind's grace period ran out); out of that group it is stopped by hivemind alone.
 _LAUNCHER = """import ctypes, os, signal, sys
 if ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0) != 0:
     sys.exit("p2pd launcher: prctl(PR_SET_PDEATHSIG) failed")
 if os.getppid() != int(sys.argv[1]):
     sys.exit("p2pd launcher: the process that started p2pd is gone")
+os.setpgid(0, 0)
 os.execv(sys.argv[2], sys.argv[2:])
 """
 

@@ -89,6 +89,7 @@ def test_health_map_lists_every_server_of_the_live_swarm(local_swarm, tiny_model
         server = listed[peer_id]
         assert (server["start"], server["end"], server["state"]) == (start, end, "online")
         assert server["version"] == swarm.__version__ and server["throughput"] > 0
+        assert server["cache_tokens_left"] > 0  # its activation cache's free room (512 MB by default), announced
     assert data["replicas"] == [1, 2, 2, 2]  # 0:2, 2:4 and the replica 1:4
 
 

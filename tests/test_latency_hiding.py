@@ -98,6 +98,25 @@ def test_server_cache_store_stays_within_its_budget_and_expires():
     assert caches.used_bytes == 0
 
 
+def test_server_cache_announces_the_tokens_it_still_has_room_for():
+    """``cache_tokens_left`` (the map's cache column): the longest sequence a fill could keep without evicting."""
+    config = tiny_config()
+    one = SessionCaches(config, budget_bytes=1, ttl=1.0).cost_of(2, 1, 100)
+    caches = SessionCaches(config, budget_bytes=int(2.5 * one), ttl=60.0)
+
+    def is_the_room(tokens: int) -> bool:
+        free = caches.budget_bytes - caches.used_bytes
+        return caches.cost_of(2, 1, tokens) <= free < caches.cost_of(2, 1, tokens + 1)
+
+    left = caches.tokens_left(2)
+    assert left > 250 and is_the_room(left)
+    assert caches.tokens_left(1) > 2 * left  # a position through one block costs half
+    caches.filled("a", 1, caches.for_fill("a", 1, 0, 2, 1, 100), ok=True)
+    assert caches.tokens_left(2) < left - 100 and is_the_room(caches.tokens_left(2))
+    caches.for_fill("b", 1, 0, 2, 1, caches.tokens_left(2))
+    assert caches.tokens_left(2) == 0 and caches.stats.evictions == 0
+
+
 def test_server_cache_versions_let_a_reuse_wait_for_its_fill_and_drop_old_ones():
     config = tiny_config()
     caches = SessionCaches(config, budget_bytes=10**8, ttl=60, fill_timeout=5, arrival_wait=5)

@@ -351,7 +351,9 @@ def test_map_shows_every_server_read_through_the_api(browser, api_url):
     assert text_of(browser, "coverage").startswith("Every block is served: 16 blocks")
     governance = text_of(browser, "governance")  # the set-up resume of web_lm, when that fixture ran first
     assert "no governance decision" in governance or governance.startswith("Running"), governance
-    names = [row["Name"] for row in server_rows(browser)]
+    rows = server_rows(browser)
+    assert all(int(row["Cache room (tokens)"]) > 0 for row in rows), rows  # each server's free cache, announced
+    names = [row["Name"] for row in rows]
     assert names[0] == "first half" and sorted(names[1:]) == sorted([HOSTILE_NAME, "spare"])  # markup as text
     assert not browser.find_elements(By.CSS_SELECTOR, "main b")
     assert [label.split(":")[0] for label, _ in bars(browser)] == names

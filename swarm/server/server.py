@@ -196,10 +196,16 @@ class Server:
     def record(self) -> ServerRecord:
         return ServerRecord(
             peer_id=self.peer_id, state=self.state, start=self.start, end=self.end, throughput=self.throughput,
-            public_name=self.config.public_name, version=__version__, experts=sorted(self.experts),
+            public_name=self.config.public_name, version=__version__, cache_tokens_left=self.cache_tokens_left(),
+            experts=sorted(self.experts),
             numerics=self.numerics, addresses=self.addresses, head=self.backend is not None and
             self.backend.head is not None, adapter_kinds=list(PER_BLOCK_KINDS),
         )
+
+    def cache_tokens_left(self) -> int:
+        """The activation cache's free room in tokens of one sequence through this server's span (0 without one)."""
+        caches = self.handler.caches
+        return caches.tokens_left(self.end - self.start) if caches is not None else 0
 
     def expert_records(self) -> list[ExpertRecord]:
         return [ExpertRecord(peer_id=self.peer_id, domain=domain, state=self.state, tag=expert.tag,

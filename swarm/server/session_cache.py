@@ -93,6 +93,15 @@ class SessionCaches:
         """What a version is counted at: its keys and values and its measured overhead."""
         return self.size_of(blocks, batch, length) + ENTRY_OVERHEAD_BYTES + blocks * BLOCK_OVERHEAD_BYTES
 
+    def tokens_left(self, blocks: int) -> int:
+        """How many more positions of one sequence through ``blocks`` blocks fit without evicting anyone: what the
+        server announces as ``cache_tokens_left`` (the map's cache column), so that its free room is visible.
+
+        Only reads counters (the announcement runs in a worker thread); versions past their TTL still count until
+        the next access drops them."""
+        free = self.budget_bytes - self.used_bytes - self.cost_of(blocks, 1, 0)
+        return max(0, free // self.size_of(blocks, 1, 1))
+
     def for_fill(self, session_id: str, version: int, keep_from: int, blocks: int, batch: int,
                  length: int) -> Optional[SpanKV]:
         """A fresh cache for version ``version`` of the session, or None when it can never fit.

@@ -5,11 +5,13 @@ import contextlib
 import json
 import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 import urllib.error
 import urllib.request
-from typing import Any, Iterator
+from typing import IO, Any, Iterator
 
 import pytest
 
@@ -24,6 +26,7 @@ from swarm.api.engine import EngineBusy  # noqa: E402
 from swarm.api.errors import as_api_error  # noqa: E402
 from swarm.client import MissingBlocksError  # noqa: E402
 from swarm.dht.schema import default_prefix  # noqa: E402
+from tests.conftest import wait_until  # noqa: E402
 
 SETTINGS = dict(gen_length=16, steps=8, block_length=8, seed=3, temperature=1.0, remasking="random")
 EXTRA = {"steps": 8, "block_length": 8, "remasking": "random"}  # what the OpenAI API has no field for
@@ -223,6 +226,48 @@ def test_local_mode_gives_the_same_text(tiny_model_path, local_lm, model_id):
                                                          seed=3, temperature=1.0, extra_body=EXTRA)
         assert http(f"{url}/health") == (200, {"model": model_id, "mode": "local", "ok": True, "status": "ok"})
     assert completion.choices[0].text == local_lm.generate("Hello there", **SETTINGS).text
+
+
+def read_lines(stream: IO[str], lines: list[str]) -> None:
+    for line in stream:
+        lines.append(line.rstrip())
+
+
+def get_once_up(url: str, process: subprocess.Popen, timeout: float = 60) -> int:
+    """The status of ``url`` once the server in ``process`` listens (it may print before it does)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=10) as response:
+                return response.status
+        except urllib.error.HTTPError as error:
+            return error.code
+        except urllib.error.URLError:
+            assert time.monotonic() < deadline and process.poll() is None, f"{url} never answered"
+            time.sleep(0.2)
+
+
+def test_cli_start_message_names_the_api_the_map_and_the_playground(tiny_model_path):
+    """``python -m swarm.api`` prints where each page is, and each URL it prints answers."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [sys.executable, "-m", "swarm.api", "--local", "--model", str(tiny_model_path), "--port", str(port),
+               "--threads", "1", "--log-level", "WARNING"]
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    lines: list[str] = []
+    threading.Thread(target=read_lines, args=(process.stderr, lines), daemon=True).start()
+    try:
+        base = f"http://127.0.0.1:{port}"
+        assert get_once_up(f"{base}/v1/models", process) == 200  # printed before it listens: all printed now
+        message = [f"Serving model '{default_prefix(tiny_model_path)}' (local) on {base}/v1",
+                   f"  swarm map:  {base}/map", f"  playground: {base}/playground"]
+        assert wait_until(lambda: message[0] in lines and len(lines) >= lines.index(message[0]) + 3, timeout=5)
+        assert lines[lines.index(message[0]):][:3] == message, lines
+        assert [get_once_up(f"{base}{path}", process) for path in ("/map", "/playground")] == [200, 200]
+    finally:
+        process.terminate()
+        process.wait(30)
 
 
 def test_cli_needs_a_swarm_or_local():

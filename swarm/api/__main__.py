@@ -71,11 +71,19 @@ def main(model: str, model_name: Optional[str], local: bool, host: str, port: in
     engine = load_engine(model, local=local, network=network, dht_prefix=dht_prefix, model_id=model_name,
                          max_pending=max_pending, request_memory_mb=request_memory_mb, allow_experts=allow_experts,
                          client_options=client_options)
-    click.echo(f"Serving model {engine.model_id!r} ({engine.mode}) on http://{host}:{port}/v1", err=True)
+    click.echo(serving_lines(engine.model_id, engine.mode, host, port), err=True)
     try:
         uvicorn.run(create_app(engine, max_body_bytes), host=host, port=port, log_level=log_level.lower())
     finally:
         engine.close()
+
+
+def serving_lines(model_id: str, mode: str, host: str, port: int) -> str:
+    """The start message: the API's base URL, and the pages a newcomer opens in a browser (docs/WEB.md)."""
+    base = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+    return (f"Serving model {model_id!r} ({mode}) on {base}/v1\n"
+            f"  swarm map:  {base}/map\n"
+            f"  playground: {base}/playground")
 
 
 if __name__ == "__main__":

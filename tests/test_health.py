@@ -10,6 +10,7 @@ from swarm.dht.schema import ServerRecord, ServerState, default_prefix
 from swarm.health import build_health_map
 from swarm.health.__main__ import EXIT_NOT_SERVED, EXIT_UNREACHABLE, main
 from swarm.health.render import render_text
+from swarm.utils.text import plural
 from tests.conftest import make_checkpoint, tiny_config
 
 
@@ -60,6 +61,16 @@ def test_servers_list_the_adapter_kinds_they_apply():
     assert "ADAPTERS" in lines[2]
     assert "deep_prompt,bottleneck" in lines[3] and "deep_prompt" not in lines[4]
     assert [server["adapter_kinds"] for server in health.to_json()["servers"]] == [["deep_prompt", "bottleneck"], []]
+
+
+def test_counts_read_as_english():
+    """"1 servers announced" was printed for a swarm of one server (issue 37)."""
+    one = render_text(build_health_map([record("a", 0, 1)], "m", 1)).splitlines()
+    assert one[0] == "Model 'm': 1 block, 1 server announced"
+    assert one[-1] == "OK: every block is served by at least one online server (min 1 replica)."
+    two = render_text(build_health_map([record("a", 0, 2), record("b", 0, 2)], "m", 2)).splitlines()
+    assert two[0] == "Model 'm': 2 blocks, 2 servers announced" and two[-1].endswith("(min 2 replicas).")
+    assert [plural(n, "batch", "batches") for n in (0, 1, 2)] == ["0 batches", "1 batch", "2 batches"]
 
 
 def test_no_servers_is_not_served():

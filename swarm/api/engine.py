@@ -22,6 +22,7 @@ from swarm.diffusion.config import GenerationLimits, SettingError
 from swarm.lm import BaseDiffusionLM, StreamChunk
 from swarm.models.tokenizer import unicode_text
 from swarm.utils.errors import SwarmError
+from swarm.utils.text import plural
 
 if TYPE_CHECKING:
     from swarm.dht.node import NetworkConfig
@@ -114,7 +115,7 @@ class GenerationEngine:
         """
         with self._pending_lock:
             if self._pending >= self.max_pending:
-                raise EngineBusy(f"{self._pending} requests are already waiting for the model; retry later")
+                raise EngineBusy(f"{plural(self._pending, 'request')} already waiting for the model; retry later")
             self._pending += 1
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()

@@ -38,6 +38,7 @@ from swarm.benchmark.realscale import (
 )
 from swarm.models.loading import ModelFiles
 from swarm.utils.local_swarm import LocalSwarm
+from swarm.utils.text import plural
 
 
 @dataclass
@@ -145,7 +146,7 @@ def adapter_wire(model: Optional[str], blocks: int, span: int, rank: int, batch:
                 click.echo(f"running: {label} ...", err=True)
                 training[label] = training_phase(lm, servers, weights, train_steps, (batch, length))
                 generation[label] = generation_phase(lm, servers, str(adapter_path), prompt, gen_steps)
-        print_rows(f"training step (forward + backward through {len(servers)} servers), per step", training)
+        print_rows(f"training step (forward + backward through {plural(len(servers), 'server')}), per step", training)
         print_rows(f"generation with the LoRA ({gen_steps} denoising steps), per step", generation)
         every, named = (f.outputs for f in training.values())
         difference = max((a - b).abs().max().item() for a, b in zip(every, named))

@@ -40,6 +40,7 @@ from swarm.models.modules import OutputHead
 from swarm.scale import ScalePlan, check_scale
 from swarm.utils.event_loop import BackgroundLoop
 from swarm.utils.settings import replaced
+from swarm.utils.text import plural
 from swarm.utils.threads import use_threads
 from swarm.wire.messages import ErrorCode, RemoteError
 from swarm.wire.remote import RemoteCaller
@@ -325,7 +326,7 @@ class DistributedDiffusionLM(BaseDiffusionLM):
     def show_route(self) -> list[RouteHop]:
         """Build (if needed) and log the current route; returns its hops."""
         route = self.planner.route or self.planner.build_route()
-        logger.info("route over %d servers: %s", len(route), " -> ".join(map(str, route)))
+        logger.info("route over %s: %s", plural(len(route), "server"), " -> ".join(map(str, route)))
         return list(route)
 
     def shutdown(self) -> None:

@@ -30,6 +30,7 @@ from swarm.client.peers import PeerHealth
 from swarm.client.routing import MissingBlocksError, RouteHop, find_route
 from swarm.dht.schema import ServerRecord, ServerState, read_servers
 from swarm.utils.event_loop import BackgroundLoop
+from swarm.utils.text import plural
 from swarm.wire.messages import ErrorCode, ForwardRequest, RemoteError
 from swarm.wire.remote import RemoteCaller
 
@@ -108,7 +109,7 @@ class RoutePlanner:
                 self.health.forgive(peer, f"it now announces {', '.join(record.addresses)}")
         self._ping_unmeasured()
         self._refreshed_at = time.monotonic()
-        logger.info("%d servers known for %s (%d online)", len(self.servers), self.prefix,
+        logger.info("%s known for %s (%d online)", plural(len(self.servers), "server"), self.prefix,
                     sum(r.state == ServerState.ONLINE for r in self.servers.values()))
 
     def _ping_unmeasured(self) -> None:

@@ -42,6 +42,7 @@ from swarm.dht.nat import listen_addresses, relay_plan, wait_for_relay
 from swarm.dht.peers import resolve_initial_peers
 from swarm.dht.validation import STORE_SENDER, KeyPolicy, dht_key_id, protect_storage, swarm_validators
 from swarm.utils.errors import EXIT_IN_USE, EXIT_UNREACHABLE, SwarmError
+from swarm.utils.text import plural
 
 logger = logging.getLogger(__name__)
 
@@ -340,7 +341,7 @@ def report_relay(dht: DHT, timeout: float) -> list[str]:
     announces include its ``/p2p-circuit`` ones; say how long it took, or that the peer is unreachable so far."""
     found, waited = wait_for_relay(lambda: dht.get_visible_maddrs(latest=True), timeout)
     if found:
-        logger.info("reachable through %d relay(s) after %.1f s: %s", len(found), waited, ", ".join(found))
+        logger.info("reachable through %s after %.1f s: %s", plural(len(found), "relay"), waited, ", ".join(found))
     else:
         logger.warning("no relay reservation after %.0f s: other peers cannot reach this one yet (libp2p waits up to "
                        "3 min for relays when it knows fewer than 4 public peers; list more --initial-peers)", waited)

@@ -25,6 +25,7 @@ from swarm.finetune.together import CollaborationConfig
 from swarm.finetune.trainer import FinetuneConfig, Finetuner, parse_lr_from
 from swarm.lm import BaseDiffusionLM
 from swarm.models.loading import DEFAULT_MODEL
+from swarm.utils.text import plural
 
 
 def open_model(model: str, peers: list[str], request_timeout: float, dht: Optional[DHT] = None) -> BaseDiffusionLM:
@@ -152,9 +153,10 @@ def main(model: str, initial_peers: tuple[str, ...], request_timeout: float, thr
         trainer.run(progress=True)
     finally:
         close(trainer, lm, dht)
-    click.echo(f"adapter written to {config.output}: {trainer.state.epoch} steps, loss {trainer.smoothed_loss()} "
-               f"(mean of the last 10), {trainer.state.wall_s:.1f} s of training"
-               + (f", {trainer.state.step} batches here" if config.collaboration else ""))
+    steps = plural(trainer.state.epoch, "step")
+    click.echo(f"adapter written to {config.output}: {steps}, loss {trainer.smoothed_loss()} (mean of the last 10), "
+               f"{trainer.state.wall_s:.1f} s of training"
+               + (f", {plural(trainer.state.step, 'batch', 'batches')} here" if config.collaboration else ""))
 
 
 def join_run(config: FinetuneConfig, peers: list[str], network: NetworkConfig) -> Optional[DHT]:

@@ -21,6 +21,7 @@ from swarm.dht.peers import resolve_initial_peers
 from swarm.dht.schema import default_prefix, protected_keys
 from swarm.governance.keys import load_private_key
 from swarm.models.loading import DEFAULT_MODEL, ModelFiles
+from swarm.utils.text import plural
 
 
 def author_key(path: str):
@@ -78,5 +79,5 @@ def publish_main(directory: str, name: str, key_path: str, score: Optional[float
         stop_dht(dht)
     click.echo(json.dumps(stored.to_json(), indent=2))
     click.echo(f"published {name!r} by author {stored.author_id} ({stored.size} bytes, sha256 {stored.sha256}); "
-               f"{len(stored.served_by)} peers serve it now. Use it with generate(adapter={name!r}) or "
+               f"served by {plural(len(stored.served_by), 'peer')} now. Use it with generate(adapter={name!r}) or "
                f"{name}@{stored.author_id}.", err=True)

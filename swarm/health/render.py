@@ -5,6 +5,7 @@ from typing import Sequence
 
 from swarm.health.map import HealthMap, format_spans
 from swarm.health.reachability import reachability
+from swarm.utils.text import plural
 
 
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
@@ -18,7 +19,8 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> list[
 
 
 def render_text(health: HealthMap) -> str:
-    lines = [f"Model {health.prefix!r}: {health.num_blocks} blocks, {len(health.servers)} servers announced", ""]
+    announced = f"{plural(health.num_blocks, 'block')}, {plural(len(health.servers), 'server')} announced"
+    lines = [f"Model {health.prefix!r}: {announced}", ""]
     if health.servers:
         rows = [
             (f"{r.start}:{r.end}" + (" +head" if r.head else ""), r.state.name.lower(), f"{r.throughput:.1f}",
@@ -35,7 +37,7 @@ def render_text(health: HealthMap) -> str:
     runs = [(f"{start}:{end}", str(count)) for (start, end), count in health.replica_runs()]
     lines += format_table(("BLOCKS", "ONLINE REPLICAS"), runs)
     for domain, announcements in health.experts.items():
-        lines.append(f"Expert {domain!r}: {len(announcements)} peers")
+        lines.append(f"Expert {domain!r}: {plural(len(announcements), 'peer')}")
     if health.adapters:
         lines.append("")
         rows = [(f"{a['name']}@{a['author']}", f"{a['size']}", "-" if a["score"] is None else f"{a['score']:g}",
@@ -43,7 +45,8 @@ def render_text(health: HealthMap) -> str:
         lines += format_table(("ADAPTER", "BYTES", "SCORE", "HOSTS", "SHA256"), rows)
     lines.append("")
     if health.fully_served:
-        lines.append(f"OK: every block is served by at least one online server (min {min(health.replicas)} replicas).")
+        fewest = plural(min(health.replicas), "replica")
+        lines.append(f"OK: every block is served by at least one online server (min {fewest}).")
     else:
         lines.append(f"NOT FULLY SERVED: no online server holds blocks {format_spans(health.uncovered)}.")
     return "\n".join(lines)

@@ -34,6 +34,7 @@ from huggingface_hub.errors import (
 from swarm.models.checkpoint import INDEX_FILE
 from swarm.models.config import CONFIG_FILE
 from swarm.utils.errors import EXIT_USAGE, SwarmError
+from swarm.utils.text import plural
 
 logger = logging.getLogger(__name__)
 
@@ -154,7 +155,7 @@ class HubCheckpoint:
         missing = [f for f in dict.fromkeys(filenames) if not (self.snapshot / f).exists()]
         if not missing:
             return
-        logger.info("fetching %d file(s) of %s from %s: %s", len(missing), self.name, constants.ENDPOINT,
+        logger.info("fetching %s of %s from %s: %s", plural(len(missing), "file"), self.name, constants.ENDPOINT,
                     ", ".join(missing))
         started, total = time.monotonic(), 0
         for filename in missing:

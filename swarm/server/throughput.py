@@ -7,6 +7,7 @@ import time
 import torch
 
 from swarm.models.modules import BlockSpan
+from swarm.utils.text import plural
 
 logger = logging.getLogger(__name__)
 
@@ -25,5 +26,5 @@ def measure_throughput(span: BlockSpan, device: str = "cpu", repeats: int = 3) -
         span(hidden)
         best = min(best, time.perf_counter() - started)
     throughput = REFERENCE_TOKENS / max(best, 1e-6)
-    logger.info("measured throughput: %.0f tokens/s over %d blocks", throughput, span.end - span.start)
+    logger.info("measured throughput: %.0f tokens/s over %s", throughput, plural(span.end - span.start, "block"))
     return throughput

@@ -27,6 +27,7 @@ from swarm.models.modules import DiffusionTransformer
 from swarm.models.tokenizer import ByteTokenizer, SubwordTokenizer, Tokenizer
 from swarm.train.data import Corpus, padding_mask
 from swarm.train.objective import diffusion_loss, mask_tokens
+from swarm.utils.text import plural
 
 logger = logging.getLogger(__name__)
 
@@ -171,17 +172,17 @@ def train(cfg: TrainConfig, corpus: Corpus, *, stop_at: Optional[int] = None) ->
     end = cfg.steps if stop_at is None else min(cfg.steps, stop_at)
     first = run.step
     parameters = sum(p.numel() for p in model.parameters()) / 1e6
-    logger.info("training steps %d..%d of %d (batch %d x %d tokens, %.2fM parameters, %d threads); the time it "
+    logger.info("training steps %d..%d of %d (batch %d x %d tokens, %.2fM parameters, %s); the time it "
                 "takes is estimated after %d steps", first, end, cfg.steps, cfg.batch_size, cfg.seq_len, parameters,
-                torch.get_num_threads(), ESTIMATE_AFTER_STEPS)
+                plural(torch.get_num_threads(), "thread"), ESTIMATE_AFTER_STEPS)
     bar = tqdm(range(first, end), initial=first, total=cfg.steps, desc=f"train {cfg.corpus}")
     session_start, wall_before = time.perf_counter(), run.wall_s
     with logging_redirect_tqdm():  # log lines above the progress bar, not inside it
         for step in bar:
             if step - first == ESTIMATE_AFTER_STEPS:
                 per_step = (time.perf_counter() - session_start) / ESTIMATE_AFTER_STEPS
-                logger.info("%.2f s per step: about %s for the %d steps left (--steps sets the total)", per_step,
-                            duration(per_step * (end - step)), end - step)
+                logger.info("%.2f s per step: about %s for the %s left (--steps sets the total)", per_step,
+                            duration(per_step * (end - step)), plural(end - step, "step"))
             loss = train_step(model, optimizer, corpus, generator, cfg, step)
             run.smoothed_loss = loss if run.smoothed_loss is None else 0.98 * run.smoothed_loss + 0.02 * loss
             run.step = step + 1

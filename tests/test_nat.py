@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 import warnings
+from pathlib import Path
 
 import pytest
 
@@ -32,10 +33,21 @@ from tests.netlab import (
     unavailable_reason,
 )
 
+ROOT = Path(__file__).resolve().parent.parent
 PROMPT = "behind nat"
 SETTINGS = dict(gen_length=16, steps=16, block_length=8, seed=5, temperature=0.7)
 RELAY_ID = re.compile(r"/p2p/([^/]+)/p2p-circuit")
 PUBLIC = "/ip4/44.0.0.1/tcp/31337/p2p/12D3KooWRfGU6eoW2x9xq1Rz81Bg3aF1StqG5zsTec3oM1c8PbG2"
+
+
+# ----- what a newcomer reads about these tests ----------------------------------------------------------------
+def test_the_readme_says_what_the_skipped_tests_need_and_ci_installs_it():
+    """README's test command skips the lab without iptables: it says so, and .ci/run installs what it names."""
+    readme, ci = (ROOT / "README.md").read_text(), (ROOT / ".ci" / "run").read_text()
+    named = {pkg for line in re.findall(r"apt-get install -y ([a-z0-9 -]+)", readme) for pkg in line.split()}
+    assert {"iptables", "iproute2"} <= named and "tests/test_nat.py" in readme
+    installed = set(re.search(r"for pkg in ([a-z0-9 -]+); do", ci).group(1).split())
+    assert named <= installed, named - installed
 
 
 # ----- the address rules (no network) ------------------------------------------------------------------------

@@ -1,7 +1,6 @@
 """Failures during generation: killed, hung and full servers; the answer stays the same or the error is clear."""
 from __future__ import annotations
 
-import os
 import signal
 import threading
 import time
@@ -76,14 +75,14 @@ def test_hung_server_is_detected_by_timeout_and_routed_around(local_swarm, tiny_
     lm = client(local_swarm, tiny_model_path, request_timeout=3.0)
     try:
         assert [hop.peer_id for hop in lm.show_route()] == [hung.peer_id]
-        os.killpg(hung.process.pid, signal.SIGSTOP)  # the process and its daemons stop answering
+        local_swarm.signal(hung, signal.SIGSTOP)  # the process and its daemons stop answering
         result = lm.generate("hang", **SETTINGS)
         assert result.token_ids == local_lm.generate("hang", **SETTINGS).token_ids
         codes = [event["error"] for event in result.info["failovers"] if event["peer_id"] == hung.peer_id]
         assert codes and "timeout" in codes[0]
     finally:
         lm.shutdown()
-        os.killpg(hung.process.pid, signal.SIGCONT)
+        local_swarm.signal(hung, signal.SIGCONT)
         local_swarm.terminate(hung, signal.SIGKILL)
 
 

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import contextlib
-import os
 import signal
 import subprocess
 import sys
@@ -16,6 +15,7 @@ from swarm.client import DistributedDiffusionLM, MissingBlocksError
 from swarm.dht.node import NetworkConfig, start_dht
 from swarm.dht.schema import ServerRecord, ServerState, block_key, default_prefix, read_servers
 from swarm.dht.validation import owner_peer_id
+from swarm.utils.local_swarm import signal_family
 from swarm.wire.messages import ErrorCode, ForwardRequest, RemoteError
 from tests.conftest import make_checkpoint, tiny_config, wait_until
 
@@ -179,35 +179,36 @@ def test_scale_local_needs_every_block_locally(local_swarm, tmp_path):
             lm.generate("x", scale="local", gen_length=8, steps=8, block_length=8)
 
 
-def living_members(group: int) -> list[int]:
-    """Processes of a process group that are still running (a zombie has stopped: only its exit is unread)."""
+def living(processes: list[psutil.Process]) -> list[int]:
+    """The pids of ``processes`` still running (a zombie has stopped: only its exit is unread)."""
     alive = []
-    for process in psutil.process_iter(["status"]):
-        with contextlib.suppress(psutil.Error, OSError):
-            if os.getpgid(process.pid) == group and process.info["status"] != psutil.STATUS_ZOMBIE:
+    for process in processes:
+        with contextlib.suppress(psutil.Error):
+            if process.is_running() and process.status() != psutil.STATUS_ZOMBIE:
                 alive.append(process.pid)
     return alive
 
 
 def test_bootstrap_peer_stops_on_sigterm_after_its_parent_is_gone():
     """With its parent gone nobody reads its output: stopping must not depend on writing there. It exits with
-    0 and stops its DHT process and libp2p daemon itself (they share its process group)."""
+    0 and stops its DHT process and libp2p daemon itself (the daemon is not even in its process group)."""
     command = [sys.executable, "-m", "swarm.dht", "--host-maddrs", "/ip4/127.0.0.1/tcp/0"]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                start_new_session=True)
+    family: list[psutil.Process] = []
     try:
         for line in process.stdout:
             if "DHT READY" in line:
                 break
-        assert len(living_members(process.pid)) >= 3, "the peer, its DHT process and its daemon"
+        family = [psutil.Process(process.pid), *psutil.Process(process.pid).children(recursive=True)]
+        assert len(living(family)) >= 3, "the peer, its DHT process and its daemon"
         process.stdout.close()  # as when the parent is killed: writes to the pipe now fail
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=30) == 0
-        assert wait_until(lambda: not living_members(process.pid), timeout=10), \
-            f"left running after the peer exited: {living_members(process.pid)}"
+        assert wait_until(lambda: not living(family), timeout=10), \
+            f"left running after the peer exited: {living(family)}"
     finally:  # only after a failure above: nothing may outlive the test
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
+        signal_family(process.pid, family, signal.SIGKILL)
         process.wait()
 
 

@@ -4,6 +4,7 @@ Every process started here is stopped by :meth:`LocalSwarm.stop` (also on errors
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -15,6 +16,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
+
+import psutil
 
 logger = logging.getLogger(__name__)
 
@@ -108,12 +111,12 @@ class LocalSwarm:
         raise RuntimeError(f"{managed.name} did not become ready:\n{tail}")
 
     def terminate(self, managed: ManagedProcess, sig: int = signal.SIGTERM, timeout: float = 30) -> Optional[int]:
-        """Stop a process: SIGKILL takes its whole group at once (a crash); other signals go to the main
-        process, which shuts its DHT and daemon down itself. Leftovers are killed. Returns the exit code."""
-        group = managed.process.pid
+        """Stop a process: SIGKILL takes it and every process below it at once (a crash); other signals go to the
+        main process, which shuts its DHT and daemon down itself. Leftovers are killed. Returns the exit code."""
+        family = descendants(managed.process.pid)
         try:
             if sig == signal.SIGKILL:
-                os.killpg(group, signal.SIGKILL)
+                signal_family(managed.process.pid, family, signal.SIGKILL)
             elif managed.alive:
                 managed.process.send_signal(sig)
             code = managed.process.wait(timeout)
@@ -121,12 +124,13 @@ class LocalSwarm:
             code = None
         except ProcessLookupError:
             code = managed.process.poll()
-        try:
-            os.killpg(group, signal.SIGKILL)  # the DHT child and libp2p daemons, if anything is left
-        except (ProcessLookupError, PermissionError):
-            pass
+        signal_family(managed.process.pid, family, signal.SIGKILL)  # the DHT child and daemons, if anything is left
         managed.process.wait(10)
         return code
+
+    def signal(self, managed: ManagedProcess, sig: int) -> None:
+        """``sig`` to a process and every process below it (SIGSTOP: the peer and its daemons stop answering)."""
+        signal_family(managed.process.pid, descendants(managed.process.pid), sig)
 
     def stop(self) -> None:
         for managed in reversed(self.processes):
@@ -146,6 +150,25 @@ class LocalSwarm:
         finally:
             if self._previous_sigterm is not None:
                 signal.signal(signal.SIGTERM, self._previous_sigterm)
+
+
+def descendants(pid: int) -> list[psutil.Process]:
+    """The processes below ``pid`` (its DHT process, their libp2p daemons), while they run."""
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        return []
+
+
+def signal_family(group: int, family: list[psutil.Process], sig: int) -> None:
+    """``sig`` to the process group ``group`` and to each of ``family``. A p2pd has a group of its own (a terminal's
+    Ctrl-C must not reach it, ``swarm.dht.node``): a crash or a hang of a peer must reach it at the same moment,
+    not when its parent's death signal does."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(group, sig)
+    for process in family:
+        with contextlib.suppress(psutil.Error):
+            process.send_signal(sig)
 
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:

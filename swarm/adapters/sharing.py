@@ -186,7 +186,7 @@ class PublishedAdapter:
                 "published": self.published}
 
 
-def _signed_entries(dht: DHT, key: str) -> list[tuple[str, bytes]]:
+def signed_entries(dht: DHT, key: str) -> list[tuple[str, bytes]]:
     """(signer, payload) of every entry under ``key`` whose Ed25519 signature holds; anything else is ignored
     (a peer that stores without validating may still hand it back)."""
     found = dht.get(key, latest=True)
@@ -205,7 +205,7 @@ def _signed_entries(dht: DHT, key: str) -> list[tuple[str, bytes]]:
 def read_published(dht: DHT, prefix: str, name: str) -> list[PublishedAdapter]:
     """Every validly signed record under ``name``, one per author."""
     records = []
-    for signer, payload in _signed_entries(dht, name_key(prefix, name)):
+    for signer, payload in signed_entries(dht, name_key(prefix, name)):
         try:
             record = PublishedAdapter.from_payload(payload, signer)
         except Exception as error:  # remote input: whatever went wrong, it is not a record
@@ -219,7 +219,7 @@ def read_published(dht: DHT, prefix: str, name: str) -> list[PublishedAdapter]:
 def read_names(dht: DHT, prefix: str) -> dict[str, list[str]]:
     """Names each author lists in the index, by the author's key."""
     names: dict[str, list[str]] = {}
-    for signer, payload in _signed_entries(dht, index_key(prefix)):
+    for signer, payload in signed_entries(dht, index_key(prefix)):
         try:
             listed = MSGPackSerializer.loads(payload)
         except Exception:
@@ -246,7 +246,7 @@ def read_catalog(dht: DHT, prefix: str) -> list[tuple[PublishedAdapter, list[str
     return catalog
 
 
-def _store_slot(dht: DHT, key: Ed25519PrivateKey, dht_key: str, payload: bytes, expiration: float) -> bool:
+def store_slot(dht: DHT, key: Ed25519PrivateKey, dht_key: str, payload: bytes, expiration: float) -> bool:
     value = sign_slot(key, dht_key, payload, expiration)
     return bool(dht.store(dht_key, value, expiration_time=expiration, subkey=slot_subkey(key)))
 
@@ -261,8 +261,8 @@ def publish(dht: DHT, key: Ed25519PrivateKey, prefix: str, record: PublishedAdap
     names = sorted(set(listed) | {record.name})
     if len(names) > MAX_NAMES_PER_AUTHOR:
         raise AdapterError(f"an author may list at most {MAX_NAMES_PER_AUTHOR} names")
-    stored = _store_slot(dht, key, name_key(prefix, record.name), record.payload(), expiration)
-    indexed = _store_slot(dht, key, index_key(prefix), MSGPackSerializer.dumps(names), expiration)
+    stored = store_slot(dht, key, name_key(prefix, record.name), record.payload(), expiration)
+    indexed = store_slot(dht, key, index_key(prefix), MSGPackSerializer.dumps(names), expiration)
     found = [r for r in read_published(dht, prefix, record.name) if r.author == own and r.sha256 == record.sha256]
     if not found:
         raise AdapterError(f"the swarm did not keep the record for {record.name!r} (stored: {stored}, indexed: "

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -70,13 +70,20 @@ class ModelSource:
     fetch: Optional[Fetch] = None
 
 
-def resolve_model(name_or_path: str | Path = DEFAULT_MODEL) -> ModelSource:
+# Resolves names this layer cannot (it knows no network): a source, or None when the name is not its kind.
+Resolver = Callable[[str], Optional[ModelSource]]
+
+
+def resolve_model(name_or_path: str | Path = DEFAULT_MODEL, resolvers: Sequence[Resolver] = ()) -> ModelSource:
     """The one way every command and loader names a model, tried in this order:
 
     * a checkpoint directory, used as is (``./ORG/NAME`` picks a local copy over the hub);
     * the name of a model embedded in the package (``default``, the experts);
     * a Hugging Face repo id, ``ORG/NAME`` or ``ORG/NAME@REVISION``: its config and tokenizer files are fetched
-      now, its shards when a part needs them (:mod:`swarm.models.hub`).
+      now, its shards when a part needs them (:mod:`swarm.models.hub`);
+    * then each of ``resolvers``: a swarm model id or published name (``swarm.weights.source.SwarmWeights``,
+      given by callers that know the swarm): its manifest and small files come from peers now, its tensors
+      when a part needs them.
     """
     path = Path(name_or_path).expanduser()
     if path.is_dir():
@@ -88,9 +95,15 @@ def resolve_model(name_or_path: str | Path = DEFAULT_MODEL) -> ModelSource:
     if hub_name is not None:
         checkpoint = HubCheckpoint(hub_name)
         return ModelSource(checkpoint.path, checkpoint.fetch)
+    for resolver in resolvers:
+        source = resolver(str(name_or_path))
+        if source is not None:
+            return source
+    swarm = ", a swarm model id (64 hex digits), a published name (NAME or NAME@PUBLISHER)" if resolvers else ""
     raise FileNotFoundError(
         f"model {str(name_or_path)!r} is neither a checkpoint directory, an embedded model "
-        f"(embedded: {', '.join(embedded) or 'none'}) nor a Hugging Face repo id (ORG/NAME or ORG/NAME@REVISION)"
+        f"(embedded: {', '.join(embedded) or 'none'}){swarm} nor a Hugging Face repo id (ORG/NAME or "
+        f"ORG/NAME@REVISION)"
     )
 
 
@@ -108,8 +121,8 @@ class ModelFiles:
     server's span fetches its blocks' shards (and the head's with ``--head``), a client the embedding's.
     """
 
-    def __init__(self, name_or_path: str | Path = DEFAULT_MODEL):
-        source = resolve_model(name_or_path)
+    def __init__(self, name_or_path: str | Path = DEFAULT_MODEL, resolvers: Sequence[Resolver] = ()):
+        source = resolve_model(name_or_path, resolvers)
         self.path = source.path
         self.format: CheckpointFormat = detect_format(self.path)
         self.config: ModelConfig = self.format.load_config(self.path)

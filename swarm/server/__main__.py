@@ -69,7 +69,8 @@ def main(model_argument: Optional[str], model: Optional[str], blocks: Optional[t
          experts: tuple[str, ...], log_level: str, **options) -> None:
     """Host a span of a model's transformer blocks and/or expert models, and announce them on the swarm's DHT.
 
-    MODEL (or --model) is an embedded name, a checkpoint directory or a Hugging Face repo id; default: default.
+    MODEL (or --model) is an embedded name, a checkpoint directory, a Hugging Face repo id, or a swarm model id or
+    published name (its blocks then come from peers); default: default.
     Errors end in one line and an exit code (docs/OPERATIONS.md): 2 a bad value, 3 the swarm cannot be joined,
     4 a port in --host-maddrs (or the identity) is in use."""
     if model_argument and model and model_argument != model:

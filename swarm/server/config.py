@@ -22,9 +22,11 @@ class ServerConfig:
     """A server's settings (the command line only fills this in); checked on creation, a ``SettingError`` (a
     ``ValueError``) naming the field."""
 
-    model: str = setting(DEFAULT_MODEL, "Embedded model name, checkpoint directory (native, LLaDA or Dream layout) "
-                                        "or Hugging Face repo id ORG/NAME[@REVISION]: then only the config, tokenizer "
-                                        "and this server's shards are fetched.",
+    model: str = setting(DEFAULT_MODEL, "Embedded model name, checkpoint directory (native, LLaDA or Dream layout), "
+                                        "Hugging Face repo id ORG/NAME[@REVISION] (then only the config, tokenizer "
+                                        "and this server's shards are fetched), or a swarm model id or published "
+                                        "NAME[@PUBLISHER] (then its blocks' tensors come from peers, each part "
+                                        "checked against the model's manifest).",
                          path=True, cli=False)  # the command's positional MODEL or --model
     blocks: Optional[tuple[int, int]] = None  # None: choose the least-covered span (--blocks START:END)
     num_blocks: Optional[int] = setting(None, "Span length when --blocks is omitted (default: the whole model); not "
@@ -109,6 +111,12 @@ class ServerConfig:
     serve_adapters: tuple[str, ...] = setting(
         (), "Serve this adapter directory's files to clients that use it by its published name (docs/TRAINING.md, "
             "'Sharing adapters'); announced by content hash. Repeatable.", flags=("--serve-adapter",), directory=True)
+    serve_weights: bool = setting(
+        True, "Serve the model's bytes to peers that fetch it by swarm id or published name (docs/MODELS.md): a server "
+              "of a checkpoint directory serves every tensor (its manifest is built once, hashing every byte), a "
+              "server that fetched its blocks serves those. --no-serve-weights refuses.", flags=("--serve-weights",))
+    serve_weights_mbps: float = setting(0.0, "Megabits per second all weight reads together may send (0: no cap).",
+                                        low=0.0)
     compute_threads: Optional[int] = setting(None, THREADS_HELP, low=1, flags=("--threads", "--compute-threads"))
     governance_keys: tuple[str, ...] = setting(
         (), "Trusted governance public key (base64 or a file holding it; repeatable; default $SWARM_GOVERNANCE_KEYS). "

@@ -51,6 +51,8 @@ from swarm.server.push import PushLimits
 from swarm.server.session_cache import SessionCaches
 from swarm.server.throughput import measure_throughput
 from swarm.version import __version__
+from swarm.weights.service import ServeLimits, WeightServer
+from swarm.weights.source import SwarmWeights
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +73,8 @@ class Server:
         self.config = config
         check_listen_addresses(config.network.host_maddrs)  # a port in use is refused before anything loads
         resolve_device(config.device)  # before loading anything: "cuda" without CUDA fails here, clearly
-        self.files = ModelFiles(config.model)
+        self.files = ModelFiles(config.model, resolvers=[SwarmWeights(config.network).resolve])  # ids from peers
+        self.weights = WeightServer(ServeLimits(mbps=config.serve_weights_mbps)) if config.serve_weights else None
         self.model_config = self.files.config
         self._check_span_settings()
         self.prefix = config.dht_prefix or default_prefix(self.files.path)
@@ -238,6 +241,9 @@ class Server:
         if self.adapters.files and self.state != ServerState.OFFLINE:  # leaving: the hosts records expire
             futures.append(declare_hosted(self.dht, self.prefix, self.adapters.sizes, self.subkey, expiration,
                                           self.addresses, wait=False))
+        if self.weights is not None and self.state != ServerState.OFFLINE:
+            futures += filter(None, [self.weights.declare(self.dht, self.peer_id, self.subkey, expiration,
+                                                          self.addresses)])
         deadline = time.monotonic() + timeout
         try:
             return all([bool(f.result(max(0.0, deadline - time.monotonic()))) for f in futures])
@@ -265,6 +271,9 @@ class Server:
         self.addresses = listening_addresses(await p2p.get_visible_maddrs())
         await self.handler.add_p2p_handlers(p2p)
         self.handler.pusher.attach(p2p)
+        if self.weights is not None:  # announced as soon as known (a directory's manifest hashes every byte)
+            await self.weights.add_p2p_handlers(p2p)
+            self.weights.start(self.files.path, on_ready=lambda: loop.run_in_executor(None, self.announce))
         self.state = ServerState.ONLINE
         await loop.run_in_executor(None, self.announce)
         logger.info("serving %s of %s as %s", self.describe(), self.prefix, self.peer_id)
@@ -306,6 +315,8 @@ class Server:
         await self.handler.pusher.close()
         try:
             await asyncio.wait_for(self.handler.remove_p2p_handlers(p2p), 5.0)
+            if self.weights is not None:
+                await asyncio.wait_for(self.weights.remove_p2p_handlers(p2p), 5.0)
         except Exception as error:  # the daemon may already be gone; shutdown continues regardless
             logger.warning("could not remove RPC handlers: %r", error)
         for backend in (self.backend, self.expert_backend):

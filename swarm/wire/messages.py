@@ -31,6 +31,7 @@ class ErrorCode(str, enum.Enum):
     INCOMPLETE = "incomplete"  # a request's or an answer's stream lost parts on the way: the call is made again once
     NO_BACKWARD = "no_backward"  # this server does not answer backward calls (started with --no-backward)
     NO_ADAPTER = "no_adapter"  # this server does not serve the requested adapter files
+    NO_WEIGHTS = "no_weights"  # this peer does not serve the requested model, file or tensor (swarm.weights)
     ADAPTER_MISS = "adapter_miss"  # a request named its adapter tensor by digest and this server no longer holds it
     INTERNAL = "internal"
     # Raised by the client about a server, never sent on the wire:

@@ -1,0 +1,204 @@
+"""The DHT entries of swarm-hosted weights: published names, and the peers that serve a model id.
+
+* ``swarm-weights:name:{name}``: a :class:`PublishedModel` (name -> model id, sizes) in the signed slot of its
+  publisher's Ed25519 key, written as adapter names are (``swarm.adapters.sharing``): only that key can write
+  it, and a record signed by any other key is refused by storing peers and ignored by readers. Several
+  publishers may claim one name: then a reader refuses to guess and asks for ``name@PUBLISHER`` (16 hex digits
+  of the key's SHA-256, as for adapters).
+* ``swarm-weights:hosts:{model id}``: each serving peer's :class:`HostRecord` under its owner subkey (only its
+  libp2p key can write it): where it listens and which tensors it holds (a bitmap over the manifest's tensors;
+  a server of the publisher's directory holds them all).
+
+The keys start with ``swarm-weights:``, which no model's DHT prefix can (prefixes are letters, digits, ``-_``).
+Records are remote input even when signed: every field is checked and bounded.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from hivemind.dht import DHT
+from hivemind.utils import MSGPackSerializer, get_dht_time
+
+from swarm.adapters.block import is_sha256_hex
+from swarm.adapters.sharing import AUTHOR_PATTERN, author_id, signed_entries, store_slot
+from swarm.dht import fields
+from swarm.dht.schema import MAX_ADDRESS_CHARS, MAX_ADDRESSES, read_owned, store_owned
+from swarm.dht.validation import ed25519_text
+from swarm.weights.manifest import MAX_MANIFEST_BYTES, MAX_TENSORS, MODEL_NAME
+
+logger = logging.getLogger(__name__)
+
+RECORD_VERSION = 1
+PUBLISH_LIFETIME = 30 * 24 * 3600.0  # seconds a published name lives; publishing again refreshes it
+MAX_HOSTS_READ = 64  # peers a fetcher considers for one model
+MAX_WEIGHTS_BYTES = 2**50
+
+
+class WeightsError(ValueError):
+    """A model named by swarm id or published name that cannot be had: no record, several publishers, no peer
+    serving it, a manifest or bytes that do not match."""
+
+
+def name_key(name: str) -> str:
+    return f"swarm-weights:name:{name}"
+
+
+def hosts_key(model_id: str) -> str:
+    return f"swarm-weights:hosts:{model_id}"
+
+
+def parse_reference(reference: str) -> tuple[str, Optional[str]]:
+    """``name`` or ``name@PUBLISHER`` -> (name, publisher id or None); :class:`WeightsError` when malformed."""
+    name, _, publisher = reference.partition("@")
+    if not MODEL_NAME.fullmatch(name) or (publisher and not AUTHOR_PATTERN.fullmatch(publisher)):
+        raise WeightsError(f"{reference!r} is no published model name: NAME (1-64 letters, digits, '_.-') or "
+                           f"NAME@PUBLISHER (16 hex digits, as `python -m swarm.weights show NAME` lists)")
+    return name, publisher or None
+
+
+# ----- published names -----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PublishedModel:
+    """A name a publisher gave a model id, with sizes a fetcher checks before fetching anything."""
+
+    name: str
+    model_id: str
+    manifest_bytes: int
+    weights_bytes: int
+    published: float = 0.0  # the publisher's clock, seconds since the epoch
+    publisher: str = ""  # the signing key (base64), filled in from the slot when read
+
+    @property
+    def publisher_id(self) -> str:
+        return author_id(self.publisher)
+
+    def payload(self) -> bytes:
+        return MSGPackSerializer.dumps({"record_version": RECORD_VERSION, "name": self.name, "model_id": self.model_id,
+                                        "manifest_bytes": self.manifest_bytes, "weights_bytes": self.weights_bytes,
+                                        "published": self.published})
+
+    @classmethod
+    def from_payload(cls, payload: bytes, publisher: str) -> "PublishedModel":
+        """Parse a verified payload; ValueError for anything malformed."""
+        try:
+            value = MSGPackSerializer.loads(payload)
+        except Exception as error:  # msgpack raises many types on junk
+            raise ValueError(f"not msgpack: {type(error).__name__}") from None
+        if not isinstance(value, dict) or value.get("record_version") != RECORD_VERSION:
+            raise ValueError("unknown weights record version")
+        name, model_id = value.get("name"), value.get("model_id")
+        if not isinstance(name, str) or not MODEL_NAME.fullmatch(name) or not is_sha256_hex(model_id):
+            raise ValueError("a weights record names a model (NAME) and its id (64 hex digits)")
+        return cls(name, model_id, fields.integer(value.get("manifest_bytes"), 1, MAX_MANIFEST_BYTES),
+                   fields.integer(value.get("weights_bytes"), 0, MAX_WEIGHTS_BYTES),
+                   fields.number(value.get("published", 0.0), 0.0, 1e11), publisher)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "publisher": self.publisher_id, "model_id": self.model_id,
+                "manifest_bytes": self.manifest_bytes, "weights_bytes": self.weights_bytes,
+                "published": self.published}
+
+
+def read_published(dht: DHT, name: str) -> list[PublishedModel]:
+    """Every record under ``name`` whose signature by its slot's key holds, one per publisher."""
+    records = []
+    for signer, payload in signed_entries(dht, name_key(name)):
+        try:
+            record = PublishedModel.from_payload(payload, signer)
+        except Exception as error:  # remote input: whatever went wrong, it is not a record
+            logger.debug("ignoring a malformed weights record under %r: %s", name, str(error)[:200])
+            continue
+        if record.name == name:  # the DHT key is signed too: a record cannot be moved to another name
+            records.append(record)
+    return records
+
+
+def choose_published(records: list[PublishedModel], reference: str) -> PublishedModel:
+    """The one record ``name`` or ``name@PUBLISHER`` names; a clear error for none or for several publishers."""
+    name, publisher = parse_reference(reference)
+    if publisher is not None:
+        records = [r for r in records if r.publisher_id == publisher]
+    if not records:
+        by = f" by publisher {publisher}" if publisher else ""
+        raise WeightsError(f"no model is published under {name!r}{by} (records not signed by their slot's key are "
+                           f"ignored); `python -m swarm.weights show {name}` lists what is")
+    if len({r.publisher for r in records}) > 1:
+        choices = ", ".join(sorted(f"{r.name}@{r.publisher_id} (model {r.model_id[:12]}...)" for r in records))
+        raise WeightsError(f"several publishers claim the model name {name!r}: choose one of {choices}")
+    return records[0]
+
+
+def publish(dht: DHT, key: Ed25519PrivateKey, record: PublishedModel,
+            lifetime: float = PUBLISH_LIFETIME) -> PublishedModel:
+    """Sign and store ``record`` in the publisher's slot under its name; the record read back, or
+    :class:`WeightsError`."""
+    store_slot(dht, key, name_key(record.name), record.payload(), get_dht_time() + lifetime)
+    own = ed25519_text(key)
+    for _ in range(5):  # a peer that has just joined may not reach the key's holders at once
+        found = [r for r in read_published(dht, record.name) if r.publisher == own and r.model_id == record.model_id]
+        if found:
+            return found[0]
+        time.sleep(0.5)
+    raise WeightsError(f"the swarm did not keep the record for {record.name!r}")
+
+
+# ----- hosts -----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class HostRecord:
+    """A peer serving a model id: where it listens, the size of the manifest (so that a fetcher given only the
+    id knows how much to ask for) and which tensors it holds (None: all of them)."""
+
+    peer_id: str
+    addresses: tuple[str, ...]
+    manifest_bytes: int
+    tensors: Optional[frozenset[int]] = None
+
+    def holds(self, index: int) -> bool:
+        return self.tensors is None or index in self.tensors
+
+    def to_value(self) -> dict[str, Any]:
+        bitmap = None
+        if self.tensors is not None:
+            bits = bytearray(-(-(max(self.tensors, default=-1) + 1) // 8))
+            for index in self.tensors:
+                bits[index // 8] |= 1 << (index % 8)
+            bitmap = bytes(bits)
+        return {"record_version": RECORD_VERSION, "addresses": list(self.addresses[:MAX_ADDRESSES]),
+                "manifest_bytes": self.manifest_bytes, "tensors": bitmap}
+
+    @classmethod
+    def from_value(cls, peer_id: str, value: Any) -> "HostRecord":
+        """Parse a stored value; ValueError for anything malformed."""
+        if not isinstance(value, dict) or value.get("record_version") != RECORD_VERSION:
+            raise ValueError("unknown hosts record version")
+        addresses = tuple(fields.texts(value.get("addresses", []), MAX_ADDRESSES, MAX_ADDRESS_CHARS))
+        manifest_bytes = fields.integer(value.get("manifest_bytes"), 1, MAX_MANIFEST_BYTES)
+        bitmap = value.get("tensors")
+        if bitmap is None:
+            return cls(peer_id, addresses, manifest_bytes)
+        if not isinstance(bitmap, bytes) or len(bitmap) > -(-MAX_TENSORS // 8):
+            raise ValueError("tensors must be a bitmap of at most one bit per tensor")
+        held = frozenset(i for i in range(len(bitmap) * 8) if bitmap[i // 8] >> (i % 8) & 1)
+        return cls(peer_id, addresses, manifest_bytes, held)
+
+
+def declare_host(dht: DHT, model_id: str, record: HostRecord, subkey: bytes, expiration: float, wait: bool = True):
+    """Announce that this peer serves ``model_id`` (a future of the store when ``wait`` is false)."""
+    return store_owned(dht, [hosts_key(model_id)], subkey, [record.to_value()], expiration, wait)
+
+
+def read_hosts(dht: DHT, model_id: str) -> list[HostRecord]:
+    """Peers that provably announced serving ``model_id`` (at most :data:`MAX_HOSTS_READ`)."""
+    hosts = []
+    for _, peer_id, value in read_owned(dht, [hosts_key(model_id)]):
+        try:
+            hosts.append(HostRecord.from_value(peer_id, value))
+        except Exception as error:  # remote input
+            logger.debug("ignoring a malformed hosts record of %s: %s", peer_id, str(error)[:200])
+        if len(hosts) >= MAX_HOSTS_READ:
+            break
+    return hosts

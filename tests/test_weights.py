@@ -1,0 +1,395 @@
+"""Weights from the swarm (issue 35, items 3-4): a server started with ``--model ID`` and an empty cache gets its
+blocks from peers and computes what the local model does; published names; and hostile peers.
+
+Everything is real: a bootstrap peer and a server of the tiny checkpoint as subprocesses (the server serves its
+weights, as every server does by default), libp2p daemons on 127.0.0.1, safetensors files on disk. The hostile
+peer is the real :class:`WeightServer` on a DHT peer of this process, changing what it sends.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import AsyncIterator
+
+import pytest
+from click.testing import CliRunner
+from hivemind.p2p import P2PContext
+from hivemind.proto import runtime_pb2
+from huggingface_hub import constants
+
+from swarm.dht.identity import Identity
+from swarm.dht.node import NetworkConfig, start_dht, stop_dht
+from swarm.dht.schema import now, read_servers
+from swarm.dht.validation import sign_slot, slot_subkey
+from swarm.governance.keys import generate_private_key
+from swarm.protocol import ErrorCode, RemoteError
+from swarm.utils.event_loop import BackgroundLoop
+from swarm.utils.local_swarm import LocalSwarm
+from swarm.weights.__main__ import main as weights_main
+from swarm.weights.cache import ModelCache, tensor_file
+from swarm.weights.fetch import FetchConfig, Fetcher, PeerBook
+from swarm.weights.manifest import build_manifest, sha256_hex
+from swarm.weights.records import (
+    HostRecord,
+    PublishedModel,
+    WeightsError,
+    declare_host,
+    name_key,
+    read_hosts,
+    read_published,
+)
+from swarm.weights.service import Bandwidth, Holdings, ServeLimits, WeightServer
+from swarm.weights.source import SwarmWeights
+from swarm.weights.wire import MANIFEST, TENSOR, ReadRequest, data_messages, read_range
+from tests.conftest import make_checkpoint, tiny_config, wait_until
+
+ROOT = Path(__file__).resolve().parent.parent
+GENERATION = dict(gen_length=16, steps=16, block_length=8)
+
+
+def addresses_of(maddrs: list[str]) -> list[str]:
+    return [str(a).rsplit("/p2p/", 1)[0] for a in maddrs]
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory) -> Path:
+    """HF_HOME of every process here: its swarm/weights/{id} cache starts empty."""
+    return tmp_path_factory.mktemp("hf-home")
+
+
+@pytest.fixture(scope="module")
+def swarm(tiny_model_path, home):
+    """A bootstrap peer and a server of blocks 0:2 of the tiny checkpoint (it serves every tensor of it)."""
+    with LocalSwarm(env={"HF_HOME": str(home), "PYTHONPATH": str(ROOT)}) as swarm:
+        swarm.start_bootstrap()
+        swarm.start_server(str(tiny_model_path), "0:2", "--compute-threads", "1", name="publisher")
+        yield swarm
+
+
+@pytest.fixture(scope="module")
+def model_id(tiny_model_path) -> str:
+    return build_manifest(tiny_model_path).model_id
+
+
+@pytest.fixture(scope="module")
+def peer(swarm):
+    """A DHT peer of this process with a libp2p identity, for in-process hosts and readers."""
+    identity = Identity.load_or_create()
+    dht = start_dht(NetworkConfig(initial_peers=swarm.initial_peers), identity=identity)
+    yield dht, identity
+    stop_dht(dht)
+    identity.remove()
+
+
+@pytest.fixture()
+def cache_home(home, tmp_path, monkeypatch) -> Path:
+    """This process's HF_HOME for the test: a fresh cache."""
+    monkeypatch.setattr(constants, "HF_HOME", str(tmp_path / "home"))
+    return tmp_path / "home"
+
+
+def blocks_of(names: list[str], *blocks: int) -> frozenset[int]:
+    return frozenset(i for i, n in enumerate(names) if n.startswith(tuple(f"blocks.{b}." for b in blocks)))
+
+
+def test_a_server_named_by_id_starts_from_peers_alone_and_computes_as_the_local_model(
+        swarm, peer, model_id, home, tiny_model_path, local_lm):
+    dht, _ = peer
+    assert wait_until(lambda: read_hosts(dht, model_id), timeout=60), "the publisher announces its weights"
+    cache = home / "swarm" / "weights" / model_id
+    assert not cache.exists()
+    server = swarm.start_server(model_id, "2:4", "--compute-threads", "1", name="by-id")
+    installed = json.loads((cache / "manifest.json").read_bytes())
+    names = [t["name"] for t in installed["tensors"]]
+    fetched = {p.name for p in (cache / installed["name"]).glob("t-*.safetensors")}
+    assert fetched == {tensor_file(i) for i in blocks_of(names, 2, 3)}, "only blocks 2 and 3 were fetched"
+    assert installed["name"] == tiny_model_path.name  # so it announces under the publisher's DHT prefix
+    assert any("fetched" in line and "from 1 peers" in line for line in server.log), server.log[-20:]
+
+    from swarm.client import DistributedDiffusionLM
+
+    lm = DistributedDiffusionLM.from_pretrained(tiny_model_path, initial_peers=swarm.initial_peers,
+                                                request_timeout=20)
+    try:  # blocks 2:4 are served by the new server alone
+        assert lm.generate("Hello", **GENERATION).token_ids == local_lm.generate("Hello", **GENERATION).token_ids
+    finally:
+        lm.shutdown()
+    # it serves what it fetched: its hosts record lists exactly those tensors
+    assert wait_until(lambda: any(h.peer_id == server.peer_id and h.tensors == blocks_of(names, 2, 3)
+                                  for h in read_hosts(dht, model_id)))
+
+
+# ----- hostile peers -------------------------------------------------------------------------------------------
+class HostileWeightServer(WeightServer):
+    """The real weight server, changing what it sends as ``mode`` says: ``flip`` one byte of every chunk,
+    ``truncate`` (half of the first chunk, then the end), ``oversized`` (a byte more than asked for),
+    ``endless`` (empty messages, forever)."""
+
+    mode = "flip"
+
+    async def rpc_read(self, request: runtime_pb2.ExpertRequest,
+                       context: P2PContext) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        while self.mode == "endless":
+            yield data_messages([b""])[0]
+        async for message in super().rpc_read(request, context):
+            if message.tensors and self.mode == "flip":
+                buffer = bytearray(message.tensors[0].buffer)
+                buffer[len(buffer) // 2] ^= 0x01
+                message.tensors[0].buffer = bytes(buffer)
+            elif message.tensors and self.mode == "truncate":
+                message.tensors[0].buffer = message.tensors[0].buffer[:len(message.tensors[0].buffer) // 2]
+                yield message
+                return
+            elif message.tensors and self.mode == "oversized":
+                message.tensors[0].buffer += b"\0"
+            yield message
+
+
+@pytest.fixture(scope="module")
+def hostile(peer, tiny_model_path):
+    """The hostile server on this process's peer, holding the tiny model; announced as one of its hosts."""
+    dht, identity = peer
+    server = HostileWeightServer()
+    loop = BackgroundLoop.shared()
+    p2p = loop.run(dht.replicate_p2p())
+    loop.run(server.add_p2p_handlers(p2p))
+    server.holdings = Holdings.of_model(tiny_model_path)
+    server.addresses = addresses_of(loop.run(p2p.get_visible_maddrs()))
+    server.peer_id = str(dht.peer_id)
+    yield server
+    loop.run(server.remove_p2p_handlers(p2p))
+
+
+@pytest.fixture()
+def fetching(swarm):
+    """A client DHT peer of this process to fetch with (its own P2P: a peer cannot dial itself)."""
+    dht = start_dht(NetworkConfig(initial_peers=swarm.initial_peers, client_mode=True))
+    yield BackgroundLoop.shared().run(dht.replicate_p2p())
+    stop_dht(dht)
+
+
+def hosts(swarm, hostile, manifest_bytes: int, honest: bool = True) -> list[HostRecord]:
+    """The hostile host first (the fetcher asks the least busy first, in this order), then the honest one."""
+    publisher = next(p for p in swarm.processes if p.name == "publisher")
+    records = [HostRecord(hostile.peer_id, tuple(hostile.addresses), manifest_bytes)]
+    return records + ([HostRecord(publisher.peer_id, tuple(addresses_of(publisher.maddrs)), manifest_bytes)]
+                      if honest else [])
+
+
+def installed_cache(tiny_model_path: Path, root: Path):
+    """The cache of the tiny model with its manifest and config installed (as a resolved id has it)."""
+    manifest = build_manifest(tiny_model_path)
+    cache = ModelCache(manifest.model_id, root)
+    files = {f.name: (tiny_model_path / f.name).read_bytes() for f in manifest.files}
+    cache.install(manifest.to_bytes(), manifest, files)
+    return manifest, cache
+
+
+def assert_only_checked_bytes(manifest, cache) -> None:
+    """Every tensor file holds exactly its bytes; every partial file holds, part by part, right bytes or zeros."""
+    for index, entry in enumerate(manifest.tensors):
+        path = cache.tensor_path(manifest, index)
+        if path.exists():
+            data = path.read_bytes()
+            assert sha256_hex(data[-entry.size:] if entry.size else b"") == entry.sha256
+    for path in (cache.directory / "partial").glob("*"):
+        entry = manifest.tensors[int(path.name[2:7])]
+        data = path.read_bytes()[-entry.size:]
+        for part, digest in enumerate(entry.parts):
+            start, length = entry.part(part)
+            chunk = data[start:start + length]
+            assert sha256_hex(chunk) == digest or chunk == bytes(length), f"bad bytes kept in {path.name}"
+
+
+@pytest.mark.parametrize("mode, reason", [("flip", "hash differs"), ("truncate", "ended after"),
+                                          ("oversized", "more than the"), ("endless", "an endless stream")])
+def test_a_hostile_peer_is_banned_and_its_parts_come_from_another(
+        swarm, hostile, fetching, tiny_model_path, tmp_path, mode, reason):
+    hostile.mode = mode
+    manifest, cache = installed_cache(tiny_model_path, tmp_path)
+    wanted = sorted(blocks_of([t.name for t in manifest.tensors], 1))
+    loop = BackgroundLoop.shared()
+
+    alone = Fetcher(fetching, manifest.model_id, PeerBook(hosts(swarm, hostile, len(manifest.to_bytes()), False),
+                                                          FetchConfig()))
+    with pytest.raises(WeightsError, match=f"no peer delivered .*{reason}"):
+        loop.run(alone.fetch_tensors(manifest, cache, wanted), timeout=60)
+    assert hostile.peer_id in alone.book.banned
+    assert not any(cache.tensor_path(manifest, i).exists() for i in wanted)
+    assert_only_checked_bytes(manifest, cache)
+
+    book = PeerBook(hosts(swarm, hostile, len(manifest.to_bytes())), FetchConfig())
+    fetcher = Fetcher(fetching, manifest.model_id, book)
+    loop.run(fetcher.connect())
+    report = loop.run(fetcher.fetch_tensors(manifest, cache, wanted), timeout=60)
+    assert hostile.peer_id in book.banned and reason in book.banned[hostile.peer_id]
+    assert set(report.bytes_by_peer) == {next(p.peer_id for p in swarm.processes if p.name == "publisher")}
+    assert all(cache.tensor_path(manifest, i).exists() for i in wanted)
+    assert_only_checked_bytes(manifest, cache)
+
+
+def test_a_fetch_resumes_with_the_parts_checked_before_and_only_those(
+        swarm, hostile, fetching, tiny_model_path, tmp_path):
+    manifest, cache = installed_cache(tiny_model_path, tmp_path)
+    index = next(i for i, t in enumerate(manifest.tensors) if len(t.parts) == 4)
+    entry = manifest.tensors[index]
+    original = (tiny_model_path / entry.file).read_bytes()[entry.offset:entry.offset + entry.size]
+    partial = cache.partial(manifest, index)  # a crashed fetch: parts 0 and 1 checked and written,
+    for part in (0, 1):
+        start, length = entry.part(part)
+        partial.write(part, original[start:start + length])
+    start, length = entry.part(2)  # ... part 2 half written when it died
+    os.pwrite(partial.fd, b"\xff" * (length // 2), len(partial.header) + start)
+    partial.close()
+
+    book = PeerBook(hosts(swarm, hostile, len(manifest.to_bytes()))[1:], FetchConfig())
+    fetcher = Fetcher(fetching, manifest.model_id, book)
+    loop = BackgroundLoop.shared()
+    loop.run(fetcher.connect())
+    report = loop.run(fetcher.fetch_tensors(manifest, cache, [index]), timeout=60)
+    assert report.parts_resumed == 2 and report.parts == 2
+    assert report.nbytes == sum(entry.part(p)[1] for p in (2, 3))
+    assert cache.tensor_path(manifest, index).read_bytes()[-entry.size:] == original
+
+
+def test_a_manifest_whose_shapes_disagree_with_its_config_is_refused_and_nothing_stays(
+        hostile, peer, swarm, tiny_model_path, tmp_path, cache_home):
+    dht, identity = peer
+    lying = tmp_path / tiny_model_path.name
+    shutil.copytree(tiny_model_path, lying)
+    config = json.loads((lying / "config.json").read_text())
+    (lying / "config.json").write_text(json.dumps(dict(config, intermediate_size=48)))
+    saved = hostile.holdings
+    try:
+        hostile.mode = None
+        hostile.holdings = Holdings.of_model(lying)
+        model_id = hostile.holdings.model_id
+        record = hostile.holdings.host_record(hostile.peer_id, hostile.addresses)
+        assert declare_host(dht, model_id, record, identity.owner_subkey(), now() + 60)
+        weights = SwarmWeights(NetworkConfig(initial_peers=swarm.initial_peers))
+        try:
+            with pytest.raises(WeightsError, match=r"disagrees with its config: blocks.0.mlp.gate_proj.weight is "
+                                                   r"\[64, 32\], its config says \[48, 32\]"):
+                weights.resolve(model_id)
+        finally:
+            weights.close()
+        assert not (cache_home / "swarm" / "weights" / model_id).exists()
+    finally:
+        hostile.holdings = saved
+
+
+def test_a_manifest_that_does_not_hash_to_its_id_is_refused(hostile, fetching, swarm, tiny_model_path, cache_home):
+    hostile.mode = "flip"
+    manifest = build_manifest(tiny_model_path)
+    weights = SwarmWeights(NetworkConfig(initial_peers=swarm.initial_peers))
+    try:
+        source = weights.open(manifest.model_id, len(manifest.to_bytes()))
+    finally:
+        weights.close()
+    # the hostile peer may have been asked first: then it is banned for sending a manifest of other bytes
+    assert all("hash differs" in reason for reason in weights.banned.values())
+    assert (source.path / "config.json").read_bytes() == (tiny_model_path / "config.json").read_bytes()
+    alone = Fetcher(fetching, manifest.model_id, PeerBook(hosts(swarm, hostile, len(manifest.to_bytes()), False),
+                                                          FetchConfig()))
+    request = ReadRequest(manifest.model_id, MANIFEST, "", 0, len(manifest.to_bytes()))
+    with pytest.raises(WeightsError, match="no peer delivered the manifest .*hash differs"):
+        BackgroundLoop.shared().run(alone.read_checked(request, manifest.model_id, None, "the manifest"))
+
+
+# ----- what a server serving weights allows ----------------------------------------------------------------------
+def test_reads_are_capped_in_bandwidth_and_per_peer(hostile, fetching, tiny_model_path):
+    manifest = build_manifest(tiny_model_path)
+    index, entry = max(enumerate(manifest.tensors), key=lambda item: item[1].size)  # the embedding, 33 KB
+    request = ReadRequest(manifest.model_id, TENSOR, index, 0, entry.size)
+    loop = BackgroundLoop.shared()
+    hostile.mode = None
+
+    def timed_read() -> float:
+        started = time.monotonic()
+        data = loop.run(read_range(fetching, hostile.peer_id, request, 30))
+        assert sha256_hex(data) == entry.sha256
+        return time.monotonic() - started
+
+    assert timed_read() < 1.0
+    saved = hostile.bandwidth
+    hostile.bandwidth = Bandwidth(0.1)  # 12.5 kB/s, one second of it at once: 33 kB take 1.6 s
+    try:
+        assert timed_read() > 1.2
+
+        async def five_at_once() -> list:
+            return await asyncio.gather(*(read_range(fetching, hostile.peer_id, request, 30) for _ in range(5)),
+                                        return_exceptions=True)
+
+        results = loop.run(five_at_once())
+    finally:
+        hostile.bandwidth = saved
+    refused = [r for r in results if isinstance(r, RemoteError)]
+    assert len(refused) == 1 and refused[0].code == ErrorCode.BUSY, results
+    assert f"a peer may stream {ServeLimits().per_peer} weight reads at once" in refused[0].message
+
+
+def test_a_server_started_with_no_serve_weights_serves_none(swarm, peer, model_id, tiny_model_path):
+    dht, _ = peer
+    server = swarm.start_server(str(tiny_model_path), "0:1", "--compute-threads", "1", "--no-serve-weights",
+                                name="no-weights")
+    try:
+        assert wait_until(lambda: any(r.peer_id == server.peer_id for r in read_servers(dht, tiny_model_path.name,
+                                                                                           4).values()))
+        assert server.peer_id not in {h.peer_id for h in read_hosts(dht, model_id)}
+        request = ReadRequest(model_id, MANIFEST, "", 0, 10)
+        with pytest.raises(RemoteError, match="unreachable|no_weights"):
+            dht_p2p = BackgroundLoop.shared().run(dht.replicate_p2p())
+            BackgroundLoop.shared().run(read_range(dht_p2p, server.peer_id, request, 10))
+    finally:
+        swarm.terminate(server)
+
+
+# ----- published names -------------------------------------------------------------------------------------------
+def publish_with_cli(swarm, directory: Path, name: str, key: Path) -> dict:
+    peers = [arg for peer in swarm.initial_peers for arg in ("--initial-peers", peer)]
+    result = CliRunner().invoke(weights_main, ["publish", str(directory), "--name", name, "--key", str(key), *peers])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def test_a_name_claimed_by_two_publishers_needs_the_publisher(swarm, tiny_model_path, tmp_path, cache_home):
+    first, second = tmp_path / "first.key", tmp_path / "second.key"
+    generate_private_key(first)
+    generate_private_key(second)
+    other = make_checkpoint(tmp_path / tiny_model_path.name, tiny_config(), seed=5)
+    published = publish_with_cli(swarm, tiny_model_path, "tiny-claimed", first)
+    rival = publish_with_cli(swarm, other, "tiny-claimed", second)
+    assert published["model_id"] == build_manifest(tiny_model_path).model_id != rival["model_id"]
+
+    weights = SwarmWeights(NetworkConfig(initial_peers=swarm.initial_peers))
+    try:
+        with pytest.raises(WeightsError, match="several publishers claim the model name 'tiny-claimed': choose one "
+                                               "of tiny-claimed@"):
+            weights.resolve("tiny-claimed")
+        source = weights.resolve(f"tiny-claimed@{published['publisher']}")
+        assert source.path.parent.name == published["model_id"]
+        with pytest.raises(WeightsError, match="no model is published under 'tiny-claimed' by publisher 0123"):
+            weights.resolve("tiny-claimed@0123456789abcdef")
+    finally:
+        weights.close()
+
+
+def test_a_record_signed_by_another_key_than_its_slot_is_refused(swarm, peer, tmp_path, cache_home, model_id):
+    dht, _ = peer
+    owner, forger = tmp_path / "owner.key", tmp_path / "forger.key"
+    owner_key, forger_key = generate_private_key(owner), generate_private_key(forger)
+    record = PublishedModel("tiny-forged", model_id, 100, 100, time.time())
+    expiration = now() + 600
+    forged = sign_slot(forger_key, name_key("tiny-forged"), record.payload(), expiration)
+    assert not dht.store(name_key("tiny-forged"), forged, expiration_time=expiration, subkey=slot_subkey(owner_key))
+    assert read_published(dht, "tiny-forged") == []
+    weights = SwarmWeights(NetworkConfig(initial_peers=swarm.initial_peers))
+    try:
+        with pytest.raises(WeightsError, match="no model is published under 'tiny-forged'"):
+            weights.resolve("tiny-forged")
+    finally:
+        weights.close()

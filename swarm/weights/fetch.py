@@ -29,6 +29,7 @@ logger = logging.getLogger(__name__)
 
 # Answers that prove the peer broke the protocol (a peer cannot send a wrong byte or length by accident).
 PROTOCOL_VIOLATIONS = (ErrorCode.TOO_LARGE, ErrorCode.INCOMPLETE)
+PROGRESS_PERIOD_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -94,6 +95,7 @@ class Fetcher:
         self.p2p, self.model_id, self.book, self.config = p2p, model_id, book, config
         self.slots = asyncio.Semaphore(config.max_parallel)
         self.report = FetchReport()
+        self.progress = Progress()
 
     async def connect(self) -> None:
         """Dial every host at the addresses its record gives (its daemon may not know them otherwise)."""
@@ -153,6 +155,7 @@ class Fetcher:
         partials = {i: cache.partial(manifest, i) for i in indices}
         try:
             jobs = [self._part(manifest, partials[i], i, k) for i in indices for k in partials[i].missing]
+            self.progress.start(sum(manifest.tensors[i].part(k)[1] for i in indices for k in partials[i].missing))
             self.report.parts += len(jobs)
             self.report.parts_resumed += sum(len(p.verified) for p in partials.values())
             tasks = [asyncio.ensure_future(job) for job in jobs]
@@ -179,3 +182,24 @@ class Fetcher:
             data = await self.read_checked(request, entry.parts[part], index,
                                            f"part {part} of tensor {entry.name}")
         await asyncio.get_running_loop().run_in_executor(None, partial.write, part, data)
+        self.progress.add(len(data))
+
+
+class Progress:
+    """A log line every :data:`PROGRESS_PERIOD_S` seconds while a fetch runs: bytes so far, of how many, and rate."""
+
+    def __init__(self) -> None:
+        self.total = self.done = 0
+        self.started = self.logged = time.monotonic()
+
+    def start(self, total: int) -> None:
+        self.total, self.done = total, 0
+        self.started = self.logged = time.monotonic()
+
+    def add(self, nbytes: int) -> None:
+        self.done += nbytes
+        now = time.monotonic()
+        if now - self.logged >= PROGRESS_PERIOD_S and self.done < self.total:
+            self.logged = now
+            logger.info("fetched %.0f of %.0f MB (%.0f%%, %.1f MB/s)", self.done / 1e6, self.total / 1e6,
+                        100 * self.done / max(self.total, 1), self.done / 1e6 / max(now - self.started, 1e-6))

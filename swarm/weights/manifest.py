@@ -18,6 +18,7 @@ import math
 import re
 import struct
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
@@ -113,7 +114,7 @@ class Manifest:
                  "tensors": [t.to_json() for t in self.tensors]}
         return json.dumps(value, sort_keys=True, separators=(",", ":")).encode()
 
-    @property
+    @cached_property  # a frozen dataclass keeps it in its __dict__: hashed once per manifest
     def model_id(self) -> str:
         return sha256_hex(self.to_bytes())
 

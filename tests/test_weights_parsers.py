@@ -32,8 +32,8 @@ FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCh
                                                                         HealthCheck.function_scoped_fixture])
 MODEL_ID = "ab" * 32
 
-scalars = st.one_of(st.none(), st.booleans(), st.integers(-2**63, 2**63), st.integers(2**60, 2**64 - 1),  # msgpack's
-                    st.floats(), st.text(max_size=40), st.binary(max_size=40))
+scalars = st.one_of(st.none(), st.booleans(), st.integers(-2**63, 2**63), st.integers(2**60, 2**64 - 1),
+                    st.floats(), st.text(max_size=40), st.binary(max_size=40))  # integers: what msgpack encodes
 values = st.recursive(scalars, lambda inner: st.one_of(st.lists(inner, max_size=4),
                                                        st.dictionaries(st.text(max_size=12), inner, max_size=4)),
                       max_leaves=12)

@@ -365,6 +365,13 @@ def test_a_name_claimed_by_two_publishers_needs_the_publisher(swarm, tiny_model_
     rival = publish_with_cli(swarm, other, "tiny-claimed", second)
     assert published["model_id"] == build_manifest(tiny_model_path).model_id != rival["model_id"]
 
+    peers = [arg for peer in swarm.initial_peers for arg in ("--initial-peers", peer)]
+    shown = CliRunner().invoke(weights_main, ["show", "tiny-claimed", *peers])
+    assert shown.exit_code == 0, shown.output
+    served = {r["model_id"]: {h["peer_id"] for h in r["served_by"]} for r in json.loads(shown.stdout)}
+    publisher = next(p for p in swarm.processes if p.name == "publisher")
+    assert served == {published["model_id"]: {publisher.peer_id}, rival["model_id"]: set()}
+
     weights = SwarmWeights(NetworkConfig(initial_peers=swarm.initial_peers))
     try:
         with pytest.raises(WeightsError, match="several publishers claim the model name 'tiny-claimed': choose one "
@@ -393,3 +400,16 @@ def test_a_record_signed_by_another_key_than_its_slot_is_refused(swarm, peer, tm
             weights.resolve("tiny-forged")
     finally:
         weights.close()
+
+
+def test_the_fetch_command_fills_the_cache_with_the_parts_named(swarm, model_id, cache_home, tiny_model_path):
+    peers = [arg for peer in swarm.initial_peers for arg in ("--initial-peers", peer)]
+    result = CliRunner().invoke(weights_main, ["fetch", model_id, "--blocks", "3:4", "--head", *peers])
+    assert result.exit_code == 0, result.output
+    directory = Path(result.stdout.strip().splitlines()[-1])
+    assert directory == cache_home / "swarm" / "weights" / model_id / tiny_model_path.name
+    names = [t.name for t in build_manifest(tiny_model_path).tensors]
+    wanted = blocks_of(names, 3) | {names.index("norm.weight"), names.index("lm_head.weight")}
+    assert {p.name for p in directory.glob("t-*.safetensors")} == {tensor_file(i) for i in wanted}
+    again = CliRunner().invoke(weights_main, ["fetch", model_id, "--blocks", "3:4"])  # installed: no swarm needed
+    assert again.exit_code == 0, again.output

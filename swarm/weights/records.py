@@ -124,8 +124,9 @@ def choose_published(records: list[PublishedModel], reference: str) -> Published
         records = [r for r in records if r.publisher_id == publisher]
     if not records:
         by = f" by publisher {publisher}" if publisher else ""
-        raise WeightsError(f"no model is published under {name!r}{by} (records not signed by their slot's key are "
-                           f"ignored); `python -m swarm.weights show {name}` lists what is")
+        raise WeightsError(f"model {reference!r} is no directory here, and no model is published under {name!r}{by} "
+                           f"(records not signed by their slot's key are ignored; `python -m swarm.weights show "
+                           f"{name}` lists what is)")
     if len({r.publisher for r in records}) > 1:
         choices = ", ".join(sorted(f"{r.name}@{r.publisher_id} (model {r.model_id[:12]}...)" for r in records))
         raise WeightsError(f"several publishers claim the model name {name!r}: choose one of {choices}")

@@ -17,6 +17,7 @@ import hashlib
 import json
 import logging
 import os
+import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -160,7 +161,6 @@ class WeightServer(WeightService):
         self.reading: Counter[str] = Counter()  # reads streaming now, by peer
         self.bytes_served = 0
         self.reads_refused = 0
-        self._preparing: Optional[asyncio.Future] = None
 
     async def rpc_read(self, request: runtime_pb2.ExpertRequest,
                        context: P2PContext) -> AsyncIterator[runtime_pb2.ExpertResponse]:
@@ -226,27 +226,28 @@ class WeightServer(WeightService):
                             wait=False)
 
     def start(self, path: Path, on_ready: Callable[[], object] = lambda: None) -> None:
-        """Find what this peer can serve of the model at ``path`` in the background; ``on_ready`` runs once
-        something is (to announce it at once)."""
+        """Find what this peer can serve of the model at ``path`` (building a directory's manifest hashes every
+        byte) in a daemon thread, so that a server stopped meanwhile exits at once; ``on_ready`` then runs on the
+        calling event loop (to announce the weights without waiting for the next announcement)."""
+        loop = asyncio.get_running_loop()
 
-        async def prepare() -> None:
-            await self.prepare(path)
-            if self.holdings is not None:
-                on_ready()
-
-        self._preparing = asyncio.ensure_future(prepare())
-
-    async def prepare(self, path: Path) -> None:
-        """Find (or build, hashing every byte) what this peer can serve of the model at ``path``, off the loop."""
-        try:
-            holdings = await asyncio.get_running_loop().run_in_executor(None, Holdings.of_model, path)
-        except Exception as error:  # a broken checkpoint must not take the server down: it just serves no weights
-            logger.warning("not serving the weights of %s: %s", path, error)
-            return
-        if holdings is not None:
+        def find() -> None:
+            try:
+                holdings = Holdings.of_model(path)
+            except Exception as error:  # a broken checkpoint must not take the server down: it serves no weights
+                logger.warning("not serving the weights of %s: %s", path, error)
+                return
+            if holdings is None:
+                return
             self.holdings = holdings
             logger.info("serving the weights of %s as model %s (%d of %d tensors)", path, holdings.model_id,
                         len(holdings.tensors), len(holdings.manifest.tensors))
+            try:
+                loop.call_soon_threadsafe(on_ready)
+            except RuntimeError:  # the server has stopped meanwhile
+                pass
+
+        threading.Thread(target=find, name="weights-manifest", daemon=True).start()
 
 
 def _pread(path: Path, base: int, offset: int, length: int) -> bytes:

@@ -11,6 +11,9 @@ import asyncio
 import json
 import os
 import shutil
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import AsyncIterator
@@ -26,6 +29,7 @@ from swarm.dht.node import NetworkConfig, start_dht, stop_dht
 from swarm.dht.schema import now, read_servers
 from swarm.dht.validation import sign_slot, slot_subkey
 from swarm.governance.keys import generate_private_key
+from swarm.models.loading import ModelFiles
 from swarm.protocol import ErrorCode, RemoteError
 from swarm.utils.event_loop import BackgroundLoop
 from swarm.utils.local_swarm import LocalSwarm
@@ -413,3 +417,55 @@ def test_the_fetch_command_fills_the_cache_with_the_parts_named(swarm, model_id,
     assert {p.name for p in directory.glob("t-*.safetensors")} == {tensor_file(i) for i in wanted}
     again = CliRunner().invoke(weights_main, ["fetch", model_id, "--blocks", "3:4"])  # installed: no swarm needed
     assert again.exit_code == 0, again.output
+
+
+def checked_parts(manifest, directory: Path) -> int:
+    """Parts in the partial files under ``directory`` whose bytes match the manifest."""
+    count = 0
+    for path in (directory / "partial").glob("t-*.safetensors"):
+        entry = manifest.tensors[int(path.name[2:7])]
+        data = path.read_bytes()[-entry.size:]
+        count += sum(sha256_hex(data[start:start + length]) == entry.parts[part]
+                     for part, (start, length) in enumerate(map(entry.part, range(len(entry.parts)))))
+    return count
+
+
+def test_a_fetch_killed_midway_resumes_from_the_parts_it_checked(
+        swarm, peer, hostile, tiny_model_path, tmp_path, cache_home):
+    """A real crash: ``python -m swarm.weights fetch`` is SIGKILLed while a slow peer feeds it; the next fetch asks
+    only for the parts that were not checked yet."""
+    dht, identity = peer
+    other = make_checkpoint(tmp_path / "other" / tiny_model_path.name, tiny_config(), seed=7)
+    saved_holdings, saved_bandwidth = hostile.holdings, hostile.bandwidth
+    hostile.mode, hostile.holdings, hostile.bandwidth = None, Holdings.of_model(other), Bandwidth(0.05)  # 6 kB/s
+    manifest = hostile.holdings.manifest
+    try:
+        record = hostile.holdings.host_record(hostile.peer_id, hostile.addresses)
+        assert declare_host(dht, manifest.model_id, record, identity.owner_subkey(), now() + 120)
+        peers = [arg for p in swarm.initial_peers for arg in ("--initial-peers", p)]
+        command = [sys.executable, "-m", "swarm.weights", "fetch", manifest.model_id, "--blocks", "0:4", *peers]
+        fetching = subprocess.Popen(command, env=dict(os.environ, HF_HOME=str(cache_home), PYTHONPATH=str(ROOT)),
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        directory = cache_home / "swarm" / "weights" / manifest.model_id
+        try:
+            assert wait_until(lambda: checked_parts(manifest, directory) >= 4, timeout=90)
+        finally:
+            os.killpg(fetching.pid, signal.SIGKILL)
+            fetching.wait(10)
+        kept = checked_parts(manifest, directory)
+        hostile.bandwidth = saved_bandwidth
+        weights = SwarmWeights(NetworkConfig(initial_peers=swarm.initial_peers))
+        try:
+            files = ModelFiles(manifest.model_id, resolvers=[weights.resolve])
+            files.span(0, 4)
+        finally:
+            weights.close()
+        report = weights.reports[-1]
+        assert report.parts_resumed >= kept >= 4  # (a part may have been written between the count and the kill)
+        wanted = blocks_of([t.name for t in manifest.tensors], 0, 1, 2, 3)
+        assert report.parts + report.parts_resumed == sum(len(manifest.tensors[i].parts) for i in wanted)
+        for index in wanted:
+            entry = manifest.tensors[index]
+            assert sha256_hex(files.path.joinpath(tensor_file(index)).read_bytes()[-entry.size:]) == entry.sha256
+    finally:
+        hostile.holdings, hostile.bandwidth = saved_holdings, saved_bandwidth

@@ -101,7 +101,7 @@ def blocks_of(names: list[str], *blocks: int) -> frozenset[int]:
 
 
 def test_a_server_named_by_id_starts_from_peers_alone_and_computes_as_the_local_model(
-        swarm, peer, model_id, home, tiny_model_path, local_lm):
+        swarm, peer, model_id, home, tiny_model_path, local_lm, cache_home):
     dht, _ = peer
     assert wait_until(lambda: read_hosts(dht, model_id), timeout=60), "the publisher announces its weights"
     cache = home / "swarm" / "weights" / model_id
@@ -116,12 +116,15 @@ def test_a_server_named_by_id_starts_from_peers_alone_and_computes_as_the_local_
 
     from swarm.client import DistributedDiffusionLM
 
-    lm = DistributedDiffusionLM.from_pretrained(tiny_model_path, initial_peers=swarm.initial_peers,
-                                                request_timeout=20)
+    # the client names the model by id too: its config and embedding come from peers (this process's cache)
+    lm = DistributedDiffusionLM.from_pretrained(model_id, initial_peers=swarm.initial_peers, request_timeout=20)
     try:  # blocks 2:4 are served by the new server alone
         assert lm.generate("Hello", **GENERATION).token_ids == local_lm.generate("Hello", **GENERATION).token_ids
     finally:
         lm.shutdown()
+    client_files = {p.name for p in (cache_home / "swarm" / "weights" / model_id).glob("*/t-*.safetensors")}
+    assert tensor_file(names.index("embed.weight")) in client_files
+    assert not client_files & {tensor_file(i) for i in blocks_of(names, 0, 1, 2, 3)}, "a client fetches no block"
     # it serves what it fetched: its hosts record lists exactly those tensors
     assert wait_until(lambda: any(h.peer_id == server.peer_id and h.tensors == blocks_of(names, 2, 3)
                                   for h in read_hosts(dht, model_id)))

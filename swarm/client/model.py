@@ -42,6 +42,7 @@ from swarm.utils.event_loop import BackgroundLoop
 from swarm.utils.settings import replaced
 from swarm.utils.text import plural
 from swarm.utils.threads import use_threads
+from swarm.weights.source import SwarmWeights
 from swarm.wire.messages import ErrorCode, RemoteError
 from swarm.wire.remote import RemoteCaller
 
@@ -130,7 +131,7 @@ class DistributedDiffusionLM(BaseDiffusionLM):
         (:func:`~swarm.utils.threads.use_threads`)."""
         config = replaced(config or ClientConfig(network=client_network(initial_peers)), "client option", **overrides)
         use_threads(threads)
-        return cls(ModelFiles(name_or_path), config, dht)
+        return cls(ModelFiles(name_or_path, resolvers=[SwarmWeights(config.network).resolve]), config, dht)
 
     @property
     def head(self) -> OutputHead:

@@ -42,6 +42,7 @@ from swarm.weights.records import (
     PublishedModel,
     WeightsError,
     declare_host,
+    hosts_key,
     name_key,
     read_hosts,
     read_published,
@@ -50,6 +51,7 @@ from swarm.weights.service import Bandwidth, Holdings, ServeLimits, WeightServer
 from swarm.weights.source import SwarmWeights
 from swarm.weights.wire import MANIFEST, TENSOR, ReadRequest, data_messages, read_range
 from tests.conftest import make_checkpoint, tiny_config, wait_until
+from tests.test_security_dht import flood, plain_attacker
 
 ROOT = Path(__file__).resolve().parent.parent
 GENERATION = dict(gen_length=16, steps=16, block_length=8)
@@ -128,6 +130,12 @@ def test_a_server_named_by_id_starts_from_peers_alone_and_computes_as_the_local_
     # it serves what it fetched: its hosts record lists exactly those tensors
     assert wait_until(lambda: any(h.peer_id == server.peer_id and h.tensors == blocks_of(names, 2, 3)
                                   for h in read_hosts(dht, model_id)))
+    # it knows the model's hosts key: its storage refuses plain subkeys there (a peer that knows no model keeps them)
+    attacker = plain_attacker(swarm.initial_peers)
+    try:
+        assert flood(attacker, hosts_key(model_id), [server.peer_id, swarm.bootstrap.peer_id], 8) == [False, True]
+    finally:
+        attacker.shutdown()
 
 
 # ----- hostile peers -------------------------------------------------------------------------------------------

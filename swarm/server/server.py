@@ -51,7 +51,7 @@ from swarm.server.push import PushLimits
 from swarm.server.session_cache import SessionCaches
 from swarm.server.throughput import measure_throughput
 from swarm.version import __version__
-from swarm.weights.service import ServeLimits, WeightServer
+from swarm.weights.service import ServeLimits, WeightServer, hosts_policies
 from swarm.weights.source import SwarmWeights
 
 logger = logging.getLogger(__name__)
@@ -87,6 +87,7 @@ class Server:
         self.identity = Identity.load_or_create(config.network.identity_path)
         # Storage here keeps only what readers use under the model's keys (swarm.dht.schema.protected_keys).
         protect = protected_keys(self.prefix, self.model_config.num_layers, trusted_signers(config.governance_keys))
+        protect += hosts_policies(self.files.path)
         self.dht: DHT = start_dht(config.network, identity=self.identity, protect=protect)
         self.peer_id = str(self.dht.peer_id)
         self.subkey = self.identity.owner_subkey()

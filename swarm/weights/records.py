@@ -26,8 +26,8 @@ from hivemind.utils import MSGPackSerializer, get_dht_time
 from swarm.adapters.block import is_sha256_hex
 from swarm.adapters.sharing import AUTHOR_PATTERN, author_id, signed_entries, store_slot
 from swarm.dht import fields
-from swarm.dht.schema import MAX_ADDRESS_CHARS, MAX_ADDRESSES, read_owned, store_owned
-from swarm.dht.validation import ed25519_text
+from swarm.dht.schema import MAX_ADDRESS_CHARS, MAX_ADDRESSES, MAX_OWNED_LIFETIME, read_owned, store_owned
+from swarm.dht.validation import OWNED, KeyPolicy, ed25519_text
 from swarm.weights.manifest import MAX_MANIFEST_BYTES, MAX_TENSORS, MODEL_NAME
 
 logger = logging.getLogger(__name__)
@@ -35,6 +35,9 @@ logger = logging.getLogger(__name__)
 RECORD_VERSION = 1
 PUBLISH_LIFETIME = 30 * 24 * 3600.0  # seconds a published name lives; publishing again refreshes it
 MAX_HOSTS_READ = 64  # peers a fetcher considers for one model
+MAX_HOSTS_KEPT = 64  # hosts records a storing peer that knows the model keeps under its key
+# a record with every field at its bound: 8 addresses of 256 characters, a bitmap of MAX_TENSORS bits, a signature
+MAX_HOST_VALUE_BYTES = 16 * 1024
 MAX_WEIGHTS_BYTES = 2**50
 
 
@@ -185,6 +188,12 @@ class HostRecord:
             raise ValueError("tensors must be a bitmap of at most one bit per tensor")
         held = frozenset(i for i in range(len(bitmap) * 8) if bitmap[i // 8] >> (i % 8) & 1)
         return cls(peer_id, addresses, manifest_bytes, held)
+
+
+def hosts_policy(model_id: str) -> KeyPolicy:
+    """What a peer that knows ``model_id`` keeps under its hosts key: records of proven peer ids, sent by those
+    peers, each at most :data:`MAX_HOST_VALUE_BYTES`, :data:`MAX_HOSTS_KEPT` of them, expiring within the hour."""
+    return KeyPolicy(hosts_key(model_id), OWNED, MAX_HOST_VALUE_BYTES, MAX_HOSTS_KEPT, max_lifetime=MAX_OWNED_LIFETIME)
 
 
 def declare_host(dht: DHT, model_id: str, record: HostRecord, subkey: bytes, expiration: float, wait: bool = True):

@@ -29,9 +29,10 @@ from hivemind.dht import DHT
 from hivemind.p2p import P2PContext
 from hivemind.proto import runtime_pb2
 
+from swarm.dht.validation import KeyPolicy
 from swarm.weights.cache import ModelCache, cache_root
 from swarm.weights.manifest import SHA256, SMALL_FILES, Manifest, ManifestError, build_manifest, weight_files
-from swarm.weights.records import HostRecord, declare_host
+from swarm.weights.records import HostRecord, declare_host, hosts_policy
 from swarm.weights.wire import FILE, MANIFEST, TENSOR, ReadRequest, WeightService, data_messages
 from swarm.wire.encoding import STREAM_CHUNK_BYTES, error_response
 from swarm.wire.messages import ErrorCode, RemoteError
@@ -103,7 +104,7 @@ class Holdings:
         a checkpoint directory with every weight file present; None for anything else (a model named by repo id
         holds only the shards it fetched)."""
         path = path.resolve()
-        if path.parent.parent == cache_root().resolve() and SHA256.fullmatch(path.parent.name):
+        if _fetched_copy(path):
             cache = ModelCache(path.parent.name)
             manifest = cache.load_manifest()
             if manifest is None:
@@ -126,17 +127,31 @@ def _small_files(directory: Path, manifest: Manifest) -> dict[str, Path]:
     return {entry.name: directory / entry.name for entry in manifest.files}
 
 
-def built_manifest(directory: Path, weight_names: list[str]) -> Manifest:
-    """The manifest of a checkpoint directory, built once and kept while its files keep their sizes and times."""
+def _built_place(directory: Path, weight_names: list[str]) -> tuple[Path, list]:
+    """Where a directory's manifest is kept, and the sizes and times of the files it was built from."""
     names = sorted({*weight_names, *(name for name in SMALL_FILES if (directory / name).is_file())})
     signature = [[name, (directory / name).stat().st_size, (directory / name).stat().st_mtime_ns] for name in names]
-    kept = cache_root() / "built" / f"{hashlib.sha256(str(directory).encode()).hexdigest()}.json"
+    return cache_root() / "built" / f"{hashlib.sha256(str(directory).encode()).hexdigest()}.json", signature
+
+
+def kept_manifest(directory: Path, weight_names: list[str]) -> Optional[Manifest]:
+    """The manifest built before for ``directory``, if its files have not changed since (no hashing)."""
+    kept, signature = _built_place(directory, weight_names)
     try:
         saved = json.loads(kept.read_text())
         if saved["signature"] == signature:
             return Manifest.from_bytes(saved["manifest"].encode())
     except (OSError, ValueError, KeyError, TypeError):
         pass
+    return None
+
+
+def built_manifest(directory: Path, weight_names: list[str]) -> Manifest:
+    """The manifest of a checkpoint directory, built once and kept while its files keep their sizes and times."""
+    manifest = kept_manifest(directory, weight_names)
+    if manifest is not None:
+        return manifest
+    kept, signature = _built_place(directory, weight_names)
     started = time.monotonic()
     manifest = build_manifest(directory)
     logger.info("built the manifest of %s in %.1f s: model id %s", directory, time.monotonic() - started,
@@ -149,6 +164,29 @@ def built_manifest(directory: Path, weight_names: list[str]) -> Manifest:
     except OSError as error:
         logger.warning("cannot keep the manifest of %s in %s: %s", directory, kept, error)
     return manifest
+
+
+def known_model_id(path: Path) -> Optional[str]:
+    """The model id of the model at ``path`` if it is known without hashing (a fetched copy, or a directory whose
+    manifest was built before); None otherwise."""
+    path = path.resolve()
+    if _fetched_copy(path):
+        return path.parent.name
+    try:
+        manifest = kept_manifest(path, weight_files(path))
+    except (ManifestError, OSError, ValueError):
+        return None
+    return manifest.model_id if manifest is not None else None
+
+
+def hosts_policies(path: Path) -> list[KeyPolicy]:
+    """The hosts key of the model at ``path``, for this peer's DHT storage to bound (when its id is known now)."""
+    model_id = known_model_id(path)
+    return [hosts_policy(model_id)] if model_id is not None else []
+
+
+def _fetched_copy(path: Path) -> bool:
+    return path.parent.parent == cache_root().resolve() and SHA256.fullmatch(path.parent.name) is not None
 
 
 class WeightServer(WeightService):

@@ -15,13 +15,15 @@ are hashed again and those that match are kept.
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
 import re
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 from huggingface_hub import constants
 
@@ -110,6 +112,20 @@ class ModelCache:
     def __init__(self, model_id: str, root: Optional[Path] = None):
         self.model_id = model_id
         self.directory = (root or cache_root()) / model_id
+
+    @contextmanager
+    def locked(self) -> Iterator[None]:
+        """Hold this model's lock (a file in ``.locks/`` beside its directory): two processes on one machine (two
+        servers, a server and ``swarm.weights fetch``) install and fetch one after the other, never into the same
+        partial file."""
+        locks = self.directory.parent / ".locks"
+        locks.mkdir(parents=True, exist_ok=True)
+        with open(locks / self.model_id, "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
 
     @property
     def manifest_path(self) -> Path:

@@ -76,12 +76,13 @@ class SwarmWeights:
     def open(self, model_id: str, manifest_bytes: Optional[int] = None) -> ModelSource:
         """The installed copy of ``model_id``, installing its manifest and small files first if needed."""
         cache = ModelCache(model_id)
-        manifest = cache.load_manifest()
-        if manifest is None or not cache.model_dir(manifest).is_dir():
-            if not self.has_swarm():
-                raise WeightsError(f"model {model_id} is not in the cache ({cache.directory}) and no swarm is "
-                                   f"configured to fetch it from: pass --initial-peers")
-            manifest = self._with_dht(lambda dht: self._install(dht, cache, manifest_bytes))
+        with cache.locked():
+            manifest = cache.load_manifest()
+            if manifest is None or not cache.model_dir(manifest).is_dir():
+                if not self.has_swarm():
+                    raise WeightsError(f"model {model_id} is not in the cache ({cache.directory}) and no swarm is "
+                                       f"configured to fetch it from: pass --initial-peers")
+                manifest = self._with_dht(lambda dht: self._install(dht, cache, manifest_bytes))
         return ModelSource(cache.model_dir(manifest), lambda files: self.fetch(cache, manifest, files))
 
     def _install(self, dht: DHT, cache: ModelCache, manifest_bytes: Optional[int]) -> Manifest:
@@ -119,9 +120,14 @@ class SwarmWeights:
     def fetch(self, cache: ModelCache, manifest: Manifest, file_names: Sequence[str]) -> None:
         """Bring the tensor files a part reads (the cache's own names) that are not there yet."""
         indices = tensor_indices(list(file_names), len(manifest.tensors))
-        missing = [i for i in indices if not cache.tensor_path(manifest, i).exists()]
-        if not missing:
+        if all(cache.tensor_path(manifest, i).exists() for i in indices):
             return
+        with cache.locked():  # another process may be fetching some of them: what it brought is not asked again
+            missing = [i for i in indices if not cache.tensor_path(manifest, i).exists()]
+            if missing:
+                self._fetch(cache, manifest, missing)
+
+    def _fetch(self, cache: ModelCache, manifest: Manifest, missing: list[int]) -> None:
         nbytes = sum(manifest.tensors[i].size for i in missing)
         logger.info("fetching %d tensors (%.1f MB) of model %s from peers", len(missing), nbytes / 1e6,
                     cache.model_id)

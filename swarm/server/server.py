@@ -51,7 +51,8 @@ from swarm.server.push import PushLimits
 from swarm.server.session_cache import SessionCaches
 from swarm.server.throughput import measure_throughput
 from swarm.version import __version__
-from swarm.weights.service import ServeLimits, WeightServer, hosts_policies
+from swarm.weights.holdings import hosts_policies
+from swarm.weights.service import ServeLimits, WeightServer
 from swarm.weights.source import SwarmWeights
 
 logger = logging.getLogger(__name__)

@@ -27,6 +27,7 @@ from swarm.cli_options import (
 from swarm.dht.node import start_dht, stop_dht
 from swarm.finetune.publish import author_key
 from swarm.models.loading import ModelFiles
+from swarm.weights.holdings import built_manifest
 from swarm.weights.manifest import weight_files
 from swarm.weights.records import (
     PUBLISH_LIFETIME,
@@ -37,7 +38,6 @@ from swarm.weights.records import (
     read_hosts,
     read_published,
 )
-from swarm.weights.service import built_manifest
 from swarm.weights.source import MODEL_ID, SwarmWeights
 
 LOG_LEVELS = click.Choice(["DEBUG", "INFO", "WARNING"])

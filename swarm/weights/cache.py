@@ -8,6 +8,8 @@ Layout, under ``$HF_HOME/swarm/weights/{model id}/``::
     {name}/t-NNNNN.safetensors one file per fetched tensor, appearing only when every byte of it is checked
     partial/t-NNNNN.safetensors  a tensor being fetched: a part is written only once its hash is checked
 
+and ``$HF_HOME/swarm/weights/.locks/{model id}``, the lock one process at a time holds to install or fetch.
+
 The directory ``{name}`` is the model's name (its DHT prefix, as for a copy of the publisher's directory), and
 :class:`swarm.models.checkpoint.CheckpointReader` reads it like any sharded checkpoint: a span opens only its
 own tensors' files, and asks (``fetch``) for the ones not there yet. After a crash, the parts in ``partial/``

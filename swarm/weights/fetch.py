@@ -2,10 +2,10 @@
 
 Each tensor is asked for part by part (:meth:`TensorEntry.part`), spread over the peers that hold it (fewest
 reads in flight first, at most ``max_per_peer`` each, ``max_parallel`` in all). A part whose hash differs from the
-manifest's, or an answer longer or shorter than asked, bans its peer for the rest of the fetch and the part is
-asked of another; a peer that times out or refuses gets a strike (banned after ``max_strikes``). A part no peer
-delivers fails the fetch with every peer's reason; the parts already checked stay in the cache's partial file,
-so the next attempt (after a crash too) asks only for the others.
+manifest's, or an answer longer than asked (or shorter, twice: a stream on loopback may lose a message), bans its
+peer for the rest of the fetch and the part is asked of another; a peer that times out or refuses gets a strike
+(banned after ``max_strikes``). A part no peer delivers fails the fetch with every peer's reason; the parts
+already checked stay in the cache's partial file, so the next attempt (after a crash too) asks only for the others.
 """
 from __future__ import annotations
 
@@ -114,6 +114,7 @@ class Fetcher:
         """The bytes ``request`` names from some peer, checked against ``sha256``; :class:`WeightsError` when no
         peer delivers them."""
         tried: dict[str, str] = {}
+        asked_again: set[str] = set()  # peers whose answer came short once: libp2p on loopback may lose a message
         while True:
             candidates = [p for p in self.book.candidates(tensor, set(tried))
                           if self.book.active[p] < self.config.max_per_peer]
@@ -127,6 +128,10 @@ class Fetcher:
             try:
                 data = await read_range(self.p2p, peer, request, self.config.read_timeout(request.length))
             except RemoteError as error:
+                if error.code == ErrorCode.INCOMPLETE and peer not in asked_again:
+                    asked_again.add(peer)
+                    logger.debug("asking %s again for %s: %s", peer, what, error.message)
+                    continue
                 self.book.punish(peer, error)
                 tried[peer] = error.message
                 continue

@@ -1,9 +1,8 @@
 """Serving a model's bytes to peers that fetch it: the server side of :class:`swarm.weights.wire.WeightService`.
 
-A server that holds a model serves byte ranges of it: a server of a checkpoint directory holds every tensor
-(its manifest is built once, hashing every byte, and kept under ``$HF_HOME/swarm/weights/built`` while the
-files do not change); a server whose model was fetched from peers holds the tensors it fetched. It announces
-what it holds (:func:`swarm.weights.records.declare_host`) with its other records.
+A server serves byte ranges of what it holds (:class:`swarm.weights.holdings.Holdings`: every tensor of a
+checkpoint directory, or the tensors it fetched itself) and announces it
+(:func:`swarm.weights.records.declare_host`) with its other records.
 
 Every read is bounded: in length (:data:`~swarm.weights.wire.MAX_READ_BYTES`), in count (:class:`ServeLimits`:
 reads at once, and the share one peer may hold), in time (a deadline growing with the length), and all reads
@@ -13,8 +12,6 @@ names a tensor by its place in the manifest, never a path.
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import json
 import logging
 import os
 import threading
@@ -29,10 +26,8 @@ from hivemind.dht import DHT
 from hivemind.p2p import P2PContext
 from hivemind.proto import runtime_pb2
 
-from swarm.dht.validation import KeyPolicy
-from swarm.weights.cache import ModelCache, cache_root
-from swarm.weights.manifest import SHA256, SMALL_FILES, Manifest, ManifestError, build_manifest, weight_files
-from swarm.weights.records import HostRecord, declare_host, hosts_policy
+from swarm.weights.holdings import Holdings
+from swarm.weights.records import declare_host
 from swarm.weights.wire import FILE, MANIFEST, TENSOR, ReadRequest, WeightService, data_messages
 from swarm.wire.encoding import STREAM_CHUNK_BYTES, error_response
 from swarm.wire.messages import ErrorCode, RemoteError
@@ -75,120 +70,6 @@ class Bandwidth:
                 await asyncio.sleep(-self.available / self.rate)
 
 
-@dataclass
-class Holdings:
-    """What this peer can serve of one model: the manifest, and where each held file and tensor is."""
-
-    manifest: Manifest
-    manifest_bytes: bytes
-    files: dict[str, Path]
-    tensors: dict[int, tuple[Path, int]]  # place in the manifest -> (file, offset of its first byte)
-    cache: Optional[ModelCache] = None  # a copy fetched from peers: tensors fetched later are held too
-
-    @property
-    def model_id(self) -> str:
-        return self.manifest.model_id
-
-    def refresh(self) -> None:
-        if self.cache is not None:
-            self.tensors = self.cache.held(self.manifest)
-
-    def host_record(self, peer_id: str, addresses: list[str]) -> HostRecord:
-        whole = len(self.tensors) == len(self.manifest.tensors)
-        return HostRecord(peer_id, tuple(addresses), len(self.manifest_bytes),
-                          None if whole else frozenset(self.tensors))
-
-    @classmethod
-    def of_model(cls, path: Path) -> Optional["Holdings"]:
-        """What a server of the model at ``path`` can serve: a copy fetched from peers (its manifest is known), or
-        a checkpoint directory with every weight file present; None for anything else (a model named by repo id
-        holds only the shards it fetched)."""
-        path = path.resolve()
-        if _fetched_copy(path):
-            cache = ModelCache(path.parent.name)
-            manifest = cache.load_manifest()
-            if manifest is None:
-                return None
-            return cls(manifest, cache.manifest_path.read_bytes(), _small_files(path, manifest),
-                       cache.held(manifest), cache)
-        try:
-            names = weight_files(path)
-        except (ManifestError, OSError, ValueError):
-            return None
-        if not all((path / name).is_file() for name in names):
-            logger.info("not serving the weights of %s: not every weight file is here", path)
-            return None
-        manifest = built_manifest(path, names)
-        tensors = {i: (path / t.file, t.offset) for i, t in enumerate(manifest.tensors)}
-        return cls(manifest, manifest.to_bytes(), _small_files(path, manifest), tensors)
-
-
-def _small_files(directory: Path, manifest: Manifest) -> dict[str, Path]:
-    return {entry.name: directory / entry.name for entry in manifest.files}
-
-
-def _built_place(directory: Path, weight_names: list[str]) -> tuple[Path, list]:
-    """Where a directory's manifest is kept, and the sizes and times of the files it was built from."""
-    names = sorted({*weight_names, *(name for name in SMALL_FILES if (directory / name).is_file())})
-    signature = [[name, (directory / name).stat().st_size, (directory / name).stat().st_mtime_ns] for name in names]
-    return cache_root() / "built" / f"{hashlib.sha256(str(directory).encode()).hexdigest()}.json", signature
-
-
-def kept_manifest(directory: Path, weight_names: list[str]) -> Optional[Manifest]:
-    """The manifest built before for ``directory``, if its files have not changed since (no hashing)."""
-    kept, signature = _built_place(directory, weight_names)
-    try:
-        saved = json.loads(kept.read_text())
-        if saved["signature"] == signature:
-            return Manifest.from_bytes(saved["manifest"].encode())
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
-    return None
-
-
-def built_manifest(directory: Path, weight_names: list[str]) -> Manifest:
-    """The manifest of a checkpoint directory, built once and kept while its files keep their sizes and times."""
-    manifest = kept_manifest(directory, weight_names)
-    if manifest is not None:
-        return manifest
-    kept, signature = _built_place(directory, weight_names)
-    started = time.monotonic()
-    manifest = build_manifest(directory)
-    logger.info("built the manifest of %s in %.1f s: model id %s", directory, time.monotonic() - started,
-                manifest.model_id)
-    try:
-        kept.parent.mkdir(parents=True, exist_ok=True)
-        temporary = kept.with_suffix(f".{os.getpid()}.tmp")
-        temporary.write_text(json.dumps({"signature": signature, "manifest": manifest.to_bytes().decode()}))
-        os.replace(temporary, kept)
-    except OSError as error:
-        logger.warning("cannot keep the manifest of %s in %s: %s", directory, kept, error)
-    return manifest
-
-
-def known_model_id(path: Path) -> Optional[str]:
-    """The model id of the model at ``path`` if it is known without hashing (a fetched copy, or a directory whose
-    manifest was built before); None otherwise."""
-    path = path.resolve()
-    if _fetched_copy(path):
-        return path.parent.name
-    try:
-        manifest = kept_manifest(path, weight_files(path))
-    except (ManifestError, OSError, ValueError):
-        return None
-    return manifest.model_id if manifest is not None else None
-
-
-def hosts_policies(path: Path) -> list[KeyPolicy]:
-    """The hosts key of the model at ``path``, for this peer's DHT storage to bound (when its id is known now)."""
-    model_id = known_model_id(path)
-    return [hosts_policy(model_id)] if model_id is not None else []
-
-
-def _fetched_copy(path: Path) -> bool:
-    return path.parent.parent == cache_root().resolve() and SHA256.fullmatch(path.parent.name) is not None
-
-
 class WeightServer(WeightService):
     """Serves the byte ranges of one model's held files and tensors (see the module docstring)."""
 
@@ -221,7 +102,12 @@ class WeightServer(WeightService):
                     return
                 length = min(STREAM_CHUNK_BYTES, read.offset + read.length - start)
                 await self.bandwidth.take(length)
-                chunk = await loop.run_in_executor(None, source, start, length)
+                try:
+                    chunk = await loop.run_in_executor(None, source, start, length)
+                except OSError as error:  # a held file gone or unreadable: said to the reader, logged here
+                    logger.warning("cannot read %s %r of model %s: %s", read.kind, read.name, read.model, error)
+                    yield error_response(RemoteError(ErrorCode.NO_WEIGHTS, f"cannot read {read.kind} {read.name!r}"))
+                    return
                 self.bytes_served += len(chunk)
                 yield data_messages([chunk])[0]
         finally:

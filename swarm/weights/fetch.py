@@ -20,7 +20,7 @@ from hivemind.p2p import P2P
 
 from swarm.weights.cache import ModelCache, PartialTensor
 from swarm.weights.manifest import Manifest, sha256_hex
-from swarm.weights.records import HostRecord, WeightsError
+from swarm.weights.records import HostRecord, WeightsNotServed
 from swarm.weights.wire import TENSOR, ReadRequest, read_range
 from swarm.wire.messages import ErrorCode, RemoteError
 from swarm.wire.remote import RemoteCaller
@@ -111,7 +111,7 @@ class Fetcher:
         await asyncio.gather(*(dial(host) for host in self.book.hosts.values()))
 
     async def read_checked(self, request: ReadRequest, sha256: str, tensor: Optional[int], what: str) -> bytes:
-        """The bytes ``request`` names from some peer, checked against ``sha256``; :class:`WeightsError` when no
+        """The bytes ``request`` names from some peer, checked against ``sha256``; :class:`WeightsNotServed` when no
         peer delivers them."""
         tried: dict[str, str] = {}
         asked_again: set[str] = set()  # peers whose answer came short once: libp2p on loopback may lose a message
@@ -122,7 +122,7 @@ class Fetcher:
                 if self.book.candidates(tensor, set(tried)):  # every usable peer is busy with our reads: wait
                     await asyncio.sleep(0.01)
                     continue
-                raise WeightsError(self.nobody(what, tried))
+                raise WeightsNotServed(self.nobody(what, tried))
             peer = candidates[0]
             self.book.active[peer] += 1
             try:

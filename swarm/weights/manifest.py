@@ -29,6 +29,7 @@ from swarm.models.config import CONFIG_FILE
 from swarm.models.formats import detect_format
 from swarm.models.hub import OPTIONAL_FILES
 from swarm.models.modules import DiffusionTransformer
+from swarm.utils.errors import EXIT_USAGE, SwarmError
 
 logger = logging.getLogger(__name__)
 
@@ -51,8 +52,10 @@ FILE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
 SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
-class ManifestError(ValueError):
+class ManifestError(SwarmError, ValueError):
     """A manifest that is malformed, over a bound, or disagrees with its own config."""
+
+    exit_code = EXIT_USAGE
 
 
 def sha256_hex(data: bytes) -> str:

@@ -28,6 +28,7 @@ from swarm.adapters.sharing import AUTHOR_PATTERN, author_id, signed_entries, st
 from swarm.dht import fields
 from swarm.dht.schema import MAX_ADDRESS_CHARS, MAX_ADDRESSES, MAX_OWNED_LIFETIME, read_owned, store_owned
 from swarm.dht.validation import OWNED, KeyPolicy, ed25519_text
+from swarm.utils.errors import EXIT_NOT_SERVED, EXIT_USAGE, SwarmError
 from swarm.weights.manifest import MAX_MANIFEST_BYTES, MAX_TENSORS, MODEL_NAME
 
 logger = logging.getLogger(__name__)
@@ -41,9 +42,17 @@ MAX_HOST_VALUE_BYTES = 16 * 1024
 MAX_WEIGHTS_BYTES = 2**50
 
 
-class WeightsError(ValueError):
-    """A model named by swarm id or published name that cannot be had: no record, several publishers, no peer
-    serving it, a manifest or bytes that do not match."""
+class WeightsError(SwarmError, ValueError):
+    """A model named by swarm id or published name that cannot be had: no record, several publishers, a manifest
+    that does not match."""
+
+    exit_code = EXIT_USAGE
+
+
+class WeightsNotServed(WeightsError):
+    """No peer delivers a part of the model as its manifest says (none serves it, or every one that does failed)."""
+
+    exit_code = EXIT_NOT_SERVED
 
 
 def name_key(name: str) -> str:

@@ -30,6 +30,7 @@ from swarm.weights.fetch import FetchConfig, Fetcher, FetchReport, PeerBook
 from swarm.weights.manifest import MODEL_NAME, Manifest, ManifestError
 from swarm.weights.records import (
     WeightsError,
+    WeightsNotServed,
     choose_published,
     parse_reference,
     read_hosts,
@@ -99,7 +100,7 @@ class SwarmWeights:
             except WeightsError as error:
                 failures.append(str(error))
         if data is None:
-            raise WeightsError("; ".join(failures) or fetcher.nobody("the manifest", {}))
+            raise WeightsNotServed("; ".join(failures) or fetcher.nobody("the manifest", {}))
         try:
             manifest = Manifest.from_bytes(data, cache.model_id)
         except ManifestError as error:

@@ -482,3 +482,11 @@ def test_a_fetch_killed_midway_resumes_from_the_parts_it_checked(
             assert sha256_hex(files.path.joinpath(tensor_file(index)).read_bytes()[-entry.size:]) == entry.sha256
     finally:
         hostile.holdings, hostile.bandwidth = saved_holdings, saved_bandwidth
+
+
+@pytest.mark.parametrize("command", [["show", "tiny"], ["publish", ".", "--name", "tiny", "--key", __file__]])
+def test_commands_that_need_a_swarm_refuse_to_run_without_one(command, monkeypatch):
+    monkeypatch.delenv("SWARM_INITIAL_PEERS", raising=False)
+    monkeypatch.setenv("SWARM_BOOTSTRAP_FILE", os.devnull)
+    result = CliRunner().invoke(weights_main, command)
+    assert result.exit_code == 2 and "no swarm to work on: pass --initial-peers" in result.output, result.output

@@ -24,7 +24,8 @@ from swarm.cli_options import (
     run_main,
     setup_logging,
 )
-from swarm.dht.node import start_dht, stop_dht
+from swarm.dht.node import NetworkConfig, start_dht, stop_dht
+from swarm.dht.peers import resolve_initial_peers
 from swarm.finetune.publish import author_key
 from swarm.models.loading import ModelFiles
 from swarm.weights.holdings import built_manifest
@@ -41,6 +42,15 @@ from swarm.weights.records import (
 from swarm.weights.source import MODEL_ID, SwarmWeights
 
 LOG_LEVELS = click.Choice(["DEBUG", "INFO", "WARNING"])
+
+
+def swarm_network(options: dict) -> NetworkConfig:
+    """The network options of a command that needs a swarm: refused without initial peers (a new, lonely DHT
+    would keep a record nobody reads)."""
+    network = pop_network_config(options, client_mode=True)
+    if not resolve_initial_peers(network.initial_peers, use_defaults=network.use_default_peers):
+        raise click.UsageError("no swarm to work on: pass --initial-peers (or set $SWARM_INITIAL_PEERS)")
+    return network
 
 
 @click.group(cls=SwarmGroup, context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
@@ -69,12 +79,12 @@ def model_id(directory: str) -> None:
 def publish_command(directory: str, name: str, key_path: str, lifetime: float, log_level: str, **options) -> None:
     """Publish the model in DIRECTORY under NAME, signed by --key; servers of DIRECTORY serve its bytes."""
     setup_logging(getattr(logging, log_level))
+    network = swarm_network(options)  # before hashing every byte of the checkpoint
     key = author_key(key_path)
     parse_reference(name)
     path = Path(directory).resolve()
     manifest = built_manifest(path, weight_files(path))
     record = PublishedModel(name, manifest.model_id, len(manifest.to_bytes()), manifest.weights_bytes, time.time())
-    network = pop_network_config(options, client_mode=True)
     dht = start_dht(network)
     try:
         stored = publish(dht, key, record, lifetime)
@@ -94,7 +104,7 @@ def publish_command(directory: str, name: str, key_path: str, lifetime: float, l
 def show(reference: str, log_level: str, **options) -> None:
     """The records published under NAME[@PUBLISHER] (or, for a model id, none) and the peers serving each."""
     setup_logging(getattr(logging, log_level))
-    dht = start_dht(pop_network_config(options, client_mode=True))
+    dht = start_dht(swarm_network(options))
     try:
         if MODEL_ID.fullmatch(reference):
             records = [{"model_id": reference}]

@@ -52,6 +52,7 @@ from swarm.weights.service import Bandwidth, ServeLimits, WeightServer
 from swarm.weights.source import SwarmWeights
 from swarm.weights.wire import MANIFEST, TENSOR, ReadRequest, data_messages, read_range
 from tests.conftest import make_checkpoint, tiny_config, wait_until
+from tests.test_hub import full_disk  # noqa: F401 (fixture)
 from tests.test_security_dht import flood, plain_attacker
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -490,3 +491,15 @@ def test_commands_that_need_a_swarm_refuse_to_run_without_one(command, monkeypat
     monkeypatch.setenv("SWARM_BOOTSTRAP_FILE", os.devnull)
     result = CliRunner().invoke(weights_main, command)
     assert result.exit_code == 2 and "no swarm to work on: pass --initial-peers" in result.output, result.output
+
+
+def test_a_full_disk_is_a_one_line_error(swarm, model_id, full_disk, monkeypatch):  # noqa: F811 (fixture)
+    monkeypatch.setattr(constants, "HF_HOME", str(full_disk))
+    weights = SwarmWeights(NetworkConfig(initial_peers=swarm.initial_peers))
+    try:
+        files = ModelFiles(model_id, resolvers=[weights.resolve])  # the manifest and config fit
+        with pytest.raises(WeightsError, match=f"model {model_id}: no space left on the disk of .*: free some, or "
+                                               "point HF_HOME at a larger disk"):
+            files.span(0, 4)
+    finally:
+        weights.close()

@@ -66,6 +66,15 @@ class PartialTensor:
         path.parent.mkdir(parents=True, exist_ok=True)
         fresh = not path.exists() or path.stat().st_size != len(self.header) + entry.size
         self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            self._prepare(fresh)
+        except BaseException:
+            os.close(self.fd)
+            raise
+
+    def _prepare(self, fresh: bool) -> None:
+        """Write the header and size of a fresh file, or find the parts of a resumed one that still hash right."""
+        entry = self.entry
         if fresh or os.pread(self.fd, len(self.header), 0) != self.header:
             os.ftruncate(self.fd, 0)
             os.pwrite(self.fd, self.header, 0)

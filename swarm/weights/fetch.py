@@ -157,8 +157,10 @@ class Fetcher:
     async def fetch_tensors(self, manifest: Manifest, cache: ModelCache, indices: list[int]) -> FetchReport:
         """Bring tensors ``indices`` into ``cache``, every part checked; parts checked before are not asked again."""
         started = time.monotonic()
-        partials = {i: cache.partial(manifest, i) for i in indices}
+        partials: dict[int, PartialTensor] = {}
         try:
+            for i in indices:  # one by one: those opened are closed below even if the disk fills meanwhile
+                partials[i] = cache.partial(manifest, i)
             jobs = [self._part(manifest, partials[i], i, k) for i in indices for k in partials[i].missing]
             self.progress.start(sum(manifest.tensors[i].part(k)[1] for i in indices for k in partials[i].missing))
             self.report.parts += len(jobs)

@@ -12,12 +12,14 @@ network.
 """
 from __future__ import annotations
 
+import errno
 import logging
 import re
 import threading
 from collections import Counter
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 from hivemind.dht import DHT
 
@@ -43,6 +45,18 @@ logger = logging.getLogger(__name__)
 MODEL_ID = re.compile(r"[0-9a-f]{64}")
 REFERENCE = re.compile(rf"{MODEL_NAME.pattern}(@[0-9a-f]{{16}})?")
 IDLE_CLOSE_S = 30.0  # seconds the client DHT peer stays up after its last use
+
+
+@contextmanager
+def full_disk_said(cache: ModelCache) -> Iterator[None]:
+    """A full disk as one line that says where and what to do (the parts checked so far stay for the next try)."""
+    try:
+        yield
+    except OSError as error:
+        if error.errno != errno.ENOSPC:
+            raise
+        raise WeightsError(f"model {cache.model_id}: no space left on the disk of {cache.directory.parent} while "
+                           f"fetching it: free some, or point HF_HOME at a larger disk") from None
 
 
 @dataclass
@@ -77,7 +91,7 @@ class SwarmWeights:
     def open(self, model_id: str, manifest_bytes: Optional[int] = None) -> ModelSource:
         """The installed copy of ``model_id``, installing its manifest and small files first if needed."""
         cache = ModelCache(model_id)
-        with cache.locked():
+        with cache.locked(), full_disk_said(cache):
             manifest = cache.load_manifest()
             if manifest is None or not cache.model_dir(manifest).is_dir():
                 if not self.has_swarm():
@@ -123,7 +137,7 @@ class SwarmWeights:
         indices = tensor_indices(list(file_names), len(manifest.tensors))
         if all(cache.tensor_path(manifest, i).exists() for i in indices):
             return
-        with cache.locked():  # another process may be fetching some of them: what it brought is not asked again
+        with cache.locked(), full_disk_said(cache):  # another process may be fetching some: not asked again
             missing = [i for i in indices if not cache.tensor_path(manifest, i).exists()]
             if missing:
                 self._fetch(cache, manifest, missing)

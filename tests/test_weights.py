@@ -30,7 +30,6 @@ from swarm.dht.schema import now, read_servers
 from swarm.dht.validation import sign_slot, slot_subkey
 from swarm.governance.keys import generate_private_key
 from swarm.models.loading import ModelFiles
-from swarm.protocol import ErrorCode, RemoteError
 from swarm.utils.event_loop import BackgroundLoop
 from swarm.utils.local_swarm import LocalSwarm
 from swarm.weights.__main__ import main as weights_main
@@ -51,6 +50,7 @@ from swarm.weights.records import (
 from swarm.weights.service import Bandwidth, ServeLimits, WeightServer
 from swarm.weights.source import SwarmWeights
 from swarm.weights.wire import MANIFEST, TENSOR, ReadRequest, data_messages, read_range
+from swarm.wire.messages import ErrorCode, RemoteError
 from tests.conftest import make_checkpoint, tiny_config, wait_until
 from tests.test_hub import full_disk  # noqa: F401 (fixture)
 from tests.test_security_dht import flood, plain_attacker

@@ -13,7 +13,6 @@ from hivemind.utils import MSGPackSerializer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from swarm.protocol import ErrorCode, RemoteError
 from swarm.weights.cache import PartialTensor, tensor_indices
 from swarm.weights.manifest import (
     MAX_PART_BYTES,
@@ -27,6 +26,7 @@ from swarm.weights.manifest import (
 )
 from swarm.weights.records import HostRecord, PublishedModel, parse_reference
 from swarm.weights.wire import MAX_READ_BYTES, ReadRequest
+from swarm.wire.messages import ErrorCode, RemoteError
 
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                         HealthCheck.function_scoped_fixture])

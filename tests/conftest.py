@@ -1,6 +1,9 @@
 """Shared fixtures: tiny checkpoints in the real native format, built once per test session."""
 from __future__ import annotations
 
+import contextlib
+import os
+import socket
 import time
 from pathlib import Path
 from typing import Callable
@@ -15,6 +18,106 @@ from swarm.models.tokenizer import ByteTokenizer
 
 # Tests run beside servers on small machines: one torch thread avoids oversubscribed, spinning thread pools.
 torch.set_num_threads(1)
+
+
+# ----- tiers (docs/TESTING.md) --------------------------------------------------------------------------------
+# A test's tier: its own marker if it has one; else the tier of a fixture it uses (directly or not) from
+# TIER_FIXTURES; else its file's tier. "unit" is checked: a unit test that starts a process or opens a network
+# socket, in its fixtures or its body, fails and says to mark it.
+TIERS = ("unit", "swarm", "lab", "browser")
+TIER_FIXTURES = {"browser": "browser", "lab": "lab", "local_swarm": "swarm"}  # the first one used decides
+FILE_TIERS = {
+    **dict.fromkeys(["test_adapter_digest", "test_adapter_sharing", "test_api", "test_cli", "test_deep_prompt",
+                     "test_draft_verify", "test_eval", "test_experts", "test_finetune", "test_formats",
+                     "test_governance", "test_head", "test_health", "test_latency_hiding", "test_layers", "test_lora",
+                     "test_model", "test_nat", "test_real_size", "test_sampler", "test_security_adapters",
+                     "test_security_client", "test_security_failover", "test_security_parsers",
+                     "test_security_records", "test_security_server", "test_settings_sources", "test_spot_checks",
+                     "test_subword", "test_train", "test_validation", "test_web"], "unit"),
+    **dict.fromkeys(["test_bottleneck", "test_docker", "test_finetune_together", "test_hub", "test_security_api",
+                     "test_security_dht", "test_swarm"], "swarm"),
+    "test_daemons": "lab",
+}
+
+
+def tier_of(item: pytest.Item) -> str:
+    for tier in TIERS:
+        if item.get_closest_marker(tier):
+            return tier
+    for fixture, tier in TIER_FIXTURES.items():
+        if fixture in item.fixturenames:
+            return tier
+    module = Path(str(item.fspath)).stem
+    if module not in FILE_TIERS:
+        raise pytest.UsageError(f"tests/{module}.py has no tier: add it to FILE_TIERS in tests/conftest.py")
+    return FILE_TIERS[module]
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        tier = tier_of(item)
+        if not item.get_closest_marker(tier):
+            item.add_marker(tier)
+
+
+HARMLESS_PROGRAMS = {"uname"}  # platform.processor() asks it (gensim does, once per process)
+
+
+def _refuse(what: str):
+    raise RuntimeError(f"a unit test {what}: mark it swarm or lab (or use a fixture of TIER_FIXTURES, or change "
+                       "its file's tier in tests/conftest.py)")
+
+
+@contextlib.contextmanager
+def in_process_only():
+    """Refuse new processes (but HARMLESS_PROGRAMS) and network sockets while the block runs."""
+    import subprocess
+
+    popen, fork = subprocess.Popen.__init__, os.fork
+
+    def guarded_popen(self, args, *rest, **kwargs):
+        program = args if isinstance(args, (str, bytes, os.PathLike)) else args[0]
+        if os.path.basename(os.fsdecode(program)) not in HARMLESS_PROGRAMS:
+            _refuse(f"started a process ({program})")
+        popen(self, args, *rest, **kwargs)
+
+    def guarded_fork():
+        _refuse("forked")
+
+    originals = {method: getattr(socket.socket, method) for method in ("bind", "connect", "connect_ex")}
+
+    def guard(method):
+        def guarded(self, address, *args):
+            if self.family in (socket.AF_INET, socket.AF_INET6):
+                _refuse(f"used a network socket ({method} {address})")
+            return originals[method](self, address, *args)
+        return guarded
+
+    subprocess.Popen.__init__, os.fork = guarded_popen, guarded_fork
+    for method in originals:
+        setattr(socket.socket, method, guard(method))
+    try:
+        yield
+    finally:
+        subprocess.Popen.__init__, os.fork = popen, fork
+        for method in originals:
+            delattr(socket.socket, method)  # back to the inherited _socket.socket methods
+
+
+def _guarded(item: pytest.Item):
+    return in_process_only() if item.get_closest_marker("unit") else contextlib.nullcontext()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    with _guarded(item):  # fixtures too, whatever their scope: a unit test needs none that starts a process
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    with _guarded(item):
+        return (yield)
 
 
 def tiny_config(**changes) -> ModelConfig:

@@ -218,6 +218,7 @@ def test_abandoned_stream_stops_and_releases_the_model(client, engine, model_id,
     assert client.completions.create(model=model_id, prompt="hi", max_tokens=8).choices[0].finish_reason
 
 
+@pytest.mark.swarm
 def test_local_mode_gives_the_same_text(tiny_model_path, local_lm, model_id):
     engine = load_engine(str(tiny_model_path), local=True)
     assert engine.mode == "local" and engine.model_id == model_id

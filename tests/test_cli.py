@@ -145,6 +145,7 @@ def test_an_unexpected_error_is_one_line_and_its_traceback_needs_verbose(monkeyp
     assert_one_line(CliRunner().invoke(interrupted, []), EXIT_INTERRUPTED, "interrupted")
 
 
+@pytest.mark.swarm
 def test_a_malformed_initial_peer_is_one_line_from_the_real_process():
     """The issue's 44-line traceback: now the command's whole stderr is one line; --verbose shows the rest."""
     command = [sys.executable, "-m", "swarm.generate", "Hi", "--initial-peers", "127.0.0.1:31337"]
@@ -322,6 +323,7 @@ def test_a_server_that_joined_through_the_environment_does_not_claim_a_new_swarm
 
 
 # ----- ports and swarms that cannot be reached ---------------------------------------------------------------
+@pytest.mark.swarm
 @pytest.mark.parametrize("name", ["server", "dht", "api"])
 def test_a_port_in_use_is_refused_before_anything_loads(name, busy_port, no_default_peers):
     maddr = f"/ip4/127.0.0.1/tcp/{busy_port}"
@@ -332,6 +334,7 @@ def test_a_port_in_use_is_refused_before_anything_loads(name, busy_port, no_defa
     assert time.monotonic() - started < 5, "refused at start, not after loading the model"
 
 
+@pytest.mark.swarm
 def test_an_unreachable_bootstrap_peer_has_its_own_exit_code(no_default_peers):
     assert_one_line(run("generate", "Hi", "--initial-peers", DEAD_PEER), EXIT_UNREACHABLE,
                     "could not reach any initial peer", DEAD_PEER)

@@ -192,3 +192,11 @@ def test_the_checks_catch_what_they_are_for():
     table = layer_table()
     assert layer_of(PACKAGE / "client" / "model.py", table) < layer_of(PACKAGE / "client" / "sequence.py", table)
     assert layer_of(PACKAGE / "dht" / "__main__.py", table) == 0  # the most specific path wins
+
+
+def test_ci_runs_the_readmes_test_command():
+    """`.ci/run` runs the README's lint-and-test command, word for word (the README says CI runs exactly that)."""
+    readme = (ROOT / "README.md").read_text()
+    command = re.search(r'pip install -e "\.\[test\]" && (ruff check \. && python -m pytest[^\n]*)', readme).group(1)
+    ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
+    assert command in ci, f"README: {command!r}; .ci/run runs: {[line for line in ci if 'pytest' in line]}"

@@ -196,6 +196,7 @@ def test_lab_routers_translate_and_refuse_inbound(lab):
         listener.kill()
 
 
+@pytest.mark.lab
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL])
 def test_lab_leaves_nothing_behind(sig):
     """Whatever ends a lab's process, its namespaces and processes go: at once on SIGTERM and Ctrl-C, and after

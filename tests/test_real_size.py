@@ -92,6 +92,7 @@ def test_bfloat16_on_the_wire_is_lossless_and_half_the_bytes():
     assert decode_tensor(encode_tensor(hidden.float())).dtype == torch.float32  # float32 models stay float32
 
 
+@pytest.mark.swarm
 def test_cuda_device_without_cuda_is_a_clear_error(tiny_model_path):
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")

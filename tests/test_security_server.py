@@ -199,6 +199,7 @@ def span_info(peer: Peer) -> dict:
 
 
 # ----- against a live server ---------------------------------------------------------------------
+@pytest.mark.swarm
 def test_pushes_to_a_target_that_never_reads_are_bounded_and_dropped(alice, bob):
     """Each peer may hold half of --max-pending-pushes; a push the target does not take within
     --push-timeout is dropped and its place freed."""
@@ -221,6 +222,7 @@ def test_pushes_to_a_target_that_never_reads_are_bounded_and_dropped(alice, bob)
     assert_serves(alice)
 
 
+@pytest.mark.swarm
 def test_one_peer_stalling_streams_holds_its_share_of_stream_places_and_no_compute_slot(server):
     """A stream holds a place among the unfinished streams from its first part until its last: one peer
     stalling streams gets at most its share of those (here 2 of 4), counted at their length-aware cost, and
@@ -246,6 +248,7 @@ def test_one_peer_stalling_streams_holds_its_share_of_stream_places_and_no_compu
     other.close()
 
 
+@pytest.mark.swarm
 def test_twenty_sybils_stalling_streams_do_not_keep_honest_peers_out(server, alice):
     """20 peer ids (each a bare libp2p peer) keep stalling streams, each sending its first part only and
     opening another once the server answered. They hold no compute slot, at most the 3 stream places left to
@@ -279,6 +282,7 @@ def test_twenty_sybils_stalling_streams_do_not_keep_honest_peers_out(server, ali
     assert_serves(alice)
 
 
+@pytest.mark.swarm
 def test_a_request_beyond_the_models_positions_is_refused_before_compute(alice):
     """A sequence longer than the model's context (512 positions here) is refused on its first part with an
     error naming the limit, whether it comes as a stream or in one message; nothing is computed."""
@@ -292,6 +296,7 @@ def test_a_request_beyond_the_models_positions_is_refused_before_compute(alice):
     assert_serves(alice)
 
 
+@pytest.mark.swarm
 def test_a_long_pass_whose_caller_has_gone_is_cancelled(long_server):
     """A pass of 6,144 positions through 32 blocks runs far longer than the server's 3 s request timeout.
     Told ``busy`` at the timeout, or given up by its caller, it is stopped between blocks (``cancelled``
@@ -324,6 +329,7 @@ def test_a_long_pass_whose_caller_has_gone_is_cancelled(long_server):
         peer.close()
 
 
+@pytest.mark.swarm
 def test_garbage_metadata_gets_a_specific_message(alice):
     error = refused(lambda: alice.unary(runtime_pb2.ExpertRequest(uid="forward", metadata=b"\xc1\xff\x00garbage")))
     assert error.code == ErrorCode.BAD_REQUEST
@@ -335,6 +341,7 @@ def test_garbage_metadata_gets_a_specific_message(alice):
 
 @pytest.mark.parametrize("kind", ["declared shape over the limit", "more bytes than declared",
                                   "one message over the stream limit", "answer too large for unary"])
+@pytest.mark.swarm
 def test_oversized_requests_are_refused_before_compute(alice, kind):
     """The server decides from the first part and never computes (``rows_computed`` stays put); the caller
     hears too_large, not a broken pipe."""
@@ -456,6 +463,7 @@ def measure_tiny_fills() -> dict:
     return {"kept": kept, "used_bytes": caches.used_bytes, "grown": grown, "budget": budget}
 
 
+@pytest.mark.swarm
 def test_tiny_cache_fills_are_counted_at_their_real_cost():
     """What the cache counts stays within its budget, and so does the memory the process really holds for the
     fills. Measured in a fresh process: in the test process, the threads, servers and models of earlier tests

@@ -207,6 +207,7 @@ def test_plan_scale_leaves_the_settings_alone():
     assert plan_scale("max", settings, remote=True, experts={"code": 1.0}).experts is None  # the caller's stay
 
 
+@pytest.mark.swarm
 def test_the_new_api_fields_reach_the_sampler_and_are_bounded(tiny_model_path):
     """``stop_at_eos``, ``expert_tau`` and ``corrector_steps`` over HTTP: the Python API's tokens, its refusals."""
     pytest.importorskip("uvicorn", reason="the API needs fastapi and uvicorn")

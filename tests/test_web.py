@@ -316,6 +316,7 @@ def test_a_slow_read_of_the_swarm_holds_no_other_page():
     first.release.set()
 
 
+@pytest.mark.swarm
 def test_serve_refuses_a_port_in_use_before_joining_any_swarm():
     from click.testing import CliRunner
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import socket
 import time
 from pathlib import Path
@@ -169,6 +170,9 @@ def local_swarm(tiny_model_path):
         for server in servers:
             swarm.wait_ready(server)
         yield swarm
+        for managed in swarm.processes:  # every server leaves at once (1-3 s each); the bootstrap peer stops last
+            if managed is not swarm.bootstrap and managed.alive:
+                managed.process.send_signal(signal.SIGTERM)
 
 
 @pytest.fixture(scope="session")
@@ -186,6 +190,45 @@ def local_lm(tiny_model_path):
     from swarm.local import DiffusionLM
 
     return DiffusionLM.from_pretrained(tiny_model_path)
+
+
+# ----- servers and clients on the shared swarm (or any LocalSwarm) ----------------------------------------------
+def swarm_client(swarm, path, **options):
+    """A client of the model at ``path`` joined through ``swarm``'s bootstrap peer (``with`` it, or shutdown())."""
+    from swarm.client import DistributedDiffusionLM
+
+    return DistributedDiffusionLM.from_pretrained(path, initial_peers=swarm.initial_peers, **options)
+
+
+def fast_server(swarm, path, blocks: str = "0:4", *extra: str, wait: bool = True):
+    """A server that announces a huge throughput, so that routes prefer it over the fixture's servers."""
+    return swarm.start_server(str(path), blocks, "--throughput", "1e9", "--compute-threads", "1", *extra, wait=wait)
+
+
+SERVER = ("-m", "swarm.server")
+
+
+def start_all(swarm, path, specs):
+    """Servers given as (blocks, extra args[, entry]) started at once, then waited for: one boot's time for all."""
+    servers = [swarm.start_server(str(path), blocks, "--compute-threads", "1", *extra, entry=entry, wait=False)
+               for blocks, extra, entry in ((*spec, SERVER)[:3] for spec in specs)]
+    wait_all(swarm, servers)
+    return servers
+
+
+def wait_all(swarm, servers) -> None:
+    """Wait for each server started with ``wait=False`` that has not said READY yet."""
+    for server in servers:
+        if not server.peer_id:
+            swarm.wait_ready(server)
+
+
+def stop_all(swarm, servers) -> None:
+    """SIGKILL each server and its daemons at once. For servers of a model (a DHT prefix) that no later test reads:
+    a graceful stop takes 1-3 s apiece to announce OFFLINE, which nobody would read (the shared swarm's model
+    and any prefix shared with other tests need ``swarm.terminate``)."""
+    for server in servers:
+        swarm.terminate(server, signal.SIGKILL)
 
 
 # ----- waiting on events instead of sleeping --------------------------------------------------------------

@@ -9,24 +9,15 @@ import pytest
 
 from swarm.client import DistributedDiffusionLM, MissingBlocksError
 from swarm.local import DiffusionLM
-from tests.conftest import make_checkpoint, tiny_config
+from tests.conftest import fast_server, make_checkpoint, start_all, stop_all, swarm_client, tiny_config
 
 SETTINGS = dict(gen_length=16, steps=16, block_length=8, seed=7, temperature=0.7)
 FAST = dict(gen_length=16, steps=4, block_length=8, temperature=0.7)
 
 
-def fast_server(local_swarm, path, blocks="0:4", *extra):
-    """A server announcing huge throughput, so the client's route prefers it over the fixture's servers."""
-    return local_swarm.start_server(str(path), blocks, "--throughput", "1e9", "--compute-threads", "1", *extra)
-
-
-def client(local_swarm, path, **options):
-    return DistributedDiffusionLM.from_pretrained(path, initial_peers=local_swarm.initial_peers, **options)
-
-
 def test_sigkill_mid_generation_with_replica_gives_same_tokens(local_swarm, tiny_model_path, local_lm):
     victim = fast_server(local_swarm, tiny_model_path)
-    lm = client(local_swarm, tiny_model_path)
+    lm = swarm_client(local_swarm, tiny_model_path)
     try:
         assert [hop.peer_id for hop in lm.show_route()] == [victim.peer_id]
         steps_done, killed_at, failover_s = [], None, None
@@ -52,9 +43,8 @@ def test_sigkill_mid_generation_with_replica_gives_same_tokens(local_swarm, tiny
 
 def test_without_replica_a_clear_error_names_the_blocks_within_the_bound(local_swarm, tmp_path):
     path = make_checkpoint(tmp_path / "lonely", tiny_config(num_layers=6), seed=4)
-    first = local_swarm.start_server(str(path), "0:3", "--compute-threads", "1")
-    second = local_swarm.start_server(str(path), "3:6", "--compute-threads", "1")
-    lm = client(local_swarm, path, retry_deadline=10.0, max_retries=3)
+    first, second = start_all(local_swarm, path, [("0:3", ()), ("3:6", ())])
+    lm = swarm_client(local_swarm, path, retry_deadline=10.0, max_retries=3)
     try:
         lm.generate("warm", gen_length=8, steps=2, block_length=8)
         local_swarm.terminate(second, signal.SIGKILL)
@@ -67,12 +57,12 @@ def test_without_replica_a_clear_error_names_the_blocks_within_the_bound(local_s
         assert caught.value.blocks == [3, 4, 5] and second.peer_id[-8:] in str(caught.value)
     finally:
         lm.shutdown()
-        local_swarm.terminate(first)
+        stop_all(local_swarm, [first])  # its own prefix
 
 
 def test_hung_server_is_detected_by_timeout_and_routed_around(local_swarm, tiny_model_path, local_lm):
     hung = fast_server(local_swarm, tiny_model_path)
-    lm = client(local_swarm, tiny_model_path, request_timeout=3.0)
+    lm = swarm_client(local_swarm, tiny_model_path, request_timeout=3.0)
     try:
         assert [hop.peer_id for hop in lm.show_route()] == [hung.peer_id]
         local_swarm.signal(hung, signal.SIGSTOP)  # the process and its daemons stop answering
@@ -92,7 +82,7 @@ def test_eight_clients_at_once_against_one_server_all_correct(local_swarm, tmp_p
     path = make_checkpoint(tmp_path / "busy", tiny_config(), seed=5)
     server = local_swarm.start_server(str(path), "0:4", "--compute-threads", "1", "--max-concurrent-requests", "3")
     reference = DiffusionLM.from_pretrained(path)
-    shared = client(local_swarm, path)
+    shared = swarm_client(local_swarm, path)
     clients = [shared] + [DistributedDiffusionLM.from_pretrained(path, dht=shared.dht) for _ in range(7)]
     for lm in clients:  # challenged now, one by one: the busy answers below then come from generation calls
         lm.show_route()
@@ -127,4 +117,4 @@ def test_eight_clients_at_once_against_one_server_all_correct(local_swarm, tmp_p
     finally:
         for lm in reversed(clients):
             lm.shutdown()
-        local_swarm.terminate(server)
+        stop_all(local_swarm, [server])  # its own prefix

@@ -7,42 +7,23 @@ elsewhere or stops the generation, never settled by trusting one side.
 """
 from __future__ import annotations
 
-import signal
 import socket
 import time
 from pathlib import Path
 
 import pytest
 
-from swarm.client import DistributedDiffusionLM, MissingBlocksError
+from swarm.client import MissingBlocksError
 from swarm.client.config import ClientConfig
 from swarm.client.peers import PeerHealth
 from swarm.client.spot_check import OWN_HIDDEN_STATES, UnverifiedResultError
 from swarm.dht.schema import ServerState, default_prefix, read_servers
 from swarm.local import DiffusionLM
-from tests.conftest import make_checkpoint, tiny_config, wait_until
+from tests.conftest import make_checkpoint, start_all, stop_all, swarm_client, tiny_config, wait_all, wait_until
 
 TARPIT = (str(Path(__file__).with_name("tarpit_server.py")),)
 FAULTY = (str(Path(__file__).with_name("faulty_server.py")),)
 SETTINGS = dict(gen_length=16, steps=8, block_length=8, seed=5, temperature=0.5)
-
-
-def client(local_swarm, path, **options) -> DistributedDiffusionLM:
-    return DistributedDiffusionLM.from_pretrained(path, initial_peers=local_swarm.initial_peers, **options)
-
-
-def start_all(local_swarm, path, specs):
-    """Start servers given as (blocks, extra args, entry) at once, then wait for every one."""
-    servers = [local_swarm.start_server(str(path), blocks, "--compute-threads", "1", *extra, entry=entry, wait=False)
-               for blocks, extra, entry in specs]
-    for server in servers:
-        local_swarm.wait_ready(server)
-    return servers
-
-
-def stop_all(local_swarm, servers):
-    for server in servers:
-        local_swarm.terminate(server, signal.SIGKILL)
 
 
 # ----- peer health on its own --------------------------------------------------------------------------
@@ -76,18 +57,24 @@ def test_client_settings_that_would_break_every_call_are_refused(field, value):
 
 # ----- tarpits -----------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def tarpit_model(tmp_path_factory):
-    return make_checkpoint(tmp_path_factory.mktemp("tarpitted"), tiny_config(), seed=11)
+def tarpitted(local_swarm, tmp_path_factory):
+    """A model and one honest server of it for the tarpit tests, booting while the first test starts its fakes
+    (each test's fakes are killed at its end; their records stay, as a crashed tarpit's would)."""
+    path = make_checkpoint(tmp_path_factory.mktemp("tarpitted"), tiny_config(), seed=11)
+    honest = local_swarm.start_server(str(path), "0:4", "--compute-threads", "1", wait=False)
+    yield path, honest
+    stop_all(local_swarm, [honest])
 
 
-def test_four_tarpits_cost_one_short_challenge_not_minutes(local_swarm, tarpit_model):
+def test_four_tarpits_cost_one_short_challenge_not_minutes(local_swarm, tarpitted):
     """Four fakes announce every block at a huge throughput and never answer a forward call; the old client
     gave up after 4 timeouts (121 s). Now each fails its compute challenge, all at once, before any route."""
-    honest = start_all(local_swarm, tarpit_model, [("0:4", (), ("-m", "swarm.server"))])
+    tarpit_model, honest = tarpitted
     fakes = start_all(local_swarm, tarpit_model, [("0:4", ("--throughput", "1e9"), TARPIT)] * 4)
+    wait_all(local_swarm, [honest])
     expected = DiffusionLM.from_pretrained(tarpit_model).generate("tarpit", **SETTINGS)
     try:
-        with client(local_swarm, tarpit_model, request_timeout=30.0, connect_timeout=3.0) as lm:
+        with swarm_client(local_swarm, tarpit_model, request_timeout=30.0, connect_timeout=3.0) as lm:
             started = time.monotonic()
             result = lm.generate("tarpit", **SETTINGS)
             elapsed = time.monotonic() - started
@@ -98,38 +85,40 @@ def test_four_tarpits_cost_one_short_challenge_not_minutes(local_swarm, tarpit_m
             # Caught by the challenge alone: no call of the generation was sent to a fake (no request timeout).
             assert result.info["failovers"] == []
     finally:
-        stop_all(local_swarm, honest + fakes)
+        stop_all(local_swarm, fakes)
 
 
-def test_a_fake_that_answers_only_short_calls_fails_the_challenge(local_swarm, tarpit_model):
+def test_a_fake_that_answers_only_short_calls_fails_the_challenge(local_swarm, tarpitted):
     """A fake answers one-token calls and holds the rest (it hoped the compute challenge is one token, as it was):
     the challenge is shaped like a real pass (its length drawn like real requests'), so the fake fails it and no
     call of the generation is ever sent to it."""
-    honest = start_all(local_swarm, tarpit_model, [("0:4", (), ("-m", "swarm.server"))])
+    tarpit_model, honest = tarpitted
     fake, = start_all(local_swarm, tarpit_model,
                       [("0:4", ("--throughput", "1e9", "--public-name", "tarpit-large"), TARPIT)])
+    wait_all(local_swarm, [honest])
     expected = DiffusionLM.from_pretrained(tarpit_model).generate("tarpit", **SETTINGS)
     try:
-        with client(local_swarm, tarpit_model, connect_timeout=3.0) as lm:
+        with swarm_client(local_swarm, tarpit_model, connect_timeout=3.0) as lm:
             assert fake.peer_id not in {hop.peer_id for hop in lm.show_route()}
             assert fake.peer_id in lm.sequence.health.excluded(), "failed its challenge"
             result = lm.generate("tarpit", **SETTINGS)
             assert result.token_ids == expected.token_ids
             assert result.info["failovers"] == [], "no call of the generation went to the fake"
     finally:
-        stop_all(local_swarm, honest + [fake])
+        stop_all(local_swarm, [fake])
 
 
-def test_a_tarpit_that_passes_the_challenge_costs_one_adaptive_timeout(local_swarm, tarpit_model):
+def test_a_tarpit_that_passes_the_challenge_costs_one_adaptive_timeout(local_swarm, tarpitted):
     """A smarter fake answers its first call (the challenge, whatever its shape) and holds the rest: the call
     times out after what its measured speed predicts (seconds), not the 30 s request timeout, and it is not asked
     again in that call."""
-    honest = start_all(local_swarm, tarpit_model, [("0:4", (), ("-m", "swarm.server"))])
+    tarpit_model, honest = tarpitted
     fake, = start_all(local_swarm, tarpit_model,
                       [("0:4", ("--throughput", "1e9", "--public-name", "faulty-stall"), FAULTY)])
+    wait_all(local_swarm, [honest])
     expected = DiffusionLM.from_pretrained(tarpit_model).generate("tarpit", **SETTINGS)
     try:
-        with client(local_swarm, tarpit_model, request_timeout=30.0, timeout_floor=2.0) as lm:
+        with swarm_client(local_swarm, tarpit_model, request_timeout=30.0, timeout_floor=2.0) as lm:
             assert lm.show_route()[0].peer_id == fake.peer_id, "the fake passes the challenge and looks fastest"
             rows = len(lm.encode_prompt("tarpit")) + SETTINGS["gen_length"]
             waits = lm.sequence.health.timeout(fake.peer_id, rows * lm.config.num_layers)
@@ -144,7 +133,7 @@ def test_a_tarpit_that_passes_the_challenge_costs_one_adaptive_timeout(local_swa
             # The wait follows the speed the challenge measured, not the request timeout.
             assert waits < lm.client_config.request_timeout / 3, waits
     finally:
-        stop_all(local_swarm, honest + [fake])
+        stop_all(local_swarm, [fake])
 
 
 def free_port() -> int:
@@ -153,9 +142,10 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def test_a_server_restarted_elsewhere_with_its_identity_is_reached_at_once(local_swarm, tarpit_model, tmp_path):
+def test_a_server_restarted_elsewhere_with_its_identity_is_reached_at_once(local_swarm, tmp_path):
     """The client's daemon knows only the old address; the server's signed record carries the new one, so the
     client dials it and lifts its ban instead of waiting for it to expire (before: 15-20 s unreachable)."""
+    tarpit_model = make_checkpoint(tmp_path / "moved", tiny_config(), seed=16)  # no other server of it
     identity = str(tmp_path / "server.key")
     settings = dict(gen_length=8, steps=2, block_length=8)
     expected = DiffusionLM.from_pretrained(tarpit_model).generate("moved", **settings)
@@ -169,7 +159,7 @@ def test_a_server_restarted_elsewhere_with_its_identity_is_reached_at_once(local
 
     first = on_a_new_port()
     try:  # a ban far longer than a restart takes: only lifting it lets the client reach the server again
-        with client(local_swarm, tarpit_model, retry_deadline=5.0, ban_base=120.0) as lm:
+        with swarm_client(local_swarm, tarpit_model, retry_deadline=5.0, ban_base=120.0) as lm:
             assert lm.generate("moved", **settings).token_ids == expected.token_ids
             old_addresses = announced(lm, first.peer_id).addresses
             local_swarm.terminate(first)
@@ -206,7 +196,7 @@ def test_an_unresolved_check_with_no_other_route_stops_with_both_servers_named(l
     """Two servers disagree and no third opinion exists: neither answer is used (the checker's is as unverified
     as the primary's), both are avoided, and with no other route the generation stops, naming both."""
     path, faulty, honest = two_holders
-    with client(local_swarm, path, spot_check_fraction=1.0) as lm:
+    with swarm_client(local_swarm, path, spot_check_fraction=1.0) as lm:
         assert lm.show_route()[0].peer_id == faulty.peer_id
         with pytest.raises(UnverifiedResultError, match=f"unresolved: {faulty.peer_id[-8:]} and {honest.peer_id[-8:]}"
                            ".*no other route"):
@@ -218,7 +208,7 @@ def test_an_unresolved_check_with_no_other_route_stops_with_both_servers_named(l
 
 def test_restricted_requests_stop_on_an_unresolved_check(local_swarm, two_holders):
     path, faulty, honest = two_holders
-    with client(local_swarm, path, trusted_peers=(faulty.peer_id, honest.peer_id)) as lm:
+    with swarm_client(local_swarm, path, trusted_peers=(faulty.peer_id, honest.peer_id)) as lm:
         assert lm.show_route()[0].peer_id == faulty.peer_id
         with pytest.raises(UnverifiedResultError, match="unresolved"):
             lm.generate("audit", tier="restricted", **SETTINGS)
@@ -242,7 +232,7 @@ def test_reuse_passes_are_checked_and_a_reuse_liar_is_caught(local_swarm, reuse_
     the same cache on the checker) can catch it, and does."""
     path, liar = reuse_liar
     expected = DiffusionLM.from_pretrained(path).generate("reuse", **CACHED)
-    with client(local_swarm, path, spot_check_fraction=1.0) as lm:
+    with swarm_client(local_swarm, path, spot_check_fraction=1.0) as lm:
         assert lm.show_route()[0].peer_id == liar.peer_id
         result = lm.generate("reuse", **CACHED)
         checks = [c for c in result.info["spot_checks"] if c["primary"] == liar.peer_id]
@@ -271,7 +261,7 @@ def test_a_liar_acting_only_as_checker_cannot_take_the_honest_servers_place(loca
     tokens are the honest ones."""
     path, (honest, liar, *split) = checker_liar
     expected = DiffusionLM.from_pretrained(path).generate("audit", **SETTINGS)
-    with client(local_swarm, path, spot_check_fraction=1.0) as lm:
+    with swarm_client(local_swarm, path, spot_check_fraction=1.0) as lm:
         assert lm.show_route()[0].peer_id == honest.peer_id
         result = lm.generate("audit", **SETTINGS)
         first = result.info["spot_checks"][0]
@@ -301,10 +291,10 @@ def test_a_lying_head_server_beside_a_replica_without_the_head_is_caught(local_s
     and so do the liar's own hidden states: it is distrusted and the tokens are the honest local run's."""
     path, (liar, replica) = head_liar
     expected = DiffusionLM.from_pretrained(path).generate("audit", **SETTINGS)
-    with client(local_swarm, path) as lm:
+    with swarm_client(local_swarm, path) as lm:
         assert lm.show_route()[-1].peer_id == liar.peer_id, "the route ends on the head server"
         assert lm.generate("audit", **SETTINGS).token_ids != expected.token_ids, "unchecked, the lie is the output"
-    with client(local_swarm, path, spot_check_fraction=1.0) as lm:
+    with swarm_client(local_swarm, path, spot_check_fraction=1.0) as lm:
         result = lm.generate("audit", **SETTINGS)
         assert result.token_ids == expected.token_ids
         first = result.info["spot_checks"][0]
@@ -316,7 +306,7 @@ def test_a_lying_head_server_beside_a_replica_without_the_head_is_caught(local_s
 
 def check_schedule(local_swarm, path, **options) -> list[tuple[int, tuple[int, int]]]:
     """The (step, blocks) a fresh client checked in one generation at fraction 0.5."""
-    with client(local_swarm, path, spot_check_fraction=0.5, **options) as lm:
+    with swarm_client(local_swarm, path, spot_check_fraction=0.5, **options) as lm:
         lm.generate("audit", **SETTINGS)
         return [(outcome.step, outcome.blocks) for outcome in lm.sequence.spot_checker.outcomes]
 

@@ -16,7 +16,7 @@ from swarm.adapters.lora import BlockWidths
 from swarm.server.adapter_tensors import ENTRY_OVERHEAD_BYTES, AdapterTensors
 from swarm.wire.encoding import request_parts
 from swarm.wire.messages import ErrorCode, ForwardRequest, RemoteError
-from tests.conftest import make_checkpoint, tiny_config
+from tests.conftest import make_checkpoint, stop_all, tiny_config
 from tests.test_deep_prompt import _set_metadata, adapter_gradient, raw_call
 from tests.test_finetune import GENERATION, TOLERANCE
 from tests.test_lora import lora_for
@@ -190,5 +190,5 @@ def test_a_server_that_keeps_no_adapter_tensors_gets_them_every_time(local_swarm
             info, _ = lm.loop.run(lm.caller.info(server.peer_id, 10))
             assert info["adapter_tensors"]["max_bytes"] == 0 and info["adapter_tensors"]["entries"] == 0
     finally:
-        local_swarm.terminate(server)
+        stop_all(local_swarm, [server])  # its own prefix
 

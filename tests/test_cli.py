@@ -39,7 +39,7 @@ from swarm.cli_options import (
 from swarm.dht.node import NetworkConfig
 from swarm.dht.peers import ENV_BOOTSTRAP_FILE, ENV_PEERS, check_peer_multiaddr, resolve_initial_peers
 from swarm.governance.keys import generate_private_key, public_key_text
-from tests.conftest import make_checkpoint, tiny_config
+from tests.conftest import make_checkpoint, stop_all, tiny_config
 
 ROOT = Path(__file__).resolve().parent.parent
 DEAD_PEER = "/ip4/127.0.0.1/tcp/1/p2p/12D3KooWRJaumqk3B8gSfjnNoP38rNHSXe69Tw2JKm8EYLuU1zCQ"
@@ -369,7 +369,7 @@ def halted(local_swarm, tmp_path_factory):
         yield path, key, operator
     finally:
         stop_dht(operator)
-        local_swarm.terminate(server)
+        stop_all(local_swarm, [server])  # its own prefix
 
 
 def test_generate_on_a_halted_swarm_exits_5_with_the_reason_and_a_date(local_swarm, halted):

@@ -35,6 +35,7 @@ from swarm.models.formats import (
 from swarm.models.loading import ModelFiles
 from swarm.models.quantization import Int8Linear, quantize_span_int8
 from swarm.models.tokenizer import ByteTokenizer
+from tests.conftest import stop_all
 
 WORDS = "the a cat dog sat on mat ran far hello world once upon time user assistant system , . ! ?".split()
 
@@ -501,5 +502,4 @@ def test_published_layouts_run_through_the_swarm(bf16_path, local_swarm):
             assert result.token_ids == expected.token_ids
             assert result.info["approximate"] == []
     finally:
-        for server in servers:
-            local_swarm.terminate(server)
+        stop_all(local_swarm, servers)  # their own prefix

@@ -82,7 +82,7 @@ from swarm.dht.validation import sign_slot  # noqa: E402
 from swarm.governance.records import governance_key, publish, read_decisions  # noqa: E402
 from swarm.utils.local_swarm import ManagedProcess  # noqa: E402
 from swarm.wire.messages import ErrorCode, ForwardRequest, RemoteError  # noqa: E402
-from tests.conftest import make_checkpoint, tiny_config, wait_until  # noqa: E402
+from tests.conftest import make_checkpoint, stop_all, tiny_config, wait_until  # noqa: E402
 
 SETTINGS = dict(gen_length=16, steps=16, block_length=8, seed=2)
 
@@ -256,8 +256,7 @@ def tiered_swarm(local_swarm, tmp_path_factory):
     for server in servers:
         local_swarm.wait_ready(server)
     yield path, servers[:2], servers[2]
-    for server in servers:
-        local_swarm.terminate(server)
+    stop_all(local_swarm, servers)  # their own prefix
 
 
 def test_restricted_request_uses_only_trusted_servers_and_is_audited(local_swarm, tiered_swarm, tmp_path):

@@ -23,6 +23,7 @@ from swarm.diffusion.prediction import (
 )
 from swarm.diffusion.remasking import STRATEGIES
 from swarm.models.loading import ModelFiles
+from tests.conftest import stop_all, wait_all
 from tests.test_formats import dream_path, llada_path  # noqa: F401  (module fixtures: small bfloat16 checkpoints)
 
 PROMPT = "the cat sat"
@@ -189,25 +190,30 @@ def test_losing_the_head_server_mid_run_keeps_the_tokens(local_swarm, head_swarm
         local_swarm.terminate(replica)
 
 
+@pytest.fixture(scope="module")
+def bfloat16_head_servers(local_swarm, llada_path, dream_path):  # noqa: F811
+    """Per layout: its checkpoint, prefix and one server of every block with the head, both booting at once."""
+    paths = {"llada": llada_path, "dream": dream_path}
+    servers = {layout: local_swarm.start_server(str(path), f"0:{ModelFiles(path).config.num_layers}", "--dht-prefix",
+                                                f"head-{layout}", "--head", "--compute-threads", "1",
+                                                name=f"head-{layout}", wait=False) for layout, path in paths.items()}
+    wait_all(local_swarm, servers.values())
+    yield {layout: (paths[layout], f"head-{layout}", server) for layout, server in servers.items()}
+    stop_all(local_swarm, servers.values())  # their own prefixes
+
+
 @pytest.mark.parametrize("layout", ["llada", "dream"])
-def test_bfloat16_checkpoints_with_the_head_on_the_swarm(local_swarm, layout, llada_path, dream_path):  # noqa: F811
+def test_bfloat16_checkpoints_with_the_head_on_the_swarm(local_swarm, layout, bfloat16_head_servers):
     """Default settings everywhere (bfloat16 from the checkpoint's config): the swarm's tokens are the local
     model's with the head on a server, for both published layouts (Dream's one-row shift included)."""
-    path = {"llada": llada_path, "dream": dream_path}[layout]
-    prefix = f"head-{layout}"
-    layers = ModelFiles(path).config.num_layers
-    server = local_swarm.start_server(str(path), f"0:{layers}", "--dht-prefix", prefix, "--head",
-                                      "--compute-threads", "1", name=prefix)
-    try:
-        local = swarm.DiffusionLM.from_pretrained(path)
-        with DistributedDiffusionLM.from_pretrained(path, initial_peers=local_swarm.initial_peers,
-                                                    dht_prefix=prefix) as lm:
-            for settings in (dict(gen_length=8, steps=8, block_length=4, seed=2),
-                             dict(gen_length=8, steps=4, block_length=4, seed=2, temperature=0.8, cfg_scale=1.0)):
-                assert lm.generate(PROMPT, **settings).token_ids == local.generate(PROMPT, **settings).token_ids
-            assert lm._head is None
-    finally:
-        local_swarm.terminate(server)
+    path, prefix, _ = bfloat16_head_servers[layout]
+    local = swarm.DiffusionLM.from_pretrained(path)
+    with DistributedDiffusionLM.from_pretrained(path, initial_peers=local_swarm.initial_peers,
+                                                dht_prefix=prefix) as lm:
+        for settings in (dict(gen_length=8, steps=8, block_length=4, seed=2),
+                         dict(gen_length=8, steps=4, block_length=4, seed=2, temperature=0.8, cfg_scale=1.0)):
+            assert lm.generate(PROMPT, **settings).token_ids == local.generate(PROMPT, **settings).token_ids
+        assert lm._head is None
 
 
 def test_predictions_object_indexes_states():

@@ -18,7 +18,7 @@ from swarm.adapters.lora import BlockWidths
 from swarm.server.adapter_tensors import ENTRY_OVERHEAD_BYTES, AdapterTensors
 from swarm.wire.encoding import request_parts
 from swarm.wire.messages import ErrorCode, ForwardRequest, RemoteError
-from tests.conftest import make_checkpoint, tiny_config
+from tests.conftest import make_checkpoint, stop_all, tiny_config
 from tests.test_finetune import GENERATION, TOLERANCE
 from tests.test_lora import lora_for
 
@@ -57,8 +57,7 @@ def small_stores(local_swarm, tmp_path_factory):
     for _, server in servers.values():
         local_swarm.wait_ready(server)
     yield servers
-    for _, server in servers.values():
-        local_swarm.terminate(server)
+    stop_all(local_swarm, [server for _, server in servers.values()])  # their own prefixes
 
 
 def lora_request(weights: torch.Tensor, digest: str | None = None):

@@ -14,6 +14,7 @@ import json
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import AsyncIterator, Callable
 
@@ -258,8 +259,8 @@ def test_twenty_sybils_stalling_streams_do_not_keep_honest_peers_out(server, ali
     for _ in range(2):  # alice completes requests: she becomes a known peer
         assert_serves(alice)
     before = span_info(alice)
-    newcomer = Peer(server)  # no completed request here yet
-    sybils = [Peer(server) for _ in range(20)]
+    with ThreadPoolExecutor(8) as pool:  # each peer starts its own libp2p daemon: a second or more apiece
+        newcomer, *sybils = pool.map(lambda _: Peer(server), range(21))  # newcomer: no completed request here yet
     first = stream_parts(torch.randn(4, POSITIONS, HIDDEN))[0]
     stalling = [sybil.stall_forever(first) for sybil in sybils]
     try:

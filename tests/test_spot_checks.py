@@ -7,7 +7,7 @@ import pytest
 
 from swarm.client import DistributedDiffusionLM
 from swarm.local import DiffusionLM
-from tests.conftest import make_checkpoint, tiny_config
+from tests.conftest import make_checkpoint, stop_all, tiny_config
 
 FAULTY = (str(Path(__file__).with_name("faulty_server.py")),)
 MISAPPLYING = (str(Path(__file__).with_name("misapplying_server.py")),)
@@ -27,8 +27,7 @@ def audited_swarm(local_swarm, tmp_path_factory):
     for server in honest + [faulty]:
         local_swarm.wait_ready(server)
     yield path, faulty
-    for server in honest + [faulty]:
-        local_swarm.terminate(server)
+    stop_all(local_swarm, honest + [faulty])  # their own prefix
 
 
 def test_faulty_server_is_caught_banned_and_tokens_stay_honest(local_swarm, audited_swarm):
@@ -86,5 +85,4 @@ def test_a_server_that_lists_bottlenecks_and_misapplies_them_is_caught(local_swa
             verdicts = [o.verdict for o in lm.sequence.spot_checker.outcomes]
             assert "primary_faulty" in verdicts and liar.peer_id in lm.sequence.distrusted
     finally:
-        for server in (*honest, liar):
-            local_swarm.terminate(server)
+        stop_all(local_swarm, [*honest, liar])  # their own prefix

@@ -17,7 +17,7 @@ from swarm.dht.schema import ServerRecord, ServerState, block_key, default_prefi
 from swarm.dht.validation import owner_peer_id
 from swarm.utils.local_swarm import signal_family
 from swarm.wire.messages import ErrorCode, ForwardRequest, RemoteError
-from tests.conftest import make_checkpoint, tiny_config, wait_until
+from tests.conftest import make_checkpoint, stop_all, tiny_config, wait_until
 
 CASES = [
     ("Hello there", dict(seed=0)),
@@ -118,7 +118,7 @@ def test_int8_server_serves_close_logits(local_swarm, tiny_model_path, local_lm,
         assert relative < 0.1, relative
     finally:
         lm.shutdown()
-        local_swarm.terminate(server)
+        stop_all(local_swarm, [server])  # its own prefix
 
 
 @pytest.mark.parametrize("window, remasking", [(4, "random"), (3, "low_confidence"), (8, "entropy")])

@@ -191,9 +191,9 @@ class ClientFailed(RuntimeError):
 
 class LabClient:
     """A client process in the lab. It prints one ``KIND {json}`` line per event: JOINED, STEP, HELD (waiting for
-    :meth:`release`), RESULT or ERROR."""
+    :meth:`release`; :meth:`paths` asks it for PATHS meanwhile), RESULT or ERROR."""
 
-    KINDS = ("JOINED", "STEP", "HELD", "RESULT", "ERROR")
+    KINDS = ("JOINED", "STEP", "HELD", "PATHS", "RESULT", "ERROR")
 
     def __init__(self, process: subprocess.Popen):
         self.process = process
@@ -225,6 +225,12 @@ class LabClient:
                 return payload
         state = "exited" if self.process.poll() is not None else f"gave no {kind} in {timeout:.0f} s"
         raise RuntimeError(f"lab client {state}; its log ends:\n" + "".join(self.stderr[-25:]))
+
+    def paths(self, timeout: float = 30) -> dict[str, list[str]]:
+        """A held client's connection paths now, per peer id (as in its HELD and RESULT events)."""
+        self.process.stdin.write("paths\n")
+        self.process.stdin.flush()
+        return self.wait_for("PATHS", timeout)["paths"]
 
     def release(self) -> None:
         """Let a client held at ``--hold-at-step`` go on."""
@@ -529,7 +535,8 @@ def _generate(lm: Any, args: argparse.Namespace, run: int) -> dict:
         _emit("STEP", run=run, step=chunk.step, seconds=steps[-1], route=_route(lm))
         if run == 0 and chunk.step == args.hold_at_step:
             _emit("HELD", step=chunk.step, route=_route(lm), paths=connection_paths(lm.loop.run(lm.p2p.list_peers())))
-            sys.stdin.readline()
+            while sys.stdin.readline().strip() == "paths":  # asked while held: the connections now; "go" goes on
+                _emit("PATHS", paths=connection_paths(lm.loop.run(lm.p2p.list_peers())))
         result = chunk.result or result
     return {"token_ids": result.token_ids, "step_seconds": steps, "route": result.info["route"],
             "failovers": result.info["failovers"], "elapsed_s": result.elapsed_s}

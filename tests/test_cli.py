@@ -182,6 +182,7 @@ def heavy_imports(module: str, *args: str) -> tuple[list[str], int, str]:
     return eval(names), int(code), done.stderr  # noqa: S307 (our own probe's repr of a list of names)
 
 
+@pytest.mark.swarm  # fresh Python processes
 @pytest.mark.parametrize("module, args, code, fragment", [
     ("swarm.server", ["--help"], 0, ""),
     ("swarm.generate", ["--help"], 0, ""),

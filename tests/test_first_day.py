@@ -41,6 +41,7 @@ print(chosen, given, kept)
 """
 
 
+@pytest.mark.swarm  # a fresh Python process
 def test_the_python_api_chooses_threads_as_the_commands_do(tiny_model_path, monkeypatch):
     """The quick start took 48.0 s for 64 tokens with torch's 2 threads, 5.6 s with 1 (issue 37)."""
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)

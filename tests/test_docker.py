@@ -179,7 +179,7 @@ def test_every_server_variable_becomes_a_real_flag_of_swarm_server(entrypoint):
     assert argv[:2] == ["-m", "swarm.server"]
     params = parse(server, argv[2:])
     assert (params["model"], params["blocks"], params["public_name"], params["dht_prefix"]) == \
-        ("/models/LLaDA-8B-Instruct", "0:8", "alice", "llada")
+        ("/models/LLaDA-8B-Instruct", (0, 8), "alice", "llada")  # --blocks is parsed to a span
     assert (params["throughput"], params["compute_threads"], params["identity_path"]) == ("12.5", 3, "/data/peer.key")
     assert params["host_maddrs"] == ("/ip4/0.0.0.0/tcp/31337", "/ip6/::/tcp/31337")
     assert params["announce_maddrs"] == ("/ip4/203.0.113.7/tcp/31337",)

@@ -24,7 +24,7 @@ from swarm.adapters.adapter import base_of, new_adapter  # noqa: E402
 from swarm.adapters.kinds import BOTTLENECK  # noqa: E402
 from swarm.finetune.data import load_examples, make_batch  # noqa: E402
 from swarm.finetune.trainer import sft_loss  # noqa: E402
-from swarm.local import DiffusionLM  # noqa: E402
+from swarm.frontend.local import DiffusionLM  # noqa: E402
 from swarm.train.data import AdditionTask  # noqa: E402
 
 

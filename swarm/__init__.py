@@ -7,8 +7,8 @@ from swarm.utils.lazy import lazy_exports
 from swarm.version import __version__
 
 _EXPORTS = {
-    "DiffusionLM": "swarm.local", "GenerationConfig": "swarm.diffusion.config", "GenerationResult": "swarm.lm",
-    "StreamChunk": "swarm.lm", "SwarmError": "swarm.utils.errors",
+    "DiffusionLM": "swarm.frontend.local", "GenerationConfig": "swarm.diffusion.config",
+    "GenerationResult": "swarm.frontend.lm", "StreamChunk": "swarm.frontend.lm", "SwarmError": "swarm.utils.errors",
 }
 __all__ = ["__version__", *_EXPORTS]
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -11,7 +11,7 @@ from typing import Any, Optional
 
 import click
 
-from swarm.cli_options import (
+from swarm.cli.options import (
     EXIT_HALTED,
     CLIError,
     SwarmCommand,
@@ -44,7 +44,7 @@ from swarm.utils.progress import StepLine
                    "servers use (another gives other tokens than default servers).")
 @click.option("--stream/--no-stream", default=True, show_default=True, help="Show the text after every denoising step.")
 @threads_option()
-@generation_options  # every sampler setting and request option (swarm.diffusion.config, swarm.request)
+@generation_options  # every sampler setting and request option (swarm.diffusion.config, swarm.frontend.request)
 def main(prompt: str, model: str, initial_peers: tuple[str, ...], dtype: Optional[str], stream: bool,
          threads: Optional[int], **options: Any) -> None:
     """Generate a continuation of PROMPT.
@@ -82,9 +82,9 @@ def check_before_loading(model: str, peers: list[str], settings: dict[str, Any])
     """Refuse request settings that cannot fit the model (``--gen-length 5000``) from its config alone, before
     the weights load or a swarm is joined (the prompt counts as one token until it is tokenised)."""
     from swarm.diffusion.config import GenerationLimits
-    from swarm.lm import check_request
+    from swarm.frontend.lm import check_request
+    from swarm.frontend.request import GenerationRequest
     from swarm.models.loading import ModelFiles
-    from swarm.request import GenerationRequest
 
     files = ModelFiles(model)
     options, sampler_settings = GenerationRequest.split(settings)
@@ -98,7 +98,7 @@ def open_model(model: str, peers: list[str], dtype: Optional[str], client_option
         from swarm.client.model import DistributedDiffusionLM
 
         return DistributedDiffusionLM.from_pretrained(model, initial_peers=peers, dtype=dtype, **client_options)
-    from swarm.local import DiffusionLM
+    from swarm.frontend.local import DiffusionLM
 
     return DiffusionLM.from_pretrained(model, dtype=dtype)
 

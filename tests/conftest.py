@@ -188,7 +188,7 @@ def remote_lm(local_swarm, tiny_model_path):
 
 @pytest.fixture(scope="session")
 def local_lm(tiny_model_path):
-    from swarm.local import DiffusionLM
+    from swarm.frontend.local import DiffusionLM
 
     return DiffusionLM.from_pretrained(tiny_model_path)
 

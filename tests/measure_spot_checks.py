@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from swarm.client import DistributedDiffusionLM  # noqa: E402
 from swarm.client.failover import RetriesExhausted  # noqa: E402
-from swarm.local import DiffusionLM  # noqa: E402
+from swarm.frontend.local import DiffusionLM  # noqa: E402
 from swarm.utils.local_swarm import LocalSwarm  # noqa: E402
 from tests.conftest import make_checkpoint, tiny_config  # noqa: E402
 

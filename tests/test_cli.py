@@ -1,6 +1,6 @@
 """Every command's mistakes end in one line and a documented exit code; halts are visible (issue 20).
 
-The error path is :class:`swarm.cli_options.OneLineErrors`: these tests drive the real commands (in process with
+The error path is :class:`swarm.cli.options.OneLineErrors`: these tests drive the real commands (in process with
 click's runner, or as subprocesses where the whole output matters) into the mistakes a newcomer makes.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ import pytest
 import torch
 from click.testing import CliRunner, Result
 
-from swarm.cli_options import (
+from swarm.cli.options import (
     EXIT_CODES,
     EXIT_HALTED,
     EXIT_IN_USE,

@@ -17,7 +17,7 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from swarm.cli_options import EXIT_USAGE, config_options, pop_config_kwargs
+from swarm.cli.options import EXIT_USAGE, config_options, pop_config_kwargs
 from swarm.client.config import ClientConfig
 from swarm.dht.config import NetworkConfig
 from swarm.dht.peers import NoInitialPeers
@@ -219,7 +219,7 @@ def test_every_exception_of_the_project_derives_from_swarm_error():
 
 
 def test_the_exit_code_table_imports_only_the_root_exception():
-    tree = ast.parse((ROOT / "swarm" / "cli_options.py").read_text())
+    tree = ast.parse((ROOT / "swarm" / "cli" / "options.py").read_text())
     imported: list[str] = []
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("swarm"):

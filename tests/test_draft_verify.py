@@ -17,8 +17,8 @@ from swarm.client import DistributedDiffusionLM
 from swarm.diffusion.config import MAX_DRAFT_STEPS, GenerationConfig, GenerationLimits, SettingError
 from swarm.diffusion.remasking import STRATEGIES
 from swarm.diffusion.sampler import DiffusionSampler
-from swarm.local import DiffusionLM
-from swarm.scale import plan_scale
+from swarm.frontend.local import DiffusionLM
+from swarm.frontend.scale import plan_scale
 
 SHORT = dict(gen_length=16, steps=16, block_length=8)
 VARIANTS = {  # name: settings over SHORT; every strategy runs greedy and sampled besides these

@@ -102,7 +102,7 @@ def test_code_expert_and_auto_experts_write_code_not_whitespace():
     """The first code expert wrote only spaces for ``def f(x):`` with every strategy (issue 22)."""
     from swarm.diffusion.remasking import STRATEGIES
     from swarm.eval.text_quality import PYTHON_MARKERS, is_code_shaped
-    from swarm.local import DiffusionLM
+    from swarm.frontend.local import DiffusionLM
 
     code = DiffusionLM.from_pretrained("code")
     for strategy in STRATEGIES:

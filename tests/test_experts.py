@@ -31,7 +31,7 @@ from swarm.diffusion.composition import (
 )
 from swarm.diffusion.config import GenerationConfig
 from swarm.diffusion.pipeline import DenoiserCalls
-from swarm.local import DiffusionLM
+from swarm.frontend.local import DiffusionLM
 from swarm.models.tokenizer import ByteTokenizer
 from swarm.wire.encoding import collect_response, expert_query_message
 from swarm.wire.messages import ErrorCode, ExpertQuery, RemoteError
@@ -333,7 +333,7 @@ def test_hostile_expert_requests_get_structured_errors(expert_server, remote_lm,
 
 
 def test_expert_rpc_answers_and_forward_is_refused_on_an_expert_only_server(expert_server, remote_lm, alpha_path):
-    from swarm.local import DiffusionLM
+    from swarm.frontend.local import DiffusionLM
 
     tokens = torch.randint(0, 256, (2, 10))
     log_probs, _ = call_expert(remote_lm, expert_server.peer_id, request(tokens=tokens))

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from swarm.client import DistributedDiffusionLM, MissingBlocksError
-from swarm.local import DiffusionLM
+from swarm.frontend.local import DiffusionLM
 from tests.conftest import fast_server, make_checkpoint, start_all, stop_all, swarm_client, tiny_config
 
 SETTINGS = dict(gen_length=16, steps=16, block_length=8, seed=7, temperature=0.7)

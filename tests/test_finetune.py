@@ -202,7 +202,7 @@ def test_an_adapter_directory_that_changed_is_loaded_again(local_lm, tmp_path):
 def test_bad_adapters_are_refused_with_a_clear_error(local_lm, tmp_path):
     good = adapter_for(local_lm).save(tmp_path / "good")
     other = make_checkpoint(tmp_path / "other", tiny_config(hidden_size=64))
-    from swarm.local import DiffusionLM
+    from swarm.frontend.local import DiffusionLM
 
     foreign = adapter_for(DiffusionLM.from_pretrained(other)).save(tmp_path / "foreign")
     cases = {"missing": (tmp_path / "nowhere", "adapter.json is missing"),

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from swarm.cli_options import EXIT_USAGE
+from swarm.cli.options import EXIT_USAGE
+from swarm.frontend.lm import RANDOM_SEEDS
+from swarm.frontend.local import DiffusionLM
 from swarm.generate import main as generate_cli
-from swarm.lm import RANDOM_SEEDS
-from swarm.local import DiffusionLM
 from swarm.server.__main__ import main as server_cli
 from swarm.utils.progress import StepLine, fit
 from swarm.utils.threads import default_threads

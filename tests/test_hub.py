@@ -182,7 +182,7 @@ def test_client_role_fetches_config_tokenizer_and_embedding_only(hub, hub_env, p
 
 
 def test_the_local_model_fetches_every_shard_and_gives_the_copys_tokens(hub, hub_env, published):
-    from swarm.local import DiffusionLM
+    from swarm.frontend.local import DiffusionLM
 
     settings = dict(gen_length=8, steps=8, block_length=8, seed=5)
     from_hub = DiffusionLM.from_pretrained(REPO).generate("once upon a time", **settings)
@@ -309,7 +309,7 @@ def test_offline_works_from_the_cache_and_names_what_is_missing(hub, hub_env, pu
 # ----- (e) end to end: a server from an empty cache, generation through it -----------------------------------
 def test_server_from_repo_id_with_empty_cache_generates_the_local_models_tokens(hub, hub_env, published, tmp_path):
     from swarm.client import DistributedDiffusionLM
-    from swarm.local import DiffusionLM
+    from swarm.frontend.local import DiffusionLM
     from swarm.utils.local_swarm import LocalSwarm
 
     server_home = tmp_path / "server_hf_home"  # the volunteer's machine: its own, empty cache

@@ -172,7 +172,7 @@ def test_no_import_cycles():
 def test_no_cycles_between_packages_below_the_entry_points():
     """Packages (``swarm.dht``, ``swarm.client``...) do not import each other in a circle either. Entry points
     that live inside a package (``swarm/dht/__main__.py``) are left out: they sit at the top, whatever their
-    folder, and import the shared command-line options (``swarm.cli_options``) like any other command."""
+    folder, and import the shared command-line options (``swarm.cli.options``) like any other command."""
     table, known, graph = layer_table(), modules(), import_graph()
     below = {name for name, path in known.items() if layer_of(path, table) != 0}
     packages: dict[str, dict[str, int]] = {}

@@ -126,7 +126,7 @@ def lab():
 
 @pytest.fixture(scope="module")
 def local_tokens() -> list[int]:
-    from swarm.local import DiffusionLM
+    from swarm.frontend.local import DiffusionLM
 
     return DiffusionLM.from_pretrained("default").generate(PROMPT, **SETTINGS).token_ids
 

@@ -22,8 +22,8 @@ pytest.importorskip("uvicorn", reason="the API needs fastapi and uvicorn")
 
 from swarm.api import GenerationEngine, create_app, load_engine  # noqa: E402
 from swarm.diffusion.config import MAX_PARALLEL_WINDOW, GenerationConfig, GenerationLimits  # noqa: E402
-from swarm.lm import BaseDiffusionLM  # noqa: E402
-from swarm.local import DiffusionLM  # noqa: E402
+from swarm.frontend.lm import BaseDiffusionLM  # noqa: E402
+from swarm.frontend.local import DiffusionLM  # noqa: E402
 from tests.test_api import http, serve  # noqa: E402
 
 MODEL = "tiny"

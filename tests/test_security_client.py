@@ -18,7 +18,7 @@ from swarm.client.config import ClientConfig
 from swarm.client.peers import PeerHealth
 from swarm.client.spot_check import OWN_HIDDEN_STATES, UnverifiedResultError
 from swarm.dht.schema import ServerState, default_prefix, read_servers
-from swarm.local import DiffusionLM
+from swarm.frontend.local import DiffusionLM
 from tests.conftest import make_checkpoint, start_all, stop_all, swarm_client, tiny_config, wait_all, wait_until
 
 TARPIT = (str(Path(__file__).with_name("tarpit_server.py")),)

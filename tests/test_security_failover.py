@@ -19,7 +19,7 @@ from swarm.client import DistributedDiffusionLM
 from swarm.diffusion.config import GenerationConfig
 from swarm.diffusion.pipeline import CacheDirective, DenoiserCalls
 from swarm.diffusion.sampler import DenoiseContext
-from swarm.local import DiffusionLM
+from swarm.frontend.local import DiffusionLM
 from swarm.models.kv_cache import CacheMiss, SpanKV
 from swarm.utils.local_swarm import LocalSwarm, ManagedProcess
 

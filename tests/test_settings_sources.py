@@ -16,12 +16,12 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from swarm.cli_options import generation_options, pop_generation_kwargs, require_no_options_left
+from swarm.cli.options import generation_options, pop_generation_kwargs, require_no_options_left
 from swarm.diffusion.config import GenerationConfig, SettingError, SettingField, setting, settings_of
+from swarm.frontend.lm import BaseDiffusionLM, GenerationRequest
+from swarm.frontend.local import DiffusionLM
+from swarm.frontend.scale import plan_scale
 from swarm.generate import main as generate_cli
-from swarm.lm import BaseDiffusionLM, GenerationRequest
-from swarm.local import DiffusionLM
-from swarm.scale import plan_scale
 
 pytest.importorskip("fastapi", reason="the API schema needs pydantic and fastapi")
 from swarm.api.schemas import ChatCompletionRequest, CompletionRequest, settings_model  # noqa: E402

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from swarm.client import DistributedDiffusionLM
-from swarm.local import DiffusionLM
+from swarm.frontend.local import DiffusionLM
 from tests.conftest import make_checkpoint, stop_all, tiny_config
 
 FAULTY = (str(Path(__file__).with_name("faulty_server.py")),)

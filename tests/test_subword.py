@@ -18,7 +18,7 @@ from swarm.eval.text_quality import (
     parse_experts,
     repeated_trigrams,
 )
-from swarm.local import DiffusionLM
+from swarm.frontend.local import DiffusionLM
 from swarm.models.loading import GENERATION_DEFAULTS_FILE, ModelFiles
 from swarm.models.modules import DiffusionTransformer
 from swarm.models.tokenizer import ByteTokenizer, SubwordTokenizer

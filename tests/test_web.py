@@ -108,7 +108,7 @@ def web_lm(web_swarm, governance_key):
 
 @pytest.fixture(scope="module")
 def local_model():
-    from swarm.local import DiffusionLM
+    from swarm.frontend.local import DiffusionLM
 
     return DiffusionLM.from_pretrained(MODEL)
 

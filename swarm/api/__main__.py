@@ -6,7 +6,7 @@ from typing import Optional
 import click
 
 from swarm.api.body_limit import DEFAULT_MAX_BODY_BYTES
-from swarm.cli_options import (
+from swarm.cli.options import (
     SwarmCommand,
     apply_threads,
     config_options,

@@ -24,7 +24,7 @@ from swarm.api.engine import GenerationEngine
 from swarm.api.errors import ModelNotFound, as_api_error, error_body, install_error_handlers, raise_if_halted
 from swarm.api.responses import CHAT, COMPLETION, SSE_DONE, ResponseBuilder, ResponseShape, sse
 from swarm.api.schemas import ChatCompletionRequest, CompletionRequest, OpenAIFields
-from swarm.lm import GenerationResult, StreamChunk
+from swarm.frontend.lm import GenerationResult, StreamChunk
 from swarm.utils.errors import SwarmError
 from swarm.web import mount_api_pages
 

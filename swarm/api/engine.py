@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, AsyncIterator, Mapping, Optional, Sequence
 
 from swarm.diffusion.config import GenerationLimits, SettingError
-from swarm.lm import BaseDiffusionLM, StreamChunk
+from swarm.frontend.lm import BaseDiffusionLM, StreamChunk
 from swarm.models.tokenizer import unicode_text
 from swarm.utils.errors import SwarmError
 from swarm.utils.text import plural
@@ -53,7 +53,7 @@ _FINISHED = object()
 
 
 class GenerationEngine:
-    """Wraps a :class:`~swarm.lm.BaseDiffusionLM` (local or distributed) for concurrent async callers."""
+    """Wraps a :class:`~swarm.frontend.lm.BaseDiffusionLM` (local or distributed) for concurrent async callers."""
 
     def __init__(self, lm: BaseDiffusionLM, model_id: str, max_pending: int = 16,
                  allowed_experts: Optional[frozenset[str]] = None):
@@ -179,7 +179,7 @@ class GenerationEngine:
         guard = getattr(self.lm, "guard", None)
         decision = guard.current() if guard is not None else None
         if decision is not None and decision.halted:
-            from swarm.cli_options import utc_time
+            from swarm.cli.options import utc_time
 
             report.update(ok=False, halted={"reason": decision.reason, "sequence": decision.sequence,
                                             "signed_at": utc_time(decision.timestamp)})
@@ -210,7 +210,7 @@ def load_engine(model: str, *, local: bool, network: Optional["NetworkConfig"] =
     from swarm.models.loading import embedded_models
 
     if local:
-        from swarm.local import DiffusionLM
+        from swarm.frontend.local import DiffusionLM
 
         lm: BaseDiffusionLM = DiffusionLM.from_pretrained(model)
         prefix = dht_prefix or default_prefix(lm.path)

@@ -13,11 +13,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from swarm.cli_options import halt_message
+from swarm.cli.options import halt_message
 from swarm.utils.errors import SwarmError
 
 if TYPE_CHECKING:
-    from swarm.lm import GenerationResult
+    from swarm.frontend.lm import GenerationResult
 
 logger = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from swarm.lm import GenerationResult, StreamChunk
+from swarm.frontend.lm import GenerationResult, StreamChunk
 
 
 @dataclass(frozen=True)

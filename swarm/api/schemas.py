@@ -5,7 +5,7 @@ accepted and ignored, so that existing clients work unchanged; fields whose mean
 (``n`` > 1) are refused with a 400 rather than silently answered wrongly. Integers are strict: ``"8"`` or
 ``8.5`` for ``steps`` is a client bug worth reporting, not something to guess about. The diffusion settings
 are not written here: they are made from the declared settings (name, type, help text) of
-:class:`~swarm.diffusion.config.GenerationConfig` and :class:`~swarm.lm.GenerationRequest`, whose bounds are
+:class:`~swarm.diffusion.config.GenerationConfig` and :class:`~swarm.frontend.lm.GenerationRequest`, whose bounds are
 checked there, the same for the Python API; only the API's own field, ``stop``, is bounded here.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, create
 
 from swarm.api.errors import APIRequestError
 from swarm.diffusion.config import GenerationConfig, SettingField, settings_of
-from swarm.lm import GenerationRequest
+from swarm.frontend.lm import GenerationRequest
 
 MAX_STOP_SEQUENCES = 4  # as OpenAI's API
 MAX_STOP_CHARS = 1000

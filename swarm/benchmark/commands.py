@@ -29,12 +29,12 @@ import torch
 
 from swarm.benchmark.adapter_wire import adapter_wire
 from swarm.benchmark.realscale import realscale
-from swarm.cli_options import SwarmGroup
+from swarm.cli.options import SwarmGroup
 from swarm.client import DistributedDiffusionLM
 from swarm.diffusion.config import MAX_STALENESS
 from swarm.diffusion.remasking import STRATEGIES
 from swarm.eval.tasks import evaluate_task, prompt_ids
-from swarm.local import DiffusionLM
+from swarm.frontend.local import DiffusionLM
 from swarm.models.loading import ModelFiles
 from swarm.train.data import AdditionTask
 from swarm.utils.local_swarm import LocalSwarm

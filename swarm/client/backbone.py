@@ -1,5 +1,5 @@
-"""The swarm client as pieces to train an adapter through (:class:`swarm.lm.Backbone`): the client's embedding and
-head, and every block on the swarm as one differentiable function.
+"""The swarm client as pieces to train an adapter through (:class:`swarm.frontend.lm.Backbone`): the client's
+embedding and head, and every block on the swarm as one differentiable function.
 
 Its forward is the client's ordinary pass (recording each hop's input); its backward asks each hop's server for the
 gradient of its input and of its blocks' slice of the adapter (:meth:`RemoteSequence.backward_all`).

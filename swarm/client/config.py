@@ -1,7 +1,7 @@
 """Client settings: network, timeouts, retries, bans, routing and safety, in one dataclass.
 
 Each setting is declared once (:func:`~swarm.utils.settings.setting`: default, help text, bounds). Validation
-reads the declarations; so do the client options of the command line (:func:`swarm.cli_options.config_options`
+reads the declarations; so do the client options of the command line (:func:`swarm.cli.options.config_options`
 offers those declared with ``cli=True``). This module imports nothing heavy, so ``--help`` answers at once.
 """
 from __future__ import annotations

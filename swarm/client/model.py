@@ -29,15 +29,15 @@ from swarm.diffusion.config import GenerationConfig
 from swarm.diffusion.pipeline import CacheDirective, Forward, check_head_rows, rows_to_score
 from swarm.diffusion.prediction import HeadQuery, Predictions
 from swarm.diffusion.sampler import DenoiseContext
+from swarm.frontend.lm import BaseDiffusionLM, StreamChunk
+from swarm.frontend.local import DiffusionLM
+from swarm.frontend.scale import ScalePlan, check_scale
 from swarm.governance.audit import AuditLog
 from swarm.governance.guard import GovernanceGuard
 from swarm.governance.keys import trusted_signers
 from swarm.governance.tiers import TierRules
-from swarm.lm import BaseDiffusionLM, StreamChunk
-from swarm.local import DiffusionLM
 from swarm.models.loading import DEFAULT_MODEL, ModelFiles
 from swarm.models.modules import OutputHead
-from swarm.scale import ScalePlan, check_scale
 from swarm.utils.event_loop import BackgroundLoop
 from swarm.utils.settings import replaced
 from swarm.utils.text import plural

@@ -7,7 +7,7 @@ import threading
 
 import click
 
-from swarm.cli_options import SwarmCommand, network_options, pop_network_config, run_main, setup_logging
+from swarm.cli.options import SwarmCommand, network_options, pop_network_config, run_main, setup_logging
 from swarm.dht.node import start_dht, stop_dht, visible_maddrs
 from swarm.dht.schema import MAX_BLOCKS, protected_keys
 from swarm.dht.validation import KeyPolicy

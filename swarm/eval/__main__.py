@@ -10,7 +10,7 @@ from typing import Optional
 import click
 import torch
 
-from swarm.cli_options import SwarmCommand, apply_threads, run_main, setup_logging, threads_option
+from swarm.cli.options import SwarmCommand, apply_threads, run_main, setup_logging, threads_option
 from swarm.diffusion.config import GenerationConfig
 from swarm.eval.report import EvalPlan, ModelReport, evaluate_models, trained_on
 from swarm.eval.tasks import TaskGeneration

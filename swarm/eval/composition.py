@@ -18,8 +18,8 @@ import torch
 from tqdm.auto import tqdm
 
 from swarm.diffusion.mixture import DEFAULT_TAU
-from swarm.lm import BaseDiffusionLM
-from swarm.local import DiffusionLM
+from swarm.frontend.lm import BaseDiffusionLM
+from swarm.frontend.local import DiffusionLM
 from swarm.models.loading import DEFAULT_MODEL, resolve_model_path
 from swarm.train.data import TASKS, Problem
 

@@ -16,7 +16,7 @@ from typing import Any, Optional, Sequence
 
 from swarm.eval.likelihood import LikelihoodReport, evaluate_likelihood
 from swarm.eval.tasks import TaskGeneration, TaskReport, evaluate_task
-from swarm.local import DiffusionLM
+from swarm.frontend.local import DiffusionLM
 from swarm.models.loading import resolve_model_path
 from swarm.train.data import BUILTIN_CORPORA, TASKS, load_corpus
 from swarm.train.loop import TRAINING_INFO_FILE

@@ -11,7 +11,7 @@ from typing import Any, Mapping, Optional, Protocol, Sequence
 
 from tqdm.auto import tqdm
 
-from swarm.lm import BaseDiffusionLM
+from swarm.frontend.lm import BaseDiffusionLM
 from swarm.train.data import Problem
 
 

@@ -22,9 +22,9 @@ from typing import Any, Iterable, Optional, Sequence
 
 import click
 
-from swarm.cli_options import SwarmCommand, apply_threads, run_main, setup_logging, threads_option
+from swarm.cli.options import SwarmCommand, apply_threads, run_main, setup_logging, threads_option
 from swarm.diffusion.remasking import STRATEGIES
-from swarm.lm import BaseDiffusionLM
+from swarm.frontend.lm import BaseDiffusionLM
 from swarm.models.loading import DEFAULT_MODEL
 
 logger = logging.getLogger(__name__)
@@ -202,7 +202,7 @@ def main(model: str, dictionary: str, gen_length: int, block_length: Optional[in
          temperature: Optional[float], kind: str, experts: Optional[str], sweep: bool, samples: int, as_json: bool,
          threads: Optional[int]) -> None:
     """Generate from fixed prompts and report the share of dictionary words and the repeated word 3-grams."""
-    from swarm.local import DiffusionLM
+    from swarm.frontend.local import DiffusionLM
 
     setup_logging(logging.WARNING)
     apply_threads(threads)

@@ -18,12 +18,12 @@ from hivemind.dht import DHT
 
 from swarm.adapters.adapter import MAX_PROMPT_LENGTH, MAX_RANK
 from swarm.adapters.kinds import KINDS
-from swarm.cli_options import SwarmCommand, apply_threads, run_main, setup_logging, threads_option
+from swarm.cli.options import SwarmCommand, apply_threads, run_main, setup_logging, threads_option
 from swarm.dht.node import LOOPBACK_MADDRS, NetworkConfig, start_dht, stop_dht, visible_maddrs
 from swarm.dht.peers import split_peers
 from swarm.finetune.together import CollaborationConfig
 from swarm.finetune.trainer import FinetuneConfig, Finetuner, parse_lr_from
-from swarm.lm import BaseDiffusionLM
+from swarm.frontend.lm import BaseDiffusionLM
 from swarm.models.loading import DEFAULT_MODEL
 from swarm.utils.text import plural
 
@@ -35,7 +35,7 @@ def open_model(model: str, peers: list[str], request_timeout: float, dht: Option
 
         return DistributedDiffusionLM.from_pretrained(model, initial_peers=peers, request_timeout=request_timeout,
                                                       dht=dht)
-    from swarm.local import DiffusionLM
+    from swarm.frontend.local import DiffusionLM
 
     return DiffusionLM.from_pretrained(model)
 

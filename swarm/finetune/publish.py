@@ -15,7 +15,7 @@ import click
 
 from swarm.adapters.adapter import PromptAdapter, base_of
 from swarm.adapters.sharing import PUBLISH_LIFETIME, make_record, publish, read_hosts
-from swarm.cli_options import SwarmCommand, network_options, pop_network_config, setup_logging
+from swarm.cli.options import SwarmCommand, network_options, pop_network_config, setup_logging
 from swarm.dht.node import start_dht, stop_dht
 from swarm.dht.peers import resolve_initial_peers
 from swarm.dht.schema import default_prefix, protected_keys

@@ -1,6 +1,6 @@
 """Training an adapter with the masked-diffusion SFT objective, on the local model or through the swarm.
 
-The frozen model is seen as three differentiable pieces (:class:`swarm.lm.Backbone`, from the model's own
+The frozen model is seen as three differentiable pieces (:class:`swarm.frontend.lm.Backbone`, from the model's own
 ``backbone()``): the embedding (no gradient needed), the blocks (a function of the hidden states and, for a
 per-block adapter, of its weights), and the head (with the adapter's head correction, when it has one). Locally the
 blocks are the in-memory span; through the swarm they are one :class:`swarm.client.backbone.SwarmBlocks` call,
@@ -40,7 +40,7 @@ from swarm.finetune.together import (
     peers_in_run,
     wait_for_peers,
 )
-from swarm.lm import Backbone, BaseDiffusionLM
+from swarm.frontend.lm import Backbone, BaseDiffusionLM
 from swarm.train.objective import mask_tokens, masked_cross_entropy
 
 logger = logging.getLogger(__name__)

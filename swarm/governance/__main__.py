@@ -16,7 +16,7 @@ from pathlib import Path
 
 import click
 
-from swarm.cli_options import (
+from swarm.cli.options import (
     EXIT_HALTED,
     EXIT_UNREACHABLE,
     CLIError,

@@ -11,7 +11,7 @@ from typing import Optional
 
 import click
 
-from swarm.cli_options import (
+from swarm.cli.options import (
     EXIT_NOT_SERVED,
     EXIT_UNREACHABLE,
     CLIError,

@@ -13,7 +13,7 @@ DTYPE_NAMES = ("float32", "bfloat16", "float16")  # the dtypes a model may be lo
 # here without torch for the settings' declarations (test_config_settings.py keeps the two equal).
 WIRE_CHOICES = ("auto", "float32", "float16", "bfloat16")
 # Settings a model may choose defaults for (its generation.json): those that change how its text reads, never
-# lengths or budgets. Help texts say "model default" for them (swarm.cli_options).
+# lengths or budgets. Help texts say "model default" for them (swarm.cli.options).
 MODEL_DEFAULT_SETTINGS = ("temperature", "remasking", "threshold", "cfg_scale")
 
 CONFIG_FILE = "config.json"

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Optional
 
 import click
 
-from swarm.cli_options import (
+from swarm.cli.options import (
     SwarmCommand,
     config_options,
     default_threads,

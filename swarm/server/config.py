@@ -1,7 +1,7 @@
 """Everything a server is configured with, in one place.
 
 Each setting is declared once (:func:`~swarm.utils.settings.setting`: default, help text, bounds); the options of
-``python -m swarm.server`` are made from these declarations (:func:`swarm.cli_options.config_options`), and
+``python -m swarm.server`` are made from these declarations (:func:`swarm.cli.options.config_options`), and
 :class:`ServerConfig` checks them for Python callers too. This module imports nothing heavy, so ``--help``
 answers at once.
 """

@@ -7,7 +7,7 @@ from typing import Optional
 import click
 from click.core import ParameterSource
 
-from swarm.cli_options import SwarmCommand, apply_threads, run_main, setup_logging, threads_option
+from swarm.cli.options import SwarmCommand, apply_threads, run_main, setup_logging, threads_option
 from swarm.train.data import BUILTIN_CORPORA, load_corpus
 from swarm.train.loop import ARCHITECTURE_FIELDS, TrainConfig, resume_conflicts, train, training_tokenizer
 

@@ -12,7 +12,7 @@ from typing import Iterable
 
 import click
 
-from swarm.cli_options import SwarmCommand, run_main, setup_logging
+from swarm.cli.options import SwarmCommand, run_main, setup_logging
 from swarm.models.tokenizer import SubwordTokenizer
 
 logger = logging.getLogger(__name__)

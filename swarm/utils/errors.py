@@ -1,7 +1,7 @@
 """The project's root exception, :class:`SwarmError`, and the exit codes its subclasses carry.
 
 Every error the project raises on purpose derives from :class:`SwarmError` and says, as ``exit_code``, how a
-command ends on it (the table in docs/OPERATIONS.md). The command-line layer (:mod:`swarm.cli_options`) therefore
+command ends on it (the table in docs/OPERATIONS.md). The command-line layer (:mod:`swarm.cli.options`) therefore
 imports this one class, not an exception of each package. Subclasses keep a builtin base where callers catch one
 (a :class:`~swarm.utils.settings.SettingError` is still a ``ValueError``).
 """

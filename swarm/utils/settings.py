@@ -6,7 +6,7 @@ field with :func:`setting`. From that one declaration:
 
 * validation (:func:`check_settings`, :meth:`SettingField.check`) refuses a wrong type or a value out of bounds
   with a :class:`SettingError` naming the setting, for Python callers and remote input alike (never ``assert``);
-* :mod:`swarm.cli_options` makes the command-line options (flag, type, default, help, bounds);
+* :mod:`swarm.cli.options` makes the command-line options (flag, type, default, help, bounds);
 * the HTTP API makes its request fields (:mod:`swarm.api.schemas`), and tests keep the docs complete.
 
 This module imports nothing heavy (no torch, no network), so a command can build its ``--help`` from it at once.
@@ -82,7 +82,7 @@ def need_int(name: str, value: Any, low: int, high: Optional[int], param: Option
 class Setting:
     """The declaration of one setting besides its name, type and default.
 
-    Read by validation (:meth:`SettingField.check`), the command line (:mod:`swarm.cli_options`), the HTTP
+    Read by validation (:meth:`SettingField.check`), the command line (:mod:`swarm.cli.options`), the HTTP
     API's request fields (:mod:`swarm.api.schemas`) and the tests that keep the documentation complete, so that
     a setting is declared once.
     """

@@ -16,7 +16,7 @@ from fastapi.responses import FileResponse, JSONResponse, RedirectResponse
 from fastapi.staticfiles import StaticFiles
 
 from swarm.diffusion.config import GenerationConfig, SettingField, settings_of
-from swarm.lm import GenerationRequest
+from swarm.frontend.lm import GenerationRequest
 from swarm.web.snapshot import local_snapshot
 from swarm.web.watcher import SwarmWatcher, client_access
 

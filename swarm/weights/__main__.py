@@ -16,7 +16,7 @@ from typing import Optional
 
 import click
 
-from swarm.cli_options import (
+from swarm.cli.options import (
     SwarmGroup,
     network_options,
     parse_span,

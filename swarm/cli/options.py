@@ -8,7 +8,7 @@
 * **Threads.** ``--threads`` (:func:`threads_option`): torch's CPU threads, by default half of this machine's.
 * **Options** to join the swarm (:func:`network_options`) and to generate. The generation options are not
   written here: they are made from the declared settings of :class:`~swarm.diffusion.config.GenerationConfig`
-  and :class:`~swarm.lm.GenerationRequest` (name, type, default, help text, bounds), so that a new setting
+  and :class:`~swarm.frontend.lm.GenerationRequest` (name, type, default, help text, bounds), so that a new setting
   gets its flag without touching this module.
 """
 from __future__ import annotations
@@ -25,8 +25,8 @@ from click.core import ParameterSource
 from swarm.dht.config import NetworkConfig
 from swarm.dht.peers import check_peer_multiaddr
 from swarm.diffusion.config import GenerationConfig
+from swarm.frontend.request import GenerationRequest
 from swarm.models.config import MODEL_DEFAULT_SETTINGS
-from swarm.request import GenerationRequest
 from swarm.utils.errors import (
     EXIT_HALTED,
     EXIT_IN_USE,
@@ -300,8 +300,8 @@ def pop_generation_kwargs(options: dict[str, Any], keys: Iterable[str] = GENERAT
 def require_no_options_left(options: dict[str, Any]) -> None:
     """Refuse options that reached no argument: a flag that would otherwise be silently ignored."""
     if options:
-        raise click.UsageError(f"option(s) {', '.join(sorted(options))} reach no argument of this command "
-                               "(a flag without a setting in swarm.diffusion.config or swarm.lm.GenerationRequest)")
+        raise click.UsageError(f"option(s) {', '.join(sorted(options))} reach no argument of this command (a flag "
+                               "without a setting in swarm.diffusion.config or swarm.frontend.request)")
 
 
 def network_options(command: Callable) -> Callable:

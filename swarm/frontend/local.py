@@ -15,7 +15,7 @@ from swarm.diffusion.config import GenerationConfig
 from swarm.diffusion.experts import ExpertNotFoundError, InProcessExpert
 from swarm.diffusion.pipeline import CacheDirective, Forward, check_head_rows, rows_to_score
 from swarm.diffusion.sampler import DenoiseContext
-from swarm.lm import BaseDiffusionLM
+from swarm.frontend.lm import BaseDiffusionLM
 from swarm.models.kv_cache import CacheMiss, SpanKV
 from swarm.models.loading import DEFAULT_MODEL, ModelFiles, resolve_device
 from swarm.models.modules import DiffusionTransformer, HeadLoRA
@@ -137,7 +137,7 @@ class DiffusionLM(BaseDiffusionLM):
 
 
 class LocalBackbone:
-    """Every block in this process, as :class:`swarm.lm.Backbone` pieces (the model's weights frozen)."""
+    """Every block in this process, as :class:`swarm.frontend.lm.Backbone` pieces (the model's weights frozen)."""
 
     through_swarm = False
 

@@ -16,8 +16,8 @@ from swarm.diffusion.config import (
     setting,
     settings_of,
 )
+from swarm.frontend.scale import SCALES
 from swarm.governance.tiers import TIERS
-from swarm.scale import SCALES
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,8 @@ class GenerationRequest:
                                       "times (one denoiser call each).", low=0, high=MAX_CORRECTOR_STEPS)
     tier: Optional[str] = setting(None, "A stricter safety tier than the prompt's own (see docs/GOVERNANCE.md).",
                                   choices=TIERS)
-    scale: str = setting("auto", "How much of the swarm the request uses (see swarm/scale.py).", choices=SCALES)
+    scale: str = setting("auto", "How much of the swarm the request uses (see swarm/frontend/scale.py).",
+                         choices=SCALES)
     chat: bool = setting(False, "Wrap the text prompt in the tokenizer's chat template (instruct checkpoints).",
                          api=False)  # the HTTP API has an endpoint for conversations
     progress: bool = setting(False, "Show a progress bar.", cli=False, api=False)  # the command shows every step

@@ -28,11 +28,11 @@ from swarm.diffusion.config import GenerationConfig, GenerationLimits, settings_
 from swarm.diffusion.experts import ExpertSource
 from swarm.diffusion.pipeline import DenoiserCalls, Forward
 from swarm.diffusion.sampler import DiffusionSampler, Halted, WindowStats
+from swarm.frontend.request import GenerationRequest
+from swarm.frontend.scale import ScalePlan, plan_scale
 from swarm.models.config import ModelConfig
 from swarm.models.modules import HeadLoRA
 from swarm.models.tokenizer import MASK_PLACEHOLDER, Tokenizer
-from swarm.request import GenerationRequest
-from swarm.scale import ScalePlan, plan_scale
 
 logger = logging.getLogger(__name__)
 
@@ -341,7 +341,7 @@ class BaseDiffusionLM(ABC):
         ``GenerationResult.telemetry`` (docs/EXPERTS.md). ``tier`` asks for a stricter safety tier than the
         prompt's own (docs/GOVERNANCE.md); a governance halt ends the stream with ``finish_reason == "halted"``
         and ``info["halt"]``. ``scale`` (``local``, ``auto``, ``max``) sizes how much of the swarm the request
-        uses (:mod:`swarm.scale`). ``chat`` wraps the text prompt in the tokenizer's chat template (instruct
+        uses (:mod:`swarm.frontend.scale`). ``chat`` wraps the text prompt in the tokenizer's chat template (instruct
         checkpoints); ``progress`` shows a progress bar. ``adapter`` applies a fine-tuned adapter (a
         directory written by ``python -m swarm.finetune``, or a published name; docs/TRAINING.md).
 

@@ -248,6 +248,7 @@ def get_once_up(url: str, process: subprocess.Popen, timeout: float = 60) -> int
             time.sleep(0.2)
 
 
+@pytest.mark.swarm  # a real `python -m swarm.api` process
 def test_cli_start_message_names_the_api_the_map_and_the_playground(tiny_model_path):
     """``python -m swarm.api`` prints where each page is, and each URL it prints answers."""
     with socket.socket() as probe:

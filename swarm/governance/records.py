@@ -26,7 +26,7 @@ from hivemind.dht import DHT
 from hivemind.utils import MSGPackSerializer, get_dht_time
 
 from swarm.dht import fields
-from swarm.dht.schema import forget_local_copies, governance_key
+from swarm.dht.schema import forget_local_copies, governance_key, learn_more_peers
 from swarm.dht.validation import dht_key_id, sign_slot, slot_signer, slot_subkey, verify_slot
 from swarm.governance.keys import public_key_text
 from swarm.governance.limits import MAX_STALE_AFTER
@@ -163,15 +163,19 @@ def publish(dht: DHT, key: Ed25519PrivateKey, prefix: str, action: str, reason: 
         stored = dht.store(governance_key(prefix), value, expiration_time=expiration,
                            subkey=governance_subkey(key)) or stored
         forget_local_copies(dht, [governance_key(prefix)])  # what readers get, not this peer's own copy
-        if any(found == decision for found, _ in read_decisions(dht, prefix, {own: key.public_key()})):
+        read = read_decisions(dht, prefix, {own: key.public_key()})
+        if any(found == decision for found, _ in read):
             if not stored:
                 logger.info("a peer refused the record, but the swarm returns it")
             return decision
         pause = READ_BACK_PAUSES[min(attempt, len(READ_BACK_PAUSES) - 1)]
         if time.monotonic() + pause >= deadline:
             break
-        logger.warning("the decision is not read back yet (try %d): storing it again in %.0f s", attempt + 1, pause)
+        seen = ", ".join(f"{d.action} #{d.sequence}" for d, _ in read) or "nothing of this key"
+        logger.warning("the decision is not read back yet (try %d; readers get %s): storing it again in %.0f s",
+                       attempt + 1, seen, pause)
         time.sleep(pause)
+        learn_more_peers(dht)  # the routes to the key's holders may all have run through a peer that cannot answer
     logger.warning("the decision was %s but readers do not get it back from the swarm",
                    "stored" if stored else "refused")
     return None

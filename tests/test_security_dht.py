@@ -179,24 +179,28 @@ def test_protected_keys_refuse_plain_subkeys_regular_values_and_records_of_other
         identity.remove()
 
 
-def test_owned_keys_keep_a_bounded_number_of_owners_of_bounded_size():
-    """The storage bounds behind the live test, each owner sending its own record: an oversized value, an
-    expiration past the bound and a subkey beyond the bound are refused, an update of a held subkey passes."""
-    key = block_key("capped", 1)
-    policy = protected_keys("capped", 2)[1]
+@pytest.mark.parametrize("owned_key", [block_key("capped", 1), expert_index_key("capped")])
+def test_owned_keys_keep_a_bounded_number_of_owners_of_bounded_size(owned_key):
+    """The storage bounds behind the live test, on both kinds of owned key: a record sent by a peer other than its
+    owner, an oversized value, an expiration past the bound and a subkey beyond the bound are refused; an update of
+    a held subkey passes."""
+    key = owned_key
+    policy = next(policy for policy in protected_keys("capped", 2) if policy.name == key)
     storage = DHTLocalStorage()
     protect_storage([storage], {dht_key_id(policy.name): policy})
     owners = [RSASignatureValidator(RSAPrivateKey()) for _ in range(MAX_OWNED_SUBKEYS + 1)]
 
-    def store(owner: RSASignatureValidator, value: bytes, expiration: float) -> bool:
+    def store(owner: RSASignatureValidator, value: bytes, expiration: float, sender: str = "") -> bool:
         subkey = owned_subkey(owner)
-        token = STORE_SENDER.set(subkey.split(b"[owner:")[0].decode())
+        token = STORE_SENDER.set(sender or subkey.split(b"[owner:")[0].decode())
         try:
             return storage.store_subkey(DHTID.generate(source=key), subkey, value, expiration)
         finally:
             STORE_SENDER.reset(token)
 
     expiration = now() + 60
+    relayed = owned_subkey(owners[1]).split(b"[owner:")[0].decode()
+    assert store(owners[0], b"v", expiration, sender=relayed) is False, "another peer's record was stored"
     assert store(owners[0], b"x" * (MAX_OWNED_VALUE_BYTES + 1), expiration) is False, "an oversized value was stored"
     assert store(owners[0], b"v", now() + MAX_OWNED_LIFETIME + 60) is False, "a squatter's month-long record was stored"
     assert [store(owner, b"v", expiration) for owner in owners] == [True] * MAX_OWNED_SUBKEYS + [False]

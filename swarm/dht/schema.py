@@ -359,18 +359,6 @@ async def _forget(dht: DHT, node: DHTNode, keys: list[str]) -> None:
                 del storage[key_id]
 
 
-async def _learn_peers(dht: DHT, node: DHTNode, lookups: int) -> None:
-    await node.find_nearest_nodes([DHTID.generate() for _ in range(lookups)])
-
-
-def learn_more_peers(dht: DHT, lookups: int = 4) -> None:
-    """Look up random DHT ids, whose answers name other peers. A lookup for a key also learns routes from its
-    answers, so a peer whose only routes to a key ran through one that cannot answer for it (a bootstrap peer whose
-    reply for a flooded key is lost, peers gone) never meets the key's other holders; these lookups ask for no key
-    anybody can flood."""
-    dht.run_coroutine(partial(_learn_peers, lookups=lookups))
-
-
 def forget_local_copies(dht: DHT, keys: Iterable[str]) -> None:
     """Drop this peer's own copies of ``keys`` (stored or cached), so that the next read of them is what other
     peers answer: a writer checking that readers get its record back must not read its own copy."""

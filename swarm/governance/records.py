@@ -26,7 +26,7 @@ from hivemind.dht import DHT
 from hivemind.utils import MSGPackSerializer, get_dht_time
 
 from swarm.dht import fields
-from swarm.dht.schema import forget_local_copies, governance_key, learn_more_peers
+from swarm.dht.schema import forget_local_copies, governance_key
 from swarm.dht.validation import dht_key_id, sign_slot, slot_signer, slot_subkey, verify_slot
 from swarm.governance.keys import public_key_text
 from swarm.governance.limits import MAX_STALE_AFTER
@@ -175,7 +175,6 @@ def publish(dht: DHT, key: Ed25519PrivateKey, prefix: str, action: str, reason: 
         logger.warning("the decision is not read back yet (try %d; readers get %s): storing it again in %.0f s",
                        attempt + 1, seen, pause)
         time.sleep(pause)
-        learn_more_peers(dht)  # the routes to the key's holders may all have run through a peer that cannot answer
     logger.warning("the decision was %s but readers do not get it back from the swarm",
                    "stored" if stored else "refused")
     return None

@@ -237,7 +237,8 @@ class FailedReplyWarnings:
 
 
 async def _guard_node(dht: DHT, node: DHTNode, policies: dict[bytes, KeyPolicy]) -> None:
-    """In the DHT process: keep only what the policies allow under protected keys, and warn of lost replies."""
+    """In the DHT process: keep every key readable and only what the policies allow under protected keys, and warn
+    of lost replies."""
     protect_storage([node.protocol.storage, node.protocol.cache], policies)
     warnings = FailedReplyWarnings({key_id: policy.name for key_id, policy in policies.items()})
     original = node.protocol.call_find
@@ -290,6 +291,7 @@ def start_dht(network: NetworkConfig, record_validators: Iterable[RecordValidato
     ``identity`` the daemon runs with that key and records are signed with it (what servers do); a temporary
     identity file is removed once the daemon has read it.
 
+    Every key this peer stores stays small enough for a reply to carry it (``swarm.dht.validation.MAX_KEY_BYTES``).
     ``protect`` lists the swarm's keys this process knows (``swarm.dht.schema.protected_keys``): it refuses to
     store what no reader would use under them, bounds their subkeys, and warns when a peer's reply for one is lost.
     """
@@ -329,8 +331,7 @@ def start_dht(network: NetworkConfig, record_validators: Iterable[RecordValidato
     if identity is not None and str(dht.peer_id) != identity.peer_id:
         stop_dht(dht)
         raise RuntimeError(f"the DHT runs as {dht.peer_id}, not as its identity {identity.peer_id}")
-    if policies:
-        dht.run_coroutine(partial(_guard_node, policies=policies))
+    dht.run_coroutine(partial(_guard_node, policies=policies))  # with no policies it still bounds every key
     if relays is not None and relays.detected:
         report_relay(dht, network.relay_wait)
     return dht

@@ -14,7 +14,9 @@ averager of ``swarm.finetune.together``, use plain subkeys). On the keys the swa
 (its prefix, block count and trusted governance keys: :class:`KeyPolicy`, built by ``swarm.dht.schema.protected_keys``)
 refuses to store what no reader would use: plain subkeys, values over a size bound, more than a bounded number of
 subkeys per key (:class:`ProtectedStorage`). A DHT get returns a key's whole dictionary in one reply, and a reply over
-libp2p's 4 MiB message limit is lost: these bounds keep every reply of an honest peer far below it.
+libp2p's 4 MiB message limit is lost together with the peers it names: every swarm peer therefore keeps every key,
+known or not, within :data:`MAX_KEY_BYTES` and :data:`MAX_KEY_SUBKEYS`, so that no flood makes its replies unreadable
+(a bootstrap peer that knows no prefix included); the policies' bounds are tighter still.
 """
 from __future__ import annotations
 
@@ -45,6 +47,15 @@ _OWNED_SUBKEY = re.compile(rb"([1-9A-HJ-NP-Za-km-z]+)\[owner:(ssh-rsa [A-Za-z0-9
 _SLOT_SUBKEY = re.compile(r"\[ed25519:([A-Za-z0-9+/=]{44})\]")
 _SLOT_DOMAIN = b"swarm-signed-slot-v1"
 MAX_SLOT_PAYLOAD = 16 * 1024
+
+# What one key may hold at a swarm peer, all entries together. One find request asks for up to hivemind's
+# ``chunk_size`` (16) keys and its reply carries them whole beside up to 20 peers per key; with every key at the bound
+# the reply stays below libp2p's 4 MiB message limit with half a MiB to spare.
+MESSAGE_LIMIT_BYTES = 4 * 1024 * 1024
+KEYS_PER_FIND = 16
+MAX_KEY_BYTES = (MESSAGE_LIMIT_BYTES - 512 * 1024) // KEYS_PER_FIND  # 224 KiB
+MAX_KEY_SUBKEYS = 1024  # also keeps the size check of each store cheap
+ENTRY_OVERHEAD_BYTES = 16  # an entry's expiration and msgpack framing in a reply
 
 
 def subkey_bytes(subkey: Any) -> Optional[bytes]:
@@ -232,7 +243,13 @@ STORE_SENDER: ContextVar[Optional[str]] = ContextVar("swarm_dht_store_sender", d
 
 
 class ProtectedStorage(DHTLocalStorage):
-    """A peer's local storage that keeps, under the keys of its policies, only what a :class:`KeyPolicy` allows.
+    """A peer's local storage that keeps every key small enough to be read, and under the keys of its policies only
+    what a :class:`KeyPolicy` allows.
+
+    Every key, known or not: a regular value or a dictionary of at most :data:`MAX_KEY_BYTES` (entries with their
+    subkeys) and :data:`MAX_KEY_SUBKEYS` subkeys; a store past either is refused, updates of a held subkey within
+    them pass. A peer that knows no prefix (a bootstrap peer) cannot tell junk from records, but it can keep its
+    replies readable, so a flood costs readers at most the room it takes, never the peer's answer.
 
     A check at storage rather than a record validator: validators also run on every reply a reader gets, and
     hivemind then drops a peer's whole answer for a key when one entry fails, so one junk entry on a peer that
@@ -247,7 +264,9 @@ class ProtectedStorage(DHTLocalStorage):
 
     def store(self, key: DHTID, value: bytes, expiration_time: float, subkey: Any = None) -> bool:
         if subkey is None and key.to_bytes() in self.policies:
-            return self._refuse(self.policies[key.to_bytes()], "a regular value (it would replace every record)")
+            return self._refuse(self.policies[key.to_bytes()].name, "a regular value (it would replace every record)")
+        if subkey is None and len(value) > MAX_KEY_BYTES:
+            return self._refuse(key, f"a value of {len(value)} bytes (at most {MAX_KEY_BYTES} per key)")
         return super().store(key, value, expiration_time, subkey)
 
     def store_subkey(self, key: DHTID, subkey: Any, value: bytes, expiration_time: float) -> bool:
@@ -256,7 +275,10 @@ class ProtectedStorage(DHTLocalStorage):
             reason = (policy.refusal(subkey, len(value), STORE_SENDER.get())
                       or self._too_late(expiration_time, policy) or self._over_limit(key, subkey, policy))
             if reason is not None:
-                return self._refuse(policy, reason)
+                return self._refuse(policy.name, reason)
+        reason = self._over_key_bound(key, subkey, value)
+        if reason is not None:
+            return self._refuse(policy.name if policy is not None else key, reason)
         return super().store_subkey(key, subkey, value, expiration_time)
 
     @staticmethod
@@ -267,19 +289,41 @@ class ProtectedStorage(DHTLocalStorage):
         return f"an expiration {expiration_time - get_dht_time():.0f} s ahead (at most {policy.max_lifetime:.0f})"
 
     def _over_limit(self, key: DHTID, subkey: Any, policy: KeyPolicy) -> Optional[str]:
-        current = self.get(key)
-        if current is None or not isinstance(current.value, DictionaryDHTValue) or subkey in current.value:
+        current = self._held_dictionary(key)
+        if current is None or subkey in current:
             return None
-        return f"a subkey beyond the {policy.max_subkeys} held" if len(current.value) >= policy.max_subkeys else None
+        return f"a subkey beyond the {policy.max_subkeys} held" if len(current) >= policy.max_subkeys else None
+
+    def _over_key_bound(self, key: DHTID, subkey: Any, value: bytes) -> Optional[str]:
+        """Why storing this entry would take the key past what one reply carries readably, or None."""
+        current = self._held_dictionary(key)
+        if current is None:
+            return None if entry_bytes(subkey, value) <= MAX_KEY_BYTES else f"an entry over {MAX_KEY_BYTES} bytes"
+        if subkey not in current and len(current) >= MAX_KEY_SUBKEYS:
+            return f"a subkey beyond the {MAX_KEY_SUBKEYS} any key holds"
+        total = entry_bytes(subkey, value) + sum(entry_bytes(held, item.value) for held, item in current.items()
+                                                 if held != subkey)
+        return f"{total} bytes under one key (at most {MAX_KEY_BYTES})" if total > MAX_KEY_BYTES else None
+
+    def _held_dictionary(self, key: DHTID) -> Optional[DictionaryDHTValue]:
+        current = self.get(key)
+        return current.value if current is not None and isinstance(current.value, DictionaryDHTValue) else None
 
     @staticmethod
-    def _refuse(policy: KeyPolicy, reason: str) -> bool:
-        logger.debug("refusing %s under %s", reason, policy.name)
+    def _refuse(name: Any, reason: str) -> bool:
+        logger.debug("refusing %s under %s", reason, name)
         return False
 
 
+def entry_bytes(subkey: Any, value: bytes) -> int:
+    """What one dictionary entry adds to a reply carrying its key."""
+    raw = subkey_bytes(subkey)
+    size = len(raw) if raw is not None else len(MSGPackSerializer.dumps(subkey))
+    return size + len(value) + ENTRY_OVERHEAD_BYTES
+
+
 def protect_storage(storages: list[DHTLocalStorage], policies: Mapping[bytes, KeyPolicy]) -> None:
-    """Make each storage a :class:`ProtectedStorage` with ``policies`` (by key hash)."""
+    """Make each storage a :class:`ProtectedStorage` with ``policies`` (by key hash; none still bounds every key)."""
     for storage in storages:
         storage.__class__ = ProtectedStorage
         storage.policies = dict(policies)

@@ -9,7 +9,7 @@ import pytest
 
 from swarm.client import DistributedDiffusionLM, MissingBlocksError
 from swarm.frontend.local import DiffusionLM
-from tests.conftest import fast_server, make_checkpoint, start_all, stop_all, swarm_client, tiny_config
+from tests.conftest import fast_server, make_checkpoint, start_all, stop_all, swarm_client, tiny_config, wait_until
 
 SETTINGS = dict(gen_length=16, steps=16, block_length=8, seed=7, temperature=0.7)
 FAST = dict(gen_length=16, steps=4, block_length=8, temperature=0.7)
@@ -80,7 +80,7 @@ def test_eight_clients_at_once_against_one_server_all_correct(local_swarm, tmp_p
     """More requests at once than the server takes: it refuses the excess as busy, the clients wait for it (it
     holds every block, nobody else does) and all get their tokens."""
     path = make_checkpoint(tmp_path / "busy", tiny_config(), seed=5)
-    server = local_swarm.start_server(str(path), "0:4", "--compute-threads", "1", "--max-concurrent-requests", "3")
+    server = local_swarm.start_server(str(path), "0:4", "--compute-threads", "1", "--max-concurrent-requests", "2")
     reference = DiffusionLM.from_pretrained(path)
     shared = swarm_client(local_swarm, path)
     clients = [shared] + [DistributedDiffusionLM.from_pretrained(path, dht=shared.dht) for _ in range(7)]
@@ -101,9 +101,18 @@ def test_eight_clients_at_once_against_one_server_all_correct(local_swarm, tmp_p
 
     try:
         refused_before = refused()
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
-        for thread in threads:
-            thread.start()
+        # The clients' first calls must meet at the server however busy this machine is: held (SIGSTOP; its libp2p
+        # daemon still takes the streams) until every client has sent one, they arrive together.
+        sent_before = [lm.caller.calls for lm in clients]
+        local_swarm.signal(server, signal.SIGSTOP)
+        try:
+            threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+            for thread in threads:
+                thread.start()
+            assert wait_until(lambda: all(lm.caller.calls > before for lm, before in zip(clients, sent_before)),
+                              timeout=60)
+        finally:
+            local_swarm.signal(server, signal.SIGCONT)
         for thread in threads:
             thread.join(timeout=240)
         assert not errors, errors

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -29,14 +30,16 @@ from swarm.diffusion.composition import (
     summarize,
     validate_tau,
 )
-from swarm.diffusion.config import GenerationConfig
+from swarm.diffusion.config import MAX_EXPERT_TOP_K, GenerationConfig
+from swarm.diffusion.experts import block_log_probs, expert_scores
 from swarm.diffusion.pipeline import DenoiserCalls
+from swarm.diffusion.sparse import SparseScores
 from swarm.frontend.local import DiffusionLM
 from swarm.models.tokenizer import ByteTokenizer
 from swarm.wire.encoding import collect_response, expert_query_message
 from swarm.wire.messages import ErrorCode, ExpertQuery, RemoteError
 from swarm.wire.services import SpanService
-from tests.conftest import make_checkpoint, tiny_config
+from tests.conftest import make_checkpoint, tiny_config, wait_until
 
 SETTINGS = dict(gen_length=16, steps=8, block_length=8)
 
@@ -157,6 +160,20 @@ def test_stale_pipelining_queries_experts_once_per_call(local_lm, alpha_path):
     composed = local_lm.generate("Hello there", experts={str(alpha_path): 0.7}, expert_tau=3.0, staleness=2,
                                  **SETTINGS)
     assert composed.sequence.tolist() == events[-1].tokens.tolist()
+
+
+@pytest.mark.parametrize("top_k", [0, 16])
+def test_windows_and_drafts_crossing_a_block_compose_each_row_at_its_own_block(local_lm, alpha_path, top_k):
+    """A Picard window's or a draft's later rows may decide the next block: each is composed there, as the
+    sequential run composes it, so the tokens are the sequential run's (rows composed at the first row's block
+    gave other tokens)."""
+    kwargs = dict(experts={str(alpha_path): 0.7}, expert_tau=3.0, expert_top_k=top_k, gen_length=16, steps=16,
+                  block_length=4)
+    for seed in range(4):
+        sequential = local_lm.generate("Hello there", seed=seed, **kwargs)
+        for fast in (dict(parallel_window=4), dict(draft_steps=3)):
+            assert local_lm.generate("Hello there", seed=seed, **fast, **kwargs).token_ids == sequential.token_ids, \
+                (seed, fast)
 
 
 @pytest.mark.parametrize(
@@ -321,6 +338,10 @@ HOSTILE = {
     "forged huge shape": (forged_shape, ErrorCode.TOO_LARGE),
     "longer than the context": (lambda: request(tokens=torch.zeros(1, 600, dtype=torch.long), start=0, end=1),
                                 ErrorCode.TOO_LARGE),
+    "top_k over the bound": (lambda: request(top_k=MAX_EXPERT_TOP_K + 1), ErrorCode.BAD_REQUEST),
+    "negative top_k": (lambda: request(top_k=-1), ErrorCode.BAD_REQUEST),
+    "top_k as text": (lambda: request(top_k="64"), ErrorCode.BAD_REQUEST),
+    "top_k as a float": (lambda: request(top_k=2.5), ErrorCode.BAD_REQUEST),
 }
 
 
@@ -330,6 +351,43 @@ def test_hostile_expert_requests_get_structured_errors(expert_server, remote_lm,
     with pytest.raises(RemoteError) as caught:
         call_expert(remote_lm, expert_server.peer_id, make())
     assert caught.value.code == code
+
+
+def test_a_sparse_answer_is_the_local_top_k_exactly_and_small(expert_server, remote_lm, alpha_path):
+    """The server's top-k answer, checked as the client checks it, holds the very numbers the local expert gives
+    (one function on both sides), at k x 8 bytes per position."""
+    from swarm.frontend.local import DiffusionLM
+
+    tokens = torch.randint(0, 256, (2, 10))
+    message = request(tokens=tokens, top_k=16)
+    scores, metadata = call_expert(remote_lm, expert_server.peer_id, message)
+    answer = SparseScores.from_wire(scores, metadata["prompts"], ByteTokenizer.vocab_size)
+    answer.check((2, 4), 16)
+    local = expert_scores(block_log_probs(DiffusionLM.from_pretrained(alpha_path).logits(tokens), 2, 6), 16)
+    assert torch.equal(answer.ids, local.ids) and torch.equal(answer.log_probs, local.log_probs)
+    assert torch.equal(answer.rest, local.rest)
+    assert scores.numel() * 4 + metadata["prompts"].numel() * 4 == 2 * 4 * (16 * 8 + 4)
+
+
+def test_a_server_whose_sparse_answers_are_malformed_is_banned_and_replaced(local_swarm, expert_server, remote_lm,
+                                                                           local_lm, alpha_path, tiny_model_path):
+    """A server announced fastest for ``alpha`` answers malformed top-k scores: refused, banned, failed over to
+    the honest server; the tokens are the local run's."""
+    liar = local_swarm.start_server(str(tiny_model_path), None, "--expert", f"alpha={alpha_path}", "--throughput",
+                                    "1000000", "--compute-threads", "1", name="lying-expert",
+                                    entry=(str(Path(__file__).with_name("lying_expert_server.py")),))
+    try:
+        assert wait_until(lambda: liar.peer_id in read_expert_records(remote_lm.dht, remote_lm.prefix, "alpha"),
+                          timeout=30)
+        remote = remote_lm.generate("Hello", experts={"alpha": 0.7}, expert_top_k=16, **SETTINGS)
+        local = local_lm.generate("Hello", experts={str(alpha_path): 0.7}, expert_top_k=16, **SETTINGS)
+        assert remote.token_ids == local.token_ids and remote.info["warnings"] == []
+        source = remote.info["experts"]["sources"]["alpha"]
+        assert source["used"][0] == liar.peer_id and source["used"][-1] == expert_server.peer_id
+        assert "sparse answer refused" in source["failovers"][0]["error"], source["failovers"]
+        assert not remote_lm.sequence.health.usable(liar.peer_id)
+    finally:
+        local_swarm.terminate(liar)
 
 
 def test_expert_rpc_answers_and_forward_is_refused_on_an_expert_only_server(expert_server, remote_lm, alpha_path):

@@ -10,6 +10,7 @@ import json
 import math
 from typing import Any
 
+import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hivemind.utils import MSGPackSerializer, get_dht_time
 from hypothesis import HealthCheck, given, settings
@@ -206,3 +207,112 @@ def test_published_adapter_fields(changes):
 @given(junk)
 def test_published_adapter_whole_payloads(body):
     check_adapter(body)
+
+
+# ----- an expert's sparse answer (swarm.diffusion.sparse), as the client checks it -------------------------------
+SPARSE_VOCAB = 40
+
+
+def _honest_sparse(k: int = 6, seed: int = 0):
+    import torch
+
+    from swarm.diffusion.sparse import SparseScores
+
+    generator = torch.Generator().manual_seed(seed)
+    log_probs = torch.log_softmax(torch.randn(2, 3, SPARSE_VOCAB, generator=generator) * 3, dim=-1)
+    return SparseScores.top_k(log_probs, k)
+
+
+def _corrupt(kind: str):
+    import torch
+
+    from swarm.diffusion.sparse import SparseScores
+
+    answer = _honest_sparse()
+    ids, scores, rest = answer.ids.clone(), answer.log_probs.clone(), answer.rest.clone()
+    if kind == "duplicate id":
+        ids[..., 1] = ids[..., 0]
+    elif kind == "id past the vocabulary":
+        ids[..., -1] = SPARSE_VOCAB
+    elif kind == "negative id":
+        ids[..., 0] = -1
+    elif kind == "unsorted ids":
+        ids = ids.flip(-1)
+    elif kind == "log-probability above 0":
+        scores[..., 0] = 0.5
+    elif kind == "NaN score":
+        scores[..., 0] = float("nan")
+    elif kind == "NaN rest":
+        rest[..., 0] = float("nan")
+    elif kind == "rest that does not fit":
+        rest = torch.zeros_like(rest)
+    elif kind == "more ids than asked":
+        return answer, 5
+    elif kind == "float ids":
+        ids = ids.float()
+    return SparseScores(ids, scores, rest, SPARSE_VOCAB), 6
+
+
+SPARSE_LIES = ["duplicate id", "id past the vocabulary", "negative id", "unsorted ids", "log-probability above 0",
+               "NaN score", "NaN rest", "rest that does not fit", "more ids than asked", "float ids"]
+
+
+def test_an_honest_sparse_answer_passes():
+    _honest_sparse().check((2, 3), 6)
+
+
+@pytest.mark.parametrize("kind", SPARSE_LIES)
+def test_each_lie_in_a_sparse_answer_is_refused(kind):
+    answer, asked = _corrupt(kind)
+    with pytest.raises(ValueError):
+        answer.check((2, 3), asked)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(k=st.integers(1, 8), ids=st.lists(st.integers(-3, SPARSE_VOCAB + 3), min_size=8, max_size=8),
+       scores=st.lists(st.floats(allow_nan=True, allow_infinity=True, width=32), min_size=8, max_size=8),
+       rest=st.floats(allow_nan=True, allow_infinity=True, width=32))
+def test_any_sparse_answer_is_refused_or_gives_a_distribution(k, ids, scores, rest):
+    """Whatever a server sends: ``check`` raises ValueError, or the answer fills in to a row of probabilities
+    summing to 1 with no NaN, for any backbone row."""
+    import torch
+
+    from swarm.diffusion.sparse import SparseScores
+
+    answer = SparseScores(torch.tensor([ids[:k]]), torch.tensor([scores[:k]]), torch.tensor([rest]), SPARSE_VOCAB)
+    try:
+        answer.check((1,), k)
+    except ValueError:
+        return
+    base = torch.randn(1, SPARSE_VOCAB)
+    dense = answer.dense(base)
+    assert not torch.isnan(dense).any()
+    assert abs(float(dense.logsumexp(-1))) < 1e-2
+
+
+@given(st.integers(1, SPARSE_VOCAB + 5), st.integers(0, 100))
+def test_top_k_is_always_a_valid_answer_and_whole_at_the_vocabulary(k, seed):
+    import torch
+
+    from swarm.diffusion.sparse import SparseScores
+
+    answer = _honest_sparse(k, seed)
+    answer.check((2, 3), k)
+    scores, ids = answer.wire_tensors()
+    again = SparseScores.from_wire(scores, ids, SPARSE_VOCAB)
+    assert torch.equal(again.ids, answer.ids) and torch.equal(again.log_probs, answer.log_probs)
+    if k >= SPARSE_VOCAB:
+        full = torch.log_softmax(torch.randn(2, 3, SPARSE_VOCAB, generator=torch.Generator().manual_seed(seed)) * 3,
+                                 dim=-1)
+        assert torch.equal(answer.dense(torch.zeros(2, 3, SPARSE_VOCAB)), full)
+
+
+def test_sparse_wire_tensors_that_are_not_one_answer_are_refused():
+    import torch
+
+    from swarm.diffusion.sparse import SparseScores
+
+    with pytest.raises(ValueError):
+        SparseScores.from_wire(torch.zeros(2, 3, 7), torch.zeros(2, 3, 7, dtype=torch.int32), SPARSE_VOCAB)
+    with pytest.raises(ValueError):
+        SparseScores.from_wire(torch.zeros(2, 4, 7), torch.zeros(2, 3, 6, dtype=torch.int32), SPARSE_VOCAB)

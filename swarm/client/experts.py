@@ -13,7 +13,7 @@ import asyncio
 import concurrent.futures
 import logging
 import time
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Optional, Union
 
 import torch
 from hivemind.dht import DHT
@@ -25,6 +25,7 @@ from swarm.dht.compatibility import CompatibilityTag, IncompatibleExpertError
 from swarm.dht.schema import ExpertRecord, ServerState, expert_index_key, read_expert_records
 from swarm.diffusion.denoiser import DenoiseContext, Pending
 from swarm.diffusion.experts import ExpertNotFoundError, ExpertUnavailable
+from swarm.diffusion.sparse import SparseScores
 from swarm.utils.event_loop import BackgroundLoop
 from swarm.wire.messages import ErrorCode, ExpertQuery, RemoteError
 from swarm.wire.remote import RemoteCaller
@@ -58,7 +59,7 @@ class PendingRemote(Pending):
         self.first_peer = expert.pick(frozenset())
         self.first = expert.start(self.first_peer, request) if self.first_peer else None
 
-    def result(self) -> torch.Tensor:
+    def result(self) -> Union[torch.Tensor, SparseScores]:
         expert = self.expert
         budget = RetryBudget(expert.config)
         try:
@@ -83,7 +84,7 @@ class PendingRemote(Pending):
             raise ExpertUnavailable(f"no server of expert {self.expert.domain!r} is left")
         return peer
 
-    def _attempt(self, peer: str) -> torch.Tensor:
+    def _attempt(self, peer: str) -> Union[torch.Tensor, SparseScores]:
         """The answer of ``peer``: the query started at submit time when it went there, else a new one."""
         future = self.first if peer == self.first_peer and self.first is not None else None
         self.first = None  # a pre-started query is waited for once
@@ -99,8 +100,9 @@ class RemoteExpert:
     """One expert domain served by the swarm (see the module's docstring)."""
 
     def __init__(self, domain: str, servers: Iterable[ExpertRecord], caller: RemoteCaller, loop: BackgroundLoop,
-                 health: PeerHealth, config: ClientConfig):
+                 health: PeerHealth, config: ClientConfig, vocab_size: int):
         self.domain = domain
+        self.vocab_size = vocab_size  # the backbone's: an answer over another vocabulary is the server's failure
         self.servers = list(servers)
         self.caller, self.loop, self.health, self.config = caller, loop, health, config
         self.failed_peers: set[str] = set()
@@ -120,9 +122,10 @@ class RemoteExpert:
             self.used.append(peer_id)
         work = request.tokens.numel()
 
-        async def query() -> torch.Tensor:
+        async def query() -> Union[torch.Tensor, SparseScores]:
             started = time.perf_counter()
-            log_probs = await self.caller.expert_logits(peer_id, request, self.health.timeout(peer_id, work, "expert"))
+            log_probs = await self.caller.expert_logits(peer_id, request, self.health.timeout(peer_id, work, "expert"),
+                                                        self.vocab_size)
             self.health.record_success(peer_id, time.perf_counter() - started, work, "expert")
             return log_probs
 
@@ -134,8 +137,9 @@ class RemoteExpert:
         self.failed_peers.add(peer_id)
         self.failovers.append(FailoverEvent(peer_id, -1, f"expert {self.domain}: {error}"))
 
-    def submit(self, tokens: torch.Tensor, context: DenoiseContext) -> PendingRemote:
-        request = ExpertQuery(self.domain, tokens, context.block_start, context.block_end, step=context.steps[0])
+    def submit(self, tokens: torch.Tensor, context: DenoiseContext, top_k: int = 0) -> PendingRemote:
+        request = ExpertQuery(self.domain, tokens, context.block_start, context.last_block_end,
+                              step=context.steps[0], top_k=top_k)
         return PendingRemote(self, request)
 
     def to_dict(self) -> dict[str, Any]:
@@ -159,6 +163,6 @@ def open_remote_experts(
                 raise
             warnings.append(f"{error} (skipped)")
             continue
-        sources[name] = RemoteExpert(name, servers, caller, loop, health, config)
+        sources[name] = RemoteExpert(name, servers, caller, loop, health, config, backbone.vocab_size)
     logger.info("experts %s over %s (%.2f s to find)", ", ".join(sources) or "none", prefix, time.monotonic() - started)
     return sources, warnings

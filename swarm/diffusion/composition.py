@@ -16,12 +16,12 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections import OrderedDict
-from typing import Any, Iterator, Mapping, Optional, Sequence
+from typing import Any, Iterator, Mapping, Optional, Sequence, Union
 
 import torch
 
 from swarm.diffusion.auto_experts import AUTO_RULES, auto_experts, expert_weights
-from swarm.diffusion.config import GenerationConfig
+from swarm.diffusion.config import DEFAULT_EXPERT_TOP_K, GenerationConfig
 from swarm.diffusion.corrector import CorrectorSampler
 from swarm.diffusion.denoiser import AnyDenoiser, DenoiseContext, ExpertsFirst, Pending
 from swarm.diffusion.experts import (
@@ -30,6 +30,7 @@ from swarm.diffusion.experts import (
     ExpertUnavailable,
     InProcessExpert,
     block_log_probs,
+    expert_scores,
 )
 from swarm.diffusion.mixture import (
     DEFAULT_TAU,
@@ -41,16 +42,26 @@ from swarm.diffusion.mixture import (
     validate_weights,
 )
 from swarm.diffusion.sampler import DiffusionSampler
+from swarm.diffusion.sparse import SparseScores
 
 __all__ = [
     "AUTO_RULES", "DEFAULT_TAU", "Composed", "Composition", "CorrectorSampler", "ExpertNotFoundError", "ExpertSource",
-    "ExpertTerm", "ExpertUnavailable", "ExpertsFirst", "InProcessExpert", "auto_experts", "block_log_probs", "compose",
-    "expert_weights", "summarize", "validate_tau", "validate_weights",
+    "ExpertTerm", "ExpertUnavailable", "ExpertsFirst", "InProcessExpert", "SparseScores", "auto_experts",
+    "block_log_probs", "compose", "expert_scores", "expert_weights", "summarize", "validate_tau", "validate_weights",
 ]
 
 logger = logging.getLogger(__name__)
 
 MAX_PENDING_CALLS = 16  # expert queries kept for calls in flight; older ones belong to dropped calls
+
+
+def answer_rows(answer: Union[torch.Tensor, SparseScores], row: int, start: int, end: int
+                ) -> Union[torch.Tensor, SparseScores]:
+    """Row ``row``'s positions ``start:end`` of an expert's answer (as a batch of one)."""
+    if isinstance(answer, SparseScores):
+        return SparseScores(answer.ids[row:row + 1, start:end], answer.log_probs[row:row + 1, start:end],
+                            answer.rest[row:row + 1, start:end], answer.vocab_size)
+    return answer[row:row + 1, start:end]
 
 
 class Composition:
@@ -64,7 +75,7 @@ class Composition:
     def __init__(
         self, sources: Mapping[str, ExpertSource], weights: Mapping[str, float], generation: GenerationConfig,
         mask_token_id: int, *, tau: float = DEFAULT_TAU, corrector_steps: int = 0, warnings: Sequence[str] = (),
-        auto: bool = False,
+        auto: bool = False, top_k: int = DEFAULT_EXPERT_TOP_K,
     ):
         self.weights = validate_weights(weights)
         missing = set(self.weights) - set(sources)
@@ -72,6 +83,9 @@ class Composition:
             raise ValueError(f"no source for experts {sorted(missing)}")
         self.sources = dict(sources)
         self.tau = validate_tau(tau)
+        if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+            raise ValueError(f"expert_top_k must be an integer >= 0 (0: the whole vocabulary), got {top_k!r}")
+        self.top_k = top_k
         if isinstance(corrector_steps, bool) or not isinstance(corrector_steps, int) or corrector_steps < 0:
             raise ValueError(f"corrector_steps must be an integer >= 0, got {corrector_steps!r}")
         if corrector_steps and (generation.parallel_window != 1 or generation.draft_steps or generation.staleness):
@@ -110,12 +124,16 @@ class Composition:
         names = self.active()
         if names:
             rows = tokens[: len(context.steps)]
-            self._pending[id(context)] = (context, {name: self.sources[name].submit(rows, context) for name in names})
+            self._pending[id(context)] = (context, {name: self.sources[name].submit(rows, context, self.top_k)
+                                                    for name in names})
             while len(self._pending) > MAX_PENDING_CALLS:  # calls dropped uncollected (overturned guesses)
                 self._pending.popitem(last=False)
 
     def hook(self, logits: torch.Tensor, states: torch.Tensor, context: DenoiseContext) -> torch.Tensor:
-        """Compose the block's logits with every active expert's log-probabilities; record telemetry."""
+        """Compose each row's block of logits with every active expert's log-probabilities; record telemetry.
+
+        Row by row, each at the block it decides (a Picard window's later rows may be in the next block), so that
+        a row composes exactly as it would alone: what keeps a window's tokens those of the sequential run."""
         pending = self._take(states, context)
         answers = {}
         for name, job in pending.items():
@@ -123,13 +141,17 @@ class Composition:
                 answers[name] = job.result()
             except ExpertUnavailable as error:
                 self._drop(name, context.steps[0], error)
-        start, end = context.block_start, context.block_end
-        composed = None
         if answers:
-            composed = compose(logits[:, start:end], answers, self.weights, self.tau)
             logits = logits.clone()
-            logits[:, start:end] = composed.log_probs.to(logits.dtype)
-        self._record(composed, states[:, start:end] == self.mask_token_id, context)
+        for row, step in enumerate(context.steps):
+            start, end = context.block_of(row)
+            composed = None
+            if answers:
+                mine = {name: answer_rows(answer, row, start - context.block_start, end - context.block_start)
+                        for name, answer in answers.items()}
+                composed = compose(logits[row:row + 1, start:end], mine, self.weights, self.tau)
+                logits[row, start:end] = composed.log_probs[0].to(logits.dtype)
+            self._record(composed, states[row:row + 1, start:end] == self.mask_token_id, step)
         return logits
 
     def _take(self, states: torch.Tensor, context: DenoiseContext) -> dict[str, Pending]:
@@ -137,7 +159,7 @@ class Composition:
         if started is not None and started[0] is context:
             return started[1]
         # the hook ran without the wrapped denoiser (a caller's own sampler): query now
-        return {name: self.sources[name].submit(states, context) for name in self.active()}
+        return {name: self.sources[name].submit(states, context, self.top_k) for name in self.active()}
 
     def _drop(self, name: str, step: int, error: BaseException) -> None:
         self.dropped.add(name)
@@ -146,18 +168,16 @@ class Composition:
         logger.warning(message)
 
     # ----- telemetry --------------------------------------------------------------------------------
-    def _record(self, composed: Optional[Composed], masked: torch.Tensor, context: DenoiseContext) -> None:
-        for row, step in enumerate(context.steps):
-            terms = {name: ExpertTerm(0.0, 0.0, False, 0.0, dropped=name in self.dropped) for name in self.weights}
-            if composed is not None:
-                where = torch.zeros_like(masked)
-                where[row] = masked[row]
-                terms.update(summarize(composed, self.weights, where))
-            entry = {name: term.to_dict() for name, term in terms.items()}
-            if self._correcting:
-                self.records.setdefault(step, {}).setdefault("corrector", []).append({"experts": entry})
-            else:  # a Picard window may evaluate a step again from the exact state: the last one counts
-                self.records[step] = {"experts": entry}
+    def _record(self, composed: Optional[Composed], masked: torch.Tensor, step: int) -> None:
+        """One row's telemetry (``masked``: its block's masked positions, shape (1, block))."""
+        terms = {name: ExpertTerm(0.0, 0.0, False, 0.0, dropped=name in self.dropped) for name in self.weights}
+        if composed is not None:
+            terms.update(summarize(composed, self.weights, masked))
+        entry = {name: term.to_dict() for name, term in terms.items()}
+        if self._correcting:
+            self.records.setdefault(step, {}).setdefault("corrector", []).append({"experts": entry})
+        else:  # a Picard window may evaluate a step again from the exact state: the last one counts
+            self.records[step] = {"experts": entry}
 
     @contextlib.contextmanager
     def correcting(self) -> Iterator[None]:
@@ -181,7 +201,7 @@ class Composition:
     def info(self) -> dict[str, Any]:
         """The request's expert settings, for ``GenerationResult.info["experts"]``."""
         return {
-            "weights": dict(self.weights), "tau": self.tau, "corrector_steps": self.corrector_steps,
-            "auto": self.auto, "dropped": sorted(self.dropped),
+            "weights": dict(self.weights), "tau": self.tau, "top_k": self.top_k,
+            "corrector_steps": self.corrector_steps, "auto": self.auto, "dropped": sorted(self.dropped),
             "sources": {name: source.to_dict() for name, source in self.sources.items()},
         }

@@ -53,6 +53,10 @@ MAX_EXPERT_WEIGHT = 10.0
 MAX_EXPERT_TAU = 1000.0  # log-probability gaps never come near this: 1000 is "no clipping"
 MAX_CORRECTOR_STEPS = 8  # each one is one more denoiser call per step
 DEFAULT_TAU = 10.0  # the experts' clipping bound by default (swarm.diffusion.mixture), in nats
+# Tokens per position an expert answers (swarm.diffusion.sparse); 0 asks for the whole vocabulary. The default
+# keeps an answer for a 32-position block of LLaDA-8B at 32 x 64 x 8 bytes = 16 KiB instead of 16 MB.
+DEFAULT_EXPERT_TOP_K = 64
+MAX_EXPERT_TOP_K = 4096  # beyond, ask for the whole vocabulary (0)
 MEMORY_FRACTION = 0.25  # of this machine's memory, for one request's denoiser calls (the default budget)
 FALLBACK_MEMORY_BYTES = 4 << 30  # when the machine's memory cannot be read
 

@@ -28,6 +28,18 @@ class DenoiseContext:
     block_end: int
     prompt_length: int
     head: Optional[HeadQuery] = None
+    # Each row's own block when they differ (a Picard window or drafts crossing into the next block); empty: every
+    # row decides block_start:block_end.
+    row_blocks: tuple[tuple[int, int], ...] = ()
+
+    def block_of(self, row: int) -> tuple[int, int]:
+        """The positions row ``row`` decides."""
+        return self.row_blocks[row] if self.row_blocks else (self.block_start, self.block_end)
+
+    @property
+    def last_block_end(self) -> int:
+        """The end of the last block any row decides: what expert queries cover, from ``block_start``."""
+        return max((end for _, end in self.row_blocks), default=self.block_end)
 
 
 class Denoiser(Protocol):

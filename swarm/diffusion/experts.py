@@ -5,11 +5,12 @@ result, so that a remote expert (``swarm.client.experts.RemoteExpert``) computes
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Protocol, Union
 
 import torch
 
 from swarm.diffusion.denoiser import DenoiseContext, Pending, Ready
+from swarm.diffusion.sparse import SparseScores
 from swarm.utils.errors import EXIT_NOT_SERVED, SwarmError
 
 
@@ -24,11 +25,13 @@ class ExpertUnavailable(SwarmError, RuntimeError):
 
 
 class ExpertSource(Protocol):
-    def submit(self, tokens: torch.Tensor, context: DenoiseContext) -> Pending:
-        """Start scoring the block ``context.block_start:block_end`` of each row of ``tokens`` (batch, length).
+    def submit(self, tokens: torch.Tensor, context: DenoiseContext, top_k: int = 0) -> Pending:
+        """Start scoring positions ``context.block_start:last_block_end`` of each row of ``tokens`` (batch, length):
+        every block a row decides.
 
-        The result is the log-probabilities (batch, block_end - block_start, vocab); it raises
-        :class:`ExpertUnavailable` when none come.
+        The result is the log-probabilities (batch, positions, vocab), or with ``top_k`` above 0 each
+        position's ``top_k`` most likely tokens (:class:`~swarm.diffusion.sparse.SparseScores`, made by
+        :func:`expert_scores`); it raises :class:`ExpertUnavailable` when none come.
         """
         ...
 
@@ -42,6 +45,13 @@ def block_log_probs(logits: torch.Tensor, start: int, end: int) -> torch.Tensor:
     return torch.log_softmax(logits[:, start:end].float(), dim=-1)
 
 
+def expert_scores(log_probs: torch.Tensor, top_k: int) -> Union[torch.Tensor, SparseScores]:
+    """What an expert answers for ``log_probs`` (from :func:`block_log_probs`): all of them (``top_k`` 0) or each
+    position's ``top_k`` most likely tokens; one function for in-process experts and expert servers, so that local
+    and swarm compositions see the same numbers."""
+    return SparseScores.top_k(log_probs, top_k) if top_k > 0 else log_probs
+
+
 class InProcessExpert:
     """An expert model running in this process (``swarm.DiffusionLM``'s experts)."""
 
@@ -49,8 +59,9 @@ class InProcessExpert:
         self.logits = logits
         self.label = label
 
-    def submit(self, tokens: torch.Tensor, context: DenoiseContext) -> Pending:
-        return Ready(block_log_probs(self.logits(tokens), context.block_start, context.block_end))
+    def submit(self, tokens: torch.Tensor, context: DenoiseContext, top_k: int = 0) -> Pending:
+        return Ready(expert_scores(block_log_probs(self.logits(tokens), context.block_start,
+                                                   context.last_block_end), top_k))
 
     def to_dict(self) -> dict[str, Any]:
         return {"model": self.label}

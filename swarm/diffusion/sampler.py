@@ -171,8 +171,10 @@ class DiffusionSampler:
         return self.block_bounds(block if block is not None else self.config.num_blocks - 1)
 
     def context(self, states: torch.Tensor, steps: Sequence[int]) -> DenoiseContext:
-        start, end = self.decided_block(states[0])
-        return DenoiseContext(tuple(steps), start, end, self.prompt_length, self.head_query(states, steps))
+        blocks = tuple(self.decided_block(state) for state in states[:len(steps)])
+        start, end = blocks[0]
+        return DenoiseContext(tuple(steps), start, end, self.prompt_length, self.head_query(states, steps),
+                              blocks if len(set(blocks)) > 1 else ())
 
     def head_query(self, states: torch.Tensor, steps: Sequence[int]) -> Optional[HeadQuery]:
         """What a head server needs to predict these states' steps (None when this sampler needs logits)."""

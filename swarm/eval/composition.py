@@ -1,8 +1,9 @@
 """``python -m swarm.eval.composition --task addition --expert addition --weight 1.0``: does composing help?
 
 On a task's held-out problems, exact-match accuracy of the backbone alone, the expert alone, and the
-backbone composed with the expert at each given weight (same problems, same seeded greedy sampler, all in
-this process). The composition is the one ``generate(..., experts={name: weight})`` runs for a user.
+backbone composed with the expert at each given weight and each given ``--top-k`` (tokens per position the
+expert answers; 0: all of them) (same problems, same seeded greedy sampler, all in this process). The
+composition is the one ``generate(..., experts={name: weight})`` runs for a user.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import click
 import torch
 from tqdm.auto import tqdm
 
+from swarm.diffusion.config import DEFAULT_EXPERT_TOP_K, MAX_EXPERT_TOP_K
 from swarm.diffusion.mixture import DEFAULT_TAU
 from swarm.frontend.lm import BaseDiffusionLM
 from swarm.frontend.local import DiffusionLM
@@ -47,14 +49,14 @@ class Row:
 
 
 def score(lm: BaseDiffusionLM, problems: Sequence[Problem], name: str, *, seed: int, tau: float,
-          experts: Optional[dict[str, float]] = None, corrector_steps: int = 0, progress: bool = False,
-          keep: int = 3) -> Row:
+          experts: Optional[dict[str, float]] = None, corrector_steps: int = 0, top_k: int = DEFAULT_EXPERT_TOP_K,
+          progress: bool = False, keep: int = 3) -> Row:
     """Exact match of the generated text (cut at EOS) with each answer, prompts laid out as in training."""
     started = time.perf_counter()
     correct, clipped, steps, samples = 0, 0, 0, []
     for problem in tqdm(problems, desc=name, leave=False, disable=not progress):
         result = lm.generate(problem.prompt, experts=experts, expert_tau=tau, corrector_steps=corrector_steps,
-                             seed=seed, **ANSWER_SETTINGS)
+                             expert_top_k=top_k, seed=seed, **ANSWER_SETTINGS)
         correct += result.text == problem.answer
         steps += len(result.telemetry)
         clipped += sum(any(t["clipped"] for t in step.get("experts", {}).values()) for step in result.telemetry)
@@ -66,18 +68,21 @@ def score(lm: BaseDiffusionLM, problems: Sequence[Problem], name: str, *, seed: 
 
 def evaluate_composition(backbone: str, expert: str, task: str, weights: Sequence[float], *, examples: int = 200,
                          seed: int = 0, tau: float = DEFAULT_TAU, corrector_steps: int = 0,
-                         progress: bool = False) -> list[Row]:
-    """Rows for the backbone alone, the expert alone, then the composition at each weight."""
+                         top_ks: Sequence[int] = (DEFAULT_EXPERT_TOP_K,), progress: bool = False) -> list[Row]:
+    """Rows for the backbone alone, the expert alone, then the composition at each weight and each top k."""
     problems = TASKS[task]().problems(examples, seed, held_out=True)
     base_lm, expert_lm = DiffusionLM.from_pretrained(backbone), DiffusionLM.from_pretrained(expert)
     base_name, expert_name = Path(backbone).name, Path(expert).name  # short labels for paths
     rows = [score(base_lm, problems, f"backbone alone ({base_name})", seed=seed, tau=tau, progress=progress),
             score(expert_lm, problems, f"expert alone ({expert_name})", seed=seed, tau=tau, progress=progress)]
     for weight in weights:
-        row = score(base_lm, problems, f"{base_name} + {weight:g} x {expert_name}", experts={expert: weight},
-                    seed=seed, tau=tau, corrector_steps=corrector_steps, progress=progress)
-        row.experts = {expert_name: weight}
-        rows.append(row)
+        for top_k in top_ks:
+            shown = f"top {top_k}" if top_k else "whole vocabulary"
+            row = score(base_lm, problems, f"{base_name} + {weight:g} x {expert_name} ({shown})",
+                        experts={expert: weight}, seed=seed, tau=tau, corrector_steps=corrector_steps, top_k=top_k,
+                        progress=progress)
+            row.experts = {expert_name: weight}
+            rows.append(row)
     return rows
 
 
@@ -123,23 +128,28 @@ def markdown_table(rows: Sequence[Row]) -> list[str]:
     default=0,
     help="Predictor-corrector steps after each step of the compositions.",
 )
+@click.option("--top-k", "top_ks", type=click.IntRange(0, MAX_EXPERT_TOP_K), multiple=True,
+              default=(DEFAULT_EXPERT_TOP_K,),
+              help="Tokens per position the expert answers (repeatable: one row each per weight; 0: the whole "
+                   "vocabulary).")
 @click.option("--examples", type=int, default=200, help="Held-out problems scored.")
 @click.option("--seed", type=int, default=0, help="Seed of the problems and of the sampler.")
 @click.option("--threads", type=int, default=1, help="torch CPU threads (small models are fastest on one).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
 @click.option("--progress/--no-progress", default=True, help="Show progress bars on stderr.")
 def main(task: str, backbone: str, expert: str, weights: tuple[float, ...], tau: float, corrector_steps: int,
-         examples: int, seed: int, threads: int, as_json: bool, progress: bool) -> None:
+         top_ks: tuple[int, ...], examples: int, seed: int, threads: int, as_json: bool, progress: bool) -> None:
     """Accuracy on a task's held-out problems: backbone alone, expert alone, and their compositions."""
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(threads)
     try:
         paths = {"backbone": str(resolve_model_path(backbone)), "expert": str(resolve_model_path(expert))}
         rows = evaluate_composition(backbone, expert, task, weights, examples=examples, seed=seed, tau=tau,
-                                    corrector_steps=corrector_steps, progress=progress)
+                                    corrector_steps=corrector_steps, top_ks=top_ks, progress=progress)
     except (FileNotFoundError, ValueError) as error:
         raise click.UsageError(str(error)) from error
     settings: dict[str, Any] = dict(task=task, examples=examples, seed=seed, tau=tau, corrector_steps=corrector_steps,
+                                    top_ks=list(top_ks),
                                     **paths, **ANSWER_SETTINGS)
     if as_json:
         click.echo(json.dumps({"settings": settings, "rows": [dict(asdict(r), accuracy=r.accuracy) for r in rows]},

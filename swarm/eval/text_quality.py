@@ -192,6 +192,9 @@ def describe(quality: TextQuality, kind: str = "prose") -> str:
               help="Prose prompts (dictionary words, repeats) or Python prompts (code-shaped completions).")
 @click.option("--experts", default=None,
               help="Compose experts with the model: 'auto', or NAME=WEIGHT[,NAME=WEIGHT] (e.g. code=1).")
+@click.option("--expert-top-k", type=click.IntRange(min=0), default=None,
+              help="With --experts: tokens per position each expert answers (0: the whole vocabulary) "
+                   "[default: generate's].")
 @click.option("--sweep", is_flag=True,
               help=f"Try every remasking strategy at temperatures {', '.join(map(str, SWEEP_TEMPERATURES))} "
                    f"(seeds {', '.join(map(str, SWEEP_SEEDS))} each) instead of one setting.")
@@ -199,8 +202,8 @@ def describe(quality: TextQuality, kind: str = "prose") -> str:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
 @threads_option()
 def main(model: str, dictionary: str, gen_length: int, block_length: Optional[int], remasking: Optional[str],
-         temperature: Optional[float], kind: str, experts: Optional[str], sweep: bool, samples: int, as_json: bool,
-         threads: Optional[int]) -> None:
+         temperature: Optional[float], kind: str, experts: Optional[str], expert_top_k: Optional[int], sweep: bool,
+         samples: int, as_json: bool, threads: Optional[int]) -> None:
     """Generate from fixed prompts and report the share of dictionary words and the repeated word 3-grams."""
     from swarm.frontend.local import DiffusionLM
 
@@ -211,6 +214,8 @@ def main(model: str, dictionary: str, gen_length: int, block_length: Optional[in
     base = {"gen_length": gen_length, **({"block_length": block_length} if block_length else {})}
     if experts:
         base["experts"] = parse_experts(experts)
+        if expert_top_k is not None:
+            base["expert_top_k"] = expert_top_k
     given = {k: v for k, v in (("remasking", remasking), ("temperature", temperature)) if v is not None}
     prompts = CODE_PROMPTS if kind == "code" else PROMPTS
     if sweep:

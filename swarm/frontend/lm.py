@@ -258,6 +258,7 @@ class BaseDiffusionLM(ABC):
 
     def composition(
         self, generation: GenerationConfig, prompt_ids: Sequence[int], experts: Any, tau: float, corrector_steps: int,
+        top_k: int = 0,
     ) -> Optional[Composition]:
         """Experts and correctors of one request, or None when it asks for neither (the plain sampler)."""
         if experts is None and not corrector_steps:
@@ -266,7 +267,7 @@ class BaseDiffusionLM(ABC):
         sources, warnings = self.open_experts(list(weights), required=not auto) if weights else ({}, [])
         weights = {name: weight for name, weight in weights.items() if name in sources}
         return Composition(sources, weights, generation, self.config.mask_token_id, tau=tau,
-                           corrector_steps=corrector_steps, warnings=warnings, auto=auto)
+                           corrector_steps=corrector_steps, warnings=warnings, auto=auto, top_k=top_k)
 
     def check_request(self, prompt_ids: Optional[Sequence[int]] = None, **kwargs: Any) -> CheckedRequest:
         """Check every argument of a request (``generate``'s keywords) against its bound before any compute;
@@ -336,7 +337,8 @@ class BaseDiffusionLM(ABC):
 
         The request's other options (:class:`GenerationRequest`): ``experts`` composes expert models with the
         backbone at every step: ``{"code": 0.5}`` (weights >= 0) or ``"auto"`` (chosen from the prompt);
-        ``expert_tau`` bounds each expert's per-token shift; ``corrector_steps`` re-predicts the least confident
+        ``expert_tau`` bounds each expert's per-token shift; ``expert_top_k`` is how many tokens per position each
+        expert answers (0: the whole vocabulary); ``corrector_steps`` re-predicts the least confident
         decided tokens after each step. Per-step telemetry is in ``StreamChunk.telemetry`` and
         ``GenerationResult.telemetry`` (docs/EXPERTS.md). ``tier`` asks for a stricter safety tier than the
         prompt's own (docs/GOVERNANCE.md); a governance halt ends the stream with ``finish_reason == "halted"``
@@ -356,7 +358,7 @@ class BaseDiffusionLM(ABC):
         started = time.perf_counter()
         request_info = {**self.begin_request(prompt, prompt_ids, options.tier, plan), **plan.info()}
         composition = self.composition(generation, prompt_ids, options.experts, options.expert_tau,
-                                       options.corrector_steps)
+                                       options.corrector_steps, options.expert_top_k)
         adapter = self.load_adapter(options.adapter)
         if adapter is not None:
             check_fits(adapter, len(prompt_ids) + generation.gen_length, self.config.max_position_embeddings)

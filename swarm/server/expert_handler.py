@@ -11,6 +11,9 @@ from typing import Any
 
 from hivemind.proto import runtime_pb2
 
+from swarm.diffusion.config import MAX_EXPERT_TOP_K
+from swarm.diffusion.experts import expert_scores
+from swarm.diffusion.sparse import SparseScores
 from swarm.server.experts import ExpertBackend, HostedExpert
 from swarm.server.validation import MAX_SESSION_ID_LENGTH, require
 from swarm.wire.encoding import decode_tensor, parse_metadata, response_parts
@@ -25,13 +28,14 @@ PAYLOAD_SLACK_BYTES = 64 * 1024
 
 class ExpertHandler:
     def __init__(self, backend: ExpertBackend, *, max_batch_tokens: int, wire_dtype: str, request_timeout: float,
-                 max_response_scores: int = MAX_RESPONSE_SCORES):
+                 max_response_scores: int = MAX_RESPONSE_SCORES, max_top_k: int = MAX_EXPERT_TOP_K):
         self.backend = backend
         self.max_batch_tokens = max_batch_tokens
         self.max_payload_bytes = max_batch_tokens * 8 + PAYLOAD_SLACK_BYTES
         self.wire_dtype = wire_dtype
         self.request_timeout = request_timeout
         self.max_response_scores = max_response_scores
+        self.max_top_k = max_top_k
 
     @property
     def domains(self) -> list[str]:
@@ -48,8 +52,10 @@ class ExpertHandler:
         proto = request.tensors[0]
         batch, length = self._declared_shape(proto, expert)
         start, end = validate_expert_metadata(metadata, length)
-        require(batch * (end - start) * expert.config.vocab_size <= self.max_response_scores, ErrorCode.TOO_LARGE,
-                f"{batch} rows x {end - start} positions x {expert.config.vocab_size} tokens exceeds this server's "
+        top_k = validate_top_k(metadata, self.max_top_k)
+        scores = min(top_k, expert.config.vocab_size) if top_k else expert.config.vocab_size
+        require(batch * (end - start) * scores <= self.max_response_scores, ErrorCode.TOO_LARGE,
+                f"{batch} rows x {end - start} positions x {scores} tokens exceeds this server's "
                 f"answer limit of {self.max_response_scores} scores")
         tokens = decode_tensor(proto)
         require(tuple(tokens.shape) == (batch, length), ErrorCode.BAD_REQUEST,
@@ -58,7 +64,11 @@ class ExpertHandler:
                 f"token ids must be in [0, {expert.config.vocab_size})")
         log_probs = await asyncio.wait_for(self.backend.log_probs(expert, tokens, start, end, peer),
                                            self.request_timeout)
-        return response_parts(log_probs, self.wire_dtype)
+        answer = expert_scores(log_probs, top_k)
+        if isinstance(answer, SparseScores):  # the scores in float32 (a client checks that each row sums to 1)
+            scores, ids = answer.wire_tensors()
+            return response_parts(scores, "float32", {"top_k": answer.k}, second=ids)
+        return response_parts(answer, self.wire_dtype)
 
     def _expert(self, domain: Any) -> HostedExpert:
         require(isinstance(domain, str), ErrorCode.BAD_REQUEST, f"metadata 'domain' must be a string, got {domain!r}")
@@ -94,3 +104,11 @@ def validate_expert_metadata(metadata: dict[str, Any], length: int) -> tuple[int
             f"session_id must be a string of at most {MAX_SESSION_ID_LENGTH} characters")
     require(isinstance(metadata.get("step", -1), int), ErrorCode.BAD_REQUEST, "step must be an integer")
     return start, end
+
+
+def validate_top_k(metadata: dict[str, Any], max_top_k: int) -> int:
+    """The tokens per position asked for (0: all of them), within this server's bound."""
+    top_k = metadata.get("top_k", 0)
+    require(isinstance(top_k, int) and not isinstance(top_k, bool) and 0 <= top_k <= max_top_k, ErrorCode.BAD_REQUEST,
+            f"metadata 'top_k' must be an integer in [0, {max_top_k}] (0: every token), got {top_k!r}")
+    return top_k

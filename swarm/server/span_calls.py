@@ -110,4 +110,4 @@ class BackwardCalls:
                push_place: Optional[Grant] = None) -> Answer:
         """Gradients travel in float32, unrounded."""
         grad_input, grad_weights = grads
-        return response_parts(grad_input, AUTO_WIRE, held_note(received), prompts=grad_weights)
+        return response_parts(grad_input, AUTO_WIRE, held_note(received), second=grad_weights)

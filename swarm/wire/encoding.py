@@ -22,7 +22,9 @@ name it by :meth:`~swarm.adapters.block.BlockAdapter.digest` (``prompt_digest``)
 
 An expert request carries token ids (batch, length) int64 and asks a hosted expert model for the
 log-probabilities of positions ``start:end``; it is always small, while the answer (positions x vocabulary)
-may not be, so it comes back as a stream of parts counted the same way.
+may not be, so it comes back as a stream of parts counted the same way. With ``top_k`` in its metadata the answer
+is sparse (``swarm.diffusion.sparse``): float32 scores (positions, k + 1) and, as the second tensor, int32 token
+ids (positions, k), the answer's metadata saying ``top_k``.
 """
 from __future__ import annotations
 
@@ -73,6 +75,8 @@ def expert_query_message(request: ExpertQuery) -> runtime_pb2.ExpertRequest:
     tensor = serialize_torch_tensor(request.tokens.detach().long(), runtime_pb2.CompressionType.NONE)
     metadata = {"domain": request.domain, "start": request.start, "end": request.end,
                 "session_id": request.session_id, "step": request.step}
+    if request.top_k:
+        metadata["top_k"] = request.top_k
     return runtime_pb2.ExpertRequest(uid="expert", tensors=[tensor], metadata=MSGPackSerializer.dumps(metadata))
 
 
@@ -89,7 +93,7 @@ def encode_tensor(tensor: torch.Tensor, wire_dtype: str = AUTO_WIRE) -> runtime_
     """Serialize in the wire dtype. bfloat16 is sent as its own 2 bytes (hivemind's default widens it to float32
     unless ``USE_LEGACY_BFLOAT16=0``; its decoder reads both)."""
     tensor = tensor.detach().cpu()
-    if tensor.dtype == torch.float64:  # a head server's predictions: token ids and confidences, always exact
+    if tensor.dtype == torch.float64 or not tensor.is_floating_point():  # predictions and token ids: always exact
         return serialize_torch_tensor(tensor, runtime_pb2.CompressionType.NONE)
     dtype = wire_torch_dtype(wire_dtype, tensor.dtype)
     if dtype == torch.bfloat16:
@@ -197,11 +201,12 @@ def decode_tensor(proto: runtime_pb2.Tensor) -> torch.Tensor:
 
 
 def response_parts(hidden: torch.Tensor, wire_dtype: str, metadata: Optional[dict] = None,
-                   prompts: Optional[torch.Tensor] = None) -> list[runtime_pb2.ExpertResponse]:
-    """An answer's parts: ``hidden`` (and, for a backward call that carried a deep prompt, the prompts' gradient
-    after it, float32)."""
-    second = encode_tensor(prompts.float(), "float32") if prompts is not None else None
-    messages, counts = packed_chunks(encode_tensor(hidden, wire_dtype), second)
+                   second: Optional[torch.Tensor] = None) -> list[runtime_pb2.ExpertResponse]:
+    """An answer's parts: ``hidden``, then a ``second`` tensor when given, exactly (for a backward call that carried
+    an adapter tensor, its float32 gradient; for a sparse expert answer, its token ids)."""
+    extra = encode_tensor(second if not second.is_floating_point() else second.float(), "float32") \
+        if second is not None else None
+    messages, counts = packed_chunks(encode_tensor(hidden, wire_dtype), extra)
     meta = dict(metadata or {}, **counts)
     parts = [runtime_pb2.ExpertResponse(tensors=messages[0], metadata=MSGPackSerializer.dumps(meta))]
     return parts + [runtime_pb2.ExpertResponse(tensors=tensors) for tensors in messages[1:]]

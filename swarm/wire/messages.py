@@ -137,3 +137,4 @@ class ExpertQuery:
     end: int
     session_id: str = ""
     step: int = -1
+    top_k: int = 0  # per position, the top_k most likely tokens only (swarm.diffusion.sparse); 0: every token

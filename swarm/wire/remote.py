@@ -12,7 +12,7 @@ import random
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import AsyncIterator, Awaitable, Callable, Optional
+from typing import AsyncIterator, Awaitable, Callable, Optional, Union
 
 import torch
 from hivemind.p2p import P2P, PeerID
@@ -21,6 +21,7 @@ from hivemind.utils import MSGPackSerializer
 from hivemind.utils.asyncio import iter_as_aiter
 from multiaddr import Multiaddr
 
+from swarm.diffusion.sparse import SparseScores
 from swarm.wire.encoding import (
     AUTO_WIRE,
     adapter_declared,
@@ -238,19 +239,35 @@ class RemoteCaller:
                 raise RemoteError(ErrorCode.INTERNAL, f"server returned a {what} with NaN or infinite values", peer_id)
         return output.float(), grad_prompts.float() if grad_prompts is not None else None
 
-    async def expert_logits(self, peer_id: str, request: ExpertQuery, timeout: float) -> torch.Tensor:
-        """Log-probabilities (batch, end - start, vocab) from the server's hosted expert ``request.domain``."""
+    async def expert_logits(self, peer_id: str, request: ExpertQuery, timeout: float, vocab_size: int
+                            ) -> Union[torch.Tensor, SparseScores]:
+        """Log-probabilities (batch, end - start, vocab) from the server's hosted expert ``request.domain``, or with
+        ``request.top_k`` its checked sparse answer; an answer of another shape or form is the server's failure."""
         stub = self._stub(peer_id)
 
         async def rpc() -> list:
             return [response async for response in await stub.rpc_expert_logits(expert_query_message(request))]
 
-        log_probs, _ = await self._call(peer_id, rpc, timeout)
-        batch = request.tokens.shape[0]
-        if log_probs.dim() != 3 or tuple(log_probs.shape[:2]) != (batch, request.end - request.start):
+        log_probs, metadata = await self._call(peer_id, rpc, timeout)
+        rows = (request.tokens.shape[0], request.end - request.start)
+        if request.top_k:
+            return self._sparse_answer(peer_id, log_probs, metadata.get("prompts"), rows, request.top_k, vocab_size)
+        if log_probs.dim() != 3 or tuple(log_probs.shape) != (*rows, vocab_size):
             raise RemoteError(ErrorCode.INTERNAL, f"expert returned shape {tuple(log_probs.shape)}, expected "
-                              f"({batch}, {request.end - request.start}, vocab)", peer_id)
+                              f"{(*rows, vocab_size)}", peer_id)
         return log_probs
+
+    @staticmethod
+    def _sparse_answer(peer_id: str, scores: torch.Tensor, ids: Optional[torch.Tensor], rows: tuple[int, int],
+                       top_k: int, vocab_size: int) -> SparseScores:
+        try:
+            if ids is None:
+                raise ValueError("no token ids came with the scores")
+            answer = SparseScores.from_wire(scores, ids, vocab_size)
+            answer.check(rows, top_k)
+        except ValueError as error:
+            raise RemoteError(ErrorCode.INTERNAL, f"expert's sparse answer refused: {error}", peer_id) from None
+        return answer
 
     async def adapter_files(self, peer_id: str, sha256: str, max_bytes: int, timeout: float) -> dict[str, bytes]:
         """The files of the adapter ``sha256`` served by ``peer_id``; reading stops, refused, as soon as the answer

@@ -29,15 +29,11 @@ from huggingface_hub import constants  # noqa: E402
 
 from swarm.models.checkpoint import save_tensors  # noqa: E402
 from swarm.models.loading import ModelFiles  # noqa: E402
+from swarm.models.published import LLADA_8B_WIDTHS, LLADA_CONFIG, llada_shapes  # noqa: E402
 from tests.hub_standin import HubStandin  # noqa: E402
-from tests.test_formats import LLADA_CONFIG, llada_shapes  # noqa: E402
 
 REPO = "bench/llada"
-WIDTHS = {  # LLaDA-8B-Instruct's published config.json, and the tests' tiny one
-    "8b": {"d_model": 4096, "n_heads": 32, "n_kv_heads": 32, "mlp_hidden_size": 12288, "vocab_size": 126464,
-           "embedding_size": 126464, "mask_token_id": 126336, "eos_token_id": 126081, "pad_token_id": 126081},
-    "tiny": {},
-}
+WIDTHS = {"8b": LLADA_8B_WIDTHS, "tiny": {}}  # LLaDA-8B-Instruct's published widths, and the tests' tiny ones
 
 
 def build(directory: Path, widths: str, num_blocks: int) -> int:

@@ -37,11 +37,11 @@ from huggingface_hub import constants  # noqa: E402
 from benchmarks.hub_fetch import WIDTHS  # noqa: E402
 from swarm.dht.node import NetworkConfig, start_dht, stop_dht  # noqa: E402
 from swarm.models.checkpoint import save_tensors  # noqa: E402
+from swarm.models.published import LLADA_CONFIG, llada_shapes  # noqa: E402
 from swarm.utils.local_swarm import LocalSwarm  # noqa: E402
 from swarm.weights.holdings import built_manifest  # noqa: E402
 from swarm.weights.manifest import weight_files  # noqa: E402
 from swarm.weights.records import read_hosts  # noqa: E402
-from tests.test_formats import LLADA_CONFIG, llada_shapes  # noqa: E402
 
 FETCHED = re.compile(r"fetched ([\d.]+) MB of model \S+ in ([\d.]+) s \(([\d.]+) MB/s\) from (\d+) peers")
 

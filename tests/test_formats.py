@@ -1,11 +1,12 @@
 """LLaDA and Dream checkpoints in their published Hugging Face layouts.
 
 The fixtures write tiny checkpoints the way the published ones are laid out: the published ``config.json``
-keys and ``architectures``, tensors under the published names with the published shapes (written here by
-hand, not through :mod:`swarm.models.formats`), sharded with ``model.safetensors.index.json``, and a real
-tokenizer saved offline with a chat template. The reference forwards below restate the published modeling
-files (``LLaDALlamaBlock``, ``DreamDecoderLayer`` + Dream's logit shift) over the raw tensors, so a wrong
-name mapping (gate/up swapped, a missing bias) or a doubled shift shows up as different logits.
+keys and ``architectures``, tensors under the published names with the published shapes (written by hand in
+:mod:`swarm.models.published`, not through :mod:`swarm.models.formats`), sharded with
+``model.safetensors.index.json``, and a real tokenizer saved offline with a chat template. The reference
+forwards below restate the published modeling files (``LLaDALlamaBlock``, ``DreamDecoderLayer`` + Dream's
+logit shift) over the raw tensors, so a wrong name mapping (gate/up swapped, a missing bias) or a doubled
+shift shows up as different logits.
 """
 from __future__ import annotations
 
@@ -33,29 +34,15 @@ from swarm.models.formats import (
     llada_config,
 )
 from swarm.models.loading import ModelFiles
+from swarm.models.published import DREAM_CONFIG, LLADA_CONFIG, dream_shapes, llada_shapes
 from swarm.models.quantization import Int8Linear, quantize_span_int8
 from swarm.models.tokenizer import ByteTokenizer
 from tests.conftest import stop_all
 
 WORDS = "the a cat dog sat on mat ran far hello world once upon time user assistant system , . ! ?".split()
 
-# ----- published configs (tiny sizes; keys and fixed values as in GSAI-ML/LLaDA-8B-Instruct, Dream-v0-7B) ------
-LLADA_CONFIG = {
-    "architectures": ["LLaDAModelLM"],
-    "auto_map": {"AutoConfig": "configuration_llada.LLaDAConfig", "AutoModel": "modeling_llada.LLaDAModelLM",
-                 "AutoModelForCausalLM": "modeling_llada.LLaDAModelLM"},
-    "model_type": "llada", "activation_type": "silu", "alibi": False, "alibi_bias_max": 8.0, "attention_dropout": 0.0,
-    "attention_layer_norm": False, "attention_layer_norm_with_affine": True, "bias_for_layer_norm": False,
-    "block_group_size": 1, "block_type": "llama", "d_model": 32, "embedding_dropout": 0.0, "embedding_size": 64,
-    "eos_token_id": 40, "flash_attention": False, "include_bias": False, "include_qkv_bias": False,
-    "init_cutoff_factor": None, "init_device": "meta", "init_fn": "mitchell", "init_std": 0.02,
-    "input_emb_norm": False, "layer_norm_type": "rms", "layer_norm_with_affine": True, "mask_token_id": 45,
-    "max_sequence_length": 128, "mlp_hidden_size": 48, "mlp_ratio": 4, "multi_query_attention": None,
-    "n_heads": 4, "n_kv_heads": 4, "n_layers": 3, "pad_token_id": 40, "precision": "amp_bf16",
-    "residual_dropout": 0.0, "rms_norm_eps": 1e-05, "rope": True, "rope_full_precision": True,
-    "rope_theta": 500000.0, "scale_logits": False, "use_cache": False, "vocab_size": 60, "weight_tying": False,
-}
-# <|startoftext|>, <|endoftext|>, <|start_header_id|>, <|end_header_id|>, <|eot_id|>, <|mdm_mask|> (ids shrunk)
+# <|startoftext|>, <|endoftext|>, <|start_header_id|>, <|end_header_id|>, <|eot_id|>, <|mdm_mask|> (ids shrunk to
+# LLADA_CONFIG's tiny vocabulary: eos and pad 40, mask 45)
 LLADA_SPECIALS = {"<|startoftext|>": 39, "<|endoftext|>": 40, "<|start_header_id|>": 41, "<|end_header_id|>": 42,
                   "<|eot_id|>": 43, "<|mdm_mask|>": 45}
 LLADA_TEMPLATE = (
@@ -65,16 +52,6 @@ LLADA_TEMPLATE = (
     "{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
 )
 
-DREAM_CONFIG = {
-    "architectures": ["DreamModel"],
-    "auto_map": {"AutoConfig": "configuration_dream.DreamConfig", "AutoModel": "modeling_dream.DreamModel"},
-    "model_type": "Dream", "attention_dropout": 0.0, "bos_token_id": None, "eos_token_id": None, "hidden_act": "silu",
-    "hidden_size": 32, "initializer_range": 0.02, "intermediate_size": 48, "mask_token_id": None,
-    "max_position_embeddings": 128, "max_window_layers": 2, "num_attention_heads": 4, "num_hidden_layers": 3,
-    "num_key_value_heads": 2, "pad_token_id": None, "rms_norm_eps": 1e-06, "rope_scaling": None,
-    "rope_theta": 1000000.0, "sliding_window": 128, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
-    "use_cache": True, "use_sliding_window": False, "vocab_size": 320,
-}
 CHATML_TEMPLATE = (
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
     "{{ '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}{% endif %}"
@@ -92,38 +69,6 @@ def random_tensors(shapes: dict[str, tuple[int, ...]], seed: int) -> dict[str, t
         norm = "norm" in name or "ln_f" in name
         out[name] = 1 + 0.1 * torch.randn(shape, generator=gen) if norm else 0.3 * torch.randn(shape, generator=gen)
     return out
-
-
-def llada_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
-    """Parameter names and shapes of ``LLaDAModelLM`` with ``LLaDALlamaBlock`` blocks."""
-    d, hd, ff, rows = cfg["d_model"], cfg["d_model"] // cfg["n_heads"], cfg["mlp_hidden_size"], cfg["embedding_size"]
-    kv = cfg["n_kv_heads"] * hd
-    shapes = {"model.transformer.wte.weight": (rows, d), "model.transformer.ln_f.weight": (d,),
-              "model.transformer.ff_out.weight": (rows, d)}
-    for i in range(cfg["n_layers"]):
-        b = f"model.transformer.blocks.{i}."
-        shapes.update({b + "attn_norm.weight": (d,), b + "q_proj.weight": (d, d), b + "k_proj.weight": (kv, d),
-                       b + "v_proj.weight": (kv, d), b + "attn_out.weight": (d, d), b + "ff_norm.weight": (d,),
-                       b + "ff_proj.weight": (ff, d), b + "up_proj.weight": (ff, d), b + "ff_out.weight": (d, ff)})
-    return shapes
-
-
-def dream_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
-    """Parameter names and shapes of ``DreamModel`` (Qwen2 layout, q/k/v with bias)."""
-    d, ff, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
-    kv = cfg["num_key_value_heads"] * d // cfg["num_attention_heads"]
-    shapes = {"model.embed_tokens.weight": (vocab, d), "model.norm.weight": (d,), "lm_head.weight": (vocab, d)}
-    for i in range(cfg["num_hidden_layers"]):
-        b = f"model.layers.{i}."
-        shapes.update({
-            b + "input_layernorm.weight": (d,), b + "post_attention_layernorm.weight": (d,),
-            b + "self_attn.q_proj.weight": (d, d), b + "self_attn.q_proj.bias": (d,),
-            b + "self_attn.k_proj.weight": (kv, d), b + "self_attn.k_proj.bias": (kv,),
-            b + "self_attn.v_proj.weight": (kv, d), b + "self_attn.v_proj.bias": (kv,),
-            b + "self_attn.o_proj.weight": (d, d),
-            b + "mlp.gate_proj.weight": (ff, d), b + "mlp.up_proj.weight": (ff, d), b + "mlp.down_proj.weight": (d, ff),
-        })
-    return shapes
 
 
 def save_llada_tokenizer(directory: Path) -> None:

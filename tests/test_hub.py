@@ -21,8 +21,9 @@ from safetensors.torch import save_file
 from swarm.models.checkpoint import INDEX_FILE
 from swarm.models.hub import HubName, ModelFetchError
 from swarm.models.loading import ModelFiles, resolve_model_path
+from swarm.models.published import LLADA_CONFIG, llada_shapes
 from tests.hub_standin import HubStandin, commit_id
-from tests.test_formats import LLADA_CONFIG, llada_shapes, random_tensors, save_llada_tokenizer
+from tests.test_formats import random_tensors, save_llada_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 REPO = "org/llada-tiny"

@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny checkpoints in the real native format, built once per test session."""
+"""Shared fixtures: tiny checkpoints in the real native format (:mod:`swarm.testing.checkpoints`), built once per test
+session."""
 from __future__ import annotations
 
 import contextlib
@@ -12,10 +13,8 @@ from typing import Callable
 import pytest
 import torch
 
-from swarm.models.checkpoint import save_checkpoint
-from swarm.models.config import ModelConfig
-from swarm.models.modules import DiffusionTransformer
-from swarm.models.tokenizer import ByteTokenizer
+# The tiny checkpoint builder is defined once in the package (benchmarks use it too); tests import it from here.
+from swarm.testing.checkpoints import make_checkpoint, tiny_config
 
 # Tests run beside servers on small machines: one torch thread avoids oversubscribed, spinning thread pools.
 torch.set_num_threads(1)
@@ -120,31 +119,6 @@ def pytest_runtest_setup(item):
 def pytest_runtest_call(item):
     with _guarded(item):
         return (yield)
-
-
-def tiny_config(**changes) -> ModelConfig:
-    tok = ByteTokenizer()
-    base = dict(
-        vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64, num_layers=4, num_heads=4, num_kv_heads=2,
-        mask_token_id=tok.MASK, pad_token_id=tok.PAD, bos_token_id=tok.BOS, eos_token_id=tok.EOS,
-        rope_theta=10000.0, max_position_embeddings=512,
-    )
-    base.update(changes)
-    return ModelConfig(**base)
-
-
-def make_checkpoint(directory: Path, config: ModelConfig, seed: int = 0, max_shard_bytes=None) -> Path:
-    """A randomly initialised model with weights large enough that outputs depend on every block."""
-    torch.manual_seed(seed)
-    model = DiffusionTransformer(config)
-    for param in model.parameters():
-        torch.nn.init.normal_(param, std=0.2 if param.dim() > 1 else 1.0)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.copy_(1 + 0.1 * torch.randn_like(param))
-    save_checkpoint(directory, config, model.native_state_dict(), max_shard_bytes=max_shard_bytes)
-    return directory
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,6 @@
 """Measure spot checks: how often a liar is caught over repeated runs, and the wall-time overhead.
 
-    python tests/measure_spot_checks.py [--runs 10] [--overhead]
+    python benchmarks/measure_spot_checks.py [--runs 10] [--overhead]
 
 Starts, for a tiny 4-block model on 127.0.0.1, two honest servers and the test-only faulty server
 (tests/faulty_server.py) in its 1-in-20 mode (it lies on a random one in 20 of its answers), announcing itself as
@@ -20,15 +20,16 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # this checkout's package, when run as a script
 
 from swarm.client import DistributedDiffusionLM  # noqa: E402
 from swarm.client.failover import RetriesExhausted  # noqa: E402
 from swarm.frontend.local import DiffusionLM  # noqa: E402
+from swarm.testing.checkpoints import make_checkpoint, tiny_config  # noqa: E402
 from swarm.utils.local_swarm import LocalSwarm  # noqa: E402
-from tests.conftest import make_checkpoint, tiny_config  # noqa: E402
 
-FAULTY = (str(Path(__file__).with_name("faulty_server.py")),)
+FAULTY = (str(ROOT / "tests" / "faulty_server.py"),)  # run as a script: the test-only lying server
 SETTINGS = dict(gen_length=32, steps=32, block_length=16, seed=1, temperature=0.5)
 FRACTIONS = (0.05, 0.25, 1.0)
 

@@ -2,7 +2,7 @@
 
 Builds a checkpoint in LLaDA's published layout (config keys, tensor names, bfloat16, sharded with
 ``model.safetensors.index.json``, one block per shard), serves it from the local hub stand-in
-(tests/hub_standin.py) on 127.0.0.1, and, with a fresh Hugging Face cache each, lets ``huggingface_hub`` fetch:
+(swarm/testing/hub_standin.py) on 127.0.0.1, and, with a fresh Hugging Face cache each, lets ``huggingface_hub`` fetch:
 a server of blocks START:END (``ModelFiles(repo).span``), a server that also holds the head, and a client
 (config, tokenizer, embedding). The stand-in counts the bytes it sends. Weights are zeros: the byte counts do not
 depend on the values, and zeros are quick to write.
@@ -30,7 +30,7 @@ from huggingface_hub import constants  # noqa: E402
 from swarm.models.checkpoint import save_tensors  # noqa: E402
 from swarm.models.loading import ModelFiles  # noqa: E402
 from swarm.models.published import LLADA_8B_WIDTHS, LLADA_CONFIG, llada_shapes  # noqa: E402
-from tests.hub_standin import HubStandin  # noqa: E402
+from swarm.testing.hub_standin import HubStandin  # noqa: E402
 
 REPO = "bench/llada"
 WIDTHS = {"8b": LLADA_8B_WIDTHS, "tiny": {}}  # LLaDA-8B-Instruct's published widths, and the tests' tiny ones

@@ -1,15 +1,15 @@
 """Behind NAT, side by side: servers on public machines, servers behind NAT reached directly after hole punching,
 and servers behind NAT reached only through relays (their routers pick a random port per connection).
 
-Builds the network lab of ``tests/netlab.py`` (root, ``ip netns``, iptables): four public peers (bootstrap and
-relays), a client behind its own NAT, and for each setting two servers (blocks 0:8 and 8:16) started with
-default flags, one setting after the other so that they do not share the CPU. For each it prints how long the
-servers took to join (start to serving, relay reservation included), how long the client took to join and to
-finish its first generation (route challenge and hole punching included), the per-step latency once connected
-(median over the later runs), which path each connection took, and the bytes sent by the public machines
-hosting no server (relays, DHT) during the client's runs, next to the hidden-state bytes the client sent and
-received. The lab adds no delay (netem is used only where the kernel has it), so latencies show the cost of the
-relay's extra hop and processing on one machine, not of a longer internet path.
+Builds the network lab of ``swarm/testing/netlab.py`` (root, ``ip netns``, iptables): four public peers
+(bootstrap and relays), a client behind its own NAT, and for each setting two servers (blocks 0:8 and 8:16)
+started with default flags, one setting after the other so that they do not share the CPU. For each it prints how
+long the servers took to join (start to serving, relay reservation included), how long the client took to join
+and to finish its first generation (route challenge and hole punching included), the per-step latency once
+connected (median over the later runs), which path each connection took, and the bytes sent by the public
+machines hosting no server (relays, DHT) during the client's runs, next to the hidden-state bytes the client sent
+and received. The lab adds no delay (netem is used only where the kernel has it), so latencies show the cost of
+the relay's extra hop and processing on one machine, not of a longer internet path.
 
     sudo python -m benchmarks.nat                # from the repository root
     sudo python -m benchmarks.nat --runs 8 --json
@@ -24,9 +24,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.netlab, when run as a script
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's package, when run as a script
 
-from tests.netlab import LabConfig, NetLab, path_kind, relay_wait_seconds, unavailable_reason  # noqa: E402
+from swarm.testing.netlab import LabConfig, NetLab, path_kind, relay_wait_seconds, unavailable_reason  # noqa: E402
 
 SETTINGS = [  # (name, server homes or public machines, what the setting shows)
     ("no NAT", ("pub3", "pub4"), "servers on public machines"),

@@ -40,24 +40,24 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Optional
 
-import psutil
-import torch
-from hivemind.p2p import P2P, PeerID
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's package, when run as a script
 
-from swarm.adapters.block import BlockAdapter
-from swarm.adapters.kinds import LORA
-from swarm.adapters.lora import BlockWidths
-from swarm.diffusion.pipeline import CacheDirective
-from swarm.models.loading import ModelFiles
-from swarm.utils.event_loop import BackgroundLoop
-from swarm.utils.local_swarm import LocalSwarm, ManagedProcess
-from swarm.wire.encoding import request_parts
-from swarm.wire.messages import ForwardRequest, PushSpec, RemoteError
-from swarm.wire.remote import RemoteCaller
-from swarm.wire.services import SpanService
+import psutil  # noqa: E402
+import torch  # noqa: E402
+from hivemind.p2p import P2P, PeerID  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's tests package, run as a script
-from tests.silent_delivery import add_silent_delivery  # noqa: E402
+from swarm.adapters.block import BlockAdapter  # noqa: E402
+from swarm.adapters.kinds import LORA  # noqa: E402
+from swarm.adapters.lora import BlockWidths  # noqa: E402
+from swarm.diffusion.pipeline import CacheDirective  # noqa: E402
+from swarm.models.loading import ModelFiles  # noqa: E402
+from swarm.testing.silent_delivery import add_silent_delivery  # noqa: E402
+from swarm.utils.event_loop import BackgroundLoop  # noqa: E402
+from swarm.utils.local_swarm import LocalSwarm, ManagedProcess  # noqa: E402
+from swarm.wire.encoding import request_parts  # noqa: E402
+from swarm.wire.messages import ForwardRequest, PushSpec, RemoteError  # noqa: E402
+from swarm.wire.remote import RemoteCaller  # noqa: E402
+from swarm.wire.services import SpanService  # noqa: E402
 
 MiB = 2**20
 CONFIG = ModelFiles("default").config

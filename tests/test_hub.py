@@ -1,6 +1,6 @@
 """Models named by Hugging Face repo id, fetched by ``huggingface_hub`` from a local stand-in of the hub.
 
-The stand-in (tests/hub_standin.py) serves a real-layout LLaDA checkpoint, one shard per block, under the hub's
+The stand-in (swarm/testing/hub_standin.py) serves a real-layout LLaDA checkpoint, one shard per block, under the hub's
 file URLs on 127.0.0.1 and counts the bytes it sends, so each test says exactly what a role downloaded.
 In-process tests point ``huggingface_hub``'s constants (read from the environment at import) at the stand-in and
 a fresh cache; subprocesses get the same through ``HF_ENDPOINT`` / ``HF_HOME`` / ``HF_HUB_OFFLINE``.
@@ -22,7 +22,7 @@ from swarm.models.checkpoint import INDEX_FILE
 from swarm.models.hub import HubName, ModelFetchError
 from swarm.models.loading import ModelFiles, resolve_model_path
 from swarm.models.published import LLADA_CONFIG, llada_shapes
-from tests.hub_standin import HubStandin, commit_id
+from swarm.testing.hub_standin import HubStandin, commit_id
 from tests.test_formats import random_tensors, save_llada_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent

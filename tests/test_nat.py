@@ -1,4 +1,4 @@
-"""Issue 24: servers behind NAT join, serve and fail over, in a lab of network namespaces (``tests/netlab.py``).
+"""Issue 24: servers behind NAT join, serve and fail over, in a lab of network namespaces (``swarm/testing/netlab.py``).
 
 The lab tests need root, ``ip netns`` and iptables; elsewhere they are skipped with the reason, also as a warning
 so that ``pytest -q`` shows it. The tests of the address rules below them run everywhere. Run with ``-s`` to see
@@ -22,8 +22,7 @@ from swarm.dht.schema import ServerRecord, ServerState
 from swarm.health.map import build_health_map
 from swarm.health.reachability import DIRECT, LOCAL, RELAY, UNKNOWN, reachability
 from swarm.health.render import render_text
-from tests.conftest import wait_until
-from tests.netlab import (
+from swarm.testing.netlab import (
     PREFIX,
     ClientFailed,
     LabConfig,
@@ -33,6 +32,7 @@ from tests.netlab import (
     relay_wait_seconds,
     unavailable_reason,
 )
+from tests.conftest import wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT = "behind nat"
@@ -201,11 +201,11 @@ def test_lab_routers_translate_and_refuse_inbound(lab):
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL])
 def test_lab_leaves_nothing_behind(sig):
     """Whatever ends a lab's process, its namespaces and processes go: at once on SIGTERM and Ctrl-C, and after
-    SIGKILL by the next lab (``clean_leftovers``, also ``python -m tests.netlab clean``)."""
+    SIGKILL by the next lab (``clean_leftovers``, also ``python -m swarm.testing.netlab clean``)."""
     require_lab()
     # Python's own Ctrl-C handler, whatever this process left its children (an ignored SIGINT is inherited)
     script = ("import signal, time\nsignal.signal(signal.SIGINT, signal.default_int_handler)\n"
-              "from tests.netlab import LabConfig, NetLab\n"
+              "from swarm.testing.netlab import LabConfig, NetLab\n"
               "with NetLab(LabConfig(homes=1, client_homes=0, public_peers=1)) as lab:\n"
               "    sleeper = lab.popen('home1', ['-c', 'import time; time.sleep(600)'])\n"
               "    print(sleeper.pid, flush=True)\n    time.sleep(600)\n")

@@ -31,6 +31,7 @@ from swarm.models.loading import ModelFiles
 from swarm.models.modules import BlockSpan
 from swarm.server.backend import Admission, ComputeQueue, attention_length_scale, request_cost
 from swarm.server.session_cache import SessionCaches
+from swarm.testing.silent_delivery import add_silent_delivery
 from swarm.utils.event_loop import BackgroundLoop
 from swarm.utils.local_swarm import LocalSwarm, ManagedProcess
 from swarm.wire.encoding import (
@@ -46,7 +47,6 @@ from swarm.wire.messages import ErrorCode, ForwardRequest, PushSpec, RemoteError
 from swarm.wire.remote import RemoteCaller
 from swarm.wire.services import SpanService
 from tests.conftest import make_checkpoint, tiny_config
-from tests.silent_delivery import add_silent_delivery
 
 HIDDEN = 32  # tiny_config's hidden size
 POSITIONS = 512  # tiny_config's context

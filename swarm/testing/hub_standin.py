@@ -1,4 +1,4 @@
-"""A stand-in for the Hugging Face hub's file endpoint, on 127.0.0.1, for tests that cannot reach the real one.
+"""A stand-in for the Hugging Face hub's file endpoint on 127.0.0.1, for tests and benchmarks that cannot reach it.
 
 It serves directories as repos under the URLs ``huggingface_hub`` asks for
 (``{endpoint}/{repo_id}/resolve/{revision}/{filename}``, ``constants.HUGGINGFACE_CO_URL_TEMPLATE``), answering

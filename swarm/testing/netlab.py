@@ -1,7 +1,7 @@
 """A small internet of network namespaces, for NAT tests and benchmarks (root only).
 
 Topology (every name starts with ``swnat-<pid>-``, so a leftover is found with ``ip netns list`` and removed by
-``python -m tests.netlab clean``)::
+``python -m swarm.testing.netlab clean``)::
 
     wan        a bridge: the internet
     pubN       public machines on the bridge: pub1 runs the bootstrap peer, the others more public peers; all relay
@@ -19,8 +19,8 @@ SIGTERM) stops every process started in it and deletes every namespace. An ``ate
 the interpreter exits with the lab still up; after a ``kill -9`` the next lab removes the leftovers.
 
 Inside, ``lab.start_public_peers()``, ``lab.start_server("home1", "0:8")`` and ``lab.start_client("client1")``
-run the swarm's own commands; the client is ``python -m tests.netlab client`` (below), which prints one JSON
-event per line. ``python -m tests.netlab up`` builds a lab to look at by hand.
+run the swarm's own commands; the client is ``python -m swarm.testing.netlab client`` (below), which prints one
+JSON event per line. ``python -m swarm.testing.netlab up`` builds a lab to look at by hand.
 """
 from __future__ import annotations
 
@@ -46,7 +46,9 @@ from swarm.utils.local_swarm import LocalSwarm, ManagedProcess
 logger = logging.getLogger(__name__)
 
 PREFIX = "swnat-"
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The folder holding this copy of the package (a checkout's root): ``python -m swarm.testing.netlab`` started there
+# in a lab machine runs this code, not another installed copy.
+PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 NAME_PATTERN = re.compile(rf"^{PREFIX}(\d+)-")
 
 
@@ -414,10 +416,11 @@ class NetLab:
         return next(s for s in self._swarms.values() if process in s.processes)
 
     def start_client(self, role: str, *args: str) -> "LabClient":
-        """``python -m tests.netlab client`` on ``role``'s machine, joining the public peers (:class:`LabClient`)."""
+        """``python -m swarm.testing.netlab client`` on ``role``'s machine, joining the public peers
+        (:class:`LabClient`)."""
         peers = [arg for peer in self.initial_peers for arg in ("--initial-peers", peer)]
-        process = self.popen(role, ["-m", "tests.netlab", "client", *peers, *args], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT)
+        process = self.popen(role, ["-m", "swarm.testing.netlab", "client", *peers, *args], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=PACKAGE_PARENT)
         client = LabClient(process)
         self._clients.append(client)
         return client
@@ -479,7 +482,7 @@ def relay_wait_seconds(server: ManagedProcess) -> Optional[float]:
     return None
 
 
-# ----- a client inside the lab: ``python -m tests.netlab client ...`` in a machine's namespace ----------------
+# ----- a client inside the lab: ``python -m swarm.testing.netlab client ...`` in a machine's namespace -------
 def connection_paths(peers: Sequence[Any]) -> dict[str, list[str]]:
     """Peer id -> the remote multiaddrs of this daemon's open connections to it (``/p2p-circuit``: relayed)."""
     paths: dict[str, list[str]] = {}

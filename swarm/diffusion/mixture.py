@@ -8,7 +8,7 @@ an expert moves the backbone's log-probabilities towards its own, by its weight 
 ``w_e * tau`` nats per token, so that one expert that is certain a token is impossible (or certain) cannot
 veto the rest on its own. ``w_e = 0`` leaves the backbone untouched; with one expert, ``w_e = 1`` and no
 clipping the result is that expert alone. An expert that answers its top k only (:mod:`swarm.diffusion.sparse`)
-leaves the other tokens in the backbone's proportions: its term there is one constant per position. Pure torch.
+spreads the rest of its mass evenly over the other tokens. Pure torch.
 """
 from __future__ import annotations
 
@@ -58,14 +58,14 @@ def compose(
     """``log_softmax(log p_b + sum_e w_e clip_tau(log p_e - log p_b))`` over the last dimension.
 
     Inputs may be logits or log-probabilities (both are normalised first), or an expert's top-k
-    (:class:`~swarm.diffusion.sparse.SparseScores`, filled in from the backbone); computed in float32.
+    (:class:`~swarm.diffusion.sparse.SparseScores`, the rest spread evenly); computed in float32.
     """
     base = torch.log_softmax(base_logits.float(), dim=-1)
     total = base.clone()
     contributions, clipped = {}, {}
     for name, log_probs in expert_log_probs.items():
         if isinstance(log_probs, SparseScores):
-            log_probs = log_probs.dense(base)
+            log_probs = log_probs.dense()
         difference = torch.log_softmax(log_probs.float(), dim=-1) - base
         contribution = weights[name] * difference.clamp(-tau, tau)
         total += contribution

@@ -6,11 +6,11 @@ few tokens it is sure of. :class:`SparseScores` keeps per row the ``k`` token id
 log-probabilities, those log-probabilities, and ``rest``, the log of the probability of every other token
 together, so that the row is still a distribution.
 
-What a row does not name is filled in from the backbone (:meth:`SparseScores.dense`): the other tokens keep the
-backbone's proportions, scaled to carry ``rest``. An expert thus has no opinion about the order of tokens outside
-its top k, only about their total mass; with k covering the vocabulary nothing is filled in and the composition is
-the dense one, bit for bit. The same function makes the sparse form locally and on an expert server, so local and
-swarm tokens stay identical at any k. Pure torch.
+What a row does not name gets ``rest`` spread evenly (:meth:`SparseScores.dense`): an expert has no opinion on
+the order of tokens outside its top k, only on their total mass, and they all stay below its own choices, as they
+are in its whole answer. With k covering the vocabulary nothing is filled in and the composition is the dense one,
+bit for bit. The same function makes the sparse form locally and on an expert server, so local and swarm tokens
+stay identical at any k. Pure torch.
 """
 from __future__ import annotations
 
@@ -86,17 +86,14 @@ class SparseScores:
         if not bool((total.abs() <= MASS_TOLERANCE).all()):
             raise ValueError("the rest does not fit: a row's probabilities do not sum to 1")
 
-    def dense(self, base: torch.Tensor) -> torch.Tensor:
-        """Full log-probabilities (..., vocab) in float32: the row's own scores at its ids; every other token keeps
-        the backbone's share (``base``: its logits or log-probabilities), scaled so that together they hold
-        ``rest``. Where the backbone leaves nothing outside the ids, the tokens outside get nothing either."""
-        base = torch.log_softmax(base.float(), dim=-1)
-        ids = self.ids.long()
-        base_rest = base.scatter(-1, ids, float("-inf")).logsumexp(dim=-1)
-        shift = torch.where(torch.isfinite(base_rest), self.rest.float() - base_rest,
-                            torch.full_like(base_rest, float("-inf")))
-        out = base + shift.unsqueeze(-1)
-        return out.scatter(-1, ids, self.log_probs.float())
+    def dense(self) -> torch.Tensor:
+        """Full log-probabilities (..., vocab) in float32: the row's own scores at its ids, ``rest`` spread evenly
+        over every other token (the most uncertain reading of "the rest": an expert gives no order among tokens it
+        did not rank, and still holds them all below its own choices, as its whole answer would)."""
+        others = max(self.vocab_size - self.k, 1)
+        fill = self.rest.float() - torch.log(torch.tensor(float(others)))
+        out = fill.unsqueeze(-1).expand(*self.rest.shape, self.vocab_size).contiguous()
+        return out.scatter(-1, self.ids.long(), self.log_probs.float())
 
     def wire_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
         """How an expert server sends it: (..., k + 1) float32 scores (the k log-probabilities, then the rest) and

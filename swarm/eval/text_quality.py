@@ -198,12 +198,14 @@ def describe(quality: TextQuality, kind: str = "prose") -> str:
 @click.option("--sweep", is_flag=True,
               help=f"Try every remasking strategy at temperatures {', '.join(map(str, SWEEP_TEMPERATURES))} "
                    f"(seeds {', '.join(map(str, SWEEP_SEEDS))} each) instead of one setting.")
+@click.option("--seeds", type=click.IntRange(min=1), default=1,
+              help="Complete every prompt once per seed 0..N-1 (more completions, a steadier share).")
 @click.option("--samples", type=click.IntRange(min=0), default=4, help="Completions to print per setting.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")
 @threads_option()
 def main(model: str, dictionary: str, gen_length: int, block_length: Optional[int], remasking: Optional[str],
          temperature: Optional[float], kind: str, experts: Optional[str], expert_top_k: Optional[int], sweep: bool,
-         samples: int, as_json: bool, threads: Optional[int]) -> None:
+         seeds: int, samples: int, as_json: bool, threads: Optional[int]) -> None:
     """Generate from fixed prompts and report the share of dictionary words and the repeated word 3-grams."""
     from swarm.frontend.local import DiffusionLM
 
@@ -221,7 +223,7 @@ def main(model: str, dictionary: str, gen_length: int, block_length: Optional[in
     if sweep:
         runs = [measure(lm, words_known, s, prompts, seeds=SWEEP_SEEDS) for s in sweep_settings(base)]
     else:
-        runs = [measure(lm, words_known, {**base, **given}, prompts)]
+        runs = [measure(lm, words_known, {**base, **given}, prompts, seeds=range(seeds))]
     if as_json:
         click.echo(json.dumps({"model": model, "kind": kind, "sampling_defaults": dict(lm.sampling_defaults),
                                "prompts": list(prompts), "runs": [r.to_dict() for r in runs]}, indent=2))

@@ -41,6 +41,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
+from swarm.utils.errors import SwarmError
 from swarm.utils.local_swarm import LocalSwarm, ManagedProcess
 
 logger = logging.getLogger(__name__)
@@ -52,7 +53,7 @@ PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath
 NAME_PATTERN = re.compile(rf"^{PREFIX}(\d+)-")
 
 
-class LabUnavailable(RuntimeError):
+class LabUnavailable(SwarmError, RuntimeError):
     """This machine cannot build the lab (not root, no ``ip netns``, no iptables); the message says why."""
 
 
@@ -183,7 +184,7 @@ class NamespacedSwarm(LocalSwarm):
         return self._start(name, args, wait)
 
 
-class ClientFailed(RuntimeError):
+class ClientFailed(SwarmError, RuntimeError):
     """The lab client reported an error (its ``ERROR`` event): ``error`` is the exception's class name."""
 
     def __init__(self, error: str, message: str):

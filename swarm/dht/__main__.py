@@ -1,16 +1,21 @@
-"""``python -m swarm.dht``: a bootstrap peer that servers and clients join."""
+"""``python -m swarm.dht``: a bootstrap peer that servers and clients join.
+
+hivemind is imported after the arguments are parsed, so that ``--help`` and a mistyped flag answer at once.
+"""
 from __future__ import annotations
 
 import logging
 import signal
 import threading
+from typing import TYPE_CHECKING
 
 import click
 
 from swarm.cli.options import SwarmCommand, network_options, pop_network_config, run_main, setup_logging
-from swarm.dht.node import start_dht, stop_dht, visible_maddrs
-from swarm.dht.schema import MAX_BLOCKS, protected_keys
-from swarm.dht.validation import KeyPolicy
+from swarm.dht.config import MAX_BLOCKS
+
+if TYPE_CHECKING:
+    from swarm.dht.validation import KeyPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +39,10 @@ def main(prefixes: tuple[str, ...], num_blocks: int, governance_keys: tuple[str,
     setup_logging(log_level)
     network = pop_network_config(options)
     network.use_default_peers = False  # a bootstrap peer joins only the peers it is told about
-    dht = start_dht(network, protect=_protected(prefixes, num_blocks, governance_keys))
+    protect = _protected(prefixes, num_blocks, governance_keys)
+    from swarm.dht.node import start_dht, stop_dht, visible_maddrs  # after the checks: loads hivemind
+
+    dht = start_dht(network, protect=protect)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -53,6 +61,7 @@ def _protected(prefixes: tuple[str, ...], num_blocks: int, governance_keys: tupl
     """The keys of every ``--dht-prefix``; a bad governance key is a usage error."""
     if not prefixes:
         return []
+    from swarm.dht.schema import protected_keys
     from swarm.governance.keys import trusted_signers
 
     try:

@@ -30,7 +30,7 @@ from hivemind.utils import get_dht_time
 
 from swarm.dht import fields
 from swarm.dht.compatibility import CompatibilityTag
-from swarm.dht.config import MAX_OWNED_LIFETIME
+from swarm.dht.config import MAX_BLOCKS, MAX_OWNED_LIFETIME
 from swarm.dht.validation import OWNED, SLOT, KeyPolicy, owner_peer_id
 
 logger = logging.getLogger(__name__)
@@ -113,7 +113,6 @@ class ServerRecord:
 
 MAX_ADDRESSES, MAX_ADDRESS_CHARS = 8, 256
 MAX_NAME_CHARS, MAX_EXPERTS = 120, 32  # a record's public name, and the expert names a server record lists
-MAX_BLOCKS = 100_000  # no model has more blocks; spans beyond are malformed
 MAX_VERSION_CHARS, MAX_ADAPTER_KINDS = 64, 8
 MAX_THROUGHPUT = 1e12
 

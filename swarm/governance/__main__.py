@@ -6,6 +6,8 @@ Servers and clients that trust keys fail safe: when they read no valid decision 
 ``--governance-stale-after`` / ``ClientConfig.governance_stale_after`` (120 s by default), they stop as if halted.
 So publish a ``resume`` once when setting up keys; ``halt`` and ``resume`` report success only once the record is
 read back from the swarm.
+
+The keys and the DHT (hivemind) are imported in the commands' bodies, so that ``--help`` answers at once.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import logging
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
@@ -27,17 +30,12 @@ from swarm.cli.options import (
     setup_logging,
     utc_time,
 )
-from swarm.dht.node import NetworkConfig
+from swarm.dht.config import NetworkConfig
 from swarm.dht.peers import resolve_initial_peers
-from swarm.dht.schema import protected_keys
-from swarm.governance.keys import (
-    generate_private_key,
-    load_private_key,
-    parse_public_key,
-    public_key_text,
-    public_keys_from_env,
-)
-from swarm.governance.records import HALT, RESUME, Decision, GovernanceState, publish
+from swarm.governance.limits import HALT, RESUME
+
+if TYPE_CHECKING:
+    from swarm.governance.records import Decision
 
 STATUS_REREADS = (0.5, 1.0, 2.0)  # pauses before reading again when status reads no decision at first
 PREFIX_HELP = "DHT prefix of the model to govern (servers' --dht-prefix; default: the embedded model's 'default')."
@@ -54,6 +52,8 @@ def main() -> None:
               help="Where to write the private key (refuses to overwrite).")
 def keygen(path: str) -> None:
     """Create an Ed25519 governance key and print its public half (give it to servers and clients)."""
+    from swarm.governance.keys import generate_private_key, public_key_text
+
     try:
         key = generate_private_key(path)
     except FileExistsError as error:
@@ -71,6 +71,8 @@ TRUSTED_HELP = ("Another trusted governance public key (base64 or file; repeatab
 
 def _private_key(path: str):
     """The governance private key in ``path``, or one line saying what the file is instead."""
+    from swarm.governance.keys import load_private_key, parse_public_key
+
     try:
         return load_private_key(path)
     except ValueError:
@@ -97,6 +99,8 @@ def describe(decision: Decision) -> str:
 
 
 def _parse_keys(texts: tuple[str, ...]) -> list:
+    from swarm.governance.keys import parse_public_key
+
     try:
         return [parse_public_key(k) for k in texts]
     except ValueError as error:
@@ -112,6 +116,9 @@ def _decision_command(action: str):
     @network_options
     def command(key_path: str, reason: str, dht_prefix: str, trusted: tuple[str, ...], **options) -> None:
         from swarm.dht.node import start_dht, stop_dht
+        from swarm.dht.schema import protected_keys
+        from swarm.governance.keys import public_key_text, public_keys_from_env
+        from swarm.governance.records import publish
 
         key = _private_key(key_path)
         others = _parse_keys(trusted or tuple(public_keys_from_env()))
@@ -151,6 +158,9 @@ def status(keys: tuple[str, ...], dht_prefix: str, **options) -> None:
     record" means servers and clients trusting these keys will stop after --governance-stale-after seconds:
     publish a resume)."""
     from swarm.dht.node import start_dht, stop_dht
+    from swarm.dht.schema import protected_keys
+    from swarm.governance.keys import public_key_text
+    from swarm.governance.records import GovernanceState
 
     trusted = _parse_keys(keys)
     state = GovernanceState(dht_prefix, trusted)

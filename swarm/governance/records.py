@@ -29,12 +29,11 @@ from swarm.dht import fields
 from swarm.dht.schema import forget_local_copies, governance_key
 from swarm.dht.validation import dht_key_id, sign_slot, slot_signer, slot_subkey, verify_slot
 from swarm.governance.keys import public_key_text
-from swarm.governance.limits import MAX_STALE_AFTER
+from swarm.governance.limits import HALT, MAX_STALE_AFTER, RESUME
 from swarm.utils.errors import EXIT_USAGE, SwarmError
 
 logger = logging.getLogger(__name__)
 
-HALT, RESUME = "halt", "resume"
 RECORD_LIFETIME = 30 * 24 * 3600.0  # a halt stands until resumed; the DHT keeps it this long
 MAX_CLOCK_SKEW = 300.0
 _MAX_WARNINGS = 256  # distinct invalid records worth a warning line; the rest go to debug

@@ -7,7 +7,7 @@ be joined.
 from __future__ import annotations
 
 import json
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import click
 
@@ -21,11 +21,11 @@ from swarm.cli.options import (
     run_main,
     setup_logging,
 )
-from swarm.dht.node import NetworkConfig, start_dht
+from swarm.dht.config import NetworkConfig
 from swarm.dht.peers import resolve_initial_peers
-from swarm.dht.schema import protected_keys
-from swarm.health.map import HealthMap, read_health_map
-from swarm.health.render import render_text
+
+if TYPE_CHECKING:
+    from swarm.health.map import HealthMap
 
 
 class UnreachableSwarm(CLIError):
@@ -61,6 +61,11 @@ def resolve_target(model: Optional[str], dht_prefix: Optional[str], num_blocks: 
 
 
 def read_map(network: NetworkConfig, prefix: str, num_blocks: int) -> HealthMap:
+    """The health map read from the swarm; hivemind is imported here, after the arguments are checked."""
+    from swarm.dht.node import start_dht
+    from swarm.dht.schema import protected_keys
+    from swarm.health.map import read_health_map
+
     try:
         dht = start_dht(network, protect=protected_keys(prefix, num_blocks))  # it warns of replies lost for them
     except Exception as error:  # hivemind raises daemon, timeout and parse errors alike; all mean "cannot join"
@@ -116,6 +121,8 @@ def main(model: Optional[str], dht_prefix: Optional[str], num_blocks: Optional[i
         serve_page(client_network(options), prefix, num_blocks, host, port, log_level)
         return
     health = read_map(client_network(options), prefix, num_blocks)
+    from swarm.health.render import render_text
+
     click.echo(json.dumps(health.to_json(), indent=2) if as_json else render_text(health))
     if not health.fully_served:
         raise SystemExit(EXIT_NOT_SERVED)

@@ -1,21 +1,26 @@
-"""``python -m swarm.eval --model NAME_OR_PATH``: held-out likelihood, masked-token accuracy and task accuracy."""
+"""``python -m swarm.eval --model NAME_OR_PATH``: held-out likelihood, masked-token accuracy and task accuracy.
+
+The options come from plain modules (:mod:`swarm.eval.config`, :mod:`swarm.train.config`); torch and the models are
+imported after the arguments are parsed.
+"""
 from __future__ import annotations
 
 import json
 import logging
 import time
 from dataclasses import asdict
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import click
-import torch
 
 from swarm.cli.options import SwarmCommand, apply_threads, run_main, setup_logging, threads_option
 from swarm.diffusion.config import GenerationConfig
-from swarm.eval.report import EvalPlan, ModelReport, evaluate_models, trained_on
-from swarm.eval.tasks import TaskGeneration
-from swarm.models.loading import DEFAULT_MODEL, resolve_model_path
-from swarm.train.data import BUILTIN_CORPORA, TASKS
+from swarm.eval.config import TaskGeneration
+from swarm.models.config import DEFAULT_MODEL
+from swarm.train.config import BUILTIN_CORPORA, TASK_NAMES
+
+if TYPE_CHECKING:
+    from swarm.eval.report import ModelReport
 
 NO_BASELINE = "none"
 
@@ -23,6 +28,8 @@ NO_BASELINE = "none"
 def models_to_run(model: str, baseline: str, adapter: Optional[str] = None) -> list[str]:
     """The model, then the comparison model unless disabled or the same checkpoint (kept when the model is scored
     with an adapter: the same model without it is then the comparison that matters)."""
+    from swarm.models.loading import resolve_model_path
+
     if baseline == NO_BASELINE or (adapter is None and resolve_model_path(baseline) == resolve_model_path(model)):
         return [model]
     return [model, baseline]
@@ -82,7 +89,7 @@ def describe(report: ModelReport) -> list[str]:
 )
 @click.option(
     "--task",
-    type=click.Choice([*TASKS, "none"]),
+    type=click.Choice([*TASK_NAMES, "none"]),
     default=None,
     help="Task for exact-match accuracy on held-out problems [default: the model's training corpus when it is a task].",
 )
@@ -138,6 +145,10 @@ def main(model: str, adapter: Optional[str], baseline: str, corpus: Optional[str
          progress: bool) -> None:
     """Score a model on held-out data: masked-token accuracy and LLaDA's likelihood bound, plus exact-match
     accuracy on a task's held-out problems; the baseline is scored on the same rows and problems."""
+    import torch  # after parsing, as the models below
+
+    from swarm.eval.report import EvalPlan, evaluate_models, trained_on
+
     setup_logging(logging.WARNING)
     apply_threads(threads)
     # Bad models and impossible sampler settings are refused (one line, exit 2) before any compute.
@@ -147,7 +158,7 @@ def main(model: str, adapter: Optional[str], baseline: str, corpus: Optional[str
     GenerationConfig(**asdict(generation))
     corpus_name = corpus or trained_corpus
     if task is None:
-        task = trained_corpus if trained_corpus in TASKS else "none"
+        task = trained_corpus if trained_corpus in TASK_NAMES else "none"
     plan = EvalPlan(
         corpus="files" if data_files else corpus_name, data_files=data_files, seq_len=seq_len,
         task=None if task == "none" else task, examples=examples, seed=seed, t_draws=t_draws,

@@ -11,6 +11,7 @@ from typing import Any, Mapping, Optional, Protocol, Sequence
 
 from tqdm.auto import tqdm
 
+from swarm.eval.config import TaskGeneration
 from swarm.frontend.lm import BaseDiffusionLM
 from swarm.train.data import Problem
 
@@ -19,21 +20,6 @@ class Task(Protocol):
     name: str
 
     def problems(self, count: int, seed: int, held_out: bool) -> list[Problem]: ...
-
-
-@dataclass(frozen=True)
-class TaskGeneration:
-    """Sampler settings for short answers: one block, one token per step, greedy.
-
-    Greedy and low-confidence explicitly, whatever a model's own defaults (``generation.json``): exact match
-    scores the model's best answer, not a sample.
-    """
-
-    gen_length: int = 8
-    steps: int = 8
-    block_length: int = 8
-    temperature: float = 0.0
-    remasking: str = "low_confidence"
 
 
 @dataclass

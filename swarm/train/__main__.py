@@ -1,4 +1,7 @@
-"""``python -m swarm.train``: train a masked-diffusion model of the project's own (LLaDA's objective)."""
+"""``python -m swarm.train``: train a masked-diffusion model of the project's own (LLaDA's objective).
+
+The options come from :mod:`swarm.train.config` (plain data); torch is imported after the arguments are parsed.
+"""
 from __future__ import annotations
 
 import logging
@@ -8,8 +11,7 @@ import click
 from click.core import ParameterSource
 
 from swarm.cli.options import SwarmCommand, apply_threads, run_main, setup_logging, threads_option
-from swarm.train.data import BUILTIN_CORPORA, load_corpus
-from swarm.train.loop import ARCHITECTURE_FIELDS, TrainConfig, resume_conflicts, train, training_tokenizer
+from swarm.train.config import ARCHITECTURE_FIELDS, BUILTIN_CORPORA, TrainConfig
 
 
 def given_options(ctx: click.Context) -> set[str]:
@@ -92,6 +94,9 @@ def main(data_files: tuple[str, ...], stop_at: Optional[int], **options) -> None
 
     The defaults (2000 steps of 32 x 128 tokens) take hours on a CPU: the time per step, and what is left of
     the run, are logged after its first 3 steps."""
+    from swarm.train.data import load_corpus  # after parsing: loads torch
+    from swarm.train.loop import resume_conflicts, train, training_tokenizer
+
     setup_logging(logging.INFO)
     options["threads"] = apply_threads(options["threads"])
     cfg = TrainConfig(data_files=data_files, **options)

@@ -17,6 +17,7 @@ from typing import Optional, Protocol, Sequence, TypeVar
 import torch
 
 from swarm.models.tokenizer import ByteTokenizer, Tokenizer
+from swarm.train.config import BUILTIN_CORPORA
 from swarm.train.prose import prose_sources
 
 logger = logging.getLogger(__name__)
@@ -193,8 +194,8 @@ def python_bytes(limit: int = 4_000_000) -> bytes:
     return b"\n".join(chunks)
 
 
-BUILTIN_CORPORA = ("prose", "python", "addition")
-# Corpora that are also tasks with checkable answers (``python -m swarm.eval --task``).
+# Corpora that are also tasks with checkable answers (``python -m swarm.eval --task``), by their names in
+# swarm/train/config.py (TASK_NAMES, which the commands' options offer).
 TASKS = {"addition": AdditionTask}
 
 

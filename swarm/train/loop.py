@@ -25,6 +25,7 @@ from swarm.models.checkpoint import load_config, parse_dtype, save_checkpoint
 from swarm.models.config import ModelConfig
 from swarm.models.modules import DiffusionTransformer
 from swarm.models.tokenizer import ByteTokenizer, SubwordTokenizer, Tokenizer
+from swarm.train.config import ARCHITECTURE_FIELDS, TrainConfig
 from swarm.train.data import Corpus, padding_mask
 from swarm.train.objective import diffusion_loss, mask_tokens
 from swarm.utils.text import plural
@@ -36,32 +37,7 @@ STATE_FILE = "training_state.pt"
 TRAINING_INFO_FILE = "training.json"
 # Flags that change what a resumed run computes; a mismatch is reported, not silently ignored.
 RUN_DEFINING_FIELDS = ("corpus", "data_files", "batch_size", "seq_len", "lr", "warmup", "weight_decay", "seed", "steps")
-ARCHITECTURE_FIELDS = ("hidden_size", "layers", "heads", "kv_heads", "intermediate_size")
 ESTIMATE_AFTER_STEPS = 3  # steps timed before the time of the whole run is estimated (the first is the slowest)
-
-
-@dataclass
-class TrainConfig:
-    output: str
-    corpus: str = "prose"
-    data_files: tuple[str, ...] = ()
-    steps: int = 2000
-    batch_size: int = 32
-    seq_len: int = 128
-    lr: float = 2e-3
-    warmup: int = 100
-    weight_decay: float = 0.1
-    hidden_size: int = 192
-    layers: int = 16
-    heads: int = 6
-    kv_heads: int = 2
-    intermediate_size: int = 512
-    seed: int = 0
-    save_every: int = 500
-    save_dtype: str = "float16"
-    threads: Optional[int] = None
-    # "byte", or a subword tokenizer: its tokenizer.json or a directory holding one (copied into the run).
-    tokenizer: str = "byte"
 
 
 @dataclass

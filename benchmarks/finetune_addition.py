@@ -42,7 +42,8 @@ import torch  # noqa: E402
 
 from swarm.adapters.kinds import BOTTLENECK, KINDS, RANKED_KINDS  # noqa: E402
 from swarm.eval.tasks import TaskGeneration, TaskReport, evaluate_task, prompt_ids  # noqa: E402
-from swarm.finetune.trainer import FinetuneConfig, Finetuner, StepReport, parse_lr_from  # noqa: E402
+from swarm.finetune.config import FinetuneConfig, parse_lr_from  # noqa: E402
+from swarm.finetune.trainer import Finetuner, StepReport  # noqa: E402
 from swarm.frontend.local import DiffusionLM  # noqa: E402
 from swarm.models.loading import DEFAULT_MODEL, resolve_model_path  # noqa: E402
 from swarm.train.data import AdditionTask  # noqa: E402

@@ -49,7 +49,18 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from swarm.adapters.block import BlockAdapter
-from swarm.adapters.kinds import BOTTLENECK, DEEP_PROMPT, KINDS, LORA, PER_BLOCK_KINDS, RANKED_KINDS, SOFT_PROMPT
+from swarm.adapters.kinds import (
+    BOTTLENECK,
+    DEEP_PROMPT,
+    KINDS,
+    LORA,
+    MAX_PROMPT_LENGTH,
+    MAX_RANK,
+    PER_BLOCK_KINDS,
+    RANKED_KINDS,
+    SOFT_PROMPT,
+    size_setting,
+)
 from swarm.adapters.lora import BlockWidths, new_lora_weights, unpack_lora
 from swarm.dht.compatibility import CompatibilityTag
 from swarm.models.modules import HeadLoRA
@@ -59,19 +70,11 @@ ADAPTER_CONFIG = "adapter.json"
 ADAPTER_WEIGHTS = "adapter.safetensors"
 PROMPT_KEY = "prompt"
 HEAD_DOWN_KEY, HEAD_UP_KEY = "head_down", "head_up"  # the head correction's tensors, when head_rank > 0
-MAX_PROMPT_LENGTH = 256  # rows of one block's tensor (prompt vectors, or a bottleneck's 2 x rank)
-MAX_RANK = MAX_PROMPT_LENGTH // 2
 # Model widths an adapter's base records since LoRA, whose layout depends on them; adapters saved before (none of
 # them a LoRA) lack them and do not depend on them.
 LAYOUT_KEYS = ("num_heads", "num_kv_heads", "intermediate_size")
 MAX_CONFIG_BYTES = 64 * 1024
 MAX_WEIGHTS_BYTES = 64 * 2**20  # 256 vectors of 65536 floats: far above any real prompt
-
-
-def size_setting(kind: str) -> str:
-    """The setting that sizes an adapter of ``kind``: a bottleneck's or LoRA's ``rank``, a prompt's
-    ``prompt_length``."""
-    return "rank" if kind in RANKED_KINDS else "prompt_length"
 
 
 def max_block_rows(kind: str, widths: BlockWidths) -> int:

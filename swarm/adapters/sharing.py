@@ -43,6 +43,7 @@ from swarm.adapters.adapter import (
     PromptAdapter,
 )
 from swarm.adapters.block import is_sha256_hex
+from swarm.adapters.limits import PUBLISH_LIFETIME
 from swarm.dht import fields
 from swarm.dht.schema import MAX_ADDRESS_CHARS, MAX_ADDRESSES, adapter_index_key, read_owned, store_owned
 from swarm.dht.validation import (
@@ -62,7 +63,6 @@ MAX_ADAPTER_BYTES = MAX_CONFIG_BYTES + MAX_WEIGHTS_BYTES
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 AUTHOR_PATTERN = re.compile(r"[0-9a-f]{16}")
 RECORD_VERSION = 1
-PUBLISH_LIFETIME = 7 * 24 * 3600.0  # seconds a published record lives; publishing again refreshes it
 MAX_NAMES_PER_AUTHOR = 64
 MAX_HOSTS_LISTED = 16
 MAX_PEER_ID_CHARS = 128

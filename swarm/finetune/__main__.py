@@ -6,26 +6,31 @@ With ``--initial-peers`` the blocks run on the swarm's servers (forward and back
 ``--steps`` may be raised to go on. Processes started with the same ``--run-id`` train one adapter together
 (``swarm/finetune/together.py``): the first prints the address the others join with ``--initial-peers``.
 ``python -m swarm.finetune publish DIR --name NAME --key KEY`` publishes an adapter (``swarm/finetune/publish.py``).
+
+The options read plain modules only (:mod:`swarm.finetune.config`, the adapters' kinds); torch and hivemind are
+imported after the arguments are parsed, so that ``--help`` and a mistyped flag answer at once.
 """
 from __future__ import annotations
 
 import logging
 import sys
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import click
-from hivemind.dht import DHT
 
-from swarm.adapters.adapter import MAX_PROMPT_LENGTH, MAX_RANK
-from swarm.adapters.kinds import KINDS
+from swarm.adapters.kinds import KINDS, MAX_PROMPT_LENGTH, MAX_RANK
 from swarm.cli.options import SwarmCommand, apply_threads, run_main, setup_logging, threads_option
-from swarm.dht.node import LOOPBACK_MADDRS, NetworkConfig, start_dht, stop_dht, visible_maddrs
+from swarm.dht.config import LOOPBACK_MADDRS, NetworkConfig
 from swarm.dht.peers import split_peers
-from swarm.finetune.together import CollaborationConfig
-from swarm.finetune.trainer import FinetuneConfig, Finetuner, parse_lr_from
-from swarm.frontend.lm import BaseDiffusionLM
-from swarm.models.loading import DEFAULT_MODEL
+from swarm.finetune.config import CollaborationConfig, FinetuneConfig, parse_lr_from
+from swarm.models.config import DEFAULT_MODEL
 from swarm.utils.text import plural
+
+if TYPE_CHECKING:
+    from hivemind.dht import DHT
+
+    from swarm.finetune.trainer import Finetuner
+    from swarm.frontend.lm import BaseDiffusionLM
 
 
 def open_model(model: str, peers: list[str], request_timeout: float, dht: Optional[DHT] = None) -> BaseDiffusionLM:
@@ -136,7 +141,6 @@ def main(model: str, initial_peers: tuple[str, ...], request_timeout: float, thr
     --adapter OUTPUT."""
     setup_logging(getattr(logging, log_level))
     peers = split_peers(initial_peers, "--initial-peers")
-    apply_threads(threads)
     config = FinetuneConfig(**options)
     if run_id is not None:
         config.collaboration = CollaborationConfig(run_id, target_batch_size or config.batch_size, matchmaking_time,
@@ -144,6 +148,9 @@ def main(model: str, initial_peers: tuple[str, ...], request_timeout: float, thr
         config.collaboration.validate(config.batch_size)
     elif target_batch_size is not None:
         raise click.UsageError("--target-batch-size needs --run-id (alone, the batch is --batch-size)")
+    from swarm.finetune.trainer import Finetuner  # after the checks: loads torch and hivemind
+
+    apply_threads(threads)
     dht = join_run(config, peers, NetworkConfig(peers, list(host_maddrs), list(announce_maddrs),
                                                 use_default_peers=False))
     lm, trainer = None, None
@@ -163,6 +170,8 @@ def join_run(config: FinetuneConfig, peers: list[str], network: NetworkConfig) -
     """With a run id: this process's DHT peer (not in client mode: the others average with it), announced."""
     if config.collaboration is None:
         return None
+    from swarm.dht.node import start_dht, visible_maddrs
+
     dht = start_dht(network)
     addresses = visible_maddrs(dht)
     click.echo(f"run {config.collaboration.run_id}: peer {dht.peer_id}; others join with --initial-peers "
@@ -181,6 +190,8 @@ def close(trainer: Optional[Finetuner], lm: Optional[BaseDiffusionLM], dht: Opti
                 lm.shutdown()
         finally:
             if dht is not None:
+                from swarm.dht.node import stop_dht
+
                 stop_dht(dht)
 
 

@@ -2,7 +2,8 @@
 
 The record (base model, training metadata, size, content hash, score) is signed by the author's Ed25519 key
 (``python -m swarm.governance keygen --out author.key`` makes one); the files themselves are served by servers
-started with ``--serve-adapter DIR`` (see :mod:`swarm.adapters.sharing`).
+started with ``--serve-adapter DIR`` (see :mod:`swarm.adapters.sharing`). The adapter, key and DHT code (torch,
+hivemind) is imported after the arguments are parsed, so that ``--help`` answers at once.
 """
 from __future__ import annotations
 
@@ -13,19 +14,17 @@ from typing import Optional
 
 import click
 
-from swarm.adapters.adapter import PromptAdapter, base_of
-from swarm.adapters.sharing import PUBLISH_LIFETIME, make_record, publish, read_hosts
+from swarm.adapters.limits import PUBLISH_LIFETIME
 from swarm.cli.options import SwarmCommand, network_options, pop_network_config, setup_logging
-from swarm.dht.node import start_dht, stop_dht
 from swarm.dht.peers import resolve_initial_peers
-from swarm.dht.schema import default_prefix, protected_keys
-from swarm.governance.keys import load_private_key
-from swarm.models.loading import DEFAULT_MODEL, ModelFiles
+from swarm.models.config import DEFAULT_MODEL
 from swarm.utils.text import plural
 
 
 def author_key(path: str):
     """The author's Ed25519 private key, or a one-line error saying what the file is instead."""
+    from swarm.governance.keys import load_private_key
+
     try:
         return load_private_key(path)
     except (ValueError, TypeError) as error:
@@ -62,6 +61,12 @@ def publish_main(directory: str, name: str, key_path: str, score: Optional[float
                  dht_prefix: Optional[str], lifetime: float, log_level: str, **options) -> None:
     """Publish the adapter in DIRECTORY under NAME, signed by --key; servers serve its files with
     --serve-adapter DIRECTORY and clients use it with generate(adapter=NAME)."""
+    from swarm.adapters.adapter import PromptAdapter, base_of  # after parsing: loads torch and hivemind
+    from swarm.adapters.sharing import make_record, publish, read_hosts
+    from swarm.dht.node import start_dht, stop_dht
+    from swarm.dht.schema import default_prefix, protected_keys
+    from swarm.models.loading import ModelFiles
+
     setup_logging(getattr(logging, log_level))
     key = author_key(key_path)
     files = ModelFiles(model)

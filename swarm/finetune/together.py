@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import re
 import time
-from dataclasses import dataclass
 from functools import partial
 
 import hivemind
@@ -23,39 +21,12 @@ import torch
 from hivemind.dht import DHT
 from torch import nn
 
+from swarm.finetune.config import CollaborationConfig
+
 logger = logging.getLogger(__name__)
 
-RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")  # hivemind refuses '.' in its averaging group names
 MATCHMAKING_REQUEST_S = 1.0  # below the matchmaking time, as hivemind recommends (it can deadlock otherwise)
 KEY_PREFIX = "swarm-finetune_"  # hivemind derives its DHT keys from the run id: keep them apart from the swarm's
-
-
-@dataclass
-class CollaborationConfig:
-    """How a peer joins a collaboration (see the module doc); times in seconds."""
-
-    run_id: str
-    target_batch_size: int  # samples of all peers together per optimizer step
-    matchmaking_time: float = 2.0  # how long an averaging round waits for peers to join it
-    averaging_timeout: float = 15.0  # an all-reduce that takes longer fails; the peer then steps on its own
-    load_state_timeout: float = 60.0  # a joining peer waits this long for the others' state
-    progress_expiration: float = 15.0  # a peer silent this long no longer counts towards the global batch
-    min_peers: int = 1  # after its first batch, a peer waits until this many peers (itself included) report
-    peer_wait: float = 120.0  # ... for at most this long (then RuntimeError)
-
-    def validate(self, batch_size: int) -> None:
-        if not RUN_ID.fullmatch(self.run_id):
-            raise ValueError(f"--run-id {self.run_id!r}: use 1-64 letters, digits, '_' or '-', starting with a "
-                             "letter or digit")
-        if self.target_batch_size < batch_size:
-            raise ValueError(f"--target-batch-size {self.target_batch_size} is below --batch-size {batch_size}: "
-                             "each optimizer step needs at least one peer's batch")
-        if self.min_peers < 1:
-            raise ValueError(f"--min-peers must be at least 1, got {self.min_peers}")
-        for name in ("matchmaking_time", "averaging_timeout", "load_state_timeout", "progress_expiration",
-                     "peer_wait"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"CollaborationConfig.{name} must be positive, got {getattr(self, name)!r}")
 
 
 def collaborative_optimizer(dht: DHT, config: CollaborationConfig, params: list[nn.Parameter], lr: float,

@@ -29,12 +29,12 @@ from swarm.dht import fields
 from swarm.dht.schema import MAX_ADDRESS_CHARS, MAX_ADDRESSES, MAX_OWNED_LIFETIME, read_owned, store_owned
 from swarm.dht.validation import OWNED, KeyPolicy, ed25519_text
 from swarm.utils.errors import EXIT_NOT_SERVED, EXIT_USAGE, SwarmError
+from swarm.weights.limits import PUBLISH_LIFETIME
 from swarm.weights.manifest import MAX_MANIFEST_BYTES, MAX_TENSORS, MODEL_NAME
 
 logger = logging.getLogger(__name__)
 
 RECORD_VERSION = 1
-PUBLISH_LIFETIME = 30 * 24 * 3600.0  # seconds a published name lives; publishing again refreshes it
 MAX_HOSTS_READ = 64  # peers a fetcher considers for one model
 MAX_HOSTS_KEPT = 64  # hosts records a storing peer that knows the model keeps under its key
 # a record with every field at its bound: 8 addresses of 256 characters, a bitmap of MAX_TENSORS bits, a signature

@@ -5,6 +5,9 @@
   (``python -m swarm.governance keygen --out FILE`` makes a key). Servers of DIR serve its bytes (on by default).
 * ``show NAME[@PUBLISHER]|ID``: the records under a name, and the peers serving the model.
 * ``fetch NAME|ID [--blocks A:B] [--head]``: fill the cache as a server of those blocks would, then exit.
+
+The manifest, record and DHT code (torch, hivemind) is imported in the commands' bodies, so that ``--help`` answers
+at once.
 """
 from __future__ import annotations
 
@@ -24,22 +27,9 @@ from swarm.cli.options import (
     run_main,
     setup_logging,
 )
-from swarm.dht.node import NetworkConfig, start_dht, stop_dht
+from swarm.dht.config import NetworkConfig
 from swarm.dht.peers import resolve_initial_peers
-from swarm.finetune.publish import author_key
-from swarm.models.loading import ModelFiles
-from swarm.weights.holdings import built_manifest
-from swarm.weights.manifest import weight_files
-from swarm.weights.records import (
-    PUBLISH_LIFETIME,
-    PublishedModel,
-    WeightsError,
-    parse_reference,
-    publish,
-    read_hosts,
-    read_published,
-)
-from swarm.weights.source import MODEL_ID, SwarmWeights
+from swarm.weights.limits import PUBLISH_LIFETIME
 
 LOG_LEVELS = click.Choice(["DEBUG", "INFO", "WARNING"])
 
@@ -62,6 +52,9 @@ def main() -> None:
 @click.argument("directory", type=click.Path(exists=True, file_okay=False))
 def model_id(directory: str) -> None:
     """Print the model id of the checkpoint in DIRECTORY."""
+    from swarm.weights.holdings import built_manifest
+    from swarm.weights.manifest import weight_files
+
     path = Path(directory).resolve()
     click.echo(built_manifest(path, weight_files(path)).model_id)
 
@@ -80,6 +73,12 @@ def publish_command(directory: str, name: str, key_path: str, lifetime: float, l
     """Publish the model in DIRECTORY under NAME, signed by --key; servers of DIRECTORY serve its bytes."""
     setup_logging(getattr(logging, log_level))
     network = swarm_network(options)  # before hashing every byte of the checkpoint
+    from swarm.dht.node import start_dht, stop_dht  # after the checks: loads torch and hivemind
+    from swarm.finetune.publish import author_key
+    from swarm.weights.holdings import built_manifest
+    from swarm.weights.manifest import weight_files
+    from swarm.weights.records import PublishedModel, parse_reference, publish, read_hosts
+
     key = author_key(key_path)
     parse_reference(name)
     path = Path(directory).resolve()
@@ -104,7 +103,12 @@ def publish_command(directory: str, name: str, key_path: str, lifetime: float, l
 def show(reference: str, log_level: str, **options) -> None:
     """The records published under NAME[@PUBLISHER] (or, for a model id, none) and the peers serving each."""
     setup_logging(getattr(logging, log_level))
-    dht = start_dht(swarm_network(options))
+    network = swarm_network(options)
+    from swarm.dht.node import start_dht, stop_dht  # after the checks: loads hivemind
+    from swarm.weights.records import WeightsError, parse_reference, read_hosts, read_published
+    from swarm.weights.source import MODEL_ID
+
+    dht = start_dht(network)
     try:
         if MODEL_ID.fullmatch(reference):
             records = [{"model_id": reference}]
@@ -132,6 +136,9 @@ def show(reference: str, log_level: str, **options) -> None:
 @click.option("--log-level", type=LOG_LEVELS, default="INFO", help="Logging verbosity.")
 def fetch(reference: str, blocks: Optional[str], head: bool, embedding: bool, log_level: str, **options) -> None:
     """Fill the cache with the manifest, small files and the tensors of the parts named, from peers."""
+    from swarm.models.loading import ModelFiles
+    from swarm.weights.source import SwarmWeights
+
     setup_logging(getattr(logging, log_level))
     weights = SwarmWeights(pop_network_config(options, client_mode=True))
     try:

@@ -10,7 +10,8 @@ Builds (or takes with ``--model``) the random-weight LLaDA-8B-width checkpoint o
 * a generation with the same LoRA (its weights unchanged across denoising steps).
 
 It prints bytes sent and received per step, seconds per step, and the servers' compute, then whether both settings
-gave the same gradients and tokens (they must: only the wire differs).
+gave the same gradients and tokens (they must: only the wire differs). torch, the adapters and the models are
+imported in the functions that use them, so that ``--help`` answers at once.
 """
 from __future__ import annotations
 
@@ -19,15 +20,11 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import click
-import torch
 
-from swarm.adapters.adapter import AdapterConfig, LoRAAdapter, base_of
-from swarm.adapters.block import BlockAdapter
 from swarm.adapters.kinds import LORA
-from swarm.adapters.lora import BlockWidths, new_lora_weights
 from swarm.benchmark.realscale import (
     SPECIALS,
     WORDS,
@@ -36,9 +33,11 @@ from swarm.benchmark.realscale import (
     start_span_servers,
     swarm_options,
 )
-from swarm.models.loading import ModelFiles
 from swarm.utils.local_swarm import LocalSwarm
 from swarm.utils.text import plural
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -69,6 +68,10 @@ def measured(lm, servers, runs: int, run_step, steps_per_run: int = 1) -> WireFi
 
 def training_phase(lm, servers, weights: torch.Tensor, steps: int, rows: tuple[int, int]) -> WireFigures:
     """Forward with a trace, backward of a random output gradient; the LoRA changes after each step."""
+    import torch
+
+    from swarm.adapters.block import BlockAdapter
+
     weights = weights.clone()
     generator = torch.Generator().manual_seed(1)
 
@@ -114,7 +117,12 @@ def print_rows(title: str, figures: dict[str, WireFigures]) -> None:
 def adapter_wire(model: Optional[str], blocks: int, span: int, rank: int, batch: int, length: int, train_steps: int,
                  gen_steps: int, device: str, threads: int) -> None:
     """A LoRA through the swarm at LLaDA-8B's widths: sent with every call vs named by digest."""
+    import torch
+
+    from swarm.adapters.adapter import AdapterConfig, LoRAAdapter, base_of
+    from swarm.adapters.lora import BlockWidths, new_lora_weights
     from swarm.client import DistributedDiffusionLM
+    from swarm.models.loading import ModelFiles
 
     logging.basicConfig(level=logging.WARNING)
     prompt = [SPECIALS["<|startoftext|>"]] + [1 + i % len(WORDS) for i in range(15)]

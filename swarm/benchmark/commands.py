@@ -14,6 +14,8 @@
 Latency is injected in user space (``ClientConfig.inject_latency``), since these machines have no netem:
 every one-way network crossing is delayed, so a call to a server costs two delays, and a pushed pass
 over k servers k + 1.
+
+torch, the models and the swarm client are imported in the commands' bodies, so that ``--help`` answers at once.
 """
 from __future__ import annotations
 
@@ -22,22 +24,20 @@ import logging
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Iterator, Optional, Sequence
 
 import click
-import torch
 
 from swarm.benchmark.adapter_wire import adapter_wire
 from swarm.benchmark.realscale import realscale
 from swarm.cli.options import SwarmGroup
-from swarm.client import DistributedDiffusionLM
 from swarm.diffusion.config import MAX_STALENESS
 from swarm.diffusion.remasking import STRATEGIES
-from swarm.eval.tasks import evaluate_task, prompt_ids
-from swarm.frontend.local import DiffusionLM
-from swarm.models.loading import ModelFiles
-from swarm.train.data import AdditionTask
 from swarm.utils.local_swarm import LocalSwarm
+from swarm.utils.threads import apply_threads
+
+if TYPE_CHECKING:
+    from swarm.frontend.local import DiffusionLM
 
 PROMPT = "The government said"
 # Greedy whatever a model's own sampling defaults (generation.json): the figures compare mechanisms, run after run.
@@ -47,6 +47,8 @@ GREEDY = {"temperature": 0.0}
 @contextlib.contextmanager
 def two_server_swarm(model: str, threads: int, replica: bool = False) -> Iterator[LocalSwarm]:
     """A bootstrap peer and two servers holding the two halves of ``model`` (plus a full replica)."""
+    from swarm.models.loading import ModelFiles
+
     num_layers = ModelFiles(model).config.num_layers
     half = num_layers // 2
     spans = [f"0:{half}", f"{half}:{num_layers}"] + ([f"0:{num_layers}"] if replica else [])
@@ -105,7 +107,12 @@ def threads_option(command):
               help="Injected one-way delay per network crossing in milliseconds (a call crosses twice).")
 def latency(model: str, length: int, repeats: int, latency_ms: float, threads: int) -> None:
     """Per-step latency: two servers on loopback vs one local process."""
-    torch.set_num_threads(threads)
+    import torch
+
+    from swarm.client.model import DistributedDiffusionLM
+    from swarm.frontend.local import DiffusionLM
+
+    apply_threads(threads)
     local = DiffusionLM.from_pretrained(model)
     tokens = torch.randint(0, 256, (1, length))
     local_s = time_calls(lambda: local.logits(tokens), repeats)
@@ -138,7 +145,10 @@ def latency(model: str, length: int, repeats: int, latency_ms: float, threads: i
 def picard(model: str, windows: list[int], latencies_ms: list[float], gen_length: int, steps: int, block_length: int,
            prompt: str, threads: int, remasking: str) -> None:
     """Picard windows vs sequential denoising through two servers."""
-    torch.set_num_threads(threads)
+    from swarm.client.model import DistributedDiffusionLM
+    from swarm.frontend.local import DiffusionLM
+
+    apply_threads(threads)
     sizes, delays = windows, latencies_ms
     strategies = remasking.split(",")
     unknown = [name for name in strategies if name not in STRATEGIES]
@@ -177,7 +187,9 @@ def picard(model: str, windows: list[int], latencies_ms: list[float], gen_length
 @click.option("--prompt", default=PROMPT, show_default=True, help="Prompt text.")
 def scale(model: str, latency_ms: float, remasking: str, prompt: str, threads: int) -> None:
     """One request at scale local, auto and max, through two servers and a full replica."""
-    torch.set_num_threads(threads)
+    from swarm.client.model import DistributedDiffusionLM
+
+    apply_threads(threads)
     settings = dict(gen_length=64, steps=64, block_length=32, remasking=remasking, **GREEDY)
     with two_server_swarm(model, threads, replica=True) as swarm:
         with DistributedDiffusionLM.from_pretrained(model, initial_peers=swarm.initial_peers,
@@ -217,7 +229,7 @@ class Tally:
         self.calls += result.denoiser_calls
         self.evaluations += result.states_evaluated
         self.steps += result.steps
-        self.identical += torch.equal(result.sequence, reference.sequence)
+        self.identical += result.sequence.equal(reference.sequence)
         self.correct += answer is not None and result.text == answer
         self.runs += 1
         self.drafts_accepted += sum(window.accepted - 1 for window in result.windows)
@@ -258,6 +270,9 @@ SWARM_MODES = ("sequential", "picard w=4", "drafts k=3")
 
 def time_through_swarm(model: str, strategies: Sequence[str], delays: Sequence[float], gen_length: int) -> None:
     """Wall time of sequential, Picard and draft-and-verify decoding of the prose prompt through two servers."""
+    from swarm.client.model import DistributedDiffusionLM
+    from swarm.frontend.local import DiffusionLM
+
     references = {name: DiffusionLM.from_pretrained(model).generate(PROMPT, gen_length=gen_length, remasking=name,
                                                                      **GREEDY) for name in strategies}
     click.echo(f"{'remasking':>15}{'ms/hop':>7}{'mode':>12}{'trips':>7}{'wall s':>8}{'tok/s':>7}{'speed-up':>9}"
@@ -273,7 +288,7 @@ def time_through_swarm(model: str, strategies: Sequence[str], delays: Sequence[f
                         batching = BATCHING_MODES[mode] or {"draft_steps": 0}  # explicit: the scale adds none
                         result = lm.generate(PROMPT, gen_length=gen_length, remasking=name, **GREEDY, **batching)
                         base = base or result
-                        same = torch.equal(result.sequence, references[name].sequence)
+                        same = result.sequence.equal(references[name].sequence)
                         click.echo(f"{name:>15}{delay:>7g}{mode:>12}{result.denoiser_calls:>7}{result.elapsed_s:>8.2f}"
                                    f"{gen_length / result.elapsed_s:>7.1f}{base.elapsed_s / result.elapsed_s:>8.2f}x"
                                    f"{str(same):>10}")
@@ -299,7 +314,11 @@ def drafts(model: str, task_model: str, task_examples: int, task_lengths: list[i
     "accepted" is how often a guessed or drafted state is accepted when the ones before it in its call were
     (:attr:`Tally.acceptance`); "identical" counts runs whose final state equals the sequential run's.
     """
-    torch.set_num_threads(1)
+    from swarm.eval.tasks import prompt_ids
+    from swarm.frontend.local import DiffusionLM
+    from swarm.train.data import AdditionTask
+
+    apply_threads(1)
     strategies = remasking.split(",")
     unknown = [name for name in strategies if name not in STRATEGIES]
     if unknown:
@@ -373,7 +392,12 @@ def parse_mode(spec: str) -> tuple[dict, bool]:
 def hiding(model: str, modes: str, latency_ms: float, gen_length: int, block_length: int, prompt: str,
            task_model: str, task_examples: int, threads: int) -> None:
     """Latency hiding: each mode's wall time at 0 and --latency-ms per crossing, through two servers."""
-    torch.set_num_threads(threads)
+    from swarm.client.model import DistributedDiffusionLM
+    from swarm.eval.tasks import evaluate_task
+    from swarm.frontend.local import DiffusionLM
+    from swarm.train.data import AdditionTask
+
+    apply_threads(threads)
     parsed = {spec: parse_mode(spec) for spec in modes.split(",") if spec}
     base = dict(gen_length=gen_length, steps=gen_length, block_length=block_length, **GREEDY)
     exact = DiffusionLM.from_pretrained(model).generate(prompt, **base)
@@ -428,7 +452,11 @@ def hiding(model: str, modes: str, latency_ms: float, gen_length: int, block_len
 def cache_refresh(task_model: str, task_examples: int, refreshes: list[int], cache: str, threads: int) -> None:
     """The activation cache's refresh schedule against the exact run, in one process (the swarm gives the same
     tokens for every setting): task accuracy, fills and reuses, rows the model computed, and wall time."""
-    torch.set_num_threads(threads)
+    from swarm.eval.tasks import prompt_ids
+    from swarm.frontend.local import DiffusionLM
+    from swarm.train.data import AdditionTask
+
+    apply_threads(threads)
     lm = DiffusionLM.from_pretrained(task_model)
     problems = AdditionTask().problems(task_examples, seed=0, held_out=True)
     prompts = [prompt_ids(lm, problem.prompt) for problem in problems]

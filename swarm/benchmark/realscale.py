@@ -7,7 +7,8 @@ side: the client's milliseconds (embedding, head, sampler and the rest), the ser
 the bytes of one crossing each way, the client's resident memory and tokens/s, for the old defaults (float32
 client and wire, head over every row) against the new ones (bfloat16 client and wire, the head on the last
 server, started with ``--head``, or over the active block in the client); then the servers' resident memory
-and a projection for 32 blocks on GPU servers, with its assumptions.
+and a projection for 32 blocks on GPU servers, with its assumptions. torch and the models are imported in the
+functions that use them, so that ``--help`` answers at once.
 """
 from __future__ import annotations
 
@@ -19,17 +20,15 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import TYPE_CHECKING, Iterator, Optional
 
 import click
 import psutil
-import torch
 
-from swarm.models.checkpoint import load_config, save_tensors
-from swarm.models.formats import LLADA_LAYOUT
-from swarm.models.loading import ModelFiles
-from swarm.models.modules import DiffusionTransformer
 from swarm.utils.local_swarm import LocalSwarm
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +83,12 @@ def write_tokenizer(directory: Path) -> None:
 
 def build_checkpoint(directory: Path, blocks: int, seed: int = 0) -> Path:
     """LLaDA-8B's widths with ``blocks`` blocks of random bfloat16 weights, in LLaDA's published layout."""
+    import torch
+
+    from swarm.models.checkpoint import load_config, save_tensors
+    from swarm.models.formats import LLADA_LAYOUT
+    from swarm.models.modules import DiffusionTransformer
+
     config = dict(LLADA_8B, n_layers=blocks)
     (directory / "config.json").write_text(json.dumps(config, indent=2))
     write_tokenizer(directory)
@@ -216,6 +221,8 @@ def swarm_options(command):
 def start_span_servers(swarm: LocalSwarm, path: Path, span: int, *options: str) -> list:
     """Servers of ``span`` blocks each over the checkpoint's blocks (the last also ``--head``), started together
     and waited for."""
+    from swarm.models.loading import ModelFiles
+
     num_layers = ModelFiles(path).config.num_layers
     servers = [swarm.start_server(str(path), f"{start}:{min(start + span, num_layers)}", *options,
                                   *(["--head"] if start + span >= num_layers else []), wait=False)
@@ -235,6 +242,8 @@ def realscale(model: Optional[str], blocks: int, span: int, gen_length: int, pro
               threads: int) -> None:
     """Per-step costs at LLaDA-8B's widths: float32 vs bfloat16 wire, head over all rows, the active block or on
     the swarm."""
+    from swarm.models.loading import ModelFiles
+
     logging.basicConfig(level=logging.WARNING)
     settings = dict(gen_length=gen_length, steps=gen_length, block_length=gen_length, seed=0)
     prompt = [SPECIALS["<|startoftext|>"]] + [1 + i % len(WORDS) for i in range(prompt_tokens - 1)]

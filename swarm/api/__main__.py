@@ -1,4 +1,7 @@
-"""``python -m swarm.api --initial-peers ... --port 8000``: serve the OpenAI-style API over the swarm or locally."""
+"""``python -m swarm.api --initial-peers ... --port 8000``: serve the OpenAI-style API over the swarm or locally.
+
+FastAPI, uvicorn and the model are imported after the arguments are checked, so that ``--help`` answers at once.
+"""
 from __future__ import annotations
 
 from typing import Optional
@@ -55,17 +58,17 @@ def main(model: str, model_name: Optional[str], local: bool, host: str, port: in
     A --port (or --host-maddrs port) in use is refused before the model loads (exit 4); docs/OPERATIONS.md lists
     every exit code."""
     setup_logging(log_level)
-    import uvicorn
-
-    from swarm.api import create_app, load_engine
-    from swarm.dht.node import check_port_free
-
     network = pop_network_config(options, client_mode=True)
     client_options = pop_config_kwargs(options, ClientConfig)
     dht_prefix = client_options.pop("dht_prefix", None)  # names the model locally too
     if not local and not resolve_initial_peers(network.initial_peers, use_defaults=network.use_default_peers):
         raise click.UsageError("no swarm to join: pass --initial-peers (or set $SWARM_INITIAL_PEERS), "
                                "or use --local to run the model in this process")
+    import uvicorn
+
+    from swarm.api import create_app, load_engine
+    from swarm.dht.node import check_port_free
+
     check_port_free(host, port, where=" (--port)")
     apply_threads(threads)
     engine = load_engine(model, local=local, network=network, dht_prefix=dht_prefix, model_id=model_name,

@@ -1,22 +1,22 @@
 """Every failure as OpenAI's error object ``{"error": {"message", "type", "param", "code"}}``.
 
 OpenAI clients read that shape to raise their typed exceptions (``BadRequestError``, ``NotFoundError``…),
-so validation errors, unknown routes and failures inside generation all answer with it.
+so validation errors, unknown routes and failures inside generation all answer with it. FastAPI is imported where
+the handlers are installed: the errors and :func:`error_body` serve ``swarm.api.body_limit`` too, whose default
+``python -m swarm.api --help`` shows without loading FastAPI.
 """
 from __future__ import annotations
 
 import logging
 from typing import TYPE_CHECKING, Any, Optional
 
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
-
 from swarm.cli.options import halt_message
 from swarm.utils.errors import SwarmError
 
 if TYPE_CHECKING:
+    from fastapi import FastAPI
+    from fastapi.exceptions import RequestValidationError
+
     from swarm.frontend.lm import GenerationResult
 
 logger = logging.getLogger(__name__)
@@ -103,6 +103,11 @@ def describe_validation(error: RequestValidationError) -> tuple[str, Optional[st
 
 
 def install_error_handlers(app: FastAPI) -> None:
+    from fastapi import Request
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+
     @app.exception_handler(APIError)
     async def _api_error(request: Request, error: APIError) -> JSONResponse:
         return JSONResponse(error_body(str(error), error.type, error.param, error.code), status_code=error.status)

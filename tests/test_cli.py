@@ -153,7 +153,7 @@ def test_a_malformed_initial_peer_is_one_line_from_the_real_process():
     assert done.returncode == EXIT_USAGE
     assert done.stderr.strip().splitlines() == [
         "Error: --initial-peers: '127.0.0.1:31337' is not a peer's multiaddr; expected "
-        "/ip4/203.0.113.5/tcp/31337/p2p/12D3KooW..., as printed by the bootstrap peer or a server"]
+        "/ip4/203.0.113.5/tcp/31337/p2p/Qm..., as printed by the bootstrap peer or a server"]
     verbose = run("generate", "Hi", "--initial-peers", "127.0.0.1:31337", "--verbose")
     assert verbose.exit_code == EXIT_USAGE and "Traceback" in verbose.stderr
 

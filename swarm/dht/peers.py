@@ -33,7 +33,8 @@ def read_bootstrap_file(path: Path) -> list[str]:
     return peers
 
 
-PEER_EXAMPLE = "/ip4/203.0.113.5/tcp/31337/p2p/12D3KooW..."
+# As docs write a server's (or a keyed bootstrap peer's) address: their RSA identities have Qm... ids.
+PEER_EXAMPLE = "/ip4/203.0.113.5/tcp/31337/p2p/Qm..."
 
 
 def check_peer_multiaddr(text: str, source: str = "--initial-peers") -> str:

@@ -368,7 +368,7 @@ def test_a_server_that_joined_through_the_environment_does_not_claim_a_new_swarm
     addrs = ["/ip4/127.0.0.1/tcp/5/p2p/12D3KooWSelf"]
     assert join_message(NetworkConfig(), addrs).startswith("Started a new swarm. Others join with: --initial-peers")
     monkeypatch.setenv(ENV_PEERS, DEAD_PEER)  # the README's own method
-    assert join_message(NetworkConfig(), addrs).startswith("Joined the swarm through 1 initial peer(s)")
+    assert join_message(NetworkConfig(), addrs).startswith("Joined the swarm through 1 initial peer;")
     assert join_message(NetworkConfig(initial_peers=[DEAD_PEER]), addrs).startswith("Joined")
 
 

@@ -39,6 +39,7 @@ from swarm.utils.errors import (
     SwarmError,
 )
 from swarm.utils.settings import SettingField, settings_of
+from swarm.utils.text import listed
 from swarm.utils.threads import THREADS_HELP, apply_threads, default_threads  # noqa: F401 (commands import them here)
 
 # ----- exit codes and one-line errors -----------------------------------------------------------------
@@ -300,7 +301,8 @@ def pop_generation_kwargs(options: dict[str, Any], keys: Iterable[str] = GENERAT
 def require_no_options_left(options: dict[str, Any]) -> None:
     """Refuse options that reached no argument: a flag that would otherwise be silently ignored."""
     if options:
-        raise click.UsageError(f"option(s) {', '.join(sorted(options))} reach no argument of this command (a flag "
+        reach = "reaches" if len(options) == 1 else "reach"
+        raise click.UsageError(f"{listed('option', sorted(options))} {reach} no argument of this command (a flag "
                                "without a setting in swarm.diffusion.config or swarm.frontend.request)")
 
 

@@ -33,6 +33,7 @@ from swarm.frontend.scale import ScalePlan, plan_scale
 from swarm.models.config import ModelConfig
 from swarm.models.modules import HeadLoRA
 from swarm.models.tokenizer import MASK_PLACEHOLDER, Tokenizer
+from swarm.utils.text import listed
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +116,7 @@ def make_generation_config(
                  if name in OTHER_NAMES]
         documented = "see generate_stream's documentation"
         advice = f"{'; '.join(hints)} ({documented})" if hints else documented
-        raise TypeError(f"unknown generation argument(s) {', '.join(unknown)}: {advice}")
+        raise TypeError(f"unknown {listed('generation argument', unknown)}: {advice}")
     if block_length is None:
         divides = isinstance(gen_length, int) and gen_length % DEFAULT_BLOCK_LENGTH == 0
         block_length = DEFAULT_BLOCK_LENGTH if divides else gen_length

@@ -24,6 +24,7 @@ from swarm.dht.config import NetworkConfig
 from swarm.dht.peers import resolve_initial_peers
 from swarm.server.config import ServerConfig
 from swarm.utils.settings import declared
+from swarm.utils.text import plural
 
 if TYPE_CHECKING:
     from swarm.server.server import Server
@@ -34,7 +35,8 @@ def join_message(network: NetworkConfig, addrs: list[str]) -> str:
     the bootstrap file): only a server that had none started a new swarm whose address others need."""
     peers = resolve_initial_peers(network.initial_peers, use_defaults=network.use_default_peers)
     if peers:
-        return f"Joined the swarm through {len(peers)} initial peer(s); this server listens on {' '.join(addrs)}"
+        through = plural(len(peers), "initial peer")
+        return f"Joined the swarm through {through}; this server listens on {' '.join(addrs)}"
     return f"Started a new swarm. Others join with: --initial-peers {' '.join(addrs)}"
 
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 from swarm.utils.errors import EXIT_USAGE, SwarmError
+from swarm.utils.text import listed
 
 SETTING = "setting"  # the metadata key of a declared setting
 
@@ -228,5 +229,5 @@ def replaced(config: Any, what: str, **changes: Any) -> Any:
     names = {f.name for f in dataclasses.fields(config)}
     unknown = sorted(set(changes) - names)
     if unknown:
-        raise TypeError(f"unknown {what}(s) {', '.join(map(repr, unknown))}; known: {', '.join(sorted(names))}")
+        raise TypeError(f"unknown {listed(what, [repr(name) for name in unknown])}; known: {', '.join(sorted(names))}")
     return dataclasses.replace(config, **changes)

@@ -55,6 +55,12 @@ function readableTime(seconds) {
   return `${text} (${ago(seconds)})`;
 }
 
+/** "1 online server", "3 online servers": the count and the noun, in the plural unless the count is 1 (as
+ * swarm/utils/text.py's plural; `many` where adding an s is wrong). */
+function plural(count, noun, many) {
+  return `${count} ${count === 1 ? noun : many || noun + "s"}`;
+}
+
 /** A number with a fixed count of decimals, or a dash when unknown. */
 function num(value, digits = 0) {
   return typeof value === "number" && isFinite(value) ? value.toFixed(digits) : "—";

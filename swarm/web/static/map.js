@@ -43,7 +43,7 @@ function drawCoverage(data) {
       `Uncovered blocks ${spans}: no online server holds them, so no request can be served.`);
   } else {
     announce(coverage, "banner good", `Every block is served: ${data.num_blocks} blocks, at least ` +
-      `${Math.min(...data.replicas)} online server(s) each.`);
+      `${plural(Math.min(...data.replicas), "online server")} each.`);
   }
 }
 
@@ -83,7 +83,7 @@ function drawBlocks(data) {
   }
   const replicas = data.replicas.map((count, block) => placed(el("span", {
     className: count ? "replicas" : "replicas uncovered",
-    title: count ? `block ${block}: ${count} online server(s)` : `block ${block}: no online server`,
+    title: count ? `block ${block}: ${plural(count, "online server")}` : `block ${block}: no online server`,
   }, count || "!"), block, block + 1));
   const rows = [blockRow("Block", axis, "axis"), blockRow("Online servers", replicas, "coverage")];
   for (const server of data.servers) {
@@ -134,7 +134,7 @@ function drawExperts(experts) {
       `${peer.public_name || shortPeer(peer.peer_id)} (${peer.state}) hosts ${peer.model || "?"}, ` +
       `${num(peer.throughput, 1)} tok/s; tag: tokenizer ${peer.tag.tokenizer}, vocabulary ${peer.tag.vocab_size}, ` +
       `mask id ${peer.tag.mask_token_id}`))),
-    expert.malformed ? el("p", { className: "muted" }, `${expert.malformed} malformed announcement(s) ignored`)
+    expert.malformed ? el("p", { className: "muted" }, `${plural(expert.malformed, "malformed announcement")} ignored`)
       : null)));
 }
 

@@ -12,18 +12,19 @@ import logging
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import click
-import torch
 from tqdm.auto import tqdm
 
-from swarm.diffusion.config import DEFAULT_EXPERT_TOP_K, MAX_EXPERT_TOP_K
-from swarm.diffusion.mixture import DEFAULT_TAU
-from swarm.frontend.lm import BaseDiffusionLM
-from swarm.frontend.local import DiffusionLM
-from swarm.models.loading import DEFAULT_MODEL, resolve_model_path
-from swarm.train.data import TASKS, Problem
+from swarm.cli.options import apply_threads
+from swarm.diffusion.config import DEFAULT_EXPERT_TOP_K, DEFAULT_TAU, MAX_EXPERT_TOP_K
+from swarm.models.config import DEFAULT_MODEL
+from swarm.train.config import TASK_NAMES
+
+if TYPE_CHECKING:  # the model code (torch) loads after the arguments are parsed
+    from swarm.frontend.lm import BaseDiffusionLM
+    from swarm.train.data import Problem
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +71,9 @@ def evaluate_composition(backbone: str, expert: str, task: str, weights: Sequenc
                          seed: int = 0, tau: float = DEFAULT_TAU, corrector_steps: int = 0,
                          top_ks: Sequence[int] = (DEFAULT_EXPERT_TOP_K,), progress: bool = False) -> list[Row]:
     """Rows for the backbone alone, the expert alone, then the composition at each weight and each top k."""
+    from swarm.frontend.local import DiffusionLM
+    from swarm.train.data import TASKS
+
     problems = TASKS[task]().problems(examples, seed, held_out=True)
     base_lm, expert_lm = DiffusionLM.from_pretrained(backbone), DiffusionLM.from_pretrained(expert)
     base_name, expert_name = Path(backbone).name, Path(expert).name  # short labels for paths
@@ -99,7 +103,7 @@ def markdown_table(rows: Sequence[Row]) -> list[str]:
 @click.command(context_settings={"show_default": True, "help_option_names": ["-h", "--help"]})
 @click.option(
     "--task",
-    type=click.Choice(sorted(TASKS)),
+    type=click.Choice(sorted(TASK_NAMES)),
     default="addition",
     help="Task whose held-out problems are scored.",
 )
@@ -141,7 +145,9 @@ def main(task: str, backbone: str, expert: str, weights: tuple[float, ...], tau:
          top_ks: tuple[int, ...], examples: int, seed: int, threads: int, as_json: bool, progress: bool) -> None:
     """Accuracy on a task's held-out problems: backbone alone, expert alone, and their compositions."""
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    torch.set_num_threads(threads)
+    from swarm.models.loading import resolve_model_path
+
+    apply_threads(threads)
     try:
         paths = {"backbone": str(resolve_model_path(backbone)), "expert": str(resolve_model_path(expert))}
         rows = evaluate_composition(backbone, expert, task, weights, examples=examples, seed=seed, tau=tau,

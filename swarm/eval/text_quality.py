@@ -18,14 +18,16 @@ import re
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Optional, Sequence
 
 import click
 
 from swarm.cli.options import SwarmCommand, apply_threads, run_main, setup_logging, threads_option
 from swarm.diffusion.remasking import STRATEGIES
-from swarm.frontend.lm import BaseDiffusionLM
-from swarm.models.loading import DEFAULT_MODEL
+from swarm.models.config import DEFAULT_MODEL
+
+if TYPE_CHECKING:  # the model code (torch) loads after the arguments are parsed
+    from swarm.frontend.lm import BaseDiffusionLM
 
 logger = logging.getLogger(__name__)
 

@@ -35,9 +35,10 @@ ON_THE_SWARM = {
     "threshold": dict(threshold=0.2, temperature=0.7),
     "cfg": dict(cfg_scale=1.5, temperature=0.7),
     "picard window": dict(parallel_window=3, temperature=0.7),
+    "dual cache": dict(cache="dual", temperature=0.7),
+    "prefix cache, refresh 2": dict(cache="prefix", cache_refresh=2),
 }
 ON_THE_CLIENT = {  # these read logits: the head server answers hidden states, the client's head scores them
-    "dual cache": dict(cache="dual", temperature=0.7),
     "corrector": dict(corrector_steps=1, temperature=0.7),
     "staleness": dict(staleness=1, temperature=0.7),
 }
@@ -64,6 +65,11 @@ def test_a_head_query_is_checked_against_its_call():
         with pytest.raises(ValueError):
             HeadQuery.parse(query, batch=batch, length=8, vocab_size=10)
             pytest.fail(name)
+    # A reuse of the activation cache sends rows first:first + length only: the scored rows must lie there.
+    assert HeadQuery.parse(value, batch=1, length=4, vocab_size=10, first=4) == QUERY
+    for first, length in ((5, 4), (0, 4), (4, 3)):
+        with pytest.raises(ValueError):
+            HeadQuery.parse(value, batch=1, length=length, vocab_size=10, first=first)
 
 
 def test_predictions_are_the_samplers_own_numbers():

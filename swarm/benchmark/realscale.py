@@ -56,6 +56,13 @@ class Setting:
     head_rows: str
     client_dtype: Optional[str] = None  # None: the checkpoint's (bfloat16)
     head: str = "client"  # ClientConfig.head: "auto" lets the last server (started with --head) answer predictions
+    expert_top_k: Optional[int] = None  # compose the 8B-width expert (its own server) with this top k; None: no expert
+
+    def generate_settings(self) -> dict:
+        """What this setting adds to ``generate``'s arguments."""
+        if self.expert_top_k is None:
+            return {}
+        return {"experts": {EXPERT_DOMAIN: 1.0}, "expert_top_k": self.expert_top_k}
 
 
 # The bfloat16-wire group runs first, the head on the swarm first of all: the process's resident memory then
@@ -64,7 +71,10 @@ SETTINGS = (Setting("new default: head on the swarm (--head)", "auto", "active",
             Setting("bf16 client+wire, head active block", "auto", "active"),
             Setting("bf16 client+wire, head all rows", "auto", "all"),
             Setting("old: fp32 client+wire, head all rows", "float32", "all", "float32"),
-            Setting("bf16 client, fp32 wire, head all rows", "float32", "all"))
+            Setting("bf16 client, fp32 wire, head all rows", "float32", "all"),
+            Setting("expert, top 64 (default)", "auto", "active", head="auto", expert_top_k=64),
+            Setting("expert, whole vocabulary", "auto", "active", head="auto", expert_top_k=0))
+EXPERT_DOMAIN = "wide"  # the expert rows' model: the same 8B-width checkpoint, hosted whole by its own server
 
 
 def write_tokenizer(directory: Path) -> None:
@@ -138,6 +148,7 @@ class StepFigures:
     tokens_per_s: float
     client_weights_mb: float = 0.0  # the embedding's and (when loaded) the head's parameters
     head_on_swarm: bool = False
+    expert_bytes: float = 0.0  # expert answers received per step
 
 
 def weights_mb(*modules) -> float:
@@ -150,6 +161,7 @@ def measure(lm, swarm_servers, prompt: list[int], settings: dict, label: str) ->
     compute_before = server_compute_seconds(lm, swarm_servers)
     caller = lm.caller
     sent, received, calls = caller.bytes_sent, caller.bytes_received, caller.calls
+    expert_received = caller.expert_bytes_received
     lm.timings.reset()
     started = time.perf_counter()
     result = lm.generate(prompt, **settings)
@@ -162,7 +174,8 @@ def measure(lm, swarm_servers, prompt: list[int], settings: dict, label: str) ->
     crossings = max(1, caller.calls - calls)
     return StepFigures(label, steps, client, server_ms, (caller.bytes_sent - sent) / crossings,
                        (caller.bytes_received - received) / crossings, list(result.token_ids), rss_mb(),
-                       len(result.token_ids) / total, weights_mb(lm.embedding, lm._head), lm._head is None)
+                       len(result.token_ids) / total, weights_mb(lm.embedding, lm._head), lm._head is None,
+                       (caller.expert_bytes_received - expert_received) / steps)
 
 
 def server_compute_seconds(lm, servers) -> float:
@@ -175,12 +188,14 @@ def server_compute_seconds(lm, servers) -> float:
 
 def print_table(figures: list[StepFigures], server_rss: list[float]) -> None:
     click.echo(f"\n{'setting (per step)':<40}{'embed ms':>9}{'head ms':>9}{'sampler ms':>11}{'wait ms':>9}"
-               f"{'server ms':>10}{'req B/hop':>12}{'ans B/hop':>12}{'weights MiB':>12}{'RSS MiB':>9}{'tok/s':>8}")
+               f"{'server ms':>10}{'req B/hop':>12}{'ans B/hop':>12}{'expert B':>11}{'weights MiB':>12}{'RSS MiB':>9}"
+               f"{'tok/s':>8}")
     for f in figures:
         c = f.client_ms
         click.echo(f"{f.label:<40}{c['embedding']:>9.1f}{c['head']:>9.1f}{c['sampler+rest']:>11.1f}"
                    f"{c['wait']:>9.1f}{f.server_ms:>10.1f}{f.request_bytes:>12,.0f}{f.answer_bytes:>12,.0f}"
-                   f"{f.client_weights_mb:>12,.0f}{f.client_rss_mb:>9,.0f}{f.tokens_per_s:>8.2f}")
+                   f"{f.expert_bytes:>11,.0f}{f.client_weights_mb:>12,.0f}{f.client_rss_mb:>9,.0f}"
+                   f"{f.tokens_per_s:>8.2f}")
     click.echo(f"\nserver RSS: {', '.join(f'{m:,.0f}' for m in server_rss)} MiB; client RSS is the "
                "benchmark process's (earlier settings' freed memory may still count)")
 
@@ -254,13 +269,17 @@ def realscale(model: Optional[str], blocks: int, span: int, gen_length: int, pro
         for wire in ("auto", "float32"):
             servers = start_span_servers(swarm, path, span, "--wire-dtype", wire, "--device", device,
                                          "--compute-threads", str(threads), "--dht-prefix", f"realscale-{wire}")
+            if any(s.expert_top_k is not None and s.wire_dtype == wire for s in SETTINGS):
+                servers.append(swarm.start_server(str(path), None, "--expert", f"{EXPERT_DOMAIN}={path}",
+                                                  "--device", device, "--compute-threads", str(threads),
+                                                  "--dht-prefix", f"realscale-{wire}", name="expert"))
             for setting in [s for s in SETTINGS if s.wire_dtype == wire]:
                 figures.append(run_setting(path, swarm, servers, prompt, settings, setting))
             server_rss = [rss_mb(server.process.pid) for server in servers]
             for server in servers:
                 swarm.terminate(server)
         print_table(figures, server_rss)
-        same = len({tuple(f.tokens) for f in figures if "fp32 client" not in f.label}) == 1
+        same = len({tuple(f.tokens) for f in figures if "fp32 client" not in f.label and "expert" not in f.label}) == 1
         click.echo(f"tokens identical across the bfloat16-client settings: {same}")
         print_projection(figures, prompt_tokens + gen_length, num_layers)
 
@@ -275,4 +294,4 @@ def run_setting(path: Path, swarm: LocalSwarm, servers, prompt: list[int], setti
                                                 dtype=setting.client_dtype, head=setting.head,
                                                 request_timeout=120, connect_timeout=60) as lm:
         click.echo(f"running: {setting.label} ...", err=True)
-        return measure(lm, servers, prompt, settings, setting.label)
+        return measure(lm, servers, prompt, dict(settings, **setting.generate_settings()), setting.label)

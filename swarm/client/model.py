@@ -202,10 +202,14 @@ class DistributedDiffusionLM(BaseDiffusionLM):
 
     def head_query(self, context: DenoiseContext, directive: Optional[CacheDirective],
                    scored: Optional[tuple[int, int]]) -> Optional[HeadQuery]:
-        """The query a head server may answer for this call: when the sampler takes predictions, the call is
-        uncached (a reuse's rows would need the fill's logits) and the head scores only the active rows (so a
-        server's matrix product is the one this client would compute)."""
-        if context.head is None or directive is not None or scored is None or self.client_config.head != "auto":
+        """The query a head server may answer for this call: when the sampler takes predictions, the head scores
+        only the active rows (so a server's matrix product is the one this client would compute) and, for a reuse
+        of the activation cache, the rows it recomputes cover them (otherwise the step would read the fill's
+        logits for the others)."""
+        if context.head is None or scored is None or self.client_config.head != "auto":
+            return None
+        if directive is not None and not directive.fill and not (
+                directive.rows[0] <= scored[0] and scored[1] <= directive.rows[1]):
             return None
         return dataclasses.replace(context.head, scored=scored)
 

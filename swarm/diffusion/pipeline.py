@@ -24,6 +24,7 @@ import torch
 
 from swarm.diffusion.config import HEAD_ROWS, GenerationConfig
 from swarm.diffusion.denoiser import DenoiseContext, Pending, PipelinedDenoiser
+from swarm.diffusion.prediction import Predictions
 from swarm.models.kv_cache import CacheMiss
 
 logger = logging.getLogger(__name__)
@@ -127,8 +128,10 @@ class CachePolicy:
 
     def complete(self, directive: Optional[CacheDirective], output: torch.Tensor,
                  fill_logits: Optional[torch.Tensor]) -> torch.Tensor:
-        """Logits for every row: a fill's own, or ``fill_logits`` (the reused fill's) with recomputed rows replaced."""
-        if directive is None or directive.fill:
+        """Logits for every row: a fill's own, or ``fill_logits`` (the reused fill's) with recomputed rows replaced.
+        A head server's predictions are whole already (it is asked only when the recomputed rows cover what the
+        step reads)."""
+        if directive is None or directive.fill or isinstance(output, Predictions):
             return output
         start, end = directive.rows
         merged = fill_logits.clone()

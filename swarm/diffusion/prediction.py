@@ -116,8 +116,10 @@ class HeadQuery:
                 "cfg_scale": self.cfg_scale, "mask_token_id": self.mask_token_id, "scored": list(self.scored)}
 
     @classmethod
-    def parse(cls, value: Any, batch: int, length: int, vocab_size: int) -> "HeadQuery":
-        """A query from remote metadata, checked against the call it comes with; ValueError says what is wrong."""
+    def parse(cls, value: Any, batch: int, length: int, vocab_size: int, first: int = 0) -> "HeadQuery":
+        """A query from remote metadata, checked against the call it comes with (``length`` positions from
+        position ``first``: a reuse of the activation cache sends only rows ``first:first + length``); ValueError
+        says what is wrong."""
         if not isinstance(value, dict):
             raise ValueError("extra['head'] must be a map")
         starts, steps, scored = value.get("block_starts"), value.get("steps"), value.get("scored")
@@ -134,8 +136,9 @@ class HeadQuery:
         if not starts or len(steps) != len(starts) or query.batch != batch:
             raise ValueError(f"head query for {len(starts)} states (guidance {cfg_scale}) with {len(steps)} steps "
                              f"does not match a batch of {batch}")
-        if not 0 <= scored[0] < scored[1] <= length or not 0 < block_length <= length:
-            raise ValueError(f"head rows {scored} or block length {block_length} do not fit {length} positions")
+        if not first <= scored[0] < scored[1] <= first + length or not 0 < block_length <= length:
+            raise ValueError(f"head rows {scored} or block length {block_length} do not fit positions "
+                             f"{first}:{first + length}")
         if any(not scored[0] <= s or s + block_length > scored[1] for s in starts):
             raise ValueError(f"head blocks {list(starts)} of length {block_length} are not inside the scored rows "
                              f"{scored[0]}:{scored[1]}")

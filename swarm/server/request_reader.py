@@ -172,8 +172,8 @@ class RequestReader:
                 "a pushed request cannot carry a deep prompt (the next hops need their own blocks' vectors): send "
                 "it hop by hop")
         push = parse_push(extra["push"], self.num_layers, end) if "push" in extra else None
-        head = self._head_query(extra, end, batch, length)
         cache = parse_cache(extra["cache"], metadata.get("session_id", ""), length) if "cache" in extra else None
+        head = self._head_query(extra, end, batch, length, cache.rows[0] if cache is not None and cache.rows else 0)
         if unary and push is None:
             self._check_unary_answer([shape], self.wire_dtype, self.backend.dtype)
         return Declared(metadata, start, end, shape, parts, max_bytes, push, head, cache, **prompted)
@@ -210,15 +210,15 @@ class RequestReader:
                 f"a backward request stacks inputs and output gradients along the batch: its batch ({batch}) must "
                 f"be even")
 
-    def _head_query(self, extra: dict, end: int, batch: int, length: int) -> Optional[HeadQuery]:
-        """The request's head query: the hop that ends at the last block answers it, earlier hops of a pushed pass
-        hand it on."""
+    def _head_query(self, extra: dict, end: int, batch: int, length: int, first: int) -> Optional[HeadQuery]:
+        """The request's head query (on the ``length`` positions sent, from position ``first``): the hop that ends
+        at the last block answers it, earlier hops of a pushed pass hand it on."""
         if "head" not in extra:
             return None
         require(end != self.num_layers or self.backend.head is not None, ErrorCode.WRONG_SPAN,
                 "this server holds no output head (it was started without --head): ask for hidden states")
         try:
-            return HeadQuery.parse(extra["head"], batch, length, self.backend.span.config.vocab_size)
+            return HeadQuery.parse(extra["head"], batch, length, self.backend.span.config.vocab_size, first)
         except ValueError as error:
             raise RemoteError(ErrorCode.BAD_REQUEST, str(error)) from None
 

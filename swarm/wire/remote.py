@@ -77,6 +77,7 @@ class RemoteCaller:
         self.calls = 0
         self.rows_sent = 0  # batch x length of hidden states sent in forward requests
         self.bytes_sent = self.bytes_received = 0  # serialized forward requests and answers (benchmarks read them)
+        self.expert_bytes_received = 0  # serialized expert answers
 
     async def crossing(self) -> None:
         """One emulated one-way network crossing (nothing unless latency is injected)."""
@@ -246,7 +247,9 @@ class RemoteCaller:
         stub = self._stub(peer_id)
 
         async def rpc() -> list:
-            return [response async for response in await stub.rpc_expert_logits(expert_query_message(request))]
+            responses = [response async for response in await stub.rpc_expert_logits(expert_query_message(request))]
+            self.expert_bytes_received += sum(response.ByteSize() for response in responses)
+            return responses
 
         log_probs, metadata = await self._call(peer_id, rpc, timeout)
         rows = (request.tokens.shape[0], request.end - request.start)

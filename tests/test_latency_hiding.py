@@ -360,3 +360,13 @@ def test_cache_refresh_benchmark_counts_rows_and_a_refresh_every_step_is_exact()
     assert every_step["task"] == exact["task"] and every_step["rows"] == exact["rows"]
     assert every_step["fewer_rows"] == "1.00x" and every_step["reuses"] == "0"
     assert per_block["fills"] == "3" and int(per_block["rows"]) < int(exact["rows"])
+
+
+def test_cache_refresh_benchmark_refuses_an_out_of_bound_refresh_before_any_row():
+    from click.testing import CliRunner
+
+    from swarm.benchmark import main as benchmark
+
+    result = CliRunner().invoke(benchmark, ["cache-refresh", "--task-examples", "3", "--refresh", "0,9"])
+    assert result.exit_code == 2 and "cache_refresh must be 0..8, got 9" in result.output
+    assert "exact" not in result.output, "the exact row ran before the bound was checked"

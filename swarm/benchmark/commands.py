@@ -462,6 +462,11 @@ def cache_refresh(task_model: str, task_examples: int, refreshes: list[int], cac
     prompts = [prompt_ids(lm, problem.prompt) for problem in problems]
     base = dict(gen_length=8, steps=8, block_length=8, remasking="low_confidence", **GREEDY)
     settings = {"exact": {}, **{f"{cache} refresh {r}": {"cache": cache, "cache_refresh": r} for r in refreshes}}
+    for extra in settings.values():  # every setting's bounds before the first (long) row, not after it
+        try:
+            lm.check_request(**base, **extra)
+        except ValueError as error:
+            raise click.BadParameter(str(error), param_hint="--refresh") from None
     click.echo(f"{task_model}: {task_examples} held-out problems, 8 tokens in one block of 8, one per step, greedy")
     click.echo(f"{'setting':<18}{'task':>7}{'fills':>7}{'reuses':>8}{'rows':>8}{'fewer rows':>11}{'time s':>8}"
                f"{'speed-up':>9}")

@@ -20,7 +20,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 import click
 import psutil
@@ -56,25 +56,26 @@ class Setting:
     head_rows: str
     client_dtype: Optional[str] = None  # None: the checkpoint's (bfloat16)
     head: str = "client"  # ClientConfig.head: "auto" lets the last server (started with --head) answer predictions
-    expert_top_k: Optional[int] = None  # compose the 8B-width expert (its own server) with this top k; None: no expert
+    generation: tuple[tuple[str, Any], ...] = ()  # what this setting adds to generate's arguments
 
-    def generate_settings(self) -> dict:
-        """What this setting adds to ``generate``'s arguments."""
-        if self.expert_top_k is None:
-            return {}
-        return {"experts": {EXPERT_DOMAIN: 1.0}, "expert_top_k": self.expert_top_k}
+    @property
+    def uses_expert(self) -> bool:
+        return any(name == "experts" for name, _ in self.generation)
 
 
+EXPERT_DOMAIN = "wide"  # the expert rows' model: the same 8B-width checkpoint, hosted whole by its own server
 # The bfloat16-wire group runs first, the head on the swarm first of all: the process's resident memory then
 # shows what that client holds (the embedding only), before other settings' heads have been loaded.
 SETTINGS = (Setting("new default: head on the swarm (--head)", "auto", "active", head="auto"),
+            Setting("dual cache, head on the swarm", "auto", "active", head="auto", generation=(("cache", "dual"),)),
             Setting("bf16 client+wire, head active block", "auto", "active"),
             Setting("bf16 client+wire, head all rows", "auto", "all"),
             Setting("old: fp32 client+wire, head all rows", "float32", "all", "float32"),
             Setting("bf16 client, fp32 wire, head all rows", "float32", "all"),
-            Setting("expert, top 64 (default)", "auto", "active", head="auto", expert_top_k=64),
-            Setting("expert, whole vocabulary", "auto", "active", head="auto", expert_top_k=0))
-EXPERT_DOMAIN = "wide"  # the expert rows' model: the same 8B-width checkpoint, hosted whole by its own server
+            Setting("expert top 64 (default)", "auto", "active", head="auto",
+                    generation=(("experts", {EXPERT_DOMAIN: 1.0}), ("expert_top_k", 64))),
+            Setting("expert, whole vocabulary", "auto", "active", head="auto",
+                    generation=(("experts", {EXPERT_DOMAIN: 1.0}), ("expert_top_k", 0))))
 
 
 def write_tokenizer(directory: Path) -> None:
@@ -269,7 +270,7 @@ def realscale(model: Optional[str], blocks: int, span: int, gen_length: int, pro
         for wire in ("auto", "float32"):
             servers = start_span_servers(swarm, path, span, "--wire-dtype", wire, "--device", device,
                                          "--compute-threads", str(threads), "--dht-prefix", f"realscale-{wire}")
-            if any(s.expert_top_k is not None and s.wire_dtype == wire for s in SETTINGS):
+            if any(s.uses_expert and s.wire_dtype == wire for s in SETTINGS):
                 servers.append(swarm.start_server(str(path), None, "--expert", f"{EXPERT_DOMAIN}={path}",
                                                   "--device", device, "--compute-threads", str(threads),
                                                   "--dht-prefix", f"realscale-{wire}", name="expert"))
@@ -279,8 +280,10 @@ def realscale(model: Optional[str], blocks: int, span: int, gen_length: int, pro
             for server in servers:
                 swarm.terminate(server)
         print_table(figures, server_rss)
-        same = len({tuple(f.tokens) for f in figures if "fp32 client" not in f.label and "expert" not in f.label}) == 1
-        click.echo(f"tokens identical across the bfloat16-client settings: {same}")
+        plain = [f for f, s in zip(figures, [s for w in ("auto", "float32") for s in SETTINGS if s.wire_dtype == w])
+                 if "fp32 client" not in f.label and not s.uses_expert]
+        same = len({tuple(f.tokens) for f in plain}) == 1
+        click.echo(f"tokens identical across the bfloat16-client settings without an expert: {same}")
         print_projection(figures, prompt_tokens + gen_length, num_layers)
 
 
@@ -294,4 +297,4 @@ def run_setting(path: Path, swarm: LocalSwarm, servers, prompt: list[int], setti
                                                 dtype=setting.client_dtype, head=setting.head,
                                                 request_timeout=120, connect_timeout=60) as lm:
         click.echo(f"running: {setting.label} ...", err=True)
-        return measure(lm, servers, prompt, dict(settings, **setting.generate_settings()), setting.label)
+        return measure(lm, servers, prompt, dict(settings, **dict(setting.generation)), setting.label)

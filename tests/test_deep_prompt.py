@@ -216,10 +216,10 @@ def test_deep_prompts_and_their_gradients_cross_the_wire_intact(length):
     assert metadata["prompt_length"] == 16
     assert torch.equal(decode_tensor(join_parts(main, metadata["parts"])), hidden)
     assert torch.equal(decode_tensor(join_parts(second, metadata["prompt_parts"])), prompts)
-    answer, answer_metadata = collect_response(response_parts(hidden, "auto", prompts=prompts))
+    answer, answer_metadata = collect_response(response_parts(hidden, "auto", second=prompts))
     assert torch.equal(answer, hidden) and torch.equal(answer_metadata["prompts"], prompts)
     with pytest.raises(RemoteError, match="stream ended after|empty response") as cut:
-        collect_response(response_parts(hidden, "auto", prompts=prompts)[:-1] if length > 5 else [])
+        collect_response(response_parts(hidden, "auto", second=prompts)[:-1] if length > 5 else [])
     assert cut.value.code == ErrorCode.INCOMPLETE
 
 
@@ -325,7 +325,7 @@ def test_a_lying_backward_answer_is_refused(remote_lm, monkeypatch, lie, message
     elif lie == "prompt-nan":
         grad_prompts[1, 0, 0] = float("inf")
     asked = None if lie == "unasked" else BlockAdapter(DEEP_PROMPT, prompts)
-    answer = response_parts(grad, "auto", prompts=grad_prompts)
+    answer = response_parts(grad, "auto", second=grad_prompts)
 
     def lying_rpc(*args, **kwargs):
         async def rpc() -> list:

@@ -16,6 +16,7 @@ from swarm.diffusion.prediction import (
     HeadQuery,
     Predictions,
     check_predictions,
+    cut_to_top_k,
     guided,
     masked_scores,
     predict_block,
@@ -23,7 +24,7 @@ from swarm.diffusion.prediction import (
 )
 from swarm.diffusion.remasking import STRATEGIES
 from swarm.models.loading import ModelFiles
-from tests.conftest import stop_all, wait_all
+from tests.conftest import make_checkpoint, stop_all, tiny_config, wait_all
 from tests.test_formats import dream_path, llada_path  # noqa: F401  (module fixtures: small bfloat16 checkpoints)
 
 PROMPT = "the cat sat"
@@ -143,6 +144,35 @@ def test_what_needs_logits_falls_back_to_the_clients_head(head_swarm, local_lm, 
     assert lm._head is not None
 
 
+EXPERT_SETTINGS = {"greedy": {}, "guidance": dict(temperature=0.7, cfg_scale=1.0),
+                   "picard window": dict(parallel_window=3, temperature=0.7), "dual cache": dict(cache="dual")}
+
+
+def test_experts_compose_on_the_head_servers_cut_without_the_clients_head(local_swarm, head_swarm, tiny_model_path,
+                                                                          local_lm, tmp_path):
+    """With experts at ``expert_top_k`` > 0 the head server answers each block cut to its top k after guidance and
+    the client composes the experts' top k with it: the local tokens (the local sampler cuts its own logits the
+    same way), and the client never loads its head. With the whole vocabulary the client scores hidden states."""
+    alpha = make_checkpoint(tmp_path / "alpha", tiny_config(num_layers=2), seed=7)
+    expert = local_swarm.start_server(str(tiny_model_path), None, "--dht-prefix", "head-test", "--expert",
+                                      f"alpha={alpha}", "--compute-threads", "1", name="head-test-expert")
+    try:
+        with DistributedDiffusionLM.from_pretrained(tiny_model_path, initial_peers=local_swarm.initial_peers,
+                                                    dht_prefix="head-test", request_timeout=20) as fresh:
+            for name, settings in EXPERT_SETTINGS.items():
+                kwargs = dict(SHORT, expert_tau=3.0, expert_top_k=16, **settings)
+                remote = fresh.generate(PROMPT, experts={"alpha": 0.7}, **kwargs)
+                local = local_lm.generate(PROMPT, experts={str(alpha): 0.7}, **kwargs)
+                assert remote.token_ids == local.token_ids, name
+            assert fresh._head is None, "the client loaded its head although the head server cut the blocks"
+            whole = dict(SHORT, expert_tau=3.0, expert_top_k=0)
+            assert fresh.generate(PROMPT, experts={"alpha": 0.7}, **whole).token_ids == \
+                local_lm.generate(PROMPT, experts={str(alpha): 0.7}, **whole).token_ids
+            assert fresh._head is not None
+    finally:
+        local_swarm.terminate(expert)
+
+
 def test_a_client_that_keeps_the_head_gets_the_same_tokens(local_swarm, head_swarm, tiny_model_path, local_lm):
     settings = dict(SHORT, temperature=0.7)
     with DistributedDiffusionLM.from_pretrained(tiny_model_path, initial_peers=local_swarm.initial_peers,
@@ -256,3 +286,31 @@ def test_a_lying_head_server_is_caught_by_spot_checks(local_swarm, tiny_model_pa
     finally:
         for server in servers:
             local_swarm.terminate(server)
+
+
+def test_a_sparse_head_answer_is_the_local_cut_and_a_malformed_one_is_refused():
+    """With ``top_k`` the head server answers each block cut to its top k after guidance: exactly what the local
+    sampler's cut gives; duplicate or unsorted ids, ids past the vocabulary, log-probabilities above 0 or a rest
+    that does not fit are refused (counted as the server's failure), and so is a top_k over the bound."""
+    torch.manual_seed(0)
+    logits = torch.randn(4, 6, 12)
+    query = HeadQuery((2, 4), 4, (3, 4), seed=9, temperature=0.9, cfg_scale=1.5, mask_token_id=0, scored=(2, 8),
+                      top_k=3)
+    answer = predict_states(logits, query)
+    assert answer.shape == (2, 4, 7) and check_predictions(answer, query, vocab_size=12) is None
+    local = cut_to_top_k(guided(logits, 2, 1.5), [(0, 4), (2, 6)], 3)  # blocks relative to the scored rows
+    remote = Predictions(answer, dataclasses.replace(query, block_starts=(0, 2)), vocab_size=12).logits(6)
+    assert torch.equal(remote.nan_to_num(-7.0), local.nan_to_num(-7.0))
+    broken = {}
+    for name, (column, value) in {"duplicate id": (1, None), "id past the vocabulary": (2, 12.0),
+                                  "fractional id": (0, 0.5), "log-probability above 0": (3, 0.5),
+                                  "rest that does not fit": (6, 0.0)}.items():
+        changed = answer.clone()
+        changed[0, 0, column] = changed[0, 0, 0] if value is None else value
+        broken[name] = changed
+    for name, tensor in broken.items():
+        assert check_predictions(tensor, query, 12) is not None, name
+    with pytest.raises(ValueError):
+        HeadQuery.parse(dict(query.to_dict(), top_k=13), batch=4, length=8, vocab_size=12)
+    with pytest.raises(ValueError):
+        HeadQuery.parse(dict(query.to_dict(), top_k=True), batch=4, length=8, vocab_size=12)

@@ -184,7 +184,8 @@ class RemoteSequence:
         output = self._as_output(output, head, hop.peer_id)  # before the success is recorded
         self.health.record_success(hop.peer_id, time.perf_counter() - started, work)
         if isinstance(output, Predictions):
-            output = Predictions(self.spot_checker.maybe_check(request, hop.peer_id, output.rows, head), head)
+            output = Predictions(self.spot_checker.maybe_check(request, hop.peer_id, output.rows, head), head,
+                                 self.vocab_size)
         else:
             output = self.spot_checker.maybe_check(request, hop.peer_id, output)
         if run.trace is not None:  # only a checked (or unchecked) answer: a disputed hop is redone, traced once
@@ -205,7 +206,7 @@ class RemoteSequence:
         problem = check_predictions(output, asked, self.vocab_size)
         if problem is not None:
             raise RemoteError(ErrorCode.INTERNAL, f"head server answered {problem}", peer_id)
-        return Predictions(output, asked)
+        return Predictions(output, asked, self.vocab_size)
 
     @staticmethod
     def _final_error(error: RemoteError, step: int) -> Optional[BaseException]:

@@ -110,10 +110,11 @@ class Composition:
     # ----- sampler plumbing ---------------------------------------------------------------------------
     def sampler(self, denoiser: AnyDenoiser, eos_token_ids: Sequence[int] = ()) -> DiffusionSampler:
         hook = self.hook if self.weights else None
+        cut = self.top_k if self.active() else 0  # the backbone is cut as the experts are: a head server can answer it
         if self.corrector_steps:
             return CorrectorSampler(self.wrap(denoiser), self.generation, self.mask_token_id, eos_token_ids, hook,
-                                    corrector_steps=self.corrector_steps, composition=self)
-        return DiffusionSampler(self.wrap(denoiser), self.generation, self.mask_token_id, eos_token_ids, hook)
+                                    cut, corrector_steps=self.corrector_steps, composition=self)
+        return DiffusionSampler(self.wrap(denoiser), self.generation, self.mask_token_id, eos_token_ids, hook, cut)
 
     def wrap(self, denoiser: AnyDenoiser) -> ExpertsFirst:
         """The backbone's denoiser, each call preceded by starting its expert queries."""

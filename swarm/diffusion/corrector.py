@@ -42,12 +42,12 @@ class CorrectorSampler(DiffusionSampler):
 
     def __init__(self, denoiser: AnyDenoiser, config: GenerationConfig, mask_token_id: int,
                  eos_token_ids: Sequence[int] = (),
-                 logits_hook: Optional[LogitsHook] = None,
+                 logits_hook: Optional[LogitsHook] = None, backbone_top_k: int = 0,
                  *, corrector_steps: int, composition: Optional[CorrectionLog] = None):
-        super().__init__(denoiser, config, mask_token_id, eos_token_ids, logits_hook)
+        super().__init__(denoiser, config, mask_token_id, eos_token_ids, logits_hook, backbone_top_k)
         self.corrector_steps = corrector_steps
         self.composition = composition
-        self.accepts_predictions = False  # confidences are read from the logits
+        self.accepts_predictions = self.accepts_sparse = False  # confidences are read from the whole logits
         self.confidence = torch.zeros(0, dtype=torch.float64)
 
     def initial_state(self, prompt_ids: Sequence[int]) -> torch.Tensor:

@@ -10,7 +10,10 @@ from typing import Any, Callable, Protocol, Union
 import torch
 
 from swarm.diffusion.denoiser import DenoiseContext, Pending, Ready
-from swarm.diffusion.sparse import SparseScores
+from swarm.diffusion.sparse import SparseScores, block_log_probs
+
+__all__ = ["ExpertNotFoundError", "ExpertSource", "ExpertUnavailable", "InProcessExpert", "block_log_probs",
+           "expert_scores"]
 from swarm.utils.errors import EXIT_NOT_SERVED, SwarmError
 
 
@@ -38,11 +41,6 @@ class ExpertSource(Protocol):
     def to_dict(self) -> dict[str, Any]:
         """Where the expert runs (model path, servers, failovers), for the result's info."""
         ...
-
-
-def block_log_probs(logits: torch.Tensor, start: int, end: int) -> torch.Tensor:
-    """The float32 log-probabilities of positions ``start:end``: what an expert contributes (local or served)."""
-    return torch.log_softmax(logits[:, start:end].float(), dim=-1)
 
 
 def expert_scores(log_probs: torch.Tensor, top_k: int) -> Union[torch.Tensor, SparseScores]:

@@ -9,6 +9,12 @@ logits and answers these numbers (a :class:`HeadQuery` says for which rows, step
 hidden states: at LLaDA-8B's widths, 32 bytes per row instead of a 126464-wide head on the client. Same
 inputs through the same code give the same numbers, so the tokens equal the local run's.
 
+With experts composed (``expert_top_k`` = k > 0) the sampler reads logits, which the experts' scores move: a head
+server then answers each state's block as its k most likely tokens after guidance (:func:`sparse_states`, the
+backbone cut as the experts are, :mod:`swarm.diffusion.sparse`), float64 rows of k ids, k log-probabilities and
+the rest's mass (``2k + 1`` columns), so the client composes them without a head of its own; the local sampler cuts
+its own logits the same way (:func:`cut_to_top_k`), so the tokens stay the same.
+
 Noise comes from two streams per (seed, step): the remasking draws (``random`` order), which the client
 needs, and the Gumbel noise for x0, which only the side computing x0 draws (a block x vocabulary of it).
 """
@@ -16,9 +22,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
+
+from swarm.diffusion.config import MAX_EXPERT_TOP_K
+from swarm.diffusion.sparse import SparseScores, block_log_probs
 
 if TYPE_CHECKING:
     from swarm.models.modules import OutputHead
@@ -95,6 +104,7 @@ class HeadQuery:
     cfg_scale: float
     mask_token_id: int
     scored: tuple[int, int] = (0, 0)
+    top_k: int = 0  # above 0: answer each block's top k after guidance (experts compose on the client), not predictions
 
     @property
     def states(self) -> int:
@@ -107,13 +117,15 @@ class HeadQuery:
 
     @property
     def output_shape(self) -> tuple[int, int, int]:
-        return self.states, self.block_length, len(PREDICTION_FIELDS)
+        width = 2 * self.top_k + 1 if self.top_k else len(PREDICTION_FIELDS)
+        return self.states, self.block_length, width
 
     def to_dict(self) -> dict[str, Any]:
         """The request metadata a head server reads (``extra["head"]``)."""
         return {"block_starts": list(self.block_starts), "block_length": self.block_length,
                 "steps": list(self.steps), "seed": self.seed, "temperature": self.temperature,
-                "cfg_scale": self.cfg_scale, "mask_token_id": self.mask_token_id, "scored": list(self.scored)}
+                "cfg_scale": self.cfg_scale, "mask_token_id": self.mask_token_id, "scored": list(self.scored),
+                **({"top_k": self.top_k} if self.top_k else {})}
 
     @classmethod
     def parse(cls, value: Any, batch: int, length: int, vocab_size: int, first: int = 0) -> "HeadQuery":
@@ -131,8 +143,11 @@ class HeadQuery:
             raise ValueError("head block_length, seed and mask_token_id must be integers")
         if not all(_is_number(v) and 0 <= v <= 1e6 for v in (temperature, cfg_scale)):
             raise ValueError("head temperature and cfg_scale must be finite numbers >= 0")
+        top_k = value.get("top_k", 0)
+        if not _is_int(top_k) or not 0 <= top_k <= min(MAX_EXPERT_TOP_K, vocab_size):
+            raise ValueError(f"head top_k must be an integer in [0, {min(MAX_EXPERT_TOP_K, vocab_size)}]")
         query = cls(tuple(starts), block_length, tuple(steps), seed, float(temperature), float(cfg_scale), mask,
-                    (scored[0], scored[1]))
+                    (scored[0], scored[1]), top_k)
         if not starts or len(steps) != len(starts) or query.batch != batch:
             raise ValueError(f"head query for {len(starts)} states (guidance {cfg_scale}) with {len(steps)} steps "
                              f"does not match a batch of {batch}")
@@ -161,13 +176,58 @@ def _int_list(value: Any) -> bool:
 
 def predict_states(logits: torch.Tensor, query: HeadQuery) -> torch.Tensor:
     """The answer to ``query`` from the float32 logits of its scored rows (batch, scored rows, vocab):
-    guidance applied, then each state's block predicted with its step's noise."""
+    guidance applied, then each state's block predicted with its step's noise (or, with ``query.top_k``, cut to
+    its top k: :func:`sparse_states`)."""
     logits = guided(logits, query.states, query.cfg_scale)
+    if query.top_k:
+        return sparse_states(logits, query)
     out = torch.empty(query.output_shape, dtype=torch.float64)
     for i, (start, step) in enumerate(zip(query.block_starts, query.steps)):
         first = start - query.scored[0]
         scores = masked_scores(logits[i, first:first + query.block_length], query.mask_token_id)
         out[i] = predict_block(scores, query.temperature, query.seed, step)
+    return out
+
+
+def sparse_states(guided_logits: torch.Tensor, query: HeadQuery) -> torch.Tensor:
+    """Each state's block, after guidance, as its ``query.top_k`` most likely tokens: float64 rows of k ids, k
+    log-probabilities and the rest's log-mass (exact in float64), from the same numbers the client would cut."""
+    out = torch.empty(query.output_shape, dtype=torch.float64)
+    k = query.top_k
+    for i, start in enumerate(query.block_starts):
+        first = start - query.scored[0]
+        cut = SparseScores.top_k(block_log_probs(guided_logits[i:i + 1], first, first + query.block_length), k)
+        out[i, :, :k] = cut.ids[0].double()
+        out[i, :, k:2 * k] = cut.log_probs[0].double()
+        out[i, :, 2 * k] = cut.rest[0].double()
+    return out
+
+
+def unpack_sparse(rows: torch.Tensor, vocab_size: int) -> SparseScores:
+    """A head server's sparse answer (..., 2k + 1) float64 as :class:`SparseScores` (ValueError if it is not one)."""
+    if rows.dtype != torch.float64 or rows.dim() < 1 or rows.shape[-1] % 2 != 1:
+        raise ValueError(f"a sparse answer has 2k + 1 float64 columns, got {tuple(rows.shape)} ({rows.dtype})")
+    k = rows.shape[-1] // 2
+    ids = rows[..., :k]
+    if not bool(torch.isfinite(ids).all()) or not bool((ids == ids.round()).all()):
+        raise ValueError("token ids that are not integers")
+    return SparseScores(ids.clamp(-1, 2**31).long(), rows[..., k:2 * k].float(), rows[..., 2 * k].float(), vocab_size)
+
+
+def exact_columns(rows: torch.Tensor) -> int:
+    """How many leading columns of a head server's float64 answer must match exactly between two servers: the
+    token of a prediction row, the k ids of a sparse one (2k + 1 columns: odd, where a prediction row has 4)."""
+    width = rows.shape[-1]
+    return 1 if width == len(PREDICTION_FIELDS) else width // 2
+
+
+def cut_to_top_k(logits: torch.Tensor, blocks: Sequence[tuple[int, int]], top_k: int) -> torch.Tensor:
+    """What a head server's sparse answer gives the client, from guided logits (states, length, vocab): each state's
+    block replaced by the full log-probabilities of its top k (:meth:`SparseScores.dense`), the other rows NaN (no
+    reader reads them). The local sampler's path and the remote one meet here."""
+    out = torch.full(logits.shape, float("nan"), dtype=torch.float32)
+    for i, (start, end) in enumerate(blocks):
+        out[i, start:end] = SparseScores.top_k(block_log_probs(logits[i:i + 1], start, end), top_k).dense()[0]
     return out
 
 
@@ -183,9 +243,16 @@ def predict_from_hidden(head: "OutputHead", hidden: torch.Tensor, query: HeadQue
 
 def check_predictions(predictions: torch.Tensor, query: HeadQuery, vocab_size: int) -> Optional[str]:
     """What is wrong with a head server's answer, or None: the shape, finite values, token ids in the
-    vocabulary and not the mask, probabilities and margins in [0, 1], negative entropies <= 0."""
+    vocabulary and not the mask, probabilities and margins in [0, 1], negative entropies <= 0 (for a sparse
+    answer, :meth:`SparseScores.check`)."""
     if tuple(predictions.shape) != query.output_shape or predictions.dtype != torch.float64:
         return f"predictions of shape {tuple(predictions.shape)} ({predictions.dtype}), expected {query.output_shape}"
+    if query.top_k:
+        try:
+            unpack_sparse(predictions, vocab_size).check(query.output_shape[:2], query.top_k)
+        except ValueError as error:
+            return f"a sparse answer refused: {error}"
+        return None
     if not bool(torch.isfinite(predictions).all()):
         return "predictions with non-finite values"
     tokens, probability, margin, negative_entropy = predictions.unbind(-1)
@@ -209,12 +276,28 @@ class StatePrediction:
 
 
 class Predictions:
-    """A call's answer from a head server: one :class:`StatePrediction` per state (indexable like logits)."""
+    """A call's answer from a head server: one :class:`StatePrediction` per state (indexable like logits), or with
+    ``query.top_k`` each state's block cut to its top k (:meth:`logits`)."""
 
-    def __init__(self, rows: torch.Tensor, query: HeadQuery):
+    def __init__(self, rows: torch.Tensor, query: HeadQuery, vocab_size: int = 0):
         self.rows = rows  # (states, block length, fields) float64, as the server answered
+        self.query = query
+        self.vocab_size = vocab_size  # a sparse answer's vocabulary (checked against it)
         self.states = [StatePrediction(start, step, rows[i])
                        for i, (start, step) in enumerate(zip(query.block_starts, query.steps))]
+
+    @property
+    def sparse(self) -> bool:
+        return self.query.top_k > 0
+
+    def logits(self, length: int) -> torch.Tensor:
+        """A sparse answer as :func:`cut_to_top_k` gives it locally: (states, length, vocab), NaN outside the blocks."""
+        cut = unpack_sparse(self.rows, self.vocab_size)
+        out = torch.full((len(self.states), length, self.vocab_size), float("nan"), dtype=torch.float32)
+        for i, start in enumerate(self.query.block_starts):
+            row = SparseScores(cut.ids[i:i + 1], cut.log_probs[i:i + 1], cut.rest[i:i + 1], self.vocab_size)
+            out[i, start:start + self.query.block_length] = row.dense()[0]
+        return out
 
     def __len__(self) -> int:
         return len(self.states)

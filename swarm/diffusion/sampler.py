@@ -23,6 +23,7 @@ from swarm.diffusion.prediction import (
     Predictions,
     StatePrediction,
     block_prediction,
+    cut_to_top_k,
     guided,
     masked_scores,
     predict_tokens,
@@ -123,8 +124,11 @@ class DiffusionSampler:
         mask_token_id: int,
         eos_token_ids: Sequence[int] = (),
         logits_hook: Optional[LogitsHook] = None,
+        backbone_top_k: int = 0,
     ):
-        """``logits_hook(logits, tokens, context)`` may rewrite logits each step (expert composition)."""
+        """``logits_hook(logits, tokens, context)`` may rewrite logits each step (expert composition); with
+        ``backbone_top_k`` each state's block is first cut to its top k after guidance (experts composed with
+        ``expert_top_k``: the cut a head server answers, :func:`~swarm.diffusion.prediction.cut_to_top_k`)."""
         self.denoiser = pipelined(denoiser)
         self.config = config
         self.mask_token_id = mask_token_id
@@ -136,6 +140,9 @@ class DiffusionSampler:
         # A head server may answer predictions instead of logits when nothing else reads the logits (no hook)
         # and every step decides from its own state's (no staleness). Subclasses that read logits turn it off.
         self.accepts_predictions = logits_hook is None and config.staleness == 0
+        self.backbone_top_k = backbone_top_k
+        # ... and its blocks cut to their top k when that is all the hook reads (experts, no staleness).
+        self.accepts_sparse = backbone_top_k > 0 and config.staleness == 0
 
     # ----- states -------------------------------------------------------------------------------
     def initial_state(self, prompt_ids: Sequence[int]) -> torch.Tensor:
@@ -177,13 +184,14 @@ class DiffusionSampler:
                               blocks if len(set(blocks)) > 1 else ())
 
     def head_query(self, states: torch.Tensor, steps: Sequence[int]) -> Optional[HeadQuery]:
-        """What a head server needs to predict these states' steps (None when this sampler needs logits)."""
-        if not self.accepts_predictions:
+        """What a head server needs to predict these states' steps, or to cut their blocks to the top k (None when
+        this sampler needs whole logits)."""
+        if not (self.accepts_predictions or self.accepts_sparse):
             return None
         cfg = self.config
         starts = tuple(self.decided_block(state)[0] for state in states)
         return HeadQuery(starts, cfg.block_length, tuple(steps), cfg.seed, cfg.temperature, cfg.cfg_scale,
-                         self.mask_token_id)
+                         self.mask_token_id, top_k=0 if self.accepts_predictions else self.backbone_top_k)
 
     def evaluate(self, states: torch.Tensor, steps: Sequence[int]) -> torch.Tensor:
         """Logits for a batch of states (one denoiser call), classifier-free guidance applied."""
@@ -207,12 +215,20 @@ class DiffusionSampler:
         server's predictions (guidance applied there)."""
         if evaluation.logits is None:
             logits = evaluation.pending.result()
-            if isinstance(logits, Predictions):
+            if isinstance(logits, Predictions) and not logits.sparse:
                 if not self.accepts_predictions:
                     raise RuntimeError("the denoiser answered predictions to a sampler that reads logits")
                 evaluation.logits = logits
                 return logits
-            logits = guided(logits, len(evaluation.states), self.config.cfg_scale)
+            if isinstance(logits, Predictions):  # guided and cut on the head server
+                if not self.accepts_sparse:
+                    raise RuntimeError("the denoiser answered a cut to a sampler that reads whole logits")
+                logits = logits.logits(evaluation.states.shape[1])
+            else:
+                logits = guided(logits, len(evaluation.states), self.config.cfg_scale)
+                if self.backbone_top_k:
+                    blocks = [evaluation.context.block_of(row) for row in range(len(evaluation.states))]
+                    logits = cut_to_top_k(logits, blocks, self.backbone_top_k)
             if self.logits_hook is not None:
                 logits = self.logits_hook(logits, evaluation.states, evaluation.context)
             evaluation.logits = logits

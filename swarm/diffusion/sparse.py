@@ -24,6 +24,12 @@ MASS_TOLERANCE = 1e-3
 LOG_PROB_SLACK = 1e-4  # a log-probability may exceed 0 by this much (rounding of log_softmax), not more
 
 
+def block_log_probs(logits: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    """The float32 log-probabilities of positions ``start:end`` of each row: what an expert contributes (local or
+    served), and what a backbone cut to its top k is cut from."""
+    return torch.log_softmax(logits[:, start:end].float(), dim=-1)
+
+
 @dataclass(frozen=True)
 class SparseScores:
     """Per row (any leading shape): ``ids`` (..., k) int64, strictly increasing; ``log_probs`` (..., k) float32,

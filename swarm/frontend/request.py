@@ -37,9 +37,10 @@ class GenerationRequest:
               "(chosen from the prompt); see docs/EXPERTS.md.")
     expert_tau: float = setting(DEFAULT_TAU, "Bound of each expert's shift of a token's log-probability, in nats.",
                                 low=0.0, high=MAX_EXPERT_TAU, low_open=True)
-    expert_top_k: int = setting(DEFAULT_EXPERT_TOP_K, "Tokens per position each expert answers (its most likely; "
-                                                      "the rest keep the backbone's proportions); 0: the whole "
-                                                      "vocabulary (exact, large answers). See docs/EXPERTS.md.",
+    expert_top_k: int = setting(DEFAULT_EXPERT_TOP_K, "Tokens per position each expert answers, and the backbone's "
+                                                      "scores are cut to (their most likely; the rest share what is "
+                                                      "left evenly); 0: the whole vocabulary (exact, large answers, "
+                                                      "the client's head). See docs/EXPERTS.md.",
                                 low=0, high=MAX_EXPERT_TOP_K)
     corrector_steps: int = setting(0, "After each step, re-predict the least confident decided tokens this many "
                                       "times (one denoiser call each).", low=0, high=MAX_CORRECTOR_STEPS)

@@ -407,3 +407,17 @@ def test_expert_rpc_answers_and_forward_is_refused_on_an_expert_only_server(expe
     with pytest.raises(RemoteError) as caught:
         collect_response(remote_lm.loop.run(forward(), timeout=30), expert_server.peer_id)
     assert caught.value.code == ErrorCode.WRONG_SPAN
+
+
+def test_composition_cost_benchmark_times_both_rows():
+    """``python -m swarm.benchmark composition-cost``: every stage of the client's composition is timed, for the
+    top k and for the whole vocabulary (small sizes here; LLaDA-8B's vocabulary by default)."""
+    from click.testing import CliRunner
+
+    from swarm.benchmark import main as benchmark
+
+    result = CliRunner().invoke(benchmark, ["composition-cost", "--vocab", "300", "--positions", "4", "--top-k",
+                                            "8", "--repeats", "1"])
+    assert result.exit_code == 0, result.output
+    rows = {line.split()[0]: line.split() for line in result.output.splitlines() if line.startswith(("top", "whole"))}
+    assert set(rows) == {"top", "whole"} and all(len(values) == 8 for values in rows.values()), result.output

@@ -10,6 +10,8 @@
   fraction of the added latency hidden, agreement with the exact tokens and task accuracy.
 * ``cache-refresh``: the activation cache's refresh schedule against the exact run on the addition expert:
   task accuracy, fills, reuses, rows computed and wall time.
+* ``composition-cost``: the client's CPU per step for an expert composition at LLaDA-8B's vocabulary, stage by
+  stage, top k and whole vocabulary (``composition_cost.py``).
 
 Latency is injected in user space (``ClientConfig.inject_latency``), since these machines have no netem:
 every one-way network crossing is delayed, so a call to a server costs two delays, and a pushed pass
@@ -29,6 +31,7 @@ from typing import TYPE_CHECKING, Iterator, Optional, Sequence
 import click
 
 from swarm.benchmark.adapter_wire import adapter_wire
+from swarm.benchmark.composition_cost import composition_cost
 from swarm.benchmark.realscale import realscale
 from swarm.cli.options import SwarmGroup
 from swarm.diffusion.config import MAX_STALENESS
@@ -492,3 +495,4 @@ def cache_refresh(task_model: str, task_examples: int, refreshes: list[int], cac
 
 main.add_command(realscale)  # issue 17: per-step costs at LLaDA-8B's widths (realscale.py)
 main.add_command(adapter_wire)  # issue 19: a LoRA on the wire at those widths (adapter_wire.py)
+main.add_command(composition_cost)  # issue 36: the client's CPU for an expert composition (composition_cost.py)

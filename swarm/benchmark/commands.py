@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import statistics
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator, Optional, Sequence
@@ -33,6 +32,7 @@ import click
 from swarm.benchmark.adapter_wire import adapter_wire
 from swarm.benchmark.composition_cost import composition_cost
 from swarm.benchmark.realscale import realscale
+from swarm.benchmark.timing import time_calls
 from swarm.cli.options import SwarmGroup
 from swarm.diffusion.config import MAX_STALENESS
 from swarm.diffusion.remasking import STRATEGIES
@@ -75,16 +75,6 @@ def comma_list(kind: type, minimum: float):
             raise click.BadParameter(f"expected values >= {minimum:g}, got {text!r}")
         return values
     return parse
-
-
-def time_calls(fn, repeats: int) -> float:
-    fn()  # warm-up
-    samples = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - started)
-    return statistics.median(samples)
 
 
 @click.group(cls=SwarmGroup, context_settings={"help_option_names": ["-h", "--help"]})

@@ -9,25 +9,18 @@ vocabulary side by side.
 """
 from __future__ import annotations
 
-import statistics
-import time
 from typing import Callable
 
 import click
 
+from swarm.benchmark.timing import time_calls
 from swarm.utils.threads import apply_threads
 
 LLADA_8B_VOCAB = 126464
 
 
 def median_ms(fn: Callable[[], object], repeats: int) -> float:
-    fn()  # warm-up
-    samples = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - started)
-    return 1000 * statistics.median(samples)
+    return 1000 * time_calls(fn, repeats)
 
 
 @click.command("composition-cost")

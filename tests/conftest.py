@@ -16,7 +16,11 @@ import torch
 # The tiny checkpoint builder is defined once in the package (benchmarks use it too); tests import it from here.
 from swarm.testing.checkpoints import make_checkpoint, tiny_config
 
-# Tests run beside servers on small machines: one torch thread avoids oversubscribed, spinning thread pools.
+# Tests run beside servers on small machines: one torch thread avoids oversubscribed, spinning thread pools. The
+# environment pins it for the front ends' default (half the CPUs) and for every process a test starts too: float
+# sums, and so sampled tokens, depend on the thread count, and a test must give the same tokens on a CI machine with
+# more cores than this one (a code-expert test wrote a docstring there, code here).
+os.environ["OMP_NUM_THREADS"] = "1"
 torch.set_num_threads(1)
 
 

@@ -96,10 +96,14 @@ class SparseScores:
         """Full log-probabilities (..., vocab) in float32: the row's own scores at its ids, ``rest`` spread evenly
         over every other token (the most uncertain reading of "the rest": an expert gives no order among tokens it
         did not rank, and still holds them all below its own choices, as its whole answer would)."""
-        others = max(self.vocab_size - self.k, 1)
-        fill = self.rest.float() - torch.log(torch.tensor(float(others)))
+        fill = self.fill()
         out = fill.unsqueeze(-1).expand(*self.rest.shape, self.vocab_size).contiguous()
         return out.scatter(-1, self.ids.long(), self.log_probs.float())
+
+    def fill(self) -> torch.Tensor:
+        """The float32 log-probability (...) of each token the row does not name: ``rest`` spread evenly."""
+        others = max(self.vocab_size - self.k, 1)
+        return self.rest.float() - torch.log(torch.tensor(float(others)))
 
     def wire_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
         """How an expert server sends it: (..., k + 1) float32 scores (the k log-probabilities, then the rest) and

@@ -18,7 +18,8 @@ its own logits the same way (:func:`cut_to_top_k`), so the tokens stay the same.
 (:mod:`swarm.diffusion.union`), and every function below has a closed form over them.
 
 Noise comes from two streams per (seed, step): the remasking draws (``random`` order), which the client
-needs, and the Gumbel noise for x0, which only the side computing x0 draws (a block x vocabulary of it).
+needs, and the Gumbel noise for x0, which only the side computing x0 draws (a block x vocabulary of it; over a cut
+block, m + 2 per position for m named ids: :func:`~swarm.diffusion.union.sample_tokens`).
 """
 from __future__ import annotations
 
@@ -276,7 +277,8 @@ class CutLogits:
     @classmethod
     def from_sparse(cls, cut: SparseScores, block_starts: Sequence[int]) -> "CutLogits":
         """State i's block from row i of ``cut`` (states, positions, k)."""
-        return cls([StateCut(start, UnionScores.from_sparse(cut).rows(i)) for i, start in enumerate(block_starts)])
+        union = UnionScores.from_sparse(cut)
+        return cls([StateCut(start, union.rows(i)) for i, start in enumerate(block_starts)])
 
     def dense(self, length: int) -> torch.Tensor:
         """(states, length, vocab) float32, NaN outside the blocks: the whole rows the closed forms stand for."""

@@ -8,9 +8,10 @@ together, so that the row is still a distribution.
 
 What a row does not name gets ``rest`` spread evenly (:meth:`SparseScores.dense`): an expert has no opinion on
 the order of tokens outside its top k, only on their total mass, and they all stay below its own choices, as they
-are in its whole answer. With k covering the vocabulary nothing is filled in and the composition is the dense one,
-bit for bit. The same function makes the sparse form locally and on an expert server, so local and swarm tokens
-stay identical at any k. Pure torch.
+are in its whole answer. With k covering the vocabulary nothing is filled in: :meth:`SparseScores.dense` gives back
+the whole log-probabilities, bit for bit (the composition over their union, :mod:`swarm.diffusion.union`, is then the
+dense one within float rounding). The same function makes the sparse form locally and on an expert server, so local
+and swarm tokens stay identical at any k. Pure torch.
 """
 from __future__ import annotations
 

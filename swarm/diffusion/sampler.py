@@ -248,8 +248,8 @@ class DiffusionSampler:
         return block_prediction(scores, start, end, step, cfg.temperature, cfg.seed, self.mask_token_id)
 
     def transition(self, x: torch.Tensor, scores: Scores, step: int) -> tuple[torch.Tensor, list[int]]:
-        """The state after ``step``, from the state before it and that state's logits (length, vocab) or a head
-        server's predictions for it."""
+        """The state after ``step``, from the state before it and that state's logits (length, vocab), its block cut
+        to the named ids (experts at ``expert_top_k`` > 0), or a head server's predictions for it."""
         block = self.active_block(x)
         if block is None:
             return x, []

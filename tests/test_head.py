@@ -12,11 +12,13 @@ import torch
 import swarm
 from swarm.client import DistributedDiffusionLM
 from swarm.client.spot_check import answers_agree
+from swarm.diffusion.config import MAX_STALENESS
 from swarm.diffusion.prediction import (
     HeadQuery,
     Predictions,
     check_predictions,
     cut_to_top_k,
+    exact_columns,
     guided,
     masked_scores,
     predict_block,
@@ -42,10 +44,15 @@ ON_THE_SWARM = {
     "picard window": dict(parallel_window=3, temperature=0.7),
     "dual cache": dict(cache="dual", temperature=0.7),
     "prefix cache, refresh 2": dict(cache="prefix", cache_refresh=2),
+    # a stale step decides on an older state's answer, drawn with its own step's noise (HeadQuery.ahead)
+    "staleness 1": dict(staleness=1, temperature=0.7),
+    "staleness 3, exact check": dict(staleness=3, stale_check="exact", temperature=0.7, remasking="random"),
+    "staleness 2, unchecked": dict(staleness=2, stale_check="none", temperature=0.7),
+    "staleness 2, greedy": dict(staleness=2),
 }
 ON_THE_CLIENT = {  # these read logits: the head server answers hidden states, the client's head scores them
     "corrector": dict(corrector_steps=1, temperature=0.7),
-    "staleness": dict(staleness=1, temperature=0.7),
+    "corrector, greedy": dict(corrector_steps=1),
 }
 QUERY = HeadQuery((4,), 4, (0,), seed=1, temperature=0.5, cfg_scale=0.0, mask_token_id=3, scored=(4, 8))
 
@@ -65,6 +72,9 @@ def test_a_head_query_is_checked_against_its_call():
         "not a list": (dict(value, block_starts="4"), 1),
         "huge list": (dict(value, steps=list(range(5000))), 1),
         "bool as an int": (dict(value, seed=True), 1),
+        "ahead past the staleness bound": (dict(value, ahead=MAX_STALENESS + 1), 1),
+        "ahead with a cut": (dict(value, ahead=1, top_k=2), 1),
+        "negative ahead": (dict(value, ahead=-1), 1),
     }
     for name, (query, batch) in bad.items():
         with pytest.raises(ValueError):
@@ -75,6 +85,23 @@ def test_a_head_query_is_checked_against_its_call():
     for first, length in ((5, 4), (0, 4), (4, 3)):
         with pytest.raises(ValueError):
             HeadQuery.parse(value, batch=1, length=length, vocab_size=10, first=first)
+
+
+def test_predictions_ahead_are_each_later_steps_own_draws():
+    """``ahead``: a state's block is also predicted with the noise of later steps, each as the sampler draws it
+    from the same logits; the tokens lead the columns (what two honest servers agree on exactly)."""
+    torch.manual_seed(1)
+    logits = torch.randn(1, 4, 12)
+    query = HeadQuery((0,), 4, (5,), seed=3, temperature=0.9, cfg_scale=0.0, mask_token_id=0, scored=(0, 4), ahead=2)
+    assert HeadQuery.parse(query.to_dict(), batch=1, length=4, vocab_size=12) == query
+    answer = predict_states(logits, query)
+    assert answer.shape == (1, 4, 12) and check_predictions(answer, query, vocab_size=12) is None
+    assert exact_columns(answer) == 3
+    state = Predictions(answer, query, 12)[0]
+    for step in (5, 6, 7):
+        expected = predict_block(masked_scores(logits[0], 0), 0.9, 3, step)
+        assert torch.equal(state.at(step), expected) and torch.equal(answer[0, :, step - 5], expected[:, 0])
+    assert torch.equal(state.at(9), state.at(5)), "a step not drawn reads the state's own step's rows"
 
 
 def test_predictions_are_the_samplers_own_numbers():
@@ -137,6 +164,7 @@ def test_head_on_the_swarm_gives_the_local_tokens(head_swarm, local_lm, name):
     remote = lm.generate(PROMPT, **settings)
     assert remote.token_ids == local_lm.generate(PROMPT, **settings).token_ids
     assert lm._head is None, "the client loaded the head although the swarm's answered"
+    assert remote.info["head"]["client_calls"] == 0 and remote.info["head"]["server_calls"] > 0
     assert lm.show_route()[-1].end == 4 and lm.planner.servers[lm.show_route()[-1].peer_id].head
 
 
@@ -152,7 +180,7 @@ def test_what_needs_logits_falls_back_to_the_clients_head(head_swarm, local_lm, 
     assert head["client_reasons"] == [WHOLE_LOGITS], "the client says why it used its own head"
 
 
-WHOLE_LOGITS = "the sampler reads whole logits (a corrector, staleness or experts over the whole vocabulary)"
+WHOLE_LOGITS = "the sampler reads whole logits (a corrector, or experts over the whole vocabulary)"
 ADAPTERS = {  # every kind, none correcting the head: soft and deep prompts add positions in front of the rows
     "soft prompt": lambda lm: adapter_for(lm, length=3, seed=2),
     "deep prompt": lambda lm: deep_adapter_for(lm, length=2, seed=2),
@@ -186,7 +214,8 @@ def test_an_adapter_that_corrects_the_head_is_scored_by_the_clients_head(head_sw
 
 
 EXPERT_SETTINGS = {"greedy": {}, "guidance": dict(temperature=0.7, cfg_scale=1.0),
-                   "picard window": dict(parallel_window=3, temperature=0.7), "dual cache": dict(cache="dual")}
+                   "picard window": dict(parallel_window=3, temperature=0.7), "dual cache": dict(cache="dual"),
+                   "staleness": dict(staleness=2, temperature=0.7)}
 
 
 def test_experts_compose_on_the_head_servers_cut_without_the_clients_head(local_swarm, head_swarm, tiny_model_path,

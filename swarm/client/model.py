@@ -216,7 +216,7 @@ class DistributedDiffusionLM(BaseDiffusionLM):
         if self.client_config.head != "auto":
             return f"ClientConfig.head is {self.client_config.head!r}"
         if context.head is None:
-            return "the sampler reads whole logits (a corrector, staleness or experts over the whole vocabulary)"
+            return "the sampler reads whole logits (a corrector, or experts over the whole vocabulary)"
         if scored is None:
             return "head_rows='all' scores every row"
         if directive is not None and not directive.fill and not (

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 
 import torch
 
-from swarm.diffusion.config import MAX_EXPERT_TOP_K
+from swarm.diffusion.config import MAX_EXPERT_TOP_K, MAX_STALENESS
 from swarm.diffusion.sparse import SparseScores, block_log_probs
 from swarm.diffusion.union import UnionScores, greedy_tokens, predict_union, probabilities, sample_tokens, without_token
 
@@ -118,7 +118,9 @@ class HeadQuery:
     state i is predicted over its active block ``block_starts[i]:+block_length`` with the noise of
     ``steps[i]``. ``scored`` is the range of absolute positions whose logits are computed, exactly as the
     local model's head computes them (:func:`swarm.diffusion.pipeline.scored_rows`), so that the matrix
-    product, and hence every number, is the same.
+    product, and hence every number, is the same. With ``ahead`` = a > 0 each block is also predicted with the
+    noise of the a steps after ``steps[i]``: a stale step (``staleness``) decides on an older state's answer
+    with its own step's noise, as the local sampler draws it from that state's logits.
     """
 
     block_starts: tuple[int, ...]
@@ -130,6 +132,7 @@ class HeadQuery:
     mask_token_id: int
     scored: tuple[int, int] = (0, 0)
     top_k: int = 0  # above 0: answer each block's top k after guidance (experts compose on the client), not predictions
+    ahead: int = 0  # predictions with the noise of this many later steps too (columns: see prediction_columns)
 
     @property
     def states(self) -> int:
@@ -142,7 +145,7 @@ class HeadQuery:
 
     @property
     def output_shape(self) -> tuple[int, int, int]:
-        width = 2 * self.top_k + 1 if self.top_k else len(PREDICTION_FIELDS)
+        width = 2 * self.top_k + 1 if self.top_k else len(PREDICTION_FIELDS) * (1 + self.ahead)
         return self.states, self.block_length, width
 
     def shifted(self, rows: int) -> "HeadQuery":
@@ -158,7 +161,7 @@ class HeadQuery:
         return {"block_starts": list(self.block_starts), "block_length": self.block_length,
                 "steps": list(self.steps), "seed": self.seed, "temperature": self.temperature,
                 "cfg_scale": self.cfg_scale, "mask_token_id": self.mask_token_id, "scored": list(self.scored),
-                **({"top_k": self.top_k} if self.top_k else {})}
+                **({"top_k": self.top_k} if self.top_k else {}), **({"ahead": self.ahead} if self.ahead else {})}
 
     @classmethod
     def parse(cls, value: Any, batch: int, length: int, vocab_size: int, first: int = 0) -> "HeadQuery":
@@ -179,8 +182,11 @@ class HeadQuery:
         top_k = value.get("top_k", 0)
         if not _is_int(top_k) or not 0 <= top_k <= min(MAX_EXPERT_TOP_K, vocab_size):
             raise ValueError(f"head top_k must be an integer in [0, {min(MAX_EXPERT_TOP_K, vocab_size)}]")
+        ahead = value.get("ahead", 0)
+        if not _is_int(ahead) or not 0 <= ahead <= MAX_STALENESS or (ahead and top_k):
+            raise ValueError(f"head ahead must be an integer in [0, {MAX_STALENESS}], and 0 with top_k")
         query = cls(tuple(starts), block_length, tuple(steps), seed, float(temperature), float(cfg_scale), mask,
-                    (scored[0], scored[1]), top_k)
+                    (scored[0], scored[1]), top_k, ahead)
         if not starts or len(steps) != len(starts) or query.batch != batch:
             raise ValueError(f"head query for {len(starts)} states (guidance {cfg_scale}) with {len(steps)} steps "
                              f"does not match a batch of {batch}")
@@ -218,8 +224,17 @@ def predict_states(logits: torch.Tensor, query: HeadQuery) -> torch.Tensor:
     for i, (start, step) in enumerate(zip(query.block_starts, query.steps)):
         first = start - query.scored[0]
         scores = masked_scores(logits[i, first:first + query.block_length], query.mask_token_id)
-        out[i] = predict_block(scores, query.temperature, query.seed, step)
+        by_step = prediction_columns(out[i])
+        for later in range(1 + query.ahead):
+            by_step[:, :, later] = predict_block(scores, query.temperature, query.seed, step + later)
     return out
+
+
+def prediction_columns(rows: torch.Tensor) -> torch.Tensor:
+    """A prediction answer's rows (..., 4 x (1 + ahead)) as a view (..., field, step): the columns hold each
+    :data:`PREDICTION_FIELDS` entry for every step in turn (tokens first), so the leading columns are the tokens,
+    the numbers two honest head servers agree on exactly (:func:`exact_columns`)."""
+    return rows.unflatten(-1, (len(PREDICTION_FIELDS), rows.shape[-1] // len(PREDICTION_FIELDS)))
 
 
 def sparse_states(guided_logits: torch.Tensor, query: HeadQuery) -> torch.Tensor:
@@ -249,9 +264,10 @@ def unpack_sparse(rows: torch.Tensor, vocab_size: int) -> SparseScores:
 
 def exact_columns(rows: torch.Tensor) -> int:
     """How many leading columns of a head server's float64 answer must match exactly between two servers: the
-    token of a prediction row, the k ids of a sparse one (2k + 1 columns: odd, where a prediction row has 4)."""
+    tokens of a prediction row (one per step, :func:`prediction_columns`), the k ids of a sparse one (2k + 1
+    columns: odd, where a prediction row has a multiple of 4)."""
     width = rows.shape[-1]
-    return 1 if width == len(PREDICTION_FIELDS) else width // 2
+    return width // len(PREDICTION_FIELDS) if width % len(PREDICTION_FIELDS) == 0 else width // 2
 
 
 @dataclass(frozen=True)
@@ -352,7 +368,7 @@ def check_predictions(predictions: torch.Tensor, query: HeadQuery, vocab_size: i
         return None
     if not bool(torch.isfinite(predictions).all()):
         return "predictions with non-finite values"
-    tokens, probability, margin, negative_entropy = predictions.unbind(-1)
+    tokens, probability, margin, negative_entropy = prediction_columns(predictions).unbind(-2)
     if not (bool((tokens == tokens.round()).all()) and bool(((tokens >= 0) & (tokens < vocab_size)).all())
             and not bool((tokens == query.mask_token_id).any())):
         return "predicted tokens that are not vocabulary ids (or are the mask)"
@@ -364,12 +380,19 @@ def check_predictions(predictions: torch.Tensor, query: HeadQuery, vocab_size: i
 
 @dataclass(frozen=True)
 class StatePrediction:
-    """One state's predictions, as a head server answered them: rows of :data:`PREDICTION_FIELDS` for the block
-    starting at ``block_start``, drawn with the noise of ``step``."""
+    """One state's predictions, as a head server answered them: for the block starting at ``block_start``, rows
+    of :data:`PREDICTION_FIELDS` drawn with the noise of ``step`` and of the query's ``ahead`` later steps."""
 
     block_start: int
     step: int
     rows: torch.Tensor
+
+    def at(self, step: int) -> torch.Tensor:
+        """The rows drawn with ``step``'s noise; for a step not drawn, ``self.step``'s (a Picard window's cheap
+        tail guesses use them in place of re-drawn noise)."""
+        by_step = prediction_columns(self.rows)
+        later = step - self.step
+        return by_step[:, :, later if 0 <= later < by_step.shape[-1] else 0]
 
 
 class Predictions:
@@ -424,6 +447,6 @@ def block_prediction(scores: StateScores, start: int, end: int, step: int, tempe
     if not covers(scores, start, end):
         return None
     if isinstance(scores, StatePrediction):
-        return scores.rows
+        return scores.at(step)
     return predict_block(masked_scores(block_slice(scores, start, end), mask_token_id), temperature, seed, step)
 

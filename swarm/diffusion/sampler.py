@@ -26,7 +26,6 @@ from swarm.diffusion.prediction import (
     StateScores,
     block_prediction,
     block_slice,
-    covers,
     cut_to_top_k,
     guided,
     masked_scores,
@@ -141,12 +140,14 @@ class DiffusionSampler:
         self.schedule = num_transfer_schedule(config.block_length, config.steps_per_block)
         self.stats = SamplerStats()
         self.prompt_length = 0
-        # A head server may answer predictions instead of logits when nothing else reads the logits (no hook)
-        # and every step decides from its own state's (no staleness). Subclasses that read logits turn it off.
-        self.accepts_predictions = logits_hook is None and config.staleness == 0
+        # A head server may answer predictions instead of logits when nothing else reads the logits (no hook); a
+        # stale step's are drawn there with its own step's noise (HeadQuery.ahead). Subclasses that read logits
+        # turn it off.
+        self.accepts_predictions = logits_hook is None
         self.backbone_top_k = backbone_top_k
-        # ... and its blocks cut to their top k when that is all the hook reads (experts, no staleness).
-        self.accepts_sparse = backbone_top_k > 0 and config.staleness == 0
+        # ... and its blocks cut to their top k when that is all the hook reads (experts; a stale step whose
+        # source was cut to another block waits for its own, _covering_source).
+        self.accepts_sparse = backbone_top_k > 0
 
     # ----- states -------------------------------------------------------------------------------
     def initial_state(self, prompt_ids: Sequence[int]) -> torch.Tensor:
@@ -194,8 +195,13 @@ class DiffusionSampler:
             return None
         cfg = self.config
         starts = tuple(self.decided_block(state)[0] for state in states)
+        if not self.accepts_predictions:
+            return HeadQuery(starts, cfg.block_length, tuple(steps), cfg.seed, cfg.temperature, cfg.cfg_scale,
+                             self.mask_token_id, top_k=self.backbone_top_k)
+        # A stale step decides on a state up to `staleness` steps old, with its own step's noise: drawn there too.
+        ahead = cfg.staleness if cfg.temperature > 0 else 0
         return HeadQuery(starts, cfg.block_length, tuple(steps), cfg.seed, cfg.temperature, cfg.cfg_scale,
-                         self.mask_token_id, top_k=0 if self.accepts_predictions else self.backbone_top_k)
+                         self.mask_token_id, ahead=ahead)
 
     def evaluate(self, states: torch.Tensor, steps: Sequence[int]) -> torch.Tensor:
         """Logits for a batch of states (one denoiser call), classifier-free guidance applied."""
@@ -411,9 +417,11 @@ class DiffusionSampler:
                 evaluation.pending.cancel()
 
     def _covering_source(self, x: torch.Tensor, source: int, step: int, in_flight: dict[int, Evaluation]) -> int:
-        """``source``, unless its logits say nothing about ``x``'s block: a call cut to its state's block (experts at
-        ``expert_top_k`` > 0) knows no other block, so the first step of a block waits for its own logits."""
-        if source == step or covers(self.collect(in_flight[source])[0], *self.decided_block(x)):
+        """``source``, unless its state was deciding another block than ``x``: then the first step of ``x``'s block
+        waits for its own logits. A call cut to its state's block (experts at ``expert_top_k`` > 0) or answered as
+        a head server's predictions knows no other block; whole logits do, and wait the same, so that every form
+        of the scores gives the same tokens (locally and through the swarm)."""
+        if source == step or self.decided_block(in_flight[source].states[0]) == self.decided_block(x):
             return source
         return step
 

@@ -14,6 +14,7 @@ from hivemind.dht import DHT
 
 from swarm.adapters.adapter import AdapterError, PromptAdapter
 from swarm.adapters.sharing import default_cache_dir, fetch_published
+from swarm.audit.records import AuditBook, trusted_auditors
 from swarm.client.backbone import SwarmBackbone
 from swarm.client.config import ClientConfig, client_network
 from swarm.client.experts import RemoteExpert, open_remote_experts
@@ -96,14 +97,16 @@ class DistributedDiffusionLM(BaseDiffusionLM):
         self.timings = StepTimings()
         self.prefix = config.dht_prefix or default_prefix(files.path)
         self._own_dht = dht is None
+        auditors = trusted_auditors(config.trusted_auditors, config.governance_keys)
         self.dht = dht if dht is not None else start_dht(config.network, protect=protected_keys(
-            self.prefix, self.config.num_layers, trusted_signers(config.governance_keys)))
+            self.prefix, self.config.num_layers, trusted_signers(config.governance_keys), auditors=auditors))
         self.loop = BackgroundLoop.shared()
         self.p2p = self.loop.run(self.dht.replicate_p2p())
         self.caller = RemoteCaller(self.p2p, config.wire_dtype, config.inject_latency, config.inject_jitter,
                                    adapter_by_digest=config.adapter_by_digest)
         self.planner = RoutePlanner(self.dht, self.caller, self.loop, self.prefix, self.config.num_layers,
                                     self.config.hidden_size, config, self.config.vocab_size)
+        self.planner.audits = AuditBook(self.prefix, frozenset(auditors))
         self.sequence = RemoteSequence(self.planner)
         # Challenges embed random tokens; spot checks of a head server score a replica's hidden states with this
         # client's head, only when they arrive unrounded and the head computes in the servers' dtype (otherwise its
@@ -278,7 +281,8 @@ class DistributedDiffusionLM(BaseDiffusionLM):
                 "approximate": self.approximate_hops(),
                 "failovers": [vars(event) for event in self.sequence.failovers[self._failovers_seen:]],
                 "spot_checks": [outcome.to_dict() for outcome in outcomes],
-                "distrusted": sorted(self.sequence.distrusted)}
+                "distrusted": sorted(self.sequence.distrusted),
+                "audit_failed": sorted(self.sequence.health.audit_failed)}
 
     def finish_request(self, result) -> None:
         self.audit.write({"prefix": self.prefix, "prompt_tokens": len(result.prompt_ids),

@@ -15,13 +15,16 @@ from hivemind.utils import MSGPackSerializer, get_dht_time
 from hypothesis import given
 from hypothesis import strategies as st
 
+from swarm.adapters.sharing import PublishedAdapter
 from swarm.audit.records import (
     ERROR,
     FAIL,
+    MAX_ADAPTERS,
     MAX_REASON_CHARS,
     MAX_REPORT_BYTES,
     MAX_SERVERS,
     PASS,
+    AdapterAudit,
     AuditBook,
     AuditReport,
     ServerAudit,
@@ -304,3 +307,68 @@ def test_the_health_map_shows_the_latest_trusted_audit():
     shown = json.loads(strict_json(health.to_json()))
     assert shown["servers"][0]["audit"]["verdict"] == FAIL and shown["servers"][0]["audit"]["auditor"] == A
     assert "FAIL 1/2" in render_text(health)
+
+
+# ----- adapter scores -----------------------------------------------------------------------------------------
+def score(name: str = "adder", sha: str = "a" * 64, correct: int = 16, examples: int = 20, claimed=0.1,
+          when: float = NOW - 5, author: str = S, task: str = "addition") -> AdapterAudit:
+    return AdapterAudit(name, author, sha, task, examples, correct, when, claimed)
+
+
+def published(name: str, sha: str, claimed: float, author: str = S) -> PublishedAdapter:
+    return PublishedAdapter(name, sha, 10, {"vocab_size": 4096}, score=claimed, author=author)
+
+
+def test_adapter_scores_round_trip_and_bound():
+    original = AuditReport("m", 3, NOW, (entry(),), A, (score(), score("other", "b" * 64, claimed=None)))
+    dht = FakeDHT()
+    signed(dht, AUDITOR, original.payload())
+    assert read_report(dht, "m", A) == original
+    strict_json(original.to_json())
+    with pytest.raises(ValueError, match="at most 16"):
+        AuditReport("m", 1, NOW, (), A, tuple(score(sha=f"{i:064x}") for i in range(MAX_ADAPTERS + 1))).payload()
+    with pytest.raises(ValueError, match="once per task"):
+        AuditReport("m", 1, NOW, (), A, (score(), score())).payload()
+
+
+@pytest.mark.parametrize("change, why", [
+    ({"name": "no spaces"}, "adapter name"), ({"author": "x"}, "Ed25519"), ({"sha256": "A" * 64}, "sha256"),
+    ({"task": ""}, "task name"), ({"examples": 0}, "integer"), ({"correct": 21}, "integer"),
+    ({"claimed": math.nan}, "finite"), ({"checked": NOW + 3600}, "finite"),
+])
+def test_each_malformed_adapter_field_is_refused(change, why):
+    body = dict(BODY, adapters=[dict(score().to_value(), **change)])
+    with pytest.raises(ValueError, match=why):
+        AuditReport.from_payload(MSGPackSerializer.dumps(body), A, "m")
+
+
+@FUZZ
+@given(st.dictionaries(st.sampled_from(sorted(score().to_value())), junk, min_size=1, max_size=4))
+def test_adapter_entry_fields_fuzzed(changes):
+    body = dict(BODY, adapters=[mutated(score().to_value(), changes)])
+    check_report_body(body)
+    try:
+        found = AuditReport.from_payload(MSGPackSerializer.dumps(body), A, "m")
+    except Exception:  # refused (or msgpack cannot carry it): readers see no report
+        return
+    for adapter in found.adapters:
+        assert 0 <= adapter.score <= 1 and len(adapter.task) <= 32 and math.isfinite(adapter.checked)
+        strict_json(adapter.to_json())
+
+
+def test_best_adapter_follows_trusted_scores_not_claims():
+    """Two adapters, one claiming 0.99 and scoring 9/20, one claiming 0.1 and scoring 16/20: the second is best.
+    Scores of another content (a republished name), of another task or of an untrusted auditor count for nothing."""
+    book = AuditBook("m", frozenset({A}))
+    book.consider(AuditReport("m", 1, NOW, (), A, (score("boaster", "a" * 64, 9, claimed=0.99),
+                                                     score("modest", "b" * 64, 16, claimed=0.1),
+                                                     score("old", "c" * 64, 20, task="other"))))
+    catalog = [published("boaster", "a" * 64, 0.99), published("modest", "b" * 64, 0.1),
+               published("old", "d" * 64, 1.0)]
+    record, auditor, best = book.best_adapter("addition", catalog)
+    assert record.name == "modest" and auditor == A and best.score == 0.8
+    assert best.reference == f"modest@{record.author_id}"
+    assert book.best_adapter("other", catalog) is None, "the scored content of 'old' is no longer published"
+    assert book.best_adapter("addition", catalog[:1])[0].name == "boaster"
+    assert not book.consider(AuditReport("m", 9, NOW, (), S, (score("boaster", "a" * 64, 20),)))  # untrusted
+    assert book.best_adapter("addition", catalog)[0].name == "modest"

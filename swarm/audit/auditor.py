@@ -12,8 +12,13 @@ blocks with the client's spot-check comparison and tolerance (``swarm.client.spo
 an *error* (no verdict on honesty), a right one *passes*. The same call measures the server: its ping's round trip,
 the call's seconds and the throughput it delivered (rows / (seconds - round trip)), beside what its record announces.
 
+With ``--score-adapters TASK`` it also scores every published adapter (the first :data:`MAX_ADAPTERS` the
+catalog lists) on held-out problems of ``swarm.eval``'s task, drawn anew each round from ``os.urandom``, generating
+*through the swarm* as a user would (``adapter="name@AUTHOR"``; a client of the auditor's own DHT peer that trusts
+the auditor itself, so servers it failed are avoided), and publishes the exact-match score beside the author's claim.
+
 After each round the auditor publishes one signed report (:mod:`swarm.audit.records`) with every server's counts
-since the auditor started.
+since the auditor started, and the latest score of each adapter content per task.
 """
 from __future__ import annotations
 
@@ -29,23 +34,31 @@ import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hivemind.dht import DHT
 
+from swarm.adapters.adapter import AdapterError
+from swarm.adapters.sharing import read_catalog
 from swarm.audit.config import AuditorConfig
 from swarm.audit.records import (
     ERROR,
     FAIL,
+    MAX_ADAPTERS,
     MAX_REASON_CHARS,
     MAX_SERVERS,
     PASS,
+    AdapterAudit,
     AuditReport,
     ServerAudit,
     publish_report,
 )
+from swarm.client.config import ClientConfig
 from swarm.client.planner import CHALLENGE_ROWS, CHALLENGE_STEPS
 from swarm.client.spot_check import answers_agree, relative_difference
 from swarm.dht.node import start_dht, stop_dht
 from swarm.dht.schema import ServerRecord, ServerState, default_prefix, protected_keys, read_servers
 from swarm.dht.validation import ed25519_text
+from swarm.eval.tasks import evaluate_task
 from swarm.models.loading import ModelFiles
+from swarm.train.data import TASKS
+from swarm.utils.errors import SwarmError
 from swarm.utils.event_loop import BackgroundLoop
 from swarm.wire.messages import ErrorCode, ForwardRequest, RemoteError
 from swarm.wire.remote import RemoteCaller
@@ -97,6 +110,8 @@ class Auditor:
         self._blocks = None  # every block, loaded at the first check
         self.rng = random.SystemRandom()  # a server cannot predict a challenge's size, content or time
         self.audits: dict[str, ServerAudit] = {}  # what the report says of each server
+        self.scores: dict[tuple[str, str], AdapterAudit] = {}  # (content sha256, task) -> its latest score
+        self._client = None  # the swarm client that scores adapters, made at the first scoring
         self.sequence = 0
         self.rounds = 0
 
@@ -173,6 +188,43 @@ class Auditor:
                               peer)
         return rtt
 
+    # ----- adapters ---------------------------------------------------------------------------------
+    @property
+    def client(self):
+        """A swarm client on the auditor's own DHT peer, trusting this auditor's reports (it avoids the servers the
+        auditor failed), that generates with published adapters as any user would."""
+        if self._client is None:
+            from swarm.client.model import DistributedDiffusionLM
+
+            config = ClientConfig(network=self.config.network, dht_prefix=self.prefix,
+                                  request_timeout=self.config.request_timeout, trusted_auditors=(self.public_key,))
+            self._client = DistributedDiffusionLM(self.files, config, dht=self.dht)
+        return self._client
+
+    def score_adapters(self) -> dict[tuple[str, str], AdapterAudit]:
+        """Score every published adapter (the first :data:`MAX_ADAPTERS`) on each task of ``score_adapters``; the
+        scores made this round. An adapter that cannot be fetched or used (another base model, no host) is logged
+        and skipped."""
+        if not self.config.score_adapters:
+            return {}
+        made = {}
+        for record, _ in read_catalog(self.dht, self.prefix)[:MAX_ADAPTERS]:
+            reference = f"{record.name}@{record.author_id}"
+            for task in self.config.score_adapters:
+                seed = self.rng.randrange(2**31)  # held-out problems an author cannot know in advance
+                try:
+                    result = evaluate_task(self.client, TASKS[task](), examples=self.config.task_examples, seed=seed,
+                                           generate_options={"adapter": reference})
+                except (AdapterError, SwarmError, ValueError) as error:
+                    logger.warning("cannot score adapter %s on %s: %s", reference, task, str(error)[:200])
+                    continue
+                score = AdapterAudit(record.name, record.author, record.sha256, task, result.examples, result.correct,
+                                     time.time(), record.score)
+                made[(record.sha256, task)] = self.scores[(record.sha256, task)] = score
+                logger.info("adapter %s on %s: %d/%d held-out problems exact (%.3f; its author claims %s)", reference,
+                            task, result.correct, result.examples, score.score, record.score)
+        return made
+
     # ----- rounds -----------------------------------------------------------------------------------
     def record(self, server: ServerRecord, check: Check, when: float) -> ServerAudit:
         """Add one check to what the auditor knows of the server."""
@@ -194,9 +246,11 @@ class Auditor:
         now = time.time()
         self.sequence = max(self.sequence + 1, int(now * 1000))
         servers = sorted(self.audits.values(), key=lambda a: a.last_check, reverse=True)[:MAX_SERVERS]
-        while True:  # within the size bound too (only reachable with huge counts): the oldest checks go first
+        scores = tuple(sorted(sorted(self.scores.values(), key=lambda a: a.checked, reverse=True)[:MAX_ADAPTERS],
+                              key=lambda a: (a.name, a.task, a.sha256)))
+        while True:  # within the size bound too (32 long entries and 16 scores): the oldest checks go first
             report = AuditReport(self.prefix, self.sequence, now, tuple(sorted(servers, key=lambda a: a.peer_id)),
-                                 self.public_key)
+                                 self.public_key, scores)
             try:
                 report.payload()
                 return report
@@ -220,6 +274,7 @@ class Auditor:
                 f" ({check.reason})" if check.reason else "", check.rows,
                 "-" if check.seconds is None else f"{check.seconds:.3f}", server.throughput,
                 "-" if audit.measured is None else f"{audit.measured:.1f}")
+        self.score_adapters()
         report = self.report()
         published = publish_report(self.dht, self.key, report, self.config.report_lifetime)
         self.rounds += 1
@@ -244,6 +299,8 @@ class Auditor:
                 return result
 
     def shutdown(self) -> None:
+        if self._client is not None:
+            self._client.shutdown()  # shares this auditor's DHT: stops nothing of it
         if self._own_dht:
             self.loop.run(self.caller.p2p.shutdown(), timeout=5)
             stop_dht(self.dht)

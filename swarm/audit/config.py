@@ -9,7 +9,8 @@ from typing import Optional
 
 from swarm.client.config import ClientConfig
 from swarm.dht.config import MAX_AUDIT_LIFETIME, NetworkConfig
-from swarm.utils.settings import check_settings, declared, setting
+from swarm.train.config import TASK_NAMES
+from swarm.utils.settings import check_settings, declared, need, setting
 
 WEEK = 7 * 24 * 3600.0
 SPOT_CHECK_RTOL = declared(ClientConfig, "spot_check_rtol").default  # the client's tolerance, declared once there
@@ -35,12 +36,21 @@ class AuditorConfig:
     rtol: float = setting(SPOT_CHECK_RTOL, "Relative difference tolerated between a server's answer and the "
                                            "auditor's own computation (the client's spot-check tolerance).",
                           low=0.0, high=1.0, low_open=True)
+    score_adapters: tuple[str, ...] = setting(
+        (), "Also score every published adapter (at most 16) on this held-out task each round, through the swarm, and "
+            f"publish the scores (repeatable; one of: {', '.join(TASK_NAMES)}). Clients' adapter='best:TASK' picks "
+            "by them.", flags=("--score-adapters",))
+    task_examples: int = setting(20, "Held-out problems per adapter and task each round (drawn anew every round).",
+                                 low=1, high=10_000)
     lifetime: Optional[float] = setting(None, "Seconds each published report lives on the DHT (default: 3 x every, "
                                               "at least 10 minutes, at most a day).", low=60.0,
                                         high=MAX_AUDIT_LIFETIME - 60.0)
 
     def __post_init__(self) -> None:
         check_settings(self)
+        unknown = [task for task in self.score_adapters if task not in TASK_NAMES]
+        need(not unknown, f"--score-adapters: unknown task {', '.join(map(repr, unknown))} (one of: "
+                          f"{', '.join(TASK_NAMES)})", "score_adapters")
 
     @property
     def report_lifetime(self) -> float:

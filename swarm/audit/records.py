@@ -33,10 +33,11 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hivemind.dht import DHT
 from hivemind.utils import MSGPackSerializer, get_dht_time
 
-from swarm.adapters.sharing import signed_entries, store_slot
+from swarm.adapters.block import is_sha256_hex
+from swarm.adapters.sharing import MAX_SCORE, NAME_PATTERN, PublishedAdapter, author_id, signed_entries, store_slot
 from swarm.dht import fields
 from swarm.dht.schema import MAX_AUDIT_LIFETIME, audit_key, forget_local_copies
-from swarm.dht.validation import MAX_SLOT_PAYLOAD, ed25519_text
+from swarm.dht.validation import MAX_SLOT_PAYLOAD, ed25519_public_key, ed25519_text
 from swarm.governance.keys import parse_public_key, public_key_text, trusted_key_texts
 
 logger = logging.getLogger(__name__)
@@ -58,6 +59,10 @@ MAX_CLOCK_SKEW = 300.0  # seconds a report's times may be ahead of the reader's 
 MAX_REPORT_KEYS = 8  # fields of a report map; a server entry has at most MAX_ENTRY_KEYS
 MAX_ENTRY_KEYS = 20
 NO_AUDITORS = "none"  # trusted_auditors=("none",): trust no auditor, not even the governance keys
+MAX_ADAPTERS = 16  # adapter scores one report lists
+MAX_TASK_CHARS = 32
+MAX_EXAMPLES = 100_000
+BEST = "best:"  # adapter="best:TASK": the published adapter with the best trusted audited score on TASK
 
 
 @dataclass(frozen=True)
@@ -140,6 +145,58 @@ class ServerAudit:
 
 
 @dataclass(frozen=True)
+class AdapterAudit:
+    """What one auditor measured of one published adapter on one held-out task (``swarm.eval``'s exact match)."""
+
+    name: str  # the published name
+    author: str  # the author's Ed25519 public key (base64), whose record was scored
+    sha256: str  # the content scored: a record republished with other content is not covered
+    task: str
+    examples: int
+    correct: int
+    checked: float  # when it was scored, the auditor's clock
+    claimed: Optional[float] = None  # the score the author's record claimed then
+
+    @property
+    def score(self) -> float:
+        return self.correct / self.examples
+
+    @property
+    def reference(self) -> str:
+        """``name@AUTHOR``: what ``adapter=`` takes to use exactly this author's record."""
+        return f"{self.name}@{author_id(self.author)}"
+
+    def to_value(self) -> dict[str, Any]:
+        return {"name": self.name, "author": self.author, "sha256": self.sha256, "task": self.task,
+                "examples": self.examples, "correct": self.correct, "checked": self.checked, "claimed": self.claimed}
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.to_value(), score=self.score, reference=self.reference)
+
+    @classmethod
+    def from_value(cls, raw: Any, latest: float) -> "AdapterAudit":
+        """One adapter entry, every field checked; ValueError saying why not."""
+        if not isinstance(raw, dict) or len(raw) > MAX_ENTRY_KEYS:
+            raise ValueError(f"an adapter entry is a map of at most {MAX_ENTRY_KEYS} fields")
+        name, author, sha = raw.get("name"), raw.get("author"), raw.get("sha256")
+        if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
+            raise ValueError("an adapter name is 1-64 letters, digits, '_', '.' or '-'")
+        if not isinstance(author, str) or len(author) > 64:
+            raise ValueError("an author is an Ed25519 public key")
+        ed25519_public_key(author)  # ValueError when it is not one
+        if not is_sha256_hex(sha):
+            raise ValueError("sha256 must be 64 hex digits")
+        task = fields.text(raw.get("task"), MAX_TASK_CHARS + 1)
+        if not task or len(task) > MAX_TASK_CHARS:
+            raise ValueError(f"a task name is 1-{MAX_TASK_CHARS} characters")
+        examples = fields.integer(raw.get("examples"), 1, MAX_EXAMPLES)
+        claimed = raw.get("claimed")
+        return cls(name, author, sha, task, examples, fields.integer(raw.get("correct"), 0, examples),
+                   fields.number(raw.get("checked"), 0.0, latest),
+                   None if claimed is None else fields.number(claimed, -MAX_SCORE, MAX_SCORE))
+
+
+@dataclass(frozen=True)
 class AuditReport:
     """One auditor's report on the servers of one model (see the module doc)."""
 
@@ -148,6 +205,7 @@ class AuditReport:
     published: float
     servers: tuple[ServerAudit, ...] = ()
     auditor: str = ""  # the signing key (base64), filled in from the slot when read
+    adapters: tuple[AdapterAudit, ...] = ()  # published adapters' measured scores
 
     def payload(self) -> bytes:
         """The signed bytes; ValueError when the report breaks a bound readers enforce (count, size)."""
@@ -155,9 +213,14 @@ class AuditReport:
             raise ValueError(f"a report lists at most {MAX_SERVERS} servers, not {len(self.servers)}")
         if len({s.peer_id for s in self.servers}) != len(self.servers):
             raise ValueError("a report lists each server once")
+        if len(self.adapters) > MAX_ADAPTERS:
+            raise ValueError(f"a report lists at most {MAX_ADAPTERS} adapter scores, not {len(self.adapters)}")
+        if len({(a.sha256, a.task) for a in self.adapters}) != len(self.adapters):
+            raise ValueError("a report scores each adapter content once per task")
         payload = MSGPackSerializer.dumps({
             "record_version": RECORD_VERSION, "prefix": self.prefix, "sequence": self.sequence,
-            "published": self.published, "servers": [s.to_value() for s in self.servers]})
+            "published": self.published, "servers": [s.to_value() for s in self.servers],
+            "adapters": [a.to_value() for a in self.adapters]})
         if len(payload) > MAX_REPORT_BYTES:
             raise ValueError(f"a report of {len(payload)} bytes is over the bound of {MAX_REPORT_BYTES}")
         return payload
@@ -184,17 +247,25 @@ class AuditReport:
         entries = tuple(ServerAudit.from_value(raw, latest) for raw in servers)
         if len({e.peer_id for e in entries}) != len(entries):
             raise ValueError("a server is listed twice")
+        adapters = body.get("adapters", [])
+        if not isinstance(adapters, list) or len(adapters) > MAX_ADAPTERS:
+            raise ValueError(f"adapters must be a list of at most {MAX_ADAPTERS} entries")
+        scores = tuple(AdapterAudit.from_value(raw, latest) for raw in adapters)
+        if len({(a.sha256, a.task) for a in scores}) != len(scores):
+            raise ValueError("an adapter content is scored twice for one task")
         published = fields.number(body.get("published"), 0.0, latest)
-        if any(e.last_check > published for e in entries):
+        if any(e.last_check > published for e in entries) or any(a.checked > published for a in scores):
             raise ValueError("a check is dated after the report")
-        return cls(claimed, fields.integer(body.get("sequence"), 0, MAX_SEQUENCE), published, entries, auditor)
+        return cls(claimed, fields.integer(body.get("sequence"), 0, MAX_SEQUENCE), published, entries, auditor,
+                   scores)
 
     def server(self, peer_id: str) -> Optional[ServerAudit]:
         return next((s for s in self.servers if s.peer_id == peer_id), None)
 
     def to_json(self) -> dict[str, Any]:
         return {"prefix": self.prefix, "auditor": self.auditor, "sequence": self.sequence,
-                "published": self.published, "servers": [s.to_json() for s in self.servers]}
+                "published": self.published, "servers": [s.to_json() for s in self.servers],
+                "adapters": [a.to_json() for a in self.adapters]}
 
 
 # ----- on the DHT ---------------------------------------------------------------------------------------
@@ -295,10 +366,38 @@ class AuditBook:
                     found[entry.peer_id] = (auditor, entry)
         return found
 
+    def adapter_scores(self) -> dict[tuple[str, str], tuple[str, AdapterAudit]]:
+        """Per (adapter content sha256, task), (auditor, entry) of the most recent trusted score."""
+        found: dict[tuple[str, str], tuple[str, AdapterAudit]] = {}
+        for auditor, report in sorted(self.reports.items()):
+            for entry in report.adapters:
+                held = found.get((entry.sha256, entry.task))
+                if held is None or entry.checked > held[1].checked:
+                    found[(entry.sha256, entry.task)] = (auditor, entry)
+        return found
+
+    def best_adapter(self, task: str, published: Iterable[PublishedAdapter]
+                     ) -> Optional[tuple[PublishedAdapter, str, AdapterAudit]]:
+        """Of the adapters published now, the one whose content has the best trusted score on ``task`` (ties: more
+        problems scored, then the most recent score, then the name), with the auditor and its entry; None when no
+        published content has one. Authors' own claimed scores play no part."""
+        scores = self.adapter_scores()
+        scored = [(record, *scores[(record.sha256, task)]) for record in published
+                  if (record.sha256, task) in scores]
+        if not scored:
+            return None
+        return max(scored, key=lambda c: (c[2].score, c[2].examples, c[2].checked, c[0].name, c[0].author))
+
     def failed(self) -> dict[str, str]:
         """Servers whose most recent trusted check found a wrong answer, with why (for the client's log)."""
         return {peer: f"auditor {auditor[:12]}... failed it at {time.strftime('%H:%M:%S', time.gmtime(e.last_check))}"
                       f" UTC: {e.reason}" for peer, (auditor, e) in self.latest().items() if e.is_failed}
+
+
+def adapter_audits_json(book: AuditBook, sha256: str) -> dict[str, dict[str, Any]]:
+    """What the health map shows of an adapter content's trusted scores: per task, the latest (with its auditor)."""
+    return {task: dict(entry.to_json(), auditor=auditor)
+            for (sha, task), (auditor, entry) in sorted(book.adapter_scores().items()) if sha == sha256}
 
 
 def audit_json(latest: Mapping[str, tuple[str, ServerAudit]], peer_id: str) -> Optional[dict[str, Any]]:

@@ -141,12 +141,16 @@ def read_adapters(dht: DHT, prefix: str) -> list[dict[str, Any]]:
     return [dict(record.to_json(), hosts=hosts) for record, hosts in read_catalog(dht, prefix)]
 
 
-def read_audits(dht: DHT, prefix: str, auditors: Iterable[str]) -> dict[str, dict[str, Any]]:
-    """Per server, its latest check by one of ``auditors`` (base64 keys): only their signed reports are read."""
-    from swarm.audit.records import AuditBook, audit_json  # the records pull in the adapter code: only if asked
+def read_audits(dht: DHT, prefix: str, auditors: Iterable[str], adapters: list[dict[str, Any]] = ()
+                ) -> dict[str, dict[str, Any]]:
+    """Per server, its latest check by one of ``auditors`` (base64 keys): only their signed reports are read. Each of
+    ``adapters`` (``read_adapters`` entries) gets ``audits``: its content's latest trusted score per task."""
+    from swarm.audit.records import AuditBook, adapter_audits_json, audit_json  # pulls in the adapter code: if asked
 
     book = AuditBook(prefix, frozenset(auditors))
     book.refresh(dht)
+    for adapter in adapters:
+        adapter["audits"] = adapter_audits_json(book, adapter["sha256"])
     latest = book.latest()
     return {peer: audit_json(latest, peer) for peer in sorted(latest)}
 
@@ -161,5 +165,5 @@ def read_health_map(dht: DHT, prefix: str, num_blocks: int, adapters: bool = Fal
     health = build_health_map(servers, prefix, num_blocks, experts)
     health.adapters = read_adapters(dht, prefix) if adapters else []
     auditors = list(auditors)
-    health.audits = read_audits(dht, prefix, auditors) if auditors else {}
+    health.audits = read_audits(dht, prefix, auditors, health.adapters) if auditors else {}
     return health

@@ -54,8 +54,9 @@ def render_text(health: HealthMap) -> str:
     if health.adapters:
         lines.append("")
         rows = [(f"{a['name']}@{a['author']}", f"{a['size']}", "-" if a["score"] is None else f"{a['score']:g}",
+                 ", ".join(f"{task} {s['correct']}/{s['examples']}" for task, s in a.get("audits", {}).items()) or "-",
                  str(len(a["hosts"])), a["sha256"][:16]) for a in health.adapters]
-        lines += format_table(("ADAPTER", "BYTES", "SCORE", "HOSTS", "SHA256"), rows)
+        lines += format_table(("ADAPTER", "BYTES", "CLAIMED", "AUDITED", "HOSTS", "SHA256"), rows)
     lines.append("")
     if health.fully_served:
         fewest = plural(min(health.replicas), "replica")

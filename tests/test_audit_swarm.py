@@ -1,18 +1,24 @@
 """The auditor against a real local swarm (issue 39): ``python -m swarm.audit --once`` passes an honest server and
 fails a lying one (tests/faulty_server.py), a client that trusts the auditor routes around the liar while one that
-trusts nobody does not, and a stranger's key cannot publish a report such a client follows."""
+trusts nobody does not, and a stranger's key cannot publish a report such a client follows; with
+``--score-adapters addition`` it measures two published adapters whose authors' claims are the wrong way round, and
+``adapter="best:addition"`` picks the truly better one for clients that trust it."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hivemind.utils import get_dht_time
 
+from swarm.adapters.adapter import AdapterConfig, AdapterError, SoftPrompt, base_of
+from swarm.adapters.sharing import ENV_CACHE, make_record, publish
 from swarm.audit.records import FAIL, PASS, AuditReport, ServerAudit, publish_report, read_report
 from swarm.dht.config import NetworkConfig
 from swarm.dht.node import start_dht, stop_dht
@@ -119,3 +125,73 @@ def test_a_strangers_report_cannot_clear_the_liar_or_fail_the_honest_server(loca
     with swarm_client(local_swarm, path, trusted_auditors=(auditor,)) as lm:
         assert [hop.peer_id for hop in lm.show_route()] == [honest.peer_id]
         assert lm.planner.health.audit_failed.keys() == {liar.peer_id}
+
+
+# ----- adapters: scores measured, not claimed ----------------------------------------------------------------
+ADDITION = "audit-addition"  # a prefix of its own for the embedded addition model
+GREEDY = dict(gen_length=8, steps=8, block_length=8, temperature=0.0)
+
+
+def soft_prompt(lm, directory: Path, scale: float, length: int) -> Path:
+    config = AdapterConfig(length, lm.config.hidden_size, base_of(lm.config, lm.tokenizer), training={"steps": 1})
+    prompts = scale * torch.randn(length, lm.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    return SoftPrompt(config, prompts).save(directory)
+
+
+@pytest.fixture(scope="module")
+def scored_adapters(local_swarm, tmp_path_factory):
+    """A server of the embedded addition model serving two published adapters (random soft prompts): 'boaster'
+    claims 0.99 and answers about a third of held-out sums exactly, 'modest' claims 0.1 and answers nearly all
+    (measured locally, 3 x 30 problems: 8, 13, 10 and 27, 28, 29). Then one ``--once --score-adapters addition``
+    round."""
+    base = tmp_path_factory.mktemp("adapters")
+    local = DiffusionLM.from_pretrained("addition")
+    boaster, modest = soft_prompt(local, base / "boaster", 1.0, 4), soft_prompt(local, base / "modest", 5.0, 2)
+    server = local_swarm.start_server("addition", "0:4", "--compute-threads", "1", "--dht-prefix", ADDITION,
+                                      "--serve-adapter", str(boaster), "--serve-adapter", str(modest))
+    key_path = base / "auditor.key"
+    key = generate_private_key(key_path)
+    dht = start_dht(NetworkConfig(initial_peers=local_swarm.initial_peers, client_mode=True))
+    try:
+        for directory, name, claim in ((boaster, "boaster", 0.99), (modest, "modest", 0.1)):
+            publish(dht, Ed25519PrivateKey.generate(), ADDITION, make_record(directory, name, claim, [server.peer_id]))
+        started = time.perf_counter()
+        done = subprocess.run(
+            [sys.executable, "-m", "swarm.audit", "--once", "--json", "--key", str(key_path), "--model", "addition",
+             "--dht-prefix", ADDITION, "--score-adapters", "addition", "--task-examples", "30", "--threads", "1",
+             *(arg for peer in local_swarm.initial_peers for arg in ("--initial-peers", peer))],
+            capture_output=True, text=True, timeout=300, cwd=ROOT, env={**os.environ, ENV_CACHE: str(base / "cache")})
+        assert done.returncode == 0, done.stderr[-3000:]
+        print(f"one --once round scoring 2 adapters on 30 problems each: {time.perf_counter() - started:.1f} s wall")
+        yield local, modest, key, json.loads(done.stdout), base
+    finally:
+        stop_dht(dht)
+        stop_all(local_swarm, [server])
+
+
+def test_the_auditor_measures_published_adapters_against_their_claims(scored_adapters):
+    _, _, _, report, _ = scored_adapters
+    scores = {entry["name"]: entry for entry in report["adapters"]}
+    assert set(scores) == {"boaster", "modest"} and all(s["task"] == "addition" for s in scores.values())
+    assert scores["boaster"]["claimed"] == 0.99 and scores["modest"]["claimed"] == 0.1
+    assert all(s["examples"] == 30 for s in scores.values())
+    print(f"boaster {scores['boaster']['correct']}/30, modest {scores['modest']['correct']}/30")
+    assert scores["modest"]["score"] > scores["boaster"]["score"], "the truly better adapter scores higher"
+
+
+def test_best_task_picks_the_truly_better_adapter_for_clients_that_trust_the_auditor(local_swarm, scored_adapters):
+    local, modest, key, report, base = scored_adapters
+    expected = local.generate("12+5=", adapter=str(modest), **GREEDY).token_ids
+    with swarm_client(local_swarm, "addition", dht_prefix=ADDITION, trusted_auditors=(public_key_text(key),)) as lm:
+        lm.adapter_cache = base / "client-cache"
+        result = lm.generate("12+5=", adapter="best:addition", **GREEDY)
+        chosen = next(s["reference"] for s in report["adapters"] if s["name"] == "modest")
+        assert lm.best_adapters["addition"][1] == chosen
+        assert result.token_ids == expected
+    with swarm_client(local_swarm, "addition", dht_prefix=ADDITION, trusted_auditors=("none",)) as lm:
+        with pytest.raises(AdapterError, match="trusts no auditor"):
+            lm.generate("12+5=", adapter="best:addition", **GREEDY)
+    with swarm_client(local_swarm, "addition", dht_prefix=ADDITION,
+                      trusted_auditors=(ed25519_text(Ed25519PrivateKey.generate()),)) as lm:
+        with pytest.raises(AdapterError, match="no published adapter has a score on 'addition' by a trusted auditor"):
+            lm.generate("12+5=", adapter="best:addition", **GREEDY)

@@ -169,14 +169,22 @@ def scored_adapters(local_swarm, tmp_path_factory):
         stop_all(local_swarm, [server])
 
 
-def test_the_auditor_measures_published_adapters_against_their_claims(scored_adapters):
-    _, _, _, report, _ = scored_adapters
+def test_the_auditor_measures_published_adapters_against_their_claims(local_swarm, scored_adapters):
+    _, _, key, report, _ = scored_adapters
     scores = {entry["name"]: entry for entry in report["adapters"]}
     assert set(scores) == {"boaster", "modest"} and all(s["task"] == "addition" for s in scores.values())
     assert scores["boaster"]["claimed"] == 0.99 and scores["modest"]["claimed"] == 0.1
     assert all(s["examples"] == 30 for s in scores.values())
     print(f"boaster {scores['boaster']['correct']}/30, modest {scores['modest']['correct']}/30")
     assert scores["modest"]["score"] > scores["boaster"]["score"], "the truly better adapter scores higher"
+    peers = [arg for peer in local_swarm.initial_peers for arg in ("--initial-peers", peer)]
+    done = subprocess.run([sys.executable, "-m", "swarm.health", "--dht-prefix", ADDITION, "--num-blocks", "4",
+                           "--json", "--trusted-auditors", public_key_text(key), *peers],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    listed = {a["name"]: a for a in json.loads(done.stdout)["adapters"]}
+    assert {name: a["audits"]["addition"]["correct"] for name, a in listed.items()} == {
+        name: s["correct"] for name, s in scores.items()}
+    assert listed["boaster"]["score"] == 0.99, "the claim is shown beside the measured score"
 
 
 def test_best_task_picks_the_truly_better_adapter_for_clients_that_trust_the_auditor(local_swarm, scored_adapters):

@@ -2,25 +2,27 @@
 
 An auditor (``python -m swarm.audit``) holds an Ed25519 key, made like a governance key. Its report lives under
 ``{prefix}.audits.{PUBLIC KEY}`` in the key's signed slot (``swarm.dht.validation``, as governance decisions and
-adapter records): every swarm peer refuses a write there that the key did not sign over the DHT key, the payload
-and the expiration time, and a peer that knows the auditor (it trusts it, or it is one of the governance keys it
-trusts: ``swarm.dht.schema.protected_keys``) keeps nothing else under that key. A new report replaces the auditor's
-previous one (a later expiration); it lives at most :data:`~swarm.dht.config.MAX_AUDIT_LIFETIME`.
+adapter records): every swarm peer refuses a write there that the key did not sign over the DHT key, the payload and
+the expiration time, and a peer that knows the auditor (it trusts it, or it is one of the governance keys it trusts:
+``swarm.dht.schema.protected_keys``) keeps nothing else under that key. A new report replaces the auditor's previous
+one (a later expiration); it lives at most :data:`~swarm.dht.config.MAX_AUDIT_LIFETIME`.
 
 The payload (msgpack) holds the prefix, a sequence number (the auditor's clock in milliseconds, above its previous
 report's), the time it was published and, per audited server (at most :data:`MAX_SERVERS`), its checks passed,
 failed and errored, the first and last check's times, the last check's verdict, the time and reason of its last
-failure, and the last check's announced and measured throughput, round trip and call time. :meth:`AuditReport.payload`
-refuses to encode more than :data:`MAX_REPORT_BYTES`; :meth:`AuditReport.from_payload` parses with
-``swarm.dht.fields`` (every number finite and in range, texts cut, counts capped, times not in the future, fields
-consistent with each other) and raises ValueError for anything else; :func:`parse_report` and the readers turn that
-into "no report", so no record can make a reader raise.
+failure, and the last check's announced and measured throughput, round trip and call time; and per published adapter
+content and task (at most :data:`MAX_ADAPTERS`) the held-out problems it answered exactly of those asked, beside the
+score its author claimed. :meth:`AuditReport.payload` refuses to encode more than :data:`MAX_REPORT_BYTES`;
+:meth:`AuditReport.from_payload` parses with ``swarm.dht.fields`` (every number finite and in range, texts cut,
+counts capped, times not in the future, fields consistent with each other) and raises ValueError for anything else;
+the readers turn that into "no report", so no record can make a reader raise.
 
 Readers name the auditors they trust (:func:`trusted_auditors`: ``ClientConfig.trusted_auditors``, default the
 governance keys). :class:`AuditBook` keeps each trusted auditor's newest report and never goes back to an older one
 (a replayed report cannot undo a newer verdict), and answers, per server, the most recent check any trusted auditor
-made of it: a server whose most recent check *failed* (a wrong answer) is avoided by the client like a banned one.
-Reports signed by any other key are never read.
+made of it: a server whose most recent check *failed* (a wrong answer) is avoided by the client like a banned one;
+``adapter="best:TASK"`` takes the published adapter whose content has the best trusted score
+(:meth:`AuditBook.best_adapter`). Reports signed by any other key are never read.
 """
 from __future__ import annotations
 

@@ -21,6 +21,7 @@ from swarm.adapters.adapter import AdapterConfig, AdapterError, SoftPrompt, base
 from swarm.adapters.sharing import ENV_CACHE, make_record, publish
 from swarm.audit.records import FAIL, PASS, AuditReport, ServerAudit, publish_report, read_report
 from swarm.dht.config import NetworkConfig
+from swarm.dht.identity import Identity
 from swarm.dht.node import start_dht, stop_dht
 from swarm.dht.schema import audit_key, forget_local_copies
 from swarm.dht.validation import ed25519_text, sign_slot, slot_subkey
@@ -203,3 +204,28 @@ def test_best_task_picks_the_truly_better_adapter_for_clients_that_trust_the_aud
                       trusted_auditors=(ed25519_text(Ed25519PrivateKey.generate()),)) as lm:
         with pytest.raises(AdapterError, match="no published adapter has a score on 'addition' by a trusted auditor"):
             lm.generate("12+5=", adapter="best:addition", **GREEDY)
+
+
+# ----- a server that knows the auditor's identity -------------------------------------------------------------
+def test_a_server_honest_only_to_the_auditors_known_peer_id_is_caught_from_a_fresh_identity(local_swarm, tmp_path):
+    """The attack: a liar that answers honestly to one peer id, the auditor's persistent identity, and lies to
+    everyone else (tests/faulty_server.py ``faulty-spare-PEERID``). Challenged from that identity it passes (the
+    control: the attack works); from the round's fresh identity, the default, it fails."""
+    identity = Identity.load_or_create(tmp_path / "auditor.id")  # a peer id the liar learnt in advance
+    path = make_checkpoint(tmp_path / "audit-spare", tiny_config(), seed=12)
+    liar = local_swarm.start_server(str(path), "0:4", "--compute-threads", "1", "--public-name",
+                                    f"faulty-spare-{identity.peer_id}", entry=FAULTY, name="faulty-spare")
+    key_path = tmp_path / "auditor.key"
+    generate_private_key(key_path)
+    command = [sys.executable, "-m", "swarm.audit", "--once", "--json", "--key", str(key_path), "--model", str(path),
+               "--identity-path", str(tmp_path / "auditor.id"), "--threads", "1",
+               *(arg for peer in local_swarm.initial_peers for arg in ("--initial-peers", peer))]
+    try:
+        verdicts = []
+        for fresh in ("--no-fresh-identity", "--fresh-identity"):
+            done = subprocess.run([*command, fresh], capture_output=True, text=True, timeout=240, cwd=ROOT)
+            assert done.returncode == 0, done.stderr[-3000:]
+            verdicts.append(json.loads(done.stdout)["servers"][0]["verdict"])
+        assert verdicts == [PASS, FAIL]
+    finally:
+        stop_all(local_swarm, [liar])

@@ -1,34 +1,38 @@
 """The auditor: each round, one challenge per online server, checked against the auditor's own copy of the blocks.
 
 A challenge is a forward call a server cannot tell from a client's: a fresh session, a step drawn like a
-generation's, and the hidden states of a *masked state of a prompt*, embedded by the auditor's copy of the
-embedding exactly as a client embeds its tokens: a random prompt followed by a generated part in which each
-position is still the mask token with a probability drawn per challenge (a generation somewhere between its first
-and last step), the whole length drawn like real requests' (``swarm.client.planner.CHALLENGE_ROWS``). It goes
-through the span the server announces, from the auditor's own libp2p identity (a client's kind: a fresh Ed25519 key
-each run unless ``--identity-path`` is given). The answer is compared with the auditor's own computation of those
-blocks with the client's spot-check comparison and tolerance (``swarm.client.spot_check.answers_agree``,
-``ClientConfig.spot_check_rtol``): a wrong answer *fails* the server, no answer (unreachable, refused, timed out) is
-an *error* (no verdict on honesty), a right one *passes*. The same call measures the server: its ping's round trip,
-the call's seconds and the throughput it delivered (rows / (seconds - round trip)), beside what its record announces.
+generation's, and the hidden states of a *masked state of a prompt*, embedded by the auditor's copy of the embedding
+exactly as a client embeds its tokens: a random prompt followed by a generated part in which each position is still
+the mask token with a probability drawn per challenge (a generation somewhere between its first and last step), the
+whole length drawn like real requests' (``swarm.client.planner.CHALLENGE_ROWS``). It goes through the span the
+server announces, from a libp2p identity of a client's kind made for the round (a throwaway DHT peer with a fresh
+Ed25519 key; ``--no-fresh-identity`` uses the auditor's own peer, one key per run unless ``--identity-path`` is
+given), so a server cannot single the auditor out by its peer id. The answer is compared with the auditor's own
+computation of those blocks with the client's spot-check comparison and tolerance
+(``swarm.client.spot_check.answers_agree``, ``ClientConfig.spot_check_rtol``): a wrong answer *fails* the server, no
+answer (unreachable, refused, timed out) is an *error* (no verdict on honesty), a right one *passes*. The same call
+measures the server: its ping's round trip, the call's seconds and the throughput it delivered (rows / (seconds -
+round trip)), beside what its record announces.
 
-With ``--score-adapters TASK`` it also scores every published adapter (the first :data:`MAX_ADAPTERS` the
-catalog lists) on held-out problems of ``swarm.eval``'s task, drawn anew each round from ``os.urandom``, generating
-*through the swarm* as a user would (``adapter="name@AUTHOR"``; a client of the auditor's own DHT peer that trusts
-the auditor itself, so servers it failed are avoided), and publishes the exact-match score beside the author's claim.
+With ``--score-adapters TASK`` it also scores every published adapter (the first :data:`MAX_ADAPTERS` the catalog
+lists) on held-out problems of ``swarm.eval``'s task, drawn anew each round from ``os.urandom``, generating *through
+the swarm* as a user would (``adapter="name@AUTHOR"``; a client of the auditor's own DHT peer that trusts the
+auditor itself, so servers it failed are avoided), and publishes the exact-match score beside the author's claim.
 
 After each round the auditor publishes one signed report (:mod:`swarm.audit.records`) with every server's counts
 since the auditor started, and the latest score of each adapter content per task.
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
 import random
 import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -257,16 +261,38 @@ class Auditor:
             except ValueError:
                 servers = servers[:-1]
 
+    @contextlib.contextmanager
+    def challenger(self) -> Iterator[str]:
+        """The peer this round's challenges come from (its id): a throwaway DHT peer with a fresh key, or with
+        ``fresh_identity`` off the auditor's own. ``self.caller`` calls through it meanwhile."""
+        if not self.config.fresh_identity:
+            yield str(self.dht.peer_id)
+            return
+        network = dataclasses.replace(self.config.network, identity_path=None, client_mode=True)
+        dht = start_dht(network)
+        own, self.caller = self.caller, RemoteCaller(self.loop.run(dht.replicate_p2p()))
+        try:
+            yield str(dht.peer_id)
+        finally:
+            fresh, self.caller = self.caller, own
+            try:
+                self.loop.run(fresh.p2p.shutdown(), timeout=5)
+            finally:
+                stop_dht(dht)
+
     def run_round(self) -> RoundResult:
-        """Check every online server once, in random order, then publish the report."""
+        """Check every online server once, in random order (from this round's identity), then publish the report."""
         started = time.perf_counter()
         servers = [r for r in read_servers(self.dht, self.prefix, self.model.num_layers).values()
                    if r.state == ServerState.ONLINE]
         self.rng.shuffle(servers)
         checked = {}
+        with self.challenger() as identity:
+            logger.debug("challenging %d servers as %s", min(len(servers), MAX_SERVERS), identity)
+            for server in servers[:MAX_SERVERS]:
+                checked[server.peer_id] = self.check(server)
         for server in servers[:MAX_SERVERS]:
-            check = self.check(server)
-            checked[server.peer_id] = check
+            check = checked[server.peer_id]
             audit = self.record(server, check, time.time())
             log = logger.warning if check.verdict != PASS else logger.info
             log("server %s (blocks %d:%d): %s%s; %s rows in %s s, announced %.1f tok/s, measured %s tok/s",

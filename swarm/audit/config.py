@@ -29,6 +29,10 @@ class AuditorConfig:
                                  "servers cannot tell when the next check comes.", low=0.0, high=0.9)
     once: bool = setting(False, "Run one round, publish its report and exit (exit 3 when the report is not read "
                                 "back from the swarm).", flags=("--once",))
+    fresh_identity: bool = setting(
+        True, "Send each round's challenges from a new libp2p identity (a throwaway DHT peer, about a second to "
+              "start), so a server cannot answer one known auditor id honestly and lie to everyone else; reports are "
+              "still signed by --key.", flags=("--fresh-identity",))
     request_timeout: float = setting(30.0, "Seconds a challenge may take through one server; longer is an error "
                                            "(no verdict on honesty).", low=0.0, high=3600.0, low_open=True)
     connect_timeout: float = setting(5.0, "Seconds for the ping that measures a server's round trip.", low=0.0,

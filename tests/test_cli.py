@@ -238,6 +238,7 @@ def test_every_help_is_answered_before_torch_hivemind_or_fastapi_loads(module):
     ("swarm.weights", ["show"], "Missing argument 'REFERENCE'"),
     ("swarm.audit", ["--key", "k", "--every", "0"], "0.0 is not in the range 0.0<x<=604800.0"),
     ("swarm.audit", [], "Missing option '--key'"),
+    ("swarm.audit", ["--key", "k", "--score-adapters", "nope"], "--score-adapters: unknown task 'nope'"),
 ])
 def test_argument_mistakes_are_answered_before_torch_loads(module, args, fragment):
     """A typo in --blocks took 9-16 s: torch, hivemind and transformers loaded first."""

@@ -181,6 +181,20 @@ def swarm_client(swarm, path, **options):
     return DistributedDiffusionLM.from_pretrained(path, initial_peers=swarm.initial_peers, **options)
 
 
+def wait_seen(lm, servers, timeout: float = 60.0) -> None:
+    """Re-read the servers until ``lm``'s planner knows every one of ``servers`` (ManagedProcess) as usable, then
+    rebuild its route. For a test that asserts which server a route picks: on a loaded machine a DHT read can miss
+    a peer's reply (a timeout), and the route is then planned without that server."""
+    wanted = {server.peer_id for server in servers}
+
+    def all_seen() -> bool:
+        lm.planner.refresh()
+        return all(peer in lm.planner.servers and lm.planner.health.usable(peer) for peer in wanted)
+
+    assert wait_until(all_seen, timeout=timeout, interval=1.0), f"the client never saw {sorted(wanted)}"
+    lm.planner.build_route(0)
+
+
 def fast_server(swarm, path, blocks: str = "0:4", *extra: str, wait: bool = True):
     """A server that announces a huge throughput, so that routes prefer it over the fixture's servers."""
     return swarm.start_server(str(path), blocks, "--throughput", "1e9", "--compute-threads", "1", *extra, wait=wait)

@@ -82,7 +82,7 @@ from swarm.dht.validation import sign_slot  # noqa: E402
 from swarm.governance.records import governance_key, publish, read_decisions  # noqa: E402
 from swarm.utils.local_swarm import ManagedProcess  # noqa: E402
 from swarm.wire.messages import ErrorCode, ForwardRequest, RemoteError  # noqa: E402
-from tests.conftest import make_checkpoint, stop_all, tiny_config, wait_until  # noqa: E402
+from tests.conftest import make_checkpoint, stop_all, tiny_config, wait_seen, wait_until  # noqa: E402
 
 SETTINGS = dict(gen_length=16, steps=16, block_length=8, seed=2)
 
@@ -263,8 +263,10 @@ def test_restricted_request_uses_only_trusted_servers_and_is_audited(local_swarm
     path, trusted, untrusted = tiered_swarm
     trusted_ids = {server.peer_id for server in trusted}
     audit = tmp_path / "audit.jsonl"
+    # A long ping: on a loaded machine the fast server's first challenge may take seconds, and a missed one bans it.
     with DistributedDiffusionLM.from_pretrained(path, initial_peers=local_swarm.initial_peers,
-                                                audit_log=str(audit)) as lm:
+                                                audit_log=str(audit), connect_timeout=30) as lm:
+        wait_seen(lm, [*trusted, untrusted])
         with pytest.raises(ValueError, match="trusted_peers"):
             lm.generate("my password is hunter2", **SETTINGS)
         lm.client_config.trusted_peers = tuple(sorted(trusted_ids))

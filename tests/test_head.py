@@ -25,7 +25,11 @@ from swarm.diffusion.prediction import (
 from swarm.diffusion.remasking import STRATEGIES
 from swarm.models.loading import ModelFiles
 from tests.conftest import make_checkpoint, stop_all, tiny_config, wait_all
+from tests.test_bottleneck import bottleneck_for
+from tests.test_deep_prompt import deep_adapter_for
+from tests.test_finetune import adapter_for
 from tests.test_formats import dream_path, llada_path  # noqa: F401  (module fixtures: small bfloat16 checkpoints)
+from tests.test_lora import lora_for
 
 PROMPT = "the cat sat"
 SHORT = dict(gen_length=16, steps=8, block_length=8, seed=5)
@@ -140,8 +144,45 @@ def test_head_on_the_swarm_gives_the_local_tokens(head_swarm, local_lm, name):
 def test_what_needs_logits_falls_back_to_the_clients_head(head_swarm, local_lm, name):
     lm, _ = head_swarm
     settings = dict(SHORT, **ON_THE_CLIENT[name])
-    assert lm.generate(PROMPT, **settings).token_ids == local_lm.generate(PROMPT, **settings).token_ids
+    result = lm.generate(PROMPT, **settings)
+    assert result.token_ids == local_lm.generate(PROMPT, **settings).token_ids
     assert lm._head is not None
+    head = result.info["head"]  # a stale call cancelled in flight never reaches the head: at most one per call
+    assert head["server_calls"] == 0 and 0 < head["client_calls"] <= result.denoiser_calls
+    assert head["client_reasons"] == [WHOLE_LOGITS], "the client says why it used its own head"
+
+
+WHOLE_LOGITS = "the sampler reads whole logits (a corrector, staleness or experts over the whole vocabulary)"
+ADAPTERS = {  # every kind, none correcting the head: soft and deep prompts add positions in front of the rows
+    "soft prompt": lambda lm: adapter_for(lm, length=3, seed=2),
+    "deep prompt": lambda lm: deep_adapter_for(lm, length=2, seed=2),
+    "bottleneck": lambda lm: bottleneck_for(lm, rank=2, seed=2),
+    "lora": lambda lm: lora_for(lm, rank=2, seed=2),
+}
+
+
+@pytest.mark.parametrize("kind", list(ADAPTERS))
+def test_an_adapter_is_predicted_on_the_head_server_without_the_clients_head(head_swarm, local_lm, tmp_path, kind):
+    """The query is shifted past an adapter's prompt positions, so the head server scores the rows the client's
+    head would: the local tokens, through a plain pass and a dual cache's reuses, and no call on the client."""
+    lm, _ = head_swarm
+    path = str(ADAPTERS[kind](local_lm).save(tmp_path / "adapter"))
+    for options in ({}, {"cache": "dual", "temperature": 0.7}):
+        settings = dict(SHORT, adapter=path, **options)
+        result = lm.generate(PROMPT, **settings)
+        assert result.token_ids == local_lm.generate(PROMPT, **settings).token_ids, options
+        assert result.info["head"] == {"server_calls": result.denoiser_calls, "client_calls": 0,
+                                       "client_reasons": []}, options
+    assert local_lm.generate(PROMPT, adapter=path, **SHORT).token_ids != local_lm.generate(PROMPT, **SHORT).token_ids
+
+
+def test_an_adapter_that_corrects_the_head_is_scored_by_the_clients_head(head_swarm, local_lm, tmp_path):
+    lm, _ = head_swarm
+    path = str(bottleneck_for(local_lm, rank=2, seed=3, head_rank=2).save(tmp_path / "head-corrected"))
+    result = lm.generate(PROMPT, adapter=path, **SHORT)
+    assert result.token_ids == local_lm.generate(PROMPT, adapter=path, **SHORT).token_ids
+    assert result.info["head"]["server_calls"] == 0 and result.info["head"]["client_reasons"] == [
+        "the adapter corrects the head, which only this client holds"]
 
 
 EXPERT_SETTINGS = {"greedy": {}, "guidance": dict(temperature=0.7, cfg_scale=1.0),

@@ -370,3 +370,20 @@ def test_cache_refresh_benchmark_refuses_an_out_of_bound_refresh_before_any_row(
     result = CliRunner().invoke(benchmark, ["cache-refresh", "--task-examples", "3", "--refresh", "0,9"])
     assert result.exit_code == 2 and "cache_refresh must be 0..8, got 9" in result.output
     assert "exact" not in result.output, "the exact row ran before the bound was checked"
+
+
+def test_hiding_modes_parse_to_their_settings_and_refuse_unknown_parts():
+    """``benchmark hiding --modes``: each part sets what it names; a mode without drafts evaluates one state per
+    call (the scale would add drafts), and an unknown part or an out-of-bound count is refused by name."""
+    import click
+
+    from swarm.benchmark.commands import parse_mode
+    from swarm.diffusion.config import MAX_DRAFT_STEPS
+
+    assert parse_mode("sync") == ({"draft_steps": 0}, False)
+    assert parse_mode("dual+refresh3+push+stale3+exact") == (
+        {"draft_steps": 0, "cache": "dual", "cache_refresh": 3, "staleness": 3, "stale_check": "exact"}, True)
+    assert parse_mode("push+drafts3") == ({"draft_steps": 3}, True)
+    for bad in ("drafts0", f"drafts{MAX_DRAFT_STEPS + 1}", "stale9", "turbo"):
+        with pytest.raises(click.BadParameter, match="unknown part"):
+            parse_mode(bad)

@@ -34,7 +34,7 @@ from swarm.benchmark.composition_cost import composition_cost
 from swarm.benchmark.realscale import realscale
 from swarm.benchmark.timing import time_calls
 from swarm.cli.options import SwarmGroup
-from swarm.diffusion.config import MAX_STALENESS
+from swarm.diffusion.config import MAX_DRAFT_STEPS, MAX_STALENESS
 from swarm.diffusion.remasking import STRATEGIES
 from swarm.utils.local_swarm import LocalSwarm
 from swarm.utils.threads import apply_threads
@@ -344,11 +344,12 @@ HIDING_MODES = ("sync,push,dual,dual+refresh3,stale3,dual+push,dual+push+stale1,
 
 def parse_mode(spec: str) -> tuple[dict, bool]:
     """``dual+push+stale3`` -> (generate settings, push). Parts: push, prefix, dual, refreshN (the cache's
-    cache_refresh), stale1..3, exact and unchecked (the stale check; token by default), sync.
+    cache_refresh), stale1..3, exact and unchecked (the stale check; token by default), draftsN (draft-and-verify
+    with N drafted steps per call: exact tokens, no cache or staleness), sync.
 
-    Every mode evaluates one state per call (``draft_steps=0``): ``scale="auto"`` would otherwise draft 3 steps per
-    call through the swarm for the confidence orders, which makes "sync" four states per call (twice as slow at
-    0 ms, as fast at 50 ms) and is what ``drafts`` measures."""
+    A mode without draftsN evaluates one state per call (``draft_steps=0``): ``scale="auto"`` would otherwise draft
+    3 steps per call through the swarm for the confidence orders, which makes "sync" four states per call (twice as
+    slow at 0 ms, as fast at 50 ms)."""
     settings: dict = {"draft_steps": 0}
     push = False
     for part in spec.split("+"):
@@ -362,9 +363,12 @@ def parse_mode(spec: str) -> tuple[dict, bool]:
             settings["staleness"] = int(part[5:])
         elif part in ("exact", "unchecked"):
             settings["stale_check"] = "none" if part == "unchecked" else part
+        elif part.startswith("drafts") and part[6:].isdigit() and 1 <= int(part[6:]) <= MAX_DRAFT_STEPS:
+            settings["draft_steps"] = int(part[6:])
         elif part != "sync":
             raise click.BadParameter(f"unknown part {part!r} in mode {spec!r}; use push, prefix, dual, refreshN, "
-                                     f"stale1..{MAX_STALENESS}, exact, unchecked or sync, joined by '+'",
+                                     f"stale1..{MAX_STALENESS}, exact, unchecked, drafts1..{MAX_DRAFT_STEPS} or "
+                                     "sync, joined by '+'",
                                      param_hint="--modes")
     return settings, push
 
@@ -376,7 +380,7 @@ def parse_mode(spec: str) -> tuple[dict, bool]:
               help="Comma-separated modes, each parts joined by '+': push, prefix, dual, refreshN (refill the "
                    "cache every N steps), stale1..3 (staleness, "
                    "guesses checked token by token), exact (checked to be the exact step), unchecked (never "
-                   "checked), sync (none of them).")
+                   "checked), draftsN (draft-and-verify, N drafted steps per call; exact), sync (none of them).")
 @click.option("--latency-ms", type=float, default=50.0, show_default=True,
               help="Injected one-way delay per network crossing (ms), compared with 0.")
 @click.option("--gen-length", type=int, default=256, show_default=True, help="Tokens generated.")

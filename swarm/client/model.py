@@ -18,6 +18,7 @@ from swarm.audit.records import BEST, AuditBook, trusted_auditors
 from swarm.client.backbone import SwarmBackbone
 from swarm.client.config import ClientConfig, client_network
 from swarm.client.experts import RemoteExpert, open_remote_experts
+from swarm.client.head_use import HeadUse
 from swarm.client.planner import RoutePlanner
 from swarm.client.push import PushReceiver
 from swarm.client.routing import RouteHop, compress_ranges
@@ -95,6 +96,7 @@ class DistributedDiffusionLM(BaseDiffusionLM):
         self._head: Optional[OutputHead] = None  # loaded on first use: not at all while head servers answer
         self.compute_dtype = next(self.embedding.parameters()).dtype
         self.timings = StepTimings()
+        self.head_use = HeadUse()
         self.prefix = config.dht_prefix or default_prefix(files.path)
         self._own_dht = dht is None
         auditors = trusted_auditors(config.trusted_auditors, config.governance_keys)
@@ -178,8 +180,8 @@ class DistributedDiffusionLM(BaseDiffusionLM):
         with self.timings.measure("swarm"):
             per_block = adapter.block_adapter if adapter is not None else None
             hidden = self.sequence.forward(hidden, session_id, step, cache, head, adapter=per_block)
-        if isinstance(hidden, Predictions):
-            return hidden
+        if isinstance(hidden, Predictions):  # asked of the extended rows: named by the sequence's own again
+            return Predictions(hidden.rows, head.shifted(-adapter.length), hidden.vocab_size) if adapter else hidden
         if adapter is not None and not reuse:
             hidden = adapter.strip(hidden)
         with self.timings.measure("head"):
@@ -199,23 +201,42 @@ class DistributedDiffusionLM(BaseDiffusionLM):
         def forward(tokens: torch.Tensor, directive: Optional[CacheDirective], context: DenoiseContext) -> torch.Tensor:
             self.guard.check(context.steps[0])  # a valid governance halt stops before this step
             scored = rows_to_score(self.client_config.head_rows, context, generation, tokens.shape[1])
-            query = self.head_query(context, directive, scored) if adapter is None else None  # rows would shift
-            return self.logits(tokens, session_id, context.steps[0], directive, scored, query, adapter)
+            why = self.client_head_reason(context, directive, scored, adapter)
+            query = None if why else self.head_query(context, scored, adapter)
+            output = self.logits(tokens, session_id, context.steps[0], directive, scored, query, adapter)
+            self.head_use.record(isinstance(output, Predictions),
+                                 why or "no head server answered (none on the route, or it failed)")
+            return output
 
         yield forward
 
-    def head_query(self, context: DenoiseContext, directive: Optional[CacheDirective],
-                   scored: Optional[tuple[int, int]]) -> Optional[HeadQuery]:
-        """The query a head server may answer for this call: when the sampler takes predictions, the head scores
-        only the active rows (so a server's matrix product is the one this client would compute) and, for a reuse
-        of the activation cache, the rows it recomputes cover them (otherwise the step would read the fill's
-        logits for the others)."""
-        if context.head is None or scored is None or self.client_config.head != "auto":
-            return None
+    def client_head_reason(self, context: DenoiseContext, directive: Optional[CacheDirective],
+                           scored: Optional[tuple[int, int]], adapter: Optional[PromptAdapter]) -> Optional[str]:
+        """Why this call cannot ask a head server for its predictions (None when it can). A head server answers
+        when the sampler takes predictions or a cut (``context.head``), the head scores only the active rows (so
+        a server's matrix product is the one this client would compute), a reuse of the activation cache
+        recomputes the rows the step reads (otherwise it would read the fill's logits for the others), and no
+        adapter corrects the head (a head server holds no adapter's head weights)."""
+        if self.client_config.head != "auto":
+            return f"ClientConfig.head is {self.client_config.head!r}"
+        if context.head is None:
+            return "the sampler reads whole logits (a corrector, staleness or experts over the whole vocabulary)"
+        if scored is None:
+            return "head_rows='all' scores every row"
         if directive is not None and not directive.fill and not (
                 directive.rows[0] <= scored[0] and scored[1] <= directive.rows[1]):
-            return None
-        return dataclasses.replace(context.head, scored=scored)
+            return "a cache reuse that does not recompute the rows the step reads"
+        if adapter is not None and adapter.head_lora is not None:
+            return "the adapter corrects the head, which only this client holds"
+        return None
+
+    @staticmethod
+    def head_query(context: DenoiseContext, scored: tuple[int, int],
+                   adapter: Optional[PromptAdapter] = None) -> HeadQuery:
+        """The call's query for a head server: the sampler's, over the scored rows, shifted past an adapter's
+        prompt positions (the servers see them as positions; the head never scores them)."""
+        query = dataclasses.replace(context.head, scored=scored)
+        return query.shifted(adapter.length) if adapter is not None else query
 
     def denoiser_workers(self, generation: GenerationConfig) -> int:
         """One thread per call in flight: ``staleness + 1`` round trips overlap, and up to ``staleness`` calls of
@@ -274,6 +295,7 @@ class DistributedDiffusionLM(BaseDiffusionLM):
         self.sequence.apply_policy(fraction, allowed, require_verified=policy.require_verified)
         self._spot_checks_seen = len(self.sequence.spot_checker.outcomes)
         self._failovers_seen = len(self.sequence.failovers)
+        self.head_use.reset()
         return {"tier": tier}
 
     def run_info(self) -> dict[str, Any]:
@@ -283,7 +305,8 @@ class DistributedDiffusionLM(BaseDiffusionLM):
                 "failovers": [vars(event) for event in self.sequence.failovers[self._failovers_seen:]],
                 "spot_checks": [outcome.to_dict() for outcome in outcomes],
                 "distrusted": sorted(self.sequence.distrusted),
-                "audit_failed": sorted(self.sequence.health.audit_failed)}
+                "audit_failed": sorted(self.sequence.health.audit_failed),
+                "head": self.head_use.to_dict()}
 
     def finish_request(self, result) -> None:
         self.audit.write({"prefix": self.prefix, "prompt_tokens": len(result.prompt_ids),

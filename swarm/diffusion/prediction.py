@@ -20,6 +20,7 @@ needs, and the Gumbel noise for x0, which only the side computing x0 draws (a bl
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional, Sequence
@@ -119,6 +120,14 @@ class HeadQuery:
     def output_shape(self) -> tuple[int, int, int]:
         width = 2 * self.top_k + 1 if self.top_k else len(PREDICTION_FIELDS)
         return self.states, self.block_length, width
+
+    def shifted(self, rows: int) -> "HeadQuery":
+        """The same query over a sequence with ``rows`` more positions in front (an adapter's prompt positions,
+        which the servers see as positions and the head never scores): the same rows, so the same numbers."""
+        if rows == 0:
+            return self
+        return dataclasses.replace(self, block_starts=tuple(s + rows for s in self.block_starts),
+                                   scored=(self.scored[0] + rows, self.scored[1] + rows))
 
     def to_dict(self) -> dict[str, Any]:
         """The request metadata a head server reads (``extra["head"]``)."""

@@ -128,6 +128,30 @@ def test_a_strangers_report_cannot_clear_the_liar_or_fail_the_honest_server(loca
         assert lm.planner.health.audit_failed.keys() == {liar.peer_id}
 
 
+def test_a_replayed_older_report_never_replaces_the_newer_one(local_swarm):
+    """Anyone may keep an auditor's old signed report and store it again, with the expiration it was signed with (a
+    later one breaks the signature): the slot keeps the newer report, and readers read that."""
+    key, prefix = Ed25519PrivateKey.generate(), "audit-replay"
+    now = time.time()
+    old = AuditReport(prefix, 1, now - 10, (ServerAudit("QmHonest", 0, 4, 0, 1, 0, now - 20, now - 10, FAIL,
+                                                        now - 10, "lies", 1.0),))
+    new = AuditReport(prefix, 2, now, (ServerAudit("QmHonest", 0, 4, 1, 1, 0, now - 20, now - 1, PASS, now - 10,
+                                                   "lies", 1.0),))
+    dht = start_dht(NetworkConfig(initial_peers=local_swarm.initial_peers, client_mode=True))
+    try:
+        old_expiration = get_dht_time() + 300
+        old_value = sign_slot(key, audit_key(prefix, ed25519_text(key)), old.payload(), old_expiration)
+        dht.store(audit_key(prefix, ed25519_text(key)), old_value, expiration_time=old_expiration,
+                  subkey=slot_subkey(key))
+        assert publish_report(dht, key, new, 600).sequence == 2
+        dht.store(audit_key(prefix, ed25519_text(key)), old_value, expiration_time=old_expiration,
+                  subkey=slot_subkey(key))  # the replay
+        forget_local_copies(dht, [audit_key(prefix, ed25519_text(key))])
+        assert read_report(dht, prefix, ed25519_text(key)).sequence == 2
+    finally:
+        stop_dht(dht)
+
+
 # ----- adapters: scores measured, not claimed ----------------------------------------------------------------
 ADDITION = "audit-addition"  # a prefix of its own for the embedded addition model
 GREEDY = dict(gen_length=8, steps=8, block_length=8, temperature=0.0)

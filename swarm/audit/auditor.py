@@ -216,6 +216,9 @@ class Auditor:
             reference = f"{record.name}@{record.author_id}"
             for task in self.config.score_adapters:
                 seed = self.rng.randrange(2**31)  # held-out problems an author cannot know in advance
+                # Fetch what the name holds now: a client keeps an adapter per name, and an author who republished
+                # other content under it must not have the old content's score recorded for the new sha256.
+                self.client.forget_adapter(reference)
                 try:
                     result = evaluate_task(self.client, TASKS[task](), examples=self.config.task_examples, seed=seed,
                                            generate_options={"adapter": reference})

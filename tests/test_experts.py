@@ -176,6 +176,27 @@ def test_windows_and_drafts_crossing_a_block_compose_each_row_at_its_own_block(l
                 (seed, fast)
 
 
+@pytest.mark.parametrize("settings", [dict(), dict(parallel_window=3), dict(corrector_steps=1), dict(staleness=2)])
+def test_the_union_composition_gives_the_dense_compositions_tokens(local_lm, alpha_path, monkeypatch, settings):
+    """At ``expert_top_k`` > 0 the client composes and predicts over the union of the named ids: greedy, its tokens
+    and telemetry are those of the dense composition of the same cut (each block spread to whole rows, the path
+    before the union): the same function, computed over fewer numbers."""
+    from swarm.diffusion import sampler
+
+    kwargs = dict(experts={str(alpha_path): 0.7}, expert_tau=3.0, expert_top_k=16, temperature=0.0, seed=0,
+                  **SETTINGS, **settings)
+    fast = local_lm.generate("Hello there", **kwargs)
+    cut = sampler.cut_to_top_k
+    monkeypatch.setattr(sampler, "cut_to_top_k",
+                        lambda logits, blocks, k: cut(logits, blocks, k).dense(logits.shape[1]))
+    dense = local_lm.generate("Hello there", **kwargs)
+    assert fast.token_ids == dense.token_ids
+    for fast_step, dense_step in zip(fast.telemetry, dense.telemetry):
+        f, d = fast_step["experts"][str(alpha_path)], dense_step["experts"][str(alpha_path)]
+        assert f["norm"] == pytest.approx(d["norm"], rel=1e-4)
+        assert f["clipped_fraction"] == pytest.approx(d["clipped_fraction"], abs=1e-6)
+
+
 @pytest.mark.parametrize(
     "changes, field", [(dict(vocab_size=300), "vocab_size"), (dict(mask_token_id=258), "mask_token_id")]
 )

@@ -340,8 +340,8 @@ def test_a_sparse_head_answer_is_the_local_cut_and_a_malformed_one_is_refused():
     answer = predict_states(logits, query)
     assert answer.shape == (2, 4, 7) and check_predictions(answer, query, vocab_size=12) is None
     local = cut_to_top_k(guided(logits, 2, 1.5), [(0, 4), (2, 6)], 3)  # blocks relative to the scored rows
-    remote = Predictions(answer, dataclasses.replace(query, block_starts=(0, 2)), vocab_size=12).logits(6)
-    assert torch.equal(remote.nan_to_num(-7.0), local.nan_to_num(-7.0))
+    remote = Predictions(answer, dataclasses.replace(query, block_starts=(0, 2)), vocab_size=12).cut()
+    assert torch.equal(remote.dense(6).nan_to_num(-7.0), local.dense(6).nan_to_num(-7.0))
     broken = {}
     for name, (column, value) in {"duplicate id": (1, None), "id past the vocabulary": (2, 12.0),
                                   "fractional id": (0, 0.5), "log-probability above 0": (3, 0.5),

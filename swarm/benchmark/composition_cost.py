@@ -5,7 +5,8 @@ server's cut (or its own logits) into log-probabilities, composes the experts' a
 telemetry and predicts the block. ``realscale`` measures a whole generation through a local swarm, where the
 client's sampler time also holds the wait for the expert server; this command times the client's own work alone,
 stage by stage, with the sampler's own functions on random scores of the real shape, for a top-k and the whole
-vocabulary side by side.
+vocabulary side by side. The top-k row runs over the union of the named ids (:mod:`swarm.diffusion.union`), the
+whole-vocabulary row over 126,464-wide rows.
 """
 from __future__ import annotations
 
@@ -39,8 +40,16 @@ def composition_cost(vocab: int, positions: int, top_k: int, expert_count: int, 
     import torch
 
     from swarm.diffusion.mixture import compose, summarize
-    from swarm.diffusion.prediction import HeadQuery, Predictions, masked_scores, predict_block, sparse_states
+    from swarm.diffusion.prediction import (
+        HeadQuery,
+        Predictions,
+        masked_scores,
+        predict_block,
+        read_block,
+        sparse_states,
+    )
     from swarm.diffusion.sparse import SparseScores, block_log_probs
+    from swarm.diffusion.union import UnionScores
 
     apply_threads(threads)
     generator = torch.Generator().manual_seed(0)
@@ -52,7 +61,7 @@ def composition_cost(vocab: int, positions: int, top_k: int, expert_count: int, 
     query = HeadQuery((0,), positions, (0,), 0, 0.0, 0.0, 0, (0, positions), top_k)
     cut = Predictions(sparse_states(logits, query), query, vocab)  # what the head server answers
     experts_sparse = {name: SparseScores.top_k(value, top_k) for name, value in experts_dense.items()}
-    rows = {f"top {top_k}": (lambda: cut.logits(positions), experts_sparse),
+    rows = {f"top {top_k}": (lambda: read_block(cut.cut(), 0, 0, positions), experts_sparse),
             "whole vocabulary": (lambda: logits.clone(), experts_dense)}
     click.echo(f"vocabulary {vocab:,}, {positions} positions, {expert_count} expert(s), {threads} thread(s); "
                f"median of {repeats} runs, ms per step")
@@ -61,13 +70,14 @@ def composition_cost(vocab: int, positions: int, top_k: int, expert_count: int, 
     for name, (to_logits, answers) in rows.items():
         base = to_logits()
         composed = compose(base, answers, weights)
-        scores = masked_scores(composed.log_probs[0], 0)
+        first = composed.log_probs.rows(0) if isinstance(composed.log_probs, UnionScores) else composed.log_probs[0]
+        scores = masked_scores(first, 0)
         stages = [median_ms(to_logits, repeats), median_ms(lambda: compose(base, answers, weights), repeats),
                   median_ms(lambda: summarize(composed, weights, masked), repeats),
-                  median_ms(lambda: predict_block(masked_scores(composed.log_probs[0], 0), 0.0, 0, 0), repeats),
+                  median_ms(lambda: predict_block(masked_scores(first, 0), 0.0, 0, 0), repeats),
                   median_ms(lambda: predict_block(scores, 0.5, 0, 0), repeats)]
         total = sum(stages[:4])
-        click.echo(f"{name:<18}{stages[0]:>10.1f}{stages[1]:>9.1f}{stages[2]:>10.1f}{stages[3]:>12.1f}"
-                   f"{stages[4]:>14.1f}{total:>10.1f}")
+        click.echo(f"{name:<18}{stages[0]:>10.2f}{stages[1]:>9.2f}{stages[2]:>10.2f}{stages[3]:>12.2f}"
+                   f"{stages[4]:>14.2f}{total:>10.2f}")
     click.echo("(the whole-vocabulary row's logits come from the client's own head: add its time, realscale's "
                "'head ms', about 200 ms at 8B widths on this CPU)")

@@ -41,6 +41,7 @@ from swarm.diffusion.mixture import (
     validate_tau,
     validate_weights,
 )
+from swarm.diffusion.prediction import CallLogits, read_block, write_block
 from swarm.diffusion.sampler import DiffusionSampler
 from swarm.diffusion.sparse import SparseScores
 
@@ -130,11 +131,13 @@ class Composition:
             while len(self._pending) > MAX_PENDING_CALLS:  # calls dropped uncollected (overturned guesses)
                 self._pending.popitem(last=False)
 
-    def hook(self, logits: torch.Tensor, states: torch.Tensor, context: DenoiseContext) -> torch.Tensor:
+    def hook(self, logits: CallLogits, states: torch.Tensor, context: DenoiseContext) -> CallLogits:
         """Compose each row's block of logits with every active expert's log-probabilities; record telemetry.
 
         Row by row, each at the block it decides (a Picard window's later rows may be in the next block), so that
-        a row composes exactly as it would alone: what keeps a window's tokens those of the sequential run."""
+        a row composes exactly as it would alone: what keeps a window's tokens those of the sequential run. A cut
+        call (:class:`~swarm.diffusion.prediction.CutLogits`, ``expert_top_k`` > 0) composes over the union of the
+        named ids (:func:`~swarm.diffusion.mixture.compose_union`)."""
         pending = self._take(states, context)
         answers = {}
         for name, job in pending.items():
@@ -150,8 +153,8 @@ class Composition:
             if answers:
                 mine = {name: answer_rows(answer, row, start - context.block_start, end - context.block_start)
                         for name, answer in answers.items()}
-                composed = compose(logits[row:row + 1, start:end], mine, self.weights, self.tau)
-                logits[row, start:end] = composed.log_probs[0].to(logits.dtype)
+                composed = compose(read_block(logits, row, start, end), mine, self.weights, self.tau)
+                write_block(logits, row, start, composed.log_probs)
             self._record(composed, states[row:row + 1, start:end] == self.mask_token_id, step)
         return logits
 

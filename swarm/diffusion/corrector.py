@@ -12,7 +12,8 @@ import torch
 
 from swarm.diffusion.config import GenerationConfig
 from swarm.diffusion.denoiser import AnyDenoiser
-from swarm.diffusion.sampler import DiffusionSampler, LogitsHook, predict_tokens, step_generator
+from swarm.diffusion.prediction import BlockScores, token_probabilities
+from swarm.diffusion.sampler import DiffusionSampler, LogitsHook, Scores, predict_tokens, step_generator
 
 
 class CorrectionLog(Protocol):
@@ -55,7 +56,7 @@ class CorrectorSampler(DiffusionSampler):
         self.confidence = torch.zeros(len(x), dtype=torch.float64)
         return x
 
-    def transition(self, x: torch.Tensor, logits: torch.Tensor, step: int) -> tuple[torch.Tensor, list[int]]:
+    def transition(self, x: torch.Tensor, logits: Scores, step: int) -> tuple[torch.Tensor, list[int]]:
         block = self.active_block(x)
         nxt, filled = super().transition(x, logits, step)
         if block is None or not filled:
@@ -66,10 +67,10 @@ class CorrectorSampler(DiffusionSampler):
             nxt = self._correct(nxt, start, end, step, corrector, count=len(filled))
         return nxt, filled
 
-    def _remember(self, x: torch.Tensor, scores: torch.Tensor, positions: list[int], start: int) -> None:
-        probs = torch.softmax(scores, dim=-1)
+    def _remember(self, x: torch.Tensor, scores: BlockScores, positions: list[int], start: int) -> None:
+        probability = token_probabilities(scores, x[start:start + self.config.block_length])
         for position in positions:
-            self.confidence[position] = probs[position - start, x[position]]
+            self.confidence[position] = probability[position - start]
 
     def _correct(self, x: torch.Tensor, start: int, end: int, step: int, corrector: int, count: int) -> torch.Tensor:
         decided = [p for p in range(start, end) if x[p] != self.mask_token_id]

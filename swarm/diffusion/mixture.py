@@ -8,7 +8,9 @@ an expert moves the backbone's log-probabilities towards its own, by its weight 
 ``w_e * tau`` nats per token, so that one expert that is certain a token is impossible (or certain) cannot
 veto the rest on its own. ``w_e = 0`` leaves the backbone untouched; with one expert, ``w_e = 1`` and no
 clipping the result is that expert alone. An expert that answers its top k only (:mod:`swarm.diffusion.sparse`)
-spreads the rest of its mass evenly over the other tokens. Pure torch.
+spreads the rest of its mass evenly over the other tokens; when the backbone is cut the same way
+(:class:`~swarm.diffusion.union.UnionScores`), every token that no input names gets one composed score, and the
+composition runs over the union of the named ids plus that score (:func:`compose_union`). Pure torch.
 """
 from __future__ import annotations
 
@@ -20,6 +22,10 @@ import torch
 
 from swarm.diffusion.config import DEFAULT_TAU
 from swarm.diffusion.sparse import SparseScores
+from swarm.diffusion.union import UnionScores, union_ids
+
+Scores = Union[torch.Tensor, UnionScores]
+"""Whole rows (..., vocab), or rows over named ids and one shared value (the composition of cut inputs)."""
 
 
 def validate_weights(weights: Mapping[str, Any]) -> dict[str, float]:
@@ -46,20 +52,23 @@ def validate_tau(tau: Any) -> float:
 class Composed:
     """The composed log-probabilities and, per expert, what it added and where its clipping fired."""
 
-    log_probs: torch.Tensor  # (..., vocab)
-    contributions: dict[str, torch.Tensor]  # w_e * clip_tau(log p_e - log p_b), (..., vocab)
-    clipped: dict[str, torch.Tensor]  # |log p_e - log p_b| > tau, bool (..., vocab)
+    log_probs: Scores  # (..., vocab), or over the union of the named ids
+    contributions: dict[str, Scores]  # w_e * clip_tau(log p_e - log p_b), (..., vocab)
+    clipped: dict[str, Scores]  # |log p_e - log p_b| > tau, bool (..., vocab)
 
 
 def compose(
-    base_logits: torch.Tensor, expert_log_probs: Mapping[str, Union[torch.Tensor, SparseScores]],
+    base_logits: Scores, expert_log_probs: Mapping[str, Union[torch.Tensor, SparseScores]],
     weights: Mapping[str, float], tau: float = DEFAULT_TAU,
 ) -> Composed:
     """``log_softmax(log p_b + sum_e w_e clip_tau(log p_e - log p_b))`` over the last dimension.
 
     Inputs may be logits or log-probabilities (both are normalised first), or an expert's top-k
-    (:class:`~swarm.diffusion.sparse.SparseScores`, the rest spread evenly); computed in float32.
+    (:class:`~swarm.diffusion.sparse.SparseScores`, the rest spread evenly); computed in float32. A cut backbone
+    (:class:`~swarm.diffusion.union.UnionScores`) composes over the union of the named ids (:func:`compose_union`).
     """
+    if isinstance(base_logits, UnionScores):
+        return compose_union(base_logits, expert_log_probs, weights, tau)
     base = torch.log_softmax(base_logits.float(), dim=-1)
     total = base.clone()
     contributions, clipped = {}, {}
@@ -72,6 +81,40 @@ def compose(
         contributions[name] = contribution
         clipped[name] = difference.abs() > tau
     return Composed(torch.log_softmax(total, dim=-1), contributions, clipped)
+
+
+def compose_union(
+    base_logits: UnionScores, expert_log_probs: Mapping[str, Union[UnionScores, SparseScores]],
+    weights: Mapping[str, float], tau: float = DEFAULT_TAU,
+) -> Composed:
+    """:func:`compose` of inputs that each name a few tokens and share one value among the others.
+
+    A token no input names has the shared value in every input, so every step of the composition (normalising,
+    differences, clipping, sums) gives it one value too: the result is exact over the union of the named ids plus
+    that value, the same function as the dense composition of :meth:`UnionScores.dense` (only rounding differs).
+    """
+    experts = {name: UnionScores.from_sparse(scores) if isinstance(scores, SparseScores) else scores
+               for name, scores in expert_log_probs.items()}
+    ids = union_ids([base_logits.ids] + [scores.ids for scores in experts.values()], base_logits.vocab_size)
+    base = base_logits.map(torch.Tensor.float).log_softmax().over(ids)
+    total = base
+    contributions, clipped = {}, {}
+    for name, scores in experts.items():
+        difference = scores.map(torch.Tensor.float).log_softmax().over(ids).combine(base, torch.sub)
+        contribution = difference.map(lambda value: weights[name] * value.clamp(-tau, tau))
+        total = total.combine(contribution, torch.add)
+        contributions[name] = contribution
+        clipped[name] = difference.map(lambda value: value.abs() > tau)
+    return Composed(total.log_softmax(), contributions, clipped)
+
+
+def position_terms(contribution: Scores, clipped: Scores) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per position: the L2 norm over the vocabulary of an expert's contribution, and the share of its tokens
+    clipped (closed forms over the union: the shared value counts once per unnamed token)."""
+    if isinstance(contribution, UnionScores):
+        norms = contribution.map(torch.square).vocabulary_sum().sqrt()
+        return norms, clipped.map(torch.Tensor.float).vocabulary_sum() / contribution.vocab_size
+    return contribution.norm(dim=-1), clipped.float().mean(dim=-1)
 
 
 @dataclass
@@ -93,9 +136,8 @@ def summarize(composed: Composed, weights: Mapping[str, float], where: torch.Ten
     """Per-expert telemetry over the positions selected by ``where`` (bool, shape ``log_probs.shape[:-1]``)."""
     terms = {}
     for name, contribution in composed.contributions.items():
-        rows = contribution[where]
-        clipped = composed.clipped[name][where]
-        norm = float(rows.norm(dim=-1).mean()) if len(rows) else 0.0
-        fraction = float(clipped.float().mean()) if clipped.numel() else 0.0
-        terms[name] = ExpertTerm(float(weights[name]), norm, bool(clipped.any()), fraction)
+        norms, shares = (values[where] for values in position_terms(contribution, composed.clipped[name]))
+        norm = float(norms.mean()) if len(norms) else 0.0
+        fraction = float(shares.mean()) if len(shares) else 0.0
+        terms[name] = ExpertTerm(float(weights[name]), norm, bool((shares > 0).any()), fraction)
     return terms

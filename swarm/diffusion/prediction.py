@@ -13,22 +13,26 @@ With experts composed (``expert_top_k`` = k > 0) the sampler reads logits, which
 server then answers each state's block as its k most likely tokens after guidance (:func:`sparse_states`, the
 backbone cut as the experts are, :mod:`swarm.diffusion.sparse`), float64 rows of k ids, k log-probabilities and
 the rest's mass (``2k + 1`` columns), so the client composes them without a head of its own; the local sampler cuts
-its own logits the same way (:func:`cut_to_top_k`), so the tokens stay the same.
+its own logits the same way (:func:`cut_to_top_k`), so the tokens stay the same. A cut call's logits are a
+:class:`CutLogits`: each state's block over the named ids, every other token at one shared value per position
+(:mod:`swarm.diffusion.union`), and every function below has a closed form over them.
 
 Noise comes from two streams per (seed, step): the remasking draws (``random`` order), which the client
-needs, and the Gumbel noise for x0, which only the side computing x0 draws (a block x vocabulary of it).
+needs, and the Gumbel noise for x0, which only the side computing x0 draws (a block x vocabulary of it; over a cut
+block, m + 2 per position for m named ids: :func:`~swarm.diffusion.union.sample_tokens`).
 """
 from __future__ import annotations
 
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 
 import torch
 
 from swarm.diffusion.config import MAX_EXPERT_TOP_K
 from swarm.diffusion.sparse import SparseScores, block_log_probs
+from swarm.diffusion.union import UnionScores, greedy_tokens, predict_union, probabilities, sample_tokens, without_token
 
 if TYPE_CHECKING:
     from swarm.models.modules import OutputHead
@@ -51,8 +55,16 @@ def step_uniform(seed: int, step: int, rows: int) -> torch.Tensor:
     return torch.rand(rows, generator=step_generator(seed, step, REMASKING_STREAM), dtype=torch.float64)
 
 
-def predict_tokens(scores: torch.Tensor, temperature: float, generator: torch.Generator) -> torch.Tensor:
-    """Each position's token: the argmax, or with ``temperature`` > 0 a Gumbel-max draw from ``generator``."""
+BlockScores = Union[torch.Tensor, UnionScores]
+"""A block's float64 scores: whole rows (positions, vocab), or over named ids and one shared value (a cut call)."""
+
+
+def predict_tokens(scores: BlockScores, temperature: float, generator: torch.Generator) -> torch.Tensor:
+    """Each position's token: the argmax, or with ``temperature`` > 0 a Gumbel-max draw from ``generator`` (over a
+    cut block, the same distribution drawn over the named ids and the rest:
+    :func:`~swarm.diffusion.union.sample_tokens`)."""
+    if isinstance(scores, UnionScores):
+        return greedy_tokens(scores) if temperature <= 0 else sample_tokens(scores, temperature, generator)
     if temperature <= 0:
         return scores.argmax(-1)
     uniform = torch.rand(scores.shape, generator=generator, dtype=torch.float64)
@@ -60,8 +72,10 @@ def predict_tokens(scores: torch.Tensor, temperature: float, generator: torch.Ge
     return (scores + temperature * gumbel).argmax(-1)
 
 
-def masked_scores(logits: torch.Tensor, mask_token_id: int) -> torch.Tensor:
+def masked_scores(logits: BlockScores, mask_token_id: int) -> BlockScores:
     """Float64 scores of some positions' logits; a position is never "unmasked" to the mask token."""
+    if isinstance(logits, UnionScores):
+        return without_token(logits.map(torch.Tensor.double), mask_token_id)
     scores = logits.double()
     scores[..., mask_token_id] = float("-inf")
     return scores
@@ -76,14 +90,24 @@ def guided(logits: torch.Tensor, states: int, cfg_scale: float) -> torch.Tensor:
     return uncond + (cfg_scale + 1) * (cond - uncond)
 
 
-def predict_block(scores: torch.Tensor, temperature: float, seed: int, step: int) -> torch.Tensor:
-    """(positions, 4) float64 rows of :data:`PREDICTION_FIELDS` from (positions, vocab) float64 scores."""
+def predict_block(scores: BlockScores, temperature: float, seed: int, step: int) -> torch.Tensor:
+    """(positions, 4) float64 rows of :data:`PREDICTION_FIELDS` from (positions, vocab) float64 scores (or their
+    closed forms over a cut block's named ids)."""
     x0 = predict_tokens(scores, temperature, step_generator(seed, step, GUMBEL_STREAM))
+    if isinstance(scores, UnionScores):
+        return predict_union(scores, x0)
     probs = torch.softmax(scores, dim=-1)
     probability = probs.gather(-1, x0[:, None]).squeeze(-1)
     top2 = probs.topk(2, dim=-1).values
     negative_entropy = (probs * probs.clamp_min(1e-300).log()).sum(-1)
     return torch.stack([x0.double(), probability, top2[:, 0] - top2[:, 1], negative_entropy], dim=-1)
+
+
+def token_probabilities(scores: BlockScores, tokens: torch.Tensor) -> torch.Tensor:
+    """The softmax probability of ``tokens[i]`` at position i of a block's float64 scores."""
+    if isinstance(scores, UnionScores):
+        return probabilities(scores).at(tokens.unsqueeze(-1)).squeeze(-1)
+    return torch.softmax(scores, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
 @dataclass(frozen=True)
@@ -230,14 +254,78 @@ def exact_columns(rows: torch.Tensor) -> int:
     return 1 if width == len(PREDICTION_FIELDS) else width // 2
 
 
-def cut_to_top_k(logits: torch.Tensor, blocks: Sequence[tuple[int, int]], top_k: int) -> torch.Tensor:
-    """What a head server's sparse answer gives the client, from guided logits (states, length, vocab): each state's
-    block replaced by the full log-probabilities of its top k (:meth:`SparseScores.dense`), the other rows NaN (no
-    reader reads them). The local sampler's path and the remote one meet here."""
-    out = torch.full(logits.shape, float("nan"), dtype=torch.float32)
-    for i, (start, end) in enumerate(blocks):
-        out[i, start:end] = SparseScores.top_k(block_log_probs(logits[i:i + 1], start, end), top_k).dense()[0]
-    return out
+@dataclass(frozen=True)
+class StateCut:
+    """One state's logits at k > 0: its block from ``block_start``, over the named ids (``scores``: (positions, m)
+    :class:`~swarm.diffusion.union.UnionScores`); nothing is known about the other positions."""
+
+    block_start: int
+    scores: UnionScores
+
+    def covers(self, start: int, end: int) -> bool:
+        return self.block_start == start and self.scores.ids.shape[0] == end - start
+
+
+class CutLogits:
+    """A call's logits when the backbone is cut to its top k (experts at ``expert_top_k`` > 0): one
+    :class:`StateCut` per state, indexable like logits. The local sampler's path (:func:`cut_to_top_k`) and the
+    remote one (:meth:`Predictions.cut`) meet here, and the composition rewrites its blocks (:func:`write_block`)."""
+
+    def __init__(self, states: Sequence[StateCut]):
+        self.states = list(states)
+
+    @classmethod
+    def from_sparse(cls, cut: SparseScores, block_starts: Sequence[int]) -> "CutLogits":
+        """State i's block from row i of ``cut`` (states, positions, k)."""
+        union = UnionScores.from_sparse(cut)
+        return cls([StateCut(start, union.rows(i)) for i, start in enumerate(block_starts)])
+
+    def dense(self, length: int) -> torch.Tensor:
+        """(states, length, vocab) float32, NaN outside the blocks: the whole rows the closed forms stand for."""
+        vocab = self.states[0].scores.vocab_size
+        out = torch.full((len(self.states), length, vocab), float("nan"), dtype=torch.float32)
+        for i, state in enumerate(self.states):
+            out[i, state.block_start:state.block_start + len(state.scores.ids)] = state.scores.dense()
+        return out
+
+    def clone(self) -> "CutLogits":
+        return CutLogits(self.states)  # StateCut is frozen: replacing one never changes the original
+
+    def __len__(self) -> int:
+        return len(self.states)
+
+    def __getitem__(self, index: int) -> StateCut:
+        return self.states[index]
+
+
+CallLogits = Union[torch.Tensor, CutLogits]
+"""A call's logits: whole rows (states, length, vocab), or each state's block cut to the named ids."""
+
+
+def read_block(logits: CallLogits, row: int, start: int, end: int) -> Union[torch.Tensor, UnionScores]:
+    """State ``row``'s positions ``start:end`` as a batch of one."""
+    if isinstance(logits, CutLogits):
+        state = logits[row]
+        if not state.covers(start, end):
+            raise ValueError(f"state {row} was cut at block {state.block_start}, not {start}:{end}")
+        return state.scores.rows((None,))
+    return logits[row:row + 1, start:end]
+
+
+def write_block(logits: CallLogits, row: int, start: int, values: Union[torch.Tensor, UnionScores]) -> None:
+    """Replace state ``row``'s block from ``start`` by ``values`` (a batch of one, as :func:`read_block` gives)."""
+    if isinstance(logits, CutLogits):
+        logits.states[row] = StateCut(start, values.rows(0))
+    else:
+        logits[row, start:start + values.shape[1]] = values[0].to(logits.dtype)
+
+
+def cut_to_top_k(logits: torch.Tensor, blocks: Sequence[tuple[int, int]], top_k: int) -> CutLogits:
+    """What a head server's sparse answer gives the client (:meth:`Predictions.cut`), from guided logits (states,
+    length, vocab): each state's block as its top k, every other token at its share of the rest."""
+    return CutLogits([StateCut(start, UnionScores.from_sparse(
+        SparseScores.top_k(block_log_probs(logits[i:i + 1], start, end), top_k)).rows(0))
+        for i, (start, end) in enumerate(blocks)])
 
 
 def predict_from_hidden(head: "OutputHead", hidden: torch.Tensor, query: HeadQuery) -> torch.Tensor:
@@ -299,14 +387,9 @@ class Predictions:
     def sparse(self) -> bool:
         return self.query.top_k > 0
 
-    def logits(self, length: int) -> torch.Tensor:
-        """A sparse answer as :func:`cut_to_top_k` gives it locally: (states, length, vocab), NaN outside the blocks."""
-        cut = unpack_sparse(self.rows, self.vocab_size)
-        out = torch.full((len(self.states), length, self.vocab_size), float("nan"), dtype=torch.float32)
-        for i, start in enumerate(self.query.block_starts):
-            row = SparseScores(cut.ids[i:i + 1], cut.log_probs[i:i + 1], cut.rest[i:i + 1], self.vocab_size)
-            out[i, start:start + self.query.block_length] = row.dense()[0]
-        return out
+    def cut(self) -> CutLogits:
+        """A sparse answer as :func:`cut_to_top_k` gives it locally."""
+        return CutLogits.from_sparse(unpack_sparse(self.rows, self.vocab_size), self.query.block_starts)
 
     def __len__(self) -> int:
         return len(self.states)
@@ -315,12 +398,32 @@ class Predictions:
         return self.states[index]
 
 
-def block_prediction(scores: torch.Tensor | StatePrediction, start: int, end: int, step: int, temperature: float,
-                     seed: int, mask_token_id: int) -> Optional[torch.Tensor]:
-    """Prediction rows of positions ``start:end`` at ``step``: computed from one state's logits (length, vocab),
-    or taken from a head server's answer. An answer for another block is of no use (None); one drawn for another
-    step is what the sampler's cheap guesses (a Picard window's tail) use in place of re-drawn noise."""
+StateScores = Union[torch.Tensor, StatePrediction, StateCut]
+"""What a step decides from: one state's logits (length, vocab), its block cut, or a head server's predictions."""
+
+
+def covers(scores: StateScores, start: int, end: int) -> bool:
+    """Whether ``scores`` say anything about positions ``start:end`` (a state's logits do about every position; a
+    cut block or a head server's predictions only about their own block)."""
     if isinstance(scores, StatePrediction):
-        return scores.rows if scores.block_start == start and len(scores.rows) == end - start else None
-    return predict_block(masked_scores(scores[start:end], mask_token_id), temperature, seed, step)
+        return scores.block_start == start and len(scores.rows) == end - start
+    return scores.covers(start, end) if isinstance(scores, StateCut) else True
+
+
+def block_slice(scores: torch.Tensor | StateCut, start: int, end: int) -> BlockScores:
+    """Positions ``start:end`` of one state's logits or of its cut block (which must be that block)."""
+    return scores.scores if isinstance(scores, StateCut) else scores[start:end]
+
+
+def block_prediction(scores: StateScores, start: int, end: int, step: int, temperature: float,
+                     seed: int, mask_token_id: int) -> Optional[torch.Tensor]:
+    """Prediction rows of positions ``start:end`` at ``step``: computed from one state's logits (length, vocab) or
+    its cut block, or taken from a head server's answer. Scores for another block are of no use (None); an answer
+    drawn for another step is what the sampler's cheap guesses (a Picard window's tail) use in place of re-drawn
+    noise."""
+    if not covers(scores, start, end):
+        return None
+    if isinstance(scores, StatePrediction):
+        return scores.rows
+    return predict_block(masked_scores(block_slice(scores, start, end), mask_token_id), temperature, seed, step)
 

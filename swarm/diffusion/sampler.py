@@ -12,17 +12,21 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Optional, Sequence, Union
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
 from swarm.diffusion.config import GenerationConfig
 from swarm.diffusion.denoiser import AnyDenoiser, DenoiseContext, Denoiser, Pending, pipelined
 from swarm.diffusion.prediction import (
+    BlockScores,
+    CallLogits,
     HeadQuery,
     Predictions,
-    StatePrediction,
+    StateScores,
     block_prediction,
+    block_slice,
+    covers,
     cut_to_top_k,
     guided,
     masked_scores,
@@ -38,11 +42,11 @@ __all__ = ["DenoiseContext", "Denoiser", "DiffusionSampler", "Halted", "LogitsHo
 
 logger = logging.getLogger(__name__)
 
-LogitsHook = Callable[[torch.Tensor, torch.Tensor, DenoiseContext], torch.Tensor]
+LogitsHook = Callable[[CallLogits, torch.Tensor, DenoiseContext], CallLogits]
 """``hook(logits, tokens, context)``: rewrites a call's logits before a step uses them (expert composition)."""
 
-Scores = Union[torch.Tensor, StatePrediction]
-"""What a step decides from: one state's logits (length, vocab), or a head server's predictions for it."""
+Scores = StateScores
+"""What a step decides from: one state's logits (length, vocab), its block cut, or a head server's predictions."""
 
 
 @dataclass
@@ -52,7 +56,7 @@ class Evaluation:
     states: torch.Tensor
     context: DenoiseContext
     pending: Pending
-    logits: Optional[torch.Tensor | Predictions] = None
+    logits: Optional[CallLogits | Predictions] = None
 
 
 class Halted(SwarmError):
@@ -210,7 +214,7 @@ class DiffusionSampler:
         self.stats.states_evaluated += len(states)
         return Evaluation(states, context, pending)
 
-    def collect(self, evaluation: Evaluation) -> torch.Tensor | Predictions:
+    def collect(self, evaluation: Evaluation) -> CallLogits | Predictions:
         """The call's logits with guidance and the logits hook applied (computed once per evaluation), or a head
         server's predictions (guidance applied there)."""
         if evaluation.logits is None:
@@ -223,7 +227,7 @@ class DiffusionSampler:
             if isinstance(logits, Predictions):  # guided and cut on the head server
                 if not self.accepts_sparse:
                     raise RuntimeError("the denoiser answered a cut to a sampler that reads whole logits")
-                logits = logits.logits(evaluation.states.shape[1])
+                logits = logits.cut()
             else:
                 logits = guided(logits, len(evaluation.states), self.config.cfg_scale)
                 if self.backbone_top_k:
@@ -234,9 +238,9 @@ class DiffusionSampler:
             evaluation.logits = logits
         return evaluation.logits
 
-    def block_scores(self, logits: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    def block_scores(self, logits: Scores, start: int, end: int) -> BlockScores:
         """Float64 scores of the block's positions; a position is never "unmasked" to the mask token."""
-        return masked_scores(logits[start:end], self.mask_token_id)
+        return masked_scores(block_slice(logits, start, end), self.mask_token_id)
 
     def block_prediction(self, scores: Scores, start: int, end: int, step: int) -> Optional[torch.Tensor]:
         """Prediction rows (:data:`~swarm.diffusion.prediction.PREDICTION_FIELDS`) of the block at ``step``."""
@@ -244,8 +248,8 @@ class DiffusionSampler:
         return block_prediction(scores, start, end, step, cfg.temperature, cfg.seed, self.mask_token_id)
 
     def transition(self, x: torch.Tensor, scores: Scores, step: int) -> tuple[torch.Tensor, list[int]]:
-        """The state after ``step``, from the state before it and that state's logits (length, vocab) or a head
-        server's predictions for it."""
+        """The state after ``step``, from the state before it and that state's logits (length, vocab), its block cut
+        to the named ids (experts at ``expert_top_k`` > 0), or a head server's predictions for it."""
         block = self.active_block(x)
         if block is None:
             return x, []
@@ -380,6 +384,7 @@ class DiffusionSampler:
                 else:
                     in_flight[step] = self.submit(x[None], [step])
                     source = max(step - self.config.staleness, source)  # never older than logits already used
+                    source = self._covering_source(x, source, step, in_flight)
                 confirmed, redone = self._check_guesses(guesses, source, in_flight)
                 for guess in confirmed + ([redone] if redone else []):
                     yield self._event(guess.after, guess.step, guess.unmasked)
@@ -404,6 +409,13 @@ class DiffusionSampler:
         finally:
             for evaluation in in_flight.values():
                 evaluation.pending.cancel()
+
+    def _covering_source(self, x: torch.Tensor, source: int, step: int, in_flight: dict[int, Evaluation]) -> int:
+        """``source``, unless its logits say nothing about ``x``'s block: a call cut to its state's block (experts at
+        ``expert_top_k`` > 0) knows no other block, so the first step of a block waits for its own logits."""
+        if source == step or covers(self.collect(in_flight[source])[0], *self.decided_block(x)):
+            return source
+        return step
 
     def _check_guesses(self, guesses: list[Guess], upto: int,
                        in_flight: dict[int, Evaluation]) -> tuple[list[Guess], Optional[Guess]]:

@@ -8,9 +8,10 @@ together, so that the row is still a distribution.
 
 What a row does not name gets ``rest`` spread evenly (:meth:`SparseScores.dense`): an expert has no opinion on
 the order of tokens outside its top k, only on their total mass, and they all stay below its own choices, as they
-are in its whole answer. With k covering the vocabulary nothing is filled in and the composition is the dense one,
-bit for bit. The same function makes the sparse form locally and on an expert server, so local and swarm tokens
-stay identical at any k. Pure torch.
+are in its whole answer. With k covering the vocabulary nothing is filled in: :meth:`SparseScores.dense` gives back
+the whole log-probabilities, bit for bit (the composition over their union, :mod:`swarm.diffusion.union`, is then the
+dense one within float rounding). The same function makes the sparse form locally and on an expert server, so local
+and swarm tokens stay identical at any k. Pure torch.
 """
 from __future__ import annotations
 
@@ -96,10 +97,14 @@ class SparseScores:
         """Full log-probabilities (..., vocab) in float32: the row's own scores at its ids, ``rest`` spread evenly
         over every other token (the most uncertain reading of "the rest": an expert gives no order among tokens it
         did not rank, and still holds them all below its own choices, as its whole answer would)."""
-        others = max(self.vocab_size - self.k, 1)
-        fill = self.rest.float() - torch.log(torch.tensor(float(others)))
+        fill = self.fill()
         out = fill.unsqueeze(-1).expand(*self.rest.shape, self.vocab_size).contiguous()
         return out.scatter(-1, self.ids.long(), self.log_probs.float())
+
+    def fill(self) -> torch.Tensor:
+        """The float32 log-probability (...) of each token the row does not name: ``rest`` spread evenly."""
+        others = max(self.vocab_size - self.k, 1)
+        return self.rest.float() - torch.log(torch.tensor(float(others)))
 
     def wire_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
         """How an expert server sends it: (..., k + 1) float32 scores (the k log-probabilities, then the rest) and

@@ -12,6 +12,8 @@ chosen by ``--public-name``:
   are honest (a liar that hopes no replica without the head can check it).
 * ``faulty-1in20`` (any N in ``faulty-1inN``) lies on a random one in N of its answers.
 * ``faulty-stall`` answers its first call (the client's compute challenge) honestly and holds every later one.
+* ``faulty-spare-PEERID`` lies on every answer except to the peer PEERID (an auditor's known identity: the attack
+  that an auditor's fresh identity per round defeats, tests/test_audit_swarm.py).
 """
 import random
 import re
@@ -23,13 +25,18 @@ import torch
 from swarm.server import backend
 
 _honest_forward = backend.SpanBackend.forward_sync
+_honest_async_forward = backend.SpanBackend.forward
 NAME = next((arg for arg in sys.argv if arg.startswith("faulty")), "faulty")
 ONE_IN = re.fullmatch(r"faulty-1in(\d+)", NAME)
+SPARED = NAME[len("faulty-spare-"):] if NAME.startswith("faulty-spare-") else None
 _calls = [0]
+_spared_calls: set[int] = set()  # ids of calls from the spared peer (the compute thread reads it)
 
 
-def _lies_now(rows, head) -> bool:
+def _lies_now(rows, head, call=None) -> bool:
     """Whether this answer is a lie, in the mode ``NAME`` chooses."""
+    if SPARED is not None:
+        return id(call) not in _spared_calls
     if NAME == "faulty-reuse":
         return rows is not None
     if NAME == "faulty-head":
@@ -53,14 +60,26 @@ def _perturbed_forward(self, call, *rest, **options):
     if NAME == "faulty-stall" and _calls[0] > 1:
         time.sleep(3600)
     output = _honest_forward(self, call, *rest, **options)
-    if NAME == "faulty-stall" or not _lies_now(call.rows, call.head):
+    if NAME == "faulty-stall" or not _lies_now(call.rows, call.head, call):
         return output
     if call.head is not None:  # predictions: lie about tokens, keep everything in range
         return _wrong_predictions(self, output, call.head)
     return output + 0.05 * output.std() * torch.randn_like(output)
 
 
+async def _forward_noting_the_caller(self, call, *, peer="", grant=None):
+    """The honest entry point, noting whether the call comes from the spared peer (the grant names the caller)."""
+    caller = grant.peer if grant is not None else peer
+    if caller == SPARED:
+        _spared_calls.add(id(call))
+    try:
+        return await _honest_async_forward(self, call, peer=peer, grant=grant)
+    finally:
+        _spared_calls.discard(id(call))
+
+
 backend.SpanBackend.forward_sync = _perturbed_forward
+backend.SpanBackend.forward = _forward_noting_the_caller
 
 if __name__ == "__main__":
     from swarm.server.__main__ import main

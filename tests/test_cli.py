@@ -47,6 +47,7 @@ DEAD_PEER = "/ip4/127.0.0.1/tcp/1/p2p/12D3KooWRJaumqk3B8gSfjnNoP38rNHSXe69Tw2JKm
 
 def commands() -> dict[str, click.Command]:
     from swarm.api.__main__ import main as api
+    from swarm.audit.__main__ import main as audit
     from swarm.benchmark import main as benchmark
     from swarm.dht.__main__ import main as dht
     from swarm.eval.__main__ import main as evaluate
@@ -57,7 +58,7 @@ def commands() -> dict[str, click.Command]:
     from swarm.train.__main__ import main as train
 
     return {"generate": generate, "api": api, "server": server, "dht": dht, "governance": governance,
-            "train": train, "eval": evaluate, "health": health, "benchmark": benchmark}
+            "train": train, "eval": evaluate, "health": health, "benchmark": benchmark, "audit": audit}
 
 
 def run(name: str, *args: str, env: dict | None = None) -> Result:
@@ -163,7 +164,7 @@ HEAVY_MODULES = ("torch", "hivemind", "transformers", "fastapi", "uvicorn")
 # Every ``python -m`` command of the package: its --help, and each of its subcommands', loads none of HEAVY_MODULES.
 MODULE_COMMANDS = ("swarm.generate", "swarm.eval.text_quality", "swarm.eval.composition", "swarm.train.tokenizer")
 COMMANDS = ("swarm.server", "swarm.api", "swarm.dht", "swarm.health", "swarm.governance", "swarm.train", "swarm.eval",
-            "swarm.finetune", "swarm.benchmark", "swarm.weights", *MODULE_COMMANDS)
+            "swarm.finetune", "swarm.benchmark", "swarm.weights", "swarm.audit", *MODULE_COMMANDS)
 # Runs a command as ``python -m`` would, once per argument list (a JSON list of them), in one interpreter; then
 # prints the exit codes and which heavy modules the runs imported together (its last stderr line).
 IMPORTS_PROBE = """
@@ -235,6 +236,9 @@ def test_every_help_is_answered_before_torch_hivemind_or_fastapi_loads(module):
     ("swarm.finetune", ["publish"], "Missing argument 'DIRECTORY'"),
     ("swarm.benchmark", ["picard", "--windows", "0"], "expected values >= 1, got '0'"),
     ("swarm.weights", ["show"], "Missing argument 'REFERENCE'"),
+    ("swarm.audit", ["--key", "k", "--every", "0"], "0.0 is not in the range 0.0<x<=604800.0"),
+    ("swarm.audit", [], "Missing option '--key'"),
+    ("swarm.audit", ["--key", "k", "--score-adapters", "nope"], "--score-adapters: unknown task 'nope'"),
 ])
 def test_argument_mistakes_are_answered_before_torch_loads(module, args, fragment):
     """A typo in --blocks took 9-16 s: torch, hivemind and transformers loaded first."""
@@ -292,6 +296,22 @@ def test_health_and_governance_without_any_peer_say_so(no_default_peers, tmp_pat
     generate_private_key(key)
     result = run("governance", "halt", "--key", str(key))
     assert result.exit_code == EXIT_USAGE and "no swarm to join: pass --initial-peers" in result.stderr
+
+
+def test_the_auditor_says_what_is_missing_in_one_line(no_default_peers, tmp_path):
+    """No swarm to audit, and a key file that is missing, a public key or no key at all: one line each."""
+    key = tmp_path / "auditor.key"
+    public = tmp_path / "auditor.key.pub"
+    public.write_text(public_key_text(generate_private_key(key)) + "\n")
+    assert_one_line(run("audit", "--key", str(key)), EXIT_USAGE, "no swarm to audit: pass --initial-peers")
+    peers = ("--initial-peers", DEAD_PEER)
+    assert_one_line(run("audit", "--key", str(tmp_path / "nope.key"), *peers), EXIT_USAGE, "is no file",
+                    "python -m swarm.governance keygen")
+    assert_one_line(run("audit", "--key", str(public), *peers), EXIT_USAGE, "is not an auditor private key",
+                    "it holds a public key; give the private key file (auditor.key)")
+    junk = tmp_path / "junk.key"
+    junk.write_text("hello")
+    assert_one_line(run("audit", "--key", str(junk), *peers), EXIT_USAGE, "is not an auditor private key")
 
 
 def test_governance_halt_given_the_public_key_says_which_file_to_give(tmp_path):

@@ -48,7 +48,8 @@ def test_full_coverage_and_json_shape():
     assert data["servers"][0] == {"peer_id": "a", "public_name": "name-a", "start": 0, "end": 3, "state": "online",
                                   "throughput": 100.0, "version": "0.1.0", "cache_tokens_left": 0, "experts": [],
                                   "numerics": "exact", "approximate": False, "addresses": [],
-                                  "reachability": "unknown", "head": False, "adapter_kinds": []}
+                                  "reachability": "unknown", "head": False, "adapter_kinds": [],
+                                  "audit": None}  # no trusted auditor read: docs/AUDIT.md
     assert "OK: every block" in render_text(health)
 
 

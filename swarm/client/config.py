@@ -78,6 +78,11 @@ class ClientConfig:
         (), "Trusted governance public key (base64 or a file holding it; repeatable; default $SWARM_GOVERNANCE_KEYS). "
             "While a halt signed by one of them stands, generation stops with exit code 5.",
         flags=("--governance-key",), cli=True)
+    trusted_auditors: tuple[str, ...] = setting(
+        (), "Auditors whose signed reports this client follows (base64 public keys or files holding one; repeatable, "
+            "or several in one value separated by commas). A server whose most recent check by one of them failed is "
+            "avoided like a banned one. Default: the governance keys; 'none' trusts no auditor (docs/AUDIT.md).",
+        flags=("--trusted-auditors", "--trusted-auditor"), cli=True)
     governance_ttl: float = setting(0.0, "Seconds a read of the halt records is reused; 0 reads before every step.",
                                     **AT_LEAST_0, cli=False)
     governance_stale_after: float = setting(

@@ -13,7 +13,8 @@ import torch
 from hivemind.dht import DHT
 
 from swarm.adapters.adapter import AdapterError, PromptAdapter
-from swarm.adapters.sharing import default_cache_dir, fetch_published
+from swarm.adapters.sharing import default_cache_dir, fetch_published, read_catalog
+from swarm.audit.records import BEST, AuditBook, trusted_auditors
 from swarm.client.backbone import SwarmBackbone
 from swarm.client.config import ClientConfig, client_network
 from swarm.client.experts import RemoteExpert, open_remote_experts
@@ -98,14 +99,16 @@ class DistributedDiffusionLM(BaseDiffusionLM):
         self.head_use = HeadUse()
         self.prefix = config.dht_prefix or default_prefix(files.path)
         self._own_dht = dht is None
+        auditors = trusted_auditors(config.trusted_auditors, config.governance_keys)
         self.dht = dht if dht is not None else start_dht(config.network, protect=protected_keys(
-            self.prefix, self.config.num_layers, trusted_signers(config.governance_keys)))
+            self.prefix, self.config.num_layers, trusted_signers(config.governance_keys), auditors=auditors))
         self.loop = BackgroundLoop.shared()
         self.p2p = self.loop.run(self.dht.replicate_p2p())
         self.caller = RemoteCaller(self.p2p, config.wire_dtype, config.inject_latency, config.inject_jitter,
                                    adapter_by_digest=config.adapter_by_digest)
         self.planner = RoutePlanner(self.dht, self.caller, self.loop, self.prefix, self.config.num_layers,
                                     self.config.hidden_size, config, self.config.vocab_size)
+        self.planner.audits = AuditBook(self.prefix, frozenset(auditors))
         self.sequence = RemoteSequence(self.planner)
         # Challenges embed random tokens; spot checks of a head server score a replica's hidden states with this
         # client's head, only when they arrive unrounded and the head computes in the servers' dtype (otherwise its
@@ -120,6 +123,7 @@ class DistributedDiffusionLM(BaseDiffusionLM):
         self._spot_checks_seen = self._failovers_seen = 0
         self._local: Optional[DiffusionLM] = None
         self._receiver: Optional[PushReceiver] = None
+        self.best_adapters: dict[str, tuple[float, str]] = {}  # task -> (when chosen, name@AUTHOR) for adapter="best:"
 
     @classmethod
     def from_pretrained(
@@ -301,6 +305,7 @@ class DistributedDiffusionLM(BaseDiffusionLM):
                 "failovers": [vars(event) for event in self.sequence.failovers[self._failovers_seen:]],
                 "spot_checks": [outcome.to_dict() for outcome in outcomes],
                 "distrusted": sorted(self.sequence.distrusted),
+                "audit_failed": sorted(self.sequence.health.audit_failed),
                 "head": self.head_use.to_dict()}
 
     def finish_request(self, result) -> None:
@@ -319,6 +324,36 @@ class DistributedDiffusionLM(BaseDiffusionLM):
 
     # ----- adapters ---------------------------------------------------------------------------------
     adapter_cache: Optional[Path] = None  # where fetched adapters are kept (default: $SWARM_ADAPTER_CACHE or ~/.cache)
+
+    def load_adapter(self, name_or_path: Optional[str]) -> Optional[PromptAdapter]:
+        """As :meth:`BaseDiffusionLM.load_adapter`; ``best:TASK`` is first resolved to the published adapter with the
+        best score on TASK by a trusted auditor (:meth:`best_adapter`), re-read with the server list."""
+        if isinstance(name_or_path, str) and name_or_path.startswith(BEST):
+            name_or_path = self.best_adapter(name_or_path[len(BEST):])
+        return super().load_adapter(name_or_path)
+
+    def best_adapter(self, task: str) -> str:
+        """``name@AUTHOR`` of the published adapter whose content has the best score on ``task`` in the reports of
+        the auditors this client trusts (authors' own claims play no part); :class:`AdapterError` when no trusted
+        auditor scored one. Resolved again after ``route_refresh`` seconds (the choice is in ``best_adapters``)."""
+        held = self.best_adapters.get(task)
+        if held is not None and time.monotonic() - held[0] <= self.client_config.route_refresh:
+            return held[1]
+        book = self.planner.audits
+        if book is None or not book.enabled:
+            raise AdapterError(f"adapter='{BEST}{task}' picks by trusted auditors' scores, and this client trusts no "
+                               "auditor: set trusted_auditors (or governance keys)")
+        book.refresh(self.dht)
+        found = book.best_adapter(task, [record for record, _ in read_catalog(self.dht, self.prefix)])
+        if found is None:
+            raise AdapterError(f"adapter='{BEST}{task}': no published adapter has a score on {task!r} by a trusted "
+                               "auditor (python -m swarm.health --trusted-auditors KEY lists the scores)")
+        record, auditor, score = found
+        reference = f"{record.name}@{record.author_id}"
+        logger.info("adapter %s%s is %s: %d/%d held-out problems exact by auditor %s... (its author claims %s)", BEST,
+                    task, reference, score.correct, score.examples, auditor[:12], record.score)
+        self.best_adapters[task] = (time.monotonic(), reference)
+        return reference
 
     def find_adapter(self, name_or_path: str, base: dict[str, Any]) -> PromptAdapter:
         """An adapter directory, or else a name published on the swarm (``name`` or ``name@AUTHOR``), fetched

@@ -45,6 +45,7 @@ class PeerHealth:
         self._speed: dict[tuple[str, str], float] = {}
         self._distrusted: dict[str, str] = {}  # peer -> why; never used again by this client
         self._disputes: dict[str, int] = {}  # unresolved spot checks against each peer
+        self._audit_failed: dict[str, str] = {}  # peer -> why its latest check by a trusted auditor failed
         self.allowed: Optional[frozenset[str]] = None  # when set, only these peers may serve (restricted tier)
         self._lock = threading.Lock()
 
@@ -103,6 +104,15 @@ class PeerHealth:
             self._disputes[peer] = self._disputes.get(peer, 0) + 1
         logger.warning("avoiding peer %s for the rest of the session: %s", peer, reason)
 
+    def audit_failures(self, failed: dict[str, str]) -> None:
+        """Avoid exactly the peers whose latest check by a trusted auditor failed (``swarm.audit.records``), with why;
+        replaced on each read of the reports, so a server that passes a later check is used again."""
+        with self._lock:
+            new = {peer: reason for peer, reason in failed.items() if peer not in self._audit_failed}
+            self._audit_failed = dict(failed)
+        for peer, reason in new.items():
+            logger.warning("avoiding peer %s while its latest trusted audit says it failed: %s", peer, reason)
+
     def allow_only(self, peers: Optional[frozenset[str]]) -> bool:
         """Restrict (or, with None, stop restricting) which peers may serve; True when the set changed."""
         changed = peers != self.allowed
@@ -114,12 +124,12 @@ class PeerHealth:
         return peer not in self.excluded((peer,))
 
     def excluded(self, peers: Iterable[str] = ()) -> frozenset[str]:
-        """Peers that may not be used now: banned, distrusted, disputed, or (among ``peers``) not on the
-        allow-list."""
+        """Peers that may not be used now: banned, distrusted, disputed, failed by a trusted auditor, or (among
+        ``peers``) not on the allow-list."""
         now = time.monotonic()
         with self._lock:
             out = ({peer for peer, ban in self._bans.items() if ban.until > now} | set(self._distrusted)
-                   | set(self._disputes))
+                   | set(self._disputes) | set(self._audit_failed))
         if self.allowed is not None:
             out |= {peer for peer in peers if peer not in self.allowed}
         return frozenset(out)
@@ -157,3 +167,8 @@ class PeerHealth:
 
     def disputes(self) -> dict[str, int]:
         return dict(self._disputes)
+
+    @property
+    def audit_failed(self) -> dict[str, str]:
+        with self._lock:
+            return dict(self._audit_failed)

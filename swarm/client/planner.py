@@ -1,13 +1,14 @@
 """Planning routes through the swarm's servers: which servers exist, which may be used, and the cheapest chain.
 
-Keeps the list of servers read from the DHT and the current route; what the client knows about each peer (bans,
-round trips, speeds, distrust) lives in :class:`~swarm.client.peers.PeerHealth`. Before a server is routed to, it
-must answer a compute challenge through the span it announces, shaped like a real pass (a length drawn like real
-requests', embeddings of random tokens, a plausible step), so a fake server costs one short timeout and a server
-cannot answer challenges and stall real calls by telling them apart by size. The challenge proves that the server
-computes a real-sized pass in time; whether it computes it *right* is the spot checks' job
-(:mod:`swarm.client.spot_check`). A pass with a per-block adapter is routed only over servers whose record lists
-its kind. The passes themselves run in :mod:`swarm.client.sequence`.
+Keeps the list of servers read from the DHT (and, with trusted auditors, their latest reports: a server whose latest
+trusted audit failed is avoided like a banned one) and the current route; what the client knows about each peer
+(bans, round trips, speeds, distrust) lives in :class:`~swarm.client.peers.PeerHealth`. Before a server is routed
+to, it must answer a compute challenge through the span it announces, shaped like a real pass (a length drawn like
+real requests', embeddings of random tokens, a plausible step), so a fake server costs one short timeout and a
+server cannot answer challenges and stall real calls by telling them apart by size. The challenge proves that the
+server computes a real-sized pass in time; whether it computes it *right* is the spot checks' job
+(:mod:`swarm.client.spot_check`). A pass with a per-block adapter is routed only over servers whose record lists its
+kind. The passes themselves run in :mod:`swarm.client.sequence`.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from hivemind.dht import DHT
 
 from swarm.adapters.block import BlockAdapter
 from swarm.adapters.kinds import described
+from swarm.audit.records import AuditBook
 from swarm.client.config import ClientConfig
 from swarm.client.failover import RetryBudget
 from swarm.client.peers import PeerHealth
@@ -68,6 +70,8 @@ class RoutePlanner:
         self.embed: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
         self.max_positions = CHALLENGE_ROWS[1]
         self._challenge_rng = random.SystemRandom()  # a server cannot predict a challenge's size or content
+        # The reports of the auditors this client trusts (None or empty: none), read with the server list
+        self.audits: Optional[AuditBook] = None
 
     def excluded(self, also: frozenset[str] = frozenset(), adapter: Optional[BlockAdapter] = None) -> frozenset[str]:
         """Peers a route may not use now: per :class:`PeerHealth`, plus ``also`` (failed within this call), plus
@@ -104,6 +108,9 @@ class RoutePlanner:
     def refresh(self) -> None:
         """Re-read servers from the DHT and ping (with a compute challenge) those not measured yet."""
         previous, self.servers = self.servers, read_servers(self.dht, self.prefix, self.num_blocks)
+        if self.audits is not None and self.audits.enabled:  # before the challenges: a failed server gets none
+            self.audits.refresh(self.dht)
+            self.health.audit_failures(self.audits.failed())
         for peer, record in self.servers.items():
             if peer in previous and record.addresses and record.addresses != previous[peer].addresses:
                 self.health.forgive(peer, f"it now announces {', '.join(record.addresses)}")

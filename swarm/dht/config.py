@@ -11,6 +11,7 @@ LOOPBACK_MADDRS = ("/ip4/127.0.0.1/tcp/0",)
 # MAX_UPDATE_PERIOD) for 2.5 periods, which stays inside it.
 MAX_OWNED_LIFETIME = 3600.0
 MAX_UPDATE_PERIOD = 600.0
+MAX_AUDIT_LIFETIME = 24 * 3600.0  # an auditor's report lives at most a day: one that stopped is forgotten
 # No model has more blocks; spans beyond are malformed (``swarm.dht.schema``). Here so that ``--num-blocks`` of
 # ``python -m swarm.dht`` is declared without loading hivemind.
 MAX_BLOCKS = 100_000

@@ -30,7 +30,7 @@ from hivemind.utils import get_dht_time
 
 from swarm.dht import fields
 from swarm.dht.compatibility import CompatibilityTag
-from swarm.dht.config import MAX_BLOCKS, MAX_OWNED_LIFETIME
+from swarm.dht.config import MAX_AUDIT_LIFETIME, MAX_BLOCKS, MAX_OWNED_LIFETIME
 from swarm.dht.validation import OWNED, SLOT, KeyPolicy, owner_peer_id
 
 logger = logging.getLogger(__name__)
@@ -222,6 +222,12 @@ def adapter_index_key(prefix: str) -> str:
     return f"{prefix}.adapters"
 
 
+def audit_key(prefix: str, auditor: str) -> str:
+    """Where the auditor with this Ed25519 public key (base64) publishes its signed report (``swarm.audit.records``):
+    one key per auditor, so a reader reads only the auditors it trusts and each is protected by their key."""
+    return f"{prefix}.audits.{auditor}"
+
+
 # What the swarm's keys may hold. A reply holds a key's whole dictionary: subkeys x value bytes stay far below
 # libp2p's 4 MiB message even when a find asks a peer for 16 keys at once (32 x 6 KiB x 16 = 3 MiB).
 MAX_OWNED_VALUE_BYTES = 6 * 1024  # a signed server record with every field at its bound is 4.8 KiB
@@ -229,16 +235,20 @@ MAX_OWNED_SUBKEYS = 32  # servers per block key (and expert-hosting servers) one
 MAX_DECISION_VALUE_BYTES = 2 * 1024  # a signed governance decision (its reason is cut to 512 characters)
 MAX_UNTRUSTED_SLOTS = 64  # governance slots kept by a peer that trusts no key (it cannot tell which matter)
 MAX_ADAPTER_INDEX_BYTES, MAX_ADAPTER_AUTHORS = 8 * 1024, 64
+MAX_AUDIT_VALUE_BYTES = 16 * 1024 + 512  # a signed audit report (its payload is at most 16 KiB) and its framing
 
 
-def protected_keys(prefix: str, num_blocks: int = 0, governance_signers: Optional[Iterable[str]] = None
-                   ) -> list[KeyPolicy]:
+def protected_keys(prefix: str, num_blocks: int = 0, governance_signers: Optional[Iterable[str]] = None,
+                   auditors: Optional[Iterable[str]] = None) -> list[KeyPolicy]:
     """The keys a process of the model ``prefix`` reads, with what each may hold (``start_dht(protect=...)``).
 
     ``governance_signers``: the trusted governance public keys (base64); a process that trusts some keeps only
     their slots under the governance key, one that trusts none keeps any signed slot (bounded in count).
+    ``auditors``: the auditors' public keys (base64) whose report keys it keeps to their one slot (default: the
+    governance signers, the auditors a client trusts by default).
     """
     signers = frozenset(governance_signers or ()) or None
+    audit_signers = sorted(set(signers or ()) if auditors is None else set(auditors))
     owned = partial(KeyPolicy, kind=OWNED, max_value_bytes=MAX_OWNED_VALUE_BYTES, max_subkeys=MAX_OWNED_SUBKEYS,
                     max_lifetime=MAX_OWNED_LIFETIME)
     return [
@@ -247,6 +257,8 @@ def protected_keys(prefix: str, num_blocks: int = 0, governance_signers: Optiona
         KeyPolicy(governance_key(prefix), SLOT, MAX_DECISION_VALUE_BYTES,
                   len(signers) if signers else MAX_UNTRUSTED_SLOTS, signers),
         KeyPolicy(adapter_index_key(prefix), SLOT, MAX_ADAPTER_INDEX_BYTES, MAX_ADAPTER_AUTHORS),
+        *(KeyPolicy(audit_key(prefix, auditor), SLOT, MAX_AUDIT_VALUE_BYTES, 1, frozenset({auditor}),
+                    MAX_AUDIT_LIFETIME) for auditor in audit_signers),
     ]
 
 

@@ -225,6 +225,11 @@ class BaseDiffusionLM(ABC):
             cache[name_or_path] = (stamp, self.find_adapter(name_or_path, base_of(self.config, self.tokenizer)))
         return cache[name_or_path][1]
 
+    def forget_adapter(self, name_or_path: str) -> None:
+        """Drop the adapter loaded for ``name_or_path``: the next request loads it again (a published name may hold
+        other content by now)."""
+        self.__dict__.get("_adapters", {}).pop(name_or_path, None)
+
     def find_adapter(self, name_or_path: str, base: dict[str, Any]) -> PromptAdapter:
         """An adapter directory (the swarm client also resolves published names)."""
         return PromptAdapter.load(name_or_path, base)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import click
@@ -71,18 +70,12 @@ TRUSTED_HELP = ("Another trusted governance public key (base64 or file; repeatab
 
 def _private_key(path: str):
     """The governance private key in ``path``, or one line saying what the file is instead."""
-    from swarm.governance.keys import load_private_key, parse_public_key
+    from swarm.governance.keys import load_key_file
 
     try:
-        return load_private_key(path)
-    except ValueError:
-        try:
-            parse_public_key(path)
-        except ValueError:
-            hint = "a PEM file made by `python -m swarm.governance keygen`"
-        else:
-            hint = f"it holds a public key; give the private key file ({Path(path).name.removesuffix('.pub')})"
-        raise click.BadParameter(f"{path} is not a governance private key: {hint}", param_hint="--key") from None
+        return load_key_file(path)
+    except ValueError as error:
+        raise click.BadParameter(str(error), param_hint="--key") from None
 
 
 def _network(options: dict) -> NetworkConfig:

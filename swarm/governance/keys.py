@@ -33,6 +33,24 @@ def load_private_key(path: str | Path) -> Ed25519PrivateKey:
     return key
 
 
+def load_key_file(path: str | Path, role: str = "governance") -> Ed25519PrivateKey:
+    """The Ed25519 private key in ``path`` (a governance or an auditor key); a ValueError in one line saying what the
+    file is instead (missing, a public key, not a key) and what to give."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"{path} is no file: create a key with `python -m swarm.governance keygen --out {path}`")
+    try:
+        return load_private_key(path)
+    except Exception:  # cryptography raises ValueError, TypeError or UnsupportedAlgorithm for what is no such key
+        try:
+            parse_public_key(str(path))
+        except ValueError:
+            hint = "a PEM file made by `python -m swarm.governance keygen`"
+        else:
+            hint = f"it holds a public key; give the private key file ({path.name.removesuffix('.pub')})"
+        raise ValueError(f"{path} is not {'an' if role[0] in 'aeiou' else 'a'} {role} private key: {hint}") from None
+
+
 def public_key_text(key: Ed25519PrivateKey | Ed25519PublicKey) -> str:
     """The public key as one base64 line: what operators publish and servers are configured with."""
     return ed25519_text(key)

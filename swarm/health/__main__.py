@@ -60,18 +60,18 @@ def resolve_target(model: Optional[str], dht_prefix: Optional[str], num_blocks: 
     return dht_prefix or default_prefix(files.path), num_blocks or files.config.num_layers
 
 
-def read_map(network: NetworkConfig, prefix: str, num_blocks: int) -> HealthMap:
+def read_map(network: NetworkConfig, prefix: str, num_blocks: int, auditors: tuple[str, ...] = ()) -> HealthMap:
     """The health map read from the swarm; hivemind is imported here, after the arguments are checked."""
     from swarm.dht.node import start_dht
     from swarm.dht.schema import protected_keys
     from swarm.health.map import read_health_map
 
     try:
-        dht = start_dht(network, protect=protected_keys(prefix, num_blocks))  # it warns of replies lost for them
+        dht = start_dht(network, protect=protected_keys(prefix, num_blocks, auditors=auditors))  # warns of lost replies
     except Exception as error:  # hivemind raises daemon, timeout and parse errors alike; all mean "cannot join"
         raise UnreachableSwarm(f"could not join the swarm: {error}") from error
     try:
-        return read_health_map(dht, prefix, num_blocks, adapters=True)
+        return read_health_map(dht, prefix, num_blocks, adapters=True, auditors=auditors)
     finally:
         dht.shutdown()
 
@@ -104,6 +104,9 @@ def serve_page(network: NetworkConfig, prefix: str, num_blocks: int, host: str, 
 @click.option("--num-blocks", type=click.IntRange(min=1), default=None,
               help="Number of transformer blocks of the model (default: from the model's config).")
 @click.option("--json", "as_json", is_flag=True, help="Print the map as JSON instead of a table.")
+@click.option("--trusted-auditors", "--trusted-auditor", "trusted_auditors", multiple=True,
+              help="Auditor whose signed reports the map shows (base64 public key or a file holding one; repeatable). "
+                   "Default: the governance keys ($SWARM_GOVERNANCE_KEYS); 'none' shows no audit.")
 @click.option("--serve", is_flag=True, help="Serve the live map as a web page (/map, its data at /map.json) until "
               "interrupted, instead of printing it once. Needs fastapi and uvicorn (the 'api' extra).")
 @click.option("--host", default="127.0.0.1", help="With --serve: address to listen on; 0.0.0.0 accepts other "
@@ -112,15 +115,22 @@ def serve_page(network: NetworkConfig, prefix: str, num_blocks: int, host: str, 
               help="With --serve: TCP port to listen on (0 picks a free one; the URL is printed).")
 @click.option("--log-level", type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"]), default="WARNING",
               help="Logging verbosity.")
-def main(model: Optional[str], dht_prefix: Optional[str], num_blocks: Optional[int], as_json: bool, serve: bool,
-         host: str, port: int, log_level: str, **options) -> None:
-    """Show which servers serve which blocks of a model, and which blocks no online server holds."""
+def main(model: Optional[str], dht_prefix: Optional[str], num_blocks: Optional[int], as_json: bool,
+         trusted_auditors: tuple[str, ...], serve: bool, host: str, port: int, log_level: str, **options) -> None:
+    """Show which servers serve which blocks of a model, which blocks no online server holds, and each server's
+    latest check by a trusted auditor."""
     setup_logging(log_level)
     prefix, num_blocks = resolve_target(model, dht_prefix, num_blocks)
     if serve:
         serve_page(client_network(options), prefix, num_blocks, host, port, log_level)
         return
-    health = read_map(client_network(options), prefix, num_blocks)
+    from swarm.audit.records import trusted_auditors as auditor_keys
+
+    try:
+        auditors = tuple(auditor_keys(trusted_auditors))
+    except ValueError as error:
+        raise click.BadParameter(str(error), param_hint="--trusted-auditors") from None
+    health = read_map(client_network(options), prefix, num_blocks, auditors)
     from swarm.health.render import render_text
 
     click.echo(json.dumps(health.to_json(), indent=2) if as_json else render_text(health))

@@ -41,6 +41,8 @@ class HealthMap:
     replicas: list[int]  # online servers per block
     experts: dict[str, list[ExpertAnnouncement]] = field(default_factory=dict)
     adapters: list[dict[str, Any]] = field(default_factory=list)  # published adapters (read when asked for)
+    # per server peer id, its latest check by a trusted auditor (``swarm.audit.records.audit_json``; read when asked)
+    audits: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def uncovered(self) -> list[Span]:
@@ -70,7 +72,7 @@ class HealthMap:
             "fully_served": self.fully_served,
             "uncovered": [list(span) for span in self.uncovered],
             "replicas": list(self.replicas),
-            "servers": [server_json(record) for record in self.servers],
+            "servers": [dict(server_json(record), audit=self.audits.get(record.peer_id)) for record in self.servers],
             "experts": {domain: [{"peer_id": a.peer_id, "value": a.value} for a in found]
                         for domain, found in self.experts.items()},
             "adapters": list(self.adapters),
@@ -139,12 +141,29 @@ def read_adapters(dht: DHT, prefix: str) -> list[dict[str, Any]]:
     return [dict(record.to_json(), hosts=hosts) for record, hosts in read_catalog(dht, prefix)]
 
 
-def read_health_map(dht: DHT, prefix: str, num_blocks: int, adapters: bool = False) -> HealthMap:
+def read_audits(dht: DHT, prefix: str, auditors: Iterable[str], adapters: list[dict[str, Any]] = ()
+                ) -> dict[str, dict[str, Any]]:
+    """Per server, its latest check by one of ``auditors`` (base64 keys): only their signed reports are read. Each of
+    ``adapters`` (``read_adapters`` entries) gets ``audits``: its content's latest trusted score per task."""
+    from swarm.audit.records import AuditBook, adapter_audits_json, audit_json  # pulls in the adapter code: if asked
+
+    book = AuditBook(prefix, frozenset(auditors))
+    book.refresh(dht)
+    for adapter in adapters:
+        adapter["audits"] = adapter_audits_json(book, adapter["sha256"])
+    latest = book.latest()
+    return {peer: audit_json(latest, peer) for peer in sorted(latest)}
+
+
+def read_health_map(dht: DHT, prefix: str, num_blocks: int, adapters: bool = False,
+                    auditors: Iterable[str] = ()) -> HealthMap:
     """Read every server record of the model and the expert index from the DHT (two batched reads); with
-    ``adapters``, the published adapters too."""
+    ``adapters``, the published adapters too; with ``auditors``, each server's latest check by one of them."""
     servers = read_servers(dht, prefix, num_blocks)
     experts = read_experts(dht, prefix)
     logger.debug("health map of %s: %d servers, %d expert domains", prefix, len(servers), len(experts))
     health = build_health_map(servers, prefix, num_blocks, experts)
     health.adapters = read_adapters(dht, prefix) if adapters else []
+    auditors = list(auditors)
+    health.audits = read_audits(dht, prefix, auditors, health.adapters) if auditors else {}
     return health

@@ -1,7 +1,8 @@
 """The health map as text for a terminal: a server table, replica runs and the verdict."""
 from __future__ import annotations
 
-from typing import Sequence
+import time
+from typing import Any, Optional, Sequence
 
 from swarm.health.map import HealthMap, format_spans
 from swarm.health.reachability import reachability
@@ -18,6 +19,18 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> list[
     return lines
 
 
+def audit_cell(audit: Optional[dict[str, Any]]) -> str:
+    """A server's latest trusted audit in a few words: ``pass 3/3 at 14:05 (measured 812 tok/s)``, ``FAIL 1/2 ...``
+    (the TOK/S column beside it is what the server announces)."""
+    if audit is None:
+        return "-"
+    checks = audit["passed"] + audit["failed"] + audit["errors"]
+    verdict = audit["verdict"] if audit["verdict"] == "pass" else audit["verdict"].upper()
+    measured = "" if audit["measured"] is None else f" (measured {audit['measured']:.0f} tok/s)"
+    when = time.strftime("%H:%M", time.gmtime(audit["last_check"]))
+    return f"{verdict} {audit['passed']}/{checks} at {when}{measured}"
+
+
 def render_text(health: HealthMap) -> str:
     announced = f"{plural(health.num_blocks, 'block')}, {plural(len(health.servers), 'server')} announced"
     lines = [f"Model {health.prefix!r}: {announced}", ""]
@@ -26,11 +39,12 @@ def render_text(health: HealthMap) -> str:
             (f"{r.start}:{r.end}" + (" +head" if r.head else ""), r.state.name.lower(), f"{r.throughput:.1f}",
              r.version or "?",
              r.public_name or "-", "exact" if not r.approximate else f"APPROXIMATE ({r.numerics})",
-             reachability(r.addresses), ",".join(r.adapter_kinds) or "-", r.peer_id)
+             reachability(r.addresses), ",".join(r.adapter_kinds) or "-", audit_cell(health.audits.get(r.peer_id)),
+             r.peer_id)
             for r in health.servers
         ]
         lines += format_table(("BLOCKS", "STATE", "TOK/S", "VERSION", "NAME", "NUMERICS", "REACH", "ADAPTERS",
-                               "PEER ID"), rows)
+                               "AUDIT", "PEER ID"), rows)
     else:
         lines.append("No server has announced any block of this model (check --initial-peers and the prefix).")
     lines.append("")
@@ -41,8 +55,9 @@ def render_text(health: HealthMap) -> str:
     if health.adapters:
         lines.append("")
         rows = [(f"{a['name']}@{a['author']}", f"{a['size']}", "-" if a["score"] is None else f"{a['score']:g}",
+                 ", ".join(f"{task} {s['correct']}/{s['examples']}" for task, s in a.get("audits", {}).items()) or "-",
                  str(len(a["hosts"])), a["sha256"][:16]) for a in health.adapters]
-        lines += format_table(("ADAPTER", "BYTES", "SCORE", "HOSTS", "SHA256"), rows)
+        lines += format_table(("ADAPTER", "BYTES", "CLAIMED", "AUDITED", "HOSTS", "SHA256"), rows)
     lines.append("")
     if health.fully_served:
         fewest = plural(min(health.replicas), "replica")

@@ -1,0 +1,341 @@
+"""The auditor: each round, one challenge per online server, checked against the auditor's own copy of the blocks.
+
+A challenge is a forward call a server cannot tell from a client's: a fresh session, a step drawn like a
+generation's, and the hidden states of a *masked state of a prompt*, embedded by the auditor's copy of the embedding
+exactly as a client embeds its tokens: a random prompt followed by a generated part in which each position is still
+the mask token with a probability drawn per challenge (a generation somewhere between its first and last step), the
+whole length drawn like real requests' (``swarm.client.planner.CHALLENGE_ROWS``). It goes through the span the
+server announces, from a libp2p identity of a client's kind made for the round (a throwaway DHT peer with a fresh
+Ed25519 key; ``--no-fresh-identity`` uses the auditor's own peer, one key per run unless ``--identity-path`` is
+given), so a server cannot single the auditor out by its peer id. The answer is compared with the auditor's own
+computation of those blocks with the client's spot-check comparison and tolerance
+(``swarm.client.spot_check.answers_agree``, ``ClientConfig.spot_check_rtol``): a wrong answer *fails* the server, no
+answer (unreachable, refused, timed out) is an *error* (no verdict on honesty), a right one *passes*. The same call
+measures the server: its ping's round trip, the call's seconds and the throughput it delivered (rows / (seconds -
+round trip)), beside what its record announces.
+
+With ``--score-adapters TASK`` it also scores every published adapter (the first :data:`MAX_ADAPTERS` the catalog
+lists) on held-out problems of ``swarm.eval``'s task, drawn anew each round from ``os.urandom``, generating *through
+the swarm* as a user would (``adapter="name@AUTHOR"``; a client of the auditor's own DHT peer that trusts the
+auditor itself, so servers it failed are avoided), and publishes the exact-match score beside the author's claim.
+
+After each round the auditor publishes one signed report (:mod:`swarm.audit.records`) with every server's counts
+since the auditor started, and the latest score of each adapter content per task.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import random
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+import torch
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from hivemind.dht import DHT
+
+from swarm.adapters.adapter import AdapterError
+from swarm.adapters.sharing import read_catalog
+from swarm.audit.config import AuditorConfig
+from swarm.audit.records import (
+    ERROR,
+    FAIL,
+    MAX_ADAPTERS,
+    MAX_REASON_CHARS,
+    MAX_SERVERS,
+    PASS,
+    AdapterAudit,
+    AuditReport,
+    ServerAudit,
+    publish_report,
+)
+from swarm.client.config import ClientConfig
+from swarm.client.planner import CHALLENGE_ROWS, CHALLENGE_STEPS
+from swarm.client.spot_check import answers_agree, relative_difference
+from swarm.dht.node import start_dht, stop_dht
+from swarm.dht.schema import ServerRecord, ServerState, default_prefix, protected_keys, read_servers
+from swarm.dht.validation import ed25519_text
+from swarm.eval.tasks import evaluate_task
+from swarm.models.loading import ModelFiles
+from swarm.train.data import TASKS
+from swarm.utils.errors import SwarmError
+from swarm.utils.event_loop import BackgroundLoop
+from swarm.wire.messages import ErrorCode, ForwardRequest, RemoteError
+from swarm.wire.remote import RemoteCaller
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Check:
+    """One challenge of one server."""
+
+    verdict: str
+    reason: str = ""
+    rows: int = 0
+    rtt: Optional[float] = None
+    seconds: Optional[float] = None
+
+    @property
+    def measured(self) -> Optional[float]:
+        """Tokens per second the call delivered beyond its round trip (None without an answer)."""
+        if self.verdict == ERROR or self.seconds is None:
+            return None
+        return self.rows / max(self.seconds - (self.rtt or 0.0), 1e-6)
+
+
+@dataclass
+class RoundResult:
+    report: AuditReport
+    checked: dict[str, Check]
+    published: bool
+    seconds: float  # the round's wall time, publication included
+
+
+class Auditor:
+    """Checks the servers of one model and publishes what it found (see the module doc)."""
+
+    def __init__(self, config: AuditorConfig, key: Ed25519PrivateKey, files: ModelFiles, dht: Optional[DHT] = None):
+        self.config, self.key, self.files = config, key, files
+        self.model = files.config
+        self.prefix = config.dht_prefix or default_prefix(files.path)
+        self.public_key = ed25519_text(key)
+        self._own_dht = dht is None
+        self.dht = dht if dht is not None else start_dht(config.network, protect=protected_keys(
+            self.prefix, self.model.num_layers, auditors=[self.public_key]))
+        self.loop = BackgroundLoop.shared()
+        self.caller = RemoteCaller(self.loop.run(self.dht.replicate_p2p()))
+        self.embedding = files.embedding()  # the checkpoint's dtype, as a client's and the servers'
+        self.dtype = next(self.embedding.parameters()).dtype
+        self._blocks = None  # every block, loaded at the first check
+        self.rng = random.SystemRandom()  # a server cannot predict a challenge's size, content or time
+        self.audits: dict[str, ServerAudit] = {}  # what the report says of each server
+        self.scores: dict[tuple[str, str], AdapterAudit] = {}  # (content sha256, task) -> its latest score
+        self._client = None  # the swarm client that scores adapters, made at the first scoring
+        self.sequence = 0
+        self.rounds = 0
+
+    @property
+    def blocks(self):
+        """The auditor's own copy of the blocks (all of them: any server's span can be recomputed)."""
+        if self._blocks is None:
+            logger.info("loading blocks 0:%d of %s to check servers against", self.model.num_layers, self.files.path)
+            self._blocks = self.files.span(0, self.model.num_layers)
+        return self._blocks
+
+    # ----- one challenge ---------------------------------------------------------------------------
+    def challenge(self, start: int, end: int) -> ForwardRequest:
+        """A forward call through ``start:end`` shaped like a client's uncached call of a generation in progress."""
+        rng = self.rng
+        limit = self.model.max_position_embeddings
+        length = rng.randint(min(CHALLENGE_ROWS[0], limit), min(CHALLENGE_ROWS[1], limit))
+        prompt = rng.randint(1, max(1, length // 2))
+        masked = rng.random()  # the share of the generated part still masked: how far the generation has come
+        ids = [rng.randrange(self.model.vocab_size) for _ in range(length)]
+        for position in range(prompt, length):
+            if rng.random() < masked:
+                ids[position] = self.model.mask_token_id
+        with torch.inference_mode():
+            hidden = self.embedding(torch.tensor([ids]))
+        return ForwardRequest(start, end, hidden, uuid.uuid4().hex, rng.randrange(CHALLENGE_STEPS))
+
+    def expected(self, request: ForwardRequest) -> torch.Tensor:
+        """What an honest server answers: the auditor's own pass through the same blocks, in the same dtype."""
+        with torch.inference_mode():
+            return self.blocks(request.hidden.to(self.dtype), blocks=(request.start, request.end)).to(self.dtype)
+
+    def check(self, record: ServerRecord) -> Check:
+        """Ping the server, send it one challenge through its announced span and compare the answer."""
+        peer = record.peer_id
+        try:
+            rtt = self._ping(record)
+        except RemoteError as error:
+            return Check(ERROR, f"ping: {error}"[:MAX_REASON_CHARS])
+        request = self.challenge(record.start, record.end)
+        started = time.perf_counter()
+        try:
+            output = self.loop.run(self.caller.forward(peer, request, self.config.request_timeout))
+        except RemoteError as error:
+            verdict = FAIL if error.code == ErrorCode.INTERNAL and "shape" in error.message else ERROR
+            return Check(verdict, f"{error}"[:MAX_REASON_CHARS], request.rows, rtt)
+        seconds = time.perf_counter() - started
+        expected = self.expected(request)
+        if not bool(torch.isfinite(output).all()):
+            return Check(FAIL, f"non-finite values for blocks {record.start}:{record.end}", request.rows, rtt, seconds)
+        if not answers_agree(output, expected, self.config.rtol):
+            difference = relative_difference(output, expected)
+            return Check(FAIL, f"wrong hidden states for blocks {record.start}:{record.end}: relative difference "
+                               f"{difference:.3g} > {self.config.rtol:g}", request.rows, rtt, seconds)
+        return Check(PASS, "", request.rows, rtt, seconds)
+
+    def _ping(self, record: ServerRecord) -> float:
+        """The round trip of the server's info call (dialling its announced addresses if the daemon cannot reach
+        it); RemoteError when it does not answer or serves another model."""
+        timeout, peer = self.config.connect_timeout, record.peer_id
+
+        async def ping() -> tuple[dict, float]:
+            try:
+                return await self.caller.info(peer, timeout)
+            except RemoteError as error:
+                if error.code != ErrorCode.UNREACHABLE or not record.addresses:
+                    raise
+                await self.caller.connect(peer, record.addresses, timeout)
+                return await self.caller.info(peer, timeout)
+
+        info, rtt = self.loop.run(ping())
+        if info.get("prefix") != self.prefix:
+            raise RemoteError(ErrorCode.WRONG_SPAN, f"serves {str(info.get('prefix'))[:60]!r}, not {self.prefix!r}",
+                              peer)
+        return rtt
+
+    # ----- adapters ---------------------------------------------------------------------------------
+    @property
+    def client(self):
+        """A swarm client on the auditor's own DHT peer, trusting this auditor's reports (it avoids the servers the
+        auditor failed), that generates with published adapters as any user would."""
+        if self._client is None:
+            from swarm.client.model import DistributedDiffusionLM
+
+            config = ClientConfig(network=self.config.network, dht_prefix=self.prefix,
+                                  request_timeout=self.config.request_timeout, trusted_auditors=(self.public_key,))
+            self._client = DistributedDiffusionLM(self.files, config, dht=self.dht)
+        return self._client
+
+    def score_adapters(self) -> dict[tuple[str, str], AdapterAudit]:
+        """Score every published adapter (the first :data:`MAX_ADAPTERS`) on each task of ``score_adapters``; the
+        scores made this round. An adapter that cannot be fetched or used (another base model, no host) is logged
+        and skipped."""
+        if not self.config.score_adapters:
+            return {}
+        made = {}
+        for record, _ in read_catalog(self.dht, self.prefix)[:MAX_ADAPTERS]:
+            reference = f"{record.name}@{record.author_id}"
+            for task in self.config.score_adapters:
+                seed = self.rng.randrange(2**31)  # held-out problems an author cannot know in advance
+                # Fetch what the name holds now: a client keeps an adapter per name, and an author who republished
+                # other content under it must not have the old content's score recorded for the new sha256.
+                self.client.forget_adapter(reference)
+                try:
+                    result = evaluate_task(self.client, TASKS[task](), examples=self.config.task_examples, seed=seed,
+                                           generate_options={"adapter": reference})
+                except (AdapterError, SwarmError, ValueError) as error:
+                    logger.warning("cannot score adapter %s on %s: %s", reference, task, str(error)[:200])
+                    continue
+                score = AdapterAudit(record.name, record.author, record.sha256, task, result.examples, result.correct,
+                                     time.time(), record.score)
+                made[(record.sha256, task)] = self.scores[(record.sha256, task)] = score
+                logger.info("adapter %s on %s: %d/%d held-out problems exact (%.3f; its author claims %s)", reference,
+                            task, result.correct, result.examples, score.score, record.score)
+        return made
+
+    # ----- rounds -----------------------------------------------------------------------------------
+    def record(self, server: ServerRecord, check: Check, when: float) -> ServerAudit:
+        """Add one check to what the auditor knows of the server."""
+        held = self.audits.get(server.peer_id)
+        counts = {PASS: 0, FAIL: 0, ERROR: 0} if held is None else {
+            PASS: held.passed, FAIL: held.failed, ERROR: held.errors}
+        counts[check.verdict] += 1
+        last_failure = when if check.verdict == FAIL else (held.last_failure if held else None)
+        reason = check.reason or (held.reason if held else "")
+        audit = ServerAudit(server.peer_id, server.start, server.end, counts[PASS], counts[FAIL], counts[ERROR],
+                            held.first_check if held else when, when, check.verdict, last_failure,
+                            reason[:MAX_REASON_CHARS], server.throughput, check.measured, check.rtt, check.seconds,
+                            check.rows)
+        self.audits[server.peer_id] = audit
+        return audit
+
+    def report(self) -> AuditReport:
+        """The report of everything checked so far (the :data:`MAX_SERVERS` checked last), newer than the last."""
+        now = time.time()
+        self.sequence = max(self.sequence + 1, int(now * 1000))
+        servers = sorted(self.audits.values(), key=lambda a: a.last_check, reverse=True)[:MAX_SERVERS]
+        scores = tuple(sorted(sorted(self.scores.values(), key=lambda a: a.checked, reverse=True)[:MAX_ADAPTERS],
+                              key=lambda a: (a.name, a.task, a.sha256)))
+        while True:  # within the size bound too (32 long entries and 16 scores): the oldest checks go first
+            report = AuditReport(self.prefix, self.sequence, now, tuple(sorted(servers, key=lambda a: a.peer_id)),
+                                 self.public_key, scores)
+            try:
+                report.payload()
+                return report
+            except ValueError:
+                servers = servers[:-1]
+
+    @contextlib.contextmanager
+    def challenger(self) -> Iterator[str]:
+        """The peer this round's challenges come from (its id): a throwaway DHT peer with a fresh key, or with
+        ``fresh_identity`` off the auditor's own. ``self.caller`` calls through it meanwhile."""
+        if not self.config.fresh_identity:
+            yield str(self.dht.peer_id)
+            return
+        network = dataclasses.replace(self.config.network, identity_path=None, client_mode=True)
+        dht = start_dht(network)
+        own, self.caller = self.caller, RemoteCaller(self.loop.run(dht.replicate_p2p()))
+        try:
+            yield str(dht.peer_id)
+        finally:
+            fresh, self.caller = self.caller, own
+            try:
+                self.loop.run(fresh.p2p.shutdown(), timeout=5)
+            finally:
+                stop_dht(dht)
+
+    def run_round(self) -> RoundResult:
+        """Check every online server once, in random order (from this round's identity), then publish the report."""
+        started = time.perf_counter()
+        servers = [r for r in read_servers(self.dht, self.prefix, self.model.num_layers).values()
+                   if r.state == ServerState.ONLINE]
+        self.rng.shuffle(servers)
+        checked = {}
+        with self.challenger() as identity:
+            logger.debug("challenging %d servers as %s", min(len(servers), MAX_SERVERS), identity)
+            for server in servers[:MAX_SERVERS]:
+                checked[server.peer_id] = self.check(server)
+        for server in servers[:MAX_SERVERS]:
+            check = checked[server.peer_id]
+            audit = self.record(server, check, time.time())
+            log = logger.warning if check.verdict != PASS else logger.info
+            log("server %s (blocks %d:%d): %s%s; %s rows in %s s, announced %.1f tok/s, measured %s tok/s",
+                server.peer_id, server.start, server.end, check.verdict.upper(),
+                f" ({check.reason})" if check.reason else "", check.rows,
+                "-" if check.seconds is None else f"{check.seconds:.3f}", server.throughput,
+                "-" if audit.measured is None else f"{audit.measured:.1f}")
+        self.score_adapters()
+        report = self.report()
+        published = publish_report(self.dht, self.key, report, self.config.report_lifetime)
+        self.rounds += 1
+        seconds = time.perf_counter() - started
+        verdicts = [c.verdict for c in checked.values()]
+        logger.info("round %d: %d servers checked (%d pass, %d fail, %d error) in %.2f s; report #%d %s",
+                    self.rounds, len(checked), verdicts.count(PASS), verdicts.count(FAIL), verdicts.count(ERROR),
+                    seconds, report.sequence, "published" if published else "NOT read back from the swarm")
+        return RoundResult(published or report, checked, published is not None, seconds)
+
+    def pause(self) -> float:
+        """Seconds until the next round: ``every`` x (1 +- jitter), drawn so servers cannot time the checks."""
+        jitter = self.config.jitter
+        return self.config.every * self.rng.uniform(1 - jitter, 1 + jitter)
+
+    def run(self, stop: Optional[threading.Event] = None) -> RoundResult:
+        """Rounds until ``stop`` is set (or one with ``once``); the last round's result."""
+        stop = stop or threading.Event()
+        while True:
+            result = self.run_round()
+            if self.config.once or stop.wait(self.pause()):
+                return result
+
+    def shutdown(self) -> None:
+        if self._client is not None:
+            self._client.shutdown()  # shares this auditor's DHT: stops nothing of it
+        if self._own_dht:
+            self.loop.run(self.caller.p2p.shutdown(), timeout=5)
+            stop_dht(self.dht)
+
+    def __enter__(self) -> "Auditor":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()

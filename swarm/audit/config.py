@@ -1,0 +1,62 @@
+"""The auditor's settings (``python -m swarm.audit``), each declared once with its help text and bounds.
+
+Plain data: importing this module loads neither torch nor hivemind, so the command's ``--help`` answers at once.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from swarm.client.config import ClientConfig
+from swarm.dht.config import MAX_AUDIT_LIFETIME, NetworkConfig
+from swarm.train.config import TASK_NAMES
+from swarm.utils.settings import check_settings, declared, need, setting
+
+WEEK = 7 * 24 * 3600.0
+SPOT_CHECK_RTOL = declared(ClientConfig, "spot_check_rtol").default  # the client's tolerance, declared once there
+
+
+@dataclass
+class AuditorConfig:
+    """An auditor's settings; checked on creation, a ``SettingError`` (a ``ValueError``) naming the field."""
+
+    network: NetworkConfig = field(default_factory=lambda: NetworkConfig(client_mode=True))
+    dht_prefix: Optional[str] = setting(None, "DHT namespace of the model (default: the model directory's name, as "
+                                              "servers use).")
+    every: float = setting(300.0, "Seconds between audit rounds (each round checks every online server once).",
+                           low=0.0, high=WEEK, low_open=True)
+    jitter: float = setting(0.5, "Each pause between rounds is drawn uniformly within every x (1 +- jitter), so "
+                                 "servers cannot tell when the next check comes.", low=0.0, high=0.9)
+    once: bool = setting(False, "Run one round, publish its report and exit (exit 3 when the report is not read "
+                                "back from the swarm).", flags=("--once",))
+    fresh_identity: bool = setting(
+        True, "Send each round's challenges from a new libp2p identity (a throwaway DHT peer, about a second to "
+              "start), so a server cannot answer one known auditor id honestly and lie to everyone else; reports are "
+              "still signed by --key.", flags=("--fresh-identity",))
+    request_timeout: float = setting(30.0, "Seconds a challenge may take through one server; longer is an error "
+                                           "(no verdict on honesty).", low=0.0, high=3600.0, low_open=True)
+    connect_timeout: float = setting(5.0, "Seconds for the ping that measures a server's round trip.", low=0.0,
+                                     high=600.0, low_open=True)
+    rtol: float = setting(SPOT_CHECK_RTOL, "Relative difference tolerated between a server's answer and the "
+                                           "auditor's own computation (the client's spot-check tolerance).",
+                          low=0.0, high=1.0, low_open=True)
+    score_adapters: tuple[str, ...] = setting(
+        (), "Also score every published adapter (at most 16) on this held-out task each round, through the swarm, and "
+            f"publish the scores (repeatable; one of: {', '.join(TASK_NAMES)}). Clients' adapter='best:TASK' picks "
+            "by them.", flags=("--score-adapters",))
+    task_examples: int = setting(20, "Held-out problems per adapter and task each round (drawn anew every round).",
+                                 low=1, high=10_000)
+    lifetime: Optional[float] = setting(None, "Seconds each published report lives on the DHT (default: 3 x every, "
+                                              "at least 10 minutes, at most a day).", low=60.0,
+                                        high=MAX_AUDIT_LIFETIME - 60.0)
+
+    def __post_init__(self) -> None:
+        check_settings(self)
+        unknown = [task for task in self.score_adapters if task not in TASK_NAMES]
+        need(not unknown, f"--score-adapters: unknown task {', '.join(map(repr, unknown))} (one of: "
+                          f"{', '.join(TASK_NAMES)})", "score_adapters")
+
+    @property
+    def report_lifetime(self) -> float:
+        chosen = self.lifetime if self.lifetime is not None else max(3 * self.every, 600.0)
+        return min(chosen, MAX_AUDIT_LIFETIME - 60.0)

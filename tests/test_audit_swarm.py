@@ -1,0 +1,255 @@
+"""The auditor against a real local swarm (issue 39): ``python -m swarm.audit --once`` passes an honest server and
+fails a lying one (tests/faulty_server.py), a client that trusts the auditor routes around the liar while one that
+trusts nobody does not, and a stranger's key cannot publish a report such a client follows; with
+``--score-adapters addition`` it measures two published adapters whose authors' claims are the wrong way round, and
+``adapter="best:addition"`` picks the truly better one for clients that trust it."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from hivemind.utils import get_dht_time
+
+from swarm.adapters.adapter import AdapterConfig, AdapterError, SoftPrompt, base_of
+from swarm.adapters.sharing import ENV_CACHE, make_record, publish
+from swarm.audit.records import FAIL, PASS, AuditReport, ServerAudit, publish_report, read_report
+from swarm.dht.config import NetworkConfig
+from swarm.dht.identity import Identity
+from swarm.dht.node import start_dht, stop_dht
+from swarm.dht.schema import audit_key, forget_local_copies
+from swarm.dht.validation import ed25519_text, sign_slot, slot_subkey
+from swarm.frontend.local import DiffusionLM
+from swarm.governance.keys import generate_private_key, public_key_text
+from tests.conftest import make_checkpoint, stop_all, swarm_client, tiny_config
+
+ROOT = Path(__file__).resolve().parents[1]
+FAULTY = (str(Path(__file__).with_name("faulty_server.py")),)
+SETTINGS = dict(gen_length=16, steps=8, block_length=8, seed=3, temperature=0.5)
+PREFIX = "audit-swarm"  # the checkpoint's directory name: servers, clients and the auditor derive it alike
+
+
+@pytest.fixture(scope="module")
+def audited(local_swarm, tmp_path_factory):
+    """An honest server and a liar (announcing itself the fastest, so that routes pick it) for every block of a model
+    of their own, an auditor key, and the auditor's report after one ``--once`` round (and its wall time)."""
+    path = make_checkpoint(tmp_path_factory.mktemp("audit") / PREFIX, tiny_config(), seed=11)
+    honest = local_swarm.start_server(str(path), "0:4", "--compute-threads", "1", "--throughput", "1", wait=False)
+    liar = local_swarm.start_server(str(path), "0:4", "--compute-threads", "1", "--throughput", "1e9", entry=FAULTY,
+                                    name="faulty", wait=False)
+    key_path = tmp_path_factory.mktemp("auditor") / "auditor.key"
+    key = generate_private_key(key_path)
+    try:
+        for server in (honest, liar):
+            local_swarm.wait_ready(server)
+        started = time.perf_counter()
+        done = subprocess.run(
+            [sys.executable, "-m", "swarm.audit", "--once", "--json", "--key", str(key_path), "--model", str(path),
+             "--threads", "1", *(arg for peer in local_swarm.initial_peers for arg in ("--initial-peers", peer))],
+            capture_output=True, text=True, timeout=240, cwd=ROOT)
+        seconds = time.perf_counter() - started
+        assert done.returncode == 0, done.stderr[-3000:]
+        yield path, honest, liar, key, json.loads(done.stdout), seconds, done.stderr
+    finally:
+        stop_all(local_swarm, [honest, liar])  # their own prefix
+
+
+def test_the_auditor_passes_the_honest_server_and_fails_the_liar(audited):
+    path, honest, liar, key, report, seconds, log = audited
+    print(f"one --once audit round of 2 servers: {seconds:.1f} s wall, the command's start included")
+    assert report["prefix"] == PREFIX and report["auditor"] == public_key_text(key)
+    found = {entry["peer_id"]: entry for entry in report["servers"]}
+    assert found[honest.peer_id]["verdict"] == PASS and found[honest.peer_id]["passed"] == 1
+    assert found[liar.peer_id]["verdict"] == FAIL and found[liar.peer_id]["failed"] == 1
+    assert "wrong hidden states for blocks 0:4" in found[liar.peer_id]["reason"]
+    for entry in found.values():  # measured against what each announces
+        assert entry["rows"] >= 16 and entry["measured"] > 0 and entry["rtt"] > 0
+    assert found[liar.peer_id]["announced"] == 1e9 and found[honest.peer_id]["announced"] == 1.0
+    assert "round 1: 2 servers checked (1 pass, 1 fail, 0 error)" in log
+
+
+def test_a_client_trusting_the_auditor_routes_around_the_liar_and_one_trusting_nobody_does_not(local_swarm,
+                                                                                               audited):
+    path, honest, liar, key, _, _, _ = audited
+    expected = DiffusionLM.from_pretrained(path).generate("audit", **SETTINGS)
+    with swarm_client(local_swarm, path, trusted_auditors=("none",)) as lm:
+        assert lm.show_route()[0].peer_id == liar.peer_id, "without trusted auditors the liar is the first choice"
+    with swarm_client(local_swarm, path, trusted_auditors=(public_key_text(key),)) as lm:
+        assert [hop.peer_id for hop in lm.show_route()] == [honest.peer_id]
+        result = lm.generate("audit", **SETTINGS)
+        assert result.token_ids == expected.token_ids
+        assert result.info["audit_failed"] == [liar.peer_id]
+
+
+def test_the_health_map_shows_the_latest_trusted_audit(local_swarm, audited):
+    path, honest, liar, key, _, _, _ = audited
+    peers = [arg for peer in local_swarm.initial_peers for arg in ("--initial-peers", peer)]
+    args = ["--model", str(path), "--json", *peers]
+    done = subprocess.run([sys.executable, "-m", "swarm.health", *args, "--trusted-auditors", public_key_text(key)],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    audits = {s["peer_id"]: s["audit"] for s in json.loads(done.stdout)["servers"]}
+    assert audits[honest.peer_id]["verdict"] == PASS and audits[liar.peer_id]["verdict"] == FAIL
+    done = subprocess.run([sys.executable, "-m", "swarm.health", *args, "--trusted-auditors", "none"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert all(s["audit"] is None for s in json.loads(done.stdout)["servers"])
+
+
+def test_a_strangers_report_cannot_clear_the_liar_or_fail_the_honest_server(local_swarm, audited):
+    """The attack: a key nobody trusts publishes a report that passes the liar and fails the honest server, in its
+    own slot and forged into the auditor's. Peers refuse the forgery, readers ignore both, and a client that trusts
+    the auditor keeps avoiding the liar (and only it)."""
+    path, honest, liar, key, _, _, _ = audited
+    stranger = Ed25519PrivateKey.generate()
+    now = time.time()
+    lies = (ServerAudit(liar.peer_id, 0, 4, 5, 0, 0, now - 60, now - 1, PASS, announced=1e9),
+            ServerAudit(honest.peer_id, 0, 4, 0, 5, 0, now - 60, now - 1, FAIL, now - 1, "lies", announced=1.0))
+    report = AuditReport(PREFIX, int(now * 1000) + 10**6, now, lies)
+    auditor = ed25519_text(key)
+    dht = start_dht(NetworkConfig(initial_peers=local_swarm.initial_peers, client_mode=True))
+    try:
+        assert publish_report(dht, stranger, report, 600) is not None  # its own slot: stored, for whoever trusts it
+        expiration = get_dht_time() + 600
+        forged = sign_slot(stranger, audit_key(PREFIX, auditor), report.payload(), expiration)
+        dht.store(audit_key(PREFIX, auditor), forged, expiration_time=expiration, subkey=slot_subkey(key))
+        forget_local_copies(dht, [audit_key(PREFIX, auditor)])
+        kept = read_report(dht, PREFIX, auditor)
+        assert kept is not None and kept.server(liar.peer_id).verdict == FAIL, "the auditor's own report stands"
+    finally:
+        stop_dht(dht)
+    with swarm_client(local_swarm, path, trusted_auditors=(auditor,)) as lm:
+        assert [hop.peer_id for hop in lm.show_route()] == [honest.peer_id]
+        assert lm.planner.health.audit_failed.keys() == {liar.peer_id}
+
+
+def test_a_replayed_older_report_never_replaces_the_newer_one(local_swarm):
+    """Anyone may keep an auditor's old signed report and store it again, with the expiration it was signed with (a
+    later one breaks the signature): the slot keeps the newer report, and readers read that."""
+    key, prefix = Ed25519PrivateKey.generate(), "audit-replay"
+    now = time.time()
+    old = AuditReport(prefix, 1, now - 10, (ServerAudit("QmHonest", 0, 4, 0, 1, 0, now - 20, now - 10, FAIL,
+                                                        now - 10, "lies", 1.0),))
+    new = AuditReport(prefix, 2, now, (ServerAudit("QmHonest", 0, 4, 1, 1, 0, now - 20, now - 1, PASS, now - 10,
+                                                   "lies", 1.0),))
+    dht = start_dht(NetworkConfig(initial_peers=local_swarm.initial_peers, client_mode=True))
+    try:
+        old_expiration = get_dht_time() + 300
+        old_value = sign_slot(key, audit_key(prefix, ed25519_text(key)), old.payload(), old_expiration)
+        dht.store(audit_key(prefix, ed25519_text(key)), old_value, expiration_time=old_expiration,
+                  subkey=slot_subkey(key))
+        assert publish_report(dht, key, new, 600).sequence == 2
+        dht.store(audit_key(prefix, ed25519_text(key)), old_value, expiration_time=old_expiration,
+                  subkey=slot_subkey(key))  # the replay
+        forget_local_copies(dht, [audit_key(prefix, ed25519_text(key))])
+        assert read_report(dht, prefix, ed25519_text(key)).sequence == 2
+    finally:
+        stop_dht(dht)
+
+
+# ----- adapters: scores measured, not claimed ----------------------------------------------------------------
+ADDITION = "audit-addition"  # a prefix of its own for the embedded addition model
+GREEDY = dict(gen_length=8, steps=8, block_length=8, temperature=0.0)
+
+
+def soft_prompt(lm, directory: Path, scale: float, length: int) -> Path:
+    config = AdapterConfig(length, lm.config.hidden_size, base_of(lm.config, lm.tokenizer), training={"steps": 1})
+    prompts = scale * torch.randn(length, lm.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    return SoftPrompt(config, prompts).save(directory)
+
+
+@pytest.fixture(scope="module")
+def scored_adapters(local_swarm, tmp_path_factory):
+    """A server of the embedded addition model serving two published adapters (random soft prompts): 'boaster'
+    claims 0.99 and answers about a third of held-out sums exactly, 'modest' claims 0.1 and answers nearly all
+    (measured locally, 3 x 30 problems: 8, 13, 10 and 27, 28, 29). Then one ``--once --score-adapters addition``
+    round."""
+    base = tmp_path_factory.mktemp("adapters")
+    local = DiffusionLM.from_pretrained("addition")
+    boaster, modest = soft_prompt(local, base / "boaster", 1.0, 4), soft_prompt(local, base / "modest", 5.0, 2)
+    server = local_swarm.start_server("addition", "0:4", "--compute-threads", "1", "--dht-prefix", ADDITION,
+                                      "--serve-adapter", str(boaster), "--serve-adapter", str(modest))
+    key_path = base / "auditor.key"
+    key = generate_private_key(key_path)
+    dht = start_dht(NetworkConfig(initial_peers=local_swarm.initial_peers, client_mode=True))
+    try:
+        for directory, name, claim in ((boaster, "boaster", 0.99), (modest, "modest", 0.1)):
+            publish(dht, Ed25519PrivateKey.generate(), ADDITION, make_record(directory, name, claim, [server.peer_id]))
+        started = time.perf_counter()
+        done = subprocess.run(
+            [sys.executable, "-m", "swarm.audit", "--once", "--json", "--key", str(key_path), "--model", "addition",
+             "--dht-prefix", ADDITION, "--score-adapters", "addition", "--task-examples", "30", "--threads", "1",
+             *(arg for peer in local_swarm.initial_peers for arg in ("--initial-peers", peer))],
+            capture_output=True, text=True, timeout=300, cwd=ROOT, env={**os.environ, ENV_CACHE: str(base / "cache")})
+        assert done.returncode == 0, done.stderr[-3000:]
+        print(f"one --once round scoring 2 adapters on 30 problems each: {time.perf_counter() - started:.1f} s wall")
+        yield local, modest, key, json.loads(done.stdout), base
+    finally:
+        stop_dht(dht)
+        stop_all(local_swarm, [server])
+
+
+def test_the_auditor_measures_published_adapters_against_their_claims(local_swarm, scored_adapters):
+    _, _, key, report, _ = scored_adapters
+    scores = {entry["name"]: entry for entry in report["adapters"]}
+    assert set(scores) == {"boaster", "modest"} and all(s["task"] == "addition" for s in scores.values())
+    assert scores["boaster"]["claimed"] == 0.99 and scores["modest"]["claimed"] == 0.1
+    assert all(s["examples"] == 30 for s in scores.values())
+    print(f"boaster {scores['boaster']['correct']}/30, modest {scores['modest']['correct']}/30")
+    assert scores["modest"]["score"] > scores["boaster"]["score"], "the truly better adapter scores higher"
+    peers = [arg for peer in local_swarm.initial_peers for arg in ("--initial-peers", peer)]
+    done = subprocess.run([sys.executable, "-m", "swarm.health", "--dht-prefix", ADDITION, "--num-blocks", "4",
+                           "--json", "--trusted-auditors", public_key_text(key), *peers],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    listed = {a["name"]: a for a in json.loads(done.stdout)["adapters"]}
+    assert {name: a["audits"]["addition"]["correct"] for name, a in listed.items()} == {
+        name: s["correct"] for name, s in scores.items()}
+    assert listed["boaster"]["score"] == 0.99, "the claim is shown beside the measured score"
+
+
+def test_best_task_picks_the_truly_better_adapter_for_clients_that_trust_the_auditor(local_swarm, scored_adapters):
+    local, modest, key, report, base = scored_adapters
+    expected = local.generate("12+5=", adapter=str(modest), **GREEDY).token_ids
+    with swarm_client(local_swarm, "addition", dht_prefix=ADDITION, trusted_auditors=(public_key_text(key),)) as lm:
+        lm.adapter_cache = base / "client-cache"
+        result = lm.generate("12+5=", adapter="best:addition", **GREEDY)
+        chosen = next(s["reference"] for s in report["adapters"] if s["name"] == "modest")
+        assert lm.best_adapters["addition"][1] == chosen
+        assert result.token_ids == expected
+    with swarm_client(local_swarm, "addition", dht_prefix=ADDITION, trusted_auditors=("none",)) as lm:
+        with pytest.raises(AdapterError, match="trusts no auditor"):
+            lm.generate("12+5=", adapter="best:addition", **GREEDY)
+    with swarm_client(local_swarm, "addition", dht_prefix=ADDITION,
+                      trusted_auditors=(ed25519_text(Ed25519PrivateKey.generate()),)) as lm:
+        with pytest.raises(AdapterError, match="no published adapter has a score on 'addition' by a trusted auditor"):
+            lm.generate("12+5=", adapter="best:addition", **GREEDY)
+
+
+# ----- a server that knows the auditor's identity -------------------------------------------------------------
+def test_a_server_honest_only_to_the_auditors_known_peer_id_is_caught_from_a_fresh_identity(local_swarm, tmp_path):
+    """The attack: a liar that answers honestly to one peer id, the auditor's persistent identity, and lies to
+    everyone else (tests/faulty_server.py ``faulty-spare-PEERID``). Challenged from that identity it passes (the
+    control: the attack works); from the round's fresh identity, the default, it fails."""
+    identity = Identity.load_or_create(tmp_path / "auditor.id")  # a peer id the liar learnt in advance
+    path = make_checkpoint(tmp_path / "audit-spare", tiny_config(), seed=12)
+    liar = local_swarm.start_server(str(path), "0:4", "--compute-threads", "1", "--public-name",
+                                    f"faulty-spare-{identity.peer_id}", entry=FAULTY, name="faulty-spare")
+    key_path = tmp_path / "auditor.key"
+    generate_private_key(key_path)
+    command = [sys.executable, "-m", "swarm.audit", "--once", "--json", "--key", str(key_path), "--model", str(path),
+               "--identity-path", str(tmp_path / "auditor.id"), "--threads", "1",
+               *(arg for peer in local_swarm.initial_peers for arg in ("--initial-peers", peer))]
+    try:
+        verdicts = []
+        for fresh in ("--no-fresh-identity", "--fresh-identity"):
+            done = subprocess.run([*command, fresh], capture_output=True, text=True, timeout=240, cwd=ROOT)
+            assert done.returncode == 0, done.stderr[-3000:]
+            verdicts.append(json.loads(done.stdout)["servers"][0]["verdict"])
+        assert verdicts == [PASS, FAIL]
+    finally:
+        stop_all(local_swarm, [liar])

@@ -57,6 +57,7 @@ class Setting:
     client_dtype: Optional[str] = None  # None: the checkpoint's (bfloat16)
     head: str = "client"  # ClientConfig.head: "auto" lets the last server (started with --head) answer predictions
     generation: tuple[tuple[str, Any], ...] = ()  # what this setting adds to generate's arguments
+    lora_rank: int = 0  # above 0: a random LoRA adapter of this rank on every projection of every block
 
     @property
     def uses_expert(self) -> bool:
@@ -68,6 +69,9 @@ EXPERT_DOMAIN = "wide"  # the expert rows' model: the same 8B-width checkpoint, 
 # shows what that client holds (the embedding only), before other settings' heads have been loaded.
 SETTINGS = (Setting("new default: head on the swarm (--head)", "auto", "active", head="auto"),
             Setting("dual cache, head on the swarm", "auto", "active", head="auto", generation=(("cache", "dual"),)),
+            Setting("staleness 3, token checks, head on the swarm", "auto", "active", head="auto",
+                    generation=(("staleness", 3), ("temperature", 0.7))),
+            Setting("LoRA rank 8, head on the swarm", "auto", "active", head="auto", lora_rank=8),
             Setting("bf16 client+wire, head active block", "auto", "active"),
             Setting("bf16 client+wire, head all rows", "auto", "all"),
             Setting("old: fp32 client+wire, head all rows", "float32", "all", "float32"),
@@ -281,7 +285,8 @@ def realscale(model: Optional[str], blocks: int, span: int, gen_length: int, pro
                 swarm.terminate(server)
         print_table(figures, server_rss)
         plain = [f for f, s in zip(figures, [s for w in ("auto", "float32") for s in SETTINGS if s.wire_dtype == w])
-                 if "fp32 client" not in f.label and not s.uses_expert and "cache" not in dict(s.generation)]
+                 if "fp32 client" not in f.label and not s.uses_expert and not s.lora_rank
+                 and not {"cache", "staleness"} & set(dict(s.generation))]
         same = len({tuple(f.tokens) for f in plain}) == 1
         click.echo(f"tokens identical across the exact bfloat16-client settings without an expert: {same}")
         print_projection(figures, prompt_tokens + gen_length, num_layers)
@@ -297,4 +302,22 @@ def run_setting(path: Path, swarm: LocalSwarm, servers, prompt: list[int], setti
                                                 dtype=setting.client_dtype, head=setting.head,
                                                 request_timeout=120, connect_timeout=60) as lm:
         click.echo(f"running: {setting.label} ...", err=True)
-        return measure(lm, servers, prompt, dict(settings, **dict(setting.generation)), setting.label)
+        generation = dict(settings, **dict(setting.generation))
+        with tempfile.TemporaryDirectory(prefix="realscale-lora-") as folder:
+            if setting.lora_rank:
+                generation["adapter"] = str(random_lora(lm, setting.lora_rank, Path(folder)))
+            return measure(lm, servers, prompt, generation, setting.label)
+
+
+def random_lora(lm, rank: int, directory: Path) -> Path:
+    """A LoRA adapter of ``rank`` with random weights for every projection of every block of ``lm``'s model,
+    saved in ``directory``: what a published LoRA costs per step, whatever it learned."""
+    import torch
+
+    from swarm.adapters.adapter import AdapterConfig, LoRAAdapter, base_of
+    from swarm.adapters.kinds import LORA
+
+    config = AdapterConfig(0, lm.config.hidden_size, base_of(lm.config, lm.tokenizer), LORA,
+                           num_blocks=lm.config.num_layers, rank=rank)
+    weights = 0.01 * torch.randn(config.shape, generator=torch.Generator().manual_seed(0))
+    return LoRAAdapter(config, weights).save(directory)

@@ -135,7 +135,7 @@ class UsageLedger:
         share = usage.window.seconds / total
         why = (f"this caller used {share:.0%} of this server's compute in the last {self.window:.0f} s, over its "
                f"share of {self.max_share:.0%} (--max-share-per-caller) while {len(others)} other caller"
-               f"{'' if len(others) == 1 else 's'} use it")
+               f"{' uses' if len(others) == 1 else 's use'} it")
         return why, self._retry_after(usage, total, now)
 
     def _retry_after(self, usage: CallerUsage, total: float, now: float) -> float:

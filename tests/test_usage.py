@@ -187,3 +187,44 @@ def test_the_client_avoids_a_busy_server_for_its_hint_at_most_ban_max():
     assert health.record_failure("p", "busy", busy=True) == pytest.approx(ClientConfig().backoff_base)
     assert health.record_failure("q", "busy", busy=True, retry_after=12.0) == pytest.approx(12.0)
     assert health.record_failure("r", "busy", busy=True, retry_after=10_000.0) == ClientConfig().ban_max
+
+
+# ----- what readers (swarm.health --usage) take from a server's rpc_info --------------------------------------
+def test_readers_parse_the_counts_bounded_and_refuse_malformed_ones():
+    from swarm.server.usage import parse_usage
+
+    ledger = UsageLedger(max_share=0.5, top=40)
+    for index in range(40):
+        ledger.record(f"peer-{index}", 10 + index, 0.01, now=0.0)
+    parsed = parse_usage(ledger.info(now=1.0))
+    assert parsed["total"]["tokens"] == sum(10 + i for i in range(40)) and len(parsed["callers"]) == 32
+    assert parsed["max_share"] == 0.5 and parsed["callers"][0]["peer_id"] == "peer-39"
+    good = ledger.info(now=1.0)
+    for bad in (None, [], "x", {}, {**good, "total": {"tokens": -1, "seconds": 0, "requests": 0}},
+                {**good, "max_share": math.nan}, {**good, "callers": [{"peer_id": 5}]}, {**good, "callers": "x"},
+                {**good, "refused": True}, {**good, "in_window": {"tokens": 1, "seconds": math.inf}},
+                {**good, "total": {"tokens": 2**80, "seconds": 0, "requests": 0}}):
+        assert parse_usage(bad) is None, bad
+    long_id = parse_usage({**good, "callers": [{**good["callers"][0], "peer_id": "Q" * 10_000}]})
+    assert len(long_id["callers"][0]["peer_id"]) == 64
+
+
+def test_the_health_map_shows_usage_as_text_and_json():
+    from swarm.dht.schema import ServerRecord, ServerState
+    from swarm.health.map import build_health_map
+    from swarm.health.render import render_text
+    from swarm.server.usage import parse_usage
+
+    records = [ServerRecord(peer_id=peer, state=ServerState.ONLINE, start=0, end=4, throughput=100.0)
+               for peer in ("QmServerA", "QmServerB")]
+    health = build_health_map(records, "m", 4)
+    assert "usage" not in health.to_json()["servers"][0] and "SHARE CAP" not in render_text(health)
+    ledger = UsageLedger(max_share=0.5)
+    ledger.record("12D3KooWheavyheavy", 900, 1.0, now=0.0)
+    ledger.record("12D3KooWlightlight", 100, 0.1, now=0.0)
+    health.usage = {"QmServerA": parse_usage(ledger.info(now=1.0)), "QmServerB": None}
+    text = render_text(health)
+    assert "SHARE CAP" in text and "50% of 60 s, 0 refused" in text and "...avyheavy 90%" in text
+    assert "no answer" in text
+    servers = {entry["peer_id"]: entry["usage"] for entry in health.to_json()["servers"]}
+    assert servers["QmServerA"]["total"]["tokens"] == 1000 and servers["QmServerB"] is None

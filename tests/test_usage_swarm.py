@@ -3,12 +3,18 @@
 and ``rpc_info`` counts both. The ledger itself is unit-tested in tests/test_usage.py."""
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import torch
 
 from swarm.frontend.local import DiffusionLM
 from swarm.wire.messages import ErrorCode, ForwardRequest, RemoteError
 from tests.conftest import make_checkpoint, stop_all, swarm_client, tiny_config
 
+ROOT = Path(__file__).resolve().parents[1]
 FAST = dict(gen_length=16, steps=4, block_length=8, temperature=0.0, seed=0)
 
 
@@ -56,6 +62,19 @@ def test_a_heavy_caller_gets_busy_with_a_retry_hint_while_a_light_one_is_served(
         assert callers[heavy_id]["seconds"] > callers[light_id]["seconds"] > 0
         assert usage["total"]["tokens"] == sum(entry["tokens"] for entry in usage["callers"])
         assert usage["refused"] >= 1
+        # swarm.health --usage shows the same counts, in JSON and as text
+        peers = [arg for peer in local_swarm.initial_peers for arg in ("--initial-peers", peer)]
+        health = [sys.executable, "-m", "swarm.health", "--model", str(path), "--usage", *peers]
+        done = subprocess.run([*health, "--json"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+        assert done.returncode == 0, done.stderr[-2000:]
+        shown = {entry["peer_id"]: entry["usage"] for entry in json.loads(done.stdout)["servers"]}[server.peer_id]
+        assert {entry["peer_id"] for entry in shown["callers"]} == {heavy_id, light_id}
+        assert shown["total"]["tokens"] >= usage["total"]["tokens"] and shown["refused"] >= 1
+        assert shown["max_share"] == 0.5
+        done = subprocess.run(health, capture_output=True, text=True, timeout=120, cwd=ROOT)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert "SHARE CAP" in done.stdout and f"...{heavy_id[-8:]}" in done.stdout and "50% of 120 s" in done.stdout
+        print(done.stdout)
         print(f"\nrefused: {refused.message} (retry_after {refused.retry_after:.1f} s); usage: {usage}")
     finally:
         heavy.shutdown()

@@ -23,11 +23,14 @@ from __future__ import annotations
 import math
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
-from typing import Iterable, Optional
+from typing import Any, Iterable, Optional
+
+from swarm.dht import fields
 
 BUCKETS = 16  # time buckets per window: the window slides in steps of window / BUCKETS
 MAX_CALLERS = 1024  # callers tracked at once
 TOP_CALLERS = 32  # callers rpc_info lists (the heaviest by tokens)
+MAX_PEER_ID_CHARS = 64  # a libp2p id in base58 is 46-53 characters
 
 
 @dataclass
@@ -166,3 +169,34 @@ class UsageLedger:
                          "first": entry.first, "last": entry.last}
                         for peer, entry in heaviest],
         }
+
+
+def parse_usage(raw: Any, top: int = TOP_CALLERS) -> Optional[dict]:
+    """A server's ``rpc_info["usage"]`` as a reader may show it (``swarm.health``, the auditor): bounded, every
+    field checked (:mod:`swarm.dht.fields`), at most ``top`` callers; None for anything malformed. It is what the
+    server says, not measured by the reader."""
+    try:
+        if not isinstance(raw, dict):
+            raise ValueError("not a map")
+        total, window, callers = raw["total"], raw["in_window"], raw["callers"]
+        if not isinstance(total, dict) or not isinstance(window, dict) or not isinstance(callers, list):
+            raise ValueError("malformed")
+        return {
+            "max_share": fields.number(raw["max_share"], 0.0, 1.0), "window_s": fields.number(raw["window_s"], 0, 1e6),
+            "callers_tracked": fields.integer(raw["callers_tracked"]),
+            "callers_forgotten": fields.integer(raw["callers_forgotten"]), "refused": fields.integer(raw["refused"]),
+            "total": {"tokens": fields.integer(total["tokens"]), "seconds": fields.number(total["seconds"]),
+                      "requests": fields.integer(total["requests"])},
+            "in_window": {"tokens": fields.integer(window["tokens"]), "seconds": fields.number(window["seconds"])},
+            "callers": [_caller(entry) for entry in callers[:top]],
+        }
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def _caller(entry: Any) -> dict:
+    if not isinstance(entry, dict):
+        raise ValueError("a caller is a map")
+    return {"peer_id": fields.text(entry["peer_id"], MAX_PEER_ID_CHARS), "tokens": fields.integer(entry["tokens"]),
+            "seconds": fields.number(entry["seconds"]), "requests": fields.integer(entry["requests"]),
+            "refused": fields.integer(entry["refused"]), "window_seconds": fields.number(entry["window_seconds"])}

@@ -132,6 +132,15 @@ def test_a_callers_window_holds_a_bounded_number_of_buckets():
     assert len(ledger.total.window.buckets) <= BUCKETS + 1
 
 
+def test_a_clock_that_goes_back_keeps_the_buckets_in_order_and_bounded():
+    ledger = UsageLedger(max_share=0.5, window=16.0)
+    for index in range(1000):
+        ledger.record("a", 1, 0.01, now=100.0 - index * 0.5 if index % 2 else 100.0 + index * 0.01)
+    starts = [start for start, _, _ in ledger.callers["a"].window.buckets]
+    assert starts == sorted(starts) and len(starts) <= BUCKETS + 1
+    assert ledger.info(now=110.0)["total"]["requests"] == 1000
+
+
 def test_rpc_info_lists_the_heaviest_callers_only():
     ledger = UsageLedger(top=32)
     for index in range(100):

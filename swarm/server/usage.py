@@ -42,9 +42,11 @@ class Window:
     tokens: int = 0
 
     def add(self, start: float, seconds: float, tokens: int) -> None:
-        if self.buckets and self.buckets[-1][0] == start:
-            _, old_seconds, old_tokens = self.buckets.pop()
-            self.buckets.append((start, old_seconds + seconds, old_tokens + tokens))
+        """Add to the bucket starting at ``start``; a clock that went back adds to the newest bucket instead, so the
+        buckets stay in order and bounded in number."""
+        if self.buckets and self.buckets[-1][0] >= start:
+            newest, old_seconds, old_tokens = self.buckets.pop()
+            self.buckets.append((newest, old_seconds + seconds, old_tokens + tokens))
         else:
             self.buckets.append((start, seconds, tokens))
         self.seconds += seconds

@@ -82,7 +82,7 @@ def signed(dht: FakeDHT, signer: Ed25519PrivateKey, payload: bytes, prefix: str 
 
 # ----- the value type ---------------------------------------------------------------------------------
 def test_a_report_round_trips_through_its_signed_slot():
-    original = report(entry(), entry("QmOther", FAIL), entry("QmThird", ERROR))
+    original = report(entry(usage=(655772, 1.99, 48)), entry("QmOther", FAIL), entry("QmThird", ERROR))
     dht = FakeDHT()
     signed(dht, AUDITOR, original.payload())
     assert read_report(dht, "m", A) == original
@@ -93,7 +93,8 @@ def test_a_full_report_fits_the_bounds():
     """The largest report an auditor writes (32 servers, the longest reasons and peer ids, counts of billions) is
     under the payload bound, and its signed value under what peers store for the key."""
     servers = [entry(f"Qm{i:0126d}", FAIL, reason="r" * MAX_REASON_CHARS, passed=2**31, errors=2**31, rows=2**20,
-                     last_check=NOW, last_failure=NOW, first_check=NOW - 1e6) for i in range(MAX_SERVERS)]
+                     last_check=NOW, last_failure=NOW, first_check=NOW - 1e6, usage=(2**50, 1.23456789e11, 2**50))
+               for i in range(MAX_SERVERS)]
     payload = report(*servers).payload()
     assert len(payload) <= MAX_REPORT_BYTES
     value = MSGPackSerializer.dumps(sign_slot(AUDITOR, audit_key("m", A), payload, get_dht_time() + 60))
@@ -127,6 +128,11 @@ def test_encoding_refuses_what_readers_would_refuse():
     ({"peer_id": "Q" * 129}, "peer id"),
     ({"peer_id": b"Qm"}, "text"),
     ({"reason": None}, "text"),
+    ({"usage": [1, 2]}, "usage must"),
+    ({"usage": "1,2,3"}, "usage must"),
+    ({"usage": [-1, 0.0, 0]}, "integer"),
+    ({"usage": [0, math.nan, 0]}, "finite"),
+    ({"usage": [0, 0.0, 2**60]}, "integer"),
     ({**{f"x{i}": 1 for i in range(10)}}, "at most 20 fields"),
 ])
 def test_each_malformed_field_is_refused(change, why):

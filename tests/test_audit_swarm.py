@@ -71,6 +71,8 @@ def test_the_auditor_passes_the_honest_server_and_fails_the_liar(audited):
     for entry in found.values():  # measured against what each announces
         assert entry["rows"] >= 16 and entry["measured"] > 0 and entry["rtt"] > 0
     assert found[liar.peer_id]["announced"] == 1e9 and found[honest.peer_id]["announced"] == 1.0
+    for entry in found.values():  # each server's own usage totals at the ping (nobody used them before the auditor)
+        assert set(entry["usage"]) == {"tokens", "seconds", "requests"} and entry["usage"]["tokens"] >= 0
     assert "round 1: 2 servers checked (1 pass, 1 fail, 0 error)" in log
 
 

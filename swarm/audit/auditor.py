@@ -61,6 +61,7 @@ from swarm.dht.schema import ServerRecord, ServerState, default_prefix, protecte
 from swarm.dht.validation import ed25519_text
 from swarm.eval.tasks import evaluate_task
 from swarm.models.loading import ModelFiles
+from swarm.server.usage import parse_usage
 from swarm.train.data import TASKS
 from swarm.utils.errors import SwarmError
 from swarm.utils.event_loop import BackgroundLoop
@@ -79,6 +80,7 @@ class Check:
     rows: int = 0
     rtt: Optional[float] = None
     seconds: Optional[float] = None
+    usage: Optional[tuple[int, float, int]] = None  # the server's own totals at the ping (tokens, seconds, requests)
 
     @property
     def measured(self) -> Optional[float]:
@@ -150,11 +152,15 @@ class Auditor:
 
     def check(self, record: ServerRecord) -> Check:
         """Ping the server, send it one challenge through its announced span and compare the answer."""
-        peer = record.peer_id
         try:
-            rtt = self._ping(record)
+            rtt, usage = self._ping(record)
         except RemoteError as error:
             return Check(ERROR, f"ping: {error}"[:MAX_REASON_CHARS])
+        return dataclasses.replace(self._challenge(record, rtt), usage=usage)
+
+    def _challenge(self, record: ServerRecord, rtt: float) -> Check:
+        """One challenge through the server's announced span, compared with the auditor's own pass."""
+        peer = record.peer_id
         request = self.challenge(record.start, record.end)
         started = time.perf_counter()
         try:
@@ -172,9 +178,10 @@ class Auditor:
                                f"{difference:.3g} > {self.config.rtol:g}", request.rows, rtt, seconds)
         return Check(PASS, "", request.rows, rtt, seconds)
 
-    def _ping(self, record: ServerRecord) -> float:
+    def _ping(self, record: ServerRecord) -> tuple[float, Optional[tuple[int, float, int]]]:
         """The round trip of the server's info call (dialling its announced addresses if the daemon cannot reach
-        it); RemoteError when it does not answer or serves another model."""
+        it) and the usage totals it reports (tokens, compute seconds, requests; None when it gives none valid);
+        RemoteError when it does not answer or serves another model."""
         timeout, peer = self.config.connect_timeout, record.peer_id
 
         async def ping() -> tuple[dict, float]:
@@ -190,7 +197,9 @@ class Auditor:
         if info.get("prefix") != self.prefix:
             raise RemoteError(ErrorCode.WRONG_SPAN, f"serves {str(info.get('prefix'))[:60]!r}, not {self.prefix!r}",
                               peer)
-        return rtt
+        usage = parse_usage(info.get("usage"))
+        total = usage["total"] if usage is not None else None
+        return rtt, (total["tokens"], total["seconds"], total["requests"]) if total is not None else None
 
     # ----- adapters ---------------------------------------------------------------------------------
     @property
@@ -244,7 +253,7 @@ class Auditor:
         audit = ServerAudit(server.peer_id, server.start, server.end, counts[PASS], counts[FAIL], counts[ERROR],
                             held.first_check if held else when, when, check.verdict, last_failure,
                             reason[:MAX_REASON_CHARS], server.throughput, check.measured, check.rtt, check.seconds,
-                            check.rows)
+                            check.rows, check.usage if check.usage is not None else (held.usage if held else None))
         self.audits[server.peer_id] = audit
         return audit
 

@@ -10,7 +10,8 @@ one (a later expiration); it lives at most :data:`~swarm.dht.config.MAX_AUDIT_LI
 The payload (msgpack) holds the prefix, a sequence number (the auditor's clock in milliseconds, above its previous
 report's), the time it was published and, per audited server (at most :data:`MAX_SERVERS`), its checks passed,
 failed and errored, the first and last check's times, the last check's verdict, the time and reason of its last
-failure, and the last check's announced and measured throughput, round trip and call time; and per published adapter
+failure, the last check's announced and measured throughput, round trip and call time, and the server's own usage
+totals (tokens, compute seconds, requests: what its ``rpc_info`` says, unchecked); and per published adapter
 content and task (at most :data:`MAX_ADAPTERS`) the held-out problems it answered exactly of those asked, beside the
 score its author claimed. :meth:`AuditReport.payload` refuses to encode more than :data:`MAX_REPORT_BYTES`;
 :meth:`AuditReport.from_payload` parses with ``swarm.dht.fields`` (every number finite and in range, texts cut,
@@ -48,7 +49,7 @@ RECORD_VERSION = 1
 PASS, FAIL, ERROR = "pass", "fail", "error"  # the last check: right answer, wrong answer, no answer
 VERDICTS = (PASS, FAIL, ERROR)
 MAX_SERVERS = 32  # servers one report lists (an auditor of a larger swarm lists those it checked last)
-MAX_REPORT_BYTES = MAX_SLOT_PAYLOAD  # 16 KiB: a full report of 32 servers with the longest ids and reasons is ~15 KiB
+MAX_REPORT_BYTES = MAX_SLOT_PAYLOAD  # 16 KiB: a full report (32 servers, longest ids, reasons, usage) is ~15.7 KiB
 MAX_REASON_CHARS = 120
 MAX_PEER_ID_CHARS = 128
 MAX_PREFIX_CHARS = 256
@@ -57,6 +58,7 @@ MAX_COUNT = 2**53
 MAX_SEQUENCE = 2**53
 MAX_THROUGHPUT = 1e12  # tokens per second, as server records bound it
 MAX_SECONDS = 1e6  # a round trip or a call's time
+MAX_USAGE_SECONDS = 1e12  # compute seconds a server reports having spent on its callers
 MAX_CLOCK_SKEW = 300.0  # seconds a report's times may be ahead of the reader's clock
 MAX_REPORT_KEYS = 8  # fields of a report map; a server entry has at most MAX_ENTRY_KEYS
 MAX_ENTRY_KEYS = 20
@@ -87,6 +89,9 @@ class ServerAudit:
     rtt: Optional[float] = None  # seconds of the last check's ping
     seconds: Optional[float] = None  # seconds the last check's forward call took
     rows: int = 0  # positions the last check sent
+    # the server's own totals at the last ping that gave them (rpc_info's usage: tokens as rows x blocks, compute
+    # seconds, requests), as the server says: not checked by the auditor
+    usage: Optional[tuple[int, float, int]] = None
 
     @property
     def is_failed(self) -> bool:
@@ -98,10 +103,13 @@ class ServerAudit:
                 "failed": self.failed, "errors": self.errors, "first_check": self.first_check,
                 "last_check": self.last_check, "verdict": self.verdict, "last_failure": self.last_failure,
                 "reason": self.reason, "announced": self.announced, "measured": self.measured, "rtt": self.rtt,
-                "seconds": self.seconds, "rows": self.rows}
+                "seconds": self.seconds, "rows": self.rows,
+                **({"usage": list(self.usage)} if self.usage is not None else {})}
 
     def to_json(self) -> dict[str, Any]:
-        return self.to_value()
+        value = self.to_value()
+        value["usage"] = None if self.usage is None else dict(zip(("tokens", "seconds", "requests"), self.usage))
+        return value
 
     @classmethod
     def from_value(cls, raw: Any, latest: float) -> "ServerAudit":
@@ -125,7 +133,7 @@ class ServerAudit:
                     optional("last_failure", latest), fields.text(raw.get("reason", ""), MAX_REASON_CHARS),
                     fields.number(raw.get("announced"), 0.0, MAX_THROUGHPUT), optional("measured", MAX_THROUGHPUT),
                     optional("rtt", MAX_SECONDS), optional("seconds", MAX_SECONDS),
-                    fields.integer(raw.get("rows", 0), 0, MAX_COUNT))
+                    fields.integer(raw.get("rows", 0), 0, MAX_COUNT), _usage(raw.get("usage")))
         entry.check()
         return entry
 
@@ -144,6 +152,16 @@ class ServerAudit:
             raise ValueError("the last failure is outside the checks' times")
         if self.verdict == FAIL and self.last_failure != self.last_check:
             raise ValueError("a failed last check is the last failure")
+
+
+def _usage(raw: Any) -> Optional[tuple[int, float, int]]:
+    """A server entry's ``usage``: absent (None), or [tokens, compute seconds, requests]."""
+    if raw is None:
+        return None
+    if not isinstance(raw, list) or len(raw) != 3:
+        raise ValueError("usage must be [tokens, seconds, requests]")
+    return (fields.integer(raw[0], 0, MAX_COUNT), fields.number(raw[1], 0.0, MAX_USAGE_SECONDS),
+            fields.integer(raw[2], 0, MAX_COUNT))
 
 
 @dataclass(frozen=True)

@@ -104,7 +104,8 @@ def call_with_failover(
             if fatal is not None:
                 raise fatal from None
             busy = error.code == ErrorCode.BUSY
-            health.record_failure(peer, str(error), busy=busy, stalled=error.code == ErrorCode.TIMEOUT)
+            health.record_failure(peer, str(error), busy=busy, stalled=error.code == ErrorCode.TIMEOUT,
+                                  retry_after=error.retry_after if busy else None)
             on_failure(target, error)
             where = label(target)
             message, at = f"{peer[-8:]}{'@' + where if where else ''}: {error.message}", f" at {where}" if where else ""

@@ -61,15 +61,17 @@ class PeerHealth:
             previous = self._speed.get((peer, kind), observed)
             self._speed[(peer, kind)] = (1 - EWMA_WEIGHT) * previous + EWMA_WEIGHT * observed
 
-    def record_failure(self, peer: str, reason: str, busy: bool = False, stalled: bool = False) -> float:
-        """Avoid a peer: briefly when busy, otherwise for a period that doubles on each repeat. A peer that
-        ``stalled`` a call into its timeout is avoided for at least two request timeouts, so it cannot stall
-        the next call too. Returns the ban's length in seconds."""
+    def record_failure(self, peer: str, reason: str, busy: bool = False, stalled: bool = False,
+                       retry_after: Optional[float] = None) -> float:
+        """Avoid a peer: briefly when busy (at least its ``retry_after`` hint, at most ``ban_max``), otherwise for
+        a period that doubles on each repeat. A peer that ``stalled`` a call into its timeout is avoided for at
+        least two request timeouts, so it cannot stall the next call too. Returns the ban's length in seconds."""
         with self._lock:
             previous = self._bans.get(peer)
             count = previous.count + 1 if previous else 1
             if busy:
                 duration = min(self.config.backoff_base * 2 ** (count - 1), self.config.backoff_max)
+                duration = max(duration, min(retry_after or 0.0, self.config.ban_max))
             else:
                 duration = min(self.config.ban_base * 2 ** (count - 1), self.config.ban_max)
                 if stalled:

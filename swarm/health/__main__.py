@@ -60,7 +60,8 @@ def resolve_target(model: Optional[str], dht_prefix: Optional[str], num_blocks: 
     return dht_prefix or default_prefix(files.path), num_blocks or files.config.num_layers
 
 
-def read_map(network: NetworkConfig, prefix: str, num_blocks: int, auditors: tuple[str, ...] = ()) -> HealthMap:
+def read_map(network: NetworkConfig, prefix: str, num_blocks: int, auditors: tuple[str, ...] = (),
+             usage: bool = False) -> HealthMap:
     """The health map read from the swarm; hivemind is imported here, after the arguments are checked."""
     from swarm.dht.node import start_dht
     from swarm.dht.schema import protected_keys
@@ -71,7 +72,7 @@ def read_map(network: NetworkConfig, prefix: str, num_blocks: int, auditors: tup
     except Exception as error:  # hivemind raises daemon, timeout and parse errors alike; all mean "cannot join"
         raise UnreachableSwarm(f"could not join the swarm: {error}") from error
     try:
-        return read_health_map(dht, prefix, num_blocks, adapters=True, auditors=auditors)
+        return read_health_map(dht, prefix, num_blocks, adapters=True, auditors=auditors, usage=usage)
     finally:
         dht.shutdown()
 
@@ -107,6 +108,9 @@ def serve_page(network: NetworkConfig, prefix: str, num_blocks: int, host: str, 
 @click.option("--trusted-auditors", "--trusted-auditor", "trusted_auditors", multiple=True,
               help="Auditor whose signed reports the map shows (base64 public key or a file holding one; repeatable). "
                    "Default: the governance keys ($SWARM_GOVERNANCE_KEYS); 'none' shows no audit.")
+@click.option("--usage", is_flag=True, help="Also ask each online server what it computed for its callers "
+              "(rpc_info: tokens, compute seconds, requests, callers, its --max-share-per-caller and refusals, the "
+              "heaviest callers): one call per server, 5 s at most each.")
 @click.option("--serve", is_flag=True, help="Serve the live map as a web page (/map, its data at /map.json) until "
               "interrupted, instead of printing it once. Needs fastapi and uvicorn (the 'api' extra).")
 @click.option("--host", default="127.0.0.1", help="With --serve: address to listen on; 0.0.0.0 accepts other "
@@ -116,9 +120,10 @@ def serve_page(network: NetworkConfig, prefix: str, num_blocks: int, host: str, 
 @click.option("--log-level", type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"]), default="WARNING",
               help="Logging verbosity.")
 def main(model: Optional[str], dht_prefix: Optional[str], num_blocks: Optional[int], as_json: bool,
-         trusted_auditors: tuple[str, ...], serve: bool, host: str, port: int, log_level: str, **options) -> None:
+         trusted_auditors: tuple[str, ...], usage: bool, serve: bool, host: str, port: int, log_level: str,
+         **options) -> None:
     """Show which servers serve which blocks of a model, which blocks no online server holds, and each server's
-    latest check by a trusted auditor."""
+    latest check by a trusted auditor (and, with --usage, what each server computed for its callers)."""
     setup_logging(log_level)
     prefix, num_blocks = resolve_target(model, dht_prefix, num_blocks)
     if serve:
@@ -130,7 +135,7 @@ def main(model: Optional[str], dht_prefix: Optional[str], num_blocks: Optional[i
         auditors = tuple(auditor_keys(trusted_auditors))
     except ValueError as error:
         raise click.BadParameter(str(error), param_hint="--trusted-auditors") from None
-    health = read_map(client_network(options), prefix, num_blocks, auditors)
+    health = read_map(client_network(options), prefix, num_blocks, auditors, usage)
     from swarm.health.render import render_text
 
     click.echo(json.dumps(health.to_json(), indent=2) if as_json else render_text(health))

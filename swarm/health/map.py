@@ -7,9 +7,10 @@ announced that it left, but both are still listed so that an operator sees them.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Optional
 
 from hivemind.dht import DHT
 
@@ -43,6 +44,9 @@ class HealthMap:
     adapters: list[dict[str, Any]] = field(default_factory=list)  # published adapters (read when asked for)
     # per server peer id, its latest check by a trusted auditor (``swarm.audit.records.audit_json``; read when asked)
     audits: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # per online server peer id, what it says it computed for its callers (``swarm.server.usage.parse_usage``, None
+    # when it did not answer); None when not asked for (``--usage``)
+    usage: Optional[dict[str, Optional[dict[str, Any]]]] = None
 
     @property
     def uncovered(self) -> list[Span]:
@@ -72,7 +76,9 @@ class HealthMap:
             "fully_served": self.fully_served,
             "uncovered": [list(span) for span in self.uncovered],
             "replicas": list(self.replicas),
-            "servers": [dict(server_json(record), audit=self.audits.get(record.peer_id)) for record in self.servers],
+            "servers": [dict(server_json(record), audit=self.audits.get(record.peer_id),
+                             **({"usage": self.usage.get(record.peer_id)} if self.usage is not None else {}))
+                        for record in self.servers],
             "experts": {domain: [{"peer_id": a.peer_id, "value": a.value} for a in found]
                         for domain, found in self.experts.items()},
             "adapters": list(self.adapters),
@@ -155,10 +161,49 @@ def read_audits(dht: DHT, prefix: str, auditors: Iterable[str], adapters: list[d
     return {peer: audit_json(latest, peer) for peer in sorted(latest)}
 
 
+MAX_USAGE_SERVERS = 64  # servers asked for their usage counts by one map
+
+
+def read_usage(dht: DHT, servers: Iterable[ServerRecord], timeout: float = 5.0) -> dict[str, Optional[dict]]:
+    """Ask each ONLINE server (at most ``MAX_USAGE_SERVERS``, all at once) for its usage counts (``rpc_info``):
+    per peer id the parsed counts, or None when it did not answer in ``timeout`` or answered nonsense."""
+    from swarm.server.usage import parse_usage
+    from swarm.utils.event_loop import BackgroundLoop
+    from swarm.wire.remote import RemoteCaller
+
+    online = [record for record in servers if record.state == ServerState.ONLINE][:MAX_USAGE_SERVERS]
+    if not online:
+        return {}
+    loop = BackgroundLoop.shared()
+    caller = RemoteCaller(loop.run(dht.replicate_p2p()))
+
+    async def ask(record: ServerRecord) -> Optional[dict]:
+        try:
+            try:
+                info, _ = await caller.info(record.peer_id, timeout)
+            except Exception:  # the daemon may not know its address yet: dial the announced ones once
+                await caller.connect(record.peer_id, record.addresses, timeout)
+                info, _ = await caller.info(record.peer_id, timeout)
+            return parse_usage(info.get("usage")) if isinstance(info, dict) else None
+        except Exception as error:  # unreachable, refused, timed out: no counts, never a crash
+            logger.debug("no usage from %s: %r", record.peer_id, error)
+            return None
+
+    async def ask_all() -> list[Optional[dict]]:
+        return list(await asyncio.gather(*(ask(record) for record in online)))
+
+    try:
+        answers = loop.run(ask_all(), timeout=3 * timeout + 5)
+    finally:
+        loop.run(caller.p2p.shutdown(), timeout=5)
+    return {record.peer_id: answer for record, answer in zip(online, answers)}
+
+
 def read_health_map(dht: DHT, prefix: str, num_blocks: int, adapters: bool = False,
-                    auditors: Iterable[str] = ()) -> HealthMap:
+                    auditors: Iterable[str] = (), usage: bool = False) -> HealthMap:
     """Read every server record of the model and the expert index from the DHT (two batched reads); with
-    ``adapters``, the published adapters too; with ``auditors``, each server's latest check by one of them."""
+    ``adapters``, the published adapters too; with ``auditors``, each server's latest check by one of them; with
+    ``usage``, what each online server says it computed for its callers."""
     servers = read_servers(dht, prefix, num_blocks)
     experts = read_experts(dht, prefix)
     logger.debug("health map of %s: %d servers, %d expert domains", prefix, len(servers), len(experts))
@@ -166,4 +211,5 @@ def read_health_map(dht: DHT, prefix: str, num_blocks: int, adapters: bool = Fal
     health.adapters = read_adapters(dht, prefix) if adapters else []
     auditors = list(auditors)
     health.audits = read_audits(dht, prefix, auditors, health.adapters) if auditors else {}
+    health.usage = read_usage(dht, health.servers) if usage else None
     return health

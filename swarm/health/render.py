@@ -31,6 +31,32 @@ def audit_cell(audit: Optional[dict[str, Any]]) -> str:
     return f"{verdict} {audit['passed']}/{checks} at {when}{measured}"
 
 
+def usage_lines(health: HealthMap) -> list[str]:
+    """``--usage``: per online server, what it says it computed (tokens = rows x blocks), for how many callers, its
+    share cap and its heaviest caller."""
+    rows = []
+    for record in health.servers:
+        if record.peer_id not in health.usage:
+            continue
+        usage = health.usage[record.peer_id]
+        if usage is None:
+            rows.append((f"{record.start}:{record.end}", "no answer", "-", "-", "-", "-", "-", record.peer_id))
+            continue
+        total, callers = usage["total"], usage["callers"]
+        cap = "none" if usage["max_share"] >= 1 else f"{usage['max_share']:.0%} of {usage['window_s']:.0f} s"
+        top = "-"
+        if callers and total["tokens"]:
+            heaviest = callers[0]
+            top = f"...{heaviest['peer_id'][-8:]} {heaviest['tokens'] / total['tokens']:.0%}"
+        rows.append((f"{record.start}:{record.end}", f"{total['tokens']:,}", f"{total['seconds']:.1f}",
+                     f"{total['requests']:,}", str(usage["callers_tracked"] + usage["callers_forgotten"]),
+                     f"{cap}, {usage['refused']} refused", top, record.peer_id))
+    if not rows:
+        return ["USAGE: no online server to ask."]
+    return format_table(("BLOCKS", "TOKENS", "SECONDS", "REQUESTS", "CALLERS", "SHARE CAP", "TOP CALLER",
+                         "PEER ID"), rows)
+
+
 def render_text(health: HealthMap) -> str:
     announced = f"{plural(health.num_blocks, 'block')}, {plural(len(health.servers), 'server')} announced"
     lines = [f"Model {health.prefix!r}: {announced}", ""]
@@ -47,6 +73,8 @@ def render_text(health: HealthMap) -> str:
                                "AUDIT", "PEER ID"), rows)
     else:
         lines.append("No server has announced any block of this model (check --initial-peers and the prefix).")
+    if health.usage is not None:
+        lines += [""] + usage_lines(health)
     lines.append("")
     runs = [(f"{start}:{end}", str(count)) for (start, end), count in health.replica_runs()]
     lines += format_table(("BLOCKS", "ONLINE REPLICAS"), runs)

@@ -13,6 +13,7 @@ import ctypes
 import logging
 import math
 import threading
+import time
 import weakref
 from collections import Counter, OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -196,6 +197,7 @@ class Grant:
     def __init__(self, admission: Admission, peer: str, amount: int):
         self.admission, self.peer, self.amount = admission, peer, amount
         self.released = self.handed_on = False
+        self.seconds = 0.0  # how long its work held the compute thread (set when the work leaves it)
 
     def release(self) -> None:
         if not self.released:
@@ -327,7 +329,7 @@ class ComputeQueue:
         (an event ``fn`` checks as it goes) is set when the caller stops waiting."""
         with grant if grant is not None else self.admit(peer, tokens) as held:
             loop = asyncio.get_running_loop()
-            work: Future = self.executor.submit(fn, *args)
+            work: Future = self.executor.submit(_timed, held, fn, *args)
             # Released when the work leaves the thread (done, failed, or cancelled before it started).
             work.add_done_callback(lambda done: _call_soon(loop, lambda: self._left(done, held)))
             held.hand_on()
@@ -352,6 +354,15 @@ class ComputeQueue:
 
     def shutdown(self) -> None:
         self.executor.shutdown(wait=True, cancel_futures=True)
+
+
+def _timed(grant: Grant, fn: Callable[..., T], *args) -> T:
+    """``fn(*args)`` on the compute thread, its time there kept on ``grant`` (what its caller is charged)."""
+    began = time.perf_counter()
+    try:
+        return fn(*args)
+    finally:
+        grant.seconds += time.perf_counter() - began
 
 
 def _call_soon(loop: asyncio.AbstractEventLoop, callback: Callable[[], None]) -> None:

@@ -31,6 +31,7 @@ from swarm.server.push import Pusher, PushLimits
 from swarm.server.request_reader import RequestReader
 from swarm.server.session_cache import SessionCaches
 from swarm.server.span_calls import BackwardCalls, ForwardCalls
+from swarm.server.usage import UsageLedger
 from swarm.server.validation import require
 from swarm.wire.encoding import MAX_STREAM_MESSAGE_BYTES, adapter_parts, error_response, parse_metadata
 from swarm.wire.messages import ErrorCode, RemoteError
@@ -78,8 +79,9 @@ class ForwardHandler(SpanService):
                  request_timeout: float, info: Callable[[], dict], experts: Optional[ExpertHandler] = None,
                  caches: Optional[SessionCaches] = None, num_layers: int = 0,
                  push_limits: PushLimits = PushLimits(), allow_backward: bool = True,
-                 adapter_tensors: Optional[AdapterTensors] = None):
+                 adapter_tensors: Optional[AdapterTensors] = None, usage: Optional[UsageLedger] = None):
         self.backend = backend
+        self.usage = usage if usage is not None else UsageLedger()  # per caller: what was computed for it
         self.adapter_tensors = adapter_tensors  # adapter tensors received, by digest (None: kept nowhere)
         self.allow_backward = allow_backward  # answer backward calls (training through the swarm)
         self.caches = caches
@@ -193,6 +195,7 @@ class ForwardHandler(SpanService):
                 "this server does not answer backward calls (it was started with --no-backward): train through "
                 "another server")
         peer = str(context.remote_id)
+        self._check_share(peer)
         received = await self.reader.read(requests, peer, unary, backward)
         declared, queue = received.declared, self.backend.queue
         calls = self.backward_calls if backward else self.forward_calls
@@ -201,10 +204,22 @@ class ForwardHandler(SpanService):
             output = await calls.compute(received, place)
             self.compute_seconds += time.perf_counter() - computing
             self.rows_computed += declared.tokens
+            self.usage.record(peer, declared.tokens * (declared.end - declared.start), place.seconds, time.time())
             queue.records.complete(peer)
             logger.debug("%s %d:%d %s from %s in %.1f ms", "backward" if backward else "forward",
                          declared.start, declared.end, declared.shape, peer, 1000 * (time.perf_counter() - started))
             return calls.answer(received, output, push_place)
+
+    def _check_share(self, peer: str) -> None:
+        """``busy`` with a retry hint when ``peer`` is over its share of the compute (``--max-share-per-caller``)
+        while others want this server: checked before anything of the request is read."""
+        queue = self.backend.queue
+        waiting = {*queue.admission.peer_counts, *queue.unfinished.peer_counts}
+        over = self.usage.check(peer, time.time(), waiting)
+        if over is not None:
+            why, retry_after = over
+            raise RemoteError(ErrorCode.BUSY, f"server busy: {why}; retry in {retry_after:.1f} s",
+                              retry_after=retry_after)
 
     def _refuse(self, error: RemoteError, context: P2PContext) -> runtime_pb2.ExpertResponse:
         self.requests_failed += 1

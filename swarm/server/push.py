@@ -132,7 +132,7 @@ class Pusher:
         except RemoteError as error:
             self.failed += 1
             logger.info("push %s to %s failed: %s", spec.push_id[:8], peer[-8:], error)
-            failure = error_response(RemoteError(error.code, error.message),
+            failure = error_response(RemoteError(error.code, error.message, retry_after=error.retry_after),
                                      {"push_id": spec.push_id, "failed_peer": peer})
             await self._deliver(spec, [failure])
 

@@ -50,6 +50,7 @@ from swarm.server.handler import ForwardHandler
 from swarm.server.push import PushLimits
 from swarm.server.session_cache import SessionCaches
 from swarm.server.throughput import measure_throughput
+from swarm.server.usage import UsageLedger
 from swarm.version import __version__
 from swarm.weights.holdings import hosts_policies
 from swarm.weights.service import ServeLimits, WeightServer
@@ -113,6 +114,7 @@ class Server:
             experts=expert_handler, caches=self._session_caches(), num_layers=self.model_config.num_layers,
             push_limits=push_limits, allow_backward=config.allow_backward,
             adapter_tensors=AdapterTensors(int(config.adapter_memory_mb * 2**20), config.peer_share),
+            usage=UsageLedger(config.max_share_per_caller, config.share_window),
         )
         self.handler.adapters = self.adapters
         self.state = ServerState.JOINING
@@ -229,7 +231,8 @@ class Server:
                 "cache": self.handler.caches.info() if self.handler.caches else None,
                 "admission": {name: backend.queue.info() for name, backend in
                               (("span", self.backend), ("experts", self.expert_backend)) if backend is not None},
-                "push": self.handler.pusher.info(), "adapter_tensors": self.handler.adapter_tensors.info()}
+                "push": self.handler.pusher.info(), "adapter_tensors": self.handler.adapter_tensors.info(),
+                "usage": self.handler.usage.info(time.time())}
 
     def announce(self, timeout: float = 30.0) -> bool:
         """Store the current records (blocks, experts); False if the DHT did not confirm within ``timeout``."""

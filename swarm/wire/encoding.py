@@ -213,7 +213,8 @@ def response_parts(hidden: torch.Tensor, wire_dtype: str, metadata: Optional[dic
 
 
 def error_response(error: RemoteError, metadata: Optional[dict] = None) -> runtime_pb2.ExpertResponse:
-    meta = dict(metadata or {}, error={"code": error.code.value, "message": error.message})
+    hint = {"retry_after": round(error.retry_after, 3)} if error.retry_after is not None else {}
+    meta = dict(metadata or {}, error={"code": error.code.value, "message": error.message, **hint})
     return runtime_pb2.ExpertResponse(metadata=MSGPackSerializer.dumps(meta))
 
 
@@ -241,7 +242,9 @@ def collect_ack(parts: list[runtime_pb2.ExpertResponse], peer_id: Optional[str] 
 def check_error(metadata: dict[str, Any], peer_id: Optional[str] = None) -> None:
     error = metadata.get("error")
     if error:
-        raise RemoteError(error.get("code", "internal"), str(error.get("message", "unknown error")), peer_id)
+        error = error if isinstance(error, dict) else {"message": error}
+        raise RemoteError(error.get("code", "internal"), str(error.get("message", "unknown error")), peer_id,
+                          retry_after=error.get("retry_after"))
 
 
 def collect_response(parts: list[runtime_pb2.ExpertResponse],

@@ -39,14 +39,27 @@ class ErrorCode(str, enum.Enum):
     UNREACHABLE = "unreachable"  # connection refused, lost, or the peer is gone
 
 
-class RemoteError(SwarmError):
-    """A structured error a server returned (or a client raised about a server)."""
+MAX_RETRY_AFTER_S = 3600.0  # the longest retry hint a client takes from a server's answer
 
-    def __init__(self, code: ErrorCode | str, message: str, peer_id: Optional[str] = None):
+
+class RemoteError(SwarmError):
+    """A structured error a server returned (or a client raised about a server). ``retry_after``: a busy server's
+    hint, in seconds, of when to ask again (the wire's ``error.retry_after``; None when it gave none)."""
+
+    def __init__(self, code: ErrorCode | str, message: str, peer_id: Optional[str] = None,
+                 retry_after: Optional[float] = None):
         self.code = ErrorCode(code) if code in ErrorCode._value2member_map_ else ErrorCode.INTERNAL
         self.peer_id = peer_id
+        self.retry_after = retry_hint(retry_after)
         super().__init__(f"[{self.code.value}] {message}" + (f" (peer {peer_id})" if peer_id else ""))
         self.message = message
+
+
+def retry_hint(value: Any) -> Optional[float]:
+    """A retry hint as a client may take it from the wire: seconds in (0, MAX_RETRY_AFTER_S], else None."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= MAX_RETRY_AFTER_S:
+        return None  # NaN fails the comparison too
+    return float(value)
 
 
 @dataclass(frozen=True)

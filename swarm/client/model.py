@@ -220,7 +220,7 @@ class DistributedDiffusionLM(BaseDiffusionLM):
         if self.client_config.head != "auto":
             return f"ClientConfig.head is {self.client_config.head!r}"
         if context.head is None:
-            return "the sampler reads whole logits (a corrector, or experts over the whole vocabulary)"
+            return "the sampler reads whole logits (experts composed over the whole vocabulary, expert_top_k=0)"
         if scored is None:
             return "head_rows='all' scores every row"
         if directive is not None and not directive.fill and not (

@@ -12,8 +12,7 @@ import torch
 
 from swarm.diffusion.config import GenerationConfig
 from swarm.diffusion.denoiser import AnyDenoiser
-from swarm.diffusion.prediction import BlockScores, token_probabilities
-from swarm.diffusion.sampler import DiffusionSampler, LogitsHook, Scores, predict_tokens, step_generator
+from swarm.diffusion.sampler import DiffusionSampler, LogitsHook, Scores
 
 
 class CorrectionLog(Protocol):
@@ -27,9 +26,11 @@ class CorrectionLog(Protocol):
         ...
 
 
-def corrector_generator(seed: int, step: int, corrector: int) -> torch.Generator:
-    """Noise of corrector ``corrector`` of ``step``: a stream of its own, still a function of the seed only."""
-    return step_generator(seed + (corrector + 1) * 2**32, step)
+def corrector_seed(seed: int, corrector: int) -> int:
+    """The seed whose step noise corrector ``corrector`` draws its tokens with: a stream of its own, still a
+    function of the generation's seed only, and a seed a head server draws with as the sampler does
+    (:class:`~swarm.diffusion.prediction.HeadQuery`)."""
+    return (seed + (corrector + 1) * 2**32) % 2**62
 
 
 class CorrectorSampler(DiffusionSampler):
@@ -48,7 +49,6 @@ class CorrectorSampler(DiffusionSampler):
         super().__init__(denoiser, config, mask_token_id, eos_token_ids, logits_hook, backbone_top_k)
         self.corrector_steps = corrector_steps
         self.composition = composition
-        self.accepts_predictions = self.accepts_sparse = False  # confidences are read from the whole logits
         self.confidence = torch.zeros(0, dtype=torch.float64)
 
     def initial_state(self, prompt_ids: Sequence[int]) -> torch.Tensor:
@@ -62,15 +62,16 @@ class CorrectorSampler(DiffusionSampler):
         if block is None or not filled:
             return nxt, filled
         start, end = self.block_bounds(block)
-        self._remember(nxt, self.block_scores(logits, start, end), filled, start)
+        self._remember(self.block_prediction(logits, start, end, step), filled, start)
         for corrector in range(self.corrector_steps):
             nxt = self._correct(nxt, start, end, step, corrector, count=len(filled))
         return nxt, filled
 
-    def _remember(self, x: torch.Tensor, scores: BlockScores, positions: list[int], start: int) -> None:
-        probability = token_probabilities(scores, x[start:start + self.config.block_length])
+    def _remember(self, prediction: torch.Tensor, positions: list[int], start: int) -> None:
+        """Each (re)decided position's confidence: the probability of the token it was given, which is the
+        prediction row's token there (its ``probability`` column, wherever the prediction was computed)."""
         for position in positions:
-            self.confidence[position] = probability[position - start]
+            self.confidence[position] = prediction[position - start, 1]
 
     def _correct(self, x: torch.Tensor, start: int, end: int, step: int, corrector: int, count: int) -> torch.Tensor:
         decided = [p for p in range(start, end) if x[p] != self.mask_token_id]
@@ -78,15 +79,14 @@ class CorrectorSampler(DiffusionSampler):
         remasked = x.clone()
         remasked[chosen] = self.mask_token_id
         context = self.composition.correcting() if self.composition else contextlib.nullcontext()
+        seed = corrector_seed(self.config.seed, corrector)
         with context:
-            logits = self.evaluate(remasked[None], [step])[0]
-        scores = self.block_scores(logits, start, end)
-        generator = corrector_generator(self.config.seed, step, corrector)
-        predictions = predict_tokens(scores, self.config.temperature, generator)
+            logits = self.evaluate(remasked[None], [step], noise_seed=seed)[0]
+        prediction = self.block_prediction(logits, start, end, step, noise_seed=seed)
         out = remasked.clone()
         index = torch.tensor(chosen) - start
-        out[chosen] = predictions[index]
-        self._remember(out, scores, chosen, start)
+        out[chosen] = prediction[index, 0].long()
+        self._remember(prediction, chosen, start)
         changed = [p for p in chosen if out[p] != x[p]]
         if self.composition is not None:
             self.composition.note_correction(step, chosen, changed)

@@ -182,34 +182,38 @@ class DiffusionSampler:
         block = self.active_block(x)
         return self.block_bounds(block if block is not None else self.config.num_blocks - 1)
 
-    def context(self, states: torch.Tensor, steps: Sequence[int]) -> DenoiseContext:
+    def context(self, states: torch.Tensor, steps: Sequence[int],
+                noise_seed: Optional[int] = None) -> DenoiseContext:
         blocks = tuple(self.decided_block(state) for state in states[:len(steps)])
         start, end = blocks[0]
-        return DenoiseContext(tuple(steps), start, end, self.prompt_length, self.head_query(states, steps),
-                              blocks if len(set(blocks)) > 1 else ())
+        return DenoiseContext(tuple(steps), start, end, self.prompt_length,
+                              self.head_query(states, steps, noise_seed), blocks if len(set(blocks)) > 1 else ())
 
-    def head_query(self, states: torch.Tensor, steps: Sequence[int]) -> Optional[HeadQuery]:
-        """What a head server needs to predict these states' steps, or to cut their blocks to the top k (None when
-        this sampler needs whole logits)."""
+    def head_query(self, states: torch.Tensor, steps: Sequence[int],
+                   noise_seed: Optional[int] = None) -> Optional[HeadQuery]:
+        """What a head server needs to predict these states' steps (with the noise of ``noise_seed``, default the
+        generation's seed), or to cut their blocks to the top k (None when this sampler needs whole logits)."""
         if not (self.accepts_predictions or self.accepts_sparse):
             return None
         cfg = self.config
+        seed = cfg.seed if noise_seed is None else noise_seed
         starts = tuple(self.decided_block(state)[0] for state in states)
         if not self.accepts_predictions:
-            return HeadQuery(starts, cfg.block_length, tuple(steps), cfg.seed, cfg.temperature, cfg.cfg_scale,
+            return HeadQuery(starts, cfg.block_length, tuple(steps), seed, cfg.temperature, cfg.cfg_scale,
                              self.mask_token_id, top_k=self.backbone_top_k)
         # A stale step decides on a state up to `staleness` steps old, with its own step's noise: drawn there too.
         ahead = cfg.staleness if cfg.temperature > 0 else 0
-        return HeadQuery(starts, cfg.block_length, tuple(steps), cfg.seed, cfg.temperature, cfg.cfg_scale,
+        return HeadQuery(starts, cfg.block_length, tuple(steps), seed, cfg.temperature, cfg.cfg_scale,
                          self.mask_token_id, ahead=ahead)
 
-    def evaluate(self, states: torch.Tensor, steps: Sequence[int]) -> torch.Tensor:
-        """Logits for a batch of states (one denoiser call), classifier-free guidance applied."""
-        return self.collect(self.submit(states, steps))
+    def evaluate(self, states: torch.Tensor, steps: Sequence[int], noise_seed: Optional[int] = None) -> torch.Tensor:
+        """Logits for a batch of states (one denoiser call), classifier-free guidance applied (or a head server's
+        predictions, drawn with ``noise_seed``'s noise)."""
+        return self.collect(self.submit(states, steps, noise_seed))
 
-    def submit(self, states: torch.Tensor, steps: Sequence[int]) -> Evaluation:
+    def submit(self, states: torch.Tensor, steps: Sequence[int], noise_seed: Optional[int] = None) -> Evaluation:
         """Start one denoiser call (it runs at once unless the denoiser is pipelined: then in the background)."""
-        context = self.context(states, steps)
+        context = self.context(states, steps, noise_seed)
         rows = states
         if self.config.cfg_scale > 0:
             unconditional = states.clone()
@@ -248,10 +252,13 @@ class DiffusionSampler:
         """Float64 scores of the block's positions; a position is never "unmasked" to the mask token."""
         return masked_scores(block_slice(logits, start, end), self.mask_token_id)
 
-    def block_prediction(self, scores: Scores, start: int, end: int, step: int) -> Optional[torch.Tensor]:
-        """Prediction rows (:data:`~swarm.diffusion.prediction.PREDICTION_FIELDS`) of the block at ``step``."""
+    def block_prediction(self, scores: Scores, start: int, end: int, step: int,
+                         noise_seed: Optional[int] = None) -> Optional[torch.Tensor]:
+        """Prediction rows (:data:`~swarm.diffusion.prediction.PREDICTION_FIELDS`) of the block at ``step`` (with
+        the noise of ``noise_seed``, default the generation's seed)."""
         cfg = self.config
-        return block_prediction(scores, start, end, step, cfg.temperature, cfg.seed, self.mask_token_id)
+        seed = cfg.seed if noise_seed is None else noise_seed
+        return block_prediction(scores, start, end, step, cfg.temperature, seed, self.mask_token_id)
 
     def transition(self, x: torch.Tensor, scores: Scores, step: int) -> tuple[torch.Tensor, list[int]]:
         """The state after ``step``, from the state before it and that state's logits (length, vocab), its block cut

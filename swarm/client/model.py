@@ -181,7 +181,8 @@ class DistributedDiffusionLM(BaseDiffusionLM):
             per_block = adapter.block_adapter if adapter is not None else None
             hidden = self.sequence.forward(hidden, session_id, step, cache, head, adapter=per_block)
         if isinstance(hidden, Predictions):  # asked of the extended rows: named by the sequence's own again
-            return Predictions(hidden.rows, head.shifted(-adapter.length), hidden.vocab_size) if adapter else hidden
+            return hidden if adapter is None else Predictions(hidden.rows, head.shifted(-adapter.length),
+                                                              hidden.vocab_size)
         if adapter is not None and not reuse:
             hidden = adapter.strip(hidden)
         with self.timings.measure("head"):

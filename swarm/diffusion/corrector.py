@@ -12,7 +12,7 @@ import torch
 
 from swarm.diffusion.config import GenerationConfig
 from swarm.diffusion.denoiser import AnyDenoiser
-from swarm.diffusion.sampler import DiffusionSampler, LogitsHook, Scores
+from swarm.diffusion.sampler import DiffusionSampler, LogitsHook
 
 
 class CorrectionLog(Protocol):
@@ -56,13 +56,13 @@ class CorrectorSampler(DiffusionSampler):
         self.confidence = torch.zeros(len(x), dtype=torch.float64)
         return x
 
-    def transition(self, x: torch.Tensor, logits: Scores, step: int) -> tuple[torch.Tensor, list[int]]:
-        block = self.active_block(x)
-        nxt, filled = super().transition(x, logits, step)
-        if block is None or not filled:
+    def unmask(self, x: torch.Tensor, prediction: torch.Tensor, start: int, end: int,
+               step: int) -> tuple[torch.Tensor, list[int]]:
+        """The predictor's step, then ``corrector_steps`` corrections of the block."""
+        nxt, filled = super().unmask(x, prediction, start, end, step)
+        if not filled:
             return nxt, filled
-        start, end = self.block_bounds(block)
-        self._remember(self.block_prediction(logits, start, end, step), filled, start)
+        self._remember(prediction, filled, start)
         for corrector in range(self.corrector_steps):
             nxt = self._correct(nxt, start, end, step, corrector, count=len(filled))
         return nxt, filled

@@ -141,8 +141,7 @@ class DiffusionSampler:
         self.stats = SamplerStats()
         self.prompt_length = 0
         # A head server may answer predictions instead of logits when nothing else reads the logits (no hook); a
-        # stale step's are drawn there with its own step's noise (HeadQuery.ahead). Subclasses that read logits
-        # turn it off.
+        # stale step's are drawn there with its own step's noise (HeadQuery.ahead), a corrector's with its seed.
         self.accepts_predictions = logits_hook is None
         self.backbone_top_k = backbone_top_k
         # ... and its blocks cut to their top k when that is all the hook reads (experts; a stale step whose
@@ -266,11 +265,17 @@ class DiffusionSampler:
         block = self.active_block(x)
         if block is None:
             return x, []
-        cfg = self.config
         start, end = self.block_bounds(block)
         prediction = self.block_prediction(scores, start, end, step)
         if prediction is None:  # predictions made for another block: only a guess's state can lead here
             return x, []
+        return self.unmask(x, prediction, start, end, step)
+
+    def unmask(self, x: torch.Tensor, prediction: torch.Tensor, start: int, end: int,
+               step: int) -> tuple[torch.Tensor, list[int]]:
+        """The state after ``step`` from the block ``start:end``'s prediction rows: the strategy's most confident
+        masked positions (or those over the threshold) take their predicted tokens."""
+        cfg = self.config
         x0 = prediction[:, 0].long()
         uniform = step_uniform(cfg.seed, step, end - start)
         masked = x[start:end] == self.mask_token_id

@@ -315,3 +315,19 @@ def test_sparse_wire_tensors_that_are_not_one_answer_are_refused():
         SparseScores.from_wire(torch.zeros(2, 3, 7), torch.zeros(2, 3, 7, dtype=torch.int32), SPARSE_VOCAB)
     with pytest.raises(ValueError):
         SparseScores.from_wire(torch.zeros(2, 4, 7), torch.zeros(2, 3, 6, dtype=torch.int32), SPARSE_VOCAB)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(error=junk, code=junk, retry_after=junk)
+def test_any_error_a_peer_answers_is_a_remote_error(error, code, retry_after):
+    """A server's error metadata is remote input: whatever its code (a list or a map is unhashable), message and
+    retry hint decode to, the client raises RemoteError, never another exception."""
+    from swarm.wire.encoding import check_error
+    from swarm.wire.messages import ErrorCode, RemoteError
+
+    for value in (error, {"code": code, "message": error, "retry_after": retry_after}):
+        try:
+            check_error({"error": value})
+        except RemoteError as raised:
+            assert isinstance(raised.code, ErrorCode)
+            assert raised.retry_after is None or 0 < raised.retry_after <= 3600

@@ -45,6 +45,7 @@ from swarm.adapters.adapter import (
 from swarm.adapters.block import is_sha256_hex
 from swarm.adapters.limits import PUBLISH_LIFETIME
 from swarm.dht import fields
+from swarm.dht.config import MAX_PEER_ID_CHARS
 from swarm.dht.schema import MAX_ADDRESS_CHARS, MAX_ADDRESSES, adapter_index_key, read_owned, store_owned
 from swarm.dht.validation import (
     dht_key_id,
@@ -65,7 +66,6 @@ AUTHOR_PATTERN = re.compile(r"[0-9a-f]{16}")
 RECORD_VERSION = 1
 MAX_NAMES_PER_AUTHOR = 64
 MAX_HOSTS_LISTED = 16
-MAX_PEER_ID_CHARS = 128
 MAX_HOSTS_READ = 64  # peers a client considers for one adapter's files
 MAX_CATALOG_NAMES = 64  # names the catalog (the health map) reads records and hosts for
 MAX_AUTHORS_READ = 64  # authors whose names a reader lists (as many as a peer that knows the model keeps)

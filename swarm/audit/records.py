@@ -39,6 +39,7 @@ from hivemind.utils import MSGPackSerializer, get_dht_time
 from swarm.adapters.block import is_sha256_hex
 from swarm.adapters.sharing import MAX_SCORE, NAME_PATTERN, PublishedAdapter, author_id, signed_entries, store_slot
 from swarm.dht import fields
+from swarm.dht.config import MAX_BLOCKS, MAX_PEER_ID_CHARS
 from swarm.dht.schema import MAX_AUDIT_LIFETIME, audit_key, forget_local_copies
 from swarm.dht.validation import MAX_SLOT_PAYLOAD, ed25519_public_key, ed25519_text
 from swarm.governance.keys import parse_public_key, public_key_text, trusted_key_texts
@@ -51,9 +52,7 @@ VERDICTS = (PASS, FAIL, ERROR)
 MAX_SERVERS = 32  # servers one report lists (an auditor of a larger swarm lists those it checked last)
 MAX_REPORT_BYTES = MAX_SLOT_PAYLOAD  # 16 KiB: a full report (32 servers, longest ids, reasons, usage) is ~15.7 KiB
 MAX_REASON_CHARS = 120
-MAX_PEER_ID_CHARS = 128
 MAX_PREFIX_CHARS = 256
-MAX_BLOCKS = 100_000
 MAX_COUNT = 2**53
 MAX_SEQUENCE = 2**53
 MAX_THROUGHPUT = 1e12  # tokens per second, as server records bound it
@@ -300,16 +299,6 @@ def read_report(dht: DHT, prefix: str, auditor: str) -> Optional[AuditReport]:
         except Exception as error:  # remote input: whatever went wrong, it is not a report
             logger.debug("ignoring a malformed audit report by %s: %s", auditor[:12], str(error)[:200])
     return None
-
-
-def read_reports(dht: DHT, prefix: str, auditors: Iterable[str]) -> dict[str, AuditReport]:
-    """The valid report of each of ``auditors`` that has one."""
-    found = {}
-    for auditor in auditors:
-        report = read_report(dht, prefix, auditor)
-        if report is not None:
-            found[auditor] = report
-    return found
 
 
 def publish_report(dht: DHT, key: Ed25519PrivateKey, report: AuditReport, lifetime: float,

@@ -15,6 +15,7 @@ MAX_AUDIT_LIFETIME = 24 * 3600.0  # an auditor's report lives at most a day: one
 # No model has more blocks; spans beyond are malformed (``swarm.dht.schema``). Here so that ``--num-blocks`` of
 # ``python -m swarm.dht`` is declared without loading hivemind.
 MAX_BLOCKS = 100_000
+MAX_PEER_ID_CHARS = 128  # a peer id named in a record (base58 libp2p ids are 46-53 characters)
 
 
 def as_peer_list(peers: "str | list[str] | tuple[str, ...] | None") -> list[str]:

@@ -213,6 +213,8 @@ class ForwardHandler(SpanService):
     def _check_share(self, peer: str) -> None:
         """``busy`` with a retry hint when ``peer`` is over its share of the compute (``--max-share-per-caller``)
         while others want this server: checked before anything of the request is read."""
+        if self.usage.max_share >= 1:  # no cap (the default): nothing to gather on the request's path
+            return
         queue = self.backend.queue
         waiting = {*queue.admission.peer_counts, *queue.unfinished.peer_counts}
         over = self.usage.check(peer, time.time(), waiting)

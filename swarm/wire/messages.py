@@ -48,7 +48,9 @@ class RemoteError(SwarmError):
 
     def __init__(self, code: ErrorCode | str, message: str, peer_id: Optional[str] = None,
                  retry_after: Optional[float] = None):
-        self.code = ErrorCode(code) if code in ErrorCode._value2member_map_ else ErrorCode.INTERNAL
+        # a peer's error code may be anything its metadata decodes to (a list, a map): unknown ones are internal
+        known = isinstance(code, str) and code in ErrorCode._value2member_map_
+        self.code = ErrorCode(code) if known else ErrorCode.INTERNAL
         self.peer_id = peer_id
         self.retry_after = retry_hint(retry_after)
         super().__init__(f"[{self.code.value}] {message}" + (f" (peer {peer_id})" if peer_id else ""))

@@ -331,3 +331,26 @@ def test_any_error_a_peer_answers_is_a_remote_error(error, code, retry_after):
         except RemoteError as raised:
             assert isinstance(raised.code, ErrorCode)
             assert raised.retry_after is None or 0 < raised.retry_after <= 3600
+
+
+HEAD_QUERY = {"block_starts": [4], "block_length": 4, "steps": [0], "seed": 1, "temperature": 0.5, "cfg_scale": 0.0,
+              "mask_token_id": 3, "scored": [4, 8]}
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(changes=st.dictionaries(st.sampled_from([*HEAD_QUERY, "top_k", "ahead"]), junk, max_size=4),
+       whole=st.one_of(st.none(), junk), batch=st.integers(-2, 4), length=st.integers(-2, 16))
+def test_any_head_query_is_parsed_or_refused(changes, whole, batch, length):
+    """A head query is remote input to a head server: any field (``ahead`` and ``top_k`` included) set to anything
+    gives a query within its bounds or a ValueError, never another exception."""
+    from swarm.diffusion.config import MAX_EXPERT_TOP_K, MAX_STALENESS
+    from swarm.diffusion.prediction import HeadQuery
+
+    for value in (mutated(HEAD_QUERY, changes), whole):
+        try:
+            query = HeadQuery.parse(value, batch=batch, length=length, vocab_size=10)
+        except ValueError:
+            continue
+        assert 0 <= query.ahead <= MAX_STALENESS and 0 <= query.top_k <= MAX_EXPERT_TOP_K
+        assert not (query.ahead and query.top_k) and query.batch == batch
+        assert query.output_shape[2] <= 4 * (1 + MAX_STALENESS) or query.output_shape[2] == 2 * query.top_k + 1

@@ -16,6 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from swarm.adapters.sharing import PublishedAdapter
+from swarm.audit.auditor import calibrate
 from swarm.audit.records import (
     ERROR,
     FAIL,
@@ -33,7 +34,9 @@ from swarm.audit.records import (
 )
 from swarm.client.config import ClientConfig
 from swarm.client.peers import PeerHealth
-from swarm.dht.schema import MAX_AUDIT_VALUE_BYTES, audit_key, protected_keys
+from swarm.client.planner import RoutePlanner
+from swarm.client.routing import find_route
+from swarm.dht.schema import MAX_AUDIT_VALUE_BYTES, ServerRecord, ServerState, audit_key, protected_keys
 from swarm.dht.validation import ed25519_text, entry_bytes, sign_slot, slot_subkey
 from swarm.governance.keys import ENV_PUBLIC_KEYS, generate_private_key
 from tests.test_security_parsers import FUZZ, junk, mutated, strict_json
@@ -93,7 +96,8 @@ def test_a_full_report_fits_the_bounds():
     """The largest report an auditor writes (32 servers, the longest reasons and peer ids, counts of billions) is
     under the payload bound, and its signed value under what peers store for the key."""
     servers = [entry(f"Qm{i:0126d}", FAIL, reason="r" * MAX_REASON_CHARS, passed=2**31, errors=2**31, rows=2**20,
-                     last_check=NOW, last_failure=NOW, first_check=NOW - 1e6, usage=(2**50, 1.23456789e11, 2**50))
+                     last_check=NOW, last_failure=NOW, first_check=NOW - 1e6, usage=(2**50, 1.23456789e11, 2**50),
+                     calibrated=1.23456789e11)
                for i in range(MAX_SERVERS)]
     payload = report(*servers).payload()
     assert len(payload) <= MAX_REPORT_BYTES
@@ -177,15 +181,18 @@ def check_report_body(body: Any) -> None:
     for server in found.servers:
         assert server.verdict in (PASS, FAIL, ERROR) and 0 <= server.start < server.end
         assert len(server.reason) <= MAX_REASON_CHARS and 0 < len(server.peer_id) <= 128
-        for number in (server.first_check, server.last_check, server.announced, server.measured, server.rtt):
+        for number in (server.first_check, server.last_check, server.announced, server.measured, server.rtt,
+                       server.calibrated, server.overclaim):
             assert number is None or (math.isfinite(number) and number >= 0)
     book = AuditBook("m", frozenset({A}))
     book.consider(found)
     book.failed()
+    book.calibrated()
     strict_json(found.to_json())
 
 
-BODY = {"record_version": 1, "prefix": "m", "sequence": 5, "published": NOW, "servers": [entry().to_value()]}
+FULL_ENTRY = entry(usage=(655772, 1.99, 48), calibrated=500.0).to_value()  # every field a server entry may have
+BODY = {"record_version": 1, "prefix": "m", "sequence": 5, "published": NOW, "servers": [FULL_ENTRY]}
 
 
 @FUZZ
@@ -195,9 +202,9 @@ def test_report_fields_fuzzed(changes):
 
 
 @FUZZ
-@given(st.dictionaries(st.sampled_from(sorted(entry().to_value())), junk, min_size=1, max_size=4))
+@given(st.dictionaries(st.sampled_from(sorted(FULL_ENTRY)), junk, min_size=1, max_size=4))
 def test_server_entry_fields_fuzzed(changes):
-    check_report_body(mutated(BODY, {"servers": [mutated(entry().to_value(), changes)]}))
+    check_report_body(mutated(BODY, {"servers": [mutated(FULL_ENTRY, changes)]}))
 
 
 @FUZZ
@@ -298,6 +305,43 @@ def test_a_failed_audit_excludes_a_peer_until_a_later_read_clears_it():
     assert health.usable("QmOther")
     health.audit_failures({})
     assert health.usable(PEER)
+
+
+def test_calibration_names_the_server_that_claims_more_than_its_peers_for_the_same_delivery():
+    """Delivered figures sit below announced ones by the wire's cost (honest servers here deliver 4-6x what they
+    announce); the server that announces as much as its peers while delivering a tenth is over the client's factor,
+    the honest ones (a little faster or slower) are not, and a lone server is never an overclaim."""
+    delivered = {"honest1": 5000.0, "honest2": 4000.0, "slow": 500.0, "fast": 6000.0}
+    announced = {"honest1": 1000.0, "honest2": 1000.0, "slow": 1000.0, "fast": 1200.0}
+    calibrated = calibrate(delivered, announced)
+    ratios = {peer: announced[peer] / figure for peer, figure in calibrated.items()}
+    factor = ClientConfig().overclaim_factor
+    assert [peer for peer, ratio in ratios.items() if ratio > factor] == ["slow"]
+    assert ratios["slow"] > 8 and all(0.8 < ratios[peer] < 1.2 for peer in ("honest1", "honest2", "fast"))
+    assert calibrate({"alone": 10.0}, {"alone": 1e9}) == {"alone": 1e9}
+    assert calibrate({}, announced) == {} and calibrate({"gone": 1.0}, {}) == {}
+    assert entry(calibrated=100.0, announced=1000.0).overclaim == 10.0 and entry().overclaim is None
+    assert entry(calibrated=0.0).overclaim == 1e9 / 1e-3  # finite whatever an auditor writes
+
+
+def test_a_client_routes_an_overclaiming_server_by_its_calibrated_throughput():
+    """A full-span server announcing 10x what its delivery is worth wins the route on its claim; with a trusted
+    report's calibration the client routes it by the calibrated figure (and says so), and the two honest halves win;
+    a server within the factor keeps its own figure."""
+    planner = RoutePlanner(None, None, None, "m", 16, 8, ClientConfig())
+    servers = {"QmA": ServerRecord("QmA", ServerState.ONLINE, 0, 8, 1000.0),
+               "QmB": ServerRecord("QmB", ServerState.ONLINE, 8, 16, 1000.0),
+               "QmSlow": ServerRecord("QmSlow", ServerState.ONLINE, 0, 16, 1000.0)}
+    hops = lambda: [hop.peer_id for hop in find_route(planner.servers, 16, latencies={p: 0.01 for p in servers})]  # noqa: E731
+    planner.servers = dict(servers)
+    assert hops() == ["QmSlow"]
+    planner._calibrate({"QmSlow": (A, 100.0), "QmA": (A, 900.0), "QmGone": (A, 1.0)})
+    assert hops() == ["QmA", "QmB"]
+    assert planner.overclaimed == {"QmSlow": 10.0}
+    assert planner.servers["QmSlow"].throughput == 100.0 and planner.servers["QmA"].throughput == 1000.0
+    planner.servers = dict(servers)  # the next read of the records: the calibration is applied again, not stacked
+    planner._calibrate({})
+    assert planner.overclaimed == {} and hops() == ["QmSlow"]
 
 
 def test_the_health_map_shows_the_latest_trusted_audit():

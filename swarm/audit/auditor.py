@@ -28,11 +28,13 @@ import contextlib
 import dataclasses
 import logging
 import random
+import statistics
 import threading
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Iterator, Mapping, Optional
 
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -65,10 +67,31 @@ from swarm.server.usage import parse_usage
 from swarm.train.data import TASKS
 from swarm.utils.errors import SwarmError
 from swarm.utils.event_loop import BackgroundLoop
+from swarm.utils.settings import declared
 from swarm.wire.messages import ErrorCode, ForwardRequest, RemoteError
 from swarm.wire.remote import RemoteCaller
 
 logger = logging.getLogger(__name__)
+
+OVERCLAIM_FACTOR = declared(ClientConfig, "overclaim_factor").default  # what clients act on by default, logged
+SPEED_CHECKS = 8  # a server's speed is the best its last answered checks delivered (a slow moment is not a lie)
+
+
+def calibrate(delivered: Mapping[str, float], announced: Mapping[str, float]) -> dict[str, float]:
+    """Per server of ``delivered`` (tokens/s a check measured, at its best), what it would announce if it claimed what
+    its peers claim for the same delivery.
+
+    A check's figure (rows over the call's time less the ping) includes the wire and per-call costs, so it is below
+    what a server measures of its own compute (``--throughput auto``) by a factor that depends on the model and the
+    links, not on honesty. The median announced/delivered ratio of the servers stands for that factor; a server
+    announcing far more than its delivery times that median claims more than its peers do for the same delivery
+    (``ServerAudit.overclaim``). A lone server is its own median (never an overclaim); overclaimers that are a
+    majority would move the median (docs/AUDIT.md)."""
+    ratios = [announced[peer] / max(speed, 1e-6) for peer, speed in delivered.items() if peer in announced]
+    if not ratios:
+        return {}
+    ratio = statistics.median(ratios)
+    return {peer: speed * ratio for peer, speed in delivered.items() if peer in announced}
 
 
 @dataclass
@@ -117,6 +140,7 @@ class Auditor:
         self.rng = random.SystemRandom()  # a server cannot predict a challenge's size, content or time
         self.audits: dict[str, ServerAudit] = {}  # what the report says of each server
         self.scores: dict[tuple[str, str], AdapterAudit] = {}  # (content sha256, task) -> its latest score
+        self.speeds: dict[str, deque[float]] = {}  # peer -> throughput its last answered checks delivered
         self._client = None  # the swarm client that scores adapters, made at the first scoring
         self.sequence = 0
         self.rounds = 0
@@ -255,13 +279,23 @@ class Auditor:
                             reason[:MAX_REASON_CHARS], server.throughput, check.measured, check.rtt, check.seconds,
                             check.rows, check.usage if check.usage is not None else (held.usage if held else None))
         self.audits[server.peer_id] = audit
+        if check.measured is not None and check.verdict == PASS:
+            self.speeds.setdefault(server.peer_id, deque(maxlen=SPEED_CHECKS)).append(check.measured)
         return audit
+
+    def calibrated(self) -> dict[str, float]:
+        """Per measured server, the throughput an honest server delivering its best would announce (:func:`calibrate`
+        over the best of each server's last :data:`SPEED_CHECKS` answered checks)."""
+        return calibrate({peer: max(speeds) for peer, speeds in self.speeds.items() if peer in self.audits},
+                         {peer: audit.announced for peer, audit in self.audits.items()})
 
     def report(self) -> AuditReport:
         """The report of everything checked so far (the :data:`MAX_SERVERS` checked last), newer than the last."""
         now = time.time()
         self.sequence = max(self.sequence + 1, int(now * 1000))
-        servers = sorted(self.audits.values(), key=lambda a: a.last_check, reverse=True)[:MAX_SERVERS]
+        calibrated = self.calibrated()
+        servers = sorted((dataclasses.replace(audit, calibrated=calibrated.get(peer)) for peer, audit
+                          in self.audits.items()), key=lambda a: a.last_check, reverse=True)[:MAX_SERVERS]
         scores = tuple(sorted(sorted(self.scores.values(), key=lambda a: a.checked, reverse=True)[:MAX_ADAPTERS],
                               key=lambda a: (a.name, a.task, a.sha256)))
         while True:  # within the size bound too (32 long entries and 16 scores): the oldest checks go first
@@ -314,6 +348,11 @@ class Auditor:
                 "-" if audit.measured is None else f"{audit.measured:.1f}")
         self.score_adapters()
         report = self.report()
+        for entry in report.servers:
+            if entry.overclaim is not None and entry.overclaim > OVERCLAIM_FACTOR:
+                logger.warning("server %s announces %.0f tok/s, %.1fx what its delivery calibrates to (%.0f tok/s): "
+                               "clients trusting this auditor route it by the calibration", entry.peer_id,
+                               entry.announced, entry.overclaim, entry.calibrated)
         published = publish_report(self.dht, self.key, report, self.config.report_lifetime)
         self.rounds += 1
         seconds = time.perf_counter() - started

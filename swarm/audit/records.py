@@ -51,11 +51,12 @@ PASS, FAIL, ERROR = "pass", "fail", "error"  # the last check: right answer, wro
 VERDICTS = (PASS, FAIL, ERROR)
 MAX_SERVERS = 32  # servers one report lists (an auditor of a larger swarm lists those it checked last)
 MAX_REPORT_BYTES = MAX_SLOT_PAYLOAD  # 16 KiB: a full report (32 servers, longest ids, reasons, usage) is ~15.7 KiB
-MAX_REASON_CHARS = 120
+MAX_REASON_CHARS = 100
 MAX_PREFIX_CHARS = 256
 MAX_COUNT = 2**53
 MAX_SEQUENCE = 2**53
 MAX_THROUGHPUT = 1e12  # tokens per second, as server records bound it
+MIN_THROUGHPUT = 1e-3  # what routing assumes at least of any server (swarm.client.routing)
 MAX_SECONDS = 1e6  # a round trip or a call's time
 MAX_USAGE_SECONDS = 1e12  # compute seconds a server reports having spent on its callers
 MAX_CLOCK_SKEW = 300.0  # seconds a report's times may be ahead of the reader's clock
@@ -91,6 +92,15 @@ class ServerAudit:
     # the server's own totals at the last ping that gave them (rpc_info's usage: tokens as rows x blocks, compute
     # seconds, requests), as the server says: not checked by the auditor
     usage: Optional[tuple[int, float, int]] = None
+    # tokens per second an honest server delivering what this one delivered would announce: its best measured
+    # figure of recent checks x the median announced / measured ratio of the servers in the report (None: never
+    # measured). Readers route with it instead of ``announced`` when that is far above it (``overclaim``).
+    calibrated: Optional[float] = None
+
+    @property
+    def overclaim(self) -> Optional[float]:
+        """How many times ``calibrated`` the server announced at the last check (None without a calibration)."""
+        return self.announced / max(self.calibrated, MIN_THROUGHPUT) if self.calibrated is not None else None
 
     @property
     def is_failed(self) -> bool:
@@ -103,11 +113,13 @@ class ServerAudit:
                 "last_check": self.last_check, "verdict": self.verdict, "last_failure": self.last_failure,
                 "reason": self.reason, "announced": self.announced, "measured": self.measured, "rtt": self.rtt,
                 "seconds": self.seconds, "rows": self.rows,
-                **({"usage": list(self.usage)} if self.usage is not None else {})}
+                **({"usage": list(self.usage)} if self.usage is not None else {}),
+                **({"calibrated": self.calibrated} if self.calibrated is not None else {})}
 
     def to_json(self) -> dict[str, Any]:
         value = self.to_value()
         value["usage"] = None if self.usage is None else dict(zip(("tokens", "seconds", "requests"), self.usage))
+        value["calibrated"], value["overclaim"] = self.calibrated, self.overclaim
         return value
 
     @classmethod
@@ -132,7 +144,8 @@ class ServerAudit:
                     optional("last_failure", latest), fields.text(raw.get("reason", ""), MAX_REASON_CHARS),
                     fields.number(raw.get("announced"), 0.0, MAX_THROUGHPUT), optional("measured", MAX_THROUGHPUT),
                     optional("rtt", MAX_SECONDS), optional("seconds", MAX_SECONDS),
-                    fields.integer(raw.get("rows", 0), 0, MAX_COUNT), _usage(raw.get("usage")))
+                    fields.integer(raw.get("rows", 0), 0, MAX_COUNT), _usage(raw.get("usage")),
+                    optional("calibrated", MAX_THROUGHPUT))
         entry.check()
         return entry
 
@@ -396,6 +409,11 @@ class AuditBook:
         if not scored:
             return None
         return max(scored, key=lambda c: (c[2].score, c[2].examples, c[2].checked, c[0].name, c[0].author))
+
+    def calibrated(self) -> dict[str, tuple[str, float]]:
+        """Per server, (auditor, calibrated throughput) of the most recent trusted check that measured it."""
+        return {peer: (auditor, max(entry.calibrated, MIN_THROUGHPUT)) for peer, (auditor, entry)
+                in self.latest().items() if entry.calibrated is not None}
 
     def failed(self) -> dict[str, str]:
         """Servers whose most recent trusted check found a wrong answer, with why (for the client's log)."""

@@ -83,6 +83,10 @@ class ClientConfig:
             "or several in one value separated by commas). A server whose most recent check by one of them failed is "
             "avoided like a banned one. Default: the governance keys; 'none' trusts no auditor (docs/AUDIT.md).",
         flags=("--trusted-auditors", "--trusted-auditor"), cli=True)
+    overclaim_factor: float = setting(
+        4.0, "A server announcing over this many times the throughput a trusted auditor's measurements calibrate it "
+             "to is routed by the calibrated figure instead of its own (docs/AUDIT.md).", low=1.0, high=1e6,
+        cli=False)
     governance_ttl: float = setting(0.0, "Seconds a read of the halt records is reused; 0 reads before every step.",
                                     **AT_LEAST_0, cli=False)
     governance_stale_after: float = setting(

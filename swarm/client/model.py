@@ -307,6 +307,8 @@ class DistributedDiffusionLM(BaseDiffusionLM):
                 "spot_checks": [outcome.to_dict() for outcome in outcomes],
                 "distrusted": sorted(self.sequence.distrusted),
                 "audit_failed": sorted(self.sequence.health.audit_failed),
+                "audit_overclaimed": {peer: round(ratio, 2) for peer, ratio in
+                                      sorted(self.planner.overclaimed.items())},
                 "head": self.head_use.to_dict()}
 
     def finish_request(self, result) -> None:

@@ -13,6 +13,7 @@ kind. The passes themselves run in :mod:`swarm.client.sequence`.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import random
 import threading
@@ -72,6 +73,7 @@ class RoutePlanner:
         self._challenge_rng = random.SystemRandom()  # a server cannot predict a challenge's size or content
         # The reports of the auditors this client trusts (None or empty: none), read with the server list
         self.audits: Optional[AuditBook] = None
+        self.overclaimed: dict[str, float] = {}  # peer -> announced / calibrated, where routes use the calibration
 
     def excluded(self, also: frozenset[str] = frozenset(), adapter: Optional[BlockAdapter] = None) -> frozenset[str]:
         """Peers a route may not use now: per :class:`PeerHealth`, plus ``also`` (failed within this call), plus
@@ -111,6 +113,7 @@ class RoutePlanner:
         if self.audits is not None and self.audits.enabled:  # before the challenges: a failed server gets none
             self.audits.refresh(self.dht)
             self.health.audit_failures(self.audits.failed())
+            self._calibrate(self.audits.calibrated())
         for peer, record in self.servers.items():
             if peer in previous and record.addresses and record.addresses != previous[peer].addresses:
                 self.health.forgive(peer, f"it now announces {', '.join(record.addresses)}")
@@ -118,6 +121,23 @@ class RoutePlanner:
         self._refreshed_at = time.monotonic()
         logger.info("%s known for %s (%d online)", plural(len(self.servers), "server"), self.prefix,
                     sum(r.state == ServerState.ONLINE for r in self.servers.values()))
+
+    def _calibrate(self, calibrated: dict[str, tuple[str, float]]) -> None:
+        """Route a server that announces over ``overclaim_factor`` times its trusted calibrated throughput by the
+        calibration (what its delivery, measured by the auditor, is worth beside its peers' announcements): a
+        server that claims to be fast is no longer preferred for it, and its calls' timeouts follow its real speed."""
+        overclaimed = {}
+        for peer, (auditor, figure) in calibrated.items():
+            record = self.servers.get(peer)
+            if record is None or record.throughput <= self.config.overclaim_factor * figure:
+                continue
+            overclaimed[peer] = record.throughput / figure
+            if peer not in self.overclaimed:
+                logger.warning("peer %s announces %.0f tokens/s, %.1fx what auditor %s... measured it to deliver "
+                               "(calibrated %.0f tokens/s): routing with the calibrated figure", peer,
+                               record.throughput, overclaimed[peer], auditor[:12], figure)
+            self.servers[peer] = dataclasses.replace(record, throughput=figure)
+        self.overclaimed = overclaimed
 
     def _ping_unmeasured(self) -> None:
         """Challenge every usable online server this client has no measurement of, all at once.

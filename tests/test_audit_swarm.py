@@ -223,9 +223,14 @@ def test_best_task_picks_the_truly_better_adapter_for_clients_that_trust_the_aud
         chosen = next(s["reference"] for s in report["adapters"] if s["name"] == "modest")
         assert lm.best_adapters["addition"][1] == chosen
         assert result.token_ids == expected
+        # experts="auto" on an arithmetic prompt, no adapter named: the audited best adapter for addition is used
+        auto = lm.generate("12+5=", experts="auto", **GREEDY)
+        assert auto.info["adapter"] == {"name": chosen, "prompt_length": 2, "auto": True}
+        assert "adapter" not in lm.generate("Once upon a time", experts="auto", **GREEDY).info  # no scored domain
     with swarm_client(local_swarm, "addition", dht_prefix=ADDITION, trusted_auditors=("none",)) as lm:
         with pytest.raises(AdapterError, match="trusts no auditor"):
             lm.generate("12+5=", adapter="best:addition", **GREEDY)
+        assert "adapter" not in lm.generate("12+5=", experts="auto", **GREEDY).info  # best effort: none, no error
     with swarm_client(local_swarm, "addition", dht_prefix=ADDITION,
                       trusted_auditors=(ed25519_text(Ed25519PrivateKey.generate()),)) as lm:
         with pytest.raises(AdapterError, match="no published adapter has a score on 'addition' by a trusted auditor"):

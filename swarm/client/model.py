@@ -335,6 +335,22 @@ class DistributedDiffusionLM(BaseDiffusionLM):
             name_or_path = self.best_adapter(name_or_path[len(BEST):])
         return super().load_adapter(name_or_path)
 
+    def auto_adapter(self, domains: Sequence[str]) -> Optional[str]:
+        """For ``experts="auto"``: the best adapter a trusted auditor scored on the first of ``domains`` that it scores
+        adapters on (``best:TASK``; the reports read with the server list), or None (no trusted auditor, or no trusted
+        score on those domains)."""
+        book = self.planner.audits
+        if book is None or not book.enabled:
+            return None
+        self.planner.refresh_if_stale()  # the reports are read with the server list, before the first route too
+        scored = {task for _, task in book.adapter_scores()}
+        for task in (domain for domain in domains if domain in scored):
+            try:
+                return self.best_adapter(task)
+            except AdapterError as error:
+                logger.debug("experts='auto': no audited adapter for %s: %s", task, error)
+        return None
+
     def best_adapter(self, task: str) -> str:
         """``name@AUTHOR`` of the published adapter whose content has the best score on ``task`` in the reports of
         the auditors this client trusts (authors' own claims play no part); :class:`AdapterError` when no trusted

@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 
 from swarm.adapters.adapter import AdapterError, PromptAdapter, base_of, check_fits
 from swarm.adapters.block import BlockAdapter
-from swarm.diffusion.auto_experts import AUTO_RULES, expert_weights
+from swarm.diffusion.auto_experts import AUTO_RULES, auto_experts, expert_weights
 from swarm.diffusion.composition import Composition
 from swarm.diffusion.config import GenerationConfig, GenerationLimits, settings_of
 from swarm.diffusion.experts import ExpertSource
@@ -225,6 +225,32 @@ class BaseDiffusionLM(ABC):
             cache[name_or_path] = (stamp, self.find_adapter(name_or_path, base_of(self.config, self.tokenizer)))
         return cache[name_or_path][1]
 
+    def request_adapter(self, options: GenerationRequest, prompt_ids: Sequence[int], gen_length: int
+                        ) -> tuple[Optional[PromptAdapter], Optional[str]]:
+        """The adapter of a request and its name: the one it names, or with ``experts="auto"`` and none named, the one
+        :meth:`auto_adapter` finds for the prompt's domains (best effort: one that cannot be used is skipped with a
+        warning, as ``"auto"`` skips experts that are missing)."""
+        if options.adapter is not None or options.experts != "auto":
+            adapter = self.load_adapter(options.adapter)
+            if adapter is not None:
+                check_fits(adapter, len(prompt_ids) + gen_length, self.config.max_position_embeddings)
+            return adapter, options.adapter
+        name = self.auto_adapter(list(auto_experts(self.tokenizer.decode(list(prompt_ids)))))
+        if name is None:
+            return None, None
+        try:
+            adapter = self.load_adapter(name)
+            check_fits(adapter, len(prompt_ids) + gen_length, self.config.max_position_embeddings)
+        except AdapterError as error:
+            logger.warning("experts='auto': not using adapter %s: %s", name, error)
+            return None, None
+        return adapter, name
+
+    def auto_adapter(self, domains: Sequence[str]) -> Optional[str]:
+        """An adapter for ``experts="auto"`` in the prompt's ``domains`` (:func:`auto_experts`' names), or None.
+        Locally none; the swarm client picks the best audited one (``DistributedDiffusionLM.auto_adapter``)."""
+        return None
+
     def forget_adapter(self, name_or_path: str) -> None:
         """Drop the adapter loaded for ``name_or_path``: the next request loads it again (a published name may hold
         other content by now)."""
@@ -365,10 +391,10 @@ class BaseDiffusionLM(ABC):
         request_info = {**self.begin_request(prompt, prompt_ids, options.tier, plan), **plan.info()}
         composition = self.composition(generation, prompt_ids, options.experts, options.expert_tau,
                                        options.corrector_steps, options.expert_top_k)
-        adapter = self.load_adapter(options.adapter)
+        adapter, adapter_name = self.request_adapter(options, prompt_ids, generation.gen_length)
         if adapter is not None:
-            check_fits(adapter, len(prompt_ids) + generation.gen_length, self.config.max_position_embeddings)
-            request_info["adapter"] = {"name": options.adapter, "prompt_length": adapter.length}
+            request_info["adapter"] = {"name": adapter_name, "prompt_length": adapter.length,
+                                       "auto": options.adapter is None}
         telemetry: list[dict] = []
         pieces = self._token_pieces()
         bar = tqdm(total=generation.gen_length, desc="denoising", unit="tok", disable=not options.progress,

@@ -14,6 +14,9 @@ chosen by ``--public-name``:
 * ``faulty-stall`` answers its first call (the client's compute challenge) honestly and holds every later one.
 * ``faulty-spare-PEERID`` lies on every answer except to the peer PEERID (an auditor's known identity: the attack
   that an auditor's fresh identity per round defeats, tests/test_audit_swarm.py).
+* ``faulty-rateR`` (any R) answers honestly but never faster than R positions per second through its span (it holds
+  the compute thread for the rest): started with ``--throughput`` 10 R it announces 10 times what it delivers
+  (benchmarks/audit_demo.py).
 """
 import random
 import re
@@ -29,6 +32,7 @@ _honest_async_forward = backend.SpanBackend.forward
 NAME = next((arg for arg in sys.argv if arg.startswith("faulty")), "faulty")
 ONE_IN = re.fullmatch(r"faulty-1in(\d+)", NAME)
 SPARED = NAME[len("faulty-spare-"):] if NAME.startswith("faulty-spare-") else None
+RATE = re.fullmatch(r"faulty-rate(\d+)", NAME)
 _calls = [0]
 _spared_calls: set[int] = set()  # ids of calls from the spared peer (the compute thread reads it)
 
@@ -59,7 +63,12 @@ def _perturbed_forward(self, call, *rest, **options):
     _calls[0] += 1
     if NAME == "faulty-stall" and _calls[0] > 1:
         time.sleep(3600)
+    started = time.perf_counter()
     output = _honest_forward(self, call, *rest, **options)
+    if RATE:  # honest, at R positions per second at most
+        positions = call.hidden.shape[0] * call.hidden.shape[1]
+        time.sleep(max(0.0, positions / int(RATE.group(1)) - (time.perf_counter() - started)))
+        return output
     if NAME == "faulty-stall" or not _lies_now(call.rows, call.head, call):
         return output
     if call.head is not None:  # predictions: lie about tokens, keep everything in range

@@ -356,7 +356,11 @@ def test_the_health_map_shows_the_latest_trusted_audit():
     health.audits = {PEER: audit_json(book.latest(), PEER)}
     shown = json.loads(strict_json(health.to_json()))
     assert shown["servers"][0]["audit"]["verdict"] == FAIL and shown["servers"][0]["audit"]["auditor"] == A
-    assert "FAIL 1/2" in render_text(health)
+    assert "FAIL 1/2" in render_text(health) and "OVERCLAIMS" not in render_text(health)
+    book.consider(report(entry(announced=1000.0, calibrated=100.0), sequence=2))  # passes, announces 10x its worth
+    health.audits = {PEER: audit_json(book.latest(), PEER)}
+    assert json.loads(strict_json(health.to_json()))["servers"][0]["audit"]["overclaim"] == 10.0
+    assert "pass 1/1" in render_text(health) and "OVERCLAIMS 10.0x" in render_text(health)
 
 
 # ----- adapter scores -----------------------------------------------------------------------------------------

@@ -6,20 +6,18 @@ trusts nobody does not, and a stranger's key cannot publish a report such a clie
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hivemind.utils import get_dht_time
 
-from swarm.adapters.adapter import AdapterConfig, AdapterError, SoftPrompt, base_of
-from swarm.adapters.sharing import ENV_CACHE, make_record, publish
-from swarm.audit.records import FAIL, PASS, AuditReport, ServerAudit, publish_report, read_report
+from swarm.adapters.adapter import AdapterError
+from swarm.adapters.sharing import make_record, publish
+from swarm.audit.records import FAIL, PASS, AdapterAudit, AuditReport, ServerAudit, publish_report, read_report
 from swarm.dht.config import NetworkConfig
 from swarm.dht.identity import Identity
 from swarm.dht.node import start_dht, stop_dht
@@ -27,6 +25,7 @@ from swarm.dht.schema import audit_key, forget_local_copies
 from swarm.dht.validation import ed25519_text, sign_slot, slot_subkey
 from swarm.frontend.local import DiffusionLM
 from swarm.governance.keys import generate_private_key, public_key_text
+from swarm.testing.adapters import random_soft_prompt
 from tests.conftest import make_checkpoint, stop_all, swarm_client, tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -159,51 +158,40 @@ ADDITION = "audit-addition"  # a prefix of its own for the embedded addition mod
 GREEDY = dict(gen_length=8, steps=8, block_length=8, temperature=0.0)
 
 
-def soft_prompt(lm, directory: Path, scale: float, length: int) -> Path:
-    config = AdapterConfig(length, lm.config.hidden_size, base_of(lm.config, lm.tokenizer), training={"steps": 1})
-    prompts = scale * torch.randn(length, lm.config.hidden_size, generator=torch.Generator().manual_seed(0))
-    return SoftPrompt(config, prompts).save(directory)
-
-
 @pytest.fixture(scope="module")
 def scored_adapters(local_swarm, tmp_path_factory):
     """A server of the embedded addition model serving two published adapters (random soft prompts): 'boaster'
     claims 0.99 and answers about a third of held-out sums exactly, 'modest' claims 0.1 and answers nearly all
-    (measured locally, 3 x 30 problems: 8, 13, 10 and 27, 28, 29). Then one ``--once --score-adapters addition``
-    round."""
+    (measured locally, 3 x 30 problems: 8, 13, 10 and 27, 28, 29). The auditor's report scoring them (8/30 and
+    28/30) is published here, signed by the auditor's key: that the auditor measures such scores is shown by
+    ``test_the_audit_demonstration`` (benchmarks/audit_demo.py), which scores these same two adapters."""
     base = tmp_path_factory.mktemp("adapters")
     local = DiffusionLM.from_pretrained("addition")
-    boaster, modest = soft_prompt(local, base / "boaster", 1.0, 4), soft_prompt(local, base / "modest", 5.0, 2)
+    boaster = random_soft_prompt(local, base / "boaster", 1.0, 4)
+    modest = random_soft_prompt(local, base / "modest", 5.0, 2)
     server = local_swarm.start_server("addition", "0:4", "--compute-threads", "1", "--dht-prefix", ADDITION,
                                       "--serve-adapter", str(boaster), "--serve-adapter", str(modest))
-    key_path = base / "auditor.key"
-    key = generate_private_key(key_path)
+    key = Ed25519PrivateKey.generate()
     dht = start_dht(NetworkConfig(initial_peers=local_swarm.initial_peers, client_mode=True))
     try:
-        for directory, name, claim in ((boaster, "boaster", 0.99), (modest, "modest", 0.1)):
-            publish(dht, Ed25519PrivateKey.generate(), ADDITION, make_record(directory, name, claim, [server.peer_id]))
-        started = time.perf_counter()
-        done = subprocess.run(
-            [sys.executable, "-m", "swarm.audit", "--once", "--json", "--key", str(key_path), "--model", "addition",
-             "--dht-prefix", ADDITION, "--score-adapters", "addition", "--task-examples", "30", "--threads", "1",
-             *(arg for peer in local_swarm.initial_peers for arg in ("--initial-peers", peer))],
-            capture_output=True, text=True, timeout=300, cwd=ROOT, env={**os.environ, ENV_CACHE: str(base / "cache")})
-        assert done.returncode == 0, done.stderr[-3000:]
-        print(f"one --once round scoring 2 adapters on 30 problems each: {time.perf_counter() - started:.1f} s wall")
-        yield local, modest, key, json.loads(done.stdout), base
+        now, scores = time.time(), []
+        for directory, name, claim, correct in ((boaster, "boaster", 0.99, 8), (modest, "modest", 0.1, 28)):
+            author = Ed25519PrivateKey.generate()
+            record = make_record(directory, name, claim, [server.peer_id])
+            publish(dht, author, ADDITION, record)
+            scores.append(AdapterAudit(name, ed25519_text(author), record.sha256, "addition", 30, correct, now - 1,
+                                       claim))
+        report = publish_report(dht, key, AuditReport(ADDITION, 1, now, (), ed25519_text(key), tuple(scores)), 600)
+        assert report is not None
+        yield local, modest, key, report.to_json(), base
     finally:
         stop_dht(dht)
         stop_all(local_swarm, [server])
 
 
-def test_the_auditor_measures_published_adapters_against_their_claims(local_swarm, scored_adapters):
+def test_the_health_map_shows_adapters_claims_beside_their_audited_scores(local_swarm, scored_adapters):
     _, _, key, report, _ = scored_adapters
     scores = {entry["name"]: entry for entry in report["adapters"]}
-    assert set(scores) == {"boaster", "modest"} and all(s["task"] == "addition" for s in scores.values())
-    assert scores["boaster"]["claimed"] == 0.99 and scores["modest"]["claimed"] == 0.1
-    assert all(s["examples"] == 30 for s in scores.values())
-    print(f"boaster {scores['boaster']['correct']}/30, modest {scores['modest']['correct']}/30")
-    assert scores["modest"]["score"] > scores["boaster"]["score"], "the truly better adapter scores higher"
     peers = [arg for peer in local_swarm.initial_peers for arg in ("--initial-peers", peer)]
     done = subprocess.run([sys.executable, "-m", "swarm.health", "--dht-prefix", ADDITION, "--num-blocks", "4",
                            "--json", "--trusted-auditors", public_key_text(key), *peers],
@@ -260,3 +248,33 @@ def test_a_server_honest_only_to_the_auditors_known_peer_id_is_caught_from_a_fre
         assert verdicts == [PASS, FAIL]
     finally:
         stop_all(local_swarm, [liar])
+
+
+# ----- the demonstration (docs/AUDIT.md) ----------------------------------------------------------------------
+def test_the_audit_demonstration():
+    """``python benchmarks/audit_demo.py`` as documented (its own 4-server swarm): the 1-in-20 liar is failed and the
+    server announcing 10x what it delivers is flagged; a fresh client trusting nobody routes through one of them, one
+    trusting the auditor routes around both and gets the local model's tokens; the auditor's measured adapter scores
+    contradict the authors' claims and ``best:addition`` picks the truly better adapter, with the local tokens."""
+    started = time.perf_counter()
+    done = subprocess.run([sys.executable, "benchmarks/audit_demo.py", "--json", "--no-fresh-identity",
+                           "--challenges", "4", "--examples", "20", "--max-rounds", "100"],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = json.loads(done.stdout)
+    print(f"the demonstration: {time.perf_counter() - started:.1f} s wall; found {found['found']} in "
+          f"{found['rounds']} rounds, median {found['round_seconds_median']:.2f} s")
+    assert set(found["found"]) == {"liar", "overclaimer"}
+    servers = found["servers"]
+    assert servers["C"]["failed"] >= 1 and servers["A"]["failed"] == servers["B"]["failed"] == 0
+    assert servers["D"]["failed"] == 0 and servers["D"]["overclaim"] > found["overclaim_factor"]
+    assert all(servers[name]["overclaim"] < found["overclaim_factor"] for name in "ABC")
+    assert found["before"]["route"] in (["C"], ["D"]), "announcing 1000 tok/s over all blocks wins the route"
+    after = found["after"]
+    assert after["route"] == ["A", "B"] and after["audit_failed"] == ["C"] and "D" in after["audit_overclaimed"]
+    assert after["tokens"] == found["local_tokens"]
+    boaster, modest = found["adapters"]["boaster"], found["adapters"]["modest"]
+    assert (boaster["claimed"], modest["claimed"]) == (0.99, 0.1) and boaster["examples"] == modest["examples"] == 20
+    assert modest["correct"] > boaster["correct"], "the truly better adapter scores higher"
+    assert after["best_adapter"] == modest["reference"]
+    assert after["best_adapter_tokens"] == found["local_best_tokens"]

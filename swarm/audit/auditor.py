@@ -11,8 +11,8 @@ given), so a server cannot single the auditor out by its peer id. The answer is 
 computation of those blocks with the client's spot-check comparison and tolerance
 (``swarm.client.spot_check.answers_agree``, ``ClientConfig.spot_check_rtol``): a wrong answer *fails* the server, no
 answer (unreachable, refused, timed out) is an *error* (no verdict on honesty), a right one *passes*. The same call
-measures the server: its ping's round trip, the call's seconds and the throughput it delivered (rows / (seconds -
-round trip)), beside what its record announces.
+measures the server: its ping's round trip, the call's seconds and the throughput it delivered (rows / seconds, as
+a client waits for them), beside what its record announces.
 
 With ``--score-adapters TASK`` it also scores every published adapter (the first :data:`MAX_ADAPTERS` the catalog
 lists) on held-out problems of ``swarm.eval``'s task, drawn anew each round from ``os.urandom``, generating *through
@@ -78,14 +78,14 @@ SPEED_CHECKS = 8  # a server's speed is the best its last answered checks delive
 
 
 def calibrate(delivered: Mapping[str, float], announced: Mapping[str, float]) -> dict[str, float]:
-    """Per server of ``delivered`` (tokens/s a check measured, at its best), what it would announce if it claimed what
-    its peers claim for the same delivery.
+    """Per server of ``delivered`` (tokens/s its checks delivered, the best of recent ones), what it would announce if
+    it claimed what its peers claim for the same delivery.
 
-    A check's figure (rows over the call's time less the ping) includes the wire and per-call costs, so it is below
-    what a server measures of its own compute (``--throughput auto``) by a factor that depends on the model and the
-    links, not on honesty. The median announced/delivered ratio of the servers stands for that factor; a server
-    announcing far more than its delivery times that median claims more than its peers do for the same delivery
-    (``ServerAudit.overclaim``). A lone server is its own median (never an overclaim); overclaimers that are a
+    A check's figure (rows over the call's time, as the caller waits for it) includes the wire and per-call costs, so
+    it is below what a server measures of its own compute (``--throughput auto``) by a factor that depends on the
+    model and the links, not on honesty. The median announced/delivered ratio of the servers stands for that factor;
+    a server announcing far more than its delivery times that median claims more than its peers do for the same
+    delivery (``ServerAudit.overclaim``). A lone server is its own median (never an overclaim); overclaimers that are a
     majority would move the median (docs/AUDIT.md)."""
     ratios = [announced[peer] / max(speed, 1e-6) for peer, speed in delivered.items() if peer in announced]
     if not ratios:
@@ -107,10 +107,11 @@ class Check:
 
     @property
     def measured(self) -> Optional[float]:
-        """Tokens per second the call delivered beyond its round trip (None without an answer)."""
+        """Tokens per second the call delivered as the caller waits for it, round trip included (None without an
+        answer). Subtracting the ping would blow a call about as short as the ping up to millions of tokens/s."""
         if self.verdict == ERROR or self.seconds is None:
             return None
-        return self.rows / max(self.seconds - (self.rtt or 0.0), 1e-6)
+        return self.rows / max(self.seconds, 1e-6)
 
 
 @dataclass
@@ -174,13 +175,17 @@ class Auditor:
         with torch.inference_mode():
             return self.blocks(request.hidden.to(self.dtype), blocks=(request.start, request.end)).to(self.dtype)
 
-    def check(self, record: ServerRecord) -> Check:
-        """Ping the server, send it one challenge through its announced span and compare the answer."""
+    def check(self, record: ServerRecord) -> list[Check]:
+        """Ping the server, then send it ``challenges`` challenges through its announced span, one after another,
+        each compared with the auditor's own pass; stops at the first that does not pass."""
         try:
             rtt, usage = self._ping(record)
         except RemoteError as error:
-            return Check(ERROR, f"ping: {error}"[:MAX_REASON_CHARS])
-        return dataclasses.replace(self._challenge(record, rtt), usage=usage)
+            return [Check(ERROR, f"ping: {error}"[:MAX_REASON_CHARS])]
+        checks = []
+        while len(checks) < self.config.challenges and (not checks or checks[-1].verdict == PASS):
+            checks.append(dataclasses.replace(self._challenge(record, rtt), usage=usage))
+        return checks
 
     def _challenge(self, record: ServerRecord, rtt: float) -> Check:
         """One challenge through the server's announced span, compared with the auditor's own pass."""
@@ -237,6 +242,14 @@ class Auditor:
                                   request_timeout=self.config.request_timeout, trusted_auditors=(self.public_key,))
             self._client = DistributedDiffusionLM(self.files, config, dht=self.dht)
         return self._client
+
+    def follow(self, findings: AuditReport) -> None:
+        """Make the scoring client act on this round's findings before they are published: it avoids the servers
+        just failed and routes overclaimers by their calibration (scoring through them would measure their lies)."""
+        planner = self.client.planner
+        planner.audits.consider(findings)
+        planner.refresh()
+        planner.build_route()
 
     def score_adapters(self) -> dict[tuple[str, str], AdapterAudit]:
         """Score every published adapter (the first :data:`MAX_ADAPTERS`) on each task of ``score_adapters``; the
@@ -326,27 +339,30 @@ class Auditor:
             finally:
                 stop_dht(dht)
 
-    def run_round(self) -> RoundResult:
-        """Check every online server once, in random order (from this round's identity), then publish the report."""
+    def run_round(self, score: bool = True) -> RoundResult:
+        """Check every online server once, in random order (from this round's identity), score the published adapters
+        (when configured and ``score``), then publish the report."""
         started = time.perf_counter()
         servers = [r for r in read_servers(self.dht, self.prefix, self.model.num_layers).values()
                    if r.state == ServerState.ONLINE]
         self.rng.shuffle(servers)
-        checked = {}
+        checked: dict[str, Check] = {}
         with self.challenger() as identity:
             logger.debug("challenging %d servers as %s", min(len(servers), MAX_SERVERS), identity)
-            for server in servers[:MAX_SERVERS]:
-                checked[server.peer_id] = self.check(server)
+            found = {server.peer_id: self.check(server) for server in servers[:MAX_SERVERS]}
         for server in servers[:MAX_SERVERS]:
-            check = checked[server.peer_id]
-            audit = self.record(server, check, time.time())
+            for check in found[server.peer_id]:
+                audit = self.record(server, check, time.time())
+            checked[server.peer_id] = check  # the last: the one that did not pass, if any
             log = logger.warning if check.verdict != PASS else logger.info
             log("server %s (blocks %d:%d): %s%s; %s rows in %s s, announced %.1f tok/s, measured %s tok/s",
                 server.peer_id, server.start, server.end, check.verdict.upper(),
                 f" ({check.reason})" if check.reason else "", check.rows,
                 "-" if check.seconds is None else f"{check.seconds:.3f}", server.throughput,
                 "-" if audit.measured is None else f"{audit.measured:.1f}")
-        self.score_adapters()
+        if score and self.config.score_adapters:
+            self.follow(self.report())
+            self.score_adapters()
         report = self.report()
         for entry in report.servers:
             if entry.overclaim is not None and entry.overclaim > OVERCLAIM_FACTOR:

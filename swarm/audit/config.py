@@ -33,6 +33,9 @@ class AuditorConfig:
         True, "Send each round's challenges from a new libp2p identity (a throwaway DHT peer, about a second to "
               "start), so a server cannot answer one known auditor id honestly and lie to everyone else; reports are "
               "still signed by --key.", flags=("--fresh-identity",))
+    challenges: int = setting(1, "Challenges per server per round, one after another until one fails: a server "
+                                 "lying on a share p of its answers is failed after about 1 / (p x challenges) "
+                                 "rounds, at that many passes of its span per round.", low=1, high=64)
     request_timeout: float = setting(30.0, "Seconds a challenge may take through one server; longer is an error "
                                            "(no verdict on honesty).", low=0.0, high=3600.0, low_open=True)
     connect_timeout: float = setting(5.0, "Seconds for the ping that measures a server's round trip.", low=0.0,

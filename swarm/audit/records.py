@@ -85,7 +85,7 @@ class ServerAudit:
     last_failure: Optional[float] = None  # time of the last failed check
     reason: str = ""  # why the last check that did not pass did not
     announced: float = 0.0  # tokens per second the server's record announced at the last check
-    measured: Optional[float] = None  # tokens per second the last check measured (rows / (call time - round trip))
+    measured: Optional[float] = None  # tokens per second the last check delivered (rows / call time, ping included)
     rtt: Optional[float] = None  # seconds of the last check's ping
     seconds: Optional[float] = None  # seconds the last check's forward call took
     rows: int = 0  # positions the last check sent

@@ -4,9 +4,13 @@ from __future__ import annotations
 import time
 from typing import Any, Optional, Sequence
 
+from swarm.client.config import ClientConfig
 from swarm.health.map import HealthMap, format_spans
 from swarm.health.reachability import reachability
+from swarm.utils.settings import declared
 from swarm.utils.text import plural
+
+OVERCLAIM_FACTOR = declared(ClientConfig, "overclaim_factor").default  # where clients stop believing an announcement
 
 
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
@@ -21,14 +25,17 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> list[
 
 def audit_cell(audit: Optional[dict[str, Any]]) -> str:
     """A server's latest trusted audit in a few words: ``pass 3/3 at 14:05 (measured 812 tok/s)``, ``FAIL 1/2 ...``
-    (the TOK/S column beside it is what the server announces)."""
+    (the TOK/S column beside it is what the server announces), and ``OVERCLAIMS 10.0x`` when that announcement is
+    over the clients' default ``overclaim_factor`` times what the auditor calibrated."""
     if audit is None:
         return "-"
     checks = audit["passed"] + audit["failed"] + audit["errors"]
     verdict = audit["verdict"] if audit["verdict"] == "pass" else audit["verdict"].upper()
     measured = "" if audit["measured"] is None else f" (measured {audit['measured']:.0f} tok/s)"
     when = time.strftime("%H:%M", time.gmtime(audit["last_check"]))
-    return f"{verdict} {audit['passed']}/{checks} at {when}{measured}"
+    overclaim = audit.get("overclaim")
+    claims = f", OVERCLAIMS {overclaim:.1f}x" if overclaim is not None and overclaim > OVERCLAIM_FACTOR else ""
+    return f"{verdict} {audit['passed']}/{checks} at {when}{measured}{claims}"
 
 
 def usage_lines(health: HealthMap) -> list[str]:

@@ -1,5 +1,6 @@
 """Harnesses that the tests and the scripts in ``benchmarks/`` share, defined once here instead of in ``tests/``.
 
+* :mod:`swarm.testing.adapters`: random soft prompts of chosen quality (``random_soft_prompt``);
 * :mod:`swarm.testing.checkpoints`: a tiny native checkpoint with random weights (``tiny_config``,
   ``make_checkpoint``);
 * :mod:`swarm.testing.hub_standin`: a stand-in for the Hugging Face hub's file endpoint on 127.0.0.1;

@@ -45,11 +45,12 @@ function auditCell(audit, trusting) {
       : null);
 }
 
-/** A server's usage totals, as it says: "1,234 tokens, 5.2 s", then "12 requests, 0 refused". */
+/** A server's usage totals, as it says (the column's header explains the units): "1,234 tok, 5.2 s", then
+ * "12 req, 0 refused". */
 function usageCell(usage) {
   if (!usage) return "—";
-  return el("span", {}, el("span", { className: "line" }, `${usage.tokens.toLocaleString("en")} tokens, ` +
-    `${num(usage.seconds, 1)} s`), el("span", { className: "line" }, ` ${plural(usage.requests, "request")}, ` +
+  return el("span", {}, el("span", { className: "line" }, `${usage.tokens.toLocaleString("en")} tok, ` +
+    `${num(usage.seconds, 1)} s`), el("span", { className: "line" }, ` ${usage.requests.toLocaleString("en")} req, ` +
     `${usage.refused} refused`));
 }
 

@@ -66,7 +66,7 @@ def client_access(lm: Any) -> SwarmAccess:
                           route=tuple(map(str, route)), route_peers=frozenset(hop.peer_id for hop in route))
 
     return SwarmAccess(lm.dht, lm.prefix, lm.config.num_layers, lm.caller, lm.loop, lm.guard, client,
-                       audits=getattr(planner, "audits", None))  # ClientConfig.trusted_auditors' book
+                       audits=planner.audits)  # the reports of ClientConfig.trusted_auditors
 
 
 def own_access(network: NetworkConfig, prefix: str, num_blocks: int, auditors: Iterable[str] = ()) -> SwarmAccess:

@@ -16,10 +16,12 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
 import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 pytest.importorskip("fastapi", reason="the pages are served by FastAPI (pip install fastapi uvicorn)")
 uvicorn = pytest.importorskip("uvicorn", reason="the pages are served by uvicorn (pip install fastapi uvicorn)")
@@ -31,15 +33,20 @@ from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.common.keys import Keys  # noqa: E402
 from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
 
+from swarm.adapters.sharing import PublishedAdapter  # noqa: E402
+from swarm.adapters.sharing import publish as publish_adapter  # noqa: E402
 from swarm.api import GenerationEngine, create_app  # noqa: E402
+from swarm.audit.records import FAIL, PASS, AdapterAudit, AuditBook, AuditReport, ServerAudit, publish_report  # noqa: E402
+from swarm.dht.node import NetworkConfig  # noqa: E402
 from swarm.dht.schema import RECORD_VERSION, ServerRecord, ServerState  # noqa: E402
 from swarm.governance.keys import generate_private_key, public_key_text  # noqa: E402
 from swarm.governance.records import HALT, RESUME, publish  # noqa: E402
-from swarm.health.map import ExpertAnnouncement, build_health_map  # noqa: E402
+from swarm.health.map import ExpertAnnouncement, audits_of, build_health_map  # noqa: E402
+from swarm.server.usage import UsageLedger, parse_usage  # noqa: E402
 from swarm.utils.local_swarm import LocalSwarm  # noqa: E402
 from swarm.web.server import listen  # noqa: E402
 from swarm.web.snapshot import ClientView, Probe, map_snapshot  # noqa: E402
-from swarm.web.watcher import SwarmWatcher, WatchConfig, in_flight_of  # noqa: E402
+from swarm.web.watcher import SwarmWatcher, WatchConfig, in_flight_of, own_access  # noqa: E402
 from tests.test_api import serve  # noqa: E402  (uvicorn on a free loopback port, in a thread)
 
 MODEL = "default"  # the embedded model: 16 blocks, readable text for the screenshots
@@ -117,6 +124,40 @@ def local_model():
 def api_url(web_lm) -> Iterator[str]:
     with serve(create_app(GenerationEngine(web_lm, MODEL))) as url:
         yield url
+
+
+@dataclass(frozen=True)
+class Audited:
+    """What :func:`audited` published: the auditor's key (base64), the servers it failed and passed, the adapter."""
+
+    auditor: str
+    failed: str  # peer id of the 0:8 server
+    passed: str  # peer id of an 8:16 server
+    adapter: PublishedAdapter
+
+
+@pytest.fixture(scope="module")
+def audited(web_swarm, web_lm, tmp_path_factory) -> Audited:
+    """An auditor (not the governance key web_lm trusts: its client keeps every server) fails the 0:8 server and
+    passes an 8:16 one, and scores a published adapter; a stranger publishes the opposite in its own slot."""
+    auditor, stranger = (generate_private_key(tmp_path_factory.mktemp(name) / "key")
+                         for name in ("auditor", "stranger"))
+    failed = next(p.peer_id for p in web_swarm.processes if p.span == (0, 8))
+    passed = next(p.peer_id for p in web_swarm.processes if p.span == (8, 16))
+    author = Ed25519PrivateKey.generate()
+    adapter = publish_adapter(web_lm.dht, author, web_lm.prefix, PublishedAdapter(
+        "adder", "ab" * 32, 4096, {"model": MODEL}, score=0.99, published=time.time()))
+    now = time.time()
+
+    def report(auditor_key, fail: str, ok: str) -> AuditReport:
+        entries = (ServerAudit(fail, 0, 8, 2, 1, 0, now - 60, now - 1, FAIL, now - 1, "wrong hidden states", 80.0, 8.0),
+                   ServerAudit(ok, 8, 16, 3, 0, 0, now - 60, now - 1, PASS, announced=80.0, measured=70.0))
+        scores = (AdapterAudit(adapter.name, adapter.author, adapter.sha256, "addition", 10, 4, now - 1, 0.99),)
+        return AuditReport(web_lm.prefix, int(now * 1000), now, entries, public_key_text(auditor_key), scores)
+
+    assert publish_report(web_lm.dht, auditor, report(auditor, failed, passed), 600) is not None
+    assert publish_report(web_lm.dht, stranger, report(stranger, passed, failed), 600) is not None
+    return Audited(public_key_text(auditor), failed, passed, adapter)
 
 
 # ----- browser helpers --------------------------------------------------------------------------------------
@@ -269,6 +310,39 @@ def test_map_data_is_valid_json_whatever_servers_announce():
     assert snapshot["experts"] == [{"domain": "code", "peers": [], "malformed": 2}]
 
 
+def test_map_data_carries_trusted_audits_usage_and_adapters():
+    """A book's reports become each server's ``audit`` (health --json's object, extra fields passed on) and each
+    adapter's audited scores beside its claim; the ping's usage counts become the row's totals."""
+    now, auditor = time.time(), public_key_text(Ed25519PrivateKey.generate())
+    book = AuditBook("m", frozenset({auditor}))
+    assert book.consider(AuditReport("m", 1, now, (
+        ServerAudit("peerA", 0, 2, 0, 1, 0, now - 60, now - 5, FAIL, now - 5, "wrong logits", 50.0, 5.0),
+        ServerAudit("peerB", 2, 4, 3, 0, 0, now - 60, now - 5, PASS, announced=10.0, measured=9.5)), auditor,
+        (AdapterAudit("adder", auditor, "a" * 64, "addition", 10, 7, now - 5, claimed=0.99),)))
+    adapters = [{"name": "adder", "author": "0123456789abcdef", "sha256": "a" * 64, "size": 1000, "score": 0.99,
+                 "hosts": ["peerB"]}]
+    health = build_health_map([hostile_record("peerA"), hostile_record("peerB", start=2, end=4),
+                               hostile_record("peerC", start=4, end=6)], "m", 6)
+    health.adapters, health.audits = adapters, audits_of(book, adapters)
+    health.audits["peerB"]["calibrated"] = 12.5  # a field this page does not know yet is passed on
+    ledger = UsageLedger()
+    ledger.record("caller", 64, 0.5, now)
+    probes = {"peerA": Probe(rtt_ms=1.0, usage=parse_usage(ledger.info(now))), "peerB": Probe(error="timeout")}
+    snapshot = map_snapshot(health, probes, ClientView(), {"enabled": False}, "health", False, [auditor])
+    json.dumps(snapshot, allow_nan=False)
+    failed, passed, unchecked = snapshot["servers"]
+    assert failed["audit"]["verdict"] == FAIL and failed["audit"]["reason"] == "wrong logits" and failed["audit_failed"]
+    assert failed["audit"]["auditor"] == auditor and failed["audit"]["measured"] == 5.0
+    assert passed["audit"]["calibrated"] == 12.5 and not passed["audit_failed"] and unchecked["audit"] is None
+    assert failed["usage"] == {"tokens": 64, "seconds": 0.5, "requests": 1, "refused": 0}
+    assert passed["usage"] is None and unchecked["usage"] is None  # no answer; not pinged
+    assert snapshot["auditors"] == [auditor]
+    assert snapshot["adapters"] == [{"name": "adder", "author": "0123456789abcdef", "sha256": "a" * 64,
+                                     "size": 1000, "claimed": 0.99, "hosts": 1,
+                                     "audits": {"addition": {"correct": 7, "examples": 10, "score": 0.7,
+                                                             "checked": now - 5, "auditor": auditor}}}]
+
+
 @pytest.mark.parametrize("info, expected", [
     ({"admission": {"span": {"in_flight": 2}, "experts": {"in_flight": 1}}}, 3),
     ({"admission": {"span": {"in_flight": -5}}}, None),
@@ -328,6 +402,38 @@ def test_serve_refuses_a_port_in_use_before_joining_any_swarm():
                                                   "--initial-peers", "/ip4/127.0.0.1/tcp/1/p2p/12D3KooWRVbNXZSAwuv4jbz"
                                                   "q2sMzNsKzEMKruFjT9mKuXxBYHUBc"])
     assert result.exit_code == 2 and f"cannot listen on 127.0.0.1:{port}" in result.output
+
+
+@pytest.mark.swarm
+def test_a_watcher_shows_its_trusted_auditors_reports_and_each_servers_usage(web_swarm, web_lm, audited, api_url):
+    """The auditor's verdicts, not the stranger's, and the adapter's audited score beside its claim; the usage each
+    server reports (the client's challenges were calls); a watcher that trusts no auditor shows none."""
+    web_lm.generate(PROMPT, gen_length=4, steps=1, block_length=4)  # one pass: every server computes for a caller
+    access = own_access(NetworkConfig(initial_peers=web_swarm.initial_peers, client_mode=True), web_lm.prefix, 16,
+                        auditors=[audited.auditor])
+    try:
+        snapshot = SwarmWatcher(access, source="health", playground=False).snapshot()
+        untrusting = SwarmWatcher(replace(access, audits=None), source="health", playground=False).snapshot()
+    finally:
+        access.close()
+    servers = {server["peer_id"]: server for server in snapshot["servers"]}
+    failed, passed = servers[audited.failed], servers[audited.passed]
+    assert failed["audit"]["verdict"] == FAIL and failed["audit_failed"]
+    assert failed["audit"]["auditor"] == audited.auditor
+    assert failed["audit"]["reason"] == "wrong hidden states" and failed["audit"]["measured"] == 8.0
+    assert passed["audit"]["verdict"] == PASS and not passed["audit_failed"]
+    assert snapshot["auditors"] == [audited.auditor]
+    adapter = next(a for a in snapshot["adapters"] if a["sha256"] == audited.adapter.sha256)
+    assert adapter["claimed"] == 0.99 and adapter["audits"]["addition"]["correct"] == 4
+    usage = [server["usage"] for server in snapshot["servers"] if server["usage"] is not None]
+    assert len(usage) == 3 and sum(counts["requests"] > 0 for counts in usage) >= 2, usage  # the route's two hops
+    assert all(server["audit"] is None and not server["audit_failed"] for server in untrusting["servers"])
+    assert untrusting["auditors"] == [] and all(not a["audits"] for a in untrusting["adapters"])
+    with urllib.request.urlopen(f"{api_url}/map.json", timeout=30) as response:
+        api = json.loads(response.read())
+    # The API's page reads its client's book: the governance key by default, which has published no report
+    assert api["auditors"] == sorted(web_lm.planner.audits.trusted) != [] and audited.auditor not in api["auditors"]
+    assert all(server["audit"] is None for server in api["servers"])
 
 
 def test_stream_chunks_carry_the_canvas(local_model):
@@ -457,8 +563,9 @@ def test_playground_shows_a_failover(browser, api_url, web_swarm, web_lm, local_
     assert console_errors(browser) == []
 
 
-def test_health_serve_map_warns_once_a_server_stops(browser, web_swarm, api_url, governance_key):
+def test_health_serve_map_warns_once_a_server_stops(browser, web_swarm, api_url, governance_key, audited):
     command = [sys.executable, "-m", "swarm.health", "--serve", "--port", "0", "--model", MODEL,
+               "--trusted-auditors", audited.auditor,
                *[arg for peer in web_swarm.initial_peers for arg in ("--initial-peers", peer)]]
     env = dict(web_swarm.env, SWARM_GOVERNANCE_KEYS=public_key_text(governance_key))
     process = subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env,
@@ -471,6 +578,14 @@ def test_health_serve_map_warns_once_a_server_stops(browser, web_swarm, api_url,
         wait_for(browser, lambda d: map_is_drawn(d, running), "the running servers on the operator's map")
         assert not browser.find_element(By.ID, "nav-playground").is_displayed()  # no API here
         assert "Running" in text_of(browser, "governance")  # watched: the keys came from the environment
+        audits = {row["id"]: row["Audit"] for row in server_rows(browser)}
+        assert audits[f"server-{audited.failed}"].startswith("FAIL 2/3 at ")  # passed of all checks, as swarm.health
+        assert "measured 8 of 80 tok/s" in audits[f"server-{audited.failed}"]
+        assert audits[f"server-{audited.passed}"].startswith("pass 3/3 at ")
+        marked = [label for label, classes in bars(browser) if "audit-failed" in classes]
+        assert len(marked) == 1 and "failed its last audit" in marked[0]
+        assert "addition 4/10 (40%)" in browser.find_element(By.ID, "adapters").text
+        screenshot(browser, "web-map-audits.png")
         for server in [p for p in web_swarm.processes if p.span == (8, 16) and p.alive]:  # run alone: two of them
             web_swarm.terminate(server)
         wait_for(browser, lambda d: text_of(d, "coverage").startswith("Uncovered blocks 8:16"), "the warning")

@@ -77,8 +77,10 @@ def read_map(network: NetworkConfig, prefix: str, num_blocks: int, auditors: tup
         dht.shutdown()
 
 
-def serve_page(network: NetworkConfig, prefix: str, num_blocks: int, host: str, port: int, log_level: str) -> None:
-    """``--serve``: the live map page (docs/WEB.md) until SIGINT / SIGTERM; prints ``MAP READY <url>``."""
+def serve_page(network: NetworkConfig, prefix: str, num_blocks: int, host: str, port: int, log_level: str,
+               auditors: tuple[str, ...] = ()) -> None:
+    """``--serve``: the live map page (docs/WEB.md) until SIGINT / SIGTERM; prints ``MAP READY <url>``. The page
+    shows the reports of ``auditors`` (base64 keys)."""
     try:
         from swarm.web.server import listen, serve_map
         from swarm.web.watcher import own_access
@@ -89,7 +91,7 @@ def serve_page(network: NetworkConfig, prefix: str, num_blocks: int, host: str, 
     except OSError as error:
         raise click.UsageError(f"cannot listen on {host}:{port}: {error}") from error
     try:
-        access = own_access(network, prefix, num_blocks)
+        access = own_access(network, prefix, num_blocks, auditors)
     except Exception as error:  # as read_map: daemon, timeout and parse errors all mean "cannot join"
         sock.close()
         raise UnreachableSwarm(f"could not join the swarm: {error}") from error
@@ -126,15 +128,15 @@ def main(model: Optional[str], dht_prefix: Optional[str], num_blocks: Optional[i
     latest check by a trusted auditor (and, with --usage, what each server computed for its callers)."""
     setup_logging(log_level)
     prefix, num_blocks = resolve_target(model, dht_prefix, num_blocks)
-    if serve:
-        serve_page(client_network(options), prefix, num_blocks, host, port, log_level)
-        return
     from swarm.audit.records import trusted_auditors as auditor_keys
 
     try:
         auditors = tuple(auditor_keys(trusted_auditors))
     except ValueError as error:
         raise click.BadParameter(str(error), param_hint="--trusted-auditors") from None
+    if serve:
+        serve_page(client_network(options), prefix, num_blocks, host, port, log_level, auditors)
+        return
     health = read_map(client_network(options), prefix, num_blocks, auditors, usage)
     from swarm.health.render import render_text
 

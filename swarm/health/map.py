@@ -7,15 +7,17 @@ announced that it left, but both are still listed so that an operator sees them.
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Optional
 
 from hivemind.dht import DHT
 
 from swarm.dht.schema import ServerRecord, ServerState, read_all_experts, read_servers
 from swarm.health.reachability import reachability
+
+if TYPE_CHECKING:
+    from swarm.audit.records import AuditBook
 
 logger = logging.getLogger(__name__)
 
@@ -151,10 +153,18 @@ def read_audits(dht: DHT, prefix: str, auditors: Iterable[str], adapters: list[d
                 ) -> dict[str, dict[str, Any]]:
     """Per server, its latest check by one of ``auditors`` (base64 keys): only their signed reports are read. Each of
     ``adapters`` (``read_adapters`` entries) gets ``audits``: its content's latest trusted score per task."""
-    from swarm.audit.records import AuditBook, adapter_audits_json, audit_json  # pulls in the adapter code: if asked
+    from swarm.audit.records import AuditBook  # pulls in the adapter code: only if asked
 
     book = AuditBook(prefix, frozenset(auditors))
     book.refresh(dht)
+    return audits_of(book, adapters)
+
+
+def audits_of(book: AuditBook, adapters: list[dict[str, Any]] = ()) -> dict[str, dict[str, Any]]:
+    """What the maps show of the reports ``book`` holds (no read: a reader that keeps a book, the web map through its
+    client's, refreshes it itself): per server its latest trusted check; each of ``adapters`` gets ``audits``."""
+    from swarm.audit.records import adapter_audits_json, audit_json
+
     for adapter in adapters:
         adapter["audits"] = adapter_audits_json(book, adapter["sha256"])
     latest = book.latest()
@@ -167,7 +177,7 @@ MAX_USAGE_SERVERS = 64  # servers asked for their usage counts by one map
 def read_usage(dht: DHT, servers: Iterable[ServerRecord], timeout: float = 5.0) -> dict[str, Optional[dict]]:
     """Ask each ONLINE server (at most ``MAX_USAGE_SERVERS``, all at once) for its usage counts (``rpc_info``):
     per peer id the parsed counts, or None when it did not answer in ``timeout`` or answered nonsense."""
-    from swarm.server.usage import parse_usage
+    from swarm.health.probe import ask_all, usage_of
     from swarm.utils.event_loop import BackgroundLoop
     from swarm.wire.remote import RemoteCaller
 
@@ -176,27 +186,11 @@ def read_usage(dht: DHT, servers: Iterable[ServerRecord], timeout: float = 5.0) 
         return {}
     loop = BackgroundLoop.shared()
     caller = RemoteCaller(loop.run(dht.replicate_p2p()))
-
-    async def ask(record: ServerRecord) -> Optional[dict]:
-        try:
-            try:
-                info, _ = await caller.info(record.peer_id, timeout)
-            except Exception:  # the daemon may not know its address yet: dial the announced ones once
-                await caller.connect(record.peer_id, record.addresses, timeout)
-                info, _ = await caller.info(record.peer_id, timeout)
-            return parse_usage(info.get("usage")) if isinstance(info, dict) else None
-        except Exception as error:  # unreachable, refused, timed out: no counts, never a crash
-            logger.debug("no usage from %s: %r", record.peer_id, error)
-            return None
-
-    async def ask_all() -> list[Optional[dict]]:
-        return list(await asyncio.gather(*(ask(record) for record in online)))
-
     try:
-        answers = loop.run(ask_all(), timeout=3 * timeout + 5)
+        replies = loop.run(ask_all(caller, online, timeout), timeout=3 * timeout + 5)
     finally:
         loop.run(caller.p2p.shutdown(), timeout=5)
-    return {record.peer_id: answer for record, answer in zip(online, answers)}
+    return {peer: usage_of(reply.info) for peer, reply in replies.items()}
 
 
 def read_health_map(dht: DHT, prefix: str, num_blocks: int, adapters: bool = False,

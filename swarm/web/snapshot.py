@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional
 
+from swarm.audit.records import FAIL
 from swarm.dht.schema import ExpertRecord
 from swarm.health.map import ExpertAnnouncement, HealthMap, server_json
 
@@ -19,6 +20,7 @@ MAX_TEXT = 120  # characters kept of any announced string (names, versions, nume
 MAX_ITEMS = 32  # items kept of any announced list (a server's experts)
 MAX_EXPERT_PEERS = 64  # announcements shown per expert domain
 MAX_DOMAINS = 64  # expert domains shown
+MAX_ADAPTERS = 64  # published adapters shown
 
 # The colour of a server's bar: the first status that applies, in this order.
 STATUSES = ("offline", "joining", "banned", "busy", "online")
@@ -31,6 +33,7 @@ class Probe:
     rtt_ms: Optional[float] = None
     in_flight: Optional[int] = None  # requests the server is computing or queueing now
     error: Optional[str] = None  # why it did not answer
+    usage: Optional[dict[str, Any]] = None  # what it says it computed for its callers (``parse_usage``'s map)
 
 
 @dataclass(frozen=True)
@@ -66,8 +69,19 @@ def status_of(state: str, banned: bool, probe: Optional[Probe]) -> str:
     return "online"
 
 
-def server_view(record: dict[str, Any], probe: Optional[Probe], client: ClientView) -> dict[str, Any]:
-    """One server row: the announced fields (sanitised), then what this peer measured and decided."""
+def usage_view(usage: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
+    """A server's usage totals as the table shows them (its own word, unchecked), from ``parse_usage``'s map."""
+    if usage is None:
+        return None
+    total = usage["total"]
+    return {"tokens": total["tokens"], "seconds": number(total["seconds"]), "requests": total["requests"],
+            "refused": usage["refused"]}
+
+
+def server_view(record: dict[str, Any], probe: Optional[Probe], client: ClientView,
+                audit: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """One server row: the announced fields (sanitised), then what this peer measured and decided, and its latest
+    check by a trusted auditor (``audit``: ``swarm.health --json``'s, parsed from a signed report)."""
     peer = str(record["peer_id"])
     banned = peer in client.banned or peer in client.distrusted
     return {
@@ -84,7 +98,21 @@ def server_view(record: dict[str, Any], probe: Optional[Probe], client: ClientVi
         "probe_error": None if probe is None else text(probe.error, 200),
         "banned": peer in client.banned, "distrusted": peer in client.distrusted,
         "in_route": peer in client.route_peers,
+        "usage": None if probe is None else usage_view(probe.usage),
+        "audit": audit, "audit_failed": audit is not None and audit.get("verdict") == FAIL,
     }
+
+
+def adapter_view(adapter: dict[str, Any]) -> dict[str, Any]:
+    """One published adapter (``read_adapters``' entry, a parsed signed record): who published it, the score its
+    author claims and, per task, the latest score a trusted auditor measured of its content."""
+    audits = {text(task, 40): {"correct": entry.get("correct"), "examples": entry.get("examples"),
+                               "score": number(entry.get("score")), "checked": number(entry.get("checked")),
+                               "auditor": text(entry.get("auditor"), 64)}
+              for task, entry in sorted((adapter.get("audits") or {}).items())[:MAX_ITEMS]}
+    return {"name": text(adapter.get("name")), "author": text(adapter.get("author"), 64),
+            "sha256": text(adapter.get("sha256"), 64), "size": number(adapter.get("size")),
+            "claimed": number(adapter.get("score")), "hosts": len(adapter.get("hosts") or ()), "audits": audits}
 
 
 def expert_view(domain: str, announcements: Iterable[ExpertAnnouncement]) -> dict[str, Any]:
@@ -113,9 +141,11 @@ def governance_view(enabled: bool, decision: Any = None, error: Optional[str] = 
 
 
 def map_snapshot(health: HealthMap, probes: dict[str, Probe], client: ClientView, governance: dict[str, Any],
-                 source: str, playground: bool) -> dict[str, Any]:
-    """The document ``/map.json`` answers: everything the map page draws, JSON-safe."""
-    servers = [server_view(server_json(record), probes.get(record.peer_id), client) for record in health.servers]
+                 source: str, playground: bool, auditors: Iterable[str] = ()) -> dict[str, Any]:
+    """The document ``/map.json`` answers: everything the map page draws, JSON-safe. ``auditors``: the keys whose
+    reports gave ``health.audits`` (none: the page says that no auditor is trusted, not that nobody was checked)."""
+    servers = [server_view(server_json(record), probes.get(record.peer_id), client, health.audits.get(record.peer_id))
+               for record in health.servers]
     domains = sorted(health.experts.items())[:MAX_DOMAINS]
     return {
         "mode": "swarm", "source": source, "playground": playground, "generated_at": time.time(),
@@ -123,7 +153,8 @@ def map_snapshot(health: HealthMap, probes: dict[str, Probe], client: ClientView
         "uncovered": [list(span) for span in health.uncovered], "replicas": list(health.replicas),
         "servers": servers, "route": list(client.route),
         "experts": [expert_view(domain, found) for domain, found in domains],
-        "governance": governance,
+        "governance": governance, "auditors": sorted(auditors),
+        "adapters": [adapter_view(adapter) for adapter in health.adapters[:MAX_ADAPTERS]],
     }
 
 
@@ -131,4 +162,4 @@ def local_snapshot(model: str) -> dict[str, Any]:
     """``/map.json`` of an API that runs the whole model in its own process: there is no swarm to draw."""
     return {"mode": "local", "source": "api", "playground": True, "generated_at": time.time(), "model": model,
             "num_blocks": 0, "fully_served": True, "uncovered": [], "replicas": [], "servers": [], "route": [],
-            "experts": [], "governance": governance_view(False)}
+            "experts": [], "governance": governance_view(False), "auditors": [], "adapters": []}

@@ -1,25 +1,28 @@
-"""Reading the swarm for the map page: the DHT's health map, one ping per server, the governance state.
+"""Reading the swarm for the map page: the DHT's health map, one ping per server, the governance state, the
+trusted auditors' reports and the published adapters.
 
 One :class:`SwarmWatcher` serves every open page: a snapshot is reused for ``min_interval`` seconds, so ten
-browsers polling every few seconds cost one DHT read and one ping per server, not ten. The API's watcher reads
-through its client (same DHT peer, and the client's own bans and route); ``python -m swarm.health --serve``
-starts a DHT peer of its own (:func:`own_access`).
+browsers polling every few seconds cost one DHT read, one ping per server (``rpc_info``: its round trip, load and
+usage counts) and one read per trusted auditor, not ten. The API's watcher reads through its client (same DHT peer,
+the client's own bans and route, and its book of audit reports, refreshed for both); ``python -m swarm.health
+--serve`` starts a DHT peer of its own (:func:`own_access`) and a book of the auditors it trusts.
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 from hivemind.dht import DHT
 
+from swarm.audit.records import AuditBook
 from swarm.dht.node import NetworkConfig, start_dht, stop_dht
-from swarm.dht.schema import ServerRecord, ServerState
+from swarm.dht.schema import ServerRecord, ServerState, protected_keys
 from swarm.governance.guard import GovernanceGuard
-from swarm.health.map import read_health_map
+from swarm.health.map import audits_of, read_adapters, read_health_map
+from swarm.health.probe import InfoReply, ask_all, usage_of
 from swarm.utils.event_loop import BackgroundLoop
 from swarm.web.snapshot import ClientView, Probe, governance_view, map_snapshot
 from swarm.wire.remote import RemoteCaller
@@ -34,6 +37,7 @@ class WatchConfig:
     probe_timeout: float = 2.0  # seconds a server has to answer the ping, in parallel with the others
     min_interval: float = 2.0  # a snapshot younger than this is answered again instead of reading the swarm
     read_timeout: float = 20.0  # how long a first caller waits for a read another caller started
+    adapters_interval: float = 30.0  # the published adapters (a read per name) are read again after this long
 
 
 @dataclass
@@ -48,6 +52,7 @@ class SwarmAccess:
     guard: GovernanceGuard
     client: Callable[[], ClientView] = ClientView  # what a client knows of the servers; empty without one
     close: Callable[[], None] = lambda: None
+    audits: Optional[AuditBook] = None  # the trusted auditors' reports (None or empty: the page trusts none)
 
 
 def client_access(lm: Any) -> SwarmAccess:
@@ -60,12 +65,15 @@ def client_access(lm: Any) -> SwarmAccess:
         return ClientView(banned=planner.health.excluded() - distrusted, distrusted=distrusted,
                           route=tuple(map(str, route)), route_peers=frozenset(hop.peer_id for hop in route))
 
-    return SwarmAccess(lm.dht, lm.prefix, lm.config.num_layers, lm.caller, lm.loop, lm.guard, client)
+    return SwarmAccess(lm.dht, lm.prefix, lm.config.num_layers, lm.caller, lm.loop, lm.guard, client,
+                       audits=planner.audits)  # the reports of ClientConfig.trusted_auditors
 
 
-def own_access(network: NetworkConfig, prefix: str, num_blocks: int) -> SwarmAccess:
-    """Start a DHT peer for the page alone; governance keys come from ``$SWARM_GOVERNANCE_KEYS``."""
-    dht = start_dht(network)
+def own_access(network: NetworkConfig, prefix: str, num_blocks: int, auditors: Iterable[str] = ()) -> SwarmAccess:
+    """Start a DHT peer for the page alone; governance keys come from ``$SWARM_GOVERNANCE_KEYS``, the trusted
+    auditors (base64 keys, ``swarm.audit.records.trusted_auditors``) from the caller."""
+    auditors = tuple(auditors)
+    dht = start_dht(network, protect=protected_keys(prefix, num_blocks, auditors=auditors))
     loop = BackgroundLoop.shared()
     try:
         p2p = loop.run(dht.replicate_p2p())
@@ -79,7 +87,8 @@ def own_access(network: NetworkConfig, prefix: str, num_blocks: int) -> SwarmAcc
         finally:
             stop_dht(dht)
 
-    return SwarmAccess(dht, prefix, num_blocks, RemoteCaller(p2p), loop, GovernanceGuard(dht, prefix), close=close)
+    return SwarmAccess(dht, prefix, num_blocks, RemoteCaller(p2p), loop, GovernanceGuard(dht, prefix), close=close,
+                       audits=AuditBook(prefix, frozenset(auditors)) if auditors else None)
 
 
 def in_flight_of(info: Any) -> Optional[int]:
@@ -92,26 +101,17 @@ def in_flight_of(info: Any) -> Optional[int]:
     return sum(counts) if counts else None
 
 
-async def probe(caller: RemoteCaller, record: ServerRecord, timeout: float) -> Probe:
-    """Ask one server for its self-description; dial its announced addresses once if the first try fails."""
-    try:
-        try:
-            info, rtt = await caller.info(record.peer_id, timeout)
-        except Exception:
-            if not record.addresses:
-                raise
-            await caller.connect(record.peer_id, record.addresses, timeout)
-            info, rtt = await caller.info(record.peer_id, timeout)
-    except Exception as error:  # any failure is something to show on the page, not to raise
-        return Probe(error=str(error) or type(error).__name__)
-    return Probe(rtt_ms=round(rtt * 1000, 1), in_flight=in_flight_of(info))
+def probe_of(reply: InfoReply) -> Probe:
+    """What the page shows of one ``rpc_info`` answer: round trip, load and usage counts, or why there is none."""
+    if reply.error is not None:
+        return Probe(error=reply.error)
+    return Probe(rtt_ms=round(reply.rtt * 1000, 1), in_flight=in_flight_of(reply.info), usage=usage_of(reply.info))
 
 
 async def probe_all(caller: RemoteCaller, records: list[ServerRecord], timeout: float) -> dict[str, Probe]:
     """Ping every server that has not announced it left, all at once."""
     live = [record for record in records if record.state != ServerState.OFFLINE]
-    found = await asyncio.gather(*(probe(caller, record, timeout) for record in live))
-    return {record.peer_id: result for record, result in zip(live, found)}
+    return {peer: probe_of(reply) for peer, reply in (await ask_all(caller, live, timeout)).items()}
 
 
 @dataclass
@@ -125,6 +125,8 @@ class SwarmWatcher:
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
     _cached: Optional[dict[str, Any]] = field(default=None, init=False, repr=False)
     _cached_at: float = field(default=float("-inf"), init=False, repr=False)
+    _adapters: list[dict[str, Any]] = field(default_factory=list, init=False, repr=False)
+    _adapters_at: float = field(default=float("-inf"), init=False, repr=False)
 
     def snapshot(self) -> dict[str, Any]:
         """Blocking (DHT reads and pings): call it from a worker thread.
@@ -148,13 +150,30 @@ class SwarmWatcher:
     def _read(self) -> dict[str, Any]:
         access, started = self.access, time.perf_counter()
         health = read_health_map(access.dht, access.prefix, access.num_blocks)
+        health.adapters = self._published_adapters()
+        book = access.audits if access.audits is not None and access.audits.enabled else None
+        if book is not None:
+            book.refresh(access.dht)  # one read per trusted auditor, never raises
+            health.audits = audits_of(book, health.adapters)
         probes = access.loop.run(probe_all(access.caller, health.servers, self.config.probe_timeout),
-                                 timeout=2 * self.config.probe_timeout + 5)
-        snapshot = map_snapshot(health, probes, access.client(), self._governance(), self.source, self.playground)
+                                 timeout=3 * self.config.probe_timeout + 5)
+        snapshot = map_snapshot(health, probes, access.client(), self._governance(), self.source, self.playground,
+                                book.trusted if book is not None else ())
         logger.debug("read the map of %s in %.0f ms: %d servers, %d answered the ping", access.prefix,
                      1000 * (time.perf_counter() - started), len(health.servers),
                      sum(probe.error is None for probe in probes.values()))
         return snapshot
+
+    def _published_adapters(self) -> list[dict[str, Any]]:
+        """The published adapters, read again at most every ``adapters_interval`` (each name costs DHT reads);
+        copies, since the audits are added to them per read."""
+        if time.monotonic() - self._adapters_at >= self.config.adapters_interval:
+            try:
+                self._adapters = read_adapters(self.access.dht, self.access.prefix)
+            except Exception as error:  # the rest of the map is still worth showing
+                logger.warning("could not read the published adapters of %s: %r", self.access.prefix, error)
+            self._adapters_at = time.monotonic()
+        return [dict(adapter) for adapter in self._adapters]
 
     def _governance(self) -> dict[str, Any]:
         guard = self.access.guard

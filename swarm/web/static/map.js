@@ -14,9 +14,44 @@ function statusText(server) {
   if (server.state === "online" && server.status !== "online") parts.push("online");
   if (server.approximate) parts.push(`approximate: ${server.numerics}`);
   if (server.distrusted) parts.push("distrusted (wrong results)");
+  if (server.audit_failed) parts.push("failed its last audit");
   if (server.in_route) parts.push("in this client's route");
   if (server.probe_error) parts.push(`no answer to ping: ${server.probe_error}`);
   return parts.join(" · ");
+}
+
+/** "14:05" for a Unix time in seconds, local time. */
+function clockTime(seconds) {
+  const date = new Date(seconds * 1000);
+  return `${String(date.getHours()).padStart(2, "0")}:${String(date.getMinutes()).padStart(2, "0")}`;
+}
+
+/** A server's latest trusted audit in a few words, as swarm.health's AUDIT column: "pass 3/3 at 14:05", then
+ * "measured 812 of 900 tok/s"; a failed or unanswered check in capitals. Its reason and auditor go in the tooltip. */
+function auditCell(audit, trusting) {
+  if (!audit) {
+    return el("span", { className: "muted", title: trusting ? "no trusted auditor has checked this server"
+      : "this page trusts no auditor" }, trusting ? "not checked" : "—");
+  }
+  const checks = audit.passed + audit.failed + audit.errors;
+  const verdict = audit.verdict === "pass" ? "pass" : String(audit.verdict).toUpperCase();
+  const title = [`checked ${plural(checks, "time")}, last ${readableTime(audit.last_check)}`,
+    audit.reason ? `reason: ${audit.reason}` : null,
+    audit.auditor ? `by auditor ${String(audit.auditor).slice(0, 12)}…` : null].filter(Boolean).join("; ");
+  return el("span", { className: `audit audit-${audit.verdict}`, title },
+    el("span", { className: "line" }, `${verdict} ${audit.passed}/${checks} at ${clockTime(audit.last_check)}`),
+    typeof audit.measured === "number"
+      ? el("span", { className: "line muted" }, ` measured ${num(audit.measured)} of ${num(audit.announced)} tok/s`)
+      : null);
+}
+
+/** A server's usage totals, as it says (the column's header explains the units): "1,234 tok, 5.2 s", then
+ * "12 req, 0 refused". */
+function usageCell(usage) {
+  if (!usage) return "—";
+  return el("span", {}, el("span", { className: "line" }, `${usage.tokens.toLocaleString("en")} tok, ` +
+    `${num(usage.seconds, 1)} s`), el("span", { className: "line" }, ` ${usage.requests.toLocaleString("en")} req, ` +
+    `${usage.refused} refused`));
 }
 
 function serverLabel(server) {
@@ -89,9 +124,11 @@ function drawBlocks(data) {
   for (const server of data.servers) {
     const bar = el("a", {
       href: `#${rowId(server)}`, "data-key": `bar-${server.peer_id}`,
-      className: `bar status-${server.status}${server.approximate ? " approximate" : ""}`,
+      className: `bar status-${server.status}${server.approximate ? " approximate" : ""}` +
+        `${server.audit_failed ? " audit-failed" : ""}`,
       "aria-label": `${serverLabel(server)}: blocks ${spanText(server.start, server.end)}, ${statusText(server)}`,
-    }, `${spanText(server.start, server.end)} · ${num(server.throughput)} tok/s · ${num(server.rtt_ms)} ms`);
+    }, `${server.audit_failed ? "AUDIT FAILED · " : ""}${spanText(server.start, server.end)} · ` +
+      `${num(server.throughput)} tok/s · ${num(server.rtt_ms)} ms`);
     const end = Math.min(server.end, data.num_blocks);
     rows.push(blockRow(serverLabel(server), [placed(bar, server.start, end)], "server"));
   }
@@ -103,7 +140,7 @@ function cell(label, value) {
   return el("td", { "data-label": label }, value);
 }
 
-function drawServers(servers) {
+function drawServers(servers, trusting) {
   const rows = servers.map((server) => el("tr", { id: rowId(server), className: `status-row-${server.status}` },
     cell("Name", server.public_name || "—"),
     cell("Peer", el("code", { title: server.peer_id }, shortPeer(server.peer_id))),
@@ -116,11 +153,41 @@ function drawServers(servers) {
     cell("Version", server.version || "?"),
     cell("Numerics", server.numerics || "?"),
     cell("Experts", server.experts.join(", ") || "—"),
-    cell("Adapters", server.adapter_kinds.join(", ") || "—")));
+    cell("Adapters", server.adapter_kinds.join(", ") || "—"),
+    cell("Usage", usageCell(server.usage)),
+    cell("Audit", auditCell(server.audit, trusting))));
   if (!rows.length) {
-    rows.push(el("tr", {}, el("td", { colspan: 12 }, "No server has announced any block of this model.")));
+    rows.push(el("tr", {}, el("td", { colspan: 14 }, "No server has announced any block of this model.")));
   }
   document.querySelector("#servers tbody").replaceChildren(...rows);
+}
+
+function drawAuditors(auditors) {
+  fill("auditors", auditors.length
+    ? `Audits by ${plural(auditors.length, "trusted auditor")}: ` +
+      auditors.map((key) => `${String(key).slice(0, 12)}…`).join(", ")
+    : "No auditor is trusted by this page (swarm.health --trusted-auditors, or the client's trusted_auditors; " +
+      "by default the governance keys), so no audit is shown.");
+}
+
+/** Per task, the latest audited score: "addition 7/10 (70%)". */
+function auditedScores(audits) {
+  const tasks = Object.entries(audits);
+  if (!tasks.length) return "—";
+  return tasks.map(([task, score]) =>
+    `${task} ${score.correct}/${score.examples} (${num(100 * score.score)}%)`).join(", ");
+}
+
+function drawAdapters(adapters) {
+  const rows = adapters.map((adapter) => el("tr", {},
+    cell("Adapter", adapter.name),
+    cell("Author", el("code", { title: adapter.author }, adapter.author)),
+    cell("Claimed", typeof adapter.claimed === "number" ? String(adapter.claimed) : "—"),
+    cell("Audited", auditedScores(adapter.audits)),
+    cell("Hosts", adapter.hosts),
+    cell("Content", el("code", { title: adapter.sha256 }, String(adapter.sha256).slice(0, 16)))));
+  if (!rows.length) rows.push(el("tr", {}, el("td", { colspan: 6 }, "No adapter is published for this model.")));
+  document.querySelector("#adapters tbody").replaceChildren(...rows);
 }
 
 function drawExperts(experts) {
@@ -153,7 +220,9 @@ function redraw(data) {
   drawCoverage(data);
   drawGovernance(data.governance);
   drawBlocks(data);
-  drawServers(data.servers);
+  drawServers(data.servers, data.auditors.length > 0);
+  drawAuditors(data.auditors);
+  drawAdapters(data.adapters);
   drawExperts(data.experts);
   const route = data.route.length ? ` Route of this client: ${data.route.join(" → ")}.` : "";
   fill("updated", `Updated ${readableTime(data.generated_at)}, every ${PERIOD_S} s.${route}`);

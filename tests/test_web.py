@@ -317,14 +317,15 @@ def test_map_data_carries_trusted_audits_usage_and_adapters():
     book = AuditBook("m", frozenset({auditor}))
     assert book.consider(AuditReport("m", 1, now, (
         ServerAudit("peerA", 0, 2, 0, 1, 0, now - 60, now - 5, FAIL, now - 5, "wrong logits", 50.0, 5.0),
-        ServerAudit("peerB", 2, 4, 3, 0, 0, now - 60, now - 5, PASS, announced=10.0, measured=9.5)), auditor,
+        ServerAudit("peerB", 2, 4, 3, 0, 0, now - 60, now - 5, PASS, announced=100.0, measured=9.5, calibrated=10.0)),
+        auditor,
         (AdapterAudit("adder", auditor, "a" * 64, "addition", 10, 7, now - 5, claimed=0.99),)))
     adapters = [{"name": "adder", "author": "0123456789abcdef", "sha256": "a" * 64, "size": 1000, "score": 0.99,
                  "hosts": ["peerB"]}]
     health = build_health_map([hostile_record("peerA"), hostile_record("peerB", start=2, end=4),
                                hostile_record("peerC", start=4, end=6)], "m", 6)
     health.adapters, health.audits = adapters, audits_of(book, adapters)
-    health.audits["peerB"]["calibrated"] = 12.5  # a field this page does not know yet is passed on
+    health.audits["peerB"]["future"] = 12.5  # a field this page does not know yet is passed on
     ledger = UsageLedger()
     ledger.record("caller", 64, 0.5, now)
     probes = {"peerA": Probe(rtt_ms=1.0, usage=parse_usage(ledger.info(now))), "peerB": Probe(error="timeout")}
@@ -333,7 +334,8 @@ def test_map_data_carries_trusted_audits_usage_and_adapters():
     failed, passed, unchecked = snapshot["servers"]
     assert failed["audit"]["verdict"] == FAIL and failed["audit"]["reason"] == "wrong logits" and failed["audit_failed"]
     assert failed["audit"]["auditor"] == auditor and failed["audit"]["measured"] == 5.0
-    assert passed["audit"]["calibrated"] == 12.5 and not passed["audit_failed"] and unchecked["audit"] is None
+    assert passed["audit"]["future"] == 12.5 and not passed["audit_failed"] and unchecked["audit"] is None
+    assert passed["audit_overclaims"] == 10.0 and failed["audit_overclaims"] is None  # announces 10x its calibration
     assert failed["usage"] == {"tokens": 64, "seconds": 0.5, "requests": 1, "refused": 0}
     assert passed["usage"] is None and unchecked["usage"] is None  # no answer; not pinged
     assert snapshot["auditors"] == [auditor]

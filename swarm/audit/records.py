@@ -28,6 +28,7 @@ made of it: a server whose most recent check *failed* (a wrong answer) is avoide
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Optional
@@ -352,6 +353,8 @@ class AuditBook:
     prefix: str
     trusted: frozenset[str]
     reports: dict[str, AuditReport] = field(default_factory=dict)
+    # a client's route planner and a web map's watcher refresh one book from their own threads
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     @property
     def enabled(self) -> bool:
@@ -361,10 +364,11 @@ class AuditBook:
         """Adopt ``report`` if a trusted auditor signed it for this model and it is newer than the one held."""
         if report.auditor not in self.trusted or report.prefix != self.prefix:
             return False
-        held = self.reports.get(report.auditor)
-        if held is not None and held.sequence >= report.sequence:
-            return False
-        self.reports[report.auditor] = report
+        with self._lock:
+            held = self.reports.get(report.auditor)
+            if held is not None and held.sequence >= report.sequence:
+                return False
+            self.reports = {**self.reports, report.auditor: report}  # readers iterate a dict nobody changes
         return True
 
     def refresh(self, dht: DHT) -> None:

@@ -126,6 +126,20 @@ def _kill_namespace_processes(namespace: str) -> None:
             pass
 
 
+def _wait_inside(process: subprocess.Popen, namespace: str, timeout: float = 30.0) -> None:
+    """Return once ``process`` runs in ``namespace`` (or has ended): until ``ip netns exec`` has entered it, killing
+    the namespace's processes (a lab's cleanup) would miss it, and it would then run on outside any lab."""
+    wanted = os.stat(f"/run/netns/{namespace}").st_ino
+    deadline = time.monotonic() + timeout
+    while process.poll() is None and time.monotonic() < deadline:
+        try:
+            if os.stat(f"/proc/{process.pid}/ns/net").st_ino == wanted:
+                return
+        except FileNotFoundError:
+            return
+        time.sleep(0.01)
+
+
 def _delete_namespace(namespace: str) -> None:
     _kill_namespace_processes(namespace)
     _run("ip", "netns", "del", namespace, check=False)
@@ -436,8 +450,11 @@ class NetLab:
 
     def popen(self, role: str, args: Sequence[str], **kwargs: Any) -> subprocess.Popen:
         """``python ARGS`` in ``role``'s namespace (its own process group; killed with the lab at the latest)."""
-        command = ["ip", "netns", "exec", self.machines[role].namespace, sys.executable, *args]
-        return subprocess.Popen(command, start_new_session=True, **kwargs)
+        namespace = self.machines[role].namespace
+        process = subprocess.Popen(["ip", "netns", "exec", namespace, sys.executable, *args], start_new_session=True,
+                                   **kwargs)
+        _wait_inside(process, namespace)
+        return process
 
     def exec(self, role: str, *command: str, check: bool = True) -> subprocess.CompletedProcess:
         """Run a command in a machine's or router's namespace (``"rtr1"``, ``"wan"``, or a machine's role)."""

@@ -13,8 +13,12 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Optional
 
 from swarm.audit.records import FAIL
+from swarm.client.config import ClientConfig
 from swarm.dht.schema import ExpertRecord
 from swarm.health.map import ExpertAnnouncement, HealthMap, server_json
+from swarm.utils.settings import declared
+
+OVERCLAIM_FACTOR = declared(ClientConfig, "overclaim_factor").default
 
 MAX_TEXT = 120  # characters kept of any announced string (names, versions, numerics)
 MAX_ITEMS = 32  # items kept of any announced list (a server's experts)
@@ -100,7 +104,15 @@ def server_view(record: dict[str, Any], probe: Optional[Probe], client: ClientVi
         "in_route": peer in client.route_peers,
         "usage": None if probe is None else usage_view(probe.usage),
         "audit": audit, "audit_failed": audit is not None and audit.get("verdict") == FAIL,
+        "audit_overclaims": overclaims(audit),
     }
+
+
+def overclaims(audit: Optional[dict[str, Any]]) -> Optional[float]:
+    """How many times its calibrated throughput the server announces, when over the clients' default
+    ``overclaim_factor`` (clients route it by the calibration then); else None."""
+    ratio = audit.get("overclaim") if audit is not None else None
+    return number(ratio) if isinstance(ratio, (int, float)) and ratio > OVERCLAIM_FACTOR else None
 
 
 def adapter_view(adapter: dict[str, Any]) -> dict[str, Any]:

@@ -27,8 +27,9 @@ function clockTime(seconds) {
 }
 
 /** A server's latest trusted audit in a few words, as swarm.health's AUDIT column: "pass 3/3 at 14:05", then
- * "measured 812 of 900 tok/s"; a failed or unanswered check in capitals. Its reason and auditor go in the tooltip. */
-function auditCell(audit, trusting) {
+ * "measured 812 of 900 tok/s", and "OVERCLAIMS 10.0x" when the server announces over the clients' default factor
+ * times its calibrated throughput; a failed or unanswered check in capitals. Its reason and auditor go in the tooltip. */
+function auditCell(audit, trusting, overclaims) {
   if (!audit) {
     return el("span", { className: "muted", title: trusting ? "no trusted auditor has checked this server"
       : "this page trusts no auditor" }, trusting ? "not checked" : "—");
@@ -42,6 +43,11 @@ function auditCell(audit, trusting) {
     el("span", { className: "line" }, `${verdict} ${audit.passed}/${checks} at ${clockTime(audit.last_check)}`),
     typeof audit.measured === "number"
       ? el("span", { className: "line muted" }, ` measured ${num(audit.measured)} of ${num(audit.announced)} tok/s`)
+      : null,
+    typeof overclaims === "number"
+      ? el("span", { className: "line audit-fail", title: "announces this many times what its delivery is worth " +
+        "beside its peers: clients trusting the auditor route it by the calibrated figure" },
+      ` OVERCLAIMS ${num(overclaims, 1)}x`)
       : null);
 }
 
@@ -155,7 +161,7 @@ function drawServers(servers, trusting) {
     cell("Experts", server.experts.join(", ") || "—"),
     cell("Adapters", server.adapter_kinds.join(", ") || "—"),
     cell("Usage", usageCell(server.usage)),
-    cell("Audit", auditCell(server.audit, trusting))));
+    cell("Audit", auditCell(server.audit, trusting, server.audit_overclaims))));
   if (!rows.length) {
     rows.push(el("tr", {}, el("td", { colspan: 14 }, "No server has announced any block of this model.")));
   }

@@ -12,11 +12,14 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hivemind.utils import get_dht_time
 
 from swarm.adapters.adapter import AdapterError
 from swarm.adapters.sharing import make_record, publish
+from swarm.audit.auditor import Auditor
+from swarm.audit.config import AuditorConfig
 from swarm.audit.records import FAIL, PASS, AdapterAudit, AuditReport, ServerAudit, publish_report, read_report
 from swarm.dht.config import NetworkConfig
 from swarm.dht.identity import Identity
@@ -25,8 +28,10 @@ from swarm.dht.schema import audit_key, forget_local_copies
 from swarm.dht.validation import ed25519_text, sign_slot, slot_subkey
 from swarm.frontend.local import DiffusionLM
 from swarm.governance.keys import generate_private_key, public_key_text
+from swarm.models.loading import ModelFiles
 from swarm.testing.adapters import random_soft_prompt
-from tests.conftest import make_checkpoint, stop_all, swarm_client, tiny_config
+from tests.conftest import make_checkpoint, stop_all, swarm_client, tiny_config, wait_all
+from tests.test_formats import dream_path, llada_path  # noqa: F401  (module fixtures: small bfloat16 checkpoints)
 
 ROOT = Path(__file__).resolve().parents[1]
 FAULTY = (str(Path(__file__).with_name("faulty_server.py")),)
@@ -151,6 +156,34 @@ def test_a_replayed_older_report_never_replaces_the_newer_one(local_swarm):
         assert read_report(dht, prefix, ed25519_text(key)).sequence == 2
     finally:
         stop_dht(dht)
+
+
+# ----- the published layouts ----------------------------------------------------------------------------------
+def test_the_auditor_checks_servers_of_the_published_layouts(local_swarm, llada_path, dream_path):  # noqa: F811
+    """Item 1 (a) on real layouts: LLaDA's and Dream's checkpoint formats (bfloat16, sharded, tests/test_formats.py),
+    an honest server and a liar of every block of each; one round of an in-process auditor (its own copy of the
+    checkpoint, the checkpoint's dtype) passes the honest server and fails the liar, and publishes."""
+    servers = {}
+    for layout, path in (("llada", llada_path), ("dream", dream_path)):
+        blocks, prefix = f"0:{ModelFiles(path).config.num_layers}", f"audit-{layout}"
+        common = ("--dht-prefix", prefix, "--compute-threads", "1")
+        servers[layout] = (path, prefix, local_swarm.start_server(str(path), blocks, *common, name=prefix, wait=False),
+                           local_swarm.start_server(str(path), blocks, *common, entry=FAULTY, name=f"faulty-{layout}",
+                                                    wait=False))
+    started = [server for _, _, *pair in servers.values() for server in pair]
+    try:
+        wait_all(local_swarm, started)
+        network = NetworkConfig(initial_peers=local_swarm.initial_peers, client_mode=True)
+        for layout, (path, prefix, honest, liar) in servers.items():
+            config = AuditorConfig(network=network, dht_prefix=prefix, fresh_identity=False, once=True)
+            with Auditor(config, Ed25519PrivateKey.generate(), ModelFiles(path)) as auditor:
+                assert auditor.dtype == torch.bfloat16
+                result = auditor.run_round()
+            verdicts = {peer: check.verdict for peer, check in result.checked.items()}
+            assert verdicts == {honest.peer_id: PASS, liar.peer_id: FAIL}, (layout, result.checked)
+            assert result.published, layout
+    finally:
+        stop_all(local_swarm, started)
 
 
 # ----- adapters: scores measured, not claimed ----------------------------------------------------------------

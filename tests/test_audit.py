@@ -324,6 +324,20 @@ def test_calibration_names_the_server_that_claims_more_than_its_peers_for_the_sa
     assert entry(calibrated=0.0).overclaim == 1e9 / 1e-3  # finite whatever an auditor writes
 
 
+def test_the_auditor_forgets_servers_it_no_longer_checks():
+    """Peer ids that come and go (a stranger announcing a new fake server for every round) do not pile up in the
+    auditor: what was not checked within a report's lifetime is dropped, with its speeds."""
+    from swarm.audit.auditor import Auditor
+    from swarm.audit.config import AuditorConfig
+
+    config = AuditorConfig(every=60.0)
+    old, recent = entry("QmOld", when=NOW - config.report_lifetime - 1), entry("QmRecent", when=NOW - 1)
+    auditor = SimpleNamespace(config=config, audits={"QmOld": old, "QmRecent": recent},
+                              speeds={"QmOld": [1.0], "QmRecent": [2.0]})
+    Auditor.forget_old(auditor, NOW)
+    assert list(auditor.audits) == ["QmRecent"] and list(auditor.speeds) == ["QmRecent"]
+
+
 def test_a_client_routes_an_overclaiming_server_by_its_calibrated_throughput():
     """A full-span server announcing 10x what its delivery is worth wins the route on its claim; with a trusted
     report's calibration the client routes it by the calibrated figure (and says so), and the two honest halves win;

@@ -248,8 +248,11 @@ class Auditor:
         just failed and routes overclaimers by their calibration (scoring through them would measure their lies)."""
         planner = self.client.planner
         planner.audits.consider(findings)
-        planner.refresh()
-        planner.build_route()
+        try:
+            planner.refresh()
+            planner.build_route()
+        except SwarmError as error:  # no route left (every holder failed): scoring will say so per adapter
+            logger.warning("the scoring client has no route after this round's findings: %s", str(error)[:200])
 
     def score_adapters(self) -> dict[tuple[str, str], AdapterAudit]:
         """Score every published adapter (the first :data:`MAX_ADAPTERS`) on each task of ``score_adapters``; the
@@ -302,9 +305,18 @@ class Auditor:
         return calibrate({peer: max(speeds) for peer, speeds in self.speeds.items() if peer in self.audits},
                          {peer: audit.announced for peer, audit in self.audits.items()})
 
+    def forget_old(self, now: float) -> None:
+        """Forget servers not checked within a report's lifetime (they left, or were announced only to be checked
+        once): what the auditor keeps stays bounded by the servers it checks, however many ids come and go."""
+        horizon = now - self.config.report_lifetime
+        for peer in [peer for peer, audit in self.audits.items() if audit.last_check < horizon]:
+            del self.audits[peer]
+            self.speeds.pop(peer, None)
+
     def report(self) -> AuditReport:
         """The report of everything checked so far (the :data:`MAX_SERVERS` checked last), newer than the last."""
         now = time.time()
+        self.forget_old(now)
         self.sequence = max(self.sequence + 1, int(now * 1000))
         calibrated = self.calibrated()
         servers = sorted((dataclasses.replace(audit, calibrated=calibrated.get(peer)) for peer, audit

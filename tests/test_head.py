@@ -49,6 +49,7 @@ ON_THE_SWARM = {
     "staleness 3, exact check": dict(staleness=3, stale_check="exact", temperature=0.7, remasking="random"),
     "staleness 2, unchecked": dict(staleness=2, stale_check="none", temperature=0.7),
     "staleness 2, greedy": dict(staleness=2),
+    "staleness 5, token check": dict(staleness=5, temperature=0.7),  # ahead past 3 (MAX_STALENESS was 3)
     # a corrector's calls are predicted there too, drawn with the corrector's own seed (corrector_seed)
     "corrector": dict(corrector_steps=1, temperature=0.7),
     "two correctors, greedy": dict(corrector_steps=2),

@@ -152,7 +152,7 @@ def test_server_cache_versions_let_a_reuse_wait_for_its_fill_and_drop_old_ones()
 
 # ----- settings ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("bad, message", [
-    (dict(staleness=4), "staleness"),
+    (dict(staleness=9), "staleness"),
     (dict(cache="triple"), "unknown cache"),
     (dict(cache_refresh=-1), "cache_refresh"),
     (dict(cache="dual", parallel_window=2), "parallel_window"),

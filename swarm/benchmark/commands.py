@@ -338,13 +338,13 @@ def drafts(model: str, task_model: str, task_examples: int, task_lengths: list[i
         time_through_swarm(model, strategies, delays, gen_length)
 
 
-HIDING_MODES = ("sync,push,dual,dual+refresh3,stale3,dual+push,dual+push+stale1,dual+push+stale3,"
-                "dual+refresh3+push+stale3,dual+push+stale3+exact,dual+push+stale3+unchecked")
+HIDING_MODES = ("sync,push,dual,dual+refresh3,stale3,push+stale3,push+stale5,dual+push,dual+push+stale1,"
+                "dual+push+stale3,dual+refresh3+push+stale3,dual+push+stale3+exact,dual+push+stale3+unchecked")
 
 
 def parse_mode(spec: str) -> tuple[dict, bool]:
     """``dual+push+stale3`` -> (generate settings, push). Parts: push, prefix, dual, refreshN (the cache's
-    cache_refresh), stale1..3, exact and unchecked (the stale check; token by default), draftsN (draft-and-verify
+    cache_refresh), stale1..8, exact and unchecked (the stale check; token by default), draftsN (draft-and-verify
     with N drafted steps per call: exact tokens, no cache or staleness), sync.
 
     A mode without draftsN evaluates one state per call (``draft_steps=0``): ``scale="auto"`` would otherwise draft
@@ -378,7 +378,7 @@ def parse_mode(spec: str) -> tuple[dict, bool]:
 @click.option("--model", default="default", show_default=True, help="Embedded model name or checkpoint directory.")
 @click.option("--modes", default=HIDING_MODES, show_default=True,
               help="Comma-separated modes, each parts joined by '+': push, prefix, dual, refreshN (refill the "
-                   "cache every N steps), stale1..3 (staleness, "
+                   f"cache every N steps), stale1..{MAX_STALENESS} (staleness, "
                    "guesses checked token by token), exact (checked to be the exact step), unchecked (never "
                    "checked), draftsN (draft-and-verify, N drafted steps per call; exact), sync (none of them).")
 @click.option("--latency-ms", type=float, default=50.0, show_default=True,

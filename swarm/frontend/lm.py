@@ -358,7 +358,7 @@ class BaseDiffusionLM(ABC):
         Keyword arguments, the sampler's settings (:class:`GenerationConfig`): ``gen_length``, ``steps``,
         ``block_length``, ``temperature``, ``remasking`` (low_confidence, random, margin, entropy), ``threshold``,
         ``cfg_scale``, ``seed``, ``stop_at_eos``, ``parallel_window``, ``draft_steps``, and the latency-hiding settings
-        ``staleness`` (0..3), ``stale_check`` (``token``, ``exact``, ``none``), ``cache`` (``none``, ``prefix``,
+        ``staleness`` (0..8), ``stale_check`` (``token``, ``exact``, ``none``), ``cache`` (``none``, ``prefix``,
         ``dual``) and ``cache_refresh`` (approximate except at their defaults, which are exact;
         ``stale_check="exact"`` keeps the tokens of the run without staleness).
 

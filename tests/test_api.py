@@ -158,7 +158,7 @@ BAD_REQUESTS = [
     ("completions", {"prompt": "hi", "max_tokens": 8, "tier": "secret"}, 400, "unknown tier"),
     ("completions", {"prompt": "my password", "max_tokens": 8}, 400, "trusted_peers"),
     ("completions", {"prompt": "hi", "max_tokens": 8, "experts": {"nonexistent": 1.0}}, 503, "nonexistent"),
-    ("completions", {"prompt": "hi", "max_tokens": 8, "staleness": 9}, 400, "staleness must be 0..3"),
+    ("completions", {"prompt": "hi", "max_tokens": 8, "staleness": 9}, 400, "staleness must be 0..8"),
     ("completions", {"prompt": "hi", "max_tokens": 8, "staleness": 2, "stale_check": "maybe"}, 400,
      "unknown stale_check"),
     ("completions", {"prompt": "hi", "max_tokens": 8, "cache": "triple"}, 400, "unknown cache"),

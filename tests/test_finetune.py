@@ -184,7 +184,7 @@ def test_an_adapter_gives_the_same_tokens_locally_and_through_the_swarm(remote_l
         local = local_lm.generate("adapt", adapter=str(path), **GENERATION, **options)
         swarm = remote_lm.generate("adapt", adapter=str(path), **GENERATION, **options)
         assert swarm.token_ids == local.token_ids, options
-        assert swarm.info["adapter"] == {"name": str(path), "prompt_length": 6}
+        assert swarm.info["adapter"] == {"name": str(path), "prompt_length": 6, "auto": False}
     assert local_lm.generate("adapt", adapter=str(path), **GENERATION).token_ids != plain.token_ids
 
 

@@ -39,7 +39,7 @@ OVERSIZED = [
     ({"max_tokens": 64, "block_length": 10**9}, "divisible by block_length"),
     ({"max_tokens": 64, "cache": "dual", "cache_refresh": 10**9}, "cache_refresh must be 0..64"),
     ({"seed": 2**64}, "seed must be 0..9223372036854775807"),
-    ({"staleness": 10**6}, "staleness must be 0..3"),
+    ({"staleness": 10**6}, "staleness must be 0..8"),
     ({"temperature": 1e6}, "temperature must be a finite number in [0, 10]"),
     ({"cfg_scale": 1e6}, "cfg_scale must be a finite number in [0, 10]"),
     ({"threshold": 2.0}, "threshold must be a finite number in (0, 1]"),

@@ -113,7 +113,7 @@ def test_a_flag_wired_to_nothing_is_refused_not_ignored():
 
 def test_the_command_line_refuses_out_of_range_values_with_the_same_message(tiny_model_path):
     result = CliRunner().invoke(generate_cli, ["hi", "--model", str(tiny_model_path), "--staleness", "9"])
-    assert result.exit_code == 2 and "staleness must be 0..3" in result.output
+    assert result.exit_code == 2 and "staleness must be 0..8" in result.output
 
 
 # ----- the HTTP API ----------------------------------------------------------------------------------------

@@ -212,17 +212,8 @@ class Auditor:
         it) and the usage totals it reports (tokens, compute seconds, requests; None when it gives none valid);
         RemoteError when it does not answer or serves another model."""
         timeout, peer = self.config.connect_timeout, record.peer_id
-
-        async def ping() -> tuple[dict, float]:
-            try:
-                return await self.caller.info(peer, timeout)
-            except RemoteError as error:
-                if error.code != ErrorCode.UNREACHABLE or not record.addresses:
-                    raise
-                await self.caller.connect(peer, record.addresses, timeout)
-                return await self.caller.info(peer, timeout)
-
-        info, rtt = self.loop.run(ping())
+        info, rtt = self.loop.run(self.caller.dialing(peer, record.addresses, timeout,
+                                                      lambda: self.caller.info(peer, timeout)))
         if info.get("prefix") != self.prefix:
             raise RemoteError(ErrorCode.WRONG_SPAN, f"serves {str(info.get('prefix'))[:60]!r}, not {self.prefix!r}",
                               peer)

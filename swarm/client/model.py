@@ -45,7 +45,7 @@ from swarm.utils.settings import replaced
 from swarm.utils.text import plural
 from swarm.utils.threads import use_threads
 from swarm.weights.source import SwarmWeights
-from swarm.wire.messages import ErrorCode, RemoteError
+from swarm.wire.messages import RemoteError
 from swarm.wire.remote import RemoteCaller
 
 logger = logging.getLogger(__name__)
@@ -390,17 +390,10 @@ class DistributedDiffusionLM(BaseDiffusionLM):
         call is an :class:`AdapterError`, so that the next host is tried."""
         timeout = self.client_config.request_timeout
 
-        async def fetch() -> dict[str, bytes]:
-            try:
-                return await self.caller.adapter_files(peer_id, sha256, max_bytes, timeout)
-            except RemoteError as error:
-                if error.code != ErrorCode.UNREACHABLE or not addresses:
-                    raise
-                await self.caller.connect(peer_id, addresses, self.client_config.connect_timeout)
-                return await self.caller.adapter_files(peer_id, sha256, max_bytes, timeout)
-
+        fetch = self.caller.dialing(peer_id, addresses, self.client_config.connect_timeout,
+                                    lambda: self.caller.adapter_files(peer_id, sha256, max_bytes, timeout))
         try:
-            return self.loop.run(fetch(), timeout=2 * timeout + self.client_config.connect_timeout + 5)
+            return self.loop.run(fetch, timeout=2 * timeout + self.client_config.connect_timeout + 5)
         except RemoteError as error:
             raise AdapterError(str(error)) from error
 

@@ -167,13 +167,9 @@ class RoutePlanner:
         first call gets the full request timeout), and a halt then ends the generation as usual.
         """
         record = self.servers[peer_id]
-        try:
-            info, rtt = await self.caller.info(peer_id, self.config.connect_timeout)
-        except RemoteError as error:  # the daemon may know only an address the server no longer listens on
-            if error.code != ErrorCode.UNREACHABLE or not record.addresses:
-                raise
-            await self.caller.connect(peer_id, record.addresses, self.config.connect_timeout)
-            info, rtt = await self.caller.info(peer_id, self.config.connect_timeout)
+        timeout = self.config.connect_timeout
+        info, rtt = await self.caller.dialing(peer_id, record.addresses, timeout,
+                                              lambda: self.caller.info(peer_id, timeout))
         if info.get("prefix") != self.prefix:
             raise RemoteError(ErrorCode.WRONG_SPAN, f"serves {info.get('prefix')!r}, not {self.prefix!r}", peer_id)
         request = self.challenge_request(record.start, record.end)

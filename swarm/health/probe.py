@@ -29,16 +29,11 @@ class InfoReply:
 
 
 async def ask_info(caller: RemoteCaller, record: ServerRecord, timeout: float) -> InfoReply:
-    """Ask one server; dial its announced addresses once if the first try fails. Never raises: any failure is
-    something to show, not to stop the other servers' answers."""
+    """Ask one server; dial its announced addresses once if it cannot be reached (``RemoteCaller.dialing``). Never
+    raises: any failure is something to show, not to stop the other servers' answers."""
     try:
-        try:
-            info, rtt = await caller.info(record.peer_id, timeout)
-        except Exception:
-            if not record.addresses:
-                raise
-            await caller.connect(record.peer_id, list(record.addresses), timeout)
-            info, rtt = await caller.info(record.peer_id, timeout)
+        info, rtt = await caller.dialing(record.peer_id, record.addresses, timeout,
+                                         lambda: caller.info(record.peer_id, timeout))
     except Exception as error:  # unreachable, refused, timed out
         logger.debug("no rpc_info from %s: %r", record.peer_id, error)
         return InfoReply(error=str(error) or type(error).__name__)

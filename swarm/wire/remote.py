@@ -12,7 +12,7 @@ import random
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import AsyncIterator, Awaitable, Callable, Optional, Union
+from typing import AsyncIterator, Awaitable, Callable, Optional, Sequence, TypeVar, Union
 
 import torch
 from hivemind.p2p import P2P, PeerID
@@ -36,6 +36,7 @@ from swarm.wire.messages import BackwardRequest, ErrorCode, ExpertQuery, Forward
 from swarm.wire.services import SpanService
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 MAX_HELD_ADAPTERS = 4096  # (server, digest) pairs remembered; an old one forgotten costs one upload
 # A server whose "I keep it" (prompt_held) turns out false this often, and more often than true, is not believed
@@ -95,6 +96,18 @@ class RemoteCaller:
             await asyncio.wait_for(self.p2p._client.connect(PeerID.from_base58(peer_id), maddrs), timeout)
         except Exception as error:
             raise as_remote_error(error, peer_id) from error
+
+    async def dialing(self, peer_id: str, addresses: Sequence[str], timeout: float,
+                      call: Callable[[], Awaitable[T]]) -> T:
+        """``call()``, and when the daemon cannot reach ``peer_id`` (it may know only an address the server no longer
+        listens on) a dial of ``addresses`` (from the peer's signed record) within ``timeout`` and ``call()`` again."""
+        try:
+            return await call()
+        except RemoteError as error:
+            if error.code != ErrorCode.UNREACHABLE or not addresses:
+                raise
+        await self.connect(peer_id, list(addresses), timeout)
+        return await call()
 
     async def info(self, peer_id: str, timeout: float) -> tuple[dict, float]:
         """The server's self-description and the round-trip time of asking for it."""

@@ -55,7 +55,7 @@ from swarm.audit.records import (
     ServerAudit,
     publish_report,
 )
-from swarm.client.config import ClientConfig
+from swarm.client.config import DEFAULT_OVERCLAIM_FACTOR, ClientConfig
 from swarm.client.planner import CHALLENGE_ROWS, CHALLENGE_STEPS
 from swarm.client.spot_check import answers_agree, relative_difference
 from swarm.dht.node import start_dht, stop_dht
@@ -67,13 +67,11 @@ from swarm.server.usage import parse_usage
 from swarm.train.data import TASKS
 from swarm.utils.errors import SwarmError
 from swarm.utils.event_loop import BackgroundLoop
-from swarm.utils.settings import declared
 from swarm.wire.messages import ErrorCode, ForwardRequest, RemoteError
 from swarm.wire.remote import RemoteCaller
 
 logger = logging.getLogger(__name__)
 
-OVERCLAIM_FACTOR = declared(ClientConfig, "overclaim_factor").default  # what clients act on by default, logged
 SPEED_CHECKS = 8  # a server's speed is the best its last answered checks delivered (a slow moment is not a lie)
 
 
@@ -368,7 +366,7 @@ class Auditor:
             self.score_adapters()
         report = self.report()
         for entry in report.servers:
-            if entry.overclaim is not None and entry.overclaim > OVERCLAIM_FACTOR:
+            if entry.overclaim is not None and entry.overclaim > DEFAULT_OVERCLAIM_FACTOR:
                 logger.warning("server %s announces %.0f tok/s, %.1fx what its delivery calibrates to (%.0f tok/s): "
                                "clients trusting this auditor route it by the calibration", entry.peer_id,
                                entry.announced, entry.overclaim, entry.calibrated)

@@ -25,6 +25,11 @@ def client_network(initial_peers: "str | list[str] | tuple[str, ...]") -> Networ
     return NetworkConfig(initial_peers=as_peer_list(initial_peers), client_mode=True)
 
 
+# A server announcing over this many times the throughput a trusted auditor calibrated is routed by the calibration;
+# the auditor's log, the health map and the web map flag overclaims past the same default.
+DEFAULT_OVERCLAIM_FACTOR = 4.0
+
+
 @dataclass
 class ClientConfig:
     """A swarm client's settings; checked on creation (and again by the client), a ``SettingError`` (a
@@ -84,8 +89,9 @@ class ClientConfig:
             "avoided like a banned one. Default: the governance keys; 'none' trusts no auditor (docs/AUDIT.md).",
         flags=("--trusted-auditors", "--trusted-auditor"), cli=True)
     overclaim_factor: float = setting(
-        4.0, "A server announcing over this many times the throughput a trusted auditor's measurements calibrate it "
-             "to is routed by the calibrated figure instead of its own (docs/AUDIT.md).", low=1.0, high=1e6,
+        DEFAULT_OVERCLAIM_FACTOR,
+        "A server announcing over this many times the throughput a trusted auditor's measurements calibrate it to is "
+        "routed by the calibrated figure instead of its own (docs/AUDIT.md).", low=1.0, high=1e6,
         cli=False)
     governance_ttl: float = setting(0.0, "Seconds a read of the halt records is reused; 0 reads before every step.",
                                     **AT_LEAST_0, cli=False)

@@ -362,7 +362,7 @@ class DistributedDiffusionLM(BaseDiffusionLM):
         if book is None or not book.enabled:
             raise AdapterError(f"adapter='{BEST}{task}' picks by trusted auditors' scores, and this client trusts no "
                                "auditor: set trusted_auditors (or governance keys)")
-        book.refresh(self.dht)
+        self.planner.refresh_if_stale()  # the reports are read with the server list (route_refresh), not again
         found = book.best_adapter(task, [record for record, _ in read_catalog(self.dht, self.prefix)])
         if found is None:
             raise AdapterError(f"adapter='{BEST}{task}': no published adapter has a score on {task!r} by a trusted "

@@ -4,13 +4,10 @@ from __future__ import annotations
 import time
 from typing import Any, Optional, Sequence
 
-from swarm.client.config import ClientConfig
+from swarm.client.config import DEFAULT_OVERCLAIM_FACTOR
 from swarm.health.map import HealthMap, format_spans
 from swarm.health.reachability import reachability
-from swarm.utils.settings import declared
 from swarm.utils.text import plural
-
-OVERCLAIM_FACTOR = declared(ClientConfig, "overclaim_factor").default  # where clients stop believing an announcement
 
 
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
@@ -34,7 +31,7 @@ def audit_cell(audit: Optional[dict[str, Any]]) -> str:
     measured = "" if audit["measured"] is None else f" (measured {audit['measured']:.0f} tok/s)"
     when = time.strftime("%H:%M", time.gmtime(audit["last_check"]))
     overclaim = audit.get("overclaim")
-    claims = f", OVERCLAIMS {overclaim:.1f}x" if overclaim is not None and overclaim > OVERCLAIM_FACTOR else ""
+    claims = f", OVERCLAIMS {overclaim:.1f}x" if overclaim is not None and overclaim > DEFAULT_OVERCLAIM_FACTOR else ""
     return f"{verdict} {audit['passed']}/{checks} at {when}{measured}{claims}"
 
 

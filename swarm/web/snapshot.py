@@ -13,12 +13,9 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Optional
 
 from swarm.audit.records import FAIL
-from swarm.client.config import ClientConfig
+from swarm.client.config import DEFAULT_OVERCLAIM_FACTOR
 from swarm.dht.schema import ExpertRecord
 from swarm.health.map import ExpertAnnouncement, HealthMap, server_json
-from swarm.utils.settings import declared
-
-OVERCLAIM_FACTOR = declared(ClientConfig, "overclaim_factor").default
 
 MAX_TEXT = 120  # characters kept of any announced string (names, versions, numerics)
 MAX_ITEMS = 32  # items kept of any announced list (a server's experts)
@@ -112,7 +109,7 @@ def overclaims(audit: Optional[dict[str, Any]]) -> Optional[float]:
     """How many times its calibrated throughput the server announces, when over the clients' default
     ``overclaim_factor`` (clients route it by the calibration then); else None."""
     ratio = audit.get("overclaim") if audit is not None else None
-    return number(ratio) if isinstance(ratio, (int, float)) and ratio > OVERCLAIM_FACTOR else None
+    return number(ratio) if isinstance(ratio, (int, float)) and ratio > DEFAULT_OVERCLAIM_FACTOR else None
 
 
 def adapter_view(adapter: dict[str, Any]) -> dict[str, Any]:

@@ -202,6 +202,9 @@ def main() -> None:
                         help="challenge from the auditor's own peer instead of a fresh one per round (faster rounds)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the summary")
     args = parser.parse_args()
+    for name in ("challenges", "examples", "max_rounds"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     found = run(args.examples, args.max_rounds, not args.no_fresh_identity, args.challenges)
     print(json.dumps(found) if args.json else summary(found))

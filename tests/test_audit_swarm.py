@@ -301,7 +301,10 @@ def test_the_audit_demonstration():
     servers = found["servers"]
     assert servers["C"]["failed"] >= 1 and servers["A"]["failed"] == servers["B"]["failed"] == 0
     assert servers["D"]["failed"] == 0 and servers["D"]["overclaim"] > found["overclaim_factor"]
-    assert all(servers[name]["overclaim"] < found["overclaim_factor"] for name in "ABC")
+    assert all(servers[name]["overclaim"] < found["overclaim_factor"] for name in "AB")
+    # C may be failed on its very first check (1 lie in 20, 4 challenges a round): with no passed check it has no
+    # delivered figure, so no overclaim either; when it has one it is honest about its speed.
+    assert servers["C"]["overclaim"] is None or servers["C"]["overclaim"] < found["overclaim_factor"]
     assert found["before"]["route"] in (["C"], ["D"]), "announcing 1000 tok/s over all blocks wins the route"
     after = found["after"]
     assert after["route"] == ["A", "B"] and after["audit_failed"] == ["C"] and "D" in after["audit_overclaimed"]

@@ -44,6 +44,8 @@ ON_THE_SWARM = {
     "picard window": dict(parallel_window=3, temperature=0.7),
     "dual cache": dict(cache="dual", temperature=0.7),
     "prefix cache, refresh 2": dict(cache="prefix", cache_refresh=2),
+    # the adaptive refresh compares margins, which the head server answers: the same fills as the local run
+    "dual cache, adaptive refresh": dict(cache="dual", cache_refresh_drift=0.02, temperature=0.7),
     # a stale step decides on an older state's answer, drawn with its own step's noise (HeadQuery.ahead)
     "staleness 1": dict(staleness=1, temperature=0.7),
     "staleness 3, exact check": dict(staleness=3, stale_check="exact", temperature=0.7, remasking="random"),
@@ -162,8 +164,10 @@ def head_swarm(local_swarm, tiny_model_path):
 def test_head_on_the_swarm_gives_the_local_tokens(head_swarm, local_lm, name):
     lm, _ = head_swarm
     settings = dict(SHORT, **ON_THE_SWARM[name])
-    remote = lm.generate(PROMPT, **settings)
-    assert remote.token_ids == local_lm.generate(PROMPT, **settings).token_ids
+    remote, local = lm.generate(PROMPT, **settings), local_lm.generate(PROMPT, **settings)
+    assert remote.token_ids == local.token_ids
+    assert remote.info["cache"]["fills"] == local.info["cache"]["fills"]
+    assert remote.info["cache"]["drift_fills"] == local.info["cache"]["drift_fills"]
     assert lm._head is None, "the client loaded the head although the swarm's answered"
     assert remote.info["head"]["client_calls"] == 0 and remote.info["head"]["server_calls"] > 0
     assert lm.show_route()[-1].end == 4 and lm.planner.servers[lm.show_route()[-1].peer_id].head

@@ -31,6 +31,7 @@ MODES = [
     {"staleness": 2, "stale_check": "none"},
     {"cache": "dual", "staleness": 3},  # token checks: overturned guesses drop calls in flight
     {"cache": "prefix", "cache_refresh": 3, "staleness": 3, "stale_check": "exact"},  # ... and dropped fills
+    {"cache": "dual", "cache_refresh_drift": 0.02, "staleness": 2},  # fills chosen by the adaptive refresh
 ]
 
 
@@ -155,6 +156,8 @@ def test_server_cache_versions_let_a_reuse_wait_for_its_fill_and_drop_old_ones()
     (dict(staleness=9), "staleness"),
     (dict(cache="triple"), "unknown cache"),
     (dict(cache_refresh=-1), "cache_refresh"),
+    (dict(cache="dual", cache_refresh_drift=1.5), r"cache_refresh_drift must be a finite number in \[0, 1\]"),
+    (dict(cache="dual", cache_refresh_drift=float("nan")), "cache_refresh_drift"),
     (dict(cache="dual", parallel_window=2), "parallel_window"),
     (dict(staleness=1, parallel_window=4), "parallel_window"),
     (dict(stale_check="sometimes"), "unknown stale_check"),
@@ -171,6 +174,22 @@ def test_refreshing_every_step_is_the_exact_run(local_lm):
         result = local_lm.generate(PROMPT, cache=mode, cache_refresh=1, **SETTINGS)
         assert result.token_ids == exact.token_ids
         assert result.info["cache"]["reuses"] == 0
+
+
+def test_the_adaptive_refresh_fills_when_the_blocks_predictions_drift(local_lm):
+    """``cache_refresh_drift``: bound 1 never refills (a margin moves at most 1), so it is one fill per block; a
+    tighter bound refills more, and bound 0 after every reuse whose margins moved at all."""
+    settings = dict(SETTINGS, cache="dual")
+    per_block = local_lm.generate(PROMPT, **settings)
+    never = local_lm.generate(PROMPT, cache_refresh_drift=1.0, **settings)
+    assert never.token_ids == per_block.token_ids and never.info["cache"]["drift_fills"] == 0
+    assert never.info["cache"]["fills"] == per_block.info["cache"]["fills"] == 2  # two blocks
+    fills = [local_lm.generate(PROMPT, cache_refresh_drift=bound, **settings).info["cache"]
+             for bound in (0.2, 0.05, 0.0)]
+    assert [f["drift_fills"] for f in fills] == sorted(f["drift_fills"] for f in fills)
+    assert fills[-1]["drift_fills"] > 0 and all(f["fills"] == 2 + f["drift_fills"] for f in fills)
+    # bound 0: a reuse is followed by a fill unless its margins did not move at all
+    assert fills[-1]["reuses"] <= fills[-1]["drift_fills"] + 2
 
 
 def stale_trajectory(lm, **settings) -> tuple[list[StepEvent], torch.Tensor]:
@@ -349,7 +368,8 @@ def test_cache_refresh_benchmark_counts_rows_and_a_refresh_every_step_is_exact()
 
     from swarm.benchmark import main as benchmark
 
-    result = CliRunner().invoke(benchmark, ["cache-refresh", "--task-examples", "3", "--refresh", "0,1"])
+    result = CliRunner().invoke(benchmark, ["cache-refresh", "--task-examples", "3", "--refresh", "0,1",
+                                            "--drift", "1,0"])
     assert result.exit_code == 0, result.output
     columns = ("task", "fills", "reuses", "rows", "fewer_rows")
     table = {}
@@ -360,6 +380,8 @@ def test_cache_refresh_benchmark_counts_rows_and_a_refresh_every_step_is_exact()
     assert every_step["task"] == exact["task"] and every_step["rows"] == exact["rows"]
     assert every_step["fewer_rows"] == "1.00x" and every_step["reuses"] == "0"
     assert per_block["fills"] == "3" and int(per_block["rows"]) < int(exact["rows"])
+    never, always = table["dual drift 1"], table["dual drift 0"]  # a margin moves at most 1: bound 1 never refills
+    assert never == per_block and int(always["fills"]) > 3
 
 
 def test_cache_refresh_benchmark_refuses_an_out_of_bound_refresh_before_any_row():
@@ -384,6 +406,7 @@ def test_hiding_modes_parse_to_their_settings_and_refuse_unknown_parts():
     assert parse_mode("dual+refresh3+push+stale3+exact") == (
         {"draft_steps": 0, "cache": "dual", "cache_refresh": 3, "staleness": 3, "stale_check": "exact"}, True)
     assert parse_mode("push+drafts3") == ({"draft_steps": 3}, True)
-    for bad in ("drafts0", f"drafts{MAX_DRAFT_STEPS + 1}", "stale9", "turbo"):
+    assert parse_mode("dual+drift0.05") == ({"draft_steps": 0, "cache": "dual", "cache_refresh_drift": 0.05}, False)
+    for bad in ("drafts0", f"drafts{MAX_DRAFT_STEPS + 1}", "stale9", "turbo", "drift2", "driftx"):
         with pytest.raises(click.BadParameter, match="unknown part"):
             parse_mode(bad)

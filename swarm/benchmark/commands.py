@@ -344,8 +344,9 @@ HIDING_MODES = ("sync,push,dual,dual+refresh3,stale3,push+stale3,push+stale5,dua
 
 def parse_mode(spec: str) -> tuple[dict, bool]:
     """``dual+push+stale3`` -> (generate settings, push). Parts: push, prefix, dual, refreshN (the cache's
-    cache_refresh), stale1..8, exact and unchecked (the stale check; token by default), draftsN (draft-and-verify
-    with N drafted steps per call: exact tokens, no cache or staleness), sync.
+    cache_refresh), driftX (its adaptive refresh, cache_refresh_drift X), stale1..8, exact and unchecked (the stale
+    check; token by default), draftsN (draft-and-verify with N drafted steps per call: exact tokens, no cache or
+    staleness), sync.
 
     A mode without draftsN evaluates one state per call (``draft_steps=0``): ``scale="auto"`` would otherwise draft
     3 steps per call through the swarm for the confidence orders, which makes "sync" four states per call (twice as
@@ -359,6 +360,8 @@ def parse_mode(spec: str) -> tuple[dict, bool]:
             settings["cache"] = part
         elif part.startswith("refresh") and part[7:].isdigit():
             settings["cache_refresh"] = int(part[7:])
+        elif part.startswith("drift") and _is_fraction(part[5:]):
+            settings["cache_refresh_drift"] = float(part[5:])
         elif part.startswith("stale") and part[5:].isdigit() and 1 <= int(part[5:]) <= MAX_STALENESS:
             settings["staleness"] = int(part[5:])
         elif part in ("exact", "unchecked"):
@@ -367,10 +370,18 @@ def parse_mode(spec: str) -> tuple[dict, bool]:
             settings["draft_steps"] = int(part[6:])
         elif part != "sync":
             raise click.BadParameter(f"unknown part {part!r} in mode {spec!r}; use push, prefix, dual, refreshN, "
-                                     f"stale1..{MAX_STALENESS}, exact, unchecked, drafts1..{MAX_DRAFT_STEPS} or "
-                                     "sync, joined by '+'",
+                                     f"driftX, stale1..{MAX_STALENESS}, exact, unchecked, drafts1..{MAX_DRAFT_STEPS} "
+                                     "or sync, joined by '+'",
                                      param_hint="--modes")
     return settings, push
+
+
+def _is_fraction(text: str) -> bool:
+    """Whether ``text`` is a number in [0, 1] (a drift bound)."""
+    try:
+        return 0.0 <= float(text) <= 1.0
+    except ValueError:
+        return False
 
 
 @main.command()
@@ -378,7 +389,8 @@ def parse_mode(spec: str) -> tuple[dict, bool]:
 @click.option("--model", default="default", show_default=True, help="Embedded model name or checkpoint directory.")
 @click.option("--modes", default=HIDING_MODES, show_default=True,
               help="Comma-separated modes, each parts joined by '+': push, prefix, dual, refreshN (refill the "
-                   f"cache every N steps), stale1..{MAX_STALENESS} (staleness, "
+                   "cache every N steps), driftX (also when the block's predictions drift past X), "
+                   f"stale1..{MAX_STALENESS} (staleness, "
                    "guesses checked token by token), exact (checked to be the exact step), unchecked (never "
                    "checked), draftsN (draft-and-verify, N drafted steps per call; exact), sync (none of them).")
 @click.option("--latency-ms", type=float, default=50.0, show_default=True,
@@ -448,11 +460,15 @@ def hiding(model: str, modes: str, latency_ms: float, gen_length: int, block_len
               help="Held-out addition problems per setting.")
 @click.option("--refresh", "refreshes", callback=comma_list(int, 0), default="0,2,3,4", show_default=True,
               help="cache_refresh values to compare with the exact run (0: one fill per block).")
+@click.option("--drift", "drifts", callback=comma_list(float, 0), default="0.05,0.1", show_default=True,
+              help="cache_refresh_drift bounds to compare (the adaptive refresh, with cache_refresh 0).")
 @click.option("--cache", type=click.Choice(["prefix", "dual"]), default="dual", show_default=True,
               help="Which activation cache.")
-def cache_refresh(task_model: str, task_examples: int, refreshes: list[int], cache: str, threads: int) -> None:
-    """The activation cache's refresh schedule against the exact run, in one process (the swarm gives the same
-    tokens for every setting): task accuracy, fills and reuses, rows the model computed, and wall time."""
+def cache_refresh(task_model: str, task_examples: int, refreshes: list[int], drifts: list[float], cache: str,
+                  threads: int) -> None:
+    """The activation cache's refresh schedule, fixed and adaptive, against the exact run, in one process (the swarm
+    gives the same tokens for every setting): task accuracy, fills and reuses, rows the model computed, and wall
+    time."""
     from swarm.eval.tasks import prompt_ids
     from swarm.frontend.local import DiffusionLM
     from swarm.train.data import AdditionTask
@@ -462,12 +478,13 @@ def cache_refresh(task_model: str, task_examples: int, refreshes: list[int], cac
     problems = AdditionTask().problems(task_examples, seed=0, held_out=True)
     prompts = [prompt_ids(lm, problem.prompt) for problem in problems]
     base = dict(gen_length=8, steps=8, block_length=8, remasking="low_confidence", **GREEDY)
-    settings = {"exact": {}, **{f"{cache} refresh {r}": {"cache": cache, "cache_refresh": r} for r in refreshes}}
+    settings = {"exact": {}, **{f"{cache} refresh {r}": {"cache": cache, "cache_refresh": r} for r in refreshes},
+                **{f"{cache} drift {d:g}": {"cache": cache, "cache_refresh_drift": d} for d in drifts}}
     for extra in settings.values():  # every setting's bounds before the first (long) row, not after it
         try:
             lm.check_request(**base, **extra)
         except ValueError as error:
-            raise click.BadParameter(str(error), param_hint="--refresh") from None
+            raise click.BadParameter(str(error), param_hint="--refresh/--drift") from None
     click.echo(f"{task_model}: {task_examples} held-out problems, 8 tokens in one block of 8, one per step, greedy")
     click.echo(f"{'setting':<18}{'task':>7}{'fills':>7}{'reuses':>8}{'rows':>8}{'fewer rows':>11}{'time s':>8}"
                f"{'speed-up':>9}")

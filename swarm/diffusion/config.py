@@ -71,7 +71,8 @@ class GenerationConfig:
 
     Latency hiding (approximate unless at its default): ``cache`` reuses keys and values of positions
     outside the active block (``prefix``: those before it; ``dual``: before and after), refilled at every
-    block and every ``cache_refresh`` steps (0: only at blocks; 1: every step, which is exact); ``staleness``
+    block and every ``cache_refresh`` steps (0: only at blocks; 1: every step, which is exact), and with
+    ``cache_refresh_drift`` whenever a reused pass's predictions moved past that bound from the fill's; ``staleness``
     s lets each step decide on logits s steps old, so s + 1 denoiser calls are in flight at once. Each such
     step is a guess that the logits of its own state, arriving s steps later, confirm or overturn
     (``stale_check``): ``token`` (each token it unmasked is the one its own logits predict there), ``exact``
@@ -114,6 +115,10 @@ class GenerationConfig:
                                  "and after); none is exact.", choices=CACHE_MODES)
     cache_refresh: int = setting(0, "Refill the cache every N steps (0: only at each new block; 1: every step, "
                                     "which is exact).", low=0, high="steps")
+    cache_refresh_drift: Optional[float] = setting(
+        None, "Adaptive cache refresh: refill as soon as a reused pass's top-two margin at a masked position of the "
+              "active block moved more than this from the last fill's (with cache_refresh: whichever comes first).",
+        low=0.0, high=1.0)
 
     def __post_init__(self) -> None:
         self.validate()

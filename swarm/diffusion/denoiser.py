@@ -80,6 +80,11 @@ class PipelinedDenoiser(ABC):
     def __call__(self, tokens: torch.Tensor, context: DenoiseContext) -> torch.Tensor:
         return self.submit(tokens, context).result()
 
+    def observe(self, pending: Pending, margins: torch.Tensor, masked: torch.Tensor) -> None:
+        """What the sampler read from a collected call (its first state's active-block top-two margins and which
+        of those positions are masked), for a denoiser whose next calls depend on it (the adaptive cache refresh);
+        by default nothing."""
+
 
 class Immediate(PipelinedDenoiser):
     """A plain denoiser as a pipelined one: each call runs at once, in the caller's thread."""
@@ -111,3 +116,6 @@ class ExpertsFirst(PipelinedDenoiser):
     def submit(self, tokens: torch.Tensor, context: DenoiseContext) -> Pending:
         self.start_queries(tokens, context)
         return self.denoiser.submit(tokens, context)
+
+    def observe(self, pending: Pending, margins: torch.Tensor, masked: torch.Tensor) -> None:
+        self.denoiser.observe(pending, margins, masked)

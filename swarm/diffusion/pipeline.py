@@ -87,14 +87,17 @@ def scored_rows(context: DenoiseContext, generation: GenerationConfig, length: i
 
 
 class CachePolicy:
-    """Decides fill or reuse for each call."""
+    """Decides fill or reuse for each call: at each new block, every ``refresh`` calls, and (``drift`` set) after a
+    reuse whose predictions moved past ``drift`` from its fill's (:meth:`DenoiserCalls.observe`)."""
 
-    def __init__(self, mode: str, refresh: int, logits_shift: bool):
-        self.mode, self.refresh = mode, refresh
+    def __init__(self, mode: str, refresh: int, logits_shift: bool, drift: Optional[float] = None):
+        self.mode, self.refresh, self.drift = mode, refresh, drift
         self.shift = 1 if logits_shift else 0  # Dream scores row i from hidden state i - 1: compute one more
         self.filled_for: Optional[tuple] = None
         self.since_fill = 0
         self.fills = self.reuses = 0
+        self.drifted = False  # the newest fill's reuses drifted past the bound: the next call fills
+        self.drift_fills = 0  # fills made because of that
 
     @property
     def enabled(self) -> bool:
@@ -112,13 +115,16 @@ class CachePolicy:
         key = (context.block_start, tuple(tokens.shape))
         if key != self.filled_for or (self.refresh and self.since_fill + 1 >= self.refresh):  # a fill every N calls
             return self.new_fill(key, keep_from)
+        if self.drifted:
+            self.drift_fills += 1
+            return self.new_fill(key, keep_from)
         self.since_fill += 1
         self.reuses += 1
         end = context.block_end if self.mode == "dual" else tokens.shape[1]
         return CacheDirective(self.version, (context.block_start - self.shift, end))
 
     def new_fill(self, key: tuple, keep_from: int) -> CacheDirective:
-        self.filled_for, self.since_fill = key, 0
+        self.filled_for, self.since_fill, self.drifted = key, 0, False
         self.fills += 1
         return CacheDirective(self.version, keep_from=min(keep_from, self.version))
 
@@ -148,6 +154,7 @@ class PendingLogits(Pending):
         self.fill = calls.last_fill if directive is not None and not directive.fill else None  # the one it reuses
         self.sent_at = calls.rebuilds  # rebuilds made before this call was sent
         self.rebuilt_at = 0  # (a fill) the value of ``calls.rebuilds`` after its latest rebuild; 0: never rebuilt
+        self.margins: Optional[torch.Tensor] = None  # (a fill, with a drift bound) its active block's top-two margins
         self._logits: Optional[torch.Tensor] = None
 
     def result(self) -> torch.Tensor:
@@ -169,7 +176,8 @@ class DenoiserCalls(PipelinedDenoiser):
 
     def __init__(self, forward: Forward, generation: GenerationConfig, logits_shift: bool = False, workers: int = 0):
         self.forward = forward
-        self.policy = CachePolicy(generation.cache, generation.cache_refresh, logits_shift)
+        self.policy = CachePolicy(generation.cache, generation.cache_refresh, logits_shift,
+                                  generation.cache_refresh_drift)
         self.executor = ThreadPoolExecutor(workers, thread_name_prefix="denoiser") if workers else None
         self.last_fill: Optional[PendingLogits] = None
         self.live: set[PendingLogits] = set()  # submitted, neither collected nor dropped
@@ -183,6 +191,24 @@ class DenoiserCalls(PipelinedDenoiser):
             self.last_fill = pending
         self.live.add(pending)
         return pending
+
+    def observe(self, pending: Pending, margins: torch.Tensor, masked: torch.Tensor) -> None:
+        """The adaptive refresh: a fill's active-block margins (top-two probability gap per position, the sampler's
+        prediction column, so the same numbers from local logits and a head server's predictions) are kept; a
+        reuse of the newest fill whose margin at a still-masked position moved more than the bound makes the next
+        call fill. Positions decided since the fill changed the context that the cached rows saw; how far the
+        block's own predictions moved is the measure of it (Elastic-Cache refreshes on drift, too)."""
+        directive = getattr(pending, "directive", None)
+        if self.policy.drift is None or directive is None:
+            return
+        if directive.fill:
+            pending.margins = margins
+            return
+        reference = pending.fill.margins if pending.fill is self.last_fill else None
+        if reference is None or reference.shape != margins.shape or not masked.any():
+            return
+        if float((margins - reference).abs()[masked].max()) > self.policy.drift:
+            self.policy.drifted = True
 
     def oldest_version_in_use(self) -> int:
         """Cache versions older than this are read by no call still to be collected (servers may drop them)."""

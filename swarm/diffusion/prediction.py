@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 
 PREDICTION_FIELDS = ("token", "probability", "margin", "negative_entropy")
 """The columns of a prediction row (float64; the token id is exact in float64)."""
+MARGIN_COLUMN = PREDICTION_FIELDS.index("margin")
 
 REMASKING_STREAM, GUMBEL_STREAM = 0, 1
 

@@ -19,6 +19,7 @@ import torch
 from swarm.diffusion.config import GenerationConfig
 from swarm.diffusion.denoiser import AnyDenoiser, DenoiseContext, Denoiser, Pending, pipelined
 from swarm.diffusion.prediction import (
+    MARGIN_COLUMN,
     BlockScores,
     CallLogits,
     HeadQuery,
@@ -232,6 +233,7 @@ class DiffusionSampler:
                 if not self.accepts_predictions:
                     raise RuntimeError("the denoiser answered predictions to a sampler that reads logits")
                 evaluation.logits = logits
+                self._report_margins(evaluation)
                 return logits
             if isinstance(logits, Predictions):  # guided and cut on the head server
                 if not self.accepts_sparse:
@@ -245,7 +247,21 @@ class DiffusionSampler:
             if self.logits_hook is not None:
                 logits = self.logits_hook(logits, evaluation.states, evaluation.context)
             evaluation.logits = logits
+            self._report_margins(evaluation)
         return evaluation.logits
+
+    def _report_margins(self, evaluation: Evaluation) -> None:
+        """Tell the denoiser the first state's active-block margins, which the adaptive cache refresh compares
+        (``cache_refresh_drift``; the margin does not depend on the step's noise)."""
+        cfg = self.config
+        if cfg.cache_refresh_drift is None or cfg.cache == "none":
+            return
+        context = evaluation.context
+        prediction = self.block_prediction(evaluation.logits[0], context.block_start, context.block_end,
+                                           context.steps[0])
+        if prediction is not None:
+            masked = evaluation.states[0, context.block_start:context.block_end] == self.mask_token_id
+            self.denoiser.observe(evaluation.pending, prediction[:, MARGIN_COLUMN], masked)
 
     def block_scores(self, logits: Scores, start: int, end: int) -> BlockScores:
         """Float64 scores of the block's positions; a position is never "unmasked" to the mask token."""

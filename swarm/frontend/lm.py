@@ -359,7 +359,7 @@ class BaseDiffusionLM(ABC):
         ``block_length``, ``temperature``, ``remasking`` (low_confidence, random, margin, entropy), ``threshold``,
         ``cfg_scale``, ``seed``, ``stop_at_eos``, ``parallel_window``, ``draft_steps``, and the latency-hiding settings
         ``staleness`` (0..8), ``stale_check`` (``token``, ``exact``, ``none``), ``cache`` (``none``, ``prefix``,
-        ``dual``) and ``cache_refresh`` (approximate except at their defaults, which are exact;
+        ``dual``), ``cache_refresh`` and ``cache_refresh_drift`` (approximate except at their defaults, which are exact;
         ``stale_check="exact"`` keeps the tokens of the run without staleness).
 
         Unset ``temperature``, ``remasking``, ``threshold`` and ``cfg_scale`` take the model's defaults (its
@@ -431,7 +431,7 @@ class BaseDiffusionLM(ABC):
                                         "guessed": sampler.stats.guessed, "overturned": sampler.stats.overturned}
             result.info["cache"] = {"mode": generation.cache, "fills": denoiser.policy.fills,
                                     "reuses": denoiser.policy.reuses, "misses": denoiser.misses,
-                                    "rebuilds": denoiser.rebuilds}
+                                    "rebuilds": denoiser.rebuilds, "drift_fills": denoiser.policy.drift_fills}
             if halt is not None:
                 result.finish_reason = "halted"
                 result.info["halt"] = {"reason": halt.reason, "step": halt.step, **halt.details}

@@ -456,11 +456,11 @@ def hiding(model: str, modes: str, latency_ms: float, gen_length: int, block_len
 @main.command("cache-refresh")
 @threads_option
 @click.option("--task-model", default="addition", show_default=True, help="Model whose addition task is scored.")
-@click.option("--task-examples", type=click.IntRange(min=1), default=200, show_default=True,
-              help="Held-out addition problems per setting.")
+@click.option("--task-examples", type=click.IntRange(min=1), default=1000, show_default=True,
+              help="Held-out addition problems per setting (1000: a tenth of a point; about 15 s a setting).")
 @click.option("--refresh", "refreshes", callback=comma_list(int, 0), default="0,2,3,4", show_default=True,
               help="cache_refresh values to compare with the exact run (0: one fill per block).")
-@click.option("--drift", "drifts", callback=comma_list(float, 0), default="0.05,0.1", show_default=True,
+@click.option("--drift", "drifts", callback=comma_list(float, 0), default="0.02,0.05,0.1,0.2", show_default=True,
               help="cache_refresh_drift bounds to compare (the adaptive refresh, with cache_refresh 0).")
 @click.option("--cache", type=click.Choice(["prefix", "dual"]), default="dual", show_default=True,
               help="Which activation cache.")

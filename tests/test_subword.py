@@ -212,3 +212,18 @@ def test_the_playground_form_starts_from_the_models_defaults():
     assert declared["temperature"] == 0.0 and tuned["temperature"] == 0.5
     assert {k: v for k, v in tuned.items() if k != "temperature"} == {
         k: v for k, v in declared.items() if k != "temperature"}
+
+
+def test_the_playground_page_has_an_input_for_every_setting_it_offers():
+    """The form's inputs are written in playground.html and configured from PLAYGROUND_SETTINGS: a setting named
+    there without its input leaves the page never ready; draft-and-verify and the adaptive refresh are offered."""
+    import re
+
+    from swarm.web.routes import PLAYGROUND_SETTINGS, STATIC, playground_settings
+
+    page = (STATIC / "playground.html").read_text()
+    inputs = set(re.findall(r'<(?:input|select) id="([a-z_]+)"', page)) - {"prompt"}
+    assert inputs == set(PLAYGROUND_SETTINGS)
+    offered = {item["name"]: item for item in playground_settings()}
+    assert offered["draft_steps"]["low"] == 0 and offered["cache_refresh_drift"]["high"] == 1.0
+    assert offered["cache_refresh_drift"]["default"] is None  # empty field: the API's default (no adaptive refresh)

@@ -31,8 +31,8 @@ PAGE_HEADERS = {
     "X-Content-Type-Options": "nosniff", "Cache-Control": "no-cache",
 }
 # The playground's inputs, in the order of the form; each is a declared setting of generate().
-PLAYGROUND_SETTINGS = ("gen_length", "steps", "block_length", "temperature", "remasking", "staleness", "cache",
-                       "experts", "seed")
+PLAYGROUND_SETTINGS = ("gen_length", "steps", "block_length", "temperature", "remasking", "draft_steps", "staleness",
+                       "cache", "cache_refresh_drift", "experts", "seed")
 
 
 def setting_json(declared: SettingField) -> dict[str, Any]:

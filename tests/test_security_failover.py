@@ -32,6 +32,7 @@ CACHED = [
     {"cache": "dual", "staleness": 2},
     {"cache": "prefix", "staleness": 3, "stale_check": "exact"},
     {"cache": "dual", "staleness": 1, "cfg_scale": 1.0},  # two rows per call: the unconditional copy
+    {"cache": "dual", "cache_refresh_drift": 0.02, "staleness": 2},  # 4 of its 8 fills adaptive
 ]
 
 

@@ -3,8 +3,12 @@
 ``swarm.DiffusionLM`` and the other names below are imported on first use (:mod:`swarm.utils.lazy`), so that a
 command such as ``python -m swarm.server --help`` answers before torch is loaded.
 """
-from swarm.utils.lazy import lazy_exports
+from swarm.utils.lazy import defer_import, lazy_exports
 from swarm.version import __version__
+
+# Before anything imports hivemind (every module of this package passes here first): hivemind imports scipy.optimize
+# at start for its averager's load balancing, which only collaborative fine-tuning runs (0.3 s of every start).
+defer_import("scipy.optimize")
 
 _EXPORTS = {
     "DiffusionLM": "swarm.frontend.local", "GenerationConfig": "swarm.diffusion.config",

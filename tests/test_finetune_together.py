@@ -24,8 +24,10 @@ from tests.conftest import wait_until
 BATCH, TARGET = 2, 8  # alone, a peer needs TARGET / BATCH = 4 batches per optimizer step
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def bootstrap():
+    """One bootstrap peer for the module: each test's peers meet under a run id of their own and have exited when it
+    ends, so no test sees another's collaboration."""
     with LocalSwarm() as swarm:
         swarm.start_bootstrap()
         yield swarm
@@ -39,10 +41,11 @@ def pairs(tmp_path) -> str:
     return str(path)
 
 
-def start_peer(swarm: LocalSwarm, model: Path, data: str, output: Path, steps: int) -> ManagedProcess:
+def start_peer(swarm: LocalSwarm, model: Path, data: str, output: Path, steps: int,
+               run_id: str = "pytest-together") -> ManagedProcess:
     args = ["-m", "swarm.finetune", "--model", str(model), "--data", data, "--output", str(output),
             "--steps", str(steps), "--batch-size", str(BATCH), "--target-batch-size", str(TARGET),
-            "--prompt-length", "4", "--lr", "0.05", "--save-every", "2", "--run-id", "pytest-together",
+            "--prompt-length", "4", "--lr", "0.05", "--save-every", "2", "--run-id", run_id,
             "--local-model", "--threads", "1", "--matchmaking-time", "1", "--averaging-timeout", "3",
             "--min-peers", "2", "--peer-wait", "60"]
     for peer in swarm.initial_peers:
@@ -80,8 +83,8 @@ def test_two_peers_make_global_steps_together(bootstrap, tiny_model_path, local_
 
 def test_a_peer_killed_mid_run_does_not_stop_the_other(bootstrap, tiny_model_path, pairs, tmp_path):
     steps = 8
-    victim = start_peer(bootstrap, tiny_model_path, pairs, tmp_path / "victim", steps)
-    survivor = start_peer(bootstrap, tiny_model_path, pairs, tmp_path / "survivor", steps)
+    victim = start_peer(bootstrap, tiny_model_path, pairs, tmp_path / "victim", steps, run_id="pytest-killed")
+    survivor = start_peer(bootstrap, tiny_model_path, pairs, tmp_path / "survivor", steps, run_id="pytest-killed")
     assert wait_until(lambda: all((tmp_path / name / STATE_FILE).is_file() for name in ("victim", "survivor")),
                       timeout=60), "\n".join(victim.log[-20:] + survivor.log[-20:])
     bootstrap.terminate(victim, signal.SIGKILL)

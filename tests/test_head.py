@@ -155,9 +155,7 @@ def head_swarm(local_swarm, tiny_model_path):
     with DistributedDiffusionLM.from_pretrained(tiny_model_path, initial_peers=local_swarm.initial_peers,
                                                 dht_prefix=prefix, request_timeout=20) as lm:
         yield lm, servers
-    for server in servers:
-        if server.alive:
-            local_swarm.terminate(server)
+    stop_all(local_swarm, [server for server in servers if server.alive])  # their own prefix
 
 
 @pytest.mark.parametrize("name", list(ON_THE_SWARM))
@@ -348,8 +346,7 @@ def test_a_lying_head_server_is_caught_by_spot_checks(local_swarm, tiny_model_pa
             assert result.info["spot_checks"][0]["verdict"] == "primary_faulty"
             assert lm._head is None
     finally:
-        for server in servers:
-            local_swarm.terminate(server)
+        stop_all(local_swarm, servers)  # their own prefix
 
 
 def test_a_sparse_head_answer_is_the_local_cut_and_a_malformed_one_is_refused():

@@ -60,7 +60,7 @@ from swarm.governance.guard import GovernanceGuard
 from swarm.governance.keys import generate_private_key, public_key_text, trusted_signers
 from swarm.governance.records import HALT, RESUME, publish
 from swarm.server.config import ServerConfig
-from tests.conftest import wait_until
+from tests.conftest import stop_all, wait_until
 from tests.test_security_records import SETTINGS, attacker, forge, honest_peers, run_cli  # noqa: F401 (fixture)
 
 FLOOD_VALUE = b"x" * 4096
@@ -427,4 +427,4 @@ def test_a_server_that_reads_no_decision_for_longer_than_the_bound_refuses(local
             assert publish(lm.dht, key, default_prefix(path), RESUME, "set-up") is not None
             assert wait_until(lambda: not refused(lm, server), timeout=60), "the resume was not read"
     finally:
-        local_swarm.terminate(server)
+        stop_all(local_swarm, [server])  # its own prefix

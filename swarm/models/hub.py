@@ -21,15 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-from huggingface_hub import constants, hf_hub_download, try_to_load_from_cache
-from huggingface_hub.errors import (
-    GatedRepoError,
-    HfHubHTTPError,
-    LocalEntryNotFoundError,
-    RemoteEntryNotFoundError,
-    RepositoryNotFoundError,
-    RevisionNotFoundError,
-)
+# Only the constants at import (a few ms): hf_hub_download and the hub's errors pull in its HTTP client (~0.15 s),
+# which every server and client would pay at start although only a model named by repo id downloads anything.
+from huggingface_hub import constants
 
 from swarm.models.checkpoint import INDEX_FILE
 from swarm.models.config import CONFIG_FILE
@@ -83,6 +77,15 @@ class HubName:
 
 def fetch_error(name: HubName, filename: str, error: Exception) -> ModelFetchError:
     """One line saying why ``filename`` of ``name`` could not be had, and what to do about it."""
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        RemoteEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
     where = f"{constants.ENDPOINT}/{name.repo_id}"
     if isinstance(error, LocalEntryNotFoundError):  # before the others: the cache was the only place to look
         if constants.HF_HUB_OFFLINE:
@@ -112,6 +115,9 @@ def fetch_error(name: HubName, filename: str, error: Exception) -> ModelFetchErr
 def download(name: HubName, filename: str, revision: str) -> Path:
     """One file of the repo at ``revision`` into the Hugging Face cache (a dropped connection is resumed with a
     byte range; a file already there is not fetched again)."""
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
     try:
         return Path(hf_hub_download(name.repo_id, filename, revision=revision))
     except (HfHubHTTPError, LocalEntryNotFoundError, OSError) as error:
@@ -138,6 +144,9 @@ class HubCheckpoint:
     def _download_optional(self, filename: str) -> None:
         """A file the repo may lack: fetched if present, skipped if the hub (or the cache's memory of it) says
         absent, and skipped offline when the cache knows nothing of it."""
+        from huggingface_hub import hf_hub_download, try_to_load_from_cache
+        from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RemoteEntryNotFoundError
+
         if try_to_load_from_cache(self.name.repo_id, filename, revision=self.commit) is not None:
             return  # cached, or cached as absent
         try:

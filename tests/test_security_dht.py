@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from functools import partial
@@ -361,7 +362,7 @@ def test_no_hostile_record_stops_a_client_or_breaks_the_health_json(local_swarm,
         servers = read_servers(reader, prefix, 4)
         assert all(record.start < record.end <= 4 for record in servers.values())
         experts = read_all_experts(reader, prefix)
-        assert len(experts) <= MAX_EXPERTS_PER_SERVER and "d0" not in experts  # NaN throughput: refused
+        assert len(hostile_domains(experts)) <= MAX_EXPERTS_PER_SERVER and "d0" not in experts  # NaN: refused
     with DistributedDiffusionLM.from_pretrained(tiny_model_path, initial_peers=local_swarm.initial_peers,
                                                 route_refresh=0.0, request_timeout=20) as lm:
         assert lm.generate("still here", **SETTINGS).token_ids == local_lm.generate("still here", **SETTINGS).token_ids
@@ -375,7 +376,13 @@ def test_no_hostile_record_stops_a_client_or_breaks_the_health_json(local_swarm,
         raise AssertionError(f"invalid JSON constant {name}")
 
     health = json.loads(result.stdout, parse_constant=no_constants)
-    assert health["fully_served"] and len(health["experts"]) <= MAX_EXPERTS_PER_SERVER
+    assert health["fully_served"] and len(hostile_domains(health["experts"])) <= MAX_EXPERTS_PER_SERVER
+
+
+def hostile_domains(experts: dict) -> set[str]:
+    """The domains of :func:`hostile_index` among those read: earlier tests' honest experts (on the session swarm,
+    under the same model) may be read beside them, depending on which tests ran before."""
+    return {domain for domain in experts if re.fullmatch(r"d\d+", domain)}
 
 
 def test_signed_slots_of_strangers_are_refused_under_a_trusted_governance_key(tmp_path):

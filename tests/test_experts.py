@@ -39,7 +39,7 @@ from swarm.models.tokenizer import ByteTokenizer
 from swarm.wire.encoding import collect_response, expert_query_message
 from swarm.wire.messages import ErrorCode, ExpertQuery, RemoteError
 from swarm.wire.services import SpanService
-from tests.conftest import make_checkpoint, tiny_config, wait_until
+from tests.conftest import make_checkpoint, raw_answer, tiny_config, wait_until
 
 SETTINGS = dict(gen_length=16, steps=8, block_length=8)
 
@@ -326,7 +326,7 @@ def call_expert(remote_lm, peer_id: str, message):
         stub = SpanService.get_stub(remote_lm.p2p, PeerID.from_base58(peer_id))
         return [part async for part in await stub.rpc_expert_logits(message)]
 
-    return collect_response(remote_lm.loop.run(call(), timeout=30), peer_id)
+    return raw_answer(lambda: remote_lm.loop.run(call(), timeout=30), peer_id)
 
 
 def request(**changes):
@@ -371,7 +371,7 @@ def test_hostile_expert_requests_get_structured_errors(expert_server, remote_lm,
     make, code = HOSTILE[case]
     with pytest.raises(RemoteError) as caught:
         call_expert(remote_lm, expert_server.peer_id, make())
-    assert caught.value.code == code
+    assert caught.value.code == code, caught.value
 
 
 def test_a_sparse_answer_is_the_local_top_k_exactly_and_small(expert_server, remote_lm, alpha_path):

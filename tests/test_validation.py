@@ -7,9 +7,10 @@ from hivemind.p2p import PeerID
 from hivemind.proto import runtime_pb2
 from hivemind.utils import MSGPackSerializer
 
-from swarm.wire.encoding import collect_response, request_parts
+from swarm.wire.encoding import request_parts
 from swarm.wire.messages import ErrorCode, ForwardRequest, RemoteError
 from swarm.wire.services import SpanService
+from tests.conftest import raw_answer
 
 HIDDEN = 32  # tiny_config's hidden size
 
@@ -31,7 +32,7 @@ def send(remote_lm, peer_id: str, parts: list, stream: bool = False):
             return [r async for r in await stub.rpc_forward_stream(parts_iter())]
         return [await stub.rpc_forward(parts[0], timeout=20)]
 
-    return collect_response(remote_lm.loop.run(call(), timeout=30), peer_id)
+    return raw_answer(lambda: remote_lm.loop.run(call(), timeout=30), peer_id)
 
 
 def valid_parts(hidden=None, **metadata):

@@ -132,31 +132,32 @@ class Audited:
 
     auditor: str
     failed: str  # peer id of the 0:8 server
-    passed: str  # peer id of an 8:16 server
+    passed: tuple[str, ...]  # peer ids of both 8:16 servers (a later test stops one, whichever its route used)
     adapter: PublishedAdapter
 
 
 @pytest.fixture(scope="module")
 def audited(web_swarm, web_lm, tmp_path_factory) -> Audited:
     """An auditor (not the governance key web_lm trusts: its client keeps every server) fails the 0:8 server and
-    passes an 8:16 one, and scores a published adapter; a stranger publishes the opposite in its own slot."""
+    passes both 8:16 ones, and scores a published adapter; a stranger publishes the opposite in its own slot."""
     auditor, stranger = (generate_private_key(tmp_path_factory.mktemp(name) / "key")
                          for name in ("auditor", "stranger"))
     failed = next(p.peer_id for p in web_swarm.processes if p.span == (0, 8))
-    passed = next(p.peer_id for p in web_swarm.processes if p.span == (8, 16))
+    passed = tuple(p.peer_id for p in web_swarm.processes if p.span == (8, 16))
     author = Ed25519PrivateKey.generate()
     adapter = publish_adapter(web_lm.dht, author, web_lm.prefix, PublishedAdapter(
         "adder", "ab" * 32, 4096, {"model": MODEL}, score=0.99, published=time.time()))
     now = time.time()
 
-    def report(auditor_key, fail: str, ok: str) -> AuditReport:
+    def report(auditor_key, fail: str, ok: tuple[str, ...]) -> AuditReport:
         entries = (ServerAudit(fail, 0, 8, 2, 1, 0, now - 60, now - 1, FAIL, now - 1, "wrong hidden states", 80.0, 8.0),
-                   ServerAudit(ok, 8, 16, 3, 0, 0, now - 60, now - 1, PASS, announced=80.0, measured=70.0))
+                   *(ServerAudit(peer, 8, 16, 3, 0, 0, now - 60, now - 1, PASS, announced=80.0, measured=70.0)
+                     for peer in ok))
         scores = (AdapterAudit(adapter.name, adapter.author, adapter.sha256, "addition", 10, 4, now - 1, 0.99),)
         return AuditReport(web_lm.prefix, int(now * 1000), now, entries, public_key_text(auditor_key), scores)
 
     assert publish_report(web_lm.dht, auditor, report(auditor, failed, passed), 600) is not None
-    assert publish_report(web_lm.dht, stranger, report(stranger, passed, failed), 600) is not None
+    assert publish_report(web_lm.dht, stranger, report(stranger, passed[0], (failed,)), 600) is not None
     return Audited(public_key_text(auditor), failed, passed, adapter)
 
 
@@ -419,7 +420,7 @@ def test_a_watcher_shows_its_trusted_auditors_reports_and_each_servers_usage(web
     finally:
         access.close()
     servers = {server["peer_id"]: server for server in snapshot["servers"]}
-    failed, passed = servers[audited.failed], servers[audited.passed]
+    failed, passed = servers[audited.failed], servers[audited.passed[0]]
     assert failed["audit"]["verdict"] == FAIL and failed["audit_failed"]
     assert failed["audit"]["auditor"] == audited.auditor
     assert failed["audit"]["reason"] == "wrong hidden states" and failed["audit"]["measured"] == 8.0
@@ -583,7 +584,9 @@ def test_health_serve_map_warns_once_a_server_stops(browser, web_swarm, api_url,
         audits = {row["id"]: row["Audit"] for row in server_rows(browser)}
         assert audits[f"server-{audited.failed}"].startswith("FAIL 2/3 at ")  # passed of all checks, as swarm.health
         assert "measured 8 of 80 tok/s" in audits[f"server-{audited.failed}"]
-        assert audits[f"server-{audited.passed}"].startswith("pass 3/3 at ")
+        # Whichever 8:16 server the failover test stopped may be gone from the map (its record expired) or offline.
+        shown = [audits[f"server-{peer}"] for peer in audited.passed if f"server-{peer}" in audits]
+        assert shown and all(audit.startswith("pass 3/3 at ") for audit in shown), audits
         marked = [label for label, classes in bars(browser) if "audit-failed" in classes]
         assert len(marked) == 1 and "failed its last audit" in marked[0]
         assert "addition 4/10 (40%)" in browser.find_element(By.ID, "adapters").text

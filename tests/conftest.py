@@ -8,7 +8,7 @@ import signal
 import socket
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 import pytest
 import torch
@@ -230,19 +230,15 @@ def stop_all(swarm, servers) -> None:
 
 
 # ----- raw calls ----------------------------------------------------------------------------------------------
-def raw_answer(run_call: Callable[[], list], peer_id: str):
-    """A raw RPC's decoded answer (``run_call`` makes the call and returns its response parts). Like the client's
-    ``RemoteCaller._call``, an answer whose stream lost its parts on the way is asked for once more: hivemind's
-    loopback streams rarely drop one while other calls are in flight (seen in a two-worker run)."""
+def raw_answer(run_call: Callable[[], list], peer_id: str, collect: Optional[Callable] = None):
+    """A raw RPC's decoded answer (``run_call`` makes the call and returns its response parts; ``collect`` decodes
+    them, by default ``collect_response``). Like the client's ``RemoteCaller._call``, an answer that came back
+    empty is asked for once more: hivemind's loopback streams rarely lose one while other calls are in flight (seen
+    in two- and three-worker runs). A server's own refusal is never empty, so it is never sent twice."""
     from swarm.wire.encoding import collect_response
-    from swarm.wire.messages import ErrorCode, RemoteError
 
-    try:
-        return collect_response(run_call(), peer_id)
-    except RemoteError as error:
-        if error.code != ErrorCode.INCOMPLETE:
-            raise
-    return collect_response(run_call(), peer_id)
+    parts = run_call()
+    return (collect or collect_response)(parts or run_call(), peer_id)
 
 
 # ----- waiting on events instead of sleeping --------------------------------------------------------------

@@ -46,7 +46,7 @@ from swarm.wire.encoding import (
 from swarm.wire.messages import ErrorCode, ForwardRequest, PushSpec, RemoteError
 from swarm.wire.remote import RemoteCaller
 from swarm.wire.services import SpanService
-from tests.conftest import make_checkpoint, tiny_config
+from tests.conftest import make_checkpoint, raw_answer, tiny_config
 
 HIDDEN = 32  # tiny_config's hidden size
 POSITIONS = 512  # tiny_config's context
@@ -83,7 +83,7 @@ class Peer:
         async def call() -> list:
             return [r async for r in await self.stub.rpc_forward_stream(_aiter(parts))]
 
-        return collect(self.run(call()), self.server.peer_id)
+        return raw_answer(lambda: self.run(call()), self.server.peer_id, collect)
 
     def hold(self, first: runtime_pb2.ExpertRequest):
         """Send a stream's first part and nothing more, until the server answers (a refusal, or the drop at its

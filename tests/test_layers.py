@@ -200,3 +200,17 @@ def test_ci_runs_the_readmes_test_command():
     command = re.search(r'pip install -e "\.\[test\]" && (ruff check \. && python -m pytest[^\n]*)', readme).group(1)
     ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
     assert command in ci, f"README: {command!r}; .ci/run runs: {[line for line in ci if 'pytest' in line]}"
+
+
+def test_every_test_the_docs_name_exists():
+    """Docs name tests as ``test_FILE.py::test_name`` (TESTING.md's guards table, the threat model): a renamed or
+    removed test leaves a claim nobody checks, so each name must still be defined in its file (``name...`` is a
+    prefix)."""
+    missing = []
+    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for file, name, prefix in re.findall(r"(test_\w+\.py)::(test_\w+)(\.\.\.)?", doc.read_text()):
+            source = ROOT / "tests" / file
+            pattern = rf"def {name}{'' if prefix else '[(]'}"
+            if not source.exists() or not re.search(pattern, source.read_text()):
+                missing.append(f"{doc.name}: {file}::{name}")
+    assert missing == []

@@ -35,7 +35,8 @@ from swarm.utils.progress import StepLine
 @click.command(cls=SwarmCommand, context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("prompt")
 @click.option("--model", default=DEFAULT_MODEL, show_default=True,
-              help="Embedded model name, checkpoint directory or Hugging Face repo id ORG/NAME[@REVISION].")
+              help="Embedded model name, checkpoint directory, Hugging Face repo id ORG/NAME[@REVISION], or (with "
+                   "--initial-peers) a swarm model id or published NAME[@PUBLISHER].")
 @click.option("--initial-peers", multiple=True,
               help="Multiaddr of a swarm peer (repeatable); without any, the model runs in this process.")
 @config_options(ClientConfig, help_prefix="With --initial-peers: ")  # declared in swarm/client/config.py
@@ -86,7 +87,12 @@ def check_before_loading(model: str, peers: list[str], settings: dict[str, Any])
     from swarm.frontend.request import GenerationRequest
     from swarm.models.loading import ModelFiles
 
-    files = ModelFiles(model)
+    try:
+        files = ModelFiles(model)
+    except FileNotFoundError:
+        if peers:  # a swarm model id or published name: its config comes from peers, and generate checks then
+            return
+        raise
     options, sampler_settings = GenerationRequest.split(settings)
     check_request(GenerationLimits.for_model(files.config), files.sampling_defaults(), bool(peers), None, options,
                   sampler_settings)

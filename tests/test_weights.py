@@ -126,6 +126,14 @@ def test_a_server_named_by_id_starts_from_peers_alone_and_computes_as_the_local_
         assert lm.generate("Hello", **GENERATION).token_ids == local_lm.generate("Hello", **GENERATION).token_ids
     finally:
         lm.shutdown()
+    # and so does the command line: `python -m swarm.generate PROMPT --model ID --initial-peers ...`
+    from swarm.generate import main as generate
+
+    flags = [f"--{name.replace('_', '-')}={value}" for name, value in GENERATION.items()]
+    done = CliRunner().invoke(generate, ["Hello", "--model", model_id, *flags,
+                                         *[arg for a in swarm.initial_peers for arg in ("--initial-peers", a)]])
+    assert done.exit_code == 0, done.output
+    assert done.stdout == "Hello" + local_lm.generate("Hello", **GENERATION).text + "\n"
     client_files = {p.name for p in (cache_home / "swarm" / "weights" / model_id).glob("*/t-*.safetensors")}
     assert tensor_file(names.index("embed.weight")) in client_files
     assert not client_files & {tensor_file(i) for i in blocks_of(names, 0, 1, 2, 3)}, "a client fetches no block"

@@ -27,8 +27,9 @@ from swarm.models.config import DEFAULT_MODEL
 
 @click.command(cls=SwarmCommand, context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
 @click.option("--model", default=DEFAULT_MODEL,
-              help="Embedded model name, checkpoint directory or Hugging Face repo id ORG/NAME[@REVISION] (the client "
-                   "reads its tokenizer, embeddings and head; from a repo it fetches only those).")
+              help="Embedded model name, checkpoint directory, Hugging Face repo id ORG/NAME[@REVISION] or (with "
+                   "--initial-peers) a swarm model id or published NAME[@PUBLISHER] (the client reads its tokenizer, "
+                   "embeddings and head; from a repo or peers it fetches only those).")
 @click.option("--model-name", default=None,
               help="Model id clients pass as 'model' (default: the model's DHT prefix, e.g. 'default').")
 @click.option("--local", is_flag=True, help="Run the whole model in this process instead of through a swarm.")

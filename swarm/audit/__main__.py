@@ -44,8 +44,9 @@ logger = logging.getLogger("swarm.audit")
 @click.option("--key", "key_path", required=True, type=click.Path(dir_okay=False),
               help="The auditor's Ed25519 private key file (make one with `python -m swarm.governance keygen --out "
                    "auditor.key`); readers trust reports signed by its public half.")
-@click.option("--model", default=DEFAULT_MODEL, help="Embedded model name or checkpoint directory: the auditor "
-              "recomputes every server's blocks with its own copy.")
+@click.option("--model", default=DEFAULT_MODEL, help="Embedded model name, checkpoint directory, Hugging Face repo id "
+              "ORG/NAME[@REVISION], or a swarm model id or published NAME[@PUBLISHER] (fetched from peers, each part "
+              "checked against the manifest): the auditor recomputes every server's blocks with its own copy.")
 @config_options(AuditorConfig)  # every, jitter, once, timeouts, tolerance, lifetime: swarm/audit/config.py
 @click.option("--json", "as_json", is_flag=True, help="After the last round, print its report as JSON on stdout.")
 @threads_option()
@@ -68,8 +69,9 @@ def main(key_path: str, model: str, as_json: bool, threads: Optional[int], log_l
     apply_threads(threads)
     from swarm.audit.auditor import Auditor
     from swarm.models.loading import ModelFiles
+    from swarm.weights.source import SwarmWeights
 
-    files = ModelFiles(model)
+    files = ModelFiles(model, resolvers=[SwarmWeights(network).resolve])  # a swarm id's blocks come from peers
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())

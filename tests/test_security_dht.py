@@ -34,11 +34,16 @@ from swarm.dht.config import MAX_UPDATE_PERIOD
 from swarm.dht.identity import Identity
 from swarm.dht.node import NetworkConfig, start_dht, stop_dht, visible_maddrs
 from swarm.dht.schema import (
+    MAX_ADAPTER_AUTHORS,
+    MAX_ADAPTER_INDEX_BYTES,
+    MAX_DECISION_VALUE_BYTES,
     MAX_EXPERTS_PER_SERVER,
     MAX_OWNED_LIFETIME,
     MAX_OWNED_SUBKEYS,
     MAX_OWNED_VALUE_BYTES,
+    MAX_UNTRUSTED_SLOTS,
     RECORD_VERSION,
+    adapter_index_key,
     block_key,
     default_prefix,
     expert_index_key,
@@ -55,6 +60,7 @@ from swarm.dht.validation import (
     dht_key_id,
     entry_bytes,
     protect_storage,
+    slot_subkey,
 )
 from swarm.governance.__main__ import main as governance_cli
 from swarm.governance.guard import GovernanceGuard
@@ -287,6 +293,29 @@ def test_owned_keys_keep_a_bounded_number_of_owners_of_bounded_size(owned_key):
     assert store(owners[0], b"w", expiration + 1) is True, "an update of a held subkey must pass"
     honest = ServerConfig(update_period=MAX_UPDATE_PERIOD).record_expiration
     assert store(owners[1], b"v", now() + honest) is True, "a record of the longest allowed update period was refused"
+
+
+@pytest.mark.parametrize("slot_key, max_bytes, max_slots", [
+    (adapter_index_key("capped"), MAX_ADAPTER_INDEX_BYTES, MAX_ADAPTER_AUTHORS),
+    (governance_key("capped"), MAX_DECISION_VALUE_BYTES, MAX_UNTRUSTED_SLOTS),  # a peer that trusts no key
+])
+def test_signed_slot_keys_keep_a_bounded_number_of_slots_of_bounded_size(slot_key, max_bytes, max_slots):
+    """The adapter index and an untrusting peer's governance key (issue 33: every key the project reads) take only
+    Ed25519 slot subkeys, each value bounded, one more author than the bound refused: a flood of plain subkeys or
+    of fresh keys' slots cannot push the reply past what a reader receives."""
+    policy = next(policy for policy in protected_keys("capped", 2) if policy.name == slot_key)
+    storage = DHTLocalStorage()
+    protect_storage([storage], {dht_key_id(slot_key): policy})
+    authors = [Ed25519PrivateKey.generate() for _ in range(max_slots + 1)]
+    expiration = now() + 60
+
+    def store(subkey, value: bytes, when: float = expiration) -> bool:
+        return storage.store_subkey(DHTID.generate(source=slot_key), subkey, value, when)
+
+    assert store(b"plain", b"v") is False, "a plain subkey was stored"
+    assert store(slot_subkey(authors[0]), b"x" * (max_bytes + 1)) is False, "an oversized value was stored"
+    assert [store(slot_subkey(author), b"v") for author in authors] == [True] * max_slots + [False]
+    assert store(slot_subkey(authors[0]), b"w", expiration + 1) is True, "an update of a held slot must pass"
 
 
 def owned_subkey(validator: RSASignatureValidator) -> bytes:

@@ -1,6 +1,12 @@
 """The wall time and CPU seconds of a command and of every process under it, SIGKILLed servers' daemons included.
 
     python benchmarks/cpu_of.py python -m pytest -q tests/test_head.py
+    python benchmarks/cpu_of.py --by-kind python -m pytest -q -n 3 --dist loadfile
+
+``--by-kind`` also samples every process under the command twice a second and prints CPU seconds per kind of
+process (libp2p daemons, ``python -m MODULE`` by module, scripts by name; a forked process counts with its parent's
+command, as a server's DHT process does): the last half second of each process is missed, so the kinds' sum is a
+little under the total.
 
 ``/usr/bin/time`` counts only the children a process waited for: when a test SIGKILLs a server, the server's DHT
 process and p2pd daemons are orphaned and reaped by init, and their CPU is lost to the figure. Here this process is a
@@ -9,23 +15,74 @@ exits, leftovers get 30 s to exit before the figure is printed (to stderr, after
 """
 from __future__ import annotations
 
+import collections
 import ctypes
 import os
 import resource
 import subprocess
 import sys
+import threading
 import time
 
 PR_SET_CHILD_SUBREAPER = 36
 
 
+def kind_of(command: list[str]) -> str:
+    """What a process is, from its command line."""
+    text = " ".join(command)
+    if "p2pd" in text:
+        return "libp2p daemon (p2pd)"
+    if "-m" in command[:-1]:
+        return f"python -m {command[command.index('-m') + 1]}"
+    if "-c" in command[:-1]:
+        return "python -c (pytest-xdist workers, spawned helpers)"
+    scripts = [part for part in command[1:] if part.endswith(".py")]
+    return os.path.basename(scripts[0] if scripts else command[0]) if command else "?"
+
+
+class KindSampler(threading.Thread):
+    """Every process under this one, sampled: pid -> (kind, CPU seconds so far)."""
+
+    def __init__(self, every: float = 0.5):
+        super().__init__(daemon=True)
+        self.every, self.seen, self.done = every, {}, threading.Event()
+
+    def run(self) -> None:
+        import psutil
+
+        me = psutil.Process()
+        while not self.done.is_set():
+            for process in me.children(recursive=True):
+                try:
+                    times = process.cpu_times()
+                    key = (process.pid, process.create_time())
+                    self.seen[key] = (kind_of(process.cmdline()), times.user + times.system)
+                except psutil.Error:
+                    pass
+            self.done.wait(self.every)
+
+    def report(self) -> str:
+        cpu, count = collections.Counter(), collections.Counter()
+        for kind, seconds in self.seen.values():
+            cpu[kind] += seconds
+            count[kind] += 1
+        lines = [f"{seconds:8.1f} CPU s  {count[kind]:5d} processes  {kind}" for kind, seconds in cpu.most_common()]
+        return "\n".join([*lines, f"{sum(cpu.values()):8.1f} CPU s sampled"])
+
+
 def main() -> int:
+    by_kind = len(sys.argv) > 1 and sys.argv[1] == "--by-kind"
+    if by_kind:
+        del sys.argv[1]
     if len(sys.argv) < 2:
         sys.exit(__doc__)
+    sampler = KindSampler() if by_kind else None
     if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
         sys.exit(f"cannot become a child subreaper: {os.strerror(ctypes.get_errno())}")
     started = time.monotonic()
     command = subprocess.Popen(sys.argv[1:])
+    if sampler is not None:
+        sampler.start()
     code, deadline = None, None
     while True:
         try:
@@ -40,6 +97,10 @@ def main() -> int:
                 break
             time.sleep(0.1)
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if sampler is not None:
+        sampler.done.set()
+        sampler.join()
+        print(sampler.report(), file=sys.stderr)
     print(f"cpu_of: {wall:.1f} s wall, {usage.ru_utime:.1f} s user, {usage.ru_stime:.1f} s sys, "
           f"{usage.ru_utime + usage.ru_stime:.1f} CPU s", file=sys.stderr)
     return code

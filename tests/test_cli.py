@@ -565,3 +565,20 @@ def open_stream(url: str, body: dict, wait_s: float = 20.0):
 
 def test_utc_time_is_readable():
     assert utc_time(0) == "1970-01-01 00:00:00 UTC"
+
+
+@pytest.mark.swarm  # real processes
+def test_cpu_of_counts_an_orphans_cpu_and_names_its_kind():
+    """benchmarks/cpu_of.py (the suite's CPU figures in docs/TESTING.md): a grandchild whose parent exits at once is
+    reaped by it and its CPU counted (``/usr/bin/time`` would lose it), and ``--by-kind`` names it by its module."""
+    burn = "sum(range(20_000_000)); time.sleep(1)"
+    orphaning = (f"import subprocess, sys; subprocess.Popen([sys.executable, '-m', 'timeit', '-n', '1', '-r', '1', "
+                 f"'-s', 'import time', {burn!r}])")
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "benchmarks/cpu_of.py", "--by-kind", sys.executable, "-c", orphaning],
+                          capture_output=True, text=True, timeout=120, cwd=root)
+    assert done.returncode == 0, done.stderr
+    total = re.search(r"cpu_of: [\d.]+ s wall, .* ([\d.]+) CPU s", done.stderr)
+    assert total and float(total.group(1)) >= 0.2, done.stderr  # the orphan's sum, not just the parent's start
+    timeit = re.search(r"([\d.]+) CPU s +1 processes +python -m timeit", done.stderr)
+    assert timeit and float(timeit.group(1)) >= 0.2, done.stderr

@@ -354,3 +354,58 @@ def test_any_head_query_is_parsed_or_refused(changes, whole, batch, length):
         assert 0 <= query.ahead <= MAX_STALENESS and 0 <= query.top_k <= MAX_EXPERT_TOP_K
         assert not (query.ahead and query.top_k) and query.batch == batch
         assert query.output_shape[2] <= 4 * (1 + MAX_STALENESS) or query.output_shape[2] == 2 * query.top_k + 1
+
+
+# ----- request streams: a caller that leaves is noticed, one that waits is not --------------------------------
+def _frame(marker: bytes, data: bytes) -> bytes:
+    from hivemind.p2p import P2P
+
+    return marker + len(data).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER) + data
+
+
+def test_a_stream_watcher_returns_only_when_the_caller_closes_after_its_request():
+    """``BoundedStream.caller_gone`` (what a server computing a stream's answer watches): not while the request is
+    still coming, not while the caller waits after its end-of-stream message (even if it sends junk), only at its
+    close; and ``answer_while_watched`` cancels the answer then, or returns the answer's own error."""
+    import asyncio
+
+    from hivemind.p2p import P2P
+    from hivemind.proto import runtime_pb2
+
+    from swarm.wire.services import answer_while_watched
+    from swarm.wire.streams import BoundedStream
+
+    async def scenario() -> None:
+        reader = asyncio.StreamReader()
+        stream = BoundedStream(reader, runtime_pb2.ExpertRequest, 1024)
+        gone = asyncio.ensure_future(stream.caller_gone())
+        reader.feed_data(_frame(P2P.MESSAGE_MARKER, runtime_pb2.ExpertRequest(uid="forward").SerializeToString()))
+        assert (await stream.next()).uid == "forward"
+        await asyncio.sleep(0.05)
+        assert not gone.done(), "the request has not ended: the caller is still sending"
+        reader.feed_data(_frame(P2P.ERROR_MARKER, b""))
+        assert await stream.next() is None and stream.ended
+        reader.feed_data(b"junk after the end")
+        await asyncio.sleep(0.05)
+        assert not gone.done(), "a caller waiting for its answer has not left"
+        reader.feed_eof()
+        await asyncio.wait_for(gone, 1)
+
+        computing = asyncio.Event()
+
+        async def answer_forever() -> None:
+            computing.set()
+            await asyncio.sleep(3600)
+
+        answer = answer_forever()
+        assert await answer_while_watched(answer, computing.wait()) is False  # the watcher fired first
+        assert answer.cr_frame is None, "the answer was cancelled, not left running"
+
+        async def failing() -> None:
+            raise ValueError("the method's own error")
+
+        with pytest.raises(ValueError, match="own error"):
+            await answer_while_watched(failing(), asyncio.sleep(3600))
+        assert await answer_while_watched(asyncio.sleep(0), asyncio.sleep(3600)) is True
+
+    asyncio.run(scenario())

@@ -300,8 +300,8 @@ def test_a_request_beyond_the_models_positions_is_refused_before_compute(alice):
 @pytest.mark.swarm
 def test_a_long_pass_whose_caller_has_gone_is_cancelled(long_server):
     """A pass of 6,144 positions through 32 blocks runs far longer than the server's 3 s request timeout.
-    Told ``busy`` at the timeout, or given up by its caller (unary or stream), it is stopped between blocks
-    (``cancelled`` counts it) and the compute thread serves the next request; a caller that gave up gets no answer, so
+    Told ``busy`` at the timeout, or given up by its caller, it is stopped between blocks (``cancelled``
+    counts it) and the compute thread serves the next request; a caller that gave up gets no answer, so
     the server counts no failure for it (it did not wait for its own timeout). A cancelled cache fill leaves
     no half-written cache behind: its reuse misses."""
     peer = Peer(long_server)
@@ -324,19 +324,6 @@ def test_a_long_pass_whose_caller_has_gone_is_cancelled(long_server):
         assert peer.info()["requests_failed"] == failed
         assert refused(lambda: peer.unary(reuse)).code == ErrorCode.CACHE_MISS
         assert peer.info()["cache"]["versions"] == 0
-        assert peer.unary(small)[0].shape == (1, 8, HIDDEN)
-
-        # A stream caller that gives up closes its stream after sending its whole request: the server, which
-        # watches the stream while it computes, stops that pass too (before, it ran on for nobody).
-        async def stream_given_up() -> list:
-            call = peer.stub.rpc_forward_stream(_aiter(request_parts(ForwardRequest(0, 32, long_input))))
-            return [part async for part in await call]
-
-        long_input, failed = torch.randn(1, 6144, HIDDEN), peer.info()["requests_failed"]
-        with pytest.raises(asyncio.TimeoutError):
-            peer.run(asyncio.wait_for(stream_given_up(), 1.0))
-        wait_until(lambda: span_info(peer)["cancelled"] == 3, 60)
-        assert peer.info()["requests_failed"] == failed  # no busy answer at the 3 s timeout: stopped before it
         assert peer.unary(small)[0].shape == (1, 8, HIDDEN)
         assert span_info(peer)["in_flight"] == 0 and long_server.alive
     finally:

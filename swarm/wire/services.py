@@ -3,10 +3,9 @@ stub and an implementing subclass agree on; their stream RPCs read requests thro
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from contextlib import closing
-from typing import Any, AsyncIterator, Callable, Coroutine, Optional
+from typing import Any, AsyncIterator, Callable, Optional
 
 from google.protobuf.message import Message
 from hivemind.p2p import P2P, P2PContext, ServicerBase
@@ -67,31 +66,9 @@ class FixedNameService(ServicerBase):
         async def serve(info: StreamInfo, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             context = P2PContext(handle_name=name, local_id=p2p.peer_id, remote_id=info.peer_id)
             requests = BoundedStream(reader, request_type, self.max_stream_message_bytes)
-            read = asyncio.Event()  # the request was read: the watcher may read the stream from here on
-
-            async def respond() -> None:
-                if stream_input:
-                    read.set()  # the method reads the requests itself; the watcher waits for their end
-                    source: Any = requests
-                else:
-                    source = await requests.single()
-                    read.set()
-                async for response in method(source, context):
-                    await P2P.send_protobuf(response, writer)
-
-            async def watch() -> None:
-                await read.wait()
-                if not stream_input:
-                    with contextlib.suppress(RemoteError):
-                        await requests.next()  # its end-of-stream message (an extra one is dropped below)
-                    requests.ended = True
-                await requests.caller_gone()
-
             try:
-                if not await answer_while_watched(respond(), watch()):
-                    logger.debug("stream %s from %s: the caller left before its answer; computing stopped", name,
-                                  info.peer_id)
-                    return
+                async for response in method(requests if stream_input else await requests.single(), context):
+                    await P2P.send_protobuf(response, writer)
             except Exception as error:  # a refused stream, a caller that left, or a failed handler
                 logger.debug("stream %s from %s ended: %r", name, info.peer_id, error)
                 if not await _send_error(writer, error):
@@ -99,27 +76,6 @@ class FixedNameService(ServicerBase):
             await requests.drain()
 
         return handle
-
-
-async def answer_while_watched(answering: Coroutine[Any, Any, None], watching: Coroutine[Any, Any, None]) -> bool:
-    """Run ``answering`` while ``watching`` waits for the caller to leave: True when the answer was given (its
-    error raised here), False when the caller left first. The answer is then cancelled, and with it the compute it
-    waits for (the backend stops a cancelled pass between blocks), as hivemind does for unary calls."""
-    answer, watcher = asyncio.ensure_future(answering), asyncio.ensure_future(watching)
-    try:
-        await asyncio.wait({answer, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    except BaseException:  # this handler itself was cancelled (the server stops)
-        answer.cancel()
-        watcher.cancel()
-        raise
-    watcher.cancel()
-    gone = not answer.done()
-    if gone:
-        answer.cancel()
-    await asyncio.gather(answer, watcher, return_exceptions=True)
-    if not gone:
-        answer.result()  # the method's own error, if it raised one
-    return not gone
 
 
 class SpanService(FixedNameService):

@@ -41,19 +41,8 @@ class BoundedStream:
 
     def __init__(self, reader: asyncio.StreamReader, message_type: type[Message], max_bytes: int):
         self.reader, self.message_type, self.max_bytes = reader, message_type, max_bytes
-        self._ended = asyncio.Event()  # the end-of-stream message was read (or the stream was cut)
+        self.ended = False  # the end-of-stream message was read (or the stream was cut)
         self.unread = 0  # bytes of a refused message still in the stream
-
-    @property
-    def ended(self) -> bool:
-        return self._ended.is_set()
-
-    @ended.setter
-    def ended(self, value: bool) -> None:
-        if value:
-            self._ended.set()
-        else:
-            self._ended.clear()
 
     def __aiter__(self) -> "BoundedStream":
         return self
@@ -114,20 +103,6 @@ class BoundedStream:
             return False
         finally:
             BoundedStream.draining -= 1
-
-    async def caller_gone(self) -> None:
-        """Return once the caller has closed its side of the stream after its request ended: it gave up waiting
-        (a client's timeout) or died, so whatever is still computed for it can stop. An honest caller sends
-        nothing after its end-of-stream message and closes only once it has its answer; bytes a caller sends
-        after it are dropped, within DRAIN_BYTES (past that, the caller is no longer watched)."""
-        await self._ended.wait()
-        budget = DRAIN_BYTES
-        while budget > 0:
-            data = await self.reader.read(min(2**16, budget))
-            if not data:
-                return
-            budget -= len(data)
-        await asyncio.Event().wait()  # a caller that keeps sending junk is not watched any longer
 
     async def _header(self) -> tuple[bytes, int]:
         marker = await self._read(1)

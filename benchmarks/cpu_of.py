@@ -80,7 +80,10 @@ def main() -> int:
     if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
         sys.exit(f"cannot become a child subreaper: {os.strerror(ctypes.get_errno())}")
     started = time.monotonic()
-    command = subprocess.Popen(sys.argv[1:])
+    try:
+        command = subprocess.Popen(sys.argv[1:])
+    except OSError as error:
+        sys.exit(f"cpu_of: cannot run {sys.argv[1]!r}: {error.strerror or error}")
     if sampler is not None:
         sampler.start()
     code, deadline = None, None

@@ -63,23 +63,11 @@ def tier_of(item: pytest.Item) -> str:
     return FILE_TIERS[module]
 
 
-# The longest files (over 40 s each in a two-worker run, docs/TESTING.md) run first, so that workers
-# (pytest-xdist's --dist loadfile hands out whole files in this order) do not end with one of them alone.
-LONGEST_FIRST = ("test_audit_swarm", "test_security_dht", "test_security_client", "test_weights",
-                 "test_finetune_together", "test_nat", "test_governance", "test_security_server")
-
-
 def pytest_collection_modifyitems(config, items):
     for item in items:
         tier = tier_of(item)
         if not item.get_closest_marker(tier):
             item.add_marker(tier)
-
-    def rank(item: pytest.Item) -> int:
-        module = Path(str(item.fspath)).stem
-        return LONGEST_FIRST.index(module) if module in LONGEST_FIRST else len(LONGEST_FIRST)
-
-    items.sort(key=rank)  # stable: each file keeps its own order, the others their collection order
 
 
 HARMLESS_PROGRAMS = {"uname"}  # platform.processor() asks it (gensim does, once per process)

@@ -206,11 +206,10 @@ def test_every_test_the_docs_name_exists():
     """Docs name tests as ``test_FILE.py::test_name`` (TESTING.md's guards table, the threat model): a renamed or
     removed test leaves a claim nobody checks, so each name must still be defined in its file (``name...`` is a
     prefix)."""
+    sources = {path.name: path.read_text() for path in (ROOT / "tests").glob("test_*.py")}
     missing = []
     for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
         for file, name, prefix in re.findall(r"(test_\w+\.py)::(test_\w+)(\.\.\.)?", doc.read_text()):
-            source = ROOT / "tests" / file
-            pattern = rf"def {name}{'' if prefix else '[(]'}"
-            if not source.exists() or not re.search(pattern, source.read_text()):
+            if not re.search(rf"def {name}{'' if prefix else '[(]'}", sources.get(file, "")):
                 missing.append(f"{doc.name}: {file}::{name}")
     assert missing == []

@@ -1,11 +1,12 @@
-"""Wall time and CPU seconds of one ``python -m swarm.server`` start, until it says SERVER READY, repeated.
+"""Wall time and CPU seconds of one ``python -m swarm.server`` start, until it says SERVER READY: exec'd, and forked
+from a process that preloaded torch (``LocalSwarm(fork_server=True)``, as the tests start servers), side by side.
 
     python benchmarks/boot_cpu.py [--boots 4]
 
 On 127.0.0.1 beside a bootstrap peer: a server of the tiny test model's four blocks (``--compute-threads 1``, as the
 tests start them) is started, waited for, measured (its CPU and that of every process under it: the DHT process and
-the p2pd daemon) and SIGKILLed, ``--boots`` times. Most of the test suite's CPU is such starts (docs/TESTING.md,
-"Speed and load").
+the p2pd daemon) and SIGKILLed, ``--boots`` times per way. The fork server's own import, paid once per LocalSwarm, is
+printed apart. Most of the test suite's CPU is such starts (docs/TESTING.md, "Speed and load").
 """
 from __future__ import annotations
 
@@ -36,12 +37,10 @@ def family_cpu(pid: int) -> float:
     return total
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--boots", type=int, default=4)
-    boots = parser.parse_args().boots
-    with tempfile.TemporaryDirectory() as directory, LocalSwarm(env={"OMP_NUM_THREADS": "1"}) as swarm:
-        path = make_checkpoint(Path(directory), tiny_config())
+def boots_of(path: Path, boots: int, fork_server: bool) -> tuple[float, float]:
+    """Mean wall and CPU seconds of ``boots`` server starts, exec'd or forked."""
+    way = "forked" if fork_server else "exec'd"
+    with LocalSwarm(env={"OMP_NUM_THREADS": "1"}, fork_server=fork_server) as swarm:
         swarm.start_bootstrap()
         walls, cpus = [], []
         for _ in range(boots):
@@ -50,8 +49,22 @@ def main() -> None:
             walls.append(time.monotonic() - started)
             cpus.append(family_cpu(server.process.pid))
             swarm.terminate(server, signal.SIGKILL)
-            print(f"server start: {walls[-1]:.2f} s wall, {cpus[-1]:.2f} CPU s", flush=True)
-        print(f"mean of {boots}: {sum(walls) / boots:.2f} s wall, {sum(cpus) / boots:.2f} CPU s")
+            print(f"{way} server start: {walls[-1]:.2f} s wall, {cpus[-1]:.2f} CPU s", flush=True)
+        if fork_server:
+            print(f"the fork server's own start (once per LocalSwarm): {family_cpu(swarm._forks.process.pid):.2f} "
+                  "CPU s", flush=True)
+    return sum(walls) / boots, sum(cpus) / boots
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--boots", type=int, default=4, help="server starts per way (exec'd, forked)")
+    boots = parser.parse_args().boots
+    with tempfile.TemporaryDirectory() as directory:
+        path = make_checkpoint(Path(directory), tiny_config())
+        (exec_wall, exec_cpu), (fork_wall, fork_cpu) = (boots_of(path, boots, fork) for fork in (False, True))
+    print(f"mean of {boots}: exec'd {exec_wall:.2f} s wall, {exec_cpu:.2f} CPU s; forked {fork_wall:.2f} s wall, "
+          f"{fork_cpu:.2f} CPU s; forked/exec'd: {fork_wall / exec_wall:.2f}x wall, {fork_cpu / exec_cpu:.2f}x CPU")
 
 
 if __name__ == "__main__":

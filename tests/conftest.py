@@ -40,7 +40,8 @@ FILE_TIERS = {  # a "unit" file may hold tests of other tiers: found by their fi
                      "test_settings_sources",
                      "test_spot_checks", "test_subword", "test_train", "test_union", "test_validation",
                      "test_weights_parsers", "test_web"], "unit"),
-    **dict.fromkeys(["test_bottleneck", "test_docker", "test_failover", "test_finetune_together", "test_hub",
+    **dict.fromkeys(["test_bottleneck", "test_docker", "test_failover", "test_finetune_together", "test_forkserver",
+                     "test_hub",
                      "test_weights", "test_security_api", "test_security_dht", "test_swarm"], "swarm"),
     "test_daemons": "lab",
     "test_audit": "unit",  # the records, in process; the auditor against a live swarm is test_audit_swarm
@@ -147,7 +148,7 @@ def local_swarm(tiny_model_path):
     """A bootstrap peer and three servers of the tiny model: 0:2, 2:4 and an overlapping replica 1:4."""
     from swarm.utils.local_swarm import LocalSwarm
 
-    with LocalSwarm() as swarm:
+    with LocalSwarm(fork_server=True) as swarm:
         swarm.start_bootstrap()
         servers = [swarm.start_server(str(tiny_model_path), span, "--compute-threads", "1", wait=False)
                    for span in ("0:2", "2:4", "1:4")]

@@ -233,7 +233,7 @@ def test_a_server_that_does_not_list_bottlenecks_is_never_sent_one(tiny_model_pa
 
     adapter = bottleneck_for(local_lm)
     path = str(adapter.save(tmp_path / "bottleneck"))
-    with LocalSwarm() as swarm:
+    with LocalSwarm(fork_server=True) as swarm:
         swarm.start_bootstrap()
         old = swarm.start_server(str(tiny_model_path), "0:4", "--compute-threads", "1", name="old", wait=False,
                                  entry=OLD_SERVER)

@@ -93,9 +93,10 @@ def wait_gone(processes: list[psutil.Process]) -> float:
     raise AssertionError(f"still running after {GONE_WITHIN_S} s: {[(p.pid, p.name()) for p in alive]}")
 
 
-@pytest.fixture
-def swarm():
-    with LocalSwarm() as local:
+@pytest.fixture(params=["exec", "fork"])
+def swarm(request):
+    """Both ways a LocalSwarm starts processes: exec'd as a user starts them, and forked as the tests start them."""
+    with LocalSwarm(fork_server=request.param == "fork") as local:
         yield local
 
 

@@ -28,7 +28,7 @@ BATCH, TARGET = 2, 8  # alone, a peer needs TARGET / BATCH = 4 batches per optim
 def bootstrap():
     """One bootstrap peer for the module: each test's peers meet under a run id of their own and have exited when it
     ends, so no test sees another's collaboration."""
-    with LocalSwarm() as swarm:
+    with LocalSwarm(fork_server=True) as swarm:
         swarm.start_bootstrap()
         yield swarm
 

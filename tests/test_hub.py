@@ -317,7 +317,7 @@ def test_server_from_repo_id_with_empty_cache_generates_the_local_models_tokens(
     server_env = dict(hub_env, HF_HOME=str(server_home), HF_HUB_CACHE=str(server_home / "hub"))
     settings = dict(gen_length=8, steps=8, block_length=8, seed=3)
     expected = DiffusionLM.from_pretrained(published["main"]).generate("the cat sat on the mat", **settings)
-    with LocalSwarm(env=server_env) as swarm:
+    with LocalSwarm(env=server_env, fork_server=True) as swarm:
         swarm.start_bootstrap()
         swarm.start_server(REPO, f"0:{NUM_BLOCKS}", "--compute-threads", "1")
         lm = DistributedDiffusionLM.from_pretrained(REPO, initial_peers=swarm.initial_peers, request_timeout=30)

@@ -127,7 +127,7 @@ async def _aiter(parts: list, stall: bool = False) -> AsyncIterator:
 
 @pytest.fixture(scope="module")
 def server(tiny_model_path):
-    with LocalSwarm() as swarm:
+    with LocalSwarm(fork_server=True) as swarm:
         flags = [str(v) for item in LIMITS.items() for v in item]
         yield swarm.start_server(str(tiny_model_path), "0:2", "--compute-threads", "1", *flags)
 
@@ -137,7 +137,7 @@ def long_server(tmp_path_factory):
     """A server of a model with a long context and many blocks, whose requests time out after 3 s: one pass of
     6,144 positions takes it far longer (attention's quadratic term), so a caller gives up while it runs."""
     path = make_checkpoint(tmp_path_factory.mktemp("long"), tiny_config(num_layers=32, max_position_embeddings=8192))
-    with LocalSwarm() as swarm:
+    with LocalSwarm(fork_server=True) as swarm:
         yield swarm.start_server(str(path), "0:32", "--compute-threads", "1", "--throughput", "100",
                                  "--request-timeout", "3", "--max-batch-tokens", "8192")
 

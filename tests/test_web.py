@@ -91,7 +91,7 @@ def governance_key(tmp_path_factory):
 @pytest.fixture(scope="module")
 def web_swarm() -> Iterator[LocalSwarm]:
     """A bootstrap peer and three servers of the default model: 0:8 and two of 8:16 (the last tests stop those)."""
-    with LocalSwarm() as swarm:
+    with LocalSwarm(fork_server=True) as swarm:
         swarm.start_bootstrap()
         servers = [swarm.start_server(MODEL, span, "--compute-threads", "1", "--public-name", name, wait=False)
                    for span, name in (("0:8", "first half"), ("8:16", HOSTILE_NAME), ("8:16", "spare"))]

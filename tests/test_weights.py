@@ -72,7 +72,7 @@ def home(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def swarm(tiny_model_path, home):
     """A bootstrap peer and a server of blocks 0:2 of the tiny checkpoint (it serves every tensor of it)."""
-    with LocalSwarm(env={"HF_HOME": str(home), "PYTHONPATH": str(ROOT)}) as swarm:
+    with LocalSwarm(env={"HF_HOME": str(home), "PYTHONPATH": str(ROOT)}, fork_server=True) as swarm:
         swarm.start_bootstrap()
         swarm.start_server(str(tiny_model_path), "0:2", "--compute-threads", "1", name="publisher")
         yield swarm

@@ -1,0 +1,109 @@
+"""A process forked by the fork server runs as ``python -m MODULE`` or ``python SCRIPT`` would (utils.forkserver).
+
+The tests start their servers so (``LocalSwarm(fork_server=True)``): what a user runs is exec'd, so
+each difference a fork could make is checked here against what the interpreter does. That forked servers keep the
+daemon guarantees (``kill -9`` takes their daemons) is ``test_daemons.py``'s kill test, run both ways.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from swarm.utils.forkserver import ForkServer
+from tests.conftest import wait_until
+
+REPORT = """import json, os, random, sys
+import numpy
+print(json.dumps({"argv": sys.argv, "path0": sys.path[0], "cwd": os.getcwd(), "name": __name__,
+                  "session_leader": os.getsid(0) == os.getpid(), "stdin": sys.stdin.read(), "env": os.environ.get("X"),
+                  "random": random.random(), "numpy": float(numpy.random.random())}), flush=True)
+sys.exit(int(sys.argv[1]))
+"""
+
+
+@pytest.fixture(scope="module")
+def forks():
+    server = ForkServer(env=dict(os.environ, X="from the environment"), preload=("numpy",))
+    yield server
+    server.close()
+
+
+def report(tmp_path: Path, forks: ForkServer, code: int) -> dict:
+    script = tmp_path / "report.py"
+    script.write_text(REPORT)
+    child = forks.start([str(script), str(code)])
+    assert child.wait(30) == code
+    return json.loads(child.stdout.read())
+
+
+def test_a_forked_script_sees_what_an_execd_one_sees(forks, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the caller's working directory at the start, as Popen gives it
+    script = str(tmp_path / "report.py")
+    forked = report(tmp_path, forks, 3)
+    execd = subprocess.run([sys.executable, script, "3"], capture_output=True, text=True, stdin=subprocess.DEVNULL,
+                           env=dict(os.environ, X="from the environment"), start_new_session=True)
+    assert execd.returncode == 3
+    execd = json.loads(execd.stdout)
+    same = ("argv", "path0", "cwd", "name", "session_leader", "stdin", "env")
+    assert {key: forked[key] for key in same} == {key: execd[key] for key in same}
+    assert forked["argv"] == [script, "3"] and forked["session_leader"] and forked["cwd"] == str(tmp_path)
+    other = report(tmp_path, forks, 0)
+    assert other["random"] != forked["random"] and other["numpy"] != forked["numpy"], "siblings share a generator"
+
+
+def test_a_forked_module_gets_its_arguments_exit_codes_and_output(forks):
+    usage = forks.start(["-m", "json.tool", "--no-such-flag"])
+    assert usage.wait(30) == 2
+    assert "unrecognized arguments: --no-such-flag" in usage.stdout.read()  # stderr goes where stdout goes
+    crash = forks.start(["-m", "swarm.utils.forkserver"])  # no channel argument: a traceback
+    assert crash.wait(30) == 1
+    assert "IndexError" in crash.stdout.read()
+
+
+def test_signals_reach_a_forked_process_and_its_session(forks, tmp_path):
+    script = tmp_path / "sleeper.py"
+    script.write_text("import time\nprint('up', flush=True)\ntime.sleep(60)\n")
+    children = [forks.start([str(script)]) for _ in range(2)]
+    for child in children:
+        assert child.stdout.readline() == "up\n"
+    children[0].terminate()
+    os.killpg(children[1].pid, signal.SIGKILL)  # what LocalSwarm.terminate does for a crash
+    assert [child.wait(10) for child in children] == [-signal.SIGTERM, -signal.SIGKILL]
+    with pytest.raises(subprocess.TimeoutExpired):
+        forks.start([str(script)]).wait(0.2)  # and the fork server still serves (its leftover stops with it)
+
+
+def test_commands_it_cannot_fork_and_malformed_requests_are_refused(forks):
+    with pytest.raises(ValueError, match="-m MODULE"):
+        forks.start(["-c", "print(1)"])
+    forks.channel.send(json.dumps({"args": ["x.py"], "cwd": "/"}).encode())  # no output descriptor
+    assert "one output descriptor" in forks.replies.get(timeout=10)["error"]
+    assert forks.start(["-m", "json.tool", "--help"]).wait(30) == 0
+
+
+def test_the_children_of_a_fork_server_that_dies_are_stopped(tmp_path, caplog):
+    script = tmp_path / "sleeper.py"
+    script.write_text("import time\nprint('up', flush=True)\ntime.sleep(60)\n")
+    forks = ForkServer(preload=())
+    child = forks.start([str(script)])
+    assert child.stdout.readline() == "up\n"
+    forks.process.kill()
+    assert child.wait(10) == -signal.SIGKILL
+    assert wait_until(lambda: not os.path.exists(f"/proc/{child.pid}") or _zombie(child.pid), timeout=10)
+    assert "the fork server exited" in caplog.text
+    with pytest.raises(RuntimeError, match="did not start"):
+        forks.start([str(script)])
+    forks.close()
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1].startswith("Z")
+    except OSError:
+        return True

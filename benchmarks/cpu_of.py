@@ -33,7 +33,10 @@ def kind_of(command: list[str]) -> str:
     if "p2pd" in text:
         return "libp2p daemon (p2pd)"
     if "-m" in command[:-1]:
-        return f"python -m {command[command.index('-m') + 1]}"
+        module = command[command.index("-m") + 1]
+        if module == "swarm.utils.forkserver":  # LocalSwarm(fork_server=True): its children keep its command line
+            return "python -m swarm.utils.forkserver (the servers, peers and test servers forked from it)"
+        return f"python -m {module}"
     if "-c" in command[:-1]:
         return "python -c (pytest-xdist workers, spawned helpers)"
     scripts = [part for part in command[1:] if part.endswith(".py")]

@@ -57,7 +57,8 @@ class HubStandin:
         self.served: list[tuple[str, str, int]] = []
         self.break_once: dict[str, int] = {}  # file name -> bytes after which its next GET's connection drops
         self._etags: dict[Path, str] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()
+        self._sending = 0  # GETs whose bytes are being sent (recorded when the last byte is written)
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler_class())
         self._server.daemon_threads = True
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
@@ -85,10 +86,12 @@ class HubStandin:
         repo.commits[commit] = Path(directory)
         return commit
 
-    def bytes_served(self, repo_id: Optional[str] = None) -> dict[str, int]:
-        """Bytes sent per file name (of one repo, or of all)."""
+    def bytes_served(self, repo_id: Optional[str] = None, settle_s: float = 10.0) -> dict[str, int]:
+        """Bytes sent per file name (of one repo, or of all), once no GET is still sending (up to ``settle_s``): a
+        client can hold every byte of a reply before the handler thread that wrote them has recorded it."""
         totals: dict[str, int] = {}
         with self._lock:
+            self._lock.wait_for(lambda: self._sending == 0, timeout=settle_s)
             for repo, filename, nbytes in self.served:
                 if repo_id in (None, repo):
                     totals[filename] = totals.get(filename, 0) + nbytes
@@ -138,6 +141,8 @@ class HubStandin:
         parts = [unquote(p) for p in urlsplit(path).path.split("/")[1:]]
         with self._lock:
             self.served.append((f"{parts[0]}/{parts[1]}", "/".join(parts[4:]), nbytes))
+            self._sending -= 1
+            self._lock.notify_all()
 
     def _handler_class(self) -> type[BaseHTTPRequestHandler]:
         hub = self
@@ -165,8 +170,13 @@ class HubStandin:
                 if not send_body:
                     return
                 cut = hub.take_break(answer.file.name)  # a connection that drops mid-file, when asked for
-                sent = self._stream(answer.file, start, size if cut is None else min(size, start + cut))
-                hub._record(self.path, sent)
+                with hub._lock:
+                    hub._sending += 1
+                sent = 0
+                try:
+                    sent = self._stream(answer.file, start, size if cut is None else min(size, start + cut))
+                finally:
+                    hub._record(self.path, sent)
                 if start + sent < size:
                     self.close_connection = True
 

@@ -71,6 +71,40 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(tier)
 
 
+# ----- scheduling over pytest-xdist workers (.ci/run: -n 3 --dist loadfile) ------------------------------------
+# Files that take longest in wall time, longest first (per-file spans of a three-worker run, docs/TESTING.md "Three
+# workers"): they start first, so that no worker begins a two-minute file when the others are nearly done. xdist
+# itself queues files by their number of tests, which put the few-but-long ones last. Unlisted files follow in
+# xdist's order; a listed name that is no file is refused, so the list cannot rot silently.
+LONGEST_FILES = ("test_audit_swarm", "test_security_dht", "test_weights", "test_finetune_together", "test_nat",
+                 "test_security_server", "test_security_client", "test_governance", "test_daemons", "test_web",
+                 "test_head", "test_spot_checks", "test_hub", "test_eval", "test_cli", "test_security_parsers")
+
+
+def pytest_xdist_make_scheduler(config, log):
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    missing = [name for name in LONGEST_FILES if not (Path(__file__).parent / f"{name}.py").exists()]
+    if missing:
+        raise pytest.UsageError(f"LONGEST_FILES in tests/conftest.py names no test file: {', '.join(missing)}")
+    rank = {name: index for index, name in enumerate(LONGEST_FILES)}
+
+    class LongestFilesFirst(LoadFileScheduling):
+        ordered = False
+
+        def _assign_work_unit(self, node) -> None:
+            if not self.ordered:  # the queue is complete before the first unit is handed out
+                queue = sorted(self.workqueue.items(), key=lambda item: rank.get(Path(item[0]).stem, len(rank)))
+                self.workqueue.clear()
+                self.workqueue.update(queue)
+                self.ordered = True
+            super()._assign_work_unit(node)
+
+    return LongestFilesFirst(config, log)
+
+
 HARMLESS_PROGRAMS = {"uname"}  # platform.processor() asks it (gensim does, once per process)
 
 

@@ -1,13 +1,15 @@
 """The auditor's demonstration (docs/AUDIT.md, issue 39): two liars found, published, and avoided by a fresh client;
 two adapters' claims against their measured scores, and ``best:addition`` picking the truly better one.
 
-    python benchmarks/audit_demo.py [--challenges 4] [--examples 30] [--max-rounds 200] [--no-fresh-identity] [--json]
+    python benchmarks/audit_demo.py [--challenges 4] [--examples 30] [--max-rounds 200] [--no-fresh-identity]
+                                    [--delivered 100] [--json]
 
 On 127.0.0.1: a bootstrap peer and four servers of the embedded addition model (4 blocks), all announcing 1000
 tokens/s: two honest halves (A 0:2, which also serves two published soft-prompt adapters, and B 2:4), C (0:4) that
-lies on a random one in 20 of its answers, and D (0:4) that answers honestly at 100 positions/s at most: it announces
-10x what it delivers (C and D are the test-only tests/faulty_server.py). The adapters' authors claim 0.99 for a
-random soft prompt and 0.1 for a better one.
+lies on a random one in 20 of its answers, and D (0:4) that answers honestly at 100 positions/s at most
+(``--delivered``; its slow answers are most of a round): it announces 10x what it delivers (C and D are the
+test-only tests/faulty_server.py). The adapters' authors claim 0.99 for a random soft prompt and 0.1 for a
+better one.
 
 1. Before any audit, a fresh client that trusts no auditor generates: its route goes through C or D (one hop is
    cheaper than two, at the speeds they announce).
@@ -58,7 +60,7 @@ MODEL = "addition"
 PROMPT = "12+5="
 GREEDY = dict(gen_length=8, steps=8, block_length=8, temperature=0.0)
 ANNOUNCED = 1000  # tokens/s every server announces (LocalSwarm's default)
-DELIVERED = 100  # positions/s server D delivers at most: a tenth of what it announces
+DELIVERED = 100  # positions/s server D delivers at most by default: a tenth of what it announces
 ADAPTERS = (("boaster", 1.0, 4, 0.99), ("modest", 5.0, 2, 0.1))  # name, scale, length, the author's claimed score
 
 
@@ -109,7 +111,8 @@ def audit_until_found(auditor: Auditor, liar: str, slow: str, max_rounds: int, f
             "report": result.report if result else None}
 
 
-def run(examples: int, max_rounds: int, fresh_identity: bool, challenges: int) -> dict[str, Any]:
+def run(examples: int, max_rounds: int, fresh_identity: bool, challenges: int,
+        delivered: int = DELIVERED) -> dict[str, Any]:
     """The whole demonstration; what it found, as plain data."""
     use_threads(1)
     work = Path(tempfile.mkdtemp(prefix="audit-demo-"))
@@ -124,7 +127,7 @@ def run(examples: int, max_rounds: int, fresh_identity: bool, challenges: int) -
                    swarm.start_server(MODEL, "2:4", *common, name="B", wait=False),
                    swarm.start_server(MODEL, "0:4", *common, "--public-name", "faulty-1in20", entry=FAULTY, name="C",
                                       wait=False),
-                   swarm.start_server(MODEL, "0:4", *common, "--public-name", f"faulty-rate{DELIVERED}",
+                   swarm.start_server(MODEL, "0:4", *common, "--public-name", f"faulty-rate{delivered}",
                                       entry=FAULTY, name="D", wait=False)]
         for server in started:
             swarm.wait_ready(server)
@@ -200,13 +203,15 @@ def main() -> None:
     parser.add_argument("--max-rounds", type=int, default=200, help="give up after this many audit rounds")
     parser.add_argument("--no-fresh-identity", action="store_true",
                         help="challenge from the auditor's own peer instead of a fresh one per round (faster rounds)")
+    parser.add_argument("--delivered", type=int, default=DELIVERED,
+                        help="positions/s D delivers at most (it announces 1000 tokens/s): higher, shorter rounds")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the summary")
     args = parser.parse_args()
-    for name in ("challenges", "examples", "max_rounds"):
+    for name in ("challenges", "examples", "max_rounds", "delivered"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    found = run(args.examples, args.max_rounds, not args.no_fresh_identity, args.challenges)
+    found = run(args.examples, args.max_rounds, not args.no_fresh_identity, args.challenges, args.delivered)
     print(json.dumps(found) if args.json else summary(found))
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -84,6 +85,12 @@ def test_commands_it_cannot_fork_and_malformed_requests_are_refused(forks):
         forks.start(["-c", "print(1)"])
     forks.channel.send(json.dumps({"args": ["x.py"], "cwd": "/"}).encode())  # no output descriptor
     assert "one output descriptor" in forks.replies.get(timeout=10)["error"]
+    read_end, write_end = os.pipe()
+    for malformed in (b"[1, 2]", b"{not json", json.dumps({"args": ["-c", "1"], "cwd": "/"}).encode(),
+                      json.dumps({"args": [3], "cwd": "/"}).encode(), json.dumps({"args": ["x.py"]}).encode()):
+        socket.send_fds(forks.channel, [malformed], [write_end])
+        assert "a start request carries" in forks.replies.get(timeout=10)["error"]
+    os.close(read_end), os.close(write_end)
     assert forks.start(["-m", "json.tool", "--help"]).wait(30) == 0
 
 

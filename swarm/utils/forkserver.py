@@ -188,13 +188,13 @@ def serve(channel: socket.socket) -> Optional[dict[str, Any]]:
             return None
         try:
             request = json.loads(data)
-            if len(fds) != 1 or not forkable(request.get("args", ())):
-                raise ValueError("a start request carries a command line (`-m MODULE ...` or `SCRIPT ...`) and "
-                                 "one output descriptor")
-        except ValueError as error:
+        except ValueError:
+            request = None
+        if not _well_formed(request) or len(fds) != 1:
             for fd in fds:
                 os.close(fd)
-            channel.send(json.dumps({"error": str(error)}).encode())
+            channel.send(json.dumps({"error": "a start request carries a command line (`-m MODULE ...` or "
+                                              "`SCRIPT ...`), a working directory and one output descriptor"}).encode())
             continue
         sys.stdout.flush(), sys.stderr.flush()
         pid = os.fork()
@@ -205,6 +205,14 @@ def serve(channel: socket.socket) -> Optional[dict[str, Any]]:
         os.close(fds[0])
         children.add(pid)
         channel.send(json.dumps({"started": pid, "args": request["args"]}).encode())
+
+
+def _well_formed(request: Any) -> bool:
+    """``{"args": [str, ...], "cwd": str}`` with args a form :func:`forkable` accepts."""
+    if not isinstance(request, dict) or not isinstance(request.get("cwd"), str):
+        return False
+    args = request.get("args")
+    return isinstance(args, list) and all(isinstance(arg, str) for arg in args) and forkable(args)
 
 
 def _report_exits(channel: socket.socket, children: set[int]) -> bool:

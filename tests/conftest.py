@@ -41,8 +41,7 @@ FILE_TIERS = {  # a "unit" file may hold tests of other tiers: found by their fi
                      "test_spot_checks", "test_subword", "test_train", "test_union", "test_validation",
                      "test_weights_parsers", "test_web"], "unit"),
     **dict.fromkeys(["test_bottleneck", "test_docker", "test_failover", "test_finetune_together", "test_forkserver",
-                     "test_hub",
-                     "test_weights", "test_security_api", "test_security_dht", "test_swarm"], "swarm"),
+                     "test_hub", "test_weights", "test_security_api", "test_security_dht", "test_swarm"], "swarm"),
     "test_daemons": "lab",
     "test_audit": "unit",  # the records, in process; the auditor against a live swarm is test_audit_swarm
     "test_audit_swarm": "swarm",
@@ -72,10 +71,10 @@ def pytest_collection_modifyitems(config, items):
 
 
 # ----- scheduling over pytest-xdist workers (.ci/run: -n 3 --dist loadfile) ------------------------------------
-# Files that take longest in wall time, longest first (per-file spans of a three-worker run, docs/TESTING.md "Three
-# workers"): they start first, so that no worker begins a two-minute file when the others are nearly done. xdist
-# itself queues files by their number of tests, which put the few-but-long ones last. Unlisted files follow in
-# xdist's order; a listed name that is no file is refused, so the list cannot rot silently.
+# Files that take longest in wall time, longest first (per-file spans of a three-worker run, docs/TESTING.md
+# "Forked servers, the longest files first"): they start first, so that no worker begins a two-minute file when the
+# others are nearly done. xdist itself queues files by their number of tests, which put the few-but-long ones last.
+# Unlisted files follow in xdist's order; a listed name that is no file is refused, so the list cannot rot silently.
 LONGEST_FILES = ("test_audit_swarm", "test_security_dht", "test_weights", "test_finetune_together", "test_nat",
                  "test_security_server", "test_security_client", "test_governance", "test_daemons", "test_web",
                  "test_head", "test_spot_checks", "test_hub", "test_eval", "test_cli", "test_security_parsers")

@@ -1,7 +1,7 @@
 """Starting a bootstrap peer and servers as subprocesses on 127.0.0.1 (examples, tests, benchmarks).
 
 Every process started here is stopped by :meth:`LocalSwarm.stop` (also on errors, via ``with``). With
-``fork_server=True`` each Python process is forked from one that has already imported torch
+``fork_server=True`` each Python process is forked from one that has already imported torch and hivemind
 (``swarm.utils.forkserver``): about 1 CPU s less per server, for callers that start many.
 """
 from __future__ import annotations
@@ -46,8 +46,8 @@ class ManagedProcess:
 class LocalSwarm:
     """``with LocalSwarm() as swarm: swarm.start_bootstrap(); swarm.start_server("default", "0:8")``.
 
-    ``fork_server``: start ``-m MODULE`` and script processes by forking a process that preloaded torch (see
-    ``swarm.utils.forkserver``) instead of exec'ing ``python`` for each; what they run is the same.
+    ``fork_server``: start ``-m MODULE`` and script processes by forking a process that preloaded torch and hivemind
+    (see ``swarm.utils.forkserver``) instead of exec'ing ``python`` for each; what they run is the same.
     """
 
     def __init__(

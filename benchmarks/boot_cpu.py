@@ -1,5 +1,6 @@
 """Wall time and CPU seconds of one ``python -m swarm.server`` start, until it says SERVER READY: exec'd, and forked
-from a process that preloaded torch (``LocalSwarm(fork_server=True)``, as the tests start servers), side by side.
+from a process that preloaded torch and hivemind (``LocalSwarm(fork_server=True)``, as the tests start servers), side
+by side.
 
     python benchmarks/boot_cpu.py [--boots 4]
 
@@ -51,7 +52,7 @@ def boots_of(path: Path, boots: int, fork_server: bool) -> tuple[float, float]:
             swarm.terminate(server, signal.SIGKILL)
             print(f"{way} server start: {walls[-1]:.2f} s wall, {cpus[-1]:.2f} CPU s", flush=True)
         if fork_server:
-            print(f"the fork server's own start (once per LocalSwarm): {family_cpu(swarm._forks.process.pid):.2f} "
+            print(f"the fork server's own start (once per LocalSwarm): {family_cpu(swarm.fork_server_pid):.2f} "
                   "CPU s", flush=True)
     return sum(walls) / boots, sum(cpus) / boots
 

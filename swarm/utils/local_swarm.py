@@ -68,6 +68,11 @@ class LocalSwarm:
         return ForkServer(self.python, self.env, startup_timeout=self.startup_timeout)
 
     @property
+    def fork_server_pid(self) -> Optional[int]:
+        """The fork server's process id while it runs (``fork_server=True``), for measuring it."""
+        return self._forks.process.pid if self._forks is not None else None
+
+    @property
     def initial_peers(self) -> list[str]:
         return list(self.bootstrap.maddrs) if self.bootstrap else []
 

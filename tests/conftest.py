@@ -80,6 +80,7 @@ LONGEST_FILES = ("test_audit_swarm", "test_security_dht", "test_weights", "test_
                  "test_head", "test_spot_checks", "test_hub", "test_eval", "test_cli", "test_security_parsers")
 
 
+@pytest.hookimpl(optionalhook=True)  # without pytest-xdist (`-p no:xdist`) the hook does not exist
 def pytest_xdist_make_scheduler(config, log):
     if config.getoption("dist") != "loadfile":
         return None

@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 
 from swarm.utils.forkserver import ForkServer
@@ -102,15 +103,16 @@ def test_the_children_of_a_fork_server_that_dies_are_stopped(tmp_path, caplog):
     assert child.stdout.readline() == "up\n"
     forks.process.kill()
     assert child.wait(10) == -signal.SIGKILL
-    assert wait_until(lambda: not os.path.exists(f"/proc/{child.pid}") or _zombie(child.pid), timeout=10)
+    assert wait_until(lambda: _gone(child.pid), timeout=10)
     assert "the fork server exited" in caplog.text
     with pytest.raises(RuntimeError, match="did not start"):
         forks.start([str(script)])
     forks.close()
 
 
-def _zombie(pid: int) -> bool:
+def _gone(pid: int) -> bool:
+    """Exited: no such process, or a zombie nobody reaped yet."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1].startswith("Z")
-    except OSError:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
         return True

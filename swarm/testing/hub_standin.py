@@ -137,7 +137,12 @@ class HubStandin:
                 self._etags[file] = digest.hexdigest()
             return self._etags[file]
 
-    def _record(self, path: str, nbytes: int) -> None:
+    def _begin_reply(self) -> None:
+        """A GET starts sending bytes; :meth:`_end_reply` records them (``bytes_served`` waits for the pair)."""
+        with self._lock:
+            self._sending += 1
+
+    def _end_reply(self, path: str, nbytes: int) -> None:
         parts = [unquote(p) for p in urlsplit(path).path.split("/")[1:]]
         with self._lock:
             self.served.append((f"{parts[0]}/{parts[1]}", "/".join(parts[4:]), nbytes))
@@ -170,13 +175,12 @@ class HubStandin:
                 if not send_body:
                     return
                 cut = hub.take_break(answer.file.name)  # a connection that drops mid-file, when asked for
-                with hub._lock:
-                    hub._sending += 1
+                hub._begin_reply()
                 sent = 0
                 try:
                     sent = self._stream(answer.file, start, size if cut is None else min(size, start + cut))
                 finally:
-                    hub._record(self.path, sent)
+                    hub._end_reply(self.path, sent)
                 if start + sent < size:
                     self.close_connection = True
 

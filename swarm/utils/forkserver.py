@@ -1,4 +1,4 @@
-"""Starting ``python -m MODULE ...`` and ``python SCRIPT ...`` by forking a process that has already imported torch.
+"""Starting ``python -m MODULE ...`` and ``python SCRIPT ...`` by forking one that imported torch and hivemind.
 
 A server spends most of its boot importing (``python -X importtime -c "import swarm.server.server"``: about 1 s, of
 which torch is 0.75 s). A test suite or a demonstration that starts a hundred servers on two cores spends minutes of
@@ -83,7 +83,7 @@ class ForkedProcess:
 
 
 class ForkServer:
-    """``ForkServer(env=...).start(["-m", "swarm.server", ...])``: processes forked from one that preloaded torch.
+    """``ForkServer(env=...).start(["-m", "swarm.server", ...])``: processes forked from one that preloaded modules.
 
     The fork server is started at once and imports in the background; the first :meth:`start` waits for it.
     :meth:`close` ends it (its children are not stopped: they are the caller's to stop, as exec'd ones are).
@@ -115,6 +115,10 @@ class ForkServer:
             with self._start_lock:
                 socket.send_fds(self.channel, [request], [write_end])
                 reply = self.replies.get(timeout=self.startup_timeout)
+        except queue.Empty:
+            os.close(read_end)
+            self.close()  # a late answer would be taken for the next start's: this fork server is done
+            raise RuntimeError(f"the fork server did not answer within {self.startup_timeout:.0f} s") from None
         finally:
             os.close(write_end)
         if "error" in reply:

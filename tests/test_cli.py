@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
 import socket
 import subprocess
@@ -582,3 +583,21 @@ def test_cpu_of_counts_an_orphans_cpu_and_names_its_kind():
     assert total and float(total.group(1)) >= 0.2, done.stderr  # the orphan's sum, not just the parent's start
     timeit = re.search(r"([\d.]+) CPU s +1 processes +python -m timeit", done.stderr)
     assert timeit and float(timeit.group(1)) >= 0.2, done.stderr
+
+
+@pytest.mark.swarm  # real processes
+def test_xdist_timeline_reports_each_files_span_per_worker(tmp_path):
+    """benchmarks/xdist_timeline.py (the per-worker spans in docs/TESTING.md): recorded by the workers, reported."""
+    (tmp_path / "test_a.py").write_text("import time\ndef test_a():\n    time.sleep(0.3)\n")
+    (tmp_path / "test_b.py").write_text("def test_b():\n    pass\n")
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(root / "benchmarks"), XDIST_TIMELINE_DIR=str(tmp_path / "timeline"))
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "2", "--dist", "loadfile", "-p", "xdist_timeline",
+                          "-p", "no:cacheprovider", "test_a.py", "test_b.py"],
+                         capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert sorted(path.name for path in (tmp_path / "timeline").iterdir()) == ["gw0.tsv", "gw1.tsv"]
+    shown = subprocess.run([sys.executable, "benchmarks/xdist_timeline.py", str(tmp_path / "timeline"), "--over",
+                            "0.2"], capture_output=True, text=True, timeout=60, cwd=root)
+    assert shown.returncode == 0 and shown.stdout.count("last test ended at") == 2, shown.stdout + shown.stderr
+    assert "test_a.py" in shown.stdout and "test_b.py" not in shown.stdout  # only spans over --over

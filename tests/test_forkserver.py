@@ -16,8 +16,10 @@ from pathlib import Path
 
 import psutil
 import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
 
-from swarm.utils.forkserver import ForkServer
+from swarm.utils.forkserver import ForkServer, _well_formed
 from tests.conftest import wait_until
 
 REPORT = """import json, os, random, sys
@@ -93,6 +95,30 @@ def test_commands_it_cannot_fork_and_malformed_requests_are_refused(forks):
         assert "a start request carries" in forks.replies.get(timeout=10)["error"]
     os.close(read_end), os.close(write_end)
     assert forks.start(["-m", "json.tool", "--help"]).wait(30) == 0
+
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
+                    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+                    max_leaves=12)
+REQUESTS = (st.binary(max_size=300) | JSON.map(lambda value: json.dumps(value).encode())
+            | st.fixed_dictionaries({"args": JSON, "cwd": JSON}).map(lambda value: json.dumps(value).encode()))
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(packet=REQUESTS)
+def test_no_malformed_start_request_starts_anything_or_stops_the_fork_server(forks, packet):
+    try:
+        assume(not _well_formed(json.loads(packet)))
+    except ValueError:
+        pass  # not JSON at all
+    before = set(forks.children)  # an earlier test's sleeper may still run
+    read_end, write_end = os.pipe()
+    try:
+        socket.send_fds(forks.channel, [packet or b" "], [write_end])
+        assert "a start request carries" in forks.replies.get(timeout=10)["error"]
+    finally:
+        os.close(read_end), os.close(write_end)
+    assert forks.process.poll() is None and set(forks.children) <= before
 
 
 def test_the_children_of_a_fork_server_that_dies_are_stopped(tmp_path, caplog):

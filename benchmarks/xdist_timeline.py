@@ -20,23 +20,26 @@ DIRECTORY = Path(os.environ.get("XDIST_TIMELINE_DIR", "/tmp/xdist-timeline"))
 STARTED = time.time()
 
 
-RECORDING = {"on": True}
+RECORDING: dict[str, object] = {"worker": None}  # this process's xdist worker id, or "main"; None: not recording
 
 
 def pytest_configure(config) -> None:
-    if not os.environ.get("PYTEST_XDIST_WORKER"):  # the controller starts the run; workers inherit its start time
-        shutil.rmtree(DIRECTORY, ignore_errors=True)
-        DIRECTORY.mkdir(parents=True)
-        os.environ["XDIST_TIMELINE_T0"] = str(STARTED)
-        RECORDING["on"] = not getattr(config.option, "numprocesses", None)  # with workers, they record, not it
+    worker_input = getattr(config, "workerinput", None)  # set on xdist workers (not the environment: a pytest run
+    if worker_input is not None:  # inside a worker inherits PYTEST_XDIST_WORKER)
+        RECORDING["worker"] = worker_input["workerid"]
+        return
+    shutil.rmtree(DIRECTORY, ignore_errors=True)  # the controller starts the run; workers inherit its start time
+    DIRECTORY.mkdir(parents=True)
+    os.environ["XDIST_TIMELINE_T0"] = str(STARTED)
+    if not getattr(config.option, "numprocesses", None):  # with workers, they record, not it
+        RECORDING["worker"] = "main"
 
 
 def _append(nodeid: str, event: str) -> None:
-    if not RECORDING["on"]:
+    if RECORDING["worker"] is None:
         return
     started = float(os.environ.get("XDIST_TIMELINE_T0", STARTED))
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
-    with open(DIRECTORY / f"{worker}.tsv", "a") as log:
+    with open(DIRECTORY / f"{RECORDING['worker']}.tsv", "a") as log:
         log.write(f"{time.time() - started:.1f}\t{event}\t{nodeid}\n")
 
 

@@ -23,6 +23,23 @@ from swarm.testing.checkpoints import make_checkpoint, tiny_config
 os.environ["OMP_NUM_THREADS"] = "1"
 torch.set_num_threads(1)
 
+# The caller's environment must not change what a test sees: an offline machine's HF_HUB_OFFLINE=1 turned a hub
+# error into the offline message, a user's $SWARM_INITIAL_PEERS would send commands to their swarm, other OMP_* knobs
+# change float sums. Tests that need one of these set it themselves (monkeypatch, or a subprocess's env).
+CALLER_PREFIXES = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "SWARM_", "OMP_", "MKL_", "OPENBLAS_NUM_THREADS")
+CALLER_KEPT = {"OMP_NUM_THREADS"}  # pinned above
+
+
+def scrub_caller_environment(environ: dict) -> list[str]:
+    """Remove the caller's settings of the project, the hub and the thread pools from ``environ``; returns them."""
+    removed = sorted(name for name in environ if name.startswith(CALLER_PREFIXES) and name not in CALLER_KEPT)
+    for name in removed:
+        del environ[name]
+    return removed
+
+
+scrub_caller_environment(os.environ)
+
 
 # ----- tiers (docs/TESTING.md) --------------------------------------------------------------------------------
 # A test's tier: its own marker if it has one; else the tier of a fixture it uses (directly or not) from

@@ -419,6 +419,54 @@ def test_missing_blocks_exit_as_not_served(local_swarm, tmp_path):
     assert_one_line(result, EXIT_NOT_SERVED, "no online server holds blocks 0:4")
 
 
+# ----- generate finds the swarm as every command does (issue 46) -------------------------------------------------
+def generate_json(*args: str, env: dict) -> dict:
+    result = run("generate", "Hi", "--gen-length", "8", "--steps", "8", "--block-length", "8", "--threads", "1",
+                 "--json", "--quiet", *args, env=env)
+    assert result.exit_code == 0 and result.stderr == "", result.output
+    return json.loads(result.stdout)
+
+
+def test_generate_takes_its_peers_from_the_environment_and_the_bootstrap_file(local_swarm, tiny_model_path, tmp_path):
+    """It ran the model in its own process whatever $SWARM_INITIAL_PEERS said, and its output did not say where."""
+    from swarm.frontend.local import DiffusionLM
+
+    model = ["--model", str(tiny_model_path)]
+    bootstrap_file = tmp_path / "bootstrap.txt"
+    bootstrap_file.write_text(local_swarm.initial_peers[0] + "\n")
+    nowhere = str(tmp_path / "no-bootstrap-peers.txt")
+    expected = DiffusionLM.from_pretrained(tiny_model_path).generate("Hi", gen_length=8, steps=8, block_length=8)
+    for env in ({ENV_PEERS: local_swarm.initial_peers[0], ENV_BOOTSTRAP_FILE: nowhere},
+                {ENV_PEERS: "", ENV_BOOTSTRAP_FILE: str(bootstrap_file)}):
+        record = generate_json(*model, env=env)
+        hops = record["ran"].split(" -> ")
+        assert record["ran"] != "local" and hops == record["info"]["route"], record["ran"]
+        assert all(re.fullmatch(r"\w{8}\[\d+:\d+\]", hop) for hop in hops), hops
+        assert record["token_ids"] == expected.token_ids and record["info"]["settings"]["seed"] == 0
+    local = generate_json(*model, "--local", env={ENV_PEERS: local_swarm.initial_peers[0]})
+    assert local["ran"] == "local" and "route" not in local["info"] and local["token_ids"] == expected.token_ids
+    conflict = run("generate", "Hi", "--local", "--initial-peers", local_swarm.initial_peers[0])
+    assert conflict.exit_code == EXIT_USAGE and "--local runs the model in this process" in conflict.stderr
+
+
+def test_every_command_that_generates_takes_max_new_tokens():
+    """``--max-new-tokens`` is ``--gen-length`` (as ``max_new_tokens=`` in Python): it answered "No such option"."""
+    from swarm.benchmark.commands import main as benchmark_group
+    from swarm.eval.__main__ import main as eval_cli
+    from swarm.eval.text_quality import main as text_quality_cli
+
+    commands_with_length = [commands()["generate"], eval_cli, text_quality_cli]
+    commands_with_length += [command for command in benchmark_group.commands.values()
+                             if any(param.name == "gen_length" for param in command.params)]
+    assert len(commands_with_length) >= 6
+    for command in commands_with_length:
+        option = next(param for param in command.params if param.name == "gen_length")
+        assert {"--gen-length", "--max-new-tokens"} <= set(option.opts), (command.name, option.opts)
+    scripts = [path for folder in ("swarm", "benchmarks", "examples") for path in Path(folder).rglob("*.py")]
+    declared_elsewhere = [str(path) for path in scripts if '"--gen-length"' in path.read_text()]
+    assert declared_elsewhere == ["swarm/diffusion/config.py"], "declare the flag once: gen_length_option"
+
+
 # ----- a halted swarm ------------------------------------------------------------------------------------------
 SETTINGS = dict(gen_length=64, steps=64, block_length=64, seed=1)
 

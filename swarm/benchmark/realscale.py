@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Optional
 import click
 import psutil
 
+from swarm.cli.options import gen_length_option
 from swarm.utils.local_swarm import LocalSwarm
 
 if TYPE_CHECKING:
@@ -258,7 +259,7 @@ def start_span_servers(swarm: LocalSwarm, path: Path, span: int, *options: str) 
 
 @click.command("realscale")
 @swarm_options
-@click.option("--gen-length", type=click.IntRange(min=1), default=16, show_default=True,
+@gen_length_option(type=click.IntRange(min=1), default=16, show_default=True,
               help="Tokens generated per run (one block; steps = gen length).")
 @click.option("--prompt-tokens", type=click.IntRange(min=1), default=16, show_default=True,
               help="Prompt length in tokens.")

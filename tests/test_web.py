@@ -372,7 +372,7 @@ class SlowWatcher(SwarmWatcher):
 
 
 def test_a_slow_read_of_the_swarm_holds_no_other_page():
-    watcher = SlowWatcher(config=WatchConfig(min_interval=0, read_timeout=0.3))
+    watcher = SlowWatcher(config=WatchConfig(min_interval=0, read_timeout=30))
     watcher.release.set()
     assert watcher.snapshot() == {"read": 1}
     watcher.release.clear()
@@ -381,7 +381,9 @@ def test_a_slow_read_of_the_swarm_holds_no_other_page():
     while watcher.reads < 2:
         time.sleep(0.01)
     started = time.monotonic()
-    assert watcher.snapshot() == {"read": 1} and time.monotonic() - started < 0.2  # the previous one, at once
+    # The previous one, while the read is still held: not after read_timeout (30 s; half of it is a margin no
+    # loaded machine needs, where 0.2 s was one it sometimes did).
+    assert watcher.snapshot() == {"read": 1} and time.monotonic() - started < 15 and not watcher.release.is_set()
     watcher.release.set()
     reading.join(5)
     first = SlowWatcher(config=WatchConfig(read_timeout=0.3))
@@ -471,12 +473,14 @@ def test_map_shows_every_server_read_through_the_api(browser, api_url):
     assert browser.find_element(By.ID, "nav-playground").is_displayed()
     screenshot(browser, "web-map.png")
     tab_to(browser, "document.activeElement.classList.contains('bar')")
-    time.sleep(1.5)  # a redraw replaces the bars: the focus stays on the same one
+    focused = browser.execute_script("return document.activeElement.dataset.key")
+    browser.execute_async_script("refresh().then(arguments[0])")  # a redraw replaces the bars, now, not by the clock
+    assert browser.execute_script("return document.activeElement.dataset.key") == focused  # the focus stays on it
     ActionChains(browser).send_keys(Keys.ENTER).perform()  # a bar leads to its server's row, without a mouse
     assert browser.execute_script("return location.hash") == f"#{server_rows(browser)[0]['id']}"
     browser.set_window_size(380, 800)  # a phone: the table becomes cards, nothing scrolls sideways
     try:
-        assert wait_for(browser, no_horizontal_scroll, "a narrow layout", timeout=5)
+        assert wait_for(browser, no_horizontal_scroll, "a narrow layout")
     finally:
         browser.set_window_size(1100, 900)
     assert console_errors(browser) == []
@@ -505,7 +509,7 @@ def test_playground_text_equals_the_api_and_the_local_model(browser, api_url, lo
     tab_to(browser, "document.activeElement.id === 'generate' && !document.activeElement.disabled")
     browser.set_window_size(380, 800)
     try:
-        assert wait_for(browser, no_horizontal_scroll, "a narrow layout", timeout=5)
+        assert wait_for(browser, no_horizontal_scroll, "a narrow layout")
     finally:
         browser.set_window_size(1100, 900)
     if SCREENSHOTS:

@@ -144,7 +144,8 @@ class FairScheduler:
         candidates = [(key, flow) for key, flow in self.flows.items() if self._first(flow, match) is not None]
         if not candidates:
             return None
-        key, flow = min(candidates, key=lambda item: (self._demoted(item[0], item[1]), item[1].tag,
+        contended = len(candidates) > 1  # a share orders callers only against others waiting
+        key, flow = min(candidates, key=lambda item: (contended and self._demoted(item[0]), item[1].tag,
                                                       self.arrival[item[0]]))
         job = self._take(flow, match)
         self.vtime = max(self.vtime, flow.tag)
@@ -153,7 +154,7 @@ class FairScheduler:
             self._drop_flow(key)
         return job
 
-    def _demoted(self, key: Hashable, flow: Flow) -> bool:
+    def _demoted(self, key: Hashable) -> bool:
         if self.over_share is None or key == NEWCOMERS:
             return False
         return self.over_share(key)

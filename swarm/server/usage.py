@@ -90,12 +90,16 @@ class UsageLedger:
         self.callers: OrderedDict[str, CallerUsage] = OrderedDict()  # least recently served first
         self.total = CallerUsage()  # every caller's, forgotten ones included
         self.forgotten = 0  # callers evicted to keep at most max_callers
+        self.expired_at: Optional[float] = None  # the bucket of the last expiry: nothing more leaves before the next
         self.refused = 0
 
     def _bucket(self, now: float) -> float:
         return math.floor(now / self.step) * self.step
 
     def _expire(self, now: float) -> None:
+        if self._bucket(now) == self.expired_at:  # within the same bucket nothing more leaves the window
+            return
+        self.expired_at = self._bucket(now)
         oldest = self._bucket(now) - self.window + self.step  # the window: the current bucket and BUCKETS - 1 before
         self.total.window.expire(oldest)
         for usage in self.callers.values():

@@ -2,7 +2,8 @@
 
 * ``concurrency``: 1, 4 and 16 concurrent clients of one server holding every block (and the head): aggregate
   tokens/s and its ratio to one client, with the server batching and without, every client's tokens checked
-  against its solo run (the local model's, which a solo run through the swarm equals).
+  against its solo run (the local model's, which a solo run through the swarm equals), and how busy the server's
+  compute thread was (its seconds over the wall time: below 100% the clients, not the server, were the limit).
 * ``shares``: the red team's shapes. (a) A heavy user generating while a stranger sends a 1-position call every few
   seconds to a server started with ``--max-share-per-caller 0.5 --share-window 60``: the heavy user's time with and
   without the stranger (the refusing cap made it 179.5 s instead of 0.04 s). (b) A long-standing user against a
@@ -55,7 +56,10 @@ def span_info(lm, peer_id: str) -> dict:
 @click.option("--model", default="default", show_default=True, help="Embedded model name or checkpoint directory.")
 @click.option("--clients", default="1,4,16", show_default=True, help="Comma-separated counts of concurrent clients.")
 @click.option("--threads", type=int, default=1, show_default=True, help="torch threads of the server.")
-def concurrency(model: str, clients: str, threads: int) -> None:
+@click.option("--draft-steps", type=int, default=None,
+              help="Each client's draft_steps (default: the client's own choice, 3 through a swarm at scale auto: "
+                   "each call then carries up to 4 states; 0 sends one state per call).")
+def concurrency(model: str, clients: str, threads: int, draft_steps: int | None) -> None:
     """Aggregate tokens/s of 1, 4, 16 concurrent clients on one server, batched vs unbatched, same tokens checked."""
     from swarm.client.model import DistributedDiffusionLM
     from swarm.frontend.local import DiffusionLM
@@ -66,11 +70,13 @@ def concurrency(model: str, clients: str, threads: int) -> None:
     apply_threads(threads)
     asked = prompts(max(counts))
     local = DiffusionLM.from_pretrained(model)
-    solo = [local.generate(prompt, **GREEDY).token_ids for prompt in asked]
+    settings = {**GREEDY, **({} if draft_steps is None else {"draft_steps": draft_steps})}
+    solo = [local.generate(prompt, **GREEDY).token_ids for prompt in asked]  # drafts are exact: the same tokens
     click.echo(f"model {model}, one server of every block with --head, {threads} thread(s); each client: greedy, "
-               f"{GREEDY['gen_length']} tokens in {GREEDY['steps']} steps, a prompt of 4 tokens of its own")
+               f"{GREEDY['gen_length']} tokens in {GREEDY['steps']} steps, a prompt of 4 tokens of its own, "
+               f"draft_steps {'auto' if draft_steps is None else draft_steps}")
     click.echo(f"{'server':<10}{'clients':>8}{'wall s':>9}{'tokens/s':>10}{'vs 1':>7}{'merged passes':>15}"
-               f"{'requests in them':>18}  same tokens as solo")
+               f"{'requests in them':>18}{'server busy':>13}  same tokens as solo")
     rates: dict[tuple[str, int], float] = {}
     for mode, flag in (("unbatched", "--no-batching"), ("batched", "--batching")):
         with one_server(model, threads, flag) as (swarm, server_id):
@@ -80,30 +86,72 @@ def concurrency(model: str, clients: str, threads: int) -> None:
                 with ThreadPoolExecutor(len(lms)) as pool:  # connected, challenged and warm before timing
                     list(pool.map(lambda lm: lm.generate(asked[0], gen_length=8, steps=2, block_length=8), lms))
                 for count in counts:
-                    before = span_info(lms[0], server_id)["admission"]["span"]["scheduler"]
+                    before = span_info(lms[0], server_id)
                     barrier = threading.Barrier(count)
 
                     def run(index: int) -> list[int]:
                         barrier.wait()
-                        return lms[index].generate(asked[index], **GREEDY).token_ids
+                        return lms[index].generate(asked[index], **settings).token_ids
 
                     started = time.perf_counter()
                     with ThreadPoolExecutor(count) as pool:
                         tokens = list(pool.map(run, range(count)))
                     wall = time.perf_counter() - started
-                    after = span_info(lms[0], server_id)["admission"]["span"]["scheduler"]
+                    after = span_info(lms[0], server_id)
+                    busy = (after["usage"]["total"]["seconds"] - before["usage"]["total"]["seconds"]) / wall
+                    before, after = (info["admission"]["span"]["scheduler"] for info in (before, after))
                     rate = count * GREEDY["gen_length"] / wall
                     rates[mode, count] = rate
                     same = all(tokens[index] == solo[index] for index in range(count))
                     click.echo(f"{mode:<10}{count:>8}{wall:>9.2f}{rate:>10.1f}{rate / rates[mode, counts[0]]:>6.2f}x"
                                f"{after['batches'] - before['batches']:>15}"
-                               f"{after['batched_requests'] - before['batched_requests']:>18}  {same}")
+                               f"{after['batched_requests'] - before['batched_requests']:>18}{busy:>13.0%}  {same}")
             finally:
                 for lm in lms:
                     lm.shutdown()
     for count in counts:
         click.echo(f"{count} client(s): batched / unbatched aggregate tokens/s "
                    f"{rates['batched', count] / rates['unbatched', count]:.2f}x")
+    server_capacity(model, counts)
+
+
+def server_capacity(model: str, counts: list[int], states: int = 4, length: int = 36, passes: int = 64) -> None:
+    """The server's side alone, in process (no clients, no network): callers that each keep one pass of a client's
+    call shape waiting, through the real compute queue of every block; passes per second batched vs unbatched."""
+    import torch
+
+    from swarm.models.loading import ModelFiles
+    from swarm.server.backend import SpanBackend, SpanCall
+
+    files = ModelFiles(model)
+    span = files.span(0, files.config.num_layers)
+    hidden = torch.randn(states, length, files.config.hidden_size)
+    click.echo(f"\nthe server alone (in process): callers each keeping one pass of {states} x {length} positions "
+               f"waiting, {passes} passes")
+    click.echo(f"{'callers':>8}{'unbatched passes/s':>20}{'batched passes/s':>18}{'batched / unbatched':>21}")
+    for count in counts:
+        rates = []
+        for batching in (False, True):
+            backend = SpanBackend(span, max_concurrent=count + 1, max_queued_tokens=10**9, batching=batching)
+            call = lambda: SpanCall(hidden, 0, files.config.num_layers)  # noqa: E731
+            started = time.perf_counter()
+            served = asyncio.run(closed_loops(backend, call, count, passes))
+            rates.append(served / (time.perf_counter() - started))
+            backend.shutdown()
+        click.echo(f"{count:>8}{rates[0]:>20.1f}{rates[1]:>18.1f}{rates[1] / rates[0]:>20.2f}x")
+
+
+async def closed_loops(backend, call: Callable, count: int, passes: int) -> int:
+    """``count`` callers, each sending its next pass as soon as its last is answered, until ``passes`` are served."""
+    served = [0]
+
+    async def caller(index: int) -> None:
+        while served[0] < passes:
+            await backend.forward(call(), peer=f"caller-{index}")
+            served[0] += 1
+
+    await asyncio.gather(*(caller(index) for index in range(count)))
+    return served[0]
 
 
 @click.command()

@@ -66,7 +66,8 @@ def test_waiting_passes_of_one_length_are_merged_and_each_answer_is_its_solo_pas
                                           CONFIG.num_layers, head=head_query(24, index) if index % 2 else None))
              for index, batch in enumerate((1, 2, 1, 3, 1, 2))]
     answers = run_while_held(server, calls)
-    assert server.queue.batches == 1 and server.queue.batched == len(calls)  # one pass computed all six
+    # client-0's turn: the 1-row calls join it (0, 2, 4); client-1's: the 2-row one (1, 5); client-3 (3 rows) alone
+    assert server.queue.batches == 2 and server.queue.batched == 5
     for (_, call), answer in zip(calls, answers):
         assert torch.equal(answer, solo(server, call))  # bitwise: float32 rows do not depend on their batch-mates
     assert server.queue.in_flight == 0 and len(server.queue.scheduler) == 0
@@ -90,15 +91,18 @@ def test_other_lengths_cached_or_adapted_passes_and_batching_off_run_alone():
 
 
 def test_a_huge_pass_is_not_merged_and_a_merged_pass_stays_within_the_bound():
-    """A merged pass holds at most --max-batch-tokens positions: a huge request runs alone, the small ones together,
-    so it neither grows the batch's memory nor holds them back in a pass of its size."""
-    server = backend(max_batch_tokens=64)
+    """A merged pass holds at most --max-batch-tokens positions, and no batch-mate larger than the request whose
+    turn it is: a huge request runs alone, so it neither grows the batch's memory nor holds the small ones back in a
+    pass of its size."""
+    server = backend(max_batch_tokens=48)
     calls = [("small-1", SpanCall(torch.randn(1, 16, CONFIG.hidden_size), 0, CONFIG.num_layers)),
              ("huge", SpanCall(torch.randn(8, 16, CONFIG.hidden_size), 0, CONFIG.num_layers)),
-             ("small-2", SpanCall(torch.randn(2, 16, CONFIG.hidden_size), 0, CONFIG.num_layers)),
-             ("small-3", SpanCall(torch.randn(1, 16, CONFIG.hidden_size), 0, CONFIG.num_layers))]
+             ("small-2", SpanCall(torch.randn(1, 16, CONFIG.hidden_size), 0, CONFIG.num_layers)),
+             ("small-3", SpanCall(torch.randn(1, 16, CONFIG.hidden_size), 0, CONFIG.num_layers)),
+             ("small-4", SpanCall(torch.randn(1, 16, CONFIG.hidden_size), 0, CONFIG.num_layers))]
     answers = run_while_held(server, calls)
-    assert server.queue.batches == 1 and server.queue.batched == 3  # the three small ones: 64 positions
+    # small-1's turn: two more fit its 48 positions (small-2, small-3); the huge one alone; small-4 alone
+    assert server.queue.batches == 1 and server.queue.batched == 3
     for (_, call), answer in zip(calls, answers):
         assert torch.equal(answer, solo(server, call))
 

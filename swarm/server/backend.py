@@ -369,8 +369,8 @@ class ComputeQueue:
             if first is None:
                 return
             jobs, room = [first], self.batch_size - first.size
-            while first.key is not None and room > 0:
-                more = self.scheduler.pop(lambda job: job.key == first.key and job.size <= room)
+            while first.key is not None and room > 0:  # mates no larger than the request whose turn it is
+                more = self.scheduler.pop(lambda job: job.key == first.key and job.size <= min(room, first.size))
                 if more is None:
                     break
                 jobs.append(more)

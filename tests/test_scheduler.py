@@ -87,6 +87,23 @@ def test_a_flow_that_idled_banks_no_credit():
     assert Counter(order) == {"a": 5, "b": 5}  # b did not get 20 passes of back pay
 
 
+def test_a_caller_that_sends_its_next_pass_as_soon_as_its_last_is_answered_gets_its_share_not_more():
+    """A closed loop (one pass waiting at a time, the usual client) empties its flow after every pass: it must come
+    back at its finish tag, or it would be served again for free and take nearly everything."""
+    scheduler = FairScheduler()
+    established(scheduler, "loop", "backlog")
+    for _ in range(100):
+        scheduler.push(Job("backlog", 1.0))
+    served = Counter()
+    scheduler.push(Job("loop", 1.0))
+    for _ in range(60):
+        job = scheduler.pop()
+        served[job.peer] += 1
+        if job.peer == "loop":
+            scheduler.push(Job("loop", 1.0))  # answered: its next pass
+    assert abs(served["loop"] - served["backlog"]) <= 2
+
+
 @pytest.mark.parametrize("fresh", [10, 1000])
 def test_fresh_ids_per_call_get_no_more_than_one_identitys_part(fresh):
     """Issue 48 item 5, the sybil half: a fresh peer id per call. Every id not yet established shares one flow, so

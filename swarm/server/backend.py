@@ -386,6 +386,12 @@ class ComputeQueue:
                 lambda _: _call_soon(self.loop, self._thread_free))
 
     def _thread_free(self) -> None:
+        """The pass has left the thread. The next one is chosen one loop turn later, after the callers woken by this
+        pass's answers have run: one that sends its next request at once joins the next pass instead of taking the
+        thread alone (a wait of one turn of the event loop, never of the clock)."""
+        self.loop.call_soon(self._hand_on)
+
+    def _hand_on(self) -> None:
         self.running = False
         self._dispatch()
 

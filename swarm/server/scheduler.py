@@ -18,9 +18,10 @@ identities costs an attacker ``k * establish_requests`` passes served through th
 share of the compute in the window goes after every flow within its share, and is still served at once when nobody
 else waits.
 
-Bounded: the flows with a pass queued (at most the compute queue's places), and ``max_identities`` records of each
-kind (established and newcomers kept apart, least recently served forgotten first, so a flood of fresh ids forgets
-only other newcomers). Pure: no threads, no sockets; the clock is passed in.
+Bounded: the flows with a pass queued (at most the compute queue's places), the finish tags of at most
+``max_identities`` flows that emptied lately, and ``max_identities`` records of each kind (established and
+newcomers kept apart, least recently served forgotten first, so a flood of fresh ids forgets only other
+newcomers). Pure: no threads, no sockets; the clock is passed in.
 """
 from __future__ import annotations
 
@@ -78,6 +79,9 @@ class FairScheduler:
         self.vtime = 0.0
         self.order = itertools.count()  # ties between equal tags go to the flow that became active first
         self.arrival: dict[Hashable, int] = {}
+        # the finish tags of flows that emptied lately: a caller that sends its next pass as soon as its last is
+        # answered restarts where it finished, not at the current virtual time (else it would be served again free)
+        self.finished: OrderedDict[Hashable, float] = OrderedDict()
         self.established: OrderedDict[str, Identity] = OrderedDict()
         self.newcomers: OrderedDict[str, Identity] = OrderedDict()
         self.forgotten = 0
@@ -130,8 +134,8 @@ class FairScheduler:
 
     def _enqueue(self, key: Hashable, job: Job) -> None:
         flow = self.flows.get(key)
-        if flow is None:  # (re)activated: no credit for the time it was idle
-            flow = self.flows[key] = Flow(tag=self.vtime)
+        if flow is None:  # (re)activated: no credit for the time it was idle, no discount on what it just had
+            flow = self.flows[key] = Flow(tag=max(self.vtime, self.finished.pop(key, self.vtime)))
             self.arrival[key] = next(self.order)
         if key == NEWCOMERS:
             flow.members.setdefault(job.peer, deque()).append(job)
@@ -197,8 +201,14 @@ class FairScheduler:
                 self._drop_flow(key)
 
     def _drop_flow(self, key: Hashable) -> None:
-        self.flows.pop(key, None)
+        flow = self.flows.pop(key, None)
         self.arrival.pop(key, None)
+        if flow is not None and flow.tag > self.vtime:
+            self.finished.pop(key, None)
+            self.finished[key] = flow.tag
+            while len(self.finished) > self.max_identities or (self.finished and
+                                                               next(iter(self.finished.values())) <= self.vtime):
+                self.finished.popitem(last=False)  # the oldest first; one at or below the virtual time means nothing
 
     def info(self) -> dict:
         return {"queued": len(self), "flows": len(self.flows), "established": len(self.established),

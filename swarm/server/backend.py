@@ -493,7 +493,7 @@ class SpanBackend:
     def __init__(self, span: BlockSpan, max_concurrent: int, device: str = "cpu",
                  max_queued_tokens: Optional[int] = None, peer_share: float = 1.0,
                  head: Optional[OutputHead] = None, streams: StreamLimits = StreamLimits(),
-                 scheduler: Optional[FairScheduler] = None, batching: bool = True, max_batch_tokens: int = 16384):
+                 scheduler: Optional[FairScheduler] = None, batching: bool = False, max_batch_tokens: int = 16384):
         self.span = span.requires_grad_(False)  # frozen: a backward call computes the inputs' gradient only
         self.head = head.requires_grad_(False) if head is not None else None
         self.device = torch.device(device)

@@ -546,8 +546,9 @@ class SpanBackend:
     def forward_batch_sync(self, items: list[tuple[SpanCall, threading.Event]]) -> list[torch.Tensor]:
         """Several callers' stateless passes (same blocks, same length: :func:`batch_key`) as one: their rows
         concatenated along the batch, run once, and split again, each answered as :meth:`forward_sync` would. A row's
-        result does not depend on its batch-mates where the model's passes are batch-invariant (float32 here; see
-        docs/ARCHITECTURE.md, "Batching"). Stopped between blocks only once every caller has stopped waiting."""
+        result does not depend on its batch-mates only where the model's passes are batch-invariant (not yet
+        guaranteed: docs/ARCHITECTURE.md, "Server"). Stopped between blocks only once every caller has stopped
+        waiting."""
         calls = [call for call, _ in items]
         hidden = torch.cat([call.hidden.to(self.device, self.dtype) for call in calls])
         x = self.span(hidden, blocks=(calls[0].start, calls[0].end), cancel=_AllSet([event for _, event in items]))

@@ -430,6 +430,9 @@ class ComputeQueue:
                 **self.records.info()}
 
     def shutdown(self) -> None:
+        """Requests still waiting are cancelled (their places released), the running pass finishes."""
+        while (job := self.scheduler.pop()) is not None:
+            job.payload.work.cancel()
         self.executor.shutdown(wait=True, cancel_futures=True)
 
 

@@ -133,3 +133,12 @@ def test_a_caller_that_stopped_waiting_before_its_pass_started_is_never_computed
     outcome = asyncio.run(main())
     assert isinstance(outcome[0], asyncio.CancelledError) and ran == ["kept"]
     assert server.queue.in_flight == 0 and server.queue.abandoned == 1
+
+
+def test_servers_do_not_batch_unless_told_to():
+    """Until the model's passes are batch-invariant a merged row can differ in its last bits from its solo pass
+    (docs/ARCHITECTURE.md, "Server"), so batching across clients is the operator's choice (--batching)."""
+    from swarm.server.config import ServerConfig
+
+    assert ServerConfig().batching is False
+    assert backend(batching=False).queue.merge is None and backend().queue.merge is not None

@@ -12,6 +12,8 @@
   task accuracy, fills, reuses, rows computed and wall time.
 * ``composition-cost``: the client's CPU per step for an expert composition at LLaDA-8B's vocabulary, stage by
   stage, top k and whole vocabulary (``composition_cost.py``).
+* ``concurrency``: 1, 4 and 16 concurrent clients of one server, batched vs unbatched, same tokens checked; ``shares``:
+  the red team's attacks on the share cap, against the fair scheduler (``server_load.py``).
 
 Latency is injected in user space (``ClientConfig.inject_latency``), since these machines have no netem:
 every one-way network crossing is delayed, so a call to a server costs two delays, and a pushed pass
@@ -32,6 +34,7 @@ import click
 from swarm.benchmark.adapter_wire import adapter_wire
 from swarm.benchmark.composition_cost import composition_cost
 from swarm.benchmark.realscale import realscale
+from swarm.benchmark.server_load import concurrency, shares
 from swarm.benchmark.timing import time_calls
 from swarm.cli.options import SwarmGroup, gen_length_option
 from swarm.diffusion.config import MAX_DRAFT_STEPS, MAX_STALENESS
@@ -511,3 +514,5 @@ def cache_refresh(task_model: str, task_examples: int, refreshes: list[int], dri
 main.add_command(realscale)  # issue 17: per-step costs at LLaDA-8B's widths (realscale.py)
 main.add_command(adapter_wire)  # issue 19: a LoRA on the wire at those widths (adapter_wire.py)
 main.add_command(composition_cost)  # issue 36: the client's CPU for an expert composition (composition_cost.py)
+main.add_command(concurrency)  # issue 47: batching several clients' calls on one server (server_load.py)
+main.add_command(shares)  # issue 48: the fair scheduler against the red team's shapes (server_load.py)

@@ -12,9 +12,9 @@ the batch), built from stock CPU kernels instead of new ones:
 * every matrix product runs over the flattened rows in tiles of a fixed ``rows_per_tile`` rows, the last one
   padded with zeros: the kernel only ever sees one shape per weight, so it makes the same choices for every
   row wherever it sits (tests/test_invariance.py proves position independence inside a tile per dtype);
-* attention runs per sequence: SDPA's flash kernel reduces each query row over its own keys, split only by the
-  key length (the state's own); a padded state is reduced over its real keys only, so the padding another
-  state brought into the call changes nothing;
+* attention runs per state: SDPA's flash kernel reduces each query row over its keys with products whose
+  shapes are the state's own; a padded state runs only its real queries over its real keys, so the padding
+  another state brought into the call changes nothing (padded queries get zeros);
 * RMSNorm reduces each row in float32 on one thread (4096 elements are below torch's parallel grain), and every
   other op is elementwise.
 
@@ -79,16 +79,22 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     return out[:rows].reshape(*x.shape[:-1], weight.shape[0])
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding: Optional[torch.Tensor]) -> torch.Tensor:
-    """Bidirectional SDPA of (batch, heads, length, head_dim); ``key_padding`` (batch, keys) True for real keys."""
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding: Optional[torch.Tensor],
+              first_row: int = 0) -> torch.Tensor:
+    """Bidirectional SDPA of (batch, heads, length, head_dim); ``key_padding`` (batch, keys) True for real keys;
+    the queries are the positions ``first_row...`` of the keys (a partial pass over a cache)."""
     if not active():
         mask = None if key_padding is None else key_padding[:, None, None, :]
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=False)
-    outs = []
-    for row in range(q.shape[0]):
-        keys, values = k[row:row + 1], v[row:row + 1]
-        if key_padding is not None:
-            real = key_padding[row]
-            keys, values = keys[:, :, real], values[:, :, real]
-        outs.append(F.scaled_dot_product_attention(q[row:row + 1], keys, values, is_causal=False))
-    return torch.cat(outs)
+    if key_padding is None:  # states of one length: each is reduced alone, at its own shape
+        return torch.cat([F.scaled_dot_product_attention(q[i:i + 1], k[i:i + 1], v[i:i + 1], is_causal=False)
+                          for i in range(q.shape[0])])
+    # A padded state: only its real queries over its real keys, so the call's shapes are the state's own (the
+    # kernel's products over a query block take another path for another block height). Padded queries get zeros.
+    out = torch.zeros_like(q)
+    for i in range(q.shape[0]):
+        keys = key_padding[i]
+        queries = keys[first_row:first_row + q.shape[2]]
+        out[i, :, queries] = F.scaled_dot_product_attention(
+            q[i:i + 1, :, queries], k[i:i + 1, :, keys], v[i:i + 1, :, keys], is_causal=False)[0]
+    return out

@@ -99,7 +99,7 @@ class Attention(nn.Module):
         if groups > 1:
             k = k.repeat_interleave(groups, dim=1)
             v = v.repeat_interleave(groups, dim=1)
-        out = invariance.attention(q, k, v, key_padding)
+        out = invariance.attention(q, k, v, key_padding, rows[0] if rows is not None else 0)
         return project(self.o_proj, out.transpose(1, 2).reshape(batch, length, -1), lora, "o_proj")
 
 

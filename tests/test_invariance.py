@@ -1,0 +1,94 @@
+"""Issue 47: a state's scores are bitwise the same whatever else shares its call (swarm/models/invariance.py).
+
+At LLaDA-8B's widths (hidden 4096, 32 heads, SwiGLU 12288), where stock CPU kernels pick another reduction for
+another row count: the plain calls fail these tests in bfloat16 and float32 (checked with invariance off)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from swarm.models import invariance
+from swarm.models.config import ModelConfig
+from swarm.models.modules import BlockSpan, OutputHead, default_positions
+
+pytestmark = pytest.mark.unit
+
+WIDE = ModelConfig(vocab_size=16384, hidden_size=4096, intermediate_size=12288, num_layers=1, num_heads=32,
+                   num_kv_heads=32, mask_token_id=1, pad_token_id=0, rope_theta=500000.0)
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+LENGTHS = (5, 12, 7, 16, 3, 9, 14, 11)  # the states sharing a call: their lengths differ
+
+
+@pytest.fixture(scope="module")
+def wide_parts():
+    """One block and a head of 8B widths (a smaller vocabulary: the head's product is the same kind), float32."""
+    torch.manual_seed(0)
+    with torch.no_grad():
+        span, head = BlockSpan(WIDE, 0, 1), OutputHead(WIDE)
+        for module in (span, head):
+            for name, param in module.named_parameters():
+                if not name.endswith("norm.weight"):
+                    param.normal_(0, 0.02)
+    return span, head
+
+
+def batched(states: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """States right-padded to the longest, with the key-padding mask (True for real positions)."""
+    length = max(s.shape[0] for s in states)
+    hidden = torch.zeros(len(states), length, states[0].shape[1], dtype=states[0].dtype)
+    mask = torch.zeros(len(states), length, dtype=torch.bool)
+    for i, state in enumerate(states):
+        hidden[i, :state.shape[0]] = state
+        mask[i, :state.shape[0]] = True
+    return hidden, mask
+
+
+def scores(span, head, hidden, mask):
+    positions = default_positions(hidden.shape[0], hidden.shape[1], hidden.device)
+    return head(span(hidden, mask, positions))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_one_state_equals_its_row_in_any_batch(wide_parts, dtype):
+    """A state alone, then at every place in batches of 1-8 states of other lengths: the same logits, bit for bit."""
+    span, head = (part.to(dtype) for part in wide_parts)
+    generator = torch.Generator().manual_seed(1)
+    states = [torch.randn(n, WIDE.hidden_size, generator=generator).to(dtype) for n in LENGTHS]
+    with torch.no_grad():
+        alone = [scores(span, head, *batched([s]))[0] for s in states]
+        for size in range(1, 9):
+            picked = states[:size] if size % 2 else states[-size:]
+            hidden, mask = batched(picked)
+            out = scores(span, head, hidden, mask)
+            for row, state in enumerate(picked):
+                expected = alone[LENGTHS.index(state.shape[0])]
+                assert torch.equal(out[row, :state.shape[0]], expected), (dtype, size, row)
+        # the same state unpadded twice in one call (a Picard window's states of one sequence)
+        twice = scores(span, head, torch.stack([states[1], states[1]]), None)
+        assert torch.equal(twice[1], alone[1]) and torch.equal(twice[0], alone[1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_row_is_the_same_at_every_place_of_a_tile(dtype):
+    """The construction's premise, tested instead of believed: inside one tile a row's product does not depend on
+    its place or on the other rows, for each weight shape of a block and the head."""
+    tile = invariance.current().rows_per_tile
+    generator = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for out_features, in_features in ((12288, 4096), (4096, 12288), (4096, 4096), (16384, 4096)):
+            weight = (torch.randn(out_features, in_features, generator=generator) * 0.02).to(dtype)
+            rows = torch.randn(2 * tile, in_features, generator=generator).to(dtype)
+            alone = invariance.linear(rows[:1], weight)
+            for place in range(tile):
+                neighbours = torch.cat([rows[1:1 + place], rows[:1], rows[1 + place:tile]])
+                assert torch.equal(invariance.linear(neighbours, weight)[place], alone[0]), (dtype, place)
+
+
+def test_training_keeps_the_plain_calls():
+    """With autograd on, the products are the plain ones (training needs no invariance and pays nothing)."""
+    weight = torch.randn(8, 4, requires_grad=True)
+    x = torch.randn(3, 4)
+    out = invariance.linear(x, weight)
+    assert torch.equal(out, torch.nn.functional.linear(x, weight))
+    out.sum().backward()
+    assert weight.grad is not None

@@ -135,3 +135,26 @@ def test_batching_modes_give_the_sequential_tokens_at_8b_widths(wide_models, dty
         assert lm.generate(prompt, **common, **mode).token_ids == lm.generate(prompt, **common).token_ids
 
     check()
+
+
+@pytest.mark.swarm
+def test_swarm_at_default_settings_gives_the_local_tokens(local_swarm, wide_checkpoint, wide_models):
+    """Two servers of the 8B-width checkpoint (``--blocks 0:1``, ``--blocks 1:2 --head``), the client at default
+    settings (``scale="auto"``: draft-and-verify through a swarm): the local sequential run's tokens."""
+    from swarm.client import DistributedDiffusionLM
+
+    prefix = "invariance-8b"
+    servers = [local_swarm.start_server(str(wide_checkpoint), "0:1", "--dht-prefix", prefix, wait=False),
+               local_swarm.start_server(str(wide_checkpoint), "1:2", "--head", "--dht-prefix", prefix, wait=False)]
+    settings = dict(gen_length=8, steps=8, block_length=8, seed=0)
+    try:
+        for server in servers:
+            local_swarm.wait_ready(server)
+        expected = wide_models["bfloat16"].generate("w1 w2 w3 w4", **settings).token_ids
+        with DistributedDiffusionLM.from_pretrained(wide_checkpoint, initial_peers=local_swarm.initial_peers,
+                                                    dht_prefix=prefix) as lm:
+            result = lm.generate("w1 w2 w3 w4", **settings)
+        assert result.token_ids == expected, result.info.get("settings")
+    finally:
+        for server in servers:
+            local_swarm.terminate(server)

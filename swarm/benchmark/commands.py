@@ -31,6 +31,7 @@ import click
 
 from swarm.benchmark.adapter_wire import adapter_wire
 from swarm.benchmark.composition_cost import composition_cost
+from swarm.benchmark.invariance_cost import invariance_cost
 from swarm.benchmark.realscale import realscale
 from swarm.benchmark.timing import time_calls
 from swarm.cli.options import SwarmGroup
@@ -511,3 +512,4 @@ def cache_refresh(task_model: str, task_examples: int, refreshes: list[int], dri
 main.add_command(realscale)  # issue 17: per-step costs at LLaDA-8B's widths (realscale.py)
 main.add_command(adapter_wire)  # issue 19: a LoRA on the wire at those widths (adapter_wire.py)
 main.add_command(composition_cost)  # issue 36: the client's CPU for an expert composition (composition_cost.py)
+main.add_command(invariance_cost)  # issue 47: batch-invariant passes vs default ones (invariance_cost.py)

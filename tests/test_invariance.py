@@ -11,8 +11,6 @@ from swarm.models import invariance
 from swarm.models.config import ModelConfig
 from swarm.models.modules import BlockSpan, OutputHead, default_positions
 
-pytestmark = pytest.mark.unit
-
 WIDE = ModelConfig(vocab_size=16384, hidden_size=4096, intermediate_size=12288, num_layers=1, num_heads=32,
                    num_kv_heads=32, mask_token_id=1, pad_token_id=0, rope_theta=500000.0)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -48,6 +46,7 @@ def scores(span, head, hidden, mask):
     return head(span(hidden, mask, positions))
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_one_state_equals_its_row_in_any_batch(wide_parts, dtype):
     """A state alone, then at every place in batches of 1-8 states of other lengths: the same logits, bit for bit."""
@@ -68,6 +67,7 @@ def test_one_state_equals_its_row_in_any_batch(wide_parts, dtype):
         assert torch.equal(twice[1], alone[1]) and torch.equal(twice[0], alone[1])
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_a_row_is_the_same_at_every_place_of_a_tile(dtype):
     """The construction's premise, tested instead of believed: inside one tile a row's product does not depend on
@@ -84,6 +84,7 @@ def test_a_row_is_the_same_at_every_place_of_a_tile(dtype):
                 assert torch.equal(invariance.linear(neighbours, weight)[place], alone[0]), (dtype, place)
 
 
+@pytest.mark.unit
 def test_training_keeps_the_plain_calls():
     """With autograd on, the products are the plain ones (training needs no invariance and pays nothing)."""
     weight = torch.randn(8, 4, requires_grad=True)
@@ -113,6 +114,7 @@ def wide_models(wide_checkpoint):
             for dtype in ("bfloat16", "float32")}
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("dtype", ("bfloat16", "float32"))
 def test_batching_modes_give_the_sequential_tokens_at_8b_widths(wide_models, dtype):
     """Picard windows 2-8, drafts 1-3, with and without cfg: the sequential run's tokens (random prompts, lengths,

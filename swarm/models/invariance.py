@@ -23,6 +23,7 @@ Training (autograd enabled) keeps the plain calls: invariance is for inference, 
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from dataclasses import dataclass
 from typing import Iterator, Optional
@@ -42,7 +43,9 @@ class BatchInvariance:
     rows_per_tile: int = 16
 
 
-DEFAULT = BatchInvariance()
+# SWARM_BATCH_INVARIANT=0 turns it off for a whole process (a server that only serves single-state calls, or to
+# measure what it costs); the batching modes then lose their identity in half precision.
+DEFAULT = BatchInvariance(enabled=os.environ.get("SWARM_BATCH_INVARIANT", "1") != "0")
 _state = threading.local()
 
 

@@ -33,6 +33,7 @@ import click
 
 from swarm.benchmark.adapter_wire import adapter_wire
 from swarm.benchmark.composition_cost import composition_cost
+from swarm.benchmark.invariance_cost import invariance_cost
 from swarm.benchmark.realscale import realscale
 from swarm.benchmark.server_load import concurrency, shares
 from swarm.benchmark.timing import time_calls
@@ -516,3 +517,4 @@ main.add_command(adapter_wire)  # issue 19: a LoRA on the wire at those widths (
 main.add_command(composition_cost)  # issue 36: the client's CPU for an expert composition (composition_cost.py)
 main.add_command(concurrency)  # issue 47: batching several clients' calls on one server (server_load.py)
 main.add_command(shares)  # issue 48: the fair scheduler against the red team's shapes (server_load.py)
+main.add_command(invariance_cost)  # issue 47: batch-invariant passes vs default ones (invariance_cost.py)

@@ -2,12 +2,14 @@
 
 * ``swarm-weights:name:{name}``: a :class:`PublishedModel` (name -> model id, sizes) in the signed slot of its
   publisher's Ed25519 key, written as adapter names are (``swarm.adapters.sharing``): only that key can write
-  it, and a record signed by any other key is refused by storing peers and ignored by readers. Several
-  publishers may claim one name: then a reader refuses to guess and asks for ``name@PUBLISHER`` (16 hex digits
-  of the key's SHA-256, as for adapters).
+  it, and a record signed by any other key is refused by storing peers and ignored by readers. Anyone may
+  claim any name, so a reader follows only the publishers it trusts (:mod:`swarm.weights.trust`); two trusted
+  publishers naming different ids make it ask for ``name@PUBLISHER`` (16 hex digits of the key's SHA-256, as
+  for adapters). The sizes a record gives are hints (:mod:`swarm.weights.fetch`).
 * ``swarm-weights:hosts:{model id}``: each serving peer's :class:`HostRecord` under its owner subkey (only its
-  libp2p key can write it): where it listens and which tensors it holds (a bitmap over the manifest's tensors;
-  a server of the publisher's directory holds them all).
+  libp2p key can write it): where it listens, the manifest's size and which tensors it holds (a bitmap over the
+  manifest's tensors; a server of the publisher's directory holds them all). These are the host's own claims:
+  a fetcher holds a host only to them, never to another's.
 
 The keys start with ``swarm-weights:``, which no model's DHT prefix can (prefixes are letters, digits, ``-_``).
 Records are remote input even when signed: every field is checked and bounded.

@@ -58,7 +58,8 @@ FILE_TIERS = {  # a "unit" file may hold tests of other tiers: found by their fi
                      "test_spot_checks", "test_subword", "test_train", "test_union", "test_validation",
                      "test_weights_parsers", "test_web"], "unit"),
     **dict.fromkeys(["test_bottleneck", "test_docker", "test_failover", "test_finetune_together", "test_forkserver",
-                     "test_hub", "test_weights", "test_security_api", "test_security_dht", "test_swarm"], "swarm"),
+                     "test_hub", "test_weights", "test_weights_hints", "test_security_api", "test_security_dht",
+                     "test_swarm"], "swarm"),
     "test_daemons": "lab",
     "test_audit": "unit",  # the records, in process; the auditor against a live swarm is test_audit_swarm
     "test_audit_swarm": "swarm",

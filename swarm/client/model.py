@@ -45,6 +45,7 @@ from swarm.utils.settings import replaced
 from swarm.utils.text import plural
 from swarm.utils.threads import use_threads
 from swarm.weights.source import SwarmWeights
+from swarm.weights.trust import PublisherTrust
 from swarm.wire.messages import RemoteError
 from swarm.wire.remote import RemoteCaller
 
@@ -137,7 +138,8 @@ class DistributedDiffusionLM(BaseDiffusionLM):
         (:func:`~swarm.utils.threads.use_threads`)."""
         config = replaced(config or ClientConfig(network=client_network(initial_peers)), "client option", **overrides)
         use_threads(threads)
-        return cls(ModelFiles(name_or_path, resolvers=[SwarmWeights(config.network).resolve]), config, dht)
+        weights = SwarmWeights(config.network, trust=PublisherTrust.of((), config.governance_keys))  # names by them
+        return cls(ModelFiles(name_or_path, resolvers=[weights.resolve]), config, dht)
 
     @property
     def head(self) -> OutputHead:

@@ -138,6 +138,11 @@ class ServerConfig:
     governance_keys: tuple[str, ...] = setting(
         (), "Trusted governance public key (base64 or a file holding it; repeatable; default $SWARM_GOVERNANCE_KEYS). "
             "While a halt signed by one of them stands, the server refuses new steps.", flags=("--governance-key",))
+    trusted_publishers: tuple[str, ...] = setting(
+        (), "Publishers whose names --model NAME resolves through (base64 public keys or files holding one; "
+            "repeatable, or several in one value separated by commas). Default: the governance keys; 'none' "
+            "resolves no name (the model id is required). A name published by anyone else is ignored (docs/MODELS.md).",
+        flags=("--trusted-publishers", "--trusted-publisher"))
     governance_poll: float = setting(2.0, "Seconds between reads of the governance records.", low=0.0, low_open=True,
                                      cli=False)
     governance_stale_after: float = setting(

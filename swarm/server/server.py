@@ -56,6 +56,7 @@ from swarm.version import __version__
 from swarm.weights.holdings import hosts_policies
 from swarm.weights.service import ServeLimits, WeightServer
 from swarm.weights.source import SwarmWeights
+from swarm.weights.trust import PublisherTrust
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +77,8 @@ class Server:
         self.config = config
         check_listen_addresses(config.network.host_maddrs)  # a port in use is refused before anything loads
         resolve_device(config.device)  # before loading anything: "cuda" without CUDA fails here, clearly
-        self.files = ModelFiles(config.model, resolvers=[SwarmWeights(config.network).resolve])  # ids from peers
+        trust = PublisherTrust.of(config.trusted_publishers, config.governance_keys)  # whose names --model follows
+        self.files = ModelFiles(config.model, resolvers=[SwarmWeights(config.network, trust=trust).resolve])
         self.weights = WeightServer(ServeLimits(mbps=config.serve_weights_mbps)) if config.serve_weights else None
         self.model_config = self.files.config
         self._check_span_settings()

@@ -19,7 +19,7 @@ lists) on held-out problems of ``swarm.eval``'s task, drawn anew each round from
 the swarm* as a user would (``adapter="name@AUTHOR"``; a client of the auditor's own DHT peer that trusts the
 auditor itself, so servers it failed are avoided), and publishes the exact-match score beside the author's claim.
 
-After each round the auditor publishes one signed report (:mod:`swarm.audit.records`) with every server's counts
+After each round the auditor publishes one signed report (:mod:`swarm.reports.records`) with every server's counts
 since the auditor started, and the latest score of each adapter content per task.
 """
 from __future__ import annotations
@@ -43,7 +43,15 @@ from hivemind.dht import DHT
 from swarm.adapters.adapter import AdapterError
 from swarm.adapters.sharing import read_catalog
 from swarm.audit.config import AuditorConfig
-from swarm.audit.records import (
+from swarm.client.config import DEFAULT_OVERCLAIM_FACTOR, ClientConfig
+from swarm.client.planner import CHALLENGE_ROWS, CHALLENGE_STEPS
+from swarm.client.spot_check import answers_agree, relative_difference
+from swarm.dht.node import start_dht, stop_dht
+from swarm.dht.schema import ServerRecord, ServerState, default_prefix, protected_keys, read_servers
+from swarm.dht.validation import ed25519_text
+from swarm.eval.tasks import evaluate_task
+from swarm.models.loading import ModelFiles
+from swarm.reports.records import (
     ERROR,
     FAIL,
     MAX_ADAPTERS,
@@ -55,14 +63,6 @@ from swarm.audit.records import (
     ServerAudit,
     publish_report,
 )
-from swarm.client.config import DEFAULT_OVERCLAIM_FACTOR, ClientConfig
-from swarm.client.planner import CHALLENGE_ROWS, CHALLENGE_STEPS
-from swarm.client.spot_check import answers_agree, relative_difference
-from swarm.dht.node import start_dht, stop_dht
-from swarm.dht.schema import ServerRecord, ServerState, default_prefix, protected_keys, read_servers
-from swarm.dht.validation import ed25519_text
-from swarm.eval.tasks import evaluate_task
-from swarm.models.loading import ModelFiles
 from swarm.server.usage import parse_usage
 from swarm.train.data import TASKS
 from swarm.utils.errors import SwarmError

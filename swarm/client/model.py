@@ -14,7 +14,6 @@ from hivemind.dht import DHT
 
 from swarm.adapters.adapter import AdapterError, PromptAdapter
 from swarm.adapters.sharing import default_cache_dir, fetch_published, read_catalog
-from swarm.audit.records import BEST, AuditBook, trusted_auditors
 from swarm.client.backbone import SwarmBackbone
 from swarm.client.config import ClientConfig, client_network
 from swarm.client.experts import RemoteExpert, open_remote_experts
@@ -40,6 +39,7 @@ from swarm.governance.keys import trusted_signers
 from swarm.governance.tiers import TierRules
 from swarm.models.loading import DEFAULT_MODEL, ModelFiles
 from swarm.models.modules import OutputHead
+from swarm.reports.records import BEST, AuditBook, trusted_auditors
 from swarm.utils.event_loop import BackgroundLoop
 from swarm.utils.settings import replaced
 from swarm.utils.text import plural

@@ -111,7 +111,7 @@ class RemoteSequence:
         whether an unresolved check stops the generation. Called before each generation."""
         self.spot_checker.fraction = spot_check_fraction
         self.spot_checker.require_verified = require_verified
-        self.spot_checker.fills.clear()  # fill inputs of earlier generations are never reused
+        self.spot_checker.reset()  # fill inputs of earlier generations are never reused
         if self.health.allow_only(allowed):
             self.planner.route = []  # rebuilt under the new policy
 

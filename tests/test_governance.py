@@ -264,8 +264,9 @@ def test_restricted_request_uses_only_trusted_servers_and_is_audited(local_swarm
     trusted_ids = {server.peer_id for server in trusted}
     audit = tmp_path / "audit.jsonl"
     # A long ping: on a loaded machine the fast server's first challenge may take seconds, and a missed one bans it.
+    # Checks off for the public request (the default draws 5% of hops): the tiers' own floors are what is tested.
     with DistributedDiffusionLM.from_pretrained(path, initial_peers=local_swarm.initial_peers,
-                                                audit_log=str(audit), connect_timeout=30) as lm:
+                                                audit_log=str(audit), connect_timeout=30, spot_check_fraction=0) as lm:
         wait_seen(lm, [*trusted, untrusted])
         with pytest.raises(ValueError, match="trusted_peers"):
             lm.generate("my password is hunter2", **SETTINGS)

@@ -193,7 +193,8 @@ class Auditor:
         with torch.inference_mode():
             return self.blocks(request.hidden.to(self.dtype), blocks=(request.start, request.end)).to(self.dtype)
 
-    def check(self, record: ServerRecord, servers: Optional[list[ServerRecord]] = None, lm=None) -> list[Check]:
+    def check(self, record: ServerRecord, servers: Optional[list[ServerRecord]] = None,
+              lm: Optional[DistributedDiffusionLM] = None) -> list[Check]:
         """Ping the server, then send it ``challenges`` challenges through its announced span, one after another,
         each compared with the auditor's own pass; then (with the round's client ``lm``) ``generations`` whole
         generations through it with a sample of their calls recomputed. Stops at the first check that does not

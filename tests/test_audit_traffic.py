@@ -124,3 +124,48 @@ def test_the_stated_number_of_generations_follows_from_the_sample():
     assert GEN_LENGTH == 32
     assert generations_to_catch(0.5, 0.05, GEN_LENGTH) == 6
     assert 1 - (1 - 0.5 * 0.05) ** (GEN_LENGTH * 6) >= 0.99 > 1 - (1 - 0.5 * 0.05) ** (GEN_LENGTH * 5)
+
+
+@pytest.mark.unit
+def test_the_local_reference_answers_what_a_server_computes(tmp_path):
+    """The trusted recomputation restates the server's own (``SpanBackend.forward_sync``) for every kind of call: a
+    plain call, a cache fill and a reuse of it, a head query over a reuse's rows, an adapter's slices; to the bit."""
+    import torch
+
+    from swarm.client.reference import LocalReference
+    from swarm.diffusion.pipeline import CacheDirective
+    from swarm.diffusion.prediction import HeadQuery
+    from swarm.models.kv_cache import SpanKV
+    from swarm.server.backend import SpanBackend, SpanCall
+    from swarm.wire.messages import ForwardRequest
+
+    files = ModelFiles(make_checkpoint(tmp_path / "reference", tiny_config(), seed=4))
+    config = files.config
+    backend = SpanBackend(files.span(1, config.num_layers), 1, head=files.head())
+    reference = LocalReference(lambda start, end: files.span(start, end), files.head, config.num_layers)
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(1, 12, config.hidden_size, generator=generator)
+    fresh = torch.randn(1, 4, config.hidden_size, generator=generator)
+    adapter = new_adapter("deep_prompt", 2, config, base_of(config, files.tokenizer()), files.embedding(), generator)
+    with torch.no_grad():
+        adapter.prompts.add_(torch.randn(adapter.prompts.shape, generator=generator))
+    piece = adapter.block_adapter.slice(1, config.num_layers)
+    end = config.num_layers
+    query = HeadQuery((4,), 4, (0,), seed=1, temperature=0.5, cfg_scale=0.0, mask_token_id=config.mask_token_id,
+                      scored=(4, 8))
+    kv = SpanKV(1, 12)
+    served = {
+        "plain": backend.forward_sync(SpanCall(hidden, 1, end)),
+        "adapter": backend.forward_sync(SpanCall(hidden, 1, end, adapter=piece)),
+        "fill": backend.forward_sync(SpanCall(hidden, 1, end, kv)),
+    }
+    served["reuse+head"] = backend.forward_sync(SpanCall(fresh, 1, end, kv, (4, 8), query))
+    asked = {
+        "plain": ForwardRequest(1, end, hidden, "s", 0),
+        "adapter": ForwardRequest(1, end, hidden, "s", 0, adapter=piece),
+        "fill": ForwardRequest(1, end, hidden, "s", 0, cache=CacheDirective(0)),
+        "reuse+head": ForwardRequest(1, end, fresh, "s", 1, cache=CacheDirective(0, (4, 8)), head=query),
+    }
+    for kind, request in asked.items():
+        fill = hidden if kind == "reuse+head" else None
+        assert torch.equal(reference.answer(request, fill), served[kind]), kind

@@ -119,7 +119,7 @@ class DistributedDiffusionLM(BaseDiffusionLM):
                                        self.config.max_position_embeddings)
         if exact and config.spot_check_local and not self.missing_blocks():  # a hop nobody else holds: recompute it
             self.sequence.spot_checker.reference = LocalReference(
-                lambda start, end: files.span(start, end, config.dtype), lambda: self.head)
+                lambda start, end: files.span(start, end, config.dtype), lambda: self.head, self.config.num_layers)
         self.only_peers: Optional[frozenset[str]] = None  # peers every request may route through (None: any)
         self.guard = GovernanceGuard(self.dht, self.prefix, config.governance_keys, ttl=config.governance_ttl,
                                      stale_after=config.governance_stale_after)

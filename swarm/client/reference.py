@@ -28,19 +28,26 @@ LOCAL = "local"  # the checker a spot-check outcome names when this process reco
 class LocalReference:
     """Recomputes span calls as an honest server would. ``load_blocks(start, end)`` gives a span holding those blocks
     (an auditor's copy of all of them, or a client's load of just a hop's: a client loads only the hops it has to
-    check itself, each once); the head is loaded at the first head query."""
+    check itself, each once); the head is loaded at the first head query. With ``num_blocks``, the hops loaded never
+    hold more blocks than the model: a hop that would pass that bound loads the whole model once instead."""
 
-    def __init__(self, load_blocks: Callable[[int, int], BlockSpan], load_head: Callable[[], OutputHead]):
-        self._load_blocks, self._load_head = load_blocks, load_head
-        self._spans: dict[tuple[int, int], BlockSpan] = {}  # at most one per hop of the routes checked here
+    def __init__(self, load_blocks: Callable[[int, int], BlockSpan], load_head: Callable[[], OutputHead],
+                 num_blocks: Optional[int] = None):
+        self._load_blocks, self._load_head, self.num_blocks = load_blocks, load_head, num_blocks
+        self._spans: dict[tuple[int, int], BlockSpan] = {}  # the hops loaded, or one entry: the whole model
         self._lock = threading.Lock()  # calls in flight (stale pipelining) may check at once
 
     def blocks(self, start: int, end: int) -> BlockSpan:
         with self._lock:
-            if (start, end) not in self._spans:
-                logger.info("loading blocks %d:%d here to recompute spot-checked hops", start, end)
-                self._spans[(start, end)] = self._load_blocks(start, end).requires_grad_(False)
-            return self._spans[(start, end)]
+            held = next((span for (a, b), span in self._spans.items() if a <= start and end <= b), None)
+            if held is not None:
+                return held
+            if self.num_blocks is not None and sum(b - a for a, b in self._spans) + end - start > self.num_blocks:
+                self._spans.clear()
+                start, end = 0, self.num_blocks
+            logger.info("loading blocks %d:%d here to recompute spot-checked hops", start, end)
+            span = self._spans[(start, end)] = self._load_blocks(start, end).requires_grad_(False)
+            return span
 
     @torch.inference_mode()
     def answer(self, request: ForwardRequest, fill_input: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -272,7 +272,7 @@ class DistributedDiffusionLM(BaseDiffusionLM):
             return
         for chunk in self.local_model().generate_stream(prompt, scale="local", **kwargs):
             if chunk.result is not None:
-                chunk.result.info.update(route=["local"], failovers=[], spot_checks=[])
+                chunk.result.info.update(route=["local"], failovers=[], spot_checks=[], unchecked=0)
             yield chunk
 
     def local_model(self) -> DiffusionLM:

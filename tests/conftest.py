@@ -199,8 +199,11 @@ def local_swarm(tiny_model_path):
 def remote_lm(local_swarm, tiny_model_path):
     from swarm.client import DistributedDiffusionLM
 
+    # Checks off: tests through this client count calls, rows, pushed passes and head loads exactly, and the default
+    # spot checks (5% of hops) add checker calls and may load the head; tests/test_audit_traffic.py and
+    # tests/test_spot_checks.py check the default's checks
     lm = DistributedDiffusionLM.from_pretrained(tiny_model_path, initial_peers=local_swarm.initial_peers,
-                                                request_timeout=20)
+                                                request_timeout=20, spot_check_fraction=0)
     yield lm
     lm.shutdown()
 

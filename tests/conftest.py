@@ -63,6 +63,7 @@ FILE_TIERS = {  # a "unit" file may hold tests of other tiers: found by their fi
     "test_daemons": "lab",
     "test_audit": "unit",  # the records, in process; the auditor against a live swarm is test_audit_swarm
     "test_audit_swarm": "swarm",
+    "test_audit_traffic": "swarm",
     "test_usage": "unit",  # the ledger, the cap and the retry hint, in process; a live server in test_usage_swarm
     "test_usage_swarm": "swarm",
     "test_scheduler": "unit",  # the fair scheduler, pure
@@ -219,8 +220,11 @@ def local_swarm(tiny_model_path):
 def remote_lm(local_swarm, tiny_model_path):
     from swarm.client import DistributedDiffusionLM
 
+    # Checks off: tests through this client count calls, rows, pushed passes and head loads exactly, and the default
+    # spot checks (5% of hops) add checker calls and may load the head; tests/test_audit_traffic.py and
+    # tests/test_spot_checks.py check the default's checks
     lm = DistributedDiffusionLM.from_pretrained(tiny_model_path, initial_peers=local_swarm.initial_peers,
-                                                request_timeout=20)
+                                                request_timeout=20, spot_check_fraction=0)
     yield lm
     lm.shutdown()
 

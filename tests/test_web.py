@@ -36,12 +36,12 @@ from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
 from swarm.adapters.sharing import PublishedAdapter  # noqa: E402
 from swarm.adapters.sharing import publish as publish_adapter  # noqa: E402
 from swarm.api import GenerationEngine, create_app  # noqa: E402
-from swarm.audit.records import FAIL, PASS, AdapterAudit, AuditBook, AuditReport, ServerAudit, publish_report  # noqa: E402
 from swarm.dht.node import NetworkConfig  # noqa: E402
 from swarm.dht.schema import RECORD_VERSION, ServerRecord, ServerState  # noqa: E402
 from swarm.governance.keys import generate_private_key, public_key_text  # noqa: E402
 from swarm.governance.records import HALT, RESUME, publish  # noqa: E402
 from swarm.health.map import ExpertAnnouncement, audits_of, build_health_map  # noqa: E402
+from swarm.reports.records import FAIL, PASS, AdapterAudit, AuditBook, AuditReport, ServerAudit, publish_report  # noqa: E402
 from swarm.server.usage import UsageLedger, parse_usage  # noqa: E402
 from swarm.utils.local_swarm import LocalSwarm  # noqa: E402
 from swarm.web.server import listen  # noqa: E402

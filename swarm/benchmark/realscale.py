@@ -302,10 +302,11 @@ def run_setting(path: Path, swarm: LocalSwarm, servers, prompt: list[int], setti
     from swarm.client import DistributedDiffusionLM
 
     wire = setting.wire_dtype
+    # Spot checks off, as the figures were measured: a checked hop would load the head, or recompute 8B-wide blocks
     with DistributedDiffusionLM.from_pretrained(path, initial_peers=swarm.initial_peers, wire_dtype=wire,
                                                 head_rows=setting.head_rows, dht_prefix=f"realscale-{wire}",
                                                 dtype=setting.client_dtype, head=setting.head,
-                                                request_timeout=120, connect_timeout=60) as lm:
+                                                request_timeout=120, connect_timeout=60, spot_check_fraction=0) as lm:
         click.echo(f"running: {setting.label} ...", err=True)
         generation = dict(settings, **dict(setting.generation))
         with tempfile.TemporaryDirectory(prefix="realscale-lora-") as folder:

@@ -14,13 +14,13 @@ from hivemind.dht import DHT
 
 from swarm.adapters.adapter import AdapterError, PromptAdapter
 from swarm.adapters.sharing import default_cache_dir, fetch_published, read_catalog
-from swarm.audit.records import BEST, AuditBook, trusted_auditors
 from swarm.client.backbone import SwarmBackbone
 from swarm.client.config import ClientConfig, client_network
 from swarm.client.experts import RemoteExpert, open_remote_experts
 from swarm.client.head_use import HeadUse
 from swarm.client.planner import RoutePlanner
 from swarm.client.push import PushReceiver
+from swarm.client.reference import LocalReference
 from swarm.client.routing import RouteHop, compress_ranges
 from swarm.client.sequence import RemoteSequence
 from swarm.dht.compatibility import CompatibilityTag
@@ -40,6 +40,7 @@ from swarm.governance.keys import trusted_signers
 from swarm.governance.tiers import TierRules
 from swarm.models.loading import DEFAULT_MODEL, ModelFiles
 from swarm.models.modules import OutputHead
+from swarm.reports.records import BEST, AuditBook, trusted_auditors
 from swarm.utils.event_loop import BackgroundLoop
 from swarm.utils.settings import replaced
 from swarm.utils.text import plural
@@ -117,6 +118,10 @@ class DistributedDiffusionLM(BaseDiffusionLM):
         exact = self.compute_dtype == files.default_dtype and config.wire_dtype == "auto"
         self.sequence.use_client_parts(self.embedding, (lambda: self.head) if exact else None,
                                        self.config.max_position_embeddings)
+        if exact and config.spot_check_local and not self.missing_blocks():  # a hop nobody else holds: recompute it
+            self.sequence.spot_checker.reference = LocalReference(
+                lambda start, end: files.span(start, end, config.dtype), lambda: self.head, self.config.num_layers)
+        self.only_peers: Optional[frozenset[str]] = None  # peers every request may route through (None: any)
         self.guard = GovernanceGuard(self.dht, self.prefix, config.governance_keys, ttl=config.governance_ttl,
                                      stale_after=config.governance_stale_after)
         self.tier_rules = TierRules.from_file(config.tier_rules_path) if config.tier_rules_path else TierRules()
@@ -269,14 +274,13 @@ class DistributedDiffusionLM(BaseDiffusionLM):
             return
         for chunk in self.local_model().generate_stream(prompt, scale="local", **kwargs):
             if chunk.result is not None:
-                chunk.result.info.update(route=["local"], failovers=[], spot_checks=[])
+                chunk.result.info.update(route=["local"], failovers=[], spot_checks=[], unchecked=0)
             yield chunk
 
     def local_model(self) -> DiffusionLM:
         """The whole model in this process, for ``scale="local"``: only when the checkpoint has every block."""
         if self._local is None:
-            missing = [i for i in range(self.config.num_layers)
-                       if not self.files.reader.has(f"blocks.{i}.attn_norm.weight")]
+            missing = self.missing_blocks()
             if missing:
                 raise ValueError(f"scale='local' needs every block's weights locally; {self.files.path} lacks "
                                  f"blocks {compress_ranges(missing)}")
@@ -284,6 +288,10 @@ class DistributedDiffusionLM(BaseDiffusionLM):
                                       self.client_config.head_rows)
             self._local.limits = self.limits  # the same request bounds as this client
         return self._local
+
+    def missing_blocks(self) -> list[int]:
+        """Blocks whose weights this client's checkpoint lacks (those of a checkpoint fetched for its embedding)."""
+        return [i for i in range(self.config.num_layers) if not self.files.reader.has(f"blocks.{i}.attn_norm.weight")]
 
     def begin_request(self, prompt: str | Sequence[int], prompt_ids: Sequence[int], tier: Optional[str],
                       plan: ScalePlan) -> dict[str, Any]:
@@ -294,7 +302,7 @@ class DistributedDiffusionLM(BaseDiffusionLM):
         if policy.trusted_only and not self.client_config.trusted_peers:
             raise ValueError(f"a {tier} request may only use trusted servers: set ClientConfig.trusted_peers")
         fraction = max(self.client_config.spot_check_fraction, policy.spot_check_fraction, plan.spot_check_fraction)
-        allowed = frozenset(self.client_config.trusted_peers) if policy.trusted_only else None
+        allowed = frozenset(self.client_config.trusted_peers) if policy.trusted_only else self.only_peers
         self.sequence.apply_policy(fraction, allowed, require_verified=policy.require_verified)
         self._spot_checks_seen = len(self.sequence.spot_checker.outcomes)
         self._failovers_seen = len(self.sequence.failovers)
@@ -307,6 +315,7 @@ class DistributedDiffusionLM(BaseDiffusionLM):
                 "approximate": self.approximate_hops(),
                 "failovers": [vars(event) for event in self.sequence.failovers[self._failovers_seen:]],
                 "spot_checks": [outcome.to_dict() for outcome in outcomes],
+                "unchecked": self.sequence.spot_checker.unchecked,
                 "distrusted": sorted(self.sequence.distrusted),
                 "audit_failed": sorted(self.sequence.health.audit_failed),
                 "audit_overclaimed": {peer: round(ratio, 2) for peer, ratio in

@@ -223,7 +223,7 @@ def adapter_index_key(prefix: str) -> str:
 
 
 def audit_key(prefix: str, auditor: str) -> str:
-    """Where the auditor with this Ed25519 public key (base64) publishes its signed report (``swarm.audit.records``):
+    """Where the auditor with this Ed25519 public key (base64) publishes its signed report (``swarm.reports.records``):
     one key per auditor, so a reader reads only the auditors it trusts and each is protected by their key."""
     return f"{prefix}.audits.{auditor}"
 

@@ -17,7 +17,7 @@ from swarm.dht.schema import ServerRecord, ServerState, read_all_experts, read_s
 from swarm.health.reachability import reachability
 
 if TYPE_CHECKING:
-    from swarm.audit.records import AuditBook
+    from swarm.reports.records import AuditBook
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ class HealthMap:
     replicas: list[int]  # online servers per block
     experts: dict[str, list[ExpertAnnouncement]] = field(default_factory=dict)
     adapters: list[dict[str, Any]] = field(default_factory=list)  # published adapters (read when asked for)
-    # per server peer id, its latest check by a trusted auditor (``swarm.audit.records.audit_json``; read when asked)
+    # per server peer id, its latest check by a trusted auditor (``swarm.reports.records.audit_json``; read when asked)
     audits: dict[str, dict[str, Any]] = field(default_factory=dict)
     # per online server peer id, what it says it computed for its callers (``swarm.server.usage.parse_usage``, None
     # when it did not answer); None when not asked for (``--usage``)
@@ -153,7 +153,7 @@ def read_audits(dht: DHT, prefix: str, auditors: Iterable[str], adapters: list[d
                 ) -> dict[str, dict[str, Any]]:
     """Per server, its latest check by one of ``auditors`` (base64 keys): only their signed reports are read. Each of
     ``adapters`` (``read_adapters`` entries) gets ``audits``: its content's latest trusted score per task."""
-    from swarm.audit.records import AuditBook  # pulls in the adapter code: only if asked
+    from swarm.reports.records import AuditBook  # pulls in the adapter code: only if asked
 
     book = AuditBook(prefix, frozenset(auditors))
     book.refresh(dht)
@@ -163,7 +163,7 @@ def read_audits(dht: DHT, prefix: str, auditors: Iterable[str], adapters: list[d
 def audits_of(book: AuditBook, adapters: list[dict[str, Any]] = ()) -> dict[str, dict[str, Any]]:
     """What the maps show of the reports ``book`` holds (no read: a reader that keeps a book, the web map through its
     client's, refreshes it itself): per server its latest trusted check; each of ``adapters`` gets ``audits``."""
-    from swarm.audit.records import adapter_audits_json, audit_json
+    from swarm.reports.records import adapter_audits_json, audit_json
 
     for adapter in adapters:
         adapter["audits"] = adapter_audits_json(book, adapter["sha256"])

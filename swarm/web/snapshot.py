@@ -12,10 +12,10 @@ import time
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional
 
-from swarm.audit.records import FAIL
 from swarm.client.config import DEFAULT_OVERCLAIM_FACTOR
 from swarm.dht.schema import ExpertRecord
 from swarm.health.map import ExpertAnnouncement, HealthMap, server_json
+from swarm.reports.records import FAIL
 
 MAX_TEXT = 120  # characters kept of any announced string (names, versions, numerics)
 MAX_ITEMS = 32  # items kept of any announced list (a server's experts)

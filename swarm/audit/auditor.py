@@ -41,7 +41,9 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hivemind.dht import DHT
 
 from swarm.adapters.adapter import AdapterError
-from swarm.adapters.sharing import read_catalog
+from swarm.adapters.sharing import MAX_CATALOG_NAMES
+from swarm.adapters.versions import published_versions, reference_of
+from swarm.audit.adoption import to_score
 from swarm.audit.config import AuditorConfig
 from swarm.audit.records import (
     ERROR,
@@ -250,8 +252,9 @@ class Auditor:
         if not self.config.score_adapters:
             return {}
         made = {}
-        for record, _ in read_catalog(self.dht, self.prefix)[:MAX_ADAPTERS]:
-            reference = f"{record.name}@{record.author_id}"
+        for record in to_score(published_versions(self.dht, self.prefix, MAX_CATALOG_NAMES), self.scores,
+                               MAX_ADAPTERS):
+            reference = reference_of(record)  # this version exactly (swarm.adapters.versions)
             for task in self.config.score_adapters:
                 seed = self.rng.randrange(2**31)  # held-out problems an author cannot know in advance
                 # Fetch what the name holds now: a client keeps an adapter per name, and an author who republished

@@ -49,6 +49,9 @@ D = ImproveConfig  # the defaults
 @click.option("--held-out", type=click.IntRange(min=1, max=10_000), default=D.held_out,
               help="Held-out problems of the trainer's own figure (the same ones every round).")
 @click.option("--eval-seed", type=int, default=D.eval_seed, help="Which held-out problems the own figure uses.")
+@click.option("--min-new-examples", type=click.IntRange(min=0), default=D.min_new_examples,
+              help="Start a round only once the source holds this many examples more than the last round trained on "
+                   "(0: round after round on whatever it holds).")
 @click.option("--min-gain", type=click.FloatRange(0, 1), default=D.min_gain,
               help="Publish a version only when its figure beats the last published one by more than this.")
 @click.option("--adapter-kind", type=click.Choice(KINDS), default=D.adapter_kind, help="The adapter trained.")

@@ -24,6 +24,8 @@ class ImproveConfig:
     keep: int = 3  # versions kept on disk and listed on the swarm
     held_out: int = 40  # held-out problems of the trainer's own figure (the same ones every round)
     eval_seed: int = 1  # which held-out problems (auditors draw theirs afresh)
+    min_new_examples: int = 0  # start a round only once the source holds this many examples more than the last
+    poll: float = 2.0  # seconds between looks at a source that has nothing new
     min_gain: float = 0.0  # publish only when the figure beats the published one by more than this
     adapter_kind: str = LORA
     rank: int = 4

@@ -6,7 +6,9 @@ version on fresh held-out problems, and a client that asks for ``adapter="best:T
 problems of its own. Nobody chooses: the trainers publish when their own figure improves, the auditor measures, the
 client's ``best:`` moves by the trusted measurements (``swarm.audit.adoption``). The task is ``tagged-addition``
 (addition answered with a trailing ``!``, which the base model never writes: 0 before any adapter), so the curve is
-drawn in minutes on 2 cores. Halfway, more examples arrive in the trainers' data folder (the source grows).
+drawn in minutes on 2 cores. The trainers' data source is a folder that grows: each round starts when
+:data:`EXAMPLES_PER_ROUND` new examples arrive (``--min-new-examples``), which the demonstration writes after scoring
+the previous round, so the rows line up (the trainers would otherwise run ahead of the auditor).
 
 Prints a table per round (round, version chosen, the trainers' own figures, the auditor's figure of the chosen
 version, what ``best:`` chose, the client's score) and writes it, as Markdown and JSON, with a PNG plot of the curve
@@ -35,29 +37,34 @@ logger = logging.getLogger(__name__)
 TASK = TaggedAdditionTask.name
 NAME = "tagged"
 MODEL = "addition"
+EXAMPLES_PER_ROUND = 100  # examples arriving in the trainers' data folder each round (a round starts on new data)
 
 
 @dataclass
 class Row:
     round: int
-    version: str  # the version best:TASK chose ("-": none yet)
+    newest: dict[str, str]  # each trainer's newest live version ("v3"; "-": none yet)
     trainer_figures: dict[str, float]  # each trainer's own held-out figure this round
-    published: dict[str, Optional[int]]  # the version each trainer published this round (None: not better)
-    auditor_figure: Optional[float]  # the auditor's latest score of the chosen version
-    best: str  # name@AUTHOR@VERSION best:TASK chose
-    client_score: float  # the client's held-out score, generating with best:TASK
+    auditor_figures: dict[str, Optional[float]]  # the auditor's latest score of each trainer's newest version
+    best: str  # what best:TASK chose (trainer:version)
+    chosen_figure: Optional[float]  # the auditor's latest score of the chosen version
+    client_score: float  # the client's held-out score, generating with best:TASK (fresh problems each round)
     moved: bool  # best:TASK moved this round
 
     def line(self) -> str:
-        figures = " / ".join(f"{f:.2f}" for f in self.trainer_figures.values()) or "-"
-        published = " / ".join("-" if v is None else f"v{v}" for v in self.published.values()) or "-"
-        audited = "-" if self.auditor_figure is None else f"{self.auditor_figure:.2f}"
-        return (f"| {self.round} | {self.version} | {figures} | {published} | {audited} | {self.best} | "
+        def shown(values: dict[str, Any]) -> str:
+            return " / ".join("-" if v is None else (f"{v:.2f}" if isinstance(v, float) else str(v))
+                              for v in values.values()) or "-"
+
+        chosen = "-" if self.chosen_figure is None else f"{self.chosen_figure:.2f}"
+        return (f"| {self.round} | {shown(self.newest)} | {shown(self.trainer_figures)} | "
+                f"{shown(self.auditor_figures)} | {self.best}{' (moved)' if self.moved else ''} | {chosen} | "
                 f"{self.client_score:.2f} |")
 
 
-HEADER = ("| round | version | trainers' own figures (A / B) | published (A / B) | auditor's figure | best:TASK chose "
-          "| client's held-out score |\n|---|---|---|---|---|---|---|")
+HEADER = ("| round | newest version (A / B) | trainers' own figure (A / B) | auditor's figure (A / B) "
+          "| best:TASK chose | auditor's figure of the choice | client's held-out score |\n"
+          "|---|---|---|---|---|---|---|")
 
 
 def write_examples(path: Path, count: int, seed: int) -> None:
@@ -81,11 +88,12 @@ def plot(rows: list[Row], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     rounds = [r.round for r in rows]
+    labels = list(rows[-1].trainer_figures)
     figure, axes = plt.subplots(figsize=(7, 4))
     axes.plot(rounds, [r.client_score for r in rows], "o-", linewidth=2.5, label="client (best:TASK, fresh problems)")
-    axes.plot(rounds, [r.auditor_figure if r.auditor_figure is not None else float("nan") for r in rows], "s--",
+    axes.plot(rounds, [r.chosen_figure if r.chosen_figure is not None else float("nan") for r in rows], "s--",
               label="auditor's figure of the chosen version")
-    for index, name in enumerate(rows[-1].trainer_figures):
+    for index, name in enumerate(labels):
         axes.plot(rounds, [r.trainer_figures.get(name, float("nan")) for r in rows], ":", marker="^^v"[index % 3],
                   label=f"trainer {name}'s own figure")
     axes.set_xlabel("round")
@@ -107,6 +115,7 @@ def start_trainer(label: str, workdir: Path, key: Path, data: Path, peers: list[
                "--rounds", str(options["rounds"]), "--round-steps", str(options["round_steps"]),
                "--held-out", str(options["held_out"]), "--batch-size", str(options["batch_size"]),
                "--target-batch-size", str(2 * options["batch_size"]), "--keep", "2", "--threads", "1",
+               "--min-new-examples", str(EXAMPLES_PER_ROUND),
                "--log-level", "INFO", *[arg for peer in peers for arg in ("--initial-peers", peer)],
                *(["--local-model"] if options["local_model"] else [])]
     logger.info("starting trainer %s: %s", label, " ".join(command))
@@ -125,7 +134,7 @@ def stop(process: subprocess.Popen) -> None:
 
 
 def run_demo(output: Path, rounds: int, round_steps: int, held_out: int, audit_examples: int, client_examples: int,
-             batch_size: int, local_model: bool, round_timeout: float) -> list[Row]:
+             batch_size: int, local_model: bool, round_timeout: float, margin: float = 0.1) -> list[Row]:
     """Run the demonstration; the table's rows (also written to ``output``)."""
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
@@ -144,7 +153,7 @@ def run_demo(output: Path, rounds: int, round_steps: int, held_out: int, audit_e
     work = output / "work"
     data = work / "data"
     data.mkdir(parents=True, exist_ok=True)
-    write_examples(data / "part-1.jsonl", 300, seed=1)
+    write_examples(data / "part-01.jsonl", EXAMPLES_PER_ROUND, seed=1)
     keys = {label: generate_private_key(work / f"trainer-{label}.key") for label in "AB"}
     auditor_key = Ed25519PrivateKey.generate()
     options = dict(rounds=rounds, round_steps=round_steps, held_out=held_out, batch_size=batch_size,
@@ -162,18 +171,17 @@ def run_demo(output: Path, rounds: int, round_steps: int, held_out: int, audit_e
                                                 data, peers, options, work / f"trainer-{label}.log")
             auditor = Auditor(AuditorConfig(network=network, score_adapters=(TASK,), task_examples=audit_examples,
                                             fresh_identity=False, once=True), auditor_key, ModelFiles(MODEL))
-            client = DistributedDiffusionLM.from_pretrained(MODEL, initial_peers=peers, route_refresh=0.0,
+            client = DistributedDiffusionLM.from_pretrained(MODEL, initial_peers=peers, route_refresh=2.0,
+                                                            adoption_margin=margin,
                                                             trusted_auditors=(ed25519_text(auditor_key),))
             client.adapter_cache = work / "client-cache"
             task = TaggedAdditionTask()
             base = evaluate_task(client, task, examples=client_examples, seed=1000)
-            rows.append(Row(0, "-", {}, {}, None, "-", base.correct / base.examples, False))
-            print(HEADER, "\n" + rows[-1].line(), flush=True)
+            rows.append(Row(0, {}, {}, {}, "-", None, base.correct / base.examples, False))
+            print(HEADER + "\n" + rows[-1].line(), flush=True)
             held = None
             for number in range(1, rounds + 1):
                 histories = wait_for_round(trainers, work, number, round_timeout)
-                if number == rounds // 2:  # more examples arrive in the data folder: the source grows
-                    write_examples(data / "part-2.jsonl", 300, seed=2)
                 auditor.run_round()
                 try:
                     chosen = client.best_adapter(TASK)
@@ -186,12 +194,13 @@ def run_demo(output: Path, rounds: int, round_steps: int, held_out: int, audit_e
                     chosen, audited = "-", None
                     plain = evaluate_task(client, task, examples=client_examples, seed=1000 + number)
                     score = plain.correct / plain.examples
-                entries = {label: history[number - 1] for label, history in histories.items()}
-                rows.append(Row(number, chosen.rsplit("@", 1)[-1] if chosen != "-" else "-",
-                                {label: e["figure"] for label, e in entries.items()},
-                                {label: e["version"] for label, e in entries.items()}, audited,
-                                short(chosen, keys), score, held is not None and chosen != held))
+                figures = {label: history[number - 1]["figure"] for label, history in histories.items()}
+                newest, audited_newest = newest_versions(client, keys)
+                rows.append(Row(number, newest, figures, audited_newest, short(chosen, keys), audited, score,
+                                held is not None and chosen != held))
                 held = chosen
+                if number < rounds:  # new examples arrive in the trainers' data folder: their next round starts
+                    write_examples(data / f"part-{number + 1:02d}.jsonl", EXAMPLES_PER_ROUND, seed=number + 1)
                 print(rows[-1].line(), flush=True)
             auditor.shutdown()
             client.shutdown()
@@ -212,6 +221,23 @@ def short(reference: str, keys: dict[str, Any]) -> str:
     if len(parts) == 3 and parts[1] in labels:
         return f"{parts[0]}@{labels[parts[1]]}:v{parts[2]}"
     return reference
+
+
+def newest_versions(client, keys: dict[str, Any]) -> tuple[dict[str, str], dict[str, Optional[float]]]:
+    """Each trainer's newest live version of the name, and the auditor's latest score of it."""
+    from swarm.adapters.versions import read_versions
+    from swarm.dht.validation import ed25519_text
+
+    lists = {listed.author: listed for listed in read_versions(client.dht, client.prefix, NAME)}
+    scores = client.planner.audits.adapter_scores()
+    newest, audited = {}, {}
+    for label, key in keys.items():
+        latest = lists.get(ed25519_text(key))
+        latest = latest.latest if latest is not None else None
+        newest[label] = f"v{latest.number}" if latest is not None else "-"
+        entry = scores.get((latest.sha256, TASK)) if latest is not None else None
+        audited[label] = entry[1].score if entry is not None else None
+    return newest, audited
 
 
 def audited_figure(client, task: str) -> Optional[float]:
@@ -255,12 +281,14 @@ def write_outputs(output: Path, rows: list[Row]) -> None:
               help="Where the table (Markdown, JSON), the plot and the runs' files go.")
 @click.option("--rounds", type=click.IntRange(1, 100), default=5, help="Rounds of the loop.")
 @click.option("--round-steps", type=click.IntRange(min=1), default=20, help="Optimizer steps per round.")
-@click.option("--held-out", type=click.IntRange(min=1), default=30, help="Problems of the trainers' own figure.")
-@click.option("--audit-examples", type=click.IntRange(min=1), default=30,
+@click.option("--held-out", type=click.IntRange(min=1), default=40, help="Problems of the trainers' own figure.")
+@click.option("--audit-examples", type=click.IntRange(min=1), default=60,
               help="Fresh held-out problems per version the auditor scores each round.")
-@click.option("--client-examples", type=click.IntRange(min=1), default=40,
+@click.option("--client-examples", type=click.IntRange(min=1), default=60,
               help="Fresh held-out problems the client is scored on each round.")
 @click.option("--batch-size", type=click.IntRange(min=1), default=16, help="Each trainer's batch.")
+@click.option("--margin", type=click.FloatRange(0, 1), default=0.1,
+              help="The client's adoption margin: best:TASK moves only to a version audited better by this much.")
 @click.option("--local-model", is_flag=True, help="Trainers run the model in their own process instead of through "
               "the server (faster on a loaded machine; the loop is the same).")
 @click.option("--round-timeout", type=click.FloatRange(min=10), default=900.0,

@@ -128,12 +128,24 @@ class Improver:
         published = [entry for entry in self.state["history"] if entry.get("version")]
         return published[-1]["figure"] if published else None
 
+    def base_figure(self) -> float:
+        """The base model's figure without an adapter (measured once): a first version must beat it."""
+        if "base_figure" not in self.state:
+            report = evaluate_task(self.lm, self.task, examples=self.config.held_out, seed=self.config.eval_seed)
+            self.state["base_figure"] = report.correct / report.examples
+            self._save_state()
+            logger.info("the base model's own held-out figure: %.3f", self.state["base_figure"])
+        return self.state["base_figure"]
+
     def run_round(self) -> Optional[RoundResult]:
-        """One round; None when the source holds no example yet."""
+        """One round; None when the source holds no example yet (or, with ``min_new_examples``, not enough new
+        ones)."""
         started = time.perf_counter()
         snapshot = self.source.snapshot(self.workdir / "data.jsonl")
-        if snapshot.examples == 0:
-            logger.info("round %d: %s holds no example yet", self.state["round"] + 1, self.source.describe())
+        wanted = self.state.get("examples", 0) + max(1, self.config.min_new_examples)
+        if snapshot.examples < wanted and not (self.config.min_new_examples == 0 and snapshot.examples):
+            logger.debug("round %d waits: %s holds %d examples, %d wanted", self.state["round"] + 1,
+                         self.source.describe(), snapshot.examples, wanted)
             return None
         trainer = self._trainer(snapshot)
         trainer.run(progress=False)
@@ -141,9 +153,10 @@ class Improver:
         figure = self.figure(adapter)
         before = self.published_figure()
         version = None
-        if before is None or figure > before + self.config.min_gain:
+        if figure > (self.base_figure() if before is None else before) + self.config.min_gain:
             version = self.publish(adapter, snapshot, figure)
         self.state["round"] += 1
+        self.state["examples"] = snapshot.examples
         result = RoundResult(self.state["round"], trainer.state.epoch, trainer.smoothed_loss(), snapshot.examples,
                              snapshot.sha256, figure, before, version, time.perf_counter() - started)
         self.state["history"] = (self.state["history"] + [result.to_json()])[-1000:]
@@ -204,7 +217,7 @@ class Improver:
         while not self.config.rounds or self.state["round"] < self.config.rounds:
             result = self.run_round()
             if result is None:
-                time.sleep(5.0)  # the source is empty: look again
+                time.sleep(self.config.poll)  # nothing (new) to train on: look again
                 continue
             results.append(result)
         return results

@@ -1,0 +1,94 @@
+"""The trainer role (python -m swarm.improve) and the self-improving loop's demonstration, shortened.
+
+The demonstration test runs the whole loop (its own local swarm: a server, two trainers of one run id, an auditor,
+a client) for 2 rounds of few steps and checks the table and that ``best:TASK`` moved to a version by audit alone.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from swarm.governance.keys import generate_private_key
+from swarm.health.__main__ import main as health_main
+from swarm.improve.__main__ import main as improve_main
+from swarm.improve.demo import HEADER, round_of, run_demo, write_examples
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_every_flag_has_help_and_bad_input_is_one_line():
+    for option in improve_main.params:
+        if option.name != "help":
+            assert getattr(option, "help", None), option.name
+    result = CliRunner().invoke(improve_main, ["--task", "tagged-addition", "--data", "x", "--name", "n", "--key",
+                                               __file__, "--workdir", "w", "--initial-peers", "/ip4/127.0.0.1/tcp/1",
+                                               "--keep", "40"])
+    assert result.exit_code == 2 and "--keep" in result.output
+
+
+def start_trainer(local_swarm, tmp_path: Path, key: Path, data: Path) -> subprocess.Popen:
+    peers = [arg for peer in local_swarm.initial_peers for arg in ("--initial-peers", peer)]
+    command = [sys.executable, "-m", "swarm.improve", "--task", "tagged-addition", "--data", str(data),
+               "--name", "resumed", "--key", str(key), "--workdir", str(tmp_path / "work"), "--rounds", "2",
+               "--round-steps", "6", "--held-out", "4", "--batch-size", "8", "--keep", "1", "--local-model",
+               "--threads", "1", *peers]
+    return subprocess.Popen(command, cwd=ROOT, stdout=(tmp_path / "log").open("a"), stderr=subprocess.STDOUT,
+                            start_new_session=True, env=dict(os.environ, SWARM_BOOTSTRAP_FILE=os.devnull))
+
+
+def test_a_trainer_resumes_after_a_kill_and_shows_its_versions(local_swarm, tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    write_examples(data / "a.jsonl", 64, seed=3)
+    key = tmp_path / "trainer.key"
+    generate_private_key(key)
+    trainer = start_trainer(local_swarm, tmp_path, key, data)
+    try:
+        deadline = time.monotonic() + 600
+        while round_of(tmp_path / "work")[0] < 1:  # its first round is saved: kill it in the second
+            assert trainer.poll() is None and time.monotonic() < deadline, (tmp_path / "log").read_text()[-3000:]
+            time.sleep(0.5)
+        os.killpg(trainer.pid, signal.SIGKILL)
+        trainer.wait()
+        trainer = start_trainer(local_swarm, tmp_path, key, data)
+        assert trainer.wait(timeout=600) == 0, (tmp_path / "log").read_text()[-3000:]
+    finally:
+        if trainer.poll() is None:
+            os.killpg(trainer.pid, signal.SIGKILL)
+            trainer.wait()
+    log = (tmp_path / "log").read_text()
+    assert "resuming" in log
+    rounds, history = round_of(tmp_path / "work")
+    assert rounds == 2 and [entry["round"] for entry in history] == [1, 2]
+    assert history[-1]["steps"] == 12, "the second round went on from the saved optimizer state"
+    kept = [p.name for p in (tmp_path / "work" / "versions").iterdir() if p.name.isdigit()]
+    assert len(kept) <= 1, "bounded disk: --keep 1"
+    peers = [arg for peer in local_swarm.initial_peers for arg in ("--initial-peers", peer)]
+    health = CliRunner().invoke(health_main, ["--model", "addition", "--json", *peers])
+    listed = [a for a in json.loads(health.stdout)["adapters"] if a["name"] == "resumed"]
+    if any(entry["version"] for entry in history):  # a version beat the base model: the map shows it and the round
+        assert listed and listed[0]["versions"] and listed[0]["training"]["round"] == 2
+
+
+@pytest.mark.timeout(1500)
+def test_the_shortened_demonstration_adopts_by_audit(tmp_path):
+    rows = run_demo(tmp_path, rounds=2, round_steps=20, held_out=10, audit_examples=10, client_examples=10,
+                    batch_size=16, local_model=False, round_timeout=900)
+    assert [row.round for row in rows] == [0, 1, 2]
+    assert rows[0].client_score == 0.0 and rows[0].best == "-", "the base model never writes the tag"
+    table = (tmp_path / "improve_demo.md").read_text().splitlines()
+    assert table[:2] == HEADER.splitlines() and len(table) == 2 + len(rows)
+    assert all(line.count("|") == 8 for line in table)
+    assert (tmp_path / "improve_demo.png").stat().st_size > 1000
+    last = rows[-1]
+    assert set(last.trainer_figures) == {"A", "B"}
+    # Adoption by audit: best:TASK chose a trainer's version, which the trusted auditor scored.
+    assert last.best.startswith("tagged@") and last.chosen_figure is not None

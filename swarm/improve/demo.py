@@ -112,7 +112,7 @@ def start_trainer(label: str, workdir: Path, key: Path, data: Path, peers: list[
                   log: Path) -> subprocess.Popen:
     command = [sys.executable, "-m", "swarm.improve", "--task", TASK, "--data", str(data), "--name", NAME,
                "--key", str(key), "--workdir", str(workdir), "--model", MODEL, "--run-id", "demo",
-               "--rounds", str(options["rounds"]), "--round-steps", str(options["round_steps"]),
+               "--rounds", "0", "--round-steps", str(options["round_steps"]),
                "--held-out", str(options["held_out"]), "--batch-size", str(options["batch_size"]),
                "--target-batch-size", str(2 * options["batch_size"]), "--keep", "2", "--threads", "1",
                "--min-new-examples", str(EXAMPLES_PER_ROUND),
@@ -156,7 +156,7 @@ def run_demo(output: Path, rounds: int, round_steps: int, held_out: int, audit_e
     write_examples(data / "part-01.jsonl", EXAMPLES_PER_ROUND, seed=1)
     keys = {label: generate_private_key(work / f"trainer-{label}.key") for label in "AB"}
     auditor_key = Ed25519PrivateKey.generate()
-    options = dict(rounds=rounds, round_steps=round_steps, held_out=held_out, batch_size=batch_size,
+    options = dict(round_steps=round_steps, held_out=held_out, batch_size=batch_size,
                    local_model=local_model)
     rows: list[Row] = []
     trainers: dict[str, subprocess.Popen] = {}

@@ -111,7 +111,11 @@ class Improver:
             trainer = self.finetuner
             trainer.examples = load_examples(snapshot.path, self.lm.tokenizer, trainer._eos())
             trainer.config.data_sha256 = snapshot.sha256
-        self.finetuner.config.steps = self.finetuner.state.epoch + config.round_steps
+        # A round ends round_steps after the last one ended (a run killed mid-round finishes that round's steps); a
+        # trainer whose collaboration went past that while it was away trains a round from where the run stands
+        target = self.state.get("steps", 0) + config.round_steps
+        epoch = self.finetuner.state.epoch
+        self.finetuner.config.steps = target if target > epoch else epoch + config.round_steps
         return self.finetuner
 
     def figure(self, directory: Path) -> float:
@@ -156,7 +160,7 @@ class Improver:
         if figure > (self.base_figure() if before is None else before) + self.config.min_gain:
             version = self.publish(adapter, snapshot, figure)
         self.state["round"] += 1
-        self.state["examples"] = snapshot.examples
+        self.state["examples"], self.state["steps"] = snapshot.examples, trainer.state.epoch
         result = RoundResult(self.state["round"], trainer.state.epoch, trainer.smoothed_loss(), snapshot.examples,
                              snapshot.sha256, figure, before, version, time.perf_counter() - started)
         self.state["history"] = (self.state["history"] + [result.to_json()])[-1000:]

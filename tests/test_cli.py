@@ -163,9 +163,10 @@ def test_a_malformed_initial_peer_is_one_line_from_the_real_process():
 # ----- answered at once (issue 37 items 1 and 2) -------------------------------------------------------------
 HEAVY_MODULES = ("torch", "hivemind", "transformers", "fastapi", "uvicorn")
 # Every ``python -m`` command of the package: its --help, and each of its subcommands', loads none of HEAVY_MODULES.
-MODULE_COMMANDS = ("swarm.generate", "swarm.eval.text_quality", "swarm.eval.composition", "swarm.train.tokenizer")
+MODULE_COMMANDS = ("swarm.generate", "swarm.eval.text_quality", "swarm.eval.composition", "swarm.train.tokenizer",
+                   "swarm.improve.demo")
 COMMANDS = ("swarm.server", "swarm.api", "swarm.dht", "swarm.health", "swarm.governance", "swarm.train", "swarm.eval",
-            "swarm.finetune", "swarm.benchmark", "swarm.weights", "swarm.audit", *MODULE_COMMANDS)
+            "swarm.finetune", "swarm.benchmark", "swarm.weights", "swarm.audit", "swarm.improve", *MODULE_COMMANDS)
 # Runs a command as ``python -m`` would, once per argument list (a JSON list of them), in one interpreter; then
 # prints the exit codes and which heavy modules the runs imported together (its last stderr line).
 IMPORTS_PROBE = """

@@ -343,7 +343,8 @@ def test_map_data_carries_trusted_audits_usage_and_adapters():
     assert snapshot["adapters"] == [{"name": "adder", "author": "0123456789abcdef", "sha256": "a" * 64,
                                      "size": 1000, "claimed": 0.99, "hosts": 1,
                                      "audits": {"addition": {"correct": 7, "examples": 10, "score": 0.7,
-                                                             "checked": now - 5, "auditor": auditor}}}]
+                                                             "checked": now - 5, "auditor": auditor}},
+                                     "versions": []}]
 
 
 @pytest.mark.parametrize("info, expected", [

@@ -30,11 +30,10 @@ from typing import Any, Optional
 import click
 
 from swarm.cli.options import run_main, setup_logging
-from swarm.train.data import TaggedAdditionTask
 
 logger = logging.getLogger(__name__)
 
-TASK = TaggedAdditionTask.name
+TASK = "tagged-addition"  # swarm.train.data.TaggedAdditionTask (imported when run: it loads torch)
 NAME = "tagged"
 MODEL = "addition"
 EXAMPLES_PER_ROUND = 100  # examples arriving in the trainers' data folder each round (a round starts on new data)
@@ -68,6 +67,8 @@ HEADER = ("| round | newest version (A / B) | trainers' own figure (A / B) | aud
 
 
 def write_examples(path: Path, count: int, seed: int) -> None:
+    from swarm.train.data import TaggedAdditionTask
+
     problems = TaggedAdditionTask().problems(count, seed, held_out=False)
     path.write_text("".join(json.dumps({"prompt": p.prompt, "response": p.answer}) + "\n" for p in problems))
 
@@ -147,6 +148,7 @@ def run_demo(output: Path, rounds: int, round_steps: int, held_out: int, audit_e
     from swarm.eval.tasks import evaluate_task
     from swarm.governance.keys import generate_private_key
     from swarm.models.loading import ModelFiles
+    from swarm.train.data import TaggedAdditionTask
     from swarm.utils.local_swarm import LocalSwarm
 
     output.mkdir(parents=True, exist_ok=True)

@@ -7,9 +7,11 @@ version by a publisher the client does not trust.
 from __future__ import annotations
 
 import hashlib
+import json
 import time
 
 import pytest
+from click.testing import CliRunner
 from hivemind.utils import MSGPackSerializer
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -27,13 +29,13 @@ from swarm.adapters.versions import (
     reference_of,
     resolve,
     versions_key,
-    withdraw_version,
 )
 from swarm.audit.adoption import choose, to_score
 from swarm.audit.records import AdapterAudit, AuditBook, AuditReport, publish_report
 from swarm.dht.schema import MAX_ADAPTER_VERSIONS_BYTES, now
 from swarm.dht.validation import ed25519_text, sign_slot, slot_subkey
 from swarm.governance.keys import generate_private_key
+from swarm.improve.withdraw import withdraw_main
 from swarm.server.handler import ForwardHandler
 from swarm.utils.event_loop import BackgroundLoop
 from tests.test_adapter_sharing import GENERATION, make_adapter, peer  # noqa: F401 (the fixture)
@@ -75,7 +77,7 @@ def served_version(dht, key, prefix, serve, lm, directory, name, seed, score=Non
 
 
 def test_versions_are_ordered_chosen_by_number_and_withdrawn(peer, host, remote_lm, local_lm, tmp_path,  # noqa: F811
-                                                             cache):
+                                                             cache, local_swarm):
     dht, _ = peer
     prefix, key = remote_lm.prefix, generate_private_key(tmp_path / "author.key")
     first, v1 = served_version(dht, key, prefix, host, local_lm, tmp_path / "v1", "versioned", 1, 0.25)
@@ -95,7 +97,11 @@ def test_versions_are_ordered_chosen_by_number_and_withdrawn(peer, host, remote_
     assert resolve(dht, prefix, "versioned").sha256 == v2.sha256
     assert resolve(dht, prefix, f"versioned@{author}@1").sha256 == v1.sha256
 
-    withdraw_version(dht, key, prefix, "versioned", 2)
+    peers = [arg for peer in local_swarm.initial_peers for arg in ("--initial-peers", peer)]
+    done = CliRunner().invoke(withdraw_main, ["--name", "versioned", "--version", "2", "--key",
+                                              str(tmp_path / "author.key"), "--dht-prefix", prefix, *peers])
+    assert done.exit_code == 0, done.output
+    assert [v["withdrawn"] for v in json.loads(done.stdout)] == [False, True]
     with pytest.raises(AdapterError, match="version 2 was withdrawn by its publisher"):
         resolve(dht, prefix, "versioned@2")
     assert resolve(dht, prefix, "versioned").sha256 == v1.sha256, "the name went back to the newest version left"

@@ -1,5 +1,6 @@
 """``python -m swarm.improve --task TASK --data SOURCE --name NAME --key KEY --workdir DIR --initial-peers ...``:
 the trainer role of the self-improving loop (swarm/improve/loop.py; docs/TRAINING.md, "The self-improving loop").
+``python -m swarm.improve withdraw --name NAME --version N --key KEY`` withdraws a version (swarm/improve/withdraw.py).
 
 Torch and hivemind are imported after the arguments are parsed, so that ``--help`` and a mistyped flag answer at once.
 """
@@ -130,4 +131,12 @@ def run(config: ImproveConfig, key) -> None:
 
 
 if __name__ == "__main__":
-    run_main(main)
+    import sys
+
+    if sys.argv[1:2] == ["withdraw"]:  # python -m swarm.improve withdraw --name NAME --version N --key KEY
+        from swarm.improve.withdraw import withdraw_main
+
+        sys.argv.pop(1)
+        run_main(withdraw_main)
+    else:
+        run_main(main)

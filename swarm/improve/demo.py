@@ -281,7 +281,7 @@ def write_outputs(output: Path, rows: list[Row]) -> None:
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
 @click.option("--output", default="improve-demo", type=click.Path(file_okay=False),
               help="Where the table (Markdown, JSON), the plot and the runs' files go.")
-@click.option("--rounds", type=click.IntRange(1, 100), default=5, help="Rounds of the loop.")
+@click.option("--rounds", type=click.IntRange(1, 100), default=6, help="Rounds of the loop.")
 @click.option("--round-steps", type=click.IntRange(min=1), default=20, help="Optimizer steps per round.")
 @click.option("--held-out", type=click.IntRange(min=1), default=40, help="Problems of the trainers' own figure.")
 @click.option("--audit-examples", type=click.IntRange(min=1), default=60,

@@ -92,3 +92,33 @@ def test_the_shortened_demonstration_adopts_by_audit(tmp_path):
     assert set(last.trainer_figures) == {"A", "B"}
     # Adoption by audit: best:TASK chose a trainer's version, which the trusted auditor scored.
     assert last.best.startswith("tagged@") and last.chosen_figure is not None
+
+
+# ----- data sources ---------------------------------------------------------------------------------------------
+def test_a_folder_source_grows_and_a_line_being_written_waits(tmp_path, monkeypatch):
+    from swarm.improve import sources
+
+    folder = tmp_path / "data"
+    folder.mkdir()
+    write_examples(folder / "a.jsonl", 3, seed=1)
+    first = sources.DataSource(str(folder)).snapshot(tmp_path / "snap.jsonl")
+    assert first.examples == 3
+    (folder / "b.jsonl").write_text('{"prompt": "1+1=", "response": "2!"}\n{"prompt": "2+2=", "resp')
+    grown = sources.DataSource(str(folder)).snapshot(tmp_path / "snap.jsonl")
+    assert grown.examples == 4 and grown.sha256 != first.sha256, "the half-written line waits for its newline"
+    monkeypatch.setattr(sources, "MAX_DATA_BYTES", 50)
+    with pytest.raises(sources.SourceError, match="over 50 bytes"):
+        sources.DataSource(str(folder)).snapshot(tmp_path / "snap.jsonl")
+    with pytest.raises(sources.SourceError, match="no such file or folder"):
+        sources.DataSource(str(tmp_path / "missing")).snapshot(tmp_path / "snap.jsonl")
+
+
+def test_a_datasets_source_needs_the_package(tmp_path):
+    import importlib.util
+
+    from swarm.improve.sources import DataSource, SourceError
+
+    if importlib.util.find_spec("datasets") is not None:
+        pytest.skip("the datasets package is installed here (reading one needs the network)")
+    with pytest.raises(SourceError, match="the `datasets` package is not installed"):
+        DataSource("datasets:some/name").snapshot(tmp_path / "snap.jsonl")

@@ -16,13 +16,14 @@ from pathlib import Path
 from typing import Iterator
 
 from swarm.finetune.data import MAX_DATA_BYTES
+from swarm.utils.errors import SwarmError
 
 logger = logging.getLogger(__name__)
 
 DATASETS_PREFIX = "datasets:"  # --data datasets:NAME[:SPLIT] reads a `datasets` dataset (prompt / response columns)
 
 
-class SourceError(ValueError):
+class SourceError(SwarmError, ValueError):
     """A data source that cannot be read (missing, too big, not JSONL, no `datasets` package)."""
 
 

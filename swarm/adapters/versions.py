@@ -15,7 +15,7 @@ A client asks for ``NAME`` (the name record, unless its content is a withdrawn v
 version of the one publisher of the name) or ``NAME@AUTHOR@VERSION``, or ``best:TASK`` (``swarm.audit.adoption``).
 Bounds: a list over :data:`MAX_VERSIONS` entries or :data:`~swarm.dht.schema.MAX_ADAPTER_VERSIONS_BYTES` bytes is
 refused by readers and never written (publishing drops the oldest instead), and readers read at most
-:data:`~swarm.adapters.sharing.MAX_AUTHORS_READ` publishers per name.
+:data:`~swarm.dht.schema.MAX_ADAPTER_VERSION_PUBLISHERS` publishers per name.
 """
 from __future__ import annotations
 
@@ -36,7 +36,6 @@ from swarm.adapters.block import is_sha256_hex
 from swarm.adapters.limits import PUBLISH_LIFETIME
 from swarm.adapters.sharing import (
     AUTHOR_PATTERN,
-    MAX_AUTHORS_READ,
     MAX_SCORE,
     Fetch,
     PublishedAdapter,
@@ -50,7 +49,12 @@ from swarm.adapters.sharing import (
     store_slot,
 )
 from swarm.dht import fields
-from swarm.dht.schema import MAX_ADAPTER_VERSIONS_BYTES, adapter_versions_key, forget_local_copies
+from swarm.dht.schema import (
+    MAX_ADAPTER_VERSION_PUBLISHERS,
+    MAX_ADAPTER_VERSIONS_BYTES,
+    adapter_versions_key,
+    forget_local_copies,
+)
 from swarm.dht.validation import ed25519_text
 
 logger = logging.getLogger(__name__)
@@ -199,9 +203,10 @@ class Reference:
 
 # ----- on the DHT ----------------------------------------------------------------------------------------
 def read_versions(dht: DHT, prefix: str, name: str) -> list[VersionList]:
-    """Every publisher's validly signed version list of ``name`` (the first :data:`MAX_AUTHORS_READ`)."""
+    """Every publisher's validly signed version list of ``name`` (the first
+    :data:`~swarm.dht.schema.MAX_ADAPTER_VERSION_PUBLISHERS`)."""
     lists = []
-    for signer, payload in signed_entries(dht, versions_key(prefix, name))[:MAX_AUTHORS_READ]:
+    for signer, payload in signed_entries(dht, versions_key(prefix, name))[:MAX_ADAPTER_VERSION_PUBLISHERS]:
         try:
             listed = VersionList.from_payload(payload, signer)
         except Exception as error:  # remote input: whatever went wrong, it is not a list

@@ -252,8 +252,10 @@ class Auditor:
         if not self.config.score_adapters:
             return {}
         made = {}
-        for record in to_score(published_versions(self.dht, self.prefix, MAX_CATALOG_NAMES), self.scores,
-                               MAX_ADAPTERS):
+        published = published_versions(self.dht, self.prefix, MAX_CATALOG_NAMES)
+        live = {record.sha256 for record in published}  # versions dropped or withdrawn are forgotten: bounded
+        self.scores = {key: entry for key, entry in self.scores.items() if key[0] in live}
+        for record in to_score(published, self.scores, MAX_ADAPTERS):
             reference = reference_of(record)  # this version exactly (swarm.adapters.versions)
             for task in self.config.score_adapters:
                 seed = self.rng.randrange(2**31)  # held-out problems an author cannot know in advance

@@ -122,3 +122,77 @@ def test_a_datasets_source_needs_the_package(tmp_path):
         pytest.skip("the datasets package is installed here (reading one needs the network)")
     with pytest.raises(SourceError, match="the `datasets` package is not installed"):
         DataSource("datasets:some/name").snapshot(tmp_path / "snap.jsonl")
+
+
+# ----- a really overfitted version, measured by a real auditor ---------------------------------------------------
+OVERFIT_PREFIX = "improve-overfit"  # a prefix of its own for the embedded addition model
+
+
+def trained(lm, directory: Path, problems, steps: int, lr: float, batch_size: int) -> Path:
+    from swarm.finetune.config import FinetuneConfig
+    from swarm.finetune.trainer import Finetuner
+
+    directory.mkdir(parents=True)
+    data = directory.parent / f"{directory.name}.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p.prompt, "response": p.answer}) + "\n" for p in problems))
+    config = FinetuneConfig(data=str(data), output=str(directory), steps=steps, adapter_kind="lora", rank=4,
+                            head_rank=8, lr=lr, batch_size=batch_size, pad_response=8)
+    Finetuner(lm, config).run(progress=False)
+    return directory
+
+
+@pytest.mark.timeout(900)
+def test_a_version_overfitted_to_its_public_examples_does_not_win(local_swarm, tmp_path):
+    """Issue 49, item 3, with real training and a real auditor: a version trained on 4 public examples answers them
+    all (its publisher's figure: 1.0, and it is the newest) and almost no fresh problem; a version trained on 300
+    examples answers fresh problems better. The auditor measures both on fresh held-out problems, and a client trusting
+    it gets the honest one from best:TASK."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from swarm.adapters.versions import publish_version
+    from swarm.audit.auditor import Auditor
+    from swarm.audit.config import AuditorConfig
+    from swarm.dht.config import NetworkConfig
+    from swarm.dht.node import start_dht, stop_dht
+    from swarm.dht.validation import ed25519_text
+    from swarm.eval.tasks import evaluate_task
+    from swarm.frontend.local import DiffusionLM
+    from swarm.models.loading import ModelFiles
+    from swarm.train.data import Problem, TaggedAdditionTask
+    from tests.conftest import stop_all, swarm_client
+
+    local, task = DiffusionLM.from_pretrained("addition"), TaggedAdditionTask()
+    public = task.problems(4, 7, held_out=False)
+    honest = trained(local, tmp_path / "honest", task.problems(300, 1, held_out=False), 60, 0.003, 16)
+    overfit = trained(local, tmp_path / "overfit", public, 60, 0.01, 4)
+
+    class Public:
+        name = "public"
+
+        def problems(self, count: int, seed: int, held_out: bool) -> list[Problem]:
+            return public
+
+    claimed = evaluate_task(local, Public(), examples=4, generate_options={"adapter": str(overfit)})
+    assert claimed.correct == 4, "the overfitted version answers its public examples"
+    server = local_swarm.start_server("addition", "0:4", "--compute-threads", "1", "--dht-prefix", OVERFIT_PREFIX,
+                                      "--serve-adapter", str(honest), "--serve-adapter", str(overfit))
+    network = NetworkConfig(initial_peers=local_swarm.initial_peers, client_mode=True)
+    dht = start_dht(network)
+    auditor_key, trainer = Ed25519PrivateKey.generate(), Ed25519PrivateKey.generate()
+    try:
+        data = "0" * 64
+        good, _ = publish_version(dht, trainer, OVERFIT_PREFIX, honest, "tagged", data, 0.6, [server.peer_id])
+        bad, _ = publish_version(dht, trainer, OVERFIT_PREFIX, overfit, "tagged", data, 1.0, [server.peer_id])
+        config = AuditorConfig(network=network, dht_prefix=OVERFIT_PREFIX, score_adapters=(task.name,),
+                               task_examples=20, fresh_identity=False, once=True)
+        with Auditor(config, auditor_key, ModelFiles("addition")) as auditor:
+            report = auditor.run_round().report
+        scores = {entry.sha256: entry.correct for entry in report.adapters}
+        assert scores[bad.sha256] < scores[good.sha256], scores  # fresh problems tell them apart
+        with swarm_client(local_swarm, "addition", dht_prefix=OVERFIT_PREFIX,
+                          trusted_auditors=(ed25519_text(auditor_key),)) as lm:
+            lm.adapter_cache = tmp_path / "cache"
+            assert lm.best_adapter(task.name).endswith("@1"), "the honest version 1, not the newer overfitted 2"
+    finally:
+        stop_dht(dht)
+        stop_all(local_swarm, [server])

@@ -163,9 +163,10 @@ def test_a_malformed_initial_peer_is_one_line_from_the_real_process():
 # ----- answered at once (issue 37 items 1 and 2) -------------------------------------------------------------
 HEAVY_MODULES = ("torch", "hivemind", "transformers", "fastapi", "uvicorn")
 # Every ``python -m`` command of the package: its --help, and each of its subcommands', loads none of HEAVY_MODULES.
-MODULE_COMMANDS = ("swarm.generate", "swarm.eval.text_quality", "swarm.eval.composition", "swarm.train.tokenizer")
+MODULE_COMMANDS = ("swarm.generate", "swarm.eval.text_quality", "swarm.eval.composition", "swarm.train.tokenizer",
+                   "swarm.improve.demo")
 COMMANDS = ("swarm.server", "swarm.api", "swarm.dht", "swarm.health", "swarm.governance", "swarm.train", "swarm.eval",
-            "swarm.finetune", "swarm.benchmark", "swarm.weights", "swarm.audit", *MODULE_COMMANDS)
+            "swarm.finetune", "swarm.benchmark", "swarm.weights", "swarm.audit", "swarm.improve", *MODULE_COMMANDS)
 # Runs a command as ``python -m`` would, once per argument list (a JSON list of them), in one interpreter; then
 # prints the exit codes and which heavy modules the runs imported together (its last stderr line).
 IMPORTS_PROBE = """
@@ -194,10 +195,11 @@ def heavy_imports(module: str, *runs: list[str]) -> tuple[list[str], list[int], 
 
 
 def subcommands(module: str) -> list[str]:
-    """What ``python -m module NAME`` runs: a click group's commands, and ``swarm.finetune publish`` (which its
-    ``__main__`` dispatches itself)."""
+    """What ``python -m module NAME`` runs: a click group's commands, and ``swarm.finetune publish`` and
+    ``swarm.improve withdraw`` (which their ``__main__`` dispatches itself)."""
     entry = importlib.import_module(f"{module}.__main__" if (ROOT / module.replace(".", "/")).is_dir() else module)
-    return sorted(getattr(entry.main, "commands", {})) + (["publish"] if module == "swarm.finetune" else [])
+    return (sorted(getattr(entry.main, "commands", {})) + (["publish"] if module == "swarm.finetune" else [])
+            + (["withdraw"] if module == "swarm.improve" else []))
 
 
 def test_every_command_is_in_the_fast_help_check():
@@ -230,7 +232,7 @@ def test_every_help_is_answered_before_torch_hivemind_or_fastapi_loads(module):
     ("swarm.health", ["--port", "70000"], "70000 is not in the range 0<=x<=65535"),
     ("swarm.governance", ["status"], "Missing option '--governance-key'"),
     ("swarm.train", ["--output", "run", "--corpus", "nope"], "'nope' is not one of 'prose', 'python', 'addition'"),
-    ("swarm.eval", ["--task", "nope"], "'nope' is not one of 'addition', 'none'"),
+    ("swarm.eval", ["--task", "nope"], "'nope' is not one of 'addition', 'tagged-addition', 'none'"),
     ("swarm.finetune", ["--data", "README.md", "--output", "out", "--rank", "0"], "0 is not in the range 1<=x<=128"),
     ("swarm.finetune", ["--data", "README.md", "--output", "out", "--target-batch-size", "4"],
      "--target-batch-size needs --run-id"),

@@ -35,6 +35,7 @@ from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
 
 from swarm.adapters.sharing import PublishedAdapter  # noqa: E402
 from swarm.adapters.sharing import publish as publish_adapter  # noqa: E402
+from swarm.adapters.versions import AdapterVersion, VersionList, store_versions  # noqa: E402
 from swarm.api import GenerationEngine, create_app  # noqa: E402
 from swarm.dht.node import NetworkConfig  # noqa: E402
 from swarm.dht.schema import RECORD_VERSION, ServerRecord, ServerState  # noqa: E402
@@ -148,12 +149,17 @@ def audited(web_swarm, web_lm, tmp_path_factory) -> Audited:
     adapter = publish_adapter(web_lm.dht, author, web_lm.prefix, PublishedAdapter(
         "adder", "ab" * 32, 4096, {"model": MODEL}, score=0.99, published=time.time()))
     now = time.time()
+    # its two versions (the record's content is the second): the map draws their curve
+    store_versions(web_lm.dht, author, web_lm.prefix, VersionList("adder", (
+        AdapterVersion(1, "cd" * 32, 4096, None, "ef" * 32, 0.5, now - 100),
+        AdapterVersion(2, "ab" * 32, 4096, "cd" * 32, "ef" * 32, 0.99, now - 50))))
 
     def report(auditor_key, fail: str, ok: tuple[str, ...]) -> AuditReport:
         entries = (ServerAudit(fail, 0, 8, 2, 1, 0, now - 60, now - 1, FAIL, now - 1, "wrong hidden states", 80.0, 8.0),
                    *(ServerAudit(peer, 8, 16, 3, 0, 0, now - 60, now - 1, PASS, announced=80.0, measured=70.0)
                      for peer in ok))
-        scores = (AdapterAudit(adapter.name, adapter.author, adapter.sha256, "addition", 10, 4, now - 1, 0.99),)
+        scores = (AdapterAudit(adapter.name, adapter.author, adapter.sha256, "addition", 10, 4, now - 1, 0.99),
+                  AdapterAudit(adapter.name, adapter.author, "cd" * 32, "addition", 10, 2, now - 1, 0.5))
         return AuditReport(web_lm.prefix, int(now * 1000), now, entries, public_key_text(auditor_key), scores)
 
     assert publish_report(web_lm.dht, auditor, report(auditor, failed, passed), 600) is not None
@@ -343,7 +349,8 @@ def test_map_data_carries_trusted_audits_usage_and_adapters():
     assert snapshot["adapters"] == [{"name": "adder", "author": "0123456789abcdef", "sha256": "a" * 64,
                                      "size": 1000, "claimed": 0.99, "hosts": 1,
                                      "audits": {"addition": {"correct": 7, "examples": 10, "score": 0.7,
-                                                             "checked": now - 5, "auditor": auditor}}}]
+                                                             "checked": now - 5, "auditor": auditor}},
+                                     "versions": []}]
 
 
 @pytest.mark.parametrize("info, expected", [
@@ -594,6 +601,10 @@ def test_health_serve_map_warns_once_a_server_stops(browser, web_swarm, api_url,
         marked = [label for label, classes in bars(browser) if "audit-failed" in classes]
         assert len(marked) == 1 and "failed its last audit" in marked[0]
         assert "addition 4/10 (40%)" in browser.find_element(By.ID, "adapters").text
+        # the versions' curve: own figures (dashed) and audited scores, one point per version, the newest named
+        assert "v2" in browser.find_element(By.CSS_SELECTOR, "#adapters .version-curve").text
+        assert browser.execute_script("return document.querySelectorAll('#adapters .version-curve polyline')"
+                                      ".length") == 2
         screenshot(browser, "web-map-audits.png")
         for server in [p for p in web_swarm.processes if p.span == (8, 16) and p.alive]:  # run alone: two of them
             web_swarm.terminate(server)

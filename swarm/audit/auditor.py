@@ -45,7 +45,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hivemind.dht import DHT
 
 from swarm.adapters.adapter import AdapterError
-from swarm.adapters.sharing import read_catalog
+from swarm.adapters.sharing import MAX_CATALOG_NAMES
+from swarm.adapters.versions import published_versions, reference_of
 from swarm.audit.config import AuditorConfig
 from swarm.audit.traffic import TrafficAuditor, TrafficCheck, client_config
 from swarm.client.config import DEFAULT_OVERCLAIM_FACTOR, ClientConfig
@@ -58,6 +59,7 @@ from swarm.dht.schema import ServerRecord, ServerState, default_prefix, protecte
 from swarm.dht.validation import ed25519_text
 from swarm.eval.tasks import evaluate_task
 from swarm.models.loading import ModelFiles
+from swarm.reports.adoption import to_score
 from swarm.reports.records import (
     ERROR,
     FAIL,
@@ -283,8 +285,11 @@ class Auditor:
         if not self.config.score_adapters:
             return {}
         made = {}
-        for record, _ in read_catalog(self.dht, self.prefix)[:MAX_ADAPTERS]:
-            reference = f"{record.name}@{record.author_id}"
+        published = published_versions(self.dht, self.prefix, MAX_CATALOG_NAMES)
+        live = {record.sha256 for record in published}  # versions dropped or withdrawn are forgotten: bounded
+        self.scores = {key: entry for key, entry in self.scores.items() if key[0] in live}
+        for record in to_score(published, self.scores, MAX_ADAPTERS):
+            reference = reference_of(record)  # this version exactly (swarm.adapters.versions)
             for task in self.config.score_adapters:
                 seed = self.rng.randrange(2**31)  # held-out problems an author cannot know in advance
                 # Fetch what the name holds now: a client keeps an adapter per name, and an author who republished

@@ -99,6 +99,13 @@ class ClientConfig:
             "or several in one value separated by commas). A server whose most recent check by one of them failed is "
             "avoided like a banned one. Default: the governance keys; 'none' trusts no auditor (docs/AUDIT.md).",
         flags=("--trusted-auditors", "--trusted-auditor"), cli=True)
+    adoption_margin: float = setting(
+        0.05, "adapter='best:TASK' and experts='auto' move from the adapter version they use to another only when a "
+              "trusted auditor measured it better by this share of held-out problems (docs/AUDIT.md, adoption).",
+        low=0.0, high=1.0, cli=False)
+    trusted_publishers: tuple[str, ...] = setting(
+        (), "Author ids (16 hex digits) whose adapter versions adapter='best:TASK' and experts='auto' may choose; "
+            "empty: any publisher's.", cli=False)
     overclaim_factor: float = setting(
         DEFAULT_OVERCLAIM_FACTOR,
         "A server announcing over this many times the throughput a trusted auditor's measurements calibrate it to is "

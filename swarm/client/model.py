@@ -13,7 +13,8 @@ import torch
 from hivemind.dht import DHT
 
 from swarm.adapters.adapter import AdapterError, PromptAdapter
-from swarm.adapters.sharing import default_cache_dir, fetch_published, read_catalog
+from swarm.adapters.sharing import MAX_CATALOG_NAMES, default_cache_dir
+from swarm.adapters.versions import fetch_reference, published_versions, reference_of
 from swarm.client.backbone import SwarmBackbone
 from swarm.client.config import ClientConfig, client_network
 from swarm.client.experts import RemoteExpert, open_remote_experts
@@ -40,6 +41,7 @@ from swarm.governance.keys import trusted_signers
 from swarm.governance.tiers import TierRules
 from swarm.models.loading import DEFAULT_MODEL, ModelFiles
 from swarm.models.modules import OutputHead
+from swarm.reports.adoption import choose
 from swarm.reports.records import BEST, AuditBook, trusted_auditors
 from swarm.utils.event_loop import BackgroundLoop
 from swarm.utils.settings import replaced
@@ -129,7 +131,8 @@ class DistributedDiffusionLM(BaseDiffusionLM):
         self._spot_checks_seen = self._failovers_seen = 0
         self._local: Optional[DiffusionLM] = None
         self._receiver: Optional[PushReceiver] = None
-        self.best_adapters: dict[str, tuple[float, str]] = {}  # task -> (when chosen, name@AUTHOR) for adapter="best:"
+        # task -> (when chosen, name@AUTHOR@VERSION, its sha256) for adapter="best:" (swarm.reports.adoption)
+        self.best_adapters: dict[str, tuple[float, str, str]] = {}
 
     @classmethod
     def from_pretrained(
@@ -363,9 +366,11 @@ class DistributedDiffusionLM(BaseDiffusionLM):
         return None
 
     def best_adapter(self, task: str) -> str:
-        """``name@AUTHOR`` of the published adapter whose content has the best score on ``task`` in the reports of
-        the auditors this client trusts (authors' own claims play no part); :class:`AdapterError` when no trusted
-        auditor scored one. Resolved again after ``route_refresh`` seconds (the choice is in ``best_adapters``)."""
+        """``name@AUTHOR@VERSION`` of the published adapter version to use for ``task``: chosen by the scores of the
+        auditors this client trusts (publishers' own claims play no part), moving from the version held only when a
+        trusted audit measured another better by ``adoption_margin`` (``swarm.reports.adoption``), among the publishers
+        of ``trusted_publishers`` when set; :class:`AdapterError` when no trusted auditor scored one. Resolved again
+        after ``route_refresh`` seconds (the choice is in ``best_adapters``)."""
         held = self.best_adapters.get(task)
         if held is not None and time.monotonic() - held[0] <= self.client_config.route_refresh:
             return held[1]
@@ -374,15 +379,18 @@ class DistributedDiffusionLM(BaseDiffusionLM):
             raise AdapterError(f"adapter='{BEST}{task}' picks by trusted auditors' scores, and this client trusts no "
                                "auditor: set trusted_auditors (or governance keys)")
         self.planner.refresh_if_stale()  # the reports are read with the server list (route_refresh), not again
-        found = book.best_adapter(task, [record for record, _ in read_catalog(self.dht, self.prefix)])
+        found = choose(book, task, published_versions(self.dht, self.prefix, MAX_CATALOG_NAMES),
+                       held[2] if held is not None else None, self.client_config.adoption_margin,
+                       frozenset(self.client_config.trusted_publishers))
         if found is None:
             raise AdapterError(f"adapter='{BEST}{task}': no published adapter has a score on {task!r} by a trusted "
                                "auditor (python -m swarm.health --trusted-auditors KEY lists the scores)")
-        record, auditor, score = found
-        reference = f"{record.name}@{record.author_id}"
-        logger.info("adapter %s%s is %s: %d/%d held-out problems exact by auditor %s... (its author claims %s)", BEST,
-                    task, reference, score.correct, score.examples, auditor[:12], record.score)
-        self.best_adapters[task] = (time.monotonic(), reference)
+        reference, score = reference_of(found.record), found.score
+        if held is None or held[1] != reference:
+            logger.info("adapter %s%s is %s: %d/%d held-out problems exact by auditor %s... (publisher claims %s)%s",
+                        BEST, task, reference, score.correct, score.examples, found.auditor[:12], found.record.score,
+                        f"; moved from {held[1]}" if held is not None else "")
+        self.best_adapters[task] = (time.monotonic(), reference, found.record.sha256)
         return reference
 
     def find_adapter(self, name_or_path: str, base: dict[str, Any]) -> PromptAdapter:
@@ -391,7 +399,7 @@ class DistributedDiffusionLM(BaseDiffusionLM):
         if Path(name_or_path).is_dir() or "/" in name_or_path:  # a path (a missing one is refused as such)
             return PromptAdapter.load(name_or_path, base)
 
-        directory = fetch_published(self.dht, self.prefix, name_or_path, base,
+        directory = fetch_reference(self.dht, self.prefix, name_or_path, base,
                                     self.adapter_cache or default_cache_dir(), self._fetch_adapter_files)
         return PromptAdapter.load(directory, base)
 

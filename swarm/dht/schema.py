@@ -222,6 +222,12 @@ def adapter_index_key(prefix: str) -> str:
     return f"{prefix}.adapters"
 
 
+def adapter_versions_key(prefix: str, name: str) -> str:
+    """Where each publisher of an adapter name lists that name's versions, in its signed slot
+    (``swarm.adapters.versions``). ``adapter-versions`` and not ``adapters.versions``: names may hold dots."""
+    return f"{prefix}.adapter-versions.{name}"
+
+
 def audit_key(prefix: str, auditor: str) -> str:
     """Where the auditor with this Ed25519 public key (base64) publishes its signed report (``swarm.reports.records``):
     one key per auditor, so a reader reads only the auditors it trusts and each is protected by their key."""
@@ -235,6 +241,9 @@ MAX_OWNED_SUBKEYS = 32  # servers per block key (and expert-hosting servers) one
 MAX_DECISION_VALUE_BYTES = 2 * 1024  # a signed governance decision (its reason is cut to 512 characters)
 MAX_UNTRUSTED_SLOTS = 64  # governance slots kept by a peer that trusts no key (it cannot tell which matter)
 MAX_ADAPTER_INDEX_BYTES, MAX_ADAPTER_AUTHORS = 8 * 1024, 64
+# An adapter name's versions (adapter_versions_key): a signed slot per publisher (the key names the adapter, so no
+# peer can list it in advance: keep these bounds when the key is declared), value and publishers bounded.
+MAX_ADAPTER_VERSIONS_BYTES, MAX_ADAPTER_VERSION_PUBLISHERS = 6 * 1024, 32
 MAX_AUDIT_VALUE_BYTES = 16 * 1024 + 512  # a signed audit report (its payload is at most 16 KiB) and its framing
 
 

@@ -145,8 +145,16 @@ def read_experts(dht: DHT, prefix: str) -> dict[str, list[ExpertAnnouncement]]:
 def read_adapters(dht: DHT, prefix: str) -> list[dict[str, Any]]:
     """Published adapters (signed records listed in the adapters index) and the peers serving each now."""
     from swarm.adapters.sharing import read_catalog  # the sharing module pulls in the adapter code: only if asked
+    from swarm.adapters.versions import read_versions
 
-    return [dict(record.to_json(), hosts=hosts) for record, hosts in read_catalog(dht, prefix)]
+    adapters, lists = [], {}
+    for record, hosts in read_catalog(dht, prefix):
+        if record.name not in lists:
+            lists[record.name] = {listed.author: listed for listed in read_versions(dht, prefix, record.name)}
+        listed = lists[record.name].get(record.author)
+        versions = [version.to_json() for version in listed.versions] if listed is not None else []
+        adapters.append(dict(record.to_json(), hosts=hosts, versions=versions))
+    return adapters
 
 
 def read_audits(dht: DHT, prefix: str, auditors: Iterable[str], adapters: list[dict[str, Any]] = ()
@@ -167,6 +175,8 @@ def audits_of(book: AuditBook, adapters: list[dict[str, Any]] = ()) -> dict[str,
 
     for adapter in adapters:
         adapter["audits"] = adapter_audits_json(book, adapter["sha256"])
+        for version in adapter.get("versions", ()):  # each version's trusted scores: the curve of the name
+            version["audits"] = adapter_audits_json(book, version["sha256"])
     latest = book.latest()
     return {peer: audit_json(latest, peer) for peer in sorted(latest)}
 

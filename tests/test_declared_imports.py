@@ -96,6 +96,8 @@ def problems_of(path: Path, folder: str, groups: dict[str, set[str]], local: set
         if module in sys.stdlib_module_names or module in local or module in MADE_BY_TESTS:
             continue
         distributions = distributions_of(module)
+        if distributions is None and canonicalize_name(module) in allowed:
+            continue  # declared under its own name in an extra this environment did not install
         if distributions is None:
             problems.append(f"{path}: {module} is not installed here, so its package cannot be checked (install the "
                             "project's extras, or declare it)")

@@ -57,6 +57,18 @@ class RoundResult:
         return dataclasses.asdict(self)
 
 
+def round_end(last_round_end: int, run_epoch: int, round_steps: int) -> int:
+    """The optimizer step at which this round's training ends.
+
+    A round ends ``round_steps`` after the last saved round ended, wherever the run stands: a trainer killed mid-round
+    finishes that round's steps, and one killed after its training but before the round was saved (while it measured
+    its figure) trains no more and measures again. Only a run already past that point (a collaboration went on while
+    this trainer was away) trains a whole round from where it stands.
+    """
+    target = last_round_end + round_steps
+    return target if run_epoch <= target else run_epoch + round_steps
+
+
 class Improver:
     """The trainer role (see the module doc). ``host`` serves the published versions' files (None: something else
     serves them, e.g. a server with ``--serve-adapter``)."""
@@ -111,11 +123,8 @@ class Improver:
             trainer = self.finetuner
             trainer.examples = load_examples(snapshot.path, self.lm.tokenizer, trainer._eos())
             trainer.config.data_sha256 = snapshot.sha256
-        # A round ends round_steps after the last one ended (a run killed mid-round finishes that round's steps); a
-        # trainer whose collaboration went past that while it was away trains a round from where the run stands
-        target = self.state.get("steps", 0) + config.round_steps
-        epoch = self.finetuner.state.epoch
-        self.finetuner.config.steps = target if target > epoch else epoch + config.round_steps
+        self.finetuner.config.steps = round_end(self.state.get("steps", 0), self.finetuner.state.epoch,
+                                                config.round_steps)
         return self.finetuner
 
     def figure(self, directory: Path) -> float:

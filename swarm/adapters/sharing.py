@@ -52,6 +52,7 @@ from swarm.dht.schema import (
     MAX_ADDRESSES,
     adapter_index_key,
     forget_local_copies,
+    read_entries,
     read_owned,
     store_owned,
 )
@@ -197,13 +198,10 @@ class PublishedAdapter:
 def signed_entries(dht: DHT, key: str) -> list[tuple[str, bytes]]:
     """(signer, payload) of every entry under ``key`` whose Ed25519 signature holds; anything else is ignored
     (a peer that stores without validating may still hand it back)."""
-    found = dht.get(key, latest=True)
-    if found is None or not isinstance(found.value, dict):
-        return []
     entries = []
-    for subkey, item in found.value.items():
+    for subkey, (value, expiration) in read_entries(dht, [key]).get(key, {}).items():
         try:
-            payload = verify_slot(dht_key_id(key), subkey, item.value, item.expiration_time)
+            payload = verify_slot(dht_key_id(key), subkey, value, expiration)
             entries.append((slot_signer(subkey), payload))
         except ValueError as error:
             logger.debug("ignoring an entry under %s: %s", key, error)

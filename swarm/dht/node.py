@@ -29,6 +29,8 @@ from typing import Any, Iterable, Optional
 from hivemind.dht import DHT, DHTNode
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.protocol import DHTProtocol
+from hivemind.dht.routing import DHTID
+from hivemind.dht.storage import DictionaryDHTValue
 from hivemind.dht.validation import RecordValidatorBase
 from hivemind.p2p import P2P, P2PContext
 from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
@@ -41,7 +43,14 @@ from swarm.dht.identity import Identity
 from swarm.dht.keys import policy_for, trusted_keys
 from swarm.dht.nat import listen_addresses, relay_plan, wait_for_relay
 from swarm.dht.peers import resolve_initial_peers
-from swarm.dht.validation import STORE_SENDER, KeyPolicy, dht_key_id, protect_storage, swarm_validators
+from swarm.dht.validation import (
+    STORE_SENDER,
+    KeyPolicy,
+    ProtectedStorage,
+    dht_key_id,
+    protect_storage,
+    swarm_validators,
+)
 from swarm.utils.errors import EXIT_IN_USE, EXIT_UNREACHABLE, SwarmError
 from swarm.utils.text import plural
 
@@ -249,10 +258,22 @@ async def _guard_node(dht: DHT, node: DHTNode, policies: dict[bytes, KeyPolicy],
         reply = await original(peer, keys)
         if reply is None:
             warnings.report(peer, keys)
-        return reply
+            return reply
+        return {key: _as_policy_allows(node.protocol.storage, key, found, nearest) for key, (found, nearest)
+                in reply.items()}
 
     node.protocol.call_find = call_find
     await _name_store_senders(node)
+
+
+def _as_policy_allows(storage: ProtectedStorage, key: DHTID, found: Any, nearest: Any) -> tuple[Any, Any]:
+    """A peer's answer for one key, without a regular value where the key's policy is known: hivemind's search
+    keeps the answer that expires last, so one peer answering a regular value that expires in a year would replace
+    every other peer's records of a key the swarm reads (its entries are merged only with other dictionaries)."""
+    if found is not None and not isinstance(found.value, DictionaryDHTValue) and storage.policy_of(key.to_bytes()):
+        logger.debug("ignoring a regular value in a reply for %s", storage.policy_of(key.to_bytes()).name)
+        return None, nearest
+    return found, nearest
 
 
 async def _name_store_senders(node: DHTNode) -> None:

@@ -32,7 +32,7 @@ from swarm.dht import fields
 from swarm.dht.compatibility import CompatibilityTag
 from swarm.dht.config import MAX_AUDIT_LIFETIME, MAX_BLOCKS, MAX_OWNED_LIFETIME  # noqa: F401 (lifetimes read from here)
 from swarm.dht.keys import ADAPTER_INDEX, AUDIT, BLOCK, EXPERTS, GOVERNANCE, family_of
-from swarm.dht.validation import KeyPolicy, describe, owner_peer_id
+from swarm.dht.validation import KeyPolicy, ProtectedStorage, describe, owner_peer_id
 
 logger = logging.getLogger(__name__)
 
@@ -288,15 +288,28 @@ def declare_experts(dht: DHT, prefix: str, records: list[ExpertRecord], subkey: 
     return store_owned(dht, [expert_index_key(prefix)], subkey, [value], expiration, wait)
 
 
-async def _get_many(dht: DHT, node: DHTNode, keys: list[str]) -> dict:
+async def _read(dht: DHT, node: DHTNode, keys: list[str]) -> dict[str, dict[Any, tuple[Any, float]]]:
+    for storage in (node.protocol.storage, node.protocol.cache):
+        if isinstance(storage, ProtectedStorage):  # a swarm peer: it knows these keys' policies from now on
+            for key in keys:
+                storage.learn(key)
     found = await node.get_many(keys, sufficient_expiration_time=float("inf"))  # the latest records
-    # Unwrap hivemind's nested ValueWithExpiration into plain {key: {subkey: value}} for pickling across processes.
+    # Unwrap hivemind's nested ValueWithExpiration into plain {key: {subkey: (value, expiration)}} for pickling
+    # across processes.
     out = {}
     for key, entry in found.items():
-        if entry is None or not isinstance(entry.value, dict):
+        if entry is None or not isinstance(entry.value, dict):  # hivemind unpacks a key's dictionary into a dict
             continue
-        out[key] = {subkey: item.value for subkey, item in entry.value.items()}
+        out[key] = {subkey: (item.value, item.expiration_time) for subkey, item in entry.value.items()}
     return out
+
+
+def read_entries(dht: DHT, keys: Iterable[str]) -> dict[str, dict[Any, tuple[Any, float]]]:
+    """Every entry under ``keys`` as the swarm returns them, ``{key: {subkey: (value, expiration)}}``: the one read
+    of the swarm's keys (every read and store of the code goes through this module's helpers; the keys are those of
+    ``swarm.dht.keys``). This peer learns each key's policy first, so that neither its own storage nor another peer's
+    reply can put a regular value in place of the key's records (``swarm.dht.node``)."""
+    return dht.run_coroutine(partial(_read, keys=list(keys)))
 
 
 def read_servers(dht: DHT, prefix: str, num_blocks: int) -> dict[str, ServerRecord]:
@@ -322,7 +335,8 @@ def _records(found: dict) -> Iterator[tuple[str, str, Any]]:
 
 def read_owned(dht: DHT, keys: Iterable[str]) -> Iterator[tuple[str, str, Any]]:
     """(key, peer id, value) of every entry under ``keys`` that its peer provably wrote."""
-    return _records(dht.run_coroutine(partial(_get_many, keys=list(keys))))
+    return _records({key: {subkey: value for subkey, (value, _) in entries.items()}
+                     for key, entries in read_entries(dht, keys).items()})
 
 
 def parse_expert_entry(peer_id: str, value: Any) -> list[ExpertRecord]:

@@ -307,7 +307,7 @@ class ProtectedStorage(DHTLocalStorage):
     resolve: Optional[Callable[[str], Optional[KeyPolicy]]]
 
     def store(self, key: DHTID, value: bytes, expiration_time: float, subkey: Any = None) -> bool:
-        policy = self.policies.get(key.to_bytes()) or self.learnt.get(key.to_bytes())
+        policy = self.policy_of(key.to_bytes())
         if subkey is None and policy is not None:
             return self._refuse(policy.name, "a regular value (it would replace every record)")
         if subkey is None and len(value) > MAX_KEY_BYTES:
@@ -330,11 +330,20 @@ class ProtectedStorage(DHTLocalStorage):
             return self._refuse(policy.name if policy is not None else key, reason)
         return super().store_subkey(key, subkey, value, expiration_time)
 
+    def policy_of(self, key_id: bytes) -> Optional[KeyPolicy]:
+        """The policy of a key (by hash) known here, listed or learnt; None for a key that looks like anybody's."""
+        return self.policies.get(key_id) or self.learnt.get(key_id)
+
+    def learn(self, key: str) -> Optional[KeyPolicy]:
+        """Learn the policy of ``key``, which this process is about to read (a reader knows the keys it reads): what
+        the key holds against it is dropped, and replies of other peers are filtered by it (``swarm.dht.node``)."""
+        return self._policy(DHTID.generate(source=key), key)
+
     def _policy(self, key: DHTID, named: Optional[str]) -> Optional[KeyPolicy]:
         """The key's policy: known in advance, learnt, or learnt now from the key this value names (then what the key
         held against it is dropped). A value naming a key of no family under an unknown key has none."""
         key_bytes = key.to_bytes()
-        policy = self.policies.get(key_bytes) or self.learnt.get(key_bytes)
+        policy = self.policy_of(key_bytes)
         if policy is not None or named is None or self.resolve is None:
             return policy
         policy = self.resolve(named)
@@ -363,14 +372,16 @@ class ProtectedStorage(DHTLocalStorage):
         for subkey in dropped:
             del held[subkey]
         while len(held) > policy.max_subkeys:
-            del held[self._newest_untrusted(held, policy) or list(held.keys())[-1]]
+            newest = self._newest_untrusted(held, policy)
+            del held[newest if newest is not None else _subkeys(held)[-1]]
             dropped.append(None)
         if dropped:
             logger.debug("dropped %d entries held under %s that its policy does not allow", len(dropped), policy.name)
 
     @staticmethod
     def _newest_untrusted(held: DictionaryDHTValue, policy: KeyPolicy) -> Any:
-        return next((subkey for subkey in reversed(list(held.keys())) if not policy.prefers(subkey)), None)
+        """The subkey of the newest entry whose slot is not a trusted key's, or None."""
+        return next((subkey for subkey in reversed(_subkeys(held)) if not policy.prefers(subkey)), None)
 
     @staticmethod
     def _too_late(expiration_time: float, policy: KeyPolicy) -> Optional[str]:
@@ -411,6 +422,11 @@ class ProtectedStorage(DHTLocalStorage):
     def _refuse(name: Any, reason: str) -> bool:
         logger.debug("refusing %s under %s", reason, name)
         return False
+
+
+def _subkeys(held: DictionaryDHTValue) -> list[Any]:
+    """A key's subkeys, oldest first (hivemind keeps them in the order they came; an update keeps its place)."""
+    return [subkey for subkey, _ in held.items()]
 
 
 def entry_bytes(subkey: Any, value: bytes) -> int:

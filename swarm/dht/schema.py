@@ -9,9 +9,9 @@ Experts announce under one key, ``{prefix}.experts``, the same way: each server'
 domain in one read of one key that every server protects (a key per domain could not be protected: the DHT only
 shows peers the hash of a key, and domain names are open-ended).
 
-Every key a reader uses is listed by :func:`protected_keys` with what it may hold (``swarm.dht.validation``):
-processes that know the prefix refuse plain subkeys, oversized values and subkeys beyond a bound there, so no
-honest peer's reply can be inflated past libp2p's message limit.
+Every key is declared in ``swarm.dht.keys`` with what it may hold; every value stored here names its key, so storing
+peers apply that policy (``swarm.dht.validation``) even to keys they cannot list, and :func:`protected_keys` lists the
+model's keys a process knows in advance. All reads of the swarm's keys go through :func:`read_entries`.
 """
 from __future__ import annotations
 

@@ -9,14 +9,16 @@ Two kinds of protected subkeys (hivemind validates only the subkey and the value
   accepts a write only with a signature by that key over the DHT key, the payload and the expiration time, so
   nobody can squat the slot with junk or replay a signed value with a later expiration.
 
-Subkeys without either tag are left alone on keys the swarm does not use (hivemind's own features, such as the
-averager of ``swarm.finetune.together``, use plain subkeys). On the keys the swarm reads, a process that knows them
-(its prefix, block count and trusted governance keys: :class:`KeyPolicy`, built by ``swarm.dht.schema.protected_keys``)
-refuses to store what no reader would use: plain subkeys, values over a size bound, more than a bounded number of
-subkeys per key (:class:`ProtectedStorage`). A DHT get returns a key's whole dictionary in one reply, and a reply over
-libp2p's 4 MiB message limit is lost together with the peers it names: every swarm peer therefore keeps every key,
-known or not, within :data:`MAX_KEY_BYTES` and :data:`MAX_KEY_SUBKEYS`, so that no flood makes its replies unreadable
-(a bootstrap peer that knows no prefix included); the policies' bounds are tighter still.
+Subkeys without either tag are left alone on keys the swarm does not use (hivemind's own features, such as the averager
+of ``swarm.finetune.together``, use plain subkeys). On the keys the swarm reads (each declared with its
+:class:`KeyPolicy` in ``swarm.dht.keys``) a process refuses to store what no reader would use: plain subkeys, values
+over a size bound, more than a bounded number of subkeys per key (:class:`ProtectedStorage`). It knows a key's policy
+in advance (its model's keys, ``swarm.dht.schema.protected_keys``) or from the first value naming the key: every value
+the swarm stores carries its key's name (:func:`describe`), since validators and storage see only the key's hash. A DHT
+get returns a key's whole dictionary in one reply, and a reply over libp2p's 4 MiB message limit is lost together with
+the peers it names: every swarm peer therefore keeps every key, known or not, within :data:`MAX_KEY_BYTES` and
+:data:`MAX_KEY_SUBKEYS`, so that no flood makes its replies unreadable (a bootstrap peer that knows no prefix
+included); the policies' bounds are tighter still.
 """
 from __future__ import annotations
 

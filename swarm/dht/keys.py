@@ -40,8 +40,9 @@ PARTS: dict[str, str] = {
     "sha256": r"[0-9a-f]{64}",
     "auditor": r"[A-Za-z0-9+/]{43}=",  # an Ed25519 public key, base64
 }
-# The room a subkey of each kind takes in a reply: an owner subkey is a peer id and an RSA public key.
-SUBKEY_ROOM = {OWNED: 640, SLOT: 64}
+# The room a subkey of each kind takes in a reply: an owner subkey is a peer id and an RSA public key (a 2048-bit key
+# takes about 430 bytes, a 4096-bit one about 780).
+SUBKEY_ROOM = {OWNED: 900, SLOT: 64}
 # Trust: ANY keeps the first entries that fit; PREFER also makes room for a slot of a key the storing peer trusts
 # (its governance keys) by dropping the newest slot of an untrusted key; ONLY keeps slots of trusted keys alone
 # (any slot while the peer trusts none).

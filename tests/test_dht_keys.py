@@ -239,3 +239,20 @@ def test_a_full_name_makes_room_for_the_trusted_key_and_refuses_strangers():
     assert held == {slot_subkey(s) for s in strangers[:SMALL_BOUND - 1]} | {slot_subkey(TRUSTED)}
     assert store(strangers[0], when + 1) is True, "an update of a held slot must pass"
     assert store(strangers[SMALL_BOUND - 1], when + 1) is False, "a full key took a stranger"
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(st.binary(max_size=400), st.builds(lambda d: MSGPackSerializer.dumps(d), st.dictionaries(
+    st.sampled_from(["dht_key", "payload", "x"]), st.one_of(st.text(max_size=300), st.binary(max_size=20),
+                                                             st.integers(-2**63, 2**63 - 1), st.none()), max_size=3))),
+       st.text(max_size=120))
+def test_the_key_a_value_names_is_parsed_from_any_bytes_without_raising(stored, text):
+    """What a storing peer reads from remote bytes: the key a value names (a bounded text or None), and the family
+    of any text (None or the one family matching it), never an exception."""
+    named = described_key(stored)
+    assert named is None or (isinstance(named, str) and len(named) <= 256)
+    signed = stored + b"[signature:" + stored[:8] + b"]"  # hivemind's RSA signature is stripped first
+    assert described_key(signed) in (named, None)
+    family = family_of(text)
+    assert family is None or family.parts(text) is not None
+    assert policy_for(text) is None or policy_for(text).name == text

@@ -34,7 +34,7 @@ from swarm.dht.validation import ENTRY_OVERHEAD_BYTES, MAX_KEY_BYTES, OWNED, SLO
 
 # What a part of a key may be. Prefixes hold no dot, so ``{prefix}.`` always ends where the family's text begins.
 PARTS: dict[str, str] = {
-    "prefix": r"[A-Za-z0-9_-]{1,64}",
+    "prefix": r"[A-Za-z0-9_-]{1,128}",  # a model directory's name as default_prefix cleans it, or --dht-prefix
     "block": r"[0-9]{1,5}",
     "name": r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}",
     "sha256": r"[0-9a-f]{64}",

@@ -201,7 +201,7 @@ MAX_EXPERT_DOMAINS = 256  # distinct domains a reader keeps from the whole index
 def default_prefix(model_path: Path) -> str:
     """The DHT namespace of a model when none is given: its directory name (``default`` for the embedded one)."""
     name = re.sub(r"[^A-Za-z0-9_-]+", "-", Path(model_path).name).strip("-")
-    return name or "model"
+    return (name or "model")[:128]  # what a key's prefix may be (swarm.dht.keys.PARTS)
 
 
 def block_key(prefix: str, block: int) -> str:

@@ -268,3 +268,21 @@ def test_fresh_keys_filling_a_name_leave_room_for_a_trusted_publisher(tmp_path):
         assert len(found) == WEIGHTS_NAME.max_subkeys, "the newest squatter's slot made room"
     finally:
         stop_network(network)
+
+
+def test_show_from_another_peer_lists_a_name_flooded_before_it_was_published(network):
+    """The issue's symptom, through the command: after the flood and the honest publish, ``python -m swarm.weights
+    show NAME`` (its own DHT peer) lists the record instead of "no model is published under NAME"."""
+    import json
+
+    from click.testing import CliRunner
+
+    from swarm.weights.__main__ import main as weights_main
+
+    name = f"shown-{time.monotonic_ns() % 10**9}"
+    assert hide(network.attacker, name_key(name), network.storing_peers) == [True] * 3
+    publish_weights_name(network, name)
+    peers = [arg for maddr in visible_maddrs(network.storers[0]) for arg in ("--initial-peers", maddr)]
+    shown = CliRunner().invoke(weights_main, ["show", name, *peers])
+    assert shown.exit_code == 0, shown.output
+    assert [record["model_id"] for record in json.loads(shown.stdout)] == [SHA]

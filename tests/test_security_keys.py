@@ -100,10 +100,10 @@ class Network:
         return [str(dht.peer_id) for dht in self.storers]
 
 
-def start_network(trusted: tuple[str, ...] = (), attacker_stores: bool = True) -> Network:
+def start_network(trusted: tuple[str, ...] = ()) -> Network:
     """Three storing swarm peers (``trusted``: governance keys they trust, from a prefix they know), a stock attacker
-    (one that stores and answers what it was sent, or with ``attacker_stores`` false a client that only sends, so that
-    what readers find is what the swarm's peers kept), a writer and a reader."""
+    (it stores and answers what it was sent: :func:`attacker_leaves` stops it, so that what readers find is what the
+    swarm's peers kept), a writer and a reader."""
     protect = protected_keys("another-model", 0, trusted) if trusted else []
     first = start_dht(NetworkConfig(use_default_peers=False), protect=protect)
     peers = visible_maddrs(first)
@@ -112,14 +112,18 @@ def start_network(trusted: tuple[str, ...] = (), attacker_stores: bool = True) -
     identity = Identity.load_or_create(None)
     writer = start_dht(NetworkConfig(initial_peers=peers, use_default_peers=False), identity=identity)
     reader = start_dht(NetworkConfig(initial_peers=peers, client_mode=True, use_default_peers=False))
-    attacker = plain_attacker(peers) if attacker_stores else \
-        DHT(initial_peers=peers, start=True, client_mode=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    return Network(storers, attacker, writer, identity, reader)
+    return Network(storers, plain_attacker(peers), writer, identity, reader)
+
+
+def attacker_leaves(network: Network) -> None:
+    """The attacker stops once its writes are stored: its own storage would keep and answer whatever it is sent."""
+    stop_dht(network.attacker)
 
 
 def stop_network(network: Network) -> None:
     for dht in (network.reader, network.writer, network.attacker, *network.storers):
-        stop_dht(dht)
+        if dht.is_alive():
+            stop_dht(dht)
     network.writer_identity.remove()
 
 
@@ -163,8 +167,9 @@ def sha_of(name: str) -> str:
 
 
 def declare_adapter_host(network: Network, name: str) -> None:
-    assert declare_hosted(network.writer, PREFIX, {sha_of(name): 100}, network.writer_identity.owner_subkey(),
-                          now() + 600, ["/ip4/127.0.0.1/tcp/1"])
+    # (what a store returns is the last peer's answer, the attacker's refusal perhaps: the reader says what counts)
+    declare_hosted(network.writer, PREFIX, {sha_of(name): 100}, network.writer_identity.owner_subkey(), now() + 600,
+                   ["/ip4/127.0.0.1/tcp/1"])
 
 
 def adapter_host_found(network: Network, name: str) -> bool:
@@ -173,7 +178,7 @@ def adapter_host_found(network: Network, name: str) -> bool:
 
 def declare_weights_host(network: Network, name: str) -> None:
     record = HostRecord(str(network.writer.peer_id), ("/ip4/127.0.0.1/tcp/1",), 1000)
-    assert declare_host(network.writer, sha_of(name), record, network.writer_identity.owner_subkey(), now() + 600)
+    declare_host(network.writer, sha_of(name), record, network.writer_identity.owner_subkey(), now() + 600)
 
 
 def weights_host_found(network: Network, name: str) -> bool:
@@ -224,11 +229,12 @@ def test_a_name_publish_that_no_other_peer_reads_back_fails():
     from swarm.dht.schema import forget_local_copies
 
     name = f"unlearnt-{time.monotonic_ns() % 10**9}"
-    others = start_network(attacker_stores=False)
+    others = start_network()
     try:
         for dht in others.storers:  # peers that cannot learn: they keep the regular value, so refuse every subkey
             dht.run_coroutine(partial(_unprotect))
         assert hide(others.attacker, name_key(name), others.storing_peers, regular=True) == [True] * 3
+        attacker_leaves(others)
         with pytest.raises(WeightsError, match="did not keep the record"):
             publish_weights_name(others, name)
         forget_local_copies(others.reader, [name_key(name)])
@@ -248,7 +254,7 @@ def test_fresh_keys_filling_a_name_leave_room_for_a_trusted_publisher(tmp_path):
     peers that trust the publisher's key (their governance key) make room for its record, so a reader finds it.
     Peers that trust no key keep the first slots that came: the stated limit of an untrusted name."""
     trusted = Ed25519PrivateKey.generate()
-    network = start_network(trusted=(ed25519_text(trusted),), attacker_stores=False)
+    network = start_network(trusted=(ed25519_text(trusted),))
     try:
         name, expiration = f"squatted-{time.monotonic_ns() % 10**9}", now() + 3600
         key = name_key(name)
@@ -260,6 +266,7 @@ def test_fresh_keys_filling_a_name_leave_room_for_a_trusted_publisher(tmp_path):
         taken = network.attacker.run_coroutine(partial(_squat, key=key, peers=network.storing_peers, slots=slots,
                                                        expiration=expiration))
         assert taken == [WEIGHTS_NAME.max_subkeys] * 3, taken
+        attacker_leaves(network)
         with pytest.raises(WeightsError, match="did not keep the record"):  # the limit: an untrusted name is full
             publish_weights_name(network, name)
         publish_weights_name(network, name, trusted)

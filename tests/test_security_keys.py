@@ -10,9 +10,10 @@ record (the key is full, or a regular value blocks subkeys) and the name is hidd
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
-from typing import Callable
+from typing import Callable, Iterator
 
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -90,7 +91,6 @@ async def _squat(dht: DHT, node: DHTNode, key: str, peers: list[str], slots: lis
 @dataclass
 class Network:
     storers: list[DHT]
-    attacker: DHT
     writer: DHT  # a peer with a libp2p identity (hosts records are signed by it)
     writer_identity: Identity
     reader: DHT  # another peer: what it reads is what the swarm returns, not the writer's copy
@@ -101,9 +101,8 @@ class Network:
 
 
 def start_network(trusted: tuple[str, ...] = ()) -> Network:
-    """Three storing swarm peers (``trusted``: governance keys they trust, from a prefix they know), a stock attacker
-    (it stores and answers what it was sent: :func:`attacker_leaves` stops it, so that what readers find is what the
-    swarm's peers kept), a writer and a reader."""
+    """Three storing swarm peers (``trusted``: governance keys they trust, from a prefix they know), a writer and a
+    reader."""
     protect = protected_keys("another-model", 0, trusted) if trusted else []
     first = start_dht(NetworkConfig(use_default_peers=False), protect=protect)
     peers = visible_maddrs(first)
@@ -112,18 +111,23 @@ def start_network(trusted: tuple[str, ...] = ()) -> Network:
     identity = Identity.load_or_create(None)
     writer = start_dht(NetworkConfig(initial_peers=peers, use_default_peers=False), identity=identity)
     reader = start_dht(NetworkConfig(initial_peers=peers, client_mode=True, use_default_peers=False))
-    return Network(storers, plain_attacker(peers), writer, identity, reader)
+    return Network(storers, writer, identity, reader)
 
 
-def attacker_leaves(network: Network) -> None:
-    """The attacker stops once its writes are stored: its own storage would keep and answer whatever it is sent."""
-    stop_dht(network.attacker)
+@contextmanager
+def attacker(network: Network) -> Iterator[DHT]:
+    """A stock hivemind peer that joins, writes and leaves: while it runs, its own storage keeps whatever it is sent
+    (the honest record too) and answers readers, so what readers find after it left is what the swarm's peers kept."""
+    dht = plain_attacker(visible_maddrs(network.storers[0]))
+    try:
+        yield dht
+    finally:
+        stop_dht(dht)
 
 
 def stop_network(network: Network) -> None:
-    for dht in (network.reader, network.writer, network.attacker, *network.storers):
-        if dht.is_alive():
-            stop_dht(dht)
+    for dht in (network.reader, network.writer, *network.storers):
+        stop_dht(dht)
     network.writer_identity.remove()
 
 
@@ -215,12 +219,14 @@ def test_a_key_flooded_before_it_is_written_still_takes_the_honest_record(networ
     honest write succeeds and another peer reads it."""
     chosen = FAMILIES[family]
     name = f"future-{len(family)}-{int(regular)}-{time.monotonic_ns() % 10**9}"  # a name nobody has written yet
-    assert hide(network.attacker, chosen.key(name), network.storing_peers, regular=regular) == [True] * 3, \
-        "the flood was refused before any record named the key: no attack to defend"
+    with attacker(network) as flooder:
+        assert hide(flooder, chosen.key(name), network.storing_peers, regular=regular) == [True] * 3, \
+            "the flood was refused before any record named the key: no attack to defend"
     chosen.write(network, name)
     assert chosen.found(network, name), f"the {family} record is hidden by the flood"
     # Once a peer has learnt the key, the flood is refused there.
-    assert hide(network.attacker, chosen.key(name), network.storing_peers, count=8) == [False] * 3
+    with attacker(network) as flooder:
+        assert hide(flooder, chosen.key(name), network.storing_peers, count=8) == [False] * 3
 
 
 def test_a_name_publish_that_no_other_peer_reads_back_fails():
@@ -233,8 +239,8 @@ def test_a_name_publish_that_no_other_peer_reads_back_fails():
     try:
         for dht in others.storers:  # peers that cannot learn: they keep the regular value, so refuse every subkey
             dht.run_coroutine(partial(_unprotect))
-        assert hide(others.attacker, name_key(name), others.storing_peers, regular=True) == [True] * 3
-        attacker_leaves(others)
+        with attacker(others) as flooder:
+            assert hide(flooder, name_key(name), others.storing_peers, regular=True) == [True] * 3
         with pytest.raises(WeightsError, match="did not keep the record"):
             publish_weights_name(others, name)
         forget_local_copies(others.reader, [name_key(name)])
@@ -263,10 +269,10 @@ def test_fresh_keys_filling_a_name_leave_room_for_a_trusted_publisher(tmp_path):
             fresh = Ed25519PrivateKey.generate()
             payload = PublishedModel(name, "cd" * 32, 1000, 2000, time.time()).payload()
             slots.append((slot_subkey(fresh), sign_slot(fresh, key, payload, expiration)))
-        taken = network.attacker.run_coroutine(partial(_squat, key=key, peers=network.storing_peers, slots=slots,
-                                                       expiration=expiration))
+        with attacker(network) as squatter:
+            taken = squatter.run_coroutine(partial(_squat, key=key, peers=network.storing_peers, slots=slots,
+                                                   expiration=expiration))
         assert taken == [WEIGHTS_NAME.max_subkeys] * 3, taken
-        attacker_leaves(network)
         with pytest.raises(WeightsError, match="did not keep the record"):  # the limit: an untrusted name is full
             publish_weights_name(network, name)
         publish_weights_name(network, name, trusted)
@@ -287,9 +293,21 @@ def test_show_from_another_peer_lists_a_name_flooded_before_it_was_published(net
     from swarm.weights.__main__ import main as weights_main
 
     name = f"shown-{time.monotonic_ns() % 10**9}"
-    assert hide(network.attacker, name_key(name), network.storing_peers) == [True] * 3
+    with attacker(network) as flooder:
+        assert hide(flooder, name_key(name), network.storing_peers) == [True] * 3
     publish_weights_name(network, name)
     peers = [arg for maddr in visible_maddrs(network.storers[0]) for arg in ("--initial-peers", maddr)]
     shown = CliRunner().invoke(weights_main, ["show", name, *peers])
     assert shown.exit_code == 0, shown.output
     assert [record["model_id"] for record in json.loads(shown.stdout)] == [SHA]
+
+
+def test_a_peer_answering_a_regular_value_hides_no_record_from_readers(network):
+    """One hostile peer near the key keeps a regular value expiring in a year and answers it to every reader:
+    hivemind's search keeps the answer that expires last, so it used to replace the other peers' records. Readers
+    ignore a regular value under a key whose policy they know (every key they read)."""
+    name = f"answered-{time.monotonic_ns() % 10**9}"
+    with attacker(network) as liar:
+        assert hide(liar, name_key(name), network.storing_peers, regular=True) == [True] * 3
+        publish_weights_name(network, name)  # the liar refuses it (its regular value expires later)
+        assert weights_name_found(network, name), "the liar's regular value replaced the record"

@@ -9,6 +9,7 @@ record (the key is full, or a regular value blocks subkeys) and the name is hidd
 """
 from __future__ import annotations
 
+import asyncio
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -80,9 +81,15 @@ async def _squat(dht: DHT, node: DHTNode, key: str, peers: list[str], slots: lis
     """Per peer, how many of the signed slots (subkey, value) it took under ``key``."""
     key_id, taken = DHTID.generate(source=key), []
     for peer in peers:
-        answer = await node.protocol.call_store(
-            PeerID.from_base58(peer), [key_id] * len(slots), [MSGPackSerializer.dumps(v) for _, v in slots],
-            expiration, subkeys=[s for s, _ in slots])
+        for _ in range(3):  # a store that never answers (seen once in four loaded runs) is asked again
+            try:
+                answer = await asyncio.wait_for(node.protocol.call_store(
+                    PeerID.from_base58(peer), [key_id] * len(slots), [MSGPackSerializer.dumps(v) for _, v in slots],
+                    expiration, subkeys=[s for s, _ in slots]), timeout=30)
+            except asyncio.TimeoutError:
+                answer = None
+            if answer is not None:
+                break
         taken.append(sum(answer or []))
     return taken
 

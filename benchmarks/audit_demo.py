@@ -44,13 +44,13 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey 
 from swarm.adapters.sharing import ENV_CACHE, make_record, publish  # noqa: E402
 from swarm.audit.auditor import Auditor  # noqa: E402
 from swarm.audit.config import AuditorConfig  # noqa: E402
-from swarm.audit.records import FAIL  # noqa: E402
 from swarm.client.config import ClientConfig  # noqa: E402
 from swarm.client.model import DistributedDiffusionLM  # noqa: E402
 from swarm.dht.config import NetworkConfig  # noqa: E402
 from swarm.frontend.local import DiffusionLM  # noqa: E402
 from swarm.governance.keys import public_key_text  # noqa: E402
 from swarm.models.loading import ModelFiles  # noqa: E402
+from swarm.reports.records import FAIL  # noqa: E402
 from swarm.testing.adapters import random_soft_prompt  # noqa: E402
 from swarm.utils.local_swarm import LocalSwarm  # noqa: E402
 from swarm.utils.threads import use_threads  # noqa: E402

@@ -24,9 +24,9 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey 
 
 from swarm.audit.auditor import Auditor  # noqa: E402
 from swarm.audit.config import AuditorConfig  # noqa: E402
-from swarm.audit.records import FAIL  # noqa: E402
 from swarm.dht.config import NetworkConfig  # noqa: E402
 from swarm.models.loading import ModelFiles  # noqa: E402
+from swarm.reports.records import FAIL  # noqa: E402
 from swarm.utils.local_swarm import LocalSwarm  # noqa: E402
 from swarm.utils.threads import use_threads  # noqa: E402
 

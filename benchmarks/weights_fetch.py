@@ -13,6 +13,14 @@ default), then starts ``python -m swarm.server --model ID --blocks START:END`` a
 
     python benchmarks/weights_fetch.py                    # LLaDA-8B widths, 4 blocks (3.9 GB), span 2:4
     python benchmarks/weights_fetch.py --widths tiny      # the test checkpoint's widths (seconds)
+
+With ``--tarpits N`` it measures instead what tarpits cost a fetch (issue 48): N hosts sending correct bytes just
+before the reader's deadline, beside one honest host, all on 127.0.0.1 (in this process, no DHT). It fetches every
+tensor of the blocks of ``--span`` three times, into fresh caches: from the honest host alone, with the tarpits
+(hedging on, the default), and with the tarpits and hedging off (the fetch before issue 48), and prints the seconds
+side by side with their ratio to the honest fetch:
+
+    python benchmarks/weights_fetch.py --widths tiny --tarpits 4
 """
 from __future__ import annotations
 
@@ -72,6 +80,57 @@ def copy_seconds(directory: Path, files: set[str], target: Path) -> tuple[int, f
     return total, time.monotonic() - started
 
 
+def tarpit_fetch(checkpoint: Path, cache_root: Path, indices: list[int], tarpits: int, config) -> tuple:
+    """Seconds, report and peer book of one fetch of ``indices`` from an honest host and ``tarpits`` tarpits."""
+    from hivemind.p2p import P2P
+
+    from swarm.testing.tarpit import start_host
+    from swarm.utils.event_loop import BackgroundLoop
+    from swarm.weights.cache import ModelCache
+    from swarm.weights.fetch import Fetcher, PeerBook
+
+    loop = BackgroundLoop.shared()
+    hosts = [start_host(checkpoint, config.timeout - 1.0) for _ in range(tarpits)] + [start_host(checkpoint)]
+    client = loop.run(P2P.create(host_maddrs=list(NetworkConfig().host_maddrs)), timeout=60)
+    try:
+        manifest = hosts[-1].server.holdings.manifest
+        cache = ModelCache(manifest.model_id, cache_root)
+        cache.install(manifest.to_bytes(), manifest, {f.name: (checkpoint / f.name).read_bytes()
+                                                      for f in manifest.files})
+        fetcher = Fetcher(client, manifest.model_id, PeerBook([h.record for h in hosts], config), config)
+        loop.run(fetcher.connect())
+        started = time.monotonic()
+        report = loop.run(fetcher.fetch_tensors(manifest, cache, indices))
+        return time.monotonic() - started, report, fetcher.book, hosts[-1].record.peer_id
+    finally:
+        loop.run(client.shutdown())
+        for host in hosts:
+            host.stop()
+
+
+def tarpit_main(args, checkpoint: Path, root: Path) -> None:
+    from swarm.weights.fetch import FetchConfig
+
+    start, end = (int(x) for x in args.span.split(":"))
+    manifest = built_manifest(checkpoint.resolve(), weight_files(checkpoint))
+    indices = [i for i, t in enumerate(manifest.tensors) if any(f".blocks.{b}." in t.name for b in range(start, end))]
+    nbytes = sum(manifest.tensors[i].size for i in indices)
+    runs = [("honest host alone", 0, FetchConfig()),
+            (f"+ {args.tarpits} tarpits, hedged (default)", args.tarpits, FetchConfig()),
+            (f"+ {args.tarpits} tarpits, hedging off (before)", args.tarpits, FetchConfig(hedge_after=float("inf")))]
+    print(f"fetching {len(indices)} tensors ({nbytes:,} bytes) of blocks {args.span}; a tarpit answers each read "
+          f"{FetchConfig().timeout - 1.0:.0f} s late (the reader's deadline is {FetchConfig().timeout:.0f} s + bytes "
+          f"at 1 MiB/s)")
+    print(f"{'fetch':<40} {'seconds':>8} {'x honest':>9} {'hedges':>7} {'from tarpits':>13} {'dropped':>8}")
+    honest_seconds = None
+    for number, (label, tarpits, config) in enumerate(runs):
+        seconds, report, book, honest = tarpit_fetch(checkpoint, root / f"cache-{number}", indices, tarpits, config)
+        honest_seconds = honest_seconds or seconds
+        from_tarpits = sum(n for peer, n in report.bytes_by_peer.items() if peer != honest)
+        print(f"{label:<40} {seconds:>8.2f} {seconds / honest_seconds:>9.1f} {report.hedges:>7} "
+              f"{from_tarpits:>13,} {len(book.dropped):>8}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--widths", choices=sorted(WIDTHS), default="8b")
@@ -79,6 +138,7 @@ def main() -> None:
     parser.add_argument("--span", default="2:4", help="the new server's blocks, START:END")
     parser.add_argument("--publishers", type=int, default=2, help="servers of the checkpoint directory")
     parser.add_argument("--scratch", default=None, help="directory for the checkpoint and caches (default: /tmp)")
+    parser.add_argument("--tarpits", type=int, default=0, help="measure instead a fetch beside this many tarpits")
     args = parser.parse_args()
     start, end = (int(x) for x in args.span.split(":"))
     logging.basicConfig(level=logging.WARNING)
@@ -87,6 +147,8 @@ def main() -> None:
         checkpoint, home = root / "llada", root / "home"
         total = build(checkpoint, args.widths, args.blocks)
         constants.HF_HOME = str(home)
+        if args.tarpits:
+            return tarpit_main(args, checkpoint, root)
         started = time.monotonic()
         manifest = built_manifest(checkpoint.resolve(), weight_files(checkpoint))
         hash_seconds = time.monotonic() - started

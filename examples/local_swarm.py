@@ -23,9 +23,11 @@ from swarm import DiffusionLM
 from swarm.client import DistributedDiffusionLM
 from swarm.models.loading import ModelFiles
 from swarm.utils.local_swarm import LocalSwarm, ManagedProcess
+from swarm.utils.progress import StepLine
 
 SETTINGS = dict(gen_length=64, steps=64, block_length=32, seed=0)
 KILL_AT_STEP = 8
+PROGRESS_EVERY = 16  # off a terminal (a log, CI), one progress line per this many steps
 
 
 @dataclass
@@ -58,13 +60,14 @@ def start_servers(swarm: LocalSwarm, replica: bool) -> None:
 
 def generate(lm: DistributedDiffusionLM, prompt: str, failover: Optional[Failover]):
     """Stream the generation through the swarm, showing each step; returns the result."""
-    result = None
+    result, line = None, StepLine(stream=sys.stdout, plain_every=PROGRESS_EVERY)  # redrawn only on a terminal
     for chunk in lm.generate_stream(prompt, **SETTINGS):
         if not chunk.done:
-            print(f"\r[step {chunk.step + 1:3d}] {prompt}{chunk.text}"[:120], end="", flush=True)
+            line.show(f"[step {chunk.step + 1:3d}] {prompt}{chunk.text}")
             if failover is not None:
                 failover.after_step(chunk.step)
         result = chunk.result
+    line.close()
     return result
 
 
@@ -81,7 +84,7 @@ def main(prompt: str, failover: bool = False, max_failover_s: float = 2.0) -> in
             killer = Failover(swarm, victim) if failover else None
             started = time.perf_counter()
             result = generate(lm, prompt, killer)
-            print(f"\n\nswarm ({time.perf_counter() - started:.1f} s): {prompt}{result.text}")
+            print(f"\nswarm ({time.perf_counter() - started:.1f} s): {prompt}{result.text}")
     local = DiffusionLM.from_pretrained("default").generate(prompt, **SETTINGS)
     ok = local.token_ids == result.token_ids
     print(f"local result identical to the swarm's: {ok}")

@@ -23,6 +23,23 @@ from swarm.testing.checkpoints import make_checkpoint, tiny_config
 os.environ["OMP_NUM_THREADS"] = "1"
 torch.set_num_threads(1)
 
+# The caller's environment must not change what a test sees: an offline machine's HF_HUB_OFFLINE=1 turned a hub
+# error into the offline message, a user's $SWARM_INITIAL_PEERS would send commands to their swarm, other OMP_* knobs
+# change float sums. Tests that need one of these set it themselves (monkeypatch, or a subprocess's env).
+CALLER_PREFIXES = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "SWARM_", "OMP_", "MKL_", "OPENBLAS_NUM_THREADS")
+CALLER_KEPT = {"OMP_NUM_THREADS"}  # pinned above
+
+
+def scrub_caller_environment(environ: dict) -> list[str]:
+    """Remove the caller's settings of the project, the hub and the thread pools from ``environ``; returns them."""
+    removed = sorted(name for name in environ if name.startswith(CALLER_PREFIXES) and name not in CALLER_KEPT)
+    for name in removed:
+        del environ[name]
+    return removed
+
+
+scrub_caller_environment(os.environ)
+
 
 # ----- tiers (docs/TESTING.md) --------------------------------------------------------------------------------
 # A test's tier: its own marker if it has one; else the tier of a fixture it uses (directly or not) from
@@ -41,14 +58,21 @@ FILE_TIERS = {  # a "unit" file may hold tests of other tiers: found by their fi
                      "test_spot_checks", "test_subword", "test_train", "test_union", "test_validation",
                      "test_weights_parsers", "test_web"], "unit"),
     **dict.fromkeys(["test_bottleneck", "test_docker", "test_failover", "test_finetune_together", "test_forkserver",
-                     "test_hub", "test_weights", "test_security_api", "test_security_dht", "test_swarm"], "swarm"),
+                     "test_hub", "test_weights", "test_weights_hints", "test_security_api", "test_security_dht",
+                     "test_swarm"], "swarm"),
     "test_daemons": "lab",
     "test_audit": "unit",  # the records, in process; the auditor against a live swarm is test_audit_swarm
     "test_audit_swarm": "swarm",
+    "test_audit_traffic": "swarm",
+    "test_adapter_versions": "unit",  # the parsers in process; versions and adoption on the live swarm (fixtures)
+    "test_improve": "swarm",
     "test_usage": "unit",  # the ledger, the cap and the retry hint, in process; a live server in test_usage_swarm
     "test_usage_swarm": "swarm",
     "test_dht_keys": "unit",  # the key registry, the walk over the code's DHT keys, the storage fuzzed in process
     "test_security_keys": "swarm",  # keys flooded before they are written, on live DHT peers
+    "test_scheduler": "unit",  # the fair scheduler, pure
+    "test_batching_queue": "unit",  # merging waiting passes on the compute thread, in process
+    "test_batching": "swarm",  # concurrent clients on a live server, batched: each gets its solo run's tokens
 }
 
 
@@ -200,8 +224,11 @@ def local_swarm(tiny_model_path):
 def remote_lm(local_swarm, tiny_model_path):
     from swarm.client import DistributedDiffusionLM
 
+    # Checks off: tests through this client count calls, rows, pushed passes and head loads exactly, and the default
+    # spot checks (5% of hops) add checker calls and may load the head; tests/test_audit_traffic.py and
+    # tests/test_spot_checks.py check the default's checks
     lm = DistributedDiffusionLM.from_pretrained(tiny_model_path, initial_peers=local_swarm.initial_peers,
-                                                request_timeout=20)
+                                                request_timeout=20, spot_check_fraction=0)
     yield lm
     lm.shutdown()
 

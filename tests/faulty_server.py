@@ -11,6 +11,10 @@ chosen by ``--public-name``:
 * ``faulty-head`` (with ``--head``) lies only in its predictions; the hidden states it answers when asked for them
   are honest (a liar that hopes no replica without the head can check it).
 * ``faulty-1in20`` (any N in ``faulty-1inN``) lies on a random one in N of its answers.
+* ``faulty-later`` lies only on a session's later calls: the first call of each shape (batch, length) is honest, and
+  so is every call of a fresh session an auditor used to send (issue 48).
+* ``faulty-cache`` lies only on calls that fill or reuse the activation cache.
+* ``faulty-adapter`` lies only on calls that carry a per-block adapter.
 * ``faulty-stall`` answers its first call (the client's compute challenge) honestly and holds every later one.
 * ``faulty-spare-PEERID`` lies on every answer except to the peer PEERID (an auditor's known identity: the attack
   that an auditor's fresh identity per round defeats, tests/test_audit_swarm.py).
@@ -34,6 +38,7 @@ ONE_IN = re.fullmatch(r"faulty-1in(\d+)", NAME)
 SPARED = NAME[len("faulty-spare-"):] if NAME.startswith("faulty-spare-") else None
 RATE = re.fullmatch(r"faulty-rate(\d+)", NAME)
 _calls = [0]
+_shapes_seen: set[tuple[int, ...]] = set()  # the shapes of calls answered so far (faulty-later)
 _spared_calls: set[int] = set()  # ids of calls from the spared peer (the compute thread reads it)
 
 
@@ -45,6 +50,15 @@ def _lies_now(rows, head, call=None) -> bool:
         return rows is not None
     if NAME == "faulty-head":
         return head is not None
+    if NAME == "faulty-later":
+        shape = tuple(call.hidden.shape[:2])
+        seen = shape in _shapes_seen
+        _shapes_seen.add(shape)
+        return seen
+    if NAME == "faulty-cache":
+        return call.kv is not None
+    if NAME == "faulty-adapter":
+        return call.adapter is not None
     if ONE_IN:
         return random.randrange(int(ONE_IN.group(1))) == 0
     return True

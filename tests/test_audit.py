@@ -18,7 +18,14 @@ from hypothesis import strategies as st
 
 from swarm.adapters.sharing import PublishedAdapter
 from swarm.audit.auditor import calibrate
-from swarm.audit.records import (
+from swarm.client.config import ClientConfig
+from swarm.client.peers import PeerHealth
+from swarm.client.planner import RoutePlanner
+from swarm.client.routing import find_route
+from swarm.dht.schema import MAX_AUDIT_VALUE_BYTES, ServerRecord, ServerState, audit_key, protected_keys
+from swarm.dht.validation import ed25519_text, entry_bytes, sign_slot, slot_subkey
+from swarm.governance.keys import ENV_PUBLIC_KEYS, generate_private_key
+from swarm.reports.records import (
     ERROR,
     FAIL,
     MAX_ADAPTERS,
@@ -33,13 +40,6 @@ from swarm.audit.records import (
     read_report,
     trusted_auditors,
 )
-from swarm.client.config import ClientConfig
-from swarm.client.peers import PeerHealth
-from swarm.client.planner import RoutePlanner
-from swarm.client.routing import find_route
-from swarm.dht.schema import MAX_AUDIT_VALUE_BYTES, ServerRecord, ServerState, audit_key, protected_keys
-from swarm.dht.validation import ed25519_text, entry_bytes, sign_slot, slot_subkey
-from swarm.governance.keys import ENV_PUBLIC_KEYS, generate_private_key
 from tests.test_security_parsers import FUZZ, junk, mutated, strict_json
 
 AUDITOR, STRANGER = Ed25519PrivateKey.generate(), Ed25519PrivateKey.generate()
@@ -368,10 +368,10 @@ def test_a_client_routes_an_overclaiming_server_by_its_calibrated_throughput():
 
 
 def test_the_health_map_shows_the_latest_trusted_audit():
-    from swarm.audit.records import audit_json
     from swarm.dht.schema import ServerRecord, ServerState
     from swarm.health.map import build_health_map
     from swarm.health.render import render_text
+    from swarm.reports.records import audit_json
 
     book = AuditBook("m", frozenset({A}))
     book.consider(report(entry(verdict=FAIL)))

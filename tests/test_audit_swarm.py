@@ -21,7 +21,6 @@ from swarm.adapters.adapter import AdapterError
 from swarm.adapters.sharing import make_record, publish
 from swarm.audit.auditor import Auditor
 from swarm.audit.config import AuditorConfig
-from swarm.audit.records import FAIL, PASS, AdapterAudit, AuditReport, ServerAudit, publish_report, read_report
 from swarm.dht.config import NetworkConfig
 from swarm.dht.identity import Identity
 from swarm.dht.node import start_dht, stop_dht
@@ -30,6 +29,7 @@ from swarm.dht.validation import ed25519_text, sign_slot, slot_subkey
 from swarm.frontend.local import DiffusionLM
 from swarm.governance.keys import generate_private_key, public_key_text
 from swarm.models.loading import ModelFiles
+from swarm.reports.records import FAIL, PASS, AdapterAudit, AuditReport, ServerAudit, publish_report, read_report
 from swarm.testing.adapters import random_soft_prompt
 from tests.conftest import make_checkpoint, stop_all, swarm_client, tiny_config, wait_all
 from tests.test_formats import dream_path, llada_path  # noqa: F401  (module fixtures: small bfloat16 checkpoints)

@@ -163,9 +163,10 @@ def test_a_malformed_initial_peer_is_one_line_from_the_real_process():
 # ----- answered at once (issue 37 items 1 and 2) -------------------------------------------------------------
 HEAVY_MODULES = ("torch", "hivemind", "transformers", "fastapi", "uvicorn")
 # Every ``python -m`` command of the package: its --help, and each of its subcommands', loads none of HEAVY_MODULES.
-MODULE_COMMANDS = ("swarm.generate", "swarm.eval.text_quality", "swarm.eval.composition", "swarm.train.tokenizer")
+MODULE_COMMANDS = ("swarm.generate", "swarm.eval.text_quality", "swarm.eval.composition", "swarm.train.tokenizer",
+                   "swarm.improve.demo")
 COMMANDS = ("swarm.server", "swarm.api", "swarm.dht", "swarm.health", "swarm.governance", "swarm.train", "swarm.eval",
-            "swarm.finetune", "swarm.benchmark", "swarm.weights", "swarm.audit", *MODULE_COMMANDS)
+            "swarm.finetune", "swarm.benchmark", "swarm.weights", "swarm.audit", "swarm.improve", *MODULE_COMMANDS)
 # Runs a command as ``python -m`` would, once per argument list (a JSON list of them), in one interpreter; then
 # prints the exit codes and which heavy modules the runs imported together (its last stderr line).
 IMPORTS_PROBE = """
@@ -194,10 +195,11 @@ def heavy_imports(module: str, *runs: list[str]) -> tuple[list[str], list[int], 
 
 
 def subcommands(module: str) -> list[str]:
-    """What ``python -m module NAME`` runs: a click group's commands, and ``swarm.finetune publish`` (which its
-    ``__main__`` dispatches itself)."""
+    """What ``python -m module NAME`` runs: a click group's commands, and ``swarm.finetune publish`` and
+    ``swarm.improve withdraw`` (which their ``__main__`` dispatches itself)."""
     entry = importlib.import_module(f"{module}.__main__" if (ROOT / module.replace(".", "/")).is_dir() else module)
-    return sorted(getattr(entry.main, "commands", {})) + (["publish"] if module == "swarm.finetune" else [])
+    return (sorted(getattr(entry.main, "commands", {})) + (["publish"] if module == "swarm.finetune" else [])
+            + (["withdraw"] if module == "swarm.improve" else []))
 
 
 def test_every_command_is_in_the_fast_help_check():
@@ -230,7 +232,7 @@ def test_every_help_is_answered_before_torch_hivemind_or_fastapi_loads(module):
     ("swarm.health", ["--port", "70000"], "70000 is not in the range 0<=x<=65535"),
     ("swarm.governance", ["status"], "Missing option '--governance-key'"),
     ("swarm.train", ["--output", "run", "--corpus", "nope"], "'nope' is not one of 'prose', 'python', 'addition'"),
-    ("swarm.eval", ["--task", "nope"], "'nope' is not one of 'addition', 'none'"),
+    ("swarm.eval", ["--task", "nope"], "'nope' is not one of 'addition', 'tagged-addition', 'none'"),
     ("swarm.finetune", ["--data", "README.md", "--output", "out", "--rank", "0"], "0 is not in the range 1<=x<=128"),
     ("swarm.finetune", ["--data", "README.md", "--output", "out", "--target-batch-size", "4"],
      "--target-batch-size needs --run-id"),
@@ -397,13 +399,16 @@ def test_a_server_that_joined_through_the_environment_does_not_claim_a_new_swarm
 # ----- ports and swarms that cannot be reached ---------------------------------------------------------------
 @pytest.mark.swarm
 @pytest.mark.parametrize("name", ["server", "dht", "api"])
-def test_a_port_in_use_is_refused_before_anything_loads(name, busy_port, no_default_peers):
+def test_a_port_in_use_is_refused_before_anything_loads(name, busy_port, no_default_peers, monkeypatch):
+    from swarm.models.checkpoint import CheckpointReader
+
     maddr = f"/ip4/127.0.0.1/tcp/{busy_port}"
     args = {"server": ["--host-maddrs", maddr, "--blocks", "0:8"], "dht": ["--host-maddrs", maddr],
             "api": ["--local", "--port", str(busy_port)]}[name]
-    started = time.monotonic()
+    opened = []  # every checkpoint a command reads opens it here: none may be, before the port is refused
+    monkeypatch.setattr(CheckpointReader, "__init__", lambda self, *a, **k: opened.append(a) or pytest.fail("loaded"))
     assert_one_line(run(name, *args), EXIT_IN_USE, f"port {busy_port} (tcp) is already in use")
-    assert time.monotonic() - started < 5, "refused at start, not after loading the model"
+    assert opened == [], "refused at start, not after loading the model"
 
 
 @pytest.mark.swarm
@@ -417,6 +422,54 @@ def test_missing_blocks_exit_as_not_served(local_swarm, tmp_path):
     result = run("generate", "Hi", "--model", str(unserved), "--initial-peers", local_swarm.initial_peers[0],
                  "--gen-length", "8", "--steps", "4", "--block-length", "8", "--threads", "1")
     assert_one_line(result, EXIT_NOT_SERVED, "no online server holds blocks 0:4")
+
+
+# ----- generate finds the swarm as every command does (issue 46) -------------------------------------------------
+def generate_json(*args: str, env: dict) -> dict:
+    result = run("generate", "Hi", "--gen-length", "8", "--steps", "8", "--block-length", "8", "--threads", "1",
+                 "--json", "--quiet", *args, env=env)
+    assert result.exit_code == 0 and result.stderr == "", result.output
+    return json.loads(result.stdout)
+
+
+def test_generate_takes_its_peers_from_the_environment_and_the_bootstrap_file(local_swarm, tiny_model_path, tmp_path):
+    """It ran the model in its own process whatever $SWARM_INITIAL_PEERS said, and its output did not say where."""
+    from swarm.frontend.local import DiffusionLM
+
+    model = ["--model", str(tiny_model_path)]
+    bootstrap_file = tmp_path / "bootstrap.txt"
+    bootstrap_file.write_text(local_swarm.initial_peers[0] + "\n")
+    nowhere = str(tmp_path / "no-bootstrap-peers.txt")
+    expected = DiffusionLM.from_pretrained(tiny_model_path).generate("Hi", gen_length=8, steps=8, block_length=8)
+    for env in ({ENV_PEERS: local_swarm.initial_peers[0], ENV_BOOTSTRAP_FILE: nowhere},
+                {ENV_PEERS: "", ENV_BOOTSTRAP_FILE: str(bootstrap_file)}):
+        record = generate_json(*model, env=env)
+        hops = record["ran"].split(" -> ")
+        assert record["ran"] != "local" and hops == record["info"]["route"], record["ran"]
+        assert all(re.fullmatch(r"\w{8}\[\d+:\d+\]", hop) for hop in hops), hops
+        assert record["token_ids"] == expected.token_ids and record["info"]["settings"]["seed"] == 0
+    local = generate_json(*model, "--local", env={ENV_PEERS: local_swarm.initial_peers[0]})
+    assert local["ran"] == "local" and "route" not in local["info"] and local["token_ids"] == expected.token_ids
+    conflict = run("generate", "Hi", "--local", "--initial-peers", local_swarm.initial_peers[0])
+    assert conflict.exit_code == EXIT_USAGE and "--local runs the model in this process" in conflict.stderr
+
+
+def test_every_command_that_generates_takes_max_new_tokens():
+    """``--max-new-tokens`` is ``--gen-length`` (as ``max_new_tokens=`` in Python): it answered "No such option"."""
+    from swarm.benchmark.commands import main as benchmark_group
+    from swarm.eval.__main__ import main as eval_cli
+    from swarm.eval.text_quality import main as text_quality_cli
+
+    commands_with_length = [commands()["generate"], eval_cli, text_quality_cli]
+    commands_with_length += [command for command in benchmark_group.commands.values()
+                             if any(param.name == "gen_length" for param in command.params)]
+    assert len(commands_with_length) >= 6
+    for command in commands_with_length:
+        option = next(param for param in command.params if param.name == "gen_length")
+        assert {"--gen-length", "--max-new-tokens"} <= set(option.opts), (command.name, option.opts)
+    scripts = [path for folder in ("swarm", "benchmarks", "examples") for path in Path(folder).rglob("*.py")]
+    declared_elsewhere = [str(path) for path in scripts if '"--gen-length"' in path.read_text()]
+    assert declared_elsewhere == ["swarm/diffusion/config.py"], "declare the flag once: gen_length_option"
 
 
 # ----- a halted swarm ------------------------------------------------------------------------------------------

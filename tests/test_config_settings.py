@@ -47,7 +47,7 @@ def past_bound(field: SettingField) -> Any:
 
 # ----- the command line --------------------------------------------------------------------------------------
 @pytest.mark.parametrize("command, fields, prefix", [(server_cli, SERVER, ""),
-                                                     (generate_cli, CLIENT, "With --initial-peers: ")],
+                                                     (generate_cli, CLIENT, "Through a swarm: ")],
                          ids=["server", "generate"])
 def test_every_declared_setting_is_an_option_with_its_help_default_and_flag(command, fields, prefix):
     params = options_of(command)

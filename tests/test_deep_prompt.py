@@ -46,13 +46,14 @@ from swarm.wire.encoding import (
 )
 from swarm.wire.messages import BackwardRequest, ErrorCode, ForwardRequest, PushSpec, RemoteError
 from swarm.wire.remote import _read_stream
+from tests.conftest import wait_seen
 from tests.test_adapter_sharing import served_and_published
 from tests.test_finetune import (
     GENERATION,
     TOLERANCE,
     client,
     fast_server,
-    kill_on_second_backward,
+    kill_before_its_backward,
     run_finetune,
     write_pairs,
 )
@@ -97,12 +98,13 @@ def test_a_server_killed_mid_backward_is_replaced_with_the_same_deep_prompt_grad
                                                                                      local_lm, tmp_path):
     victim = fast_server(local_swarm, tiny_model_path, "0:2")
     lm = client(local_swarm, tiny_model_path)
-    calls = kill_on_second_backward(local_swarm, lm, victim)
+    wait_seen(lm, [victim])  # the route holds the victim
+    calls = kill_before_its_backward(local_swarm, lm, victim)
     try:
         adapter = deep_adapter_for(local_lm, seed=1)
         _, swarm_grad = adapter_gradient(lm, tmp_path, adapter)
         _, local_grad = adapter_gradient(local_lm, tmp_path, adapter)
-        assert calls[1] == victim.peer_id and victim.peer_id not in calls[2:]  # a replica answered instead
+        assert calls.count(victim.peer_id) == 1, calls  # called once, dead by then: a replica answered instead
         assert (swarm_grad - local_grad).abs().max().item() <= TOLERANCE
     finally:
         lm.shutdown()

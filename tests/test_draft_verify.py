@@ -241,7 +241,7 @@ def head_server(local_swarm, tiny_model_path):
 
 def head_client(local_swarm, tiny_model_path) -> DistributedDiffusionLM:
     return DistributedDiffusionLM.from_pretrained(tiny_model_path, initial_peers=local_swarm.initial_peers,
-                                                  request_timeout=20)
+                                                  request_timeout=20, spot_check_fraction=0)  # checks load a head
 
 
 def test_drafts_with_the_head_on_the_server(local_swarm, tiny_model_path, head_server, local_lm):

@@ -80,14 +80,19 @@ def test_the_command_prints_the_values_used_and_a_given_seed_repeats(tiny_model_
     base = ["Hi", "--model", str(tiny_model_path), "--gen-length", "8", "--threads", "1", "--temperature", "0.7"]
     runs = [CliRunner().invoke(generate_cli, base + ["--seed", "11"]) for _ in range(2)]
     assert runs[0].exit_code == 0 and runs[0].stdout == runs[1].stdout, runs[0].output
-    assert "temperature 0.7, remasking low_confidence, seed 11)" in runs[0].stderr
+    assert "temperature 0.7, remasking low_confidence, seed 11; ran: local)" in runs[0].stderr
 
 
 # ----- item 5: what Hugging Face and Petals users type -------------------------------------------------------
-def test_max_new_tokens_is_refused_with_the_name_to_use(tiny_model_path):
+def test_max_new_tokens_is_gen_length_and_other_libraries_names_get_the_name_to_use(tiny_model_path):
     lm = DiffusionLM.from_pretrained(tiny_model_path)
-    with pytest.raises(TypeError, match=r"max_new_tokens: use gen_length=8 instead of max_new_tokens"):
-        lm.generate("hi", max_new_tokens=8)
+    taken = lm.generate("hi", max_new_tokens=8, seed=3)
+    assert taken.token_ids == lm.generate("hi", gen_length=8, seed=3).token_ids and len(taken.token_ids) == 8
+    assert taken.info["settings"]["gen_length"] == 8
+    with pytest.raises(ValueError, match=r"max_new_tokens=8 and gen_length=16 disagree"):
+        lm.generate("hi", max_new_tokens=8, gen_length=16)
+    with pytest.raises(TypeError, match=r"max_tokens: use gen_length=8 instead of max_tokens"):
+        lm.generate("hi", max_tokens=8)
 
 
 def test_the_server_takes_the_model_as_a_positional_argument():
@@ -127,9 +132,27 @@ def test_progress_elsewhere_is_plain_lines(tiny_model_path):
     line.close()
     assert log.getvalue().splitlines() == ["[step 1] a b", "[step 2] " + "x" * 188 + "..."]
     assert "\r" not in log.getvalue()
-    result = CliRunner().invoke(generate_cli, ["Hi", "--model", str(tiny_model_path), "--gen-length", "8",
-                                               "--steps", "4", "--block-length", "8", "--threads", "1"])
-    steps = [text for text in result.stderr.splitlines() if text.startswith("[step ")]
-    assert [text.split("]")[0] for text in steps] == ["[step 1", "[step 2", "[step 3", "[step 4"], result.stderr
-    assert "\r" not in result.stderr
     assert fit("abc", 2) == "ab" and fit("a  b", 10) == "a b"
+
+
+def test_progress_in_a_log_is_one_line_per_n_steps_and_the_last():
+    """A captured quick start held 64 ``[step N]`` fragments on one line (``\\r`` redraws in a log)."""
+    log = io.StringIO()
+    line = StepLine(stream=log, plain_every=4)
+    for step in range(1, 11):
+        line.show(f"[step {step}]")
+    line.close()
+    assert log.getvalue().splitlines() == ["[step 1]", "[step 5]", "[step 9]", "[step 10]"]
+    quiet = io.StringIO()
+    StepLine(enabled=False, stream=quiet).show("[step 1]")
+    assert quiet.getvalue() == ""
+
+
+def test_generate_shows_progress_lines_off_a_terminal_and_none_when_quiet(tiny_model_path):
+    command = ["Hi", "--model", str(tiny_model_path), "--gen-length", "8", "--block-length", "8", "--threads", "1"]
+    result = CliRunner().invoke(generate_cli, command + ["--steps", "4"])
+    steps = [text for text in result.stderr.splitlines() if text.startswith("[step ")]
+    assert [text.split("]")[0] for text in steps] == ["[step 1", "[step 4"], result.stderr  # one per 16, the last
+    assert "\r" not in result.stderr and "ran: local)" in result.stderr
+    quiet = CliRunner().invoke(generate_cli, command + ["--steps", "4", "--quiet"])
+    assert quiet.exit_code == 0 and quiet.stderr == "" and quiet.stdout == result.stdout, quiet.output

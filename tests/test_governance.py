@@ -264,8 +264,9 @@ def test_restricted_request_uses_only_trusted_servers_and_is_audited(local_swarm
     trusted_ids = {server.peer_id for server in trusted}
     audit = tmp_path / "audit.jsonl"
     # A long ping: on a loaded machine the fast server's first challenge may take seconds, and a missed one bans it.
+    # Checks off for the public request (the default draws 5% of hops): the tiers' own floors are what is tested.
     with DistributedDiffusionLM.from_pretrained(path, initial_peers=local_swarm.initial_peers,
-                                                audit_log=str(audit), connect_timeout=30) as lm:
+                                                audit_log=str(audit), connect_timeout=30, spot_check_fraction=0) as lm:
         wait_seen(lm, [*trusted, untrusted])
         with pytest.raises(ValueError, match="trusted_peers"):
             lm.generate("my password is hunter2", **SETTINGS)
@@ -292,16 +293,22 @@ def test_restricted_request_uses_only_trusted_servers_and_is_audited(local_swarm
 
 
 def test_restricted_request_with_a_single_trusted_holder_stops_unverified(local_swarm, tiered_swarm):
-    """One trusted holder leaves nothing to check its answers against: a restricted request stops, it does not
-    return tokens nobody verified."""
+    """One trusted holder leaves no server to check its answers against: a restricted request stops, it does not
+    return tokens nobody verified; unless the client holds the blocks itself and recomputes every hop (issue 48)."""
     from swarm.client.spot_check import UnverifiedResultError
 
     path, trusted, _ = tiered_swarm
     with DistributedDiffusionLM.from_pretrained(path, initial_peers=local_swarm.initial_peers,
-                                                trusted_peers=(trusted[0].peer_id,)) as lm:
+                                                trusted_peers=(trusted[0].peer_id,), spot_check_local=False) as lm:
         with pytest.raises(UnverifiedResultError, match="two trusted peers"):
             lm.generate("my password is hunter2", **SETTINGS)
         assert lm.generate("a story", **SETTINGS).info["tier"] == "public"  # other tiers are unaffected
+    with DistributedDiffusionLM.from_pretrained(path, initial_peers=local_swarm.initial_peers,
+                                                trusted_peers=(trusted[0].peer_id,)) as lm:
+        result = lm.generate("my password is hunter2", **SETTINGS)
+        checks = result.info["spot_checks"]
+        assert result.info["tier"] == "restricted" and checks and result.info["unchecked"] == 0
+        assert {(c["verdict"], tuple(c["checkers"])) for c in checks} == {("agreed", ("local",))}, checks
 
 
 def test_client_without_keys_still_ends_cleanly_when_a_server_refuses_as_halted(local_swarm, governed):

@@ -152,8 +152,10 @@ def head_swarm(local_swarm, tiny_model_path):
                for span, extra in (("0:2", ()), ("2:4", ("--head",)))]
     for server in servers:
         local_swarm.wait_ready(server)
+    # Checks off: where the head runs is tested here, and a checked head hop loads the client's head (no second head
+    # server holds these blocks: the client scores a replica's or its own recomputed hidden states)
     with DistributedDiffusionLM.from_pretrained(tiny_model_path, initial_peers=local_swarm.initial_peers,
-                                                dht_prefix=prefix, request_timeout=20) as lm:
+                                                dht_prefix=prefix, request_timeout=20, spot_check_fraction=0) as lm:
         yield lm, servers
     stop_all(local_swarm, [server for server in servers if server.alive])  # their own prefix
 
@@ -220,7 +222,8 @@ def test_experts_compose_on_the_head_servers_cut_without_the_clients_head(local_
                                       f"alpha={alpha}", "--compute-threads", "1", name="head-test-expert")
     try:
         with DistributedDiffusionLM.from_pretrained(tiny_model_path, initial_peers=local_swarm.initial_peers,
-                                                    dht_prefix="head-test", request_timeout=20) as fresh:
+                                                    dht_prefix="head-test", request_timeout=20,
+                                                    spot_check_fraction=0) as fresh:  # a checked head hop loads it
             for name, settings in EXPERT_SETTINGS.items():
                 kwargs = dict(SHORT, expert_tau=3.0, expert_top_k=16, **settings)
                 remote = fresh.generate(PROMPT, experts={"alpha": 0.7}, **kwargs)
@@ -276,7 +279,8 @@ def test_losing_the_head_server_mid_run_keeps_the_tokens(local_swarm, head_swarm
     settings = dict(SHORT, temperature=0.7)
     try:
         with DistributedDiffusionLM.from_pretrained(tiny_model_path, initial_peers=local_swarm.initial_peers,
-                                                    dht_prefix="head-test", request_timeout=20) as fresh:
+                                                    dht_prefix="head-test", request_timeout=20,
+                                                    spot_check_fraction=0) as fresh:  # a checked head hop loads it
             chunks = fresh.generate_stream(PROMPT, **settings)
             next(chunks)
             assert fresh._head is None
@@ -307,7 +311,7 @@ def test_bfloat16_checkpoints_with_the_head_on_the_swarm(local_swarm, layout, bf
     path, prefix, _ = bfloat16_head_servers[layout]
     local = swarm.DiffusionLM.from_pretrained(path)
     with DistributedDiffusionLM.from_pretrained(path, initial_peers=local_swarm.initial_peers,
-                                                dht_prefix=prefix) as lm:
+                                                dht_prefix=prefix, spot_check_fraction=0) as lm:  # checks load a head
         for settings in (dict(gen_length=8, steps=8, block_length=4, seed=2),
                          dict(gen_length=8, steps=4, block_length=4, seed=2, temperature=0.8, cfg_scale=1.0)):
             assert lm.generate(PROMPT, **settings).token_ids == local.generate(PROMPT, **settings).token_ids

@@ -263,6 +263,8 @@ def pushed_passes(lm, run, monkeypatch) -> tuple[object, PushStats, int]:
     """``run()``'s result, what happened to the pushed passes it made, and how many passes ran hop by hop (with
     push on, each one is a pushed pass that fell back: the tokens are the same, so only this count tells)."""
     hop_by_hop, original = [], lm.sequence._hop_by_hop
+    if lm.client_config.push:  # passes are pushed only while spot checks are off
+        monkeypatch.setattr(lm.client_config, "spot_check_fraction", 0.0)
     monkeypatch.setattr(lm.sequence, "_hop_by_hop",
                         lambda *args, **kwargs: hop_by_hop.append(1) or original(*args, **kwargs))
     assert no_pass_in_flight(lm)

@@ -194,12 +194,20 @@ def test_the_checks_catch_what_they_are_for():
     assert layer_of(PACKAGE / "dht" / "__main__.py", table) == 0  # the most specific path wins
 
 
-def test_ci_runs_the_readmes_test_command():
-    """`.ci/run` runs the README's lint-and-test command, word for word (the README says CI runs exactly that)."""
+def test_ci_runs_the_readmes_test_command_in_a_fresh_environment():
+    """`.ci/run` runs the README's install-lint-and-test command, word for word but for pip's --quiet, inside a virtual
+    environment it has just made (the README says CI runs exactly that; the machine's own packages once hid an
+    undeclared test dependency)."""
     readme = (ROOT / "README.md").read_text()
-    command = re.search(r'pip install -e "\.\[test\]" && (ruff check \. && python -m pytest[^\n]*)', readme).group(1)
-    ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
-    assert command in ci, f"README: {command!r}; .ci/run runs: {[line for line in ci if 'pytest' in line]}"
+    command = re.search(r'(pip install torch==2\.13\.0 && pip install -e "\.\[test\]" && ruff check \. && '
+                        r'python -m pytest[^\n`]*)', readme).group(1).strip()
+    script = (ROOT / ".ci" / "run").read_text().replace("\\\n", " ")
+    lines = [" ".join(line.replace("--quiet ", "").split()) for line in script.splitlines()]
+    assert command in lines, f"README: {command!r}; .ci/run runs: {[line for line in lines if 'pytest' in line]}"
+    made = next(i for i, line in enumerate(lines) if re.fullmatch(r'python3? -m venv "\$venv"', line))
+    entered = next(i for i, line in enumerate(lines) if line == '. "$venv/bin/activate"')
+    assert made < entered < lines.index(command)
+    assert re.search(r'venv="\$\(mktemp -d ', script), "a new folder every run, not one left from the last"
 
 
 def test_every_test_the_docs_name_exists():

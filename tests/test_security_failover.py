@@ -223,6 +223,9 @@ def test_sigkill_mid_generation_keeps_the_local_tokens(victims, failover_lm, loc
     settings = {key: value for key, value in case.items() if key != "push"}
     victim = victims.take()
     failover_lm.client_config.push = case.get("push", False)
+    checks = failover_lm.client_config.spot_check_fraction
+    if case.get("push"):  # passes are pushed only while spot checks are off
+        failover_lm.client_config.spot_check_fraction = 0.0
     try:
         assert [hop.peer_id for hop in failover_lm.planner.build_route()] == [victim.peer_id]
         result = None
@@ -241,4 +244,5 @@ def test_sigkill_mid_generation_keeps_the_local_tokens(victims, failover_lm, loc
             assert all(info["cache"]["fills"] > 0 for info in infos)
     finally:
         failover_lm.client_config.push = False
+        failover_lm.client_config.spot_check_fraction = checks
         victims.release(victim)

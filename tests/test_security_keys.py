@@ -29,12 +29,12 @@ from swarm.adapters.sharing import name_key as adapter_name_key
 from swarm.adapters.sharing import publish as publish_adapter
 from swarm.adapters.sharing import read_hosts as read_adapter_hosts
 from swarm.adapters.sharing import read_published as read_adapter
-from swarm.audit.records import AuditReport, publish_report, read_report
 from swarm.dht.identity import Identity
 from swarm.dht.keys import WEIGHTS_NAME
 from swarm.dht.node import NetworkConfig, start_dht, stop_dht, visible_maddrs
 from swarm.dht.schema import audit_key, forget_local_copies, now, protected_keys
 from swarm.dht.validation import ed25519_text, sign_slot, slot_subkey
+from swarm.reports.records import AuditReport, publish_report, read_report
 from swarm.weights.records import HostRecord, PublishedModel, WeightsError, declare_host, hosts_key, name_key
 from swarm.weights.records import publish as publish_name
 from swarm.weights.records import read_hosts as read_weight_hosts
@@ -247,7 +247,7 @@ def test_a_name_publish_that_no_other_peer_reads_back_fails():
             dht.run_coroutine(partial(_unprotect))
         with attacker(others) as flooder:
             assert hide(flooder, name_key(name), others.storing_peers, regular=True) == [True] * 3
-        with pytest.raises(WeightsError, match="did not keep the record"):
+        with pytest.raises(WeightsError, match="it is not readable, so it is not published"):
             publish_weights_name(others, name)
         forget_local_copies(others.reader, [name_key(name)])
         assert not weights_name_found(others, name)
@@ -279,7 +279,7 @@ def test_fresh_keys_filling_a_name_leave_room_for_a_trusted_publisher(tmp_path):
             taken = squatter.run_coroutine(partial(_squat, key=key, peers=network.storing_peers, slots=slots,
                                                    expiration=expiration))
         assert taken == [WEIGHTS_NAME.max_subkeys] * 3, taken
-        with pytest.raises(WeightsError, match="did not keep the record"):  # the limit: an untrusted name is full
+        with pytest.raises(WeightsError, match="it is not readable, so it is not published"):  # the limit: an untrusted name is full
             publish_weights_name(network, name)
         publish_weights_name(network, name, trusted)
         found = read_names(network.reader, name)

@@ -48,7 +48,8 @@ def test_without_spot_checks_the_faulty_server_changes_the_answer(local_swarm, a
     """The control: the perturbation is large enough to matter, so the catch above is meaningful."""
     path, faulty = audited_swarm
     local = DiffusionLM.from_pretrained(path)
-    with DistributedDiffusionLM.from_pretrained(path, initial_peers=local_swarm.initial_peers) as lm:
+    with DistributedDiffusionLM.from_pretrained(path, initial_peers=local_swarm.initial_peers,
+                                                spot_check_fraction=0) as lm:
         ids = __import__("torch").randint(0, 256, (1, 12))
         assert lm.show_route()[0].peer_id == faulty.peer_id
         difference = (lm.logits(ids) - local.logits(ids)).abs().max()
@@ -71,7 +72,8 @@ def test_a_server_that_lists_bottlenecks_and_misapplies_them_is_caught(local_swa
     try:
         for server in (*honest, liar):
             local_swarm.wait_ready(server)
-        with DistributedDiffusionLM.from_pretrained(path, initial_peers=local_swarm.initial_peers) as lm:
+        with DistributedDiffusionLM.from_pretrained(path, initial_peers=local_swarm.initial_peers,
+                                                    spot_check_fraction=0) as lm:  # checks off: the danger
             assert lm.show_route()[0].peer_id == liar.peer_id, "the liar should be the first choice"
             assert lm.generate("audit", **SETTINGS).token_ids == local.generate("audit", **SETTINGS).token_ids
             unchecked = lm.generate("audit", adapter=adapter, **SETTINGS).token_ids

@@ -1,6 +1,8 @@
-"""Use management on a live server (issue 39 item 4): two clients (two libp2p ids) on one server started with
-``--max-share-per-caller 0.5``; the heavy one is refused as busy with a retry hint while the light one is served,
-and ``rpc_info`` counts both. The ledger itself is unit-tested in tests/test_usage.py."""
+"""Use management on a live server (issue 39 item 4, issue 48 item 5): two clients (two libp2p ids) on one server
+started with ``--max-share-per-caller 0.5``. The red team's attack: a stranger's tiny call makes the heavy user "over
+its share"; the old cap then refused the heavy user while the server sat idle (one generation took 179.5 s instead of
+0.04 s). Now the share only orders callers that wait, so the heavy user is never refused, and ``rpc_info`` counts
+both. The ledger and the scheduler are unit-tested in tests/test_usage.py and tests/test_scheduler.py."""
 from __future__ import annotations
 
 import json
@@ -11,14 +13,14 @@ from pathlib import Path
 import torch
 
 from swarm.frontend.local import DiffusionLM
-from swarm.wire.messages import ErrorCode, ForwardRequest, RemoteError
+from swarm.wire.messages import ForwardRequest
 from tests.conftest import make_checkpoint, stop_all, swarm_client, tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST = dict(gen_length=16, steps=4, block_length=8, temperature=0.0, seed=0)
 
 
-def test_a_heavy_caller_gets_busy_with_a_retry_hint_while_a_light_one_is_served(local_swarm, tmp_path):
+def test_a_strangers_tiny_calls_never_get_a_heavy_user_refused_on_an_idle_server(local_swarm, tmp_path):
     path = make_checkpoint(tmp_path / "usage", tiny_config(), seed=11)
     server = local_swarm.start_server(str(path), "0:4", "--compute-threads", "1", "--max-share-per-caller", "0.5",
                                       "--share-window", "120")
@@ -32,23 +34,14 @@ def test_a_heavy_caller_gets_busy_with_a_retry_hint_while_a_light_one_is_served(
             hidden = torch.randn(batch, length, lm.config.hidden_size)
             return lm.loop.run(lm.caller.forward(server.peer_id, ForwardRequest(0, 4, hidden, "", -1), 30))
 
-        refused = None
-        for _ in range(40):  # the heavy caller works alone at first: never refused, however much it uses
+        for _ in range(40):  # the heavy caller works alone at first
             call(heavy, 16, 256)
-        light.show_route()  # the light one comes: challenged (a small pass) and served, under its share
+        light.show_route()  # the stranger comes: challenged (a small pass) and served
         light_output = call(light, 1, 8)
         assert light_output.shape == (1, 8, light.config.hidden_size)
-        for _ in range(5):  # now the heavy one is over its share while another has been served
-            try:
-                call(heavy, 16, 256)
-            except RemoteError as error:
-                refused = error
-                break
-        assert refused is not None, "the heavy caller was never refused: the cap did nothing"
-        assert refused.code == ErrorCode.BUSY and "--max-share-per-caller" in refused.message
-        assert refused.retry_after is not None and 0 < refused.retry_after <= 120
-        # ... and the light one is still served, through the client's ordinary generation too
-        assert call(light, 1, 8).shape == (1, 8, light.config.hidden_size)
+        for _ in range(5):  # the heavy caller is now far over its share, and the server idle between its calls:
+            assert call(heavy, 16, 256).shape == (16, 256, heavy.config.hidden_size)  # served, never refused
+            assert call(light, 1, 8).shape == (1, 8, light.config.hidden_size)  # the stranger's calls go on too
         result = light.generate("light", **FAST)
         assert result.token_ids == DiffusionLM.from_pretrained(path).generate("light", **FAST).token_ids
 
@@ -57,11 +50,11 @@ def test_a_heavy_caller_gets_busy_with_a_retry_hint_while_a_light_one_is_served(
         callers = {entry["peer_id"]: entry for entry in usage["callers"]}
         assert set(callers) == {heavy_id, light_id}
         assert usage["max_share"] == 0.5 and usage["window_s"] == 120
-        assert callers[heavy_id]["tokens"] >= 40 * 16 * 256 * 4 and callers[heavy_id]["refused"] >= 1
+        assert callers[heavy_id]["tokens"] >= 45 * 16 * 256 * 4 and callers[heavy_id]["refused"] == 0
         assert 0 < callers[light_id]["tokens"] < callers[heavy_id]["tokens"] and callers[light_id]["refused"] == 0
         assert callers[heavy_id]["seconds"] > callers[light_id]["seconds"] > 0
         assert usage["total"]["tokens"] == sum(entry["tokens"] for entry in usage["callers"])
-        assert usage["refused"] >= 1
+        assert usage["refused"] == 0
         # swarm.health --usage shows the same counts, in JSON and as text
         peers = [arg for peer in local_swarm.initial_peers for arg in ("--initial-peers", peer)]
         health = [sys.executable, "-m", "swarm.health", "--model", str(path), "--usage", *peers]
@@ -69,13 +62,13 @@ def test_a_heavy_caller_gets_busy_with_a_retry_hint_while_a_light_one_is_served(
         assert done.returncode == 0, done.stderr[-2000:]
         shown = {entry["peer_id"]: entry["usage"] for entry in json.loads(done.stdout)["servers"]}[server.peer_id]
         assert {entry["peer_id"] for entry in shown["callers"]} == {heavy_id, light_id}
-        assert shown["total"]["tokens"] >= usage["total"]["tokens"] and shown["refused"] >= 1
+        assert shown["total"]["tokens"] >= usage["total"]["tokens"] and shown["refused"] == 0
         assert shown["max_share"] == 0.5
         done = subprocess.run(health, capture_output=True, text=True, timeout=120, cwd=ROOT)
         assert done.returncode == 0, done.stderr[-2000:]
         assert "SHARE CAP" in done.stdout and f"...{heavy_id[-8:]}" in done.stdout and "50% of 120 s" in done.stdout
         print(done.stdout)
-        print(f"\nrefused: {refused.message} (retry_after {refused.retry_after:.1f} s); usage: {usage}")
+        print(f"\nusage: {usage}")
     finally:
         heavy.shutdown()
         light.shutdown()

@@ -15,20 +15,24 @@ import signal
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import AsyncIterator
 
 import pytest
 from click.testing import CliRunner
-from hivemind.p2p import P2PContext
+from hivemind.dht.routing import DHTID
+from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import runtime_pb2
+from hivemind.utils import MSGPackSerializer
 from huggingface_hub import constants
+from safetensors.torch import load_file, save_file
 
 from swarm.dht.identity import Identity
 from swarm.dht.node import NetworkConfig, start_dht, stop_dht
 from swarm.dht.schema import now, read_servers
 from swarm.dht.validation import sign_slot, slot_subkey
-from swarm.governance.keys import generate_private_key
+from swarm.governance.keys import generate_private_key, public_key_text
 from swarm.models.loading import ModelFiles
 from swarm.utils.event_loop import BackgroundLoop
 from swarm.utils.local_swarm import LocalSwarm
@@ -44,11 +48,13 @@ from swarm.weights.records import (
     declare_host,
     hosts_key,
     name_key,
+    publish,
     read_hosts,
     read_published,
 )
 from swarm.weights.service import Bandwidth, ServeLimits, WeightServer
 from swarm.weights.source import SwarmWeights
+from swarm.weights.trust import PublisherTrust
 from swarm.weights.wire import MANIFEST, TENSOR, ReadRequest, data_messages, read_range
 from swarm.wire.messages import ErrorCode, RemoteError
 from tests.conftest import make_checkpoint, tiny_config, wait_until
@@ -93,6 +99,26 @@ def peer(swarm):
     identity.remove()
 
 
+@pytest.fixture(scope="module")
+def liars(swarm, tiny_model_path):
+    """Issue 48's attack on fetch by id: keyless peers store their own hosts records under the model's key with
+    lying hints: two claim the manifest is a byte shorter (the size most records then give), one that it is a
+    byte longer and that it holds every tensor. None serves anything."""
+    size = len(build_manifest(tiny_model_path).to_bytes())
+    peers = []
+    for claim in (size - 1, size - 1, size + 1):
+        identity = Identity.load_or_create()
+        dht = start_dht(NetworkConfig(initial_peers=swarm.initial_peers), identity=identity)
+        peers.append((dht, identity))
+        record = HostRecord(str(dht.peer_id), (), claim)
+        assert declare_host(dht, build_manifest(tiny_model_path).model_id, record, identity.owner_subkey(),
+                            now() + 3000)
+    yield [str(dht.peer_id) for dht, _ in peers]
+    for dht, identity in peers:
+        stop_dht(dht)
+        identity.remove()
+
+
 @pytest.fixture()
 def cache_home(home, tmp_path, monkeypatch) -> Path:
     """This process's HF_HOME for the test: a fresh cache."""
@@ -105,9 +131,13 @@ def blocks_of(names: list[str], *blocks: int) -> frozenset[int]:
 
 
 def test_a_server_named_by_id_starts_from_peers_alone_and_computes_as_the_local_model(
-        swarm, peer, model_id, home, tiny_model_path, local_lm, cache_home):
+        swarm, peer, liars, model_id, home, tiny_model_path, local_lm, cache_home):
+    """With the liars' records there too (issue 48): their size hints ban nobody."""
     dht, _ = peer
-    assert wait_until(lambda: read_hosts(dht, model_id), timeout=60), "the publisher announces its weights"
+    publisher = next(p for p in swarm.processes if p.name == "publisher")
+    assert wait_until(lambda: publisher.peer_id in {h.peer_id for h in read_hosts(dht, model_id)}, timeout=60), \
+        "the publisher announces its weights"
+    assert set(liars) <= {h.peer_id for h in read_hosts(dht, model_id)}
     cache = home / "swarm" / "weights" / model_id
     assert not cache.exists()
     server = swarm.start_server(model_id, "2:4", "--compute-threads", "1", name="by-id")
@@ -117,6 +147,7 @@ def test_a_server_named_by_id_starts_from_peers_alone_and_computes_as_the_local_
     assert fetched == {tensor_file(i) for i in blocks_of(names, 2, 3)}, "only blocks 2 and 3 were fetched"
     assert installed["name"] == tiny_model_path.name  # so it announces under the publisher's DHT prefix
     assert any("fetched" in line and "from 1 peers" in line for line in server.log), server.log[-20:]
+    assert not any("banning peer" in line and publisher.peer_id in line for line in server.log)
 
     from swarm.client import DistributedDiffusionLM
 
@@ -382,32 +413,41 @@ def publish_with_cli(swarm, directory: Path, name: str, key: Path) -> dict:
     return json.loads(result.stdout)
 
 
-def test_a_name_claimed_by_two_publishers_needs_the_publisher(swarm, tiny_model_path, tmp_path, cache_home):
+def test_a_name_claimed_by_two_trusted_publishers_needs_the_publisher(swarm, tiny_model_path, tmp_path, cache_home):
     first, second = tmp_path / "first.key", tmp_path / "second.key"
-    generate_private_key(first)
-    generate_private_key(second)
+    first_key, second_key = generate_private_key(first), generate_private_key(second)
     other = make_checkpoint(tmp_path / tiny_model_path.name, tiny_config(), seed=5)
     published = publish_with_cli(swarm, tiny_model_path, "tiny-claimed", first)
     rival = publish_with_cli(swarm, other, "tiny-claimed", second)
     assert published["model_id"] == build_manifest(tiny_model_path).model_id != rival["model_id"]
 
     peers = [arg for peer in swarm.initial_peers for arg in ("--initial-peers", peer)]
-    shown = CliRunner().invoke(weights_main, ["show", "tiny-claimed", *peers])
+    shown = CliRunner().invoke(weights_main, ["show", "tiny-claimed", "--trusted-publishers",
+                                              public_key_text(first_key), *peers])
     assert shown.exit_code == 0, shown.output
-    served = {r["model_id"]: {h["peer_id"] for h in r["served_by"]} for r in json.loads(shown.stdout)}
+    listed = json.loads(shown.stdout)
+    served = {r["model_id"]: {h["peer_id"] for h in r["served_by"]} for r in listed}
+    assert {r["model_id"]: r["trusted"] for r in listed} == {published["model_id"]: True, rival["model_id"]: False}
     publisher = next(p for p in swarm.processes if p.name == "publisher")
     assert set(served) == {published["model_id"], rival["model_id"]} and not served[rival["model_id"]]
     assert publisher.peer_id in served[published["model_id"]]  # (with the server named by id, when it ran first)
 
-    weights = SwarmWeights(NetworkConfig(initial_peers=swarm.initial_peers))
+    both = PublisherTrust.of([public_key_text(first_key), public_key_text(second_key)])
+    weights = SwarmWeights(NetworkConfig(initial_peers=swarm.initial_peers), trust=both)
     try:
-        with pytest.raises(WeightsError, match="several publishers claim the model name 'tiny-claimed': choose one "
-                                               "of tiny-claimed@"):
+        with pytest.raises(WeightsError, match="several publishers you trust claim the model name 'tiny-claimed' "
+                                               "for different models: choose one of tiny-claimed@"):
             weights.resolve("tiny-claimed")
         source = weights.resolve(f"tiny-claimed@{published['publisher']}")
         assert source.path.parent.name == published["model_id"]
         with pytest.raises(WeightsError, match="no model is published under 'tiny-claimed' by publisher 0123"):
             weights.resolve("tiny-claimed@0123456789abcdef")
+        weights.trust = PublisherTrust.of(["none"])
+        with pytest.raises(WeightsError, match="names are not resolved here .*: name the model by its id"):
+            weights.resolve("tiny-claimed")
+        weights.trust = PublisherTrust.of([public_key_text(second_key)])  # the name is the rival's (served by none)
+        with pytest.raises(WeightsError, match=f"model {rival['model_id']}: no peer serves it now"):
+            weights.resolve("tiny-claimed")
     finally:
         weights.close()
 
@@ -421,9 +461,10 @@ def test_a_record_signed_by_another_key_than_its_slot_is_refused(swarm, peer, tm
     forged = sign_slot(forger_key, name_key("tiny-forged"), record.payload(), expiration)
     assert not dht.store(name_key("tiny-forged"), forged, expiration_time=expiration, subkey=slot_subkey(owner_key))
     assert read_published(dht, "tiny-forged") == []
-    weights = SwarmWeights(NetworkConfig(initial_peers=swarm.initial_peers))
+    trust = PublisherTrust.of([public_key_text(owner_key), public_key_text(forger_key)])
+    weights = SwarmWeights(NetworkConfig(initial_peers=swarm.initial_peers), trust=trust)
     try:
-        with pytest.raises(WeightsError, match="no model is published under 'tiny-forged'"):
+        with pytest.raises(WeightsError, match="no publisher you trust .* published 'tiny-forged'"):
             weights.resolve("tiny-forged")
     finally:
         weights.close()
@@ -492,6 +533,123 @@ def test_a_fetch_killed_midway_resumes_from_the_parts_it_checked(
             assert sha256_hex(files.path.joinpath(tensor_file(index)).read_bytes()[-entry.size:]) == entry.sha256
     finally:
         hostile.holdings, hostile.bandwidth = saved_holdings, saved_bandwidth
+
+
+# ----- issue 48: no peer punished on a stranger's claim; names with trust roots; publish read back ---------------
+def test_lying_hints_in_strangers_records_ban_nobody(swarm, liars, model_id, tiny_model_path, cache_home, tmp_path,
+                                                     monkeypatch):
+    """``python -m swarm.weights fetch ID`` with the liars' records (sizes one byte short and long, a claim to hold
+    every tensor): it works, and the honest host is never banned. A name record whose signed size is wrong (by a
+    trusted publisher) is a hint too."""
+    peers = [arg for peer in swarm.initial_peers for arg in ("--initial-peers", peer)]
+    result = CliRunner().invoke(weights_main, ["fetch", model_id, "--blocks", "0:1", *peers])
+    assert result.exit_code == 0, result.output
+    publisher = next(p for p in swarm.processes if p.name == "publisher").peer_id
+
+    key = generate_private_key(tmp_path / "publisher.key")
+    size = len(build_manifest(tiny_model_path).to_bytes())
+    dht = start_dht(NetworkConfig(initial_peers=swarm.initial_peers, client_mode=True))
+    try:
+        publish(dht, key, PublishedModel("tiny-short", model_id, size - 1, 1, time.time()))
+    finally:
+        stop_dht(dht)
+    for home in ("by-id", "by-name"):  # fresh caches: the manifest is fetched again
+        monkeypatch.setattr(constants, "HF_HOME", str(tmp_path / home))
+        weights = SwarmWeights(NetworkConfig(initial_peers=swarm.initial_peers),
+                               trust=PublisherTrust.of([public_key_text(key)]))
+        try:
+            files = ModelFiles(model_id if home == "by-id" else "tiny-short", resolvers=[weights.resolve])
+            files.span(0, 2)
+        finally:
+            weights.close()
+        assert files.path.parent.name == model_id
+        assert publisher not in weights.banned, weights.banned
+        assert not set(weights.banned) & {p.peer_id for p in swarm.processes}, "no honest server is banned"
+
+
+def negated_copy(source: Path, target: Path) -> Path:
+    """A copy of the checkpoint with one tensor negated (the squatter's model)."""
+    shutil.copytree(source, target)
+    path = next(target.glob("*.safetensors"))
+    tensors = load_file(path)
+    name = next(n for n in sorted(tensors) if "mlp" in n)
+    tensors[name] = -tensors[name]
+    save_file(tensors, path, metadata={"format": "pt"})
+    return target
+
+
+def test_a_squatted_name_changes_nothing_for_a_default_user(swarm, tiny_model_path, tmp_path, cache_home,
+                                                            monkeypatch):
+    """Issue 48, item 3: a stranger publishes a popular name first, for the model with one tensor negated. A
+    default user (trusting the governance keys, here the honest publisher's) installs nothing; once the honest
+    publisher publishes, the name is the honest model for the fetch command and for ``swarm.server --model NAME``,
+    with no "several publishers" error."""
+    honest_key = generate_private_key(tmp_path / "honest.key")
+    stranger = tmp_path / "stranger.key"
+    generate_private_key(stranger)
+    squatted = negated_copy(tiny_model_path, tmp_path / "squat" / tiny_model_path.name)
+    squat = publish_with_cli(swarm, squatted, "tiny-popular", stranger)
+    monkeypatch.setenv("SWARM_GOVERNANCE_KEYS", public_key_text(honest_key))
+    peers = [arg for peer in swarm.initial_peers for arg in ("--initial-peers", peer)]
+    refused = CliRunner().invoke(weights_main, ["fetch", "tiny-popular", *peers])
+    assert refused.exit_code == 2 and "no publisher you trust (the governance keys) published 'tiny-popular' (1 " \
+        "records by publishers you do not trust are ignored)" in refused.output, refused.output
+    assert not (cache_home / "swarm" / "weights" / squat["model_id"]).exists()
+
+    honest = publish_with_cli(swarm, tiny_model_path, "tiny-popular", tmp_path / "honest.key")
+    fetched = CliRunner().invoke(weights_main, ["fetch", "tiny-popular", *peers])
+    assert fetched.exit_code == 0, fetched.output
+    assert Path(fetched.stdout.strip().splitlines()[-1]).parent.name == honest["model_id"] != squat["model_id"]
+    assert not (cache_home / "swarm" / "weights" / squat["model_id"]).exists()
+
+    pub = tmp_path / "honest.pub"
+    pub.write_text(public_key_text(honest_key))
+    server = swarm.start_server("tiny-popular", "0:1", "--compute-threads", "1", "--governance-key", str(pub),
+                                "--governance-stale-after", "0", name="by-name")
+    try:
+        assert any(f"model 'tiny-popular' is {honest['model_id']}" in line for line in server.log), server.log[-20:]
+    finally:
+        swarm.terminate(server)
+
+
+async def _fill_key(dht, node, key: str, peers: list[str], count: int) -> None:
+    """Issue 48's flood: ``count`` one-byte plain subkeys under ``key`` on each of ``peers`` (in batches)."""
+    value, expiration = MSGPackSerializer.dumps(b"x"), now() + 600
+    subkeys = [f"squat-{i}".encode() for i in range(count)]
+    for peer in peers:
+        for start in range(0, count, 256):
+            batch = subkeys[start:start + 256]
+            await node.protocol.call_store(PeerID.from_base58(peer), [DHTID.generate(source=key)] * len(batch),
+                                           [value] * len(batch), expiration, subkeys=batch)
+
+
+def test_a_publish_succeeds_only_when_other_peers_return_it(swarm, peer, liars, tiny_model_path, tmp_path):
+    """Issue 48, item 2's flood: 1,024 one-byte plain subkeys under a name key before it is published. A publish
+    that reports success (exit 0) is read back by another peer; one that is not readable says so and fails
+    (exit 1) instead of "published ... rc 0" (where storing peers refuse the flood, the first happens)."""
+    dht, _ = peer
+    key = tmp_path / "flooded.key"
+    generate_private_key(key)
+    attacker = plain_attacker(swarm.initial_peers)
+    try:
+        storing = [p.peer_id for p in swarm.processes if p.alive and p.peer_id] + [str(dht.peer_id), *liars]
+        attacker.run_coroutine(partial(_fill_key, key=name_key("tiny-flooded"), peers=storing, count=1024))
+    finally:
+        attacker.shutdown()  # gone, as a flooder may be: its subkeys stay on the peers it flooded
+    peers = [arg for p in swarm.initial_peers for arg in ("--initial-peers", p)]
+    result = CliRunner().invoke(weights_main, ["publish", str(tiny_model_path), "--name", "tiny-flooded",
+                                               "--key", str(key), *peers])
+    reader = start_dht(NetworkConfig(initial_peers=swarm.initial_peers, client_mode=True))
+    try:
+        readable = [r.model_id for r in read_published(reader, "tiny-flooded")]
+    finally:
+        stop_dht(reader)
+    if result.exit_code == 0:
+        assert readable == [build_manifest(tiny_model_path).model_id], "a publish said success for an unread record"
+    else:
+        assert result.exit_code == 1 and "other peers do not return it: it is not readable, so it is not " \
+            "published" in result.output, result.output
+        assert "published 'tiny-flooded'" not in result.output
 
 
 @pytest.mark.parametrize("command", [["show", "tiny"], ["publish", ".", "--name", "tiny", "--key", __file__]])

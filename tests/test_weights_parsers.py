@@ -9,10 +9,13 @@ import json
 from typing import Any
 
 import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hivemind.utils import MSGPackSerializer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from swarm.adapters.sharing import author_id
+from swarm.dht.validation import ed25519_text
 from swarm.weights.cache import PartialTensor, tensor_indices
 from swarm.weights.manifest import (
     MAX_PART_BYTES,
@@ -24,7 +27,8 @@ from swarm.weights.manifest import (
     check_against_config,
     part_bytes_for,
 )
-from swarm.weights.records import HostRecord, PublishedModel, parse_reference
+from swarm.weights.records import HostRecord, PublishedModel, WeightsError, choose_published, parse_reference
+from swarm.weights.trust import PublisherTrust, TrustError
 from swarm.weights.wire import MAX_READ_BYTES, ReadRequest
 from swarm.wire.messages import ErrorCode, RemoteError
 
@@ -221,3 +225,41 @@ def test_any_name_record_is_valid_or_a_value_error(value):
 def test_a_malformed_reference_is_refused(reference):
     with pytest.raises(ValueError, match="no published model name"):
         parse_reference(reference)
+
+
+# ----- issue 48: names resolve only through trusted publishers, whatever records arrive ----------------------------
+PUBLISHER_KEYS = [Ed25519PrivateKey.from_private_bytes(bytes([i]) * 32) for i in range(1, 5)]
+PUBLISHERS = [ed25519_text(key) for key in PUBLISHER_KEYS]
+published_records = st.lists(st.builds(
+    PublishedModel, st.just("tiny"), st.sampled_from(["ab" * 32, "cd" * 32, "ef" * 32]), st.integers(1, 10**6),
+    st.integers(0, 10**9), st.floats(0, 1e10), st.sampled_from(PUBLISHERS)), max_size=8)
+
+
+@FUZZ
+@given(records=published_records, trusted=st.sets(st.sampled_from(PUBLISHERS)),
+       pinned=st.one_of(st.none(), st.sampled_from(PUBLISHERS)))
+def test_a_name_resolves_only_to_a_record_of_a_trusted_or_named_publisher(records, trusted, pinned):
+    trust = PublisherTrust.of(sorted(trusted)) if trusted else PublisherTrust(frozenset(), True)
+    reference = "tiny" if pinned is None else f"tiny@{author_id(pinned)}"
+    try:
+        chosen = choose_published(records, reference, trust)
+    except WeightsError:
+        trusted_ids = {r.model_id for r in records if r.publisher in trusted}
+        assert pinned is not None or len(trusted_ids) != 1, "one trusted model id must resolve"
+        return
+    assert chosen in records
+    assert chosen.publisher == pinned if pinned is not None else chosen.publisher in trusted
+    if pinned is None:  # strangers' records change nothing: the same choice without them
+        assert choose_published([r for r in records if r.publisher in trusted], reference, trust) == chosen
+    assert not PublisherTrust.of(["none"]).trusts(chosen.publisher)
+
+
+@FUZZ
+@given(texts=st.lists(st.text(max_size=60), max_size=4))
+def test_trusted_publishers_are_keys_none_or_a_clear_error(texts, tmp_path_factory):
+    try:
+        trust = PublisherTrust.of(texts, governance_keys=[PUBLISHERS[0]])
+    except TrustError as error:
+        assert "trusted publishers" in str(error)
+        return
+    assert trust.keys <= set(PUBLISHERS) or not trust.names

@@ -401,6 +401,13 @@ def fetch_published(dht: DHT, prefix: str, reference: str, base: dict[str, Any],
     fetched from a peer that serves it and checked (size, content hash) first. :class:`AdapterError` otherwise."""
     name, author = split_reference(reference)
     record = choose_record(read_published(dht, prefix, name), reference, author)
+    return fetch_record(dht, prefix, record, reference, base, cache_dir, fetch)
+
+
+def fetch_record(dht: DHT, prefix: str, record: PublishedAdapter, reference: str, base: dict[str, Any],
+                 cache_dir: Path, fetch: Fetch) -> Path:
+    """The directory of ``record``'s content (``reference`` names it in messages): from the cache, or fetched from a
+    peer that serves it and checked (size, content hash) first. :class:`AdapterError` otherwise."""
     check_before_fetch(record, base)
     directory = cached(cache_dir, record)
     if directory is not None:

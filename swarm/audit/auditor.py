@@ -14,12 +14,16 @@ answer (unreachable, refused, timed out) is an *error* (no verdict on honesty), 
 measures the server: its ping's round trip, the call's seconds and the throughput it delivered (rows / seconds, as
 a client waits for them), beside what its record announces.
 
+A single fresh first call is easy to single out, so each round also runs ``--generations`` whole generations through
+every server as a client would (with caches, head queries and adapters where the server offers them) and recomputes a
+random share ``--sample`` of every kind of call on the auditor's own blocks (:mod:`swarm.audit.traffic`).
+
 With ``--score-adapters TASK`` it also scores every published adapter (the first :data:`MAX_ADAPTERS` the catalog
 lists) on held-out problems of ``swarm.eval``'s task, drawn anew each round from ``os.urandom``, generating *through
 the swarm* as a user would (``adapter="name@AUTHOR"``; a client of the auditor's own DHT peer that trusts the
 auditor itself, so servers it failed are avoided), and publishes the exact-match score beside the author's claim.
 
-After each round the auditor publishes one signed report (:mod:`swarm.audit.records`) with every server's counts
+After each round the auditor publishes one signed report (:mod:`swarm.reports.records`) with every server's counts
 since the auditor started, and the latest score of each adapter content per task.
 """
 from __future__ import annotations
@@ -41,9 +45,22 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hivemind.dht import DHT
 
 from swarm.adapters.adapter import AdapterError
-from swarm.adapters.sharing import read_catalog
+from swarm.adapters.sharing import MAX_CATALOG_NAMES
+from swarm.adapters.versions import published_versions, reference_of
 from swarm.audit.config import AuditorConfig
-from swarm.audit.records import (
+from swarm.audit.traffic import TrafficAuditor, TrafficCheck, client_config
+from swarm.client.config import DEFAULT_OVERCLAIM_FACTOR, ClientConfig
+from swarm.client.model import DistributedDiffusionLM
+from swarm.client.planner import CHALLENGE_ROWS, CHALLENGE_STEPS
+from swarm.client.reference import LocalReference
+from swarm.client.spot_check import answers_agree, relative_difference
+from swarm.dht.node import start_dht, stop_dht
+from swarm.dht.schema import ServerRecord, ServerState, default_prefix, protected_keys, read_servers
+from swarm.dht.validation import ed25519_text
+from swarm.eval.tasks import evaluate_task
+from swarm.models.loading import ModelFiles
+from swarm.reports.adoption import to_score
+from swarm.reports.records import (
     ERROR,
     FAIL,
     MAX_ADAPTERS,
@@ -55,14 +72,6 @@ from swarm.audit.records import (
     ServerAudit,
     publish_report,
 )
-from swarm.client.config import DEFAULT_OVERCLAIM_FACTOR, ClientConfig
-from swarm.client.planner import CHALLENGE_ROWS, CHALLENGE_STEPS
-from swarm.client.spot_check import answers_agree, relative_difference
-from swarm.dht.node import start_dht, stop_dht
-from swarm.dht.schema import ServerRecord, ServerState, default_prefix, protected_keys, read_servers
-from swarm.dht.validation import ed25519_text
-from swarm.eval.tasks import evaluate_task
-from swarm.models.loading import ModelFiles
 from swarm.server.usage import parse_usage
 from swarm.train.data import TASKS
 from swarm.utils.errors import SwarmError
@@ -141,6 +150,12 @@ class Auditor:
         self.scores: dict[tuple[str, str], AdapterAudit] = {}  # (content sha256, task) -> its latest score
         self.speeds: dict[str, deque[float]] = {}  # peer -> throughput its last answered checks delivered
         self._client = None  # the swarm client that scores adapters, made at the first scoring
+        self._round_dht = self.dht  # the DHT peer of this round's identity (challenger)
+        reference = LocalReference(lambda start, end: self.blocks, lambda: self.head)
+        audit_client = client_config(ClientConfig(network=config.network, dht_prefix=self.prefix,
+                                                  request_timeout=config.request_timeout), config.sample)
+        self.traffic = TrafficAuditor(files, self.prefix, audit_client, reference, self.rng)
+        self._head = None
         self.sequence = 0
         self.rounds = 0
 
@@ -151,6 +166,13 @@ class Auditor:
             logger.info("loading blocks 0:%d of %s to check servers against", self.model.num_layers, self.files.path)
             self._blocks = self.files.span(0, self.model.num_layers)
         return self._blocks
+
+    @property
+    def head(self):
+        """The auditor's own final norm and head (head servers' predictions are recomputed with it)."""
+        if self._head is None:
+            self._head = self.files.head()
+        return self._head
 
     # ----- one challenge ---------------------------------------------------------------------------
     def challenge(self, start: int, end: int) -> ForwardRequest:
@@ -173,9 +195,12 @@ class Auditor:
         with torch.inference_mode():
             return self.blocks(request.hidden.to(self.dtype), blocks=(request.start, request.end)).to(self.dtype)
 
-    def check(self, record: ServerRecord) -> list[Check]:
+    def check(self, record: ServerRecord, servers: Optional[list[ServerRecord]] = None,
+              lm: Optional[DistributedDiffusionLM] = None) -> list[Check]:
         """Ping the server, then send it ``challenges`` challenges through its announced span, one after another,
-        each compared with the auditor's own pass; stops at the first that does not pass."""
+        each compared with the auditor's own pass; then (with the round's client ``lm``) ``generations`` whole
+        generations through it with a sample of their calls recomputed. Stops at the first check that does not
+        pass."""
         try:
             rtt, usage = self._ping(record)
         except RemoteError as error:
@@ -183,7 +208,19 @@ class Auditor:
         checks = []
         while len(checks) < self.config.challenges and (not checks or checks[-1].verdict == PASS):
             checks.append(dataclasses.replace(self._challenge(record, rtt), usage=usage))
+        if lm is not None and self.config.generations and checks[-1].verdict == PASS:
+            traffic = self.traffic.check(lm, record, servers or [record], self.config.generations)
+            self.log_traffic(record, traffic)
+            if traffic.verdict != PASS:  # the throughput figures stay the challenge's
+                checks.append(dataclasses.replace(checks[-1], verdict=traffic.verdict, reason=traffic.reason))
         return checks
+
+    @staticmethod
+    def log_traffic(record: ServerRecord, traffic: TrafficCheck) -> None:
+        log = logger.warning if traffic.verdict == FAIL else logger.info
+        log("server %s: %d audit generations, %d of its calls recomputed (%s): %s%s", record.peer_id,
+            traffic.generations, traffic.calls_checked, ", ".join(traffic.kinds) or "none", traffic.verdict.upper(),
+            f" ({traffic.reason})" if traffic.reason else "")
 
     def _challenge(self, record: ServerRecord, rtt: float) -> Check:
         """One challenge through the server's announced span, compared with the auditor's own pass."""
@@ -225,8 +262,6 @@ class Auditor:
         """A swarm client on the auditor's own DHT peer, trusting this auditor's reports (it avoids the servers the
         auditor failed), that generates with published adapters as any user would."""
         if self._client is None:
-            from swarm.client.model import DistributedDiffusionLM
-
             config = ClientConfig(network=self.config.network, dht_prefix=self.prefix,
                                   request_timeout=self.config.request_timeout, trusted_auditors=(self.public_key,))
             self._client = DistributedDiffusionLM(self.files, config, dht=self.dht)
@@ -250,8 +285,11 @@ class Auditor:
         if not self.config.score_adapters:
             return {}
         made = {}
-        for record, _ in read_catalog(self.dht, self.prefix)[:MAX_ADAPTERS]:
-            reference = f"{record.name}@{record.author_id}"
+        published = published_versions(self.dht, self.prefix, MAX_CATALOG_NAMES)
+        live = {record.sha256 for record in published}  # versions dropped or withdrawn are forgotten: bounded
+        self.scores = {key: entry for key, entry in self.scores.items() if key[0] in live}
+        for record in to_score(published, self.scores, MAX_ADAPTERS):
+            reference = reference_of(record)  # this version exactly (swarm.adapters.versions)
             for task in self.config.score_adapters:
                 seed = self.rng.randrange(2**31)  # held-out problems an author cannot know in advance
                 # Fetch what the name holds now: a client keeps an adapter per name, and an author who republished
@@ -331,14 +369,29 @@ class Auditor:
         network = dataclasses.replace(self.config.network, identity_path=None, client_mode=True)
         dht = start_dht(network)
         own, self.caller = self.caller, RemoteCaller(self.loop.run(dht.replicate_p2p()))
+        self._round_dht = dht
         try:
             yield str(dht.peer_id)
         finally:
+            self._round_dht = self.dht
             fresh, self.caller = self.caller, own
             try:
                 self.loop.run(fresh.p2p.shutdown(), timeout=5)
             finally:
                 stop_dht(dht)
+
+    @contextlib.contextmanager
+    def round_client(self) -> Iterator[Optional[DistributedDiffusionLM]]:
+        """A swarm client of this round's identity for the audit generations (None with ``generations`` 0): made per
+        round, so what it learnt of servers (a liar distrusted) does not carry over into the next round's checks."""
+        if not self.config.generations:
+            yield None
+            return
+        lm = self.traffic.client(self._round_dht)
+        try:
+            yield lm
+        finally:
+            lm.shutdown()  # shares the round's DHT peer: stops nothing of it
 
     def run_round(self, score: bool = True) -> RoundResult:
         """Check every online server once, in random order (from this round's identity), score the published adapters
@@ -348,9 +401,9 @@ class Auditor:
                    if r.state == ServerState.ONLINE]
         self.rng.shuffle(servers)
         checked: dict[str, Check] = {}
-        with self.challenger() as identity:
+        with self.challenger() as identity, self.round_client() as lm:
             logger.debug("challenging %d servers as %s", min(len(servers), MAX_SERVERS), identity)
-            found = {server.peer_id: self.check(server) for server in servers[:MAX_SERVERS]}
+            found = {server.peer_id: self.check(server, servers, lm) for server in servers[:MAX_SERVERS]}
         for server in servers[:MAX_SERVERS]:
             for check in found[server.peer_id]:
                 audit = self.record(server, check, time.time())

@@ -36,6 +36,15 @@ class AuditorConfig:
     challenges: int = setting(1, "Challenges per server per round, one after another until one fails: a server "
                                  "lying on a share p of its answers is failed after about 1 / (p x challenges) "
                                  "rounds, at that many passes of its span per round.", low=1, high=64)
+    generations: int = setting(
+        1, "Whole generations per server per round, run as a client would (a random prompt and sampler settings, the "
+           "activation cache, the server's head and a per-block adapter where it offers them; 32 calls each), so a "
+           "server cannot answer audits honestly and lie on later calls, caches, head queries or adapters; 0 sends "
+           "the single challenges only.", low=0, high=64)
+    sample: float = setting(
+        0.5, "Share of every generation's calls (each kind) recomputed on the auditor's own blocks and compared: a "
+             "server lying on a share p of its calls is caught in one generation with probability "
+             "1 - (1 - sample x p)^32.", low=0.0, high=1.0, low_open=True)
     request_timeout: float = setting(30.0, "Seconds a challenge may take through one server; longer is an error "
                                            "(no verdict on honesty).", low=0.0, high=3600.0, low_open=True)
     connect_timeout: float = setting(5.0, "Seconds for the ping that measures a server's round trip.", low=0.0,

@@ -12,6 +12,8 @@
   task accuracy, fills, reuses, rows computed and wall time.
 * ``composition-cost``: the client's CPU per step for an expert composition at LLaDA-8B's vocabulary, stage by
   stage, top k and whole vocabulary (``composition_cost.py``).
+* ``concurrency``: 1, 4 and 16 concurrent clients of one server, batched vs unbatched, same tokens checked; ``shares``:
+  the red team's attacks on the share cap, against the fair scheduler (``server_load.py``).
 
 Latency is injected in user space (``ClientConfig.inject_latency``), since these machines have no netem:
 every one-way network crossing is delayed, so a call to a server costs two delays, and a pushed pass
@@ -31,9 +33,11 @@ import click
 
 from swarm.benchmark.adapter_wire import adapter_wire
 from swarm.benchmark.composition_cost import composition_cost
+from swarm.benchmark.invariance_cost import invariance_cost
 from swarm.benchmark.realscale import realscale
+from swarm.benchmark.server_load import concurrency, shares
 from swarm.benchmark.timing import time_calls
-from swarm.cli.options import SwarmGroup
+from swarm.cli.options import SwarmGroup, gen_length_option
 from swarm.diffusion.config import MAX_DRAFT_STEPS, MAX_STALENESS
 from swarm.diffusion.remasking import STRATEGIES
 from swarm.utils.local_swarm import LocalSwarm
@@ -129,7 +133,7 @@ def latency(model: str, length: int, repeats: int, latency_ms: float, threads: i
               help="Comma-separated Picard window sizes.")
 @click.option("--latencies-ms", default="0,50", show_default=True, callback=comma_list(float, 0),
               help="Comma-separated injected one-way delays per network crossing (ms; a call crosses twice).")
-@click.option("--gen-length", type=int, default=64, show_default=True, help="Tokens generated.")
+@gen_length_option(type=int, default=64, show_default=True, help="Tokens generated.")
 @click.option("--steps", type=int, default=64, show_default=True, help="Denoising steps.")
 @click.option("--block-length", type=int, default=32, show_default=True, help="Semi-autoregressive block size.")
 @click.option("--prompt", default=PROMPT, show_default=True, help="Prompt text.")
@@ -294,7 +298,7 @@ def time_through_swarm(model: str, strategies: Sequence[str], delays: Sequence[f
               help="Held-out addition problems.")
 @click.option("--task-lengths", default="8,64", show_default=True, callback=comma_list(int, 1),
               help="Comma-separated gen_length values for the addition problems (8 is the task's own).")
-@click.option("--gen-length", type=int, default=64, show_default=True, help="Prose tokens generated.")
+@gen_length_option(type=int, default=64, show_default=True, help="Prose tokens generated.")
 @click.option("--remasking", default=",".join(STRATEGIES), show_default=True, help="Comma-separated strategies.")
 @click.option("--latencies-ms", default="", help="Also time the prose prompt through two servers on loopback at these "
                                                   "injected one-way delays (comma-separated ms; none by default).")
@@ -395,7 +399,7 @@ def _is_fraction(text: str) -> bool:
                    "checked), draftsN (draft-and-verify, N drafted steps per call; exact), sync (none of them).")
 @click.option("--latency-ms", type=float, default=50.0, show_default=True,
               help="Injected one-way delay per network crossing (ms), compared with 0.")
-@click.option("--gen-length", type=int, default=256, show_default=True, help="Tokens generated.")
+@gen_length_option(type=int, default=256, show_default=True, help="Tokens generated.")
 @click.option("--block-length", type=int, default=32, show_default=True, help="Semi-autoregressive block size.")
 @click.option("--prompt", default=PROMPT, show_default=True, help="Prompt text.")
 @click.option("--task-model", default="addition", show_default=True,
@@ -429,8 +433,9 @@ def hiding(model: str, modes: str, latency_ms: float, gen_length: int, block_len
     agreement = {}
     with two_server_swarm(model, threads) as swarm:
         for delay in delays:
+            # Checks off (push needs them off; the figures were measured so): spot checks cost is GOVERNANCE.md's
             with DistributedDiffusionLM.from_pretrained(model, initial_peers=swarm.initial_peers,
-                                                        inject_latency=delay / 1000) as lm:
+                                                        inject_latency=delay / 1000, spot_check_fraction=0) as lm:
                 lm.generate(prompt, gen_length=block_length, steps=4, block_length=block_length)  # warm-up
                 for spec, (settings, push) in parsed.items():
                     lm.client_config.push = push
@@ -511,3 +516,6 @@ def cache_refresh(task_model: str, task_examples: int, refreshes: list[int], dri
 main.add_command(realscale)  # issue 17: per-step costs at LLaDA-8B's widths (realscale.py)
 main.add_command(adapter_wire)  # issue 19: a LoRA on the wire at those widths (adapter_wire.py)
 main.add_command(composition_cost)  # issue 36: the client's CPU for an expert composition (composition_cost.py)
+main.add_command(concurrency)  # issue 47: batching several clients' calls on one server (server_load.py)
+main.add_command(shares)  # issue 48: the fair scheduler against the red team's shapes (server_load.py)
+main.add_command(invariance_cost)  # issue 47: batch-invariant passes vs default ones (invariance_cost.py)

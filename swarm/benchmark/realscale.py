@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Optional
 import click
 import psutil
 
+from swarm.cli.options import gen_length_option
 from swarm.utils.local_swarm import LocalSwarm
 
 if TYPE_CHECKING:
@@ -258,7 +259,7 @@ def start_span_servers(swarm: LocalSwarm, path: Path, span: int, *options: str) 
 
 @click.command("realscale")
 @swarm_options
-@click.option("--gen-length", type=click.IntRange(min=1), default=16, show_default=True,
+@gen_length_option(type=click.IntRange(min=1), default=16, show_default=True,
               help="Tokens generated per run (one block; steps = gen length).")
 @click.option("--prompt-tokens", type=click.IntRange(min=1), default=16, show_default=True,
               help="Prompt length in tokens.")
@@ -301,10 +302,11 @@ def run_setting(path: Path, swarm: LocalSwarm, servers, prompt: list[int], setti
     from swarm.client import DistributedDiffusionLM
 
     wire = setting.wire_dtype
+    # Spot checks off, as the figures were measured: a checked hop would load the head, or recompute 8B-wide blocks
     with DistributedDiffusionLM.from_pretrained(path, initial_peers=swarm.initial_peers, wire_dtype=wire,
                                                 head_rows=setting.head_rows, dht_prefix=f"realscale-{wire}",
                                                 dtype=setting.client_dtype, head=setting.head,
-                                                request_timeout=120, connect_timeout=60) as lm:
+                                                request_timeout=120, connect_timeout=60, spot_check_fraction=0) as lm:
         click.echo(f"running: {setting.label} ...", err=True)
         generation = dict(settings, **dict(setting.generation))
         with tempfile.TemporaryDirectory(prefix="realscale-lora-") as folder:

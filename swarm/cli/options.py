@@ -282,6 +282,15 @@ def generation_options(command: Callable, fields: Optional[Iterable[SettingField
     return command
 
 
+def gen_length_option(**kwargs: Any) -> Callable[[Callable], Callable]:
+    """``--gen-length`` with its declared synonyms (``--max-new-tokens``), for commands that declare their own
+    default and help: every command that generates accepts the same names as :class:`GenerationConfig`."""
+    from swarm.diffusion.config import GenerationConfig
+    from swarm.utils.settings import declared
+
+    return click.option(*declared(GenerationConfig, "gen_length").spec.flags, "gen_length", **kwargs)
+
+
 def pop_generation_kwargs(options: dict[str, Any], keys: Iterable[str] = GENERATION_KEYS + REQUEST_KEYS) -> dict:
     """Take the generation options out of a command's keyword arguments: those the user gave.
 

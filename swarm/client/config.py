@@ -25,6 +25,10 @@ def client_network(initial_peers: "str | list[str] | tuple[str, ...]") -> Networ
     return NetworkConfig(initial_peers=as_peer_list(initial_peers), client_mode=True)
 
 
+# Share of hops a client re-executes elsewhere by default (issue 48): one extra hop's compute per 20 (measured cost in
+# docs/GOVERNANCE.md, "Measured"), so a server lying on every answer is caught within a generation or two.
+DEFAULT_SPOT_CHECK_FRACTION = 0.05
+
 # A server announcing over this many times the throughput a trusted auditor calibrated is routed by the calibration;
 # the auditor's log, the health map and the web map flag overclaims past the same default.
 DEFAULT_OVERCLAIM_FACTOR = 4.0
@@ -69,8 +73,15 @@ class ClientConfig:
     head: str = setting(
         "auto", "Where the output head runs. auto: on the last server when it offers it (--head), else here; client: "
                 "always here.", choices=HEAD_PLACES, cli=True)
-    spot_check_fraction: float = setting(0.0, "Share of hops re-executed on another server to compare their answers "
-                                              "(safety tiers may raise it).", low=0.0, high=1.0, cli=True)
+    spot_check_fraction: float = setting(
+        DEFAULT_SPOT_CHECK_FRACTION, "Share of hops (every kind of call: later steps, cache fills and reuses, head "
+                                     "queries, adapters) re-executed on another server, or here when none holds the "
+                                     "blocks and this checkpoint does, to compare the answers (safety tiers may raise "
+                                     "it; 0 turns checks off, docs/GOVERNANCE.md).", low=0.0, high=1.0, cli=True)
+    spot_check_local: bool = setting(
+        True, "When no other server can check a hop and this client's checkpoint holds every block, recompute the hop "
+              "here (the blocks are loaded at the first such check); otherwise the hop is reported unchecked.",
+        cli=False)
     spot_check_rtol: float = setting(1e-3, "Relative difference tolerated between two servers (float32 wire).",
                                      **POSITIVE, cli=False)
     # Which hops get checked: None draws from os.urandom (a server cannot predict it); a seed makes it reproducible
@@ -88,6 +99,13 @@ class ClientConfig:
             "or several in one value separated by commas). A server whose most recent check by one of them failed is "
             "avoided like a banned one. Default: the governance keys; 'none' trusts no auditor (docs/AUDIT.md).",
         flags=("--trusted-auditors", "--trusted-auditor"), cli=True)
+    adoption_margin: float = setting(
+        0.05, "adapter='best:TASK' and experts='auto' move from the adapter version they use to another only when a "
+              "trusted auditor measured it better by this share of held-out problems (docs/AUDIT.md, adoption).",
+        low=0.0, high=1.0, cli=False)
+    trusted_publishers: tuple[str, ...] = setting(
+        (), "Author ids (16 hex digits) whose adapter versions adapter='best:TASK' and experts='auto' may choose; "
+            "empty: any publisher's.", cli=False)
     overclaim_factor: float = setting(
         DEFAULT_OVERCLAIM_FACTOR,
         "A server announcing over this many times the throughput a trusted auditor's measurements calibrate it to is "

@@ -13,14 +13,15 @@ import torch
 from hivemind.dht import DHT
 
 from swarm.adapters.adapter import AdapterError, PromptAdapter
-from swarm.adapters.sharing import default_cache_dir, fetch_published, read_catalog
-from swarm.audit.records import BEST, AuditBook, trusted_auditors
+from swarm.adapters.sharing import MAX_CATALOG_NAMES, default_cache_dir
+from swarm.adapters.versions import fetch_reference, published_versions, reference_of
 from swarm.client.backbone import SwarmBackbone
 from swarm.client.config import ClientConfig, client_network
 from swarm.client.experts import RemoteExpert, open_remote_experts
 from swarm.client.head_use import HeadUse
 from swarm.client.planner import RoutePlanner
 from swarm.client.push import PushReceiver
+from swarm.client.reference import LocalReference
 from swarm.client.routing import RouteHop, compress_ranges
 from swarm.client.sequence import RemoteSequence
 from swarm.dht.compatibility import CompatibilityTag
@@ -40,11 +41,14 @@ from swarm.governance.keys import trusted_signers
 from swarm.governance.tiers import TierRules
 from swarm.models.loading import DEFAULT_MODEL, ModelFiles
 from swarm.models.modules import OutputHead
+from swarm.reports.adoption import choose
+from swarm.reports.records import BEST, AuditBook, trusted_auditors
 from swarm.utils.event_loop import BackgroundLoop
 from swarm.utils.settings import replaced
 from swarm.utils.text import plural
 from swarm.utils.threads import use_threads
 from swarm.weights.source import SwarmWeights
+from swarm.weights.trust import PublisherTrust
 from swarm.wire.messages import RemoteError
 from swarm.wire.remote import RemoteCaller
 
@@ -116,6 +120,10 @@ class DistributedDiffusionLM(BaseDiffusionLM):
         exact = self.compute_dtype == files.default_dtype and config.wire_dtype == "auto"
         self.sequence.use_client_parts(self.embedding, (lambda: self.head) if exact else None,
                                        self.config.max_position_embeddings)
+        if exact and config.spot_check_local and not self.missing_blocks():  # a hop nobody else holds: recompute it
+            self.sequence.spot_checker.reference = LocalReference(
+                lambda start, end: files.span(start, end, config.dtype), lambda: self.head, self.config.num_layers)
+        self.only_peers: Optional[frozenset[str]] = None  # peers every request may route through (None: any)
         self.guard = GovernanceGuard(self.dht, self.prefix, config.governance_keys, ttl=config.governance_ttl,
                                      stale_after=config.governance_stale_after)
         self.tier_rules = TierRules.from_file(config.tier_rules_path) if config.tier_rules_path else TierRules()
@@ -123,7 +131,8 @@ class DistributedDiffusionLM(BaseDiffusionLM):
         self._spot_checks_seen = self._failovers_seen = 0
         self._local: Optional[DiffusionLM] = None
         self._receiver: Optional[PushReceiver] = None
-        self.best_adapters: dict[str, tuple[float, str]] = {}  # task -> (when chosen, name@AUTHOR) for adapter="best:"
+        # task -> (when chosen, name@AUTHOR@VERSION, its sha256) for adapter="best:" (swarm.reports.adoption)
+        self.best_adapters: dict[str, tuple[float, str, str]] = {}
 
     @classmethod
     def from_pretrained(
@@ -137,7 +146,8 @@ class DistributedDiffusionLM(BaseDiffusionLM):
         (:func:`~swarm.utils.threads.use_threads`)."""
         config = replaced(config or ClientConfig(network=client_network(initial_peers)), "client option", **overrides)
         use_threads(threads)
-        return cls(ModelFiles(name_or_path, resolvers=[SwarmWeights(config.network).resolve]), config, dht)
+        weights = SwarmWeights(config.network, trust=PublisherTrust.of((), config.governance_keys))  # names by them
+        return cls(ModelFiles(name_or_path, resolvers=[weights.resolve]), config, dht)
 
     @property
     def head(self) -> OutputHead:
@@ -267,14 +277,13 @@ class DistributedDiffusionLM(BaseDiffusionLM):
             return
         for chunk in self.local_model().generate_stream(prompt, scale="local", **kwargs):
             if chunk.result is not None:
-                chunk.result.info.update(route=["local"], failovers=[], spot_checks=[])
+                chunk.result.info.update(route=["local"], failovers=[], spot_checks=[], unchecked=0)
             yield chunk
 
     def local_model(self) -> DiffusionLM:
         """The whole model in this process, for ``scale="local"``: only when the checkpoint has every block."""
         if self._local is None:
-            missing = [i for i in range(self.config.num_layers)
-                       if not self.files.reader.has(f"blocks.{i}.attn_norm.weight")]
+            missing = self.missing_blocks()
             if missing:
                 raise ValueError(f"scale='local' needs every block's weights locally; {self.files.path} lacks "
                                  f"blocks {compress_ranges(missing)}")
@@ -282,6 +291,10 @@ class DistributedDiffusionLM(BaseDiffusionLM):
                                       self.client_config.head_rows)
             self._local.limits = self.limits  # the same request bounds as this client
         return self._local
+
+    def missing_blocks(self) -> list[int]:
+        """Blocks whose weights this client's checkpoint lacks (those of a checkpoint fetched for its embedding)."""
+        return [i for i in range(self.config.num_layers) if not self.files.reader.has(f"blocks.{i}.attn_norm.weight")]
 
     def begin_request(self, prompt: str | Sequence[int], prompt_ids: Sequence[int], tier: Optional[str],
                       plan: ScalePlan) -> dict[str, Any]:
@@ -292,7 +305,7 @@ class DistributedDiffusionLM(BaseDiffusionLM):
         if policy.trusted_only and not self.client_config.trusted_peers:
             raise ValueError(f"a {tier} request may only use trusted servers: set ClientConfig.trusted_peers")
         fraction = max(self.client_config.spot_check_fraction, policy.spot_check_fraction, plan.spot_check_fraction)
-        allowed = frozenset(self.client_config.trusted_peers) if policy.trusted_only else None
+        allowed = frozenset(self.client_config.trusted_peers) if policy.trusted_only else self.only_peers
         self.sequence.apply_policy(fraction, allowed, require_verified=policy.require_verified)
         self._spot_checks_seen = len(self.sequence.spot_checker.outcomes)
         self._failovers_seen = len(self.sequence.failovers)
@@ -305,6 +318,7 @@ class DistributedDiffusionLM(BaseDiffusionLM):
                 "approximate": self.approximate_hops(),
                 "failovers": [vars(event) for event in self.sequence.failovers[self._failovers_seen:]],
                 "spot_checks": [outcome.to_dict() for outcome in outcomes],
+                "unchecked": self.sequence.spot_checker.unchecked,
                 "distrusted": sorted(self.sequence.distrusted),
                 "audit_failed": sorted(self.sequence.health.audit_failed),
                 "audit_overclaimed": {peer: round(ratio, 2) for peer, ratio in
@@ -352,9 +366,11 @@ class DistributedDiffusionLM(BaseDiffusionLM):
         return None
 
     def best_adapter(self, task: str) -> str:
-        """``name@AUTHOR`` of the published adapter whose content has the best score on ``task`` in the reports of
-        the auditors this client trusts (authors' own claims play no part); :class:`AdapterError` when no trusted
-        auditor scored one. Resolved again after ``route_refresh`` seconds (the choice is in ``best_adapters``)."""
+        """``name@AUTHOR@VERSION`` of the published adapter version to use for ``task``: chosen by the scores of the
+        auditors this client trusts (publishers' own claims play no part), moving from the version held only when a
+        trusted audit measured another better by ``adoption_margin`` (``swarm.reports.adoption``), among the publishers
+        of ``trusted_publishers`` when set; :class:`AdapterError` when no trusted auditor scored one. Resolved again
+        after ``route_refresh`` seconds (the choice is in ``best_adapters``)."""
         held = self.best_adapters.get(task)
         if held is not None and time.monotonic() - held[0] <= self.client_config.route_refresh:
             return held[1]
@@ -363,15 +379,18 @@ class DistributedDiffusionLM(BaseDiffusionLM):
             raise AdapterError(f"adapter='{BEST}{task}' picks by trusted auditors' scores, and this client trusts no "
                                "auditor: set trusted_auditors (or governance keys)")
         self.planner.refresh_if_stale()  # the reports are read with the server list (route_refresh), not again
-        found = book.best_adapter(task, [record for record, _ in read_catalog(self.dht, self.prefix)])
+        found = choose(book, task, published_versions(self.dht, self.prefix, MAX_CATALOG_NAMES),
+                       held[2] if held is not None else None, self.client_config.adoption_margin,
+                       frozenset(self.client_config.trusted_publishers))
         if found is None:
             raise AdapterError(f"adapter='{BEST}{task}': no published adapter has a score on {task!r} by a trusted "
                                "auditor (python -m swarm.health --trusted-auditors KEY lists the scores)")
-        record, auditor, score = found
-        reference = f"{record.name}@{record.author_id}"
-        logger.info("adapter %s%s is %s: %d/%d held-out problems exact by auditor %s... (its author claims %s)", BEST,
-                    task, reference, score.correct, score.examples, auditor[:12], record.score)
-        self.best_adapters[task] = (time.monotonic(), reference)
+        reference, score = reference_of(found.record), found.score
+        if held is None or held[1] != reference:
+            logger.info("adapter %s%s is %s: %d/%d held-out problems exact by auditor %s... (publisher claims %s)%s",
+                        BEST, task, reference, score.correct, score.examples, found.auditor[:12], found.record.score,
+                        f"; moved from {held[1]}" if held is not None else "")
+        self.best_adapters[task] = (time.monotonic(), reference, found.record.sha256)
         return reference
 
     def find_adapter(self, name_or_path: str, base: dict[str, Any]) -> PromptAdapter:
@@ -380,7 +399,7 @@ class DistributedDiffusionLM(BaseDiffusionLM):
         if Path(name_or_path).is_dir() or "/" in name_or_path:  # a path (a missing one is refused as such)
             return PromptAdapter.load(name_or_path, base)
 
-        directory = fetch_published(self.dht, self.prefix, name_or_path, base,
+        directory = fetch_reference(self.dht, self.prefix, name_or_path, base,
                                     self.adapter_cache or default_cache_dir(), self._fetch_adapter_files)
         return PromptAdapter.load(directory, base)
 

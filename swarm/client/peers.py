@@ -107,7 +107,7 @@ class PeerHealth:
         logger.warning("avoiding peer %s for the rest of the session: %s", peer, reason)
 
     def audit_failures(self, failed: dict[str, str]) -> None:
-        """Avoid exactly the peers whose latest check by a trusted auditor failed (``swarm.audit.records``), with why;
+        """Avoid exactly the peers whose latest check by a trusted auditor failed (``swarm.reports.records``), with why;
         replaced on each read of the reports, so a server that passes a later check is used again."""
         with self._lock:
             new = {peer: reason for peer, reason in failed.items() if peer not in self._audit_failed}

@@ -26,12 +26,12 @@ from hivemind.dht import DHT
 
 from swarm.adapters.block import BlockAdapter
 from swarm.adapters.kinds import described
-from swarm.audit.records import AuditBook
 from swarm.client.config import ClientConfig
 from swarm.client.failover import RetryBudget
 from swarm.client.peers import PeerHealth
 from swarm.client.routing import MissingBlocksError, RouteHop, find_route
 from swarm.dht.schema import ServerRecord, ServerState, read_servers
+from swarm.reports.records import AuditBook
 from swarm.utils.event_loop import BackgroundLoop
 from swarm.utils.text import plural
 from swarm.wire.messages import ErrorCode, ForwardRequest, RemoteError

@@ -25,6 +25,12 @@ stops the generation at once.
 
 Reuse passes of the activation cache are checked too: the checker first receives the same fill the
 checked server reused (the client keeps each hop's fill input while checks are on), then the reuse.
+
+A *reference* (:class:`~swarm.client.reference.LocalReference`: this process's own copy of the blocks) is a trusted
+checker. A client whose checkpoint holds the blocks uses it when no other server can check a hop; an auditor uses it
+for every check (``reference_only``), so its verdicts never depend on another server's word. Without either, the hop
+stays unchecked: its outcome says ``no_checker``, the request's ``result.info["unchecked"]`` counts it and the first
+one of a request is logged as a warning, so no tokens are returned as checked that were not.
 """
 from __future__ import annotations
 
@@ -42,6 +48,7 @@ from swarm.adapters.block import BlockAdapter
 from swarm.client.config import ClientConfig
 from swarm.client.failover import RetriesExhausted
 from swarm.client.peers import PeerHealth
+from swarm.client.reference import LOCAL, LocalReference
 from swarm.diffusion.pipeline import CacheDirective
 from swarm.diffusion.prediction import HeadQuery, exact_columns, predict_from_hidden
 from swarm.utils.errors import SwarmError
@@ -78,10 +85,25 @@ class SpotCheckOutcome:
     verdict: str  # "agreed", "primary_faulty", "checker_faulty", "unresolved", "no_checker"
     reuse: bool = False  # the checked call reused the activation cache
     note: str = ""  # how a verdict without a majority of servers was reached
+    kind: str = "plain"  # what the checked call carried (call_kind)
 
     def to_dict(self) -> dict:
         return {"step": self.step, "blocks": list(self.blocks), "primary": self.primary,
-                "checkers": self.checkers, "verdict": self.verdict, "reuse": self.reuse, "note": self.note}
+                "checkers": self.checkers, "verdict": self.verdict, "reuse": self.reuse, "note": self.note,
+                "kind": self.kind}
+
+
+def call_kind(request: ForwardRequest) -> str:
+    """What a span call carries besides hidden states, as words (``fill+head``, ``reuse+adapter``, ``plain``): the
+    kinds of call a liar could single out, named in outcomes and audit reasons."""
+    parts = []
+    if request.cache is not None:
+        parts.append("fill" if request.cache.fill else "reuse")
+    if request.head is not None:
+        parts.append("head")
+    if request.adapter is not None:
+        parts.append("adapter")
+    return "+".join(parts) or "plain"
 
 
 def schedule_rng(seed: Optional[int]) -> random.Random:
@@ -159,6 +181,15 @@ class SpotChecker:
         # head servers can check head servers).
         self.load_head: Optional[Callable[[], "OutputHead"]] = None
         self._said_scoring = False
+        # A trusted recomputation of any hop (None: none); with reference_only, the only checker asked (an auditor)
+        self.reference: Optional[LocalReference] = None
+        self.reference_only = False
+        self.unchecked = 0  # hops drawn for a check that nobody could check, since the last reset (per request)
+
+    def reset(self) -> None:
+        """Before a request: forget earlier generations' fill inputs and unchecked hops."""
+        self.fills.clear()
+        self.unchecked = 0
 
     def maybe_check(self, request: ForwardRequest, primary: str, output: torch.Tensor,
                     head: Optional[HeadQuery] = None) -> torch.Tensor:
@@ -174,7 +205,10 @@ class SpotChecker:
 
     def check(self, request: ForwardRequest, primary: str, output: torch.Tensor,
               head: Optional[HeadQuery] = None) -> torch.Tensor:
-        """Ask other holders until two servers agree; the first agreeing pair wins (see the module doc)."""
+        """Ask other holders until two servers agree; the first agreeing pair wins (see the module doc). With only
+        the reference, or when no other holder answers, the reference decides."""
+        if self.reference is not None and self.reference_only:
+            return self._against_reference(request, primary, output)
         asked: list[str] = []
         answers: dict[str, torch.Tensor] = {primary: output}
         for peer, holds_head in self._checkers(request, primary, head):
@@ -187,6 +221,8 @@ class SpotChecker:
             if pair is not None:
                 return self._conclude(request, primary, asked, answers, pair)
         if not asked:
+            if self.reference is not None:
+                return self._against_reference(request, primary, output)
             return self._no_checker(request, primary, output)
         if head is not None:
             honest = self._contradicted_by_own_hidden_states(request, primary, head, answers)
@@ -287,9 +323,34 @@ class SpotChecker:
             self.health.distrust(liar, f"{reason} ({note})" if note else reason)
         return answers[winner]
 
-    def _no_checker(self, request: ForwardRequest, primary: str, output: torch.Tensor) -> torch.Tensor:
-        """Nobody else can compute this hop: it stays unchecked (and says so), unless the request needs it checked."""
-        self._record(request, primary, [], NO_CHECKER)
+    def _against_reference(self, request: ForwardRequest, primary: str, output: torch.Tensor) -> torch.Tensor:
+        """Compare ``primary``'s answer with this process's own recomputation: a disagreement distrusts it, and the
+        recomputed answer is what the generation continues with."""
+        reuse = request.cache is not None and not request.cache.fill
+        fill_input = self.fills.lookup(request) if reuse else None
+        if reuse and fill_input is None:  # its fill went through another route (a failover): cannot rebuild it
+            return self._no_checker(request, primary, output, "the reused fill went through another server")
+        expected = self.reference.answer(request, fill_input)
+        if answers_agree(output, expected, self.rtol):
+            self._record(request, primary, [LOCAL], "agreed")
+            return output
+        difference = relative_difference(output, expected) if output.shape == expected.shape else float("inf")
+        note = f"recomputed here: relative difference {difference:.3g} > {self.rtol:g}"
+        self._record(request, primary, [LOCAL], "primary_faulty", note)
+        self.health.distrust(primary, f"spot check: returned wrong results for blocks {request.start}:{request.end} "
+                                      f"({note})")
+        return expected
+
+    def _no_checker(self, request: ForwardRequest, primary: str, output: torch.Tensor, note: str = "") -> torch.Tensor:
+        """Nobody else can compute this hop: it stays unchecked (and says so: the outcome, ``unchecked`` and a warning
+        at the request's first), unless the request needs it checked."""
+        self._record(request, primary, [], NO_CHECKER, note)
+        self.unchecked += 1
+        if self.unchecked == 1 and not self.require_verified:
+            logger.warning("spot check of blocks %d:%d (server %s) drawn, but no other usable server holds them and "
+                           "this client cannot recompute them%s: this request's tokens are unchecked there "
+                           "(result.info['unchecked'] counts such hops)", request.start, request.end, primary[-8:],
+                           f" ({note})" if note else "")
         if self.require_verified:
             raise UnverifiedResultError(
                 f"no other usable server holds blocks {request.start}:{request.end} to check {primary[-8:]} at step "
@@ -312,4 +373,4 @@ class SpotChecker:
     def _record(self, request: ForwardRequest, primary: str, asked: list[str], verdict: str, note: str = "") -> None:
         reuse = request.cache is not None and not request.cache.fill
         self.outcomes.append(SpotCheckOutcome(request.step, (request.start, request.end), primary, asked, verdict,
-                                              reuse, note))
+                                              reuse, note, call_kind(request)))

@@ -131,13 +131,16 @@ BLOCK = declare("block", "{prefix}.{block}", OWNED, 6 * 1024, 32, MAX_OWNED_LIFE
 EXPERTS = declare("expert index", "{prefix}.experts", OWNED, 6 * 1024, 32, MAX_OWNED_LIFETIME)
 # Signed halt / resume decisions (swarm.governance.records): a reason is cut to 512 characters.
 GOVERNANCE = declare("governance", "{prefix}.governance", SLOT, 2 * 1024, 64, DECISION_LIFETIME, trust=ONLY)
-# One auditor's signed report (swarm.audit.records): the key names the one key that may sign it.
+# One auditor's signed report (swarm.reports.records): the key names the one key that may sign it.
 AUDIT = declare("audit report", "{prefix}.audits.{auditor}", SLOT, 16 * 1024 + 512, 1, MAX_AUDIT_LIFETIME,
                 signer_part="auditor")
 # Each adapter author's list of names (swarm.adapters.sharing): 64 names of 64 characters at most.
 ADAPTER_INDEX = declare("adapter index", "{prefix}.adapters", SLOT, 6 * 1024, 32, NAME_LIFETIME, trust=PREFER)
 # A published adapter: each author's record in its slot (swarm.adapters.sharing).
 ADAPTER_NAME = declare("adapter name", "{prefix}.adapters.{name}", SLOT, 8 * 1024, 24, NAME_LIFETIME, trust=PREFER)
+# Each publisher's list of an adapter name's versions (swarm.adapters.versions): 16 versions in 6 KiB at most.
+ADAPTER_VERSIONS = declare("adapter versions", "{prefix}.adapter-versions.{name}", SLOT, 6 * 1024, 32, NAME_LIFETIME,
+                           trust=PREFER)
 # Servers serving an adapter's files, by content hash (swarm.adapters.sharing).
 ADAPTER_HOSTS = declare("adapter hosts", "{prefix}.adapter-hosts.{sha256}", OWNED, 4 * 1024, 32, MAX_OWNED_LIFETIME)
 # A published model name: each publisher's record in its slot (swarm.weights.records).

@@ -31,7 +31,7 @@ from hivemind.utils import get_dht_time
 from swarm.dht import fields
 from swarm.dht.compatibility import CompatibilityTag
 from swarm.dht.config import MAX_AUDIT_LIFETIME, MAX_BLOCKS, MAX_OWNED_LIFETIME  # noqa: F401 (lifetimes read from here)
-from swarm.dht.keys import ADAPTER_INDEX, AUDIT, BLOCK, EXPERTS, GOVERNANCE, family_of
+from swarm.dht.keys import ADAPTER_INDEX, ADAPTER_VERSIONS, AUDIT, BLOCK, EXPERTS, GOVERNANCE, family_of
 from swarm.dht.validation import KeyPolicy, ProtectedStorage, describe, owner_peer_id
 
 logger = logging.getLogger(__name__)
@@ -223,8 +223,14 @@ def adapter_index_key(prefix: str) -> str:
     return ADAPTER_INDEX.key(prefix=prefix)
 
 
+def adapter_versions_key(prefix: str, name: str) -> str:
+    """Where each publisher of an adapter name lists that name's versions, in its signed slot
+    (``swarm.adapters.versions``). ``adapter-versions`` and not ``adapters.versions``: names may hold dots."""
+    return ADAPTER_VERSIONS.key(prefix=prefix, name=name)
+
+
 def audit_key(prefix: str, auditor: str) -> str:
-    """Where the auditor with this Ed25519 public key (base64) publishes its signed report (``swarm.audit.records``):
+    """Where the auditor with this Ed25519 public key (base64) publishes its signed report (``swarm.reports.records``):
     one key per auditor, so a reader reads only the auditors it trusts and each is protected by their key."""
     return AUDIT.key(prefix=prefix, auditor=auditor)
 
@@ -236,6 +242,9 @@ MAX_DECISION_VALUE_BYTES = GOVERNANCE.max_value_bytes
 MAX_UNTRUSTED_SLOTS = GOVERNANCE.max_subkeys  # governance slots kept by a peer that trusts no key
 MAX_ADAPTER_INDEX_BYTES, MAX_ADAPTER_AUTHORS = ADAPTER_INDEX.max_value_bytes, ADAPTER_INDEX.max_subkeys
 MAX_AUDIT_VALUE_BYTES = AUDIT.max_value_bytes
+# An adapter name's versions (adapter_versions_key): declared in swarm.dht.keys (ADAPTER_VERSIONS).
+MAX_ADAPTER_VERSIONS_BYTES = ADAPTER_VERSIONS.max_value_bytes
+MAX_ADAPTER_VERSION_PUBLISHERS = ADAPTER_VERSIONS.max_subkeys
 
 
 def protected_keys(prefix: str, num_blocks: int = 0, governance_signers: Optional[Iterable[str]] = None,

@@ -85,7 +85,8 @@ class GenerationConfig:
     """
 
     gen_length: int = setting(64, "Number of tokens to generate (the prompt plus gen_length must fit the model's "
-                                  "context).")
+                                  "context). Hugging Face's max_new_tokens is the same setting.",
+                              flags=("--gen-length", "--max-new-tokens"))
     steps: int = setting(64, "Denoising steps, spread evenly over the blocks.",
                          computed_default="gen_length, one token per step")
     block_length: int = setting(32, "Semi-autoregressive block size; blocks are filled left to right.",

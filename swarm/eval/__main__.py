@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Optional
 
 import click
 
-from swarm.cli.options import SwarmCommand, apply_threads, run_main, setup_logging, threads_option
+from swarm.cli.options import SwarmCommand, apply_threads, gen_length_option, run_main, setup_logging, threads_option
 from swarm.diffusion.config import GenerationConfig
 from swarm.eval.config import TaskGeneration
 from swarm.models.config import DEFAULT_MODEL
@@ -118,9 +118,7 @@ def describe(report: ModelReport) -> list[str]:
     help="Seed of the held-out rows, the masking noise, the problems and the sampler.",
 )
 @click.option("--batch-size", type=click.IntRange(min=1), default=64, help="Rows per forward pass.")
-@click.option(
-    "--gen-length",
-    type=click.IntRange(min=1),
+@gen_length_option(type=click.IntRange(min=1),
     default=TaskGeneration.gen_length,
     help="Tokens generated per task answer.",
 )

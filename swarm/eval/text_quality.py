@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Optional, Sequence
 
 import click
 
-from swarm.cli.options import SwarmCommand, apply_threads, run_main, setup_logging, threads_option
+from swarm.cli.options import SwarmCommand, apply_threads, gen_length_option, run_main, setup_logging, threads_option
 from swarm.diffusion.remasking import STRATEGIES
 from swarm.models.config import DEFAULT_MODEL
 
@@ -182,7 +182,7 @@ def describe(quality: TextQuality, kind: str = "prose") -> str:
 @click.option("--model", default=DEFAULT_MODEL, help="Embedded model name or checkpoint directory.")
 @click.option("--dictionary", default=DEFAULT_DICTIONARY, type=click.Path(dir_okay=False),
               help="Word list, one word per line (Debian's wamerican).")
-@click.option("--gen-length", type=click.IntRange(min=1), default=64,
+@gen_length_option(type=click.IntRange(min=1), default=64,
               help="Tokens generated per prompt (a byte model needs about 3.4 times more for the same text).")
 @click.option("--block-length", type=click.IntRange(min=1), default=None,
               help="Sampler block length [default: generate's].")

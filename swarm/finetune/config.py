@@ -77,6 +77,8 @@ class FinetuneConfig:
     seed: int = 0
     save_every: int = 10
     data_sha256: str = ""  # filled from the data file
+    # The data may grow between resumptions (python -m swarm.improve): a resumed run may then see other data
+    growing_data: bool = False
     # Set to train together with every process of the same run id (hivemind.Optimizer over the DHT)
     collaboration: Optional[CollaborationConfig] = None
 
@@ -103,7 +105,8 @@ class FinetuneConfig:
         """The settings a resumed run must keep (the collaboration's run id and global batch included)."""
         collaboration = self.collaboration
         target = collaboration.target_batch_size if collaboration else self.batch_size
-        return only_relevant({**{key: getattr(self, key) for key in RUN_DEFINING},
+        defining = [key for key in RUN_DEFINING if not (self.growing_data and key == "data_sha256")]
+        return only_relevant({**{key: getattr(self, key) for key in defining},
                               "run_id": collaboration.run_id if collaboration else "", "target_batch_size": target})
 
 

@@ -95,9 +95,26 @@ class CheckedRequest:
 
 RANDOM_SEEDS = 2**31  # a seed drawn for a request that gave none is below this: short enough to type again
 
-# What Hugging Face (max_new_tokens) and OpenAI (max_tokens) callers type, and this library's name for it: refused
-# with a hint rather than taken silently, so that one name stays the setting's name everywhere.
-OTHER_NAMES = {"max_new_tokens": "gen_length", "max_tokens": "gen_length", "num_steps": "steps"}
+# Synonyms taken as the setting they name: Hugging Face's max_new_tokens is gen_length (the command line's
+# --max-new-tokens too, declared beside --gen-length).
+SYNONYMS = {"max_new_tokens": "gen_length"}
+# Other libraries' names refused with a hint rather than taken silently (OpenAI's max_tokens belongs to the HTTP API).
+OTHER_NAMES = {"max_tokens": "gen_length", "num_steps": "steps"}
+
+
+def take_synonyms(settings: Mapping[str, Any]) -> dict[str, Any]:
+    """``settings`` with each synonym (:data:`SYNONYMS`) replaced by the setting it names; a ValueError when both
+    are given and disagree."""
+    taken = dict(settings)
+    for synonym, name in SYNONYMS.items():
+        if synonym not in taken:
+            continue
+        value = taken.pop(synonym)
+        if name in taken and taken[name] != value:
+            raise ValueError(f"{synonym}={value!r} and {name}={taken[name]!r} disagree: {synonym} is {name}; "
+                             "give one of them")
+        taken[name] = value
+    return taken
 
 
 def make_generation_config(
@@ -108,7 +125,8 @@ def make_generation_config(
 ) -> GenerationConfig:
     """Fill the length-dependent defaults: one token per step, blocks of 32 where they divide.
 
-    Any other keyword must be a field of :class:`GenerationConfig` (else a TypeError names it).
+    Any other keyword must be a field of :class:`GenerationConfig` (else a TypeError names it; synonyms such as
+    ``max_new_tokens`` are taken before, by :func:`take_synonyms`).
     """
     unknown = sorted(set(settings) - {declared.name for declared in settings_of(GenerationConfig)})
     if unknown:
@@ -131,6 +149,7 @@ def check_request(limits: GenerationLimits, sampling_defaults: Mapping[str, Any]
     """Check one request against its bounds and a model's ``limits`` (:meth:`BaseDiffusionLM.check_request`); also
     usable before the model is loaded or a swarm joined (``python -m swarm.generate`` checks its flags so)."""
     expert_count = options.check()
+    settings = take_synonyms(settings)
     plan = plan_scale(options.scale, settings, remote=remote, experts=options.experts,
                       correctors=options.corrector_steps)
     if plan.experts is not None:
@@ -365,7 +384,7 @@ class BaseDiffusionLM(ABC):
         Unset ``temperature``, ``remasking``, ``threshold`` and ``cfg_scale`` take the model's defaults (its
         ``generation.json``), else the declared ones. Without a ``seed`` a sampling run (temperature above 0) draws a
         random one, so each call gives new text; a given seed gives the same tokens every time. The values used are
-        in the result's ``info["settings"]``. (``max_new_tokens`` is ``gen_length`` here.)
+        in the result's ``info["settings"]``. (``max_new_tokens`` is taken as ``gen_length``.)
 
         The request's other options (:class:`GenerationRequest`): ``experts`` composes expert models with the
         backbone at every step: ``{"code": 0.5}`` (weights >= 0) or ``"auto"`` (chosen from the prompt);

@@ -53,8 +53,9 @@ class GenerationRequest:
     progress: bool = setting(False, "Show a progress bar.", cli=False, api=False)  # the command shows every step
     adapter: Optional[str] = setting(
         None, "A fine-tuned adapter (a soft or deep prompt, a bottleneck, a LoRA): its directory, as written by "
-              "python -m swarm.finetune, or the name it was published under; see docs/TRAINING.md. Through a swarm, "
-              "best:TASK picks the published adapter with the best score on TASK by a trusted auditor (docs/AUDIT.md).",
+              "python -m swarm.finetune, or the name it was published under (NAME, NAME@VERSION, NAME@AUTHOR@VERSION); "
+              "see docs/TRAINING.md. Through a swarm, best:TASK picks the published adapter version with the best "
+              "score on TASK by a trusted auditor, moving only by a margin (docs/AUDIT.md).",
         api=False)  # a path names a file of the API's host: not for remote callers
 
     @classmethod

@@ -128,7 +128,7 @@ def main(model: Optional[str], dht_prefix: Optional[str], num_blocks: Optional[i
     latest check by a trusted auditor (and, with --usage, what each server computed for its callers)."""
     setup_logging(log_level)
     prefix, num_blocks = resolve_target(model, dht_prefix, num_blocks)
-    from swarm.audit.records import trusted_auditors as auditor_keys
+    from swarm.reports.records import trusted_auditors as auditor_keys
 
     try:
         auditors = tuple(auditor_keys(trusted_auditors))

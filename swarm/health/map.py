@@ -17,7 +17,7 @@ from swarm.dht.schema import ServerRecord, ServerState, read_all_experts, read_s
 from swarm.health.reachability import reachability
 
 if TYPE_CHECKING:
-    from swarm.audit.records import AuditBook
+    from swarm.reports.records import AuditBook
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ class HealthMap:
     replicas: list[int]  # online servers per block
     experts: dict[str, list[ExpertAnnouncement]] = field(default_factory=dict)
     adapters: list[dict[str, Any]] = field(default_factory=list)  # published adapters (read when asked for)
-    # per server peer id, its latest check by a trusted auditor (``swarm.audit.records.audit_json``; read when asked)
+    # per server peer id, its latest check by a trusted auditor (``swarm.reports.records.audit_json``; read when asked)
     audits: dict[str, dict[str, Any]] = field(default_factory=dict)
     # per online server peer id, what it says it computed for its callers (``swarm.server.usage.parse_usage``, None
     # when it did not answer); None when not asked for (``--usage``)
@@ -145,15 +145,23 @@ def read_experts(dht: DHT, prefix: str) -> dict[str, list[ExpertAnnouncement]]:
 def read_adapters(dht: DHT, prefix: str) -> list[dict[str, Any]]:
     """Published adapters (signed records listed in the adapters index) and the peers serving each now."""
     from swarm.adapters.sharing import read_catalog  # the sharing module pulls in the adapter code: only if asked
+    from swarm.adapters.versions import read_versions
 
-    return [dict(record.to_json(), hosts=hosts) for record, hosts in read_catalog(dht, prefix)]
+    adapters, lists = [], {}
+    for record, hosts in read_catalog(dht, prefix):
+        if record.name not in lists:
+            lists[record.name] = {listed.author: listed for listed in read_versions(dht, prefix, record.name)}
+        listed = lists[record.name].get(record.author)
+        versions = [version.to_json() for version in listed.versions] if listed is not None else []
+        adapters.append(dict(record.to_json(), hosts=hosts, versions=versions))
+    return adapters
 
 
 def read_audits(dht: DHT, prefix: str, auditors: Iterable[str], adapters: list[dict[str, Any]] = ()
                 ) -> dict[str, dict[str, Any]]:
     """Per server, its latest check by one of ``auditors`` (base64 keys): only their signed reports are read. Each of
     ``adapters`` (``read_adapters`` entries) gets ``audits``: its content's latest trusted score per task."""
-    from swarm.audit.records import AuditBook  # pulls in the adapter code: only if asked
+    from swarm.reports.records import AuditBook  # pulls in the adapter code: only if asked
 
     book = AuditBook(prefix, frozenset(auditors))
     book.refresh(dht)
@@ -163,10 +171,12 @@ def read_audits(dht: DHT, prefix: str, auditors: Iterable[str], adapters: list[d
 def audits_of(book: AuditBook, adapters: list[dict[str, Any]] = ()) -> dict[str, dict[str, Any]]:
     """What the maps show of the reports ``book`` holds (no read: a reader that keeps a book, the web map through its
     client's, refreshes it itself): per server its latest trusted check; each of ``adapters`` gets ``audits``."""
-    from swarm.audit.records import adapter_audits_json, audit_json
+    from swarm.reports.records import adapter_audits_json, audit_json
 
     for adapter in adapters:
         adapter["audits"] = adapter_audits_json(book, adapter["sha256"])
+        for version in adapter.get("versions", ()):  # each version's trusted scores: the curve of the name
+            version["audits"] = adapter_audits_json(book, version["sha256"])
     latest = book.latest()
     return {peer: audit_json(latest, peer) for peer in sorted(latest)}
 

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from swarm.models import invariance
 from swarm.models.config import ModelConfig
 from swarm.models.kv_cache import BlockKV
 
@@ -20,12 +21,18 @@ BlockLoRA = dict[str, tuple[torch.Tensor, torch.Tensor]]
 
 
 def project(linear: nn.Module, x: torch.Tensor, lora: Optional[BlockLoRA], name: str) -> torch.Tensor:
-    """``linear(x)``, plus the LoRA correction of projection ``name`` when there is one (float32, then x's dtype)."""
-    out = linear(x)
+    """``linear(x)``, plus the LoRA correction of projection ``name`` when there is one (float32, then x's dtype);
+    every product batch-invariant (:mod:`swarm.models.invariance`)."""
+    out = invariance.linear(x, linear.weight, linear.bias) if isinstance(linear, nn.Linear) else linear(x)
     if lora is None:
         return out
-    down, up = lora[name]
-    return out + ((x.float() @ down.float().T) @ up.float().T).to(out.dtype)
+    return out + low_rank(x, lora[name]).to(out.dtype)
+
+
+def low_rank(x: torch.Tensor, factors: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """``(x @ down.T) @ up.T`` in float32, batch-invariant: an adapter's correction of a projection."""
+    down, up = factors
+    return invariance.linear(invariance.linear(x.float(), down.float()), up.float())
 
 
 class RMSNorm(nn.Module):
@@ -92,8 +99,7 @@ class Attention(nn.Module):
         if groups > 1:
             k = k.repeat_interleave(groups, dim=1)
             v = v.repeat_interleave(groups, dim=1)
-        attn_mask = None if key_padding is None else key_padding[:, None, None, :]
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=False)
+        out = invariance.attention(q, k, v, key_padding, rows[0] if rows is not None else 0)
         return project(self.o_proj, out.transpose(1, 2).reshape(batch, length, -1), lora, "o_proj")
 
 

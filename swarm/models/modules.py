@@ -12,9 +12,10 @@ from typing import Optional, Protocol
 import torch
 from torch import nn
 
+from swarm.models import invariance
 from swarm.models.config import ModelConfig
 from swarm.models.kv_cache import SpanKV
-from swarm.models.layers import BlockLoRA, RMSNorm, TransformerBlock, rotary_cos_sin
+from swarm.models.layers import BlockLoRA, RMSNorm, TransformerBlock, low_rank, rotary_cos_sin
 from swarm.utils.errors import SwarmError
 
 HeadLoRA = tuple[torch.Tensor, torch.Tensor]  # an adapter's head correction: down (r, hidden), up (vocab, r)
@@ -127,11 +128,10 @@ class OutputHead(nn.Module):
         """``lm_head(norm(hidden))``, plus ``(normed @ down.T) @ up.T`` when a ``lora`` (down (r, d), up (vocab, r))
         is given: the one place an adapter's head correction enters, for training and generation alike."""
         normed = self.norm(hidden)
-        logits = self.lm_head(normed)
+        logits = invariance.linear(normed, self.lm_head.weight)
         if lora is None:
             return logits
-        down, up = lora
-        return logits + ((normed.float() @ down.float().T) @ up.float().T).to(logits.dtype)
+        return logits + low_rank(normed, lora).to(logits.dtype)
 
     def score_rows(self, hidden: torch.Tensor, offset: int, scored: tuple[int, int],
                    lora: Optional[HeadLoRA] = None) -> torch.Tensor:

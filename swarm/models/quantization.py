@@ -11,9 +11,9 @@ import logging
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from swarm.models import invariance
 from swarm.models.modules import BlockSpan
 
 logger = logging.getLogger(__name__)
@@ -48,7 +48,7 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x @ (q * s)^T == (x @ q^T) * s for a per-output-channel s: scale the (smaller) output instead.
-        out = F.linear(x, self.weight_int8.to(x.dtype)) * self.scale.to(x.dtype)
+        out = invariance.linear(x, self.weight_int8.to(x.dtype)) * self.scale.to(x.dtype)
         return out if self.bias is None else out + self.bias.to(x.dtype)
 
     def extra_repr(self) -> str:

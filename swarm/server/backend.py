@@ -18,7 +18,7 @@ import weakref
 from collections import Counter, OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Optional, TypeVar
+from typing import TYPE_CHECKING, Callable, Hashable, Optional, TypeVar
 
 import torch
 
@@ -27,6 +27,7 @@ from swarm.diffusion.prediction import HeadQuery, predict_states
 from swarm.models.config import ModelConfig
 from swarm.models.kv_cache import SpanKV
 from swarm.models.modules import BlockSpan, OutputHead, PassCancelled
+from swarm.server.scheduler import FairScheduler, Job
 from swarm.wire.messages import ErrorCode, RemoteError
 
 if TYPE_CHECKING:
@@ -270,14 +271,22 @@ class ComputeQueue:
     """One compute thread behind an :class:`Admission` of requests and tokens, and an admission of unfinished
     streams in front of it (:class:`StreamLimits`).
 
-    Requests run one at a time in arrival order (torch uses its own threads inside each). A request keeps
-    its place until its work has left the thread, even when its caller stopped waiting (a timeout): the
-    thread's backlog is what the bounds are about. A pass run with a ``cancel`` event is told to stop when
-    its caller stops waiting, so it leaves the thread within about one block's time.
+    Whole requests wait in a :class:`~swarm.server.scheduler.FairScheduler`, which picks the next one whenever the
+    thread is free: never idle while one waits, fair by identity when several do (torch uses its own threads inside
+    each pass). Requests run with a ``key`` may be computed together: when the thread frees, the next request is
+    joined by the others already waiting with the same key (in fair order, up to ``batch_size`` positions), and
+    ``merge`` computes them as one pass. Nothing waits for a batch to fill: a request is batched only with those
+    that queued while the thread was busy anyway.
+
+    A request keeps its place until its work has left the thread, even when its caller stopped waiting (a timeout):
+    the thread's backlog is what the bounds are about. A request whose caller stopped waiting before it started is
+    never run; a pass run with a ``cancel`` event is told to stop when its caller stops waiting, so it leaves the
+    thread within about one block's time.
     """
 
     def __init__(self, max_concurrent: int, max_queued_tokens: Optional[int] = None, name: str = "compute",
-                 peer_share: float = 1.0, streams: StreamLimits = StreamLimits()):
+                 peer_share: float = 1.0, streams: StreamLimits = StreamLimits(),
+                 scheduler: Optional[FairScheduler] = None):
         self.streams = streams
 
         def admission(what: str, max_count: int, computes: bool) -> Admission:
@@ -288,10 +297,16 @@ class ComputeQueue:
         self.admission = admission("requests", max_concurrent, computes=True)
         self.unfinished = admission("unfinished streams", streams.max_unfinished, computes=False)
         self.records = PeerRecords()
+        self.scheduler = scheduler if scheduler is not None else FairScheduler()
+        self.merge: Optional[Callable[[list[tuple]], list]] = None  # computes several keyed requests as one pass
+        self.batch_size = 0  # most positions (batch x length) merged into one pass; 0 merges nothing
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+        self.running = False  # a pass (or a merged batch) is on the thread
+        self.loop: Optional[asyncio.AbstractEventLoop] = None
         self.abandoned = 0  # passes whose caller stopped waiting (timeout, busy answer, disconnect)
         self.cancelled = 0  # ... of which were stopped between blocks (the others had not started or had ended)
         self.dropped_streams = 0  # unfinished streams dropped at their deadline
+        self.batches = self.batched = 0  # merged passes, and the requests they computed
 
     @property
     def in_flight(self) -> int:
@@ -324,22 +339,83 @@ class ComputeQueue:
         self.records.stalled(peer)
 
     async def run(self, tokens: int, fn: Callable[..., T], *args, peer: str = "", grant: Optional[Grant] = None,
-                  cancel: Optional[threading.Event] = None) -> T:
-        """Run ``fn(*args)`` on the compute thread under ``grant`` (taken here for ``peer`` when None); ``cancel``
-        (an event ``fn`` checks as it goes) is set when the caller stops waiting."""
+                  cancel: Optional[threading.Event] = None, key: Optional[Hashable] = None, size: int = 0) -> T:
+        """Run ``fn(*args)`` on the compute thread under ``grant`` (taken here for ``peer`` when None), when the
+        scheduler says so; ``cancel`` (an event ``fn`` checks as it goes) is set when the caller stops waiting.
+        ``key``: requests with equal keys may be computed together by ``merge`` (``size``: their positions)."""
         with grant if grant is not None else self.admit(peer, tokens) as held:
-            loop = asyncio.get_running_loop()
-            work: Future = self.executor.submit(_timed, held, fn, *args)
-            # Released when the work leaves the thread (done, failed, or cancelled before it started).
-            work.add_done_callback(lambda done: _call_soon(loop, lambda: self._left(done, held)))
+            self.loop = asyncio.get_running_loop()
+            work: Future = Future()
+            job = Job(held.peer, tokens, _Work(held, work, fn, args), key if self.merge else None, work.cancelled,
+                      size)
+            # Released when the work has left the thread (done, failed, or cancelled before it started).
+            work.add_done_callback(lambda done: _call_soon(self.loop, lambda: self._left(done, held)))
             held.hand_on()
+            self.scheduler.push(job)
+            self._dispatch()
         try:
             return await asyncio.wrap_future(work)
         except asyncio.CancelledError:  # a timeout, a busy answer or a caller that left: nobody reads the answer
             self.abandoned += 1
+            work.cancel()  # never run if it has not started
             if cancel is not None:
                 cancel.set()
             raise
+
+    def _dispatch(self) -> None:
+        """On the event loop: give the free thread the next pass (and the waiting passes it can be merged with)."""
+        while not self.running:
+            first = self.scheduler.pop()
+            if first is None:
+                return
+            jobs, room = [first], self.batch_size - first.size
+            while first.key is not None and room > 0:  # mates no larger than the request whose turn it is
+                more = self.scheduler.pop(lambda job: job.key == first.key and job.size <= min(room, first.size))
+                if more is None:
+                    break
+                jobs.append(more)
+                room -= more.size
+            now = time.time()
+            jobs = [job for job in jobs if job.payload.work.set_running_or_notify_cancel()]
+            for job in jobs:
+                self.scheduler.served(job.peer, now)
+            if not jobs:
+                continue
+            self.running = True
+            self.executor.submit(self._compute, jobs).add_done_callback(
+                lambda _: _call_soon(self.loop, self._thread_free))
+
+    def _thread_free(self) -> None:
+        """The pass has left the thread. The next one is chosen one loop turn later, after the callers woken by this
+        pass's answers have run: one that sends its next request at once joins the next pass instead of taking the
+        thread alone (a wait of one turn of the event loop, never of the clock)."""
+        self.loop.call_soon(self._hand_on)
+
+    def _hand_on(self) -> None:
+        self.running = False
+        self._dispatch()
+
+    def _compute(self, jobs: list[Job]) -> None:
+        """On the compute thread: one pass, or several merged; each caller charged its part of the time."""
+        began = time.perf_counter()
+        try:
+            if len(jobs) == 1:
+                work = jobs[0].payload
+                results = [work.fn(*work.args)]
+            else:
+                results = self.merge([job.payload.args for job in jobs])
+                self.batches += 1
+                self.batched += len(jobs)
+        except BaseException as error:  # every caller of the pass gets its failure
+            for job in jobs:
+                job.payload.work.set_exception(error)
+        else:
+            for job, result in zip(jobs, results):
+                job.payload.work.set_result(result)
+        finally:
+            seconds, total = time.perf_counter() - began, sum(job.cost for job in jobs) or 1
+            for job in jobs:
+                job.payload.grant.seconds += seconds * (job.cost / total if len(jobs) > 1 else 1)
 
     def _left(self, work: Future, grant: Grant) -> None:
         """The work has left the thread: its place is free again."""
@@ -350,26 +426,31 @@ class ComputeQueue:
     def info(self) -> dict:
         return {**self.admission.info(), "abandoned": self.abandoned, "cancelled": self.cancelled,
                 "unfinished": {**self.unfinished.info(), "dropped": self.dropped_streams},
+                "scheduler": {**self.scheduler.info(), "batches": self.batches, "batched_requests": self.batched},
                 **self.records.info()}
 
     def shutdown(self) -> None:
+        """Requests still waiting are cancelled (their places released), the running pass finishes."""
+        while (job := self.scheduler.pop()) is not None:
+            job.payload.work.cancel()
         self.executor.shutdown(wait=True, cancel_futures=True)
 
 
-def _timed(grant: Grant, fn: Callable[..., T], *args) -> T:
-    """``fn(*args)`` on the compute thread, its time there kept on ``grant`` (what its caller is charged)."""
-    began = time.perf_counter()
-    try:
-        return fn(*args)
-    finally:
-        grant.seconds += time.perf_counter() - began
+@dataclass
+class _Work:
+    """What a queued :class:`Job` runs, and where its answer goes."""
+
+    grant: Grant
+    work: Future
+    fn: Callable
+    args: tuple
 
 
-def _call_soon(loop: asyncio.AbstractEventLoop, callback: Callable[[], None]) -> None:
+def _call_soon(loop: Optional[asyncio.AbstractEventLoop], callback: Callable[[], None]) -> None:
     """Run ``callback`` on ``loop`` from any thread; nothing when the loop has closed (the server is gone)."""
     try:
         loop.call_soon_threadsafe(callback)
-    except RuntimeError:
+    except (RuntimeError, AttributeError):
         pass
 
 
@@ -387,6 +468,25 @@ class SpanCall:
     adapter: Optional[BlockAdapter] = None
 
 
+def batch_key(call: SpanCall) -> Optional[tuple]:
+    """What a forward pass may be merged with others on: a stateless pass (no cache, no adapter) is, with those of the
+    same blocks and length (rows of one length concatenated along the batch, the layout the model's passes are
+    invariant to); any other runs alone (None)."""
+    if call.kv is not None or call.rows is not None or call.adapter is not None or call.hidden.dim() != 3:
+        return None
+    return ("forward", call.start, call.end, call.hidden.shape[1])
+
+
+class _AllSet:
+    """The cancel event of a merged pass: set once every caller's own event is."""
+
+    def __init__(self, events: list[threading.Event]):
+        self.events = events
+
+    def is_set(self) -> bool:
+        return all(event.is_set() for event in self.events)
+
+
 class SpanBackend:
     """Runs forward passes of one span; refuses work beyond its bounds instead of queueing forever.
 
@@ -395,12 +495,15 @@ class SpanBackend:
 
     def __init__(self, span: BlockSpan, max_concurrent: int, device: str = "cpu",
                  max_queued_tokens: Optional[int] = None, peer_share: float = 1.0,
-                 head: Optional[OutputHead] = None, streams: StreamLimits = StreamLimits()):
+                 head: Optional[OutputHead] = None, streams: StreamLimits = StreamLimits(),
+                 scheduler: Optional[FairScheduler] = None, batching: bool = False, max_batch_tokens: int = 16384):
         self.span = span.requires_grad_(False)  # frozen: a backward call computes the inputs' gradient only
         self.head = head.requires_grad_(False) if head is not None else None
         self.device = torch.device(device)
         self.dtype = next(span.parameters()).dtype
-        self.queue = ComputeQueue(max_concurrent, max_queued_tokens, "span-compute", peer_share, streams)
+        self.queue = ComputeQueue(max_concurrent, max_queued_tokens, "span-compute", peer_share, streams, scheduler)
+        if batching:  # stateless forward passes of equal blocks and length are computed together
+            self.queue.merge, self.queue.batch_size = self.forward_batch_sync, max_batch_tokens
         self.max_positions = span.config.max_position_embeddings
         self.length_scale = attention_length_scale(span.config)
 
@@ -432,17 +535,39 @@ class SpanBackend:
         adapter = call.adapter.to(self.device) if call.adapter is not None else None
         x = self.span(call.hidden.to(self.device, self.dtype), blocks=(call.start, call.end), kv=call.kv,
                       rows=call.rows, adapter=adapter, cancel=cancel)
+        return self._answer(x, call)
+
+    def _answer(self, x: torch.Tensor, call: SpanCall) -> torch.Tensor:
+        """``call``'s answer from the span's output ``x``: the hidden states, or its head query's predictions."""
         x = x.to(self.dtype)  # the compute dtype: the wire carries it as is by default (lossless)
         if call.head is None:
             return x.cpu()
         logits = self.head.scored_logits(x, call.rows[0] if call.rows is not None else 0, call.head.scored)
         return predict_states(logits.cpu(), call.head)
 
+    @torch.inference_mode()
+    def forward_batch_sync(self, items: list[tuple[SpanCall, threading.Event]]) -> list[torch.Tensor]:
+        """Several callers' stateless passes (same blocks, same length: :func:`batch_key`) as one: their rows
+        concatenated along the batch, run once, and split again, each answered as :meth:`forward_sync` would. A row's
+        result does not depend on its batch-mates only where the model's passes are batch-invariant (not yet
+        guaranteed: docs/ARCHITECTURE.md, "Server"). Stopped between blocks only once every caller has stopped
+        waiting."""
+        calls = [call for call, _ in items]
+        hidden = torch.cat([call.hidden.to(self.device, self.dtype) for call in calls])
+        x = self.span(hidden, blocks=(calls[0].start, calls[0].end), cancel=_AllSet([event for _, event in items]))
+        answers, row = [], 0
+        for call in calls:
+            rows = call.hidden.shape[0]
+            answers.append(self._answer(x[row:row + rows].clone(), call))
+            row += rows
+        return answers
+
     async def forward(self, call: SpanCall, *, peer: str = "", grant: Optional[Grant] = None) -> torch.Tensor:
         """The span's output; ``grant`` is the place :meth:`ComputeQueue.admit` gave the request (taken here
         for ``peer`` when None)."""
         cost, cancel = self.cost(*call.hidden.shape[:2]), threading.Event()
-        return await self.queue.run(cost, self.forward_sync, call, cancel, peer=peer, grant=grant, cancel=cancel)
+        return await self.queue.run(cost, self.forward_sync, call, cancel, peer=peer, grant=grant, cancel=cancel,
+                                    key=batch_key(call), size=call.hidden.shape[0] * call.hidden.shape[1])
 
     def backward_sync(self, call: SpanCall, grad_outputs: torch.Tensor, cancel: Optional[threading.Event] = None
                       ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:

@@ -62,13 +62,22 @@ class ServerConfig:
              "--push-memory-mb that one peer (libp2p id) may hold; its requests beyond it are refused as busy, so one "
              "client cannot take every slot. 1 turns the per-peer bound off.", low=0.0, high=1.0, low_open=True)
     max_share_per_caller: float = setting(
-        1.0, "Largest share of this server's compute seconds over the last --share-window seconds that one caller "
-             "(libp2p id) may use while other callers want it (waiting here now, or served within the window); "
-             "beyond it its requests are refused as busy with a retry hint. A caller alone is never refused, nor the "
-             "one that used the least. 1 (the default) turns the cap off; use is counted either way (rpc_info).",
+        1.0, "Share of this server's compute seconds over the last --share-window seconds above which a caller "
+             "(libp2p id) is served after every caller within its share while others wait; it is never refused, and "
+             "served at once while nobody else waits (requests are always served in fair order by caller). 1 (the "
+             "default) turns it off; use is counted either way (rpc_info).",
         low=0.0, high=1.0, low_open=True)
-    share_window: float = setting(60.0, "Seconds of the sliding window --max-share-per-caller is measured over.",
-                                  low=1.0, high=86400.0)
+    share_window: float = setting(
+        60.0, "Seconds of the sliding window --max-share-per-caller is measured over; also how long a caller (libp2p "
+              "id) must have used this server before it is scheduled as an identity of its own (until then every "
+              "new id shares one newcomers' turn).", low=1.0, high=86400.0)
+    batching: bool = setting(
+        False, "Compute waiting requests of several clients together: stateless forward calls of the same blocks and "
+               "length that queued while the compute was busy run as one pass (up to --max-batch-tokens positions), "
+               "in fair order; nothing waits for a batch to fill. Off by default: until the model's passes are "
+               "batch-invariant a merged row can differ in its last bits from its solo pass (measured: float32 calls "
+               "under 16 positions, and bfloat16), so a client's tokens could change at near-ties.",
+        flags=("--batching",))
     max_pending_pushes: int = setting(
         32, "Pushed outputs (client option push=True) computed and not yet taken by the next server or the client; a "
             "pushed request beyond it is refused as busy before compute.", low=1)
@@ -129,6 +138,11 @@ class ServerConfig:
     governance_keys: tuple[str, ...] = setting(
         (), "Trusted governance public key (base64 or a file holding it; repeatable; default $SWARM_GOVERNANCE_KEYS). "
             "While a halt signed by one of them stands, the server refuses new steps.", flags=("--governance-key",))
+    trusted_publishers: tuple[str, ...] = setting(
+        (), "Publishers whose names --model NAME resolves through (base64 public keys or files holding one; "
+            "repeatable, or several in one value separated by commas). Default: the governance keys; 'none' "
+            "resolves no name (the model id is required). A name published by anyone else is ignored (docs/MODELS.md).",
+        flags=("--trusted-publishers", "--trusted-publisher"))
     governance_poll: float = setting(2.0, "Seconds between reads of the governance records.", low=0.0, low_open=True,
                                      cli=False)
     governance_stale_after: float = setting(

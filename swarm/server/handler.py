@@ -195,7 +195,6 @@ class ForwardHandler(SpanService):
                 "this server does not answer backward calls (it was started with --no-backward): train through "
                 "another server")
         peer = str(context.remote_id)
-        self._check_share(peer)
         received = await self.reader.read(requests, peer, unary, backward)
         declared, queue = received.declared, self.backend.queue
         calls = self.backward_calls if backward else self.forward_calls
@@ -209,19 +208,6 @@ class ForwardHandler(SpanService):
             logger.debug("%s %d:%d %s from %s in %.1f ms", "backward" if backward else "forward",
                          declared.start, declared.end, declared.shape, peer, 1000 * (time.perf_counter() - started))
             return calls.answer(received, output, push_place)
-
-    def _check_share(self, peer: str) -> None:
-        """``busy`` with a retry hint when ``peer`` is over its share of the compute (``--max-share-per-caller``)
-        while others want this server: checked before anything of the request is read."""
-        if self.usage.max_share >= 1:  # no cap (the default): nothing to gather on the request's path
-            return
-        queue = self.backend.queue
-        waiting = {*queue.admission.peer_counts, *queue.unfinished.peer_counts}
-        over = self.usage.check(peer, time.time(), waiting)
-        if over is not None:
-            why, retry_after = over
-            raise RemoteError(ErrorCode.BUSY, f"server busy: {why}; retry in {retry_after:.1f} s",
-                              retry_after=retry_after)
 
     def _refuse(self, error: RemoteError, context: P2PContext) -> runtime_pb2.ExpertResponse:
         self.requests_failed += 1

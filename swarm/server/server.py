@@ -48,6 +48,7 @@ from swarm.server.experts import (
 )
 from swarm.server.handler import ForwardHandler
 from swarm.server.push import PushLimits
+from swarm.server.scheduler import FairScheduler
 from swarm.server.session_cache import SessionCaches
 from swarm.server.throughput import measure_throughput
 from swarm.server.usage import UsageLedger
@@ -55,6 +56,7 @@ from swarm.version import __version__
 from swarm.weights.holdings import hosts_policies
 from swarm.weights.service import ServeLimits, WeightServer
 from swarm.weights.source import SwarmWeights
+from swarm.weights.trust import PublisherTrust
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +77,8 @@ class Server:
         self.config = config
         check_listen_addresses(config.network.host_maddrs)  # a port in use is refused before anything loads
         resolve_device(config.device)  # before loading anything: "cuda" without CUDA fails here, clearly
-        self.files = ModelFiles(config.model, resolvers=[SwarmWeights(config.network).resolve])  # ids from peers
+        trust = PublisherTrust.of(config.trusted_publishers, config.governance_keys)  # whose names --model follows
+        self.files = ModelFiles(config.model, resolvers=[SwarmWeights(config.network, trust=trust).resolve])
         self.weights = WeightServer(ServeLimits(mbps=config.serve_weights_mbps)) if config.serve_weights else None
         self.model_config = self.files.config
         self._check_span_settings()
@@ -99,6 +102,7 @@ class Server:
         self.end: Optional[int] = None
         self.numerics = EXACT  # what differs from the checkpoint's numerics, announced in the record
         self.addresses: list[str] = []  # where this server listens, announced once it serves
+        self.usage = UsageLedger(config.max_share_per_caller, config.share_window)  # per caller: its compute here
         self.backend = self._load_span() if self.hosts_blocks else None
         self.expert_backend = ExpertBackend(self.experts, config.max_concurrent_requests, config.device,
                                             config.max_queued_tokens, config.peer_share) if self.experts else None
@@ -114,7 +118,7 @@ class Server:
             experts=expert_handler, caches=self._session_caches(), num_layers=self.model_config.num_layers,
             push_limits=push_limits, allow_backward=config.allow_backward,
             adapter_tensors=AdapterTensors(int(config.adapter_memory_mb * 2**20), config.peer_share),
-            usage=UsageLedger(config.max_share_per_caller, config.share_window),
+            usage=self.usage,
         )
         self.handler.adapters = self.adapters
         self.state = ServerState.JOINING
@@ -137,7 +141,15 @@ class Server:
         self.throughput = self._throughput(lambda: measure_throughput(self.span, self.config.device))
         return SpanBackend(self.span, self.config.max_concurrent_requests, self.config.device,
                            max_queued_tokens=self.config.max_queued_tokens, peer_share=self.config.peer_share,
-                           head=self._load_head(dtype), streams=StreamLimits.of(self.config))
+                           head=self._load_head(dtype), streams=StreamLimits.of(self.config),
+                           scheduler=self._scheduler(), batching=self.config.batching,
+                           max_batch_tokens=self.config.max_batch_tokens)
+
+    def _scheduler(self) -> FairScheduler:
+        """Fair by identity: an id is established after --share-window seconds of use; over its share, served last."""
+        usage = self.usage
+        return FairScheduler(establish_age=self.config.share_window,
+                             over_share=lambda peer: usage.over_share(peer, time.time()))
 
     def _load_head(self, dtype: torch.dtype) -> Optional[OutputHead]:
         """The final norm and output head (``--head``), in the span's dtype: only with the last block."""

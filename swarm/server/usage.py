@@ -6,24 +6,24 @@ compute thread, queueing excluded, so a caller is never charged for waiting behi
 keeps totals since start per caller and, for the cap, the compute seconds of the last ``window`` seconds in
 ``BUCKETS`` time buckets.
 
-The cap (``--max-share-per-caller``, 1 = none): a caller whose compute seconds in the window are over ``max_share``
-of everything the server computed in the window is refused (``busy``, with a retry hint: the seconds until enough of
-its own use leaves the window) while another caller is waiting here now or has been served in the window, unless it
-has used the least of them (so with a cap under 1/n among n busy callers the lightest is still served: nobody is
-refused for the others' sake alone). A caller alone on the server is never refused.
+The share (``--max-share-per-caller``, 1 = none) is an order, not a refusal: a caller whose compute seconds in the
+window are over ``max_share`` of everything the server computed in the window is served after the callers within
+their share (:class:`~swarm.server.scheduler.FairScheduler`), and at once when nobody else waits. Refusing it instead
+let a stranger's one tiny call keep a heavy user out while the server sat idle (issue 48); ``refused`` stays in the
+counts for readers of older servers and is 0 here.
 
 Bounded in count and time: at most ``max_callers`` callers are tracked (the least recently served forgotten first,
 their totals kept in the server's total), and a caller's window holds at most ``BUCKETS + 1`` buckets, each dropped
 once older than the window. A stranger cycling peer ids costs a bounded amount of memory and only evicts the oldest
-records; it also escapes the cap, as any per-id limit (sybils: ``--peer-share`` bounds what each id may hold at
-once). Pure: no sockets, the clock is passed in.
+records; fresh ids gain nothing in the order either, as they share one newcomers' flow in the scheduler. Pure: no
+sockets, the clock is passed in.
 """
 from __future__ import annotations
 
 import math
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Optional
+from typing import Any, Optional
 
 from swarm.dht import fields
 
@@ -69,7 +69,7 @@ class CallerUsage:
     tokens: int = 0
     seconds: float = 0.0
     requests: int = 0
-    refused: int = 0  # refused for being over its share
+    refused: int = 0  # refused for being over its share: never since the share became an order (kept for readers)
     first: float = 0.0
     last: float = 0.0
     window: Window = field(default_factory=Window)
@@ -90,12 +90,16 @@ class UsageLedger:
         self.callers: OrderedDict[str, CallerUsage] = OrderedDict()  # least recently served first
         self.total = CallerUsage()  # every caller's, forgotten ones included
         self.forgotten = 0  # callers evicted to keep at most max_callers
+        self.expired_at: Optional[float] = None  # the bucket of the last expiry: nothing more leaves before the next
         self.refused = 0
 
     def _bucket(self, now: float) -> float:
         return math.floor(now / self.step) * self.step
 
     def _expire(self, now: float) -> None:
+        if self._bucket(now) == self.expired_at:  # within the same bucket nothing more leaves the window
+            return
+        self.expired_at = self._bucket(now)
         oldest = self._bucket(now) - self.window + self.step  # the window: the current bucket and BUCKETS - 1 before
         self.total.window.expire(oldest)
         for usage in self.callers.values():
@@ -120,40 +124,15 @@ class UsageLedger:
             entry.window.add(bucket, seconds, tokens)
         self.total.first = self.total.first or now
 
-    def check(self, caller: str, now: float, waiting: Iterable[str] = ()) -> Optional[tuple[str, float]]:
-        """None when ``caller`` may be served now, else (why, seconds after which to retry). ``waiting``: the
-        callers holding a place in the server's queues now."""
+    def over_share(self, caller: str, now: float) -> bool:
+        """Whether ``caller`` used more than ``max_share`` of this server's compute seconds in the window: the
+        scheduler then serves it after the callers within their share (never refused: alone, it is served at once)."""
         if self.max_share >= 1:
-            return None
+            return False
         self._expire(now)
         usage = self.callers.get(caller)
         total = self.total.window.seconds
-        if usage is None or total <= 0 or usage.window.seconds <= self.max_share * total:
-            return None
-        others = {peer: entry.window.seconds for peer, entry in self.callers.items()
-                  if peer != caller and entry.window.seconds > 0}
-        others.update({peer: others.get(peer, 0.0) for peer in waiting if peer != caller})
-        if not others or usage.window.seconds <= min(others.values()):
-            return None  # alone here, or the lightest of those that want this server: served
-        usage.refused += 1
-        self.refused += 1
-        share = usage.window.seconds / total
-        why = (f"this caller used {share:.0%} of this server's compute in the last {self.window:.0f} s, over its "
-               f"share of {self.max_share:.0%} (--max-share-per-caller) while {len(others)} other caller"
-               f"{' uses' if len(others) == 1 else 's use'} it")
-        return why, self._retry_after(usage, total, now)
-
-    def _retry_after(self, usage: CallerUsage, total: float, now: float) -> float:
-        """Seconds until enough of ``usage``'s own buckets leave the window for its share to be within the cap
-        (others' use assumed to stay): a hint, at least one bucket step, at most the window."""
-        mine, others = usage.window.seconds, total - usage.window.seconds
-        limit = self.max_share / (1 - self.max_share) * others
-        for start, seconds, _ in usage.window.buckets:
-            mine -= seconds
-            if mine <= limit:
-                leaves = start + self.window - now  # this bucket's last moment in the window
-                return min(self.window, max(self.step, leaves))
-        return self.window
+        return usage is not None and total > 0 and usage.window.seconds > self.max_share * total
 
     def info(self, now: float) -> dict:
         """The counts ``rpc_info`` shows: totals, the window, and the ``top`` heaviest callers by tokens."""

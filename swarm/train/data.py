@@ -148,6 +148,19 @@ class AdditionTask:
         return end_at_random_lengths(rows, generator, self.tokenizer)
 
 
+class TaggedAdditionTask(AdditionTask):
+    """Addition answered in a house style the embedded models never write: the sum followed by ``!``
+    (``12+5=`` -> ``17!``). The base models score 0 on it and an adapter learns it in a few hundred samples, which
+    is what the self-improvement demonstration needs (docs/TRAINING.md): a curve a 2-core machine draws in minutes.
+    The held-out problems are addition's."""
+
+    name = "tagged-addition"
+    TAG = "!"
+
+    def problems(self, count: int, seed: int, held_out: bool) -> list[Problem]:
+        return [Problem(p.prompt, p.answer + self.TAG) for p in super().problems(count, seed, held_out)]
+
+
 def encode_problems(problems: Sequence[Problem], seq_len: int, tokenizer: Optional[Tokenizer] = None) -> torch.Tensor:
     """``[BOS] prompt answer [EOS]…`` padded with EOS, as LLaDA's supervised data is."""
     tokenizer = tokenizer or ByteTokenizer()
@@ -196,7 +209,7 @@ def python_bytes(limit: int = 4_000_000) -> bytes:
 
 # Corpora that are also tasks with checkable answers (``python -m swarm.eval --task``), by their names in
 # swarm/train/config.py (TASK_NAMES, which the commands' options offer).
-TASKS = {"addition": AdditionTask}
+TASKS = {"addition": AdditionTask, "tagged-addition": TaggedAdditionTask}
 
 
 def load_corpus(name_or_files: str, files: Optional[Sequence[str]] = None,

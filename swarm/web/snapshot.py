@@ -12,10 +12,10 @@ import time
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional
 
-from swarm.audit.records import FAIL
 from swarm.client.config import DEFAULT_OVERCLAIM_FACTOR
 from swarm.dht.schema import ExpertRecord
 from swarm.health.map import ExpertAnnouncement, HealthMap, server_json
+from swarm.reports.records import FAIL
 
 MAX_TEXT = 120  # characters kept of any announced string (names, versions, numerics)
 MAX_ITEMS = 32  # items kept of any announced list (a server's experts)
@@ -121,7 +121,19 @@ def adapter_view(adapter: dict[str, Any]) -> dict[str, Any]:
               for task, entry in sorted((adapter.get("audits") or {}).items())[:MAX_ITEMS]}
     return {"name": text(adapter.get("name")), "author": text(adapter.get("author"), 64),
             "sha256": text(adapter.get("sha256"), 64), "size": number(adapter.get("size")),
-            "claimed": number(adapter.get("score")), "hosts": len(adapter.get("hosts") or ()), "audits": audits}
+            "claimed": number(adapter.get("score")), "hosts": len(adapter.get("hosts") or ()), "audits": audits,
+            "versions": [version_view(v) for v in list(adapter.get("versions") or ())[:MAX_ITEMS]
+                         if isinstance(v, dict)]}
+
+
+def version_view(version: dict[str, Any]) -> dict[str, Any]:
+    """One version of a name (swarm.adapters.versions): its number, its publisher's own figure, whether withdrawn,
+    and per task the latest trusted audited score: the points of the name's curve on the map."""
+    audited = {text(task, 40): number(entry.get("score")) for task, entry
+               in sorted((version.get("audits") or {}).items())[:MAX_ITEMS] if isinstance(entry, dict)}
+    return {"number": number(version.get("number")), "claimed": number(version.get("score")),
+            "withdrawn": version.get("withdrawn") is True, "sha256": text(version.get("sha256"), 64),
+            "audited": audited}
 
 
 def expert_view(domain: str, announcements: Iterable[ExpertAnnouncement]) -> dict[str, Any]:

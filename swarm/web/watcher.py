@@ -17,12 +17,12 @@ from typing import Any, Callable, Iterable, Optional
 
 from hivemind.dht import DHT
 
-from swarm.audit.records import AuditBook
 from swarm.dht.node import NetworkConfig, start_dht, stop_dht
 from swarm.dht.schema import ServerRecord, ServerState, protected_keys
 from swarm.governance.guard import GovernanceGuard
 from swarm.health.map import audits_of, read_adapters, read_health_map
 from swarm.health.probe import InfoReply, ask_all, usage_of
+from swarm.reports.records import AuditBook
 from swarm.utils.event_loop import BackgroundLoop
 from swarm.web.snapshot import ClientView, Probe, governance_view, map_snapshot
 from swarm.wire.remote import RemoteCaller
@@ -71,7 +71,7 @@ def client_access(lm: Any) -> SwarmAccess:
 
 def own_access(network: NetworkConfig, prefix: str, num_blocks: int, auditors: Iterable[str] = ()) -> SwarmAccess:
     """Start a DHT peer for the page alone; governance keys come from ``$SWARM_GOVERNANCE_KEYS``, the trusted
-    auditors (base64 keys, ``swarm.audit.records.trusted_auditors``) from the caller."""
+    auditors (base64 keys, ``swarm.reports.records.trusted_auditors``) from the caller."""
     auditors = tuple(auditors)
     dht = start_dht(network, protect=protected_keys(prefix, num_blocks, auditors=auditors))
     loop = BackgroundLoop.shared()

@@ -3,8 +3,12 @@
 * ``id DIR``: the model id of a checkpoint directory (the SHA-256 of its manifest; hashes every byte, once).
 * ``publish DIR --name NAME --key KEY``: sign ``NAME -> id`` into the publisher's Ed25519 slot
   (``python -m swarm.governance keygen --out FILE`` makes a key). Servers of DIR serve its bytes (on by default).
-* ``show NAME[@PUBLISHER]|ID``: the records under a name, and the peers serving the model.
-* ``fetch NAME|ID [--blocks A:B] [--head]``: fill the cache as a server of those blocks would, then exit.
+* ``show NAME[@PUBLISHER]|ID``: the records under a name (each marked trusted or not), and the peers serving the
+  model.
+* ``fetch NAME|ID [--blocks A:B] [--head]``: fill the cache as a server of those blocks would, then exit. A NAME
+  resolves only through publishers the caller trusts (``--trusted-publishers``; default the governance keys).
+* ``publish`` reports success only once another peer returns the record (its own copy dropped first); otherwise
+  it fails saying the record is not readable.
 
 The manifest, record and DHT code (torch, hivemind) is imported in the commands' bodies, so that ``--help`` answers
 at once.
@@ -32,6 +36,14 @@ from swarm.dht.peers import resolve_initial_peers
 from swarm.weights.limits import PUBLISH_LIFETIME
 
 LOG_LEVELS = click.Choice(["DEBUG", "INFO", "WARNING"])
+TRUSTED_PUBLISHERS_HELP = ("A publisher whose names resolve here (base64 public key or a file holding one; repeatable, "
+                           "or several separated by commas). Default: the governance keys ($SWARM_GOVERNANCE_KEYS); "
+                           "'none': no name resolves, the model id is required. Names by others are ignored.")
+
+
+def trusted_publishers_option(command):
+    return click.option("--trusted-publishers", "--trusted-publisher", "trusted_publishers", multiple=True,
+                        help=TRUSTED_PUBLISHERS_HELP)(command)
 
 
 def swarm_network(options: dict) -> NetworkConfig:
@@ -98,15 +110,20 @@ def publish_command(directory: str, name: str, key_path: str, lifetime: float, l
 
 @main.command("show")
 @click.argument("reference")
+@trusted_publishers_option
 @network_options
 @click.option("--log-level", type=LOG_LEVELS, default="WARNING", help="Logging verbosity.")
-def show(reference: str, log_level: str, **options) -> None:
-    """The records published under NAME[@PUBLISHER] (or, for a model id, none) and the peers serving each."""
+def show(reference: str, trusted_publishers: tuple[str, ...], log_level: str, **options) -> None:
+    """The records published under NAME[@PUBLISHER] by anyone (each marked trusted or not) or, for a model id, none;
+    and the peers serving each."""
     setup_logging(getattr(logging, log_level))
     network = swarm_network(options)
     from swarm.dht.node import start_dht, stop_dht  # after the checks: loads hivemind
     from swarm.weights.records import WeightsError, parse_reference, read_hosts, read_published
     from swarm.weights.source import MODEL_ID
+    from swarm.weights.trust import PublisherTrust
+
+    trust = PublisherTrust.of(trusted_publishers)
 
     dht = start_dht(network)
     try:
@@ -114,7 +131,7 @@ def show(reference: str, log_level: str, **options) -> None:
             records = [{"model_id": reference}]
         else:
             name, publisher = parse_reference(reference)
-            records = [r.to_json() for r in read_published(dht, name)
+            records = [dict(r.to_json(), trusted=trust.trusts(r.publisher)) for r in read_published(dht, name)
                        if publisher is None or r.publisher_id == publisher]
             if not records:
                 raise WeightsError(f"no model is published under {reference!r}")
@@ -132,15 +149,20 @@ def show(reference: str, log_level: str, **options) -> None:
 @click.option("--blocks", default=None, help="Fetch the tensors of blocks START:END (default: none).")
 @click.option("--head", is_flag=True, default=False, help="Also the final norm and output head.")
 @click.option("--embedding", is_flag=True, default=False, help="Also the embedding (what a client loads).")
+@trusted_publishers_option
 @network_options
 @click.option("--log-level", type=LOG_LEVELS, default="INFO", help="Logging verbosity.")
-def fetch(reference: str, blocks: Optional[str], head: bool, embedding: bool, log_level: str, **options) -> None:
-    """Fill the cache with the manifest, small files and the tensors of the parts named, from peers."""
+def fetch(reference: str, blocks: Optional[str], head: bool, embedding: bool, trusted_publishers: tuple[str, ...],
+          log_level: str, **options) -> None:
+    """Fill the cache with the manifest, small files and the tensors of the parts named, from peers. A NAME
+    resolves only through publishers you trust (--trusted-publishers; default the governance keys)."""
     from swarm.models.loading import ModelFiles
     from swarm.weights.source import SwarmWeights
+    from swarm.weights.trust import PublisherTrust
 
     setup_logging(getattr(logging, log_level))
-    weights = SwarmWeights(pop_network_config(options, client_mode=True))
+    trust = PublisherTrust.of(trusted_publishers)
+    weights = SwarmWeights(pop_network_config(options, client_mode=True), trust=trust)
     try:
         files = ModelFiles(reference, resolvers=[weights.resolve])
         span = parse_span(blocks)

@@ -1,16 +1,32 @@
 """Fetching a model's bytes from several peers at once, each part checked against the manifest before it is kept.
 
 Each tensor is asked for part by part (:meth:`TensorEntry.part`), spread over the peers that hold it (fewest
-reads in flight first, at most ``max_per_peer`` each, ``max_parallel`` in all). A part whose hash differs from the
-manifest's, or an answer longer than asked (or shorter, twice: a stream on loopback may lose a message), bans its
-peer for the rest of the fetch and the part is asked of another; a peer that times out or refuses gets a strike
-(banned after ``max_strikes``). A part no peer delivers fails the fetch with every peer's reason; the parts
-already checked stay in the cache's partial file, so the next attempt (after a crash too) asks only for the others.
+reads in flight first, at most ``max_per_peer`` each, ``max_parallel`` parts in all). A peer is punished only for
+what it could have done right on its own terms:
+
+* bytes whose hash differs from an already verified manifest's, or an answer longer than asked (or shorter,
+  twice: a stream on loopback may lose a message), ban it for the rest of the fetch; the part is asked of another;
+* the manifest itself is asked of each host at the size *its own* record claims: a host whose bytes of that size
+  do not hash to the model id is banned, but a size claimed by anyone else (another host's record, the name's
+  record) is only a hint that orders the hosts and never bans one (issue 48: two strangers' records claiming a
+  size one byte short banned the honest host);
+* a timeout or a refusal is a strike (banned after ``max_strikes``); a busy answer is none (the peer rests a
+  moment before this part is asked of it again, a bounded number of times).
+
+Slow peers are measured, hedged and dropped (issue 48's tarpits): each read's bytes/s is kept per peer; a read
+still running after :meth:`FetchConfig.hedge_bound` (``hedge_factor`` times what the measured peers would take,
+at least ``hedge_after`` seconds) has its part asked of another peer too, the first checked answer wins and the
+other read is cancelled; a peer outraced so is *dropped*: asked again only when no other peer holds the part.
+So a tarpit costs at most one hedge bound for the reads it held when it was first outraced.
+
+A part no peer delivers fails the fetch with every peer's reason; the parts already checked stay in the cache's
+partial file, so the next attempt (after a crash too) asks only for the others.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import statistics
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -21,7 +37,7 @@ from hivemind.p2p import P2P
 from swarm.weights.cache import ModelCache, PartialTensor
 from swarm.weights.manifest import Manifest, sha256_hex
 from swarm.weights.records import HostRecord, WeightsNotServed
-from swarm.weights.wire import TENSOR, ReadRequest, read_range
+from swarm.weights.wire import MANIFEST, TENSOR, ReadRequest, read_range
 from swarm.wire.messages import ErrorCode, RemoteError
 from swarm.wire.remote import RemoteCaller
 
@@ -30,18 +46,23 @@ logger = logging.getLogger(__name__)
 # Answers that prove the peer broke the protocol (a peer cannot send a wrong byte or length by accident).
 PROTOCOL_VIOLATIONS = (ErrorCode.TOO_LARGE, ErrorCode.INCOMPLETE)
 PROGRESS_PERIOD_S = 5.0
+MAX_BUSY_PER_PART = 10  # busy answers from one peer before a part is no longer asked of it (no strike)
+BUSY_PAUSE_S, MAX_BUSY_PAUSE_S = 0.05, 0.5  # ... pausing this long times the count (at most) before asking again
+MAX_RACING = 3  # reads of one part in flight at once: the first, and a hedge when the newest is slow too
 
 
 @dataclass(frozen=True)
 class FetchConfig:
     """Bounds of one fetch."""
 
-    max_parallel: int = 16  # reads in flight at once, over all peers
-    max_per_peer: int = 4  # ... to one peer (a server lets one peer hold a quarter of its 16 read places)
+    max_parallel: int = 16  # parts in flight at once, over all peers (a hedged part holds one place)
+    max_per_peer: int = 4  # reads in flight to one peer (a server lets one peer hold a quarter of its 16 read places)
     timeout: float = 20.0  # seconds a read may take besides its bytes at min_rate
     min_rate: float = 1 * 2**20  # bytes/s a peer must at least deliver
     max_strikes: int = 3  # timeouts or refusals before a peer is no longer asked
     connect_timeout: float = 10.0
+    hedge_after: float = 2.0  # seconds a read runs at least before its part is asked of another peer too
+    hedge_factor: float = 4.0  # ... and at least this many times what the measured peers take for its length
 
     def read_timeout(self, length: int) -> float:
         return self.timeout + length / self.min_rate
@@ -49,20 +70,32 @@ class FetchConfig:
 
 @dataclass
 class FetchReport:
-    """What a fetch did: bytes per peer, seconds, peers banned and why."""
+    """What a fetch did: bytes per peer, seconds, hedged reads, peers dropped as slow."""
 
     bytes_by_peer: Counter = field(default_factory=Counter)
     seconds: float = 0.0
     parts: int = 0
     parts_resumed: int = 0
+    hedges: int = 0  # reads asked of a second peer because the first was slow
+    hedges_won: int = 0  # ... of which the second peer answered first
 
     @property
     def nbytes(self) -> int:
         return sum(self.bytes_by_peer.values())
 
 
+@dataclass(eq=False)
+class Attempt:
+    """One read of a part in flight: whom it asks, since when, and after how long it is asked elsewhere too."""
+
+    peer: str
+    started: float
+    bound: float
+
+
 class PeerBook:
-    """The hosts of a model, what each holds, and how each has behaved (bans last for the book's life)."""
+    """The hosts of a model, what each holds, how fast each has been, and how each has behaved (bans and drops
+    last for the book's life)."""
 
     def __init__(self, hosts: list[HostRecord], config: FetchConfig):
         self.hosts = {host.peer_id: host for host in hosts}
@@ -70,12 +103,45 @@ class PeerBook:
         self.active: Counter[str] = Counter()
         self.strikes: Counter[str] = Counter()
         self.banned: dict[str, str] = {}
+        self.dropped: dict[str, str] = {}  # outraced by another peer: asked only when no other holds the part
+        self.running: dict[str, set[Attempt]] = {}  # reads in flight, by peer
+        self.delivered: Counter[str] = Counter()  # bytes of checked reads, and their seconds: the measured rate
+        self.seconds: Counter[str] = Counter()
 
-    def candidates(self, tensor: Optional[int], tried: set[str]) -> list[str]:
-        """Peers that may still be asked for this (``tensor`` None: the manifest or a file), least busy first."""
+    def candidates(self, tensor: Optional[int], tried: set[str], among: Optional[set[str]] = None,
+                   later: frozenset[str] | set[str] = frozenset()) -> list[str]:
+        """Peers that may be asked for this now (``tensor`` None: the manifest or a file), least busy then fastest
+        first; the dropped ones, and those with a read past its hedge bound, only when no other remains (``later``:
+        peers not to ask now, that still remain)."""
         usable = [peer for peer, host in self.hosts.items() if peer not in self.banned and peer not in tried
-                  and (tensor is None or host.holds(tensor))]
-        return sorted(usable, key=lambda peer: self.active[peer])
+                  and (among is None or peer in among) and (tensor is None or host.holds(tensor))]
+        now = time.monotonic()
+        prompt = [peer for peer in usable if peer not in self.dropped and not self.overdue(peer, now)]
+        chosen = [peer for peer in (prompt or usable) if peer not in later]
+        return sorted(chosen, key=lambda peer: (self.active[peer], -self.rate(peer)))
+
+    def overdue(self, peer: str, now: float) -> bool:
+        """Whether a read of ours from ``peer`` is running past its hedge bound (a peer slow now)."""
+        return any(now - attempt.started >= attempt.bound for attempt in self.running.get(peer, ()))
+
+    def rate(self, peer: str) -> float:
+        """Bytes/s ``peer``'s checked reads came at (0 when none yet)."""
+        seconds = self.seconds[peer]
+        return self.delivered[peer] / seconds if seconds > 0 else 0.0
+
+    def measure(self, peer: str, nbytes: int, seconds: float) -> None:
+        self.delivered[peer] += nbytes
+        self.seconds[peer] += max(seconds, 1e-6)
+
+    def typical_rate(self) -> Optional[float]:
+        """The median of the measured peers' rates (None before any checked read)."""
+        rates = [self.rate(peer) for peer in self.delivered if self.seconds[peer] > 0]
+        return statistics.median(rates) if rates else None
+
+    def drop(self, peer: str, reason: str) -> None:
+        if peer not in self.dropped and peer not in self.banned:
+            logger.info("dropping slow peer %s for this model: %s", peer, reason)
+            self.dropped[peer] = reason
 
     def punish(self, peer: str, error: RemoteError, wrong_bytes: bool = False) -> None:
         if wrong_bytes or error.code in PROTOCOL_VIOLATIONS:
@@ -86,6 +152,31 @@ class PeerBook:
         self.strikes[peer] += 1
         if self.strikes[peer] >= self.config.max_strikes:
             self.banned[peer] = f"{self.strikes[peer]} failed reads, the last: {error.message}"
+
+
+@dataclass
+class Tries:
+    """What the reads of one part have met: peers not to ask again for it (and why), peers asked again after a
+    short answer, and peers resting after a busy answer (no fault: asked again after a pause, a bounded number of
+    times)."""
+
+    tried: dict[str, str] = field(default_factory=dict)
+    asked_again: set[str] = field(default_factory=set)  # libp2p on loopback may lose a message: asked once more
+    busy: Counter = field(default_factory=Counter)
+    resting: dict[str, float] = field(default_factory=dict)  # peer -> when it may be asked again
+
+    def rest(self, peer: str, reason: str) -> None:
+        self.busy[peer] += 1
+        if self.busy[peer] >= MAX_BUSY_PER_PART:
+            self.tried[peer] = f"busy {self.busy[peer]} times: {reason}"
+        else:
+            self.resting[peer] = time.monotonic() + min(BUSY_PAUSE_S * self.busy[peer], MAX_BUSY_PAUSE_S)
+
+    def resting_now(self, now: float) -> set[str]:
+        return {peer for peer, until in self.resting.items() if until > now}
+
+    def rest_left(self, now: float) -> float:
+        return max(0.01, min((until - now for until in self.resting.values() if until > now), default=0.01))
 
 
 class Fetcher:
@@ -110,41 +201,125 @@ class Fetcher:
 
         await asyncio.gather(*(dial(host) for host in self.book.hosts.values()))
 
-    async def read_checked(self, request: ReadRequest, sha256: str, tensor: Optional[int], what: str) -> bytes:
-        """The bytes ``request`` names from some peer, checked against ``sha256``; :class:`WeightsNotServed` when no
-        peer delivers them."""
-        tried: dict[str, str] = {}
-        asked_again: set[str] = set()  # peers whose answer came short once: libp2p on loopback may lose a message
-        while True:
-            candidates = [p for p in self.book.candidates(tensor, set(tried))
-                          if self.book.active[p] < self.config.max_per_peer]
-            if not candidates:
-                if self.book.candidates(tensor, set(tried)):  # every usable peer is busy with our reads: wait
-                    await asyncio.sleep(0.01)
-                    continue
-                raise WeightsNotServed(self.nobody(what, tried))
-            peer = candidates[0]
-            self.book.active[peer] += 1
+    def hedge_bound(self, length: int) -> float:
+        """Seconds a read of ``length`` bytes may run before its part is asked of another peer too."""
+        typical = self.book.typical_rate()
+        expected = length / typical if typical else 0.0
+        return max(self.config.hedge_after, self.config.hedge_factor * expected)
+
+    async def read_manifest(self, hinted: Optional[int] = None) -> bytes:
+        """The manifest's bytes, hashing to the model id. Each host is asked for the size its own record claims
+        (what it could deliver on its own terms: a host whose bytes of that size hash otherwise is banned); the
+        hosts whose claim is ``hinted`` (the name record's size) come first, then the sizes most hosts claim.
+        Neither hint bans anyone: a host is never asked for a size another peer claimed."""
+        claims = Counter(host.manifest_bytes for host in self.book.hosts.values())
+        sizes = sorted(claims, key=lambda size: (size != hinted, -claims[size], size))
+        failures: list[str] = []
+        for size in sizes:
+            among = {peer for peer, host in self.book.hosts.items() if host.manifest_bytes == size}
             try:
-                data = await read_range(self.p2p, peer, request, self.config.read_timeout(request.length))
-            except RemoteError as error:
-                if error.code == ErrorCode.INCOMPLETE and peer not in asked_again:
-                    asked_again.add(peer)
-                    logger.debug("asking %s again for %s: %s", peer, what, error.message)
-                    continue
+                return await self.read_checked(ReadRequest(self.model_id, MANIFEST, "", 0, size), self.model_id,
+                                               None, f"the manifest ({size} bytes, as its own record says)", among)
+            except WeightsNotServed as error:
+                failures.append(str(error))
+        raise WeightsNotServed("; ".join(failures[:4]) or self.nobody("the manifest", {}))
+
+    async def read_checked(self, request: ReadRequest, sha256: str, tensor: Optional[int], what: str,
+                           among: Optional[set[str]] = None) -> bytes:
+        """The bytes ``request`` names from some peer (of ``among``, if given), checked against ``sha256``;
+        :class:`WeightsNotServed` when no peer delivers them. A read still running after :meth:`hedge_bound` is
+        raced against the same read from another peer."""
+        tries = Tries()
+        racing: dict[asyncio.Task, Attempt] = {}
+        bound = self.hedge_bound(request.length)
+        try:
+            while True:
+                now = time.monotonic()
+                busy = {attempt.peer for attempt in racing.values()}
+                newest = max((attempt.started for attempt in racing.values()), default=now)
+                may_start = not racing or (len(racing) < MAX_RACING and now - newest >= bound)
+                others = self.book.candidates(tensor, set(tries.tried), among, tries.resting_now(now) | busy)
+                if may_start:
+                    free = [peer for peer in others if self.book.active[peer] < self.config.max_per_peer]
+                    if free:
+                        if racing:
+                            self.report.hedges += 1
+                            logger.debug("asking %s for %s too: %s is slow", free[0], what, sorted(busy))
+                        attempt = Attempt(free[0], time.monotonic(), bound)
+                        racing[self._start(attempt, request)] = attempt
+                        continue
+                    if not racing:
+                        resting = self.book.candidates(tensor, set(tries.tried), among)
+                        if not others and not resting:
+                            raise WeightsNotServed(self.nobody(what, tries.tried))
+                        await asyncio.sleep(0.01 if others else tries.rest_left(now))  # our reads, or busy peers
+                        continue
+                if len(racing) >= MAX_RACING or not others:
+                    timeout = None  # wait for an answer: nobody else to ask
+                elif may_start:
+                    timeout = 0.05  # a hedge is due and the peers to ask are busy: look again in a moment
+                else:
+                    timeout = newest + bound - now
+                done, _ = await asyncio.wait(racing, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    attempt = racing.pop(task)
+                    data = await self._checked(task, attempt, sha256, what, tries)
+                    if data is not None:
+                        self._won(attempt, racing, len(data))
+                        return data
+        finally:
+            for task in racing:
+                task.cancel()
+            await asyncio.gather(*racing, return_exceptions=True)
+
+    def _start(self, attempt: Attempt, request: ReadRequest) -> asyncio.Task:
+        """The read as a task, counted in the book at once (the next part's choice sees it) until it ends."""
+        peer = attempt.peer
+        self.book.active[peer] += 1
+        self.book.running.setdefault(peer, set()).add(attempt)
+
+        def ended(_: asyncio.Task) -> None:
+            self.book.active[peer] -= 1
+            self.book.running[peer].discard(attempt)
+
+        task = asyncio.ensure_future(read_range(self.p2p, peer, request, self.config.read_timeout(request.length)))
+        task.add_done_callback(ended)
+        return task
+
+    async def _checked(self, task: asyncio.Task, attempt: Attempt, sha256: str, what: str,
+                       tries: "Tries") -> Optional[bytes]:
+        """The answer of a finished read if its bytes hash to ``sha256``; None otherwise (its peer punished for
+        what it did wrong, or resting after a busy answer)."""
+        peer = attempt.peer
+        try:
+            data = task.result()
+        except RemoteError as error:
+            if error.code == ErrorCode.INCOMPLETE and peer not in tries.asked_again:
+                tries.asked_again.add(peer)  # asked again: not added to ``tried``
+                logger.debug("asking %s again for %s: %s", peer, what, error.message)
+            elif error.code == ErrorCode.BUSY:  # its read places are full (ours may not have ended there yet)
+                tries.rest(peer, error.message)
+            else:
                 self.book.punish(peer, error)
-                tried[peer] = error.message
-                continue
-            finally:
-                self.book.active[peer] -= 1
-            if await asyncio.get_running_loop().run_in_executor(None, sha256_hex, data) != sha256:
-                error = RemoteError(ErrorCode.BAD_REQUEST, f"sent {what} with bytes whose hash differs from the "
-                                    f"manifest's", peer)
-                self.book.punish(peer, error, wrong_bytes=True)
-                tried[peer] = error.message
-                continue
-            self.report.bytes_by_peer[peer] += len(data)
-            return data
+                tries.tried[peer] = error.message
+            return None
+        if await asyncio.get_running_loop().run_in_executor(None, sha256_hex, data) != sha256:
+            error = RemoteError(ErrorCode.BAD_REQUEST, f"sent {what} with bytes whose hash differs from the "
+                                f"manifest's", peer)
+            self.book.punish(peer, error, wrong_bytes=True)
+            tries.tried[peer] = error.message
+            return None
+        self.book.measure(peer, len(data), time.monotonic() - attempt.started)
+        self.report.bytes_by_peer[peer] += len(data)
+        return data
+
+    def _won(self, winner: Attempt, racing: dict[asyncio.Task, Attempt], nbytes: int) -> None:
+        """Drop the peers whose reads of this part started before the winner's and are still running."""
+        for attempt in racing.values():
+            if attempt.started < winner.started:
+                self.report.hedges_won += 1
+                self.book.drop(attempt.peer, f"a read of {nbytes} bytes ran {time.monotonic() - attempt.started:.1f} "
+                               f"s while {winner.peer} delivered it in {time.monotonic() - winner.started:.1f} s")
 
     def nobody(self, what: str, tried: dict[str, str]) -> str:
         reasons = [f"{peer}: {reason}" for peer, reason in tried.items()]

@@ -2,18 +2,21 @@
 
 * ``swarm-weights:name:{name}``: a :class:`PublishedModel` (name -> model id, sizes) in the signed slot of its
   publisher's Ed25519 key, written as adapter names are (``swarm.adapters.sharing``): only that key can write
-  it, and a record signed by any other key is refused by storing peers and ignored by readers. Several
-  publishers may claim one name: then a reader refuses to guess and asks for ``name@PUBLISHER`` (16 hex digits
-  of the key's SHA-256, as for adapters).
+  it, and a record signed by any other key is refused by storing peers and ignored by readers. Anyone may
+  claim any name, so a reader follows only the publishers it trusts (:mod:`swarm.weights.trust`); two trusted
+  publishers naming different ids make it ask for ``name@PUBLISHER`` (16 hex digits of the key's SHA-256, as
+  for adapters). The sizes a record gives are hints (:mod:`swarm.weights.fetch`).
 * ``swarm-weights:hosts:{model id}``: each serving peer's :class:`HostRecord` under its owner subkey (only its
-  libp2p key can write it): where it listens and which tensors it holds (a bitmap over the manifest's tensors;
-  a server of the publisher's directory holds them all).
+  libp2p key can write it): where it listens, the manifest's size and which tensors it holds (a bitmap over the
+  manifest's tensors; a server of the publisher's directory holds them all). These are the host's own claims:
+  a fetcher holds a host only to them, never to another's.
 
 The keys start with ``swarm-weights:``, which no model's DHT prefix can (prefixes are letters, digits, ``-_``).
 Records are remote input even when signed: every field is checked and bounded.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from dataclasses import dataclass
@@ -27,11 +30,18 @@ from swarm.adapters.block import is_sha256_hex
 from swarm.adapters.sharing import AUTHOR_PATTERN, author_id, signed_entries, store_slot
 from swarm.dht import fields
 from swarm.dht.keys import WEIGHTS_HOSTS, WEIGHTS_NAME
-from swarm.dht.schema import MAX_ADDRESS_CHARS, MAX_ADDRESSES, forget_local_copies, read_owned, store_owned
+from swarm.dht.schema import (
+    MAX_ADDRESS_CHARS,
+    MAX_ADDRESSES,
+    forget_local_copies,
+    read_owned,
+    store_owned,
+)
 from swarm.dht.validation import KeyPolicy, ed25519_text
 from swarm.utils.errors import EXIT_NOT_SERVED, EXIT_USAGE, SwarmError
 from swarm.weights.limits import PUBLISH_LIFETIME
 from swarm.weights.manifest import MAX_MANIFEST_BYTES, MAX_TENSORS, MODEL_NAME
+from swarm.weights.trust import PublisherTrust
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +51,7 @@ MAX_HOSTS_KEPT = WEIGHTS_HOSTS.max_subkeys  # hosts records one storing peer kee
 # a record with every field at its bound: 8 addresses of 256 characters, a bitmap of MAX_TENSORS bits, a signature
 MAX_HOST_VALUE_BYTES = WEIGHTS_HOSTS.max_value_bytes
 MAX_WEIGHTS_BYTES = 2**50
+READ_BACK_SECONDS = 20.0  # how long a publish stores again and reads back before saying the record is unreadable
 
 
 class WeightsError(SwarmError, ValueError):
@@ -48,6 +59,12 @@ class WeightsError(SwarmError, ValueError):
     that does not match."""
 
     exit_code = EXIT_USAGE
+
+
+class WeightsNotReadable(WeightsError):
+    """A published record that other peers do not return: nobody can read it, so it is not published."""
+
+    exit_code = EXIT_NOT_SERVED
 
 
 class WeightsNotServed(WeightsError):
@@ -130,35 +147,57 @@ def read_published(dht: DHT, name: str) -> list[PublishedModel]:
     return records
 
 
-def choose_published(records: list[PublishedModel], reference: str) -> PublishedModel:
-    """The one record ``name`` or ``name@PUBLISHER`` names; a clear error for none or for several publishers."""
+def choose_published(records: list[PublishedModel], reference: str, trust: PublisherTrust) -> PublishedModel:
+    """The one record ``name`` or ``name@PUBLISHER`` names among the publishers ``trust`` follows (or the one the
+    reference names); a clear error for none, for names turned off, or for trusted publishers that disagree."""
     name, publisher = parse_reference(reference)
+    if not trust.names:
+        raise WeightsError(f"model {reference!r}: names are not resolved here ({trust.source}): name the model by "
+                           f"its id (64 hex digits)")
     if publisher is not None:
         records = [r for r in records if r.publisher_id == publisher]
-    if not records:
-        by = f" by publisher {publisher}" if publisher else ""
-        raise WeightsError(f"model {reference!r} is no directory here, and no model is published under {name!r}{by} "
-                           f"(records not signed by their slot's key are ignored; `python -m swarm.weights show "
-                           f"{name}` lists what is)")
-    if len({r.publisher for r in records}) > 1:
-        choices = ", ".join(sorted(f"{r.name}@{r.publisher_id} (model {r.model_id[:12]}...)" for r in records))
-        raise WeightsError(f"several publishers claim the model name {name!r}: choose one of {choices}")
-    return records[0]
+        if not records:
+            raise WeightsError(f"model {reference!r} is no directory here, and no model is published under {name!r} "
+                               f"by publisher {publisher} (records not signed by their slot's key are ignored; "
+                               f"`python -m swarm.weights show {name}` lists what is)")
+        return records[0]
+    if not trust.keys:
+        raise WeightsError(f"model {reference!r}: a name resolves only through publishers you trust, and none is "
+                           f"configured: pass --trusted-publishers KEY (or set $SWARM_GOVERNANCE_KEYS), name the "
+                           f"publisher ({name}@PUBLISHER, as `python -m swarm.weights show {name}` lists), or the id")
+    trusted = [r for r in records if trust.trusts(r.publisher)]
+    if not trusted:
+        ignored = f" ({len(records)} records by publishers you do not trust are ignored)" if records else ""
+        raise WeightsError(f"model {reference!r} is no directory here, and no publisher you trust ({trust.source}) "
+                           f"published {name!r}{ignored}: `python -m swarm.weights show {name}` lists what is")
+    if len({r.model_id for r in trusted}) > 1:
+        choices = ", ".join(sorted(f"{r.name}@{r.publisher_id} (model {r.model_id[:12]}...)" for r in trusted))
+        raise WeightsError(f"several publishers you trust claim the model name {name!r} for different models: "
+                           f"choose one of {choices}")
+    return max(trusted, key=lambda r: r.published)
 
 
-def publish(dht: DHT, key: Ed25519PrivateKey, record: PublishedModel,
-            lifetime: float = PUBLISH_LIFETIME) -> PublishedModel:
-    """Sign and store ``record`` in the publisher's slot under its name; the record read back, or
-    :class:`WeightsError`."""
-    store_slot(dht, key, name_key(record.name), record.payload(), get_dht_time() + lifetime)
+def publish(dht: DHT, key: Ed25519PrivateKey, record: PublishedModel, lifetime: float = PUBLISH_LIFETIME,
+            read_back_seconds: float = READ_BACK_SECONDS) -> PublishedModel:
+    """Sign and store ``record`` in the publisher's slot under its name; the record as *other* peers return it
+    (this peer's own copy is dropped before each read: a record only this peer holds is not published), or
+    :class:`WeightsError` saying it is not readable."""
     own = ed25519_text(key)
-    for _ in range(5):  # a peer that has just joined may not reach the key's holders at once
-        forget_local_copies(dht, [name_key(record.name)])  # what readers get, not this peer's own copy
+    deadline = time.monotonic() + read_back_seconds
+    stored = False
+    for attempt in itertools.count():  # a peer that has just joined may not reach the key's holders at once
+        stored = store_slot(dht, key, name_key(record.name), record.payload(), get_dht_time() + lifetime) or stored
+        forget_local_copies(dht, [name_key(record.name)])
         found = [r for r in read_published(dht, record.name) if r.publisher == own and r.model_id == record.model_id]
         if found:
             return found[0]
-        time.sleep(0.5)
-    raise WeightsError(f"the swarm did not keep the record for {record.name!r}")
+        pause = min(0.5 * 2**attempt, 4.0)
+        if time.monotonic() + pause >= deadline:
+            break
+        time.sleep(pause)
+    raise WeightsNotReadable(f"the record for {record.name!r} was {'stored' if stored else 'refused'} but other peers "
+                             f"do not return it: it is not readable, so it is not published (its key may be flooded; "
+                             f"try again later or under another name)")
 
 
 # ----- hosts -----------------------------------------------------------------------------------------------

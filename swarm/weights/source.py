@@ -1,7 +1,8 @@
 """``--model ID`` (or a published name): a model whose bytes come from the peers that serve it.
 
 :class:`SwarmWeights` is a resolver for :func:`swarm.models.loading.resolve_model`: given a model id (64 hex
-digits) or a published name (``NAME``, ``NAME@PUBLISHER``) it finds the model's manifest and small files on the
+digits) or a published name (``NAME`` by a publisher the caller trusts, :mod:`swarm.weights.trust`, or
+``NAME@PUBLISHER``) it finds the model's manifest and small files on the
 swarm, checks them (the manifest against its id, every file against the manifest, the tensors' shapes against
 the config) and installs them in the cache; the tensors come later, only those a part reads
 (``ModelSource.fetch``): a server of blocks 2:4 fetches blocks 2 and 3, and nothing else.
@@ -16,7 +17,6 @@ import errno
 import logging
 import re
 import threading
-from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Iterator, Optional, Sequence
@@ -32,13 +32,13 @@ from swarm.weights.fetch import FetchConfig, Fetcher, FetchReport, PeerBook
 from swarm.weights.manifest import MODEL_NAME, Manifest, ManifestError
 from swarm.weights.records import (
     WeightsError,
-    WeightsNotServed,
     choose_published,
     parse_reference,
     read_hosts,
     read_published,
 )
-from swarm.weights.wire import FILE, MANIFEST, ReadRequest
+from swarm.weights.trust import PublisherTrust
+from swarm.weights.wire import FILE, ReadRequest
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +65,7 @@ class SwarmWeights:
 
     network: NetworkConfig = field(default_factory=NetworkConfig)
     config: FetchConfig = field(default_factory=FetchConfig)
+    trust: PublisherTrust = field(default_factory=PublisherTrust.of)  # whose names resolve: the governance keys
     banned: dict[str, str] = field(default_factory=dict)  # peers that sent wrong bytes, for every later fetch
     reports: list[FetchReport] = field(default_factory=list)
 
@@ -81,7 +82,10 @@ class SwarmWeights:
             return self.open(name)
         if not REFERENCE.fullmatch(name) or not self.has_swarm():
             return None
-        record = choose_published(self._with_dht(lambda dht: read_published(dht, parse_reference(name)[0])), name)
+        reference, publisher = parse_reference(name)
+        if not self.trust.names or (publisher is None and not self.trust.keys):  # refused before any network
+            choose_published([], name, self.trust)
+        record = choose_published(self._with_dht(lambda dht: read_published(dht, reference)), name, self.trust)
         logger.info("model %r is %s, published by %s", name, record.model_id, record.publisher_id)
         return self.open(record.model_id, record.manifest_bytes)
 
@@ -103,18 +107,7 @@ class SwarmWeights:
     def _install(self, dht: DHT, cache: ModelCache, manifest_bytes: Optional[int]) -> Manifest:
         fetcher = self._fetcher(dht, cache.model_id)
         loop = BackgroundLoop.shared()
-        sizes = [manifest_bytes] if manifest_bytes else [s for s, _ in Counter(
-            host.manifest_bytes for host in fetcher.book.hosts.values() if host.manifest_bytes).most_common()]
-        data, failures = None, []
-        for size in sizes:
-            try:
-                data = loop.run(fetcher.read_checked(ReadRequest(cache.model_id, MANIFEST, "", 0, size),
-                                                     cache.model_id, None, "the manifest"))
-                break
-            except WeightsError as error:
-                failures.append(str(error))
-        if data is None:
-            raise WeightsNotServed("; ".join(failures) or fetcher.nobody("the manifest", {}))
+        data = loop.run(fetcher.read_manifest(manifest_bytes))  # each host asked the size it claims itself
         try:
             manifest = Manifest.from_bytes(data, cache.model_id)
         except ManifestError as error:

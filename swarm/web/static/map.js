@@ -184,15 +184,47 @@ function auditedScores(audits) {
     `${task} ${score.correct}/${score.examples} (${num(100 * score.score)}%)`).join(", ");
 }
 
+const SVG = "http://www.w3.org/2000/svg";
+
+function svg(tag, attributes = {}, ...children) {
+  const node = document.createElementNS(SVG, tag);
+  for (const [name, value] of Object.entries(attributes)) node.setAttribute(name, String(value));
+  for (const child of children) node.append(child);
+  return node;
+}
+
+/** The name's curve, one point per version: the publisher's own figure (dashed) and the trusted audited score. */
+function versionCurve(versions) {
+  const live = (versions || []).filter((v) => typeof v.number === "number");
+  if (!live.length) return "—";
+  const width = 140, height = 40, pad = 4;
+  const x = (i) => pad + (live.length === 1 ? 0 : i * (width - 2 * pad) / (live.length - 1));
+  const y = (score) => height - pad - Math.max(0, Math.min(1, score)) * (height - 2 * pad);
+  const audited = (v) => Object.values(v.audited || {}).find((s) => typeof s === "number");
+  const line = (values, attributes) => {
+    const points = values.map((value, i) => (typeof value === "number" ? `${x(i)},${y(value)}` : null))
+      .filter(Boolean).join(" ");
+    return points ? svg("polyline", { points, fill: "none", ...attributes }) : null;
+  };
+  const parts = [line(live.map((v) => v.claimed), { stroke: "currentColor", "stroke-dasharray": "3 2", opacity: 0.5 }),
+                 line(live.map(audited), { stroke: "currentColor", "stroke-width": 2 })].filter(Boolean);
+  const title = live.map((v) => `v${v.number}${v.withdrawn ? " (withdrawn)" : ""}: own ${v.claimed ?? "—"}, ` +
+    `audited ${typeof audited(v) === "number" ? num(100 * audited(v)) + "%" : "—"}`).join("; ");
+  return el("span", { className: "version-curve", title },
+    svg("svg", { width, height, viewBox: `0 0 ${width} ${height}`, role: "img", "aria-label": title }, ...parts),
+    ` v${live[live.length - 1].number}`);
+}
+
 function drawAdapters(adapters) {
   const rows = adapters.map((adapter) => el("tr", {},
     cell("Adapter", adapter.name),
     cell("Author", el("code", { title: adapter.author }, adapter.author)),
     cell("Claimed", typeof adapter.claimed === "number" ? String(adapter.claimed) : "—"),
     cell("Audited", auditedScores(adapter.audits)),
+    cell("Versions", versionCurve(adapter.versions)),
     cell("Hosts", adapter.hosts),
     cell("Content", el("code", { title: adapter.sha256 }, String(adapter.sha256).slice(0, 16)))));
-  if (!rows.length) rows.push(el("tr", {}, el("td", { colspan: 6 }, "No adapter is published for this model.")));
+  if (!rows.length) rows.push(el("tr", {}, el("td", { colspan: 7 }, "No adapter is published for this model.")));
   document.querySelector("#adapters tbody").replaceChildren(...rows);
 }
 

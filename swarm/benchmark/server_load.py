@@ -1,0 +1,276 @@
+"""One server under several callers: batching across clients (issue 47) and fair shares (issue 48), side by side.
+
+* ``concurrency``: 1, 4 and 16 concurrent clients of one server holding every block (and the head): aggregate
+  tokens/s and its ratio to one client, with the server batching and without, every client's tokens checked
+  against its solo run (the local model's, which a solo run through the swarm equals), and how busy the server's
+  compute thread was (its seconds over the wall time: below 100% the clients, not the server, were the limit).
+* ``shares``: the red team's shapes. (a) A heavy user generating while a stranger sends a 1-position call every few
+  seconds to a server started with ``--max-share-per-caller 0.5 --share-window 60``: the heavy user's time with and
+  without the stranger (the refusing cap made it 179.5 s instead of 0.04 s). (b) A long-standing user against a
+  stranger sending each pass from a fresh id, several at once, on the real compute queue of the model (in process):
+  the share of compute each side gets in arrival order (no scheduler), fair by id, and fair with the newcomers'
+  flow (this project's scheduler).
+
+torch and the swarm are imported in the commands' bodies, so that ``--help`` answers at once.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Iterator
+
+import click
+
+from swarm.utils.local_swarm import LocalSwarm
+from swarm.utils.threads import apply_threads
+
+GREEDY = dict(gen_length=32, steps=32, block_length=32, temperature=0.0)
+
+
+def prompts(count: int) -> list[list[int]]:
+    """``count`` distinct prompts of one length (4 tokens): calls of equal length are what a server merges."""
+    return [[10 + index, 300 + 7 * index, 900 + 3 * index, 2000 + index] for index in range(count)]
+
+
+@contextlib.contextmanager
+def one_server(model: str, threads: int, *extra: str) -> Iterator[tuple[LocalSwarm, str]]:
+    """A bootstrap peer and one server of every block of ``model`` with the head; yields the swarm and its id."""
+    from swarm.models.loading import ModelFiles
+
+    blocks = f"0:{ModelFiles(model).config.num_layers}"
+    with LocalSwarm() as swarm:
+        swarm.start_bootstrap()
+        server = swarm.start_server(model, blocks, "--head", "--compute-threads", str(threads), *extra)
+        yield swarm, server.peer_id
+
+
+def span_info(lm, peer_id: str) -> dict:
+    info, _ = lm.loop.run(lm.caller.info(peer_id, 30))
+    return info
+
+
+@click.command()
+@click.option("--model", default="default", show_default=True, help="Embedded model name or checkpoint directory.")
+@click.option("--clients", default="1,4,16", show_default=True, help="Comma-separated counts of concurrent clients.")
+@click.option("--threads", type=int, default=1, show_default=True, help="torch threads of the server.")
+@click.option("--draft-steps", type=int, default=None,
+              help="Each client's draft_steps (default: the client's own choice, 3 through a swarm at scale auto: "
+                   "each call then carries up to 4 states; 0 sends one state per call).")
+def concurrency(model: str, clients: str, threads: int, draft_steps: int | None) -> None:
+    """Aggregate tokens/s of 1, 4, 16 concurrent clients on one server, batched vs unbatched, same tokens checked."""
+    from swarm.client.model import DistributedDiffusionLM
+    from swarm.frontend.local import DiffusionLM
+
+    counts = sorted({int(text) for text in clients.split(",") if text.strip()})
+    if not counts or counts[0] < 1:
+        raise click.BadParameter("give client counts of at least 1", param_hint="--clients")
+    apply_threads(threads)
+    asked = prompts(max(counts))
+    local = DiffusionLM.from_pretrained(model)
+    settings = {**GREEDY, **({} if draft_steps is None else {"draft_steps": draft_steps})}
+    solo = [local.generate(prompt, **GREEDY).token_ids for prompt in asked]  # drafts are exact: the same tokens
+    click.echo(f"model {model}, one server of every block with --head, {threads} thread(s); each client: greedy, "
+               f"{GREEDY['gen_length']} tokens in {GREEDY['steps']} steps, a prompt of 4 tokens of its own, "
+               f"draft_steps {'auto' if draft_steps is None else draft_steps}")
+    click.echo(f"{'server':<10}{'clients':>8}{'wall s':>9}{'tokens/s':>10}{'vs 1':>7}{'merged passes':>15}"
+               f"{'requests in them':>18}{'server busy':>13}  same tokens as solo")
+    rates: dict[tuple[str, int], float] = {}
+    for mode, flag in (("unbatched", "--no-batching"), ("batched", "--batching")):
+        with one_server(model, threads, flag) as (swarm, server_id):
+            lms = [DistributedDiffusionLM.from_pretrained(model, initial_peers=swarm.initial_peers)
+                   for _ in range(max(counts))]
+            try:
+                with ThreadPoolExecutor(len(lms)) as pool:  # connected, challenged and warm before timing
+                    list(pool.map(lambda lm: lm.generate(asked[0], gen_length=8, steps=2, block_length=8), lms))
+                for count in counts:
+                    before = span_info(lms[0], server_id)
+                    barrier = threading.Barrier(count)
+
+                    def run(index: int) -> list[int]:
+                        barrier.wait()
+                        return lms[index].generate(asked[index], **settings).token_ids
+
+                    started = time.perf_counter()
+                    with ThreadPoolExecutor(count) as pool:
+                        tokens = list(pool.map(run, range(count)))
+                    wall = time.perf_counter() - started
+                    after = span_info(lms[0], server_id)
+                    busy = (after["usage"]["total"]["seconds"] - before["usage"]["total"]["seconds"]) / wall
+                    before, after = (info["admission"]["span"]["scheduler"] for info in (before, after))
+                    rate = count * GREEDY["gen_length"] / wall
+                    rates[mode, count] = rate
+                    same = all(tokens[index] == solo[index] for index in range(count))
+                    click.echo(f"{mode:<10}{count:>8}{wall:>9.2f}{rate:>10.1f}{rate / rates[mode, counts[0]]:>6.2f}x"
+                               f"{after['batches'] - before['batches']:>15}"
+                               f"{after['batched_requests'] - before['batched_requests']:>18}{busy:>13.0%}  {same}")
+            finally:
+                for lm in lms:
+                    lm.shutdown()
+    for count in counts:
+        click.echo(f"{count} client(s): batched / unbatched aggregate tokens/s "
+                   f"{rates['batched', count] / rates['unbatched', count]:.2f}x")
+    server_capacity(model, counts)
+
+
+def server_capacity(model: str, counts: list[int], states: int = 4, length: int = 36, passes: int = 64) -> None:
+    """The server's side alone, in process (no clients, no network): callers that each keep one pass of a client's
+    call shape waiting, through the real compute queue of every block; passes per second batched vs unbatched."""
+    import torch
+
+    from swarm.models.loading import ModelFiles
+    from swarm.server.backend import SpanBackend, SpanCall
+
+    files = ModelFiles(model)
+    span = files.span(0, files.config.num_layers)
+    hidden = torch.randn(states, length, files.config.hidden_size)
+    click.echo(f"\nthe server alone (in process): callers each keeping one pass of {states} x {length} positions "
+               f"waiting, {passes} passes")
+    click.echo(f"{'callers':>8}{'unbatched passes/s':>20}{'batched passes/s':>18}{'batched / unbatched':>21}")
+    for count in counts:
+        rates = []
+        for batching in (False, True):
+            backend = SpanBackend(span, max_concurrent=count + 1, max_queued_tokens=10**9, batching=batching)
+            call = lambda: SpanCall(hidden, 0, files.config.num_layers)  # noqa: E731
+            started = time.perf_counter()
+            served = asyncio.run(closed_loops(backend, call, count, passes))
+            rates.append(served / (time.perf_counter() - started))
+            backend.shutdown()
+        click.echo(f"{count:>8}{rates[0]:>20.1f}{rates[1]:>18.1f}{rates[1] / rates[0]:>20.2f}x")
+
+
+async def closed_loops(backend, call: Callable, count: int, passes: int) -> int:
+    """``count`` callers, each sending its next pass as soon as its last is answered, until ``passes`` are served."""
+    served = [0]
+
+    async def caller(index: int) -> None:
+        while served[0] < passes:
+            await backend.forward(call(), peer=f"caller-{index}")
+            served[0] += 1
+
+    await asyncio.gather(*(caller(index) for index in range(count)))
+    return served[0]
+
+
+@click.command()
+@click.option("--model", default="default", show_default=True, help="Embedded model name or checkpoint directory.")
+@click.option("--stranger-period", type=float, default=0.5, show_default=True,
+              help="Seconds between the stranger's 1-position calls in (a) (the red team's: 20).")
+@click.option("--generations", type=int, default=10, show_default=True, help="The heavy user's generations in (a).")
+@click.option("--sybils", type=int, default=8, show_default=True,
+              help="Passes the stranger keeps waiting at once in (b), each from a fresh id.")
+@click.option("--passes", type=int, default=200, show_default=True, help="Passes computed per scheduler in (b).")
+@click.option("--threads", type=int, default=1, show_default=True, help="torch threads of the server.")
+def shares(model: str, stranger_period: float, generations: int, sybils: int, passes: int, threads: int) -> None:
+    """The red team's two attacks on --max-share-per-caller: an idle server's heavy user, and fresh ids per call."""
+    apply_threads(threads)
+    idle_server_case(model, stranger_period, generations, threads)
+    sybil_case(model, sybils, passes)
+
+
+def idle_server_case(model: str, period: float, generations: int, threads: int) -> None:
+    import torch
+
+    from swarm.client.model import DistributedDiffusionLM
+    from swarm.wire.messages import ForwardRequest
+
+    with one_server(model, threads, "--max-share-per-caller", "0.5", "--share-window", "60") as (swarm, server_id):
+        heavy = DistributedDiffusionLM.from_pretrained(model, initial_peers=swarm.initial_peers)
+        stranger = DistributedDiffusionLM.from_pretrained(model, initial_peers=swarm.initial_peers)
+        try:
+            heavy.generate(prompts(1)[0], gen_length=8, steps=2, block_length=8)  # warm
+
+            def timed() -> float:
+                started = time.perf_counter()
+                for index in range(generations):
+                    heavy.generate(prompts(generations)[index], **GREEDY)
+                return (time.perf_counter() - started) / generations
+
+            alone = timed()
+            stop, calls = threading.Event(), [0]
+
+            def poke() -> None:  # a 1-position call through the first block, then a pause
+                hidden = torch.zeros(1, 1, stranger.config.hidden_size)
+                while not stop.is_set():
+                    stranger.loop.run(stranger.caller.forward(server_id, ForwardRequest(0, 1, hidden, "", -1), 30))
+                    calls[0] += 1
+                    stop.wait(period)
+
+            poker = threading.Thread(target=poke, daemon=True)
+            poker.start()
+            with_stranger = timed()
+            stop.set()
+            poker.join(60)
+            usage = span_info(heavy, server_id)["usage"]
+        finally:
+            heavy.shutdown()
+            stranger.shutdown()
+    click.echo(f"\n(a) --max-share-per-caller 0.5 --share-window 60, a stranger's 1-position call every {period:g} s "
+               f"({calls[0]} calls); the heavy user's generation ({GREEDY['gen_length']} tokens), mean of "
+               f"{generations}")
+    click.echo(f"{'heavy user':<24}{'s per generation':>18}")
+    click.echo(f"{'alone':<24}{alone:>18.3f}")
+    click.echo(f"{'with the stranger':<24}{with_stranger:>18.3f}")
+    click.echo(f"ratio {with_stranger / alone:.2f}x (the refusing cap: 179.5 s vs 0.04 s); refused for share: "
+               f"{usage['refused']}")
+
+
+def sybil_case(model: str, sybils: int, passes: int) -> None:
+    import torch
+
+    from swarm.models.loading import ModelFiles
+    from swarm.server.backend import SpanBackend, SpanCall
+    from swarm.server.scheduler import FairScheduler
+
+    files = ModelFiles(model)
+    config = files.config
+    span = files.span(0, config.num_layers)
+
+    class PerIdentity(FairScheduler):
+        """Fair by id with no newcomers' flow: every fresh id a flow of its own."""
+
+        def flow_key(self, peer: str):
+            return peer
+
+    class ArrivalOrder(FairScheduler):
+        """First come, first served: one flow for everybody (the queue before the scheduler)."""
+
+        def flow_key(self, peer: str):
+            return "everyone"
+
+    click.echo(f"\n(b) a long-standing user (one pass waiting at a time) against a stranger keeping {sybils} passes "
+               f"waiting, each from a fresh id; {passes} passes of 1 x 36 positions through every block")
+    click.echo(f"{'scheduler':<34}{'user share':>11}{'sybils share':>13}")
+    hidden = torch.randn(1, 36, config.hidden_size)
+    for name, kind in (("arrival order (no scheduler)", ArrivalOrder), ("fair by id", PerIdentity),
+                       ("fair, newcomers share one flow", FairScheduler)):
+        scheduler = kind()
+        for index in range(scheduler.establish_requests):  # long-standing: served over more than the age
+            scheduler.served("user", now=index * 2 * scheduler.establish_age / scheduler.establish_requests)
+        backend = SpanBackend(span, max_concurrent=4 * sybils + 4, max_queued_tokens=10**9, scheduler=scheduler,
+                              batching=False)
+        served = asyncio.run(contend(backend, lambda: SpanCall(hidden, 0, config.num_layers), sybils, passes))
+        backend.shutdown()
+        total = sum(served.values())
+        click.echo(f"{name:<34}{served['user'] / total:>11.0%}{served['sybils'] / total:>13.0%}")
+    click.echo("the red team measured 91% of the calls for fresh ids against a 50% cap")
+
+
+async def contend(backend, call: Callable, sybils: int, passes: int) -> dict[str, int]:
+    """Closed loops: the user keeps one pass waiting, the stranger ``sybils`` (a fresh id each); count who is served."""
+    served = {"user": 0, "sybils": 0}
+    done = asyncio.Event()
+    fresh = iter(range(10**9))
+
+    async def loop(side: str) -> None:
+        while not done.is_set():
+            peer = "user" if side == "user" else f"sybil-{next(fresh)}"
+            await backend.forward(call(), peer=peer)
+            served[side] += 1
+            if sum(served.values()) >= passes:
+                done.set()
+
+    await asyncio.gather(loop("user"), *(loop("sybils") for _ in range(sybils)))
+    return served

@@ -1,0 +1,49 @@
+"""The trainer's settings (plain values: the command declares its options from them without loading torch)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from swarm.adapters.kinds import LORA
+
+
+@dataclass
+class ImproveConfig:
+    task: str  # the held-out task the trainer's own figure is measured on (swarm.train.data.TASKS)
+    data: str  # a JSONL file, a folder of JSONL files, or datasets:NAME[:SPLIT]
+    name: str  # the adapter name versions are published under
+    key_path: str  # the publisher's Ed25519 private key
+    workdir: str  # the adapter, the run's state and the kept versions
+    model: str = "addition"
+    dht_prefix: Optional[str] = None
+    initial_peers: list[str] = field(default_factory=list)
+    run_id: Optional[str] = None  # train together with every trainer of this run id (hivemind.Optimizer)
+    target_batch_size: Optional[int] = None
+    rounds: int = 0  # rounds to run; 0: until stopped
+    round_steps: int = 20  # optimizer steps per round
+    keep: int = 3  # versions kept on disk and listed on the swarm
+    held_out: int = 40  # held-out problems of the trainer's own figure (the same ones every round)
+    eval_seed: int = 1  # which held-out problems (auditors draw theirs afresh)
+    min_new_examples: int = 0  # start a round only once the source holds this many examples more than the last
+    poll: float = 2.0  # seconds between looks at a source that has nothing new
+    min_gain: float = 0.0  # publish only when the figure beats the published one by more than this
+    adapter_kind: str = LORA
+    rank: int = 4
+    head_rank: int = 8
+    lr: float = 0.003
+    batch_size: int = 16
+    pad_response: int = 8
+    seed: int = 0
+    request_timeout: float = 30.0
+    host_lifetime: float = 3600.0  # seconds the announcement that this trainer serves its versions' files lives
+    local_model: bool = False  # run the whole model here (the swarm then serves only the collaboration)
+
+    def validate(self) -> None:
+        from swarm.train.config import TASK_NAMES
+
+        if self.task not in TASK_NAMES:
+            raise ValueError(f"--task {self.task!r}: one of {', '.join(TASK_NAMES)}")
+        if not 1 <= self.keep <= 16:
+            raise ValueError("--keep: 1-16 versions")
+        if self.round_steps < 1 or self.held_out < 1 or self.rounds < 0:
+            raise ValueError("--round-steps and --held-out must be positive, --rounds at least 0")

@@ -1,0 +1,254 @@
+"""Adapter versions (swarm.adapters.versions) and adoption by audit (swarm.reports.adoption), on the session's swarm.
+
+Each attack of issue 49 is a test here: a version under another's name, a flood of versions, files that do not hash
+to their version, scores from auditors the reader does not trust, a version overfitted to its public examples, a
+version by a publisher the client does not trust.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+
+import pytest
+from click.testing import CliRunner
+from hivemind.utils import MSGPackSerializer
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from swarm.adapters.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, AdapterError
+from swarm.adapters.sharing import AdapterLibrary, content_hash, declare_hosted, read_adapter_files, store_slot
+from swarm.adapters.versions import (
+    MAX_VERSIONS,
+    AdapterVersion,
+    Reference,
+    VersionList,
+    publish_version,
+    published_versions,
+    read_versions,
+    reference_of,
+    resolve,
+    versions_key,
+)
+from swarm.dht.schema import MAX_ADAPTER_VERSIONS_BYTES, now
+from swarm.dht.validation import ed25519_text, sign_slot, slot_subkey
+from swarm.governance.keys import generate_private_key
+from swarm.improve.withdraw import withdraw_main
+from swarm.reports.adoption import choose, to_score
+from swarm.reports.records import AdapterAudit, AuditBook, AuditReport, publish_report
+from swarm.server.handler import ForwardHandler
+from swarm.utils.event_loop import BackgroundLoop
+from tests.test_adapter_sharing import GENERATION, make_adapter, peer  # noqa: F401 (the fixture)
+
+DATA = hashlib.sha256(b"the examples").hexdigest()
+
+
+@pytest.fixture(scope="module")
+def host(peer, remote_lm):  # noqa: F811
+    """This process's peer serving adapter files: ``serve(files, as_hash)`` (honest when as_hash is their hash)."""
+    dht, identity = peer
+    handler = ForwardHandler(None, hidden_size=remote_lm.config.hidden_size, max_batch_tokens=64, wire_dtype="auto",
+                             request_timeout=10.0, info=dict)
+    handler.adapters = AdapterLibrary()
+    loop = BackgroundLoop.shared()
+    p2p = loop.run(dht.replicate_p2p())
+    loop.run(handler.add_p2p_handlers(p2p))
+    addresses = [str(a).rsplit("/p2p/", 1)[0] for a in loop.run(p2p.get_visible_maddrs())]
+
+    def serve(files: dict[str, bytes], as_hash: str) -> None:
+        handler.adapters.files[as_hash] = files
+        assert declare_hosted(dht, remote_lm.prefix, {as_hash: 1}, identity.owner_subkey(), now() + 120, addresses)
+
+    yield serve
+    loop.run(handler.remove_p2p_handlers(p2p))
+
+
+@pytest.fixture()
+def cache(remote_lm, tmp_path, monkeypatch):
+    monkeypatch.setattr(remote_lm, "adapter_cache", tmp_path / "cache")
+    return tmp_path / "cache"
+
+
+def served_version(dht, key, prefix, serve, lm, directory, name, seed, score=None, keep=MAX_VERSIONS):
+    make_adapter(lm, directory, seed=seed)
+    files = read_adapter_files(directory)
+    serve(files, content_hash(files))
+    return publish_version(dht, key, prefix, directory, name, DATA, score, keep=keep)
+
+
+def test_versions_are_ordered_chosen_by_number_and_withdrawn(peer, host, remote_lm, local_lm, tmp_path,  # noqa: F811
+                                                             cache, local_swarm):
+    dht, _ = peer
+    prefix, key = remote_lm.prefix, generate_private_key(tmp_path / "author.key")
+    first, v1 = served_version(dht, key, prefix, host, local_lm, tmp_path / "v1", "versioned", 1, 0.25)
+    second, v2 = served_version(dht, key, prefix, host, local_lm, tmp_path / "v2", "versioned", 2, 0.5)
+    assert (v1.number, v1.parent, v2.number, v2.parent) == (1, None, 2, v1.sha256)
+    assert v2.data == DATA and second.sha256 == v2.sha256, "the name record follows the newest version"
+    (listed,) = read_versions(dht, prefix, "versioned")
+    assert [v.sha256 for v in listed.versions] == [v1.sha256, v2.sha256] and listed.author == ed25519_text(key)
+    with pytest.raises(AdapterError, match="already lists this content as version 2"):
+        publish_version(dht, key, prefix, tmp_path / "v2", "versioned", DATA)
+
+    by_version = {n: remote_lm.generate("adapt", adapter=f"versioned@{n}", **GENERATION).token_ids for n in (1, 2)}
+    assert by_version[1] == local_lm.generate("adapt", adapter=str(tmp_path / "v1"), **GENERATION).token_ids
+    assert by_version[2] == local_lm.generate("adapt", adapter=str(tmp_path / "v2"), **GENERATION).token_ids
+    assert by_version[1] != by_version[2]
+    author = second.author_id
+    assert resolve(dht, prefix, "versioned").sha256 == v2.sha256
+    assert resolve(dht, prefix, f"versioned@{author}@1").sha256 == v1.sha256
+
+    peers = [arg for peer in local_swarm.initial_peers for arg in ("--initial-peers", peer)]
+    done = CliRunner().invoke(withdraw_main, ["--name", "versioned", "--version", "2", "--key",
+                                              str(tmp_path / "author.key"), "--dht-prefix", prefix, *peers])
+    assert done.exit_code == 0, done.output
+    assert [v["withdrawn"] for v in json.loads(done.stdout)] == [False, True]
+    with pytest.raises(AdapterError, match="version 2 was withdrawn by its publisher"):
+        resolve(dht, prefix, "versioned@2")
+    assert resolve(dht, prefix, "versioned").sha256 == v1.sha256, "the name went back to the newest version left"
+    assert [r.sha256 for r in published_versions(dht, prefix, 64) if r.name == "versioned"] == [v1.sha256]
+    with pytest.raises(AdapterError, match="no version 7"):
+        resolve(dht, prefix, "versioned@7")
+
+
+# ----- attacks -------------------------------------------------------------------------------------------
+def test_a_trainer_cannot_publish_a_version_under_anothers_name(peer, host, remote_lm, local_lm,  # noqa: F811
+                                                                 tmp_path):
+    dht, _ = peer
+    prefix = remote_lm.prefix
+    author, impostor = (generate_private_key(tmp_path / n) for n in ("author.key", "impostor.key"))
+    record, genuine = served_version(dht, author, prefix, host, local_lm, tmp_path / "a", "owned-name", 3)
+    # The impostor signs a version list into the author's slot (a later expiration): refused, never read.
+    forged = VersionList("owned-name", (genuine, AdapterVersion(2, "e" * 64, 10, genuine.sha256, DATA, 1.0)))
+    expiration = now() + 30 * 24 * 3600
+    value = sign_slot(impostor, versions_key(prefix, "owned-name"), forged.payload(), expiration)
+    assert not dht.store(versions_key(prefix, "owned-name"), value, expiration_time=expiration,
+                         subkey=slot_subkey(author))
+    # A list the author signed for another name cannot be moved under this one (the signature covers the key).
+    elsewhere = sign_slot(author, versions_key(prefix, "other-name"), forged.payload(), expiration)
+    assert not dht.store(versions_key(prefix, "owned-name"), elsewhere, expiration_time=expiration,
+                         subkey=slot_subkey(author))
+    lists = read_versions(dht, prefix, "owned-name")
+    assert [v.sha256 for v in lists[0].versions] == [genuine.sha256] and len(lists) == 1
+    # Its own versions under the same name are its own: the author's reference still names the author's content.
+    served_version(dht, impostor, prefix, host, local_lm, tmp_path / "b", "owned-name", 4)
+    assert resolve(dht, prefix, f"owned-name@{record.author_id}@1").sha256 == genuine.sha256
+    with pytest.raises(AdapterError, match="several authors published 'owned-name'"):
+        resolve(dht, prefix, "owned-name@1")
+
+
+def test_a_flood_of_versions_is_bounded(peer, host, remote_lm, local_lm, tmp_path):  # noqa: F811
+    dht, _ = peer
+    prefix, key = remote_lm.prefix, generate_private_key(tmp_path / "flood.key")
+    for seed in range(5):
+        served_version(dht, key, prefix, host, local_lm, tmp_path / f"f{seed}", "flooded", 10 + seed, keep=3)
+    (listed,) = read_versions(dht, prefix, "flooded")
+    assert [v.number for v in listed.versions] == [3, 4, 5], "publishing keeps the newest versions only"
+    many = tuple(AdapterVersion(n, hashlib.sha256(bytes([n])).hexdigest(), 10, None, DATA) for n in range(1, 18))
+    with pytest.raises(ValueError, match=f"at most {MAX_VERSIONS} versions"):
+        VersionList("flooded", many).payload()
+    # Signed by the author itself, an over-long list is stored (the slot is its own) but no reader takes it.
+    raw = MSGPackSerializer.dumps({"record_version": 1, "name": "flooded", "versions": [v.to_value() for v in many]})
+    assert len(raw) < MAX_ADAPTER_VERSIONS_BYTES
+    store_slot(dht, key, versions_key(prefix, "flooded"), raw, now() + 8 * 24 * 3600)
+    assert read_versions(dht, prefix, "flooded") == []
+    with pytest.raises(ValueError, match="at most"):
+        VersionList.from_payload(b"\0" * (MAX_ADAPTER_VERSIONS_BYTES + 1), "x")
+
+
+def test_a_version_whose_files_do_not_hash_to_its_record_is_refused(peer, host, remote_lm, local_lm,  # noqa: F811
+                                                                    tmp_path, cache):
+    dht, _ = peer
+    prefix, key = remote_lm.prefix, generate_private_key(tmp_path / "k.key")
+    served_version(dht, key, prefix, host, local_lm, tmp_path / "good", "tampered-version", 5)
+    make_adapter(local_lm, tmp_path / "bad", seed=6)
+    record, version = publish_version(dht, key, prefix, tmp_path / "bad", "tampered-version", DATA)
+    files = read_adapter_files(tmp_path / "good")  # a host answers version 2's hash with version 1's files
+    host({ADAPTER_CONFIG: files[ADAPTER_CONFIG], ADAPTER_WEIGHTS: files[ADAPTER_WEIGHTS]}, version.sha256)
+    with pytest.raises(AdapterError, match="sha256 differs from the published one|bytes for adapter"):
+        remote_lm.load_adapter("tampered-version@2")
+    assert not (cache / version.sha256).exists()
+
+
+# ----- adoption by audit ------------------------------------------------------------------------------------
+def scored(record, auditor_key, correct, examples=40, checked=None):
+    return AdapterAudit(record.name, record.author, record.sha256, "addition", examples, correct,
+                        checked or time.time(), record.score)
+
+
+def report(prefix, auditor_key, scores, sequence):
+    return AuditReport(prefix, sequence, time.time(), (), ed25519_text(auditor_key), tuple(scores))
+
+
+def test_adoption_reads_trusted_auditors_only_and_moves_by_the_margin(peer, host, remote_lm, local_lm,  # noqa: F811
+                                                                      tmp_path):
+    dht, _ = peer
+    prefix = remote_lm.prefix
+    trainer, stranger = generate_private_key(tmp_path / "t.key"), generate_private_key(tmp_path / "s.key")
+    trusted, untrusted = generate_private_key(tmp_path / "a.key"), generate_private_key(tmp_path / "b.key")
+    good = served_version(dht, trainer, prefix, host, local_lm, tmp_path / "g", "improving", 20, 0.4)[0]
+    # The overfitted version: its trainer's figure (on the examples it trained on) is perfect, fresh problems say not.
+    overfit = served_version(dht, trainer, prefix, host, local_lm, tmp_path / "o", "improving", 21, 1.0)[0]
+    # A stranger's version, measured best of all.
+    strange = served_version(dht, stranger, prefix, host, local_lm, tmp_path / "x", "improving", 22, 0.9)[0]
+    published = [r for r in published_versions(dht, prefix, 64) if r.name == "improving"]
+    assert {reference_of(r) for r in published} >= {reference_of(good), reference_of(overfit)}
+
+    assert publish_report(dht, trusted, report(prefix, trusted, [scored(good, trusted, 16), scored(overfit, trusted, 4),
+                                                                 scored(strange, trusted, 30)], 1), 600)
+    # An auditor the client does not trust says the overfitted version is perfect: never read.
+    assert publish_report(dht, untrusted, report(prefix, untrusted, [scored(overfit, untrusted, 40)], 1), 600)
+    book = AuditBook(prefix, frozenset({ed25519_text(trusted)}))
+    book.refresh(dht)
+    assert set(book.reports) == {ed25519_text(trusted)}
+
+    publishers = frozenset({good.author_id})
+    chosen = choose(book, "addition", published, publishers=publishers)
+    assert chosen.record.sha256 == good.sha256, "the overfitted version (and the stranger's) did not win"
+    assert choose(book, "addition", published).record.sha256 == strange.sha256, "trusting any publisher, it wins"
+
+    # Holding `good`, a version measured better by less than the margin does not move the choice; by more, it does.
+    close = [scored(good, trusted, 16), scored(overfit, trusted, 17, checked=time.time() + 1)]
+    book.consider(report(prefix, trusted, close, 2))
+    assert choose(book, "addition", published, good.sha256, 0.05, publishers).replaced is None
+    better = [scored(good, trusted, 16), scored(overfit, trusted, 24, checked=time.time() + 2)]
+    book.consider(report(prefix, trusted, better, 3))
+    moved = choose(book, "addition", published, good.sha256, 0.05, publishers)
+    assert moved.record.sha256 == overfit.sha256 and moved.replaced == good.sha256
+    # A later audit finds it worse: the choice moves back.
+    worse = [scored(good, trusted, 17, checked=time.time() + 3), scored(overfit, trusted, 5, checked=time.time() + 3)]
+    book.consider(report(prefix, trusted, worse, 4))
+    assert choose(book, "addition", published, overfit.sha256, 0.05, publishers).record.sha256 == good.sha256
+
+    # The auditor scores new versions first, then the ones scored longest ago.
+    order = to_score(published, {(good.sha256, "addition"): scored(good, trusted, 1, checked=5.0)}, 16)
+    assert order[-1].sha256 == good.sha256 and len(order) == len({r.sha256 for r in published})
+
+
+# ----- parsers of remote input ---------------------------------------------------------------------------
+LEAVES = (st.none() | st.booleans() | st.integers(-2**63, 2**63 - 1) | st.floats() | st.text(max_size=70)
+          | st.sampled_from(["a" * 64, DATA]))
+ENTRY = st.lists(LEAVES, min_size=8, max_size=8)
+LISTS = st.fixed_dictionaries({"record_version": st.just(1), "name": st.sampled_from(["n", "x y", 5]),
+                               "versions": st.lists(ENTRY, max_size=18)})
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=600) | st.builds(MSGPackSerializer.dumps, LISTS | st.recursive(
+    LEAVES, lambda inner: st.lists(inner, max_size=9) | st.dictionaries(st.text(max_size=10), inner, max_size=5),
+    max_leaves=40)))
+def test_version_lists_parse_or_fail_cleanly(payload):
+    try:
+        listed = VersionList.from_payload(payload, "x")
+    except ValueError:
+        return
+    assert len(listed.versions) <= MAX_VERSIONS and len(listed.payload()) <= MAX_ADAPTER_VERSIONS_BYTES
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(max_size=100))
+def test_references_parse_or_fail_cleanly(text):
+    try:
+        parsed = Reference.parse(text)
+    except AdapterError:
+        return
+    assert str(parsed) == text

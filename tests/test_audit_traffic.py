@@ -1,0 +1,171 @@
+"""Liars that lie only where nobody used to look (issue 48, item 4): on a session's later calls, on head queries, on
+cache fills and reuses, on adapter calls (``tests/faulty_server.py``'s ``faulty-later``, ``-head``, ``-cache``,
+``-adapter``). An auditor's single fresh first call passes every one of them (the attack, kept as the first test);
+its whole generations with a sample of every call recomputed fail each one; a default client that is the only
+holder's caller catches them by recomputing its drawn hops on its own checkpoint, and one that cannot recompute says
+its tokens are unchecked instead of returning them as checked."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from swarm.adapters.adapter import base_of, new_adapter
+from swarm.audit.auditor import Auditor
+from swarm.audit.config import AuditorConfig
+from swarm.audit.traffic import GEN_LENGTH, generations_to_catch
+from swarm.client.spot_check import NO_CHECKER
+from swarm.dht.config import NetworkConfig
+from swarm.models.loading import ModelFiles
+from swarm.reports.records import FAIL, PASS
+from tests.conftest import make_checkpoint, stop_all, swarm_client, tiny_config, wait_all
+
+FAULTY = (str(Path(__file__).with_name("faulty_server.py")),)
+PREFIX = "audit-traffic"  # the checkpoint's directory name: servers, clients and the auditor derive it alike
+MODES = ("faulty-later", "faulty-head", "faulty-cache", "faulty-adapter")
+# What a default client needs to send for each liar to have something to lie on
+CLIENT_OPTIONS = {"faulty-later": {}, "faulty-head": {}, "faulty-cache": {"cache": "dual"}, "faulty-adapter": None}
+SETTINGS = dict(gen_length=16, steps=16, block_length=8, seed=5, temperature=0.0, stop_at_eos=False)
+
+
+@pytest.fixture(scope="module")
+def liars(local_swarm, tmp_path_factory):
+    """An honest head server and one liar of each mode, every one holding the whole model with its head."""
+    path = make_checkpoint(tmp_path_factory.mktemp("traffic") / PREFIX, tiny_config(), seed=21)
+    common = ("--compute-threads", "1", "--head")
+    servers = {"honest": local_swarm.start_server(str(path), "0:4", *common, name="honest", wait=False)}
+    for mode in MODES:
+        servers[mode] = local_swarm.start_server(str(path), "0:4", *common, "--public-name", mode, entry=FAULTY,
+                                                 name=mode, wait=False)
+    try:
+        wait_all(local_swarm, list(servers.values()))
+        yield path, {name: server.peer_id for name, server in servers.items()}
+    finally:
+        stop_all(local_swarm, list(servers.values()))
+
+
+def audit_round(local_swarm, path: Path, generations: int) -> dict[str, str]:
+    """One round of an in-process auditor: each server's verdict (and reason) by peer id."""
+    network = NetworkConfig(initial_peers=local_swarm.initial_peers, client_mode=True)
+    config = AuditorConfig(network=network, fresh_identity=False, once=True, generations=generations)
+    with Auditor(config, Ed25519PrivateKey.generate(), ModelFiles(path)) as auditor:
+        result = auditor.run_round(score=False)
+    return {peer: (check.verdict, check.reason) for peer, check in result.checked.items()}
+
+
+def test_a_fresh_first_call_passes_every_quiet_liar_and_whole_generations_fail_each(local_swarm, liars):
+    """The attack: the auditor's old single challenge (``--generations 0``) passes all four liars. The defence: two
+    generations per server (a cache mode and an adapter each in turn) fail each liar and pass the honest server."""
+    path, peers = liars
+    old = audit_round(local_swarm, path, generations=0)
+    assert {name: old[peer][0] for name, peer in peers.items()} == dict.fromkeys(peers, PASS), old
+    new = audit_round(local_swarm, path, generations=2)
+    verdicts = {name: new[peer][0] for name, peer in peers.items()}
+    assert verdicts == {"honest": PASS, **dict.fromkeys(MODES, FAIL)}, new
+    reasons = {name: new[peer][1] for name, peer in peers.items()}
+    assert "head" in reasons["faulty-head"] and "adapter" in reasons["faulty-adapter"], reasons
+    assert "fill" in reasons["faulty-cache"] or "reuse" in reasons["faulty-cache"], reasons
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_default_client_alone_with_a_quiet_liar_catches_it_on_its_own_checkpoint(local_swarm, liars, mode,
+                                                                                    tmp_path):
+    """A client with default settings (spot_check_fraction 0.05, a seeded schedule for a reproducible test) whose only
+    route is the liar: the drawn hops are recomputed on the client's own checkpoint (no second holder exists), the
+    liar is distrusted and named. Before: every drawn check was ``no_checker`` and the lies were returned."""
+    path, peers = liars
+    with swarm_client(local_swarm, path, spot_check_seed=7) as lm:
+        assert lm.client_config.spot_check_fraction == 0.05
+        lm.only_peers = frozenset({peers[mode]})
+        options = dict(CLIENT_OPTIONS[mode] or {"adapter": str(deep_prompt(lm, tmp_path))})
+        caught = []
+        for _ in range(generations_to_catch(0.05, 1.0, SETTINGS["steps"], confidence=0.999)):
+            try:
+                result = lm.generate("1+2=", **SETTINGS, **options)
+            except Exception as error:  # after the catch the liar is distrusted: no route is left
+                assert peers[mode] in lm.sequence.distrusted, error
+                break
+            caught += [o for o in result.info["spot_checks"] if o["verdict"] == "primary_faulty"]
+            if caught:
+                break
+        outcomes = [o for o in lm.sequence.spot_checker.outcomes if o.verdict == "primary_faulty"]
+        assert outcomes and outcomes[0].primary == peers[mode] and outcomes[0].checkers == ["local"], mode
+        assert peers[mode] in lm.sequence.distrusted
+
+
+def test_a_client_that_cannot_recompute_says_its_tokens_are_unchecked(local_swarm, liars, caplog):
+    """Without a second holder and without recomputing (``spot_check_local=False``, as a client that holds only the
+    embedding and head), drawn checks are ``no_checker``: the result counts them in ``info["unchecked"]`` and the
+    first is logged as a warning, so the tokens are never presented as checked."""
+    path, peers = liars
+    with swarm_client(local_swarm, path, spot_check_fraction=0.25, spot_check_seed=3, spot_check_local=False) as lm:
+        lm.only_peers = frozenset({peers["faulty-later"]})
+        with caplog.at_level(logging.WARNING, logger="swarm.client.spot_check"):
+            result = lm.generate("1+2=", **SETTINGS)
+    drawn = [o for o in result.info["spot_checks"] if o["verdict"] == NO_CHECKER]
+    assert drawn and result.info["unchecked"] == len(drawn)
+    assert any("unchecked" in record.getMessage() for record in caplog.records)
+
+
+def deep_prompt(lm, directory: Path) -> Path:
+    """A small random deep prompt for ``lm``'s model, saved under ``directory``."""
+    import torch
+
+    generator = torch.Generator().manual_seed(1)
+    adapter = new_adapter("deep_prompt", 2, lm.config, base_of(lm.config, lm.tokenizer), lm.embedding, generator)
+    return adapter.save(directory / "deep")
+
+
+def test_the_stated_number_of_generations_follows_from_the_sample():
+    """The arithmetic docs/AUDIT.md states: at the default sample 0.5, a 1-in-20 liar is caught with probability 0.99
+    within 6 audit generations of 32 calls through it."""
+    assert GEN_LENGTH == 32
+    assert generations_to_catch(0.5, 0.05, GEN_LENGTH) == 6
+    assert 1 - (1 - 0.5 * 0.05) ** (GEN_LENGTH * 6) >= 0.99 > 1 - (1 - 0.5 * 0.05) ** (GEN_LENGTH * 5)
+
+
+@pytest.mark.unit
+def test_the_local_reference_answers_what_a_server_computes(tmp_path):
+    """The trusted recomputation restates the server's own (``SpanBackend.forward_sync``) for every kind of call: a
+    plain call, a cache fill and a reuse of it, a head query over a reuse's rows, an adapter's slices; to the bit."""
+    import torch
+
+    from swarm.client.reference import LocalReference
+    from swarm.diffusion.pipeline import CacheDirective
+    from swarm.diffusion.prediction import HeadQuery
+    from swarm.models.kv_cache import SpanKV
+    from swarm.server.backend import SpanBackend, SpanCall
+    from swarm.wire.messages import ForwardRequest
+
+    files = ModelFiles(make_checkpoint(tmp_path / "reference", tiny_config(), seed=4))
+    config = files.config
+    backend = SpanBackend(files.span(1, config.num_layers), 1, head=files.head())
+    reference = LocalReference(lambda start, end: files.span(start, end), files.head, config.num_layers)
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(1, 12, config.hidden_size, generator=generator)
+    fresh = torch.randn(1, 4, config.hidden_size, generator=generator)
+    adapter = new_adapter("deep_prompt", 2, config, base_of(config, files.tokenizer()), files.embedding(), generator)
+    with torch.no_grad():
+        adapter.prompts.add_(torch.randn(adapter.prompts.shape, generator=generator))
+    piece = adapter.block_adapter.slice(1, config.num_layers)
+    end = config.num_layers
+    query = HeadQuery((4,), 4, (0,), seed=1, temperature=0.5, cfg_scale=0.0, mask_token_id=config.mask_token_id,
+                      scored=(4, 8))
+    kv = SpanKV(1, 12)
+    served = {
+        "plain": backend.forward_sync(SpanCall(hidden, 1, end)),
+        "adapter": backend.forward_sync(SpanCall(hidden, 1, end, adapter=piece)),
+        "fill": backend.forward_sync(SpanCall(hidden, 1, end, kv)),
+    }
+    served["reuse+head"] = backend.forward_sync(SpanCall(fresh, 1, end, kv, (4, 8), query))
+    asked = {
+        "plain": ForwardRequest(1, end, hidden, "s", 0),
+        "adapter": ForwardRequest(1, end, hidden, "s", 0, adapter=piece),
+        "fill": ForwardRequest(1, end, hidden, "s", 0, cache=CacheDirective(0)),
+        "reuse+head": ForwardRequest(1, end, fresh, "s", 1, cache=CacheDirective(0, (4, 8)), head=query),
+    }
+    for kind, request in asked.items():
+        fill = hidden if kind == "reuse+head" else None
+        assert torch.equal(reference.answer(request, fill), served[kind]), kind

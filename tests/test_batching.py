@@ -1,0 +1,50 @@
+"""Batching across clients on a live server (issue 47 item 3): several clients generate at once through one server of
+every block (with the head), which merges their waiting calls of equal length into one pass; every client's tokens
+equal its solo run (the local model's), greedy, sampled and with guidance. float32, where the model's passes are
+batch-invariant for rows of one length (tests/test_batching_queue.py checks that bitwise, and that merging happens,
+without timing). Whether calls do meet in the queue here depends on timing, so this test asserts tokens only."""
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+from swarm.frontend.local import DiffusionLM
+from tests.conftest import make_checkpoint, stop_all, swarm_client, tiny_config
+
+REQUESTS = [  # one prompt length, so every call of every client may be merged with the others'
+    ([65, 66, 67, 68], dict(temperature=0.0)),
+    ([70, 71, 72, 73], dict(temperature=0.0)),
+    ([80, 81, 82, 83], dict(temperature=0.7, seed=5)),
+    ([90, 91, 92, 93], dict(temperature=0.0, cfg_scale=1.0)),
+]
+FAST = dict(gen_length=16, steps=8, block_length=8)
+
+
+def test_concurrent_clients_get_their_solo_tokens_from_a_batching_server(local_swarm, tmp_path):
+    path = make_checkpoint(tmp_path / "batching", tiny_config(), seed=21)
+    local = DiffusionLM.from_pretrained(path)
+    solo = [local.generate(prompt, **FAST, **options).token_ids for prompt, options in REQUESTS]
+    server = local_swarm.start_server(str(path), "0:4", "--head", "--compute-threads", "1", "--batching")
+    clients = [swarm_client(local_swarm, path) for _ in REQUESTS]
+    try:
+        with ThreadPoolExecutor(len(clients)) as pool:  # each connected and challenged before they start together
+            list(pool.map(lambda lm: lm.show_route(), clients))
+        barrier = threading.Barrier(len(clients))
+
+        def run(index: int) -> list[list[int]]:
+            barrier.wait()
+            prompt, options = REQUESTS[index]
+            return [clients[index].generate(prompt, **FAST, **options).token_ids for _ in range(3)]
+
+        with ThreadPoolExecutor(len(clients)) as pool:
+            runs = list(pool.map(run, range(len(clients))))
+        for index, tokens in enumerate(runs):
+            assert all(run_tokens == solo[index] for run_tokens in tokens), f"client {index} got other tokens"
+        info, _ = clients[0].loop.run(clients[0].caller.info(server.peer_id, 10))
+        scheduler = info["admission"]["span"]["scheduler"]
+        assert scheduler["queued"] == 0 and info["admission"]["span"]["in_flight"] == 0
+        print(f"\nmerged passes: {scheduler['batches']}, requests in them: {scheduler['batched_requests']}")
+    finally:
+        for lm in clients:
+            lm.shutdown()
+        stop_all(local_swarm, [server])

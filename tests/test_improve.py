@@ -1,0 +1,198 @@
+"""The trainer role (python -m swarm.improve) and the self-improving loop's demonstration, shortened.
+
+The demonstration test runs the whole loop (its own local swarm: a server, two trainers of one run id, an auditor,
+a client) for 2 rounds of few steps and checks the table and that ``best:TASK`` moved to a version by audit alone.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from swarm.governance.keys import generate_private_key
+from swarm.health.__main__ import main as health_main
+from swarm.improve.__main__ import main as improve_main
+from swarm.improve.demo import HEADER, round_of, run_demo, write_examples
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_every_flag_has_help_and_bad_input_is_one_line():
+    for option in improve_main.params:
+        if option.name != "help":
+            assert getattr(option, "help", None), option.name
+    result = CliRunner().invoke(improve_main, ["--task", "tagged-addition", "--data", "x", "--name", "n", "--key",
+                                               __file__, "--workdir", "w", "--initial-peers", "/ip4/127.0.0.1/tcp/1",
+                                               "--keep", "40"])
+    assert result.exit_code == 2 and "--keep" in result.output
+
+
+def start_trainer(local_swarm, tmp_path: Path, key: Path, data: Path) -> subprocess.Popen:
+    peers = [arg for peer in local_swarm.initial_peers for arg in ("--initial-peers", peer)]
+    command = [sys.executable, "-m", "swarm.improve", "--task", "tagged-addition", "--data", str(data),
+               "--name", "resumed", "--key", str(key), "--workdir", str(tmp_path / "work"), "--rounds", "2",
+               "--round-steps", "6", "--held-out", "4", "--batch-size", "8", "--keep", "1", "--local-model",
+               "--threads", "1", *peers]
+    return subprocess.Popen(command, cwd=ROOT, stdout=(tmp_path / "log").open("a"), stderr=subprocess.STDOUT,
+                            start_new_session=True, env=dict(os.environ, SWARM_BOOTSTRAP_FILE=os.devnull))
+
+
+def test_a_trainer_resumes_after_a_kill_and_shows_its_versions(local_swarm, tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    write_examples(data / "a.jsonl", 64, seed=3)
+    key = tmp_path / "trainer.key"
+    generate_private_key(key)
+    trainer = start_trainer(local_swarm, tmp_path, key, data)
+    try:
+        deadline = time.monotonic() + 600
+        while round_of(tmp_path / "work")[0] < 1:  # its first round is saved: kill it in the second
+            assert trainer.poll() is None and time.monotonic() < deadline, (tmp_path / "log").read_text()[-3000:]
+            time.sleep(0.5)
+        os.killpg(trainer.pid, signal.SIGKILL)
+        trainer.wait()
+        trainer = start_trainer(local_swarm, tmp_path, key, data)
+        assert trainer.wait(timeout=600) == 0, (tmp_path / "log").read_text()[-3000:]
+    finally:
+        if trainer.poll() is None:
+            os.killpg(trainer.pid, signal.SIGKILL)
+            trainer.wait()
+    log = (tmp_path / "log").read_text()
+    assert "resuming" in log
+    rounds, history = round_of(tmp_path / "work")
+    assert rounds == 2 and [entry["round"] for entry in history] == [1, 2]
+    assert history[-1]["steps"] == 12, "the second round went on from the saved optimizer state"
+    kept = [p.name for p in (tmp_path / "work" / "versions").iterdir() if p.name.isdigit()]
+    assert len(kept) <= 1, "bounded disk: --keep 1"
+    peers = [arg for peer in local_swarm.initial_peers for arg in ("--initial-peers", peer)]
+    health = CliRunner().invoke(health_main, ["--model", "addition", "--json", *peers])
+    listed = [a for a in json.loads(health.stdout)["adapters"] if a["name"] == "resumed"]
+    if any(entry["version"] for entry in history):  # a version beat the base model: the map shows it and the round
+        assert listed and listed[0]["versions"] and listed[0]["training"]["round"] == 2
+
+
+@pytest.mark.timeout(1500)
+def test_the_shortened_demonstration_adopts_by_audit(tmp_path):
+    rows = run_demo(tmp_path, rounds=2, round_steps=20, held_out=10, audit_examples=10, client_examples=10,
+                    batch_size=16, local_model=False, round_timeout=900)
+    assert [row.round for row in rows] == [0, 1, 2]
+    assert rows[0].client_score == 0.0 and rows[0].best == "-", "the base model never writes the tag"
+    table = (tmp_path / "improve_demo.md").read_text().splitlines()
+    assert table[:2] == HEADER.splitlines() and len(table) == 2 + len(rows)
+    assert all(line.count("|") == 8 for line in table)
+    assert (tmp_path / "improve_demo.png").stat().st_size > 1000
+    last = rows[-1]
+    assert set(last.trainer_figures) == {"A", "B"}
+    # Adoption by audit: best:TASK chose a trainer's version, which the trusted auditor scored.
+    assert last.best.startswith("tagged@") and last.chosen_figure is not None
+
+
+# ----- data sources ---------------------------------------------------------------------------------------------
+def test_a_folder_source_grows_and_a_line_being_written_waits(tmp_path, monkeypatch):
+    from swarm.improve import sources
+
+    folder = tmp_path / "data"
+    folder.mkdir()
+    write_examples(folder / "a.jsonl", 3, seed=1)
+    first = sources.DataSource(str(folder)).snapshot(tmp_path / "snap.jsonl")
+    assert first.examples == 3
+    (folder / "b.jsonl").write_text('{"prompt": "1+1=", "response": "2!"}\n{"prompt": "2+2=", "resp')
+    grown = sources.DataSource(str(folder)).snapshot(tmp_path / "snap.jsonl")
+    assert grown.examples == 4 and grown.sha256 != first.sha256, "the half-written line waits for its newline"
+    monkeypatch.setattr(sources, "MAX_DATA_BYTES", 50)
+    with pytest.raises(sources.SourceError, match="over 50 bytes"):
+        sources.DataSource(str(folder)).snapshot(tmp_path / "snap.jsonl")
+    with pytest.raises(sources.SourceError, match="no such file or folder"):
+        sources.DataSource(str(tmp_path / "missing")).snapshot(tmp_path / "snap.jsonl")
+
+
+def test_a_datasets_source_needs_the_package(tmp_path):
+    import importlib.util
+
+    from swarm.improve.sources import DataSource, SourceError
+
+    if importlib.util.find_spec("datasets") is not None:
+        pytest.skip("the datasets package is installed here (reading one needs the network)")
+    with pytest.raises(SourceError, match="the `datasets` package is not installed"):
+        DataSource("datasets:some/name").snapshot(tmp_path / "snap.jsonl")
+
+
+# ----- a really overfitted version, measured by a real auditor ---------------------------------------------------
+OVERFIT_PREFIX = "improve-overfit"  # a prefix of its own for the embedded addition model
+
+
+def trained(lm, directory: Path, problems, steps: int, lr: float, batch_size: int) -> Path:
+    from swarm.finetune.config import FinetuneConfig
+    from swarm.finetune.trainer import Finetuner
+
+    directory.mkdir(parents=True)
+    data = directory.parent / f"{directory.name}.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p.prompt, "response": p.answer}) + "\n" for p in problems))
+    config = FinetuneConfig(data=str(data), output=str(directory), steps=steps, adapter_kind="lora", rank=4,
+                            head_rank=8, lr=lr, batch_size=batch_size, pad_response=8)
+    Finetuner(lm, config).run(progress=False)
+    return directory
+
+
+@pytest.mark.timeout(900)
+def test_a_version_overfitted_to_its_public_examples_does_not_win(local_swarm, tmp_path):
+    """Issue 49, item 3, with real training and a real auditor: a version trained on 4 public examples answers them
+    all (its publisher's figure: 1.0, and it is the newest) and almost no fresh problem; a version trained on 300
+    examples answers fresh problems better. The auditor measures both on fresh held-out problems, and a client trusting
+    it gets the honest one from best:TASK."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from swarm.adapters.versions import publish_version
+    from swarm.audit.auditor import Auditor
+    from swarm.audit.config import AuditorConfig
+    from swarm.dht.config import NetworkConfig
+    from swarm.dht.node import start_dht, stop_dht
+    from swarm.dht.validation import ed25519_text
+    from swarm.eval.tasks import evaluate_task
+    from swarm.frontend.local import DiffusionLM
+    from swarm.models.loading import ModelFiles
+    from swarm.train.data import Problem, TaggedAdditionTask
+    from tests.conftest import stop_all, swarm_client
+
+    local, task = DiffusionLM.from_pretrained("addition"), TaggedAdditionTask()
+    public = task.problems(4, 7, held_out=False)
+    honest = trained(local, tmp_path / "honest", task.problems(300, 1, held_out=False), 60, 0.003, 16)
+    overfit = trained(local, tmp_path / "overfit", public, 60, 0.01, 4)
+
+    class Public:
+        name = "public"
+
+        def problems(self, count: int, seed: int, held_out: bool) -> list[Problem]:
+            return public
+
+    claimed = evaluate_task(local, Public(), examples=4, generate_options={"adapter": str(overfit)})
+    assert claimed.correct == 4, "the overfitted version answers its public examples"
+    server = local_swarm.start_server("addition", "0:4", "--compute-threads", "1", "--dht-prefix", OVERFIT_PREFIX,
+                                      "--serve-adapter", str(honest), "--serve-adapter", str(overfit))
+    network = NetworkConfig(initial_peers=local_swarm.initial_peers, client_mode=True)
+    dht = start_dht(network)
+    auditor_key, trainer = Ed25519PrivateKey.generate(), Ed25519PrivateKey.generate()
+    try:
+        data = "0" * 64
+        good, _ = publish_version(dht, trainer, OVERFIT_PREFIX, honest, "tagged", data, 0.6, [server.peer_id])
+        bad, _ = publish_version(dht, trainer, OVERFIT_PREFIX, overfit, "tagged", data, 1.0, [server.peer_id])
+        config = AuditorConfig(network=network, dht_prefix=OVERFIT_PREFIX, score_adapters=(task.name,),
+                               task_examples=20, fresh_identity=False, once=True)
+        with Auditor(config, auditor_key, ModelFiles("addition")) as auditor:
+            report = auditor.run_round().report
+        scores = {entry.sha256: entry.correct for entry in report.adapters}
+        assert scores[bad.sha256] < scores[good.sha256], scores  # fresh problems tell them apart
+        with swarm_client(local_swarm, "addition", dht_prefix=OVERFIT_PREFIX,
+                          trusted_auditors=(ed25519_text(auditor_key),)) as lm:
+            lm.adapter_cache = tmp_path / "cache"
+            assert lm.best_adapter(task.name).endswith("@1"), "the honest version 1, not the newer overfitted 2"
+    finally:
+        stop_dht(dht)
+        stop_all(local_swarm, [server])

@@ -279,7 +279,8 @@ def test_fresh_keys_filling_a_name_leave_room_for_a_trusted_publisher(tmp_path):
             taken = squatter.run_coroutine(partial(_squat, key=key, peers=network.storing_peers, slots=slots,
                                                    expiration=expiration))
         assert taken == [WEIGHTS_NAME.max_subkeys] * 3, taken
-        with pytest.raises(WeightsError, match="it is not readable, so it is not published"):  # the limit: an untrusted name is full
+        # the limit: an untrusted name is full
+        with pytest.raises(WeightsError, match="it is not readable, so it is not published"):
             publish_weights_name(network, name)
         publish_weights_name(network, name, trusted)
         found = read_names(network.reader, name)

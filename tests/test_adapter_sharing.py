@@ -78,7 +78,7 @@ def lying_host(peer, remote_lm):
 
     def serve(files: dict[str, bytes], as_hash: str) -> None:
         handler.adapters.files[as_hash] = files
-        assert declare_hosted(dht, remote_lm.prefix, {as_hash: 1}, identity.owner_subkey(), now() + 60, addresses)
+        assert declare_hosted(dht, remote_lm.prefix, {as_hash: 1}, identity.owner_subkey(), now() + 120, addresses)
 
     yield serve
     loop.run(handler.remove_p2p_handlers(p2p))

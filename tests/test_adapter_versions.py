@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from swarm.adapters.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, AdapterError
-from swarm.adapters.sharing import AdapterLibrary, content_hash, declare_hosted, read_adapter_files, store_slot
+from swarm.adapters.sharing import content_hash, read_adapter_files, store_slot
 from swarm.adapters.versions import (
     MAX_VERSIONS,
     AdapterVersion,
@@ -36,31 +36,16 @@ from swarm.governance.keys import generate_private_key
 from swarm.improve.withdraw import withdraw_main
 from swarm.reports.adoption import choose, to_score
 from swarm.reports.records import AdapterAudit, AuditBook, AuditReport, publish_report
-from swarm.server.handler import ForwardHandler
-from swarm.utils.event_loop import BackgroundLoop
-from tests.test_adapter_sharing import GENERATION, make_adapter, peer  # noqa: F401 (the fixture)
+from tests.test_adapter_sharing import GENERATION, lying_host, make_adapter, peer  # noqa: F401 (fixtures)
 
 DATA = hashlib.sha256(b"the examples").hexdigest()
 
 
 @pytest.fixture(scope="module")
-def host(peer, remote_lm):  # noqa: F811
-    """This process's peer serving adapter files: ``serve(files, as_hash)`` (honest when as_hash is their hash)."""
-    dht, identity = peer
-    handler = ForwardHandler(None, hidden_size=remote_lm.config.hidden_size, max_batch_tokens=64, wire_dtype="auto",
-                             request_timeout=10.0, info=dict)
-    handler.adapters = AdapterLibrary()
-    loop = BackgroundLoop.shared()
-    p2p = loop.run(dht.replicate_p2p())
-    loop.run(handler.add_p2p_handlers(p2p))
-    addresses = [str(a).rsplit("/p2p/", 1)[0] for a in loop.run(p2p.get_visible_maddrs())]
-
-    def serve(files: dict[str, bytes], as_hash: str) -> None:
-        handler.adapters.files[as_hash] = files
-        assert declare_hosted(dht, remote_lm.prefix, {as_hash: 1}, identity.owner_subkey(), now() + 120, addresses)
-
-    yield serve
-    loop.run(handler.remove_p2p_handlers(p2p))
+def host(lying_host):  # noqa: F811
+    """This process's peer serving adapter files: ``serve(files, as_hash)`` (honest when as_hash is their hash);
+    test_adapter_sharing's fixture, shared."""
+    return lying_host
 
 
 @pytest.fixture()

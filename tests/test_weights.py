@@ -152,7 +152,10 @@ def test_a_server_named_by_id_starts_from_peers_alone_and_computes_as_the_local_
     from swarm.client import DistributedDiffusionLM
 
     # the client names the model by id too: its config and embedding come from peers (this process's cache)
-    lm = DistributedDiffusionLM.from_pretrained(model_id, initial_peers=swarm.initial_peers, request_timeout=20)
+    # Spot checks off: a default client recomputes an unchecked hop on blocks it fetches itself (docs/GOVERNANCE.md),
+    # and this test is about what a client fetches to run, not to check.
+    lm = DistributedDiffusionLM.from_pretrained(model_id, initial_peers=swarm.initial_peers, request_timeout=20,
+                                                spot_check_fraction=0)
     try:  # blocks 2:4 are served by the new server alone
         assert lm.generate("Hello", **GENERATION).token_ids == local_lm.generate("Hello", **GENERATION).token_ids
     finally:
@@ -161,7 +164,7 @@ def test_a_server_named_by_id_starts_from_peers_alone_and_computes_as_the_local_
     from swarm.generate import main as generate
 
     flags = [f"--{name.replace('_', '-')}={value}" for name, value in GENERATION.items()]
-    done = CliRunner().invoke(generate, ["Hello", "--model", model_id, *flags,
+    done = CliRunner().invoke(generate, ["Hello", "--model", model_id, *flags, "--spot-check-fraction", "0",
                                          *[arg for a in swarm.initial_peers for arg in ("--initial-peers", a)]])
     assert done.exit_code == 0, done.output
     assert done.stdout == "Hello" + local_lm.generate("Hello", **GENERATION).text + "\n"

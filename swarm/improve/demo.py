@@ -180,7 +180,7 @@ def run_demo(output: Path, rounds: int, round_steps: int, held_out: int, audit_e
             task = TaggedAdditionTask()
             base = evaluate_task(client, task, examples=client_examples, seed=1000)
             rows.append(Row(0, {}, {}, {}, "-", None, base.correct / base.examples, False))
-            print(HEADER + "\n" + rows[-1].line(), flush=True)
+            click.echo(HEADER + "\n" + rows[-1].line())
             held = None
             for number in range(1, rounds + 1):
                 histories = wait_for_round(trainers, work, number, round_timeout)
@@ -203,7 +203,7 @@ def run_demo(output: Path, rounds: int, round_steps: int, held_out: int, audit_e
                 held = chosen
                 if number < rounds:  # new examples arrive in the trainers' data folder: their next round starts
                     write_examples(data / f"part-{number + 1:02d}.jsonl", EXAMPLES_PER_ROUND, seed=number + 1)
-                print(rows[-1].line(), flush=True)
+                click.echo(rows[-1].line())
             auditor.shutdown()
             client.shutdown()
         finally:

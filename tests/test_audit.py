@@ -3,6 +3,7 @@ strangers' input; readers follow only the auditors they name. In process, no net
 auditor are in tests/test_audit_swarm.py)."""
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import time
@@ -73,6 +74,14 @@ class FakeDHT:
 
     def get(self, key: str, latest: bool = False):
         return SimpleNamespace(value=self.keys[key]) if key in self.keys else None
+
+    def run_coroutine(self, coroutine):
+        """``swarm.dht.schema.read_entries`` runs its read in the DHT process: here, on a node over these keys."""
+        async def get_many(keys, sufficient_expiration_time=None):
+            return {key: self.get(key) for key in keys}
+
+        node = SimpleNamespace(get_many=get_many, protocol=SimpleNamespace(storage=None, cache=None))
+        return asyncio.run(coroutine(self, node))
 
 
 def signed(dht: FakeDHT, signer: Ed25519PrivateKey, payload: bytes, prefix: str = "m", owner: str = A,

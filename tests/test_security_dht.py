@@ -57,6 +57,7 @@ from swarm.dht.validation import (
     MAX_KEY_BYTES,
     MAX_KEY_SUBKEYS,
     STORE_SENDER,
+    describe,
     dht_key_id,
     entry_bytes,
     protect_storage,
@@ -249,12 +250,13 @@ def test_protected_keys_refuse_plain_subkeys_regular_values_and_records_of_other
         assert forge(attacker_dht, "someone.elses.key", b"plain", {"a": 1}, expiration, target) == [True]
         sybils = [RSASignatureValidator(RSAPrivateKey()) for _ in range(3)]
         answers = [attacker_dht.run_coroutine(partial(_push_owned, owner=owner, key=key, subkey=owned_subkey(owner),
-                                                      value={"n": i}, expiration=expiration, peer=target[0]))
+                                                      value=describe(key, {"n": i}), expiration=expiration,
+                                                      peer=target[0]))
                    for i, owner in enumerate(sybils)]
         assert answers == [False] * len(sybils), "records of peer ids other than the sender's were stored"
         own = honest.run_coroutine(partial(_push_owned, owner=identity.validator, key=key,
-                                           subkey=identity.owner_subkey(), value={"n": 0}, expiration=expiration,
-                                           peer=target[0]))
+                                           subkey=identity.owner_subkey(), value=describe(key, {"n": 0}),
+                                           expiration=expiration, peer=target[0]))
         assert own is True, "a peer's own record was refused"
         regular = attacker_dht.run_coroutine(partial(_push_regular, key=key, expiration=expiration + 600,
                                                      peer=target[0]))
@@ -284,15 +286,18 @@ def test_owned_keys_keep_a_bounded_number_of_owners_of_bounded_size(owned_key):
         finally:
             STORE_SENDER.reset(token)
 
-    expiration = now() + 60
+    expiration, v, w = now() + 60, described_value(key, 100), described_value(key, 101)
     relayed = owned_subkey(owners[1]).split(b"[owner:")[0].decode()
-    assert store(owners[0], b"v", expiration, sender=relayed) is False, "another peer's record was stored"
-    assert store(owners[0], b"x" * (MAX_OWNED_VALUE_BYTES + 1), expiration) is False, "an oversized value was stored"
-    assert store(owners[0], b"v", now() + MAX_OWNED_LIFETIME + 60) is False, "a squatter's month-long record was stored"
-    assert [store(owner, b"v", expiration) for owner in owners] == [True] * MAX_OWNED_SUBKEYS + [False]
-    assert store(owners[0], b"w", expiration + 1) is True, "an update of a held subkey must pass"
+    assert store(owners[0], v, expiration, sender=relayed) is False, "another peer's record was stored"
+    assert store(owners[0], described_value(key, MAX_OWNED_VALUE_BYTES + 1), expiration) is False, \
+        "an oversized value was stored"
+    assert store(owners[0], b"v", expiration) is False, "a value that does not name its key was stored"
+    assert store(owners[0], v, now() + MAX_OWNED_LIFETIME + 60) is False, "a squatter's month-long record was stored"
+    assert store(owners[0], described_value(key, MAX_OWNED_VALUE_BYTES), expiration) is True
+    assert [store(owner, v, expiration) for owner in owners[1:]] == [True] * (MAX_OWNED_SUBKEYS - 1) + [False]
+    assert store(owners[0], w, expiration + 1) is True, "an update of a held subkey must pass"
     honest = ServerConfig(update_period=MAX_UPDATE_PERIOD).record_expiration
-    assert store(owners[1], b"v", now() + honest) is True, "a record of the longest allowed update period was refused"
+    assert store(owners[1], v, now() + honest) is True, "a record of the longest allowed update period was refused"
 
 
 @pytest.mark.parametrize("slot_key, max_bytes, max_slots", [
@@ -312,10 +317,25 @@ def test_signed_slot_keys_keep_a_bounded_number_of_slots_of_bounded_size(slot_ke
     def store(subkey, value: bytes, when: float = expiration) -> bool:
         return storage.store_subkey(DHTID.generate(source=slot_key), subkey, value, when)
 
-    assert store(b"plain", b"v") is False, "a plain subkey was stored"
-    assert store(slot_subkey(authors[0]), b"x" * (max_bytes + 1)) is False, "an oversized value was stored"
-    assert [store(slot_subkey(author), b"v") for author in authors] == [True] * max_slots + [False]
-    assert store(slot_subkey(authors[0]), b"w", expiration + 1) is True, "an update of a held slot must pass"
+    v = described_value(slot_key, 100)
+    assert store(b"plain", v) is False, "a plain subkey was stored"
+    assert store(slot_subkey(authors[0]), b"v") is False, "a value that does not name its key was stored"
+    assert store(slot_subkey(authors[0]), described_value(slot_key, max_bytes + 1)) is False, \
+        "an oversized value was stored"
+    assert [store(slot_subkey(author), v) for author in authors] == [True] * max_slots + [False]
+    assert store(slot_subkey(authors[0]), described_value(slot_key, 101), expiration + 1) is True, \
+        "an update of a held slot must pass"
+
+
+def described_value(key: str, size: int) -> bytes:
+    """A stored value of exactly ``size`` bytes that names ``key`` (as every value the swarm stores does)."""
+    base = len(MSGPackSerializer.dumps(describe(key, {"pad": b"", "q": b""})))
+    for pad in range(max(0, size - base), -1, -1):  # msgpack's length headers grow by steps: a second pad fills in
+        for extra in range(8):
+            value = MSGPackSerializer.dumps(describe(key, {"pad": b"x" * pad, "q": b"x" * extra}))
+            if len(value) == size:
+                return value
+    raise ValueError(f"no value of {size} bytes names {key!r}")
 
 
 def owned_subkey(validator: RSASignatureValidator) -> bytes:

@@ -40,7 +40,7 @@ from swarm.dht.schema import (
     read_expert_records,
     read_servers,
 )
-from swarm.dht.validation import OwnerBindingValidator, SignedSlotValidator, owner_peer_id
+from swarm.dht.validation import OwnerBindingValidator, SignedSlotValidator, described_key, owner_peer_id
 from swarm.governance.__main__ import main as governance_cli
 from swarm.governance.guard import GovernanceGuard
 from swarm.governance.keys import generate_private_key, public_key_text
@@ -88,6 +88,12 @@ async def _held_by(dht: DHT, node: DHTNode, peer: str, key: str) -> dict:
     if entry is None or not hasattr(entry.value, "items"):
         return {}
     return {subkey: (item.value, item.expiration_time) for subkey, item in entry.value.items()}
+
+
+def holders(attacker: DHT, peers: list[str], key: str) -> list[str]:
+    """The peers holding a record under ``key`` whose value names the key (so they know its policy)."""
+    return [peer for peer in peers
+            if any(described_key(value) == key for value, _ in held_by(attacker, peer, key).values())]
 
 
 def forge(attacker: DHT, key: str, subkey, value, expiration: float, peers: list[str], raw: bool = False,
@@ -154,11 +160,14 @@ def test_unsigned_offline_record_under_a_victims_peer_id_is_ignored(local_swarm,
     for block in (0, 1):  # the issue's attack, verbatim, then pushed to every honest peer
         attacker.store(block_key(prefix, block), forged, now() + 600, subkey=subkey)
         peers = honest_peers(local_swarm)
+        held = holders(attacker, peers, block_key(prefix, block))
         answers = dict(zip(peers, forge(attacker, block_key(prefix, block), subkey, forged, now() + 600, peers)))
-        # The bootstrap peer knows no model and keeps plain subkeys (hivemind's own features use them); the model's
-        # servers refuse them under its keys (tests/test_security_dht.py). The old reader took them for the victim.
-        assert answers[local_swarm.processes[0].peer_id] and legacy_peer_id(subkey) == victim.peer_id
+        # The model's servers refuse plain subkeys under its keys (tests/test_security_dht.py); a peer that knows no
+        # model (the bootstrap peer) refuses them once it holds a record naming the key (swarm.dht.keys,
+        # tests/test_security_keys.py), and may keep them before. The old reader took them for the victim.
+        assert legacy_peer_id(subkey) == victim.peer_id
         assert not any(answers[p.peer_id] for p in local_swarm.processes[1:4])
+        assert held and not any(answers[p] for p in held)
     assert owner_peer_id(subkey) is None
     assert_swarm_unharmed(local_swarm, attacker, client, local_lm, prefix, victim, before)
 
@@ -233,10 +242,13 @@ def test_forged_expert_records_and_index_are_ignored(local_swarm, attacker, clie
     entry = {"record_version": 1, "experts": [offline.to_value(), evil.to_value()]}
     for subkey, refused in ((victim.encode(), False), (victim.encode() + RSASignatureValidator().local_public_key,
                                                        True)):
-        # No peer here knows the prefix "security": a plain subkey is stored (tests/test_security_dht.py shows
-        # peers that know it refuse it), a subkey with another peer's id before one's own key is refused by all.
-        answers = forge(attacker, expert_index_key("security"), subkey, entry, now() + 600, peers)
-        assert legacy_peer_id(subkey) == victim and answers == [not refused] * len(answers)
+        # No peer here knows the prefix "security": a plain subkey is refused by the peers holding the announcer's
+        # record, whose value names its key (they have learnt the key's policy), and may be stored by the others; a
+        # subkey with another peer's id before one's own key is refused by all.
+        held = holders(attacker, peers, expert_index_key("security"))
+        answers = dict(zip(peers, forge(attacker, expert_index_key("security"), subkey, entry, now() + 600, peers)))
+        assert legacy_peer_id(subkey) == victim and held and not any(answers[p] for p in held)
+        assert not refused or not any(answers.values())
     for reader in (client.dht, attacker):
         records = read_expert_records(reader, "security", "guarded")
         assert set(records) == {victim} and records[victim].state == ServerState.ONLINE
@@ -268,11 +280,12 @@ def test_junk_and_replays_cannot_bring_back_a_halt_and_resume_succeeds(local_swa
     halt_bytes, halt_expiration = old_halt[slot]
 
     # The issue's attack: junk in the old resume slot (a plain subkey). The model's servers refuse it at storage;
-    # the bootstrap peer, which knows no model, keeps it, and readers never look at it.
+    # so does every peer holding the halt, which names its key (the bootstrap peer knows no model, but has learnt the
+    # key's policy from it). Readers never look at junk anyway.
     servers = [p.peer_id for p in local_swarm.processes if p.alive and p.span]
-    bootstrap = [p for p in peers if p not in servers]
-    junk = forge(attacker, gov_key, f"{public}|resume", {"junk": 1}, now() + FORTY_DAYS, servers + bootstrap)
-    assert junk == [False] * len(servers) + [True] * len(bootstrap)
+    held = holders(attacker, peers, gov_key)
+    junk = dict(zip(peers, forge(attacker, gov_key, f"{public}|resume", {"junk": 1}, now() + FORTY_DAYS, peers)))
+    assert held and not any(junk[p] for p in servers + held)
     # Junk in the real slot, and the old halt replayed with a later expiration: every honest peer refuses both.
     assert forge(attacker, gov_key, slot, {"junk": 1}, now() + FORTY_DAYS, peers) == [False] * len(peers)
     assert forge(attacker, gov_key, slot, halt_bytes, halt_expiration + FORTY_DAYS, peers, raw=True) == \

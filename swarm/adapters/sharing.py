@@ -9,7 +9,7 @@ Three kinds of DHT entries, all small (adapter bytes never go into the DHT):
   sha256).
 * ``{prefix}.adapters``: each author's list of names, in the same signed slot (the DHT cannot list keys: the
   health map reads names from here).
-* ``{prefix}.adapters.hosts.{sha256}``: servers started with ``--serve-adapter DIR`` announce the content they
+* ``{prefix}.adapter-hosts.{sha256}``: servers started with ``--serve-adapter DIR`` announce the content they
   serve under their owner subkey (the same rule as block records), so any server can host any adapter.
 
 A client resolves a name to a record, checks the base model and the size before fetching, fetches the files
@@ -46,7 +46,16 @@ from swarm.adapters.block import is_sha256_hex
 from swarm.adapters.limits import PUBLISH_LIFETIME
 from swarm.dht import fields
 from swarm.dht.config import MAX_PEER_ID_CHARS
-from swarm.dht.schema import MAX_ADDRESS_CHARS, MAX_ADDRESSES, adapter_index_key, read_owned, store_owned
+from swarm.dht.keys import ADAPTER_HOSTS, ADAPTER_NAME
+from swarm.dht.schema import (
+    MAX_ADDRESS_CHARS,
+    MAX_ADDRESSES,
+    adapter_index_key,
+    forget_local_copies,
+    read_entries,
+    read_owned,
+    store_owned,
+)
 from swarm.dht.validation import (
     dht_key_id,
     ed25519_public_key,
@@ -96,7 +105,7 @@ def author_id(public_key_text: str) -> str:
 
 
 def name_key(prefix: str, name: str) -> str:
-    return f"{prefix}.adapters.{name}"
+    return ADAPTER_NAME.key(prefix=prefix, name=name)
 
 
 def index_key(prefix: str) -> str:
@@ -105,7 +114,7 @@ def index_key(prefix: str) -> str:
 
 
 def hosts_key(prefix: str, sha256: str) -> str:
-    return f"{prefix}.adapters.hosts.{sha256}"
+    return ADAPTER_HOSTS.key(prefix=prefix, sha256=sha256)
 
 
 def content_hash(files: dict[str, bytes]) -> str:
@@ -189,13 +198,10 @@ class PublishedAdapter:
 def signed_entries(dht: DHT, key: str) -> list[tuple[str, bytes]]:
     """(signer, payload) of every entry under ``key`` whose Ed25519 signature holds; anything else is ignored
     (a peer that stores without validating may still hand it back)."""
-    found = dht.get(key, latest=True)
-    if found is None or not isinstance(found.value, dict):
-        return []
     entries = []
-    for subkey, item in found.value.items():
+    for subkey, (value, expiration) in read_entries(dht, [key]).get(key, {}).items():
         try:
-            payload = verify_slot(dht_key_id(key), subkey, item.value, item.expiration_time)
+            payload = verify_slot(dht_key_id(key), subkey, value, expiration)
             entries.append((slot_signer(subkey), payload))
         except ValueError as error:
             logger.debug("ignoring an entry under %s: %s", key, error)
@@ -263,6 +269,7 @@ def publish(dht: DHT, key: Ed25519PrivateKey, prefix: str, record: PublishedAdap
         raise AdapterError(f"an author may list at most {MAX_NAMES_PER_AUTHOR} names")
     stored = store_slot(dht, key, name_key(prefix, record.name), record.payload(), expiration)
     indexed = store_slot(dht, key, index_key(prefix), MSGPackSerializer.dumps(names), expiration)
+    forget_local_copies(dht, [name_key(prefix, record.name)])  # what readers get, not this peer's own copy
     found = [r for r in read_published(dht, prefix, record.name) if r.author == own and r.sha256 == record.sha256]
     if not found:
         raise AdapterError(f"the swarm did not keep the record for {record.name!r} (stored: {stored}, indexed: "

@@ -29,6 +29,8 @@ from typing import Any, Iterable, Optional
 from hivemind.dht import DHT, DHTNode
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.protocol import DHTProtocol
+from hivemind.dht.routing import DHTID
+from hivemind.dht.storage import DictionaryDHTValue
 from hivemind.dht.validation import RecordValidatorBase
 from hivemind.p2p import P2P, P2PContext
 from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
@@ -38,9 +40,17 @@ from multiaddr import Multiaddr
 
 from swarm.dht.config import LOOPBACK_MADDRS, NetworkConfig
 from swarm.dht.identity import Identity
+from swarm.dht.keys import policy_for, trusted_keys
 from swarm.dht.nat import listen_addresses, relay_plan, wait_for_relay
 from swarm.dht.peers import resolve_initial_peers
-from swarm.dht.validation import STORE_SENDER, KeyPolicy, dht_key_id, protect_storage, swarm_validators
+from swarm.dht.validation import (
+    STORE_SENDER,
+    KeyPolicy,
+    ProtectedStorage,
+    dht_key_id,
+    protect_storage,
+    swarm_validators,
+)
 from swarm.utils.errors import EXIT_IN_USE, EXIT_UNREACHABLE, SwarmError
 from swarm.utils.text import plural
 
@@ -236,10 +246,10 @@ class FailedReplyWarnings:
                        "reading the other peers' replies", peer, shown)
 
 
-async def _guard_node(dht: DHT, node: DHTNode, policies: dict[bytes, KeyPolicy]) -> None:
-    """In the DHT process: keep every key readable and only what the policies allow under protected keys, and warn
-    of lost replies."""
-    protect_storage([node.protocol.storage, node.protocol.cache], policies)
+async def _guard_node(dht: DHT, node: DHTNode, policies: dict[bytes, KeyPolicy], trusted: frozenset[str]) -> None:
+    """In the DHT process: keep every key readable and only what its policy allows under the swarm's keys (those
+    listed, and those whose values name a declared key: ``swarm.dht.keys``), and warn of lost replies."""
+    protect_storage([node.protocol.storage, node.protocol.cache], policies, partial(policy_for, trusted=trusted))
     warnings = FailedReplyWarnings({key_id: policy.name for key_id, policy in policies.items()})
     original = node.protocol.call_find
 
@@ -248,10 +258,22 @@ async def _guard_node(dht: DHT, node: DHTNode, policies: dict[bytes, KeyPolicy])
         reply = await original(peer, keys)
         if reply is None:
             warnings.report(peer, keys)
-        return reply
+            return reply
+        return {key: _as_policy_allows(node.protocol.storage, key, found, nearest) for key, (found, nearest)
+                in reply.items()}
 
     node.protocol.call_find = call_find
     await _name_store_senders(node)
+
+
+def _as_policy_allows(storage: ProtectedStorage, key: DHTID, found: Any, nearest: Any) -> tuple[Any, Any]:
+    """A peer's answer for one key, without a regular value where the key's policy is known: hivemind's search
+    keeps the answer that expires last, so one peer answering a regular value that expires in a year would replace
+    every other peer's records of a key the swarm reads (its entries are merged only with other dictionaries)."""
+    if found is not None and not isinstance(found.value, DictionaryDHTValue) and storage.policy_of(key.to_bytes()):
+        logger.debug("ignoring a regular value in a reply for %s", storage.policy_of(key.to_bytes()).name)
+        return None, nearest
+    return found, nearest
 
 
 async def _name_store_senders(node: DHTNode) -> None:
@@ -295,6 +317,7 @@ def start_dht(network: NetworkConfig, record_validators: Iterable[RecordValidato
     ``protect`` lists the swarm's keys this process knows (``swarm.dht.schema.protected_keys``): it refuses to
     store what no reader would use under them, bounds their subkeys, and warns when a peer's reply for one is lost.
     """
+    protect = list(protect)
     policies = {dht_key_id(policy.name): policy for policy in protect}
     validators = [identity.validator] if identity is not None else []  # the first RSA validator is the one used
     validators += [*record_validators, *swarm_validators()]
@@ -331,7 +354,8 @@ def start_dht(network: NetworkConfig, record_validators: Iterable[RecordValidato
     if identity is not None and str(dht.peer_id) != identity.peer_id:
         stop_dht(dht)
         raise RuntimeError(f"the DHT runs as {dht.peer_id}, not as its identity {identity.peer_id}")
-    dht.run_coroutine(partial(_guard_node, policies=policies))  # with no policies it still bounds every key
+    # with no policies it still bounds every key, and learns the policy of every key whose values name it
+    dht.run_coroutine(partial(_guard_node, policies=policies, trusted=trusted_keys(protect)))
     if relays is not None and relays.detected:
         report_relay(dht, network.relay_wait)
     return dht

@@ -9,9 +9,9 @@ Experts announce under one key, ``{prefix}.experts``, the same way: each server'
 domain in one read of one key that every server protects (a key per domain could not be protected: the DHT only
 shows peers the hash of a key, and domain names are open-ended).
 
-Every key a reader uses is listed by :func:`protected_keys` with what it may hold (``swarm.dht.validation``):
-processes that know the prefix refuse plain subkeys, oversized values and subkeys beyond a bound there, so no
-honest peer's reply can be inflated past libp2p's message limit.
+Every key is declared in ``swarm.dht.keys`` with what it may hold; every value stored here names its key, so storing
+peers apply that policy (``swarm.dht.validation``) even to keys they cannot list, and :func:`protected_keys` lists the
+model's keys a process knows in advance. All reads of the swarm's keys go through :func:`read_entries`.
 """
 from __future__ import annotations
 
@@ -30,8 +30,9 @@ from hivemind.utils import get_dht_time
 
 from swarm.dht import fields
 from swarm.dht.compatibility import CompatibilityTag
-from swarm.dht.config import MAX_AUDIT_LIFETIME, MAX_BLOCKS, MAX_OWNED_LIFETIME
-from swarm.dht.validation import OWNED, SLOT, KeyPolicy, owner_peer_id
+from swarm.dht.config import MAX_AUDIT_LIFETIME, MAX_BLOCKS, MAX_OWNED_LIFETIME  # noqa: F401 (lifetimes read from here)
+from swarm.dht.keys import ADAPTER_INDEX, ADAPTER_VERSIONS, AUDIT, BLOCK, EXPERTS, GOVERNANCE, family_of
+from swarm.dht.validation import KeyPolicy, ProtectedStorage, describe, owner_peer_id
 
 logger = logging.getLogger(__name__)
 
@@ -200,78 +201,73 @@ MAX_EXPERT_DOMAINS = 256  # distinct domains a reader keeps from the whole index
 def default_prefix(model_path: Path) -> str:
     """The DHT namespace of a model when none is given: its directory name (``default`` for the embedded one)."""
     name = re.sub(r"[^A-Za-z0-9_-]+", "-", Path(model_path).name).strip("-")
-    return name or "model"
+    return (name or "model")[:128]  # what a key's prefix may be (swarm.dht.keys.PARTS)
 
 
 def block_key(prefix: str, block: int) -> str:
-    return f"{prefix}.{block}"
+    return BLOCK.key(prefix=prefix, block=block)
 
 
 def expert_index_key(prefix: str) -> str:
     """Where each expert-hosting server lists its expert records (the DHT cannot list keys)."""
-    return f"{prefix}.experts"
+    return EXPERTS.key(prefix=prefix)
 
 
 def governance_key(prefix: str) -> str:
     """Where the signed halt / resume decisions live (``swarm.governance.records``)."""
-    return f"{prefix}.governance"
+    return GOVERNANCE.key(prefix=prefix)
 
 
 def adapter_index_key(prefix: str) -> str:
     """Where each adapter author lists the names it published (``swarm.adapters.sharing``)."""
-    return f"{prefix}.adapters"
+    return ADAPTER_INDEX.key(prefix=prefix)
 
 
 def adapter_versions_key(prefix: str, name: str) -> str:
     """Where each publisher of an adapter name lists that name's versions, in its signed slot
     (``swarm.adapters.versions``). ``adapter-versions`` and not ``adapters.versions``: names may hold dots."""
-    return f"{prefix}.adapter-versions.{name}"
+    return ADAPTER_VERSIONS.key(prefix=prefix, name=name)
 
 
 def audit_key(prefix: str, auditor: str) -> str:
     """Where the auditor with this Ed25519 public key (base64) publishes its signed report (``swarm.reports.records``):
     one key per auditor, so a reader reads only the auditors it trusts and each is protected by their key."""
-    return f"{prefix}.audits.{auditor}"
+    return AUDIT.key(prefix=prefix, auditor=auditor)
 
 
-# What the swarm's keys may hold. A reply holds a key's whole dictionary: subkeys x value bytes stay far below
-# libp2p's 4 MiB message even when a find asks a peer for 16 keys at once (32 x 6 KiB x 16 = 3 MiB).
-MAX_OWNED_VALUE_BYTES = 6 * 1024  # a signed server record with every field at its bound is 4.8 KiB
-MAX_OWNED_SUBKEYS = 32  # servers per block key (and expert-hosting servers) one storing peer keeps
-MAX_DECISION_VALUE_BYTES = 2 * 1024  # a signed governance decision (its reason is cut to 512 characters)
-MAX_UNTRUSTED_SLOTS = 64  # governance slots kept by a peer that trusts no key (it cannot tell which matter)
-MAX_ADAPTER_INDEX_BYTES, MAX_ADAPTER_AUTHORS = 8 * 1024, 64
-# An adapter name's versions (adapter_versions_key): a signed slot per publisher (the key names the adapter, so no
-# peer can list it in advance: keep these bounds when the key is declared), value and publishers bounded.
-MAX_ADAPTER_VERSIONS_BYTES, MAX_ADAPTER_VERSION_PUBLISHERS = 6 * 1024, 32
-MAX_AUDIT_VALUE_BYTES = 16 * 1024 + 512  # a signed audit report (its payload is at most 16 KiB) and its framing
+# What the swarm's keys may hold is declared with each key in swarm.dht.keys; these names stay for readers.
+MAX_OWNED_VALUE_BYTES = BLOCK.max_value_bytes
+MAX_OWNED_SUBKEYS = BLOCK.max_subkeys  # servers per block key (and expert-hosting servers) one storing peer keeps
+MAX_DECISION_VALUE_BYTES = GOVERNANCE.max_value_bytes
+MAX_UNTRUSTED_SLOTS = GOVERNANCE.max_subkeys  # governance slots kept by a peer that trusts no key
+MAX_ADAPTER_INDEX_BYTES, MAX_ADAPTER_AUTHORS = ADAPTER_INDEX.max_value_bytes, ADAPTER_INDEX.max_subkeys
+MAX_AUDIT_VALUE_BYTES = AUDIT.max_value_bytes
+# An adapter name's versions (adapter_versions_key): declared in swarm.dht.keys (ADAPTER_VERSIONS).
+MAX_ADAPTER_VERSIONS_BYTES = ADAPTER_VERSIONS.max_value_bytes
+MAX_ADAPTER_VERSION_PUBLISHERS = ADAPTER_VERSIONS.max_subkeys
 
 
 def protected_keys(prefix: str, num_blocks: int = 0, governance_signers: Optional[Iterable[str]] = None,
                    auditors: Optional[Iterable[str]] = None) -> list[KeyPolicy]:
-    """The keys a process of the model ``prefix`` reads, with what each may hold (``start_dht(protect=...)``).
+    """The keys of the model ``prefix`` a process can list, with what each may hold (``start_dht(protect=...)``):
+    it refuses what does not fit them before any honest record arrives. Keys it cannot list (names, digests) are
+    protected from the first value that names them (``swarm.dht.keys``).
 
     ``governance_signers``: the trusted governance public keys (base64); a process that trusts some keeps only
-    their slots under the governance key, one that trusts none keeps any signed slot (bounded in count).
-    ``auditors``: the auditors' public keys (base64) whose report keys it keeps to their one slot (default: the
-    governance signers, the auditors a client trusts by default).
+    their slots under the governance key, one that trusts none keeps any signed slot (bounded in count), and its
+    storage makes room for their slots under names (:func:`swarm.dht.keys.trusted_keys`).
+    ``auditors``: the auditors' public keys (base64) whose report keys it lists (default: the governance signers,
+    the auditors a client trusts by default).
     """
-    signers = frozenset(governance_signers or ()) or None
-    audit_signers = sorted(set(signers or ()) if auditors is None else set(auditors))
-    owned = partial(KeyPolicy, kind=OWNED, max_value_bytes=MAX_OWNED_VALUE_BYTES, max_subkeys=MAX_OWNED_SUBKEYS,
-                    max_lifetime=MAX_OWNED_LIFETIME)
-    return [
-        *(owned(block_key(prefix, block)) for block in range(min(num_blocks, MAX_BLOCKS))),
-        owned(expert_index_key(prefix)),
-        KeyPolicy(governance_key(prefix), SLOT, MAX_DECISION_VALUE_BYTES,
-                  len(signers) if signers else MAX_UNTRUSTED_SLOTS, signers),
-        KeyPolicy(adapter_index_key(prefix), SLOT, MAX_ADAPTER_INDEX_BYTES, MAX_ADAPTER_AUTHORS),
-        *(KeyPolicy(audit_key(prefix, auditor), SLOT, MAX_AUDIT_VALUE_BYTES, 1, frozenset({auditor}),
-                    MAX_AUDIT_LIFETIME) for auditor in audit_signers),
-    ]
+    signers = frozenset(governance_signers or ())
+    audit_signers = sorted(set(signers) if auditors is None else set(auditors))
+    keys = [*(block_key(prefix, block) for block in range(min(num_blocks, MAX_BLOCKS))), expert_index_key(prefix),
+            governance_key(prefix), adapter_index_key(prefix), *(audit_key(prefix, a) for a in audit_signers)]
+    return [family_of(key).policy(key, signers) for key in keys]
 
 
 async def _store(dht: DHT, node: DHTNode, keys: list[str], subkey: bytes, values: list, expiration: float) -> bool:
+    values = [describe(key, value) for key, value in zip(keys, values)]  # storing peers see which key it is
     results = await node.store_many(keys, subkeys=[subkey] * len(keys), values=values,
                                     expiration_time=expiration, num_workers=min(32, len(keys)))
     return all(results.values())
@@ -301,15 +297,28 @@ def declare_experts(dht: DHT, prefix: str, records: list[ExpertRecord], subkey: 
     return store_owned(dht, [expert_index_key(prefix)], subkey, [value], expiration, wait)
 
 
-async def _get_many(dht: DHT, node: DHTNode, keys: list[str]) -> dict:
+async def _read(dht: DHT, node: DHTNode, keys: list[str]) -> dict[str, dict[Any, tuple[Any, float]]]:
+    for storage in (node.protocol.storage, node.protocol.cache):
+        if isinstance(storage, ProtectedStorage):  # a swarm peer: it knows these keys' policies from now on
+            for key in keys:
+                storage.learn(key)
     found = await node.get_many(keys, sufficient_expiration_time=float("inf"))  # the latest records
-    # Unwrap hivemind's nested ValueWithExpiration into plain {key: {subkey: value}} for pickling across processes.
+    # Unwrap hivemind's nested ValueWithExpiration into plain {key: {subkey: (value, expiration)}} for pickling
+    # across processes.
     out = {}
     for key, entry in found.items():
-        if entry is None or not isinstance(entry.value, dict):
+        if entry is None or not isinstance(entry.value, dict):  # hivemind unpacks a key's dictionary into a dict
             continue
-        out[key] = {subkey: item.value for subkey, item in entry.value.items()}
+        out[key] = {subkey: (item.value, item.expiration_time) for subkey, item in entry.value.items()}
     return out
+
+
+def read_entries(dht: DHT, keys: Iterable[str]) -> dict[str, dict[Any, tuple[Any, float]]]:
+    """Every entry under ``keys`` as the swarm returns them, ``{key: {subkey: (value, expiration)}}``: the one read
+    of the swarm's keys (every read and store of the code goes through this module's helpers; the keys are those of
+    ``swarm.dht.keys``). This peer learns each key's policy first, so that neither its own storage nor another peer's
+    reply can put a regular value in place of the key's records (``swarm.dht.node``)."""
+    return dht.run_coroutine(partial(_read, keys=list(keys)))
 
 
 def read_servers(dht: DHT, prefix: str, num_blocks: int) -> dict[str, ServerRecord]:
@@ -335,7 +344,8 @@ def _records(found: dict) -> Iterator[tuple[str, str, Any]]:
 
 def read_owned(dht: DHT, keys: Iterable[str]) -> Iterator[tuple[str, str, Any]]:
     """(key, peer id, value) of every entry under ``keys`` that its peer provably wrote."""
-    return _records(dht.run_coroutine(partial(_get_many, keys=list(keys))))
+    return _records({key: {subkey: value for subkey, (value, _) in entries.items()}
+                     for key, entries in read_entries(dht, keys).items()})
 
 
 def parse_expert_entry(peer_id: str, value: Any) -> list[ExpertRecord]:

@@ -9,14 +9,16 @@ Two kinds of protected subkeys (hivemind validates only the subkey and the value
   accepts a write only with a signature by that key over the DHT key, the payload and the expiration time, so
   nobody can squat the slot with junk or replay a signed value with a later expiration.
 
-Subkeys without either tag are left alone on keys the swarm does not use (hivemind's own features, such as the
-averager of ``swarm.finetune.together``, use plain subkeys). On the keys the swarm reads, a process that knows them
-(its prefix, block count and trusted governance keys: :class:`KeyPolicy`, built by ``swarm.dht.schema.protected_keys``)
-refuses to store what no reader would use: plain subkeys, values over a size bound, more than a bounded number of
-subkeys per key (:class:`ProtectedStorage`). A DHT get returns a key's whole dictionary in one reply, and a reply over
-libp2p's 4 MiB message limit is lost together with the peers it names: every swarm peer therefore keeps every key,
-known or not, within :data:`MAX_KEY_BYTES` and :data:`MAX_KEY_SUBKEYS`, so that no flood makes its replies unreadable
-(a bootstrap peer that knows no prefix included); the policies' bounds are tighter still.
+Subkeys without either tag are left alone on keys the swarm does not use (hivemind's own features, such as the averager
+of ``swarm.finetune.together``, use plain subkeys). On the keys the swarm reads (each declared with its
+:class:`KeyPolicy` in ``swarm.dht.keys``) a process refuses to store what no reader would use: plain subkeys, values
+over a size bound, more than a bounded number of subkeys per key (:class:`ProtectedStorage`). It knows a key's policy
+in advance (its model's keys, ``swarm.dht.schema.protected_keys``) or from the first value naming the key: every value
+the swarm stores carries its key's name (:func:`describe`), since validators and storage see only the key's hash. A DHT
+get returns a key's whole dictionary in one reply, and a reply over libp2p's 4 MiB message limit is lost together with
+the peers it names: every swarm peer therefore keeps every key, known or not, within :data:`MAX_KEY_BYTES` and
+:data:`MAX_KEY_SUBKEYS`, so that no flood makes its replies unreadable (a bootstrap peer that knows no prefix
+included); the policies' bounds are tighter still.
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ import logging
 import re
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
@@ -55,6 +57,7 @@ MESSAGE_LIMIT_BYTES = 4 * 1024 * 1024
 KEYS_PER_FIND = 16
 MAX_KEY_BYTES = (MESSAGE_LIMIT_BYTES - 512 * 1024) // KEYS_PER_FIND  # 224 KiB
 MAX_KEY_SUBKEYS = 1024  # also keeps the size check of each store cheap
+MAX_LEARNT_KEYS = 100_000  # keys whose policy a peer learnt from the key their values name
 ENTRY_OVERHEAD_BYTES = 16  # an entry's expiration and msgpack framing in a reply
 
 
@@ -156,7 +159,8 @@ def sign_slot(key: Ed25519PrivateKey, dht_key: Any, payload: bytes, expiration: 
         raise ValueError(f"slot payload of {len(payload)} bytes exceeds {MAX_SLOT_PAYLOAD}")
     if RSASignatureValidator.SIGNATURE_FORMAT.split(b"_value_")[0] in payload:
         raise ValueError("the payload must not contain '[signature:' (hivemind strips it from stored values)")
-    return {"payload": payload, "signature": key.sign(_signed_bytes(dht_key_id(dht_key), payload, expiration))}
+    value = {"payload": payload, "signature": key.sign(_signed_bytes(dht_key_id(dht_key), payload, expiration))}
+    return describe(dht_key, value) if isinstance(dht_key, str) else value
 
 
 def verify_slot(key_id: bytes, subkey: Any, value: Any, expiration: float) -> bytes:
@@ -199,6 +203,30 @@ class SignedSlotValidator(RecordValidatorBase):
         return isinstance(other, SignedSlotValidator)
 
 
+# ----- values that name their key -------------------------------------------------------------------------
+KEY_FIELD = "dht_key"  # the field of every value the swarm stores that names the key it is stored under
+_RSA_SIGNATURE = re.compile(re.escape(RSASignatureValidator.SIGNATURE_FORMAT).replace(b"_value_", rb"(.+?)"))
+
+
+def describe(dht_key: str, value: dict) -> dict:
+    """``value`` naming ``dht_key``, so that a storing peer, which sees only the key's hash, knows which key (and so
+    which policy, ``swarm.dht.keys``) it is stored under."""
+    return {**value, KEY_FIELD: dht_key}
+
+
+def described_key(stored: bytes) -> Optional[str]:
+    """The key a stored value names (its hivemind RSA signature stripped), or None for a value that names none."""
+    try:
+        value = MSGPackSerializer.loads(_RSA_SIGNATURE.sub(b"", stored))
+    except Exception:  # any bytes arrive from the network; msgpack raises many types
+        return None
+    named = value.get(KEY_FIELD) if isinstance(value, dict) else None
+    return named if isinstance(named, str) and len(named) <= MAX_KEY_NAME_CHARS else None
+
+
+MAX_KEY_NAME_CHARS = 256
+
+
 # ----- keys the swarm reads: what they may hold -------------------------------------------------------
 OWNED, SLOT = "owned", "slot"
 
@@ -215,12 +243,17 @@ class KeyPolicy:
     max_subkeys: int
     signers: Optional[frozenset[str]] = None
     max_lifetime: Optional[float] = None  # seconds from now an entry may expire at (None: any)
+    trusted: frozenset[str] = frozenset()  # slot keys that get room when the key is full (newest other slot dropped)
+    max_subkey_bytes: int = 1024
 
     def refusal(self, subkey: Any, value_size: int, sender: Optional[str] = None) -> Optional[str]:
         """Why an entry may not be stored under this key, or None if it may. ``sender``: the peer whose store
         request brought it (None for this process's own writes and reads)."""
         if value_size > self.max_value_bytes:
             return f"a value of {value_size} bytes (at most {self.max_value_bytes})"
+        raw = subkey_bytes(subkey)
+        if raw is None or len(raw) > self.max_subkey_bytes:
+            return f"a subkey that is no text of at most {self.max_subkey_bytes} bytes"
         if self.kind == OWNED:
             owner = owner_peer_id(subkey)
             if owner is None:
@@ -235,6 +268,10 @@ class KeyPolicy:
             return "a slot of a key no process here trusts"
         return None
 
+    def prefers(self, subkey: Any) -> bool:
+        """Whether the entry is a slot of a trusted key (room is made for it when the key is full)."""
+        return bool(self.trusted) and slot_signer(subkey) in self.trusted
+
 
 # The peer whose DHT store request is being served (set by ``swarm.dht.node`` around hivemind's handler; None for
 # this process's own writes). Owned records are taken only from their owner: one peer holding many free peer ids
@@ -243,43 +280,110 @@ STORE_SENDER: ContextVar[Optional[str]] = ContextVar("swarm_dht_store_sender", d
 
 
 class ProtectedStorage(DHTLocalStorage):
-    """A peer's local storage that keeps every key small enough to be read, and under the keys of its policies only
-    what a :class:`KeyPolicy` allows.
+    """A peer's local storage that keeps every key small enough to be read, and under the swarm's keys only what
+    their :class:`KeyPolicy` allows.
 
     Every key, known or not: a regular value or a dictionary of at most :data:`MAX_KEY_BYTES` (entries with their
     subkeys) and :data:`MAX_KEY_SUBKEYS` subkeys; a store past either is refused, updates of a held subkey within
-    them pass. A peer that knows no prefix (a bootstrap peer) cannot tell junk from records, but it can keep its
-    replies readable, so a flood costs readers at most the room it takes, never the peer's answer.
+    them pass. So a flood costs readers at most the room it takes, never the peer's answer.
+
+    A key's policy is known in advance (``policies``: the keys of the prefixes this process serves, by hash) or
+    learnt from the first value that names a key of a declared family (``resolve``, ``swarm.dht.keys.policy_for``;
+    :func:`described_key`): names and digests are computed by readers, so a storing peer cannot list those keys, but
+    every value the swarm stores names its key. Once a key's policy is known, whatever it held that the policy does
+    not allow is dropped (a flood stored while the key looked like anybody's, a regular value that would block every
+    subkey), and a value that names no key or another key is refused there.
 
     A check at storage rather than a record validator: validators also run on every reply a reader gets, and
     hivemind then drops a peer's whole answer for a key when one entry fails, so one junk entry on a peer that
     knows nothing of the swarm's keys (a bootstrap peer) would hide that peer's honest records from readers too.
-    Here only writes are refused: plain subkeys, oversized values, owned records sent by a peer other than their
-    owner (:data:`STORE_SENDER`) or expiring later than the policy allows, a whole (regular) value replacing the
-    key's dictionary, and a new subkey under a key already holding its maximum (updates of a held subkey pass).
+    Here only writes are refused: plain subkeys, values that do not name their key, oversized values, owned records
+    sent by a peer other than their owner (:data:`STORE_SENDER`) or expiring later than the policy allows, a whole
+    (regular) value replacing the key's dictionary, and a new subkey under a key already holding its maximum (updates
+    of a held subkey pass; a slot of a trusted key takes the place of the newest slot of an untrusted one).
     Installed on a running node by :func:`protect_storage` (the class of its storages is swapped in place).
     """
 
     policies: dict[bytes, KeyPolicy]
+    learnt: dict[bytes, KeyPolicy]
+    resolve: Optional[Callable[[str], Optional[KeyPolicy]]]
 
     def store(self, key: DHTID, value: bytes, expiration_time: float, subkey: Any = None) -> bool:
-        if subkey is None and key.to_bytes() in self.policies:
-            return self._refuse(self.policies[key.to_bytes()].name, "a regular value (it would replace every record)")
+        policy = self.policy_of(key.to_bytes())
+        if subkey is None and policy is not None:
+            return self._refuse(policy.name, "a regular value (it would replace every record)")
         if subkey is None and len(value) > MAX_KEY_BYTES:
             return self._refuse(key, f"a value of {len(value)} bytes (at most {MAX_KEY_BYTES} per key)")
         return super().store(key, value, expiration_time, subkey)
 
     def store_subkey(self, key: DHTID, subkey: Any, value: bytes, expiration_time: float) -> bool:
-        policy = self.policies.get(key.to_bytes())
+        named = described_key(value)
+        if named is not None and dht_key_id(named) != key.to_bytes():
+            return self._refuse(key, f"a value naming another key ({named[:80]!r})")
+        policy = self._policy(key, named)
         if policy is not None:
-            reason = (policy.refusal(subkey, len(value), STORE_SENDER.get())
-                      or self._too_late(expiration_time, policy) or self._over_limit(key, subkey, policy))
+            reason = (("a value that does not name its key" if named is None else None)
+                      or policy.refusal(subkey, len(value), STORE_SENDER.get())
+                      or self._too_late(expiration_time, policy) or self._make_room(key, subkey, policy))
             if reason is not None:
                 return self._refuse(policy.name, reason)
         reason = self._over_key_bound(key, subkey, value)
         if reason is not None:
             return self._refuse(policy.name if policy is not None else key, reason)
         return super().store_subkey(key, subkey, value, expiration_time)
+
+    def policy_of(self, key_id: bytes) -> Optional[KeyPolicy]:
+        """The policy of a key (by hash) known here, listed or learnt; None for a key that looks like anybody's."""
+        return self.policies.get(key_id) or self.learnt.get(key_id)
+
+    def learn(self, key: str) -> Optional[KeyPolicy]:
+        """Learn the policy of ``key``, which this process is about to read (a reader knows the keys it reads): what
+        the key holds against it is dropped, and replies of other peers are filtered by it (``swarm.dht.node``)."""
+        return self._policy(DHTID.generate(source=key), key)
+
+    def _policy(self, key: DHTID, named: Optional[str]) -> Optional[KeyPolicy]:
+        """The key's policy: known in advance, learnt, or learnt now from the key this value names (then what the key
+        held against it is dropped). A value naming a key of no family under an unknown key has none."""
+        key_bytes = key.to_bytes()
+        policy = self.policy_of(key_bytes)
+        if policy is not None or named is None or self.resolve is None:
+            return policy
+        policy = self.resolve(named)
+        if policy is None:
+            return None
+        if len(self.learnt) >= MAX_LEARNT_KEYS:  # forget keys no longer held; past that, a key is learnt per store
+            self.learnt = {k: p for k, p in self.learnt.items() if self.get(DHTID.from_bytes(k)) is not None}
+        if len(self.learnt) < MAX_LEARNT_KEYS:
+            self.learnt[key_bytes] = policy
+        self._drop_disallowed(key, policy)
+        return policy
+
+    def _drop_disallowed(self, key: DHTID, policy: KeyPolicy) -> None:
+        """Drop what ``key`` holds that ``policy`` does not allow, then its newest entries past the policy's count
+        (slots of untrusted keys first)."""
+        current = self.get(key)
+        if current is None:
+            return
+        if not isinstance(current.value, DictionaryDHTValue):
+            del self[key]
+            logger.debug("dropped a regular value held under %s", policy.name)
+            return
+        held = current.value
+        dropped = [subkey for subkey, item in held.items()
+                   if described_key(item.value) != policy.name or policy.refusal(subkey, len(item.value)) is not None]
+        for subkey in dropped:
+            del held[subkey]
+        while len(held) > policy.max_subkeys:
+            newest = self._newest_untrusted(held, policy)
+            del held[newest if newest is not None else _subkeys(held)[-1]]
+            dropped.append(None)
+        if dropped:
+            logger.debug("dropped %d entries held under %s that its policy does not allow", len(dropped), policy.name)
+
+    @staticmethod
+    def _newest_untrusted(held: DictionaryDHTValue, policy: KeyPolicy) -> Any:
+        """The subkey of the newest entry whose slot is not a trusted key's, or None."""
+        return next((subkey for subkey in reversed(_subkeys(held)) if not policy.prefers(subkey)), None)
 
     @staticmethod
     def _too_late(expiration_time: float, policy: KeyPolicy) -> Optional[str]:
@@ -288,11 +392,18 @@ class ProtectedStorage(DHTLocalStorage):
             return None
         return f"an expiration {expiration_time - get_dht_time():.0f} s ahead (at most {policy.max_lifetime:.0f})"
 
-    def _over_limit(self, key: DHTID, subkey: Any, policy: KeyPolicy) -> Optional[str]:
+    def _make_room(self, key: DHTID, subkey: Any, policy: KeyPolicy) -> Optional[str]:
+        """None if the entry fits under the policy's count (room made for a trusted slot), else why not."""
         current = self._held_dictionary(key)
-        if current is None or subkey in current:
+        if current is None or subkey in current or len(current) < policy.max_subkeys:
             return None
-        return f"a subkey beyond the {policy.max_subkeys} held" if len(current) >= policy.max_subkeys else None
+        if policy.prefers(subkey):
+            untrusted = self._newest_untrusted(current, policy)
+            if untrusted is not None:
+                del current[untrusted]
+                logger.debug("dropped an untrusted slot under %s for a trusted one", policy.name)
+                return None
+        return f"a subkey beyond the {policy.max_subkeys} held"
 
     def _over_key_bound(self, key: DHTID, subkey: Any, value: bytes) -> Optional[str]:
         """Why storing this entry would take the key past what one reply carries readably, or None."""
@@ -315,6 +426,11 @@ class ProtectedStorage(DHTLocalStorage):
         return False
 
 
+def _subkeys(held: DictionaryDHTValue) -> list[Any]:
+    """A key's subkeys, oldest first (hivemind keeps them in the order they came; an update keeps its place)."""
+    return [subkey for subkey, _ in held.items()]
+
+
 def entry_bytes(subkey: Any, value: bytes) -> int:
     """What one dictionary entry adds to a reply carrying its key."""
     raw = subkey_bytes(subkey)
@@ -322,11 +438,15 @@ def entry_bytes(subkey: Any, value: bytes) -> int:
     return size + len(value) + ENTRY_OVERHEAD_BYTES
 
 
-def protect_storage(storages: list[DHTLocalStorage], policies: Mapping[bytes, KeyPolicy]) -> None:
-    """Make each storage a :class:`ProtectedStorage` with ``policies`` (by key hash; none still bounds every key)."""
+def protect_storage(storages: list[DHTLocalStorage], policies: Mapping[bytes, KeyPolicy],
+                    resolve: Optional[Callable[[str], Optional[KeyPolicy]]] = None) -> None:
+    """Make each storage a :class:`ProtectedStorage` with ``policies`` (by key hash; none still bounds every key) and
+    ``resolve`` (a key's policy from the key a value names: ``swarm.dht.keys.policy_for``)."""
     for storage in storages:
         storage.__class__ = ProtectedStorage
         storage.policies = dict(policies)
+        storage.learnt = {}
+        storage.resolve = resolve
 
 
 def swarm_validators() -> list[RecordValidatorBase]:

@@ -26,7 +26,7 @@ from hivemind.dht import DHT
 from hivemind.utils import MSGPackSerializer, get_dht_time
 
 from swarm.dht import fields
-from swarm.dht.schema import forget_local_copies, governance_key
+from swarm.dht.schema import forget_local_copies, governance_key, read_entries
 from swarm.dht.validation import dht_key_id, sign_slot, slot_signer, slot_subkey, verify_slot
 from swarm.governance.keys import public_key_text
 from swarm.governance.limits import HALT, MAX_STALE_AFTER, RESUME
@@ -122,10 +122,9 @@ def parse_decision(prefix: str, subkey: Any, value: Any, expiration: float,
 
 def _stored_records(dht: DHT, prefix: str) -> list[tuple[Any, Any, float]]:
     """(subkey, value, expiration) of every entry under the governance key, valid or not."""
-    found = dht.get(governance_key(prefix), latest=True)
-    if found is None or not isinstance(found.value, dict):
-        return []
-    return [(subkey, item.value, item.expiration_time) for subkey, item in found.value.items()]
+    key = governance_key(prefix)
+    entries = read_entries(dht, [key]).get(key, {})
+    return [(subkey, value, expiration) for subkey, (value, expiration) in entries.items()]
 
 
 def read_decisions(dht: DHT, prefix: str, trusted: Mapping[str, Ed25519PublicKey]) -> list[tuple[Decision, float]]:

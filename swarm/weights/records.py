@@ -29,15 +29,15 @@ from hivemind.utils import MSGPackSerializer, get_dht_time
 from swarm.adapters.block import is_sha256_hex
 from swarm.adapters.sharing import AUTHOR_PATTERN, author_id, signed_entries, store_slot
 from swarm.dht import fields
+from swarm.dht.keys import WEIGHTS_HOSTS, WEIGHTS_NAME
 from swarm.dht.schema import (
     MAX_ADDRESS_CHARS,
     MAX_ADDRESSES,
-    MAX_OWNED_LIFETIME,
     forget_local_copies,
     read_owned,
     store_owned,
 )
-from swarm.dht.validation import OWNED, KeyPolicy, ed25519_text
+from swarm.dht.validation import KeyPolicy, ed25519_text
 from swarm.utils.errors import EXIT_NOT_SERVED, EXIT_USAGE, SwarmError
 from swarm.weights.limits import PUBLISH_LIFETIME
 from swarm.weights.manifest import MAX_MANIFEST_BYTES, MAX_TENSORS, MODEL_NAME
@@ -47,9 +47,9 @@ logger = logging.getLogger(__name__)
 
 RECORD_VERSION = 1
 MAX_HOSTS_READ = 64  # peers a fetcher considers for one model
-MAX_HOSTS_KEPT = 64  # hosts records a storing peer that knows the model keeps under its key
+MAX_HOSTS_KEPT = WEIGHTS_HOSTS.max_subkeys  # hosts records one storing peer keeps under a model's key
 # a record with every field at its bound: 8 addresses of 256 characters, a bitmap of MAX_TENSORS bits, a signature
-MAX_HOST_VALUE_BYTES = 16 * 1024
+MAX_HOST_VALUE_BYTES = WEIGHTS_HOSTS.max_value_bytes
 MAX_WEIGHTS_BYTES = 2**50
 READ_BACK_SECONDS = 20.0  # how long a publish stores again and reads back before saying the record is unreadable
 
@@ -74,11 +74,11 @@ class WeightsNotServed(WeightsError):
 
 
 def name_key(name: str) -> str:
-    return f"swarm-weights:name:{name}"
+    return WEIGHTS_NAME.key(name=name)
 
 
 def hosts_key(model_id: str) -> str:
-    return f"swarm-weights:hosts:{model_id}"
+    return WEIGHTS_HOSTS.key(sha256=model_id)
 
 
 def parse_reference(reference: str) -> tuple[str, Optional[str]]:
@@ -241,9 +241,10 @@ class HostRecord:
 
 
 def hosts_policy(model_id: str) -> KeyPolicy:
-    """What a peer that knows ``model_id`` keeps under its hosts key: records of proven peer ids, sent by those
-    peers, each at most :data:`MAX_HOST_VALUE_BYTES`, :data:`MAX_HOSTS_KEPT` of them, expiring within the hour."""
-    return KeyPolicy(hosts_key(model_id), OWNED, MAX_HOST_VALUE_BYTES, MAX_HOSTS_KEPT, max_lifetime=MAX_OWNED_LIFETIME)
+    """What a peer that knows ``model_id`` keeps under its hosts key (``swarm.dht.keys.WEIGHTS_HOSTS``): records of
+    proven peer ids, sent by those peers, each at most :data:`MAX_HOST_VALUE_BYTES`, :data:`MAX_HOSTS_KEPT` of them,
+    expiring within the hour."""
+    return WEIGHTS_HOSTS.policy(hosts_key(model_id))
 
 
 def declare_host(dht: DHT, model_id: str, record: HostRecord, subkey: bytes, expiration: float, wait: bool = True):

@@ -1,0 +1,320 @@
+"""Issue 48, 2: a key whose name is computed by its readers (a published name, a content hash, an auditor's key)
+hidden before it is written, against real DHT peers that know no prefix and no name.
+
+The attacker computes the key offline and stores 1,024 one-byte plain subkeys under it (0.3 s, 30-day expiry), or a
+regular value that outlives every record, or validly signed slots of fresh keys until the key's bound is reached.
+Storing peers learn the key's policy from the first value that names it (``swarm.dht.keys``): the flood is dropped
+and the honest record stored, so a reader on another peer finds it. Without that, every peer refuses the honest
+record (the key is full, or a regular value blocks subkeys) and the name is hidden.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import partial
+from typing import Callable, Iterator
+
+import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from hivemind.dht import DHT, DHTNode
+from hivemind.dht.routing import DHTID
+from hivemind.p2p import PeerID
+from hivemind.utils import MSGPackSerializer
+
+from swarm.adapters.sharing import PublishedAdapter, declare_hosted
+from swarm.adapters.sharing import hosts_key as adapter_hosts_key
+from swarm.adapters.sharing import name_key as adapter_name_key
+from swarm.adapters.sharing import publish as publish_adapter
+from swarm.adapters.sharing import read_hosts as read_adapter_hosts
+from swarm.adapters.sharing import read_published as read_adapter
+from swarm.dht.identity import Identity
+from swarm.dht.keys import WEIGHTS_NAME
+from swarm.dht.node import NetworkConfig, start_dht, stop_dht, visible_maddrs
+from swarm.dht.schema import audit_key, forget_local_copies, now, protected_keys
+from swarm.dht.validation import ed25519_text, sign_slot, slot_subkey
+from swarm.reports.records import AuditReport, publish_report, read_report
+from swarm.weights.records import HostRecord, PublishedModel, WeightsError, declare_host, hosts_key, name_key
+from swarm.weights.records import publish as publish_name
+from swarm.weights.records import read_hosts as read_weight_hosts
+from swarm.weights.records import read_published as read_names
+from tests.test_security_dht import plain_attacker
+
+PREFIX = "hidden"
+SHA = "ab" * 32
+MONTH = 30 * 24 * 3600.0
+
+
+# ----- the attacker (runs in its stock hivemind DHT process) ------------------------------------------------
+async def _hide(dht: DHT, node: DHTNode, key: str, peers: list[str], count: int, regular: bool) -> list[bool]:
+    """Per peer, whether it took ``count`` one-byte plain subkeys under ``key`` for a month (or one regular value for
+    a year: past any record's expiration, hivemind refuses every subkey under it), in requests of 256."""
+    key_id, value = DHTID.generate(source=key), MSGPackSerializer.dumps(b"x")
+    expiration = now() + (12 if regular else 1) * MONTH
+    if regular:  # the attacker's own storage, which readers ask too, holds the same
+        node.protocol.storage.store(key_id, value, expiration)
+    for i in range(0 if regular else count):
+        node.protocol.storage.store_subkey(key_id, i.to_bytes(2, "big"), value, expiration)
+    accepted = []
+    for peer in peers:
+        if regular:
+            answer = await node.protocol.call_store(PeerID.from_base58(peer), [key_id], [value], expiration)
+            accepted.append(bool(answer and answer[0]))
+            continue
+        answers = []
+        for start in range(0, count, 256):
+            subkeys = [i.to_bytes(2, "big") for i in range(start, min(count, start + 256))]
+            answer = await node.protocol.call_store(PeerID.from_base58(peer), [key_id] * len(subkeys),
+                                                    [value] * len(subkeys), expiration, subkeys=subkeys)
+            answers += answer or [False]
+        accepted.append(all(answers))
+    return accepted
+
+
+def hide(attacker: DHT, key: str, peers: list[str], count: int = 1024, regular: bool = False) -> list[bool]:
+    return attacker.run_coroutine(partial(_hide, key=key, peers=peers, count=count, regular=regular))
+
+
+async def _squat(dht: DHT, node: DHTNode, key: str, peers: list[str], slots: list[tuple[bytes, dict]],
+                 expiration: float) -> list[int]:
+    """Per peer, how many of the signed slots (subkey, value) it took under ``key``."""
+    key_id, taken = DHTID.generate(source=key), []
+    for peer in peers:
+        for _ in range(3):  # a store that never answers (seen once in four loaded runs) is asked again
+            try:
+                answer = await asyncio.wait_for(node.protocol.call_store(
+                    PeerID.from_base58(peer), [key_id] * len(slots), [MSGPackSerializer.dumps(v) for _, v in slots],
+                    expiration, subkeys=[s for s, _ in slots]), timeout=30)
+            except asyncio.TimeoutError:
+                answer = None
+            if answer is not None:
+                break
+        taken.append(sum(answer or []))
+    return taken
+
+
+# ----- the network: storing peers that know no prefix and no name ---------------------------------------------
+@dataclass
+class Network:
+    storers: list[DHT]
+    writer: DHT  # a peer with a libp2p identity (it signs hosts records); tests drop its own copies before reading
+    writer_identity: Identity
+    reader: DHT  # another peer: what it reads is what the swarm returns, not the writer's copy
+
+    @property
+    def storing_peers(self) -> list[str]:
+        return [str(dht.peer_id) for dht in self.storers]
+
+
+def start_network(trusted: tuple[str, ...] = ()) -> Network:
+    """Three storing swarm peers (``trusted``: governance keys they trust, from a prefix they know), a writer and a
+    reader."""
+    protect = protected_keys("another-model", 0, trusted) if trusted else []
+    first = start_dht(NetworkConfig(use_default_peers=False), protect=protect)
+    peers = visible_maddrs(first)
+    storers = [first] + [start_dht(NetworkConfig(initial_peers=peers, use_default_peers=False), protect=protect)
+                         for _ in range(2)]
+    identity = Identity.load_or_create(None)
+    writer = start_dht(NetworkConfig(initial_peers=peers, use_default_peers=False), identity=identity)
+    reader = start_dht(NetworkConfig(initial_peers=peers, client_mode=True, use_default_peers=False))
+    return Network(storers, writer, identity, reader)
+
+
+@contextmanager
+def attacker(network: Network) -> Iterator[DHT]:
+    """A stock hivemind peer that joins, writes and leaves: while it runs, its own storage keeps whatever it is sent
+    (the honest record too) and answers readers, so what readers find after it left is what the swarm's peers kept."""
+    dht = plain_attacker(visible_maddrs(network.storers[0]))
+    try:
+        yield dht
+    finally:
+        stop_dht(dht)
+
+
+def stop_network(network: Network) -> None:
+    for dht in (network.reader, network.writer, *network.storers):
+        stop_dht(dht)
+    network.writer_identity.remove()
+
+
+@pytest.fixture(scope="module")
+def network():
+    network = start_network()
+    yield network
+    stop_network(network)
+
+
+# ----- the families: how the honest peer writes, and what another peer reads -----------------------------------
+@dataclass(frozen=True)
+class Family:
+    key: Callable[[str], str]  # the key of a fresh name
+    write: Callable[[Network, str], None]
+    found: Callable[[Network, str], bool]  # whether the reader finds the honest record
+
+
+def publish_weights_name(network: Network, name: str, key: Ed25519PrivateKey = None) -> None:
+    record = PublishedModel(name, SHA, 1000, 2000, time.time())
+    publish_name(network.writer, key or Ed25519PrivateKey.generate(), record)  # raises unless read back
+
+
+def weights_name_found(network: Network, name: str) -> bool:
+    return any(r.model_id == SHA for r in read_names(network.reader, name))
+
+
+def publish_adapter_name(network: Network, name: str) -> None:
+    record = PublishedAdapter(name, SHA, 100, {"model": "tiny"}, published=time.time())
+    publish_adapter(network.writer, Ed25519PrivateKey.generate(), PREFIX, record)
+
+
+def adapter_name_found(network: Network, name: str) -> bool:
+    return any(r.sha256 == SHA for r in read_adapter(network.reader, PREFIX, name))
+
+
+def sha_of(name: str) -> str:
+    import hashlib
+
+    return hashlib.sha256(name.encode()).hexdigest()
+
+
+def declare_adapter_host(network: Network, name: str) -> None:
+    # (what a store returns is the last peer's answer, the attacker's refusal perhaps: the reader says what counts)
+    declare_hosted(network.writer, PREFIX, {sha_of(name): 100}, network.writer_identity.owner_subkey(), now() + 600,
+                   ["/ip4/127.0.0.1/tcp/1"])
+
+
+def adapter_host_found(network: Network, name: str) -> bool:
+    return str(network.writer.peer_id) in read_adapter_hosts(network.reader, PREFIX, sha_of(name))
+
+
+def declare_weights_host(network: Network, name: str) -> None:
+    record = HostRecord(str(network.writer.peer_id), ("/ip4/127.0.0.1/tcp/1",), 1000)
+    declare_host(network.writer, sha_of(name), record, network.writer_identity.owner_subkey(), now() + 600)
+
+
+def weights_host_found(network: Network, name: str) -> bool:
+    return any(h.peer_id == str(network.writer.peer_id) for h in read_weight_hosts(network.reader, sha_of(name)))
+
+
+AUDITOR = Ed25519PrivateKey.generate()
+
+
+def publish_audit(network: Network, name: str) -> None:
+    report = AuditReport(prefix=name, auditor=ed25519_text(AUDITOR), sequence=1, published=time.time())
+    assert publish_report(network.writer, AUDITOR, report, 600) is not None
+
+
+def audit_found(network: Network, name: str) -> bool:
+    report = read_report(network.reader, name, ed25519_text(AUDITOR))
+    return report is not None and report.sequence == 1
+
+
+FAMILIES = {
+    "model name": Family(name_key, publish_weights_name, weights_name_found),
+    "adapter name": Family(lambda n: adapter_name_key(PREFIX, n), publish_adapter_name, adapter_name_found),
+    "adapter hosts": Family(lambda n: adapter_hosts_key(PREFIX, sha_of(n)), declare_adapter_host, adapter_host_found),
+    # not named by the issue: the hosts of a model id, and an auditor's report (its key names the auditor)
+    "model hosts": Family(lambda n: hosts_key(sha_of(n)), declare_weights_host, weights_host_found),
+    "audit report": Family(lambda n: audit_key(n, ed25519_text(AUDITOR)), publish_audit, audit_found),
+}
+
+
+@pytest.mark.parametrize("regular", [False, True], ids=["1024 plain subkeys", "a regular value"])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_a_key_flooded_before_it_is_written_still_takes_the_honest_record(network, family, regular, request):
+    """The issue's attack on each family: every storing peer takes the flood (the key is nobody's yet), then the
+    honest write succeeds and another peer reads it."""
+    chosen = FAMILIES[family]
+    name = f"future-{len(family)}-{int(regular)}-{time.monotonic_ns() % 10**9}"  # a name nobody has written yet
+    with attacker(network) as flooder:
+        assert hide(flooder, chosen.key(name), network.storing_peers, regular=regular) == [True] * 3, \
+            "the flood was refused before any record named the key: no attack to defend"
+    chosen.write(network, name)
+    forget_local_copies(network.writer, [chosen.key(name)])  # readers must get it from the storing peers
+    assert chosen.found(network, name), f"the {family} record is hidden by the flood"
+    # Once a peer has learnt the key, the flood is refused there.
+    with attacker(network) as flooder:
+        assert hide(flooder, chosen.key(name), network.storing_peers, count=8) == [False] * 3
+
+
+def test_a_name_publish_that_no_other_peer_reads_back_fails():
+    """A publish reports success only after a read that excludes its own copy: with every storing peer refusing
+    the record (a regular value they took first, on peers whose policy was not learnt), ``publish`` raises."""
+    name = f"unlearnt-{time.monotonic_ns() % 10**9}"
+    others = start_network()
+    try:
+        for dht in others.storers:  # peers that cannot learn: they keep the regular value, so refuse every subkey
+            dht.run_coroutine(partial(_unprotect))
+        with attacker(others) as flooder:
+            assert hide(flooder, name_key(name), others.storing_peers, regular=True) == [True] * 3
+        with pytest.raises(WeightsError, match="it is not readable, so it is not published"):
+            publish_weights_name(others, name)
+        forget_local_copies(others.reader, [name_key(name)])
+        assert not weights_name_found(others, name)
+    finally:
+        stop_network(others)
+
+
+async def _unprotect(dht: DHT, node: DHTNode) -> None:
+    """A storing peer without the key registry (a stock hivemind peer's rules, plus the bounds of every key)."""
+    for storage in (node.protocol.storage, node.protocol.cache):
+        storage.resolve = None
+
+
+def test_fresh_keys_filling_a_name_leave_room_for_a_trusted_publisher(tmp_path):
+    """A flood of validly signed slots of fresh keys (each value naming the key) fills a model name to its bound;
+    peers that trust the publisher's key (their governance key) make room for its record, so a reader finds it.
+    Peers that trust no key keep the first slots that came: the stated limit of an untrusted name."""
+    trusted = Ed25519PrivateKey.generate()
+    network = start_network(trusted=(ed25519_text(trusted),))
+    try:
+        name, expiration = f"squatted-{time.monotonic_ns() % 10**9}", now() + 3600
+        key = name_key(name)
+        slots = []
+        for _ in range(WEIGHTS_NAME.max_subkeys):
+            fresh = Ed25519PrivateKey.generate()
+            payload = PublishedModel(name, "cd" * 32, 1000, 2000, time.time()).payload()
+            slots.append((slot_subkey(fresh), sign_slot(fresh, key, payload, expiration)))
+        with attacker(network) as squatter:
+            taken = squatter.run_coroutine(partial(_squat, key=key, peers=network.storing_peers, slots=slots,
+                                                   expiration=expiration))
+        assert taken == [WEIGHTS_NAME.max_subkeys] * 3, taken
+        # the limit: an untrusted name is full
+        with pytest.raises(WeightsError, match="it is not readable, so it is not published"):
+            publish_weights_name(network, name)
+        publish_weights_name(network, name, trusted)
+        found = read_names(network.reader, name)
+        assert any(r.publisher == ed25519_text(trusted) and r.model_id == SHA for r in found)
+        assert len(found) == WEIGHTS_NAME.max_subkeys, "the newest squatter's slot made room"
+    finally:
+        stop_network(network)
+
+
+def test_show_from_another_peer_lists_a_name_flooded_before_it_was_published(network):
+    """The issue's symptom, through the command: after the flood and the honest publish, ``python -m swarm.weights
+    show NAME`` (its own DHT peer) lists the record instead of "no model is published under NAME"."""
+    import json
+
+    from click.testing import CliRunner
+
+    from swarm.weights.__main__ import main as weights_main
+
+    name = f"shown-{time.monotonic_ns() % 10**9}"
+    with attacker(network) as flooder:
+        assert hide(flooder, name_key(name), network.storing_peers) == [True] * 3
+    publish_weights_name(network, name)
+    peers = [arg for maddr in visible_maddrs(network.storers[0]) for arg in ("--initial-peers", maddr)]
+    shown = CliRunner().invoke(weights_main, ["show", name, *peers])
+    assert shown.exit_code == 0, shown.output
+    assert [record["model_id"] for record in json.loads(shown.stdout)] == [SHA]
+
+
+def test_a_peer_answering_a_regular_value_hides_no_record_from_readers(network):
+    """One hostile peer near the key keeps a regular value expiring in a year and answers it to every reader:
+    hivemind's search keeps the answer that expires last, so it used to replace the other peers' records. Readers
+    ignore a regular value under a key whose policy they know (every key they read)."""
+    name = f"answered-{time.monotonic_ns() % 10**9}"
+    with attacker(network) as liar:
+        assert hide(liar, name_key(name), network.storing_peers, regular=True) == [True] * 3
+        publish_weights_name(network, name)  # the liar refuses it (its regular value expires later)
+        assert weights_name_found(network, name), "the liar's regular value replaced the record"

@@ -1,15 +1,16 @@
 """Batching across clients on a live server (issue 47 item 3): several clients generate at once through one server of
-every block (with the head), which merges their waiting calls of equal length into one pass; every client's tokens
-equal its solo run (the local model's), greedy, sampled and with guidance. float32, where the model's passes are
-batch-invariant for rows of one length (tests/test_batching_queue.py checks that bitwise, and that merging happens,
-without timing). Whether calls do meet in the queue here depends on timing, so this test asserts tokens only."""
+every block (with the head), which merges their waiting calls of equal length into one pass (by default: its passes
+are batch-invariant, checked at start and announced); every client's tokens equal its solo run (the local model's),
+greedy, sampled and with guidance (tests/test_batching_queue.py checks merged rows bitwise, and that merging happens,
+without timing). Whether calls do meet in the queue here depends on timing, so that test asserts tokens only.
+A server started with --no-batch-invariant announces so: clients at scale="auto" then batch no states through it."""
 from __future__ import annotations
 
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
 from swarm.frontend.local import DiffusionLM
-from tests.conftest import make_checkpoint, stop_all, swarm_client, tiny_config
+from tests.conftest import make_checkpoint, stop_all, swarm_client, tiny_config, wait_seen
 
 REQUESTS = [  # one prompt length, so every call of every client may be merged with the others'
     ([65, 66, 67, 68], dict(temperature=0.0)),
@@ -24,7 +25,7 @@ def test_concurrent_clients_get_their_solo_tokens_from_a_batching_server(local_s
     path = make_checkpoint(tmp_path / "batching", tiny_config(), seed=21)
     local = DiffusionLM.from_pretrained(path)
     solo = [local.generate(prompt, **FAST, **options).token_ids for prompt, options in REQUESTS]
-    server = local_swarm.start_server(str(path), "0:4", "--head", "--compute-threads", "1", "--batching")
+    server = local_swarm.start_server(str(path), "0:4", "--head", "--compute-threads", "1")  # batching by default
     clients = [swarm_client(local_swarm, path) for _ in REQUESTS]
     try:
         with ThreadPoolExecutor(len(clients)) as pool:  # each connected and challenged before they start together
@@ -41,10 +42,34 @@ def test_concurrent_clients_get_their_solo_tokens_from_a_batching_server(local_s
         for index, tokens in enumerate(runs):
             assert all(run_tokens == solo[index] for run_tokens in tokens), f"client {index} got other tokens"
         info, _ = clients[0].loop.run(clients[0].caller.info(server.peer_id, 10))
+        assert info["batching"] is True and info["batch_invariance"]["batch_invariant"] is True
+        assert clients[0].planner.servers[server.peer_id].batch_invariant is True
+        batching = clients[0].generate(REQUESTS[0][0], **FAST, **REQUESTS[0][1]).info["settings"]["batching"]
+        assert batching == {"states_per_call": 4, "chosen_by": "scale", "batch_invariant": True,
+                            "why": "every usable server (1) announces batch-invariant passes"}
         scheduler = info["admission"]["span"]["scheduler"]
         assert scheduler["queued"] == 0 and info["admission"]["span"]["in_flight"] == 0
         print(f"\nmerged passes: {scheduler['batches']}, requests in them: {scheduler['batched_requests']}")
     finally:
         for lm in clients:
             lm.shutdown()
+        stop_all(local_swarm, [server])
+
+
+def test_a_server_without_invariant_passes_says_so_and_auto_batches_no_states_through_it(local_swarm, tmp_path):
+    path = make_checkpoint(tmp_path / "varying", tiny_config(), seed=22)
+    expected = DiffusionLM.from_pretrained(path).generate(REQUESTS[0][0], **FAST, temperature=0.0).token_ids
+    server = local_swarm.start_server(str(path), "0:4", "--head", "--compute-threads", "1", "--no-batch-invariant")
+    try:
+        with swarm_client(local_swarm, path) as lm:
+            wait_seen(lm, [server])
+            assert lm.planner.servers[server.peer_id].batch_invariant is False
+            info, _ = lm.loop.run(lm.caller.info(server.peer_id, 10))
+            assert info["batching"] is False and "SWARM_BATCH_INVARIANT=0" in info["batch_invariance"]["why"]
+            result = lm.generate(REQUESTS[0][0], **FAST, temperature=0.0)  # scale="auto": drafts only if invariant
+            batching = result.info["settings"]["batching"]
+            assert batching["states_per_call"] == 1 and batching["batch_invariant"] is False
+            assert server.peer_id[-8:] in batching["why"] and batching["why"].startswith("scale=auto batches no")
+            assert result.token_ids == expected
+    finally:
         stop_all(local_swarm, [server])

@@ -135,10 +135,11 @@ def test_a_caller_that_stopped_waiting_before_its_pass_started_is_never_computed
     assert server.queue.in_flight == 0 and server.queue.abandoned == 1
 
 
-def test_servers_do_not_batch_unless_told_to():
-    """Until the model's passes are batch-invariant a merged row can differ in its last bits from its solo pass
-    (docs/ARCHITECTURE.md, "Server"), so batching across clients is the operator's choice (--batching)."""
+def test_servers_batch_by_default_where_the_passes_are_batch_invariant():
+    """A merged row is bitwise its solo pass once the passes are batch-invariant (swarm.models.invariance), so
+    servers batch by default: where the check on their device fails they do not (swarm/server/server.py), and
+    --no-batching is the operator's way out."""
     from swarm.server.config import ServerConfig
 
-    assert ServerConfig().batching is False
+    assert ServerConfig().batching is True and ServerConfig().batch_invariant is True
     assert backend(batching=False).queue.merge is None and backend().queue.merge is not None

@@ -27,7 +27,7 @@ from swarm.client.sequence import RemoteSequence
 from swarm.dht.compatibility import CompatibilityTag
 from swarm.dht.node import start_dht, stop_dht
 from swarm.dht.peers import require_initial_peers
-from swarm.dht.schema import default_prefix, protected_keys
+from swarm.dht.schema import ServerState, default_prefix, protected_keys
 from swarm.diffusion.config import GenerationConfig
 from swarm.diffusion.pipeline import CacheDirective, Forward, check_head_rows, rows_to_score
 from swarm.diffusion.prediction import HeadQuery, Predictions
@@ -39,13 +39,14 @@ from swarm.governance.audit import AuditLog
 from swarm.governance.guard import GovernanceGuard
 from swarm.governance.keys import trusted_signers
 from swarm.governance.tiers import TierRules
+from swarm.models.invariance import DeviceInvariance, check_module
 from swarm.models.loading import DEFAULT_MODEL, ModelFiles
 from swarm.models.modules import OutputHead
 from swarm.reports.adoption import choose
 from swarm.reports.records import BEST, AuditBook, trusted_auditors
 from swarm.utils.event_loop import BackgroundLoop
 from swarm.utils.settings import replaced
-from swarm.utils.text import plural
+from swarm.utils.text import listed, plural
 from swarm.utils.threads import use_threads
 from swarm.weights.source import SwarmWeights
 from swarm.weights.trust import PublisherTrust
@@ -157,6 +158,26 @@ class DistributedDiffusionLM(BaseDiffusionLM):
             with torch.inference_mode(False):  # first needed inside a denoiser call: fine-tuning needs normal tensors
                 self._head = self.files.head(self.client_config.dtype)
         return self._head
+
+    def batch_invariance(self) -> DeviceInvariance:
+        """Batch-invariant only if every server a route may use says its passes are, and this client's own head
+        (when no usable server holds one) is too: a state's numbers then do not depend on what shares its call."""
+        if not self.planner.servers:
+            self.planner.refresh()
+        excluded = self.planner.excluded()
+        usable = {peer: record for peer, record in self.planner.servers.items()
+                  if record.state == ServerState.ONLINE and peer not in excluded}
+        if not usable:
+            return DeviceInvariance(False, "no usable server is known yet")
+        varying = sorted(peer for peer, record in usable.items() if not record.batch_invariant)
+        if varying:
+            return DeviceInvariance(False, f"{listed('server', [peer[-8:] for peer in varying])} "
+                                           "announce passes that are not batch-invariant")
+        if not any(record.head for record in usable.values()):
+            own = check_module(self.head)
+            if not own.exact:
+                return DeviceInvariance(False, f"this client's head: {own.why}")
+        return DeviceInvariance(True, f"every usable server ({len(usable)}) announces batch-invariant passes")
 
     def backbone(self) -> SwarmBackbone:
         return SwarmBackbone(self.config, self.sequence, self.embedding, self.head, self.compute_dtype)

@@ -74,6 +74,10 @@ class ServerRecord:
     # server that predates it: it may treat any per-block tensor as a deep prompt (a bottleneck's weights added to
     # the first rows: wrong numbers, no error), so clients send per-block adapters only to servers that list them.
     adapter_kinds: list[str] = field(default_factory=list)
+    # Its passes are batch-invariant (``swarm.models.invariance.check_module`` held on its device): batching states
+    # in one call, or other clients' rows with them, changes no token. A record without the field says no, so
+    # clients at scale="auto" batch no states through it.
+    batch_invariant: bool = False
 
     @property
     def approximate(self) -> bool:
@@ -103,6 +107,7 @@ class ServerRecord:
                 numerics=fields.text(value.get("numerics", "exact"), MAX_NUMERICS_CHARS),
                 addresses=_addresses(value.get("addresses", [])), head=value.get("head", False) is True,
                 adapter_kinds=fields.texts(value.get("adapter_kinds", []), MAX_ADAPTER_KINDS, MAX_NAME_CHARS),
+                batch_invariant=value.get("batch_invariant", False) is True,
             )
             if not record.start < record.end:
                 raise ValueError(f"bad span {record.start}:{record.end}")

@@ -31,6 +31,7 @@ from swarm.diffusion.sampler import DiffusionSampler, Halted, WindowStats
 from swarm.frontend.request import GenerationRequest
 from swarm.frontend.scale import ScalePlan, plan_scale
 from swarm.models.config import ModelConfig
+from swarm.models.invariance import DeviceInvariance, check_module
 from swarm.models.modules import HeadLoRA
 from swarm.models.tokenizer import MASK_PLACEHOLDER, Tokenizer
 from swarm.utils.text import listed
@@ -145,13 +146,14 @@ def make_generation_config(
 
 def check_request(limits: GenerationLimits, sampling_defaults: Mapping[str, Any], remote: bool,
                   prompt_ids: Optional[Sequence[int]], options: GenerationRequest,
-                  settings: dict[str, Any]) -> CheckedRequest:
+                  settings: dict[str, Any],
+                  invariance: Optional[Callable[[], DeviceInvariance]] = None) -> CheckedRequest:
     """Check one request against its bounds and a model's ``limits`` (:meth:`BaseDiffusionLM.check_request`); also
     usable before the model is loaded or a swarm joined (``python -m swarm.generate`` checks its flags so)."""
     expert_count = options.check()
     settings = take_synonyms(settings)
     plan = plan_scale(options.scale, settings, remote=remote, experts=options.experts,
-                      correctors=options.corrector_steps)
+                      correctors=options.corrector_steps, invariance=invariance)
     if plan.experts is not None:
         options = dataclasses.replace(options, experts=plan.experts)
     if options.experts == "auto":
@@ -331,7 +333,13 @@ class BaseDiffusionLM(ABC):
 
     def _check(self, prompt_ids: Optional[Sequence[int]], options: GenerationRequest,
                settings: dict[str, Any]) -> CheckedRequest:
-        return check_request(self.limits, self.sampling_defaults, self.remote, prompt_ids, options, settings)
+        return check_request(self.limits, self.sampling_defaults, self.remote, prompt_ids, options, settings,
+                             self.batch_invariance)
+
+    def batch_invariance(self) -> DeviceInvariance:
+        """Whether this model's passes are batch-invariant (batched states give the sequential run's tokens), and
+        why: the scale batches states only where they are (``info["settings"]["batching"]``)."""
+        return check_module(getattr(self, "model", None))
 
     # ----- prompts ----------------------------------------------------------------------------------
     def encode_prompt(self, prompt: str | Sequence[int], chat: bool = False) -> list[int]:
@@ -446,6 +454,7 @@ class BaseDiffusionLM(ABC):
                 denoiser.close()
             result = self._result(prompt_ids, state, sampler, time.perf_counter() - started, composition, telemetry)
             result.info["settings"] = dataclasses.asdict(generation)  # the values used: model defaults, drawn seed
+            result.info["settings"]["batching"] = plan.batching_info(generation.states_per_call)
             result.info["staleness"] = {"steps": generation.staleness, "check": generation.stale_check,
                                         "guessed": sampler.stats.guessed, "overturned": sampler.stats.overturned}
             result.info["cache"] = {"mode": generation.cache, "fills": denoiser.policy.fills,

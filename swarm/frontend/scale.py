@@ -18,7 +18,10 @@ stateless denoiser). Windows and drafts the scale chose shrink to what the reque
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
+
+if TYPE_CHECKING:  # the answer's type only: command lines plan before torch is imported
+    from swarm.models.invariance import DeviceInvariance
 
 SCALES = ("local", "auto", "max")
 
@@ -29,6 +32,9 @@ class ScalePlan:
     spot_check_fraction: float  # a floor; tiers and client settings may ask for more
     settings: Mapping[str, Any] = field(default_factory=dict)  # generation settings the scale chose
     experts: Any = None  # experts the scale chose ("auto"), when the caller asked for none
+    # Whether the passes that would compute batched states are batch-invariant, when the scale asked (it batches
+    # states only where they are: elsewhere a batched row could change a token at a near-tie)
+    invariance: Optional["DeviceInvariance"] = None
 
     @property
     def filled(self) -> tuple[str, ...]:
@@ -37,6 +43,18 @@ class ScalePlan:
 
     def info(self) -> dict[str, Any]:
         return {"scale": self.scale}
+
+    def batching_info(self, states_per_call: int) -> dict[str, Any]:
+        """What ``info["settings"]["batching"]`` says: the states per call, who chose them, and whether (and why)
+        batched states give the sequential run's tokens here."""
+        chosen_by = "scale" if {"parallel_window", "draft_steps"} & set(self.settings) else (
+            "caller" if states_per_call > 1 else "none")
+        info: dict[str, Any] = {"states_per_call": states_per_call, "chosen_by": chosen_by}
+        if self.invariance is not None:
+            info.update(self.invariance.to_json())
+            if not self.invariance.exact and chosen_by != "caller":
+                info["why"] = f"scale={self.scale} batches no states here: {self.invariance.why}"
+        return info
 
 
 BATCHED_STATES = {"auto": 4, "max": 8}  # states per call the scale asks for (the memory bound may shrink them)
@@ -57,13 +75,14 @@ def check_scale(scale: str) -> str:
 
 
 def plan_scale(scale: str, settings: Mapping[str, Any], remote: bool, experts: Any = None,
-               correctors: int = 0) -> ScalePlan:
+               correctors: int = 0, invariance: Optional[Callable[[], "DeviceInvariance"]] = None) -> ScalePlan:
     """The plan for one request: the generation settings and experts the scale chooses, and its spot checks.
 
     ``settings`` (the caller's generation settings) and ``experts`` (the caller's) are read, never changed;
     the plan holds what the scale fills in. Picard windows only pay off when each denoiser call is a network
     round trip (``remote``); ``correctors`` (the request's ``corrector_steps``) make calls of their own in every
-    step, so the scale batches no states for them.
+    step, so the scale batches no states for them. ``invariance`` says whether the passes are batch-invariant (asked
+    only when the scale would batch states, or the caller did): where they are not, the scale batches none.
     """
     check_scale(scale)
     if scale == "local":
@@ -71,7 +90,10 @@ def plan_scale(scale: str, settings: Mapping[str, Any], remote: bool, experts: A
     chosen: dict[str, Any] = {}
     exact = settings.get("staleness", 0) == 0 and settings.get("cache", "none") == "none"  # windows need exactness
     batched = "parallel_window" in settings or "draft_steps" in settings  # the caller chose how calls batch
-    if remote and exact and not batched and not correctors:
+    found = None
+    if invariance is not None and (batched or (remote and exact and not correctors)):
+        found = invariance()
+    if remote and exact and not batched and not correctors and (found is None or found.exact):
         chosen.update(batching(settings.get("remasking"), scale))
     auto_experts = "auto" if scale == "max" and experts is None else None
-    return ScalePlan(scale, 1.0 if scale == "max" else 0.0, chosen, auto_experts)
+    return ScalePlan(scale, 1.0 if scale == "max" else 0.0, chosen, auto_experts, found)

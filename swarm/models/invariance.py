@@ -26,7 +26,7 @@ import contextlib
 import os
 import threading
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.nn.functional as F
@@ -51,6 +51,12 @@ _state = threading.local()
 
 def current() -> BatchInvariance:
     return getattr(_state, "setting", DEFAULT)
+
+
+def turn_off() -> None:
+    """Invariance off for this whole process, every thread (a server's ``--no-batch-invariant``)."""
+    global DEFAULT
+    DEFAULT = BatchInvariance(enabled=False)
 
 
 @contextlib.contextmanager
@@ -101,3 +107,85 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding: Op
         out[i, :, queries] = F.scaled_dot_product_attention(
             q[i:i + 1, :, queries], k[i:i + 1, :, keys], v[i:i + 1, :, keys], is_causal=False)[0]
     return out
+
+
+# ----- whether it holds here -------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class DeviceInvariance:
+    """Whether this process's passes are batch-invariant, so that batching states (Picard windows, drafts, cfg) or
+    other clients' rows changes no token; ``why`` says how that was found (results and server records carry it)."""
+
+    exact: bool
+    why: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"batch_invariant": self.exact, "why": self.why}
+
+
+Product = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+_checked: dict[tuple, Optional[str]] = {}  # (shape, dtype, device, tile) -> why it failed, None if it held
+_checked_lock = threading.Lock()
+
+
+def tile_failure(weight: torch.Tensor, product: Product = F.linear) -> Optional[str]:
+    """Why a row of a tile's product with ``weight`` is not the same number at every place of the tile (with other
+    rows around it, or zeros as in a padded last tile), on the weight's device and dtype; None when it is.
+
+    The tiles make every product one shape per weight, so the kernel's choices are the same for every call; what
+    remains to hold is that a row's result does not depend on its place in the tile or on its neighbours. That is a
+    property of the device's kernel, checked here with the weight itself (kernels choose by shape and dtype)."""
+    rows = current().rows_per_tile
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, weight.shape[1], generator=generator).to(device=weight.device, dtype=weight.dtype)
+    with torch.inference_mode():
+        alone = product(x, weight)
+        for shift in (1, rows // 2 + 1):
+            if not torch.equal(product(x.roll(shift, 0), weight).roll(-shift, 0), alone):
+                return (f"a {weight.dtype} product with a {tuple(weight.shape)} weight on {weight.device} gives a row "
+                        "other numbers at another place of its tile")
+        padded = torch.zeros_like(x)
+        padded[0] = x[0]
+        if not torch.equal(product(padded, weight)[0], alone[0]):
+            return (f"a {weight.dtype} product with a {tuple(weight.shape)} weight on {weight.device} gives a row "
+                    "other numbers beside padding than beside other rows")
+    return None
+
+
+def product_weights(module: torch.nn.Module) -> Iterator[torch.Tensor]:
+    """One weight of each shape, dtype and device among the module's products (``nn.Linear`` and int8 layers, whose
+    weight is converted to the activations' dtype before the product)."""
+    seen: set[tuple] = set()
+    for child in module.modules():
+        if isinstance(child, torch.nn.Linear):
+            weight = child.weight
+            dtype = weight.dtype
+        elif hasattr(child, "weight_int8") and hasattr(child, "scale"):
+            weight, dtype = child.weight_int8, child.scale.dtype
+        else:
+            continue
+        key = (tuple(weight.shape), dtype, weight.device)
+        if key not in seen:
+            seen.add(key)
+            yield weight.detach() if weight.dtype == dtype else weight.detach().to(dtype)
+
+
+def check_module(module: Optional[torch.nn.Module], product: Product = F.linear) -> DeviceInvariance:
+    """Whether ``module``'s passes are batch-invariant on its device: the setting is on and every product shape
+    holds :func:`tile_failure`'s property (checked once per shape, dtype and device in a process). Attention (per
+    state, at the state's own shape) and the norms (per row) hold by construction."""
+    if not current().enabled:
+        return DeviceInvariance(False, "batch invariance is off in this process (SWARM_BATCH_INVARIANT=0): a row "
+                                       "may change with what shares its call")
+    checked: list[str] = []
+    for weight in (product_weights(module) if module is not None else ()):
+        key = (tuple(weight.shape), weight.dtype, str(weight.device), current().rows_per_tile, product)
+        with _checked_lock:
+            if key not in _checked:
+                _checked[key] = tile_failure(weight, product)
+            failure = _checked[key]
+        if failure is not None:
+            return DeviceInvariance(False, failure)
+        checked.append(f"{weight.dtype}".replace("torch.", "") + f" on {weight.device}")
+    where = ", ".join(sorted(set(checked))) or "no product"
+    return DeviceInvariance(True, f"every product runs in tiles of {current().rows_per_tile} rows, each row checked "
+                                  f"to be the same at every place of its tile ({where}); attention runs per state")

@@ -72,12 +72,19 @@ class ServerConfig:
               "id) must have used this server before it is scheduled as an identity of its own (until then every "
               "new id shares one newcomers' turn).", low=1.0, high=86400.0)
     batching: bool = setting(
-        False, "Compute waiting requests of several clients together: stateless forward calls of the same blocks and "
-               "length that queued while the compute was busy run as one pass (up to --max-batch-tokens positions), "
-               "in fair order; nothing waits for a batch to fill. Off by default: until the model's passes are "
-               "batch-invariant a merged row can differ in its last bits from its solo pass (measured: float32 calls "
-               "under 16 positions, and bfloat16), so a client's tokens could change at near-ties.",
+        True, "Compute waiting requests of several clients together: stateless forward calls of the same blocks and "
+              "length that queued while the compute was busy run as one pass (up to --max-batch-tokens positions), "
+              "in fair order; nothing waits for a batch to fill. Only where this server's passes are batch-invariant "
+              "(checked at start on its device and announced: a merged row is then bitwise its solo pass, so no "
+              "client's tokens change); elsewhere it stays off with a warning.",
         flags=("--batching",))
+    batch_invariant: bool = setting(
+        True, "Run every pass batch-invariant (fixed tiles of rows, attention per state), so a row's numbers do not "
+              "depend on what shares its call: clients batch states through this server (Picard windows, drafts) "
+              "and --batching merges clients only where it is. Off (--no-batch-invariant, or SWARM_BATCH_INVARIANT=0) "
+              "saves what calls of several states cost (measured up to 1.8x on CPU) and announces that batched "
+              "states may change a token at a near-tie, so clients at scale=auto batch none here.",
+        flags=("--batch-invariant",))
     max_pending_pushes: int = setting(
         32, "Pushed outputs (client option push=True) computed and not yet taken by the next server or the client; a "
             "pushed request beyond it is refused as busy before compute.", low=1)

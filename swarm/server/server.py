@@ -29,7 +29,9 @@ from swarm.dht.schema import (
 )
 from swarm.governance.guard import GovernanceGuard
 from swarm.governance.keys import trusted_signers
+from swarm.models import invariance
 from swarm.models.checkpoint import parse_dtype
+from swarm.models.invariance import DeviceInvariance, check_module
 from swarm.models.loading import EXACT, ModelFiles, numerics, resolve_device
 from swarm.models.modules import OutputHead
 from swarm.models.quantization import quantize_span_int8
@@ -101,6 +103,9 @@ class Server:
         self.start: Optional[int] = None
         self.end: Optional[int] = None
         self.numerics = EXACT  # what differs from the checkpoint's numerics, announced in the record
+        self.invariance = DeviceInvariance(False, "no blocks loaded")  # whether batching changes no row, announced
+        if not config.batch_invariant:
+            invariance.turn_off()
         self.addresses: list[str] = []  # where this server listens, announced once it serves
         self.usage = UsageLedger(config.max_share_per_caller, config.share_window)  # per caller: its compute here
         self.backend = self._load_span() if self.hosts_blocks else None
@@ -139,11 +144,16 @@ class Server:
             span = quantize_span_int8(span)
         self.span = span.to(self.config.device)
         self.throughput = self._throughput(lambda: measure_throughput(self.span, self.config.device))
+        head = self._load_head(dtype)
+        self.invariance = check_module(torch.nn.ModuleList([self.span, *([head] if head is not None else [])]))
+        logger.info("batch-invariant passes: %s (%s)", "yes" if self.invariance.exact else "no", self.invariance.why)
+        batching = self.config.batching and self.invariance.exact
+        if self.config.batching and not batching:  # merged rows could change a client's tokens at a near-tie
+            logger.warning("not batching clients' requests together: %s", self.invariance.why)
         return SpanBackend(self.span, self.config.max_concurrent_requests, self.config.device,
                            max_queued_tokens=self.config.max_queued_tokens, peer_share=self.config.peer_share,
-                           head=self._load_head(dtype), streams=StreamLimits.of(self.config),
-                           scheduler=self._scheduler(), batching=self.config.batching,
-                           max_batch_tokens=self.config.max_batch_tokens)
+                           head=head, streams=StreamLimits.of(self.config), scheduler=self._scheduler(),
+                           batching=batching, max_batch_tokens=self.config.max_batch_tokens)
 
     def _scheduler(self) -> FairScheduler:
         """Fair by identity: an id is established after --share-window seconds of use; over its share, served last."""
@@ -219,6 +229,7 @@ class Server:
             experts=sorted(self.experts),
             numerics=self.numerics, addresses=self.addresses, head=self.backend is not None and
             self.backend.head is not None, adapter_kinds=list(PER_BLOCK_KINDS),
+            batch_invariant=self.invariance.exact,
         )
 
     def cache_tokens_left(self) -> int:
@@ -237,7 +248,8 @@ class Server:
                 "experts": sorted(self.experts),
                 "state": int(self.state), "version": __version__, "hidden_size": self.model_config.hidden_size,
                 "num_layers": self.model_config.num_layers, "wire_dtype": self.config.wire_dtype,
-                "numerics": self.numerics,
+                "numerics": self.numerics, "batch_invariance": self.invariance.to_json(),
+                "batching": self.backend is not None and self.backend.queue.merge is not None,
                 "requests_served": self.handler.requests_served, "requests_failed": self.handler.requests_failed,
                 "rows_computed": self.handler.rows_computed, "compute_seconds": self.handler.compute_seconds,
                 "cache": self.handler.caches.info() if self.handler.caches else None,

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hivemind.utils import MSGPackSerializer
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from swarm.adapters.sharing import author_id
@@ -256,6 +256,8 @@ def test_a_name_resolves_only_to_a_record_of_a_trusted_or_named_publisher(record
 
 @FUZZ
 @given(texts=st.lists(st.text(max_size=60), max_size=4))
+@example(texts=["~0"])  # found by this test: a home directory of no user made expanduser raise RuntimeError
+@example(texts=["a\x00b", "x" * 60])
 def test_trusted_publishers_are_keys_none_or_a_clear_error(texts, tmp_path_factory):
     try:
         trust = PublisherTrust.of(texts, governance_keys=[PUBLISHERS[0]])

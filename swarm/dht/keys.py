@@ -31,6 +31,7 @@ from typing import Any, Iterable, Optional
 
 from swarm.dht.config import MAX_AUDIT_LIFETIME, MAX_OWNED_LIFETIME
 from swarm.dht.validation import ENTRY_OVERHEAD_BYTES, MAX_KEY_BYTES, OWNED, SLOT, KeyPolicy
+from swarm.utils.errors import SwarmError
 
 # What a part of a key may be. Prefixes hold no dot, so ``{prefix}.`` always ends where the family's text begins.
 PARTS: dict[str, str] = {
@@ -53,7 +54,7 @@ NAME_LIFETIME = 31 * DAY  # published names live 30 days (swarm.weights.limits, 
 DECISION_LIFETIME = 31 * DAY  # a governance decision is stored for 30 days (swarm.governance.records)
 
 
-class KeyPartError(ValueError):
+class KeyPartError(SwarmError, ValueError):
     """A key part that does not fit its family (a prefix with a dot, a name too long...)."""
 
 

@@ -58,8 +58,12 @@ def public_key_text(key: Ed25519PrivateKey | Ed25519PublicKey) -> str:
 
 def parse_public_key(text: str) -> Ed25519PublicKey:
     """A base64 public key, or a path to a file holding one."""
-    candidate = Path(text).expanduser()
-    if candidate.is_file():
+    try:
+        candidate = Path(text).expanduser()
+        is_file = candidate.is_file()
+    except (RuntimeError, OSError, ValueError):  # "~nobody" (no such user's home), a name too long, a NUL byte
+        is_file = False
+    if is_file:
         text = candidate.read_text().strip()
     try:
         return ed25519_public_key(text)

@@ -49,13 +49,15 @@ def scores(span, head, hidden, mask):
 @pytest.mark.unit
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_one_state_equals_its_row_in_any_batch(wide_parts, dtype):
-    """A state alone, then at every place in batches of 1-8 states of other lengths: the same logits, bit for bit."""
+    """A state alone, then in batches of 2, 5 and 8 states of other lengths (each state at two places at least, beside
+    shorter and longer ones): the same logits, bit for bit. (Batch sizes 1-8 each were tested once; three sizes
+    keep the 8B-width passes of three dtypes affordable in every run.)"""
     span, head = (part.to(dtype) for part in wide_parts)
     generator = torch.Generator().manual_seed(1)
     states = [torch.randn(n, WIDE.hidden_size, generator=generator).to(dtype) for n in LENGTHS]
     with torch.no_grad():
         alone = [scores(span, head, *batched([s]))[0] for s in states]
-        for size in range(1, 9):
+        for size in (2, 5, 8):  # 8: every state at some place among all others; 5 and 2: other neighbours, places
             picked = states[:size] if size % 2 else states[-size:]
             hidden, mask = batched(picked)
             out = scores(span, head, hidden, mask)
@@ -71,7 +73,8 @@ def test_one_state_equals_its_row_in_any_batch(wide_parts, dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_a_row_is_the_same_at_every_place_of_a_tile(dtype):
     """The construction's premise, tested instead of believed: inside one tile a row's product does not depend on
-    its place or on the other rows, for each weight shape of a block and the head."""
+    its place or on the other rows, for each weight shape of a block and the head (the tile's edges and middle:
+    every place was tested once; a server checks more rows at start, ``invariance.check_module``)."""
     tile = invariance.current().rows_per_tile
     generator = torch.Generator().manual_seed(2)
     with torch.no_grad():
@@ -79,7 +82,7 @@ def test_a_row_is_the_same_at_every_place_of_a_tile(dtype):
             weight = (torch.randn(out_features, in_features, generator=generator) * 0.02).to(dtype)
             rows = torch.randn(2 * tile, in_features, generator=generator).to(dtype)
             alone = invariance.linear(rows[:1], weight)
-            for place in range(tile):
+            for place in sorted({0, 1, 2, tile // 2 - 1, tile // 2, tile - 2, tile - 1}):  # edges and middle
                 neighbours = torch.cat([rows[1:1 + place], rows[:1], rows[1 + place:tile]])
                 assert torch.equal(invariance.linear(neighbours, weight)[place], alone[0]), (dtype, place)
 
@@ -123,19 +126,23 @@ def test_batching_modes_give_the_sequential_tokens_at_8b_widths(wide_models, dty
     from hypothesis import strategies as st
 
     lm = wide_models[dtype]
+    # float32 passes at these widths (a 2 GB head read per tile) cost 5-10x bfloat16's: there, the issue's draw and
+    # one drawn example; bfloat16, the dtype the issue is about, three drawn examples and a window with guidance too
+    drawn = 3 if dtype == "bfloat16" else 1
 
-    @settings(max_examples=3, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+    @settings(max_examples=drawn, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
     @given(words=st.lists(st.sampled_from(WORDS), min_size=1, max_size=6), length=st.sampled_from((4, 8)),
            seed=st.integers(0, 2**16), mode=st.one_of(st.builds(lambda w: {"parallel_window": w}, st.integers(2, 8)),
                                                       st.builds(lambda d: {"draft_steps": d}, st.integers(1, 3))),
            cfg=st.sampled_from((0.0, 1.5)))
     @example(words=["w1", "w2", "w3", "w4"], length=8, seed=0, mode={"draft_steps": 2}, cfg=0.0)  # the issue's
-    @example(words=["w1", "w2", "w3", "w4"], length=8, seed=0, mode={"parallel_window": 4}, cfg=1.5)
     def check(words, length, seed, mode, cfg):
         common = dict(gen_length=length, steps=length, block_length=length, seed=seed, cfg_scale=cfg)
         prompt = " ".join(words)
         assert lm.generate(prompt, **common, **mode).token_ids == lm.generate(prompt, **common).token_ids
 
+    if dtype == "bfloat16":
+        check = example(words=["w1", "w2", "w3", "w4"], length=8, seed=0, mode={"parallel_window": 4}, cfg=1.5)(check)
     check()
 
 

@@ -35,7 +35,15 @@ from swarm.dht.node import NetworkConfig, start_dht, stop_dht, visible_maddrs
 from swarm.dht.schema import audit_key, forget_local_copies, now, protected_keys
 from swarm.dht.validation import ed25519_text, sign_slot, slot_subkey
 from swarm.reports.records import AuditReport, publish_report, read_report
-from swarm.weights.records import HostRecord, PublishedModel, WeightsError, declare_host, hosts_key, name_key
+from swarm.weights.records import (
+    READ_BACK_SECONDS,
+    HostRecord,
+    PublishedModel,
+    WeightsError,
+    declare_host,
+    hosts_key,
+    name_key,
+)
 from swarm.weights.records import publish as publish_name
 from swarm.weights.records import read_hosts as read_weight_hosts
 from swarm.weights.records import read_published as read_names
@@ -153,9 +161,16 @@ class Family:
     found: Callable[[Network, str], bool]  # whether the reader finds the honest record
 
 
-def publish_weights_name(network: Network, name: str, key: Ed25519PrivateKey = None) -> None:
+# A publish expected to fail gives up after this (the default, 20 s, is for a peer that has just joined; here every
+# peer is up and the refusal is final, so the later read-backs would only repeat the first)
+REFUSED_READ_BACK_SECONDS = 3.0
+
+
+def publish_weights_name(network: Network, name: str, key: Ed25519PrivateKey = None,
+                         read_back_seconds: float = READ_BACK_SECONDS) -> None:
     record = PublishedModel(name, SHA, 1000, 2000, time.time())
-    publish_name(network.writer, key or Ed25519PrivateKey.generate(), record)  # raises unless read back
+    publish_name(network.writer, key or Ed25519PrivateKey.generate(), record,  # raises unless read back
+                 read_back_seconds=read_back_seconds)
 
 
 def weights_name_found(network: Network, name: str) -> bool:
@@ -248,7 +263,7 @@ def test_a_name_publish_that_no_other_peer_reads_back_fails():
         with attacker(others) as flooder:
             assert hide(flooder, name_key(name), others.storing_peers, regular=True) == [True] * 3
         with pytest.raises(WeightsError, match="it is not readable, so it is not published"):
-            publish_weights_name(others, name)
+            publish_weights_name(others, name, read_back_seconds=REFUSED_READ_BACK_SECONDS)
         forget_local_copies(others.reader, [name_key(name)])
         assert not weights_name_found(others, name)
     finally:
@@ -281,7 +296,7 @@ def test_fresh_keys_filling_a_name_leave_room_for_a_trusted_publisher(tmp_path):
         assert taken == [WEIGHTS_NAME.max_subkeys] * 3, taken
         # the limit: an untrusted name is full
         with pytest.raises(WeightsError, match="it is not readable, so it is not published"):
-            publish_weights_name(network, name)
+            publish_weights_name(network, name, read_back_seconds=REFUSED_READ_BACK_SECONDS)
         publish_weights_name(network, name, trusted)
         found = read_names(network.reader, name)
         assert any(r.publisher == ed25519_text(trusted) and r.model_id == SHA for r in found)

@@ -168,10 +168,14 @@ def report_paths(paths: dict[str, list[str]], servers: dict[str, dict]) -> dict[
     return kinds
 
 
-def read_health(lab: NetLab, prefix: str) -> dict:
+def start_health(lab: NetLab, prefix: str) -> subprocess.Popen:
+    """``python -m swarm.health --json`` on the client's machine; :func:`read_health` reads what it printed."""
     peers = [arg for peer in lab.initial_peers for arg in ("--initial-peers", peer)]
-    shown = lab.popen("client1", ["-m", "swarm.health", *peers, "--dht-prefix", prefix, "--num-blocks", "16",
-                                  "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return lab.popen("client1", ["-m", "swarm.health", *peers, "--dht-prefix", prefix, "--num-blocks", "16",
+                                 "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def read_health(shown: subprocess.Popen) -> dict:
     out, err = shown.communicate(timeout=60)
     assert shown.returncode == 0, err[-2000:]
     return json.loads(out)
@@ -258,6 +262,7 @@ def test_client_behind_nat_generates_through_two_natted_servers(lab, local_token
     servers = natted_pair
     began = time.monotonic()
     client = lab.start_client("client1", *client_args("nat-serve"))
+    health = start_health(lab, "nat-serve")  # beside the client: the servers announced their addresses when ready
     print(f"[nat] client joined the DHT in {client.wait_for('JOINED', 60)['seconds']:.1f} s")
     result = client.wait_for("RESULT", 90)
     print(f"[nat] first generation done {time.monotonic() - began:.1f} s after the client started")
@@ -265,7 +270,7 @@ def test_client_behind_nat_generates_through_two_natted_servers(lab, local_token
     assert {hop["peer_id"] for hop in result["route"]} == set(servers)
     kinds = report_paths(result["paths"], servers)
     assert set(kinds.values()) <= {"direct", "relayed"}, kinds  # the client holds a connection to each hop
-    health = {s["peer_id"]: s for s in read_health(lab, "nat-serve")["servers"]}
+    health = {s["peer_id"]: s for s in read_health(health)["servers"]}
     for peer_id in servers:  # what `python -m swarm.health` shows: behind NAT, reached through relays
         assert health[peer_id]["reachability"] == RELAY, health[peer_id]["addresses"]
 

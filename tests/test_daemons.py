@@ -100,22 +100,21 @@ def swarm(request):
         yield local
 
 
-@pytest.mark.parametrize("role", ["dht", "server"])
-def test_kill_9_of_a_process_takes_its_daemons_and_frees_its_port(swarm, tiny_model_path, role):
-    """SIGKILL of the main process alone (not its group, unlike LocalSwarm.terminate)."""
-    if role == "dht":
-        managed = swarm.start_bootstrap()
-    else:
-        swarm.start_bootstrap()
-        managed = swarm.start_server(str(tiny_model_path), "0:4", "--threads", "1")
-    port = port_of(managed.maddrs)
-    dht_process, p2pd = daemons_of(managed.process.pid)
-    os.kill(managed.process.pid, signal.SIGKILL)
-    elapsed = wait_gone([dht_process, p2pd])
-    # The port is freed when p2pd's last thread has exited, which can follow its main thread's zombie state by a
-    # moment (its sockets belong to the whole thread group): wait for that event, within the same bound.
-    assert wait_until(lambda: port_is_free(port), timeout=GONE_WITHIN_S, interval=0.02), f"port {port} still in use"
-    print(f"{role}: DHT process and p2pd gone {elapsed:.2f} s after kill -9 of the main process")
+def test_kill_9_of_a_process_takes_its_daemons_and_frees_its_port(swarm, tiny_model_path):
+    """SIGKILL of the main process alone (not its group, unlike LocalSwarm.terminate): of a server, then of the
+    bootstrap DHT peer it joined (one swarm for both roles: each kill is checked on its own)."""
+    bootstrap = swarm.start_bootstrap()
+    server = swarm.start_server(str(tiny_model_path), "0:4", "--threads", "1")
+    for role, managed in (("server", server), ("dht", bootstrap)):
+        port = port_of(managed.maddrs)
+        dht_process, p2pd = daemons_of(managed.process.pid)
+        os.kill(managed.process.pid, signal.SIGKILL)
+        elapsed = wait_gone([dht_process, p2pd])
+        # The port is freed when p2pd's last thread has exited, which can follow its main thread's zombie state by
+        # a moment (its sockets belong to the whole thread group): wait for that event, within the same bound.
+        assert wait_until(lambda: port_is_free(port), timeout=GONE_WITHIN_S, interval=0.02), \
+            f"{role}: port {port} still in use"
+        print(f"{role}: DHT process and p2pd gone {elapsed:.2f} s after kill -9 of the main process")
 
 
 def port_is_free(port: int) -> bool:

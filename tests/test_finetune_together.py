@@ -42,12 +42,12 @@ def pairs(tmp_path) -> str:
 
 
 def start_peer(swarm: LocalSwarm, model: Path, data: str, output: Path, steps: int,
-               run_id: str = "pytest-together") -> ManagedProcess:
+               run_id: str = "pytest-together", *extra: str) -> ManagedProcess:
     args = ["-m", "swarm.finetune", "--model", str(model), "--data", data, "--output", str(output),
             "--steps", str(steps), "--batch-size", str(BATCH), "--target-batch-size", str(TARGET),
             "--prompt-length", "4", "--lr", "0.05", "--save-every", "2", "--run-id", run_id,
             "--local-model", "--threads", "1", "--matchmaking-time", "1", "--averaging-timeout", "3",
-            "--min-peers", "2", "--peer-wait", "60"]
+            "--min-peers", "2", "--peer-wait", "60", *extra]
     for peer in swarm.initial_peers:
         args += ["--initial-peers", peer]
     return swarm._start(output.name, args, wait=False)
@@ -82,9 +82,12 @@ def test_two_peers_make_global_steps_together(bootstrap, tiny_model_path, local_
 
 
 def test_a_peer_killed_mid_run_does_not_stop_the_other(bootstrap, tiny_model_path, pairs, tmp_path):
-    steps = 8
-    victim = start_peer(bootstrap, tiny_model_path, pairs, tmp_path / "victim", steps, run_id="pytest-killed")
-    survivor = start_peer(bootstrap, tiny_model_path, pairs, tmp_path / "survivor", steps, run_id="pytest-killed")
+    steps = 6  # the kill comes once both saved step 2 (--save-every 2): the survivor has steps to make alone
+    # The dead peer counts towards the global batch until its progress record expires (default 15 s; peers refresh
+    # theirs at least every 2 s): 5 s here, so that the survivor's steps alone do not wait out the default.
+    expiring = ("--progress-expiration", "5")
+    victim, survivor = (start_peer(bootstrap, tiny_model_path, pairs, tmp_path / name, steps, "pytest-killed",
+                                   *expiring) for name in ("victim", "survivor"))
     assert wait_until(lambda: all((tmp_path / name / STATE_FILE).is_file() for name in ("victim", "survivor")),
                       timeout=60), "\n".join(victim.log[-20:] + survivor.log[-20:])
     bootstrap.terminate(victim, signal.SIGKILL)

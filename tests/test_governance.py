@@ -139,7 +139,7 @@ def governed(local_swarm, tmp_path_factory) -> Governed:
     assert publish(operator, key, default_prefix(path), RESUME, "set-up")
     yield Governed(path, key, resumer, probe, server, operator)
     stop_dht(operator)
-    local_swarm.terminate(server)
+    stop_all(local_swarm, [server])  # its own model's prefix
 
 
 def refused(lm, server: ManagedProcess) -> bool:
@@ -152,7 +152,7 @@ def refused(lm, server: ManagedProcess) -> bool:
         return error.code == ErrorCode.HALTED
 
 
-RESUME_LIFETIME = 12.0  # seconds the second operator's resume stays on the DHT in the replay test
+RESUME_LIFETIME = 8.0  # seconds the second operator's resume stays on the DHT in the replay test
 
 
 @pytest.fixture

@@ -149,9 +149,11 @@ def start_servers(lab: NetLab, placements: list[tuple[str, str]], prefix: str) -
 
 
 def stop_servers(lab: NetLab, servers: dict[str, dict]) -> None:
+    """SIGKILL (each with its daemons): every test's servers have a DHT prefix of their own that no later test reads,
+    and a graceful stop takes 1-3 s apiece to announce OFFLINE."""
     for server in servers.values():
         if server["process"].alive:
-            lab.terminate(server["process"])
+            lab.terminate(server["process"], signal.SIGKILL)
 
 
 def client_args(prefix: str, *extra: str) -> list[str]:
@@ -166,10 +168,14 @@ def report_paths(paths: dict[str, list[str]], servers: dict[str, dict]) -> dict[
     return kinds
 
 
-def read_health(lab: NetLab, prefix: str) -> dict:
+def start_health(lab: NetLab, prefix: str) -> subprocess.Popen:
+    """``python -m swarm.health --json`` on the client's machine; :func:`read_health` reads what it printed."""
     peers = [arg for peer in lab.initial_peers for arg in ("--initial-peers", peer)]
-    shown = lab.popen("client1", ["-m", "swarm.health", *peers, "--dht-prefix", prefix, "--num-blocks", "16",
-                                  "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return lab.popen("client1", ["-m", "swarm.health", *peers, "--dht-prefix", prefix, "--num-blocks", "16",
+                                 "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def read_health(shown: subprocess.Popen) -> dict:
     out, err = shown.communicate(timeout=60)
     assert shown.returncode == 0, err[-2000:]
     return json.loads(out)
@@ -178,22 +184,27 @@ def read_health(lab: NetLab, prefix: str) -> dict:
 def test_lab_routers_translate_and_refuse_inbound(lab):
     """The NAT is real: the internet sees the router's address, and nothing dials into a home."""
     listen = ("import socket; s = socket.socket(); s.bind(('0.0.0.0', 7000)); s.listen(); s.settimeout(8); "
-              "print(s.accept()[1][0], flush=True)")
+              "print('LISTENING', flush=True); print(s.accept()[1][0], flush=True)")
 
-    def dial(role: str, address: str) -> int:
+    def dial(role: str, address: str) -> subprocess.Popen:
         code = f"import socket; socket.create_connection(('{address}', 7000), timeout=2)"
-        return lab.exec(role, sys.executable, "-c", code, check=False).returncode
+        return lab.popen(role, ["-c", code], stderr=subprocess.DEVNULL)
 
-    listener = lab.popen("pub2", ["-c", listen], stdout=subprocess.PIPE, text=True)
-    time.sleep(0.5)
-    assert dial("home1", lab.machines["pub2"].address) == 0
+    def listening(role: str) -> subprocess.Popen:
+        listener = lab.popen(role, ["-c", listen], stdout=subprocess.PIPE, text=True)
+        assert listener.stdout.readline().strip() == "LISTENING"  # bound: no dial can come before the listener
+        return listener
+
+    listener = listening("pub2")
+    assert dial("home1", lab.machines["pub2"].address).wait(10) == 0
     assert listener.communicate(timeout=10)[0].strip() == lab.machines["home1"].public_address
-    listener = lab.popen("home1", ["-c", listen], stdout=subprocess.PIPE, text=True)
-    time.sleep(0.5)
+    listener = listening("home1")
     try:
-        assert dial("pub2", lab.machines["home1"].public_address) != 0
-        assert dial("home2", lab.machines["home1"].public_address) != 0
-        assert dial("home2", lab.machines["home1"].address) != 0  # a private address of another home
+        # Each refused dial waits out its 2 s timeout (the routers drop, they do not reset): they run at once.
+        refused = [dial("pub2", lab.machines["home1"].public_address),
+                   dial("home2", lab.machines["home1"].public_address),
+                   dial("home2", lab.machines["home1"].address)]  # a private address of another home
+        assert [dialer.wait(10) != 0 for dialer in refused] == [True, True, True]
     finally:
         listener.kill()
 
@@ -238,29 +249,36 @@ def process_ends(pid: int, timeout: float = 10.0) -> bool:
     return False
 
 
-def test_client_behind_nat_generates_through_two_natted_servers(lab, local_tokens):
+@pytest.fixture(scope="module")
+def natted_pair(lab):
+    """Servers of blocks 0:8 and 8:16 behind two NATs. The generation test uses them as they are; the failover test
+    after it adds a replica and kills one of them, and stops them all (so the relay test runs without them)."""
     servers = start_servers(lab, [("home1", "0:8"), ("home2", "8:16")], "nat-serve")
-    try:
-        began = time.monotonic()
-        client = lab.start_client("client1", *client_args("nat-serve"))
-        print(f"[nat] client joined the DHT in {client.wait_for('JOINED', 60)['seconds']:.1f} s")
-        result = client.wait_for("RESULT", 90)
-        print(f"[nat] first generation done {time.monotonic() - began:.1f} s after the client started")
-        assert result["runs"][0]["token_ids"] == local_tokens
-        assert {hop["peer_id"] for hop in result["route"]} == set(servers)
-        kinds = report_paths(result["paths"], servers)
-        assert set(kinds.values()) <= {"direct", "relayed"}, kinds  # the client holds a connection to each hop
-        health = {s["peer_id"]: s for s in read_health(lab, "nat-serve")["servers"]}
-        for peer_id in servers:  # what `python -m swarm.health` shows: behind NAT, reached through relays
-            assert health[peer_id]["reachability"] == RELAY, health[peer_id]["addresses"]
-    finally:
-        stop_servers(lab, servers)
+    yield servers
+    stop_servers(lab, servers)
 
 
-def test_natted_server_killed_mid_run_a_replica_behind_another_nat_takes_over(lab, local_tokens):
-    servers = start_servers(lab, [("home1", "0:8"), ("home2", "8:16"), ("home3", "0:8")], "nat-failover")
+def test_client_behind_nat_generates_through_two_natted_servers(lab, local_tokens, natted_pair):
+    servers = natted_pair
+    began = time.monotonic()
+    client = lab.start_client("client1", *client_args("nat-serve"))
+    health = start_health(lab, "nat-serve")  # beside the client: the servers announced their addresses when ready
+    print(f"[nat] client joined the DHT in {client.wait_for('JOINED', 60)['seconds']:.1f} s")
+    result = client.wait_for("RESULT", 90)
+    print(f"[nat] first generation done {time.monotonic() - began:.1f} s after the client started")
+    assert result["runs"][0]["token_ids"] == local_tokens
+    assert {hop["peer_id"] for hop in result["route"]} == set(servers)
+    kinds = report_paths(result["paths"], servers)
+    assert set(kinds.values()) <= {"direct", "relayed"}, kinds  # the client holds a connection to each hop
+    health = {s["peer_id"]: s for s in read_health(health)["servers"]}
+    for peer_id in servers:  # what `python -m swarm.health` shows: behind NAT, reached through relays
+        assert health[peer_id]["reachability"] == RELAY, health[peer_id]["addresses"]
+
+
+def test_natted_server_killed_mid_run_a_replica_behind_another_nat_takes_over(lab, local_tokens, natted_pair):
+    servers = {**natted_pair, **start_servers(lab, [("home3", "0:8")], "nat-serve")}
     try:
-        client = lab.start_client("client1", *client_args("nat-failover", "--hold-at-step", "3"))
+        client = lab.start_client("client1", *client_args("nat-serve", "--hold-at-step", "3"))
         held = client.wait_for("HELD", 90)
         victim = next(hop["peer_id"] for hop in held["route"] if hop["span"] == [0, 8])
         lab.terminate(servers[victim]["process"], signal.SIGKILL)

@@ -16,6 +16,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
@@ -52,7 +53,7 @@ from tests.test_api import serve  # noqa: E402  (uvicorn on a free loopback port
 
 MODEL = "default"  # the embedded model: 16 blocks, readable text for the screenshots
 HOSTILE_NAME = "second half <b>as text</b>"  # a server's public name is remote input: never markup
-SETTINGS = dict(gen_length=32, steps=16, block_length=16, temperature=0.5, remasking="random", seed=7)
+SETTINGS = dict(gen_length=32, steps=8, block_length=16, temperature=0.5, remasking="random", seed=7)  # 4 tokens a step
 PROMPT = "The government said"
 SCREENSHOTS = os.environ.get("SWARM_WEB_SCREENSHOTS")
 WAIT_S = 60
@@ -606,8 +607,9 @@ def test_health_serve_map_warns_once_a_server_stops(browser, web_swarm, api_url,
         assert browser.execute_script("return document.querySelectorAll('#adapters .version-curve polyline')"
                                       ".length") == 2
         screenshot(browser, "web-map-audits.png")
-        for server in [p for p in web_swarm.processes if p.span == (8, 16) and p.alive]:  # run alone: two of them
-            web_swarm.terminate(server)
+        stopping = [p for p in web_swarm.processes if p.span == (8, 16) and p.alive]  # run alone: two of them
+        with ThreadPoolExecutor(len(stopping)) as pool:  # each announces OFFLINE as it leaves (1-3 s): at once
+            list(pool.map(web_swarm.terminate, stopping))
         wait_for(browser, lambda d: text_of(d, "coverage").startswith("Uncovered blocks 8:16"), "the warning")
         assert browser.execute_script("return document.querySelectorAll('.replicas.uncovered').length") == 8
         statuses = {row["Status"] for row in server_rows(browser) if row["Blocks"] == "8:16"}

@@ -120,6 +120,10 @@ def lr_schedule(_ctx: click.Context, _param: click.Parameter, values: tuple[str,
 @click.option("--averaging-timeout", type=click.FloatRange(min=0, min_open=True),
               default=CollaborationConfig.averaging_timeout,
               help="With --run-id: seconds an averaging round may take before this peer steps on its own gradients.")
+@click.option("--progress-expiration", type=click.FloatRange(min=0, min_open=True),
+              default=CollaborationConfig.progress_expiration,
+              help="With --run-id: seconds after which a silent peer (left or dead) no longer counts towards the "
+                   "global batch.")
 @click.option("--min-peers", type=click.IntRange(min=1), default=CollaborationConfig.min_peers,
               help="With --run-id: wait until this many peers (this one included) joined before the first step.")
 @click.option("--peer-wait", type=click.FloatRange(min=0, min_open=True), default=CollaborationConfig.peer_wait,
@@ -134,8 +138,8 @@ def lr_schedule(_ctx: click.Context, _param: click.Parameter, values: tuple[str,
               help="Logging verbosity.")
 def main(model: str, initial_peers: tuple[str, ...], request_timeout: float, threads: int | None, log_level: str,
          local_model: bool, run_id: Optional[str], target_batch_size: Optional[int], matchmaking_time: float,
-         averaging_timeout: float, min_peers: int, peer_wait: float, host_maddrs: tuple[str, ...],
-         announce_maddrs: tuple[str, ...], **options) -> None:
+         averaging_timeout: float, progress_expiration: float, min_peers: int, peer_wait: float,
+         host_maddrs: tuple[str, ...], announce_maddrs: tuple[str, ...], **options) -> None:
     """Fine-tune an adapter (a soft or deep prompt, bottleneck adapters or LoRA) on prompt/response pairs with LLaDA's
     SFT objective (docs/TRAINING.md); use it with generate(..., adapter=OUTPUT) or python -m swarm.generate
     --adapter OUTPUT."""
@@ -144,7 +148,8 @@ def main(model: str, initial_peers: tuple[str, ...], request_timeout: float, thr
     config = FinetuneConfig(**options)
     if run_id is not None:
         config.collaboration = CollaborationConfig(run_id, target_batch_size or config.batch_size, matchmaking_time,
-                                                   averaging_timeout, min_peers=min_peers, peer_wait=peer_wait)
+                                                   averaging_timeout, progress_expiration=progress_expiration,
+                                                   min_peers=min_peers, peer_wait=peer_wait)
         config.collaboration.validate(config.batch_size)
     elif target_batch_size is not None:
         raise click.UsageError("--target-batch-size needs --run-id (alone, the batch is --batch-size)")

@@ -171,8 +171,8 @@ class DistributedDiffusionLM(BaseDiffusionLM):
             return DeviceInvariance(False, "no usable server is known yet")
         varying = sorted(peer for peer, record in usable.items() if not record.batch_invariant)
         if varying:
-            return DeviceInvariance(False, f"{listed('server', [peer[-8:] for peer in varying])} "
-                                           "announce passes that are not batch-invariant")
+            return DeviceInvariance(False, "passes that are not batch-invariant, as announced by "
+                                           f"{listed('server', [peer[-8:] for peer in varying])}")
         if not any(record.head for record in usable.values()):
             own = check_module(self.head)
             if not own.exact:

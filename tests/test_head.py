@@ -26,7 +26,7 @@ from swarm.diffusion.prediction import (
 )
 from swarm.diffusion.remasking import STRATEGIES
 from swarm.models.loading import ModelFiles
-from tests.conftest import make_checkpoint, stop_all, tiny_config, wait_all
+from tests.conftest import make_checkpoint, stop_all, tiny_config, wait_all, wait_seen
 from tests.test_bottleneck import bottleneck_for
 from tests.test_deep_prompt import deep_adapter_for
 from tests.test_finetune import adapter_for
@@ -200,7 +200,10 @@ def test_an_adapter_is_predicted_on_the_head_server_without_the_clients_head(hea
 def test_an_adapter_that_corrects_the_head_is_scored_by_the_clients_head(head_swarm, local_lm, tmp_path):
     lm, _ = head_swarm
     path = str(bottleneck_for(local_lm, rank=2, seed=3, head_rank=2).save(tmp_path / "head-corrected"))
-    result = lm.generate(PROMPT, adapter=path, **SHORT)
+    try:
+        result = lm.generate(PROMPT, adapter=path, **SHORT)
+    finally:  # the shared client loaded its head here: the other tests check that it does not (any order)
+        lm._head = None
     assert result.token_ids == local_lm.generate(PROMPT, adapter=path, **SHORT).token_ids
     assert result.info["head"]["server_calls"] == 0 and result.info["head"]["client_reasons"] == [
         "the adapter corrects the head, which only this client holds"]
@@ -270,17 +273,22 @@ def test_head_requests_are_checked_by_the_server(head_swarm, remote_lm):
     assert passed_on.shape == hidden.shape
 
 
-def test_losing_the_head_server_mid_run_keeps_the_tokens(local_swarm, head_swarm, tiny_model_path, local_lm):
+def test_losing_the_head_server_mid_run_keeps_the_tokens(local_swarm, tiny_model_path, local_lm):
     """The head server dies mid-generation: the step goes on over a replica without the head, whose hidden states
-    the client now scores itself (loading its head then); the tokens do not change."""
-    lm, servers = head_swarm
-    replica = local_swarm.start_server(str(tiny_model_path), "2:4", "--dht-prefix", "head-test", "--compute-threads",
-                                       "1", name="head-replica")
+    the client now scores itself (loading its head then); the tokens do not change. Its own servers and prefix: the
+    kill would otherwise take the module's head server from every test that runs after it (a shuffled run found it)."""
+    prefix = "head-loss"
+    servers = [local_swarm.start_server(str(tiny_model_path), span, "--dht-prefix", prefix, "--compute-threads", "1",
+                                        *extra, name=f"head-loss-{span}{'-head' if extra else ''}", wait=False)
+               for span, extra in (("0:2", ()), ("2:4", ("--head",)), ("2:4", ()))]
+    for server in servers:
+        local_swarm.wait_ready(server)
     settings = dict(SHORT, temperature=0.7)
     try:
         with DistributedDiffusionLM.from_pretrained(tiny_model_path, initial_peers=local_swarm.initial_peers,
-                                                    dht_prefix="head-test", request_timeout=20,
+                                                    dht_prefix=prefix, request_timeout=20,
                                                     spot_check_fraction=0) as fresh:  # a checked head hop loads it
+            wait_seen(fresh, servers)
             chunks = fresh.generate_stream(PROMPT, **settings)
             next(chunks)
             assert fresh._head is None
@@ -289,7 +297,7 @@ def test_losing_the_head_server_mid_run_keeps_the_tokens(local_swarm, head_swarm
             assert result.token_ids == local_lm.generate(PROMPT, **settings).token_ids
             assert fresh._head is not None and result.info["failovers"]
     finally:
-        local_swarm.terminate(replica)
+        stop_all(local_swarm, [server for server in servers if server.alive])  # their own prefix
 
 
 @pytest.fixture(scope="module")

@@ -31,7 +31,7 @@ from swarm.diffusion.sampler import DiffusionSampler, Halted, WindowStats
 from swarm.frontend.request import GenerationRequest
 from swarm.frontend.scale import ScalePlan, plan_scale
 from swarm.models.config import ModelConfig
-from swarm.models.invariance import DeviceInvariance, check_module
+from swarm.models.invariance import DeviceInvariance
 from swarm.models.modules import HeadLoRA
 from swarm.models.tokenizer import MASK_PLACEHOLDER, Tokenizer
 from swarm.utils.text import listed
@@ -336,10 +336,10 @@ class BaseDiffusionLM(ABC):
         return check_request(self.limits, self.sampling_defaults, self.remote, prompt_ids, options, settings,
                              self.batch_invariance)
 
+    @abstractmethod
     def batch_invariance(self) -> DeviceInvariance:
         """Whether this model's passes are batch-invariant (batched states give the sequential run's tokens), and
         why: the scale batches states only where they are (``info["settings"]["batching"]``)."""
-        return check_module(getattr(self, "model", None))
 
     # ----- prompts ----------------------------------------------------------------------------------
     def encode_prompt(self, prompt: str | Sequence[int], chat: bool = False) -> list[int]:

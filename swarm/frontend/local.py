@@ -16,6 +16,7 @@ from swarm.diffusion.experts import ExpertNotFoundError, InProcessExpert
 from swarm.diffusion.pipeline import CacheDirective, Forward, check_head_rows, rows_to_score
 from swarm.diffusion.sampler import DenoiseContext
 from swarm.frontend.lm import BaseDiffusionLM
+from swarm.models.invariance import DeviceInvariance, check_module
 from swarm.models.kv_cache import CacheMiss, SpanKV
 from swarm.models.loading import DEFAULT_MODEL, ModelFiles, resolve_device
 from swarm.models.modules import DiffusionTransformer, HeadLoRA
@@ -61,6 +62,9 @@ class DiffusionLM(BaseDiffusionLM):
             input_ids = input_ids[None]
         mask = attention_mask.to(self.device) if attention_mask is not None else None
         return self._pass(input_ids.to(self.device), self.load_adapter(adapter), attention_mask=mask)
+
+    def batch_invariance(self) -> DeviceInvariance:
+        return check_module(self.model)
 
     def backbone(self) -> "LocalBackbone":
         return LocalBackbone(self)

@@ -123,7 +123,7 @@ class DeviceInvariance:
 
 
 Product = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-_checked: dict[tuple, Optional[str]] = {}  # (shape, dtype, device, tile) -> why it failed, None if it held
+_checked: dict[tuple, Optional[str]] = {}  # (shape, dtype, device, tile, product) -> why it failed, None if it held
 _checked_lock = threading.Lock()
 
 
@@ -137,17 +137,16 @@ def tile_failure(weight: torch.Tensor, product: Product = F.linear) -> Optional[
     rows = current().rows_per_tile
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(rows, weight.shape[1], generator=generator).to(device=weight.device, dtype=weight.dtype)
+    which = f"a {weight.dtype} product with a {tuple(weight.shape)} weight on {weight.device} gives a row"
     with torch.inference_mode():
         alone = product(x, weight)
         for shift in (1, rows // 2 + 1):
             if not torch.equal(product(x.roll(shift, 0), weight).roll(-shift, 0), alone):
-                return (f"a {weight.dtype} product with a {tuple(weight.shape)} weight on {weight.device} gives a row "
-                        "other numbers at another place of its tile")
+                return f"{which} other numbers at another place of its tile"
         padded = torch.zeros_like(x)
         padded[0] = x[0]
         if not torch.equal(product(padded, weight)[0], alone[0]):
-            return (f"a {weight.dtype} product with a {tuple(weight.shape)} weight on {weight.device} gives a row "
-                    "other numbers beside padding than beside other rows")
+            return f"{which} other numbers beside padding than beside other rows"
     return None
 
 

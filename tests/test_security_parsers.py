@@ -60,7 +60,7 @@ def mutated(base: dict, changes: dict) -> dict:
 TAG = {"tokenizer": "byte-v1", "vocab_size": 260, "mask_token_id": 259}
 SERVER = ServerRecord("peer", ServerState.ONLINE, 0, 2, 10.0, public_name="a", version="1", cache_tokens_left=5,
                       experts=["code"], extra={"k": 1}, addresses=["/ip4/1.2.3.4/tcp/1"], head=True,
-                      adapter_kinds=["lora"]).to_value()
+                      adapter_kinds=["lora"], batch_invariant=True).to_value()
 EXPERT = {"record_version": RECORD_VERSION, "domain": "code", "state": 2, "tag": TAG, "throughput": 1.0,
           "model": "m", "public_name": None, "version": "1"}
 
@@ -79,6 +79,8 @@ def check_server(value: Any) -> None:
     assert isinstance(record.cache_tokens_left, int) and 0 <= record.cache_tokens_left <= fields.MAX_SAFE_INT
     assert record.public_name is None or len(record.public_name) <= MAX_NAME_CHARS
     assert len(record.version) <= 64 and len(record.experts) <= 32 and len(record.extra) <= 16
+    # a claim of invariant passes only when the record says exactly true (clients then batch states through it)
+    assert record.batch_invariant is (isinstance(value, dict) and value.get("batch_invariant") is True)
     health = build_health_map([record], "m", 4)
     strict_json(health.to_json())
 

@@ -13,7 +13,7 @@ import os
 import re
 import subprocess
 import sys
-from functools import partial
+from functools import lru_cache, partial
 from typing import Optional
 
 import pytest
@@ -47,6 +47,7 @@ from swarm.dht.schema import (
     block_key,
     default_prefix,
     expert_index_key,
+    forget_local_copies,
     governance_key,
     now,
     protected_keys,
@@ -74,6 +75,7 @@ from tests.test_security_records import SETTINGS, attacker, forge, honest_peers,
 FLOOD_VALUE = b"x" * 4096
 FLOOD_COUNT = 1100  # 1,100 plain 4 KiB subkeys: a reply of ~4.5 MiB, just past libp2p's 4 MiB message
 FLOOD_LIFETIME = 120.0  # what a peer keeps of the flood (up to MAX_KEY_BYTES on a swarm peer) stays this long
+UNREAD_SECONDS = 1.0  # how long a publish that cannot be read back tries (one store and one read: enough to fail)
 
 
 # ----- the attacker's flood (runs in its DHT process) ------------------------------------------------------
@@ -128,7 +130,7 @@ def test_a_flood_on_a_stock_peer_blinds_readers_and_halt_says_it_was_not_read_ba
     try:
         prefix, key = "blinded", generate_private_key(tmp_path / "gov.key")
         assert flood(attacker_dht, governance_key(prefix), [str(bootstrap.peer_id)]) == [True]
-        assert publish(operator, key, prefix, HALT, "incident", read_back_seconds=5) is None, \
+        assert publish(operator, key, prefix, HALT, "incident", read_back_seconds=UNREAD_SECONDS) is None, \
             "a halt nobody can read was 'stored'"
         assert GovernanceGuard(operator, prefix, [public_key_text(key)]).current(force=True) is None
         # The reader says which key and which peer it lost (the DHT process's warning, on the command's stderr).
@@ -211,25 +213,28 @@ def test_a_key_holds_a_bounded_number_of_tiny_subkeys():
 def test_servers_refuse_the_flood_and_a_halt_still_stops_a_client(local_swarm, attacker,  # noqa: F811 (fixture)
                                                                   tiny_model_path, tmp_path):
     prefix, peers = default_prefix(tiny_model_path), honest_peers(local_swarm)
-    servers = [p.peer_id for p in local_swarm.processes[1:4]]  # the fixture's three servers of this model
-    accepted = dict(zip(peers, flood(attacker, governance_key(prefix), peers)))
-    # Servers know the model's keys and refuse every plain subkey; the bootstrap peer knows none and keeps them
-    # up to MAX_KEY_BYTES (so its replies stay readable).
-    assert not any(accepted[p] for p in servers), accepted
-    key = generate_private_key(tmp_path / "gov.key")
-    public = public_key_text(key)
-    network = [arg for peer in local_swarm.initial_peers for arg in ("--initial-peers", peer)]
-    operator = ["--key", str(tmp_path / "gov.key"), "--dht-prefix", prefix, *network]
-    halted = CliRunner().invoke(governance_cli, ["halt", *operator, "--reason", "flooded but heard"],
-                                catch_exceptions=False)
-    assert halted.exit_code == 0 and "read back" in halted.output, halted.output
-    with DistributedDiffusionLM.from_pretrained(tiny_model_path, initial_peers=local_swarm.initial_peers,
-                                                governance_keys=(public,)) as governed:
-        result = governed.generate("stop me", **SETTINGS)
-    assert result.finish_reason == "halted" and result.info["halt"]["reason"] == "flooded but heard"
-    # Only this test's client trusts the key: the resume is not cleanup, it checks that the operator can resume.
-    resumed = CliRunner().invoke(governance_cli, ["resume", *operator, "--reason", "over"], catch_exceptions=False)
-    assert resumed.exit_code == 0 and "read back" in resumed.output, resumed.output
+    try:
+        servers = [p.peer_id for p in local_swarm.processes[1:4]]  # the fixture's three servers of this model
+        accepted = dict(zip(peers, flood(attacker, governance_key(prefix), peers)))
+        # Servers know the model's keys and refuse every plain subkey; the bootstrap peer knows none and keeps them
+        # up to MAX_KEY_BYTES (so its replies stay readable).
+        assert not any(accepted[p] for p in servers), accepted
+        key = generate_private_key(tmp_path / "gov.key")
+        public = public_key_text(key)
+        network = [arg for peer in local_swarm.initial_peers for arg in ("--initial-peers", peer)]
+        operator = ["--key", str(tmp_path / "gov.key"), "--dht-prefix", prefix, *network]
+        halted = CliRunner().invoke(governance_cli, ["halt", *operator, "--reason", "flooded but heard"],
+                                    catch_exceptions=False)
+        assert halted.exit_code == 0 and "read back" in halted.output, halted.output
+        with DistributedDiffusionLM.from_pretrained(tiny_model_path, initial_peers=local_swarm.initial_peers,
+                                                    governance_keys=(public,)) as governed:
+            result = governed.generate("stop me", **SETTINGS)
+        assert result.finish_reason == "halted" and result.info["halt"]["reason"] == "flooded but heard"
+        # Only this test's client trusts the key: the resume is not cleanup, it checks that the operator can resume.
+        resumed = CliRunner().invoke(governance_cli, ["resume", *operator, "--reason", "over"], catch_exceptions=False)
+        assert resumed.exit_code == 0 and "read back" in resumed.output, resumed.output
+    finally:  # the attacker's own copy of the flood (4.5 MiB, a reply lost) would make each later read of the key
+        forget_local_copies(attacker, [governance_key(prefix)])  # on this swarm wait out hivemind's 3 s timeout
 
 
 def test_protected_keys_refuse_plain_subkeys_regular_values_and_records_of_other_peers(tmp_path):
@@ -248,7 +253,7 @@ def test_protected_keys_refuse_plain_subkeys_regular_values_and_records_of_other
         assert forge(attacker_dht, key, b"plain", {"a": 1}, expiration, target, in_cache=True) == [False], \
             "the cache, which readers also answer from, took a plain subkey"
         assert forge(attacker_dht, "someone.elses.key", b"plain", {"a": 1}, expiration, target) == [True]
-        sybils = [RSASignatureValidator(RSAPrivateKey()) for _ in range(3)]
+        sybils = rsa_owners(3)
         answers = [attacker_dht.run_coroutine(partial(_push_owned, owner=owner, key=key, subkey=owned_subkey(owner),
                                                       value=describe(key, {"n": i}), expiration=expiration,
                                                       peer=target[0]))
@@ -276,7 +281,7 @@ def test_owned_keys_keep_a_bounded_number_of_owners_of_bounded_size(owned_key):
     policy = next(policy for policy in protected_keys("capped", 2) if policy.name == key)
     storage = DHTLocalStorage()
     protect_storage([storage], {dht_key_id(policy.name): policy})
-    owners = [RSASignatureValidator(RSAPrivateKey()) for _ in range(MAX_OWNED_SUBKEYS + 1)]
+    owners = rsa_owners(MAX_OWNED_SUBKEYS + 1)
 
     def store(owner: RSASignatureValidator, value: bytes, expiration: float, sender: str = "") -> bool:
         subkey = owned_subkey(owner)
@@ -325,6 +330,17 @@ def test_signed_slot_keys_keep_a_bounded_number_of_slots_of_bounded_size(slot_ke
     assert [store(slot_subkey(author), v) for author in authors] == [True] * max_slots + [False]
     assert store(slot_subkey(authors[0]), described_value(slot_key, 101), expiration + 1) is True, \
         "an update of a held slot must pass"
+
+
+@lru_cache(maxsize=None)
+def _rsa_keys() -> tuple[RSAPrivateKey, ...]:
+    return tuple(RSAPrivateKey() for _ in range(MAX_OWNED_SUBKEYS + 1))
+
+
+def rsa_owners(count: int) -> list[RSASignatureValidator]:
+    """Validators of ``count`` distinct RSA keys (peer ids), drawn from one set made once per process: an RSA key
+    takes 0.1-0.3 s to make, and each test stores under its own fresh storage, so sharing them changes nothing."""
+    return [RSASignatureValidator(key) for key in _rsa_keys()[:count]]
 
 
 def described_value(key: str, size: int) -> bytes:
@@ -443,7 +459,7 @@ def test_signed_slots_of_strangers_are_refused_under_a_trusted_governance_key(tm
     operator = start_dht(NetworkConfig(initial_peers=peers, client_mode=True, use_default_peers=False))
     try:
         stranger = Ed25519PrivateKey.generate()
-        assert publish(operator, stranger, "governed", HALT, "free keys", read_back_seconds=5) is None
+        assert publish(operator, stranger, "governed", HALT, "free keys", read_back_seconds=UNREAD_SECONDS) is None
         decision = publish(operator, trusted, "governed", RESUME, "set-up")
         assert decision is not None and decision.action == RESUME
     finally:

@@ -19,7 +19,16 @@ from swarm.client.peers import PeerHealth
 from swarm.client.spot_check import OWN_HIDDEN_STATES, UnverifiedResultError
 from swarm.dht.schema import ServerState, default_prefix, read_servers
 from swarm.frontend.local import DiffusionLM
-from tests.conftest import make_checkpoint, start_all, stop_all, swarm_client, tiny_config, wait_all, wait_until
+from tests.conftest import (
+    SERVER,
+    make_checkpoint,
+    start_all,
+    stop_all,
+    swarm_client,
+    tiny_config,
+    wait_all,
+    wait_until,
+)
 
 TARPIT = (str(Path(__file__).with_name("tarpit_server.py")),)
 FAULTY = (str(Path(__file__).with_name("faulty_server.py")),)
@@ -182,14 +191,47 @@ def test_a_server_restarted_elsewhere_with_its_identity_is_reached_at_once(local
 
 
 # ----- spot checks without gaps --------------------------------------------------------------------------
+LIARS = {  # the models of the spot-check tests below, by fixture: (checkpoint seed, servers as (blocks, args, entry))
+    # one faulty (announced fastest) and one honest server for the same blocks, and no third to break ties
+    "two_holders": (12, [("0:4", ("--throughput", "1e9"), FAULTY), ("0:4", (), SERVER)]),
+    # a server that lies only on cache-reuse passes (announced fastest), and two honest ones
+    "reuse_liar": (13, [("0:4", ("--throughput", "1e9", "--public-name", "faulty-reuse"), FAULTY), ("0:4", (), SERVER),
+                        ("0:4", (), SERVER)]),
+    # an honest server routed first (announced fastest), a liar for the same blocks announced slower (so every
+    # call it answers is a spot check: a liar acting only as checker), and honest 0:2 + 2:4 announced slowest
+    "checker_liar": (14, [("0:4", ("--throughput", "1e9"), SERVER), ("0:4", ("--throughput", "100"), FAULTY),
+                          ("0:2", ("--throughput", "1"), SERVER), ("2:4", ("--throughput", "1"), SERVER)]),
+    # a ``--head`` server that lies only in its predictions (announced fastest) beside one honest replica without
+    # the head: no other server can answer a head query
+    "head_liar": (15, [("0:4", ("--head", "--throughput", "1e9", "--public-name", "faulty-head"), FAULTY),
+                       ("0:4", ("--throughput", "1"), SERVER)]),
+}
+
+
 @pytest.fixture(scope="module")
-def two_holders(local_swarm, tmp_path_factory):
-    """One faulty (announced fastest) and one honest server for the same blocks, and no third to break ties."""
-    path = make_checkpoint(tmp_path_factory.mktemp("two_holders"), tiny_config(), seed=12)
-    faulty, honest = start_all(local_swarm, path, [("0:4", ("--throughput", "1e9"), FAULTY),
-                                                   ("0:4", (), ("-m", "swarm.server"))])
-    yield path, faulty, honest
-    stop_all(local_swarm, [faulty, honest])
+def liar_models(local_swarm, tmp_path_factory):
+    """Every model of ``LIARS`` with its servers, all started at once when the first is needed (one boot's wait for
+    the eleven, not one per fixture); each fixture waits for its own. Each model is its own DHT prefix: the servers
+    of one are invisible to the clients of another."""
+    models = {}
+    for name, (seed, specs) in LIARS.items():
+        path = make_checkpoint(tmp_path_factory.mktemp(name), tiny_config(), seed=seed)
+        models[name] = path, [local_swarm.start_server(str(path), blocks, "--compute-threads", "1", *extra,
+                                                       entry=entry, wait=False) for blocks, extra, entry in specs]
+    yield models
+    stop_all(local_swarm, [server for _, servers in models.values() for server in servers])
+
+
+def liar_model(local_swarm, liar_models, name: str):
+    path, servers = liar_models[name]
+    wait_all(local_swarm, servers)
+    return path, servers
+
+
+@pytest.fixture(scope="module")
+def two_holders(local_swarm, liar_models):
+    path, (faulty, honest) = liar_model(local_swarm, liar_models, "two_holders")
+    return path, faulty, honest
 
 
 def test_an_unresolved_check_with_no_other_route_stops_with_both_servers_named(local_swarm, two_holders):
@@ -215,13 +257,9 @@ def test_restricted_requests_stop_on_an_unresolved_check(local_swarm, two_holder
 
 
 @pytest.fixture(scope="module")
-def reuse_liar(local_swarm, tmp_path_factory):
-    """A server that lies only on cache-reuse passes (announced fastest), and two honest ones."""
-    path = make_checkpoint(tmp_path_factory.mktemp("reuse_liar"), tiny_config(), seed=13)
-    servers = start_all(local_swarm, path, [("0:4", ("--throughput", "1e9", "--public-name", "faulty-reuse"), FAULTY),
-                                            ("0:4", (), ("-m", "swarm.server")), ("0:4", (), ("-m", "swarm.server"))])
-    yield path, servers[0]
-    stop_all(local_swarm, servers)
+def reuse_liar(local_swarm, liar_models):
+    path, servers = liar_model(local_swarm, liar_models, "reuse_liar")
+    return path, servers[0]
 
 
 CACHED = dict(SETTINGS, cache="dual", gen_length=24, block_length=8, steps=12)
@@ -243,16 +281,8 @@ def test_reuse_passes_are_checked_and_a_reuse_liar_is_caught(local_swarm, reuse_
 
 # ----- issue 33, item 3: liars a check must catch, and checks a liar cannot steer ---------------------------
 @pytest.fixture(scope="module")
-def checker_liar(local_swarm, tmp_path_factory):
-    """An honest server routed first (announced fastest), a liar for the same blocks announced slower (so every
-    call it answers is a spot check: a liar acting only as checker), and honest 0:2 + 2:4 announced slowest."""
-    path = make_checkpoint(tmp_path_factory.mktemp("checker_liar"), tiny_config(), seed=14)
-    servers = start_all(local_swarm, path, [("0:4", ("--throughput", "1e9"), ("-m", "swarm.server")),
-                                            ("0:4", ("--throughput", "100"), FAULTY),
-                                            ("0:2", ("--throughput", "1"), ("-m", "swarm.server")),
-                                            ("2:4", ("--throughput", "1"), ("-m", "swarm.server"))])
-    yield path, servers
-    stop_all(local_swarm, servers)
+def checker_liar(local_swarm, liar_models):
+    return liar_model(local_swarm, liar_models, "checker_liar")
 
 
 def test_a_liar_acting_only_as_checker_cannot_take_the_honest_servers_place(local_swarm, checker_liar):
@@ -275,14 +305,8 @@ def test_a_liar_acting_only_as_checker_cannot_take_the_honest_servers_place(loca
 
 
 @pytest.fixture(scope="module")
-def head_liar(local_swarm, tmp_path_factory):
-    """A ``--head`` server that lies only in its predictions (announced fastest) beside one honest replica
-    without the head: no other server can answer a head query."""
-    path = make_checkpoint(tmp_path_factory.mktemp("head_liar"), tiny_config(), seed=15)
-    servers = start_all(local_swarm, path, [("0:4", ("--head", "--throughput", "1e9", "--public-name", "faulty-head"),
-                                             FAULTY), ("0:4", ("--throughput", "1"), ("-m", "swarm.server"))])
-    yield path, servers
-    stop_all(local_swarm, servers)
+def head_liar(local_swarm, liar_models):
+    return liar_model(local_swarm, liar_models, "head_liar")
 
 
 def test_a_lying_head_server_beside_a_replica_without_the_head_is_caught(local_swarm, head_liar):

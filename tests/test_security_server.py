@@ -135,12 +135,12 @@ def server(tiny_model_path):
 
 @pytest.fixture(scope="module")
 def long_server(tmp_path_factory):
-    """A server of a model with a long context and many blocks, whose requests time out after 3 s: one pass of
+    """A server of a model with a long context and many blocks, whose requests time out after 2 s: one pass of
     6,144 positions takes it far longer (attention's quadratic term), so a caller gives up while it runs."""
     path = make_checkpoint(tmp_path_factory.mktemp("long"), tiny_config(num_layers=32, max_position_embeddings=8192))
     with LocalSwarm(fork_server=True) as swarm:
         yield swarm.start_server(str(path), "0:32", "--compute-threads", "1", "--throughput", "100",
-                                 "--request-timeout", "3", "--max-batch-tokens", "8192")
+                                 "--request-timeout", "2", "--max-batch-tokens", "8192")
         stop_all(swarm, swarm.processes)
 
 
@@ -259,14 +259,14 @@ def test_sybils_stalling_streams_do_not_keep_honest_peers_out(server, alice):
     """``SYBILS`` peer ids (each a bare libp2p peer), enough to hold every stream place without the reserve, keep
     stalling streams, each sending its first part only and opening another once the server answered. They hold
     no compute slot, at most the 3 stream places left to peers without completed requests, and each for its
-    deadline only (1 s plus its size at 0.1 MiB/s: 4 s): an unknown peer's unary request and a known peer's
-    stream are both served meanwhile, and the stalled streams are counted as dropped."""
+    deadline only (1 s plus its 2 x 512 positions at 0.1 MiB/s: 2.25 s): an unknown peer's unary request and a
+    known peer's stream are both served meanwhile, and the stalled streams are counted as dropped."""
     for _ in range(2):  # alice completes requests: she becomes a known peer
         assert_serves(alice)
     before = span_info(alice)
     with ThreadPoolExecutor(8) as pool:  # each peer starts its own libp2p daemon: a second or more apiece
         newcomer, *sybils = pool.map(lambda _: Peer(server), range(SYBILS + 1))  # newcomer: no completed request
-    first = stream_parts(torch.randn(4, POSITIONS, HIDDEN))[0]
+    first = stream_parts(torch.randn(2, POSITIONS, HIDDEN))[0]  # 2 parts: the first alone leaves it unfinished
     stalling = [sybil.stall_forever(first) for sybil in sybils]
     try:
         wait_until(lambda: span_info(alice)["unfinished"]["in_flight"] == 3)
@@ -304,7 +304,7 @@ def test_a_request_beyond_the_models_positions_is_refused_before_compute(alice):
 
 @pytest.mark.swarm
 def test_a_long_pass_whose_caller_has_gone_is_cancelled(long_server):
-    """A pass of 6,144 positions through 32 blocks runs far longer than the server's 3 s request timeout.
+    """A pass of 6,144 positions through 32 blocks runs far longer than the server's 2 s request timeout.
     Told ``busy`` at the timeout, or given up by its caller, it is stopped between blocks (``cancelled``
     counts it) and the compute thread serves the next request; a caller that gave up gets no answer, so
     the server counts no failure for it (it did not wait for its own timeout). A cancelled cache fill leaves
@@ -318,7 +318,7 @@ def test_a_long_pass_whose_caller_has_gone_is_cancelled(long_server):
                                          cache=CacheDirective(1, (0, 8), 0)))[0]
     try:
         error = refused(lambda: peer.unary(long))
-        assert error.code == ErrorCode.BUSY and "compute took over 3" in error.message
+        assert error.code == ErrorCode.BUSY and "compute took over 2" in error.message
         wait_until(lambda: span_info(peer)["cancelled"] == 1, 60)
         assert peer.unary(small)[0].shape == (1, 8, HIDDEN)
 

@@ -67,21 +67,22 @@ def test_client_settings_that_would_break_every_call_are_refused(field, value):
 # ----- tarpits -----------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tarpitted(local_swarm, tmp_path_factory):
-    """A model and one honest server of it for the tarpit tests, booting while the first test starts its fakes
-    (each test's fakes are killed at its end; their records stay, as a crashed tarpit's would)."""
+    """A model, one honest server of it for the tarpit tests, booting while the first test starts its fakes
+    (each test's fakes are killed at its end; their records stay, as a crashed tarpit's would), and the tokens
+    the local model gives (the same prompt and settings in each test)."""
     path = make_checkpoint(tmp_path_factory.mktemp("tarpitted"), tiny_config(), seed=11)
     honest = local_swarm.start_server(str(path), "0:4", "--compute-threads", "1", wait=False)
-    yield path, honest
+    expected = DiffusionLM.from_pretrained(path).generate("tarpit", **SETTINGS)
+    yield path, honest, expected
     stop_all(local_swarm, [honest])
 
 
 def test_four_tarpits_cost_one_short_challenge_not_minutes(local_swarm, tarpitted):
     """Four fakes announce every block at a huge throughput and never answer a forward call; the old client
     gave up after 4 timeouts (121 s). Now each fails its compute challenge, all at once, before any route."""
-    tarpit_model, honest = tarpitted
+    tarpit_model, honest, expected = tarpitted
     fakes = start_all(local_swarm, tarpit_model, [("0:4", ("--throughput", "1e9"), TARPIT)] * 4)
     wait_all(local_swarm, [honest])
-    expected = DiffusionLM.from_pretrained(tarpit_model).generate("tarpit", **SETTINGS)
     try:
         with swarm_client(local_swarm, tarpit_model, request_timeout=30.0, connect_timeout=3.0) as lm:
             started = time.monotonic()
@@ -101,11 +102,10 @@ def test_a_fake_that_answers_only_short_calls_fails_the_challenge(local_swarm, t
     """A fake answers one-token calls and holds the rest (it hoped the compute challenge is one token, as it was):
     the challenge is shaped like a real pass (its length drawn like real requests'), so the fake fails it and no
     call of the generation is ever sent to it."""
-    tarpit_model, honest = tarpitted
+    tarpit_model, honest, expected = tarpitted
     fake, = start_all(local_swarm, tarpit_model,
                       [("0:4", ("--throughput", "1e9", "--public-name", "tarpit-large"), TARPIT)])
     wait_all(local_swarm, [honest])
-    expected = DiffusionLM.from_pretrained(tarpit_model).generate("tarpit", **SETTINGS)
     try:
         with swarm_client(local_swarm, tarpit_model, connect_timeout=3.0) as lm:
             assert fake.peer_id not in {hop.peer_id for hop in lm.show_route()}
@@ -121,11 +121,10 @@ def test_a_tarpit_that_passes_the_challenge_costs_one_adaptive_timeout(local_swa
     """A smarter fake answers its first call (the challenge, whatever its shape) and holds the rest: the call
     times out after what its measured speed predicts (seconds), not the 30 s request timeout, and it is not asked
     again in that call."""
-    tarpit_model, honest = tarpitted
+    tarpit_model, honest, expected = tarpitted
     fake, = start_all(local_swarm, tarpit_model,
                       [("0:4", ("--throughput", "1e9", "--public-name", "faulty-stall"), FAULTY)])
     wait_all(local_swarm, [honest])
-    expected = DiffusionLM.from_pretrained(tarpit_model).generate("tarpit", **SETTINGS)
     try:
         with swarm_client(local_swarm, tarpit_model, request_timeout=30.0, timeout_floor=2.0) as lm:
             assert lm.show_route()[0].peer_id == fake.peer_id, "the fake passes the challenge and looks fastest"

@@ -130,16 +130,23 @@ def test_a_flood_on_a_stock_peer_blinds_readers_and_halt_says_it_was_not_read_ba
     try:
         prefix, key = "blinded", generate_private_key(tmp_path / "gov.key")
         assert flood(attacker_dht, governance_key(prefix), [str(bootstrap.peer_id)]) == [True]
-        assert publish(operator, key, prefix, HALT, "incident", read_back_seconds=UNREAD_SECONDS) is None, \
-            "a halt nobody can read was 'stored'"
-        assert GovernanceGuard(operator, prefix, [public_key_text(key)]).current(force=True) is None
-        # The reader says which key and which peer it lost (the DHT process's warning, on the command's stderr).
-        status = subprocess.run(
+        # A reader in a process of its own, the status command, reads the flooded key while the halt is published
+        # here (each reader waits out the lost reply, 3 s, and the command reads again): it reads nothing either way.
+        status = subprocess.Popen(
             [sys.executable, "-m", "swarm.governance", "status", "--governance-key", public_key_text(key),
              "--dht-prefix", prefix, "--initial-peers", peers[0]],
-            capture_output=True, text=True, timeout=120, env=env_without_peers())
-        assert "no valid governance record" in status.stdout, status.stdout + status.stderr
-        assert f"gave no usable reply for {governance_key(prefix)}" in status.stderr, status.stderr
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env_without_peers())
+        try:
+            assert publish(operator, key, prefix, HALT, "incident", read_back_seconds=UNREAD_SECONDS) is None, \
+                "a halt nobody can read was 'stored'"
+            assert GovernanceGuard(operator, prefix, [public_key_text(key)]).current(force=True) is None
+            stdout, stderr = status.communicate(timeout=120)
+        finally:
+            status.kill()
+            status.wait()
+        # The reader says which key and which peer it lost (the DHT process's warning, on the command's stderr).
+        assert "no valid governance record" in stdout, stdout + stderr
+        assert f"gave no usable reply for {governance_key(prefix)}" in stderr, stderr
     finally:
         for dht in (operator, attacker_dht, bootstrap):
             stop_dht(dht)
@@ -233,11 +240,14 @@ def test_servers_refuse_the_flood_and_a_halt_still_stops_a_client(local_swarm, a
                                                     governance_keys=(public,)) as governed:
             result = governed.generate("stop me", **SETTINGS)
         assert result.finish_reason == "halted" and result.info["halt"]["reason"] == "flooded but heard"
+        # The halt and the client read through the attacker's own copy of the flood (a reply lost, waited out for
+        # hivemind's 3 s); the resume need not wait it out a third time.
+        forget_local_copies(attacker, [governance_key(prefix)])
         # Only this test's client trusts the key: the resume is not cleanup, it checks that the operator can resume.
         resumed = CliRunner().invoke(governance_cli, ["resume", *operator, "--reason", "over"], catch_exceptions=False)
         assert resumed.exit_code == 0 and "read back" in resumed.output, resumed.output
-    finally:  # the attacker's own copy of the flood (4.5 MiB, a reply lost) would make each later read of the key
-        forget_local_copies(attacker, [governance_key(prefix)])  # on this swarm wait out hivemind's 3 s timeout
+    finally:  # (if the test failed before): the attacker's copy would make each later read of the key wait 3 s
+        forget_local_copies(attacker, [governance_key(prefix)])
 
 
 def test_protected_keys_refuse_plain_subkeys_regular_values_and_records_of_other_peers(tmp_path):
@@ -431,19 +441,26 @@ def test_no_hostile_record_stops_a_client_or_breaks_the_health_json(local_swarm,
         assert all(record.start < record.end <= 4 for record in servers.values())
         experts = read_all_experts(reader, prefix)
         assert len(hostile_domains(experts)) <= MAX_EXPERTS_PER_SERVER and "d0" not in experts  # NaN: refused
-    with DistributedDiffusionLM.from_pretrained(tiny_model_path, initial_peers=local_swarm.initial_peers,
-                                                route_refresh=0.0, request_timeout=20) as lm:
-        assert lm.generate("still here", **SETTINGS).token_ids == local_lm.generate("still here", **SETTINGS).token_ids
-    result = subprocess.run(
+    # The health map reads the same records (stored by the fixture) in a process of its own, while the client runs.
+    mapping = subprocess.Popen(
         [sys.executable, "-m", "swarm.health", "--json", "--dht-prefix", prefix, "--num-blocks", "4",
          *[arg for peer in local_swarm.initial_peers for arg in ("--initial-peers", peer)]],
-        capture_output=True, text=True, timeout=120, env=env_without_peers())
-    assert result.returncode in (0, 1), result.stderr[-2000:]
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env_without_peers())
+    try:
+        with DistributedDiffusionLM.from_pretrained(tiny_model_path, initial_peers=local_swarm.initial_peers,
+                                                    route_refresh=0.0, request_timeout=20) as lm:
+            assert lm.generate("still here", **SETTINGS).token_ids == \
+                local_lm.generate("still here", **SETTINGS).token_ids
+        stdout, stderr = mapping.communicate(timeout=120)
+    finally:
+        mapping.kill()
+        mapping.wait()
+    assert mapping.returncode in (0, 1), stderr[-2000:]
 
     def no_constants(name: str):
         raise AssertionError(f"invalid JSON constant {name}")
 
-    health = json.loads(result.stdout, parse_constant=no_constants)
+    health = json.loads(stdout, parse_constant=no_constants)
     assert health["fully_served"] and len(hostile_domains(health["experts"])) <= MAX_EXPERTS_PER_SERVER
 
 

@@ -19,7 +19,16 @@ from swarm.client.peers import PeerHealth
 from swarm.client.spot_check import OWN_HIDDEN_STATES, UnverifiedResultError
 from swarm.dht.schema import ServerState, default_prefix, read_servers
 from swarm.frontend.local import DiffusionLM
-from tests.conftest import make_checkpoint, start_all, stop_all, swarm_client, tiny_config, wait_all, wait_until
+from tests.conftest import (
+    SERVER,
+    make_checkpoint,
+    start_all,
+    stop_all,
+    swarm_client,
+    tiny_config,
+    wait_all,
+    wait_until,
+)
 
 TARPIT = (str(Path(__file__).with_name("tarpit_server.py")),)
 FAULTY = (str(Path(__file__).with_name("faulty_server.py")),)
@@ -58,21 +67,22 @@ def test_client_settings_that_would_break_every_call_are_refused(field, value):
 # ----- tarpits -----------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tarpitted(local_swarm, tmp_path_factory):
-    """A model and one honest server of it for the tarpit tests, booting while the first test starts its fakes
-    (each test's fakes are killed at its end; their records stay, as a crashed tarpit's would)."""
+    """A model, one honest server of it for the tarpit tests, booting while the first test starts its fakes
+    (each test's fakes are killed at its end; their records stay, as a crashed tarpit's would), and the tokens
+    the local model gives (the same prompt and settings in each test)."""
     path = make_checkpoint(tmp_path_factory.mktemp("tarpitted"), tiny_config(), seed=11)
     honest = local_swarm.start_server(str(path), "0:4", "--compute-threads", "1", wait=False)
-    yield path, honest
+    expected = DiffusionLM.from_pretrained(path).generate("tarpit", **SETTINGS)
+    yield path, honest, expected
     stop_all(local_swarm, [honest])
 
 
 def test_four_tarpits_cost_one_short_challenge_not_minutes(local_swarm, tarpitted):
     """Four fakes announce every block at a huge throughput and never answer a forward call; the old client
     gave up after 4 timeouts (121 s). Now each fails its compute challenge, all at once, before any route."""
-    tarpit_model, honest = tarpitted
+    tarpit_model, honest, expected = tarpitted
     fakes = start_all(local_swarm, tarpit_model, [("0:4", ("--throughput", "1e9"), TARPIT)] * 4)
     wait_all(local_swarm, [honest])
-    expected = DiffusionLM.from_pretrained(tarpit_model).generate("tarpit", **SETTINGS)
     try:
         with swarm_client(local_swarm, tarpit_model, request_timeout=30.0, connect_timeout=3.0) as lm:
             started = time.monotonic()
@@ -92,11 +102,10 @@ def test_a_fake_that_answers_only_short_calls_fails_the_challenge(local_swarm, t
     """A fake answers one-token calls and holds the rest (it hoped the compute challenge is one token, as it was):
     the challenge is shaped like a real pass (its length drawn like real requests'), so the fake fails it and no
     call of the generation is ever sent to it."""
-    tarpit_model, honest = tarpitted
+    tarpit_model, honest, expected = tarpitted
     fake, = start_all(local_swarm, tarpit_model,
                       [("0:4", ("--throughput", "1e9", "--public-name", "tarpit-large"), TARPIT)])
     wait_all(local_swarm, [honest])
-    expected = DiffusionLM.from_pretrained(tarpit_model).generate("tarpit", **SETTINGS)
     try:
         with swarm_client(local_swarm, tarpit_model, connect_timeout=3.0) as lm:
             assert fake.peer_id not in {hop.peer_id for hop in lm.show_route()}
@@ -112,11 +121,10 @@ def test_a_tarpit_that_passes_the_challenge_costs_one_adaptive_timeout(local_swa
     """A smarter fake answers its first call (the challenge, whatever its shape) and holds the rest: the call
     times out after what its measured speed predicts (seconds), not the 30 s request timeout, and it is not asked
     again in that call."""
-    tarpit_model, honest = tarpitted
+    tarpit_model, honest, expected = tarpitted
     fake, = start_all(local_swarm, tarpit_model,
                       [("0:4", ("--throughput", "1e9", "--public-name", "faulty-stall"), FAULTY)])
     wait_all(local_swarm, [honest])
-    expected = DiffusionLM.from_pretrained(tarpit_model).generate("tarpit", **SETTINGS)
     try:
         with swarm_client(local_swarm, tarpit_model, request_timeout=30.0, timeout_floor=2.0) as lm:
             assert lm.show_route()[0].peer_id == fake.peer_id, "the fake passes the challenge and looks fastest"
@@ -182,14 +190,47 @@ def test_a_server_restarted_elsewhere_with_its_identity_is_reached_at_once(local
 
 
 # ----- spot checks without gaps --------------------------------------------------------------------------
+LIARS = {  # the models of the spot-check tests below, by fixture: (checkpoint seed, servers as (blocks, args, entry))
+    # one faulty (announced fastest) and one honest server for the same blocks, and no third to break ties
+    "two_holders": (12, [("0:4", ("--throughput", "1e9"), FAULTY), ("0:4", (), SERVER)]),
+    # a server that lies only on cache-reuse passes (announced fastest), and two honest ones
+    "reuse_liar": (13, [("0:4", ("--throughput", "1e9", "--public-name", "faulty-reuse"), FAULTY), ("0:4", (), SERVER),
+                        ("0:4", (), SERVER)]),
+    # an honest server routed first (announced fastest), a liar for the same blocks announced slower (so every
+    # call it answers is a spot check: a liar acting only as checker), and honest 0:2 + 2:4 announced slowest
+    "checker_liar": (14, [("0:4", ("--throughput", "1e9"), SERVER), ("0:4", ("--throughput", "100"), FAULTY),
+                          ("0:2", ("--throughput", "1"), SERVER), ("2:4", ("--throughput", "1"), SERVER)]),
+    # a ``--head`` server that lies only in its predictions (announced fastest) beside one honest replica without
+    # the head: no other server can answer a head query
+    "head_liar": (15, [("0:4", ("--head", "--throughput", "1e9", "--public-name", "faulty-head"), FAULTY),
+                       ("0:4", ("--throughput", "1"), SERVER)]),
+}
+
+
 @pytest.fixture(scope="module")
-def two_holders(local_swarm, tmp_path_factory):
-    """One faulty (announced fastest) and one honest server for the same blocks, and no third to break ties."""
-    path = make_checkpoint(tmp_path_factory.mktemp("two_holders"), tiny_config(), seed=12)
-    faulty, honest = start_all(local_swarm, path, [("0:4", ("--throughput", "1e9"), FAULTY),
-                                                   ("0:4", (), ("-m", "swarm.server"))])
-    yield path, faulty, honest
-    stop_all(local_swarm, [faulty, honest])
+def liar_models(local_swarm, tmp_path_factory):
+    """Every model of ``LIARS`` with its servers, all started at once when the first is needed (one boot's wait for
+    the eleven, not one per fixture); each fixture waits for its own. Each model is its own DHT prefix: the servers
+    of one are invisible to the clients of another."""
+    models = {}
+    for name, (seed, specs) in LIARS.items():
+        path = make_checkpoint(tmp_path_factory.mktemp(name), tiny_config(), seed=seed)
+        models[name] = path, [local_swarm.start_server(str(path), blocks, "--compute-threads", "1", *extra,
+                                                       entry=entry, wait=False) for blocks, extra, entry in specs]
+    yield models
+    stop_all(local_swarm, [server for _, servers in models.values() for server in servers])
+
+
+def liar_model(local_swarm, liar_models, name: str):
+    path, servers = liar_models[name]
+    wait_all(local_swarm, servers)
+    return path, servers
+
+
+@pytest.fixture(scope="module")
+def two_holders(local_swarm, liar_models):
+    path, (faulty, honest) = liar_model(local_swarm, liar_models, "two_holders")
+    return path, faulty, honest
 
 
 def test_an_unresolved_check_with_no_other_route_stops_with_both_servers_named(local_swarm, two_holders):
@@ -215,13 +256,9 @@ def test_restricted_requests_stop_on_an_unresolved_check(local_swarm, two_holder
 
 
 @pytest.fixture(scope="module")
-def reuse_liar(local_swarm, tmp_path_factory):
-    """A server that lies only on cache-reuse passes (announced fastest), and two honest ones."""
-    path = make_checkpoint(tmp_path_factory.mktemp("reuse_liar"), tiny_config(), seed=13)
-    servers = start_all(local_swarm, path, [("0:4", ("--throughput", "1e9", "--public-name", "faulty-reuse"), FAULTY),
-                                            ("0:4", (), ("-m", "swarm.server")), ("0:4", (), ("-m", "swarm.server"))])
-    yield path, servers[0]
-    stop_all(local_swarm, servers)
+def reuse_liar(local_swarm, liar_models):
+    path, servers = liar_model(local_swarm, liar_models, "reuse_liar")
+    return path, servers[0]
 
 
 CACHED = dict(SETTINGS, cache="dual", gen_length=24, block_length=8, steps=12)
@@ -243,16 +280,8 @@ def test_reuse_passes_are_checked_and_a_reuse_liar_is_caught(local_swarm, reuse_
 
 # ----- issue 33, item 3: liars a check must catch, and checks a liar cannot steer ---------------------------
 @pytest.fixture(scope="module")
-def checker_liar(local_swarm, tmp_path_factory):
-    """An honest server routed first (announced fastest), a liar for the same blocks announced slower (so every
-    call it answers is a spot check: a liar acting only as checker), and honest 0:2 + 2:4 announced slowest."""
-    path = make_checkpoint(tmp_path_factory.mktemp("checker_liar"), tiny_config(), seed=14)
-    servers = start_all(local_swarm, path, [("0:4", ("--throughput", "1e9"), ("-m", "swarm.server")),
-                                            ("0:4", ("--throughput", "100"), FAULTY),
-                                            ("0:2", ("--throughput", "1"), ("-m", "swarm.server")),
-                                            ("2:4", ("--throughput", "1"), ("-m", "swarm.server"))])
-    yield path, servers
-    stop_all(local_swarm, servers)
+def checker_liar(local_swarm, liar_models):
+    return liar_model(local_swarm, liar_models, "checker_liar")
 
 
 def test_a_liar_acting_only_as_checker_cannot_take_the_honest_servers_place(local_swarm, checker_liar):
@@ -275,14 +304,8 @@ def test_a_liar_acting_only_as_checker_cannot_take_the_honest_servers_place(loca
 
 
 @pytest.fixture(scope="module")
-def head_liar(local_swarm, tmp_path_factory):
-    """A ``--head`` server that lies only in its predictions (announced fastest) beside one honest replica
-    without the head: no other server can answer a head query."""
-    path = make_checkpoint(tmp_path_factory.mktemp("head_liar"), tiny_config(), seed=15)
-    servers = start_all(local_swarm, path, [("0:4", ("--head", "--throughput", "1e9", "--public-name", "faulty-head"),
-                                             FAULTY), ("0:4", ("--throughput", "1"), ("-m", "swarm.server"))])
-    yield path, servers
-    stop_all(local_swarm, servers)
+def head_liar(local_swarm, liar_models):
+    return liar_model(local_swarm, liar_models, "head_liar")
 
 
 def test_a_lying_head_server_beside_a_replica_without_the_head_is_caught(local_swarm, head_liar):

@@ -47,6 +47,7 @@ from swarm.dht.schema import (
     block_key,
     default_prefix,
     expert_index_key,
+    forget_local_copies,
     governance_key,
     now,
     protected_keys,
@@ -74,6 +75,7 @@ from tests.test_security_records import SETTINGS, attacker, forge, honest_peers,
 FLOOD_VALUE = b"x" * 4096
 FLOOD_COUNT = 1100  # 1,100 plain 4 KiB subkeys: a reply of ~4.5 MiB, just past libp2p's 4 MiB message
 FLOOD_LIFETIME = 120.0  # what a peer keeps of the flood (up to MAX_KEY_BYTES on a swarm peer) stays this long
+UNREAD_SECONDS = 1.0  # how long a publish that cannot be read back tries (one store and one read: enough to fail)
 
 
 # ----- the attacker's flood (runs in its DHT process) ------------------------------------------------------
@@ -128,16 +130,23 @@ def test_a_flood_on_a_stock_peer_blinds_readers_and_halt_says_it_was_not_read_ba
     try:
         prefix, key = "blinded", generate_private_key(tmp_path / "gov.key")
         assert flood(attacker_dht, governance_key(prefix), [str(bootstrap.peer_id)]) == [True]
-        assert publish(operator, key, prefix, HALT, "incident", read_back_seconds=5) is None, \
-            "a halt nobody can read was 'stored'"
-        assert GovernanceGuard(operator, prefix, [public_key_text(key)]).current(force=True) is None
-        # The reader says which key and which peer it lost (the DHT process's warning, on the command's stderr).
-        status = subprocess.run(
+        # A reader in a process of its own, the status command, reads the flooded key while the halt is published
+        # here (each reader waits out the lost reply, 3 s, and the command reads again): it reads nothing either way.
+        status = subprocess.Popen(
             [sys.executable, "-m", "swarm.governance", "status", "--governance-key", public_key_text(key),
              "--dht-prefix", prefix, "--initial-peers", peers[0]],
-            capture_output=True, text=True, timeout=120, env=env_without_peers())
-        assert "no valid governance record" in status.stdout, status.stdout + status.stderr
-        assert f"gave no usable reply for {governance_key(prefix)}" in status.stderr, status.stderr
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env_without_peers())
+        try:
+            assert publish(operator, key, prefix, HALT, "incident", read_back_seconds=UNREAD_SECONDS) is None, \
+                "a halt nobody can read was 'stored'"
+            assert GovernanceGuard(operator, prefix, [public_key_text(key)]).current(force=True) is None
+            stdout, stderr = status.communicate(timeout=120)
+        finally:
+            status.kill()
+            status.wait()
+        # The reader says which key and which peer it lost (the DHT process's warning, on the command's stderr).
+        assert "no valid governance record" in stdout, stdout + stderr
+        assert f"gave no usable reply for {governance_key(prefix)}" in stderr, stderr
     finally:
         for dht in (operator, attacker_dht, bootstrap):
             stop_dht(dht)
@@ -168,6 +177,9 @@ def test_a_swarm_peer_that_knows_no_prefix_keeps_a_flooded_key_readable(tmp_path
     try:
         assert flood(attacker_dht, governance_key(prefix), [str(bootstrap.peer_id), str(server.peer_id)]) \
             == [False, False], "a peer kept the whole flood"
+        # What this test reads is the bootstrap peer's reply; the attacker's own copy of the flood (a lost reply)
+        # would only make each read below wait out hivemind's 3 s timeout first.
+        forget_local_copies(attacker_dht, [governance_key(prefix)])
         held = bootstrap.run_coroutine(partial(_held_bytes, key=governance_key(prefix)))
         assert MAX_KEY_BYTES - 2 * len(FLOOD_VALUE) < held <= MAX_KEY_BYTES, held
         assert publish(operator, key, prefix, HALT, "incident", read_back_seconds=30) is not None
@@ -211,25 +223,31 @@ def test_a_key_holds_a_bounded_number_of_tiny_subkeys():
 def test_servers_refuse_the_flood_and_a_halt_still_stops_a_client(local_swarm, attacker,  # noqa: F811 (fixture)
                                                                   tiny_model_path, tmp_path):
     prefix, peers = default_prefix(tiny_model_path), honest_peers(local_swarm)
-    servers = [p.peer_id for p in local_swarm.processes[1:4]]  # the fixture's three servers of this model
-    accepted = dict(zip(peers, flood(attacker, governance_key(prefix), peers)))
-    # Servers know the model's keys and refuse every plain subkey; the bootstrap peer knows none and keeps them
-    # up to MAX_KEY_BYTES (so its replies stay readable).
-    assert not any(accepted[p] for p in servers), accepted
-    key = generate_private_key(tmp_path / "gov.key")
-    public = public_key_text(key)
-    network = [arg for peer in local_swarm.initial_peers for arg in ("--initial-peers", peer)]
-    operator = ["--key", str(tmp_path / "gov.key"), "--dht-prefix", prefix, *network]
-    halted = CliRunner().invoke(governance_cli, ["halt", *operator, "--reason", "flooded but heard"],
-                                catch_exceptions=False)
-    assert halted.exit_code == 0 and "read back" in halted.output, halted.output
-    with DistributedDiffusionLM.from_pretrained(tiny_model_path, initial_peers=local_swarm.initial_peers,
-                                                governance_keys=(public,)) as governed:
-        result = governed.generate("stop me", **SETTINGS)
-    assert result.finish_reason == "halted" and result.info["halt"]["reason"] == "flooded but heard"
-    # Only this test's client trusts the key: the resume is not cleanup, it checks that the operator can resume.
-    resumed = CliRunner().invoke(governance_cli, ["resume", *operator, "--reason", "over"], catch_exceptions=False)
-    assert resumed.exit_code == 0 and "read back" in resumed.output, resumed.output
+    try:
+        servers = [p.peer_id for p in local_swarm.processes[1:4]]  # the fixture's three servers of this model
+        accepted = dict(zip(peers, flood(attacker, governance_key(prefix), peers)))
+        # Servers know the model's keys and refuse every plain subkey; the bootstrap peer knows none and keeps them
+        # up to MAX_KEY_BYTES (so its replies stay readable).
+        assert not any(accepted[p] for p in servers), accepted
+        key = generate_private_key(tmp_path / "gov.key")
+        public = public_key_text(key)
+        network = [arg for peer in local_swarm.initial_peers for arg in ("--initial-peers", peer)]
+        operator = ["--key", str(tmp_path / "gov.key"), "--dht-prefix", prefix, *network]
+        halted = CliRunner().invoke(governance_cli, ["halt", *operator, "--reason", "flooded but heard"],
+                                    catch_exceptions=False)
+        assert halted.exit_code == 0 and "read back" in halted.output, halted.output
+        with DistributedDiffusionLM.from_pretrained(tiny_model_path, initial_peers=local_swarm.initial_peers,
+                                                    governance_keys=(public,)) as governed:
+            result = governed.generate("stop me", **SETTINGS)
+        assert result.finish_reason == "halted" and result.info["halt"]["reason"] == "flooded but heard"
+        # The halt and the client read through the attacker's own copy of the flood (a reply lost, waited out for
+        # hivemind's 3 s); the resume need not wait it out a third time.
+        forget_local_copies(attacker, [governance_key(prefix)])
+        # Only this test's client trusts the key: the resume is not cleanup, it checks that the operator can resume.
+        resumed = CliRunner().invoke(governance_cli, ["resume", *operator, "--reason", "over"], catch_exceptions=False)
+        assert resumed.exit_code == 0 and "read back" in resumed.output, resumed.output
+    finally:  # (if the test failed before): the attacker's copy would make each later read of the key wait 3 s
+        forget_local_copies(attacker, [governance_key(prefix)])
 
 
 def test_protected_keys_refuse_plain_subkeys_regular_values_and_records_of_other_peers(tmp_path):
@@ -248,7 +266,7 @@ def test_protected_keys_refuse_plain_subkeys_regular_values_and_records_of_other
         assert forge(attacker_dht, key, b"plain", {"a": 1}, expiration, target, in_cache=True) == [False], \
             "the cache, which readers also answer from, took a plain subkey"
         assert forge(attacker_dht, "someone.elses.key", b"plain", {"a": 1}, expiration, target) == [True]
-        sybils = [RSASignatureValidator(RSAPrivateKey()) for _ in range(3)]
+        sybils = rsa_owners(3)
         answers = [attacker_dht.run_coroutine(partial(_push_owned, owner=owner, key=key, subkey=owned_subkey(owner),
                                                       value=describe(key, {"n": i}), expiration=expiration,
                                                       peer=target[0]))
@@ -276,7 +294,7 @@ def test_owned_keys_keep_a_bounded_number_of_owners_of_bounded_size(owned_key):
     policy = next(policy for policy in protected_keys("capped", 2) if policy.name == key)
     storage = DHTLocalStorage()
     protect_storage([storage], {dht_key_id(policy.name): policy})
-    owners = [RSASignatureValidator(RSAPrivateKey()) for _ in range(MAX_OWNED_SUBKEYS + 1)]
+    owners = rsa_owners(MAX_OWNED_SUBKEYS + 1)
 
     def store(owner: RSASignatureValidator, value: bytes, expiration: float, sender: str = "") -> bool:
         subkey = owned_subkey(owner)
@@ -325,6 +343,17 @@ def test_signed_slot_keys_keep_a_bounded_number_of_slots_of_bounded_size(slot_ke
     assert [store(slot_subkey(author), v) for author in authors] == [True] * max_slots + [False]
     assert store(slot_subkey(authors[0]), described_value(slot_key, 101), expiration + 1) is True, \
         "an update of a held slot must pass"
+
+
+_RSA_KEYS: list[RSAPrivateKey] = []
+
+
+def rsa_owners(count: int) -> list[RSASignatureValidator]:
+    """Validators of ``count`` distinct RSA keys (peer ids), the first of the keys made so far in this process: a
+    key takes 0.05-0.3 s to make, and each test stores under storage of its own, so sharing them changes nothing."""
+    while len(_RSA_KEYS) < count:
+        _RSA_KEYS.append(RSAPrivateKey())
+    return [RSASignatureValidator(key) for key in _RSA_KEYS[:count]]
 
 
 def described_value(key: str, size: int) -> bytes:
@@ -412,19 +441,26 @@ def test_no_hostile_record_stops_a_client_or_breaks_the_health_json(local_swarm,
         assert all(record.start < record.end <= 4 for record in servers.values())
         experts = read_all_experts(reader, prefix)
         assert len(hostile_domains(experts)) <= MAX_EXPERTS_PER_SERVER and "d0" not in experts  # NaN: refused
-    with DistributedDiffusionLM.from_pretrained(tiny_model_path, initial_peers=local_swarm.initial_peers,
-                                                route_refresh=0.0, request_timeout=20) as lm:
-        assert lm.generate("still here", **SETTINGS).token_ids == local_lm.generate("still here", **SETTINGS).token_ids
-    result = subprocess.run(
+    # The health map reads the same records (stored by the fixture) in a process of its own, while the client runs.
+    mapping = subprocess.Popen(
         [sys.executable, "-m", "swarm.health", "--json", "--dht-prefix", prefix, "--num-blocks", "4",
          *[arg for peer in local_swarm.initial_peers for arg in ("--initial-peers", peer)]],
-        capture_output=True, text=True, timeout=120, env=env_without_peers())
-    assert result.returncode in (0, 1), result.stderr[-2000:]
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env_without_peers())
+    try:
+        with DistributedDiffusionLM.from_pretrained(tiny_model_path, initial_peers=local_swarm.initial_peers,
+                                                    route_refresh=0.0, request_timeout=20) as lm:
+            assert lm.generate("still here", **SETTINGS).token_ids == \
+                local_lm.generate("still here", **SETTINGS).token_ids
+        stdout, stderr = mapping.communicate(timeout=120)
+    finally:
+        mapping.kill()
+        mapping.wait()
+    assert mapping.returncode in (0, 1), stderr[-2000:]
 
     def no_constants(name: str):
         raise AssertionError(f"invalid JSON constant {name}")
 
-    health = json.loads(result.stdout, parse_constant=no_constants)
+    health = json.loads(stdout, parse_constant=no_constants)
     assert health["fully_served"] and len(hostile_domains(health["experts"])) <= MAX_EXPERTS_PER_SERVER
 
 
@@ -443,7 +479,7 @@ def test_signed_slots_of_strangers_are_refused_under_a_trusted_governance_key(tm
     operator = start_dht(NetworkConfig(initial_peers=peers, client_mode=True, use_default_peers=False))
     try:
         stranger = Ed25519PrivateKey.generate()
-        assert publish(operator, stranger, "governed", HALT, "free keys", read_back_seconds=5) is None
+        assert publish(operator, stranger, "governed", HALT, "free keys", read_back_seconds=UNREAD_SECONDS) is None
         decision = publish(operator, trusted, "governed", RESUME, "set-up")
         assert decision is not None and decision.action == RESUME
     finally:

@@ -9,8 +9,6 @@ import importlib.util
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -36,14 +34,14 @@ def test_every_flag_has_help_and_bad_input_is_one_line():
     assert result.exit_code == 2 and "--keep" in result.output
 
 
-def start_trainer(local_swarm, tmp_path: Path, key: Path, data: Path) -> subprocess.Popen:
+def start_trainer(local_swarm, tmp_path: Path, key: Path, data: Path, log: str):
+    """``python -m swarm.improve`` forked from the swarm's fork server (its imports done), its output in ``log``."""
     peers = [arg for peer in local_swarm.initial_peers for arg in ("--initial-peers", peer)]
-    command = [sys.executable, "-m", "swarm.improve", "--task", "tagged-addition", "--data", str(data),
+    command = ["-m", "swarm.improve", "--task", "tagged-addition", "--data", str(data),
                "--name", "resumed", "--key", str(key), "--workdir", str(tmp_path / "work"), "--rounds", "2",
                "--round-steps", "6", "--held-out", "4", "--batch-size", "8", "--keep", "1", "--local-model",
                "--threads", "1", *peers]
-    return subprocess.Popen(command, cwd=ROOT, stdout=(tmp_path / "log").open("a"), stderr=subprocess.STDOUT,
-                            start_new_session=True, env=dict(os.environ, SWARM_BOOTSTRAP_FILE=os.devnull))
+    return local_swarm.start_command("trainer", command, log=tmp_path / log).process
 
 
 @pytest.mark.unit
@@ -63,22 +61,21 @@ def test_a_trainer_resumes_after_a_kill_and_shows_its_versions(local_swarm, tmp_
     write_examples(data / "a.jsonl", 64, seed=3)
     key = tmp_path / "trainer.key"
     generate_private_key(key)
-    trainer = start_trainer(local_swarm, tmp_path, key, data)
+    trainer = start_trainer(local_swarm, tmp_path, key, data, "killed.log")
     try:
         deadline = time.monotonic() + 600
         while round_of(tmp_path / "work")[0] < 1:  # its first round is saved: kill it in the second
-            assert trainer.poll() is None and time.monotonic() < deadline, (tmp_path / "log").read_text()[-3000:]
-            time.sleep(0.5)
+            assert trainer.poll() is None and time.monotonic() < deadline, (tmp_path / "killed.log").read_text()[-3000:]
+            time.sleep(0.1)
         os.killpg(trainer.pid, signal.SIGKILL)
-        trainer.wait()
-        trainer = start_trainer(local_swarm, tmp_path, key, data)
-        assert trainer.wait(timeout=600) == 0, (tmp_path / "log").read_text()[-3000:]
+        trainer.wait(timeout=60)
+        trainer = start_trainer(local_swarm, tmp_path, key, data, "resumed.log")
+        assert trainer.wait(timeout=600) == 0, (tmp_path / "resumed.log").read_text()[-3000:]
     finally:
         if trainer.poll() is None:
             os.killpg(trainer.pid, signal.SIGKILL)
-            trainer.wait()
-    log = (tmp_path / "log").read_text()
-    assert "resuming" in log
+            trainer.wait(timeout=60)
+    assert "resuming" in (tmp_path / "resumed.log").read_text()
     rounds, history = round_of(tmp_path / "work")
     assert rounds == 2 and [entry["round"] for entry in history] == [1, 2]
     assert history[-1]["steps"] == 12, "the second round went on from the saved optimizer state"

@@ -117,9 +117,12 @@ def run(examples: int, max_rounds: int, fresh_identity: bool, challenges: int,
     use_threads(1)
     work = Path(tempfile.mkdtemp(prefix="audit-demo-"))
     os.environ[ENV_CACHE] = str(work / "auditor-cache")  # the auditor's client fetches the adapters here
-    local = DiffusionLM.from_pretrained(MODEL)
-    adapters = {name: random_soft_prompt(local, work / name, scale, length) for name, scale, length, _ in ADAPTERS}
-    with LocalSwarm() as swarm:
+    # Every process of the swarm is forked from one that imported torch and hivemind (it imports while the adapters
+    # are made here): one import for the five processes instead of five.
+    with LocalSwarm(fork_server=True) as swarm:
+        local = DiffusionLM.from_pretrained(MODEL)
+        adapters = {name: random_soft_prompt(local, work / name, scale, length)
+                    for name, scale, length, _ in ADAPTERS}
         swarm.start_bootstrap()
         common = ("--compute-threads", "1")
         serve = [arg for path in adapters.values() for arg in ("--serve-adapter", str(path))]

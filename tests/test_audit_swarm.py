@@ -5,20 +5,21 @@ trusts nobody does not, and a stranger's key cannot publish a report such a clie
 ``adapter="best:addition"`` picks the truly better one for clients that trust it."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
+from click.testing import CliRunner
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hivemind.utils import get_dht_time
 
 from swarm.adapters.adapter import AdapterError
-from swarm.adapters.sharing import make_record, publish
+from swarm.adapters.sharing import ENV_CACHE, make_record, publish
 from swarm.audit.auditor import Auditor
 from swarm.audit.config import AuditorConfig
 from swarm.dht.config import NetworkConfig
@@ -28,6 +29,7 @@ from swarm.dht.schema import audit_key, forget_local_copies
 from swarm.dht.validation import ed25519_text, sign_slot, slot_subkey
 from swarm.frontend.local import DiffusionLM
 from swarm.governance.keys import generate_private_key, public_key_text
+from swarm.health.__main__ import main as health_main
 from swarm.models.loading import ModelFiles
 from swarm.reports.records import FAIL, PASS, AdapterAudit, AuditReport, ServerAudit, publish_report, read_report
 from swarm.testing.adapters import random_soft_prompt
@@ -99,13 +101,11 @@ def test_the_health_map_shows_the_latest_trusted_audit(local_swarm, audited):
     peers = [arg for peer in local_swarm.initial_peers for arg in ("--initial-peers", peer)]
     args = ["--model", str(path), "--json", *peers]
 
-    def health(trusted: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "swarm.health", *args, "--trusted-auditors", trusted],
-                              capture_output=True, text=True, timeout=120, cwd=ROOT)
+    def health(trusted: str):  # the command in this process: its own DHT peer, without a second interpreter's start
+        return CliRunner().invoke(health_main, [*args, "--trusted-auditors", trusted])
 
-    with ThreadPoolExecutor(2) as pool:  # both readers at once: one command's start and read of wall time, not two
-        trusting, trusting_nobody = pool.map(health, (public_key_text(key), "none"))
-    assert trusting.returncode == 0, trusting.stderr[-2000:]
+    trusting, trusting_nobody = health(public_key_text(key)), health("none")
+    assert trusting.exit_code == 0, trusting.output[-2000:]
     audits = {s["peer_id"]: s["audit"] for s in json.loads(trusting.stdout)["servers"]}
     assert audits[honest.peer_id]["verdict"] == PASS and audits[liar.peer_id]["verdict"] == FAIL
     assert all(s["audit"] is None for s in json.loads(trusting_nobody.stdout)["servers"])
@@ -230,9 +230,9 @@ def test_the_health_map_shows_adapters_claims_beside_their_audited_scores(local_
     _, _, key, report, _ = scored_adapters
     scores = {entry["name"]: entry for entry in report["adapters"]}
     peers = [arg for peer in local_swarm.initial_peers for arg in ("--initial-peers", peer)]
-    done = subprocess.run([sys.executable, "-m", "swarm.health", "--dht-prefix", ADDITION, "--num-blocks", "4",
-                           "--json", "--trusted-auditors", public_key_text(key), *peers],
-                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    done = CliRunner().invoke(health_main, ["--dht-prefix", ADDITION, "--num-blocks", "4", "--json",
+                                            "--trusted-auditors", public_key_text(key), *peers])
+    assert done.exit_code == 0, done.output[-2000:]
     listed = {a["name"]: a for a in json.loads(done.stdout)["adapters"]}
     assert {name: a["audits"]["addition"]["correct"] for name, a in listed.items()} == {
         name: s["correct"] for name, s in scores.items()}
@@ -266,41 +266,43 @@ def test_best_task_picks_the_truly_better_adapter_for_clients_that_trust_the_aud
 def test_a_server_honest_only_to_the_auditors_known_peer_id_is_caught_from_a_fresh_identity(local_swarm, tmp_path):
     """The attack: a liar that answers honestly to one peer id, the auditor's persistent identity, and lies to
     everyone else (tests/faulty_server.py ``faulty-spare-PEERID``). Challenged from that identity it passes (the
-    control: the attack works); from the round's fresh identity, the default, it fails."""
+    control: the attack works); from the round's fresh identity, the default, it fails. Both rounds run on the
+    auditor's own DHT peer, of the identity the liar learnt (what ``--identity-path`` gives the command)."""
     identity = Identity.load_or_create(tmp_path / "auditor.id")  # a peer id the liar learnt in advance
     path = make_checkpoint(tmp_path / "audit-spare", tiny_config(), seed=12)
     liar = local_swarm.start_server(str(path), "0:4", "--compute-threads", "1", "--public-name",
                                     f"faulty-spare-{identity.peer_id}", entry=FAULTY, name="faulty-spare")
-    key_path = tmp_path / "auditor.key"
-    generate_private_key(key_path)
-    command = [sys.executable, "-m", "swarm.audit", "--once", "--json", "--key", str(key_path), "--model", str(path),
-               "--identity-path", str(tmp_path / "auditor.id"), "--threads", "1",
-               *(arg for peer in local_swarm.initial_peers for arg in ("--initial-peers", peer))]
+    network = NetworkConfig(initial_peers=local_swarm.initial_peers, client_mode=True)
+    dht = start_dht(network, identity=identity)  # a key made a moment ago: no search for another peer using it
+    key = Ed25519PrivateKey.generate()
     try:
+        assert str(dht.peer_id) == identity.peer_id
         verdicts = []
-        for fresh in ("--no-fresh-identity", "--fresh-identity"):
-            done = subprocess.run([*command, fresh], capture_output=True, text=True, timeout=240, cwd=ROOT)
-            assert done.returncode == 0, done.stderr[-3000:]
-            verdicts.append(json.loads(done.stdout)["servers"][0]["verdict"])
+        for fresh in (False, True):
+            config = AuditorConfig(network=network, fresh_identity=fresh, once=True)
+            with Auditor(config, key, ModelFiles(path), dht=dht) as auditor:
+                verdicts.append(auditor.run_round().checked[liar.peer_id].verdict)
         assert verdicts == [PASS, FAIL]
     finally:
+        stop_dht(dht)
         stop_all(local_swarm, [liar])
 
 
 # ----- the demonstration (docs/AUDIT.md) ----------------------------------------------------------------------
-def test_the_audit_demonstration():
-    """``python benchmarks/audit_demo.py`` as documented (its own 4-server swarm), with D delivering 400 positions/s
-    instead of 100 (rounds 1.8 s instead of 4.2, the overclaim ~65x instead of ~250x): the 1-in-20 liar is failed
-    and the server announcing more than it delivers is flagged; a fresh client trusting nobody routes through one of
-    them, one trusting the auditor routes around both and gets the local model's tokens; the auditor's measured
-    adapter scores contradict the authors' claims and ``best:addition`` picks the truly better adapter, with the
-    local tokens."""
+def test_the_audit_demonstration(monkeypatch, tmp_path):
+    """``python benchmarks/audit_demo.py`` as documented (its own 4-server swarm; its ``run``, in this process: one
+    interpreter's start less), with D delivering 400 positions/s instead of 100 (rounds 1.8 s instead of 4.2, the
+    overclaim ~65x instead of ~250x): the 1-in-20 liar is failed and the server announcing more than it delivers is
+    flagged; a fresh client trusting nobody routes through one of them, one trusting the auditor routes around both
+    and gets the local model's tokens; the auditor's measured adapter scores contradict the authors' claims and
+    ``best:addition`` picks the truly better adapter, with the local tokens."""
+    spec = importlib.util.spec_from_file_location("audit_demo", ROOT / "benchmarks" / "audit_demo.py")
+    demo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(demo)
+    monkeypatch.setenv(ENV_CACHE, str(tmp_path / "cache"))  # the demonstration sets it: restored afterwards
     started = time.perf_counter()
-    done = subprocess.run([sys.executable, "benchmarks/audit_demo.py", "--json", "--no-fresh-identity",
-                           "--challenges", "4", "--examples", "20", "--max-rounds", "100", "--delivered", "400"],
-                          capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert done.returncode == 0, done.stderr[-3000:]
-    found = json.loads(done.stdout)
+    found = json.loads(json.dumps(demo.run(examples=20, max_rounds=100, fresh_identity=False, challenges=4,
+                                           delivered=400)))  # what --json prints
     print(f"the demonstration: {time.perf_counter() - started:.1f} s wall; found {found['found']} in "
           f"{found['rounds']} rounds, median {found['round_seconds_median']:.2f} s")
     assert set(found["found"]) == {"liar", "overclaimer"}

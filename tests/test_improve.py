@@ -9,8 +9,6 @@ import importlib.util
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -36,14 +34,14 @@ def test_every_flag_has_help_and_bad_input_is_one_line():
     assert result.exit_code == 2 and "--keep" in result.output
 
 
-def start_trainer(local_swarm, tmp_path: Path, key: Path, data: Path) -> subprocess.Popen:
+def start_trainer(local_swarm, tmp_path: Path, key: Path, data: Path, log: str):
+    """``python -m swarm.improve`` forked from the swarm's fork server (its imports done), its output in ``log``."""
     peers = [arg for peer in local_swarm.initial_peers for arg in ("--initial-peers", peer)]
-    command = [sys.executable, "-m", "swarm.improve", "--task", "tagged-addition", "--data", str(data),
+    command = ["-m", "swarm.improve", "--task", "tagged-addition", "--data", str(data),
                "--name", "resumed", "--key", str(key), "--workdir", str(tmp_path / "work"), "--rounds", "2",
                "--round-steps", "6", "--held-out", "4", "--batch-size", "8", "--keep", "1", "--local-model",
                "--threads", "1", *peers]
-    return subprocess.Popen(command, cwd=ROOT, stdout=(tmp_path / "log").open("a"), stderr=subprocess.STDOUT,
-                            start_new_session=True, env=dict(os.environ, SWARM_BOOTSTRAP_FILE=os.devnull))
+    return local_swarm.start_command("trainer", command, log=tmp_path / log).process
 
 
 @pytest.mark.unit
@@ -63,22 +61,21 @@ def test_a_trainer_resumes_after_a_kill_and_shows_its_versions(local_swarm, tmp_
     write_examples(data / "a.jsonl", 64, seed=3)
     key = tmp_path / "trainer.key"
     generate_private_key(key)
-    trainer = start_trainer(local_swarm, tmp_path, key, data)
+    trainer = start_trainer(local_swarm, tmp_path, key, data, "killed.log")
     try:
         deadline = time.monotonic() + 600
         while round_of(tmp_path / "work")[0] < 1:  # its first round is saved: kill it in the second
-            assert trainer.poll() is None and time.monotonic() < deadline, (tmp_path / "log").read_text()[-3000:]
-            time.sleep(0.5)
+            assert trainer.poll() is None and time.monotonic() < deadline, (tmp_path / "killed.log").read_text()[-3000:]
+            time.sleep(0.1)
         os.killpg(trainer.pid, signal.SIGKILL)
-        trainer.wait()
-        trainer = start_trainer(local_swarm, tmp_path, key, data)
-        assert trainer.wait(timeout=600) == 0, (tmp_path / "log").read_text()[-3000:]
+        trainer.wait(timeout=60)
+        trainer = start_trainer(local_swarm, tmp_path, key, data, "resumed.log")
+        assert trainer.wait(timeout=600) == 0, (tmp_path / "resumed.log").read_text()[-3000:]
     finally:
         if trainer.poll() is None:
             os.killpg(trainer.pid, signal.SIGKILL)
-            trainer.wait()
-    log = (tmp_path / "log").read_text()
-    assert "resuming" in log
+            trainer.wait(timeout=60)
+    assert "resuming" in (tmp_path / "resumed.log").read_text()
     rounds, history = round_of(tmp_path / "work")
     assert rounds == 2 and [entry["round"] for entry in history] == [1, 2]
     assert history[-1]["steps"] == 12, "the second round went on from the saved optimizer state"
@@ -93,8 +90,13 @@ def test_a_trainer_resumes_after_a_kill_and_shows_its_versions(local_swarm, tmp_
 
 @pytest.mark.timeout(1500)
 def test_the_shortened_demonstration_adopts_by_audit(tmp_path):
-    rows = run_demo(tmp_path, rounds=2, round_steps=20, held_out=10, audit_examples=10, client_examples=10,
-                    batch_size=16, local_model=False, round_timeout=900)
+    # 10 optimizer steps a round (global batch 32): after the second round's 20 steps each trainer's own figure on
+    # its 20 held-out problems was 4-10 of 20 in 12 seeds of a one-process run of the same schedule (0-6 of 20
+    # after 10 steps), so a version is published by round 2 at the latest and the auditor scores it. The trainers
+    # run the model in their own processes (--local-model): they still train together over the swarm's DHT, publish
+    # and serve their versions there, and the auditor and the client still go through the server.
+    rows = run_demo(tmp_path, rounds=2, round_steps=10, held_out=20, audit_examples=5, client_examples=5,
+                    batch_size=16, local_model=True, round_timeout=900)
     assert [row.round for row in rows] == [0, 1, 2]
     assert rows[0].client_score == 0.0 and rows[0].best == "-", "the base model never writes the tag"
     table = (tmp_path / "improve_demo.md").read_text().splitlines()
@@ -201,11 +203,12 @@ def test_a_version_overfitted_to_its_public_examples_does_not_win(local_swarm, t
         good, _ = publish_version(dht, trainer, OVERFIT_PREFIX, honest, "tagged", data, 0.6, [server.peer_id])
         bad, _ = publish_version(dht, trainer, OVERFIT_PREFIX, overfit, "tagged", data, 1.0, [server.peer_id])
         config = AuditorConfig(network=network, dht_prefix=OVERFIT_PREFIX, score_adapters=(task.name,),
-                               task_examples=20, fresh_identity=False, once=True)
+                               task_examples=10, fresh_identity=False, once=True)
         with Auditor(config, auditor_key, ModelFiles("addition")) as auditor:
             report = auditor.run_round().report
         scores = {entry.sha256: entry.correct for entry in report.adapters}
-        assert scores[bad.sha256] < scores[good.sha256], scores  # fresh problems tell them apart
+        # fresh problems tell them apart: on 6 draws of 20 the honest version answered 12-14, the overfitted one 0
+        assert scores[bad.sha256] < scores[good.sha256], scores
         with swarm_client(local_swarm, "addition", dht_prefix=OVERFIT_PREFIX,
                           trusted_auditors=(ed25519_text(auditor_key),)) as lm:
             lm.adapter_cache = tmp_path / "cache"

@@ -16,20 +16,21 @@ version, what ``best:`` chose, the client's score) and writes it, as Markdown an
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import click
 
 from swarm.cli.options import run_main, setup_logging
+from swarm.utils.forkserver import ForkedProcess
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +38,7 @@ TASK = "tagged-addition"  # swarm.train.data.TaggedAdditionTask (imported when r
 NAME = "tagged"
 MODEL = "addition"
 EXAMPLES_PER_ROUND = 100  # examples arriving in the trainers' data folder each round (a round starts on new data)
+Process = Union[subprocess.Popen, ForkedProcess]  # a trainer (LocalSwarm.start_command)
 
 
 @dataclass
@@ -109,29 +111,33 @@ def plot(rows: list[Row], path: Path) -> None:
     plt.close(figure)
 
 
-def start_trainer(label: str, workdir: Path, key: Path, data: Path, peers: list[str], options: dict[str, Any],
-                  log: Path) -> subprocess.Popen:
-    command = [sys.executable, "-m", "swarm.improve", "--task", TASK, "--data", str(data), "--name", NAME,
+def start_trainer(swarm, label: str, workdir: Path, key: Path, data: Path, options: dict[str, Any],
+                  log: Path) -> Process:
+    """A ``python -m swarm.improve`` process of the local swarm (forked from its fork server), its output in ``log``."""
+    command = ["-m", "swarm.improve", "--task", TASK, "--data", str(data), "--name", NAME,
                "--key", str(key), "--workdir", str(workdir), "--model", MODEL, "--run-id", "demo",
                "--rounds", "0", "--round-steps", str(options["round_steps"]),
                "--held-out", str(options["held_out"]), "--batch-size", str(options["batch_size"]),
                "--target-batch-size", str(2 * options["batch_size"]), "--keep", "2", "--threads", "1",
                "--min-new-examples", str(EXAMPLES_PER_ROUND),
-               "--log-level", "INFO", *[arg for peer in peers for arg in ("--initial-peers", peer)],
+               "--log-level", "INFO", *[arg for peer in swarm.initial_peers for arg in ("--initial-peers", peer)],
                *(["--local-model"] if options["local_model"] else [])]
-    logger.info("starting trainer %s: %s", label, " ".join(command))
-    return subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
-                            env=dict(os.environ, SWARM_BOOTSTRAP_FILE=os.devnull))
+    return swarm.start_command(f"trainer {label}", command, log=log).process
 
 
-def stop(process: subprocess.Popen) -> None:
-    if process.poll() is None:
-        os.killpg(process.pid, signal.SIGTERM)
+def stop(processes: list[Process]) -> None:
+    """SIGTERM to every process at once (each takes seconds to leave its collaboration), then wait for each."""
+    running = [process for process in processes if process.poll() is None]
+    for process in running:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGTERM)
+    for process in running:
         try:
             process.wait(timeout=30)
         except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait(timeout=30)
 
 
 def run_demo(output: Path, rounds: int, round_steps: int, held_out: int, audit_examples: int, client_examples: int,
@@ -161,16 +167,16 @@ def run_demo(output: Path, rounds: int, round_steps: int, held_out: int, audit_e
     options = dict(round_steps=round_steps, held_out=held_out, batch_size=batch_size,
                    local_model=local_model)
     rows: list[Row] = []
-    trainers: dict[str, subprocess.Popen] = {}
-    with LocalSwarm() as swarm:
+    trainers: dict[str, Process] = {}
+    with LocalSwarm(fork_server=True) as swarm:  # every process forked from one that imported torch and hivemind
         swarm.start_bootstrap()
         swarm.start_server(MODEL, "0:4", "--compute-threads", "1")
         peers = swarm.initial_peers
         network = NetworkConfig(initial_peers=peers, client_mode=True)
         try:
             for label in "AB":
-                trainers[label] = start_trainer(label, work / f"trainer-{label}", work / f"trainer-{label}.key",
-                                                data, peers, options, work / f"trainer-{label}.log")
+                trainers[label] = start_trainer(swarm, label, work / f"trainer-{label}", work / f"trainer-{label}.key",
+                                                data, options, work / f"trainer-{label}.log")
             auditor = Auditor(AuditorConfig(network=network, score_adapters=(TASK,), task_examples=audit_examples,
                                             fresh_identity=False, once=True), auditor_key, ModelFiles(MODEL))
             client = DistributedDiffusionLM.from_pretrained(MODEL, initial_peers=peers, route_refresh=2.0,
@@ -207,8 +213,7 @@ def run_demo(output: Path, rounds: int, round_steps: int, held_out: int, audit_e
             auditor.shutdown()
             client.shutdown()
         finally:
-            for process in trainers.values():
-                stop(process)
+            stop(list(trainers.values()))
     write_outputs(output, rows)
     return rows
 
@@ -251,7 +256,7 @@ def audited_figure(client, task: str) -> Optional[float]:
     return entry[1].score if entry is not None else None
 
 
-def wait_for_round(trainers: dict[str, subprocess.Popen], work: Path, number: int, timeout: float
+def wait_for_round(trainers: dict[str, Process], work: Path, number: int, timeout: float
                    ) -> dict[str, list[dict[str, Any]]]:
     """Each trainer's history once every one has finished round ``number``; RuntimeError if one died or timed out."""
     deadline = time.monotonic() + timeout
@@ -265,7 +270,7 @@ def wait_for_round(trainers: dict[str, subprocess.Popen], work: Path, number: in
                                    f"{work / f'trainer-{label}.log'}")
         if time.monotonic() > deadline:
             raise RuntimeError(f"round {number} took over {timeout:.0f} s")
-        time.sleep(1.0)
+        time.sleep(0.25)  # a round's end is a file written: read it soon after
 
 
 def write_outputs(output: Path, rows: list[Row]) -> None:

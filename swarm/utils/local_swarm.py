@@ -16,8 +16,10 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Optional, Sequence, Union
+from pathlib import Path
+from typing import Optional, Sequence, TextIO, Union
 
 import psutil
 
@@ -91,7 +93,12 @@ class LocalSwarm:
             args += ["--initial-peers", peer]
         return self._start(name or f"server-{blocks}", args + list(extra), wait)
 
-    def _start(self, name: str, args: Sequence[str], wait: bool = True) -> ManagedProcess:
+    def start_command(self, name: str, args: Sequence[str], log: Optional[Path] = None) -> ManagedProcess:
+        """Start ``python *args`` (say ``["-m", "swarm.improve", ...]``), forked where this swarm has a fork server,
+        without waiting for a READY line; with ``log`` its output also goes to that file as it comes."""
+        return self._start(name, args, wait=False, log=log)
+
+    def _start(self, name: str, args: Sequence[str], wait: bool = True, log: Optional[Path] = None) -> ManagedProcess:
         command = [self.python, *args]
         if self.fork_server and forkable(args):
             if self._forks is None:
@@ -104,16 +111,21 @@ class LocalSwarm:
                                        env=self.env, start_new_session=True)
         managed = ManagedProcess(name, process)
         self.processes.append(managed)
-        threading.Thread(target=self._pump, args=(managed,), daemon=True).start()
+        copy = open(log, "w") if log is not None else None  # noqa: SIM115 (the pump closes it at the output's end)
+        threading.Thread(target=self._pump, args=(managed, copy), daemon=True).start()
         if wait:
             self.wait_ready(managed)
         return managed
 
     @staticmethod
-    def _pump(managed: ManagedProcess) -> None:
-        for line in managed.process.stdout:
-            managed.log.append(line.rstrip())
-            managed.lines.put(line)
+    def _pump(managed: ManagedProcess, copy: Optional[TextIO] = None) -> None:
+        with copy or contextlib.nullcontext():
+            for line in managed.process.stdout:
+                managed.log.append(line.rstrip())
+                managed.lines.put(line)
+                if copy is not None:
+                    copy.write(line)
+                    copy.flush()
 
     def wait_ready(self, managed: ManagedProcess) -> None:
         deadline = time.monotonic() + self.startup_timeout
@@ -158,9 +170,15 @@ class LocalSwarm:
         signal_family(managed.process.pid, descendants(managed.process.pid), sig)
 
     def stop(self) -> None:
-        for managed in reversed(self.processes):
-            if managed.alive:
-                self.terminate(managed, signal.SIGTERM, timeout=15)
+        """Stop every process: all but the bootstrap peer at once (a server takes 1-3 s to announce that it leaves,
+        through the bootstrap peer), then the bootstrap peer."""
+        leaving = [managed for managed in reversed(self.processes) if managed is not self.bootstrap and managed.alive]
+        if leaving:
+            with ThreadPoolExecutor(len(leaving)) as pool:
+                for stopped in [pool.submit(self.terminate, managed, signal.SIGTERM, 15) for managed in leaving]:
+                    stopped.result()
+        if self.bootstrap is not None and self.bootstrap.alive:
+            self.terminate(self.bootstrap, signal.SIGTERM, timeout=15)
         self.processes.clear()
         if self._forks is not None:
             self._forks.close()

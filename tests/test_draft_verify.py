@@ -19,8 +19,10 @@ from swarm.diffusion.remasking import STRATEGIES
 from swarm.diffusion.sampler import DiffusionSampler
 from swarm.frontend.local import DiffusionLM
 from swarm.frontend.scale import plan_scale
+from tests.conftest import stop_all, wait_all, wait_seen
 
 SHORT = dict(gen_length=16, steps=16, block_length=8)
+HEAD_PREFIX = "draft-head"
 VARIANTS = {  # name: settings over SHORT; every strategy runs greedy and sampled besides these
     "threshold": dict(steps=8, threshold=0.3),
     "cfg": dict(cfg_scale=1.5),
@@ -230,23 +232,24 @@ def test_drafts_are_pushed_from_server_to_server(remote_lm, local_lm, monkeypatc
 
 @pytest.fixture(scope="module")
 def head_server(local_swarm, tiny_model_path):
-    """A server of every block with the output head, announcing a huge throughput so that routes prefer it (the
-    fixture's servers, without the head, are the failover's fallback); gone after the module."""
-    server = local_swarm.start_server(str(tiny_model_path), "0:4", "--head", "--throughput", "1e9",
+    """A server of every block with the output head, under a DHT prefix of its own (on the shared one its route would
+    take every remote test's calls, whatever the order); gone after the module."""
+    server = local_swarm.start_server(str(tiny_model_path), "0:4", "--head", "--dht-prefix", HEAD_PREFIX,
                                       "--compute-threads", "1", name="draft-head")
     yield server
     if server.alive:
         local_swarm.terminate(server)
 
 
-def head_client(local_swarm, tiny_model_path) -> DistributedDiffusionLM:
+def head_client(local_swarm, tiny_model_path, prefix: str) -> DistributedDiffusionLM:
     return DistributedDiffusionLM.from_pretrained(tiny_model_path, initial_peers=local_swarm.initial_peers,
-                                                  request_timeout=20, spot_check_fraction=0)  # checks load a head
+                                                  dht_prefix=prefix, request_timeout=20,
+                                                  spot_check_fraction=0)  # checks load a head
 
 
 def test_drafts_with_the_head_on_the_server(local_swarm, tiny_model_path, head_server, local_lm):
     """The head server answers each row's predictions (no logits reach the client): drafts come from them."""
-    with head_client(local_swarm, tiny_model_path) as lm:
+    with head_client(local_swarm, tiny_model_path, HEAD_PREFIX) as lm:
         assert [hop.peer_id for hop in lm.show_route()] == [head_server.peer_id]
         cases = [dict(remasking=remasking, temperature=0.6 * (seed % 2), seed=seed)
                  for seed, remasking in enumerate(STRATEGIES)]
@@ -257,19 +260,30 @@ def test_drafts_with_the_head_on_the_server(local_swarm, tiny_model_path, head_s
         assert lm._head is None, "the client scored logits itself although the head server answered"
 
 
-def test_drafts_survive_a_server_killed_mid_run(local_swarm, tiny_model_path, head_server, local_lm):
-    """SIGKILL of the route's only server after the third step: the generation goes on over the fixture's servers
-    (the client's head then scores their hidden states) with the local tokens."""
+def test_drafts_survive_a_server_killed_mid_run(local_swarm, tiny_model_path, local_lm):
+    """SIGKILL of the route's only server after the third step: the generation goes on over two servers without the
+    head (the client's head then scores their hidden states) with the local tokens. Its own servers and prefix: the
+    kill would otherwise take the module's head server from every test after it (a shuffled run found it)."""
+    prefix = "draft-loss"
+    servers = [local_swarm.start_server(str(tiny_model_path), span, "--dht-prefix", prefix, "--compute-threads", "1",
+                                        *extra, name=f"draft-loss-{span}", wait=False)
+               for span, extra in (("0:4", ("--head", "--throughput", "1e9")), ("0:2", ()), ("2:4", ()))]
+    wait_all(local_swarm, servers)
+    head = servers[0]
     settings = dict(SHORT, remasking="low_confidence", temperature=0.7, seed=9, draft_steps=3)
-    with head_client(local_swarm, tiny_model_path) as lm:
-        assert [hop.peer_id for hop in lm.show_route()] == [head_server.peer_id]
-        result = None
-        for chunk in lm.generate_stream("failover drafts", **settings):
-            if chunk.done:
-                result = chunk.result
-            elif chunk.step >= 2 and head_server.alive:
-                local_swarm.terminate(head_server, signal.SIGKILL)
+    try:
+        with head_client(local_swarm, tiny_model_path, prefix) as lm:
+            wait_seen(lm, servers)
+            assert [hop.peer_id for hop in lm.show_route()] == [head.peer_id]
+            result = None
+            for chunk in lm.generate_stream("failover drafts", **settings):
+                if chunk.done:
+                    result = chunk.result
+                elif chunk.step >= 2 and head.alive:
+                    local_swarm.terminate(head, signal.SIGKILL)
         expected = local_lm.generate("failover drafts", **settings)
         assert_same_run(local_lm.generate("failover drafts", **dict(settings, draft_steps=0)), result)
         assert result.token_ids == expected.token_ids
-        assert any(event["peer_id"] == head_server.peer_id for event in result.info["failovers"])
+        assert any(event["peer_id"] == head.peer_id for event in result.info["failovers"])
+    finally:
+        stop_all(local_swarm, [server for server in servers if server.alive])  # their own prefix

@@ -236,9 +236,10 @@ def expert_server(local_swarm, tiny_model_path, alpha_path):
     local_swarm.terminate(server)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def forger(local_swarm):
-    """A DHT peer that is not a server: it announces experts it cannot serve (or cannot be composed)."""
+    """A DHT peer that is not a server: it announces experts it cannot serve (or cannot be composed). One per test:
+    a client that met a forger's failure avoids that peer, so a shared one would change what the next test sees."""
     identity = Identity.load_or_create(None)
     dht = start_dht(NetworkConfig(initial_peers=local_swarm.initial_peers), identity=identity)
 

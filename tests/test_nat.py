@@ -116,7 +116,8 @@ def require_lab() -> None:
 @pytest.fixture(scope="module")
 def lab():
     """Four public machines (bootstrap and relays), four homes behind NAT (home4's router randomizes ports, so
-    hole punching cannot work there) and a client's home. The relay test kills a public peer: it runs last."""
+    hole punching cannot work there) and a client's home. The relay test kills a public peer and starts it again
+    with the same identity and port, so the tests after it (in any order) find the lab as it was."""
     require_lab()
     with NetLab(LabConfig(homes=4, client_homes=1, symmetric_nat=("home4",))) as built:
         began = time.monotonic()
@@ -295,6 +296,7 @@ def test_relay_lost_mid_run_is_survived(lab, local_tokens):
     the server holds a reservation on a second relay, and the client's next call goes through it."""
     servers = start_servers(lab, [("home4", "0:16")], "nat-relay")
     (server_id, server), = servers.items()
+    relay = None
     try:
         client = lab.start_client("client1", *client_args("nat-relay", "--hold-at-step", "3"))
         held = client.wait_for("HELD", 90)
@@ -322,3 +324,5 @@ def test_relay_lost_mid_run_is_survived(lab, local_tokens):
         report_paths(result["paths"], servers)
     finally:
         stop_servers(lab, servers)
+        if relay is not None:  # the lab as it was for the tests after this one
+            lab.restart_public_peer(relay)

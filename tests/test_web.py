@@ -49,6 +49,7 @@ from swarm.utils.local_swarm import LocalSwarm  # noqa: E402
 from swarm.web.server import listen  # noqa: E402
 from swarm.web.snapshot import ClientView, Probe, map_snapshot  # noqa: E402
 from swarm.web.watcher import SwarmWatcher, WatchConfig, in_flight_of, own_access  # noqa: E402
+from tests.conftest import wait_seen, wait_until  # noqa: E402
 from tests.test_api import serve  # noqa: E402  (uvicorn on a free loopback port, in a thread)
 
 MODEL = "default"  # the embedded model: 16 blocks, readable text for the screenshots
@@ -91,15 +92,30 @@ def governance_key(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def web_swarm() -> Iterator[LocalSwarm]:
-    """A bootstrap peer and three servers of the default model: 0:8 and two of 8:16 (the last tests stop those)."""
+def web_swarm(tmp_path_factory) -> Iterator[LocalSwarm]:
+    """A bootstrap peer and three servers of the default model: 0:8 and two of 8:16. Each has an identity file, so
+    a test that stops one starts it again with the same peer id (:func:`stopping_swarm`) for the tests after it."""
+    identities = tmp_path_factory.mktemp("identities")
     with LocalSwarm(fork_server=True) as swarm:
         swarm.start_bootstrap()
-        servers = [swarm.start_server(MODEL, span, "--compute-threads", "1", "--public-name", name, wait=False)
-                   for span, name in (("0:8", "first half"), ("8:16", HOSTILE_NAME), ("8:16", "spare"))]
+        servers = [swarm.start_server(MODEL, span, "--compute-threads", "1", "--public-name", name,
+                                      "--identity-path", str(identities / f"server{index}.key"), wait=False)
+                   for index, (span, name) in enumerate((("0:8", "first half"), ("8:16", HOSTILE_NAME),
+                                                         ("8:16", "spare")))]
         for server in servers:
             swarm.wait_ready(server)
         yield swarm
+
+
+@pytest.fixture
+def stopping_swarm(web_swarm, web_lm) -> Iterator[LocalSwarm]:
+    """``web_swarm`` for a test that stops its servers: afterwards every stopped server starts again with the same
+    peer id and flags, and the API's client reads them again (a server it banned for failing comes back at a new
+    address, which lifts the ban), so the tests after it find the swarm as the fixtures made it, whatever the order."""
+    yield web_swarm
+    revived = [web_swarm.restart(server) for server in web_swarm.processes[:] if server.span and not server.alive]
+    if revived:
+        wait_seen(web_lm, revived)
 
 
 @pytest.fixture(scope="module")
@@ -469,15 +485,15 @@ def test_map_shows_every_server_read_through_the_api(browser, api_url):
     browser.get(f"{api_url}/map?every=1")
     wait_for(browser, lambda d: map_is_drawn(d, 3, servers=3), "every server, pinged")
     assert text_of(browser, "coverage").startswith("Every block is served: 16 blocks")
-    governance = text_of(browser, "governance")  # the set-up resume of web_lm, when that fixture ran first
-    assert "no governance decision" in governance or governance.startswith("Running"), governance
+    # web_lm's set-up resume (its fixture comes before api_url's), or a halt test's resume once the map reads it
+    wait_for(browser, lambda d: text_of(d, "governance").startswith("Running"), "the governance state: running")
     rows = server_rows(browser)
     assert all(int(row["Cache room (tokens)"]) > 0 for row in rows), rows  # each server's free cache, announced
     names = [row["Name"] for row in rows]
     assert names[0] == "first half" and sorted(names[1:]) == sorted([HOSTILE_NAME, "spare"])  # markup as text
     assert not browser.find_elements(By.CSS_SELECTOR, "main b")
     assert [label.split(":")[0] for label, _ in bars(browser)] == names
-    assert all("status-online" in classes for _, classes in bars(browser))
+    assert all("status-online" in classes for _, classes in bars(browser)), bars(browser)
     assert browser.find_element(By.ID, "nav-playground").is_displayed()
     screenshot(browser, "web-map.png")
     tab_to(browser, "document.activeElement.classList.contains('bar')")
@@ -561,13 +577,18 @@ def test_playground_shows_bad_settings_and_a_halt(browser, api_url, web_lm, gove
         assert "maintenance window" in governance and "ago)" in governance
     finally:
         publish(web_lm.dht, governance_key, MODEL, RESUME, "done", trusted=[governance_key.public_key()])
+        # the resume read back before the next test, whichever it is: by the client and on the API's map
+        assert wait_until(lambda: getattr(web_lm.guard.current(force=True), "halted", None) is False, timeout=WAIT_S)
+        browser.get(f"{api_url}/map?every=1")
+        wait_for(browser, lambda d: text_of(d, "governance").startswith("Running"), "the resume on the map")
     assert console_errors(browser, allowed=("status of 400", "status of 503")) == []
 
 
-def test_playground_shows_a_failover(browser, api_url, web_swarm, web_lm, local_model):
+def test_playground_shows_a_failover(browser, api_url, stopping_swarm, web_lm, local_model):
     """The server of the route's second hop stops: the answer is the same, and the page names the failover."""
-    hop = next(hop for hop in web_lm.planner.route if hop.start == 8)
-    web_swarm.terminate(next(p for p in web_swarm.processes if p.peer_id == hop.peer_id))
+    web_lm.planner.refresh()  # the servers as they are now (an earlier test may have stopped and restarted some)
+    hop = next(hop for hop in web_lm.planner.build_route() if hop.start == 8)  # kept for the next generation
+    stopping_swarm.terminate(next(p for p in stopping_swarm.processes if p.peer_id == hop.peer_id))
     open_playground(browser, api_url)
     type_settings(browser, SETTINGS)
     assert wait_for(browser, finished, "the generation to end").startswith("Done"), text_of(browser, "error")
@@ -578,18 +599,18 @@ def test_playground_shows_a_failover(browser, api_url, web_swarm, web_lm, local_
     assert console_errors(browser) == []
 
 
-def test_health_serve_map_warns_once_a_server_stops(browser, web_swarm, api_url, governance_key, audited):
+def test_health_serve_map_warns_once_a_server_stops(browser, stopping_swarm, api_url, governance_key, audited):
     command = [sys.executable, "-m", "swarm.health", "--serve", "--port", "0", "--model", MODEL,
                "--trusted-auditors", audited.auditor,
-               *[arg for peer in web_swarm.initial_peers for arg in ("--initial-peers", peer)]]
-    env = dict(web_swarm.env, SWARM_GOVERNANCE_KEYS=public_key_text(governance_key))
+               *[arg for peer in stopping_swarm.initial_peers for arg in ("--initial-peers", peer)]]
+    env = dict(stopping_swarm.env, SWARM_GOVERNANCE_KEYS=public_key_text(governance_key))
     process = subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env,
                                start_new_session=True)
     try:
         url = read_ready_url(process)
         browser.get(f"{url}?every=1")
         # A server stopped by an earlier test is listed as offline until its record expires (2.5 update periods).
-        running = sum(1 for p in web_swarm.processes if p.alive and p.span)
+        running = sum(1 for p in stopping_swarm.processes if p.alive and p.span)
         wait_for(browser, lambda d: map_is_drawn(d, running), "the running servers on the operator's map")
         assert not browser.find_element(By.ID, "nav-playground").is_displayed()  # no API here
         assert "Running" in text_of(browser, "governance")  # watched: the keys came from the environment
@@ -607,9 +628,9 @@ def test_health_serve_map_warns_once_a_server_stops(browser, web_swarm, api_url,
         assert browser.execute_script("return document.querySelectorAll('#adapters .version-curve polyline')"
                                       ".length") == 2
         screenshot(browser, "web-map-audits.png")
-        stopping = [p for p in web_swarm.processes if p.span == (8, 16) and p.alive]  # run alone: two of them
+        stopping = [p for p in stopping_swarm.processes if p.span == (8, 16) and p.alive]  # run alone: two of them
         with ThreadPoolExecutor(len(stopping)) as pool:  # each announces OFFLINE as it leaves (1-3 s): at once
-            list(pool.map(web_swarm.terminate, stopping))
+            list(pool.map(stopping_swarm.terminate, stopping))
         wait_for(browser, lambda d: text_of(d, "coverage").startswith("Uncovered blocks 8:16"), "the warning")
         assert browser.execute_script("return document.querySelectorAll('.replicas.uncovered').length") == 8
         statuses = {row["Status"] for row in server_rows(browser) if row["Blocks"] == "8:16"}

@@ -36,6 +36,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -191,7 +192,9 @@ class NamespacedSwarm(LocalSwarm):
         return list(self.peers)
 
     def _start(self, name: str, args: Sequence[str], wait: bool = True) -> ManagedProcess:
-        return super()._start(name, ["netns", "exec", self.namespace, sys.executable, *args], wait)
+        managed = super()._start(name, ["netns", "exec", self.namespace, sys.executable, *args], wait)
+        managed.args = list(args)  # what :meth:`restart` passes here again
+        return managed
 
     def start(self, name: str, args: Sequence[str], wait: bool = True) -> ManagedProcess:
         """Any ``python ARGS`` that prints a READY line (``swarm.dht``, ``swarm.server``)."""
@@ -274,6 +277,7 @@ class NetLab:
     _swarms: dict[str, NamespacedSwarm] = field(default_factory=dict)
     _clients: list["LabClient"] = field(default_factory=list)
     _previous_sigterm: Any = None
+    _identities: str = ""  # a folder holding each public peer's identity key, so a restart keeps its peer id
 
     @property
     def prefix(self) -> str:
@@ -407,13 +411,26 @@ class NetLab:
 
     def _start_public_peer(self, role: str, wait: bool) -> ManagedProcess:
         address = self.machines[role].address
-        args = ["-m", "swarm.dht", "--host-maddrs", f"/ip4/{address}/tcp/{self.config.peer_port}"]
+        if not self._identities:
+            self._identities = tempfile.mkdtemp(prefix=f"{self.prefix}identities-")
+        args = ["-m", "swarm.dht", "--host-maddrs", f"/ip4/{address}/tcp/{self.config.peer_port}",
+                "--identity-path", os.path.join(self._identities, f"{role}.key")]
         for peer in self.initial_peers:
-            args += ["--initial-peers", peer]
+            if f"/ip4/{address}/" not in peer:
+                args += ["--initial-peers", peer]
         process = self.swarm(role).start(role, args, wait=wait)
         if not self.initial_peers:
             self.initial_peers = [m for m in process.maddrs if f"/ip4/{address}/" in m]
         return process
+
+    def restart_public_peer(self, process: ManagedProcess) -> ManagedProcess:
+        """A public peer killed by a test, started again on its machine with its identity and port: its multiaddrs
+        (in ``initial_peers``, which every later process is given) name a live peer again, so the lab is as it
+        was for the tests after. It joins every other public peer."""
+        role = next(role for role in self.public_roles if process in self.swarm(role).processes)
+        if process.alive:
+            self.terminate(process, signal.SIGKILL)
+        return self._start_public_peer(role, wait=True)
 
     def start_server(self, role: str, blocks: str, *extra: str, model: str = "default",
                      wait: bool = True) -> ManagedProcess:
@@ -481,6 +498,9 @@ class NetLab:
         for namespace in reversed(self._namespaces):
             _delete_namespace(namespace)
         self._namespaces.clear()
+        if self._identities:
+            shutil.rmtree(self._identities, ignore_errors=True)
+            self._identities = ""
         atexit.unregister(self.close)
         if self._previous_sigterm is not None:
             signal.signal(signal.SIGTERM, self._previous_sigterm)

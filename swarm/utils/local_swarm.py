@@ -37,6 +37,7 @@ class ManagedProcess:
     peer_id: str = ""
     maddrs: list[str] = field(default_factory=list)
     span: Optional[tuple[int, int]] = None
+    args: list[str] = field(default_factory=list)  # what followed ``python`` (for :meth:`LocalSwarm.restart`)
     lines: "queue.Queue[str]" = field(default_factory=queue.Queue)
     log: list[str] = field(default_factory=list)
 
@@ -109,13 +110,26 @@ class LocalSwarm:
             logger.info("starting %s: %s", name, " ".join(command))
             process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                        env=self.env, start_new_session=True)
-        managed = ManagedProcess(name, process)
+        managed = ManagedProcess(name, process, args=list(args))
         self.processes.append(managed)
         copy = open(log, "w") if log is not None else None  # noqa: SIM115 (the pump closes it at the output's end)
         threading.Thread(target=self._pump, args=(managed, copy), daemon=True).start()
         if wait:
             self.wait_ready(managed)
         return managed
+
+    def restart(self, managed: ManagedProcess) -> ManagedProcess:
+        """Start ``managed``'s command again (stopping it first if it still runs) and wait for its READY line; it
+        takes ``managed``'s place. With ``--identity-path`` among its arguments it has the same peer id again, so a
+        test that stopped a shared server can put the swarm back as later tests expect it."""
+        if managed.alive:
+            self.terminate(managed)
+        restarted = self._start(managed.name, managed.args, wait=False)
+        self.processes.remove(managed)
+        if managed is self.bootstrap:
+            self.bootstrap = restarted
+        self.wait_ready(restarted)
+        return restarted
 
     @staticmethod
     def _pump(managed: ManagedProcess, copy: Optional[TextIO] = None) -> None:

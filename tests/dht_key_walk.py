@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Optional
 
+from tests.source_trees import parse_source
+
 RAW_SINKS = {"store": ("key", 0), "get": ("key", 0), "store_many": ("keys", 0), "get_many": ("keys", 0)}
 RECEIVERS = {"dht", "node"}
 
@@ -41,7 +43,7 @@ class Walk:
 
     # ----- reading the source -----
     def add_source(self, module: str, source: str) -> None:
-        for node in ast.walk(ast.parse(source)):
+        for node in ast.walk(parse_source(source)):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 params = [a.arg for a in node.args.posonlyargs + node.args.args]
                 if params and params[0] in ("self", "cls"):

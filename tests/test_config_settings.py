@@ -26,6 +26,7 @@ from swarm.server.__main__ import main as server_cli
 from swarm.server.config import ServerConfig
 from swarm.utils.errors import EXIT_UNREACHABLE, SwarmError
 from swarm.utils.settings import SettingError, SettingField, declared, setting, settings_of
+from tests.source_trees import parse_source
 from tests.test_cli import no_default_peers  # noqa: F401 (a fixture: no peers from the environment or a file)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -195,7 +196,7 @@ def exception_classes() -> dict[str, list[tuple[str, list[str]]]]:
     """Every class of the package whose name says it is an error: {name: [(module path, base names)]}."""
     found: dict[str, list[tuple[str, list[str]]]] = {}
     for path in sorted((ROOT / "swarm").rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(parse_source(path)):
             if isinstance(node, ast.ClassDef) and any(
                     isinstance(base, ast.Name) and (base.id.endswith(("Error", "Exception")) or base.id in (
                         "Halted", "SwarmError", "Unavailable", "APIError", "RetriesExhausted")) for base in node.bases):
@@ -219,7 +220,7 @@ def test_every_exception_of_the_project_derives_from_swarm_error():
 
 
 def test_the_exit_code_table_imports_only_the_root_exception():
-    tree = ast.parse((ROOT / "swarm" / "cli" / "options.py").read_text())
+    tree = parse_source(ROOT / "swarm" / "cli" / "options.py")
     imported: list[str] = []
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("swarm"):

@@ -15,9 +15,7 @@ import ast
 import configparser
 import functools
 import importlib.metadata
-import json
 import re
-import subprocess
 import sys
 from pathlib import Path
 from typing import Iterator, Optional
@@ -25,6 +23,8 @@ from typing import Iterator, Optional
 import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
+
+from tests.source_trees import parse_source
 
 ROOT = Path(__file__).resolve().parent.parent
 FOLDERS = ("swarm", "tests", "benchmarks", "examples")
@@ -52,7 +52,7 @@ def local_modules() -> set[str]:
 
 def imports_of(path: Path) -> Iterator[str]:
     """The top-level module of every absolute import in ``path`` (function-local and guarded ones included)."""
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in ast.walk(parse_source(path)):
         if isinstance(node, ast.Import):
             yield from (alias.name.split(".")[0] for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -65,7 +65,7 @@ def documented_extras(path: Path) -> set[str]:
     for candidate in [path, *[parent / "__init__.py" for parent in path.parents if ROOT / "swarm" in [parent,
                                                                                                        *parent.parents]]]:
         if candidate.is_file():
-            docstring = ast.get_docstring(ast.parse(candidate.read_text())) or ""
+            docstring = ast.get_docstring(parse_source(candidate)) or ""
             extras |= set(re.findall(r'\.\[(\w+)\]', docstring))
     return extras
 
@@ -116,14 +116,9 @@ def all_problems() -> list[str]:
             for problem in problems_of(path, folder, groups, local)]
 
 
-@pytest.mark.swarm  # a child process (below): not the unit tier, which refuses processes
+@pytest.mark.unit
 def test_every_third_party_import_is_declared_where_its_readers_install_it():
-    """The walk runs in a fresh interpreter: CPython 3.11's AST converter keeps one recursion count per interpreter,
-    so parsing hundreds of files while an earlier test's leftover thread parses too raised ``SystemError: AST
-    constructor recursion depth mismatch`` in CI. A child process has no other threads."""
-    child = subprocess.run([sys.executable, __file__], capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert child.returncode == 0, child.stderr
-    problems = json.loads(child.stdout)
+    problems = all_problems()
     assert not problems, "\n".join(problems)
 
 
@@ -142,7 +137,3 @@ def test_the_check_refuses_an_undeclared_import_and_one_from_the_wrong_extra(tmp
     api_app = ROOT / "swarm" / "api" / "app.py"
     assert allowed_groups(api_app, "swarm", groups) == {"", "api"}, "swarm/api/__init__.py documents .[api]"
     assert allowed_groups(ROOT / "swarm" / "client" / "model.py", "swarm", groups) == {""}
-
-
-if __name__ == "__main__":
-    print(json.dumps(all_problems()))

@@ -320,5 +320,6 @@ def test_client_without_keys_still_ends_cleanly_when_a_server_refuses_as_halted(
             result = lm.generate("x", **SETTINGS)
             assert result.finish_reason == "halted"
             assert "server-side halt" in result.info["halt"]["reason"] and result.info["halt"]["step"] == 0
-    finally:
+    finally:  # resumed, and read by the server, before the next test (whichever it is) asks it for a step
         assert publish(g.operator, g.key, g.prefix, RESUME, "done", timestamp=time.time() + 0.5)
+        assert g.server_polled(), "the server did not poll the governance records"

@@ -14,6 +14,8 @@ import re
 from pathlib import Path
 from typing import Iterator, Optional
 
+from tests.source_trees import parse_source
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "swarm"
 ARCHITECTURE = ROOT / "docs" / "ARCHITECTURE.md"
@@ -63,7 +65,7 @@ def imported_modules(path: Path, known: dict[str, Path]) -> Iterator[tuple[str, 
     """(module, line) for every import of a package module in ``path``, wherever it stands in the file."""
     own = module_name(path)
     package = own if path.name == "__init__.py" else own.rpartition(".")[0]
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in ast.walk(parse_source(path)):
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import gc
 import json
+import os
 import subprocess
 import sys
 import time
@@ -477,10 +478,14 @@ def measure_tiny_fills() -> dict:
 def test_tiny_cache_fills_are_counted_at_their_real_cost():
     """What the cache counts stays within its budget, and so does the memory the process really holds for the
     fills. Measured in a fresh process: in the test process, the threads, servers and models of earlier tests
-    move the resident size by tens of MB on their own (seen once in a full run: 37 MB)."""
-    code = "import json; from tests.test_security_server import measure_tiny_fills as m; print(json.dumps(m()))"
+    move the resident size by tens of MB on their own (seen once in a full run: 37 MB). One thread and one malloc
+    arena: torch's thread pool with an arena per thread moved it by up to 9 MB between identical runs (5.5-15.5 MB
+    grown; one thread, one arena: 5.4-6.8 MB over 8 runs)."""
+    code = ("import json, torch; torch.set_num_threads(1); from tests.test_security_server import measure_tiny_fills "
+            "as m; print(json.dumps(m()))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                          cwd=Path(__file__).resolve().parent.parent)
+                          cwd=Path(__file__).resolve().parent.parent,
+                          env=dict(os.environ, MALLOC_ARENA_MAX="1", OMP_NUM_THREADS="1"))
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["grown"] <= result["budget"], (

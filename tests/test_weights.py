@@ -574,7 +574,10 @@ def test_lying_hints_in_strangers_records_ban_nobody(swarm, liars, model_id, tin
             weights.close()
         assert files.path.parent.name == model_id
         assert publisher not in weights.banned, weights.banned
-        assert not set(weights.banned) & {p.peer_id for p in swarm.processes}, "no honest server is banned"
+        # the running ones: a server another test stopped can still be announced as a host, and failing to read
+        # from it is a real failure (a shuffled run banned one)
+        running = {p.peer_id for p in swarm.processes if p.alive}
+        assert not set(weights.banned) & running, "no honest server is banned"
 
 
 def negated_copy(source: Path, target: Path) -> Path:

@@ -68,6 +68,7 @@ FILE_TIERS = {  # a "unit" file may hold tests of other tiers: found by their fi
     "test_improve": "swarm",
     "test_usage": "unit",  # the ledger, the cap and the retry hint, in process; a live server in test_usage_swarm
     "test_usage_swarm": "swarm",
+    "test_dht_pipe": "unit",  # the DHT process's command pipe, in process; one real DHT process (marked swarm)
     "test_dht_keys": "unit",  # the key registry, the walk over the code's DHT keys, the storage fuzzed in process
     "test_security_keys": "swarm",  # keys flooded before they are written, on live DHT peers
     "test_scheduler": "unit",  # the fair scheduler, pure

@@ -187,8 +187,35 @@ def follow_parent(parent_pid: int, started_by_main_thread: bool) -> None:
     threading.Thread(target=watch, name="follow-parent", daemon=True).start()
 
 
+class WholeMessageReader:
+    """The DHT process's end of hivemind's command pipe, read in blocking mode so that a message is read whole.
+
+    hivemind's loop watches the pipe (``add_reader``; uvloop makes the descriptor non-blocking) and reads a message
+    once it is readable. A message over 16 KB (a ``store`` of an audit report, a coroutine with its arguments) is
+    written in two parts; a reader woken between them got ``BlockingIOError`` for the second, and the next read began
+    mid-message: the process died unpickling it, and every later call of its owner waited forever (seen under load).
+    Only ``recv`` changes: the wait is for the rest of a message already begun.
+    """
+
+    def __init__(self, connection: Any):
+        self._connection = connection
+
+    def recv(self) -> Any:
+        descriptor = self._connection.fileno()
+        was_blocking = os.get_blocking(descriptor)
+        os.set_blocking(descriptor, True)
+        try:
+            return self._connection.recv()
+        finally:
+            os.set_blocking(descriptor, was_blocking)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._connection, name)
+
+
 class GuardedDHT(DHT):
-    """hivemind's DHT process, which exits when the process that started it is gone, however it died."""
+    """hivemind's DHT process, which exits when the process that started it is gone, however it died, and reads
+    each command whole (:class:`WholeMessageReader`)."""
 
     def __init__(self, *args, **kwargs):
         self.starter_pid = os.getpid()
@@ -197,6 +224,7 @@ class GuardedDHT(DHT):
 
     def run(self) -> None:
         follow_parent(self.starter_pid, self.started_by_main_thread)
+        self._inner_pipe = WholeMessageReader(self._inner_pipe)
         super().run()
 
 

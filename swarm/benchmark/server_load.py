@@ -59,7 +59,13 @@ def span_info(lm, peer_id: str) -> dict:
 @click.option("--draft-steps", type=int, default=None,
               help="Each client's draft_steps (default: the client's own choice, 3 through a swarm at scale auto: "
                    "each call then carries up to 4 states; 0 sends one state per call).")
-def concurrency(model: str, clients: str, threads: int, draft_steps: int | None) -> None:
+@click.option("--gen-length", type=click.IntRange(1, 512), default=GREEDY["gen_length"], show_default=True,
+              help="Tokens each client generates, one per step in one block (fewer for a checkpoint of 8B widths on "
+                   "a CPU, where a pass takes about a second).")
+@click.option("--capacity-passes", type=click.IntRange(0), default=64, show_default=True,
+              help="Passes of the in-process table of the server alone (0 leaves it out).")
+def concurrency(model: str, clients: str, threads: int, draft_steps: int | None, gen_length: int,
+                capacity_passes: int) -> None:
     """Aggregate tokens/s of 1, 4, 16 concurrent clients on one server, batched vs unbatched, same tokens checked."""
     from swarm.client.model import DistributedDiffusionLM
     from swarm.frontend.local import DiffusionLM
@@ -70,10 +76,11 @@ def concurrency(model: str, clients: str, threads: int, draft_steps: int | None)
     apply_threads(threads)
     asked = prompts(max(counts))
     local = DiffusionLM.from_pretrained(model)
-    settings = {**GREEDY, **({} if draft_steps is None else {"draft_steps": draft_steps})}
-    solo = [local.generate(prompt, **GREEDY).token_ids for prompt in asked]  # drafts are exact: the same tokens
+    greedy = dict(GREEDY, gen_length=gen_length, steps=gen_length, block_length=gen_length)
+    settings = {**greedy, **({} if draft_steps is None else {"draft_steps": draft_steps})}
+    solo = [local.generate(prompt, **greedy).token_ids for prompt in asked]  # drafts are exact: the same tokens
     click.echo(f"model {model}, one server of every block with --head, {threads} thread(s); each client: greedy, "
-               f"{GREEDY['gen_length']} tokens in {GREEDY['steps']} steps, a prompt of 4 tokens of its own, "
+               f"{gen_length} tokens in {gen_length} steps, a prompt of 4 tokens of its own, "
                f"draft_steps {'auto' if draft_steps is None else draft_steps}")
     click.echo(f"{'server':<10}{'clients':>8}{'wall s':>9}{'tokens/s':>10}{'vs 1':>7}{'merged passes':>15}"
                f"{'requests in them':>18}{'server busy':>13}  same tokens as solo")
@@ -100,7 +107,7 @@ def concurrency(model: str, clients: str, threads: int, draft_steps: int | None)
                     after = span_info(lms[0], server_id)
                     busy = (after["usage"]["total"]["seconds"] - before["usage"]["total"]["seconds"]) / wall
                     before, after = (info["admission"]["span"]["scheduler"] for info in (before, after))
-                    rate = count * GREEDY["gen_length"] / wall
+                    rate = count * gen_length / wall
                     rates[mode, count] = rate
                     same = all(tokens[index] == solo[index] for index in range(count))
                     click.echo(f"{mode:<10}{count:>8}{wall:>9.2f}{rate:>10.1f}{rate / rates[mode, counts[0]]:>6.2f}x"
@@ -112,7 +119,8 @@ def concurrency(model: str, clients: str, threads: int, draft_steps: int | None)
     for count in counts:
         click.echo(f"{count} client(s): batched / unbatched aggregate tokens/s "
                    f"{rates['batched', count] / rates['unbatched', count]:.2f}x")
-    server_capacity(model, counts)
+    if capacity_passes:
+        server_capacity(model, counts, length=4 + gen_length, passes=capacity_passes)
 
 
 def server_capacity(model: str, counts: list[int], states: int = 4, length: int = 36, passes: int = 64) -> None:

@@ -24,6 +24,7 @@ from typing import Callable, Iterator
 
 import click
 
+from swarm.cli.options import gen_length_option
 from swarm.utils.local_swarm import LocalSwarm
 from swarm.utils.threads import apply_threads
 
@@ -59,7 +60,7 @@ def span_info(lm, peer_id: str) -> dict:
 @click.option("--draft-steps", type=int, default=None,
               help="Each client's draft_steps (default: the client's own choice, 3 through a swarm at scale auto: "
                    "each call then carries up to 4 states; 0 sends one state per call).")
-@click.option("--gen-length", type=click.IntRange(1, 512), default=GREEDY["gen_length"], show_default=True,
+@gen_length_option(type=click.IntRange(1, 512), default=GREEDY["gen_length"], show_default=True,
               help="Tokens each client generates, one per step in one block (fewer for a checkpoint of 8B widths on "
                    "a CPU, where a pass takes about a second).")
 @click.option("--capacity-passes", type=click.IntRange(0), default=64, show_default=True,

@@ -80,6 +80,7 @@ def concurrency(model: str, clients: str, threads: int, draft_steps: int | None,
     greedy = dict(GREEDY, gen_length=gen_length, steps=gen_length, block_length=gen_length)
     settings = {**greedy, **({} if draft_steps is None else {"draft_steps": draft_steps})}
     solo = [local.generate(prompt, **greedy).token_ids for prompt in asked]  # drafts are exact: the same tokens
+    del local  # its memory for the server and the clients (3 GB at 8B widths)
     click.echo(f"model {model}, one server of every block with --head, {threads} thread(s); each client: greedy, "
                f"{gen_length} tokens in {gen_length} steps, a prompt of 4 tokens of its own, "
                f"draft_steps {'auto' if draft_steps is None else draft_steps}")

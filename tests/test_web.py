@@ -609,7 +609,7 @@ def test_health_serve_map_warns_once_a_server_stops(browser, stopping_swarm, api
     try:
         url = read_ready_url(process)
         browser.get(f"{url}?every=1")
-        # A server stopped by an earlier test is listed as offline until its record expires (2.5 update periods).
+        # every server runs (a test that stopped one started it again under its peer id: stopping_swarm)
         running = sum(1 for p in stopping_swarm.processes if p.alive and p.span)
         wait_for(browser, lambda d: map_is_drawn(d, running), "the running servers on the operator's map")
         assert not browser.find_element(By.ID, "nav-playground").is_displayed()  # no API here
@@ -617,7 +617,7 @@ def test_health_serve_map_warns_once_a_server_stops(browser, stopping_swarm, api
         audits = {row["id"]: row["Audit"] for row in server_rows(browser)}
         assert audits[f"server-{audited.failed}"].startswith("FAIL 2/3 at ")  # passed of all checks, as swarm.health
         assert "measured 8 of 80 tok/s" in audits[f"server-{audited.failed}"]
-        # Whichever 8:16 server the failover test stopped may be gone from the map (its record expired) or offline.
+        # both 8:16 servers the auditor passed, each shown once the map has read it
         shown = [audits[f"server-{peer}"] for peer in audited.passed if f"server-{peer}" in audits]
         assert shown and all(audit.startswith("pass 3/3 at ") for audit in shown), audits
         marked = [label for label, classes in bars(browser) if "audit-failed" in classes]
@@ -628,7 +628,7 @@ def test_health_serve_map_warns_once_a_server_stops(browser, stopping_swarm, api
         assert browser.execute_script("return document.querySelectorAll('#adapters .version-curve polyline')"
                                       ".length") == 2
         screenshot(browser, "web-map-audits.png")
-        stopping = [p for p in stopping_swarm.processes if p.span == (8, 16) and p.alive]  # run alone: two of them
+        stopping = [p for p in stopping_swarm.processes if p.span == (8, 16) and p.alive]  # both
         with ThreadPoolExecutor(len(stopping)) as pool:  # each announces OFFLINE as it leaves (1-3 s): at once
             list(pool.map(stopping_swarm.terminate, stopping))
         wait_for(browser, lambda d: text_of(d, "coverage").startswith("Uncovered blocks 8:16"), "the warning")

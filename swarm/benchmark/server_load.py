@@ -61,8 +61,8 @@ def span_info(lm, peer_id: str) -> dict:
               help="Each client's draft_steps (default: the client's own choice, 3 through a swarm at scale auto: "
                    "each call then carries up to 4 states; 0 sends one state per call).")
 @gen_length_option(type=click.IntRange(1, 512), default=GREEDY["gen_length"], show_default=True,
-              help="Tokens each client generates, one per step in one block (fewer for a checkpoint of 8B widths on "
-                   "a CPU, where a pass takes about a second).")
+                   help="Tokens each client generates, one per step in one block (fewer for a checkpoint of 8B widths "
+                        "on a CPU, where a pass takes about a second).")
 @click.option("--capacity-passes", type=click.IntRange(0), default=64, show_default=True,
               help="Passes of the in-process table of the server alone (0 leaves it out).")
 def concurrency(model: str, clients: str, threads: int, draft_steps: int | None, gen_length: int,

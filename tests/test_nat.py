@@ -11,6 +11,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -233,6 +234,7 @@ def test_lab_leaves_nothing_behind(sig):
         assert set(clean_leftovers()) >= set(names)
     left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert not [n for n in names if n in left]
+    assert not list(Path(tempfile.gettempdir()).glob(f"{PREFIX}{owner.pid}-*")), "its folder of identity keys"
     assert process_ends(sleeper)
 
 

@@ -40,6 +40,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from swarm.utils.errors import SwarmError
@@ -104,17 +105,21 @@ def _pid_alive(pid: int) -> bool:
 
 
 def clean_leftovers(only_dead: bool = True) -> list[str]:
-    """Delete lab namespaces (and kill what runs in them) left by labs whose process is gone; returns them.
+    """Delete lab namespaces (and kill what runs in them) left by labs whose process is gone, and their folders of
+    identity keys; returns the namespaces.
 
-    With ``only_dead=False`` every lab namespace goes, also those of a lab still running.
+    With ``only_dead=False`` every lab's go, also those of a lab still running.
     """
-    listed = _run("ip", "netns", "list", check=False).stdout.split()
-    removed = []
-    for name in listed:
+    def left(name: str) -> bool:
         match = NAME_PATTERN.match(name)
-        if match and (not only_dead or not _pid_alive(int(match.group(1)))):
-            _delete_namespace(name)
-            removed.append(name)
+        return bool(match) and (not only_dead or not _pid_alive(int(match.group(1))))
+
+    removed = [name for name in _run("ip", "netns", "list", check=False).stdout.split() if left(name)]
+    for name in removed:
+        _delete_namespace(name)
+    for folder in Path(tempfile.gettempdir()).glob(f"{PREFIX}*-identities-*"):
+        if left(folder.name):
+            shutil.rmtree(folder, ignore_errors=True)
     return removed
 
 
@@ -308,6 +313,7 @@ class NetLab:
             signal.signal(signal.SIGTERM, _raise_system_exit)
 
     def _build(self) -> None:
+        self._identities = tempfile.mkdtemp(prefix=f"{self.prefix}identities-")
         wan = ipaddress.ip_network(self.config.wan_network)
         hosts = wan.hosts()
         self.wan = self._namespace("wan")
@@ -411,8 +417,6 @@ class NetLab:
 
     def _start_public_peer(self, role: str, wait: bool) -> ManagedProcess:
         address = self.machines[role].address
-        if not self._identities:
-            self._identities = tempfile.mkdtemp(prefix=f"{self.prefix}identities-")
         args = ["-m", "swarm.dht", "--host-maddrs", f"/ip4/{address}/tcp/{self.config.peer_port}",
                 "--identity-path", os.path.join(self._identities, f"{role}.key")]
         for peer in self.initial_peers:

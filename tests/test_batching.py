@@ -73,3 +73,21 @@ def test_a_server_without_invariant_passes_says_so_and_auto_batches_no_states_th
             assert result.token_ids == expected
     finally:
         stop_all(local_swarm, [server])
+
+
+def test_the_concurrency_benchmarks_clients_share_one_embedding_and_head(tmp_path):
+    """``swarm.benchmark concurrency`` runs its clients in one process on one ``SharedClientParts``: 16 clients of
+    a checkpoint of LLaDA-8B's widths would otherwise hold 16 copies of 2 GB. One part per dtype, read as
+    ``ModelFiles`` reads it."""
+    import torch
+
+    from swarm.benchmark.shared_parts import SharedClientParts
+    from swarm.models.loading import ModelFiles
+
+    path = make_checkpoint(tmp_path / "shared", tiny_config(), seed=3)
+    parts, files = SharedClientParts(str(path)), ModelFiles(path)
+    assert parts.embedding() is parts.embedding(files.default_dtype) and parts.head() is parts.head()
+    assert parts.embedding("bfloat16") is parts.embedding(torch.bfloat16) is not parts.embedding()
+    for shared, own in ((parts.embedding(), files.embedding()), (parts.head(), files.head())):
+        assert shared.state_dict().keys() == own.state_dict().keys()
+        assert all(torch.equal(shared.state_dict()[name], own.state_dict()[name]) for name in own.state_dict())

@@ -121,8 +121,10 @@ def wide_models(wide_checkpoint):
 @pytest.mark.timeout(900)  # 8B-width passes: under a load of 13 on 2 cores the bfloat16 draws took over 300 s
 @pytest.mark.parametrize("dtype", ("bfloat16", "float32"))
 def test_batching_modes_give_the_sequential_tokens_at_8b_widths(wide_models, dtype):
-    """Picard windows 2-8, drafts 1-3, with and without cfg: the sequential run's tokens (random prompts, lengths,
-    seeds). Without invariance the issue's draw already fails: draft_steps=2 changed 6 of 8 tokens."""
+    """Picard windows 2-8, drafts 1-3, cache fills at every call (``cache_refresh=1``), stale steps checked exactly
+    (``stale_check="exact"``): every mode documented exact, with and without cfg, gives the sequential run's tokens
+    (random prompts, lengths, seeds). Without invariance the issue's draw already fails: draft_steps=2 changed 6 of
+    8 tokens."""
     from hypothesis import HealthCheck, example, given, settings
     from hypothesis import strategies as st
 
@@ -133,8 +135,11 @@ def test_batching_modes_give_the_sequential_tokens_at_8b_widths(wide_models, dty
 
     @settings(max_examples=drawn, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
     @given(words=st.lists(st.sampled_from(WORDS), min_size=1, max_size=6), length=st.sampled_from((4, 8)),
-           seed=st.integers(0, 2**16), mode=st.one_of(st.builds(lambda w: {"parallel_window": w}, st.integers(2, 8)),
-                                                      st.builds(lambda d: {"draft_steps": d}, st.integers(1, 3))),
+           seed=st.integers(0, 2**16), mode=st.one_of(
+               st.builds(lambda w: {"parallel_window": w}, st.integers(2, 8)),
+               st.builds(lambda d: {"draft_steps": d}, st.integers(1, 3)),
+               st.builds(lambda c: {"cache": c, "cache_refresh": 1}, st.sampled_from(("prefix", "dual"))),
+               st.builds(lambda s: {"staleness": s, "stale_check": "exact"}, st.integers(1, 2))),
            cfg=st.sampled_from((0.0, 1.5)))
     @example(words=["w1", "w2", "w3", "w4"], length=8, seed=0, mode={"draft_steps": 2}, cfg=0.0)  # the issue's
     def check(words, length, seed, mode, cfg):
@@ -144,13 +149,18 @@ def test_batching_modes_give_the_sequential_tokens_at_8b_widths(wide_models, dty
 
     if dtype == "bfloat16":
         check = example(words=["w1", "w2", "w3", "w4"], length=8, seed=0, mode={"parallel_window": 4}, cfg=1.5)(check)
+        # fills with guidance: the conditional and unconditional rows share each fill pass
+        check = example(words=["the", "cat"], length=4, seed=7, mode={"cache": "dual", "cache_refresh": 1},
+                        cfg=1.5)(check)
     check()
 
 
 @pytest.mark.swarm
 def test_swarm_at_default_settings_gives_the_local_tokens(local_swarm, wide_checkpoint, wide_models):
     """Two servers of the 8B-width checkpoint (``--blocks 0:1``, ``--blocks 1:2 --head``), the client at default
-    settings (``scale="auto"``: draft-and-verify through a swarm): the local sequential run's tokens."""
+    settings (``scale="auto"``: draft-and-verify through a swarm): the local sequential run's tokens. With the
+    servers' activation caches (fills and reuses, ``cache_refresh=2``: approximate), the local run's tokens at the
+    same settings."""
     from swarm.client import DistributedDiffusionLM
 
     prefix = "invariance-8b"
@@ -160,11 +170,16 @@ def test_swarm_at_default_settings_gives_the_local_tokens(local_swarm, wide_chec
     try:
         for server in servers:
             local_swarm.wait_ready(server)
-        expected = wide_models["bfloat16"].generate("w1 w2 w3 w4", **settings).token_ids
+        cached = dict(settings, block_length=4, cache="dual", cache_refresh=2)
+        expected, expected_cached = (wide_models["bfloat16"].generate("w1 w2 w3 w4", **options).token_ids
+                                     for options in (settings, cached))
         with DistributedDiffusionLM.from_pretrained(wide_checkpoint, initial_peers=local_swarm.initial_peers,
                                                     dht_prefix=prefix) as lm:
             result = lm.generate("w1 w2 w3 w4", **settings)
-        assert result.token_ids == expected, result.info.get("settings")
+            assert result.token_ids == expected, result.info.get("settings")
+            result = lm.generate("w1 w2 w3 w4", **cached)
+            assert result.token_ids == expected_cached, result.info.get("settings")
+            assert result.info["cache"]["reuses"] > 0, result.info["cache"]
     finally:
         for server in servers:
             local_swarm.terminate(server)

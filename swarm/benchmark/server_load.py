@@ -68,6 +68,8 @@ def span_info(lm, peer_id: str) -> dict:
 def concurrency(model: str, clients: str, threads: int, draft_steps: int | None, gen_length: int,
                 capacity_passes: int) -> None:
     """Aggregate tokens/s of 1, 4, 16 concurrent clients on one server, batched vs unbatched, same tokens checked."""
+    from swarm.benchmark.shared_parts import SharedClientParts
+    from swarm.client.config import ClientConfig, client_network
     from swarm.client.model import DistributedDiffusionLM
     from swarm.frontend.local import DiffusionLM
 
@@ -83,13 +85,15 @@ def concurrency(model: str, clients: str, threads: int, draft_steps: int | None,
     del local  # its memory for the server and the clients (3 GB at 8B widths)
     click.echo(f"model {model}, one server of every block with --head, {threads} thread(s); each client: greedy, "
                f"{gen_length} tokens in {gen_length} steps, a prompt of 4 tokens of its own, "
-               f"draft_steps {'auto' if draft_steps is None else draft_steps}")
+               f"draft_steps {'auto' if draft_steps is None else draft_steps}; the clients run in this process and "
+               f"share one embedding and head")
     click.echo(f"{'server':<10}{'clients':>8}{'wall s':>9}{'tokens/s':>10}{'vs 1':>7}{'merged passes':>15}"
                f"{'requests in them':>18}{'server busy':>13}  same tokens as solo")
     rates: dict[tuple[str, int], float] = {}
     for mode, flag in (("unbatched", "--no-batching"), ("batched", "--batching")):
         with one_server(model, threads, flag) as (swarm, server_id):
-            lms = [DistributedDiffusionLM.from_pretrained(model, initial_peers=swarm.initial_peers)
+            parts = SharedClientParts(model)  # one embedding and head for all: 2 GB each at 8B widths
+            lms = [DistributedDiffusionLM(parts, ClientConfig(network=client_network(swarm.initial_peers)))
                    for _ in range(max(counts))]
             try:
                 with ThreadPoolExecutor(len(lms)) as pool:  # connected, challenged and warm before timing

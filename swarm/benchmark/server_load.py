@@ -96,8 +96,11 @@ def concurrency(model: str, clients: str, threads: int, draft_steps: int | None,
             lms = [DistributedDiffusionLM(parts, ClientConfig(network=client_network(swarm.initial_peers)))
                    for _ in range(max(counts))]
             try:
-                with ThreadPoolExecutor(len(lms)) as pool:  # connected, challenged and warm before timing
-                    list(pool.map(lambda lm: lm.generate(asked[0], gen_length=8, steps=2, block_length=8), lms))
+                # connected, challenged and warm before timing, one after another: 16 compute challenges at once
+                # queue for longer than a challenge may take at 8B widths on a CPU, and the clients would avoid
+                # the server (a burst of clients joining a slow server at once meets the same)
+                for lm in lms:
+                    lm.generate(asked[0], gen_length=8, steps=2, block_length=8)
                 for count in counts:
                     before = span_info(lms[0], server_id)
                     barrier = threading.Barrier(count)

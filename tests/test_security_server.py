@@ -442,7 +442,7 @@ def test_a_timed_out_request_keeps_its_place_until_it_leaves_the_compute_thread(
 
 # ----- the activation cache's accounting ---------------------------------------------------------
 FILLS = 3500  # twice the 1,724 versions the budget holds at their real cost, so the later half all evict. Counted at
-# their tensors' 128 bytes only (the accounting this replaced) all 3,500 are kept and hold 6.05 MB (measured)
+# their tensors' 128 bytes only (the accounting this replaced) all 3,500 are kept and hold 5.95-6.05 MB (measured)
 
 
 class _MallInfo2(ctypes.Structure):
@@ -497,17 +497,19 @@ def measure_tiny_fills(count_overhead: bool = True) -> dict:
     return {"kept": kept, "used_bytes": caches.used_bytes, "held": held, "budget": budget}
 
 
-def measure_tiny_fills_in_a_fresh_process(count_overhead: bool) -> dict:
-    """In a fresh process: in the test process, the threads, servers and models of earlier tests allocate and
-    free on their own. One thread and every Python object through malloc, so that ``mallinfo2`` sees it all;
-    measured so, the same run holds the same bytes to within a few kB (3.27-3.28 MB over 3 runs)."""
+def measure_tiny_fills_in_a_fresh_process() -> tuple[dict, dict]:
+    """Both measurements (overhead counted, then tensors alone), in a fresh process: in the test process, the
+    threads, servers and models of earlier tests allocate and free on their own. One thread and every Python
+    object through malloc, so that ``mallinfo2`` sees it all; measured so, the same run holds the same bytes to
+    within a few kB (3.27-3.28 MB over 3 runs)."""
     code = ("import json, torch; torch.set_num_threads(1); from tests.test_security_server import measure_tiny_fills "
-            f"as m; print(json.dumps(m({count_overhead!r})))")
+            "as m; print(json.dumps([m(True), m(False)]))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                           cwd=Path(__file__).resolve().parent.parent,
                           env=dict(os.environ, PYTHONMALLOC="malloc", MALLOC_ARENA_MAX="1", OMP_NUM_THREADS="1"))
     assert done.returncode == 0, done.stderr[-2000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    counted, tensors_only = json.loads(done.stdout.strip().splitlines()[-1])
+    return counted, tensors_only
 
 
 @pytest.mark.swarm
@@ -518,10 +520,9 @@ def test_tiny_cache_fills_are_counted_at_their_real_cost():
     fills; counted at their tensors alone, the same fills hold more than the budget (so the measurement can fail).
     Held bytes, not the resident size: that moved by up to 9 MB between identical runs (6.2-15.5 MB) and failed
     a loaded CI run at 8.6 MB of an 8 MB budget while malloc held 6.4 MB."""
-    result = measure_tiny_fills_in_a_fresh_process(count_overhead=True)
-    assert result["held"] <= result["budget"], (
-        f"{result['kept']} versions counted at {result['used_bytes']} bytes hold {result['held']} bytes")
-    tensors_only = measure_tiny_fills_in_a_fresh_process(count_overhead=False)
+    counted, tensors_only = measure_tiny_fills_in_a_fresh_process()
+    assert counted["held"] <= counted["budget"], (
+        f"{counted['kept']} versions counted at {counted['used_bytes']} bytes hold {counted['held']} bytes")
     assert tensors_only["kept"] == FILLS and tensors_only["held"] > tensors_only["budget"]
 
 

@@ -264,6 +264,23 @@ def wait_seen(lm, servers, timeout: float = 60.0) -> None:
     lm.planner.build_route(0)
 
 
+def holder_of(lm, start: int, end: int, timeout: float = 60.0) -> str:
+    """A usable server of blocks ``start:end`` as ``lm`` knows it, re-reading the DHT until there is one: the test
+    that asks may be the first to use a shared client (run alone, or in another order), whose planner has read
+    nothing yet."""
+    found: list[str] = []
+
+    def known() -> bool:
+        found[:] = lm.planner.holders(start, end)
+        if not found:
+            lm.planner.refresh()
+            found[:] = lm.planner.holders(start, end)
+        return bool(found)
+
+    assert wait_until(known, timeout=timeout, interval=1.0), f"the client never saw a server of blocks {start}:{end}"
+    return found[0]
+
+
 def fast_server(swarm, path, blocks: str = "0:4", *extra: str, wait: bool = True):
     """A server that announces a huge throughput, so that routes prefer it over the fixture's servers."""
     return swarm.start_server(str(path), blocks, "--throughput", "1e9", "--compute-threads", "1", *extra, wait=wait)

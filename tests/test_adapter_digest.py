@@ -16,7 +16,7 @@ from swarm.adapters.lora import BlockWidths
 from swarm.server.adapter_tensors import ENTRY_OVERHEAD_BYTES, AdapterTensors
 from swarm.wire.encoding import request_parts
 from swarm.wire.messages import ErrorCode, ForwardRequest, RemoteError
-from tests.conftest import make_checkpoint, stop_all, tiny_config
+from tests.conftest import holder_of, make_checkpoint, stop_all, tiny_config
 from tests.test_deep_prompt import _set_metadata, adapter_gradient, raw_call
 from tests.test_finetune import GENERATION, TOLERANCE
 from tests.test_lora import lora_for
@@ -130,7 +130,7 @@ def named_request(hidden: torch.Tensor, weights: torch.Tensor, kind: str = LORA,
 
 
 def test_naming_what_one_never_sent_or_another_shape_or_kind_is_refused(remote_lm, local_lm):
-    server = remote_lm.planner.holders(0, 2)[0]
+    server = holder_of(remote_lm, 0, 2)
     widths = BlockWidths.of(local_lm.config)
     hidden = torch.randn(1, 5, 32)
     weights = 0.3 * torch.randn(2, widths.rows(2), 32, generator=torch.Generator().manual_seed(4))

@@ -34,6 +34,7 @@ from swarm.finetune.__main__ import main as finetune_main
 from swarm.server.validation import validate_prompt_declared
 from swarm.wire.encoding import request_parts
 from swarm.wire.messages import ErrorCode, ForwardRequest, RemoteError
+from tests.conftest import holder_of
 from tests.test_deep_prompt import _edit_json, _set_metadata, adapter_gradient, assert_files_refused, raw_call
 from tests.test_finetune import GENERATION, TOLERANCE, run_finetune, write_pairs
 
@@ -92,7 +93,7 @@ def test_a_bottleneck_gives_the_same_tokens_locally_and_through_the_swarm(remote
     ("odd", "2 x rank rows per block, got 3"),
 ])
 def test_servers_refuse_a_malformed_bottleneck_and_go_on(remote_lm, local_lm, case, message):
-    server = remote_lm.planner.holders(0, 2)[0]
+    server = holder_of(remote_lm, 0, 2)
     hidden = torch.randn(1, 5, 32)
     weights = torch.randn(2, 3 if case == "odd" else 4, 32)
     parts = request_parts(ForwardRequest(0, 2, hidden, adapter=BlockAdapter(BOTTLENECK, weights)))
@@ -213,7 +214,7 @@ def test_a_bottleneck_run_resumes_whatever_the_unused_prompt_length(tiny_model_p
 
 
 def test_a_server_refuses_nan_bottleneck_weights_naming_them(remote_lm):
-    server = remote_lm.planner.holders(0, 2)[0]
+    server = holder_of(remote_lm, 0, 2)
     weights = torch.randn(2, 4, 32)
     weights[1, 3, 5] = float("nan")
     parts = request_parts(ForwardRequest(0, 2, torch.randn(1, 5, 32), adapter=BlockAdapter(BOTTLENECK, weights)))

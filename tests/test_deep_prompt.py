@@ -46,7 +46,7 @@ from swarm.wire.encoding import (
 )
 from swarm.wire.messages import BackwardRequest, ErrorCode, ForwardRequest, PushSpec, RemoteError
 from swarm.wire.remote import _read_stream
-from tests.conftest import wait_seen
+from tests.conftest import holder_of, wait_seen
 from tests.test_adapter_sharing import served_and_published
 from tests.test_finetune import (
     GENERATION,
@@ -171,7 +171,7 @@ def _set_metadata(part: runtime_pb2.ExpertRequest, **changes) -> None:
     ("backward-nan", ErrorCode.NOT_FINITE, "deep prompt vectors contain NaN"),
 ])
 def test_servers_refuse_malformed_deep_prompts(remote_lm, local_lm, case, code, message):
-    server = remote_lm.planner.holders(0, 2)[0]
+    server = holder_of(remote_lm, 0, 2)
     hidden, prompts = torch.randn(1, 5, 32), torch.randn(2, 3, 32)
     backward = case.startswith("backward")
     if case == "shape":

@@ -9,7 +9,16 @@ import pytest
 
 from swarm.client import DistributedDiffusionLM, MissingBlocksError
 from swarm.frontend.local import DiffusionLM
-from tests.conftest import fast_server, make_checkpoint, start_all, stop_all, swarm_client, tiny_config, wait_until
+from tests.conftest import (
+    fast_server,
+    make_checkpoint,
+    start_all,
+    stop_all,
+    swarm_client,
+    tiny_config,
+    wait_seen,
+    wait_until,
+)
 
 SETTINGS = dict(gen_length=16, steps=16, block_length=8, seed=7, temperature=0.7)
 FAST = dict(gen_length=16, steps=4, block_length=8, temperature=0.7)
@@ -19,6 +28,7 @@ def test_sigkill_mid_generation_with_replica_gives_same_tokens(local_swarm, tiny
     victim = fast_server(local_swarm, tiny_model_path)
     lm = swarm_client(local_swarm, tiny_model_path)
     try:
+        wait_seen(lm, [victim])  # a DHT read that missed it (a loaded machine) would plan around it
         assert [hop.peer_id for hop in lm.show_route()] == [victim.peer_id]
         steps_done, killed_at, failover_s = [], None, None
         result = None
@@ -64,6 +74,7 @@ def test_hung_server_is_detected_by_timeout_and_routed_around(local_swarm, tiny_
     hung = fast_server(local_swarm, tiny_model_path)
     lm = swarm_client(local_swarm, tiny_model_path, request_timeout=3.0)
     try:
+        wait_seen(lm, [hung])  # a DHT read that missed it (a loaded machine) would plan around it
         assert [hop.peer_id for hop in lm.show_route()] == [hung.peer_id]
         local_swarm.signal(hung, signal.SIGSTOP)  # the process and its daemons stop answering
         result = lm.generate("hang", **SETTINGS)

@@ -24,7 +24,7 @@ from swarm.finetune.__main__ import main as finetune_main
 from swarm.finetune.data import load_examples, make_batch
 from swarm.finetune.trainer import FinetuneConfig, Finetuner, sft_loss
 from swarm.wire.messages import BackwardRequest, ErrorCode, ForwardRequest, RemoteError
-from tests.conftest import make_checkpoint, tiny_config, wait_seen
+from tests.conftest import holder_of, make_checkpoint, tiny_config, wait_seen
 
 ROOT = Path(__file__).resolve().parent.parent
 TOLERANCE = 1e-5  # float32: max abs difference between swarm and local gradients
@@ -109,6 +109,7 @@ def test_a_hop_no_single_server_holds_any_more_is_recomputed_over_several(local_
     victim = fast_server(local_swarm, tiny_model_path, "0:4")
     lm = client(local_swarm, tiny_model_path)
     try:
+        wait_seen(lm, [victim])  # the route holds the victim (a DHT read that missed it would plan around it)
         hidden = torch.randn(2, 6, 32, generator=torch.Generator().manual_seed(1))
         trace: list[HopTrace] = []
         lm.sequence.forward(hidden, trace=trace)
@@ -157,7 +158,7 @@ def backward_call(lm, peer: str, request: ForwardRequest) -> torch.Tensor:
     ("large", ErrorCode.TOO_LARGE, "exceeds"),
 ])
 def test_hostile_backward_requests_are_refused_clearly(remote_lm, case, code, message):
-    server = remote_lm.planner.holders(0, 2)[0]
+    server = holder_of(remote_lm, 0, 2)
     stacked = torch.randn(4, 3, 32)
     request = ForwardRequest(0, 2, stacked)
     if case == "odd":

@@ -21,6 +21,7 @@ from swarm.adapters.lora import BlockWidths, unpack_lora
 from swarm.finetune.trainer import STATE_FILE, FinetuneConfig, Finetuner
 from swarm.wire.encoding import request_parts
 from swarm.wire.messages import ErrorCode, ForwardRequest, RemoteError
+from tests.conftest import holder_of
 from tests.test_bottleneck import bottleneck_for
 from tests.test_deep_prompt import _edit_json, adapter_gradient, assert_files_refused, raw_call
 from tests.test_finetune import GENERATION, TOLERANCE, run_finetune, write_pairs
@@ -89,7 +90,7 @@ def test_a_lora_gives_the_same_tokens_locally_and_through_the_swarm(remote_lm, l
 
 
 def test_servers_refuse_a_tensor_that_is_no_lora_and_go_on(remote_lm, local_lm):
-    server = remote_lm.planner.holders(0, 2)[0]
+    server = holder_of(remote_lm, 0, 2)
     hidden = torch.randn(1, 5, 32)
     rows = BlockWidths.of(local_lm.config).rows(1)
     parts = request_parts(ForwardRequest(0, 2, hidden, adapter=BlockAdapter(LORA, torch.randn(2, rows + 1, 32))))

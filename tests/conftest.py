@@ -264,6 +264,18 @@ def wait_seen(lm, servers, timeout: float = 60.0) -> None:
     lm.planner.build_route(0)
 
 
+def known_server(lm, match: Callable, timeout: float = 60.0) -> str:
+    """The first server whose record ``match`` accepts among those ``lm``'s planner knows, re-reading the DHT until
+    there is one: the test that asks may be the first to use a shared client, whose planner has read nothing yet."""
+    def find() -> Optional[str]:
+        return next((peer for peer, record in lm.planner.servers.items() if match(record)), None)
+
+    if find() is None:
+        assert wait_until(lambda: lm.planner.refresh() or find() is not None, timeout=timeout, interval=1.0), (
+            "the client never saw such a server")
+    return find()
+
+
 def holder_of(lm, start: int, end: int, timeout: float = 60.0) -> str:
     """A usable server of blocks ``start:end`` as ``lm`` knows it, re-reading the DHT until there is one: the test
     that asks may be the first to use a shared client (run alone, or in another order), whose planner has read

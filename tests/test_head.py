@@ -26,7 +26,7 @@ from swarm.diffusion.prediction import (
 )
 from swarm.diffusion.remasking import STRATEGIES
 from swarm.models.loading import ModelFiles
-from tests.conftest import make_checkpoint, stop_all, tiny_config, wait_all, wait_seen
+from tests.conftest import known_server, make_checkpoint, stop_all, tiny_config, wait_all, wait_seen
 from tests.test_bottleneck import bottleneck_for
 from tests.test_deep_prompt import deep_adapter_for
 from tests.test_finetune import adapter_for
@@ -257,10 +257,9 @@ def test_head_requests_are_checked_by_the_server(head_swarm, remote_lm):
     lm, _ = head_swarm
     hidden = torch.randn(1, 8, lm.config.hidden_size)
     query = HeadQuery((4,), 4, (0,), 1, 0.5, 0.0, lm.config.mask_token_id, (4, 8))
-    head_peer = next(p for p, r in lm.planner.servers.items() if r.head)
-    first = next(p for p, r in lm.planner.servers.items() if r.start == 0)
-    remote_lm.planner.refresh()
-    no_head = next(p for p, r in remote_lm.planner.servers.items() if (r.start, r.end) == (2, 4))
+    head_peer = known_server(lm, lambda record: record.head)
+    first = known_server(lm, lambda record: record.start == 0)
+    no_head = known_server(remote_lm, lambda record: (record.start, record.end) == (2, 4))
     refused = ((head_peer, 2, dataclasses.replace(query, block_starts=(6,)), ErrorCode.BAD_REQUEST),
                (no_head, 2, query, ErrorCode.WRONG_SPAN))
     for peer, start, head, code in refused:

@@ -310,6 +310,7 @@ def test_every_mode_gives_the_local_tokens_through_the_swarm(push_off, local_lm,
 def test_a_generation_keeps_its_route_when_the_server_list_is_refreshed(remote_lm, local_lm, monkeypatch):
     """Re-reading the servers mid-generation could move a hop (a cost that shifts with the call size) and lose
     its cache: the route is refreshed between generations only."""
+    remote_lm.show_route()  # read once already (a fresh client also reads when its scale asks for invariance)
     reads = []
     original = remote_lm.planner.refresh
     monkeypatch.setattr(remote_lm.planner, "refresh", lambda: reads.append(1) or original())

@@ -264,33 +264,25 @@ def wait_seen(lm, servers, timeout: float = 60.0) -> None:
     lm.planner.build_route(0)
 
 
-def known_server(lm, match: Callable, timeout: float = 60.0) -> str:
-    """The first server whose record ``match`` accepts among those ``lm``'s planner knows, re-reading the DHT until
-    there is one: the test that asks may be the first to use a shared client, whose planner has read nothing yet."""
-    def find() -> Optional[str]:
-        return next((peer for peer, record in lm.planner.servers.items() if match(record)), None)
-
+def read_until_known(lm, find: Callable[[], Optional[str]], what: str, timeout: float = 60.0) -> str:
+    """``find()``, re-reading the DHT until it finds something: the test that asks may be the first to use a shared
+    client (run alone, or in another order), whose planner has read nothing yet."""
     if find() is None:
         assert wait_until(lambda: lm.planner.refresh() or find() is not None, timeout=timeout, interval=1.0), (
-            "the client never saw such a server")
+            f"the client never saw {what}")
     return find()
 
 
-def holder_of(lm, start: int, end: int, timeout: float = 60.0) -> str:
-    """A usable server of blocks ``start:end`` as ``lm`` knows it, re-reading the DHT until there is one: the test
-    that asks may be the first to use a shared client (run alone, or in another order), whose planner has read
-    nothing yet."""
-    found: list[str] = []
+def known_server(lm, match: Callable) -> str:
+    """The first server ``lm``'s planner knows whose record ``match`` accepts."""
+    return read_until_known(lm, lambda: next((peer for peer, record in lm.planner.servers.items() if match(record)),
+                                             None), "such a server")
 
-    def known() -> bool:
-        found[:] = lm.planner.holders(start, end)
-        if not found:
-            lm.planner.refresh()
-            found[:] = lm.planner.holders(start, end)
-        return bool(found)
 
-    assert wait_until(known, timeout=timeout, interval=1.0), f"the client never saw a server of blocks {start}:{end}"
-    return found[0]
+def holder_of(lm, start: int, end: int) -> str:
+    """The fastest usable server of blocks ``start:end`` that ``lm`` knows."""
+    return read_until_known(lm, lambda: next(iter(lm.planner.holders(start, end)), None),
+                            f"a server of blocks {start}:{end}")
 
 
 def fast_server(swarm, path, blocks: str = "0:4", *extra: str, wait: bool = True):

@@ -8,12 +8,13 @@ import os
 from swarm.utils.lazy import defer_import, lazy_exports
 from swarm.version import __version__
 
-# Before anything imports hivemind: it has torch share memory through named files in /dev/shm ("file_system"), and
-# every process that makes an MPFuture (each server, client and DHT) left its file there for good: 4 KB of memory
-# per command run, until the machine restarts. Shared by file descriptor, a segment is unlinked once made.
+# Before anything imports hivemind (every module of this package passes here first):
+# - hivemind has torch share memory through named files in /dev/shm ("file_system"), and every process that makes an
+#   MPFuture (each server, client and DHT) left its file there for good: 4 KB of memory per command run, until the
+#   machine restarts. Shared by file descriptor, a segment is unlinked once made;
+# - hivemind imports scipy.optimize at start for its averager's load balancing, which only collaborative fine-tuning
+#   runs (0.3 s of every start).
 os.environ.setdefault("HIVEMIND_MEMORY_SHARING_STRATEGY", "file_descriptor")
-# Before anything imports hivemind (every module of this package passes here first): hivemind imports scipy.optimize
-# at start for its averager's load balancing, which only collaborative fine-tuning runs (0.3 s of every start).
 defer_import("scipy.optimize")
 
 _EXPORTS = {

@@ -264,6 +264,9 @@ def wait_seen(lm, servers, timeout: float = 60.0) -> None:
     lm.planner.build_route(0)
 
 
+SHARED_MEMORY = Path("/dev/shm")  # tmpfs: files here are memory
+
+
 def read_until_known(lm, find: Callable[[], Optional[str]], what: str, timeout: float = 60.0) -> str:
     """``find()``, re-reading the DHT until it finds something: the test that asks may be the first to use a shared
     client (run alone, or in another order), whose planner has read nothing yet."""

@@ -29,7 +29,7 @@ from swarm.dht.node import (
     stop_dht,
 )
 from swarm.utils.local_swarm import LocalSwarm
-from tests.conftest import wait_until
+from tests.conftest import SHARED_MEMORY, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 GONE_WITHIN_S = 10.0
@@ -239,8 +239,6 @@ def test_ctrl_c_stops_a_bootstrap_peer_quietly(swarm):
     for noise in ("use of closed network connection", "did not shut down within the grace period", "[ERROR]"):
         assert noise not in output, output
 
-
-SHARED_MEMORY = Path("/dev/shm")
 
 
 def hivemind_sharing(env: dict[str, str]) -> tuple[str, list[str]]:

@@ -90,9 +90,9 @@ def concurrency(model: str, clients: str, threads: int, draft_steps: int | None,
     click.echo(f"{'server':<10}{'clients':>8}{'wall s':>9}{'tokens/s':>10}{'vs 1':>7}{'merged passes':>15}"
                f"{'requests in them':>18}{'server busy':>13}  same tokens as solo")
     rates: dict[tuple[str, int], float] = {}
+    parts = SharedClientParts(model)  # one embedding and head for every client of both servers: 2 GB at 8B widths
     for mode, flag in (("unbatched", "--no-batching"), ("batched", "--batching")):
         with one_server(model, threads, flag) as (swarm, server_id):
-            parts = SharedClientParts(model)  # one embedding and head for all: 2 GB each at 8B widths
             lms = [DistributedDiffusionLM(parts, ClientConfig(network=client_network(swarm.initial_peers)))
                    for _ in range(max(counts))]
             try:

@@ -8,6 +8,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from swarm.models import invariance
 from swarm.models.checkpoint import CheckpointReader, Fetch, load_module, parse_dtype
 from swarm.models.config import DEFAULT_MODEL, MODEL_DEFAULT_SETTINGS, ModelConfig
 from swarm.models.formats import CheckpointFormat, detect_format
@@ -37,6 +38,7 @@ def resolve_device(name: str | torch.device) -> torch.device:
                              f"{torch.__version__}, built for CUDA {torch.version.cuda}); use --device cpu")
         if device.index is not None and device.index >= torch.cuda.device_count():
             raise ValueError(f"device {str(name)!r}: this machine has {torch.cuda.device_count()} CUDA devices")
+        invariance.prepare_cuda()
     elif device.type != "cpu":
         raise ValueError(f"device {str(name)!r}: only cpu and cuda are supported")
     return device

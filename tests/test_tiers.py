@@ -3,12 +3,13 @@ that runs it and registered as a marker, and the unit tier's budget in the docs 
 against (tests/tier_costs.py)."""
 from __future__ import annotations
 
+import contextlib
 import re
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import IN_PROCESS_TIERS, TIERS
+from tests.conftest import IN_PROCESS_TIERS, TIERS, _guarded
 from tests.tier_costs import BUDGETS, TierCosts
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,6 +30,18 @@ def test_every_tier_is_documented_with_its_command_and_registered():
     markers = (ROOT / "pyproject.toml").read_text().split("markers = [", 1)[1].split("]", 1)[0]  # 3.10: no tomllib
     assert set(re.findall(r'^\s+"(\w+): ', markers, re.M)) >= set(TIERS)
     assert set(IN_PROCESS_TIERS) <= set(TIERS)
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_unit_and_wide_tests_run_guarded_and_the_others_not(tier):
+    """A wide test is held to the unit tier's rule (no process, no network socket), as the tier table says."""
+
+    class Item:
+        def get_closest_marker(self, name):
+            return name if name == tier else None
+
+    guarded = not isinstance(_guarded(Item()), contextlib.nullcontext)
+    assert guarded == (tier in ("unit", "wide"))
 
 
 @pytest.mark.parametrize("tier", sorted(BUDGETS))

@@ -52,7 +52,7 @@ def test_the_documented_budget_is_the_one_runs_report_against(tier):
     assert (float(budget[1]), float(budget[2])) == (seconds, gigabytes)
 
 
-def test_the_summary_counts_each_tier_once_and_names_the_budget(capsys):
+def test_the_summary_counts_each_tier_once_and_names_the_budget(capsys, monkeypatch):
     """The line CI prints: tests per tier (a failed setup counts, its teardown adds no test), and the budget line
     only when one budgeted tier ran alone."""
 
@@ -68,6 +68,7 @@ def test_the_summary_counts_each_tier_once_and_names_the_budget(capsys):
         def write_line(self, line):
             print(line)
 
+    monkeypatch.delenv("TEST_COSTS", raising=False)  # these made-up tests go into no record of the run
     costs = TierCosts(TIERS, worker=False)
     for phase in ("setup", "call"):
         costs.pytest_runtest_logreport(Report("a", phase, "unit"))

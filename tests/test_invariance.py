@@ -53,7 +53,7 @@ def scores(span, head, hidden, mask):
     return head(span(hidden, mask, positions))
 
 
-@pytest.mark.unit
+@pytest.mark.wide
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_one_state_equals_its_row_in_any_batch(wide_parts, dtype):
     """A state alone, then in batches of 2, 5 and 8 states of other lengths (each state at two places at least, beside
@@ -76,7 +76,7 @@ def test_one_state_equals_its_row_in_any_batch(wide_parts, dtype):
         assert torch.equal(twice[1], alone[1]) and torch.equal(twice[0], alone[1])
 
 
-@pytest.mark.unit
+@pytest.mark.wide
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_a_state_gets_the_same_rows_in_any_product(dtype):
     """The construction's premise, tested instead of believed, for each weight shape of a block and the head: a
@@ -153,7 +153,7 @@ def wide_models(wide_checkpoint):
             for dtype in ("bfloat16", "float32")}
 
 
-@pytest.mark.unit
+@pytest.mark.wide
 @pytest.mark.timeout(900)  # 8B-width passes: under a load of 13 on 2 cores the bfloat16 draws took over 300 s
 @pytest.mark.parametrize("dtype", ("bfloat16", "float32"))
 def test_batching_modes_give_the_sequential_tokens_at_8b_widths(wide_models, dtype):

@@ -7,6 +7,7 @@ its tokens are unchecked instead of returning them as checked."""
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 
 import pytest
@@ -169,3 +170,95 @@ def test_the_local_reference_answers_what_a_server_computes(tmp_path):
     for kind, request in asked.items():
         fill = hidden if kind == "reuse+head" else None
         assert torch.equal(reference.answer(request, fill), served[kind]), kind
+
+
+# ----- issue 55, class 5: audits of real traffic ------------------------------------------------------------------
+SEEN_S = 10  # faulty-seen10 lies to callers it first served this long ago or more
+REAL = dict(gen_length=16, steps=16, block_length=8, temperature=0.0, stop_at_eos=False, cache="none")
+
+
+@pytest.fixture(scope="module")
+def quiet_liars(local_swarm, tmp_path_factory):
+    """An honest server, a server lying only to long-seen callers, one lying only on rows it merged across clients."""
+    path = make_checkpoint(tmp_path_factory.mktemp("real") / "audit-real", tiny_config(), seed=22)
+    common = ("--compute-threads", "1")
+    servers = {"honest": local_swarm.start_server(str(path), "0:4", *common, name="honest-real", wait=False),
+               "seen": local_swarm.start_server(str(path), "0:4", *common, "--public-name", f"faulty-seen{SEEN_S}",
+                                                entry=FAULTY, name="seen", wait=False),
+               "merged": local_swarm.start_server(str(path), "0:4", *common, "--batching", "--public-name",
+                                                  "faulty-merged", entry=FAULTY, name="merged", wait=False)}
+    try:
+        wait_all(local_swarm, list(servers.values()))
+        yield path, {name: server.peer_id for name, server in servers.items()}
+    finally:
+        stop_all(local_swarm, list(servers.values()))
+
+
+def recompute(path: Path, sample: list) -> list:
+    """What an auditor holding every block finds in a client's sample (a fresh copy of the checkpoint each time)."""
+    from swarm.client.proofs import verify_evidence
+    from swarm.client.reference import LocalReference
+    from swarm.dht.schema import default_prefix
+
+    files = ModelFiles(path)
+    reference = LocalReference(lambda start, end: files.span(start, end), files.head, files.config.num_layers)
+    return [verify_evidence(evidence, reference, default_prefix(path), files.config) for evidence in sample]
+
+
+def test_a_liar_to_long_seen_callers_is_proven_on_a_long_lived_clients_own_calls(local_swarm, quiet_liars):
+    """The attack: a fresh-identity audit round passes it, and a client without the blocks (no spot check possible)
+    gets its lies. The defence: the client's sampled calls, signed by the liar, recomputed by an auditor, are proofs;
+    a third party holding the checkpoint verifies one on its own and routes around the liar."""
+    from swarm.client.proofs import Verdict
+    from swarm.wire.evidence import CallEvidence
+
+    path, peers = quiet_liars
+    network = NetworkConfig(initial_peers=local_swarm.initial_peers, client_mode=True)
+    config = AuditorConfig(network=network, once=True, generations=1)  # a fresh identity, as by default
+    with Auditor(config, Ed25519PrivateKey.generate(), ModelFiles(path)) as auditor:
+        assert auditor.run_round(score=False).checked[peers["seen"]].verdict == PASS  # the attack
+    with swarm_client(local_swarm, path, spot_check_fraction=0, spot_check_local=False, audit_share=1.0) as lm:
+        lm.only_peers = frozenset({peers["seen"]})
+        lm.generate("1+2=", **REAL, seed=1)
+        time.sleep(SEEN_S + 1)
+        lm.generate("1+2=", **REAL, seed=2)
+        sample = lm.audit_sample()
+    findings = recompute(path, sample)
+    assert {f.verdict for f in findings} == {Verdict.HONEST, Verdict.LIE}, findings  # honest at first, then lies
+    assert {f.accused for f in findings if f.verdict == Verdict.LIE} == {peers["seen"]}
+    proof = next(evidence for evidence, f in zip(sample, findings) if f.verdict == Verdict.LIE)
+    with swarm_client(local_swarm, path, spot_check_fraction=0) as bystander:
+        finding = bystander.accept_proof(CallEvidence.from_bytes(proof.to_bytes()))
+        assert finding.verdict == Verdict.LIE and peers["seen"] in bystander.sequence.distrusted
+        bystander.only_peers = frozenset({peers["seen"], peers["honest"]})
+        bystander.generate("1+2=", **REAL, seed=3)
+        assert {hop.peer_id for hop in bystander.planner.route} == {peers["honest"]}
+
+
+def test_a_liar_on_merged_rows_is_proven_on_concurrent_clients_own_calls(local_swarm, quiet_liars):
+    """The attack: an audit round alone on the server passes it (nothing to merge). The defence: concurrent clients'
+    sampled calls, merged on the server, recomputed by an auditor: the merged rows' receipts are proofs; its passes
+    alone verify honest, so nobody is accused for them."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from swarm.client.proofs import Verdict
+
+    path, peers = quiet_liars
+    network = NetworkConfig(initial_peers=local_swarm.initial_peers, client_mode=True)
+    config = AuditorConfig(network=network, once=True, generations=1)
+    with Auditor(config, Ed25519PrivateKey.generate(), ModelFiles(path)) as auditor:
+        assert auditor.run_round(score=False).checked[peers["merged"]].verdict == PASS  # the attack
+
+    def client_sample(seed: int) -> list:
+        with swarm_client(local_swarm, path, spot_check_fraction=0, spot_check_local=False, audit_share=1.0) as lm:
+            lm.only_peers = frozenset({peers["merged"]})
+            for generation in range(2):
+                lm.generate("1+2=", **REAL, seed=seed * 10 + generation)
+            return lm.audit_sample()
+
+    with ThreadPoolExecutor(4) as pool:
+        samples = [evidence for sample in pool.map(client_sample, range(4)) for evidence in sample]
+    findings = recompute(path, samples)
+    verdicts = [f.verdict for f in findings]
+    assert Verdict.LIE in verdicts and Verdict.INVALID not in verdicts, findings
+    assert {f.accused for f in findings if f.verdict == Verdict.LIE} == {peers["merged"]}

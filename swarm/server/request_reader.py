@@ -92,16 +92,20 @@ class Declared:
         return self.shape[0] * self.shape[1]
 
 
-@dataclass(frozen=True)
+@dataclass
 class Received:
     """A whole request, read and validated: what its first part declared, its hidden states and its per-block
-    adapter (sent, or held here and named by digest), and what admitting it costs."""
+    adapter (sent, or held here and named by digest), and what admitting it costs. ``digest`` is the call's digest
+    a receipt signs (:mod:`swarm.wire.receipts`); ``reused_fill`` the digest of the fill a reuse read (set when it
+    is computed)."""
 
     declared: Declared
     hidden: torch.Tensor
     adapter: Optional[BlockAdapter]
     held: bool  # an adapter tensor that came with it is now kept for later calls to name
     cost: int  # its price in the compute queue
+    digest: bytes = b""
+    reused_fill: bytes = b""
 
 
 class RequestReader:

@@ -6,6 +6,7 @@ holder's caller catches them by recomputing its drawn hops on its own checkpoint
 its tokens are unchecked instead of returning them as checked."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from pathlib import Path
@@ -205,31 +206,47 @@ def recompute(path: Path, sample: list) -> list:
     return [verify_evidence(evidence, reference, default_prefix(path), files.config) for evidence in sample]
 
 
-def test_a_liar_to_long_seen_callers_is_proven_on_a_long_lived_clients_own_calls(local_swarm, quiet_liars):
-    """The attack: a fresh-identity audit round passes it, and a client without the blocks (no spot check possible)
-    gets its lies. The defence: the client's sampled calls, signed by the liar, recomputed by an auditor, are proofs;
-    a third party holding the checkpoint verifies one on its own and routes around the liar."""
+def test_a_liar_to_long_seen_callers_is_proven_on_a_long_lived_clients_own_calls(local_swarm, quiet_liars, tmp_path):
+    """The attack: audit rounds from new identities pass it, and a client without the blocks (no spot check possible)
+    gets its lies. The defence: an auditor whose traffic identity lives across rounds (the default) is lied to and
+    fails it; the client's sampled calls, signed by the liar and handed to an auditor (``--evidence-dir``), are
+    proofs: the auditor fails the liar on them and keeps them, and a bystander holding the checkpoint verifies one
+    on its own and routes around the liar. The first generation's calls (honest) accuse nobody."""
     from swarm.client.proofs import Verdict
     from swarm.wire.evidence import CallEvidence
 
     path, peers = quiet_liars
     network = NetworkConfig(initial_peers=local_swarm.initial_peers, client_mode=True)
-    config = AuditorConfig(network=network, once=True, generations=1)  # a fresh identity, as by default
-    with Auditor(config, Ed25519PrivateKey.generate(), ModelFiles(path)) as auditor:
+    config = AuditorConfig(network=network, generations=1)
+    fresh = dataclasses.replace(config, identity_lifetime=0)
+    with Auditor(fresh, Ed25519PrivateKey.generate(), ModelFiles(path)) as auditor:
         assert auditor.run_round(score=False).checked[peers["seen"]].verdict == PASS  # the attack
+        time.sleep(SEEN_S + 1)
+        assert auditor.run_round(score=False).checked[peers["seen"]].verdict == PASS  # a new identity again
+    with Auditor(config, Ed25519PrivateKey.generate(), ModelFiles(path)) as auditor:
+        first = auditor.run_round(score=False).checked[peers["seen"]]
+        time.sleep(SEEN_S + 1)
+        assert (first.verdict, auditor.run_round(score=False).checked[peers["seen"]].verdict) == (PASS, FAIL)
+    inbox = tmp_path / "inbox"
     with swarm_client(local_swarm, path, spot_check_fraction=0, spot_check_local=False, audit_share=1.0) as lm:
         lm.only_peers = frozenset({peers["seen"]})
         lm.generate("1+2=", **REAL, seed=1)
+        honest_calls = len(lm.save_audit_sample(inbox))
         time.sleep(SEEN_S + 1)
         lm.generate("1+2=", **REAL, seed=2)
-        sample = lm.audit_sample()
-    findings = recompute(path, sample)
-    assert {f.verdict for f in findings} == {Verdict.HONEST, Verdict.LIE}, findings  # honest at first, then lies
-    assert {f.accused for f in findings if f.verdict == Verdict.LIE} == {peers["seen"]}
-    proof = next(evidence for evidence, f in zip(sample, findings) if f.verdict == Verdict.LIE)
+        later_calls = len(lm.save_audit_sample(inbox))
+    assert honest_calls and later_calls
+    handed = dataclasses.replace(fresh, generations=0, evidence_dir=str(inbox))
+    with Auditor(handed, Ed25519PrivateKey.generate(), ModelFiles(path)) as auditor:
+        checked = auditor.run_round(score=False).checked
+    assert checked[peers["seen"]].verdict == FAIL and "proven" in checked[peers["seen"]].reason, checked
+    assert checked[peers["honest"]].verdict == PASS
+    proofs = sorted((inbox / "proofs").glob("*.evidence"))
+    assert 0 < len(proofs) <= later_calls and not list(inbox.glob("*.evidence"))  # honest calls were removed
     with swarm_client(local_swarm, path, spot_check_fraction=0) as bystander:
-        finding = bystander.accept_proof(CallEvidence.from_bytes(proof.to_bytes()))
-        assert finding.verdict == Verdict.LIE and peers["seen"] in bystander.sequence.distrusted
+        finding = bystander.accept_proof(CallEvidence.from_bytes(proofs[0].read_bytes()))
+        assert (finding.verdict, finding.accused) == (Verdict.LIE, peers["seen"])
+        assert peers["seen"] in bystander.sequence.distrusted
         bystander.only_peers = frozenset({peers["seen"], peers["honest"]})
         bystander.generate("1+2=", **REAL, seed=3)
         assert {hop.peer_id for hop in bystander.planner.route} == {peers["honest"]}

@@ -207,3 +207,22 @@ def test_a_valid_evidence_with_any_field_replaced_parses_or_is_refused_cleanly(v
         return
     _, config, _, reference = model
     assert verify_evidence(evidence, reference, PREFIX, config).verdict != Verdict.LIE
+
+
+def test_an_evidence_directory_yields_evidence_and_removes_junk(model, server_key, tmp_path):
+    """What an auditor's ``--evidence-dir`` reads: saved samples come back as they were; a file that is not evidence
+    is removed unread beyond its bound."""
+    from swarm.audit import inbox
+    from swarm.client.receipts import save_sample
+
+    _, config, backend, _ = model
+    signer = ReceiptSigner(server_key, PREFIX, exact=True, invariant=True)
+    sample = [as_evidence(served(backend, signer, plain_request(config, seed))) for seed in range(3)]
+    save_sample(sample, tmp_path)
+    (tmp_path / "junk.evidence").write_bytes(b"\x92\x01")
+    taken = list(inbox.take(tmp_path))
+    assert sorted(e.receipt.request for _, e in taken) == sorted(e.receipt.request for e in sample)
+    assert not (tmp_path / "junk.evidence").exists()
+    kept = inbox.keep_proof(taken[0][0])
+    assert kept.parent.name == inbox.PROOFS
+    assert CallEvidence.from_bytes(kept.read_bytes()).receipt == taken[0][1].receipt

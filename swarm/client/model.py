@@ -22,7 +22,7 @@ from swarm.client.head_use import HeadUse
 from swarm.client.planner import RoutePlanner
 from swarm.client.proofs import Finding, Verdict, verify_evidence
 from swarm.client.push import PushReceiver
-from swarm.client.receipts import ReceiptBook
+from swarm.client.receipts import ReceiptBook, save_sample
 from swarm.client.reference import LocalReference
 from swarm.client.routing import RouteHop, compress_ranges
 from swarm.client.sequence import RemoteSequence
@@ -452,6 +452,13 @@ class DistributedDiffusionLM(BaseDiffusionLM):
         """The sampled calls (``ClientConfig.audit_share``) with their receipts: evidence to hand to an auditor,
         who recomputes each (``swarm.client.proofs.verify_evidence``)."""
         return self.receipts.sample()
+
+    def save_audit_sample(self, directory: str | Path) -> list[Path]:
+        """Write :meth:`audit_sample` as ``*.evidence`` files in ``directory`` (for an auditor's ``--evidence-dir``)
+        and forget them here; the paths written."""
+        paths = save_sample(self.audit_sample(), Path(directory))
+        self.receipts.clear_sample()
+        return paths
 
     @property
     def proofs(self) -> list[CallEvidence]:

@@ -18,6 +18,7 @@ import contextlib
 import logging
 import random
 import threading
+from pathlib import Path
 from typing import Iterator, Optional
 
 from swarm.wire.evidence import CallEvidence
@@ -32,6 +33,7 @@ MAX_FILLS = 256  # fills remembered to check and prove reuses (their hidden stat
 MAX_RECENT = 32  # the latest calls, so a spot check that finds a lie can turn the call into a proof
 MAX_KEPT = 64  # sampled calls kept with their tensors
 MAX_KEPT_BYTES = 256 * 2**20
+SUFFIX = ".evidence"  # one saved call's evidence (save_sample; an auditor's --evidence-dir reads them)
 
 FillKey = tuple[str, str, int, int, int]  # (peer, session, start, end, version)
 
@@ -138,3 +140,14 @@ def as_evidence(call: SignedCall, fill: Optional[CallEvidence] = None) -> CallEv
     return CallEvidence(call.receipt, request.start, request.end, request.session_id, request.step, request.cache,
                         request.head.to_dict() if request.head is not None else None, request.adapter, call.hidden,
                         call.answer, fill)
+
+
+def save_sample(sample: list[CallEvidence], directory: Path) -> list[Path]:
+    """Write each evidence as ``DIR/<request digest>.evidence`` (one call, one file); the paths written."""
+    directory.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for evidence in sample:
+        path = directory / f"{evidence.receipt.request.hex()[:32]}{SUFFIX}"
+        path.write_bytes(evidence.to_bytes())
+        paths.append(path)
+    return paths

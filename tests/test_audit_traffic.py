@@ -18,10 +18,12 @@ from swarm.adapters.adapter import base_of, new_adapter
 from swarm.audit.auditor import Auditor
 from swarm.audit.config import AuditorConfig
 from swarm.audit.traffic import GEN_LENGTH, generations_to_catch
+from swarm.client.proofs import Verdict
 from swarm.client.spot_check import NO_CHECKER
 from swarm.dht.config import NetworkConfig
 from swarm.models.loading import ModelFiles
 from swarm.reports.records import FAIL, PASS
+from swarm.wire.evidence import CallEvidence
 from tests.conftest import make_checkpoint, stop_all, swarm_client, tiny_config, wait_all
 
 FAULTY = (str(Path(__file__).with_name("faulty_server.py")),)
@@ -95,6 +97,11 @@ def test_a_default_client_alone_with_a_quiet_liar_catches_it_on_its_own_checkpoi
         outcomes = [o for o in lm.sequence.spot_checker.outcomes if o.verdict == "primary_faulty"]
         assert outcomes and outcomes[0].primary == peers[mode] and outcomes[0].checkers == ["local"], mode
         assert peers[mode] in lm.sequence.distrusted
+        # the caught call, signed by the liar, is a proof (issue 55): whatever it carried (a later step, a head
+        # query, a cache reuse with its fill, an adapter), its bytes recomputed elsewhere convict the liar
+        assert lm.proofs and {proof.accused for proof in lm.proofs} == {peers[mode]}, mode
+        finding = lm.accept_proof(CallEvidence.from_bytes(lm.proofs[0].to_bytes()))
+        assert finding.verdict == Verdict.LIE, finding
 
 
 def test_a_client_that_cannot_recompute_says_its_tokens_are_unchecked(local_swarm, liars, caplog):
@@ -212,9 +219,6 @@ def test_a_liar_to_long_seen_callers_is_proven_on_a_long_lived_clients_own_calls
     fails it; the client's sampled calls, signed by the liar and handed to an auditor (``--evidence-dir``), are
     proofs: the auditor fails the liar on them and keeps them, and a bystander holding the checkpoint verifies one
     on its own and routes around the liar. The first generation's calls (honest) accuse nobody."""
-    from swarm.client.proofs import Verdict
-    from swarm.wire.evidence import CallEvidence
-
     path, peers = quiet_liars
     network = NetworkConfig(initial_peers=local_swarm.initial_peers, client_mode=True)
     config = AuditorConfig(network=network, generations=1)
@@ -257,8 +261,6 @@ def test_a_liar_on_merged_rows_is_proven_on_concurrent_clients_own_calls(local_s
     sampled calls, merged on the server, recomputed by an auditor: the merged rows' receipts are proofs; its passes
     alone verify honest, so nobody is accused for them."""
     from concurrent.futures import ThreadPoolExecutor
-
-    from swarm.client.proofs import Verdict
 
     path, peers = quiet_liars
     network = NetworkConfig(initial_peers=local_swarm.initial_peers, client_mode=True)

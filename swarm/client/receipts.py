@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import logging
 import random
 import threading
 from pathlib import Path
 from typing import Iterator, Optional
+
+from hivemind.proto import runtime_pb2
 
 from swarm.wire.evidence import CallEvidence
 from swarm.wire.messages import ErrorCode, ForwardRequest, RemoteError
@@ -29,12 +32,13 @@ from swarm.wire.remote import SignedCall
 logger = logging.getLogger(__name__)
 
 MAX_RECEIPTS = 4096  # digests only: about 800 bytes each
-MAX_FILLS = 256  # fills remembered to check and prove reuses (their hidden states are referenced, not copied)
-MAX_RECENT = 32  # the latest calls, so a spot check that finds a lie can turn the call into a proof
+MAX_FILLS = 16  # fills remembered to check and prove reuses (their answers dropped: a proof does not need them)
+MAX_RECENT = 8  # the latest calls, so a spot check that finds a lie can turn the call into a proof
 MAX_KEPT = 64  # sampled calls kept with their tensors
 MAX_KEPT_BYTES = 256 * 2**20
 SUFFIX = ".evidence"  # one saved call's evidence (save_sample; an auditor's --evidence-dir reads them)
 
+NO_ANSWER = runtime_pb2.Tensor()  # what a remembered fill keeps of its answer
 FillKey = tuple[str, str, int, int, int]  # (peer, session, start, end, version)
 
 
@@ -78,7 +82,7 @@ class ReceiptBook:
             while len(self._recent) > MAX_RECENT:
                 self._recent.popitem(last=False)
             if request.cache is not None and request.cache.fill:
-                self._fills[fill_key(call.peer_id, request)] = call
+                self._fills[fill_key(call.peer_id, request)] = dataclasses.replace(call, answer=NO_ANSWER)
                 while len(self._fills) > MAX_FILLS:
                     self._fills.popitem(last=False)
             if not self._private and self.share > 0 and self.rng.random() < self.share:

@@ -187,10 +187,12 @@ class RemoteCaller:
 
     async def _signed_call(self, peer_id: str, request: ForwardRequest, timeout: float, backward: bool
                            ) -> tuple[torch.Tensor, dict]:
-        """One call; its answer's metadata also holds the request's hidden states as they travelled."""
+        """One call; a forward answer's metadata also holds the request's hidden states as they travelled (what its
+        receipt signs; backward calls carry no receipt)."""
         rpc = self._forward_rpc(peer_id, request, backward)
         output, metadata = await self._call(peer_id, rpc, timeout)
-        metadata[WIRE_HIDDEN] = rpc.hidden
+        if not backward:
+            metadata[WIRE_HIDDEN] = rpc.hidden
         return output, metadata
 
     async def _adapted_call(self, peer_id: str, request: ForwardRequest, timeout: float, backward: bool = False

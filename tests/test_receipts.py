@@ -226,3 +226,15 @@ def test_an_evidence_directory_yields_evidence_and_removes_junk(model, server_ke
     kept = inbox.keep_proof(taken[0][0])
     assert kept.parent.name == inbox.PROOFS
     assert CallEvidence.from_bytes(kept.read_bytes()).receipt == taken[0][1].receipt
+
+
+def test_a_call_too_long_to_recompute_accuses_nobody(model, server_key):
+    """Evidence is remote input: a signed call longer than the model's context (or than a server's batch bound) is
+    refused before any pass, never recomputed at the verifier's expense."""
+    _, config, _, _ = model
+    signer = ReceiptSigner(server_key, PREFIX, exact=True, invariant=True)
+    request = plain_request(config, rows=config.max_position_embeddings + 1)
+    hidden, answer = encode_tensor(request.hidden), encode_tensor(request.hidden)
+    receipt = signer.sign(content_of(request, hidden).digest(), tensor_digest(answer))
+    finding = check(as_evidence(SignedCall("", request, receipt, hidden, answer)), model)
+    assert finding.verdict == Verdict.INVALID and "positions" in finding.reason, finding

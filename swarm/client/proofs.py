@@ -39,6 +39,7 @@ logger = logging.getLogger(__name__)
 
 PROOF_RTOL = 1e-3  # the spot checks' default tolerance (ClientConfig.spot_check_rtol)
 NON_INVARIANT_FACTOR = 10.0
+MAX_TOKENS = 16384  # positions of one recomputed call (a server's default --max-batch-tokens)
 
 
 class Verdict(str, enum.Enum):
@@ -74,8 +75,8 @@ def verify_evidence(evidence: CallEvidence, reference: LocalReference, prefix: s
         fill = decoded(evidence.fill.hidden) if evidence.fill is not None else None
         expected = reference.answer(request, fill)
         answer = decoded(evidence.answer)
-    except (ValueError, RuntimeError, IndexError) as error:  # shapes the model cannot take
-        return Finding(Verdict.INVALID, None, f"not a call of this model: {str(error)[:200]}")
+    except Exception as error:  # remote input the model cannot take (shapes, an adapter's form): nobody accused
+        return Finding(Verdict.INVALID, None, f"not a call of this model: {type(error).__name__}: {str(error)[:200]}")
     tolerance = rtol if receipt.invariant else rtol * NON_INVARIANT_FACTOR
     difference = relative_difference(answer, expected) if answer.shape == expected.shape else float("inf")
     if answers_agree(answer, expected, tolerance):
@@ -89,14 +90,17 @@ def call_request(evidence: CallEvidence, config: ModelConfig):
     """The evidence's call as a request of this model (ValueError when it cannot be one)."""
     if evidence.end > config.num_layers:
         raise ValueError(f"blocks {evidence.start}:{evidence.end} of a model of {config.num_layers}")
-    hidden_size = int(evidence.hidden.size[2])
+    batch, length, hidden_size = (int(n) for n in evidence.hidden.size)
     if hidden_size != config.hidden_size:
         raise ValueError(f"hidden states of width {hidden_size}, the model's are {config.hidden_size}")
+    fill_length = int(evidence.fill.hidden.size[1]) if evidence.fill is not None else length
+    if max(length, fill_length) > config.max_position_embeddings or batch * max(length, fill_length) > MAX_TOKENS:
+        raise ValueError(f"a call of {batch} x {max(length, fill_length)} positions: at most "
+                         f"{config.max_position_embeddings} positions and {MAX_TOKENS} in all are recomputed")
     head = None
     if evidence.head is not None:
         if evidence.end != config.num_layers:
             raise ValueError("a head query on a hop that does not end at the last block")
-        batch, length = int(evidence.hidden.size[0]), int(evidence.hidden.size[1])
         first = evidence.cache.rows[0] if evidence.cache is not None and evidence.cache.rows else 0
         head = HeadQuery.parse(evidence.head, batch, length, config.vocab_size, first)
         if head.to_dict() != evidence.head:

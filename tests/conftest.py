@@ -67,6 +67,7 @@ FILE_TIERS = {  # a "unit" file may hold tests of other tiers: found by their fi
     "test_audit": "unit",  # the records, in process; the auditor against a live swarm is test_audit_swarm
     "test_audit_swarm": "swarm",
     "test_audit_traffic": "swarm",
+    "test_receipts": "unit",  # receipts, evidence and proofs in process; against live liars: test_audit_traffic
     "test_adapter_versions": "unit",  # the parsers in process; versions and adoption on the live swarm (fixtures)
     "test_improve": "swarm",
     "test_usage": "unit",  # the ledger, the cap and the retry hint, in process; a live server in test_usage_swarm

@@ -3,8 +3,10 @@
 A local swarm's bootstrap peer and one ``python -m swarm.improve --self-prompt N`` trainer per domain (tagged and
 bracketed addition), each from ``--seeds`` seed examples of its domain and nothing else: its first round trains on
 the seeds, every later round on what it proposed, answered and its domain's checker accepted. Each round's row: the
-trainer's own figure on its held-out problems (disjoint from everything it can propose: a hash partition, checked
-by the held-out guard) and the round's self-prompting record (proposed, new, accepted, acceptance).
+trainer's own figure on its fixed held-out problems (disjoint from everything it can propose: a hash partition,
+checked by the held-out guard), the score of its newest published version on fresh held-out problems drawn after the
+run (the auditor's method, ``swarm.audit``'s ``evaluate_task`` on ``os.urandom`` seeds, run here on the local model),
+and the round's self-prompting record (proposed, new, accepted, acceptance).
 
     python benchmarks/self_prompt_streams.py --output teach --rounds 5
 
@@ -22,9 +24,8 @@ import click
 from swarm.improve.demo import round_of, stop
 
 DOMAINS = ("tagged-addition", "bracketed-addition")
-HEADER = ("| round | stream | own held-out figure | proposed | by the model | new | held out | accepted | acceptance "
-          "|\n"
-          "|---|---|---|---|---|---|---|---|---|")
+HEADER = ("| round | stream | own held-out figure | newest version: fresh held-out score | proposed | by the model "
+          "| new | held out | accepted | acceptance |\n|---|---|---|---|---|---|---|---|---|---|")
 
 
 def write_seeds(folder: Path, domain: str, count: int) -> None:
@@ -39,9 +40,31 @@ def write_seeds(folder: Path, domain: str, count: int) -> None:
 def row(number: int, domain: str, entry: dict[str, Any]) -> str:
     prompted = entry.get("self_prompt") or {}
     cells = [prompted.get(k, "-") for k in ("proposed", "by_model", "new", "held_out", "accepted")]
-    rate = prompted.get("acceptance")
-    return (f"| {number} | {domain} | {entry['figure']:.2f} | " + " | ".join(map(str, cells))
+    rate, fresh = prompted.get("acceptance"), entry.get("fresh")
+    return (f"| {number} | {domain} | {entry['figure']:.2f} | "
+            + ("-" if fresh is None else f"v{entry['newest']}: {fresh:.2f}") + " | " + " | ".join(map(str, cells))
             + f" | {'-' if rate is None else f'{rate:.2f}'} |")
+
+
+def score_versions(work: Path, domain: str, history: list[dict[str, Any]], examples: int) -> None:
+    """Add to each round the newest published version and its exact match on fresh held-out problems."""
+    import os
+
+    from swarm.eval.tasks import evaluate_task
+    from swarm.frontend.local import DiffusionLM
+    from swarm.train.data import TASKS
+
+    lm = DiffusionLM.from_pretrained("addition")
+    scores: dict[int, float] = {}
+    newest = None
+    for entry in history:
+        newest = entry["version"] or newest
+        if newest is not None and newest not in scores:
+            seed = int.from_bytes(os.urandom(4), "big") >> 1
+            report = evaluate_task(lm, TASKS[domain](), examples=examples, seed=seed,
+                                   generate_options={"adapter": str(work / "trainer" / "versions" / str(newest))})
+            scores[newest] = report.correct / report.examples
+        entry["newest"], entry["fresh"] = newest, scores.get(newest)
 
 
 def plot(histories: dict[str, list[dict[str, Any]]], path: Path) -> None:
@@ -72,8 +95,9 @@ def plot(histories: dict[str, list[dict[str, Any]]], path: Path) -> None:
 @click.option("--proposals", type=click.IntRange(1, 10_000), default=48, help="Problems proposed per round.")
 @click.option("--round-steps", type=click.IntRange(1), default=20)
 @click.option("--held-out", type=click.IntRange(1), default=40)
+@click.option("--fresh", type=click.IntRange(1), default=60, help="Fresh held-out problems per published version.")
 @click.option("--round-timeout", type=float, default=900.0)
-def main(output: str, rounds: int, seeds: int, proposals: int, round_steps: int, held_out: int,
+def main(output: str, rounds: int, seeds: int, proposals: int, round_steps: int, held_out: int, fresh: int,
          round_timeout: float) -> None:
     from swarm.governance.keys import generate_private_key
     from swarm.utils.local_swarm import LocalSwarm
@@ -92,7 +116,8 @@ def main(output: str, rounds: int, seeds: int, proposals: int, round_steps: int,
                 command = ["-m", "swarm.improve", "--task", domain, "--data", str(work / "data"), "--name", domain,
                            "--key", str(work / "trainer.key"), "--workdir", str(work / "trainer"), "--model",
                            "addition", "--rounds", str(rounds), "--round-steps", str(round_steps), "--held-out",
-                           str(held_out), "--self-prompt", str(proposals), "--local-model", "--threads", "1", *peers]
+                           str(held_out), "--self-prompt", str(proposals), "--keep", "16", "--local-model",
+                           "--threads", "1", *peers]
                 trainers[domain] = swarm.start_command(domain, command, log=work / "trainer.log").process
             for number in range(1, rounds + 1):
                 for domain, process in trainers.items():
@@ -105,6 +130,8 @@ def main(output: str, rounds: int, seeds: int, proposals: int, round_steps: int,
         finally:
             stop(list(trainers.values()))
     histories = {domain: round_of(out / domain / "trainer")[1] for domain in DOMAINS}
+    for domain, history in histories.items():
+        score_versions(out / domain, domain, history, fresh)
     lines = [HEADER] + [row(entry["round"], domain, entry) for domain in DOMAINS for entry in histories[domain]]
     (out / "streams.md").write_text("\n".join(lines) + "\n")
     (out / "streams.json").write_text(json.dumps(histories, indent=1))

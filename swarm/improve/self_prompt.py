@@ -55,7 +55,7 @@ class SelfPromptRound:
     seen: int  # proposed in an earlier round (or twice in this one)
     held_out: int  # held-out problems proposed (dropped: never answered, never written)
     accepted: int  # answers the task's checker accepted (the round's new training pairs)
-    samples: list[dict[str, str]] = field(default_factory=list)  # a few answers, accepted or not
+    samples: list[dict[str, Any]] = field(default_factory=list)  # a few answers, accepted or not
 
     @property
     def acceptance(self) -> float:
@@ -139,7 +139,7 @@ class SelfPrompter:
         write_pairs(self.folder / ROUND_FILE.format(number), kept)
         record = SelfPromptRound(number, len(proposals), sum(by_model for _, by_model in proposals), len(new),
                                  repeated, held_out, len(kept),
-                                 [{"prompt": p, "answer": a, "accepted": str(self.task.check(p, a))}
+                                 [{"prompt": p, "answer": a, "accepted": self.task.check(p, a)}
                                   for p, a in list(zip(new, answers))[:4]])
         self.state = {"round": number, "seen": sorted(seen), "rounds": self.state["rounds"] + [record.to_json()]}
         self._save()

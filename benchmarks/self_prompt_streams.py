@@ -41,8 +41,9 @@ def row(number: int, domain: str, entry: dict[str, Any]) -> str:
     prompted = entry.get("self_prompt") or {}
     cells = [prompted.get(k, "-") for k in ("proposed", "by_model", "new", "held_out", "accepted")]
     rate, fresh = prompted.get("acceptance"), entry.get("fresh")
+    rule = "" if entry.get("rule") is None else f" (the rule: {entry['rule']:.2f})"
     return (f"| {number} | {domain} | {entry['figure']:.2f} | "
-            + ("-" if fresh is None else f"v{entry['newest']}: {fresh:.2f}") + " | " + " | ".join(map(str, cells))
+            + ("-" if fresh is None else f"v{entry['newest']}: {fresh:.2f}{rule}") + " | " + " | ".join(map(str, cells))
             + f" | {'-' if rate is None else f'{rate:.2f}'} |")
 
 
@@ -56,15 +57,20 @@ def score_versions(work: Path, domain: str, history: list[dict[str, Any]], examp
 
     lm = DiffusionLM.from_pretrained("addition")
     scores: dict[int, float] = {}
+    rules: dict[int, float] = {}
     newest = None
     for entry in history:
         newest = entry["version"] or newest
         if newest is not None and newest not in scores:
             seed = int.from_bytes(os.urandom(4), "big") >> 1
-            report = evaluate_task(lm, TASKS[domain](), examples=examples, seed=seed,
+            task = TASKS[domain]()
+            report = evaluate_task(lm, task, examples=examples, seed=seed,
                                    generate_options={"adapter": str(work / "trainer" / "versions" / str(newest))})
             scores[newest] = report.correct / report.examples
-        entry["newest"], entry["fresh"] = newest, scores.get(newest)
+            if hasattr(task, "rule"):  # a domain with a built-in answer (host-blocks): scored on the same problems
+                problems = task.problems(examples, seed, held_out=True)
+                rules[newest] = sum(task.check(p.prompt, task.rule(p.prompt)) for p in problems) / len(problems)
+        entry["newest"], entry["fresh"], entry["rule"] = newest, scores.get(newest), rules.get(newest)
 
 
 def plot(histories: dict[str, list[dict[str, Any]]], path: Path) -> None:
@@ -90,6 +96,7 @@ def plot(histories: dict[str, list[dict[str, Any]]], path: Path) -> None:
 
 @click.command()
 @click.option("--output", default="teach", type=click.Path(file_okay=False))
+@click.option("--domain", "domains", multiple=True, default=DOMAINS, help="A stream's task (repeatable).")
 @click.option("--rounds", type=click.IntRange(1, 50), default=5)
 @click.option("--seeds", type=click.IntRange(1, 1000), default=8, help="Seed examples per domain (the human data).")
 @click.option("--proposals", type=click.IntRange(1, 10_000), default=48, help="Problems proposed per round.")
@@ -97,8 +104,8 @@ def plot(histories: dict[str, list[dict[str, Any]]], path: Path) -> None:
 @click.option("--held-out", type=click.IntRange(1), default=40)
 @click.option("--fresh", type=click.IntRange(1), default=60, help="Fresh held-out problems per published version.")
 @click.option("--round-timeout", type=float, default=900.0)
-def main(output: str, rounds: int, seeds: int, proposals: int, round_steps: int, held_out: int, fresh: int,
-         round_timeout: float) -> None:
+def main(output: str, domains: tuple[str, ...], rounds: int, seeds: int, proposals: int, round_steps: int,
+         held_out: int, fresh: int, round_timeout: float) -> None:
     from swarm.governance.keys import generate_private_key
     from swarm.utils.local_swarm import LocalSwarm
 
@@ -109,7 +116,7 @@ def main(output: str, rounds: int, seeds: int, proposals: int, round_steps: int,
         swarm.start_bootstrap()
         peers = [arg for peer in swarm.initial_peers for arg in ("--initial-peers", peer)]
         try:
-            for domain in DOMAINS:
+            for domain in domains:
                 work = out / domain
                 write_seeds(work / "data", domain, seeds)
                 generate_private_key(work / "trainer.key")
@@ -129,10 +136,10 @@ def main(output: str, rounds: int, seeds: int, proposals: int, round_steps: int,
                 click.echo(f"round {number} done ({time.perf_counter() - started:.0f} s)")
         finally:
             stop(list(trainers.values()))
-    histories = {domain: round_of(out / domain / "trainer")[1] for domain in DOMAINS}
+    histories = {domain: round_of(out / domain / "trainer")[1] for domain in domains}
     for domain, history in histories.items():
         score_versions(out / domain, domain, history, fresh)
-    lines = [HEADER] + [row(entry["round"], domain, entry) for domain in DOMAINS for entry in histories[domain]]
+    lines = [HEADER] + [row(entry["round"], domain, entry) for domain in domains for entry in histories[domain]]
     (out / "streams.md").write_text("\n".join(lines) + "\n")
     (out / "streams.json").write_text(json.dumps(histories, indent=1))
     try:

@@ -18,6 +18,7 @@ from swarm.train.data import TASKS, AdditionTask, Problem
 pytestmark = pytest.mark.unit
 FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 DOMAINS = [TASKS[name]() for name in ("addition", "tagged-addition", "bracketed-addition")]
+ALL_DOMAINS = [task() for task in TASKS.values()]
 operand = st.integers(0, 999)
 # Respellings of a problem: other digits (fullwidth, Arabic-Indic), leading zeros, spaces anywhere.
 DIGITS = {"ascii": "0123456789", "fullwidth": "０１２３４５６７８９"}
@@ -165,3 +166,32 @@ def test_a_round_keeps_only_checked_answers_and_counts_what_it_saw_before(tmp_pa
         again = prompter.run_round(addition_lm, adapter=None)
         assert again.new == 0 and again.seen == 8 - record.held_out
     assert accepted["addition"] >= 1 and accepted["tagged-addition"] == 0
+
+
+@FUZZ
+@given(prompt=st.text(max_size=14) | st.from_regex(r"[0-9]{6,9}\|[0-9]{1,2}=", fullmatch=True),
+       answer=st.text(max_size=3) | st.integers(-1, 9).map(str))
+def test_no_domain_checker_or_parser_is_fooled_by_any_text(prompt, answer):
+    for task in ALL_DOMAINS:
+        task.parse_proposal(prompt)
+        task.would_contaminate(prompt)
+        if task.check(prompt, answer):
+            assert task.normalise(prompt) == prompt, (task.name, prompt)
+            assert task.check(prompt, answer.strip()) and answer == answer.strip()
+
+
+def test_the_host_blocks_checker_scores_the_built_in_rule_by_the_coverage_it_gives():
+    """The network's own question: the rule (the server's --num-blocks choice) hosts blocks 4-6 of ``21030112`` and
+    leaves block 2 with no server; the checker's answer, blocks 2-4, leaves none at zero. Over held-out questions the
+    rule is right about 98 times in 100: a model has something to beat, and the checker says by how much."""
+    from swarm.server.block_selection import least_covered_window
+
+    task = TASKS["host-blocks"]()
+    assert task.rule("21030112|3=") == "4" and not task.check("21030112|3=", "4")
+    assert task.check("21030112|3=", "2")
+    questions = task.problems(500, 9, held_out=True)
+    right = sum(task.check(q.prompt, task.rule(q.prompt)) for q in questions)
+    assert 400 < right < 500
+    assert all(task.rule(q.prompt) == str(least_covered_window(*task.question(q.prompt))) for q in questions[:20])
+    for malformed in ("2103011|3=", "21030112|9=", "21030112|0=", "２1030112|3=", "21030112|3", "21030112|03="):
+        assert task.question(malformed) is None and not task.check(malformed, "2")

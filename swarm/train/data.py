@@ -235,6 +235,81 @@ class BracketedAdditionTask(TaggedAdditionTask):
         return f"[{a + b}]"
 
 
+class HostBlocksTask:
+    """The network's own question as a domain: which blocks should a joining server host?
+
+    A question is a health map in short, ``"21030112|3="``: how many servers hold each of the model's
+    :data:`BLOCKS` blocks (0-9) and how many blocks the newcomer hosts; the answer is the first block of its span
+    (``"2"``). The checker scores an answer by the coverage it gives: the best span is the one whose coverage after
+    the newcomer joins, sorted weakest first, is largest (the weakest block as well served as it can be, then the
+    next weakest, ...), then leftmost. The built-in rule (``swarm.server.block_selection.least_covered_window``)
+    approximates it and is scored by the same checker (:meth:`rule`). Held-out questions: the same hash partition as
+    addition's."""
+
+    name = "host-blocks"
+    BLOCKS = 8
+    PROMPT = re.compile(r"([0-9]{8})\|([1-8])=", re.ASCII)
+
+    def __init__(self, tokenizer: Optional[Tokenizer] = None):
+        self.tokenizer = tokenizer or ByteTokenizer()
+
+    def question(self, prompt: str) -> Optional[tuple[list[int], int]]:
+        """(servers per block, span length) of a question written exactly as this task writes one; else None."""
+        match = self.PROMPT.fullmatch(prompt) if len(prompt) <= self.BLOCKS + 3 else None
+        return None if match is None else ([int(c) for c in match[1]], int(match[2]))
+
+    @staticmethod
+    def best(cover: Sequence[int], span: int) -> int:
+        """The span start whose coverage after joining, sorted weakest first, is largest (then leftmost)."""
+        def after(start: int) -> list[int]:
+            return sorted(c + (start <= i < start + span) for i, c in enumerate(cover))
+
+        return max(range(len(cover) - span + 1), key=lambda s: (after(s), -s))
+
+    def rule(self, prompt: str) -> Optional[str]:
+        """The built-in rule's answer to a question (the server's ``--num-blocks`` choice)."""
+        from swarm.server.block_selection import least_covered_window
+
+        question = self.question(prompt)
+        return None if question is None else str(least_covered_window(*question))
+
+    def check(self, prompt: str, answer: str) -> bool:
+        question = self.question(prompt)
+        return question is not None and answer == str(self.best(*question))
+
+    def problems(self, count: int, seed: int, held_out: bool) -> list[Problem]:
+        rng, out = random.Random(seed), []
+        while len(out) < count:
+            cover = [min(9, int(rng.expovariate(0.7))) for _ in range(self.BLOCKS)]
+            span = rng.randint(1, self.BLOCKS)
+            problem = Problem(f"{''.join(map(str, cover))}|{span}=", str(self.best(cover, span)))
+            if AdditionTask.is_held_out(problem) == held_out:
+                out.append(problem)
+        return out
+
+    def normalise(self, prompt: str) -> Optional[str]:
+        text = "".join(unicodedata.normalize("NFKC", prompt[:64]).split())
+        return text if self.question(text) is not None else None
+
+    def proposal_template(self, seed: Problem, rng: random.Random) -> str:
+        """A seed's health map with one block's count changed, and ``|``: the model (or ``fill``) adds the span."""
+        question = self.question(seed.prompt)
+        cover = question[0] if question is not None else [rng.randrange(4) for _ in range(self.BLOCKS)]
+        cover[rng.randrange(self.BLOCKS)] = rng.randrange(10)
+        return "".join(map(str, cover)) + "|"
+
+    def parse_proposal(self, text: str) -> Optional[str]:
+        match = self.PROMPT.match(text[:self.BLOCKS + 3])
+        return None if match is None else match[0]
+
+    def fill(self, template: str, seed: Problem, rng: random.Random) -> str:
+        return f"{template}{rng.randint(1, self.BLOCKS)}="
+
+    def would_contaminate(self, prompt: str) -> bool:
+        canonical = self.normalise(prompt)
+        return canonical is not None and AdditionTask.is_held_out(Problem(canonical, ""))
+
+
 def encode_problems(problems: Sequence[Problem], seq_len: int, tokenizer: Optional[Tokenizer] = None) -> torch.Tensor:
     """``[BOS] prompt answer [EOS]…`` padded with EOS, as LLaDA's supervised data is."""
     tokenizer = tokenizer or ByteTokenizer()
@@ -283,7 +358,8 @@ def python_bytes(limit: int = 4_000_000) -> bytes:
 
 # Corpora that are also tasks with checkable answers (``python -m swarm.eval --task``), by their names in
 # swarm/train/config.py (TASK_NAMES, which the commands' options offer).
-TASKS = {"addition": AdditionTask, "tagged-addition": TaggedAdditionTask, "bracketed-addition": BracketedAdditionTask}
+TASKS = {"addition": AdditionTask, "tagged-addition": TaggedAdditionTask, "bracketed-addition": BracketedAdditionTask,
+         "host-blocks": HostBlocksTask}
 
 
 def load_corpus(name_or_files: str, files: Optional[Sequence[str]] = None,

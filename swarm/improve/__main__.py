@@ -67,6 +67,10 @@ D = ImproveConfig  # the defaults
               help="Seed of the adapter's first values and of the batches (trainers of one run use one seed).")
 @click.option("--request-timeout", type=click.FloatRange(min=1), default=D.request_timeout,
               help="Seconds a call to a server may take.")
+@click.option("--self-prompt", type=click.IntRange(min=0), default=D.self_prompt,
+              help="Self-prompting (expert iteration): before each round after the first, propose this many new "
+                   "problems of --task from the seed examples in --data (a folder), answer them with the adapter so "
+                   "far, and add the answers the task's checker accepts to --data (0: off).")
 @click.option("--local-model", is_flag=True,
               help="Run the whole model here; the swarm then serves only the collaboration and the publishing.")
 @threads_option()

@@ -38,6 +38,7 @@ from swarm.utils.errors import (
     EXIT_USAGE,
     SwarmError,
 )
+from swarm.utils.extras import missing_extra_message
 from swarm.utils.settings import SettingField, settings_of
 from swarm.utils.text import listed
 from swarm.utils.threads import THREADS_HELP, apply_threads, default_threads  # noqa: F401 (commands import them here)
@@ -77,6 +78,9 @@ def as_cli_error(error: BaseException) -> Optional[CLIError]:
         return CLIError(str(error) or type(error).__name__, error.exit_code)
     if isinstance(error, USAGE_ERRORS):
         return CLIError(str(error) or type(error).__name__, EXIT_USAGE)
+    missing = missing_extra_message(error) if isinstance(error, ImportError) else None
+    if missing is not None:  # an optional package: the install line, not a bug report
+        return CLIError(missing, EXIT_USAGE)
     return None
 
 
@@ -129,6 +133,10 @@ def run_main(command: click.Command) -> None:
     except Exception as error:
         if "--verbose" in sys.argv[1:]:
             traceback.print_exception(error, file=sys.stderr)
+        failure = as_cli_error(error)  # a plain click command's known error (a missing extra): its line and code
+        if failure is not None:
+            failure.show()
+            sys.exit(failure.exit_code)
         click.echo(f"Error: internal error: {type(error).__name__}: {' '.join(str(error).split())} (a bug: run "
                    "again with --verbose and report the traceback)", err=True)
         sys.exit(EXIT_INTERNAL)

@@ -81,11 +81,10 @@ def serve_page(network: NetworkConfig, prefix: str, num_blocks: int, host: str, 
                auditors: tuple[str, ...] = ()) -> None:
     """``--serve``: the live map page (docs/WEB.md) until SIGINT / SIGTERM; prints ``MAP READY <url>``. The page
     shows the reports of ``auditors`` (base64 keys)."""
-    try:
-        from swarm.web.server import listen, serve_map
-        from swarm.web.watcher import own_access
-    except ImportError as error:
-        raise click.UsageError(f"--serve needs fastapi and uvicorn (pip install 'diffusion-swarm[api]'): {error}")
+    import uvicorn  # noqa: F401 (imported where it serves; here a missing one is named before the swarm is joined)
+
+    from swarm.web.server import listen, serve_map  # FastAPI too
+    from swarm.web.watcher import own_access
     try:
         sock = listen(host, port)
     except OSError as error:
@@ -114,7 +113,7 @@ def serve_page(network: NetworkConfig, prefix: str, num_blocks: int, host: str, 
               "(rpc_info: tokens, compute seconds, requests, callers, its --max-share-per-caller and refusals, the "
               "heaviest callers): one call per server, 5 s at most each.")
 @click.option("--serve", is_flag=True, help="Serve the live map as a web page (/map, its data at /map.json) until "
-              "interrupted, instead of printing it once. Needs fastapi and uvicorn (the 'api' extra).")
+              "interrupted, instead of printing it once.")
 @click.option("--host", default="127.0.0.1", help="With --serve: address to listen on; 0.0.0.0 accepts other "
               "machines.")
 @click.option("--port", type=click.IntRange(0, 65535), default=8100,

@@ -1,0 +1,134 @@
+"""The second hour of a new user (issue 56): every command the README and docs name works after the README's install
+or names the extra it needs; errors that name the likely fix; the tokenizer called as a transformers one.
+
+Item 2 (the tiers' time and memory) is tested by the tier machinery in conftest.py; item 4 (one view of liveness)
+in test_health.py and test_spot_checks.py; the README's snippets in test_readme.py.
+"""
+from __future__ import annotations
+
+import configparser
+import importlib
+import re
+import sys
+from pathlib import Path
+
+import click
+from click.testing import CliRunner
+
+from swarm.cli.options import EXIT_USAGE, SwarmCommand, as_cli_error
+from swarm.utils.extras import extra_providing, install_hint
+
+ROOT = Path(__file__).resolve().parents[1]
+SOME_PEER = "/ip4/127.0.0.1/tcp/9/p2p/QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"  # never dialed
+DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+# ----- item 1: one install line, and the extra a command needs named in one line -----------------------------------
+NOT_CLICK = {"swarm.testing.netlab"}  # the NAT lab's own tool (root, network namespaces): argparse, tested in test_nat
+
+
+def commands_named() -> set[tuple[str, str]]:
+    """``(module, first word after it)`` for every ``python -m swarm.X`` the README and docs name."""
+    found = set()
+    for path in DOCUMENTS:
+        for module, word in re.findall(r"python -m (swarm(?:\.\w+)*)(?: ([a-z][a-z-]*))?", path.read_text()):
+            found.add((module, word))
+    return found
+
+
+def command_of(module: str) -> click.Command:
+    """The click command ``python -m module`` runs (a package's ``__main__``, else the module itself)."""
+    try:
+        loaded = importlib.import_module(f"{module}.__main__")
+    except ModuleNotFoundError:
+        loaded = importlib.import_module(module)
+    return loaded.main
+
+
+def test_every_command_the_readme_and_docs_name_answers_help():
+    # Imported and asked for --help in this process: a module that moved, or that imports a package the README's
+    # install does not give (FastAPI and uvicorn were an extra: `python -m swarm.api` failed), fails here.
+    named = commands_named()
+    assert {"swarm.api", "swarm.health", "swarm.server", "swarm.generate"} <= {module for module, _ in named}
+    runner = CliRunner()
+    for module, word in sorted(named):
+        if module in NOT_CLICK:
+            continue
+        command = command_of(module)
+        args = [word, "--help"] if isinstance(command, click.Group) and word in command.commands else ["--help"]
+        result = runner.invoke(command, args)
+        assert result.exit_code == 0, (module, args, result.output, result.exception)
+
+
+def test_the_api_and_the_pages_need_only_the_readmes_install():
+    config = configparser.ConfigParser()
+    config.read(ROOT / "setup.cfg")
+    lines = config["options"]["install_requires"].splitlines()
+    required = {line.split(">")[0].split("=")[0].strip() for line in lines}
+    assert {"fastapi", "uvicorn", "pydantic", "starlette"} <= required, "swarm.api and the pages after the install"
+
+
+def test_a_missing_optional_package_is_one_line_naming_its_extra_with_exit_2(monkeypatch):
+    # What `python -m swarm.api` or `health --serve` met without uvicorn, and the demo's plot without matplotlib: a
+    # module an extra provides is an install line and exit 2, never "internal error ... (a bug)".
+    @click.command(cls=SwarmCommand)
+    def needs_plot():
+        import matplotlib  # noqa: F401
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # what an environment without the plot extra raises
+    result = CliRunner().invoke(needs_plot, [])
+    assert result.exit_code == EXIT_USAGE, result.output
+    assert result.output.strip() == (
+        "Error: this needs the package 'matplotlib', which the plot extra installs: " + install_hint("plot"))
+    assert "bug" not in result.output
+    failure = as_cli_error(ModuleNotFoundError("No module named 'uvicorn'", name="uvicorn"))
+    assert failure is not None and failure.exit_code == EXIT_USAGE and 'pip install -e ".[api]"' in failure.message
+    assert as_cli_error(ModuleNotFoundError("No module named 'nothing_of_ours'", name="nothing_of_ours")) is None
+
+
+def test_the_extras_are_the_ones_setup_cfg_declares():
+    assert extra_providing("matplotlib") == "plot"
+    assert extra_providing("gensim") == "train", "the test extra repeats gensim; the advice is the train extra"
+    assert extra_providing("datasets") == "data"
+    assert extra_providing("torch") is None, "a required package is no extra's"
+
+
+def test_the_serve_flag_names_the_missing_package_with_its_install_line(monkeypatch):
+    from swarm.health.__main__ import main as health_cli
+
+    monkeypatch.setitem(sys.modules, "uvicorn", None)  # checked before the port is taken or the swarm joined
+    result = CliRunner().invoke(health_cli, ["--serve", "--port", "0", "--initial-peers", SOME_PEER])
+    assert result.exit_code == EXIT_USAGE, result.output
+    assert "'uvicorn'" in result.output and 'pip install -e ".[api]"' in result.output
+
+
+def test_the_demo_says_what_it_wrote_and_the_plots_install_line(tmp_path, monkeypatch):
+    from swarm.improve.demo import Row, write_outputs
+
+    rows = [Row(0, {}, {}, {}, "-", None, 0.0, False)]
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    said = write_outputs(tmp_path, rows)
+    assert (tmp_path / "improve_demo.md").exists() and (tmp_path / "improve_demo.json").exists()
+    assert not (tmp_path / "improve_demo.png").exists()
+    assert str(tmp_path / "improve_demo.md") in said and "no plot" in said and install_hint("plot") in said
+
+
+def test_every_install_hint_is_spelled_one_way():
+    # The README installs with `pip install -e .` and `pip install -e ".[test]"`; a hint spelled otherwise
+    # (`pip install fastapi uvicorn`, `pip install 'diffusion-swarm[api]'`, `.[plot]` unquoted) was a second way.
+    config = configparser.ConfigParser()
+    config.read(ROOT / "setup.cfg")
+    extras = set(config["options.extras_require"])
+    allowed = re.compile(r'pip install -e (\.|"\.\[(\w+)\]")(?=[\s`)\'";]|$)')
+    outside = {"pip install torch==", "pip install openai", "pip install --no-deps torch", "pip install -c docker/"}
+    defined = ROOT / "swarm" / "utils" / "extras.py"  # where the spelling is written once, as a template
+    sources = DOCUMENTS + [path for path in sorted((ROOT / "swarm").rglob("*.py")) if path != defined]
+    for path in sources:
+        for line in path.read_text().splitlines():
+            for start in [match.start() for match in re.finditer("pip install", line)]:
+                rest = line[start:]
+                if any(rest.startswith(other) for other in outside):
+                    continue
+                match = allowed.match(rest)
+                assert match, f"{path.relative_to(ROOT)}: {line.strip()}"
+                assert match.group(2) in (None, *extras), f"{path.relative_to(ROOT)} names no extra: {line.strip()}"

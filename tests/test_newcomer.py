@@ -73,7 +73,7 @@ def test_a_missing_optional_package_is_one_line_naming_its_extra_with_exit_2(mon
     # module an extra provides is an install line and exit 2, never "internal error ... (a bug)".
     @click.command(cls=SwarmCommand)
     def needs_plot():
-        import matplotlib  # noqa: F401
+        importlib.import_module("matplotlib")  # as swarm.improve.demo's plot imports it
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # what an environment without the plot extra raises
     result = CliRunner().invoke(needs_plot, [])

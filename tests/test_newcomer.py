@@ -132,3 +132,70 @@ def test_every_install_hint_is_spelled_one_way():
                 match = allowed.match(rest)
                 assert match, f"{path.relative_to(ROOT)}: {line.strip()}"
                 assert match.group(2) in (None, *extras), f"{path.relative_to(ROOT)} names no extra: {line.strip()}"
+
+
+# ----- item 3: errors that name the likely fix, input checked before anything starts --------------------------------
+TRUNCATED_PEER = SOME_PEER[:-1]  # a character lost in a copy: no peer id at all
+BAD_INPUT = [("--initial-peers", TRUNCATED_PEER, "is not a peer id"), ("--gen-length", "0", "gen_length must be"),
+             ("--temperature", "11", "temperature must be"), ("--cfg-scale", "-1", "cfg_scale must be")]
+# What a check before anything starts must not need: the model's weights, the swarm client, the DHT.
+HEAVY_MODULES = ("hivemind", "swarm.models.loading", "swarm.client.model", "swarm.frontend.local", "swarm.dht.node")
+
+
+def every_command() -> list[tuple[str, click.Command]]:
+    """Each command and subcommand the README and docs name, with the words that run it."""
+    found = []
+    for module in sorted({module for module, _ in commands_named()} - NOT_CLICK):
+        command = command_of(module)
+        if isinstance(command, click.Group):
+            found += [(f"{module} {name}", sub) for name, sub in sorted(command.commands.items())]
+        else:
+            found.append((module, command))
+    return found
+
+
+def required_arguments(command: click.Command, folder: Path, tested: str) -> list[str]:
+    """Values for the command's required parameters but ``tested``, of the right kind, so that the bad one is what
+    is refused."""
+    args: list[str] = []
+    for param in command.params:
+        if not param.required or tested in param.opts:
+            continue
+        if "--initial-peers" in param.opts:
+            value = SOME_PEER
+        elif isinstance(param.type, click.Choice):
+            value = str(param.type.choices[0])
+        elif isinstance(param.type, click.Path):
+            value = str(folder if not param.type.file_okay else folder / "file")
+        elif isinstance(param.type, (click.types.IntParamType, click.types.FloatParamType)):
+            value = "1"
+        else:
+            value = "x"
+        args += [value] if isinstance(param, click.Argument) else [param.opts[0], value]
+    return args
+
+
+def test_input_known_to_be_wrong_is_refused_before_anything_loads_or_joins(tmp_path, monkeypatch):
+    # The class, not the two examples of the issue: every command the docs name, every option whose value can be
+    # checked alone (a peer id, a generation setting), is refused in one line, exit 2, with the model, the client and
+    # the DHT out of reach (their import fails here), as `generate --gen-length 0` took 6 s and a bad peer id 11 s.
+    (tmp_path / "file").write_text("{}")
+    for name in HEAVY_MODULES:
+        monkeypatch.setitem(sys.modules, name, None)
+    checked = set()
+    runner = CliRunner()
+    for words, command in every_command():
+        flags = {opt for param in command.params for opt in param.opts}
+        for flag, value, fragment in BAD_INPUT:
+            if flag not in flags:
+                continue
+            result = runner.invoke(command, [*required_arguments(command, tmp_path, flag), flag, value])
+            assert result.exit_code == EXIT_USAGE, (words, flag, result.output, result.exception)
+            said = result.output.strip().splitlines()
+            if "is not in the range" in said[-1]:  # click's own bounds (a benchmark's --gen-length 1..512)
+                continue
+            assert len(said) == 1 and fragment in said[0], (words, flag, result.output)
+            checked.add((words, flag))
+    assert {("swarm.generate", "--gen-length"), ("swarm.generate", "--initial-peers"),
+            ("swarm.generate", "--cfg-scale"), ("swarm.api", "--initial-peers"), ("swarm.health", "--initial-peers")
+            } <= checked

@@ -292,10 +292,12 @@ def generation_options(command: Callable, fields: Optional[Iterable[SettingField
 
 def gen_length_option(**kwargs: Any) -> Callable[[Callable], Callable]:
     """``--gen-length`` with its declared synonyms (``--max-new-tokens``), for commands that declare their own
-    default and help: every command that generates accepts the same names as :class:`GenerationConfig`."""
+    default and help: every command that generates accepts the same names as :class:`GenerationConfig`, and refuses
+    the values it refuses (at least 1) before anything loads."""
     from swarm.diffusion.config import GenerationConfig
     from swarm.utils.settings import declared
 
+    kwargs.setdefault("type", click.IntRange(min=1))
     return click.option(*declared(GenerationConfig, "gen_length").spec.flags, "gen_length", **kwargs)
 
 
@@ -312,7 +314,19 @@ def pop_generation_kwargs(options: dict[str, Any], keys: Iterable[str] = GENERAT
         given = ctx.get_parameter_source(key) not in (None, ParameterSource.DEFAULT) if ctx else value is not None
         if given:
             taken[key] = value
+    check_alone(taken)
     return taken
+
+
+def check_alone(settings: dict[str, Any]) -> None:
+    """Refuse a setting outside its declared bounds (``--gen-length 0``) now, before a command loads a model or joins
+    a swarm: bounds that name another setting (``cache_refresh`` 0..``steps``) and the checks against the model are
+    left to the config, which runs them all again with the same messages."""
+    fields = {field.name: field for cls in (GenerationConfig, GenerationRequest) for field in settings_of(cls)}
+    for name, value in settings.items():
+        field = fields.get(name)
+        if field is not None and not isinstance(field.spec.high, str):
+            field.check(value)
 
 
 def require_no_options_left(options: dict[str, Any]) -> None:

@@ -126,6 +126,7 @@ def main(model: Optional[str], dht_prefix: Optional[str], num_blocks: Optional[i
     """Show which servers serve which blocks of a model, which blocks no online server holds, and each server's
     latest check by a trusted auditor (and, with --usage, what each server computed for its callers)."""
     setup_logging(log_level)
+    network = client_network(options)  # a malformed peer is refused before a model's config is read
     prefix, num_blocks = resolve_target(model, dht_prefix, num_blocks)
     from swarm.reports.records import trusted_auditors as auditor_keys
 
@@ -134,9 +135,9 @@ def main(model: Optional[str], dht_prefix: Optional[str], num_blocks: Optional[i
     except ValueError as error:
         raise click.BadParameter(str(error), param_hint="--trusted-auditors") from None
     if serve:
-        serve_page(client_network(options), prefix, num_blocks, host, port, log_level, auditors)
+        serve_page(network, prefix, num_blocks, host, port, log_level, auditors)
         return
-    health = read_map(client_network(options), prefix, num_blocks, auditors, usage)
+    health = read_map(network, prefix, num_blocks, auditors, usage)
     from swarm.health.render import render_text
 
     click.echo(json.dumps(health.to_json(), indent=2) if as_json else render_text(health))

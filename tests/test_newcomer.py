@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import click
+import pytest
 from click.testing import CliRunner
 
 from swarm.cli.options import EXIT_USAGE, SwarmCommand, as_cli_error
@@ -199,3 +200,33 @@ def test_input_known_to_be_wrong_is_refused_before_anything_loads_or_joins(tmp_p
     assert {("swarm.generate", "--gen-length"), ("swarm.generate", "--initial-peers"),
             ("swarm.generate", "--cfg-scale"), ("swarm.api", "--initial-peers"), ("swarm.health", "--initial-peers")
             } <= checked
+
+
+def test_an_unknown_model_name_lists_the_embedded_models_and_close_matches_before_publishers():
+    # Through a swarm, `--model defualt` was answered with advice on trusted publishers alone; `--local` listed the
+    # embedded names. The resolver here is the swarm client's own (no trusted publisher: refused before the network).
+    from swarm.dht.config import NetworkConfig
+    from swarm.models.loading import resolve_model
+    from swarm.weights.source import SwarmWeights
+    from swarm.weights.trust import PublisherTrust
+
+    weights = SwarmWeights(NetworkConfig(initial_peers=[SOME_PEER]), trust=PublisherTrust())
+    with pytest.raises(ValueError) as through_swarm:
+        resolve_model("defualt", resolvers=[weights.resolve])
+    with pytest.raises(FileNotFoundError) as local:
+        resolve_model("defualt")
+    for error in (through_swarm.value, local.value):
+        message = str(error)
+        assert message.startswith("model 'defualt' is no embedded model (did you mean 'default'? embedded: "), message
+    swarm_message = str(through_swarm.value)
+    assert swarm_message.index("did you mean") < swarm_message.index("publishers you trust")
+    assert "did you mean" not in str(pytest.raises(FileNotFoundError, resolve_model, "zzzzzz").value)
+
+
+def test_generate_through_a_swarm_names_the_model_a_typo_meant(local_swarm):
+    from swarm.generate import main as generate_cli
+
+    result = CliRunner().invoke(generate_cli, ["Hi", "--model", "defualt", "--initial-peers",
+                                               local_swarm.initial_peers[0]])
+    assert result.exit_code == EXIT_USAGE, result.output
+    assert "did you mean 'default'?" in result.output and len(result.output.strip().splitlines()) == 1

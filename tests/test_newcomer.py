@@ -230,3 +230,37 @@ def test_generate_through_a_swarm_names_the_model_a_typo_meant(local_swarm):
                                                local_swarm.initial_peers[0]])
     assert result.exit_code == EXIT_USAGE, result.output
     assert "did you mean 'default'?" in result.output and len(result.output.strip().splitlines()) == 1
+
+
+def test_the_model_a_swarm_serves_is_read_from_its_servers_records(remote_lm):
+    from swarm.dht.served import choose_served, served_blocks
+
+    served = served_blocks(remote_lm.dht, {"tiny": (remote_lm.prefix, 4), "absent": ("nobody-serves-this", 4)})
+    assert served == {"tiny": {0, 1, 2, 3}, "absent": set()}
+    sizes = {"tiny": 4, "absent": 4}
+    assert choose_served(served, sizes, preferred="absent") == "tiny", "a model nobody serves is never chosen"
+    assert choose_served({"a": {0, 1}, "b": {0, 1, 2, 3}}, {"a": 4, "b": 4}, preferred="a") == "b", "the complete one"
+    assert choose_served({"a": {0, 1, 2, 3}, "b": {0, 1, 2, 3}}, {"a": 4, "b": 4}, preferred="b") == "b"
+    assert choose_served({"a": set()}, {"a": 4}, preferred="a") is None
+
+
+def test_improve_says_which_model_it_used_and_fails_in_one_line_without_a_traceback(local_swarm, tmp_path):
+    # Against the README's servers, `swarm.improve` took `addition` unsaid, failed with "no online server holds blocks
+    # 0:4", then printed two asyncio "Task was destroyed but it is pending!" tracebacks. This swarm serves no
+    # embedded model: the command says what it fell back to, and its error is its last line.
+    import subprocess
+
+    from swarm.governance.keys import generate_private_key
+
+    key = tmp_path / "publisher.key"
+    generate_private_key(key)
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"prompt": "1+1=", "response": "2"}\n')
+    done = subprocess.run(
+        [sys.executable, "-m", "swarm.improve", "--task", "addition", "--data", str(data), "--name", "t", "--key",
+         str(key), "--workdir", str(tmp_path / "work"), "--initial-peers", local_swarm.initial_peers[0],
+         "--rounds", "1", "--log-level", "WARNING"], capture_output=True, text=True, timeout=240, cwd=ROOT)
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode != 0 and lines[-1].startswith("Error: no online server holds blocks"), done.stderr
+    assert lines[0].startswith("model: addition (no server of an embedded model was found"), done.stderr
+    assert "Traceback" not in done.stderr and "Task was destroyed" not in done.stderr, done.stderr

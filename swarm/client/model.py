@@ -445,9 +445,11 @@ class DistributedDiffusionLM(BaseDiffusionLM):
         return list(route)
 
     def shutdown(self) -> None:
-        """Stop the DHT peer and its P2P connection if this client started them (a shared DHT stays up)."""
+        """Close this client's connection to the P2P daemon, and stop the DHT peer if this client started it (a
+        shared DHT stays up). The connection is this client's own even over a shared DHT (``replicate_p2p``): left
+        open, its tasks were destroyed pending at exit, two asyncio tracebacks after a command's one-line error."""
+        self.loop.run(self.p2p.shutdown(), timeout=5)
         if self._own_dht:
-            self.loop.run(self.p2p.shutdown(), timeout=5)
             stop_dht(self.dht)
 
     def __enter__(self) -> "DistributedDiffusionLM":

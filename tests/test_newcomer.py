@@ -264,3 +264,46 @@ def test_improve_says_which_model_it_used_and_fails_in_one_line_without_a_traceb
     assert done.returncode != 0 and lines[-1].startswith("Error: no online server holds blocks"), done.stderr
     assert lines[0].startswith("model: addition (no server of an embedded model was found"), done.stderr
     assert "Traceback" not in done.stderr and "Task was destroyed" not in done.stderr, done.stderr
+
+
+# ----- item 5: the tokenizer called as a transformers one; --json's text --------------------------------------------
+def test_the_tokenizer_is_called_as_a_transformers_tokenizer(local_lm):
+    import torch
+
+    from swarm.models.tokenizer import ByteTokenizer
+
+    for tokenizer in (local_lm.tokenizer, ByteTokenizer()):
+        plain = tokenizer("The government said")
+        assert plain["input_ids"] == tokenizer.encode("The government said") and set(plain["attention_mask"]) == {1}
+        encoding = tokenizer("The government said", return_tensors="pt")
+        assert encoding.input_ids.dtype == torch.long and encoding.input_ids.shape == (1, len(plain["input_ids"]))
+        assert tokenizer.decode(encoding.input_ids[0]) == "The government said"
+        batch = tokenizer(["a b", "The government said"], return_tensors="pt", padding=True)
+        short = len(tokenizer.encode("a b"))
+        assert batch.attention_mask[0].tolist() == [1] * short + [0] * (batch.input_ids.shape[1] - short)
+        assert batch.input_ids[0, short:].eq(tokenizer.pad_token_id).all()
+        assert tokenizer.batch_decode(batch.input_ids) == ["a b", "The government said"]
+        with pytest.raises(ValueError, match="padding=True"):
+            tokenizer(["a b", "The government said"], return_tensors="pt")
+        with pytest.raises(ValueError, match="return_tensors"):
+            tokenizer("a", return_tensors="np")
+    # The README's `lm.logits(input_ids)`: the ids come from the tokenizer, and a batch with its mask scores each row
+    # as that row alone does.
+    encoding = local_lm.tokenizer("The government said", return_tensors="pt")
+    alone = local_lm.logits(encoding["input_ids"])
+    assert alone.shape[:2] == encoding.input_ids.shape
+    batch = local_lm.tokenizer(["The government said", "a"], return_tensors="pt", padding=True)
+    assert torch.equal(local_lm.logits(**batch)[0], alone[0])
+
+
+def test_json_says_text_is_the_continuation_and_holds_the_prompt(tiny_model_path):
+    import json
+
+    from swarm.generate import main as generate_cli
+
+    runner = CliRunner()
+    args = ["The", "--model", str(tiny_model_path), "--local", "--gen-length", "8", "--steps", "8", "--seed", "1"]
+    plain = runner.invoke(generate_cli, [*args, "--quiet"])
+    record = json.loads(runner.invoke(generate_cli, [*args, "--json"]).stdout)
+    assert plain.stdout.rstrip("\n") == record["prompt"] + record["text"]
+    assert "continuation alone" in runner.invoke(generate_cli, ["--help"]).output

@@ -111,7 +111,7 @@ def serve_page(network: NetworkConfig, prefix: str, num_blocks: int, host: str, 
                    "Default: the governance keys ($SWARM_GOVERNANCE_KEYS); 'none' shows no audit.")
 @click.option("--usage", is_flag=True, help="Also ask each online server what it computed for its callers "
               "(rpc_info: tokens, compute seconds, requests, callers, its --max-share-per-caller and refusals, the "
-              "heaviest callers): one call per server, 5 s at most each.")
+              "heaviest callers), from the call that checks it answers (3 s at most each).")
 @click.option("--serve", is_flag=True, help="Serve the live map as a web page (/map, its data at /map.json) until "
               "interrupted, instead of printing it once.")
 @click.option("--host", default="127.0.0.1", help="With --serve: address to listen on; 0.0.0.0 accepts other "

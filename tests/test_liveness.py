@@ -40,17 +40,17 @@ def test_the_map_and_the_client_agree_seconds_after_a_server_dies(doomed_swarm, 
                                                 spot_check_fraction=1.0, ban_base=0.5, route_refresh=1.0,
                                                 max_retries=3, retry_deadline=15) as lm:
         lm.generate("Hi", **SHORT)
-        assert read_health_map(lm.dht, prefix, 4).unreachable == {}, "both answer while alive"
+        assert read_health_map(lm.dht, prefix, 4, probe_with=lm.caller).unreachable == {}, "both answer while alive"
         swarm.signal(replica, signal.SIGKILL)
         replica.process.wait(timeout=30)
-        health = read_health_map(lm.dht, prefix, 4)
+        health = read_health_map(lm.dht, prefix, 4, probe_with=lm.caller)
         assert replica.peer_id in health.unreachable and whole.peer_id not in health.unreachable
         assert health.replicas == [1, 1, 1, 1], "the dead replica no longer counts"
         assert "unreachable since" in render_text(health)
         asked_dead = []
         for _ in range(4):  # over several bans of 0.5 s: the dead replica is pinged by refreshes, not spot-checked
             result = lm.generate("Hi", **SHORT)
-            asked_dead += [check for check in result.info["spot_checks"] if replica.peer_id in check["asked"]]
+            asked_dead += [check for check in result.info["spot_checks"] if replica.peer_id in check["checkers"]]
         assert len(asked_dead) <= 1, f"a dead replica was asked to check {len(asked_dead)} times: {asked_dead}"
         assert all(check["verdict"] != "unresolved" for check in asked_dead)
         # The last holder of every block dies: the client's error and the map name the same blocks
@@ -58,7 +58,7 @@ def test_the_map_and_the_client_agree_seconds_after_a_server_dies(doomed_swarm, 
         whole.process.wait(timeout=30)
         with pytest.raises(MissingBlocksError, match="0:4"):
             lm.generate("Hi", **SHORT)
-        health = read_health_map(lm.dht, prefix, 4)
+        health = read_health_map(lm.dht, prefix, 4, probe_with=lm.caller)
         assert health.uncovered == [(0, 4)] and set(health.unreachable) <= {whole.peer_id, replica.peer_id}
         assert "NOT FULLY SERVED: no online server holds blocks 0:4" in render_text(health)
 

@@ -71,9 +71,16 @@ def read_map(network: NetworkConfig, prefix: str, num_blocks: int, auditors: tup
         dht = start_dht(network, protect=protected_keys(prefix, num_blocks, auditors=auditors))  # warns of lost replies
     except Exception as error:  # hivemind raises daemon, timeout and parse errors alike; all mean "cannot join"
         raise UnreachableSwarm(f"could not join the swarm: {error}") from error
+    from swarm.utils.event_loop import BackgroundLoop
+    from swarm.wire.remote import RemoteCaller
+
+    loop = BackgroundLoop.shared()
+    caller = RemoteCaller(loop.run(dht.replicate_p2p()))  # the probes' connection: closed before the DHT stops
     try:
-        return read_health_map(dht, prefix, num_blocks, adapters=True, auditors=auditors, usage=usage)
+        return read_health_map(dht, prefix, num_blocks, adapters=True, auditors=auditors, usage=usage,
+                               probe_with=caller)
     finally:
+        loop.run(caller.p2p.shutdown(), timeout=5)
         dht.shutdown()
 
 

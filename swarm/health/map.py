@@ -22,6 +22,7 @@ from swarm.health.reachability import reachability
 
 if TYPE_CHECKING:
     from swarm.reports.records import AuditBook
+    from swarm.wire.remote import RemoteCaller
 
 logger = logging.getLogger(__name__)
 
@@ -204,30 +205,27 @@ MAX_PROBED_SERVERS = 64  # servers one map asks (rpc_info) whether they answer, 
 PROBE_TIMEOUT = 3.0  # seconds a server has to answer the map's probe (a dead one is refused at once)
 
 
-def probe_online(dht: DHT, servers: Iterable[ServerRecord], timeout: float = PROBE_TIMEOUT) -> dict[str, Any]:
-    """Ask each ONLINE server (at most ``MAX_PROBED_SERVERS``, all at once) for its ``rpc_info``, dialling its
-    announced addresses as a client does: per peer id its :class:`~swarm.health.probe.InfoReply`."""
+def probe_online(caller: RemoteCaller, servers: Iterable[ServerRecord], timeout: float = PROBE_TIMEOUT
+                 ) -> dict[str, Any]:
+    """Ask each ONLINE server (at most ``MAX_PROBED_SERVERS``, all at once) for its ``rpc_info`` through ``caller``,
+    dialling its announced addresses as a client does: per peer id its :class:`~swarm.health.probe.InfoReply`."""
     from swarm.health.probe import ask_all
     from swarm.utils.event_loop import BackgroundLoop
-    from swarm.wire.remote import RemoteCaller
 
     online = [record for record in servers if record.state == ServerState.ONLINE][:MAX_PROBED_SERVERS]
     if not online:
         return {}
-    loop = BackgroundLoop.shared()
-    caller = RemoteCaller(loop.run(dht.replicate_p2p()))
-    try:
-        return loop.run(ask_all(caller, online, timeout), timeout=3 * timeout + 5)
-    finally:
-        loop.run(caller.p2p.shutdown(), timeout=5)
+    return BackgroundLoop.shared().run(ask_all(caller, online, timeout), timeout=3 * timeout + 5)
 
 
 def read_health_map(dht: DHT, prefix: str, num_blocks: int, adapters: bool = False,
-                    auditors: Iterable[str] = (), usage: bool = False, probe: bool = True) -> HealthMap:
+                    auditors: Iterable[str] = (), usage: bool = False,
+                    probe_with: Optional[RemoteCaller] = None) -> HealthMap:
     """Read every server record of the model and the expert index from the DHT (two batched reads); with
-    ``adapters``, the published adapters too; with ``auditors``, each server's latest check by one of them; with
-    ``probe`` (the default), ask each online server whether it answers (those that do not are "unreachable"); with
-    ``usage``, also what each says it computed for its callers."""
+    ``adapters``, the published adapters too; with ``auditors``, each server's latest check by one of them. With
+    ``probe_with`` (a caller over ``dht``'s daemon, kept by its owner: closing one connection to a hivemind daemon
+    ends the calls of every other), ask each online server whether it answers, as a client does: those that do not
+    are "unreachable" and not counted; with ``usage`` too, what each says it computed for its callers."""
     from swarm.health.probe import usage_of
 
     servers = read_servers(dht, prefix, num_blocks)
@@ -237,9 +235,9 @@ def read_health_map(dht: DHT, prefix: str, num_blocks: int, adapters: bool = Fal
     health.adapters = read_adapters(dht, prefix) if adapters else []
     auditors = list(auditors)
     health.audits = read_audits(dht, prefix, auditors, health.adapters) if auditors else {}
-    replies = probe_online(dht, health.servers) if probe or usage else {}
-    if probe:
+    if probe_with is not None:
+        replies = probe_online(probe_with, health.servers)
         asked_at = time.time()
         health.mark_unreachable({peer: asked_at for peer, reply in replies.items() if reply.error is not None})
-    health.usage = {peer: usage_of(reply.info) for peer, reply in replies.items()} if usage else None
+        health.usage = {peer: usage_of(reply.info) for peer, reply in replies.items()} if usage else None
     return health

@@ -132,6 +132,8 @@ def run(config: ImproveConfig, key) -> None:
                 improver.close()
             if host is not None:  # also when the improver failed to start (it closes the host it got)
                 host.close()
+            if lm is not None and hasattr(lm, "close_connection"):  # the DHT stops next: no call follows
+                lm.close_connection()
             if lm is not None and hasattr(lm, "shutdown"):
                 lm.shutdown()
         finally:

@@ -51,7 +51,8 @@ class VersionHost:
 
     def close(self) -> None:
         """Stop serving and close this host's own connection to the P2P daemon (its tasks would otherwise be
-        destroyed pending at exit, with a traceback each); a second call does nothing."""
+        destroyed pending at exit, with a traceback each); a second call does nothing. For the end of a run only:
+        closing one connection to a hivemind daemon ends the calls of every other over it."""
         if self.p2p is None:
             return
         p2p, self.p2p = self.p2p, None

@@ -157,7 +157,7 @@ class SwarmWatcher:
 
     def _read(self) -> dict[str, Any]:
         access, started = self.access, time.perf_counter()
-        health = read_health_map(access.dht, access.prefix, access.num_blocks, probe=False)  # probed below
+        health = read_health_map(access.dht, access.prefix, access.num_blocks)  # probed below, by its own caller
         health.adapters = self._published_adapters()
         book = access.audits if access.audits is not None and access.audits.enabled else None
         if book is not None:

@@ -31,7 +31,7 @@ MARKER = re.compile(r"<!-- readme-test: ([a-z-]+)(?: \(([^)]*)\))? -->\n```(\w+)
 KINDS = ("run", "skip", "swarm", "swarm-start", "swarm-use")
 PLACEHOLDER = re.compile(r"/ip4/127\.0\.0\.1/tcp/31337/p2p/Qm\.\.\.")
 README_PORTS = ("31337", "31338", "31339")
-TIMEOUT = 240
+TIMEOUT = 600  # seconds a snippet may take: the quick start starts a swarm (75 s quiet, minutes on busy cores)
 
 
 @dataclass(frozen=True)
@@ -84,6 +84,7 @@ def python_env() -> dict:
 
 
 @pytest.mark.swarm  # the quick start starts a swarm of its own
+@pytest.mark.timeout(2 * TIMEOUT)
 def test_the_snippets_that_run_alone_run(tmp_path):
     ran = 0
     for snippet in snippets():
@@ -115,6 +116,7 @@ def free_ports(count: int) -> list[str]:
 
 
 @pytest.mark.swarm
+@pytest.mark.timeout(2 * TIMEOUT)
 def test_the_swarm_by_hand_runs_as_the_readme_says(tmp_path):
     ports = dict(zip(README_PORTS, free_ports(len(README_PORTS))))
 
@@ -136,8 +138,9 @@ def test_the_swarm_by_hand_runs_as_the_readme_says(tmp_path):
                     continue
                 args = shlex.split(line)
                 assert args[0] == "python", line
-                managed = swarm._start(args[3] if len(args) > 3 else args[2], args[1:], wait=True)
-                if managed.name and "swarm.dht" in line:
+                managed = swarm.start_command(" ".join(args[2:5]), args[1:])
+                swarm.wait_ready(managed)  # its READY line
+                if args[2] == "swarm.dht":
                     swarm.bootstrap = managed
                     address = managed.maddrs[0]
                     assert f"tcp/{ports['31337']}/p2p/" in address

@@ -181,9 +181,13 @@ def test_a_new_setting_reaches_validation_the_cli_and_the_api():
 
 @pytest.mark.parametrize("field", [f for f in SETTINGS if f.spec.low is not None], ids=lambda f: f.name)
 def test_each_declared_bound_is_enforced(field):
-    """One past the declared upper bound is refused, naming the setting (cache_refresh's bound is ``steps``)."""
+    """One past the declared upper bound (or, with none, below the lower one: the lengths are at least 1) is
+    refused, naming the setting (cache_refresh's bound is ``steps``)."""
     high = GenerationConfig().steps if isinstance(field.spec.high, str) else field.spec.high
-    value = high + 1 if field.kind is int else high * 1.5
+    if high is None:
+        value = field.spec.low - 1
+    else:
+        value = high + 1 if field.kind is int else high * 1.5
     with pytest.raises(SettingError) as refused:
         if field in settings_of(GenerationConfig):
             GenerationConfig(**{field.name: value})

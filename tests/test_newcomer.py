@@ -126,7 +126,7 @@ def test_every_install_hint_is_spelled_one_way():
     sources = DOCUMENTS + [path for path in sorted((ROOT / "swarm").rglob("*.py")) if path != defined]
     for path in sources:
         for line in path.read_text().splitlines():
-            for start in [match.start() for match in re.finditer("pip install", line)]:
+            for start in [match.start() for match in re.finditer("pip install ", line)]:
                 rest = line[start:]
                 if any(rest.startswith(other) for other in outside):
                     continue

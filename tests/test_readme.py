@@ -121,10 +121,10 @@ def test_the_swarm_by_hand_runs_as_the_readme_says(tmp_path):
     ports = dict(zip(README_PORTS, free_ports(len(README_PORTS))))
 
     def localised(code: str, address: str = "") -> str:
+        code = PLACEHOLDER.sub(address, code) if address else code  # the address already has its real port
         for readme_port, port in ports.items():
             code = code.replace(f"tcp/{readme_port}", f"tcp/{port}")
-        code = code.replace("bootstrap.key", str(tmp_path / "bootstrap.key"))
-        return PLACEHOLDER.sub(address, code) if address else code
+        return code.replace("bootstrap.key", str(tmp_path / "bootstrap.key"))
 
     blocks = snippets()
     with LocalSwarm(startup_timeout=180) as swarm:

@@ -49,7 +49,7 @@ EXIT_CODES = {
     EXIT_OK: "success (swarm.health: every block has an online server)",
     EXIT_NOT_SERVED: "the model is not fully served: some block has no online server",
     EXIT_USAGE: "a bad command line or value (a flag, a multiaddr, a model path or a repo id whose files cannot be "
-                "fetched, a key file): the message names it",
+                "fetched, a key file), or an optional package missing: the message names it (and the extra to install)",
     EXIT_UNREACHABLE: "the swarm could not be joined: no initial peer could be reached",
     EXIT_IN_USE: "a port to listen on, or the identity key, is already used by another process",
     EXIT_HALTED: "the swarm is halted by governance (swarm.generate, swarm.governance status)",
@@ -321,7 +321,7 @@ def pop_generation_kwargs(options: dict[str, Any], keys: Iterable[str] = GENERAT
 def check_alone(settings: dict[str, Any]) -> None:
     """Refuse a setting outside its declared bounds (``--gen-length 0``) now, before a command loads a model or joins
     a swarm: bounds that name another setting (``cache_refresh`` 0..``steps``) and the checks against the model are
-    left to the config, which runs them all again with the same messages."""
+    left to the config, which runs every check again."""
     fields = {field.name: field for cls in (GenerationConfig, GenerationRequest) for field in settings_of(cls)}
     for name, value in settings.items():
         field = fields.get(name)

@@ -82,6 +82,9 @@ FILE_TIERS = {  # a "unit" file may hold tests of other tiers: found by their fi
     "test_invariance_check": "unit",  # check_module on this CPU, and the scale's use of its answer
     "test_batching_queue": "unit",  # merging waiting passes on the compute thread, in process
     "test_batching": "swarm",  # concurrent clients on a live server, batched: each gets its solo run's tokens
+    "test_liveness": "swarm",  # issue 56 item 4: the map and the client after a server dies
+    "test_readme": "unit",  # the markers in process; the snippets (processes, a swarm) are marked swarm
+    "test_newcomer": "unit",  # issue 56: install lines, errors that name the fix, the tokenizer, in process
 }
 
 

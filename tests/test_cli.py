@@ -267,7 +267,7 @@ def test_request_settings_are_checked_before_joining_a_swarm(no_default_peers):
 
 # ----- bad values --------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("name, args, fragment", [
-    ("generate", ["Hi", "--model", "/nonexistent"], "neither a checkpoint directory, an embedded model"),
+    ("generate", ["Hi", "--model", "/nonexistent"], "is no embedded model (embedded: "),
     ("generate", ["Hi", "--gen-length", "7", "--block-length", "3"], "divisible"),
     ("api", ["--local", "--model", "/nonexistent", "--port", "0"], "neither a checkpoint directory"),
     ("eval", ["--model", "/nonexistent"], "neither a checkpoint directory"),

@@ -490,10 +490,19 @@ class DistributedDiffusionLM(BaseDiffusionLM):
         return list(route)
 
     def shutdown(self) -> None:
-        """Stop the DHT peer and its P2P connection if this client started them (a shared DHT stays up)."""
+        """Stop the DHT peer and its P2P connection if this client started them (a shared DHT stays up, and so does
+        this client's connection to its daemon: closing one connection to a hivemind daemon ends the calls of every
+        other; see :meth:`close_connection`)."""
         if self._own_dht:
             self.loop.run(self.p2p.shutdown(), timeout=5)
             stop_dht(self.dht)
+
+    def close_connection(self) -> None:
+        """Close this client's own connection to a shared DHT's daemon, for its owner to call just before it stops
+        that DHT (nothing may call through the daemon afterwards). Left open, its tasks are destroyed pending at exit:
+        two asyncio tracebacks after a command's one-line error (issue 56)."""
+        if not self._own_dht:
+            self.loop.run(self.p2p.shutdown(), timeout=5)
 
     def __enter__(self) -> "DistributedDiffusionLM":
         return self

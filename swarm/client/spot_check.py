@@ -238,15 +238,20 @@ class SpotChecker:
     def _checkers(self, request: ForwardRequest, primary: str,
                   head: Optional[HeadQuery]) -> list[tuple[str, bool]]:
         """Who may check, and whether each answers a head query: holders of the blocks; for a head hop head servers
-        first, then (when this client can score hidden states) replicas without the head."""
+        first, then (when this client can score hidden states) replicas without the head. Only live holders: those
+        that answered this client's ping since their last failure (the route's refresh pings the others). A dead
+        replica's record outlives it, and a check drawn every few steps dialled it again after each ban ran out."""
         avoid = frozenset({primary})
-        with_head = self.holders(request.start, request.end, avoid, head is not None, request.adapter)
+        with_head = self._live(self.holders(request.start, request.end, avoid, head is not None, request.adapter))
         checkers = [(peer, head is not None) for peer in with_head]
         if head is None or self.load_head is None:
             return checkers
-        return checkers + [(peer, False) for peer in self.holders(request.start, request.end, avoid, False,
-                                                                  request.adapter)
+        return checkers + [(peer, False) for peer in self._live(self.holders(request.start, request.end, avoid, False,
+                                                                             request.adapter))
                            if peer not in with_head]
+
+    def _live(self, peers: list[str]) -> list[str]:
+        return [peer for peer in peers if self.health.measured(peer)]
 
     def _answer(self, peer: str, request: ForwardRequest, head: Optional[HeadQuery],
                 holds_head: bool) -> Optional[torch.Tensor]:

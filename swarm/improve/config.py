@@ -7,6 +7,8 @@ from typing import Optional
 
 from swarm.adapters.kinds import LORA
 
+FALLBACK_MODEL = "addition"  # without --model, when the swarm serves no embedded model (or several, preferred)
+
 
 @dataclass
 class ImproveConfig:
@@ -15,7 +17,7 @@ class ImproveConfig:
     name: str  # the adapter name versions are published under
     key_path: str  # the publisher's Ed25519 private key
     workdir: str  # the adapter, the run's state and the kept versions
-    model: str = "addition"
+    model: Optional[str] = None  # None: the embedded model the swarm serves (else FALLBACK_MODEL), said at start
     dht_prefix: Optional[str] = None
     initial_peers: list[str] = field(default_factory=list)
     run_id: Optional[str] = None  # train together with every trainer of this run id (hivemind.Optimizer)

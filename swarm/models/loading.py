@@ -1,6 +1,7 @@
 """Finding a model by name or path and loading exactly the parts a process needs."""
 from __future__ import annotations
 
+import difflib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -98,15 +99,25 @@ def resolve_model(name_or_path: str | Path = DEFAULT_MODEL, resolvers: Sequence[
         checkpoint = HubCheckpoint(hub_name)
         return ModelSource(checkpoint.path, checkpoint.fetch)
     for resolver in resolvers:
-        source = resolver(str(name_or_path))
+        try:
+            source = resolver(str(name_or_path))
+        except ValueError as error:  # a published name that does not resolve: first say what the name was not
+            raise type(error)(f"{not_embedded(str(name_or_path), embedded)}; as a published name: {error}") from error
         if source is not None:
             return source
     swarm = ", a swarm model id (64 hex digits), a published name (NAME or NAME@PUBLISHER)" if resolvers else ""
     raise FileNotFoundError(
-        f"model {str(name_or_path)!r} is neither a checkpoint directory, an embedded model "
-        f"(embedded: {', '.join(embedded) or 'none'}){swarm} nor a Hugging Face repo id (ORG/NAME or "
-        f"ORG/NAME@REVISION)"
+        f"{not_embedded(str(name_or_path), embedded)}, and it is neither a checkpoint directory{swarm} nor a Hugging "
+        f"Face repo id (ORG/NAME or ORG/NAME@REVISION)"
     )
+
+
+def not_embedded(name: str, embedded: dict[str, Path]) -> str:
+    """``model 'defualt' is no embedded model (did you mean 'default'? embedded: ...)``: the likeliest fix first,
+    before any advice on checkpoint directories, repo ids or publishers."""
+    close = difflib.get_close_matches(name, list(embedded), n=3, cutoff=0.6)
+    guess = f"did you mean {' or '.join(map(repr, close))}? " if close else ""
+    return f"model {name!r} is no embedded model ({guess}embedded: {', '.join(embedded) or 'none'})"
 
 
 def resolve_model_path(name_or_path: str | Path = DEFAULT_MODEL) -> Path:

@@ -156,16 +156,17 @@ def fetch(reference: str, blocks: Optional[str], head: bool, embedding: bool, tr
           log_level: str, **options) -> None:
     """Fill the cache with the manifest, small files and the tensors of the parts named, from peers. A NAME
     resolves only through publishers you trust (--trusted-publishers; default the governance keys)."""
+    setup_logging(getattr(logging, log_level))
+    network = pop_network_config(options, client_mode=True)  # a malformed peer is refused before torch loads
+    span = parse_span(blocks)
     from swarm.models.loading import ModelFiles
     from swarm.weights.source import SwarmWeights
     from swarm.weights.trust import PublisherTrust
 
-    setup_logging(getattr(logging, log_level))
     trust = PublisherTrust.of(trusted_publishers)
-    weights = SwarmWeights(pop_network_config(options, client_mode=True), trust=trust)
+    weights = SwarmWeights(network, trust=trust)
     try:
         files = ModelFiles(reference, resolvers=[weights.resolve])
-        span = parse_span(blocks)
         if span is not None:
             files.span(*span)
         if head:

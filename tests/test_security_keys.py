@@ -337,3 +337,40 @@ def test_a_peer_answering_a_regular_value_hides_no_record_from_readers(network):
         assert hide(liar, name_key(name), network.storing_peers, regular=True) == [True] * 3
         publish_weights_name(network, name)  # the liar refuses it (its regular value expires later)
         assert weights_name_found(network, name), "the liar's regular value replaced the record"
+
+
+# ----- issue 55, 1: a peer made to learn many keys forgets none of them ---------------------------------------------
+async def _learn_many(dht: DHT, node: DHTNode, peers: list[str], count: int, expiration: float) -> list[int]:
+    """Per peer, how many of ``count`` distinct model-name keys it took a signed slot under (each value naming its
+    own key, so the peer learns every one of them), sent in requests of 256 keys."""
+    signer = Ed25519PrivateKey.generate()
+    names = [f"learnt-{i}-{time.monotonic_ns() % 10**9}" for i in range(count)]
+    values = [MSGPackSerializer.dumps(sign_slot(signer, name_key(n), PublishedModel(n, "cd" * 32, 1000, 2000,
+                                                                                   time.time()).payload(), expiration))
+              for n in names]
+    key_ids, taken = [DHTID.generate(source=name_key(n)) for n in names], []
+    for peer in peers:
+        count_taken = 0
+        for start in range(0, count, 256):
+            answer = await node.protocol.call_store(
+                PeerID.from_base58(peer), key_ids[start:start + 256], values[start:start + 256], expiration,
+                subkeys=[slot_subkey(signer)] * len(key_ids[start:start + 256]))
+            count_taken += sum(answer or [])
+        taken.append(count_taken)
+    return taken
+
+
+def test_a_name_published_after_many_learnt_keys_is_not_hidden_by_a_regular_value(network):
+    """The issue's attack (100,000 slots, each naming its own key, then a year-long regular value under a name
+    published afterwards) at 2,000 keys: the storing peers keep a key's policy with its records, not in a table that
+    overflows, so the regular value is refused and another peer reads the record."""
+    with attacker(network) as flooder:
+        taken = flooder.run_coroutine(partial(_learn_many, peers=network.storing_peers, count=2_000,
+                                              expiration=now() + 3600))
+        assert taken == [2_000] * 3, taken
+    name = f"after-flood-{time.monotonic_ns() % 10**9}"
+    publish_weights_name(network, name)
+    with attacker(network) as hider:
+        assert hide(hider, name_key(name), network.storing_peers, regular=True) == [False] * 3
+    forget_local_copies(network.reader, [name_key(name)])
+    assert weights_name_found(network, name)

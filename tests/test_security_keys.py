@@ -30,9 +30,9 @@ from swarm.adapters.sharing import publish as publish_adapter
 from swarm.adapters.sharing import read_hosts as read_adapter_hosts
 from swarm.adapters.sharing import read_published as read_adapter
 from swarm.dht.identity import Identity
-from swarm.dht.keys import WEIGHTS_NAME
+from swarm.dht.keys import GOVERNANCE, WEIGHTS_NAME
 from swarm.dht.node import NetworkConfig, start_dht, stop_dht, visible_maddrs
-from swarm.dht.schema import audit_key, forget_local_copies, now, protected_keys
+from swarm.dht.schema import audit_key, forget_local_copies, governance_key, now, protected_keys
 from swarm.dht.validation import ed25519_text, sign_slot, slot_subkey
 from swarm.reports.records import AuditReport, publish_report, read_report
 from swarm.weights.records import (
@@ -374,3 +374,25 @@ def test_a_name_published_after_many_learnt_keys_is_not_hidden_by_a_regular_valu
         assert hide(hider, name_key(name), network.storing_peers, regular=True) == [False] * 3
     forget_local_copies(network.reader, [name_key(name)])
     assert weights_name_found(network, name)
+
+
+# ----- issue 55, 2: where a reader needs one signer's entry, the signer is part of the key -------------------------
+def test_stranger_slots_filling_the_shared_governance_key_do_not_stop_a_halt(network):
+    """The issue's attack: at peers that know no prefix (so trust no governance key), 64 slots of fresh keys fill the
+    shared governance key and the real halt was refused there. Each key's decisions live under its own key, which no
+    other key can write: the halt is stored and a reader trusting the key adopts it."""
+    from swarm.governance.records import GovernanceState, own_governance_key
+    from swarm.governance.records import publish as publish_decision
+
+    prefix, governor = f"gov-{time.monotonic_ns() % 10**9}", Ed25519PrivateKey.generate()
+    with attacker(network) as squatter:
+        taken = squatter.run_coroutine(partial(_squat, key=governance_key(prefix), name="x", expiration=now() + 3600,
+                                               peers=network.storing_peers, count=GOVERNANCE.max_subkeys))
+        assert taken == [GOVERNANCE.max_subkeys] * 3, "the shared key was not filled: no attack to defend"
+        own = own_governance_key(prefix, ed25519_text(governor))
+        assert squatter.run_coroutine(partial(_squat, key=own, name="x", expiration=now() + 3600,
+                                              peers=network.storing_peers, count=4)) == [0] * 3, \
+            "a stranger's slot was stored under another key's own governance key"
+    assert publish_decision(network.writer, governor, prefix, "halt", "incident", read_back_seconds=20) is not None
+    state = GovernanceState(prefix, [governor.public_key()])
+    assert state.refresh(network.reader) is not None and state.halted

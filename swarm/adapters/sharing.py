@@ -100,8 +100,8 @@ def split_reference(reference: str) -> tuple[str, Optional[str]]:
 
 
 def author_id(public_key_text: str) -> str:
-    """16 hex digits naming an author's key: short enough to type after ``name@``."""
-    return hashlib.sha256(ed25519_public_key(public_key_text).public_bytes_raw()).hexdigest()[:16]
+    """16 hex digits naming an author's key: short enough to type after ``name@`` (and part of the author's own keys)."""
+    return signer_id(public_key_text)
 
 
 def name_key(prefix: str, name: str) -> str:

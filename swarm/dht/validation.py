@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
 import logging
 import re
 from collections import OrderedDict
@@ -132,6 +133,12 @@ def ed25519_public_key(text: str) -> Ed25519PublicKey:
 def ed25519_text(key: Ed25519PrivateKey | Ed25519PublicKey) -> str:
     public = key.public_key() if isinstance(key, Ed25519PrivateKey) else key
     return base64.b64encode(public.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)).decode()
+
+
+def signer_id(public_key_text: str) -> str:
+    """16 hex digits naming an Ed25519 key (sha256 of its raw bytes): short enough to type after ``NAME@``, and the
+    part of a key that only this key may write under (``swarm.dht.keys``); ValueError for a text that is no key."""
+    return hashlib.sha256(ed25519_public_key(public_key_text).public_bytes_raw()).hexdigest()[:16]
 
 
 def slot_subkey(key: Ed25519PrivateKey | Ed25519PublicKey) -> str:
@@ -247,6 +254,7 @@ class KeyPolicy:
     max_lifetime: Optional[float] = None  # seconds from now an entry may expire at (None: any)
     trusted: frozenset[str] = frozenset()  # slot keys that get room when the key is full (newest other slot dropped)
     max_subkey_bytes: int = 1024
+    signer_id: Optional[str] = None  # the id (signer_id) of the one key whose slot the key takes, when it names one
 
     def refusal(self, subkey: Any, value_size: int, sender: Optional[str] = None) -> Optional[str]:
         """Why an entry may not be stored under this key, or None if it may. ``sender``: the peer whose store
@@ -268,6 +276,8 @@ class KeyPolicy:
             return "a subkey that is no signed slot"
         if self.signers is not None and signer not in self.signers:
             return "a slot of a key no process here trusts"
+        if self.signer_id is not None and signer_id(signer) != self.signer_id:
+            return f"a slot of a key other than the one the key names ({self.signer_id})"
         return None
 
     def prefers(self, subkey: Any) -> bool:

@@ -23,7 +23,7 @@ from hivemind.dht.routing import DHTID
 from hivemind.p2p import PeerID
 from hivemind.utils import MSGPackSerializer
 
-from swarm.adapters.sharing import PublishedAdapter, declare_hosted
+from swarm.adapters.sharing import PublishedAdapter, author_id, declare_hosted
 from swarm.adapters.sharing import hosts_key as adapter_hosts_key
 from swarm.adapters.sharing import name_key as adapter_name_key
 from swarm.adapters.sharing import publish as publish_adapter
@@ -43,6 +43,7 @@ from swarm.weights.records import (
     declare_host,
     hosts_key,
     name_key,
+    own_name_key,
 )
 from swarm.weights.records import publish as publish_name
 from swarm.weights.records import read_hosts as read_weight_hosts
@@ -285,10 +286,11 @@ async def _unprotect(dht: DHT, node: DHTNode) -> None:
         storage.resolve = None
 
 
-def test_fresh_keys_filling_a_name_leave_room_for_a_trusted_publisher(tmp_path):
-    """A flood of validly signed slots of fresh keys (each value naming the key) fills a model name to its bound;
-    peers that trust the publisher's key (their governance key) make room for its record, so a reader finds it.
-    Peers that trust no key keep the first slots that came: the stated limit of an untrusted name."""
+def test_fresh_keys_filling_a_name_do_not_keep_its_publishers_out(tmp_path):
+    """Issue 55's attack: 64 slots of fresh keys (each value naming the key) fill a model name's shared key before it
+    is published (peers that trust no key keep the first slots that came). Every publisher's record lives under its own
+    key too, which no other key can write: an untrusted publisher's publish succeeds, and a reader naming it or trusting
+    it finds the record. Peers that trust a publisher's key still make room for it in the shared list."""
     trusted = Ed25519PrivateKey.generate()
     network = start_network(trusted=(ed25519_text(trusted),))
     try:
@@ -297,10 +299,16 @@ def test_fresh_keys_filling_a_name_leave_room_for_a_trusted_publisher(tmp_path):
         with attacker(network) as squatter:
             taken = squatter.run_coroutine(partial(_squat, key=key, name=name, peers=network.storing_peers,
                                                    count=WEIGHTS_NAME.max_subkeys, expiration=expiration))
+            own = own_name_key(name, author_id(ed25519_text(trusted)))
+            assert squatter.run_coroutine(partial(_squat, key=own, name=name, peers=network.storing_peers, count=4,
+                                                  expiration=expiration)) == [0] * 3, "a stranger took an own key"
         assert taken == [WEIGHTS_NAME.max_subkeys] * 3, taken
-        # the limit: an untrusted name is full
-        with pytest.raises(WeightsError, match="it is not readable, so it is not published"):
-            publish_weights_name(network, name, read_back_seconds=REFUSED_READ_BACK_SECONDS)
+        stranger_publisher = Ed25519PrivateKey.generate()
+        publish_weights_name(network, name, stranger_publisher, read_back_seconds=REFUSED_READ_BACK_SECONDS)
+        publisher_id = author_id(ed25519_text(stranger_publisher))
+        assert any(r.model_id == SHA for r in read_names(network.reader, name, [publisher_id]))
+        assert not any(r.publisher_id == publisher_id for r in read_names(network.reader, name)), \
+            "the shared list was not full: no attack to defend"
         publish_weights_name(network, name, trusted)
         found = read_names(network.reader, name)
         assert any(r.publisher == ed25519_text(trusted) and r.model_id == SHA for r in found)

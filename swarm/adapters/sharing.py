@@ -27,7 +27,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hivemind.dht import DHT
@@ -58,9 +58,9 @@ from swarm.dht.schema import (
 )
 from swarm.dht.validation import (
     dht_key_id,
-    ed25519_public_key,
     ed25519_text,
     sign_slot,
+    signer_id,
     slot_signer,
     slot_subkey,
     verify_slot,
@@ -100,7 +100,7 @@ def split_reference(reference: str) -> tuple[str, Optional[str]]:
 
 
 def author_id(public_key_text: str) -> str:
-    """16 hex digits naming an author's key: short enough to type after ``name@`` (and part of the author's own keys)."""
+    """16 hex digits naming an author's key: short enough to type after ``name@`` (part of the author's own keys)."""
     return signer_id(public_key_text)
 
 
@@ -195,16 +195,20 @@ class PublishedAdapter:
                 "published": self.published}
 
 
-def signed_entries(dht: DHT, key: str) -> list[tuple[str, bytes]]:
-    """(signer, payload) of every entry under ``key`` whose Ed25519 signature holds; anything else is ignored
-    (a peer that stores without validating may still hand it back)."""
-    entries = []
-    for subkey, (value, expiration) in read_entries(dht, [key]).get(key, {}).items():
-        try:
-            payload = verify_slot(dht_key_id(key), subkey, value, expiration)
-            entries.append((slot_signer(subkey), payload))
-        except ValueError as error:
-            logger.debug("ignoring an entry under %s: %s", key, error)
+def signed_entries(dht: DHT, key: str, own: Optional[Mapping[str, str]] = None) -> list[tuple[str, bytes]]:
+    """(signer, payload) of every entry under ``key`` whose Ed25519 signature holds, and of the entry under each key
+    of ``own`` ({key: the signer id whose own key it is}) whose signer is that id; one read. Anything else is ignored
+    (a peer that stores without validating may still hand back a stranger's slot signed over another's own key)."""
+    entries, own = [], own or {}
+    for read, found in read_entries(dht, [key, *own]).items():
+        for subkey, (value, expiration) in found.items():
+            try:
+                payload = verify_slot(dht_key_id(read), subkey, value, expiration)
+                if read in own and signer_id(slot_signer(subkey)) != own[read]:
+                    raise ValueError(f"a slot of another key than {own[read]}")
+                entries.append((slot_signer(subkey), payload))
+            except ValueError as error:
+                logger.debug("ignoring an entry under %s: %s", read, error)
     return entries
 
 

@@ -168,7 +168,8 @@ def publish(dht: DHT, key: Ed25519PrivateKey, prefix: str, action: str, reason: 
     sequence = max([d.sequence + 1 for d, _ in current] + [int(time.time() * 1000)])
     # The slot keeps the value with the latest expiration: ours must be later than the one it replaces.
     expiration = max([get_dht_time() + RECORD_LIFETIME] + [e + 1.0 for d, e in current if d.signer == own])
-    own_key, timestamp = own_governance_key(prefix, own), time.time() if timestamp is None else timestamp
+    own_key = own_governance_key(prefix, own)
+    timestamp = time.time() if timestamp is None else timestamp
     value = sign_decision(key, prefix, action, reason, sequence, expiration, timestamp, own_key)
     shared = sign_decision(key, prefix, action, reason, sequence, expiration, timestamp)  # for readers before issue 55
     decision = parse_decision(prefix, governance_subkey(key), value, expiration, keys, own_key)

@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from swarm.adapters.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, AdapterError
-from swarm.adapters.sharing import content_hash, read_adapter_files, store_slot
+from swarm.adapters.sharing import content_hash, read_adapter_files, signed_value, store_slot
 from swarm.adapters.versions import (
     MAX_VERSIONS,
     AdapterVersion,
@@ -290,14 +290,19 @@ def test_a_withdrawal_counts_for_every_publisher_of_the_content_by_the_readers_t
     assert is_withdrawn(own, withdrawn_by_stranger)
 
 
+def fresh_prefix(label: str) -> str:
+    """A prefix of its own for a test that floods shared lists (the session's prefix stays readable for the others)."""
+    return f"{label}-{time.monotonic_ns() % 10**9}"
+
+
 def stranger_slots(dht, key: str, payload: bytes, count: int) -> int:
     """How many slots of ``count`` fresh keys (each value naming ``key``) the swarm took under ``key``."""
     expiration = now() + 3600
     taken = 0
     for _ in range(count):
         fresh = Ed25519PrivateKey.generate()
-        taken += bool(dht.store(key, sign_slot(fresh, key, payload, expiration), expiration_time=expiration,
-                                subkey=slot_subkey(fresh)))
+        taken += bool(dht.store(key, signed_value(fresh, key, payload, expiration), expiration_time=expiration,
+                                subkey=slot_subkey(fresh)))  # with the work stamp the shared keys ask
     return taken
 
 
@@ -310,7 +315,7 @@ def test_fresh_keys_filling_the_shared_index_and_name_keys_do_not_hide_a_version
     from swarm.adapters.sharing import author_id, catalog_names, index_key, name_key
 
     dht, _ = peer
-    prefix, key, name = remote_lm.prefix, Ed25519PrivateKey.generate(), f"crowded-{time.monotonic_ns() % 10**6}"
+    prefix, key, name = fresh_prefix("crowded"), Ed25519PrivateKey.generate(), "crowded"
     listing = MSGPackSerializer.dumps([f"squat-{i}" for i in range(64)])
     assert stranger_slots(dht, index_key(prefix), listing, 32) > 0
     stranger_slots(dht, name_key(prefix, name), b"squat", 24)
@@ -330,10 +335,10 @@ def test_an_index_entry_of_names_that_sort_first_does_not_empty_the_catalog(peer
     from swarm.adapters.sharing import index_key
 
     dht, _ = peer
-    prefix, key = remote_lm.prefix, Ed25519PrivateKey.generate()
+    prefix, key = fresh_prefix("sorted"), Ed25519PrivateKey.generate()
     expiration, squatter = now() + 3600, Ed25519PrivateKey.generate()
     names = MSGPackSerializer.dumps([f"0000-{i:02d}" for i in range(64)])
-    assert dht.store(index_key(prefix), sign_slot(squatter, index_key(prefix), names, expiration),
+    assert dht.store(index_key(prefix), signed_value(squatter, index_key(prefix), names, expiration),
                      expiration_time=expiration, subkey=slot_subkey(squatter))
     _, version = served_version(dht, key, prefix, host, local_lm, tmp_path / "v1", "zz-sorts-last", 22)
     for _ in range(3):  # the sample is random: every draw holds the trainer's version
@@ -349,7 +354,7 @@ def test_republished_withdrawn_content_stays_withdrawn_under_every_name(peer, ho
     from swarm.adapters.versions import withdraw_version
 
     dht, _ = peer
-    prefix, name = remote_lm.prefix, f"recalled-{time.monotonic_ns() % 10**6}"
+    prefix, name = fresh_prefix("recalled"), "recalled"
     publisher, stranger = Ed25519PrivateKey.generate(), Ed25519PrivateKey.generate()
     served_version(dht, publisher, prefix, host, local_lm, tmp_path / "v1", name, 31)
     _, bad = served_version(dht, publisher, prefix, host, local_lm, tmp_path / "v2", name, 32)

@@ -16,6 +16,7 @@ from hivemind.utils import MSGPackSerializer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from swarm.adapters.sharing import signed_value
 from swarm.dht import keys
 from swarm.dht.keys import FAMILIES, PARTS, KeyFamily, KeyPartError, declare, family_of, policy_for
 from swarm.dht.schema import now, protected_keys
@@ -175,7 +176,7 @@ def test_no_sequence_of_stores_hides_a_named_key_or_keeps_what_its_policy_refuse
             storage.store_subkey(key_id, a, MSGPackSerializer.dumps(describe(key, {"x": b})), expiration)
         else:
             signer = SIGNERS[a]
-            value = sign_slot(signer, key, b"payload", expiration)
+            value = signed_value(signer, key, b"payload", expiration)
             if kind == "misnamed":
                 value = describe("another.governance", value)
             elif not b:
@@ -228,7 +229,7 @@ def test_a_full_name_makes_room_for_the_trusted_key_and_refuses_strangers():
     storage, key_id = fuzzed_storage(), DHTID.generate(source=key)
 
     def store(signer, when: float) -> bool:
-        value = MSGPackSerializer.dumps(sign_slot(signer, key, b"record", when))
+        value = MSGPackSerializer.dumps(signed_value(signer, key, b"record", when))
         return storage.store_subkey(key_id, slot_subkey(signer), value, when)
 
     when = now() + 600
@@ -262,7 +263,7 @@ def test_the_key_a_value_names_is_parsed_from_any_bytes_without_raising(stored, 
 def _store_named_slot(storage, key: str, signer=None, expiration: float = None) -> bool:
     signer = signer or SIGNERS[1]
     expiration = expiration or now() + 600
-    value = MSGPackSerializer.dumps(sign_slot(signer, key, b"record", expiration))
+    value = MSGPackSerializer.dumps(signed_value(signer, key, b"record", expiration))
     return storage.store_subkey(DHTID.generate(source=key), slot_subkey(signer), value, expiration)
 
 
@@ -321,3 +322,48 @@ def test_no_store_walks_the_table():
     assert _store_named_slot(storage, key, expiration=now() + 700)
     assert storage.store(DHTID.generate(source=key), b"x", now() + 3600) is False
     assert storage.store_subkey(DHTID.generate(source="anybody's"), b"s", b"v", now() + 60)
+
+
+# ----- issue 55, 2: a shared list admits a new entry for verifiable work --------------------------------------------
+def test_a_shared_list_takes_a_slot_only_with_work_for_its_key_and_signer():
+    """Shared lists (a name's publishers, a prefix's authors) ask a work stamp of each slot, made for that key and that
+    signer: none, one made for another key or another signer, or one below the bits is refused; a valid one is taken,
+    and reused for an update. What a key held unstamped before its policy was learnt is dropped then. Own keys (one
+    signer's) ask none: no other key can write there."""
+    from swarm.dht.stamp import STAMP_FIELD, make_stamp, required_bits
+    from swarm.dht.validation import dht_key_id
+
+    key, other = keys.WEIGHTS_NAME.key(name="stamped"), keys.WEIGHTS_NAME.key(name="elsewhere")
+    bits = keys.WEIGHTS_NAME.policy(key).stamp_bits
+    assert bits == required_bits() > 0
+    assert keys.WEIGHTS_NAME_OWN.policy(keys.WEIGHTS_NAME_OWN.key(name="stamped", signer="0" * 16)).stamp_bits == 0
+    storage, key_id, expiration = fuzzed_storage(), DHTID.generate(source=key), now() + 600
+    signer, stranger = SIGNERS[1], SIGNERS[2]
+
+    def store(stamp, when=expiration) -> bool:
+        value = sign_slot(signer, key, b"record", when)
+        if stamp is not None:
+            value[STAMP_FIELD] = stamp
+        return storage.store_subkey(key_id, slot_subkey(signer), MSGPackSerializer.dumps(value), when)
+
+    # an unstamped slot taken while the key looked like anybody's (a value naming no key) ...
+    assert storage.store_subkey(key_id, slot_subkey(stranger), MSGPackSerializer.dumps({"payload": b"x"}), expiration)
+    assert store(None) is False
+    assert store(make_stamp(dht_key_id(other), ed25519_text(signer), bits)) is False
+    assert store(make_stamp(dht_key_id(key), ed25519_text(stranger), bits)) is False
+    weak = next(n.to_bytes(8, "little") for n in range(10**6)
+                if _stamp_bits(dht_key_id(key), ed25519_text(signer), n.to_bytes(8, "little")) < bits)
+    assert store(weak) is False
+    good = make_stamp(dht_key_id(key), ed25519_text(signer), bits)
+    assert store(good) is True and store(good, expiration + 1) is True
+    # ... is gone once the key's policy is known
+    assert {subkey for subkey, _ in storage.get(key_id).value.items()} == {slot_subkey(signer)}
+
+
+def _stamp_bits(key_id: bytes, signer: str, stamp: bytes) -> int:
+    """The work a stamp proves, computed here from its definition (sha256 of domain, key, signer, nonce)."""
+    import hashlib
+
+    digest = hashlib.sha256(b"swarm-stamp-v1" + len(key_id).to_bytes(2, "big") + key_id + signer.encode() + stamp)
+    value = int.from_bytes(digest.digest(), "big")
+    return 256 - value.bit_length()

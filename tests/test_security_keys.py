@@ -23,7 +23,7 @@ from hivemind.dht.routing import DHTID
 from hivemind.p2p import PeerID
 from hivemind.utils import MSGPackSerializer
 
-from swarm.adapters.sharing import PublishedAdapter, author_id, declare_hosted
+from swarm.adapters.sharing import PublishedAdapter, author_id, declare_hosted, signed_value
 from swarm.adapters.sharing import hosts_key as adapter_hosts_key
 from swarm.adapters.sharing import name_key as adapter_name_key
 from swarm.adapters.sharing import publish as publish_adapter
@@ -33,7 +33,7 @@ from swarm.dht.identity import Identity
 from swarm.dht.keys import GOVERNANCE, WEIGHTS_NAME
 from swarm.dht.node import NetworkConfig, start_dht, stop_dht, visible_maddrs
 from swarm.dht.schema import audit_key, forget_local_copies, governance_key, now, protected_keys
-from swarm.dht.validation import ed25519_text, sign_slot, slot_subkey
+from swarm.dht.validation import ed25519_text, slot_subkey
 from swarm.reports.records import AuditReport, publish_report, read_report
 from swarm.weights.records import (
     READ_BACK_SECONDS,
@@ -96,7 +96,7 @@ async def _squat(dht: DHT, node: DHTNode, key: str, name: str, peers: list[str],
     for _ in range(count):
         fresh = Ed25519PrivateKey.generate()
         payload = PublishedModel(name, "cd" * 32, 1000, 2000, time.time()).payload()
-        slots.append((slot_subkey(fresh), sign_slot(fresh, key, payload, expiration)))
+        slots.append((slot_subkey(fresh), signed_value(fresh, key, payload, expiration)))  # stamped where asked
     key_id, taken = DHTID.generate(source=key), []
     for peer in peers:
         for _ in range(3):  # a store that never answers (seen once in four loaded runs) is asked again
@@ -353,9 +353,8 @@ async def _learn_many(dht: DHT, node: DHTNode, peers: list[str], count: int, exp
     own key, so the peer learns every one of them), sent in requests of 256 keys."""
     signer = Ed25519PrivateKey.generate()
     names = [f"learnt-{i}-{time.monotonic_ns() % 10**9}" for i in range(count)]
-    values = [MSGPackSerializer.dumps(sign_slot(signer, name_key(n), PublishedModel(n, "cd" * 32, 1000, 2000,
-                                                                                   time.time()).payload(), expiration))
-              for n in names]
+    values = [MSGPackSerializer.dumps(signed_value(signer, name_key(n), PublishedModel(
+        n, "cd" * 32, 1000, 2000, time.time()).payload(), expiration)) for n in names]
     key_ids, taken = [DHTID.generate(source=name_key(n)) for n in names], []
     for peer in peers:
         count_taken = 0

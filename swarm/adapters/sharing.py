@@ -49,7 +49,7 @@ from swarm.adapters.block import is_sha256_hex
 from swarm.adapters.limits import PUBLISH_LIFETIME
 from swarm.dht import fields
 from swarm.dht.config import MAX_PEER_ID_CHARS
-from swarm.dht.keys import ADAPTER_HOSTS, ADAPTER_INDEX_OWN, ADAPTER_NAME, ADAPTER_NAME_OWN
+from swarm.dht.keys import ADAPTER_HOSTS, ADAPTER_INDEX_OWN, ADAPTER_NAME, ADAPTER_NAME_OWN, policy_for
 from swarm.dht.sample import fair_sample
 from swarm.dht.schema import (
     MAX_ADDRESS_CHARS,
@@ -60,6 +60,7 @@ from swarm.dht.schema import (
     read_owned,
     store_owned,
 )
+from swarm.dht.stamp import STAMP_FIELD, make_stamp
 from swarm.dht.validation import (
     dht_key_id,
     ed25519_text,
@@ -295,8 +296,19 @@ def names_with_authors(chosen: Iterable[tuple[str, str]]) -> dict[str, list[str]
     return grouped
 
 
-def store_slot(dht: DHT, key: Ed25519PrivateKey, dht_key: str, payload: bytes, expiration: float) -> bool:
+def signed_value(key: Ed25519PrivateKey, dht_key: str, payload: bytes, expiration: float) -> dict:
+    """``payload`` signed for ``key``'s slot under ``dht_key``, with a work stamp where the key is a shared list
+    (``swarm.dht.stamp``: made once per list and key)."""
     value = sign_slot(key, dht_key, payload, expiration)
+    policy = policy_for(dht_key)
+    if policy is not None and policy.stamp_bits > 0:
+        value[STAMP_FIELD] = make_stamp(dht_key_id(dht_key), ed25519_text(key), policy.stamp_bits)
+    return value
+
+
+def store_slot(dht: DHT, key: Ed25519PrivateKey, dht_key: str, payload: bytes, expiration: float) -> bool:
+    """Store :func:`signed_value` in ``key``'s slot under ``dht_key``: whether a storing peer took it."""
+    value = signed_value(key, dht_key, payload, expiration)
     return bool(dht.store(dht_key, value, expiration_time=expiration, subkey=slot_subkey(key)))
 
 

@@ -30,6 +30,7 @@ from functools import cached_property
 from typing import Any, Iterable, Optional
 
 from swarm.dht.config import MAX_AUDIT_LIFETIME, MAX_OWNED_LIFETIME
+from swarm.dht.stamp import required_bits
 from swarm.dht.validation import ENTRY_OVERHEAD_BYTES, MAX_KEY_BYTES, OWNED, SLOT, KeyPolicy
 from swarm.utils.errors import SwarmError
 
@@ -71,6 +72,7 @@ class KeyFamily:
     max_lifetime: float  # seconds ahead an entry may expire
     trust: str = ANY
     signer_part: Optional[str] = None  # the part naming the one Ed25519 key whose slot the key takes (or its id)
+    stamped: bool = False  # a shared list: each slot carries a work stamp (swarm.dht.stamp)
 
     @cached_property
     def pattern(self) -> re.Pattern:
@@ -106,7 +108,8 @@ class KeyFamily:
             signers, count = frozenset(trusted), min(len(trusted), self.max_subkeys)
         return KeyPolicy(key, self.kind, self.max_value_bytes, count, signers, self.max_lifetime,
                          trusted=frozenset(trusted) if self.trust == PREFER else frozenset(),
-                         max_subkey_bytes=SUBKEY_ROOM[self.kind], signer_id=signer_id)
+                         max_subkey_bytes=SUBKEY_ROOM[self.kind], signer_id=signer_id,
+                         stamp_bits=required_bits() if self.stamped else 0)
 
 
 FAMILIES: list[KeyFamily] = []
@@ -118,12 +121,12 @@ def entries_fit(kind: str, max_value_bytes: int, max_subkeys: int) -> bool:
 
 
 def declare(label: str, template: str, kind: str, max_value_bytes: int, max_subkeys: int, max_lifetime: float,
-            trust: str = ANY, signer_part: Optional[str] = None) -> KeyFamily:
+            trust: str = ANY, signer_part: Optional[str] = None, stamped: bool = False) -> KeyFamily:
     """Declare a key family (once, in this module); ValueError for one whose full entries would not fit a reply."""
     if not entries_fit(kind, max_value_bytes, max_subkeys):
         raise ValueError(f"{label}: {max_subkeys} entries of {max_value_bytes} bytes exceed one key's "
                          f"{MAX_KEY_BYTES} bytes")
-    family = KeyFamily(label, template, kind, max_value_bytes, max_subkeys, max_lifetime, trust, signer_part)
+    family = KeyFamily(label, template, kind, max_value_bytes, max_subkeys, max_lifetime, trust, signer_part, stamped)
     FAMILIES.append(family)
     return family
 
@@ -146,23 +149,26 @@ AUDIT = declare("audit report", "{prefix}.audits.{auditor}", SLOT, 16 * 1024 + 5
 # write, which no flood of other keys can take. The shared keys beside them list who writes (a name's publishers,
 # the authors of a prefix): readers read them through their trust first, then a fair sample (swarm.dht.sample).
 # Each adapter author's list of names (swarm.adapters.sharing): 64 names of 64 characters at most; shared, and its own.
-ADAPTER_INDEX = declare("adapter index", "{prefix}.adapters", SLOT, 6 * 1024, 32, NAME_LIFETIME, trust=PREFER)
+ADAPTER_INDEX = declare("adapter index", "{prefix}.adapters", SLOT, 6 * 1024, 32, NAME_LIFETIME, trust=PREFER,
+                        stamped=True)
 ADAPTER_INDEX_OWN = declare("one author's adapter index", "{prefix}.adapter-index.{signer}", SLOT, 6 * 1024, 1,
                             NAME_LIFETIME, signer_part="signer")
 # A published adapter: each author's record in its slot (swarm.adapters.sharing); shared, and its own.
-ADAPTER_NAME = declare("adapter name", "{prefix}.adapters.{name}", SLOT, 8 * 1024, 24, NAME_LIFETIME, trust=PREFER)
+ADAPTER_NAME = declare("adapter name", "{prefix}.adapters.{name}", SLOT, 8 * 1024, 24, NAME_LIFETIME, trust=PREFER,
+                       stamped=True)
 ADAPTER_NAME_OWN = declare("one author's adapter name", "{prefix}.adapters.{name}@{signer}", SLOT, 8 * 1024, 1,
                            NAME_LIFETIME, signer_part="signer")
 # Each publisher's list of an adapter name's versions (swarm.adapters.versions): 16 versions in 6 KiB at most. The
 # shared key is read only for lists written before issue 55; publishers write their own.
 ADAPTER_VERSIONS = declare("adapter versions", "{prefix}.adapter-versions.{name}", SLOT, 6 * 1024, 32, NAME_LIFETIME,
-                           trust=PREFER)
+                           trust=PREFER, stamped=True)
 ADAPTER_VERSIONS_OWN = declare("one publisher's adapter versions", "{prefix}.adapter-versions.{name}@{signer}", SLOT,
                                6 * 1024, 1, NAME_LIFETIME, signer_part="signer")
 # Servers serving an adapter's files, by content hash (swarm.adapters.sharing).
 ADAPTER_HOSTS = declare("adapter hosts", "{prefix}.adapter-hosts.{sha256}", OWNED, 4 * 1024, 32, MAX_OWNED_LIFETIME)
 # A published model name: each publisher's record in its slot (swarm.weights.records).
-WEIGHTS_NAME = declare("model name", "swarm-weights:name:{name}", SLOT, 1024, 64, NAME_LIFETIME, trust=PREFER)
+WEIGHTS_NAME = declare("model name", "swarm-weights:name:{name}", SLOT, 1024, 64, NAME_LIFETIME, trust=PREFER,
+                       stamped=True)
 WEIGHTS_NAME_OWN = declare("one publisher's model name", "swarm-weights:name:{name}@{signer}", SLOT, 1024, 1,
                            NAME_LIFETIME, signer_part="signer")
 # Peers serving a model id's bytes (swarm.weights.records): a record holds a bitmap of up to 100,000 tensors.

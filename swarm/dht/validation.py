@@ -42,6 +42,7 @@ from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils import MSGPackSerializer, get_dht_time
 
 from swarm.dht.identity import peer_id_from_owner_key
+from swarm.dht.stamp import STAMP_FIELD, stamp_refusal
 
 logger = logging.getLogger(__name__)
 
@@ -223,13 +224,19 @@ def describe(dht_key: str, value: dict) -> dict:
     return {**value, KEY_FIELD: dht_key}
 
 
-def described_key(stored: bytes) -> Optional[str]:
-    """The key a stored value names (its hivemind RSA signature stripped), or None for a value that names none."""
+def stored_map(stored: bytes) -> Optional[dict]:
+    """A stored value as the map the swarm stores (its hivemind RSA signature stripped), or None for anything else."""
     try:
         value = MSGPackSerializer.loads(_RSA_SIGNATURE.sub(b"", stored))
     except Exception:  # any bytes arrive from the network; msgpack raises many types
         return None
-    named = value.get(KEY_FIELD) if isinstance(value, dict) else None
+    return value if isinstance(value, dict) else None
+
+
+def described_key(stored: bytes) -> Optional[str]:
+    """The key a stored value names (its hivemind RSA signature stripped), or None for a value that names none."""
+    value = stored_map(stored)
+    named = value.get(KEY_FIELD) if value is not None else None
     return named if isinstance(named, str) and len(named) <= MAX_KEY_NAME_CHARS else None
 
 
@@ -255,6 +262,7 @@ class KeyPolicy:
     trusted: frozenset[str] = frozenset()  # slot keys that get room when the key is full (newest other slot dropped)
     max_subkey_bytes: int = 1024
     signer_id: Optional[str] = None  # the id (signer_id) of the one key whose slot the key takes, when it names one
+    stamp_bits: int = 0  # the work a new slot's stamp proves (swarm.dht.stamp): shared lists anyone may write
 
     def refusal(self, subkey: Any, value_size: int, sender: Optional[str] = None) -> Optional[str]:
         """Why an entry may not be stored under this key, or None if it may. ``sender``: the peer whose store
@@ -279,6 +287,15 @@ class KeyPolicy:
         if self.signer_id is not None and signer_id(signer) != self.signer_id:
             return f"a slot of a key other than the one the key names ({self.signer_id})"
         return None
+
+    def work_refusal(self, key_id: bytes, subkey: Any, stored: bytes) -> Optional[str]:
+        """Why a slot's value does not carry the work this key asks of a new entry (:mod:`swarm.dht.stamp`), or
+        None. O(1): one msgpack parse and one sha256."""
+        if self.stamp_bits <= 0:
+            return None
+        value = stored_map(stored)
+        return stamp_refusal(key_id, slot_signer(subkey) or "", value.get(STAMP_FIELD) if value else None,
+                             self.stamp_bits)
 
     def prefers(self, subkey: Any) -> bool:
         """Whether the entry is a slot of a trusted key (room is made for it when the key is full)."""
@@ -351,6 +368,7 @@ class ProtectedStorage(DHTLocalStorage):
         if policy is not None:
             reason = (("a value that does not name its key" if named is None else None)
                       or policy.refusal(subkey, len(value), STORE_SENDER.get())
+                      or policy.work_refusal(key.to_bytes(), subkey, value)
                       or self._too_late(expiration_time, policy) or self._make_room(key, subkey, policy))
             if reason is not None:
                 return self._refuse(policy.name, reason)
@@ -408,7 +426,8 @@ class ProtectedStorage(DHTLocalStorage):
         held = current.value
         setattr(held, HELD_POLICY, policy)
         dropped = [subkey for subkey, item in held.items()
-                   if described_key(item.value) != policy.name or policy.refusal(subkey, len(item.value)) is not None]
+                   if described_key(item.value) != policy.name or policy.refusal(subkey, len(item.value)) is not None
+                   or policy.work_refusal(key.to_bytes(), subkey, item.value) is not None]
         for subkey in dropped:
             del held[subkey]
         while len(held) > policy.max_subkeys:

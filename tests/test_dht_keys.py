@@ -121,10 +121,10 @@ def test_every_honest_writer_stays_within_its_family():
     signer, expiration = Ed25519PrivateKey.generate(), now() + 60
     name = "n" * 64
     record = PublishedModel(name, "f" * 64, 2**24, 2**50, 1e10)
-    value = sign_slot(signer, keys.WEIGHTS_NAME.key(name=name), record.payload(), expiration)
+    value = signed_value(signer, keys.WEIGHTS_NAME.key(name=name), record.payload(), expiration)  # with its stamp
     assert len(MSGPackSerializer.dumps(value)) <= keys.WEIGHTS_NAME.max_value_bytes
     names = MSGPackSerializer.dumps(["a" * 64] * MAX_NAMES_PER_AUTHOR)
-    value = sign_slot(signer, keys.ADAPTER_INDEX.key(prefix="p" * 64), names, expiration)
+    value = signed_value(signer, keys.ADAPTER_INDEX.key(prefix="p" * 64), names, expiration)
     assert len(MSGPackSerializer.dumps(value)) <= keys.ADAPTER_INDEX.max_value_bytes
     assert max(WEIGHTS_LIFETIME, ADAPTER_LIFETIME) <= keys.NAME_LIFETIME
     assert RECORD_LIFETIME <= keys.DECISION_LIFETIME

@@ -312,7 +312,7 @@ def test_fresh_keys_filling_the_shared_index_and_name_keys_do_not_hide_a_version
     trainer's version publish report v1 while its name was in neither the index nor the catalog. Its name record,
     index entry and versions now live under its own keys: the publish is read back from them, a reader trusting the
     trainer finds it in the catalog and ``best:``'s candidates, and ``NAME@AUTHOR@1`` resolves."""
-    from swarm.adapters.sharing import author_id, catalog_names, index_key, name_key
+    from swarm.adapters.sharing import author_id, catalog_names, index_key, name_key, read_names
 
     dht, _ = peer
     prefix, key, name = fresh_prefix("crowded"), Ed25519PrivateKey.generate(), "crowded"
@@ -322,6 +322,7 @@ def test_fresh_keys_filling_the_shared_index_and_name_keys_do_not_hide_a_version
     stranger_slots(dht, versions_key(prefix, name), b"squat", 32)
     record, version = served_version(dht, key, prefix, host, local_lm, tmp_path / "v1", name, 21)
     author = author_id(ed25519_text(key))
+    assert ed25519_text(key) not in read_names(dht, prefix), "the shared index was not full: no attack to defend"
     assert (name, author) in {(n, author_id(a)) for a, n in catalog_names(dht, prefix, 64, [author])}
     assert version.sha256 in {r.sha256 for r in published_versions(dht, prefix, 64, frozenset({author}))}
     assert resolve(dht, prefix, f"{name}@{author}@1").sha256 == version.sha256

@@ -270,11 +270,14 @@ def test_a_name_publish_that_no_other_peer_reads_back_fails():
     try:
         for dht in others.storers:  # peers that cannot learn: they keep the regular value, so refuse every subkey
             dht.run_coroutine(partial(_unprotect))
+        publisher = Ed25519PrivateKey.generate()
+        own = own_name_key(name, author_id(ed25519_text(publisher)))
         with attacker(others) as flooder:
-            assert hide(flooder, name_key(name), others.storing_peers, regular=True) == [True] * 3
+            for key in (name_key(name), own):
+                assert hide(flooder, key, others.storing_peers, regular=True) == [True] * 3
         with pytest.raises(WeightsError, match="it is not readable, so it is not published"):
-            publish_weights_name(others, name, read_back_seconds=REFUSED_READ_BACK_SECONDS)
-        forget_local_copies(others.reader, [name_key(name)])
+            publish_weights_name(others, name, publisher, read_back_seconds=REFUSED_READ_BACK_SECONDS)
+        forget_local_copies(others.reader, [name_key(name), own])
         assert not weights_name_found(others, name)
     finally:
         stop_network(others)

@@ -142,14 +142,17 @@ def _stored_records(dht: DHT, prefix: str, signers: Iterable[str]) -> list[tuple
 
 
 def read_decisions(dht: DHT, prefix: str, trusted: Mapping[str, Ed25519PublicKey]) -> list[tuple[Decision, float]]:
-    """Every valid decision by a trusted key, with the expiration it was stored with."""
-    decisions = []
+    """Every valid decision by a trusted key, once (a decision is stored under its key's own key and the shared one),
+    with the latest expiration it was stored with."""
+    decisions: dict[Decision, float] = {}
     for key, subkey, value, expiration in _stored_records(dht, prefix, trusted):
         try:
-            decisions.append((parse_decision(prefix, subkey, value, expiration, trusted, key), expiration))
+            decision = parse_decision(prefix, subkey, value, expiration, trusted, key)
         except ValueError as error:
             logger.debug("ignoring a governance record: %s", error)
-    return decisions
+            continue
+        decisions[decision] = max(expiration, decisions.get(decision, expiration))
+    return list(decisions.items())
 
 
 def publish(dht: DHT, key: Ed25519PrivateKey, prefix: str, action: str, reason: str,

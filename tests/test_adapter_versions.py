@@ -6,6 +6,7 @@ version by a publisher the client does not trust.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import time
@@ -352,6 +353,7 @@ def test_republished_withdrawn_content_stays_withdrawn_under_every_name(peer, ho
     under the same name brought it back for every client that trusts no publisher. The content is withdrawn: under the
     name (resolve, the catalog, the auditor's scoring and ``best:``'s candidates) and under another name read with
     it."""
+    from swarm.adapters.sharing import author_id
     from swarm.adapters.versions import withdraw_version
 
     dht, _ = peer
@@ -367,3 +369,10 @@ def test_republished_withdrawn_content_stays_withdrawn_under_every_name(peer, ho
         resolve(dht, prefix, f"{name}@{again.author_id}@1")
     published = [r for r in published_versions(dht, prefix, 64) if r.name.startswith(name)]
     assert published and bad.sha256 not in {r.sha256 for r in published}
+    # The list before the withdrawal, stored again under the shared key (a copy an older peer kept): the publisher's
+    # own key, read first, still says withdrawn.
+    (before,) = [listed for listed in read_versions(dht, prefix, name) if listed.author == ed25519_text(publisher)]
+    stale = VersionList(name, tuple(dataclasses.replace(v, withdrawn=False) for v in before.versions))
+    store_slot(dht, publisher, versions_key(prefix, name), stale.payload(), now() + 30.5 * 24 * 3600)
+    with pytest.raises(AdapterError, match="withdrawn by its publisher"):
+        resolve(dht, prefix, f"{name}@{author_id(ed25519_text(publisher))}@2")

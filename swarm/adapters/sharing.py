@@ -212,20 +212,21 @@ class PublishedAdapter:
 
 def signed_entries(dht: DHT, key: Optional[str], own: Optional[Mapping[str, str]] = None) -> list[tuple[str, bytes]]:
     """(signer, payload) of every entry under the shared ``key`` (None: none) whose Ed25519 signature holds, and of the
-    entry under each key of ``own`` ({key: the signer id whose own key it is}) whose signer is that id; one read.
-    Anything else is ignored (a peer that stores without validating may hand back a stranger's slot signed over
-    another's own key)."""
-    entries, own = [], own or {}
+    entry under each key of ``own`` ({key: the signer id whose own key it is}) whose signer is that id; one read. The
+    own keys' entries come first (a reader keeping one entry per signer keeps those on a tie). Anything else is ignored
+    (a peer that stores without validating may hand back a stranger's slot signed over another's own key)."""
+    own = own or {}
+    found_own, found_shared = [], []
     for read, found in read_entries(dht, [key, *own] if key is not None else list(own)).items():
         for subkey, (value, expiration) in found.items():
             try:
                 payload = verify_slot(dht_key_id(read), subkey, value, expiration)
                 if read in own and signer_id(slot_signer(subkey)) != own[read]:
                     raise ValueError(f"a slot of another key than {own[read]}")
-                entries.append((slot_signer(subkey), payload))
+                (found_own if read in own else found_shared).append((slot_signer(subkey), payload))
             except ValueError as error:
                 logger.debug("ignoring an entry under %s: %s", read, error)
-    return entries
+    return found_own + found_shared
 
 
 def read_published(dht: DHT, prefix: str, name: str, authors: Iterable[str] = ()) -> list[PublishedAdapter]:

@@ -373,6 +373,6 @@ def test_republished_withdrawn_content_stays_withdrawn_under_every_name(peer, ho
     # own key, read first, still says withdrawn.
     (before,) = [listed for listed in read_versions(dht, prefix, name) if listed.author == ed25519_text(publisher)]
     stale = VersionList(name, tuple(dataclasses.replace(v, withdrawn=False) for v in before.versions))
-    store_slot(dht, publisher, versions_key(prefix, name), stale.payload(), now() + 30.5 * 24 * 3600)
+    assert store_slot(dht, publisher, versions_key(prefix, name), stale.payload(), now() + 30.5 * 24 * 3600)
     with pytest.raises(AdapterError, match="withdrawn by its publisher"):
         resolve(dht, prefix, f"{name}@{author_id(ed25519_text(publisher))}@2")

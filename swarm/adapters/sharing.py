@@ -215,15 +215,15 @@ def signed_entries(dht: DHT, key: Optional[str], own: Optional[Mapping[str, str]
     entry under each key of ``own`` ({key: the signer id whose own key it is}) whose signer is that id; one read. The
     own keys' entries come first (a reader keeping one entry per signer keeps those on a tie). Anything else is ignored
     (a peer that stores without validating may hand back a stranger's slot signed over another's own key)."""
-    own = own or {}
+    signers = dict(own or {})
     found_own, found_shared = [], []
-    for read, found in read_entries(dht, [key, *own] if key is not None else list(own)).items():
+    for read, found in read_entries(dht, [key, *signers] if key is not None else list(signers)).items():
         for subkey, (value, expiration) in found.items():
             try:
                 payload = verify_slot(dht_key_id(read), subkey, value, expiration)
-                if read in own and signer_id(slot_signer(subkey)) != own[read]:
-                    raise ValueError(f"a slot of another key than {own[read]}")
-                (found_own if read in own else found_shared).append((slot_signer(subkey), payload))
+                if read in signers and signer_id(slot_signer(subkey)) != signers[read]:
+                    raise ValueError(f"a slot of another key than {signers[read]}")
+                (found_own if read in signers else found_shared).append((slot_signer(subkey), payload))
             except ValueError as error:
                 logger.debug("ignoring an entry under %s: %s", read, error)
     return found_own + found_shared

@@ -6,6 +6,7 @@ import contextlib
 import os
 import signal
 import socket
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable, Optional
@@ -40,6 +41,12 @@ def scrub_caller_environment(environ: dict) -> list[str]:
 
 
 scrub_caller_environment(os.environ)
+
+# Work stamps (swarm.dht.stamp) at the default difficulty cost minutes of CPU per shared list: tests and the processes
+# they start price them at 8 bits (the admission logic is the same at any difficulty; tests/test_dht_keys.py checks a
+# list refusing stamps below its bits), kept in a stamp cache of their own.
+os.environ["SWARM_STAMP_BITS"] = "8"
+os.environ["SWARM_STAMP_CACHE"] = tempfile.mkdtemp(prefix="swarm-stamps-")
 
 
 # ----- tiers (docs/TESTING.md) --------------------------------------------------------------------------------

@@ -406,7 +406,8 @@ class DistributedDiffusionLM(BaseDiffusionLM):
             raise AdapterError(f"adapter='{BEST}{task}' picks by trusted auditors' scores, and this client trusts no "
                                "auditor: set trusted_auditors (or governance keys)")
         self.planner.refresh_if_stale()  # the reports are read with the server list (route_refresh), not again
-        found = choose(book, task, published_versions(self.dht, self.prefix, MAX_CATALOG_NAMES),
+        publishers = frozenset(self.client_config.trusted_publishers)
+        found = choose(book, task, published_versions(self.dht, self.prefix, MAX_CATALOG_NAMES, publishers),
                        held[2] if held is not None else None, self.client_config.adoption_margin,
                        frozenset(self.client_config.trusted_publishers))
         if found is None:

@@ -163,17 +163,24 @@ def read_experts(dht: DHT, prefix: str) -> dict[str, list[ExpertAnnouncement]]:
 
 
 def read_adapters(dht: DHT, prefix: str) -> list[dict[str, Any]]:
-    """Published adapters (signed records listed in the adapters index) and the peers serving each now."""
+    """Published adapters (signed records listed in the adapters index) and the peers serving each now; ``withdrawn``
+    when a publisher of any name read withdrew its content (``swarm.adapters.versions``: the content is withdrawn)."""
     from swarm.adapters.sharing import read_catalog  # the sharing module pulls in the adapter code: only if asked
-    from swarm.adapters.versions import read_versions
+    from swarm.adapters.versions import is_withdrawn, read_versions, withdrawals
 
-    adapters, lists = [], {}
-    for record, hosts in read_catalog(dht, prefix):
-        if record.name not in lists:
-            lists[record.name] = {listed.author: listed for listed in read_versions(dht, prefix, record.name)}
+    catalog, authors = read_catalog(dht, prefix), {}
+    for record, _ in catalog:
+        authors.setdefault(record.name, set()).add(record.author_id)
+    lists = {name: {listed.author: listed for listed in read_versions(dht, prefix, name, sorted(ids))}
+             for name, ids in authors.items()}
+    withdrawn = withdrawals(listed for by_author in lists.values() for listed in by_author.values())
+    adapters = []
+    for record, hosts in catalog:
         listed = lists[record.name].get(record.author)
-        versions = [version.to_json() for version in listed.versions] if listed is not None else []
-        adapters.append(dict(record.to_json(), hosts=hosts, versions=versions))
+        versions = [dict(version.to_json(), withdrawn=version.withdrawn or version.sha256 in withdrawn)
+                    for version in listed.versions] if listed is not None else []
+        adapters.append(dict(record.to_json(), hosts=hosts, versions=versions,
+                             withdrawn=is_withdrawn(record, withdrawn)))
     return adapters
 
 

@@ -234,9 +234,10 @@ def short(reference: str, keys: dict[str, Any]) -> str:
 def newest_versions(client, keys: dict[str, Any]) -> tuple[dict[str, str], dict[str, Optional[float]]]:
     """Each trainer's newest live version of the name, and the auditor's latest score of it."""
     from swarm.adapters.versions import read_versions
-    from swarm.dht.validation import ed25519_text
+    from swarm.dht.validation import ed25519_text, signer_id
 
-    lists = {listed.author: listed for listed in read_versions(client.dht, client.prefix, NAME)}
+    authors = [signer_id(ed25519_text(key)) for key in keys.values()]
+    lists = {listed.author: listed for listed in read_versions(client.dht, client.prefix, NAME, authors)}
     scores = client.planner.audits.adapter_scores()
     newest, audited = {}, {}
     for label, key in keys.items():

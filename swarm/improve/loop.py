@@ -23,7 +23,7 @@ from typing import Any, Optional
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hivemind.dht import DHT
 
-from swarm.adapters.sharing import FILES, publish, read_published
+from swarm.adapters.sharing import FILES, author_id, publish, read_published
 from swarm.adapters.versions import own_versions, publish_version
 from swarm.dht.validation import ed25519_text
 from swarm.eval.tasks import evaluate_task
@@ -230,7 +230,8 @@ class Improver:
         if self.host is not None:
             self.host.announce()
         own = ed25519_text(self.key)
-        head = next((r for r in read_published(self.dht, self.prefix, self.config.name) if r.author == own), None)
+        head = next((r for r in read_published(self.dht, self.prefix, self.config.name, [author_id(own)])
+                     if r.author == own), None)
         if head is None:
             return
         progress = {"round": result.round, "steps": result.steps, "loss": result.loss, "figure": result.figure,

@@ -7,10 +7,10 @@ list carries a *stamp*: an 8-byte nonce such that sha256(domain, the key's hash,
 on average. The stamp names the key and the signer, so it is made once per (list, key) and reused for every update
 (kept in memory and in ``~/.cache/swarm/stamps``), and it cannot be moved to another list or signer.
 
-The default, :data:`DEFAULT_STAMP_BITS` (28), costs an honest writer about 2**28 hashes once per list (minutes on one
-core in Python: docs/GOVERNANCE.md gives the figures measured) and an attacker filling a 64-entry list 64 times that
-on CPUs (hours). Hardware built for sha256 does it far faster: the stamp prices floods from commodity CPUs, and the
-lists stay what they were, a place where strangers are found; where a reader needs a particular signer's entry it
+The default, :data:`DEFAULT_STAMP_BITS` (26), costs an honest writer about 2**26 hashes once per list (about a minute
+on one core in Python: docs/GOVERNANCE.md gives the figures measured) and an attacker filling a 64-entry list 64
+times that on CPUs (over an hour). Hardware built for sha256 does it far faster: the stamp prices floods from
+commodity CPUs, and the lists stay what they were, a place where strangers are found; where a reader needs a particular signer's entry it
 reads that signer's own key, which no stamp guards because no other key can write it (``swarm.dht.keys``).
 ``$SWARM_STAMP_BITS`` sets the difficulty of this process (a storing peer refuses stamps below its own; tests use a
 small one).
@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 STAMP_DOMAIN = b"swarm-stamp-v1"
 STAMP_BYTES = 8
 STAMP_FIELD = "stamp"  # the field of a slot value carrying its stamp
-DEFAULT_STAMP_BITS = 28
+DEFAULT_STAMP_BITS = 26  # an honest writer: about a minute of one core once per list; a 64-slot flood: an hour
 MAX_STAMP_BITS = 40
 ENV_STAMP_BITS = "SWARM_STAMP_BITS"
 ENV_STAMP_CACHE = "SWARM_STAMP_CACHE"

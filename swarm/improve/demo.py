@@ -158,6 +158,9 @@ def run_demo(output: Path, rounds: int, round_steps: int, held_out: int, audit_e
     from swarm.train.data import TaggedAdditionTask
     from swarm.utils.local_swarm import LocalSwarm
 
+    # A private swarm of this machine's own processes: nobody to price out of the shared lists, while the default
+    # stamp (swarm.dht.stamp) would cost each trainer's first publish about a minute.
+    os.environ.setdefault("SWARM_STAMP_BITS", "16")
     output.mkdir(parents=True, exist_ok=True)
     work = output / "work"
     data = work / "data"

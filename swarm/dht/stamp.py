@@ -10,8 +10,9 @@ on average. The stamp names the key and the signer, so it is made once per (list
 The default, :data:`DEFAULT_STAMP_BITS` (26), costs an honest writer about 2**26 hashes once per list (about a minute
 on one core in Python: docs/GOVERNANCE.md gives the figures measured) and an attacker filling a 64-entry list 64
 times that on CPUs (over an hour). Hardware built for sha256 does it far faster: the stamp prices floods from
-commodity CPUs, and the lists stay what they were, a place where strangers are found; where a reader needs a particular signer's entry it
-reads that signer's own key, which no stamp guards because no other key can write it (``swarm.dht.keys``).
+commodity CPUs, and the lists stay what they were, a place where strangers are found; where a reader needs a
+particular signer's entry it reads that signer's own key, which no stamp guards because no other key can write it
+(``swarm.dht.keys``).
 ``$SWARM_STAMP_BITS`` sets the difficulty of this process (a storing peer refuses stamps below its own; tests use a
 small one).
 """

@@ -128,7 +128,7 @@ def test_a_client_recomputes_only_what_fits_its_check_memory(local_swarm, liars)
 def test_check_memory_counts_each_load_once_and_the_held_head_as_free():
     """The bound adds what each allowed check loads; a head the client already holds costs nothing; a check past
     the bound is refused with the figures, and loads nothing."""
-    from swarm.client.check_memory import MiB, CheckMemory
+    from swarm.client.check_memory import CheckMemory, MiB
 
     held = []
     memory = CheckMemory(1.0, lambda start, end: (end - start) * 300 * 1024, lambda: 600 * 1024, lambda: bool(held))

@@ -113,8 +113,11 @@ def measure_in_this_process(spec: dict[str, Any]) -> list[ClientRun]:
               help="Client processes per mode, interleaved; the table shows the fastest and the highest peak.")
 @click.option("--spot-check-fraction", type=click.FloatRange(0, 1), default=None,
               help="The clients' ClientConfig.spot_check_fraction (default: the client's default).")
+@click.option("--spot-check-memory-mb", type=click.FloatRange(min=0), default=None,
+              help="The clients' ClientConfig.spot_check_memory_mb (default: the client's default; 2000 lets a "
+                   "check load a block and the head here, as before issue 54).")
 def client_memory(model: Optional[str], blocks: int, span: int, modes: str, repeats: int,
-                  spot_check_fraction: Optional[float]) -> None:
+                  spot_check_fraction: Optional[float], spot_check_memory_mb: Optional[float]) -> None:
     """A client's peak memory and seconds per step at LLaDA-8B's widths, per mode, each in a fresh process."""
     from swarm.benchmark.realscale import checkpoint, start_span_servers
 
@@ -123,7 +126,8 @@ def client_memory(model: Optional[str], blocks: int, span: int, modes: str, repe
     unknown = sorted(set(chosen) - set(MODES))
     if unknown:
         raise click.BadParameter(f"unknown modes {', '.join(unknown)}", param_hint="--modes")
-    overrides = {} if spot_check_fraction is None else {"spot_check_fraction": spot_check_fraction}
+    overrides = {name: value for name, value in (("spot_check_fraction", spot_check_fraction),
+                                                 ("spot_check_memory_mb", spot_check_memory_mb)) if value is not None}
     prefix = "client-memory"
     runs: dict[str, list[ClientRun]] = {mode: [] for mode in chosen}
     with checkpoint(model, blocks) as path, LocalSwarm() as swarm:

@@ -30,8 +30,9 @@ A *reference* (:class:`~swarm.client.reference.LocalReference`: this process's o
 checker. A client whose checkpoint holds the blocks uses it when no other server can check a hop; an auditor uses it
 for every check (``reference_only``), so its verdicts never depend on another server's word. What a client's checks
 may load (the blocks recomputed, the head that scores) is bounded (:mod:`swarm.client.check_memory`): a check past the
-bound is left unchecked with the reason. Without a checker, the hop stays unchecked: its outcome says ``no_checker``, the request's ``result.info["unchecked"]`` counts it and the first
-one of a request is logged as a warning, so no tokens are returned as checked that were not.
+bound is left unchecked with the reason. Without a checker, the hop stays unchecked: its outcome says
+``no_checker``, the request's ``result.info["unchecked"]`` counts it and the first one of a request is logged as a
+warning, so no tokens are returned as checked that were not.
 """
 from __future__ import annotations
 

@@ -96,7 +96,8 @@ def measure_in_this_process(spec: dict[str, Any]) -> list[ClientRun]:
             checks, steps = result.info["spot_checks"], max(1, result.steps)
             runs.append(ClientRun(mode, process_memory()["peak"], elapsed / steps, cpu / steps, computed / steps,
                                   result.steps,
-                                  list(result.token_ids), len(checks), result.info["unchecked"],
+                                  list(result.token_ids), len(checks),
+                                  result.info.get("unchecked", 0),  # clients before issue 48 count none
                                   lm._head is not None,
                                   sorted({check["note"] for check in checks if check["verdict"] == "no_checker"})))
     return runs

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from swarm.benchmark.client_memory import process_memory
 from swarm.models.checkpoint import save_tensors
 from swarm.models.config import ModelConfig
 from swarm.models.formats import LLADA_LAYOUT, dream_config, llada_config
@@ -65,17 +66,6 @@ def build_checkpoint(directory: Path) -> Path:
     return directory
 
 
-def memory() -> dict[str, int]:
-    """This process's resident memory: total, its high-water mark, and the file-backed part (mmapped weights).
-
-    ``VmHWM`` rather than ``ru_maxrss``: Linux carries ``ru_maxrss`` over ``execve`` from the parent, so a
-    fresh subprocess would report the benchmark's own peak; ``VmHWM`` belongs to the new address space.
-    """
-    fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
-    kib = {key: int(fields[key].split()[0]) * 1024 for key in ("VmRSS", "VmHWM", "RssFile")}
-    return {"rss": kib["VmRSS"], "peak": kib["VmHWM"], "file": kib["RssFile"]}
-
-
 def measure_child(directory: Path, part: str, start: int, end: int, dtype: str, int8: bool) -> dict:
     """Runs in a fresh process: load one part, run one forward pass, report bytes and memory."""
     from swarm.models.loading import ModelFiles
@@ -84,7 +74,7 @@ def measure_child(directory: Path, part: str, start: int, end: int, dtype: str, 
     files = ModelFiles(directory)
     with torch.device("meta"):  # first-use costs of torch (lazy imports, ~75 MiB) are not the checkpoint's
         DiffusionTransformer(files.config.replace(num_layers=1))
-    before = memory()
+    before = process_memory()
     started = time.perf_counter()
     if part == "span":
         span = files.span(start, end, dtype)
@@ -92,14 +82,14 @@ def measure_child(directory: Path, part: str, start: int, end: int, dtype: str, 
     else:  # what a client holds
         modules = [files.embedding(dtype), files.head(dtype)]
     elapsed = time.perf_counter() - started
-    loaded = memory()
+    loaded = process_memory()
     ids = torch.randint(0, 1000, (1, 16))
     with torch.inference_mode():  # touches every weight once, as a server's first request does
         if part == "span":
             modules[0](modules[0].blocks[str(start)].attn_norm.weight.new_zeros(1, 16, files.config.hidden_size) + 1)
         else:
             modules[1](modules[0](ids))
-    served = memory()
+    served = process_memory()
     tensors = [t for m in modules for t in list(m.parameters()) + list(m.buffers())]
     return {
         "tensor_bytes": sum(t.numel() * t.element_size() for t in tensors),

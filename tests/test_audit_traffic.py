@@ -118,6 +118,39 @@ def test_a_client_that_cannot_recompute_says_its_tokens_are_unchecked(local_swar
     assert any("unchecked" in record.getMessage() for record in caplog.records)
 
 
+def test_a_client_recomputes_only_what_fits_its_check_memory(local_swarm, liars):
+    """``spot_check_memory_mb`` bounds the weights a client's checks load (issue 54): below the size of the blocks,
+    the client alone with a liar loads nothing, and every drawn check is counted unchecked with the reason (at
+    LLaDA-8B's widths, where one block is past the default bound: tests/test_client_memory.py)."""
+    path, peers = liars
+    with swarm_client(local_swarm, path, spot_check_fraction=0.25, spot_check_seed=3,
+                      spot_check_memory_mb=0.01) as lm:
+        lm.only_peers = frozenset({peers["faulty-later"]})
+        result = lm.generate("1+2=", **SETTINGS)
+        assert lm.sequence.spot_checker.memory.loaded == 0 and lm._head is None
+    drawn = result.info["spot_checks"]
+    assert drawn and all(o["verdict"] == NO_CHECKER and "spot_check_memory_mb" in o["note"] for o in drawn), drawn
+    assert result.info["unchecked"] == len(drawn)
+
+
+@pytest.mark.unit
+def test_check_memory_counts_each_load_once_and_the_held_head_as_free():
+    """The bound adds what each allowed check loads; a head the client already holds costs nothing; a check past
+    the bound is refused with the figures, and loads nothing."""
+    from swarm.client.check_memory import CheckMemory, MiB
+
+    held = []
+    memory = CheckMemory(1.0, lambda start, end: (end - start) * 300 * 1024, lambda: 600 * 1024, lambda: bool(held))
+    assert memory.take((0, 1), False, "recomputing blocks 0:1") is None and memory.loaded == 300 * 1024
+    refused = memory.take((1, 2), True, "recomputing blocks 1:2 and the head")
+    assert refused is not None and "spot_check_memory_mb (1 MiB, 0 loaded)" in refused
+    assert memory.loaded == 300 * 1024
+    held.append(True)  # the client's head is loaded for its own use: scoring with it loads nothing more
+    assert memory.take(None, True, "scoring") is None and memory.loaded == 300 * 1024
+    assert memory.take((1, 3), False, "recomputing blocks 1:3") is None and memory.loaded == 900 * 1024
+    assert memory.take((3, 4), False, "recomputing blocks 3:4") is not None and memory.loaded < MiB
+
+
 def deep_prompt(lm, directory: Path) -> Path:
     """A small random deep prompt for ``lm``'s model, saved under ``directory``."""
     import torch

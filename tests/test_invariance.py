@@ -4,19 +4,12 @@ At LLaDA-8B's widths (hidden 4096, 32 heads, SwiGLU 12288), where stock CPU kern
 another row count: the plain calls fail these tests in bfloat16 and float32 (checked with invariance off)."""
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
-from pathlib import Path
-
-import psutil
 import pytest
 import torch
 
 from swarm.models import invariance
 from swarm.models.config import ModelConfig
 from swarm.models.modules import BlockSpan, OutputHead, default_positions
-from tests.conftest import SHARED_MEMORY
 
 WIDE = ModelConfig(vocab_size=16384, hidden_size=4096, intermediate_size=12288, num_layers=1, num_heads=32,
                    num_kv_heads=32, mask_token_id=1, pad_token_id=0, rope_theta=500000.0)
@@ -111,38 +104,6 @@ def test_training_keeps_the_plain_calls():
 
 
 WORDS = ("the", "cat", "sat", "on", "mat", "dog", "ran", "far", "hello", "world", "w1", "w2")
-
-
-SHM_PREFIX = "swarm-test-8b-width-"
-CHECKPOINT_BYTES = 3 * 2**30
-
-
-def memory_backed_folder(tmp_path_factory) -> Path:
-    """A folder in memory (``/dev/shm``) for the 3 GB checkpoint where there is room for it, else a temporary one.
-
-    Writing it to this machine's disk took 9 of the 20 s its build takes when quiet, and most of 60-90 s beside
-    other tests; to memory, under 1 s. A folder left by a killed run (its pid gone) is removed first."""
-    for leftover in SHARED_MEMORY.glob(f"{SHM_PREFIX}*"):
-        pid = leftover.name[len(SHM_PREFIX):].split("-")[0]
-        if pid.isdigit() and not psutil.pid_exists(int(pid)):
-            shutil.rmtree(leftover, ignore_errors=True)
-    roomy = SHARED_MEMORY.is_dir() and shutil.disk_usage(SHARED_MEMORY).free > 2 * CHECKPOINT_BYTES
-    if roomy and psutil.virtual_memory().available > 4 * CHECKPOINT_BYTES:
-        return Path(tempfile.mkdtemp(prefix=f"{SHM_PREFIX}{os.getpid()}-", dir=SHARED_MEMORY))
-    return tmp_path_factory.mktemp("llada-8b-width")
-
-
-@pytest.fixture(scope="module")
-def wide_checkpoint(tmp_path_factory):
-    """2 blocks of LLaDA-8B's widths, bfloat16, the benchmark's builder (loads in seconds)."""
-    from swarm.benchmark.realscale import build_checkpoint
-
-    folder = memory_backed_folder(tmp_path_factory)
-    try:
-        yield build_checkpoint(folder, 2)
-    finally:
-        if folder.parent == SHARED_MEMORY:
-            shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Iterator, Optional, Sequence
 import click
 
 from swarm.benchmark.adapter_wire import adapter_wire
+from swarm.benchmark.client_memory import client_memory
 from swarm.benchmark.composition_cost import composition_cost
 from swarm.benchmark.invariance_cost import invariance_cost
 from swarm.benchmark.realscale import realscale
@@ -519,3 +520,4 @@ main.add_command(composition_cost)  # issue 36: the client's CPU for an expert c
 main.add_command(concurrency)  # issue 47: batching several clients' calls on one server (server_load.py)
 main.add_command(shares)  # issue 48: the fair scheduler against the red team's shapes (server_load.py)
 main.add_command(invariance_cost)  # issue 47: batch-invariant passes vs default ones (invariance_cost.py)
+main.add_command(client_memory)  # issue 54: a client's peak memory and s/step per mode at 8B widths (client_memory.py)

@@ -87,6 +87,11 @@ class ClientConfig:
               "for auditors to recompute (DistributedDiffusionLM.audit_sample; calls inside private_calls() never "
               "are; 0 keeps none). Receipts themselves are always checked and kept (docs/AUDIT.md).",
         low=0.0, high=1.0, cli=False)
+    spot_check_memory_mb: float = setting(
+        256.0, "MiB of weights this client may load to check hops itself (blocks recomputed here, the head that scores "
+               "a replica's hidden states); a check needing more leaves its hop unchecked, with the reason. At "
+               "LLaDA-8B's widths one block is 416 MiB and the head 988 MiB. Requests that accept only verified "
+               "results (restricted) load what their checks need.", low=0.0, cli=False)
     spot_check_rtol: float = setting(1e-3, "Relative difference tolerated between two servers (float32 wire).",
                                      **POSITIVE, cli=False)
     # Which hops get checked: None draws from os.urandom (a server cannot predict it); a seed makes it reproducible

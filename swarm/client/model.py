@@ -16,6 +16,7 @@ from swarm.adapters.adapter import AdapterError, PromptAdapter
 from swarm.adapters.sharing import MAX_CATALOG_NAMES, default_cache_dir
 from swarm.adapters.versions import fetch_reference, published_versions, reference_of
 from swarm.client.backbone import SwarmBackbone
+from swarm.client.check_memory import CheckMemory
 from swarm.client.config import ClientConfig, client_network
 from swarm.client.experts import RemoteExpert, open_remote_experts
 from swarm.client.head_use import HeadUse
@@ -130,6 +131,9 @@ class DistributedDiffusionLM(BaseDiffusionLM):
         if exact and config.spot_check_local and not self.missing_blocks():  # a hop nobody else holds: recompute it
             self.sequence.spot_checker.reference = LocalReference(
                 lambda start, end: files.span(start, end, config.dtype), lambda: self.head, self.config.num_layers)
+        self.sequence.spot_checker.memory = CheckMemory(
+            config.spot_check_memory_mb, lambda start, end: files.span_bytes(start, end, config.dtype),
+            lambda: files.head_bytes(config.dtype), lambda: self._head is not None)
         self.only_peers: Optional[frozenset[str]] = None  # peers every request may route through (None: any)
         self.guard = GovernanceGuard(self.dht, self.prefix, config.governance_keys, ttl=config.governance_ttl,
                                      stale_after=config.governance_stale_after)

@@ -37,16 +37,24 @@ class LocalReference:
         self._spans: dict[tuple[int, int], BlockSpan] = {}  # the hops loaded, or one entry: the whole model
         self._lock = threading.Lock()  # calls in flight (stale pipelining) may check at once
 
+    def to_load(self, start: int, end: int) -> Optional[tuple[int, int]]:
+        """The blocks a recomputation of ``start:end`` would load now (the hop's, or the whole model's when the
+        hops held would pass ``num_blocks``); None when they are held already."""
+        if any(a <= start and end <= b for a, b in self._spans):
+            return None
+        if self.num_blocks is not None and sum(b - a for a, b in self._spans) + end - start > self.num_blocks:
+            return 0, self.num_blocks
+        return start, end
+
     def blocks(self, start: int, end: int) -> BlockSpan:
         with self._lock:
-            held = next((span for (a, b), span in self._spans.items() if a <= start and end <= b), None)
-            if held is not None:
-                return held
-            if self.num_blocks is not None and sum(b - a for a, b in self._spans) + end - start > self.num_blocks:
+            load = self.to_load(start, end)
+            if load is None:
+                return next(span for (a, b), span in self._spans.items() if a <= start and end <= b)
+            if load != (start, end):
                 self._spans.clear()
-                start, end = 0, self.num_blocks
-            logger.info("loading blocks %d:%d here to recompute spot-checked hops", start, end)
-            span = self._spans[(start, end)] = self._load_blocks(start, end).requires_grad_(False)
+            logger.info("loading blocks %d:%d here to recompute spot-checked hops", *load)
+            span = self._spans[load] = self._load_blocks(*load).requires_grad_(False)
             return span
 
     @torch.inference_mode()

@@ -28,9 +28,11 @@ checked server reused (the client keeps each hop's fill input while checks are o
 
 A *reference* (:class:`~swarm.client.reference.LocalReference`: this process's own copy of the blocks) is a trusted
 checker. A client whose checkpoint holds the blocks uses it when no other server can check a hop; an auditor uses it
-for every check (``reference_only``), so its verdicts never depend on another server's word. Without either, the hop
-stays unchecked: its outcome says ``no_checker``, the request's ``result.info["unchecked"]`` counts it and the first
-one of a request is logged as a warning, so no tokens are returned as checked that were not.
+for every check (``reference_only``), so its verdicts never depend on another server's word. What a client's checks
+may load (the blocks recomputed, the head that scores) is bounded (:mod:`swarm.client.check_memory`): a check past the
+bound is left unchecked with the reason. Without a checker, the hop stays unchecked: its outcome says
+``no_checker``, the request's ``result.info["unchecked"]`` counts it and the first one of a request is logged as a
+warning, so no tokens are returned as checked that were not.
 """
 from __future__ import annotations
 
@@ -45,6 +47,7 @@ from typing import TYPE_CHECKING, Callable, NoReturn, Optional
 import torch
 
 from swarm.adapters.block import BlockAdapter
+from swarm.client.check_memory import CheckMemory
 from swarm.client.config import ClientConfig
 from swarm.client.failover import RetriesExhausted
 from swarm.client.peers import PeerHealth
@@ -187,6 +190,8 @@ class SpotChecker:
         # A trusted recomputation of any hop (None: none); with reference_only, the only checker asked (an auditor)
         self.reference: Optional[LocalReference] = None
         self.reference_only = False
+        # The weights checks may load into this client (None: no bound, as an auditor that holds every block)
+        self.memory: Optional[CheckMemory] = None
         self.unchecked = 0  # hops drawn for a check that nobody could check, since the last reset (per request)
         self.receipts: Optional[ReceiptBook] = None  # the calls' receipts: a lie found on one becomes a proof
         self.proofs: list[CallEvidence] = []  # every wrong answer caught on a signed call (bounded)
@@ -216,7 +221,8 @@ class SpotChecker:
             return self._against_reference(request, primary, output)
         asked: list[str] = []
         answers: dict[str, torch.Tensor] = {primary: output}
-        for peer, holds_head in self._checkers(request, primary, head):
+        checkers, refused = self._checkers(request, primary, head)
+        for peer, holds_head in checkers:
             answer = self._answer(peer, request, head, holds_head)
             if answer is None:
                 continue
@@ -228,7 +234,7 @@ class SpotChecker:
         if not asked:
             if self.reference is not None:
                 return self._against_reference(request, primary, output)
-            return self._no_checker(request, primary, output)
+            return self._no_checker(request, primary, output, refused)
         if head is not None:
             honest = self._contradicted_by_own_hidden_states(request, primary, head, answers)
             if honest is not None:
@@ -236,19 +242,34 @@ class SpotChecker:
         return self._unresolved(request, primary, asked)
 
     def _checkers(self, request: ForwardRequest, primary: str,
-                  head: Optional[HeadQuery]) -> list[tuple[str, bool]]:
+                  head: Optional[HeadQuery]) -> tuple[list[tuple[str, bool]], str]:
         """Who may check, and whether each answers a head query: holders of the blocks; for a head hop head servers
-        first, then (when this client can score hidden states) replicas without the head. Only live holders: those
-        that answered this client's ping since their last failure (the route's refresh pings the others). A dead
-        replica's record outlives it, and a check drawn every few steps dialled it again after each ban ran out."""
+        first, then (when this client can score hidden states) replicas without the head; with them, why replicas
+        were left out ("" if not). Only live holders: those that answered this client's ping since their last failure
+        (the route's refresh pings the others). A dead replica's record outlives it, and a check drawn every few steps
+        dialled it again after each ban ran out."""
         avoid = frozenset({primary})
         with_head = self._live(self.holders(request.start, request.end, avoid, head is not None, request.adapter))
         checkers = [(peer, head is not None) for peer in with_head]
         if head is None or self.load_head is None:
-            return checkers
-        return checkers + [(peer, False) for peer in self._live(self.holders(request.start, request.end, avoid, False,
-                                                                             request.adapter))
-                           if peer not in with_head]
+            return checkers, ""
+        replicas = [(peer, False) for peer in self._live(self.holders(request.start, request.end, avoid, False,
+                                                                      request.adapter))
+                    if peer not in with_head]
+        refused = self._over_memory(None, True, "scoring a replica's hidden states with this client's head") \
+            if replicas else None
+        return (checkers, refused) if refused is not None else (checkers + replicas, "")
+
+    def _over_memory(self, blocks: Optional[tuple[int, int]], head: bool, what: str) -> Optional[str]:
+        """Why a check may not load ``blocks`` (and the head) into this client (None: it may; it is counted). A
+        request that accepts only verified results loads what their checks need, and an auditor (``reference_only``)
+        holds every block already."""
+        if self.memory is None or self.require_verified or self.reference_only:
+            return None
+        refused = self.memory.take(blocks, head, what)
+        if refused is not None:
+            logger.info("spot check: %s", refused)
+        return refused
 
     def _live(self, peers: list[str]) -> list[str]:
         return [peer for peer in peers if self.health.measured(peer)]
@@ -278,7 +299,9 @@ class SpotChecker:
         """The checker whose predictions the head server's own hidden states give (scored here), when its answered
         predictions differ from them: then the head server contradicts itself. None otherwise (this can only
         convict the head server, never clear it: its two answers are one opinion)."""
-        own = self._answer(primary, request, head, holds_head=False) if self.load_head is not None else None
+        scorable = self.load_head is not None and self._over_memory(
+            None, True, "scoring the head server's own hidden states with this client's head") is None
+        own = self._answer(primary, request, head, holds_head=False) if scorable else None
         if own is None:
             return None
         return next((peer for peer, answer in answers.items()
@@ -352,6 +375,11 @@ class SpotChecker:
         fill_input = self.fills.lookup(request) if reuse else None
         if reuse and fill_input is None:  # its fill went through another route (a failover): cannot rebuild it
             return self._no_checker(request, primary, output, "the reused fill went through another server")
+        refused = self._over_memory(self.reference.to_load(request.start, request.end), request.head is not None,
+                                    f"recomputing blocks {request.start}:{request.end}"
+                                    + (" and the head" if request.head is not None else ""))
+        if refused is not None:
+            return self._no_checker(request, primary, output, refused)
         expected = self.reference.answer(request, fill_input)
         if answers_agree(output, expected, self.rtol):
             self._record(request, primary, [LOCAL], "agreed")

@@ -175,3 +175,11 @@ def load_module(
     state = {name: stored[source] for name, source in wanted.items()}
     module.load_state_dict(state, strict=True, assign=True)
     return module.eval()
+
+
+def module_bytes(build: Callable[[], nn.Module], dtype: torch.dtype) -> int:
+    """Bytes of the weights :func:`load_module` would load for ``build`` in ``dtype``, without reading any: what a
+    caller weighs before deciding to load a part."""
+    with torch.device("meta"):
+        module = build()
+    return sum(tensor.numel() for tensor in module.state_dict().values()) * dtype.itemsize

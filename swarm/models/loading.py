@@ -10,7 +10,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from swarm.models import invariance
-from swarm.models.checkpoint import CheckpointReader, Fetch, load_module, parse_dtype
+from swarm.models.checkpoint import CheckpointReader, Fetch, load_module, module_bytes, parse_dtype
 from swarm.models.config import DEFAULT_MODEL, MODEL_DEFAULT_SETTINGS, ModelConfig
 from swarm.models.formats import CheckpointFormat, detect_format
 from swarm.models.hub import HubCheckpoint, HubName
@@ -166,6 +166,14 @@ class ModelFiles:
     def head(self, dtype: Optional[str | torch.dtype] = None) -> OutputHead:
         aliases = {"lm_head.weight": "embed.weight"} if self.config.tie_word_embeddings else None
         return load_module(lambda: OutputHead(self.config), self.reader, self._dtype(dtype), aliases)
+
+    def span_bytes(self, start: int, end: int, dtype: Optional[str | torch.dtype] = None) -> int:
+        """Bytes of blocks ``[start, end)``'s weights in ``dtype``, counted without reading them."""
+        return module_bytes(lambda: BlockSpan(self.config, start, end), self._dtype(dtype))
+
+    def head_bytes(self, dtype: Optional[str | torch.dtype] = None) -> int:
+        """Bytes of the final norm's and output head's weights in ``dtype``, counted without reading them."""
+        return module_bytes(lambda: OutputHead(self.config), self._dtype(dtype))
 
     def full_model(self, dtype: Optional[str | torch.dtype] = None) -> DiffusionTransformer:
         parts = (self.embedding(dtype), self.span(0, self.config.num_layers, dtype), self.head(dtype))

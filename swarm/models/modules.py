@@ -40,7 +40,10 @@ class PassCancelled(SwarmError):
 class TokenEmbedding(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        # Built on the meta device to be loaded (load_module), the matrix needs no random draw: normal_ on the meta
+        # device imports torch's symbolic machinery (sympy and 800 modules: 69 MB that a client then holds for nothing)
+        weight = torch.empty(config.vocab_size, config.hidden_size) if torch.empty(()).is_meta else None
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size, _weight=weight)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed(input_ids)

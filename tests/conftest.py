@@ -75,6 +75,7 @@ FILE_TIERS = {  # a "unit" file may hold tests of other tiers: found by their fi
     "test_invariance_check": "unit",  # check_module on this CPU, and the scale's use of its answer
     "test_batching_queue": "unit",  # merging waiting passes on the compute thread, in process
     "test_batching": "swarm",  # concurrent clients on a live server, batched: each gets its solo run's tokens
+    "test_wan": "swarm",  # a swarm behind delaying TCP proxies: crossings per step counted, every mode at 150 ms
 }
 
 

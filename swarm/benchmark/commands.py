@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import statistics
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator, Optional, Sequence
@@ -417,7 +416,8 @@ def hiding(model: str, modes: str, latency_ms: float, gen_length: int, block_len
            task_model: str, task_examples: int, threads: int) -> None:
     """Latency hiding: each mode's wall time at 0 and --latency-ms per crossing, through two servers behind delaying
     proxies. "added s/step" is what the delay added to a step (a slower mode at 0 ms cannot flatter it, as it can
-    the hidden share); "trips" the crossings the median step waited for one after the other."""
+    the hidden share); "crossings" those the generation waited for one after the other, per step (a synchronous
+    pushed step over two servers: 3)."""
     from swarm.client.model import DistributedDiffusionLM
     from swarm.eval.tasks import evaluate_task
     from swarm.frontend.local import DiffusionLM
@@ -439,23 +439,23 @@ def hiding(model: str, modes: str, latency_ms: float, gen_length: int, block_len
             accuracy[spec] = by_settings[key]
     delays = [0.0, latency_ms]
     times: dict[tuple[str, float], float] = {}
-    trips: dict[str, float] = {}  # crossings a step waited for one after the other, at latency_ms (median step)
+    trips: dict[str, float] = {}  # crossings waited for one after the other per step, at latency_ms
     agreement = {}
     links = DelayedLinks(0.0)
     try:
         with two_server_swarm(model, threads, links=links) as swarm:
-            for delay in delays:
-                links.delay = delay / 1000
-                # Checks off (push needs them off; the figures were measured so): spot checks cost is GOVERNANCE.md's
-                with DistributedDiffusionLM.from_pretrained(model, initial_peers=swarm.initial_peers,
-                                                            spot_check_fraction=0) as lm:
-                    lm.generate(prompt, gen_length=block_length, steps=4, block_length=block_length)  # warm-up
-                    for spec, (settings, push) in parsed.items():
-                        lm.client_config.push = push
-                        result, chains = stepped_generation(lm, links, prompt, **base, **settings)
+            # Checks off (push needs them off; the figures were measured so): spot checks cost is GOVERNANCE.md's
+            with DistributedDiffusionLM.from_pretrained(model, initial_peers=swarm.initial_peers,
+                                                        spot_check_fraction=0) as lm:
+                lm.generate(prompt, gen_length=block_length, steps=4, block_length=block_length)  # warm-up
+                for spec, (settings, push) in parsed.items():
+                    lm.client_config.push = push
+                    for delay in delays:  # side by side: a load that changes meanwhile moves both alike
+                        links.delay = delay / 1000  # the open connections' next bytes take it
+                        result, waited = waited_crossings(lm, links, prompt, **base, **settings)
                         times[spec, delay] = result.elapsed_s
                         if delay:
-                            trips[spec] = statistics.median(chains)
+                            trips[spec] = waited / gen_length
                         same = sum(a == b for a, b in zip(result.sequence.tolist(), exact.sequence.tolist()))
                         agreement[spec] = (same - len(result.prompt_ids)) / gen_length
                         click.echo(f"  {spec} at {delay:g} ms: {result.elapsed_s:.2f} s", err=True)
@@ -467,25 +467,24 @@ def hiding(model: str, modes: str, latency_ms: float, gen_length: int, block_len
                f"and the bootstrap peer each behind a TCP proxy delaying every crossing by {latency_ms:g} ms; "
                f"'{sync}' is the reference")
     click.echo(f"{'mode':<26}{'tok/s 0ms':>10}{'tok/s ' + format(latency_ms, 'g') + 'ms':>11}{'vs ' + sync:>9}"
-               f"{'added s/step':>13}{'trips':>6}{'hidden':>8}{'agree':>7}{'task':>7}")
+               f"{'added s/step':>13}{'crossings':>10}{'hidden':>8}{'agree':>7}{'task':>7}")
     for spec in parsed:
         slow, fast = times[spec, latency_ms], times[spec, 0.0]
         hidden = 1 - (slow - fast) / added_sync if added_sync > 0 else float("nan")
         task = f"{accuracy[spec]:.3f}" if spec in accuracy else "-"
         click.echo(f"{spec:<26}{gen_length / fast:>10.1f}{gen_length / slow:>11.1f}"
-                   f"{times[sync, latency_ms] / slow:>8.2f}x{(slow - fast) / gen_length:>13.3f}{trips[spec]:>6g}"
+                   f"{times[sync, latency_ms] / slow:>8.2f}x{(slow - fast) / gen_length:>13.3f}{trips[spec]:>10.2f}"
                    f"{hidden:>8.0%}{agreement[spec]:>7.2f}{task:>7}")
 
 
-def stepped_generation(lm, links: DelayedLinks, prompt: str, **settings):
-    """A generation through ``links``, and the crossings each of its steps waited for one after the other
-    (:meth:`~swarm.testing.delay_proxy.CrossingLog.steps`; steps that crossed nothing left out)."""
-    marks, result = [time.monotonic()], None
-    for chunk in lm.generate_stream(prompt, **settings):
-        marks.append(time.monotonic())
-        result = chunk.result or result
-    chains = [chain for chain in links.log.steps(marks) if chain]
-    return result, chains or [0]
+def waited_crossings(lm, links: DelayedLinks, prompt: str, **settings):
+    """A generation through ``links``, and the crossings it waited for one after the other, from the client and
+    back (:meth:`~swarm.testing.delay_proxy.CrossingLog.chain`): what the delay multiplies, whatever overlapped."""
+    start = time.monotonic()
+    result = lm.generate(prompt, **settings)
+    end = time.monotonic()
+    clients = links.log.outsiders(start, end)
+    return result, links.log.chain(start, end, next(iter(clients)) if len(clients) == 1 else None)
 
 
 @main.command("cache-refresh")

@@ -19,6 +19,7 @@ one only through a delayed link.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import logging
 import socket
 import threading
@@ -95,15 +96,20 @@ class CrossingLog:
         after it arrived there: the one-way delays the window's work waited for one after the other. With
         ``origin`` (a process, :meth:`outsiders`) only chains that leave it and come back to it count: a client's
         step, not the servers' own chatter meanwhile."""
-        crossings = self.within(start, end)
-        longest: list[int] = []  # longest[i]: the longest chain ending with crossings[i] (0: none from origin)
-        for crossing in crossings:
-            before = [length for earlier, length in zip(crossings, longest)
-                      if length and earlier.receiver == crossing.sender and earlier.arrived <= crossing.sent]
-            first = origin is None or crossing.sender == origin
-            longest.append(1 + max(before) if before else int(first))
-        ends = [length for crossing, length in zip(crossings, longest) if origin is None or crossing.receiver == origin]
-        return max(ends, default=0)
+        arrivals: dict[str, list[float]] = {}  # per receiver: arrival times of the crossings seen so far
+        best: dict[str, list[int]] = {}  # ... and the longest chain ending with any of them (a running maximum)
+        longest = 0
+        for crossing in self.within(start, end):  # by arrival: whatever arrived before one was sent comes first
+            times, lengths = arrivals.get(crossing.sender, []), best.get(crossing.sender, [])
+            before = bisect.bisect_right(times, crossing.sent)
+            length = lengths[before - 1] + 1 if before and lengths[before - 1] else int(
+                origin is None or crossing.sender == origin)
+            previous = best.setdefault(crossing.receiver, [])
+            arrivals.setdefault(crossing.receiver, []).append(crossing.arrived)
+            previous.append(max(length, previous[-1] if previous else 0))
+            if origin is None or crossing.receiver == origin:
+                longest = max(longest, length)
+        return longest
 
     def outsiders(self, start: float = 0.0, end: float = float("inf")) -> set[str]:
         """Processes that dialled through a proxy inside the window and sit behind none (a client's)."""

@@ -6,11 +6,13 @@ delay and unlimited bandwidth). A new connection costs one round trip before its
 handshake does. Unlike a delay injected in the client (``ClientConfig.inject_latency``), this delays every
 crossing the protocol really makes: connection and stream set-up, DHT lookups, acknowledgements, checks.
 
-Every chunk is written to a shared :class:`CrossingLog`, which answers what a test asks of a window of time (one
-denoising step): how many connections opened, how many one-way messages crossed (runs of bytes in one direction
-on one connection), and :meth:`CrossingLog.chain`, the longest sequence of crossings each of which began after
-the one before it arrived: the crossings a step waited for one after the other, which is what a link's delay
-multiplies. It is counted from the order of events, not from their durations, so a slow machine does not change it.
+Every chunk is written to a shared :class:`CrossingLog`, with the processes at both ends (read from the kernel's
+socket table), which answers what a test asks of a window of time (one denoising step): how many connections opened,
+and :meth:`CrossingLog.chain`, the longest sequence of crossings each sent by the process the one before it reached,
+after it arrived: the crossings the window's work waited for one after the other, which is what a link's delay
+multiplies. It is counted from the order of events, not from their durations, so a slow machine does not change it;
+traffic that happens to fall between two crossings of a pass at the same process (a server's DHT announcement) can
+lengthen it, which is why tests and benchmarks start servers that announce rarely.
 
 :class:`DelayedSwarm` is a :class:`~swarm.utils.local_swarm.LocalSwarm` whose bootstrap peer and servers each sit
 behind their own proxy: they listen on a private port and announce the proxy's, so every peer reaches every other
@@ -81,15 +83,6 @@ class CrossingLog:
         """Connections opened inside ``[start, end]``."""
         with self._lock:
             return sum(start <= at <= end for _, at in self.opened)
-
-    def messages(self, start: float, end: float) -> int:
-        """One-way messages inside the window: runs of chunks in one direction on one connection."""
-        count, last_direction = 0, {}
-        for crossing in sorted(self.within(start, end), key=lambda c: c.sent):
-            if last_direction.get(crossing.connection) != crossing.upstream:
-                count += 1
-                last_direction[crossing.connection] = crossing.upstream
-        return count
 
     def chain(self, start: float, end: float, origin: Optional[str] = None) -> int:
         """The longest sequence of crossings inside the window each sent by the process the one before it reached,

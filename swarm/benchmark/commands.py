@@ -471,13 +471,13 @@ def hiding(model: str, modes: str, latency_ms: float, gen_length: int, block_len
     click.echo(f"model {model}, gen_length {gen_length}, block_length {block_length}, steps {gen_length}, two servers "
                f"and the bootstrap peer each behind a TCP proxy delaying every crossing by {latency_ms:g} ms; "
                f"'{sync}' is the reference")
-    click.echo(f"{'mode':<26}{'tok/s 0ms':>10}{'tok/s ' + format(latency_ms, 'g') + 'ms':>11}{'vs ' + sync:>9}"
+    click.echo(f"{'mode':<26}{'tok/s 0ms':>10}{'tok/s ' + format(latency_ms, 'g') + 'ms':>13}{'vs ' + sync:>9}"
                f"{'added s/step':>13}{'crossings':>10}{'hidden':>8}{'agree':>7}{'task':>7}")
     for spec in parsed:
         slow, fast = times[spec, latency_ms], times[spec, 0.0]
         hidden = 1 - (slow - fast) / added_sync if added_sync > 0 else float("nan")
         task = f"{accuracy[spec]:.3f}" if spec in accuracy else "-"
-        click.echo(f"{spec:<26}{gen_length / fast:>10.1f}{gen_length / slow:>11.1f}"
+        click.echo(f"{spec:<26}{gen_length / fast:>10.1f}{gen_length / slow:>13.1f}"
                    f"{times[sync, latency_ms] / slow:>8.2f}x{(slow - fast) / gen_length:>13.3f}{trips[spec]:>10.2f}"
                    f"{hidden:>8.0%}{agreement[spec]:>7.2f}{task:>7}")
 

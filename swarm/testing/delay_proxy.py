@@ -147,6 +147,7 @@ class DelayProxy:
         self._tasks.add(task)
         connection = self.log.connection(self.name)
         opened = time.monotonic() + 2 * self.delay  # the handshake's round trip, before the first byte may go
+        up_writer: Optional[asyncio.StreamWriter] = None
         try:
             await asyncio.sleep(self.delay)  # the SYN on its way to the peer
             try:
@@ -163,6 +164,8 @@ class DelayProxy:
             pass
         finally:
             writer.close()
+            if up_writer is not None:
+                up_writer.close()
             self._tasks.discard(task)
 
     async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,

@@ -39,24 +39,29 @@ def wan_swarm(links, tiny_model_path):
         yield swarm
 
 
-def step_chains(lm, links: DelayedLinks, **settings) -> tuple[list[int], int]:
-    """Each step's crossings waited for one after the other, and the connections opened during the generation."""
+def step_chains(lm, links: DelayedLinks, **settings) -> tuple[list[int], int, int]:
+    """Each step's crossings waited for one after the other, the whole generation's, and the connections opened
+    during it. A step's window is read when the stream yields it, so a call sent before that yield (the stream
+    runs ahead of its reader) counts in the step before: steps may trade a crossing, the whole cannot."""
     marks = [time.monotonic()]
     for _ in lm.generate_stream(PROMPT, **SETTINGS, **settings):
         marks.append(time.monotonic())
-    return [chain for chain in links.log.steps(marks) if chain], links.log.connections(marks[0], marks[-1])
+    clients = links.log.outsiders(marks[0], marks[-1])
+    assert len(clients) == 1
+    whole = links.log.chain(marks[0], marks[-1], next(iter(clients)))
+    return [chain for chain in links.log.steps(marks) if chain], whole, links.log.connections(marks[0], marks[-1])
 
 
 @pytest.mark.parametrize("push, crossings", [(True, 3), (False, 4)])
 def test_a_synchronous_step_crosses_only_what_its_route_needs(wan_swarm, links, tiny_model_path, push, crossings):
     with swarm_client(wan_swarm, tiny_model_path, push=push, spot_check_fraction=0) as lm:
         lm.generate(PROMPT, **SETTINGS)  # connections, challenges and the route, once
-        chains, opened = step_chains(lm, links)
+        chains, whole, opened = step_chains(lm, links)
         assert opened == 0, "a step opened a connection: it pays a handshake at every step"
         assert len(chains) >= SETTINGS["steps"] - 1
-        # the median step: a step that meets a server's announcement on the way may count one more
         assert sorted(chains)[len(chains) // 2] == crossings, chains
-        assert min(chains) == crossings, chains
+        # a server's DHT announcement that happens to fall inside a pass may add its two crossings
+        assert crossings * SETTINGS["steps"] <= whole <= crossings * SETTINGS["steps"] + 2, (whole, chains)
         if push:
             assert lm.sequence.receiver.stats.delivered >= SETTINGS["steps"]
 

@@ -93,6 +93,7 @@ FILE_TIERS = {  # a "unit" file may hold tests of other tiers: found by their fi
     "test_readme": "unit",  # the markers in process; the snippets (processes, a swarm) are marked swarm
     "test_newcomer": "unit",  # issue 56: install lines, errors that name the fix, the tokenizer, in process
     "test_client_memory": "swarm",  # a client process beside two servers of LLaDA-8B's widths (issue 54)
+    "test_wan": "swarm",  # a swarm behind delaying TCP proxies: crossings per step counted, every mode at 150 ms
 }
 
 

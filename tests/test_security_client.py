@@ -55,6 +55,23 @@ def test_bans_outlast_the_timeout_and_timeouts_follow_measured_speed():
     assert not health.usable("b") and "b" in health.distrusted
 
 
+def test_a_call_queued_behind_this_clients_own_calls_gets_their_time_too():
+    """Pipelined passes (staleness) and a pushed pass's later hops wait at a server behind this client's earlier
+    calls: their time is the client's own doing, so it is added to the timeout, past the request timeout if
+    need be, and a live server is never timed out (and avoided) for answering in order."""
+    config = ClientConfig(request_timeout=30.0, timeout_floor=2.0, timeout_factor=4.0)
+    health = PeerHealth(config)
+    health.record_ping("b", 0.01)
+    health.record_success("b", 0.01 + 0.001 * 4, work=4)  # 1 ms per unit
+    alone = health.timeout("b", 100)
+    with health.calling("b", 1000):
+        assert health.timeout("b", 100) == pytest.approx(alone + 4.0 * 0.001 * 1000)
+        assert health.timeout("c", 100) == config.request_timeout, "another peer's queue is its own"
+        with health.calling("b", 10**5):
+            assert health.timeout("b", 100) > config.request_timeout
+    assert health.timeout("b", 100) == pytest.approx(alone), "an answered call leaves the queue"
+
+
 @pytest.mark.parametrize("field, value", [("timeout_floor", -1.0), ("timeout_factor", 0.0),
                                           ("request_timeout", float("nan")), ("spot_check_fraction", 1.5)])
 def test_client_settings_that_would_break_every_call_are_refused(field, value):

@@ -6,8 +6,10 @@
 * ``scale``: one request at scale local, auto and max.
 * ``drafts``: sequential, Picard windows and draft-and-verify per remasking strategy, on prose and on the addition
   expert's held-out problems: round trips, row evaluations, drafts accepted, identical tokens, task accuracy.
-* ``hiding``: the latency-hiding modes (cache, staleness, push) at 0 and 50 ms per hop: tokens/s, the
-  fraction of the added latency hidden, agreement with the exact tokens and task accuracy.
+* ``hiding``: the latency-hiding modes (cache, staleness, push) at 0 and 50 ms per crossing, every peer behind a
+  delaying TCP proxy (``swarm/testing/delay_proxy.py``): tokens/s, the seconds the delay added per step, the
+  crossings a step waited for, the fraction of the added latency hidden, agreement with the exact tokens and task
+  accuracy.
 * ``cache-refresh``: the activation cache's refresh schedule against the exact run on the addition expert:
   task accuracy, fills, reuses, rows computed and wall time.
 * ``composition-cost``: the client's CPU per step for an expert composition at LLaDA-8B's vocabulary, stage by
@@ -15,9 +17,10 @@
 * ``concurrency``: 1, 4 and 16 concurrent clients of one server, batched vs unbatched, same tokens checked; ``shares``:
   the red team's attacks on the share cap, against the fair scheduler (``server_load.py``).
 
-Latency is injected in user space (``ClientConfig.inject_latency``), since these machines have no netem:
-every one-way network crossing is delayed, so a call to a server costs two delays, and a pushed pass
-over k servers k + 1.
+``hiding`` puts every peer behind a TCP proxy on 127.0.0.1 that delays every crossing the protocol makes (connection
+and stream set-up, DHT lookups, acknowledgements), as a user's link does. The older commands inject latency in user
+space (``ClientConfig.inject_latency``), since these machines have no netem: only the crossings the client counts
+are delayed, so a call to a server costs two delays, and a pushed pass over k servers k + 1.
 
 torch, the models and the swarm client are imported in the commands' bodies, so that ``--help`` answers at once.
 """
@@ -41,6 +44,7 @@ from swarm.benchmark.timing import time_calls
 from swarm.cli.options import SwarmGroup, gen_length_option
 from swarm.diffusion.config import MAX_DRAFT_STEPS, MAX_STALENESS
 from swarm.diffusion.remasking import STRATEGIES
+from swarm.testing.delay_proxy import DelayedLinks, DelayedSwarm
 from swarm.utils.local_swarm import LocalSwarm
 from swarm.utils.threads import apply_threads
 
@@ -53,17 +57,23 @@ GREEDY = {"temperature": 0.0}
 
 
 @contextlib.contextmanager
-def two_server_swarm(model: str, threads: int, replica: bool = False) -> Iterator[LocalSwarm]:
-    """A bootstrap peer and two servers holding the two halves of ``model`` (plus a full replica)."""
+def two_server_swarm(model: str, threads: int, replica: bool = False,
+                     links: Optional[DelayedLinks] = None) -> Iterator[LocalSwarm]:
+    """A bootstrap peer and two servers holding the two halves of ``model`` (plus a full replica); with ``links``
+    each behind a delaying proxy of them (every crossing between any two peers delayed)."""
     from swarm.models.loading import ModelFiles
 
     num_layers = ModelFiles(model).config.num_layers
     half = num_layers // 2
     spans = [f"0:{half}", f"{half}:{num_layers}"] + ([f"0:{num_layers}"] if replica else [])
-    with LocalSwarm() as swarm:
+    with (LocalSwarm() if links is None else DelayedSwarm(links)) as swarm:
         click.echo(f"starting a bootstrap peer and servers {', '.join(spans)} on 127.0.0.1 ...", err=True)
         swarm.start_bootstrap()
-        servers = [swarm.start_server(model, span, "--compute-threads", str(threads), wait=False) for span in spans]
+        # Behind the proxies the servers announce rarely: their DHT traffic inside a generation would lengthen the
+        # chains of crossings the proxies count (CrossingLog.chain) wherever it happens to fall between two of a pass
+        quiet = ("--update-period", "120") if links is not None else ()
+        servers = [swarm.start_server(model, span, "--compute-threads", str(threads), *quiet, wait=False)
+                   for span in spans]
         for server in servers:
             swarm.wait_ready(server)
         yield swarm
@@ -399,7 +409,7 @@ def _is_fraction(text: str) -> bool:
                    "guesses checked token by token), exact (checked to be the exact step), unchecked (never "
                    "checked), draftsN (draft-and-verify, N drafted steps per call; exact), sync (none of them).")
 @click.option("--latency-ms", type=float, default=50.0, show_default=True,
-              help="Injected one-way delay per network crossing (ms), compared with 0.")
+              help="One-way delay of every crossing on the proxies in front of every peer (ms), compared with 0.")
 @gen_length_option(type=click.IntRange(min=1), default=256, show_default=True, help="Tokens generated.")
 @click.option("--block-length", type=int, default=32, show_default=True, help="Semi-autoregressive block size.")
 @click.option("--prompt", default=PROMPT, show_default=True, help="Prompt text.")
@@ -409,7 +419,10 @@ def _is_fraction(text: str) -> bool:
               help="Held-out addition problems per mode.")
 def hiding(model: str, modes: str, latency_ms: float, gen_length: int, block_length: int, prompt: str,
            task_model: str, task_examples: int, threads: int) -> None:
-    """Latency hiding: each mode's wall time at 0 and --latency-ms per crossing, through two servers."""
+    """Latency hiding: each mode's wall time at 0 and --latency-ms per crossing, through two servers behind delaying
+    proxies. "added s/step" is what the delay added to a step (a slower mode at 0 ms cannot flatter it, as it can
+    the hidden share); "crossings" those the generation waited for one after the other, per step (a synchronous
+    pushed step over two servers: 3)."""
     from swarm.client.model import DistributedDiffusionLM
     from swarm.eval.tasks import evaluate_task
     from swarm.frontend.local import DiffusionLM
@@ -431,32 +444,53 @@ def hiding(model: str, modes: str, latency_ms: float, gen_length: int, block_len
             accuracy[spec] = by_settings[key]
     delays = [0.0, latency_ms]
     times: dict[tuple[str, float], float] = {}
+    trips: dict[str, float] = {}  # crossings waited for one after the other per step, at latency_ms
     agreement = {}
-    with two_server_swarm(model, threads) as swarm:
-        for delay in delays:
+    links = DelayedLinks(0.0)
+    try:
+        with two_server_swarm(model, threads, links=links) as swarm:
             # Checks off (push needs them off; the figures were measured so): spot checks cost is GOVERNANCE.md's
             with DistributedDiffusionLM.from_pretrained(model, initial_peers=swarm.initial_peers,
-                                                        inject_latency=delay / 1000, spot_check_fraction=0) as lm:
+                                                        spot_check_fraction=0) as lm:
                 lm.generate(prompt, gen_length=block_length, steps=4, block_length=block_length)  # warm-up
                 for spec, (settings, push) in parsed.items():
                     lm.client_config.push = push
-                    result = lm.generate(prompt, **base, **settings)
-                    times[spec, delay] = result.elapsed_s
-                    same = sum(a == b for a, b in zip(result.sequence.tolist(), exact.sequence.tolist()))
-                    agreement[spec] = (same - len(result.prompt_ids)) / gen_length
-                    click.echo(f"  {spec} at {delay:g} ms: {result.elapsed_s:.2f} s", err=True)
+                    for delay in delays:  # side by side: a load that changes meanwhile moves both alike
+                        links.delay = delay / 1000  # the open connections' next bytes take it
+                        result, waited = waited_crossings(lm, links, prompt, **base, **settings)
+                        times[spec, delay] = result.elapsed_s
+                        if delay:
+                            trips[spec] = waited / gen_length
+                        same = sum(a == b for a, b in zip(result.sequence.tolist(), exact.sequence.tolist()))
+                        agreement[spec] = (same - len(result.prompt_ids)) / gen_length
+                        click.echo(f"  {spec} at {delay:g} ms: {result.elapsed_s:.2f} s, {waited} crossings waited for",
+                                   err=True)
+    finally:
+        links.close()
     sync = next(iter(parsed))
     added_sync = times[sync, latency_ms] - times[sync, 0.0]
-    click.echo(f"model {model}, gen_length {gen_length}, block_length {block_length}, steps {gen_length}, two servers; "
-               f"'{sync}' is the reference; {latency_ms:g} ms per one-way crossing")
-    click.echo(f"{'mode':<26}{'tok/s 0ms':>10}{'tok/s ' + format(latency_ms, 'g') + 'ms':>11}{'vs ' + sync:>9}"
-               f"{'hidden':>8}{'agree':>7}{'task':>7}")
+    click.echo(f"model {model}, gen_length {gen_length}, block_length {block_length}, steps {gen_length}, two servers "
+               f"and the bootstrap peer each behind a TCP proxy delaying every crossing by {latency_ms:g} ms; "
+               f"'{sync}' is the reference")
+    click.echo(f"{'mode':<26}{'tok/s 0ms':>10}{'tok/s ' + format(latency_ms, 'g') + 'ms':>13}{'vs ' + sync:>9}"
+               f"{'added s/step':>13}{'crossings':>10}{'hidden':>8}{'agree':>7}{'task':>7}")
     for spec in parsed:
         slow, fast = times[spec, latency_ms], times[spec, 0.0]
         hidden = 1 - (slow - fast) / added_sync if added_sync > 0 else float("nan")
         task = f"{accuracy[spec]:.3f}" if spec in accuracy else "-"
-        click.echo(f"{spec:<26}{gen_length / fast:>10.1f}{gen_length / slow:>11.1f}"
-                   f"{times[sync, latency_ms] / slow:>8.2f}x{hidden:>8.0%}{agreement[spec]:>7.2f}{task:>7}")
+        click.echo(f"{spec:<26}{gen_length / fast:>10.1f}{gen_length / slow:>13.1f}"
+                   f"{times[sync, latency_ms] / slow:>8.2f}x{(slow - fast) / gen_length:>13.3f}{trips[spec]:>10.2f}"
+                   f"{hidden:>8.0%}{agreement[spec]:>7.2f}{task:>7}")
+
+
+def waited_crossings(lm, links: DelayedLinks, prompt: str, **settings):
+    """A generation through ``links``, and the crossings it waited for one after the other, from the client and
+    back (:meth:`~swarm.testing.delay_proxy.CrossingLog.chain`): what the delay multiplies, whatever overlapped."""
+    start = time.monotonic()
+    result = lm.generate(prompt, **settings)
+    end = time.monotonic()
+    clients = links.log.outsiders(start, end)
+    return result, links.log.chain(start, end, next(iter(clients)) if len(clients) == 1 else None)
 
 
 @main.command("cache-refresh")

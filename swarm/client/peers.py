@@ -12,11 +12,12 @@ that answered its compute challenge in 20 ms is not given the full request timeo
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable, Optional
+from typing import TYPE_CHECKING, Iterable, Iterator, Optional
 
 if TYPE_CHECKING:
     from swarm.client.config import ClientConfig
@@ -47,6 +48,7 @@ class PeerHealth:
         self._disputes: dict[str, int] = {}  # unresolved spot checks against each peer
         self._audit_failed: dict[str, str] = {}  # peer -> why its latest check by a trusted auditor failed
         self.allowed: Optional[frozenset[str]] = None  # when set, only these peers may serve (restricted tier)
+        self._queued: dict[str, int] = {}  # work this client has sent each peer and not had answered yet
         self._lock = threading.Lock()
 
     # ----- what happened -----------------------------------------------------------------------------
@@ -121,6 +123,20 @@ class PeerHealth:
         self.allowed = peers
         return changed
 
+    @contextlib.contextmanager
+    def calling(self, peer: str, work: int) -> Iterator[None]:
+        """A call of ``work`` units to ``peer`` is on its way: calls sent to it meanwhile wait behind it there (the
+        passes of a pipelined generation, a pushed pass's later hops), and :meth:`timeout` gives them its time."""
+        with self._lock:
+            self._queued[peer] = self._queued.get(peer, 0) + work
+        try:
+            yield
+        finally:
+            with self._lock:
+                left = self._queued.pop(peer, 0) - work
+                if left > 0:
+                    self._queued[peer] = left
+
     # ----- questions -------------------------------------------------------------------------------
     def usable(self, peer: str) -> bool:
         return peer not in self.excluded((peer,))
@@ -145,14 +161,21 @@ class PeerHealth:
             return dict(self._rtt)
 
     def timeout(self, peer: str, work: int, kind: str = "span") -> float:
-        """How long to wait for a call of ``work`` units: ``timeout_floor`` plus ``timeout_factor`` times what
-        the peer's speed predicts, at most ``request_timeout``. A peer not measured for this kind of call yet
-        gets the full request timeout (span servers are measured by the challenge before their first call)."""
-        speed = self._speed.get((peer, kind))
+        """How long to wait for a call of ``work`` units (rows x blocks, every state's rows counted): the link's
+        round trip and the peer's measured speed over this work and the work this client's own calls still have
+        queued there (they are answered first), times ``timeout_factor``, plus ``timeout_floor``. Capped by
+        ``request_timeout`` unless this client's own queue there is what makes it longer: a live server that is
+        busy with this client's earlier calls is not timed out for them. A peer not measured for this kind of
+        call yet gets the full request timeout (span servers are measured by the challenge before their first
+        call)."""
+        with self._lock:
+            speed, ahead = self._speed.get((peer, kind)), self._queued.get(peer, 0)
+            rtt = self._rtt.get(peer, 0.0)
         if speed is None:
             return self.config.request_timeout
-        expected = self._rtt.get(peer, 0.0) + speed * work
-        return min(self.config.request_timeout, self.config.timeout_floor + self.config.timeout_factor * expected)
+        own = self.config.timeout_floor + self.config.timeout_factor * (rtt + speed * work)
+        queued = self.config.timeout_factor * speed * ahead
+        return min(self.config.request_timeout, own) + queued
 
     def wait_for_busy(self) -> Optional[float]:
         """Seconds until the first busy peer may be tried again (0 when its short ban has just run out), or

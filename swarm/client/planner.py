@@ -19,7 +19,7 @@ import random
 import threading
 import time
 import uuid
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 from hivemind.dht import DHT
@@ -167,7 +167,11 @@ class RoutePlanner:
         first call gets the full request timeout), and a halt then ends the generation as usual.
         """
         record = self.servers[peer_id]
-        timeout = self.config.connect_timeout
+        # A first contact sets up a connection, a handful of round trips: what it took tells this link's round trip,
+        # which every crossing after it is given on top of the fixed allowance (a live server on a slow link is not
+        # timed out and avoided for the link).
+        setup = await self._dial(peer_id, record.addresses)
+        timeout = self.config.connect_timeout + self.config.timeout_factor * setup
         info, rtt = await self.caller.dialing(peer_id, record.addresses, timeout,
                                               lambda: self.caller.info(peer_id, timeout))
         if info.get("prefix") != self.prefix:
@@ -176,7 +180,8 @@ class RoutePlanner:
         work = request.rows * (record.end - record.start)
         started = time.perf_counter()
         try:
-            output = await self.caller.forward(peer_id, request, self.challenge_timeout(record, request.rows))
+            output = await self.caller.forward(peer_id, request, self.challenge_timeout(record, request.rows)
+                                               + self.config.timeout_factor * rtt)
         except RemoteError as error:
             if error.code in (ErrorCode.BUSY, ErrorCode.HALTED):
                 self.health.record_ping(peer_id, rtt)
@@ -188,6 +193,20 @@ class RoutePlanner:
                               "values (or non-finite ones)", peer_id)
         self.health.record_ping(peer_id, rtt)
         self.health.record_success(peer_id, time.perf_counter() - started, work)
+
+    async def _dial(self, peer_id: str, addresses: Sequence[str]) -> float:
+        """Connect to ``peer_id`` at its record's addresses (nothing crosses when a connection is open), within
+        ``connect_timeout``; the seconds it took, or 0 when it failed (the daemon may know another way to the peer:
+        the info call after it tells)."""
+        if not addresses:
+            return 0.0
+        started = time.perf_counter()
+        try:
+            await self.caller.connect(peer_id, list(addresses), self.config.connect_timeout)
+        except RemoteError as error:
+            logger.debug("could not connect to %s at its announced addresses: %s", peer_id, error.message)
+            return 0.0
+        return time.perf_counter() - started
 
     def challenge_request(self, start: int, end: int) -> ForwardRequest:
         """A forward call through blocks ``start:end`` that a server cannot tell from a real uncached pass: a length

@@ -23,6 +23,7 @@ more often), with one log line per sequence.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
@@ -180,7 +181,9 @@ class RemoteSequence:
         request = run.request(hop, hidden, head)
         work = request.rows * (hop.end - hop.start)
         started = time.perf_counter()
-        output = self.loop.run(self.caller.forward(hop.peer_id, request, self.health.timeout(hop.peer_id, work)))
+        timeout = self.health.timeout(hop.peer_id, work)  # before this call joins the peer's queue
+        with self.health.calling(hop.peer_id, work):
+            output = self.loop.run(self.caller.forward(hop.peer_id, request, timeout))
         output = self._as_output(output, head, hop.peer_id)  # before the success is recorded
         self.health.record_success(hop.peer_id, time.perf_counter() - started, work)
         # A server announcing other numerics (allow_approximate) is not checked: exact answers always differ from its
@@ -257,9 +260,13 @@ class RemoteSequence:
             spec = PushSpec(tuple((hop.peer_id, hop.start, hop.end) for hop in route[1:]), self.receiver.peer_id,
                             self.receiver.namespace, push_id, (self.caller.latency, self.caller.jitter))
             request = dataclasses.replace(run.request(route[0], hidden, head), push=spec)
-            timeouts = [self.health.timeout(hop.peer_id, run.tokens * (hop.end - hop.start)) for hop in route]
-            await self.caller.push(route[0].peer_id, request, timeouts[0])
-            return await asyncio.wait_for(delivery, min(sum(timeouts), self.config.request_timeout))
+            works = [run.tokens * (hop.end - hop.start) for hop in route]
+            timeouts = [self.health.timeout(hop.peer_id, work) for hop, work in zip(route, works)]
+            with contextlib.ExitStack() as queued:
+                for hop, work in zip(route, works):
+                    queued.enter_context(self.health.calling(hop.peer_id, work))
+                await self.caller.push(route[0].peer_id, request, timeouts[0])
+                return await asyncio.wait_for(delivery, sum(timeouts))
         finally:
             self.receiver.forget(push_id)
 

@@ -47,6 +47,7 @@ class Job:
     key: Optional[Hashable] = None
     dropped: Callable[[], bool] = lambda: False  # its caller stopped waiting: skipped, never run
     size: int = 0  # positions (batch x length), for the bound on a merged pass
+    resumed: bool = False  # a pass already under way (charged in full when it started): its next piece costs nothing
 
 
 @dataclass
@@ -132,15 +133,23 @@ class FairScheduler:
     def push(self, job: Job) -> None:
         self._enqueue(self.flow_key(job.peer), job)
 
-    def _enqueue(self, key: Hashable, job: Job) -> None:
+    def resume(self, job: Job) -> None:
+        """A pass that ran one piece and has more (a long pass runs in pieces between blocks, so a small one need not
+        wait for all of it): back at the head of its caller's queue. It was charged in full when it started, so its
+        flow's tag already stands behind the passes of callers that have had less; they go first."""
+        job.resumed = True
+        self._enqueue(self.flow_key(job.peer), job, first=True)
+
+    def _enqueue(self, key: Hashable, job: Job, first: bool = False) -> None:
         flow = self.flows.get(key)
         if flow is None:  # (re)activated: no credit for the time it was idle, no discount on what it just had
             flow = self.flows[key] = Flow(tag=max(self.vtime, self.finished.pop(key, self.vtime)))
             self.arrival[key] = next(self.order)
-        if key == NEWCOMERS:
-            flow.members.setdefault(job.peer, deque()).append(job)
+        queue = flow.members.setdefault(job.peer, deque()) if key == NEWCOMERS else flow.jobs
+        if first:
+            queue.appendleft(job)
         else:
-            flow.jobs.append(job)
+            queue.append(job)
 
     def pop(self, match: Optional[Callable[[Job], bool]] = None) -> Optional[Job]:
         """The next pass to run (None when nothing waits, or nothing that ``match`` accepts), its flow charged."""
@@ -153,7 +162,7 @@ class FairScheduler:
                                                       self.arrival[item[0]]))
         job = self._take(flow, match)
         self.vtime = max(self.vtime, flow.tag)
-        flow.tag += job.cost  # every flow weighs 1; the newcomers' flow is one flow whatever its members
+        flow.tag += 0.0 if job.resumed else job.cost  # each flow weighs 1; the newcomers' flow one, whatever its size
         if not len(flow):
             self._drop_flow(key)
         return job

@@ -153,7 +153,8 @@ class Server:
         return SpanBackend(self.span, self.config.max_concurrent_requests, self.config.device,
                            max_queued_tokens=self.config.max_queued_tokens, peer_share=self.config.peer_share,
                            head=head, streams=StreamLimits.of(self.config), scheduler=self._scheduler(),
-                           batching=batching, max_batch_tokens=self.config.max_batch_tokens)
+                           batching=batching, max_batch_tokens=self.config.max_batch_tokens,
+                           max_piece_tokens=self.config.max_piece_tokens)
 
     def _scheduler(self) -> FairScheduler:
         """Fair by identity: an id is established after --share-window seconds of use; over its share, served last."""

@@ -38,9 +38,11 @@ def head_query(length: int, seed: int) -> HeadQuery:
                      cfg_scale=0.0, mask_token_id=CONFIG.mask_token_id, scored=(length - 8, length))
 
 
-def run_while_held(server: SpanBackend, calls: list[tuple[str, SpanCall]], finished: Optional[list] = None) -> list:
+def run_while_held(server: SpanBackend, calls: list[tuple[str, SpanCall]], finished: Optional[list] = None,
+                   proved: bool = False) -> list:
     """Every call queued behind a pass that holds the compute thread, then the thread let go: answers in order
-    (and the callers in the order they were answered, into ``finished``)."""
+    (and the callers in the order they were answered, into ``finished``). With ``proved`` each call proves its cost
+    (as a work stamp would): each caller is a flow of its own."""
     async def main():
         release, holding = threading.Event(), threading.Event()
 
@@ -50,7 +52,8 @@ def run_while_held(server: SpanBackend, calls: list[tuple[str, SpanCall]], finis
 
         blocker = asyncio.ensure_future(server.queue.run(1, hold, peer="blocker"))
         await asyncio.get_running_loop().run_in_executor(None, holding.wait, 60)
-        tasks = [asyncio.ensure_future(server.forward(call, peer=peer)) for peer, call in calls]
+        tasks = [asyncio.ensure_future(server.forward(call, peer=peer, proved=proved * server.cost(
+            *call.hidden.shape[:2]))) for peer, call in calls]
         for (peer, _), task in zip(calls, tasks):
             task.add_done_callback(lambda _, peer=peer: finished.append(peer) if finished is not None else None)
         await asyncio.sleep(0)  # every forward has queued its pass (each queues before its first await)
@@ -152,28 +155,19 @@ def test_servers_batch_by_default_where_the_passes_are_batch_invariant():
     assert backend(batching=False).queue.merge is None and backend().queue.merge is not None
 
 
-def established(server: SpanBackend, *peers: str) -> None:
-    """Long-standing callers of ``server``: flows of their own, ordered by what they have had."""
-    scheduler = server.queue.scheduler
-    for peer in peers:
-        for index in range(scheduler.establish_requests):
-            scheduler.served(peer, now=index * scheduler.establish_age)
-
-
 def test_a_long_pass_runs_in_pieces_between_blocks_and_small_calls_go_between_them():
     """Issue 55 class 6: three callers' 64-position passes held a small caller's call for their whole length (the
     queue never preempted). Now a pass of more than --max-piece-tokens positions x blocks runs piece by piece, back
     to the fair order after each: the small calls, waiting behind it, are answered after one piece, not after the
     three long passes, and every answer is its one-pass answer to the bit."""
     server = backend(batching=False, max_piece_tokens=64)
-    established(server, "big-1", "big-2", "big-3", "small")
     generator = torch.Generator().manual_seed(2)
     big = [(f"big-{index}", SpanCall(torch.randn(4, 16, CONFIG.hidden_size, generator=generator), 0,
                                      CONFIG.num_layers)) for index in (1, 2, 3)]
     small = [("small", SpanCall(torch.randn(1, 16, CONFIG.hidden_size, generator=generator), 0, CONFIG.num_layers))]
     assert server.pieces_of(big[0][1]) == CONFIG.num_layers and server.pieces_of(small[0][1]) == 1
     finished: list[str] = []
-    answers = run_while_held(server, big + small, finished)
+    answers = run_while_held(server, big + small, finished, proved=True)  # each caller a flow of its own
     assert finished[0] == "small"  # after big-1's first piece: before any long pass ends
     assert server.queue.info()["scheduler"]["pieces"] == 3 * (CONFIG.num_layers - 1)
     for (_, call), answer in zip(big + small, answers):

@@ -200,6 +200,7 @@ class Grant:
         self.admission, self.peer, self.amount = admission, peer, amount
         self.released = self.handed_on = False
         self.seconds = 0.0  # how long its work held the compute thread (set when the work leaves it)
+        self.proved = 0.0  # units of cost the request's work stamp proved (swarm.wire.work): its place in the order
 
     def release(self) -> None:
         if not self.released:
@@ -273,11 +274,11 @@ class ComputeQueue:
     streams in front of it (:class:`StreamLimits`).
 
     Whole requests wait in a :class:`~swarm.server.scheduler.FairScheduler`, which picks the next one whenever the
-    thread is free: never idle while one waits, fair by identity when several do (torch uses its own threads inside
-    each pass). Requests run with a ``key`` may be computed together: when the thread frees, the next request is
-    joined by the others already waiting with the same key (in fair order, up to ``batch_size`` positions), and
-    ``merge`` computes them as one pass. Nothing waits for a batch to fill: a request is batched only with those
-    that queued while the thread was busy anyway.
+    thread is free: never idle while one waits, fair by caller (where callers prove work) when several do (torch uses
+    its own threads inside each pass). Requests run with a ``key`` may be computed together: when the thread frees,
+    the next request is joined by the others already waiting with the same key (in fair order, up to ``batch_size``
+    positions), and ``merge`` computes them as one pass. Nothing waits for a batch to fill: a request is batched only
+    with those that queued while the thread was busy anyway.
 
     A request keeps its place until its work has left the thread, even when its caller stopped waiting (a timeout):
     the thread's backlog is what the bounds are about. A request whose caller stopped waiting before it started is
@@ -323,9 +324,12 @@ class ComputeQueue:
     def queued_tokens(self) -> int:
         return self.admission.amount
 
-    def admit(self, peer: str, tokens: int) -> Grant:
-        """Take a place in the compute queue (see :class:`Admission`); known peers may take the reserved ones."""
-        return self.admission.acquire(peer, tokens, self.records.known(peer))
+    def admit(self, peer: str, tokens: int, proved: float = 0.0) -> Grant:
+        """Take a place in the compute queue (see :class:`Admission`); known peers may take the reserved ones.
+        ``proved``: units of cost the request's work stamp proved (its place in the fair order, never admission)."""
+        grant = self.admission.acquire(peer, tokens, self.records.known(peer))
+        grant.proved = proved
+        return grant
 
     def check(self, peer: str, tokens: int) -> None:
         """Busy now if :meth:`admit` would refuse: checked on a stream's first part, before the rest comes."""
@@ -346,19 +350,21 @@ class ComputeQueue:
         self.records.stalled(peer)
 
     async def run(self, tokens: int, fn: Callable[..., T], *args, peer: str = "", grant: Optional[Grant] = None,
-                  cancel: Optional[threading.Event] = None, key: Optional[Hashable] = None, size: int = 0) -> T:
-        """Run ``fn(*args)`` on the compute thread under ``grant`` (taken here for ``peer`` when None), when the
-        scheduler says so; ``cancel`` (an event ``fn`` checks as it goes) is set when the caller stops waiting.
+                  cancel: Optional[threading.Event] = None, key: Optional[Hashable] = None, size: int = 0,
+                  proved: float = 0.0) -> T:
+        """Run ``fn(*args)`` on the compute thread under ``grant`` (taken here for ``peer``, with ``proved`` work, when
+        None), when the scheduler says so; ``cancel`` (an event ``fn`` checks as it goes) is set when the caller stops
+        waiting.
         ``key``: requests with equal keys may be computed together by ``merge`` (``size``: their positions)."""
-        with grant if grant is not None else self.admit(peer, tokens) as held:
+        with grant if grant is not None else self.admit(peer, tokens, proved) as held:
             self.loop = asyncio.get_running_loop()
             work: Future = Future()
             job = Job(held.peer, tokens, _Work(held, work, fn, args), key if self.merge else None, work.cancelled,
-                      size)
+                      size, proved=held.proved)
             # Released when the work has left the thread (done, failed, or cancelled before it started).
             work.add_done_callback(lambda done: _call_soon(self.loop, lambda: self._left(done, held)))
             held.hand_on()
-            self.scheduler.push(job)
+            self.scheduler.push(job, time.time())
             self._dispatch()
         try:
             return await asyncio.wrap_future(work)
@@ -379,11 +385,7 @@ class ComputeQueue:
             if first.resumed:
                 jobs = first.payload.group
             else:
-                jobs = [first] + self._mates(first)
-                now = time.time()
-                jobs = [job for job in jobs if job.payload.work.set_running_or_notify_cancel()]
-                for job in jobs:
-                    self.scheduler.served(job.peer, now)
+                jobs = [job for job in [first] + self._mates(first) if job.payload.work.set_running_or_notify_cancel()]
             if not jobs:
                 continue
             self.running = True
@@ -651,13 +653,16 @@ class SpanBackend:
         return len(piece_bounds(call.start, call.end, call.hidden.shape[0] * call.hidden.shape[1],
                                 self.max_piece_tokens))
 
-    async def forward(self, call: SpanCall, *, peer: str = "", grant: Optional[Grant] = None) -> torch.Tensor:
+    async def forward(self, call: SpanCall, *, peer: str = "", grant: Optional[Grant] = None,
+                      proved: float = 0.0) -> torch.Tensor:
         """The span's output; ``grant`` is the place :meth:`ComputeQueue.admit` gave the request (taken here
-        for ``peer`` when None). A pass of one piece runs :meth:`forward_sync`, a longer one :meth:`forward_pieces`."""
+        for ``peer``, with ``proved`` work, when None). A pass of one piece runs :meth:`forward_sync`, a longer one
+        :meth:`forward_pieces`."""
         cost, cancel = self.cost(*call.hidden.shape[:2]), threading.Event()
         fn = self.forward_sync if self.pieces_of(call) == 1 else self.forward_pieces
         return await self.queue.run(cost, fn, call, cancel, peer=peer, grant=grant, cancel=cancel,
-                                    key=batch_key(call), size=call.hidden.shape[0] * call.hidden.shape[1])
+                                    key=batch_key(call), size=call.hidden.shape[0] * call.hidden.shape[1],
+                                    proved=proved)
 
     def backward_sync(self, call: SpanCall, grad_outputs: torch.Tensor, cancel: Optional[threading.Event] = None
                       ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:

@@ -157,9 +157,10 @@ class Server:
                            max_piece_tokens=self.config.max_piece_tokens)
 
     def _scheduler(self) -> FairScheduler:
-        """Fair by identity: an id is established after --share-window seconds of use; over its share, served last."""
+        """Fair by caller where callers prove work (their standing halves every --share-window seconds); over its
+        share, served last."""
         usage = self.usage
-        return FairScheduler(establish_age=self.config.share_window,
+        return FairScheduler(half_life=self.config.share_window,
                              over_share=lambda peer: usage.over_share(peer, time.time()))
 
     def _load_head(self, dtype: torch.dtype) -> Optional[OutputHead]:
@@ -257,7 +258,7 @@ class Server:
                 "admission": {name: backend.queue.info() for name, backend in
                               (("span", self.backend), ("experts", self.expert_backend)) if backend is not None},
                 "push": self.handler.pusher.info(), "adapter_tensors": self.handler.adapter_tensors.info(),
-                "usage": self.handler.usage.info(time.time())}
+                "usage": self.handler.usage.info(time.time()), "work_stamps": self.handler.stamps.info()}
 
     def announce(self, timeout: float = 30.0) -> bool:
         """Store the current records (blocks, experts); False if the DHT did not confirm within ``timeout``."""

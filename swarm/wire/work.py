@@ -1,0 +1,127 @@
+"""Proof of work a caller attaches to a request, so that a busy server's order can weigh what identities cost.
+
+Peer ids are free, so a server that gives each id a share gives an attacker as many shares as it makes ids. A *work
+stamp* is a hashcash-style proof: a counter such that ``sha256(domain | server | caller | epoch | salt | counter)``
+starts with ``bits`` zero bits, which took about ``2**bits`` hashes to find and takes one hash to check (a few
+microseconds). It names the server and the caller, so it is worth nothing anywhere else or to anyone else, and a
+minute-long ``epoch`` (the server accepts the one before and after its own, for clock skew), so work cannot be
+banked for long; the server remembers the stamps it credited until their epochs pass, so none is spent twice.
+
+A client mints, per call, a stamp worth the call's cost (:func:`swarm.server.backend.request_cost`) at
+``price`` hashes per unit of cost; the server credits ``2**bits / price`` units to the caller
+(:mod:`swarm.server.scheduler`). What a stamp buys is a place in the fair order, never admission: a request without
+one is served as it was, in the newcomers' shared turn.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import math
+import secrets
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from swarm.wire.messages import ErrorCode, ForwardRequest, RemoteError
+
+DOMAIN = b"swarm-work-v1"
+EPOCH_S = 60.0
+WORK_PRICE = 16.0  # hashes per unit of cost (one position through a pass): see docs/GOVERNANCE.md for what it buys
+MIN_BITS = 10  # the least a stamp must prove to be credited (and remembered): about 1,000 hashes
+MAX_BITS = 40  # more than any caller finds in an epoch; a client never mints more
+INLINE_BITS = 12  # a stamp this small is minted on the event loop (about a millisecond); larger ones on a thread
+SALT_HEX = 16  # hex digits of a stamp's salt
+
+
+@dataclass(frozen=True)
+class WorkStamp:
+    """One proof: ``counter`` under ``salt`` in ``epoch``; worth ``2**bits`` hashes once checked (:meth:`bits`)."""
+
+    epoch: int
+    salt: str
+    counter: int
+
+    def digest(self, server: str, caller: str) -> bytes:
+        """What the work is over: the domain, both peer ids, the epoch, the salt and the counter."""
+        return _with_counter(_prefix(server, caller, self.epoch, self.salt), self.counter)
+
+    def bits(self, server: str, caller: str) -> int:
+        """Leading zero bits of :meth:`digest`: the work this stamp proves for ``caller`` at ``server``."""
+        return leading_zero_bits(self.digest(server, caller))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "salt": self.salt, "counter": self.counter}
+
+
+def _prefix(server: str, caller: str, epoch: int, salt: str) -> "hashlib._Hash":
+    """The hash of everything but the counter (each field length-prefixed, so no two tuples hash alike)."""
+    fields = (server.encode(), caller.encode(), str(epoch).encode(), salt.encode())
+    return hashlib.sha256(DOMAIN + b"".join(len(field).to_bytes(2, "big") + field for field in fields))
+
+
+def _with_counter(prefix: "hashlib._Hash", counter: int) -> bytes:
+    hashed = prefix.copy()
+    hashed.update(counter.to_bytes(8, "big"))
+    return hashed.digest()
+
+
+def leading_zero_bits(digest: bytes) -> int:
+    value = int.from_bytes(digest, "big")
+    return len(digest) * 8 - value.bit_length()
+
+
+def epoch_of(now: float) -> int:
+    return int(now // EPOCH_S)
+
+
+def bits_for(cost: float, price: float) -> int:
+    """Zero bits a stamp needs to be worth ``cost`` at ``price`` hashes per unit (at least :data:`MIN_BITS`)."""
+    return min(MAX_BITS, max(MIN_BITS, math.ceil(math.log2(max(1.0, cost * price)))))
+
+
+def mint(server: str, caller: str, bits: int, now: float | None = None, salt: str | None = None) -> WorkStamp:
+    """A stamp of at least ``bits`` zero bits for ``caller`` at ``server``: about ``2**bits`` hashes of CPU (``salt``:
+    a fresh random one unless given)."""
+    if not 0 <= bits <= MAX_BITS:
+        raise ValueError(f"bits must be in 0..{MAX_BITS}, got {bits}")
+    epoch = epoch_of(time.time() if now is None else now)
+    salt = secrets.token_hex(SALT_HEX // 2) if salt is None else salt
+    prefix = _prefix(server, caller, epoch, salt)
+    threshold = 1 << (256 - bits)
+    counter = 0
+    while int.from_bytes(_with_counter(prefix, counter), "big") >= threshold:
+        counter += 1
+    return WorkStamp(epoch, salt, counter)
+
+
+def parse_work(value: Any) -> WorkStamp:
+    """A stamp from a request's ``extra["work"]``; :class:`RemoteError` (bad request) for anything malformed."""
+    if not isinstance(value, dict) or set(value) != {"epoch", "salt", "counter"}:
+        raise RemoteError(ErrorCode.BAD_REQUEST, "'work' must be a map of exactly epoch, salt and counter")
+    epoch, salt, counter = value["epoch"], value["salt"], value["counter"]
+    if not (_is_int(epoch) and 0 <= epoch < 2**40 and _is_int(counter) and 0 <= counter < 2**63):
+        raise RemoteError(ErrorCode.BAD_REQUEST, "'work' epoch and counter must be non-negative integers in range")
+    if not (isinstance(salt, str) and len(salt) == SALT_HEX and all(c in "0123456789abcdef" for c in salt)):
+        raise RemoteError(ErrorCode.BAD_REQUEST, f"'work' salt must be {SALT_HEX} lowercase hex digits")
+    return WorkStamp(epoch, salt, counter)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class Stamper:
+    """A client's side: every forward request it sends stamped for its server, worth the request's ``cost`` (batch,
+    length -> units, the servers' :func:`swarm.server.backend.request_cost`) at ``price`` hashes per unit."""
+
+    caller: str
+    price: float
+    cost: Callable[[int, int], float]
+
+    async def stamp(self, server: str, request: ForwardRequest) -> ForwardRequest:
+        bits = bits_for(self.cost(*request.hidden.shape[:2]), self.price)
+        work = mint(server, self.caller, bits) if bits <= INLINE_BITS else \
+            await asyncio.to_thread(mint, server, self.caller, bits)
+        return dataclasses.replace(request, work=work)

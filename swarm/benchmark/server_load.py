@@ -322,8 +322,14 @@ async def contend(backend, call: Callable, sybils: int, passes: int, contest: Co
               help="Fresh ids the attacker keeps queued in (b).")
 @click.option("--small-calls", type=click.IntRange(1), default=20, show_default=True,
               help="The small caller's calls (1 x 36 positions) per case in (c).")
+@click.option("--big-rows", type=click.IntRange(1), default=200, show_default=True,
+              help="Rows of each big caller's 64-position calls in (c) (fewer on a slow machine).")
+@click.option("--max-piece-tokens", type=click.IntRange(1), default=16384, show_default=True,
+              help="The servers' --max-piece-tokens in (c)'s after case (smaller with smaller --big-rows).")
+@click.option("--cases", default="abc", show_default=True, help="Which of (a), (b), (c) to run.")
 @click.option("--threads", type=int, default=1, show_default=True, help="torch threads of the server.")
-def fairness(model: str, passes: int, flood: int, small_calls: int, threads: int) -> None:
+def fairness(model: str, passes: int, flood: int, small_calls: int, big_rows: int, max_piece_tokens: int, cases: str,
+             threads: int) -> None:
     """Issue 55 class 6 before and after: ids made in advance, a flood of fresh ids against a new client, a small
     caller behind three callers of 200 x 64-position calls; on the real compute queue of the model, in process."""
     import torch
@@ -356,6 +362,22 @@ def fairness(model: str, passes: int, flood: int, small_calls: int, threads: int
     mint_s = (time.perf_counter() - started) / 20
     click.echo(f"model {model}; every pass 1 x 36 positions through every block (cost {cost}); a work stamp for it: "
                f"{bits} bits at {WORK_PRICE:g} hashes per unit of cost, {1000 * mint_s:.2f} ms of one core to mint")
+    if "a" in cases:
+        made_in_advance(shares, kinds, mint_s, passes)
+    if "b" in cases:
+        click.echo(f"\n(b) a new client keeping one pass waiting while an attacker keeps {flood} fresh ids queued; "
+                   f"{passes} passes")
+        click.echo(f"{'new client':<44}{'its passes':>11}")
+        for name, contest in (("without stamps (as before)", Contest()), ("stamping its calls", Contest(True))):
+            _, served = shares(kinds["proved work"], flood, contest)
+            click.echo(f"{name:<44}{served['user']:>7} of {sum(served.values())}")
+        click.echo("the red team measured 6 of 1,200")
+    if "c" in cases:
+        small_waits(span, config.num_layers, small_calls, big_rows, max_piece_tokens)
+
+
+def made_in_advance(shares: Callable, kinds: dict[str, type], mint_s: float, passes: int) -> None:
+    """(a): a user against k ids made in advance, fair by id (before) and by proved work (after)."""
     click.echo(f"\n(a) a user keeping one pass waiting against k ids made in advance, each keeping one waiting; "
                f"{passes} passes")
     click.echo(f"{'k':>3}  {'order':<44}{'user share':>11}{'sybils share':>13}{'attacker cores':>16}")
@@ -371,14 +393,6 @@ def fairness(model: str, passes: int, flood: int, small_calls: int, threads: int
             click.echo(f"{sybils:>3}  {name:<44}{served['user'] / total:>11.0%}{served['sybils'] / total:>13.0%}"
                        f"{cores:>16.2f}")
     click.echo("the red team measured 80% (k = 4) and 94% (k = 16) for the sybils")
-    click.echo(f"\n(b) a new client keeping one pass waiting while an attacker keeps {flood} fresh ids queued; "
-               f"{passes} passes")
-    click.echo(f"{'new client':<44}{'its passes':>11}")
-    for name, contest in (("without stamps (as before)", Contest()), ("stamping its calls", Contest(True))):
-        _, served = shares(kinds["proved work"], flood, contest)
-        click.echo(f"{name:<44}{served['user']:>7} of {sum(served.values())}")
-    click.echo("the red team measured 6 of 1,200")
-    small_waits(span, config.num_layers, small_calls)
 
 
 def request_cost_of(span, batch: int, length: int) -> int:
@@ -387,18 +401,18 @@ def request_cost_of(span, batch: int, length: int) -> int:
     return request_cost(batch, length, attention_length_scale(span.config))
 
 
-def small_waits(span, blocks: int, calls: int) -> None:
+def small_waits(span, blocks: int, calls: int, big_rows: int = 200, max_piece_tokens: int = 16384) -> None:
     """(c): a small caller's time per call (1 x 36 positions, a pause between calls) alone, and beside three callers
-    each keeping a 200 x 64-position pass waiting, long passes whole (before) and in pieces (after); every caller
-    proves work, so the order is by cost alone."""
+    each keeping a ``big_rows`` x 64-position pass waiting, long passes whole (before) and in pieces (after); every
+    caller proves work, so the order is by cost alone."""
     import statistics
 
     import torch
 
-    from swarm.server.backend import MAX_PIECE_TOKENS, SpanBackend, SpanCall
+    from swarm.server.backend import SpanBackend, SpanCall
 
     small = torch.randn(1, 36, span.config.hidden_size)
-    big = torch.randn(200, 64, span.config.hidden_size)
+    big = torch.randn(big_rows, 64, span.config.hidden_size)
 
     async def run(backend, bigs: int) -> list[float]:
         done, waits = asyncio.Event(), []
@@ -420,12 +434,12 @@ def small_waits(span, blocks: int, calls: int) -> None:
         await asyncio.gather(small_loop(), *(big_loop(index) for index in range(bigs)))
         return waits
 
-    click.echo(f"\n(c) a small caller's time per call (1 x 36 positions, {calls} calls) beside 3 callers of 200 x 64 "
-               f"positions; median and worst, ms")
+    click.echo(f"\n(c) a small caller's time per call (1 x 36 positions, {calls} calls) beside 3 callers of "
+               f"{big_rows} x 64 positions; median and worst, ms")
     click.echo(f"{'batching':<10}{'case':<40}{'median':>9}{'worst':>9}{'pieces':>9}")
     for batching in (False, True):
-        for name, bigs, piece in (("alone", 0, MAX_PIECE_TOKENS), ("before: long passes whole", 3, 10**12),
-                                  (f"after: pieces of {MAX_PIECE_TOKENS} positions x blocks", 3, MAX_PIECE_TOKENS)):
+        for name, bigs, piece in (("alone", 0, max_piece_tokens), ("before: long passes whole", 3, 10**12),
+                                  (f"after: pieces of {max_piece_tokens} positions x blocks", 3, max_piece_tokens)):
             backend = SpanBackend(span, max_concurrent=8, max_queued_tokens=10**9, batching=batching,
                                   max_piece_tokens=piece)
             waits = asyncio.run(run(backend, bigs))

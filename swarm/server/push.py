@@ -17,7 +17,7 @@ import dataclasses
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils.asyncio import iter_as_aiter
@@ -28,6 +28,7 @@ from swarm.wire.encoding import error_response, response_parts, tensor_wire_byte
 from swarm.wire.messages import ErrorCode, ForwardRequest, PushSpec, RemoteError
 from swarm.wire.remote import RemoteCaller, as_remote_error
 from swarm.wire.services import DeliveryService
+from swarm.wire.work import WORK_PRICE, Stamper
 
 logger = logging.getLogger(__name__)
 
@@ -90,11 +91,16 @@ class Pusher:
         self.admission = Admission("pushes", limits.max_pending, limits.max_bytes, "bytes", limits.peer_share,
                                    computes=False)
         self.p2p: Optional[P2P] = None
+        self.stamper: Optional[Stamper] = None  # proof of work on each push, for the next hop's fair order
         self.tasks: set[asyncio.Task] = set()
         self.pushed = self.delivered = self.failed = self.dropped = 0
 
-    def attach(self, p2p: P2P) -> None:
+    def attach(self, p2p: P2P, pass_cost: Optional[Callable[[int, int], float]] = None) -> None:
+        """Send from ``p2p``; with ``pass_cost`` (batch, length -> the servers' cost of a pass) each push carries a
+        work stamp of this server's for the next hop, as a client's call does (the client's stamp named this one)."""
         self.p2p = p2p
+        if pass_cost is not None:
+            self.stamper = Stamper(str(p2p.peer_id), WORK_PRICE, pass_cost)
 
     def cost(self, shape: tuple[int, ...]) -> int:
         """Bytes a pushed output of ``shape`` holds at its peak: the tensor and its wire copies."""
@@ -116,7 +122,7 @@ class Pusher:
 
     async def _onward(self, computed: ForwardRequest) -> None:
         spec = computed.push
-        caller = RemoteCaller(self.p2p, self.wire_dtype, *spec.hop_delay)
+        caller = RemoteCaller(self.p2p, self.wire_dtype, *spec.hop_delay, stamper=self.stamper)
         if not spec.route:
             parts = response_parts(computed.hidden, self.wire_dtype, {"push_id": spec.push_id})
             del computed  # the wire parts are all that is sent
@@ -124,7 +130,7 @@ class Pusher:
             await self._deliver(spec, parts)
             return
         peer, start, end = spec.route[0]
-        request = dataclasses.replace(computed, start=start, end=end, push=spec.onward())
+        request = dataclasses.replace(computed, start=start, end=end, push=spec.onward(), work=None)
         del computed
         try:  # the next hop computes before it acknowledges, so it has the request timeout
             await caller.push(peer, request, self.request_timeout)  # delays this crossing and the ack's

@@ -1,7 +1,8 @@
 """Work stamps (issue 55 class 6; swarm/wire/work.py, swarm/server/work_check.py): what a caller proves for a busy
 server's fair order. Minted for one server and one caller, checked in one hash, credited once, never banked past its
-epoch, the check's memory bounded; the request directive fuzzed. Unit tests: no socket, no process; the live path
-(a client's stamps credited by a real server) is in tests/test_usage_swarm.py."""
+epoch, the check's memory bounded; the request directive fuzzed; a client stamps where the server is contended.
+Unit tests: no socket, no process; the live path (a client's stamps credited by a real server) is in
+tests/test_usage_swarm.py."""
 from __future__ import annotations
 
 import pytest
@@ -10,7 +11,7 @@ from hypothesis import strategies as st
 
 from swarm.server.work_check import StampCheck
 from swarm.wire.messages import RemoteError
-from swarm.wire.work import EPOCH_S, MIN_BITS, WORK_PRICE, WorkStamp, bits_for, mint, parse_work
+from swarm.wire.work import EPOCH_S, MIN_BITS, WORK_PRICE, Stamper, WorkStamp, bits_for, mint, parse_work
 
 SERVER, CALLER, NOW = "server-id", "caller-id", 1_000_000 * EPOCH_S
 SALT = "0123456789abcdef"
@@ -76,6 +77,32 @@ def test_the_work_directive_parser_takes_anything_and_answers_a_stamp_or_a_clear
     except RemoteError:
         return
     assert StampCheck().credit(stamp, SERVER, CALLER, NOW) >= 0.0
+
+
+def test_a_client_stamps_its_first_call_and_then_only_while_the_server_says_it_is_contended():
+    """Stamps matter only under contention: a client mints nothing for a server it has to itself after its first
+    call, and stamps every call for ``busy_s`` after an answer that said its request had waited for another's."""
+    import asyncio
+
+    import torch
+
+    from swarm.wire.messages import ForwardRequest
+
+    stamper = Stamper(CALLER, WORK_PRICE, lambda batch, length: batch * length, busy_s=60.0)
+    request = ForwardRequest(0, 1, torch.zeros(1, 4, 8))
+
+    def stamped() -> bool:
+        return asyncio.run(stamper.stamp(SERVER, request)).work is not None
+
+    assert stamped()  # the first call: a turn of its own even during a flood
+    stamper.note(SERVER, contended=False, now=NOW)
+    assert not stamper.wanted(SERVER, NOW + 1) and not stamped()
+    stamper.note(SERVER, contended=True, now=NOW)
+    assert stamper.wanted(SERVER, NOW + 59) and not stamper.wanted(SERVER, NOW + 61)
+    stamper.note(SERVER, contended=False, now=NOW + 30)  # an uncontended answer does not cut the busy time short
+    assert stamper.wanted(SERVER, NOW + 59)
+    work = asyncio.run(stamper.stamp("fresh-server", request)).work
+    assert work.bits("fresh-server", CALLER) >= bits_for(4, WORK_PRICE) and stamper.minted == 2
 
 
 def test_bad_settings_are_refused():

@@ -201,6 +201,7 @@ class Grant:
         self.released = self.handed_on = False
         self.seconds = 0.0  # how long its work held the compute thread (set when the work leaves it)
         self.proved = 0.0  # units of cost the request's work stamp proved (swarm.wire.work): its place in the order
+        self.contended = False  # its work waited for another's: the thread was busy or others queued when it came
 
     def release(self) -> None:
         if not self.released:
@@ -364,6 +365,7 @@ class ComputeQueue:
             # Released when the work has left the thread (done, failed, or cancelled before it started).
             work.add_done_callback(lambda done: _call_soon(self.loop, lambda: self._left(done, held)))
             held.hand_on()
+            held.contended = self.running or len(self.scheduler) > 0
             self.scheduler.push(job, time.time())
             self._dispatch()
         try:

@@ -218,15 +218,21 @@ class RemoteCaller:
     async def _stamped(self, peer_id: str, request: ForwardRequest) -> ForwardRequest:
         return await self.stamper.stamp(peer_id, request) if self.stamper is not None else request
 
+    def _note_contention(self, peer_id: str, metadata: dict) -> None:
+        if self.stamper is not None:
+            self.stamper.note(peer_id, metadata.get("contended") is True)
+
     async def push(self, peer_id: str, request: ForwardRequest, timeout: float) -> None:
         """Send a request whose ``push`` names the next hops; the server only acknowledges it."""
         request = await self._stamped(peer_id, request)
-        await self._call(peer_id, self._forward_rpc(peer_id, request), timeout, collect_ack)
+        _, metadata = await self._call(peer_id, self._forward_rpc(peer_id, request), timeout, collect_ack)
+        self._note_contention(peer_id, metadata)
 
     async def forward(self, peer_id: str, request: ForwardRequest, timeout: float) -> torch.Tensor:
         """Hidden states after the server's blocks ``request.start:request.end`` (with a head query in
         ``request.head``, the head server's predictions: :mod:`swarm.diffusion.prediction`)."""
-        output, _ = await self._adapted_call(peer_id, await self._stamped(peer_id, request), timeout)
+        output, metadata = await self._adapted_call(peer_id, await self._stamped(peer_id, request), timeout)
+        self._note_contention(peer_id, metadata)
         expected = request.head.output_shape if request.head is not None else tuple(request.hidden.shape)
         if tuple(output.shape) != expected:
             raise RemoteError(ErrorCode.INTERNAL, f"server returned shape {tuple(output.shape)}, "

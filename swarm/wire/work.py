@@ -20,6 +20,7 @@ import hashlib
 import math
 import secrets
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -30,7 +31,8 @@ EPOCH_S = 60.0
 WORK_PRICE = 16.0  # hashes per unit of cost (one position through a pass): see docs/GOVERNANCE.md for what it buys
 MIN_BITS = 10  # the least a stamp must prove to be credited (and remembered): about 1,000 hashes
 MAX_BITS = 40  # more than any caller finds in an epoch; a client never mints more
-INLINE_BITS = 12  # a stamp this small is minted on the event loop (about a millisecond); larger ones on a thread
+INLINE_BITS = 10  # a stamp this small is minted on the event loop (about a millisecond); larger ones on a thread
+BUSY_S = 60.0  # a client stamps its calls to a server until this long after it last answered "contended"
 SALT_HEX = 16  # hex digits of a stamp's salt
 
 
@@ -111,16 +113,38 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-@dataclass(frozen=True)
 class Stamper:
-    """A client's side: every forward request it sends stamped for its server, worth the request's ``cost`` (batch,
-    length -> units, the servers' :func:`swarm.server.backend.request_cost`) at ``price`` hashes per unit."""
+    """A client's side: forward requests stamped for their server, worth the request's ``cost`` (batch, length ->
+    units, the servers' :func:`swarm.server.backend.request_cost`) at ``price`` hashes per unit.
 
-    caller: str
-    price: float
-    cost: Callable[[int, int], float]
+    A stamp only matters while a server is contended, so a client stamps its first call to each server (a new
+    client's first call is served in a turn of its own even during a flood), and then only until ``busy_s`` after
+    the server last answered that a request of its had waited for another caller's (``contended``): on a server it
+    has to itself a client mints nothing. A server that says "contended" when it is not costs the client stamps, at
+    most one per call; one that never says so forgoes nothing it could not take anyway (it orders its own queue)."""
+
+    def __init__(self, caller: str, price: float, cost: Callable[[int, int], float], busy_s: float = BUSY_S,
+                 max_servers: int = 1024):
+        self.caller, self.price, self.cost, self.busy_s, self.max_servers = caller, price, cost, busy_s, max_servers
+        self.until: OrderedDict[str, float] = OrderedDict()  # server -> stamp its calls until then
+        self.minted = 0
+
+    def wanted(self, server: str, now: float) -> bool:
+        return server not in self.until or now < self.until[server]
+
+    def note(self, server: str, contended: bool, now: float | None = None) -> None:
+        """An answer from ``server``: ``contended`` keeps this client stamping there for ``busy_s`` more."""
+        now = time.time() if now is None else now
+        previous = self.until.pop(server, now)
+        self.until[server] = now + self.busy_s if contended else min(previous, now + self.busy_s)
+        while len(self.until) > self.max_servers:
+            self.until.popitem(last=False)
 
     async def stamp(self, server: str, request: ForwardRequest) -> ForwardRequest:
+        """``request`` with a stamp worth its cost when one is wanted at ``server`` now, else as it is."""
+        if not self.wanted(server, time.time()):
+            return request
+        self.minted += 1
         bits = bits_for(self.cost(*request.hidden.shape[:2]), self.price)
         work = mint(server, self.caller, bits) if bits <= INLINE_BITS else \
             await asyncio.to_thread(mint, server, self.caller, bits)

@@ -78,6 +78,7 @@ from swarm.utils.errors import SwarmError
 from swarm.utils.event_loop import BackgroundLoop
 from swarm.wire.messages import ErrorCode, ForwardRequest, RemoteError
 from swarm.wire.remote import RemoteCaller
+from swarm.wire.work import stamper_for
 
 logger = logging.getLogger(__name__)
 
@@ -141,7 +142,7 @@ class Auditor:
         self.dht = dht if dht is not None else start_dht(config.network, protect=protected_keys(
             self.prefix, self.model.num_layers, auditors=[self.public_key]))
         self.loop = BackgroundLoop.shared()
-        self.caller = RemoteCaller(self.loop.run(self.dht.replicate_p2p()))
+        self.caller = self._caller(self.loop.run(self.dht.replicate_p2p()))
         self.embedding = files.embedding()  # the checkpoint's dtype, as a client's and the servers'
         self.dtype = next(self.embedding.parameters()).dtype
         self._blocks = None  # every block, loaded at the first check
@@ -158,6 +159,11 @@ class Auditor:
         self._head = None
         self.sequence = 0
         self.rounds = 0
+
+    def _caller(self, p2p) -> RemoteCaller:
+        """A caller that stamps its calls as a default client does (swarm.wire.work), so its stamps do not tell it
+        apart."""
+        return RemoteCaller(p2p, stamper=stamper_for(str(p2p.peer_id), self.model))
 
     @property
     def blocks(self):
@@ -368,7 +374,7 @@ class Auditor:
             return
         network = dataclasses.replace(self.config.network, identity_path=None, client_mode=True)
         dht = start_dht(network)
-        own, self.caller = self.caller, RemoteCaller(self.loop.run(dht.replicate_p2p()))
+        own, self.caller = self.caller, self._caller(self.loop.run(dht.replicate_p2p()))
         self._round_dht = dht
         try:
             yield str(dht.peer_id)

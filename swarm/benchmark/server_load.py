@@ -247,11 +247,11 @@ def schedulers() -> dict[str, type]:
     from swarm.server.scheduler import FairScheduler
 
     class ArrivalOrder(FairScheduler):
-        def _charge(self, job, now: float):
+        def flow_for(self, job, now: float):
             return "everyone"
 
     class PerIdentity(FairScheduler):
-        def _charge(self, job, now: float):
+        def flow_for(self, job, now: float):
             return job.peer
 
     return {"arrival": ArrivalOrder, "by id": PerIdentity, "proved work": FairScheduler}

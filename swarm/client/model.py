@@ -52,7 +52,7 @@ from swarm.weights.source import SwarmWeights
 from swarm.weights.trust import PublisherTrust
 from swarm.wire.messages import RemoteError
 from swarm.wire.remote import RemoteCaller
-from swarm.wire.work import Stamper
+from swarm.wire.work import stamper_for
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +111,8 @@ class DistributedDiffusionLM(BaseDiffusionLM):
         self.loop = BackgroundLoop.shared()
         self.p2p = self.loop.run(self.dht.replicate_p2p())
         self.caller = RemoteCaller(self.p2p, config.wire_dtype, config.inject_latency, config.inject_jitter,
-                                   adapter_by_digest=config.adapter_by_digest, stamper=self._stamper(config))
+                                   adapter_by_digest=config.adapter_by_digest,
+                                   stamper=stamper_for(str(self.p2p.peer_id), self.config, config.work_price))
         self.planner = RoutePlanner(self.dht, self.caller, self.loop, self.prefix, self.config.num_layers,
                                     self.config.hidden_size, config, self.config.vocab_size)
         self.planner.audits = AuditBook(self.prefix, frozenset(auditors))
@@ -275,16 +276,6 @@ class DistributedDiffusionLM(BaseDiffusionLM):
         """One thread per call in flight: ``staleness + 1`` round trips overlap, and up to ``staleness`` calls of
         overturned guesses may still be running (they cannot be recalled) without delaying the new ones."""
         return 2 * generation.staleness + 1
-
-    def _stamper(self, config: ClientConfig) -> Optional[Stamper]:
-        """Proof of work on every forward call, priced at the servers' cost of the call (None: ``work_price`` 0)."""
-        from swarm.server.backend import attention_length_scale, request_cost  # the servers' own count of a call
-
-        if not config.work_price:
-            return None
-        scale = attention_length_scale(self.config)
-        return Stamper(str(self.p2p.peer_id), config.work_price, lambda batch, length: request_cost(batch, length,
-                                                                                                    scale))
 
     def _use_push(self, enabled: bool) -> None:
         """Register this client's delivery handler the first time push is used."""

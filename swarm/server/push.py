@@ -17,18 +17,19 @@ import dataclasses
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils.asyncio import iter_as_aiter
 
+from swarm.models.config import ModelConfig
 from swarm.server.backend import Admission, Grant
 from swarm.server.validation import require
 from swarm.wire.encoding import error_response, response_parts, tensor_wire_bytes
 from swarm.wire.messages import ErrorCode, ForwardRequest, PushSpec, RemoteError
 from swarm.wire.remote import RemoteCaller, as_remote_error
 from swarm.wire.services import DeliveryService
-from swarm.wire.work import WORK_PRICE, Stamper
+from swarm.wire.work import Stamper, stamper_for
 
 logger = logging.getLogger(__name__)
 
@@ -95,12 +96,12 @@ class Pusher:
         self.tasks: set[asyncio.Task] = set()
         self.pushed = self.delivered = self.failed = self.dropped = 0
 
-    def attach(self, p2p: P2P, pass_cost: Optional[Callable[[int, int], float]] = None) -> None:
-        """Send from ``p2p``; with ``pass_cost`` (batch, length -> the servers' cost of a pass) each push carries a
-        work stamp of this server's for the next hop, as a client's call does (the client's stamp named this one)."""
+    def attach(self, p2p: P2P, model: Optional[ModelConfig] = None) -> None:
+        """Send from ``p2p``; with the ``model``'s config, pushes carry work stamps of this server's for the next hop
+        as a client's calls do (the client's stamp named this server, not the next)."""
         self.p2p = p2p
-        if pass_cost is not None:
-            self.stamper = Stamper(str(p2p.peer_id), WORK_PRICE, pass_cost)
+        if model is not None:
+            self.stamper = stamper_for(str(p2p.peer_id), model)
 
     def cost(self, shape: tuple[int, ...]) -> int:
         """Bytes a pushed output of ``shape`` holds at its peak: the tensor and its wire copies."""

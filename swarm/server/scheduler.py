@@ -53,7 +53,7 @@ class Job:
     size: int = 0  # positions (batch x length), for the bound on a merged pass
     proved: float = 0.0  # units of cost the request's work stamp proved (checked by the server), credited at push
     resumed: bool = False  # a pass already under way (charged in full when it started): its next piece costs nothing
-    flow: Hashable = None  # the flow it joined (its caller's own, or the newcomers'), set at push
+    flow: Optional[Hashable] = None  # the flow it joined (its caller's own, or the newcomers'), set at push
 
 
 @dataclass
@@ -105,7 +105,7 @@ class FairScheduler:
         record = self.standing.get(peer)
         return record.at(now, self.half_life) if record is not None else 0.0
 
-    def _charge(self, job: Job, now: float) -> Hashable:
+    def flow_for(self, job: Job, now: float) -> Hashable:
         """Credit ``job``'s proved work to its caller; the flow it joins: its caller's own when the standing covers its
         cost (then spent), else the newcomers'."""
         balance = self.standing_of(job.peer, now) + max(0.0, job.proved)
@@ -122,7 +122,7 @@ class FairScheduler:
     # ----- queue -----------------------------------------------------------------------------------
     def push(self, job: Job, now: float = 0.0) -> None:
         """Queue ``job`` (``now``: the clock, in seconds, for the standing's decay)."""
-        job.flow = self._charge(job, now)
+        job.flow = self.flow_for(job, now)
         self._enqueue(job.flow, job)
 
     def resume(self, job: Job) -> None:

@@ -301,7 +301,7 @@ class Server:
         p2p = await self.dht.replicate_p2p()
         self.addresses = listening_addresses(await p2p.get_visible_maddrs())
         await self.handler.add_p2p_handlers(p2p)
-        self.handler.pusher.attach(p2p, self.backend.cost if self.backend is not None else None)
+        self.handler.pusher.attach(p2p, self.model_config if self.backend is not None else None)
         if self.weights is not None:  # announced as soon as known (a directory's manifest hashes every byte)
             await self.weights.add_p2p_handlers(p2p)
             self.weights.start(self.files.path, on_ready=lambda: loop.run_in_executor(None, self.announce))

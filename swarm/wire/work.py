@@ -7,7 +7,7 @@ microseconds). It names the server and the caller, so it is worth nothing anywhe
 minute-long ``epoch`` (the server accepts the one before and after its own, for clock skew), so work cannot be
 banked for long; the server remembers the stamps it credited until their epochs pass, so none is spent twice.
 
-A client mints, per call, a stamp worth the call's cost (:func:`swarm.server.backend.request_cost`) at
+A client mints, per call, a stamp worth the call's cost (:func:`swarm.models.cost.request_cost`) at
 ``price`` hashes per unit of cost; the server credits ``2**bits / price`` units to the caller
 (:mod:`swarm.server.scheduler`). What a stamp buys is a place in the fair order, never admission: a request without
 one is served as it was, in the newcomers' shared turn.
@@ -24,6 +24,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from swarm.models.config import ModelConfig
+from swarm.models.cost import attention_length_scale, request_cost
 from swarm.wire.messages import ErrorCode, ForwardRequest, RemoteError
 
 DOMAIN = b"swarm-work-v1"
@@ -115,7 +117,7 @@ def _is_int(value: Any) -> bool:
 
 class Stamper:
     """A client's side: forward requests stamped for their server, worth the request's ``cost`` (batch, length ->
-    units, the servers' :func:`swarm.server.backend.request_cost`) at ``price`` hashes per unit.
+    units, the servers' :func:`swarm.models.cost.request_cost`) at ``price`` hashes per unit.
 
     A stamp only matters while a server is contended, so a client stamps its first call to each server (a new
     client's first call is served in a turn of its own even during a flood), and then only until ``busy_s`` after
@@ -149,3 +151,12 @@ class Stamper:
         work = mint(server, self.caller, bits) if bits <= INLINE_BITS else \
             await asyncio.to_thread(mint, server, self.caller, bits)
         return dataclasses.replace(request, work=work)
+
+
+def stamper_for(caller: str, config: ModelConfig, price: float = WORK_PRICE) -> Stamper | None:
+    """The stamper of a peer calling servers of the model of ``config`` as ``caller`` (None when ``price`` is 0): what
+    a client, an auditor and a server handing pushes on all use, so that none is told apart by its stamps."""
+    if not price:
+        return None
+    scale = attention_length_scale(config)
+    return Stamper(caller, price, lambda batch, length: request_cost(batch, length, scale))

@@ -201,6 +201,15 @@ def test_a_long_pass_resumed_after_a_piece_goes_behind_callers_that_had_less():
     first = scheduler.pop()
     scheduler.resume(first)
     assert scheduler.pop() is first  # its own later passes wait for its pass under way
+    others = FairScheduler()  # three long passes under way, pieces taking turns: a small call that comes now
+    for peer in ("a", "b", "c"):  # goes next, not behind what is left of them
+        others.push(paid(peer, 100.0))
+    under_way = [others.pop() for _ in range(3)]
+    for job in under_way:
+        others.resume(job)
+    others.resume(others.pop())  # a's second piece ran
+    others.push(paid("small", 1.0))
+    assert others.pop().peer == "small"
 
 
 def test_only_proved_work_makes_a_record_and_records_stay_bounded():

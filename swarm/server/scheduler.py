@@ -153,8 +153,9 @@ class FairScheduler:
         key, flow = min(candidates, key=lambda item: (contended and self._demoted(item[0]), item[1].tag,
                                                       self.arrival[item[0]]))
         job = self._take(flow, match)
-        self.vtime = max(self.vtime, flow.tag)
-        flow.tag += 0.0 if job.resumed else job.cost  # each flow weighs 1; the newcomers' flow one, whatever its size
+        if not job.resumed:  # a later piece was charged at its pass's start: the virtual time stays, or a caller
+            self.vtime = max(self.vtime, flow.tag)  # coming now would start behind every long pass under way
+            flow.tag += job.cost  # each flow weighs 1; the newcomers' flow one, whatever its size
         if not len(flow):
             self._drop_flow(key)
         return job

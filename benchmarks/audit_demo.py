@@ -119,6 +119,7 @@ def run(examples: int, max_rounds: int, fresh_identity: bool, challenges: int,
     os.environ[ENV_CACHE] = str(work / "auditor-cache")  # the auditor's client fetches the adapters here
     # Every process of the swarm is forked from one that imported torch and hivemind (it imports while the adapters
     # are made here): one import for the five processes instead of five.
+    os.environ.setdefault("SWARM_STAMP_BITS", "16")  # a private local swarm: see swarm/improve/demo.py
     with LocalSwarm(fork_server=True) as swarm:
         local = DiffusionLM.from_pretrained(MODEL)
         adapters = {name: random_soft_prompt(local, work / name, scale, length)

@@ -57,8 +57,9 @@ PLAIN_PROGRESS_EVERY = 16  # off a terminal, one progress line per this many ste
 @click.option("--quiet", "-q", is_flag=True, default=False,
               help="Print only the generated text (or the JSON): no progress and no summary line.")
 @click.option("--json", "as_json", is_flag=True, default=False,
-              help="Print the result as one JSON object (text, token ids, finish reason, where it ran, and the "
-                   "result's info with the settings used) instead of the text, for scripts.")
+              help="Print the result as one JSON object instead of the text, for scripts: prompt, text (the "
+                   "continuation alone: the plain output prints prompt + text), token ids, finish reason, where it "
+                   "ran, and the result's info with the settings used.")
 @threads_option()
 @generation_options  # every sampler setting and request option (swarm.diffusion.config, swarm.frontend.request)
 def main(prompt: str, model: str, initial_peers: tuple[str, ...], local: bool, dtype: Optional[str], stream: bool,

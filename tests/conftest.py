@@ -6,6 +6,7 @@ import contextlib
 import os
 import signal
 import socket
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable, Optional
@@ -15,6 +16,7 @@ import torch
 
 # The tiny checkpoint builder is defined once in the package (benchmarks use it too); tests import it from here.
 from swarm.testing.checkpoints import make_checkpoint, tiny_config
+from tests.tier_costs import TierCosts
 
 # Tests run beside servers on small machines: one torch thread avoids oversubscribed, spinning thread pools. The
 # environment pins it for the front ends' default (half the CPUs) and for every process a test starts too: float
@@ -40,12 +42,20 @@ def scrub_caller_environment(environ: dict) -> list[str]:
 
 scrub_caller_environment(os.environ)
 
+# Work stamps (swarm.dht.stamp) at the default difficulty cost minutes of CPU per shared list: tests and the processes
+# they start price them at 8 bits (the admission logic is the same at any difficulty; tests/test_dht_keys.py checks a
+# list refusing stamps below its bits), kept in a stamp cache of their own.
+os.environ["SWARM_STAMP_BITS"] = "8"
+os.environ["SWARM_STAMP_CACHE"] = tempfile.mkdtemp(prefix="swarm-stamps-")
+
 
 # ----- tiers (docs/TESTING.md) --------------------------------------------------------------------------------
 # A test's tier: its own marker if it has one; else the tier of a fixture it uses (directly or not) from
-# TIER_FIXTURES; else its file's tier. "unit" is checked: a unit test that starts a process or opens a network
-# socket, in its fixtures or its body, fails and says to mark it.
-TIERS = ("unit", "swarm", "lab", "browser")
+# TIER_FIXTURES; else its file's tier. "unit" and "wide" are checked: such a test that starts a process or opens a
+# network socket, in its fixtures or its body, fails and says to mark it. "wide" is in process like "unit", at
+# LLaDA-8B's widths (gigabytes of weights, minutes of CPU), so that `-m unit` stays a quick check (docs/TESTING.md).
+TIERS = ("unit", "wide", "swarm", "lab", "browser")
+IN_PROCESS_TIERS = ("unit", "wide")
 TIER_FIXTURES = {"browser": "browser", "lab": "lab", "local_swarm": "swarm"}  # the first one used decides
 FILE_TIERS = {  # a "unit" file may hold tests of other tiers: found by their fixtures, or marked
     **dict.fromkeys(["test_adapter_digest", "test_adapter_sharing", "test_api", "test_cli", "test_config_settings",
@@ -64,8 +74,11 @@ FILE_TIERS = {  # a "unit" file may hold tests of other tiers: found by their fi
     "test_audit": "unit",  # the records, in process; the auditor against a live swarm is test_audit_swarm
     "test_audit_swarm": "swarm",
     "test_audit_traffic": "swarm",
+    "test_receipts": "unit",  # receipts, evidence and proofs in process; against live liars: test_audit_traffic
     "test_adapter_versions": "unit",  # the parsers in process; versions and adoption on the live swarm (fixtures)
     "test_improve": "swarm",
+    "test_self_prompt": "unit",
+    "test_streams": "unit",
     "test_usage": "unit",  # the ledger, the cap and the retry hint, in process; a live server in test_usage_swarm
     "test_usage_swarm": "swarm",
     "test_dht_pipe": "unit",  # the DHT process's command pipe, in process; one real DHT process (marked swarm)
@@ -73,9 +86,13 @@ FILE_TIERS = {  # a "unit" file may hold tests of other tiers: found by their fi
     "test_security_keys": "swarm",  # keys flooded before they are written, on live DHT peers
     "test_scheduler": "unit",  # the fair scheduler, pure
     "test_work_stamps": "unit",  # proof of work for the fair order: minted, checked, credited once; parser fuzzed
+    "test_tiers": "unit",  # TESTING.md's tiers and budget against this file's and tests/tier_costs.py's
     "test_invariance_check": "unit",  # check_module on this CPU, and the scale's use of its answer
     "test_batching_queue": "unit",  # merging waiting passes on the compute thread, in process
     "test_batching": "swarm",  # concurrent clients on a live server, batched: each gets its solo run's tokens
+    "test_liveness": "swarm",  # issue 56 item 4: the map and the client after a server dies
+    "test_readme": "unit",  # the markers in process; the snippets (processes, a swarm) are marked swarm
+    "test_newcomer": "unit",  # issue 56: install lines, errors that name the fix, the tokenizer, in process
 }
 
 
@@ -90,6 +107,10 @@ def tier_of(item: pytest.Item) -> str:
     if module not in FILE_TIERS:
         raise pytest.UsageError(f"tests/{module}.py has no tier: add it to FILE_TIERS in tests/conftest.py")
     return FILE_TIERS[module]
+
+
+def pytest_configure(config):
+    config.pluginmanager.register(TierCosts(TIERS, worker=hasattr(config, "workerinput")), "tier_costs")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -138,8 +159,8 @@ HARMLESS_PROGRAMS = {"uname"}  # platform.processor() asks it (gensim does, once
 
 
 def _refuse(what: str):
-    raise RuntimeError(f"a unit test {what}: mark it swarm or lab (or use a fixture of TIER_FIXTURES, or change "
-                       "its file's tier in tests/conftest.py)")
+    raise RuntimeError(f"a unit (or wide) test {what}: mark it swarm or lab (or use a fixture of TIER_FIXTURES, or "
+                       "change its file's tier in tests/conftest.py)")
 
 
 @contextlib.contextmanager
@@ -179,7 +200,8 @@ def in_process_only():
 
 
 def _guarded(item: pytest.Item):
-    return in_process_only() if item.get_closest_marker("unit") else contextlib.nullcontext()
+    in_process = any(item.get_closest_marker(tier) for tier in IN_PROCESS_TIERS)
+    return in_process_only() if in_process else contextlib.nullcontext()
 
 
 @pytest.hookimpl(wrapper=True)

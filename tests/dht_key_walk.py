@@ -55,13 +55,25 @@ class Walk:
         if isinstance(expr, ast.Call):
             if self._is_key_call(expr):
                 return {"ok"}
-            if _last_name(expr.func) in ("list", "tuple", "sorted", "set") and expr.args:
+            if _last_name(expr.func) in ("list", "tuple", "sorted", "set", "dict") and expr.args:
                 return self.resolve(expr.args[0], function, seen)
             return {"bad"}
         if isinstance(expr, (ast.List, ast.Tuple, ast.Set)):
             return set().union(*(self.resolve(e, function, seen) for e in expr.elts)) or {"ok"}
+        if isinstance(expr, ast.Constant) and expr.value is None:  # no key at all (signed_entries(dht, None, own))
+            return {"ok"}
+        if isinstance(expr, ast.Dict):  # {key: value}: its keys
+            return set().union(*(self.resolve(e, function, seen) for e in expr.keys if e is not None)) or {"ok"}
+        if isinstance(expr, (ast.Starred, ast.Subscript)):  # *keys, keys[0]: what the list holds
+            return self.resolve(expr.value, function, seen)
+        if isinstance(expr, ast.BoolOp):  # own or {}: either
+            return set().union(*(self.resolve(e, function, seen) for e in expr.values))
+        if isinstance(expr, ast.IfExp):
+            return self.resolve(expr.body, function, seen) | self.resolve(expr.orelse, function, seen)
         if isinstance(expr, (ast.ListComp, ast.GeneratorExp, ast.SetComp)):
             return self.resolve(expr.elt, function, seen)
+        if isinstance(expr, ast.DictComp):
+            return self.resolve(expr.key, function, seen)
         if isinstance(expr, ast.Name):
             if expr.id in seen:
                 return {"bad"}

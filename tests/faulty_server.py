@@ -18,6 +18,10 @@ chosen by ``--public-name``:
 * ``faulty-stall`` answers its first call (the client's compute challenge) honestly and holds every later one.
 * ``faulty-spare-PEERID`` lies on every answer except to the peer PEERID (an auditor's known identity: the attack
   that an auditor's fresh identity per round defeats, tests/test_audit_swarm.py).
+* ``faulty-seenS`` (any S) lies only to callers whose peer id it first served S seconds ago or more: a
+  long-lived client gets lies, an audit round's fresh identity never does (issue 55).
+* ``faulty-merged`` lies only on the rows of passes it merged across clients (``--batching``); each pass holds the
+  compute thread 50 ms longer, so concurrent clients' calls queue and merge (issue 55).
 * ``faulty-rateR`` (any R) answers honestly but never faster than R positions per second through its span (it holds
   the compute thread for the rest): started with ``--throughput`` 10 R it announces 10 times what it delivers
   (benchmarks/audit_demo.py).
@@ -37,15 +41,24 @@ NAME = next((arg for arg in sys.argv if arg.startswith("faulty")), "faulty")
 ONE_IN = re.fullmatch(r"faulty-1in(\d+)", NAME)
 SPARED = NAME[len("faulty-spare-"):] if NAME.startswith("faulty-spare-") else None
 RATE = re.fullmatch(r"faulty-rate(\d+)", NAME)
+SEEN = re.fullmatch(r"faulty-seen(\d+)", NAME)
+_honest_batch = backend.SpanBackend.forward_batch_sync
 _calls = [0]
 _shapes_seen: set[tuple[int, ...]] = set()  # the shapes of calls answered so far (faulty-later)
 _spared_calls: set[int] = set()  # ids of calls from the spared peer (the compute thread reads it)
+_first_seen: dict[str, float] = {}  # caller -> when first served (faulty-seenS)
+_callers: dict[int, str] = {}  # id(call) -> its caller, while it runs
 
 
 def _lies_now(rows, head, call=None) -> bool:
     """Whether this answer is a lie, in the mode ``NAME`` chooses."""
     if SPARED is not None:
         return id(call) not in _spared_calls
+    if SEEN:
+        caller = _callers.get(id(call), "")
+        return time.monotonic() - _first_seen.get(caller, time.monotonic()) >= int(SEEN.group(1))
+    if NAME == "faulty-merged":
+        return False  # alone: honest; merged rows lie in _perturbed_batch
     if NAME == "faulty-reuse":
         return rows is not None
     if NAME == "faulty-head":
@@ -78,6 +91,8 @@ def _perturbed_forward(self, call, *rest, **options):
     if NAME == "faulty-stall" and _calls[0] > 1:
         time.sleep(3600)
     started = time.perf_counter()
+    if NAME == "faulty-merged":  # as slow alone as merged: concurrent calls queue behind it
+        time.sleep(0.05)
     output = _honest_forward(self, call, *rest, **options)
     if RATE:  # honest, at R positions per second at most
         positions = call.hidden.shape[0] * call.hidden.shape[1]
@@ -90,18 +105,34 @@ def _perturbed_forward(self, call, *rest, **options):
     return output + 0.05 * output.std() * torch.randn_like(output)
 
 
+def _perturbed_batch(self, items):
+    """Merged passes (faulty-merged): every row of a pass that merged several clients' calls is a lie."""
+    if NAME == "faulty-merged":
+        time.sleep(0.05)
+    answers = _honest_batch(self, items)
+    if NAME != "faulty-merged" or len(items) < 2:
+        return answers
+    return [answer + 0.05 * answer.std() * torch.randn_like(answer) if answer.dtype != torch.float64
+            else _wrong_predictions(self, answer, call.head) for answer, (call, _) in zip(answers, items)]
+
+
 async def _forward_noting_the_caller(self, call, *, peer="", grant=None):
-    """The honest entry point, noting whether the call comes from the spared peer (the grant names the caller)."""
+    """The honest entry point, noting the caller (the grant names it): whether it is the spared peer, and since
+    when it is served."""
     caller = grant.peer if grant is not None else peer
     if caller == SPARED:
         _spared_calls.add(id(call))
+    _first_seen.setdefault(caller, time.monotonic())
+    _callers[id(call)] = caller
     try:
         return await _honest_async_forward(self, call, peer=peer, grant=grant)
     finally:
         _spared_calls.discard(id(call))
+        _callers.pop(id(call), None)
 
 
 backend.SpanBackend.forward_sync = _perturbed_forward
+backend.SpanBackend.forward_batch_sync = _perturbed_batch
 backend.SpanBackend.forward = _forward_noting_the_caller
 
 if __name__ == "__main__":

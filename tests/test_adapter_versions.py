@@ -6,18 +6,20 @@ version by a publisher the client does not trust.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import time
 
 import pytest
 from click.testing import CliRunner
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hivemind.utils import MSGPackSerializer
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from swarm.adapters.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, AdapterError
-from swarm.adapters.sharing import content_hash, read_adapter_files, store_slot
+from swarm.adapters.sharing import content_hash, read_adapter_files, signed_value, store_slot
 from swarm.adapters.versions import (
     MAX_VERSIONS,
     AdapterVersion,
@@ -237,3 +239,140 @@ def test_references_parse_or_fail_cleanly(text):
     except AdapterError:
         return
     assert str(parsed) == text
+
+
+# ----- issue 55: shared lists read fairly, own keys nobody else fills, withdrawals that follow the content --------
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(st.text(min_size=1, max_size=3), st.lists(st.text(max_size=4), max_size=70, unique=True),
+                       max_size=40),
+       st.integers(0, 80), st.lists(st.text(min_size=1, max_size=3), max_size=4), st.randoms(use_true_random=False))
+def test_a_fair_sample_reads_trusted_writers_first_and_no_writer_ahead_of_another(groups, limit, trusted, rng):
+    """Whatever the writers list (any count, any order, items shared between writers): at most ``limit`` items, each
+    once; every item of the trusted writers first; then round robin: a writer with items left out is never more than
+    one item behind another, counting the items of its own that others took (one writer listing many names that sort
+    first cannot crowd the others out, issue 55, 3)."""
+    from swarm.dht.sample import fair_sample
+
+    chosen = fair_sample(groups, limit, trusted, rng)
+    items = [item for _, item in chosen]
+    assert len(chosen) <= limit and len(items) == len(set(items))
+    assert all(item in groups[writer] for writer, item in chosen)
+    trusted_items = list(dict.fromkeys(i for w in dict.fromkeys(trusted) if w in groups for i in groups[w]))
+    assert items[:len(trusted_items)] == trusted_items[:limit]
+    if len(chosen) < limit:
+        assert set(items) == {i for listed in groups.values() for i in listed}, "an item was left out below the limit"
+    taken = {writer: [i for w, i in chosen if w == writer] for writer in groups}
+    for behind in (w for w in groups if w not in trusted and set(groups[w]) - set(items)):
+        by_others = len([i for i in groups[behind] if i in items and i not in taken[behind]])
+        for ahead in (w for w in groups if w not in trusted):
+            assert len(taken[behind]) + by_others >= len(taken[ahead]) - 1, (behind, ahead, chosen)
+
+
+def test_a_withdrawal_counts_for_every_publisher_of_the_content_by_the_readers_trust():
+    """Whose withdrawal counts: the record's own publisher's and trusted publishers' for a reader that trusts some;
+    anybody's for one that trusts none (issue 55, 4)."""
+    from swarm.adapters.sharing import PublishedAdapter, author_id
+    from swarm.adapters.versions import is_withdrawn, withdrawals
+
+    keys = [ed25519_text(Ed25519PrivateKey.generate()) for _ in range(3)]
+    honest, stranger, other = keys
+    sha = "c" * 64
+    withdrawn_by_honest = withdrawals([VersionList("n", (AdapterVersion(1, sha, 10, None, DATA, withdrawn=True),),
+                                                   honest)])
+    republished = PublishedAdapter("n", sha, 10, {}, author=stranger)
+    assert is_withdrawn(republished, withdrawn_by_honest), "a stranger's republication brought it back"
+    assert is_withdrawn(republished, withdrawn_by_honest, frozenset({author_id(honest)}))
+    assert not is_withdrawn(republished, withdrawn_by_honest, frozenset({author_id(stranger)}))
+    withdrawn_by_stranger = withdrawals([VersionList("m", (AdapterVersion(3, sha, 10, None, DATA, withdrawn=True),),
+                                                     stranger)])
+    own = PublishedAdapter("n", sha, 10, {}, author=honest)
+    assert not is_withdrawn(own, withdrawn_by_stranger, frozenset({author_id(other)})), \
+        "a stranger's withdrawal hid content from a reader trusting others"
+    assert is_withdrawn(own, withdrawn_by_stranger)
+
+
+def fresh_prefix(label: str) -> str:
+    """A prefix of its own for a test that floods shared lists (the session's prefix stays readable for the others)."""
+    return f"{label}-{time.monotonic_ns() % 10**9}"
+
+
+def stranger_slots(dht, key: str, payload: bytes, count: int) -> int:
+    """How many slots of ``count`` fresh keys (each value naming ``key``) the swarm took under ``key``."""
+    expiration = now() + 3600
+    taken = 0
+    for _ in range(count):
+        fresh = Ed25519PrivateKey.generate()
+        taken += bool(dht.store(key, signed_value(fresh, key, payload, expiration), expiration_time=expiration,
+                                subkey=slot_subkey(fresh)))  # with the work stamp the shared keys ask
+    return taken
+
+
+def test_fresh_keys_filling_the_shared_index_and_name_keys_do_not_hide_a_version(peer, host, remote_lm,  # noqa: F811
+                                                                                   local_lm, tmp_path):
+    """Issue 55, 2: 32 slots of fresh keys under the served prefix's adapter index (and the name's shared keys) made a
+    trainer's version publish report v1 while its name was in neither the index nor the catalog. Its name record,
+    index entry and versions now live under its own keys: the publish is read back from them, a reader trusting the
+    trainer finds it in the catalog and ``best:``'s candidates, and ``NAME@AUTHOR@1`` resolves."""
+    from swarm.adapters.sharing import author_id, catalog_names, index_key, name_key, read_names
+
+    dht, _ = peer
+    prefix, key, name = fresh_prefix("crowded"), Ed25519PrivateKey.generate(), "crowded"
+    listing = MSGPackSerializer.dumps([f"squat-{i}" for i in range(64)])
+    assert stranger_slots(dht, index_key(prefix), listing, 32) > 0
+    stranger_slots(dht, name_key(prefix, name), b"squat", 24)
+    stranger_slots(dht, versions_key(prefix, name), b"squat", 32)
+    record, version = served_version(dht, key, prefix, host, local_lm, tmp_path / "v1", name, 21)
+    author = author_id(ed25519_text(key))
+    assert ed25519_text(key) not in read_names(dht, prefix), "the shared index was not full: no attack to defend"
+    assert (name, author) in {(n, author_id(a)) for a, n in catalog_names(dht, prefix, 64, [author])}
+    assert version.sha256 in {r.sha256 for r in published_versions(dht, prefix, 64, frozenset({author}))}
+    assert resolve(dht, prefix, f"{name}@{author}@1").sha256 == version.sha256
+
+
+def test_an_index_entry_of_names_that_sort_first_does_not_empty_the_catalog(peer, host, remote_lm, local_lm,  # noqa: F811
+                                                                          tmp_path):
+    """Issue 55, 3: the catalog read ``sorted(names)[:64]``, so one author listing 64 names that sort first emptied it
+    for every reader (the auditor scored nothing, ``best:`` adopted nothing). Readers take a fair sample over authors:
+    a trainer's new version is read even by a reader that trusts nobody."""
+    from swarm.adapters.sharing import index_key
+
+    dht, _ = peer
+    prefix, key = fresh_prefix("sorted"), Ed25519PrivateKey.generate()
+    expiration, squatter = now() + 3600, Ed25519PrivateKey.generate()
+    names = MSGPackSerializer.dumps([f"0000-{i:02d}" for i in range(64)])
+    assert dht.store(index_key(prefix), signed_value(squatter, index_key(prefix), names, expiration),
+                     expiration_time=expiration, subkey=slot_subkey(squatter))
+    _, version = served_version(dht, key, prefix, host, local_lm, tmp_path / "v1", "zz-sorts-last", 22)
+    for _ in range(3):  # the sample is random: every draw holds the trainer's version
+        assert version.sha256 in {r.sha256 for r in published_versions(dht, prefix, 64)}
+
+
+def test_republished_withdrawn_content_stays_withdrawn_under_every_name(peer, host, remote_lm, local_lm,  # noqa: F811
+                                                                        tmp_path):
+    """Issue 55, 4: a withdrawal marked only its publisher's list, so a stranger republishing the withdrawn content
+    under the same name brought it back for every client that trusts no publisher. The content is withdrawn: under the
+    name (resolve, the catalog, the auditor's scoring and ``best:``'s candidates) and under another name read with
+    it."""
+    from swarm.adapters.sharing import author_id
+    from swarm.adapters.versions import withdraw_version
+
+    dht, _ = peer
+    prefix, name = fresh_prefix("recalled"), "recalled"
+    publisher, stranger = Ed25519PrivateKey.generate(), Ed25519PrivateKey.generate()
+    served_version(dht, publisher, prefix, host, local_lm, tmp_path / "v1", name, 31)
+    _, bad = served_version(dht, publisher, prefix, host, local_lm, tmp_path / "v2", name, 32)
+    withdraw_version(dht, publisher, prefix, name, 2)
+    again, copy = served_version(dht, stranger, prefix, host, local_lm, tmp_path / "copy", name, 32)
+    _, elsewhere = served_version(dht, stranger, prefix, host, local_lm, tmp_path / "copy2", f"{name}-b", 32)
+    assert copy.sha256 == bad.sha256 == elsewhere.sha256, "the stranger did not republish the same content"
+    with pytest.raises(AdapterError, match="withdrew"):
+        resolve(dht, prefix, f"{name}@{again.author_id}@1")
+    published = [r for r in published_versions(dht, prefix, 64) if r.name.startswith(name)]
+    assert published and bad.sha256 not in {r.sha256 for r in published}
+    # The list before the withdrawal, stored again under the shared key (a copy an older peer kept): the publisher's
+    # own key, read first, still says withdrawn.
+    (before,) = [listed for listed in read_versions(dht, prefix, name) if listed.author == ed25519_text(publisher)]
+    stale = VersionList(name, tuple(dataclasses.replace(v, withdrawn=False) for v in before.versions))
+    assert store_slot(dht, publisher, versions_key(prefix, name), stale.payload(), now() + 30.5 * 24 * 3600)
+    with pytest.raises(AdapterError, match="withdrawn by its publisher"):
+        resolve(dht, prefix, f"{name}@{author_id(ed25519_text(publisher))}@2")

@@ -15,7 +15,7 @@ from typing import IO, Any, Iterator
 
 import pytest
 
-openai = pytest.importorskip("openai", reason="the API tests need the openai client (pip install openai)")
+openai = pytest.importorskip("openai", reason='the API tests need the openai client (pip install -e ".[test]")')
 uvicorn = pytest.importorskip("uvicorn", reason="the API needs fastapi and uvicorn")
 
 from click.testing import CliRunner  # noqa: E402

@@ -6,7 +6,9 @@ holder's caller catches them by recomputing its drawn hops on its own checkpoint
 its tokens are unchecked instead of returning them as checked."""
 from __future__ import annotations
 
+import dataclasses
 import logging
+import time
 from pathlib import Path
 
 import pytest
@@ -16,10 +18,12 @@ from swarm.adapters.adapter import base_of, new_adapter
 from swarm.audit.auditor import Auditor
 from swarm.audit.config import AuditorConfig
 from swarm.audit.traffic import GEN_LENGTH, generations_to_catch
+from swarm.client.proofs import Verdict
 from swarm.client.spot_check import NO_CHECKER
 from swarm.dht.config import NetworkConfig
 from swarm.models.loading import ModelFiles
 from swarm.reports.records import FAIL, PASS
+from swarm.wire.evidence import CallEvidence
 from tests.conftest import make_checkpoint, stop_all, swarm_client, tiny_config, wait_all
 
 FAULTY = (str(Path(__file__).with_name("faulty_server.py")),)
@@ -93,6 +97,11 @@ def test_a_default_client_alone_with_a_quiet_liar_catches_it_on_its_own_checkpoi
         outcomes = [o for o in lm.sequence.spot_checker.outcomes if o.verdict == "primary_faulty"]
         assert outcomes and outcomes[0].primary == peers[mode] and outcomes[0].checkers == ["local"], mode
         assert peers[mode] in lm.sequence.distrusted
+        # the caught call, signed by the liar, is a proof (issue 55): whatever it carried (a later step, a head
+        # query, a cache reuse with its fill, an adapter), its bytes recomputed elsewhere convict the liar
+        assert lm.proofs and {proof.accused for proof in lm.proofs} == {peers[mode]}, mode
+        finding = lm.accept_proof(CallEvidence.from_bytes(lm.proofs[0].to_bytes()))
+        assert finding.verdict == Verdict.LIE, finding
 
 
 def test_a_client_that_cannot_recompute_says_its_tokens_are_unchecked(local_swarm, liars, caplog):
@@ -169,3 +178,106 @@ def test_the_local_reference_answers_what_a_server_computes(tmp_path):
     for kind, request in asked.items():
         fill = hidden if kind == "reuse+head" else None
         assert torch.equal(reference.answer(request, fill), served[kind]), kind
+
+
+# ----- issue 55, class 5: audits of real traffic ------------------------------------------------------------------
+SEEN_S = 10  # faulty-seen10 lies to callers it first served this long ago or more
+REAL = dict(gen_length=16, steps=16, block_length=8, temperature=0.0, stop_at_eos=False, cache="none")
+
+
+@pytest.fixture(scope="module")
+def quiet_liars(local_swarm, tmp_path_factory):
+    """An honest server, a server lying only to long-seen callers, one lying only on rows it merged across clients."""
+    path = make_checkpoint(tmp_path_factory.mktemp("real") / "audit-real", tiny_config(), seed=22)
+    common = ("--compute-threads", "1")
+    servers = {"honest": local_swarm.start_server(str(path), "0:4", *common, name="honest-real", wait=False),
+               "seen": local_swarm.start_server(str(path), "0:4", *common, "--public-name", f"faulty-seen{SEEN_S}",
+                                                entry=FAULTY, name="seen", wait=False),
+               "merged": local_swarm.start_server(str(path), "0:4", *common, "--batching", "--public-name",
+                                                  "faulty-merged", entry=FAULTY, name="merged", wait=False)}
+    try:
+        wait_all(local_swarm, list(servers.values()))
+        yield path, {name: server.peer_id for name, server in servers.items()}
+    finally:
+        stop_all(local_swarm, list(servers.values()))
+
+
+def recompute(path: Path, sample: list) -> list:
+    """What an auditor holding every block finds in a client's sample (a fresh copy of the checkpoint each time)."""
+    from swarm.client.proofs import verify_evidence
+    from swarm.client.reference import LocalReference
+    from swarm.dht.schema import default_prefix
+
+    files = ModelFiles(path)
+    reference = LocalReference(lambda start, end: files.span(start, end), files.head, files.config.num_layers)
+    return [verify_evidence(evidence, reference, default_prefix(path), files.config) for evidence in sample]
+
+
+def test_a_liar_to_long_seen_callers_is_proven_on_a_long_lived_clients_own_calls(local_swarm, quiet_liars, tmp_path):
+    """The attack: audit rounds from new identities pass it, and a client without the blocks (no spot check possible)
+    gets its lies. The defence: an auditor whose traffic identity lives across rounds (the default) is lied to and
+    fails it; the client's sampled calls, signed by the liar and handed to an auditor (``--evidence-dir``), are
+    proofs: the auditor fails the liar on them and keeps them, and a bystander holding the checkpoint verifies one
+    on its own and routes around the liar. The first generation's calls (honest) accuse nobody."""
+    path, peers = quiet_liars
+    network = NetworkConfig(initial_peers=local_swarm.initial_peers, client_mode=True)
+    config = AuditorConfig(network=network, generations=1)
+    fresh = dataclasses.replace(config, identity_lifetime=0)
+    with Auditor(fresh, Ed25519PrivateKey.generate(), ModelFiles(path)) as auditor:
+        assert auditor.run_round(score=False).checked[peers["seen"]].verdict == PASS  # the attack
+        time.sleep(SEEN_S + 1)
+        assert auditor.run_round(score=False).checked[peers["seen"]].verdict == PASS  # a new identity again
+    with Auditor(config, Ed25519PrivateKey.generate(), ModelFiles(path)) as auditor:
+        first = auditor.run_round(score=False).checked[peers["seen"]]
+        time.sleep(SEEN_S + 1)
+        assert (first.verdict, auditor.run_round(score=False).checked[peers["seen"]].verdict) == (PASS, FAIL)
+    inbox = tmp_path / "inbox"
+    with swarm_client(local_swarm, path, spot_check_fraction=0, spot_check_local=False, audit_share=1.0) as lm:
+        lm.only_peers = frozenset({peers["seen"]})
+        lm.generate("1+2=", **REAL, seed=1)
+        honest_calls = len(lm.save_audit_sample(inbox))
+        time.sleep(SEEN_S + 1)
+        lm.generate("1+2=", **REAL, seed=2)
+        later_calls = len(lm.save_audit_sample(inbox))
+    assert honest_calls and later_calls
+    handed = dataclasses.replace(fresh, generations=0, evidence_dir=str(inbox))
+    with Auditor(handed, Ed25519PrivateKey.generate(), ModelFiles(path)) as auditor:
+        checked = auditor.run_round(score=False).checked
+    assert checked[peers["seen"]].verdict == FAIL and "proven" in checked[peers["seen"]].reason, checked
+    assert checked[peers["honest"]].verdict == PASS
+    proofs = sorted((inbox / "proofs").glob("*.evidence"))
+    assert 0 < len(proofs) <= later_calls and not list(inbox.glob("*.evidence"))  # honest calls were removed
+    with swarm_client(local_swarm, path, spot_check_fraction=0) as bystander:
+        finding = bystander.accept_proof(CallEvidence.from_bytes(proofs[0].read_bytes()))
+        assert (finding.verdict, finding.accused) == (Verdict.LIE, peers["seen"])
+        assert peers["seen"] in bystander.sequence.distrusted
+        bystander.only_peers = frozenset({peers["seen"], peers["honest"]})
+        bystander.generate("1+2=", **REAL, seed=3)
+        assert {hop.peer_id for hop in bystander.planner.route} == {peers["honest"]}
+
+
+def test_a_liar_on_merged_rows_is_proven_on_concurrent_clients_own_calls(local_swarm, quiet_liars):
+    """The attack: an audit round alone on the server passes it (nothing to merge). The defence: concurrent clients'
+    sampled calls, merged on the server, recomputed by an auditor: the merged rows' receipts are proofs; its passes
+    alone verify honest, so nobody is accused for them."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    path, peers = quiet_liars
+    network = NetworkConfig(initial_peers=local_swarm.initial_peers, client_mode=True)
+    config = AuditorConfig(network=network, once=True, generations=1)
+    with Auditor(config, Ed25519PrivateKey.generate(), ModelFiles(path)) as auditor:
+        assert auditor.run_round(score=False).checked[peers["merged"]].verdict == PASS  # the attack
+
+    def client_sample(seed: int) -> list:
+        with swarm_client(local_swarm, path, spot_check_fraction=0, spot_check_local=False, audit_share=1.0) as lm:
+            lm.only_peers = frozenset({peers["merged"]})
+            for generation in range(2):
+                lm.generate("1+2=", **REAL, seed=seed * 10 + generation)
+            return lm.audit_sample()
+
+    with ThreadPoolExecutor(4) as pool:
+        samples = [evidence for sample in pool.map(client_sample, range(4)) for evidence in sample]
+    findings = recompute(path, samples)
+    verdicts = [f.verdict for f in findings]
+    assert Verdict.LIE in verdicts and Verdict.INVALID not in verdicts, findings
+    assert {f.accused for f in findings if f.verdict == Verdict.LIE} == {peers["merged"]}

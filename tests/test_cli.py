@@ -232,7 +232,8 @@ def test_every_help_is_answered_before_torch_hivemind_or_fastapi_loads(module):
     ("swarm.health", ["--port", "70000"], "70000 is not in the range 0<=x<=65535"),
     ("swarm.governance", ["status"], "Missing option '--governance-key'"),
     ("swarm.train", ["--output", "run", "--corpus", "nope"], "'nope' is not one of 'prose', 'python', 'addition'"),
-    ("swarm.eval", ["--task", "nope"], "'nope' is not one of 'addition', 'tagged-addition', 'none'"),
+    ("swarm.eval", ["--task", "nope"],
+     "'nope' is not one of 'addition', 'tagged-addition', 'bracketed-addition', 'host-blocks', 'none'"),
     ("swarm.finetune", ["--data", "README.md", "--output", "out", "--rank", "0"], "0 is not in the range 1<=x<=128"),
     ("swarm.finetune", ["--data", "README.md", "--output", "out", "--target-batch-size", "4"],
      "--target-batch-size needs --run-id"),
@@ -266,7 +267,7 @@ def test_request_settings_are_checked_before_joining_a_swarm(no_default_peers):
 
 # ----- bad values --------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("name, args, fragment", [
-    ("generate", ["Hi", "--model", "/nonexistent"], "neither a checkpoint directory, an embedded model"),
+    ("generate", ["Hi", "--model", "/nonexistent"], "is no embedded model (embedded: "),
     ("generate", ["Hi", "--gen-length", "7", "--block-length", "3"], "divisible"),
     ("api", ["--local", "--model", "/nonexistent", "--port", "0"], "neither a checkpoint directory"),
     ("eval", ["--model", "/nonexistent"], "neither a checkpoint directory"),

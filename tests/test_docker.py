@@ -14,6 +14,7 @@ import shlex
 import shutil
 import stat
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -129,13 +130,14 @@ def test_the_entrypoint_is_valid_bash():
 @pytest.fixture
 def entrypoint():
     """Run the entrypoint as an unprivileged user (nobody, when the tests run as root), its ``python`` recorded;
-    returns (exit code, stderr, the recorded command lines)."""
+    returns (exit code, stderr, the recorded command lines). The user runs a copy of the script under /tmp: a
+    checkout in a private directory (mode 700, as ``mktemp -d`` makes) is not readable by it."""
     if os.geteuid() == 0 and not shutil.which("setpriv"):
         pytest.skip("running the entrypoint as another user needs setpriv (util-linux)")
     with tempfile.TemporaryDirectory() as scratch:  # under /tmp: the other user must reach it
         root = Path(scratch)
         root.chmod(0o755)
-        bin_dir, data, record = root / "bin", root / "data", root / "record"
+        bin_dir, data, record, script = root / "bin", root / "data", root / "record", root / "entrypoint.sh"
         bin_dir.mkdir(mode=0o755)
         data.mkdir()
         (bin_dir / "python").write_text(RECORDER)
@@ -145,11 +147,13 @@ def entrypoint():
 
         def run(*args: str, env: dict | None = None, data_mode: int = 0o777) -> tuple[int, str, list[list[str]]]:
             data.chmod(data_mode)
+            shutil.copyfile(ENTRYPOINT, script)
+            script.chmod(0o755)
             record.write_text("")
             environment = {"PATH": f"{bin_dir}:/usr/bin:/bin", "RECORD": str(record), "SWARM_DATA_DIR": str(data),
                            **(env or {})}
             user = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"] if os.geteuid() == 0 else []
-            done = subprocess.run([*user, "bash", str(ENTRYPOINT), *args], env=environment, capture_output=True,
+            done = subprocess.run([*user, "bash", str(script), *args], env=environment, capture_output=True,
                                   text=True, timeout=60)
             commands = [line.split("\0")[:-1] for line in record.read_text().splitlines()]
             return done.returncode, done.stderr, commands
@@ -229,6 +233,20 @@ def test_a_data_dir_the_user_cannot_write_is_one_clear_line(entrypoint):
     assert code == 2 and commands == []
     (line,) = stderr.strip().splitlines()
     assert line.startswith("Error: ") and f"is not writable by uid {NOBODY}" in line
+
+
+def test_the_entrypoint_runs_from_a_checkout_in_a_private_directory(entrypoint, tmp_path, monkeypatch):
+    """Issue 56: run as root from a clone inside a ``mktemp -d`` folder (mode 700), the unprivileged user could not
+    read the checkout's script. pytest's ``tmp_path`` is such a folder."""
+    if os.geteuid() != 0:
+        pytest.skip("only root's private folder is closed to the user the entrypoint runs as")
+    private = tmp_path / "clone"
+    private.mkdir(mode=0o700)
+    tmp_path.chmod(0o700)
+    monkeypatch.setattr(sys.modules[__name__], "ENTRYPOINT", shutil.copy(ENTRYPOINT, private / "entrypoint.sh"))
+    code, stderr, commands = entrypoint("dht")
+    assert code == 0, stderr
+    assert commands == [["-m", "swarm.dht"]]
 
 
 def test_as_root_the_entrypoint_gives_data_to_the_user_and_runs_as_it():

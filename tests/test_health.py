@@ -8,8 +8,9 @@ from click.testing import CliRunner, Result
 import swarm
 from swarm.dht.schema import ServerRecord, ServerState, default_prefix
 from swarm.health import build_health_map
-from swarm.health.__main__ import EXIT_NOT_SERVED, EXIT_UNREACHABLE, main
+from swarm.health.__main__ import EXIT_NOT_SERVED, main
 from swarm.health.render import render_text
+from swarm.utils.errors import EXIT_USAGE
 from swarm.utils.text import plural
 from tests.conftest import make_checkpoint, tiny_config
 
@@ -49,8 +50,20 @@ def test_full_coverage_and_json_shape():
                                   "throughput": 100.0, "version": "0.1.0", "cache_tokens_left": 0, "experts": [],
                                   "numerics": "exact", "approximate": False, "addresses": [],
                                   "reachability": "unknown", "head": False, "adapter_kinds": [],
-                                  "audit": None}  # no trusted auditor read: docs/AUDIT.md
+                                  "audit": None,  # no trusted auditor read: docs/AUDIT.md
+                                  "unreachable_since": None}  # it answered the map's probe (or none was made)
     assert "OK: every block" in render_text(health)
+
+
+def test_a_server_that_does_not_answer_the_probe_is_listed_and_not_counted():
+    # Issue 56: a killed server's record outlives it; the map asks each online server, as a client does.
+    health = build_health_map({"a": record("a", 0, 3), "b": record("b", 2, 4)}, "m", 4)
+    health.mark_unreachable({"b": 1_700_000_000.0, "nobody": 1.0})
+    assert health.unreachable == {"b": 1_700_000_000.0}, "only servers the map lists"
+    assert health.replicas == [1, 1, 1, 0] and health.uncovered == [(3, 4)]
+    text = render_text(health)
+    assert "unreachable since 22:13:20 UTC" in text and "NOT FULLY SERVED: no online server holds blocks 3:4" in text
+    assert health.to_json()["servers"][1]["unreachable_since"] == 1_700_000_000.0
 
 
 def test_servers_list_the_adapter_kinds_they_apply():
@@ -80,11 +93,13 @@ def test_no_servers_is_not_served():
     assert "No server has announced" in render_text(health)
 
 
-def test_unreachable_swarm_has_its_own_exit_code():
+def test_a_peer_id_that_is_none_is_refused_before_joining():
+    # Issue 56: it was dialled (exit 3, "could not join the swarm", 11 s); a dead peer with a real id is exit 3
+    # (tests/test_cli.py)
     result = run_health("--initial-peers", "/ip4/127.0.0.1/tcp/1/p2p/not-a-peer-id", "--dht-prefix", "m",
                         "--num-blocks", "2")
-    assert result.exit_code == EXIT_UNREACHABLE
-    assert "could not join the swarm" in result.output
+    assert result.exit_code == EXIT_USAGE
+    assert "'not-a-peer-id' in '/ip4/127.0.0.1/tcp/1/p2p/not-a-peer-id' is not a peer id" in result.output
 
 
 # ----- the live local swarm --------------------------------------------------------------------------------

@@ -130,7 +130,7 @@ def test_names_that_are_repo_ids_and_names_that_are_not():
 
 
 def test_a_name_that_is_nothing_keeps_the_clear_error(hub_env):
-    with pytest.raises(FileNotFoundError, match="neither a checkpoint directory, an embedded model .* nor a "
+    with pytest.raises(FileNotFoundError, match="is no embedded model .* neither a checkpoint directory nor a "
                                                 "Hugging Face repo id"):
         resolve_model_path("./no/such/dir")
 

@@ -216,3 +216,34 @@ def test_a_version_overfitted_to_its_public_examples_does_not_win(local_swarm, t
     finally:
         stop_dht(dht)
         stop_all(local_swarm, [server])
+
+
+def test_a_self_prompting_trainer_trains_on_the_answers_its_checker_accepted(local_swarm, tmp_path):
+    """``--self-prompt``: round 1 trains on 8 seed examples alone; before round 2 the trainer proposes 8 problems,
+    answers them with its adapter and writes only the answers the task's checker accepts, which round 2 trains on."""
+    from swarm.train.data import TaggedAdditionTask
+
+    data = tmp_path / "data"
+    data.mkdir()
+    write_examples(data / "seeds.jsonl", 8, seed=3)
+    key = tmp_path / "trainer.key"
+    generate_private_key(key)
+    peers = [arg for peer in local_swarm.initial_peers for arg in ("--initial-peers", peer)]
+    command = ["-m", "swarm.improve", "--task", "tagged-addition", "--data", str(data), "--name", "taught", "--key",
+               str(key), "--workdir", str(tmp_path / "work"), "--rounds", "2", "--round-steps", "6", "--held-out", "4",
+               "--batch-size", "8", "--self-prompt", "8", "--local-model", "--threads", "1", *peers]
+    trainer = local_swarm.start_command("trainer", command, log=tmp_path / "trainer.log").process
+    try:
+        assert trainer.wait(timeout=600) == 0, (tmp_path / "trainer.log").read_text()[-3000:]
+    finally:
+        if trainer.poll() is None:
+            os.killpg(trainer.pid, signal.SIGKILL)
+            trainer.wait(timeout=60)
+    rounds, history = round_of(tmp_path / "work")
+    assert rounds == 2 and history[0]["self_prompt"] is None and history[0]["examples"] == 8
+    record = history[1]["self_prompt"]
+    assert record["proposed"] == 8 and record["new"] + record["seen"] + record["held_out"] == 8
+    kept = [json.loads(line) for line in (data / "self-0001.jsonl").read_text().splitlines()]
+    task = TaggedAdditionTask()
+    assert len(kept) == record["accepted"] and all(task.check(p["prompt"], p["response"]) for p in kept)
+    assert history[1]["examples"] == 8 + record["accepted"], "round 2 trained on the seeds and the accepted answers"

@@ -1,7 +1,8 @@
 """Whether batch invariance holds where a pass runs, and what the scale does with the answer (issue 47 item 1's
-last sentence): ``swarm.models.invariance.check_module`` checks the property the tiles rest on with the module's own
-weights on its device; ``scale="auto"`` batches states only where it holds, and ``info["settings"]["batching"]``
-says what was chosen and why."""
+last sentence, issue 54): ``swarm.models.invariance.check_module`` checks the property the untiled products rest on
+(a row's numbers do not depend on the product's row count in the checked range, its place or its neighbours) with
+the module's own weights on its device; ``scale="auto"`` batches states only where it holds, and
+``info["settings"]["batching"]`` says what was chosen and why."""
 from __future__ import annotations
 
 import pytest
@@ -11,7 +12,7 @@ import torch.nn.functional as F
 from swarm.dht.schema import ServerRecord, ServerState
 from swarm.frontend.scale import plan_scale
 from swarm.models import invariance
-from swarm.models.invariance import DeviceInvariance, check_module, tile_failure
+from swarm.models.invariance import DeviceInvariance, check_module, row_count_failure
 from swarm.models.modules import BlockSpan, OutputHead
 from swarm.testing.checkpoints import tiny_config
 
@@ -25,15 +26,21 @@ def tiny_model(dtype: torch.dtype) -> torch.nn.Module:
 
 
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float16), ids=str)
-def test_the_cpu_kernels_hold_the_tiles_property_in_every_dtype(dtype):
+def test_the_cpu_kernels_hold_the_row_count_property_in_every_dtype(dtype):
     found = check_module(tiny_model(dtype))
     assert found.exact, found.why
-    assert "tiles of 16 rows" in found.why and str(dtype).replace("torch.", "") in found.why
+    assert "16-512 rows at a time" in found.why and str(dtype).replace("torch.", "") in found.why
+
+
+def count_dependent(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """A kernel that takes another path for products of 65-128 rows (as one that splits K by shape could)."""
+    return F.linear(x, weight) * (1 + 1e-3 * (64 < x.shape[0] <= 128))
 
 
 def place_dependent(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """A kernel whose rows pick up their place in the tile (as an edge-handling path could)."""
-    return F.linear(x, weight) + torch.arange(x.shape[0], dtype=x.dtype)[:, None] * 1e-3
+    """A kernel whose rows pick up their place in the product (as an edge-handling path could), the same for every
+    row count."""
+    return F.linear(x, weight) + (torch.arange(x.shape[0], dtype=x.dtype)[:, None] % 16 == 3) * 1e-3
 
 
 def neighbour_dependent(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -41,12 +48,13 @@ def neighbour_dependent(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(x, weight) + x.abs().max() * 1e-3  # the same whatever the order: only padding shows it
 
 
-@pytest.mark.parametrize("kernel, said", [(place_dependent, "at another place of its tile"),
+@pytest.mark.parametrize("kernel, said", [(count_dependent, "in a product of 127 rows than in one of 512"),
+                                          (place_dependent, "at another place among the same rows"),
                                           (neighbour_dependent, "beside padding")])
 def test_a_kernel_that_breaks_the_property_is_found_and_named(kernel, said):
     weight = torch.randn(24, 32)
-    assert tile_failure(weight, F.linear) is None
-    assert said in tile_failure(weight, kernel)
+    assert row_count_failure(weight, F.linear) is None
+    assert said in row_count_failure(weight, kernel)
     found = check_module(tiny_model(torch.float32), product=kernel)
     assert not found.exact and said in found.why and "float32" in found.why
 

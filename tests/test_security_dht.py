@@ -54,12 +54,14 @@ from swarm.dht.schema import (
     read_all_experts,
     read_servers,
 )
+from swarm.dht.stamp import STAMP_FIELD, make_stamp
 from swarm.dht.validation import (
     MAX_KEY_BYTES,
     MAX_KEY_SUBKEYS,
     STORE_SENDER,
     describe,
     dht_key_id,
+    ed25519_text,
     entry_bytes,
     protect_storage,
     slot_subkey,
@@ -67,7 +69,7 @@ from swarm.dht.validation import (
 from swarm.governance.__main__ import main as governance_cli
 from swarm.governance.guard import GovernanceGuard
 from swarm.governance.keys import generate_private_key, public_key_text, trusted_signers
-from swarm.governance.records import HALT, RESUME, publish
+from swarm.governance.records import HALT, RESUME, GovernanceState, publish
 from swarm.server.config import ServerConfig
 from tests.conftest import stop_all, wait_until
 from tests.test_security_records import SETTINGS, attacker, forge, honest_peers, run_cli  # noqa: F401 (fixture)
@@ -335,14 +337,21 @@ def test_signed_slot_keys_keep_a_bounded_number_of_slots_of_bounded_size(slot_ke
     def store(subkey, value: bytes, when: float = expiration) -> bool:
         return storage.store_subkey(DHTID.generate(source=slot_key), subkey, value, when)
 
+    def with_work(value: bytes, author) -> bytes:
+        """The value with the work stamp a shared list asks of each slot (issue 55, ``swarm.dht.stamp``)."""
+        if not policy.stamp_bits:
+            return value
+        stamp = make_stamp(dht_key_id(slot_key), ed25519_text(author), policy.stamp_bits)
+        return MSGPackSerializer.dumps({**MSGPackSerializer.loads(value), STAMP_FIELD: stamp})
+
     v = described_value(slot_key, 100)
     assert store(b"plain", v) is False, "a plain subkey was stored"
     assert store(slot_subkey(authors[0]), b"v") is False, "a value that does not name its key was stored"
-    assert store(slot_subkey(authors[0]), described_value(slot_key, max_bytes + 1)) is False, \
+    assert store(slot_subkey(authors[0]), with_work(described_value(slot_key, max_bytes + 1), authors[0])) is False, \
         "an oversized value was stored"
-    assert [store(slot_subkey(author), v) for author in authors] == [True] * max_slots + [False]
-    assert store(slot_subkey(authors[0]), described_value(slot_key, 101), expiration + 1) is True, \
-        "an update of a held slot must pass"
+    assert [store(slot_subkey(author), with_work(v, author)) for author in authors] == [True] * max_slots + [False]
+    assert store(slot_subkey(authors[0]), with_work(described_value(slot_key, 101), authors[0]),
+                 expiration + 1) is True, "an update of a held slot must pass"
 
 
 _RSA_KEYS: list[RSAPrivateKey] = []
@@ -471,7 +480,8 @@ def hostile_domains(experts: dict) -> set[str]:
 
 
 def test_signed_slots_of_strangers_are_refused_under_a_trusted_governance_key(tmp_path):
-    """A peer that trusts governance keys keeps only their slots: free Ed25519 keys cannot fill the key."""
+    """A peer that trusts governance keys keeps only their slots under the shared key: free Ed25519 keys cannot fill it.
+    A stranger's decision lives only under its own key (issue 55), which no reader trusting others reads."""
     trusted = generate_private_key(tmp_path / "gov.key")
     storer = start_dht(NetworkConfig(use_default_peers=False),
                        protect=protected_keys("governed", governance_signers=[public_key_text(trusted)]))
@@ -479,9 +489,13 @@ def test_signed_slots_of_strangers_are_refused_under_a_trusted_governance_key(tm
     operator = start_dht(NetworkConfig(initial_peers=peers, client_mode=True, use_default_peers=False))
     try:
         stranger = Ed25519PrivateKey.generate()
-        assert publish(operator, stranger, "governed", HALT, "free keys", read_back_seconds=UNREAD_SECONDS) is None
+        publish(operator, stranger, "governed", HALT, "free keys", read_back_seconds=UNREAD_SECONDS)
+        shared = storer.get(governance_key("governed"), latest=True)
+        assert shared is None or slot_subkey(stranger) not in shared.value, "a stranger's slot under the shared key"
         decision = publish(operator, trusted, "governed", RESUME, "set-up")
         assert decision is not None and decision.action == RESUME
+        state = GovernanceState("governed", [trusted.public_key()])
+        assert state.refresh(operator) == decision and not state.halted
     finally:
         stop_dht(operator)
         stop_dht(storer)

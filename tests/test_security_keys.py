@@ -23,17 +23,17 @@ from hivemind.dht.routing import DHTID
 from hivemind.p2p import PeerID
 from hivemind.utils import MSGPackSerializer
 
-from swarm.adapters.sharing import PublishedAdapter, declare_hosted
+from swarm.adapters.sharing import PublishedAdapter, author_id, declare_hosted, signed_value
 from swarm.adapters.sharing import hosts_key as adapter_hosts_key
 from swarm.adapters.sharing import name_key as adapter_name_key
 from swarm.adapters.sharing import publish as publish_adapter
 from swarm.adapters.sharing import read_hosts as read_adapter_hosts
 from swarm.adapters.sharing import read_published as read_adapter
 from swarm.dht.identity import Identity
-from swarm.dht.keys import WEIGHTS_NAME
+from swarm.dht.keys import GOVERNANCE, WEIGHTS_NAME
 from swarm.dht.node import NetworkConfig, start_dht, stop_dht, visible_maddrs
-from swarm.dht.schema import audit_key, forget_local_copies, now, protected_keys
-from swarm.dht.validation import ed25519_text, sign_slot, slot_subkey
+from swarm.dht.schema import audit_key, forget_local_copies, governance_key, now, protected_keys
+from swarm.dht.validation import ed25519_text, slot_subkey
 from swarm.reports.records import AuditReport, publish_report, read_report
 from swarm.weights.records import (
     READ_BACK_SECONDS,
@@ -43,6 +43,7 @@ from swarm.weights.records import (
     declare_host,
     hosts_key,
     name_key,
+    own_name_key,
 )
 from swarm.weights.records import publish as publish_name
 from swarm.weights.records import read_hosts as read_weight_hosts
@@ -95,7 +96,7 @@ async def _squat(dht: DHT, node: DHTNode, key: str, name: str, peers: list[str],
     for _ in range(count):
         fresh = Ed25519PrivateKey.generate()
         payload = PublishedModel(name, "cd" * 32, 1000, 2000, time.time()).payload()
-        slots.append((slot_subkey(fresh), sign_slot(fresh, key, payload, expiration)))
+        slots.append((slot_subkey(fresh), signed_value(fresh, key, payload, expiration)))  # stamped where asked
     key_id, taken = DHTID.generate(source=key), []
     for peer in peers:
         for _ in range(3):  # a store that never answers (seen once in four loaded runs) is asked again
@@ -269,11 +270,14 @@ def test_a_name_publish_that_no_other_peer_reads_back_fails():
     try:
         for dht in others.storers:  # peers that cannot learn: they keep the regular value, so refuse every subkey
             dht.run_coroutine(partial(_unprotect))
+        publisher = Ed25519PrivateKey.generate()
+        own = own_name_key(name, author_id(ed25519_text(publisher)))
         with attacker(others) as flooder:
-            assert hide(flooder, name_key(name), others.storing_peers, regular=True) == [True] * 3
+            for key in (name_key(name), own):
+                assert hide(flooder, key, others.storing_peers, regular=True) == [True] * 3
         with pytest.raises(WeightsError, match="it is not readable, so it is not published"):
-            publish_weights_name(others, name, read_back_seconds=REFUSED_READ_BACK_SECONDS)
-        forget_local_copies(others.reader, [name_key(name)])
+            publish_weights_name(others, name, publisher, read_back_seconds=REFUSED_READ_BACK_SECONDS)
+        forget_local_copies(others.reader, [name_key(name), own])
         assert not weights_name_found(others, name)
     finally:
         stop_network(others)
@@ -285,10 +289,11 @@ async def _unprotect(dht: DHT, node: DHTNode) -> None:
         storage.resolve = None
 
 
-def test_fresh_keys_filling_a_name_leave_room_for_a_trusted_publisher(tmp_path):
-    """A flood of validly signed slots of fresh keys (each value naming the key) fills a model name to its bound;
-    peers that trust the publisher's key (their governance key) make room for its record, so a reader finds it.
-    Peers that trust no key keep the first slots that came: the stated limit of an untrusted name."""
+def test_fresh_keys_filling_a_name_do_not_keep_its_publishers_out(tmp_path):
+    """Issue 55's attack: 64 slots of fresh keys (each value naming the key) fill a model name's shared key before it
+    is published (peers that trust no key keep the first slots that came). Every publisher's record lives under its own
+    key too, which no other key can write: an untrusted publisher's publish succeeds, and a reader naming it or trusting
+    it finds the record. Peers that trust a publisher's key still make room for it in the shared list."""
     trusted = Ed25519PrivateKey.generate()
     network = start_network(trusted=(ed25519_text(trusted),))
     try:
@@ -297,10 +302,16 @@ def test_fresh_keys_filling_a_name_leave_room_for_a_trusted_publisher(tmp_path):
         with attacker(network) as squatter:
             taken = squatter.run_coroutine(partial(_squat, key=key, name=name, peers=network.storing_peers,
                                                    count=WEIGHTS_NAME.max_subkeys, expiration=expiration))
+            own = own_name_key(name, author_id(ed25519_text(trusted)))
+            assert squatter.run_coroutine(partial(_squat, key=own, name=name, peers=network.storing_peers, count=4,
+                                                  expiration=expiration)) == [0] * 3, "a stranger took an own key"
         assert taken == [WEIGHTS_NAME.max_subkeys] * 3, taken
-        # the limit: an untrusted name is full
-        with pytest.raises(WeightsError, match="it is not readable, so it is not published"):
-            publish_weights_name(network, name, read_back_seconds=REFUSED_READ_BACK_SECONDS)
+        stranger_publisher = Ed25519PrivateKey.generate()
+        publish_weights_name(network, name, stranger_publisher, read_back_seconds=REFUSED_READ_BACK_SECONDS)
+        publisher_id = author_id(ed25519_text(stranger_publisher))
+        assert any(r.model_id == SHA for r in read_names(network.reader, name, [publisher_id]))
+        assert not any(r.publisher_id == publisher_id for r in read_names(network.reader, name)), \
+            "the shared list was not full: no attack to defend"
         publish_weights_name(network, name, trusted)
         found = read_names(network.reader, name)
         assert any(r.publisher == ed25519_text(trusted) and r.model_id == SHA for r in found)
@@ -337,3 +348,61 @@ def test_a_peer_answering_a_regular_value_hides_no_record_from_readers(network):
         assert hide(liar, name_key(name), network.storing_peers, regular=True) == [True] * 3
         publish_weights_name(network, name)  # the liar refuses it (its regular value expires later)
         assert weights_name_found(network, name), "the liar's regular value replaced the record"
+
+
+# ----- issue 55, 1: a peer made to learn many keys forgets none of them ---------------------------------------------
+async def _learn_many(dht: DHT, node: DHTNode, peers: list[str], count: int, expiration: float) -> list[int]:
+    """Per peer, how many of ``count`` distinct model-name keys it took a signed slot under (each value naming its
+    own key, so the peer learns every one of them), sent in requests of 256 keys."""
+    signer = Ed25519PrivateKey.generate()
+    names = [f"learnt-{i}-{time.monotonic_ns() % 10**9}" for i in range(count)]
+    values = [MSGPackSerializer.dumps(signed_value(signer, name_key(n), PublishedModel(
+        n, "cd" * 32, 1000, 2000, time.time()).payload(), expiration)) for n in names]
+    key_ids, taken = [DHTID.generate(source=name_key(n)) for n in names], []
+    for peer in peers:
+        count_taken = 0
+        for start in range(0, count, 256):
+            answer = await node.protocol.call_store(
+                PeerID.from_base58(peer), key_ids[start:start + 256], values[start:start + 256], expiration,
+                subkeys=[slot_subkey(signer)] * len(key_ids[start:start + 256]))
+            count_taken += sum(answer or [])
+        taken.append(count_taken)
+    return taken
+
+
+def test_a_name_published_after_many_learnt_keys_is_not_hidden_by_a_regular_value(network):
+    """The issue's attack (100,000 slots, each naming its own key, then a year-long regular value under a name
+    published afterwards) at 2,000 keys: the storing peers keep a key's policy with its records, not in a table that
+    overflows, so the regular value is refused and another peer reads the record."""
+    with attacker(network) as flooder:
+        taken = flooder.run_coroutine(partial(_learn_many, peers=network.storing_peers, count=2_000,
+                                              expiration=now() + 3600))
+        assert taken == [2_000] * 3, taken
+    name = f"after-flood-{time.monotonic_ns() % 10**9}"
+    publish_weights_name(network, name)
+    with attacker(network) as hider:
+        assert hide(hider, name_key(name), network.storing_peers, regular=True) == [False] * 3
+    forget_local_copies(network.reader, [name_key(name)])
+    assert weights_name_found(network, name)
+
+
+# ----- issue 55, 2: where a reader needs one signer's entry, the signer is part of the key -------------------------
+def test_stranger_slots_filling_the_shared_governance_key_do_not_stop_a_halt(network):
+    """The issue's attack: at peers that know no prefix (so trust no governance key), 64 slots of fresh keys fill the
+    shared governance key and the real halt was refused there. Each key's decisions live under its own key, which no
+    other key can write: the halt is stored and a reader trusting the key adopts it."""
+    from swarm.governance.records import GovernanceState, own_governance_key
+    from swarm.governance.records import publish as publish_decision
+
+    prefix, governor = f"gov-{time.monotonic_ns() % 10**9}", Ed25519PrivateKey.generate()
+    with attacker(network) as squatter:
+        taken = squatter.run_coroutine(partial(_squat, key=governance_key(prefix), name="x", expiration=now() + 3600,
+                                               peers=network.storing_peers, count=GOVERNANCE.max_subkeys))
+        assert taken == [GOVERNANCE.max_subkeys] * 3, "the shared key was not filled: no attack to defend"
+        own = own_governance_key(prefix, ed25519_text(governor))
+        assert squatter.run_coroutine(partial(_squat, key=own, name="x", expiration=now() + 3600,
+                                              peers=network.storing_peers, count=4)) == [0] * 3, \
+            "a stranger's slot was stored under another key's own governance key"
+    assert publish_decision(network.writer, governor, prefix, "halt", "incident", read_back_seconds=20) is not None
+    state = GovernanceState(prefix, [governor.public_key()])
+    assert state.refresh(network.reader) is not None and state.halted

@@ -356,3 +356,52 @@ def test_any_head_query_is_parsed_or_refused(changes, whole, batch, length):
         assert 0 <= query.ahead <= MAX_STALENESS and 0 <= query.top_k <= MAX_EXPERT_TOP_K
         assert not (query.ahead and query.top_k) and query.batch == batch
         assert query.output_shape[2] <= 4 * (1 + MAX_STALENESS) or query.output_shape[2] == 2 * query.top_k + 1
+
+
+# ----- work stamps (swarm.dht.stamp, issue 55) -----------------------------------------------------------------------
+ANY_VALUE = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(), st.text(max_size=20),
+                      st.binary(max_size=20), st.lists(st.integers(), max_size=3),
+                      st.dictionaries(st.text(), st.none()))
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.binary(min_size=20, max_size=20), st.text(max_size=50), st.one_of(ANY_VALUE, st.binary(min_size=8,
+                                                                                                   max_size=8)),
+       st.integers(0, 12))
+def test_a_stamp_from_the_network_is_checked_without_raising(key_id, signer, stamp, bits):
+    """Any value where a stamp goes: never an exception; admitted exactly when it is 8 bytes whose sha256 (with the key
+    and the signer) starts with ``bits`` zero bits (computed here from the definition), or no work is asked."""
+    import hashlib
+
+    from swarm.dht.stamp import stamp_refusal
+
+    reason = stamp_refusal(key_id, signer, stamp, bits)
+    assert reason is None or isinstance(reason, str)
+    if bits == 0:
+        assert reason is None
+    elif not isinstance(stamp, bytes) or len(stamp) != 8:
+        assert reason is not None
+    else:
+        digest = hashlib.sha256(b"swarm-stamp-v1" + len(key_id).to_bytes(2, "big") + key_id + signer.encode() + stamp)
+        assert (reason is None) == (256 - int.from_bytes(digest.digest(), "big").bit_length() >= bits)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.binary(min_size=20, max_size=20), st.text(max_size=50), st.integers(1, 10))
+def test_a_made_stamp_is_admitted_and_bound_to_its_key_and_signer(key_id, signer, bits):
+    from swarm.dht.stamp import make_stamp, stamp_refusal
+
+    stamp = make_stamp(key_id, signer, bits)
+    assert stamp_refusal(key_id, signer, stamp, bits) is None
+    assert make_stamp(key_id, signer, bits) == stamp  # made once, reused
+
+
+def test_the_stamp_difficulty_setting_is_checked(monkeypatch):
+    from swarm.dht.stamp import DEFAULT_STAMP_BITS, required_bits
+
+    monkeypatch.setenv("SWARM_STAMP_BITS", "")
+    assert required_bits() == DEFAULT_STAMP_BITS
+    for bad in ("-1", "41", "ten", "1.5"):
+        monkeypatch.setenv("SWARM_STAMP_BITS", bad)
+        with pytest.raises(ValueError, match="SWARM_STAMP_BITS"):
+            required_bits()

@@ -26,7 +26,7 @@ from swarm.generate import main as generate_cli
 pytest.importorskip("fastapi", reason="the API schema needs pydantic and fastapi")
 from swarm.api.schemas import ChatCompletionRequest, CompletionRequest, settings_model  # noqa: E402
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+USING = Path(__file__).resolve().parents[1] / "docs" / "USING.md"  # the README links it for the details
 SETTINGS = settings_of(GenerationConfig) + settings_of(GenerationRequest)
 
 
@@ -146,13 +146,13 @@ def test_the_generate_docstring_names_every_setting():
     assert not missing, f"generate_stream's docstring does not document {missing}"
 
 
-def test_the_readme_lists_every_generate_argument():
-    text = README.read_text()
+def test_the_docs_list_every_generate_argument():
+    text = USING.read_text()
     start = text.index("`generate` arguments:")
     paragraph = text[start:text.index("\n\n", start)]
     listed = set(re.findall(r"`(\w+)`", paragraph))
     missing = [field.name for field in SETTINGS if field.name not in listed]
-    assert not missing, f"README's list of generate arguments lacks {missing}"
+    assert not missing, f"docs/USING.md's list of generate arguments lacks {missing}"
 
 
 # ----- one declaration -------------------------------------------------------------------------------------
@@ -181,9 +181,13 @@ def test_a_new_setting_reaches_validation_the_cli_and_the_api():
 
 @pytest.mark.parametrize("field", [f for f in SETTINGS if f.spec.low is not None], ids=lambda f: f.name)
 def test_each_declared_bound_is_enforced(field):
-    """One past the declared upper bound is refused, naming the setting (cache_refresh's bound is ``steps``)."""
+    """One past the declared upper bound (or, with none, below the lower one: the lengths are at least 1) is
+    refused, naming the setting (cache_refresh's bound is ``steps``)."""
     high = GenerationConfig().steps if isinstance(field.spec.high, str) else field.spec.high
-    value = high + 1 if field.kind is int else high * 1.5
+    if high is None:
+        value = field.spec.low - 1
+    else:
+        value = high + 1 if field.kind is int else high * 1.5
     with pytest.raises(SettingError) as refused:
         if field in settings_of(GenerationConfig):
             GenerationConfig(**{field.name: value})

@@ -24,9 +24,10 @@ from typing import Any, Callable, Iterator, Optional
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-pytest.importorskip("fastapi", reason="the pages are served by FastAPI (pip install fastapi uvicorn)")
-uvicorn = pytest.importorskip("uvicorn", reason="the pages are served by uvicorn (pip install fastapi uvicorn)")
-webdriver = pytest.importorskip("selenium.webdriver", reason="the browser tests need selenium (pip install selenium)")
+pytest.importorskip("fastapi", reason='the pages are served by FastAPI (pip install -e ".[test]")')
+uvicorn = pytest.importorskip("uvicorn", reason='the pages are served by uvicorn (pip install -e ".[test]")')
+webdriver = pytest.importorskip("selenium.webdriver",
+                                reason='the browser tests need selenium (pip install -e ".[test]")')
 
 from selenium.common.exceptions import StaleElementReferenceException, TimeoutException  # noqa: E402
 from selenium.webdriver.common.action_chains import ActionChains  # noqa: E402

@@ -2,13 +2,16 @@
 
 Three kinds of DHT entries, all small (adapter bytes never go into the DHT):
 
-* ``{prefix}.adapters.{name}``: the published record (:class:`PublishedAdapter`: base model, training metadata,
-  size, sha256 content hash, evaluation score, hosts seen at publication), in the signed slot of its author's
-  Ed25519 key (``swarm.dht.validation``): only that key can write or overwrite it. Several authors may use one
-  name; a client then refuses to guess and asks for ``name@AUTHOR`` (the author id: 16 hex digits of the key's
-  sha256).
-* ``{prefix}.adapters``: each author's list of names, in the same signed slot (the DHT cannot list keys: the
-  health map reads names from here).
+* ``{prefix}.adapters.{name}@{author}``: the published record (:class:`PublishedAdapter`: base model, training
+  metadata, size, sha256 content hash, evaluation score, hosts seen at publication), in the signed slot of its
+  author's Ed25519 key (``swarm.dht.validation``; ``author``: the key's id, 16 hex digits of its sha256): only that
+  key can write there, at any storing peer, so no flood of other keys keeps it out (issue 55). The same record goes to
+  the shared ``{prefix}.adapters.{name}``, one slot per author, which lists who uses a name (and is what readers
+  before issue 55 read). Several authors may use one name; a client then refuses to guess and asks for
+  ``name@AUTHOR``.
+* ``{prefix}.adapter-index.{author}``: each author's list of names, in the same own slot, and beside it the shared
+  ``{prefix}.adapters``, one slot per author (the DHT cannot list keys: the health map reads names from here).
+  Readers read the authors they trust first, then a fair sample of the others' names (``swarm.dht.sample``).
 * ``{prefix}.adapter-hosts.{sha256}``: servers started with ``--serve-adapter DIR`` announce the content they
   serve under their owner subkey (the same rule as block records), so any server can host any adapter.
 
@@ -27,7 +30,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Mapping, Optional
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hivemind.dht import DHT
@@ -46,7 +49,8 @@ from swarm.adapters.block import is_sha256_hex
 from swarm.adapters.limits import PUBLISH_LIFETIME
 from swarm.dht import fields
 from swarm.dht.config import MAX_PEER_ID_CHARS
-from swarm.dht.keys import ADAPTER_HOSTS, ADAPTER_NAME
+from swarm.dht.keys import ADAPTER_HOSTS, ADAPTER_INDEX_OWN, ADAPTER_NAME, ADAPTER_NAME_OWN, policy_for
+from swarm.dht.sample import fair_sample
 from swarm.dht.schema import (
     MAX_ADDRESS_CHARS,
     MAX_ADDRESSES,
@@ -56,11 +60,12 @@ from swarm.dht.schema import (
     read_owned,
     store_owned,
 )
+from swarm.dht.stamp import STAMP_FIELD, make_stamp
 from swarm.dht.validation import (
     dht_key_id,
-    ed25519_public_key,
     ed25519_text,
     sign_slot,
+    signer_id,
     slot_signer,
     slot_subkey,
     verify_slot,
@@ -100,12 +105,22 @@ def split_reference(reference: str) -> tuple[str, Optional[str]]:
 
 
 def author_id(public_key_text: str) -> str:
-    """16 hex digits naming an author's key: short enough to type after ``name@``."""
-    return hashlib.sha256(ed25519_public_key(public_key_text).public_bytes_raw()).hexdigest()[:16]
+    """16 hex digits naming an author's key: short enough to type after ``name@`` (part of the author's own keys)."""
+    return signer_id(public_key_text)
 
 
 def name_key(prefix: str, name: str) -> str:
     return ADAPTER_NAME.key(prefix=prefix, name=name)
+
+
+def own_name_key(prefix: str, name: str, author: str) -> str:
+    """Where only the key with id ``author`` (16 hex digits) writes its record for ``name``."""
+    return ADAPTER_NAME_OWN.key(prefix=prefix, name=name, signer=author)
+
+
+def own_index_key(prefix: str, author: str) -> str:
+    """Where only the key with id ``author`` lists the names it published."""
+    return ADAPTER_INDEX_OWN.key(prefix=prefix, signer=author)
 
 
 def index_key(prefix: str) -> str:
@@ -195,85 +210,136 @@ class PublishedAdapter:
                 "published": self.published}
 
 
-def signed_entries(dht: DHT, key: str) -> list[tuple[str, bytes]]:
-    """(signer, payload) of every entry under ``key`` whose Ed25519 signature holds; anything else is ignored
-    (a peer that stores without validating may still hand it back)."""
-    entries = []
-    for subkey, (value, expiration) in read_entries(dht, [key]).get(key, {}).items():
-        try:
-            payload = verify_slot(dht_key_id(key), subkey, value, expiration)
-            entries.append((slot_signer(subkey), payload))
-        except ValueError as error:
-            logger.debug("ignoring an entry under %s: %s", key, error)
-    return entries
+def signed_entries(dht: DHT, key: Optional[str], own: Optional[Mapping[str, str]] = None) -> list[tuple[str, bytes]]:
+    """(signer, payload) of every entry under the shared ``key`` (None: none) whose Ed25519 signature holds, and of the
+    entry under each key of ``own`` ({key: the signer id whose own key it is}) whose signer is that id; one read. The
+    own keys' entries come first (a reader keeping one entry per signer keeps those on a tie). Anything else is ignored
+    (a peer that stores without validating may hand back a stranger's slot signed over another's own key)."""
+    signers = dict(own or {})
+    found_own, found_shared = [], []
+    for read, found in read_entries(dht, [key, *signers] if key is not None else list(signers)).items():
+        for subkey, (value, expiration) in found.items():
+            try:
+                payload = verify_slot(dht_key_id(read), subkey, value, expiration)
+                if read in signers and signer_id(slot_signer(subkey)) != signers[read]:
+                    raise ValueError(f"a slot of another key than {signers[read]}")
+                (found_own if read in signers else found_shared).append((slot_signer(subkey), payload))
+            except ValueError as error:
+                logger.debug("ignoring an entry under %s: %s", read, error)
+    return found_own + found_shared
 
 
-def read_published(dht: DHT, prefix: str, name: str) -> list[PublishedAdapter]:
-    """Every validly signed record under ``name``, one per author."""
-    records = []
-    for signer, payload in signed_entries(dht, name_key(prefix, name)):
+def read_published(dht: DHT, prefix: str, name: str, authors: Iterable[str] = ()) -> list[PublishedAdapter]:
+    """Every validly signed record for ``name``, one per author (its newest): those of ``authors`` (ids) under their
+    own keys, which nobody else can fill, and those the shared name key lists. One read."""
+    own = {own_name_key(prefix, name, author): author for author in authors}
+    records: dict[str, PublishedAdapter] = {}
+    for signer, payload in signed_entries(dht, name_key(prefix, name), own):
         try:
             record = PublishedAdapter.from_payload(payload, signer)
         except Exception as error:  # remote input: whatever went wrong, it is not a record
             logger.debug("ignoring a malformed adapter record under %r: %s", name, str(error)[:200])
             continue
-        if record.name == name:  # a record signed for another name cannot be moved here (the key is signed too)
-            records.append(record)
-    return records
+        held = records.get(signer)  # a record signed for another name cannot be moved here (the key is signed too)
+        if record.name == name and (held is None or record.published > held.published):
+            records[signer] = record
+    return list(records.values())
 
 
-def read_names(dht: DHT, prefix: str) -> dict[str, list[str]]:
-    """Names each author lists in the index, by the author's key."""
+def read_names(dht: DHT, prefix: str, authors: Iterable[str] = ()) -> dict[str, list[str]]:
+    """Names each author lists, by the author's key: ``authors`` (ids) from their own index keys, the others from the
+    shared index (at most :data:`MAX_AUTHORS_READ` authors). One read."""
     names: dict[str, list[str]] = {}
-    for signer, payload in signed_entries(dht, index_key(prefix)):
-        try:
-            listed = MSGPackSerializer.loads(payload)
-        except Exception:
-            continue
-        if isinstance(listed, list):
-            names[signer] = [n for n in listed[:MAX_NAMES_PER_AUTHOR]
-                             if isinstance(n, str) and NAME_PATTERN.fullmatch(n)]
-        if len(names) >= MAX_AUTHORS_READ:
-            break
+    own = {own_index_key(prefix, author): author for author in authors}
+    for signer, payload in signed_entries(dht, index_key(prefix), own):
+        if signer in names or len(names) < MAX_AUTHORS_READ + len(own):
+            names[signer] = sorted(set(names.get(signer, [])) | set(_names(payload)))[:MAX_NAMES_PER_AUTHOR]
     return names
 
 
-def read_catalog(dht: DHT, prefix: str) -> list[tuple[PublishedAdapter, list[str]]]:
-    """Every published adapter listed in the index (the first :data:`MAX_CATALOG_NAMES` names: each costs reads),
-    with the peers serving its content now."""
+def _names(payload: bytes) -> list[str]:
+    """The valid names an index entry lists (none for anything malformed)."""
+    try:
+        listed = MSGPackSerializer.loads(payload)
+    except Exception:  # msgpack raises many types on junk
+        return []
+    return [n for n in listed[:MAX_NAMES_PER_AUTHOR] if isinstance(n, str) and NAME_PATTERN.fullmatch(n)] \
+        if isinstance(listed, list) else []
+
+
+def catalog_names(dht: DHT, prefix: str, limit: int, trusted: Iterable[str] = ()) -> list[tuple[str, str]]:
+    """(author key, name) of at most ``limit`` names the index lists: those of the ``trusted`` authors (ids) first,
+    then a fair sample of the others' (``swarm.dht.sample``: no author chooses what readers see)."""
+    trusted = sorted(set(trusted))
+    listed = read_names(dht, prefix, trusted)
+    total = sum(map(len, listed.values()))
+    if total > limit:
+        logger.info("the adapter index of %s lists %d names; reading %d (trusted authors first, then a fair sample)",
+                    prefix, total, limit)
+    return fair_sample(listed, limit, [author for author in listed if author_id(author) in trusted])
+
+
+def read_catalog(dht: DHT, prefix: str, trusted: Iterable[str] = ()) -> list[tuple[PublishedAdapter, list[str]]]:
+    """The published adapters the index lists (:data:`MAX_CATALOG_NAMES` names at most, chosen by
+    :func:`catalog_names`: each costs reads), with the peers serving each content now."""
     catalog = []
-    names = sorted({n for listed in read_names(dht, prefix).values() for n in listed})
-    if len(names) > MAX_CATALOG_NAMES:
-        logger.warning("the adapter index of %s lists %d names; showing the first %d", prefix, len(names),
-                       MAX_CATALOG_NAMES)
-    for name in names[:MAX_CATALOG_NAMES]:
-        for record in read_published(dht, prefix, name):
+    for name, authors in names_with_authors(catalog_names(dht, prefix, MAX_CATALOG_NAMES, trusted)).items():
+        for record in read_published(dht, prefix, name, authors):
             catalog.append((record, sorted(read_hosts(dht, prefix, record.sha256))))
     return catalog
 
 
-def store_slot(dht: DHT, key: Ed25519PrivateKey, dht_key: str, payload: bytes, expiration: float) -> bool:
+def names_with_authors(chosen: Iterable[tuple[str, str]]) -> dict[str, list[str]]:
+    """{name: ids of the authors listing it} of (author key, name) pairs: whose own keys a reader of the name reads."""
+    grouped: dict[str, list[str]] = {}
+    for author, name in chosen:
+        grouped.setdefault(name, []).append(author_id(author))
+    return grouped
+
+
+def signed_value(key: Ed25519PrivateKey, dht_key: str, payload: bytes, expiration: float) -> dict:
+    """``payload`` signed for ``key``'s slot under ``dht_key``, with a work stamp where the key is a shared list
+    (``swarm.dht.stamp``: made once per list and key)."""
     value = sign_slot(key, dht_key, payload, expiration)
+    policy = policy_for(dht_key)
+    if policy is not None and policy.stamp_bits > 0:
+        value[STAMP_FIELD] = make_stamp(dht_key_id(dht_key), ed25519_text(key), policy.stamp_bits)
+    return value
+
+
+def store_slot(dht: DHT, key: Ed25519PrivateKey, dht_key: str, payload: bytes, expiration: float) -> bool:
+    """Store :func:`signed_value` in ``key``'s slot under ``dht_key``: whether a storing peer took it."""
+    value = signed_value(key, dht_key, payload, expiration)
     return bool(dht.store(dht_key, value, expiration_time=expiration, subkey=slot_subkey(key)))
 
 
 def publish(dht: DHT, key: Ed25519PrivateKey, prefix: str, record: PublishedAdapter,
             lifetime: float = PUBLISH_LIFETIME) -> PublishedAdapter:
-    """Sign and store ``record`` under its name and add the name to the author's index entry; the stored record
-    (read back) or :class:`AdapterError`. Publishing again replaces the author's record (a later expiration)."""
+    """Sign and store ``record`` under the author's own name key and add the name to its own index entry (and to the
+    shared name key and index, which list authors for readers who trust nobody); the stored record, read back from
+    other peers, or :class:`AdapterError` when the own record or index entry is not read back. Shared keys that did not
+    keep them (full of other keys' slots) are said in a warning. Publishing again replaces the author's record."""
     own = ed25519_text(key)
-    expiration = get_dht_time() + lifetime
-    listed = read_names(dht, prefix).get(own, [])
+    author, expiration = author_id(own), get_dht_time() + lifetime
+    listed = read_names(dht, prefix, [author]).get(own, [])
     names = sorted(set(listed) | {record.name})
     if len(names) > MAX_NAMES_PER_AUTHOR:
         raise AdapterError(f"an author may list at most {MAX_NAMES_PER_AUTHOR} names")
-    stored = store_slot(dht, key, name_key(prefix, record.name), record.payload(), expiration)
-    indexed = store_slot(dht, key, index_key(prefix), MSGPackSerializer.dumps(names), expiration)
-    forget_local_copies(dht, [name_key(prefix, record.name)])  # what readers get, not this peer's own copy
-    found = [r for r in read_published(dht, prefix, record.name) if r.author == own and r.sha256 == record.sha256]
-    if not found:
-        raise AdapterError(f"the swarm did not keep the record for {record.name!r} (stored: {stored}, indexed: "
-                           f"{indexed})")
+    keys = [own_name_key(prefix, record.name, author), name_key(prefix, record.name), own_index_key(prefix, author),
+            index_key(prefix)]
+    payloads = [record.payload()] * 2 + [MSGPackSerializer.dumps(names)] * 2
+    stored = [store_slot(dht, key, keys[i], payloads[i], expiration) for i in range(len(keys))]
+    forget_local_copies(dht, keys)  # what readers get, not this peer's own copy
+    found = [r for r in read_published(dht, prefix, record.name, [author]) if r.author == own
+             and r.sha256 == record.sha256]
+    indexed = any(record.name in _names(payload) for _, payload in
+                  signed_entries(dht, None, {own_index_key(prefix, author): author}))
+    if not found or not indexed:
+        raise AdapterError(f"the swarm did not keep the {'record' if not found else 'index entry'} for "
+                           f"{record.name!r} (stores accepted: {sum(stored)} of {len(stored)})")
+    if not any(r.author == own for r in read_published(dht, prefix, record.name)):
+        logger.warning("published %s under your own keys; the shared list of its authors is full, so readers who "
+                       "neither trust you nor name %s@%s do not see it", record.name, record.name, author)
     return found[0]
 
 

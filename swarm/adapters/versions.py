@@ -1,8 +1,10 @@
 """Versions of a published adapter name: ordered, content-addressed, signed by their publisher, withdrawable.
 
 A publisher's name record (``swarm.adapters.sharing``) says what ``NAME`` holds now; its versions live beside it under
-``{prefix}.adapter-versions.{name}``, in the publisher's signed slot (the same Ed25519 slot signing as the name
-records: only that key can write there, so nobody can publish a version under another's name). The slot holds one
+``{prefix}.adapter-versions.{name}@{author}``, in the publisher's signed slot under its own key (the same Ed25519 slot
+signing as the name records: only that key can write there, so nobody can publish a version under another's name, and
+no flood of other keys can keep the list out). The shared ``{prefix}.adapter-versions.{name}`` of readers before issue
+55 is written too and still read. The slot holds one
 :class:`VersionList`: at most :data:`MAX_VERSIONS` versions in increasing order, each naming
 
 * its number (1, 2, ...: the order), its files' content hash (its identity: a host's files are checked against it
@@ -10,6 +12,12 @@ records: only that key can write there, so nobody can publish a version under an
 * its parent (the content hash it was trained from; None for a first version);
 * a digest of the data it saw (sha256 of the training examples, so two versions trained on the same data say so);
 * the publisher's own held-out figure, and whether the publisher withdrew it.
+
+**A withdrawal follows the content** (issue 55): a content hash that a publisher withdrew is withdrawn under every name
+and publisher carrying it that a reader reads (the catalog, the auditor's scoring, ``best:TASK``, a resolved name), so a
+stranger who republishes withdrawn content cannot bring it back. Whose withdrawals count: a reader that trusts
+publishers counts theirs and the carrying record's own publisher's; a reader that trusts none counts everybody's (it
+cannot tell a withdrawal that protects it from one that only hides content, and refusing is the safe side).
 
 A client asks for ``NAME`` (the name record, unless its content is a withdrawn version), ``NAME@VERSION`` (that
 version of the one publisher of the name) or ``NAME@AUTHOR@VERSION``, or ``best:TASK`` (``swarm.reports.adoption``).
@@ -25,7 +33,7 @@ import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterable, Mapping, Optional
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hivemind.dht import DHT
@@ -39,16 +47,19 @@ from swarm.adapters.sharing import (
     MAX_SCORE,
     Fetch,
     PublishedAdapter,
+    author_id,
+    catalog_names,
     check_name,
     fetch_record,
     make_record,
+    names_with_authors,
     publish,
-    read_names,
     read_published,
     signed_entries,
     store_slot,
 )
 from swarm.dht import fields
+from swarm.dht.keys import ADAPTER_VERSIONS_OWN
 from swarm.dht.schema import (
     MAX_ADAPTER_VERSION_PUBLISHERS,
     MAX_ADAPTER_VERSIONS_BYTES,
@@ -68,6 +79,11 @@ MAX_LIST_KEYS = 4
 
 def versions_key(prefix: str, name: str) -> str:
     return adapter_versions_key(prefix, name)
+
+
+def own_versions_key(prefix: str, name: str, author: str) -> str:
+    """Where only the key with id ``author`` lists its versions of ``name``."""
+    return ADAPTER_VERSIONS_OWN.key(prefix=prefix, name=name, signer=author)
 
 
 @dataclass(frozen=True)
@@ -202,36 +218,49 @@ class Reference:
 
 
 # ----- on the DHT ----------------------------------------------------------------------------------------
-def read_versions(dht: DHT, prefix: str, name: str) -> list[VersionList]:
-    """Every publisher's validly signed version list of ``name`` (the first
-    :data:`~swarm.dht.schema.MAX_ADAPTER_VERSION_PUBLISHERS`)."""
-    lists = []
-    for signer, payload in signed_entries(dht, versions_key(prefix, name))[:MAX_ADAPTER_VERSION_PUBLISHERS]:
+def read_versions(dht: DHT, prefix: str, name: str, authors: Iterable[str] = ()) -> list[VersionList]:
+    """Every publisher's validly signed version list of ``name``: those of ``authors`` (ids) under their own keys, and
+    those of the shared key (the first :data:`~swarm.dht.schema.MAX_ADAPTER_VERSION_PUBLISHERS`); per publisher the
+    list reaching the highest version number. One read."""
+    own = {own_versions_key(prefix, name, author): author for author in authors}
+    lists: dict[str, VersionList] = {}
+    for signer, payload in signed_entries(dht, versions_key(prefix, name), own):
         try:
             listed = VersionList.from_payload(payload, signer)
         except Exception as error:  # remote input: whatever went wrong, it is not a list
             logger.debug("ignoring a malformed version list under %r: %s", name, str(error)[:200])
             continue
-        if listed.name == name:  # a list signed for another name cannot be moved here
-            lists.append(listed)
-    return lists
+        held = lists.get(signer)
+        if listed.name != name or (held is None and len(lists) >= MAX_ADAPTER_VERSION_PUBLISHERS + len(own)):
+            continue  # a list signed for another name cannot be moved here
+        if held is None or _last_number(listed) > _last_number(held):
+            lists[signer] = listed
+    return list(lists.values())
+
+
+def _last_number(listed: VersionList) -> int:
+    return listed.versions[-1].number if listed.versions else 0
 
 
 def own_versions(dht: DHT, prefix: str, name: str, public_key: str) -> VersionList:
-    return next((v for v in read_versions(dht, prefix, name) if v.author == public_key), VersionList(name, ()))
+    return next((v for v in read_versions(dht, prefix, name, [author_id(public_key)]) if v.author == public_key),
+                VersionList(name, ()))
 
 
 def store_versions(dht: DHT, key: Ed25519PrivateKey, prefix: str, listed: VersionList,
                    lifetime: float = PUBLISH_LIFETIME) -> VersionList:
-    """Sign and store ``listed`` in ``key``'s slot; the list as other peers return it, or :class:`AdapterError`."""
-    dht_key = versions_key(prefix, listed.name)
-    store_slot(dht, key, dht_key, listed.payload(), get_dht_time() + lifetime)
-    forget_local_copies(dht, [dht_key])  # what readers get, not this peer's own copy
+    """Sign and store ``listed`` in ``key``'s slot under its own key (and the shared one, for older readers); the list
+    as other peers return it from the own key, or :class:`AdapterError`."""
     own = ed25519_text(key)
-    found = own_versions(dht, prefix, listed.name, own)
-    if found.versions != listed.versions:
+    keys = [own_versions_key(prefix, listed.name, author_id(own)), versions_key(prefix, listed.name)]
+    expiration = get_dht_time() + lifetime
+    for dht_key in keys:
+        store_slot(dht, key, dht_key, listed.payload(), expiration)
+    forget_local_copies(dht, keys)  # what readers get, not this peer's own copy
+    found = [payload for _, payload in signed_entries(dht, None, {keys[0]: author_id(own)})]
+    if not found or VersionList.from_payload(found[0], own).versions != listed.versions:
         raise AdapterError(f"the swarm did not keep the version list of {listed.name!r}")
-    return found
+    return VersionList.from_payload(found[0], own)
 
 
 def version_record(head: PublishedAdapter, version: AdapterVersion) -> PublishedAdapter:
@@ -279,7 +308,7 @@ def withdraw_version(dht: DHT, key: Ed25519PrivateKey, prefix: str, name: str, n
                            f"{[v.number for v in listed.versions]})")
     versions = tuple(dataclasses.replace(v, withdrawn=True) if v.number == number else v for v in listed.versions)
     stored = store_versions(dht, key, prefix, VersionList(name, versions), lifetime)
-    head = next((r for r in read_published(dht, prefix, name) if r.author == own), None)
+    head = next((r for r in read_published(dht, prefix, name, [author_id(own)]) if r.author == own), None)
     if head is not None and stored.latest is not None and head.sha256 != stored.latest.sha256:
         publish(dht, key, prefix, version_record(head, stored.latest), lifetime)
     logger.info("withdrew %s version %d", name, number)
@@ -287,24 +316,64 @@ def withdraw_version(dht: DHT, key: Ed25519PrivateKey, prefix: str, name: str, n
 
 
 # ----- resolving ---------------------------------------------------------------------------------------
-def live_records(dht: DHT, prefix: str, name: str) -> list[PublishedAdapter]:
+def withdrawals(lists: Iterable[VersionList]) -> dict[str, set[str]]:
+    """{content hash: the publishers (ids) who withdrew it} over ``lists``."""
+    withdrawn: dict[str, set[str]] = {}
+    for listed in lists:
+        for version in listed.versions:
+            if version.withdrawn:
+                withdrawn.setdefault(version.sha256, set()).add(author_id(listed.author))
+    return withdrawn
+
+
+def is_withdrawn(record: PublishedAdapter, withdrawn: Mapping[str, set[str]],
+                 trusted: frozenset[str] = frozenset()) -> bool:
+    """Whether ``record``'s content is withdrawn for a reader trusting the publishers ``trusted`` (ids): by its own
+    publisher or a trusted one; by anyone at all for a reader that trusts none (see the module doc)."""
+    by = withdrawn.get(record.sha256, set())
+    return bool(by) and (not trusted or record.author_id in by or bool(by & trusted))
+
+
+def name_versions(dht: DHT, prefix: str, name: str, authors: Iterable[str] = ()
+                  ) -> tuple[dict[str, PublishedAdapter], list[VersionList]]:
+    """The name records of ``name`` by publisher (``authors``' own keys read too) and the version lists of each."""
+    heads = {record.author: record for record in read_published(dht, prefix, name, authors)}
+    lists = read_versions(dht, prefix, name, sorted({author_id(author) for author in heads}))
+    return heads, [listed for listed in lists if listed.author in heads]
+
+
+def live_records(dht: DHT, prefix: str, name: str, authors: Iterable[str] = (),
+                 trusted: frozenset[str] = frozenset()) -> list[PublishedAdapter]:
     """Every live version of ``name``, by every publisher, as records (with its number in ``training``); a name
-    published without versions counts as its one record, unless its content is a withdrawn version."""
-    heads = {record.author: record for record in read_published(dht, prefix, name)}
-    records = []
-    for listed in read_versions(dht, prefix, name):
+    published without versions counts as its one record. No content withdrawn by any publisher of the name (for a
+    reader trusting ``trusted``: :func:`is_withdrawn`)."""
+    heads, lists = name_versions(dht, prefix, name, authors)
+    return [r for r in _records(heads, lists) if not is_withdrawn(r, withdrawals(lists), trusted)]
+
+
+def _records(heads: Mapping[str, PublishedAdapter], lists: Iterable[VersionList]) -> list[PublishedAdapter]:
+    """Every version listed (those of a publisher with a name record) and the name records without versions."""
+    heads, records = dict(heads), []
+    for listed in lists:
         head = heads.pop(listed.author, None)
         if head is None:
             continue  # versions without a name record: nothing says which base model they are for
-        records.extend(version_record(head, version) for version in listed.live)
-    records.extend(heads.values())  # publishers without versions
-    return records
+        records.extend(version_record(head, version) for version in listed.versions)
+    return records + list(heads.values())  # publishers without versions
 
 
-def published_versions(dht: DHT, prefix: str, max_names: int) -> list[PublishedAdapter]:
-    """Every live version of every name the index lists (the first ``max_names`` names)."""
-    names = sorted({n for listed in read_names(dht, prefix).values() for n in listed})[:max_names]
-    return [record for name in names for record in live_records(dht, prefix, name)]
+def published_versions(dht: DHT, prefix: str, max_names: int, trusted: frozenset[str] = frozenset()
+                       ) -> list[PublishedAdapter]:
+    """Every live version of the names the index lists (at most ``max_names``: the ``trusted`` publishers' first,
+    then a fair sample, ``swarm.adapters.sharing.catalog_names``), no content withdrawn by a publisher whose withdrawal
+    counts under any name read (:func:`is_withdrawn`)."""
+    records, lists = [], []
+    for name, authors in names_with_authors(catalog_names(dht, prefix, max_names, trusted)).items():
+        heads, listed = name_versions(dht, prefix, name, authors)
+        records += _records(heads, listed)
+        lists += listed
+    withdrawn = withdrawals(lists)
+    return [record for record in records if not is_withdrawn(record, withdrawn, trusted)]
 
 
 def version_number(record: PublishedAdapter) -> Optional[int]:
@@ -322,9 +391,10 @@ def resolve(dht: DHT, prefix: str, reference: str) -> PublishedAdapter:
     """The record a reference names (see :class:`Reference`); :class:`AdapterError` for none, a withdrawn version, or
     several publishers without ``@AUTHOR``."""
     wanted = Reference.parse(reference)
-    heads = [r for r in read_published(dht, prefix, wanted.name)
-             if wanted.author is None or r.author_id == wanted.author]
-    lists = {listed.author: listed for listed in read_versions(dht, prefix, wanted.name)}
+    by_author, every_list = name_versions(dht, prefix, wanted.name, [wanted.author] if wanted.author else [])
+    heads = [r for r in by_author.values() if wanted.author is None or r.author_id == wanted.author]
+    lists = {listed.author: listed for listed in every_list}
+    withdrawn = withdrawals(every_list)  # by any publisher of the name: the content, not one list, is withdrawn
     if len({r.author for r in heads}) > 1:
         authors = ", ".join(sorted(f"{r.name}@{r.author_id}" for r in heads))
         raise AdapterError(f"several authors published {wanted.name!r}: choose one of {authors}")
@@ -334,8 +404,8 @@ def resolve(dht: DHT, prefix: str, reference: str) -> PublishedAdapter:
     head = heads[0]
     listed = lists.get(head.author, VersionList(head.name, ()))
     if wanted.version is None:
-        if listed.is_withdrawn(head.sha256):
-            raise AdapterError(f"{reference!r} names a version its publisher withdrew, and no other")
+        if is_withdrawn(head, withdrawn):
+            raise AdapterError(f"{reference!r} holds content that a publisher of {wanted.name!r} withdrew")
         return head
     version = listed.get(wanted.version)
     if version is None:
@@ -343,6 +413,9 @@ def resolve(dht: DHT, prefix: str, reference: str) -> PublishedAdapter:
                            f"{[v.number for v in listed.versions] or 'none'})")
     if version.withdrawn:
         raise AdapterError(f"{reference!r}: version {wanted.version} was withdrawn by its publisher")
+    if is_withdrawn(version_record(head, version), withdrawn):
+        raise AdapterError(f"{reference!r}: version {wanted.version} holds content that another publisher of "
+                           f"{wanted.name!r} withdrew")
     return version_record(head, version)
 
 

@@ -1,8 +1,8 @@
 """An OpenAI-style HTTP API in front of a diffusion LM, local or distributed (``python -m swarm.api``).
 
-Needs the api extra (``pip install -e ".[api]"``: FastAPI and uvicorn); everything else in the project works without
-them. The names below are imported on first use (:mod:`swarm.utils.lazy`), so that ``python -m swarm.api --help``
-answers before torch loads.
+FastAPI and uvicorn come with the package's own requirements (``pip install -e .``); the api extra
+(``pip install -e ".[api]"``) names the same packages, for older install lines. The names below are imported on
+first use (:mod:`swarm.utils.lazy`), so that ``python -m swarm.api --help`` answers before torch loads.
 """
 from swarm.utils.lazy import lazy_exports
 

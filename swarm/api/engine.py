@@ -173,7 +173,8 @@ class GenerationEngine:
         if self.mode == "swarm":
             from swarm.health import read_health_map
 
-            health = read_health_map(self.lm.dht, self.lm.prefix, self.lm.config.num_layers)
+            health = read_health_map(self.lm.dht, self.lm.prefix, self.lm.config.num_layers,
+                                     probe_with=self.lm.caller)  # a server that died is not counted
             report.update(ok=health.fully_served, num_blocks=health.num_blocks, servers=len(health.servers),
                           uncovered=[list(span) for span in health.uncovered])
         guard = getattr(self.lm, "guard", None)

@@ -5,10 +5,11 @@ generation's, and the hidden states of a *masked state of a prompt*, embedded by
 exactly as a client embeds its tokens: a random prompt followed by a generated part in which each position is still
 the mask token with a probability drawn per challenge (a generation somewhere between its first and last step), the
 whole length drawn like real requests' (``swarm.client.planner.CHALLENGE_ROWS``). It goes through the span the
-server announces, from a libp2p identity of a client's kind made for the round (a throwaway DHT peer with a fresh
-Ed25519 key; ``--no-fresh-identity`` uses the auditor's own peer, one key per run unless ``--identity-path`` is
-given), so a server cannot single the auditor out by its peer id. The answer is compared with the auditor's own
-computation of those blocks with the client's spot-check comparison and tolerance
+server announces, from a libp2p identity of a client's kind that is not the auditor's own (a DHT peer with a fresh
+Ed25519 key, kept across rounds for ``--identity-lifetime`` seconds like a long-lived client's, then replaced;
+``--no-fresh-identity`` uses the auditor's own peer, one key per run unless ``--identity-path`` is given), so a server
+can neither single the auditor out by its peer id nor spare identities it has not seen for long. The answer is
+compared with the auditor's own computation of those blocks with the client's spot-check comparison and tolerance
 (``swarm.client.spot_check.answers_agree``, ``ClientConfig.spot_check_rtol``): a wrong answer *fails* the server, no
 answer (unreachable, refused, timed out) is an *error* (no verdict on honesty), a right one *passes*. The same call
 measures the server: its ping's round trip, the call's seconds and the throughput it delivered (rows / seconds, as
@@ -38,6 +39,7 @@ import time
 import uuid
 from collections import deque
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterator, Mapping, Optional
 
 import torch
@@ -47,11 +49,13 @@ from hivemind.dht import DHT
 from swarm.adapters.adapter import AdapterError
 from swarm.adapters.sharing import MAX_CATALOG_NAMES
 from swarm.adapters.versions import published_versions, reference_of
+from swarm.audit import inbox
 from swarm.audit.config import AuditorConfig
 from swarm.audit.traffic import TrafficAuditor, TrafficCheck, client_config
 from swarm.client.config import DEFAULT_OVERCLAIM_FACTOR, ClientConfig
 from swarm.client.model import DistributedDiffusionLM
 from swarm.client.planner import CHALLENGE_ROWS, CHALLENGE_STEPS
+from swarm.client.proofs import Finding, Verdict, verify_evidence
 from swarm.client.reference import LocalReference
 from swarm.client.spot_check import answers_agree, relative_difference
 from swarm.dht.node import start_dht, stop_dht
@@ -130,6 +134,16 @@ class RoundResult:
     seconds: float  # the round's wall time, publication included
 
 
+@dataclass
+class TrafficIdentity:
+    """The DHT peer (its own key) that rounds' challenges and generations come from, until ``renew_at``
+    (``time.monotonic()``)."""
+
+    dht: DHT
+    caller: RemoteCaller
+    renew_at: float
+
+
 class Auditor:
     """Checks the servers of one model and publishes what it found (see the module doc)."""
 
@@ -152,6 +166,7 @@ class Auditor:
         self.speeds: dict[str, deque[float]] = {}  # peer -> throughput its last answered checks delivered
         self._client = None  # the swarm client that scores adapters, made at the first scoring
         self._round_dht = self.dht  # the DHT peer of this round's identity (challenger)
+        self._traffic: Optional[TrafficIdentity] = None  # the identity rounds' traffic comes from, while kept
         reference = LocalReference(lambda start, end: self.blocks, lambda: self.head)
         audit_client = client_config(ClientConfig(network=config.network, dht_prefix=self.prefix,
                                                   request_timeout=config.request_timeout), config.sample)
@@ -367,24 +382,37 @@ class Auditor:
 
     @contextlib.contextmanager
     def challenger(self) -> Iterator[str]:
-        """The peer this round's challenges come from (its id): a throwaway DHT peer with a fresh key, or with
-        ``fresh_identity`` off the auditor's own. ``self.caller`` calls through it meanwhile."""
+        """The peer this round's challenges come from (its id): the traffic identity, a DHT peer of its own with a
+        fresh key kept for ``identity_lifetime`` seconds across rounds (0: one per round), or with ``fresh_identity``
+        off the auditor's own. ``self.caller`` calls through it meanwhile."""
         if not self.config.fresh_identity:
             yield str(self.dht.peer_id)
             return
-        network = dataclasses.replace(self.config.network, identity_path=None, client_mode=True)
-        dht = start_dht(network)
-        own, self.caller = self.caller, self._caller(self.loop.run(dht.replicate_p2p()))
-        self._round_dht = dht
+        now = time.monotonic()
+        if self._traffic is not None and now >= self._traffic.renew_at:
+            self._stop_traffic()
+        if self._traffic is None:
+            network = dataclasses.replace(self.config.network, identity_path=None, client_mode=True)
+            dht = start_dht(network)
+            lifetime = self.config.identity_lifetime * self.rng.uniform(1 - self.config.jitter, 1 + self.config.jitter)
+            self._traffic = TrafficIdentity(dht, self._caller(self.loop.run(dht.replicate_p2p())), now + lifetime)
+            logger.info("traffic identity %s, kept %.0f s", dht.peer_id, lifetime)
+        own, self.caller, self._round_dht = self.caller, self._traffic.caller, self._traffic.dht
         try:
-            yield str(dht.peer_id)
+            yield str(self._traffic.dht.peer_id)
         finally:
-            self._round_dht = self.dht
-            fresh, self.caller = self.caller, own
-            try:
-                self.loop.run(fresh.p2p.shutdown(), timeout=5)
-            finally:
-                stop_dht(dht)
+            self._round_dht, self.caller = self.dht, own
+            if self.config.identity_lifetime == 0:
+                self._stop_traffic()
+
+    def _stop_traffic(self) -> None:
+        traffic, self._traffic = self._traffic, None
+        if traffic is None:
+            return
+        try:
+            self.loop.run(traffic.caller.p2p.shutdown(), timeout=5)
+        finally:
+            stop_dht(traffic.dht)
 
     @contextlib.contextmanager
     def round_client(self) -> Iterator[Optional[DistributedDiffusionLM]]:
@@ -420,6 +448,8 @@ class Auditor:
                 f" ({check.reason})" if check.reason else "", check.rows,
                 "-" if check.seconds is None else f"{check.seconds:.3f}", server.throughput,
                 "-" if audit.measured is None else f"{audit.measured:.1f}")
+        if self.config.evidence_dir is not None:
+            self.take_evidence(Path(self.config.evidence_dir), servers, checked)
         if score and self.config.score_adapters:
             self.follow(self.report())
             self.score_adapters()
@@ -438,6 +468,28 @@ class Auditor:
                     seconds, report.sequence, "published" if published else "NOT read back from the swarm")
         return RoundResult(published or report, checked, published is not None, seconds)
 
+    def take_evidence(self, directory: Path, servers: list[ServerRecord], checked: dict[str, Check]) -> list[Finding]:
+        """Recompute the clients' evidence waiting in ``directory`` (:mod:`swarm.audit.inbox`): a proven lie fails
+        the accused (when it is an online server) with the proof kept; every finding is logged and returned."""
+        findings = []
+        online = {server.peer_id: server for server in servers}
+        reference = LocalReference(lambda start, end: self.blocks, lambda: self.head)
+        for path, evidence in inbox.take(directory):
+            finding = verify_evidence(evidence, reference, self.prefix, self.model, self.config.rtol)
+            findings.append(finding)
+            logger.log(logging.WARNING if finding.verdict == Verdict.LIE else logging.INFO,
+                       "evidence %s: %s %s (%s)", path.name, finding.verdict.value, finding.accused, finding.reason)
+            if finding.verdict != Verdict.LIE:
+                path.unlink(missing_ok=True)
+                continue
+            kept = inbox.keep_proof(path)
+            server = online.get(finding.accused)
+            if server is not None:
+                check = Check(FAIL, f"proven on a client's call ({kept.name}): {finding.reason}")
+                self.record(server, check, time.time())
+                checked[server.peer_id] = check
+        return findings
+
     def pause(self) -> float:
         """Seconds until the next round: ``every`` x (1 +- jitter), drawn so servers cannot time the checks."""
         jitter = self.config.jitter
@@ -452,6 +504,7 @@ class Auditor:
                 return result
 
     def shutdown(self) -> None:
+        self._stop_traffic()
         if self._client is not None:
             self._client.shutdown()  # shares this auditor's DHT: stops nothing of it
         if self._own_dht:

@@ -33,6 +33,15 @@ class AuditorConfig:
         True, "Send each round's challenges from a new libp2p identity (a throwaway DHT peer, about a second to "
               "start), so a server cannot answer one known auditor id honestly and lie to everyone else; reports are "
               "still signed by --key.", flags=("--fresh-identity",))
+    identity_lifetime: float = setting(
+        3600.0, "Seconds the traffic identity of --fresh-identity is kept across rounds (drawn within x (1 +- "
+                "jitter) each time a new one is made): a long-lived client's calls are the ones a server that lies "
+                "only to long-seen peer ids lies on, so the auditor's must be one too; 0 makes a new one every round.",
+        low=0.0, high=WEEK)
+    evidence_dir: Optional[str] = setting(
+        None, "A directory of clients' sampled calls (*.evidence files, DistributedDiffusionLM.save_audit_sample): "
+              "each round recomputes up to 64 of them, fails a server proven to have signed a wrong answer, keeps "
+              "the proofs in DIR/proofs and removes the rest (docs/AUDIT.md, \"Receipts and proofs\").", path=True)
     challenges: int = setting(1, "Challenges per server per round, one after another until one fails: a server "
                                  "lying on a share p of its answers is failed after about 1 / (p x challenges) "
                                  "rounds, at that many passes of its span per round.", low=1, high=64)

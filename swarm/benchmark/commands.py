@@ -134,7 +134,7 @@ def latency(model: str, length: int, repeats: int, latency_ms: float, threads: i
               help="Comma-separated Picard window sizes.")
 @click.option("--latencies-ms", default="0,50", show_default=True, callback=comma_list(float, 0),
               help="Comma-separated injected one-way delays per network crossing (ms; a call crosses twice).")
-@gen_length_option(type=int, default=64, show_default=True, help="Tokens generated.")
+@gen_length_option(type=click.IntRange(min=1), default=64, show_default=True, help="Tokens generated.")
 @click.option("--steps", type=int, default=64, show_default=True, help="Denoising steps.")
 @click.option("--block-length", type=int, default=32, show_default=True, help="Semi-autoregressive block size.")
 @click.option("--prompt", default=PROMPT, show_default=True, help="Prompt text.")
@@ -299,7 +299,7 @@ def time_through_swarm(model: str, strategies: Sequence[str], delays: Sequence[f
               help="Held-out addition problems.")
 @click.option("--task-lengths", default="8,64", show_default=True, callback=comma_list(int, 1),
               help="Comma-separated gen_length values for the addition problems (8 is the task's own).")
-@gen_length_option(type=int, default=64, show_default=True, help="Prose tokens generated.")
+@gen_length_option(type=click.IntRange(min=1), default=64, show_default=True, help="Prose tokens generated.")
 @click.option("--remasking", default=",".join(STRATEGIES), show_default=True, help="Comma-separated strategies.")
 @click.option("--latencies-ms", default="", help="Also time the prose prompt through two servers on loopback at these "
                                                   "injected one-way delays (comma-separated ms; none by default).")
@@ -400,7 +400,7 @@ def _is_fraction(text: str) -> bool:
                    "checked), draftsN (draft-and-verify, N drafted steps per call; exact), sync (none of them).")
 @click.option("--latency-ms", type=float, default=50.0, show_default=True,
               help="Injected one-way delay per network crossing (ms), compared with 0.")
-@gen_length_option(type=int, default=256, show_default=True, help="Tokens generated.")
+@gen_length_option(type=click.IntRange(min=1), default=256, show_default=True, help="Tokens generated.")
 @click.option("--block-length", type=int, default=32, show_default=True, help="Semi-autoregressive block size.")
 @click.option("--prompt", default=PROMPT, show_default=True, help="Prompt text.")
 @click.option("--task-model", default="addition", show_default=True,

@@ -38,6 +38,7 @@ from swarm.utils.errors import (
     EXIT_USAGE,
     SwarmError,
 )
+from swarm.utils.extras import missing_extra_message
 from swarm.utils.settings import SettingField, settings_of
 from swarm.utils.text import listed
 from swarm.utils.threads import THREADS_HELP, apply_threads, default_threads  # noqa: F401 (commands import them here)
@@ -48,7 +49,7 @@ EXIT_CODES = {
     EXIT_OK: "success (swarm.health: every block has an online server)",
     EXIT_NOT_SERVED: "the model is not fully served: some block has no online server",
     EXIT_USAGE: "a bad command line or value (a flag, a multiaddr, a model path or a repo id whose files cannot be "
-                "fetched, a key file): the message names it",
+                "fetched, a key file), or an optional package missing: the message names it (and the extra to install)",
     EXIT_UNREACHABLE: "the swarm could not be joined: no initial peer could be reached",
     EXIT_IN_USE: "a port to listen on, or the identity key, is already used by another process",
     EXIT_HALTED: "the swarm is halted by governance (swarm.generate, swarm.governance status)",
@@ -77,6 +78,9 @@ def as_cli_error(error: BaseException) -> Optional[CLIError]:
         return CLIError(str(error) or type(error).__name__, error.exit_code)
     if isinstance(error, USAGE_ERRORS):
         return CLIError(str(error) or type(error).__name__, EXIT_USAGE)
+    missing = missing_extra_message(error) if isinstance(error, ImportError) else None
+    if missing is not None:  # an optional package: the install line, not a bug report
+        return CLIError(missing, EXIT_USAGE)
     return None
 
 
@@ -129,6 +133,10 @@ def run_main(command: click.Command) -> None:
     except Exception as error:
         if "--verbose" in sys.argv[1:]:
             traceback.print_exception(error, file=sys.stderr)
+        failure = as_cli_error(error)  # a plain click command's known error (a missing extra): its line and code
+        if failure is not None:
+            failure.show()
+            sys.exit(failure.exit_code)
         click.echo(f"Error: internal error: {type(error).__name__}: {' '.join(str(error).split())} (a bug: run "
                    "again with --verbose and report the traceback)", err=True)
         sys.exit(EXIT_INTERNAL)
@@ -284,10 +292,12 @@ def generation_options(command: Callable, fields: Optional[Iterable[SettingField
 
 def gen_length_option(**kwargs: Any) -> Callable[[Callable], Callable]:
     """``--gen-length`` with its declared synonyms (``--max-new-tokens``), for commands that declare their own
-    default and help: every command that generates accepts the same names as :class:`GenerationConfig`."""
+    default and help: every command that generates accepts the same names as :class:`GenerationConfig`, and refuses
+    the values it refuses (at least 1) before anything loads."""
     from swarm.diffusion.config import GenerationConfig
     from swarm.utils.settings import declared
 
+    kwargs.setdefault("type", click.IntRange(min=1))
     return click.option(*declared(GenerationConfig, "gen_length").spec.flags, "gen_length", **kwargs)
 
 
@@ -304,7 +314,19 @@ def pop_generation_kwargs(options: dict[str, Any], keys: Iterable[str] = GENERAT
         given = ctx.get_parameter_source(key) not in (None, ParameterSource.DEFAULT) if ctx else value is not None
         if given:
             taken[key] = value
+    check_alone(taken)
     return taken
+
+
+def check_alone(settings: dict[str, Any]) -> None:
+    """Refuse a setting outside its declared bounds (``--gen-length 0``) now, before a command loads a model or joins
+    a swarm: bounds that name another setting (``cache_refresh`` 0..``steps``) and the checks against the model are
+    left to the config, which runs every check again."""
+    fields = {field.name: field for cls in (GenerationConfig, GenerationRequest) for field in settings_of(cls)}
+    for name, value in settings.items():
+        field = fields.get(name)
+        if field is not None and not isinstance(field.spec.high, str):
+            field.check(value)
 
 
 def require_no_options_left(options: dict[str, Any]) -> None:

@@ -88,6 +88,11 @@ class ClientConfig:
         True, "When no other server can check a hop and this client's checkpoint holds every block, recompute the hop "
               "here (the blocks are loaded at the first such check); otherwise the hop is reported unchecked.",
         cli=False)
+    audit_share: float = setting(
+        0.05, "Share of this client's calls kept with their tensors and receipts (drawn per call from os.urandom) "
+              "for auditors to recompute (DistributedDiffusionLM.audit_sample; calls inside private_calls() never "
+              "are; 0 keeps none). Receipts themselves are always checked and kept (docs/AUDIT.md).",
+        low=0.0, high=1.0, cli=False)
     spot_check_rtol: float = setting(1e-3, "Relative difference tolerated between two servers (float32 wire).",
                                      **POSITIVE, cli=False)
     # Which hops get checked: None draws from os.urandom (a server cannot predict it); a seed makes it reproducible

@@ -20,7 +20,9 @@ from swarm.client.config import ClientConfig, client_network
 from swarm.client.experts import RemoteExpert, open_remote_experts
 from swarm.client.head_use import HeadUse
 from swarm.client.planner import RoutePlanner
+from swarm.client.proofs import Finding, Verdict, verify_evidence
 from swarm.client.push import PushReceiver
+from swarm.client.receipts import ReceiptBook, save_sample
 from swarm.client.reference import LocalReference
 from swarm.client.routing import RouteHop, compress_ranges
 from swarm.client.sequence import RemoteSequence
@@ -50,6 +52,7 @@ from swarm.utils.text import listed, plural
 from swarm.utils.threads import use_threads
 from swarm.weights.source import SwarmWeights
 from swarm.weights.trust import PublisherTrust
+from swarm.wire.evidence import CallEvidence
 from swarm.wire.messages import RemoteError
 from swarm.wire.remote import RemoteCaller
 from swarm.wire.work import stamper_for
@@ -117,6 +120,9 @@ class DistributedDiffusionLM(BaseDiffusionLM):
                                     self.config.hidden_size, config, self.config.vocab_size)
         self.planner.audits = AuditBook(self.prefix, frozenset(auditors))
         self.sequence = RemoteSequence(self.planner)
+        self.receipts = ReceiptBook(config.audit_share)  # every answer's receipt, and a sample for auditors
+        self.caller.on_receipt = self.receipts.record
+        self.sequence.spot_checker.receipts = self.receipts
         # Challenges embed random tokens; spot checks of a head server score a replica's hidden states with this
         # client's head, only when they arrive unrounded and the head computes in the servers' dtype (otherwise its
         # numbers would differ from an honest head server's)
@@ -402,7 +408,8 @@ class DistributedDiffusionLM(BaseDiffusionLM):
             raise AdapterError(f"adapter='{BEST}{task}' picks by trusted auditors' scores, and this client trusts no "
                                "auditor: set trusted_auditors (or governance keys)")
         self.planner.refresh_if_stale()  # the reports are read with the server list (route_refresh), not again
-        found = choose(book, task, published_versions(self.dht, self.prefix, MAX_CATALOG_NAMES),
+        publishers = frozenset(self.client_config.trusted_publishers)
+        found = choose(book, task, published_versions(self.dht, self.prefix, MAX_CATALOG_NAMES, publishers),
                        held[2] if held is not None else None, self.client_config.adoption_margin,
                        frozenset(self.client_config.trusted_publishers))
         if found is None:
@@ -439,6 +446,45 @@ class DistributedDiffusionLM(BaseDiffusionLM):
         except RemoteError as error:
             raise AdapterError(str(error)) from error
 
+    # ----- audits of real traffic (docs/AUDIT.md, "Receipts and proofs") -----------------------------
+    def private_calls(self) -> contextlib.AbstractContextManager[None]:
+        """Calls made inside are never kept for auditors (their hidden states show the prompt)."""
+        return self.receipts.private()
+
+    def audit_sample(self) -> list[CallEvidence]:
+        """The sampled calls (``ClientConfig.audit_share``) with their receipts: evidence to hand to an auditor,
+        who recomputes each (``swarm.client.proofs.verify_evidence``)."""
+        return self.receipts.sample()
+
+    def save_audit_sample(self, directory: str | Path) -> list[Path]:
+        """Write :meth:`audit_sample` as ``*.evidence`` files in ``directory`` (for an auditor's ``--evidence-dir``)
+        and forget them here; the paths written."""
+        paths = save_sample(self.audit_sample(), Path(directory))
+        self.receipts.clear_sample()
+        return paths
+
+    @property
+    def proofs(self) -> list[CallEvidence]:
+        """Signed wrong answers this client's spot checks caught: proofs anyone holding the blocks can verify."""
+        return list(self.sequence.spot_checker.proofs)
+
+    def accept_proof(self, evidence: CallEvidence) -> Finding:
+        """Recompute ``evidence`` (somebody's proof) on this client's checkpoint and avoid the accused server when
+        the proof holds: on the recomputation, never on the prover's word. ValueError when this client cannot
+        recompute (its checkpoint lacks blocks, or it computes in other numerics)."""
+        reference = self.sequence.spot_checker.reference
+        if reference is None:
+            raise ValueError("this client cannot recompute calls (its checkpoint lacks blocks or it computes in other "
+                             "numerics): ask an auditor that holds them")
+        finding = verify_evidence(evidence, reference, self.prefix, self.config, self.client_config.spot_check_rtol)
+        if finding.verdict == Verdict.LIE:
+            self.sequence.health.distrust(finding.accused, f"proven wrong answer: {finding.reason}")
+            self.planner.route = []
+        else:
+            logger.info("a proof against %s does not hold (%s): %s", evidence.accused, finding.verdict.value,
+                        finding.reason)
+        return finding
+
     # ----- route and lifecycle ----------------------------------------------------------------------
     def show_route(self) -> list[RouteHop]:
         """Build (if needed) and log the current route; returns its hops."""
@@ -447,10 +493,19 @@ class DistributedDiffusionLM(BaseDiffusionLM):
         return list(route)
 
     def shutdown(self) -> None:
-        """Stop the DHT peer and its P2P connection if this client started them (a shared DHT stays up)."""
+        """Stop the DHT peer and its P2P connection if this client started them (a shared DHT stays up, and so does
+        this client's connection to its daemon: closing one connection to a hivemind daemon ends the calls of every
+        other; see :meth:`close_connection`)."""
         if self._own_dht:
             self.loop.run(self.p2p.shutdown(), timeout=5)
             stop_dht(self.dht)
+
+    def close_connection(self) -> None:
+        """Close this client's own connection to a shared DHT's daemon, for its owner to call just before it stops
+        that DHT (nothing may call through the daemon afterwards). Left open, its tasks are destroyed pending at exit:
+        two asyncio tracebacks after a command's one-line error (issue 56)."""
+        if not self._own_dht:
+            self.loop.run(self.p2p.shutdown(), timeout=5)
 
     def __enter__(self) -> "DistributedDiffusionLM":
         return self

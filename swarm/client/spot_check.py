@@ -48,11 +48,13 @@ from swarm.adapters.block import BlockAdapter
 from swarm.client.config import ClientConfig
 from swarm.client.failover import RetriesExhausted
 from swarm.client.peers import PeerHealth
+from swarm.client.receipts import ReceiptBook
 from swarm.client.reference import LOCAL, LocalReference
 from swarm.diffusion.pipeline import CacheDirective
 from swarm.diffusion.prediction import HeadQuery, exact_columns, predict_from_hidden
 from swarm.utils.errors import SwarmError
 from swarm.utils.event_loop import BackgroundLoop
+from swarm.wire.evidence import CallEvidence
 from swarm.wire.messages import ForwardRequest, RemoteError
 from swarm.wire.remote import RemoteCaller
 
@@ -64,6 +66,7 @@ logger = logging.getLogger(__name__)
 UNRESOLVED = "unresolved"
 NO_CHECKER = "no_checker"
 OWN_HIDDEN_STATES = "its predictions contradict its own hidden states"
+MAX_PROOFS = 64
 
 
 class UnverifiedResultError(RetriesExhausted):
@@ -185,6 +188,8 @@ class SpotChecker:
         self.reference: Optional[LocalReference] = None
         self.reference_only = False
         self.unchecked = 0  # hops drawn for a check that nobody could check, since the last reset (per request)
+        self.receipts: Optional[ReceiptBook] = None  # the calls' receipts: a lie found on one becomes a proof
+        self.proofs: list[CallEvidence] = []  # every wrong answer caught on a signed call (bounded)
 
     def reset(self) -> None:
         """Before a request: forget earlier generations' fill inputs and unchecked hops."""
@@ -233,15 +238,20 @@ class SpotChecker:
     def _checkers(self, request: ForwardRequest, primary: str,
                   head: Optional[HeadQuery]) -> list[tuple[str, bool]]:
         """Who may check, and whether each answers a head query: holders of the blocks; for a head hop head servers
-        first, then (when this client can score hidden states) replicas without the head."""
+        first, then (when this client can score hidden states) replicas without the head. Only live holders: those
+        that answered this client's ping since their last failure (the route's refresh pings the others). A dead
+        replica's record outlives it, and a check drawn every few steps dialled it again after each ban ran out."""
         avoid = frozenset({primary})
-        with_head = self.holders(request.start, request.end, avoid, head is not None, request.adapter)
+        with_head = self._live(self.holders(request.start, request.end, avoid, head is not None, request.adapter))
         checkers = [(peer, head is not None) for peer in with_head]
         if head is None or self.load_head is None:
             return checkers
-        return checkers + [(peer, False) for peer in self.holders(request.start, request.end, avoid, False,
-                                                                  request.adapter)
+        return checkers + [(peer, False) for peer in self._live(self.holders(request.start, request.end, avoid, False,
+                                                                             request.adapter))
                            if peer not in with_head]
+
+    def _live(self, peers: list[str]) -> list[str]:
+        return [peer for peer in peers if self.health.measured(peer)]
 
     def _answer(self, peer: str, request: ForwardRequest, head: Optional[HeadQuery],
                 holds_head: bool) -> Optional[torch.Tensor]:
@@ -321,7 +331,19 @@ class SpotChecker:
         for liar in liars:
             reason = f"spot check: returned wrong results for blocks {request.start}:{request.end}"
             self.health.distrust(liar, f"{reason} ({note})" if note else reason)
+        if primary in liars:
+            self._prove(request, primary)
         return answers[winner]
+
+    def _prove(self, request: ForwardRequest, primary: str) -> None:
+        """Keep the checked call, with its receipt, as a proof anyone holding the blocks can recompute."""
+        call = self.receipts.for_request(request) if self.receipts is not None else None
+        evidence = self.receipts.evidence(call) if call is not None and call.peer_id == primary else None
+        if evidence is None:
+            return
+        self.proofs.append(evidence)
+        del self.proofs[:-MAX_PROOFS]
+        logger.warning("kept the signed wrong answer of %s as a proof (DistributedDiffusionLM.proofs)", primary)
 
     def _against_reference(self, request: ForwardRequest, primary: str, output: torch.Tensor) -> torch.Tensor:
         """Compare ``primary``'s answer with this process's own recomputation: a disagreement distrusts it, and the
@@ -339,6 +361,7 @@ class SpotChecker:
         self._record(request, primary, [LOCAL], "primary_faulty", note)
         self.health.distrust(primary, f"spot check: returned wrong results for blocks {request.start}:{request.end} "
                                       f"({note})")
+        self._prove(request, primary)
         return expected
 
     def _no_checker(self, request: ForwardRequest, primary: str, output: torch.Tensor, note: str = "") -> torch.Tensor:

@@ -30,6 +30,7 @@ from functools import cached_property
 from typing import Any, Iterable, Optional
 
 from swarm.dht.config import MAX_AUDIT_LIFETIME, MAX_OWNED_LIFETIME
+from swarm.dht.stamp import required_bits
 from swarm.dht.validation import ENTRY_OVERHEAD_BYTES, MAX_KEY_BYTES, OWNED, SLOT, KeyPolicy
 from swarm.utils.errors import SwarmError
 
@@ -40,6 +41,7 @@ PARTS: dict[str, str] = {
     "name": r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}",
     "sha256": r"[0-9a-f]{64}",
     "auditor": r"[A-Za-z0-9+/]{43}=",  # an Ed25519 public key, base64
+    "signer": r"[0-9a-f]{16}",  # an Ed25519 key's id (swarm.dht.validation.signer_id): what NAME@PUBLISHER names
 }
 # The room a subkey of each kind takes in a reply: an owner subkey is a peer id and an RSA public key (a 2048-bit key
 # takes about 430 bytes, a 4096-bit one about 780).
@@ -69,7 +71,8 @@ class KeyFamily:
     max_subkeys: int  # entries one storing peer keeps under one key
     max_lifetime: float  # seconds ahead an entry may expire
     trust: str = ANY
-    signer_part: Optional[str] = None  # the part naming the one Ed25519 key whose slot the key takes
+    signer_part: Optional[str] = None  # the part naming the one Ed25519 key whose slot the key takes (or its id)
+    stamped: bool = False  # a shared list: each slot carries a work stamp (swarm.dht.stamp)
 
     @cached_property
     def pattern(self) -> re.Pattern:
@@ -96,14 +99,17 @@ class KeyFamily:
         parts = self.parts(key)
         if parts is None:
             raise KeyPartError(f"{key!r} is no {self.label} key ({self.template})")
-        signers, count = None, self.max_subkeys
-        if self.signer_part is not None:
+        signers, signer_id, count = None, None, self.max_subkeys
+        if self.signer_part == "signer":
+            signer_id, count = parts["signer"], 1
+        elif self.signer_part is not None:
             signers, count = frozenset({parts[self.signer_part]}), 1
         elif self.trust == ONLY and trusted:
             signers, count = frozenset(trusted), min(len(trusted), self.max_subkeys)
         return KeyPolicy(key, self.kind, self.max_value_bytes, count, signers, self.max_lifetime,
                          trusted=frozenset(trusted) if self.trust == PREFER else frozenset(),
-                         max_subkey_bytes=SUBKEY_ROOM[self.kind])
+                         max_subkey_bytes=SUBKEY_ROOM[self.kind], signer_id=signer_id,
+                         stamp_bits=required_bits() if self.stamped else 0)
 
 
 FAMILIES: list[KeyFamily] = []
@@ -115,12 +121,12 @@ def entries_fit(kind: str, max_value_bytes: int, max_subkeys: int) -> bool:
 
 
 def declare(label: str, template: str, kind: str, max_value_bytes: int, max_subkeys: int, max_lifetime: float,
-            trust: str = ANY, signer_part: Optional[str] = None) -> KeyFamily:
+            trust: str = ANY, signer_part: Optional[str] = None, stamped: bool = False) -> KeyFamily:
     """Declare a key family (once, in this module); ValueError for one whose full entries would not fit a reply."""
     if not entries_fit(kind, max_value_bytes, max_subkeys):
         raise ValueError(f"{label}: {max_subkeys} entries of {max_value_bytes} bytes exceed one key's "
                          f"{MAX_KEY_BYTES} bytes")
-    family = KeyFamily(label, template, kind, max_value_bytes, max_subkeys, max_lifetime, trust, signer_part)
+    family = KeyFamily(label, template, kind, max_value_bytes, max_subkeys, max_lifetime, trust, signer_part, stamped)
     FAMILIES.append(family)
     return family
 
@@ -130,22 +136,41 @@ def declare(label: str, template: str, kind: str, max_value_bytes: int, max_subk
 BLOCK = declare("block", "{prefix}.{block}", OWNED, 6 * 1024, 32, MAX_OWNED_LIFETIME)
 # Each expert-hosting server's list of experts (swarm.dht.schema).
 EXPERTS = declare("expert index", "{prefix}.experts", OWNED, 6 * 1024, 32, MAX_OWNED_LIFETIME)
-# Signed halt / resume decisions (swarm.governance.records): a reason is cut to 512 characters.
+# Signed halt / resume decisions (swarm.governance.records): a reason is cut to 512 characters. Each key's decisions
+# live under its own key (the one slot its key may write, whatever the storing peer trusts); the shared key, where a
+# peer that trusts no key keeps the first slots that came, is written too, for readers before issue 55.
 GOVERNANCE = declare("governance", "{prefix}.governance", SLOT, 2 * 1024, 64, DECISION_LIFETIME, trust=ONLY)
+GOVERNANCE_OWN = declare("one key's governance", "{prefix}.governance.{signer}", SLOT, 2 * 1024, 1, DECISION_LIFETIME,
+                         signer_part="signer")
 # One auditor's signed report (swarm.reports.records): the key names the one key that may sign it.
 AUDIT = declare("audit report", "{prefix}.audits.{auditor}", SLOT, 16 * 1024 + 512, 1, MAX_AUDIT_LIFETIME,
                 signer_part="auditor")
-# Each adapter author's list of names (swarm.adapters.sharing): 64 names of 64 characters at most.
-ADAPTER_INDEX = declare("adapter index", "{prefix}.adapters", SLOT, 6 * 1024, 32, NAME_LIFETIME, trust=PREFER)
-# A published adapter: each author's record in its slot (swarm.adapters.sharing).
-ADAPTER_NAME = declare("adapter name", "{prefix}.adapters.{name}", SLOT, 8 * 1024, 24, NAME_LIFETIME, trust=PREFER)
-# Each publisher's list of an adapter name's versions (swarm.adapters.versions): 16 versions in 6 KiB at most.
+# Where a reader needs one signer's entry, the signer's id is part of the key (issue 55): the one slot its key may
+# write, which no flood of other keys can take. The shared keys beside them list who writes (a name's publishers,
+# the authors of a prefix): readers read them through their trust first, then a fair sample (swarm.dht.sample).
+# Each adapter author's list of names (swarm.adapters.sharing): 64 names of 64 characters at most; shared, and its own.
+ADAPTER_INDEX = declare("adapter index", "{prefix}.adapters", SLOT, 6 * 1024, 32, NAME_LIFETIME, trust=PREFER,
+                        stamped=True)
+ADAPTER_INDEX_OWN = declare("one author's adapter index", "{prefix}.adapter-index.{signer}", SLOT, 6 * 1024, 1,
+                            NAME_LIFETIME, signer_part="signer")
+# A published adapter: each author's record in its slot (swarm.adapters.sharing); shared, and its own.
+ADAPTER_NAME = declare("adapter name", "{prefix}.adapters.{name}", SLOT, 8 * 1024, 24, NAME_LIFETIME, trust=PREFER,
+                       stamped=True)
+ADAPTER_NAME_OWN = declare("one author's adapter name", "{prefix}.adapters.{name}@{signer}", SLOT, 8 * 1024, 1,
+                           NAME_LIFETIME, signer_part="signer")
+# Each publisher's list of an adapter name's versions (swarm.adapters.versions): 16 versions in 6 KiB at most. The
+# shared key is read only for lists written before issue 55; publishers write their own.
 ADAPTER_VERSIONS = declare("adapter versions", "{prefix}.adapter-versions.{name}", SLOT, 6 * 1024, 32, NAME_LIFETIME,
-                           trust=PREFER)
+                           trust=PREFER, stamped=True)
+ADAPTER_VERSIONS_OWN = declare("one publisher's adapter versions", "{prefix}.adapter-versions.{name}@{signer}", SLOT,
+                               6 * 1024, 1, NAME_LIFETIME, signer_part="signer")
 # Servers serving an adapter's files, by content hash (swarm.adapters.sharing).
 ADAPTER_HOSTS = declare("adapter hosts", "{prefix}.adapter-hosts.{sha256}", OWNED, 4 * 1024, 32, MAX_OWNED_LIFETIME)
 # A published model name: each publisher's record in its slot (swarm.weights.records).
-WEIGHTS_NAME = declare("model name", "swarm-weights:name:{name}", SLOT, 1024, 64, NAME_LIFETIME, trust=PREFER)
+WEIGHTS_NAME = declare("model name", "swarm-weights:name:{name}", SLOT, 1024, 64, NAME_LIFETIME, trust=PREFER,
+                       stamped=True)
+WEIGHTS_NAME_OWN = declare("one publisher's model name", "swarm-weights:name:{name}@{signer}", SLOT, 1024, 1,
+                           NAME_LIFETIME, signer_part="signer")
 # Peers serving a model id's bytes (swarm.weights.records): a record holds a bitmap of up to 100,000 tensors.
 WEIGHTS_HOSTS = declare("model hosts", "swarm-weights:hosts:{sha256}", OWNED, 16 * 1024, 13, MAX_OWNED_LIFETIME)
 

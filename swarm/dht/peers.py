@@ -41,7 +41,8 @@ def check_peer_multiaddr(text: str, source: str = "--initial-peers") -> str:
     """``text`` if it is a multiaddr hivemind can dial: a transport address, then ``/p2p/<peer id>``.
 
     Checked before any daemon starts, so that ``127.0.0.1:31337`` gets one line naming the flag instead of a
-    daemon's parse error. The peer id itself is left to libp2p (a wrong one means "cannot join").
+    daemon's parse error, and a peer id that is no peer id (a character lost in a copy) gets one line at once instead
+    of a dial that times out. Whether the peer at that address has that id is for libp2p to find (it cannot join).
     """
     transport, separator, peer_id = text.partition("/p2p/")
     if not text.startswith("/") or not separator or not peer_id:
@@ -52,6 +53,12 @@ def check_peer_multiaddr(text: str, source: str = "--initial-peers") -> str:
     except ValueError as error:
         reason = str(error).split(":", 1)[-1].split(" (string:", 1)[0].strip()
         raise ValueError(f"{source}: {text!r} is not a valid multiaddr ({reason}); expected {PEER_EXAMPLE}") from None
+    try:
+        Multiaddr(f"/p2p/{peer_id}")  # base58 of a multihash of the right length
+    except ValueError:
+        raise ValueError(f"{source}: {peer_id!r} in {text!r} is not a peer id (a peer id is base58, 46 characters "
+                         "from Qm or 52 from 12D3KooW, as printed by the bootstrap peer or a server: copy it whole)"
+                         ) from None
     return text
 
 

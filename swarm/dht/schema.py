@@ -31,8 +31,8 @@ from hivemind.utils import get_dht_time
 from swarm.dht import fields
 from swarm.dht.compatibility import CompatibilityTag
 from swarm.dht.config import MAX_AUDIT_LIFETIME, MAX_BLOCKS, MAX_OWNED_LIFETIME  # noqa: F401 (lifetimes read from here)
-from swarm.dht.keys import ADAPTER_INDEX, ADAPTER_VERSIONS, AUDIT, BLOCK, EXPERTS, GOVERNANCE, family_of
-from swarm.dht.validation import KeyPolicy, ProtectedStorage, describe, owner_peer_id
+from swarm.dht.keys import ADAPTER_INDEX, ADAPTER_VERSIONS, AUDIT, BLOCK, EXPERTS, GOVERNANCE, GOVERNANCE_OWN, family_of
+from swarm.dht.validation import KeyPolicy, ProtectedStorage, describe, owner_peer_id, signer_id
 
 logger = logging.getLogger(__name__)
 
@@ -267,7 +267,8 @@ def protected_keys(prefix: str, num_blocks: int = 0, governance_signers: Optiona
     signers = frozenset(governance_signers or ())
     audit_signers = sorted(set(signers) if auditors is None else set(auditors))
     keys = [*(block_key(prefix, block) for block in range(min(num_blocks, MAX_BLOCKS))), expert_index_key(prefix),
-            governance_key(prefix), adapter_index_key(prefix), *(audit_key(prefix, a) for a in audit_signers)]
+            governance_key(prefix), *(GOVERNANCE_OWN.key(prefix=prefix, signer=signer_id(s)) for s in sorted(signers)),
+            adapter_index_key(prefix), *(audit_key(prefix, a) for a in audit_signers)]
     return [family_of(key).policy(key, signers) for key in keys]
 
 

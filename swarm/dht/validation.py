@@ -24,8 +24,10 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
 import logging
 import re
+from collections import OrderedDict
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
@@ -40,6 +42,7 @@ from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils import MSGPackSerializer, get_dht_time
 
 from swarm.dht.identity import peer_id_from_owner_key
+from swarm.dht.stamp import STAMP_FIELD, stamp_refusal
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +60,8 @@ MESSAGE_LIMIT_BYTES = 4 * 1024 * 1024
 KEYS_PER_FIND = 16
 MAX_KEY_BYTES = (MESSAGE_LIMIT_BYTES - 512 * 1024) // KEYS_PER_FIND  # 224 KiB
 MAX_KEY_SUBKEYS = 1024  # also keeps the size check of each store cheap
-MAX_LEARNT_KEYS = 100_000  # keys whose policy a peer learnt from the key their values name
+MAX_READ_KEYS = 4096  # keys whose policy a reader keeps from its reads (least recently read dropped: learnt again)
+HELD_POLICY = "swarm_policy"  # the attribute of a held dictionary naming the policy learnt from its values
 ENTRY_OVERHEAD_BYTES = 16  # an entry's expiration and msgpack framing in a reply
 
 
@@ -130,6 +134,12 @@ def ed25519_public_key(text: str) -> Ed25519PublicKey:
 def ed25519_text(key: Ed25519PrivateKey | Ed25519PublicKey) -> str:
     public = key.public_key() if isinstance(key, Ed25519PrivateKey) else key
     return base64.b64encode(public.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)).decode()
+
+
+def signer_id(public_key_text: str) -> str:
+    """16 hex digits naming an Ed25519 key (sha256 of its raw bytes): short enough to type after ``NAME@``, and the
+    part of a key that only this key may write under (``swarm.dht.keys``); ValueError for a text that is no key."""
+    return hashlib.sha256(ed25519_public_key(public_key_text).public_bytes_raw()).hexdigest()[:16]
 
 
 def slot_subkey(key: Ed25519PrivateKey | Ed25519PublicKey) -> str:
@@ -214,13 +224,19 @@ def describe(dht_key: str, value: dict) -> dict:
     return {**value, KEY_FIELD: dht_key}
 
 
-def described_key(stored: bytes) -> Optional[str]:
-    """The key a stored value names (its hivemind RSA signature stripped), or None for a value that names none."""
+def stored_map(stored: bytes) -> Optional[dict]:
+    """A stored value as the map the swarm stores (its hivemind RSA signature stripped), or None for anything else."""
     try:
         value = MSGPackSerializer.loads(_RSA_SIGNATURE.sub(b"", stored))
     except Exception:  # any bytes arrive from the network; msgpack raises many types
         return None
-    named = value.get(KEY_FIELD) if isinstance(value, dict) else None
+    return value if isinstance(value, dict) else None
+
+
+def described_key(stored: bytes) -> Optional[str]:
+    """The key a stored value names (its hivemind RSA signature stripped), or None for a value that names none."""
+    value = stored_map(stored)
+    named = value.get(KEY_FIELD) if value is not None else None
     return named if isinstance(named, str) and len(named) <= MAX_KEY_NAME_CHARS else None
 
 
@@ -245,6 +261,8 @@ class KeyPolicy:
     max_lifetime: Optional[float] = None  # seconds from now an entry may expire at (None: any)
     trusted: frozenset[str] = frozenset()  # slot keys that get room when the key is full (newest other slot dropped)
     max_subkey_bytes: int = 1024
+    signer_id: Optional[str] = None  # the id (signer_id) of the one key whose slot the key takes, when it names one
+    stamp_bits: int = 0  # the work a new slot's stamp proves (swarm.dht.stamp): shared lists anyone may write
 
     def refusal(self, subkey: Any, value_size: int, sender: Optional[str] = None) -> Optional[str]:
         """Why an entry may not be stored under this key, or None if it may. ``sender``: the peer whose store
@@ -266,7 +284,18 @@ class KeyPolicy:
             return "a subkey that is no signed slot"
         if self.signers is not None and signer not in self.signers:
             return "a slot of a key no process here trusts"
+        if self.signer_id is not None and signer_id(signer) != self.signer_id:
+            return f"a slot of a key other than the one the key names ({self.signer_id})"
         return None
+
+    def work_refusal(self, key_id: bytes, subkey: Any, stored: bytes) -> Optional[str]:
+        """Why a slot's value does not carry the work this key asks of a new entry (:mod:`swarm.dht.stamp`), or
+        None. O(1): one msgpack parse and one sha256."""
+        if self.stamp_bits <= 0:
+            return None
+        value = stored_map(stored)
+        return stamp_refusal(key_id, slot_signer(subkey) or "", value.get(STAMP_FIELD) if value else None,
+                             self.stamp_bits)
 
     def prefers(self, subkey: Any) -> bool:
         """Whether the entry is a slot of a trusted key (room is made for it when the key is full)."""
@@ -287,34 +316,49 @@ class ProtectedStorage(DHTLocalStorage):
     subkeys) and :data:`MAX_KEY_SUBKEYS` subkeys; a store past either is refused, updates of a held subkey within
     them pass. So a flood costs readers at most the room it takes, never the peer's answer.
 
-    A key's policy is known in advance (``policies``: the keys of the prefixes this process serves, by hash) or
-    learnt from the first value that names a key of a declared family (``resolve``, ``swarm.dht.keys.policy_for``;
-    :func:`described_key`): names and digests are computed by readers, so a storing peer cannot list those keys, but
-    every value the swarm stores names its key. Once a key's policy is known, whatever it held that the policy does
-    not allow is dropped (a flood stored while the key looked like anybody's, a regular value that would block every
-    subkey), and a value that names no key or another key is refused there.
+    A key's policy is known in advance (``policies``: the keys of the prefixes this process serves, by hash), learnt
+    by reading (``learn``: a reader knows the keys it reads) or learnt from the first value that names a key of a
+    declared family (``resolve``, ``swarm.dht.keys.policy_for``; :func:`described_key`): names and digests are computed
+    by readers, so a storing peer cannot list those keys, but every value the swarm stores names its key. Once a key's
+    policy is known, whatever it held that the policy does not allow is dropped (a flood stored while the key looked
+    like anybody's, a regular value that would block every subkey), and a value that names no key or another key is
+    refused there.
+
+    A policy learnt from a value is kept *with the key's entries* (an attribute of the held dictionary), not in a table
+    of its own: it lives exactly as long as what it protects, takes no room a flood could fill, and is found in O(1).
+    (A bounded table of learnt keys overflowed: past it a key was forgotten after its store, and one regular value
+    with a year's expiry then hid it.) Keys learnt by reading are kept in a bounded table, least recently read
+    dropped first: a reader learns each key again before every read, so dropping one forgets nothing it relies on.
+    No store scans more than the one key it writes (at most :data:`MAX_KEY_SUBKEYS` entries).
 
     A check at storage rather than a record validator: validators also run on every reply a reader gets, and
     hivemind then drops a peer's whole answer for a key when one entry fails, so one junk entry on a peer that
     knows nothing of the swarm's keys (a bootstrap peer) would hide that peer's honest records from readers too.
     Here only writes are refused: plain subkeys, values that do not name their key, oversized values, owned records
     sent by a peer other than their owner (:data:`STORE_SENDER`) or expiring later than the policy allows, a whole
-    (regular) value replacing the key's dictionary, and a new subkey under a key already holding its maximum (updates
-    of a held subkey pass; a slot of a trusted key takes the place of the newest slot of an untrusted one).
-    Installed on a running node by :func:`protect_storage` (the class of its storages is swapped in place).
+    (regular) value replacing the key's dictionary or naming a swarm key, and a new subkey under a key already holding
+    its maximum (updates of a held subkey pass; a slot of a trusted key takes the place of the newest slot of an
+    untrusted one). Installed on a running node by :func:`protect_storage` (the class of its storages is swapped in
+    place).
     """
 
     policies: dict[bytes, KeyPolicy]
-    learnt: dict[bytes, KeyPolicy]
+    reading: "OrderedDict[bytes, KeyPolicy]"
     resolve: Optional[Callable[[str], Optional[KeyPolicy]]]
 
     def store(self, key: DHTID, value: bytes, expiration_time: float, subkey: Any = None) -> bool:
+        if subkey is not None:
+            return self.store_subkey(key, subkey, value, expiration_time)
         policy = self.policy_of(key.to_bytes())
-        if subkey is None and policy is not None:
+        if policy is not None:
             return self._refuse(policy.name, "a regular value (it would replace every record)")
-        if subkey is None and len(value) > MAX_KEY_BYTES:
-            return self._refuse(key, f"a value of {len(value)} bytes (at most {MAX_KEY_BYTES} per key)")
-        return super().store(key, value, expiration_time, subkey)
+        if isinstance(value, bytes):
+            named = described_key(value)
+            if named is not None and self.resolve is not None and self.resolve(named) is not None:
+                return self._refuse(key, f"a regular value naming the swarm's key {named[:80]!r}")
+            if len(value) > MAX_KEY_BYTES:
+                return self._refuse(key, f"a value of {len(value)} bytes (at most {MAX_KEY_BYTES} per key)")
+        return super().store(key, value, expiration_time)
 
     def store_subkey(self, key: DHTID, subkey: Any, value: bytes, expiration_time: float) -> bool:
         named = described_key(value)
@@ -324,43 +368,54 @@ class ProtectedStorage(DHTLocalStorage):
         if policy is not None:
             reason = (("a value that does not name its key" if named is None else None)
                       or policy.refusal(subkey, len(value), STORE_SENDER.get())
+                      or policy.work_refusal(key.to_bytes(), subkey, value)
                       or self._too_late(expiration_time, policy) or self._make_room(key, subkey, policy))
             if reason is not None:
                 return self._refuse(policy.name, reason)
         reason = self._over_key_bound(key, subkey, value)
         if reason is not None:
             return self._refuse(policy.name if policy is not None else key, reason)
-        return super().store_subkey(key, subkey, value, expiration_time)
+        stored = super().store_subkey(key, subkey, value, expiration_time)
+        held = self._held_dictionary(key)
+        if policy is not None and held is not None:
+            setattr(held, HELD_POLICY, policy)  # the policy lives as long as the entries it protects
+        return stored
 
     def policy_of(self, key_id: bytes) -> Optional[KeyPolicy]:
-        """The policy of a key (by hash) known here, listed or learnt; None for a key that looks like anybody's."""
-        return self.policies.get(key_id) or self.learnt.get(key_id)
+        """The policy of a key (by hash) known here: listed, read, or kept with its entries; None for a key that looks
+        like anybody's. O(1)."""
+        policy = self.policies.get(key_id) or self.reading.get(key_id)
+        if policy is not None:
+            return policy
+        held = self.data.get(DHTID.from_bytes(key_id))  # no expiry sweep: an expired dictionary still names its key
+        return getattr(held.value, HELD_POLICY, None) if held is not None else None
 
     def learn(self, key: str) -> Optional[KeyPolicy]:
         """Learn the policy of ``key``, which this process is about to read (a reader knows the keys it reads): what
         the key holds against it is dropped, and replies of other peers are filtered by it (``swarm.dht.node``)."""
-        return self._policy(DHTID.generate(source=key), key)
+        key_id = DHTID.generate(source=key)
+        policy = self._policy(key_id, key)
+        if policy is not None and key_id.to_bytes() not in self.policies:
+            self.reading[key_id.to_bytes()] = policy
+            self.reading.move_to_end(key_id.to_bytes())
+            while len(self.reading) > MAX_READ_KEYS:
+                self.reading.popitem(last=False)  # learnt again before its next read
+        return policy
 
     def _policy(self, key: DHTID, named: Optional[str]) -> Optional[KeyPolicy]:
-        """The key's policy: known in advance, learnt, or learnt now from the key this value names (then what the key
-        held against it is dropped). A value naming a key of no family under an unknown key has none."""
-        key_bytes = key.to_bytes()
-        policy = self.policy_of(key_bytes)
+        """The key's policy: known, or learnt now from the key this value names (then what the key held against it is
+        dropped). A value naming a key of no family under an unknown key has none."""
+        policy = self.policy_of(key.to_bytes())
         if policy is not None or named is None or self.resolve is None:
             return policy
         policy = self.resolve(named)
-        if policy is None:
-            return None
-        if len(self.learnt) >= MAX_LEARNT_KEYS:  # forget keys no longer held; past that, a key is learnt per store
-            self.learnt = {k: p for k, p in self.learnt.items() if self.get(DHTID.from_bytes(k)) is not None}
-        if len(self.learnt) < MAX_LEARNT_KEYS:
-            self.learnt[key_bytes] = policy
-        self._drop_disallowed(key, policy)
+        if policy is not None:
+            self._drop_disallowed(key, policy)
         return policy
 
     def _drop_disallowed(self, key: DHTID, policy: KeyPolicy) -> None:
         """Drop what ``key`` holds that ``policy`` does not allow, then its newest entries past the policy's count
-        (slots of untrusted keys first)."""
+        (slots of untrusted keys first); the dictionary left keeps the policy."""
         current = self.get(key)
         if current is None:
             return
@@ -369,8 +424,10 @@ class ProtectedStorage(DHTLocalStorage):
             logger.debug("dropped a regular value held under %s", policy.name)
             return
         held = current.value
+        setattr(held, HELD_POLICY, policy)
         dropped = [subkey for subkey, item in held.items()
-                   if described_key(item.value) != policy.name or policy.refusal(subkey, len(item.value)) is not None]
+                   if described_key(item.value) != policy.name or policy.refusal(subkey, len(item.value)) is not None
+                   or policy.work_refusal(key.to_bytes(), subkey, item.value) is not None]
         for subkey in dropped:
             del held[subkey]
         while len(held) > policy.max_subkeys:
@@ -445,7 +502,7 @@ def protect_storage(storages: list[DHTLocalStorage], policies: Mapping[bytes, Ke
     for storage in storages:
         storage.__class__ = ProtectedStorage
         storage.policies = dict(policies)
-        storage.learnt = {}
+        storage.reading = OrderedDict()
         storage.resolve = resolve
 
 

@@ -86,11 +86,11 @@ class GenerationConfig:
 
     gen_length: int = setting(64, "Number of tokens to generate (the prompt plus gen_length must fit the model's "
                                   "context). Hugging Face's max_new_tokens is the same setting.",
-                              flags=("--gen-length", "--max-new-tokens"))
+                              flags=("--gen-length", "--max-new-tokens"), low=1)
     steps: int = setting(64, "Denoising steps, spread evenly over the blocks.",
-                         computed_default="gen_length, one token per step")
+                         computed_default="gen_length, one token per step", low=1)
     block_length: int = setting(32, "Semi-autoregressive block size; blocks are filled left to right.",
-                                computed_default="32 when it divides gen_length, else gen_length")
+                                computed_default="32 when it divides gen_length, else gen_length", low=1)
     temperature: float = setting(0.0, "Gumbel noise scale; 0 is greedy.", low=0.0, high=MAX_TEMPERATURE)
     remasking: str = setting("low_confidence", "Which masked positions are unmasked first.", choices=STRATEGIES)
     threshold: Optional[float] = setting(None, "Unmask every position whose confidence reaches this (Fast-dLLM); "

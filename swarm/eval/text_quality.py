@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Optional, Sequence
 import click
 
 from swarm.cli.options import SwarmCommand, apply_threads, gen_length_option, run_main, setup_logging, threads_option
+from swarm.diffusion.config import MAX_TEMPERATURE
 from swarm.diffusion.remasking import STRATEGIES
 from swarm.models.config import DEFAULT_MODEL
 
@@ -188,7 +189,7 @@ def describe(quality: TextQuality, kind: str = "prose") -> str:
               help="Sampler block length [default: generate's].")
 @click.option("--remasking", type=click.Choice(STRATEGIES), default=None,
               help="Remasking strategy [default: the model's own default, else generate's].")
-@click.option("--temperature", type=click.FloatRange(min=0), default=None,
+@click.option("--temperature", type=click.FloatRange(0, MAX_TEMPERATURE), default=None,
               help="Sampling temperature [default: the model's own default, else greedy].")
 @click.option("--kind", type=click.Choice(["prose", "code"]), default="prose",
               help="Prose prompts (dictionary words, repeats) or Python prompts (code-shaped completions).")

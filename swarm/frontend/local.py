@@ -60,7 +60,8 @@ class DiffusionLM(BaseDiffusionLM):
         with that adapter computes them."""
         if input_ids.dim() == 1:
             input_ids = input_ids[None]
-        mask = attention_mask.to(self.device) if attention_mask is not None else None
+        # True (or 1, as a transformers tokenizer's mask) for real tokens
+        mask = attention_mask.to(self.device).bool() if attention_mask is not None else None
         return self._pass(input_ids.to(self.device), self.load_adapter(adapter), attention_mask=mask)
 
     def batch_invariance(self) -> DeviceInvariance:

@@ -108,6 +108,7 @@ def _decision_command(action: str):
     @click.option("--governance-key", "trusted", multiple=True, help=TRUSTED_HELP)
     @network_options
     def command(key_path: str, reason: str, dht_prefix: str, trusted: tuple[str, ...], **options) -> None:
+        network = _network(options)  # a malformed peer is refused before hivemind loads
         from swarm.dht.node import start_dht, stop_dht
         from swarm.dht.schema import protected_keys
         from swarm.governance.keys import public_key_text, public_keys_from_env
@@ -116,7 +117,7 @@ def _decision_command(action: str):
         key = _private_key(key_path)
         others = _parse_keys(trusted or tuple(public_keys_from_env()))
         signers = [public_key_text(k) for k in [key, *others]]
-        dht = start_dht(_network(options), protect=protected_keys(dht_prefix, governance_signers=signers))
+        dht = start_dht(network, protect=protected_keys(dht_prefix, governance_signers=signers))
         try:
             decision = publish(dht, key, dht_prefix, action, reason, trusted=others)
         finally:
@@ -150,6 +151,7 @@ def status(keys: tuple[str, ...], dht_prefix: str, **options) -> None:
     """Print whether the swarm is halted according to records signed by the given keys ("no valid governance
     record" means servers and clients trusting these keys will stop after --governance-stale-after seconds:
     publish a resume)."""
+    network = _network(options)  # a malformed peer is refused before hivemind loads
     from swarm.dht.node import start_dht, stop_dht
     from swarm.dht.schema import protected_keys
     from swarm.governance.keys import public_key_text
@@ -158,7 +160,7 @@ def status(keys: tuple[str, ...], dht_prefix: str, **options) -> None:
     trusted = _parse_keys(keys)
     state = GovernanceState(dht_prefix, trusted)
     signers = [public_key_text(k) for k in trusted]
-    dht = start_dht(_network(options), protect=protected_keys(dht_prefix, governance_signers=signers))
+    dht = start_dht(network, protect=protected_keys(dht_prefix, governance_signers=signers))
     try:
         decision = state.refresh(dht)
         for pause in STATUS_REREADS:  # a peer that has just joined may not reach the key's holders at once

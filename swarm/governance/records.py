@@ -1,12 +1,15 @@
 """Signed halt / resume decisions on the DHT, and the state they add up to.
 
-Each governance key has one slot under ``{prefix}.governance``: the subkey ``[ed25519:PUBLIC KEY]``
-(``swarm.dht.validation``). Every swarm peer refuses a write to that slot unless that key signed the DHT key,
-the payload and the expiration time, so nobody else can fill the slot, and a replayed value cannot come back
-with a later expiration than it was signed with (a slot keeps the value with the latest expiration). A peer that
-knows the prefix also refuses, under that key, plain subkeys, values over 2 KiB and (when it trusts governance keys)
-the slots of keys it does not trust (``swarm.dht.schema.protected_keys``): the key cannot be flooded past the size of
-a DHT reply on honest peers.
+Each governance key has its own DHT key, ``{prefix}.governance.{KEY ID}`` (16 hex digits of the key's sha256): the one
+slot there is the key's, at every storing peer, whatever it trusts (issue 55: 64 stranger slots under the shared key
+at a peer that trusts no key made it refuse the real halt). Readers read the keys of the signers they trust. Decisions
+are also written to the shared key of readers before issue 55, one slot per key under ``{prefix}.governance``: the
+subkey ``[ed25519:PUBLIC KEY]`` (``swarm.dht.validation``), and readers read it too (decisions written before). Every
+swarm peer refuses a write to a slot unless its key signed the DHT key, the payload and the expiration time, so nobody
+else can fill the slot, and a replayed value cannot come back with a later expiration than it was signed with (a slot
+keeps the value with the latest expiration). A peer that knows the prefix also refuses, under that key, plain subkeys,
+values over 2 KiB and (when it trusts governance keys) the slots of keys it does not trust
+(``swarm.dht.schema.protected_keys``): the key cannot be flooded past the size of a DHT reply on honest peers.
 
 The payload (msgpack) holds action, reason, prefix, timestamp and a sequence number. :func:`publish` reads the
 current decisions and signs a sequence above the newest one. Readers accept only records signed by a key they
@@ -26,8 +29,9 @@ from hivemind.dht import DHT
 from hivemind.utils import MSGPackSerializer, get_dht_time
 
 from swarm.dht import fields
+from swarm.dht.keys import GOVERNANCE_OWN
 from swarm.dht.schema import forget_local_copies, governance_key, read_entries
-from swarm.dht.validation import dht_key_id, sign_slot, slot_signer, slot_subkey, verify_slot
+from swarm.dht.validation import dht_key_id, sign_slot, signer_id, slot_signer, slot_subkey, verify_slot
 from swarm.governance.keys import public_key_text
 from swarm.governance.limits import HALT, MAX_STALE_AFTER, RESUME
 from swarm.utils.errors import EXIT_USAGE, SwarmError
@@ -51,6 +55,11 @@ def check_stale_after(value: float, name: str = "governance_stale_after") -> flo
     if not isinstance(value, (int, float)) or not 0 <= value <= MAX_STALE_AFTER:
         raise ValueError(f"{name} must be 0 (off) or at most {MAX_STALE_AFTER:.0f} seconds, got {value}")
     return value
+
+
+def own_governance_key(prefix: str, signer: str) -> str:
+    """The key only ``signer`` (base64 public key) writes its decisions under."""
+    return GOVERNANCE_OWN.key(prefix=prefix, signer=signer_id(signer))
 
 
 def governance_subkey(key: Ed25519PrivateKey | Ed25519PublicKey) -> str:
@@ -82,24 +91,28 @@ class UntrustedRecord(SwarmError, ValueError):
 
 
 def sign_decision(key: Ed25519PrivateKey, prefix: str, action: str, reason: str, sequence: int, expiration: float,
-                  timestamp: Optional[float] = None) -> dict:
-    """The value to store in ``key``'s slot with exactly ``expiration`` (the signature covers it)."""
+                  timestamp: Optional[float] = None, dht_key: Optional[str] = None) -> dict:
+    """The value to store in ``key``'s slot with exactly ``expiration`` (the signature covers it) under ``dht_key``
+    (default: the shared governance key)."""
     if action not in (HALT, RESUME):
         raise ValueError(f"action must be {HALT!r} or {RESUME!r}")
     if len(reason) > MAX_REASON_CHARS:
         raise ValueError(f"the reason must be at most {MAX_REASON_CHARS} characters")
     body = {"action": action, "reason": reason, "prefix": prefix, "sequence": int(sequence),
             "timestamp": time.time() if timestamp is None else float(timestamp)}
-    return sign_slot(key, governance_key(prefix), MSGPackSerializer.dumps(body), expiration)
+    return sign_slot(key, dht_key or governance_key(prefix), MSGPackSerializer.dumps(body), expiration)
 
 
 def parse_decision(prefix: str, subkey: Any, value: Any, expiration: float,
-                   trusted: Mapping[str, Ed25519PublicKey]) -> Decision:
-    """The decision a stored record carries; ValueError (:class:`UntrustedRecord` if not ours) saying why not."""
+                   trusted: Mapping[str, Ed25519PublicKey], dht_key: Optional[str] = None) -> Decision:
+    """The decision a stored record carries under ``dht_key`` (default: the shared key); ValueError
+    (:class:`UntrustedRecord` if not ours) saying why not."""
     signer = slot_signer(subkey)
     if signer is None or signer not in trusted:
         raise UntrustedRecord(f"not a slot of a trusted key: {str(subkey)[:40]!r}")
-    payload = verify_slot(dht_key_id(governance_key(prefix)), subkey, value, expiration)
+    if dht_key is not None and dht_key not in (governance_key(prefix), own_governance_key(prefix, signer)):
+        raise UntrustedRecord(f"a slot of {signer[:12]}... under another key's governance key")
+    payload = verify_slot(dht_key_id(dht_key or governance_key(prefix)), subkey, value, expiration)
     try:
         body = MSGPackSerializer.loads(payload)
         if not isinstance(body, dict):
@@ -120,22 +133,26 @@ def parse_decision(prefix: str, subkey: Any, value: Any, expiration: float,
     return decision
 
 
-def _stored_records(dht: DHT, prefix: str) -> list[tuple[Any, Any, float]]:
-    """(subkey, value, expiration) of every entry under the governance key, valid or not."""
-    key = governance_key(prefix)
-    entries = read_entries(dht, [key]).get(key, {})
-    return [(subkey, value, expiration) for subkey, (value, expiration) in entries.items()]
+def _stored_records(dht: DHT, prefix: str, signers: Iterable[str]) -> list[tuple[str, Any, Any, float]]:
+    """(key, subkey, value, expiration) of every entry under the shared governance key and the own keys of
+    ``signers`` (base64), valid or not: one read."""
+    keys = [governance_key(prefix), *(own_governance_key(prefix, signer) for signer in sorted(signers))]
+    return [(key, subkey, value, expiration) for key, entries in read_entries(dht, keys).items()
+            for subkey, (value, expiration) in entries.items()]
 
 
 def read_decisions(dht: DHT, prefix: str, trusted: Mapping[str, Ed25519PublicKey]) -> list[tuple[Decision, float]]:
-    """Every valid decision by a trusted key, with the expiration it was stored with."""
-    decisions = []
-    for subkey, value, expiration in _stored_records(dht, prefix):
+    """Every valid decision by a trusted key, once (a decision is stored under its key's own key and the shared one),
+    with the latest expiration it was stored with."""
+    decisions: dict[Decision, float] = {}
+    for key, subkey, value, expiration in _stored_records(dht, prefix, trusted):
         try:
-            decisions.append((parse_decision(prefix, subkey, value, expiration, trusted), expiration))
+            decision = parse_decision(prefix, subkey, value, expiration, trusted, key)
         except ValueError as error:
             logger.debug("ignoring a governance record: %s", error)
-    return decisions
+            continue
+        decisions[decision] = max(expiration, decisions.get(decision, expiration))
+    return list(decisions.items())
 
 
 def publish(dht: DHT, key: Ed25519PrivateKey, prefix: str, action: str, reason: str,
@@ -154,13 +171,16 @@ def publish(dht: DHT, key: Ed25519PrivateKey, prefix: str, action: str, reason: 
     sequence = max([d.sequence + 1 for d, _ in current] + [int(time.time() * 1000)])
     # The slot keeps the value with the latest expiration: ours must be later than the one it replaces.
     expiration = max([get_dht_time() + RECORD_LIFETIME] + [e + 1.0 for d, e in current if d.signer == own])
-    value = sign_decision(key, prefix, action, reason, sequence, expiration, timestamp)
-    decision = parse_decision(prefix, governance_subkey(key), value, expiration, keys)
+    own_key = own_governance_key(prefix, own)
+    timestamp = time.time() if timestamp is None else timestamp
+    value = sign_decision(key, prefix, action, reason, sequence, expiration, timestamp, own_key)
+    shared = sign_decision(key, prefix, action, reason, sequence, expiration, timestamp)  # for readers before issue 55
+    decision = parse_decision(prefix, governance_subkey(key), value, expiration, keys, own_key)
     stored, deadline = False, time.monotonic() + read_back_seconds
     for attempt in itertools.count():
-        stored = dht.store(governance_key(prefix), value, expiration_time=expiration,
-                           subkey=governance_subkey(key)) or stored
-        forget_local_copies(dht, [governance_key(prefix)])  # what readers get, not this peer's own copy
+        stored = dht.store(own_key, value, expiration_time=expiration, subkey=governance_subkey(key)) or stored
+        dht.store(governance_key(prefix), shared, expiration_time=expiration, subkey=governance_subkey(key))
+        forget_local_copies(dht, [own_key, governance_key(prefix)])  # what readers get, not this peer's own copy
         read = read_decisions(dht, prefix, {own: key.public_key()})
         if any(found == decision for found, _ in read):
             if not stored:
@@ -197,19 +217,20 @@ class GovernanceState:
     def halted(self) -> bool:
         return self.current is not None and self.current.halted
 
-    def parse(self, subkey: Any, value: Any, expiration: float) -> Optional[Decision]:
-        """The valid trusted decision a stored record carries, or None (never raises: records are remote input)."""
+    def parse(self, subkey: Any, value: Any, expiration: float, dht_key: Optional[str] = None) -> Optional[Decision]:
+        """The valid trusted decision a record stored under ``dht_key`` (default: the shared key) carries, or None
+        (never raises: records are remote input)."""
         try:
-            return parse_decision(self.prefix, subkey, value, expiration, self.trusted)
+            return parse_decision(self.prefix, subkey, value, expiration, self.trusted, dht_key)
         except UntrustedRecord as error:
             logger.debug("ignoring a governance record: %s", error)
         except Exception as error:  # ValueError for what it says; anything else is junk all the same
             self._warn_once(f"ignoring an invalid governance record: {str(error)[:200]}")
         return None
 
-    def consider(self, subkey: Any, value: Any, expiration: float) -> Optional[Decision]:
+    def consider(self, subkey: Any, value: Any, expiration: float, dht_key: Optional[str] = None) -> Optional[Decision]:
         """Check one stored record; adopt it if valid and it outranks the current decision."""
-        decision = self.parse(subkey, value, expiration)
+        decision = self.parse(subkey, value, expiration, dht_key)
         if decision is None:
             return None
         self.seen_at = time.monotonic()
@@ -221,11 +242,12 @@ class GovernanceState:
         return decision
 
     def refresh(self, dht: DHT) -> Optional[Decision]:
-        """Read every record under the governance key and adopt the highest-ranked valid one."""
+        """Read every record under the governance keys of the trusted signers (and the shared one) and adopt the
+        highest-ranked valid one."""
         if not self.enabled:
             return None
-        for subkey, value, expiration in _stored_records(dht, self.prefix):
-            self.consider(subkey, value, expiration)
+        for key, subkey, value, expiration in _stored_records(dht, self.prefix, self.trusted):
+            self.consider(subkey, value, expiration, key)
         return self.current
 
     def _warn_once(self, message: str) -> None:

@@ -71,9 +71,16 @@ def read_map(network: NetworkConfig, prefix: str, num_blocks: int, auditors: tup
         dht = start_dht(network, protect=protected_keys(prefix, num_blocks, auditors=auditors))  # warns of lost replies
     except Exception as error:  # hivemind raises daemon, timeout and parse errors alike; all mean "cannot join"
         raise UnreachableSwarm(f"could not join the swarm: {error}") from error
+    from swarm.utils.event_loop import BackgroundLoop
+    from swarm.wire.remote import RemoteCaller
+
+    loop = BackgroundLoop.shared()
+    caller = RemoteCaller(loop.run(dht.replicate_p2p()))  # the probes' connection: closed before the DHT stops
     try:
-        return read_health_map(dht, prefix, num_blocks, adapters=True, auditors=auditors, usage=usage)
+        return read_health_map(dht, prefix, num_blocks, adapters=True, auditors=auditors, usage=usage,
+                               probe_with=caller)
     finally:
+        loop.run(caller.p2p.shutdown(), timeout=5)
         dht.shutdown()
 
 
@@ -81,11 +88,10 @@ def serve_page(network: NetworkConfig, prefix: str, num_blocks: int, host: str, 
                auditors: tuple[str, ...] = ()) -> None:
     """``--serve``: the live map page (docs/WEB.md) until SIGINT / SIGTERM; prints ``MAP READY <url>``. The page
     shows the reports of ``auditors`` (base64 keys)."""
-    try:
-        from swarm.web.server import listen, serve_map
-        from swarm.web.watcher import own_access
-    except ImportError as error:
-        raise click.UsageError(f"--serve needs fastapi and uvicorn (pip install 'diffusion-swarm[api]'): {error}")
+    import uvicorn  # noqa: F401 (imported where it serves; here a missing one is named before the swarm is joined)
+
+    from swarm.web.server import listen, serve_map  # FastAPI too
+    from swarm.web.watcher import own_access
     try:
         sock = listen(host, port)
     except OSError as error:
@@ -112,9 +118,9 @@ def serve_page(network: NetworkConfig, prefix: str, num_blocks: int, host: str, 
                    "Default: the governance keys ($SWARM_GOVERNANCE_KEYS); 'none' shows no audit.")
 @click.option("--usage", is_flag=True, help="Also ask each online server what it computed for its callers "
               "(rpc_info: tokens, compute seconds, requests, callers, its --max-share-per-caller and refusals, the "
-              "heaviest callers): one call per server, 5 s at most each.")
+              "heaviest callers), from the call that checks it answers (3 s at most each).")
 @click.option("--serve", is_flag=True, help="Serve the live map as a web page (/map, its data at /map.json) until "
-              "interrupted, instead of printing it once. Needs fastapi and uvicorn (the 'api' extra).")
+              "interrupted, instead of printing it once.")
 @click.option("--host", default="127.0.0.1", help="With --serve: address to listen on; 0.0.0.0 accepts other "
               "machines.")
 @click.option("--port", type=click.IntRange(0, 65535), default=8100,
@@ -127,6 +133,7 @@ def main(model: Optional[str], dht_prefix: Optional[str], num_blocks: Optional[i
     """Show which servers serve which blocks of a model, which blocks no online server holds, and each server's
     latest check by a trusted auditor (and, with --usage, what each server computed for its callers)."""
     setup_logging(log_level)
+    network = client_network(options)  # a malformed peer is refused before a model's config is read
     prefix, num_blocks = resolve_target(model, dht_prefix, num_blocks)
     from swarm.reports.records import trusted_auditors as auditor_keys
 
@@ -135,9 +142,9 @@ def main(model: Optional[str], dht_prefix: Optional[str], num_blocks: Optional[i
     except ValueError as error:
         raise click.BadParameter(str(error), param_hint="--trusted-auditors") from None
     if serve:
-        serve_page(client_network(options), prefix, num_blocks, host, port, log_level, auditors)
+        serve_page(network, prefix, num_blocks, host, port, log_level, auditors)
         return
-    health = read_map(client_network(options), prefix, num_blocks, auditors, usage)
+    health = read_map(network, prefix, num_blocks, auditors, usage)
     from swarm.health.render import render_text
 
     click.echo(json.dumps(health.to_json(), indent=2) if as_json else render_text(health))

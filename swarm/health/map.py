@@ -3,11 +3,15 @@
 Built in two steps so that the arithmetic is testable without a network: :func:`read_health_map` reads the
 DHT records, :func:`build_health_map` turns any set of :class:`ServerRecord` into a :class:`HealthMap`.
 Only ONLINE servers count towards coverage: a JOINING server cannot take requests yet and an OFFLINE one
-announced that it left, but both are still listed so that an operator sees them.
+announced that it left, but both are still listed so that an operator sees them. A server's record outlives the
+server (it expires after a while), so the map also asks every online server it shows, as a client does before routing
+to it (``rpc_info``, a few seconds at most): one that does not answer is listed "unreachable since ..." and does not
+count either, so that the map and the client agree within seconds of a server's death (issue 56).
 """
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable, Mapping, Optional
 
@@ -18,6 +22,7 @@ from swarm.health.reachability import reachability
 
 if TYPE_CHECKING:
     from swarm.reports.records import AuditBook
+    from swarm.wire.remote import RemoteCaller
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +54,14 @@ class HealthMap:
     # per online server peer id, what it says it computed for its callers (``swarm.server.usage.parse_usage``, None
     # when it did not answer); None when not asked for (``--usage``)
     usage: Optional[dict[str, Optional[dict[str, Any]]]] = None
+    # per online server that did not answer the map's probe, since when (epoch seconds): not counted as serving
+    unreachable: dict[str, float] = field(default_factory=dict)
+
+    def mark_unreachable(self, since: Mapping[str, float]) -> None:
+        """Servers that did not answer a probe (peer id -> since when): listed, no longer counted as serving."""
+        self.unreachable = {peer: when for peer, when in since.items()
+                            if any(record.peer_id == peer for record in self.servers)}
+        self.replicas = count_replicas(self.servers, self.num_blocks, self.unreachable)
 
     @property
     def uncovered(self) -> list[Span]:
@@ -79,6 +92,7 @@ class HealthMap:
             "uncovered": [list(span) for span in self.uncovered],
             "replicas": list(self.replicas),
             "servers": [dict(server_json(record), audit=self.audits.get(record.peer_id),
+                             unreachable_since=self.unreachable.get(record.peer_id),
                              **({"usage": self.usage.get(record.peer_id)} if self.usage is not None else {}))
                         for record in self.servers],
             "experts": {domain: [{"peer_id": a.peer_id, "value": a.value} for a in found]
@@ -125,12 +139,18 @@ def build_health_map(
     """Count online replicas per block; records reaching past ``num_blocks`` are clipped, not trusted."""
     records = list(servers.values()) if isinstance(servers, Mapping) else list(servers)
     records.sort(key=lambda r: (r.start, r.end, r.peer_id))
+    return HealthMap(prefix, num_blocks, records, count_replicas(records, num_blocks), dict(experts or {}))
+
+
+def count_replicas(records: Iterable[ServerRecord], num_blocks: int, unreachable: Iterable[str] = ()) -> list[int]:
+    """Online servers per block, leaving out those that did not answer a probe."""
+    skip = set(unreachable)
     replicas = [0] * num_blocks
     for record in records:
-        if record.state == ServerState.ONLINE:
+        if record.state == ServerState.ONLINE and record.peer_id not in skip:
             for block in range(record.start, min(record.end, num_blocks)):
                 replicas[block] += 1
-    return HealthMap(prefix, num_blocks, records, replicas, dict(experts or {}))
+    return replicas
 
 
 # ----- experts (hook) ---------------------------------------------------------------------------------
@@ -143,17 +163,24 @@ def read_experts(dht: DHT, prefix: str) -> dict[str, list[ExpertAnnouncement]]:
 
 
 def read_adapters(dht: DHT, prefix: str) -> list[dict[str, Any]]:
-    """Published adapters (signed records listed in the adapters index) and the peers serving each now."""
+    """Published adapters (signed records listed in the adapters index) and the peers serving each now; ``withdrawn``
+    when a publisher of any name read withdrew its content (``swarm.adapters.versions``: the content is withdrawn)."""
     from swarm.adapters.sharing import read_catalog  # the sharing module pulls in the adapter code: only if asked
-    from swarm.adapters.versions import read_versions
+    from swarm.adapters.versions import is_withdrawn, read_versions, withdrawals
 
-    adapters, lists = [], {}
-    for record, hosts in read_catalog(dht, prefix):
-        if record.name not in lists:
-            lists[record.name] = {listed.author: listed for listed in read_versions(dht, prefix, record.name)}
+    catalog, authors = read_catalog(dht, prefix), {}
+    for record, _ in catalog:
+        authors.setdefault(record.name, set()).add(record.author_id)
+    lists = {name: {listed.author: listed for listed in read_versions(dht, prefix, name, sorted(ids))}
+             for name, ids in authors.items()}
+    withdrawn = withdrawals(listed for by_author in lists.values() for listed in by_author.values())
+    adapters = []
+    for record, hosts in catalog:
         listed = lists[record.name].get(record.author)
-        versions = [version.to_json() for version in listed.versions] if listed is not None else []
-        adapters.append(dict(record.to_json(), hosts=hosts, versions=versions))
+        versions = [dict(version.to_json(), withdrawn=version.withdrawn or version.sha256 in withdrawn)
+                    for version in listed.versions] if listed is not None else []
+        adapters.append(dict(record.to_json(), hosts=hosts, versions=versions,
+                             withdrawn=is_withdrawn(record, withdrawn)))
     return adapters
 
 
@@ -181,33 +208,33 @@ def audits_of(book: AuditBook, adapters: list[dict[str, Any]] = ()) -> dict[str,
     return {peer: audit_json(latest, peer) for peer in sorted(latest)}
 
 
-MAX_USAGE_SERVERS = 64  # servers asked for their usage counts by one map
+MAX_PROBED_SERVERS = 64  # servers one map asks (rpc_info) whether they answer, and for their usage counts
+PROBE_TIMEOUT = 3.0  # seconds a server has to answer the map's probe (a dead one is refused at once)
 
 
-def read_usage(dht: DHT, servers: Iterable[ServerRecord], timeout: float = 5.0) -> dict[str, Optional[dict]]:
-    """Ask each ONLINE server (at most ``MAX_USAGE_SERVERS``, all at once) for its usage counts (``rpc_info``):
-    per peer id the parsed counts, or None when it did not answer in ``timeout`` or answered nonsense."""
-    from swarm.health.probe import ask_all, usage_of
+def probe_online(caller: RemoteCaller, servers: Iterable[ServerRecord], timeout: float = PROBE_TIMEOUT
+                 ) -> dict[str, Any]:
+    """Ask each ONLINE server (at most ``MAX_PROBED_SERVERS``, all at once) for its ``rpc_info`` through ``caller``,
+    dialling its announced addresses as a client does: per peer id its :class:`~swarm.health.probe.InfoReply`."""
+    from swarm.health.probe import ask_all
     from swarm.utils.event_loop import BackgroundLoop
-    from swarm.wire.remote import RemoteCaller
 
-    online = [record for record in servers if record.state == ServerState.ONLINE][:MAX_USAGE_SERVERS]
+    online = [record for record in servers if record.state == ServerState.ONLINE][:MAX_PROBED_SERVERS]
     if not online:
         return {}
-    loop = BackgroundLoop.shared()
-    caller = RemoteCaller(loop.run(dht.replicate_p2p()))
-    try:
-        replies = loop.run(ask_all(caller, online, timeout), timeout=3 * timeout + 5)
-    finally:
-        loop.run(caller.p2p.shutdown(), timeout=5)
-    return {peer: usage_of(reply.info) for peer, reply in replies.items()}
+    return BackgroundLoop.shared().run(ask_all(caller, online, timeout), timeout=3 * timeout + 5)
 
 
 def read_health_map(dht: DHT, prefix: str, num_blocks: int, adapters: bool = False,
-                    auditors: Iterable[str] = (), usage: bool = False) -> HealthMap:
+                    auditors: Iterable[str] = (), usage: bool = False,
+                    probe_with: Optional[RemoteCaller] = None) -> HealthMap:
     """Read every server record of the model and the expert index from the DHT (two batched reads); with
-    ``adapters``, the published adapters too; with ``auditors``, each server's latest check by one of them; with
-    ``usage``, what each online server says it computed for its callers."""
+    ``adapters``, the published adapters too; with ``auditors``, each server's latest check by one of them. With
+    ``probe_with`` (a caller over ``dht``'s daemon, kept by its owner: closing one connection to a hivemind daemon
+    ends the calls of every other), ask each online server whether it answers, as a client does: those that do not
+    are "unreachable" and not counted; with ``usage`` too, what each says it computed for its callers."""
+    from swarm.health.probe import usage_of
+
     servers = read_servers(dht, prefix, num_blocks)
     experts = read_experts(dht, prefix)
     logger.debug("health map of %s: %d servers, %d expert domains", prefix, len(servers), len(experts))
@@ -215,5 +242,9 @@ def read_health_map(dht: DHT, prefix: str, num_blocks: int, adapters: bool = Fal
     health.adapters = read_adapters(dht, prefix) if adapters else []
     auditors = list(auditors)
     health.audits = read_audits(dht, prefix, auditors, health.adapters) if auditors else {}
-    health.usage = read_usage(dht, health.servers) if usage else None
+    if probe_with is not None:
+        replies = probe_online(probe_with, health.servers)
+        asked_at = time.time()
+        health.mark_unreachable({peer: asked_at for peer, reply in replies.items() if reply.error is not None})
+        health.usage = {peer: usage_of(reply.info) for peer, reply in replies.items()} if usage else None
     return health

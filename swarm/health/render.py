@@ -61,12 +61,19 @@ def usage_lines(health: HealthMap) -> list[str]:
                          "PEER ID"), rows)
 
 
+def state_cell(health: HealthMap, peer_id: str, state: str) -> str:
+    """The announced state, or ``unreachable since 12:04:05 UTC`` for a server that did not answer the map's probe."""
+    since = health.unreachable.get(peer_id)
+    return state if since is None else f"unreachable since {time.strftime('%H:%M:%S', time.gmtime(since))} UTC"
+
+
 def render_text(health: HealthMap) -> str:
     announced = f"{plural(health.num_blocks, 'block')}, {plural(len(health.servers), 'server')} announced"
     lines = [f"Model {health.prefix!r}: {announced}", ""]
     if health.servers:
         rows = [
-            (f"{r.start}:{r.end}" + (" +head" if r.head else ""), r.state.name.lower(), f"{r.throughput:.1f}",
+            (f"{r.start}:{r.end}" + (" +head" if r.head else ""), state_cell(health, r.peer_id, r.state.name.lower()),
+             f"{r.throughput:.1f}",
              r.version or "?",
              r.public_name or "-", "exact" if not r.approximate else f"APPROXIMATE ({r.numerics})",
              reachability(r.addresses), ",".join(r.adapter_kinds) or "-", audit_cell(health.audits.get(r.peer_id)),
@@ -96,4 +103,6 @@ def render_text(health: HealthMap) -> str:
         lines.append(f"OK: every block is served by at least one online server (min {fewest}).")
     else:
         lines.append(f"NOT FULLY SERVED: no online server holds blocks {format_spans(health.uncovered)}.")
+    if health.unreachable:
+        lines.append(f"{plural(len(health.unreachable), 'server')} announced online did not answer: not counted.")
     return "\n".join(lines)

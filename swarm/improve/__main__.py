@@ -6,6 +6,7 @@ Torch and hivemind are imported after the arguments are parsed, so that ``--help
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 
@@ -14,7 +15,7 @@ import click
 from swarm.adapters.kinds import KINDS
 from swarm.cli.options import SwarmCommand, apply_threads, run_main, setup_logging, threads_option
 from swarm.dht.peers import split_peers
-from swarm.improve.config import ImproveConfig
+from swarm.improve.config import FALLBACK_MODEL, ImproveConfig
 from swarm.train.config import TASK_NAMES
 
 D = ImproveConfig  # the defaults
@@ -36,7 +37,9 @@ D = ImproveConfig  # the defaults
                    "same command resumes there (after a kill too).")
 @click.option("--initial-peers", multiple=True, required=True,
               help="Multiaddr of a swarm peer (repeatable): the swarm to train through and publish on.")
-@click.option("--model", default=D.model, help="Embedded model name or checkpoint directory (the frozen base).")
+@click.option("--model", default=None, show_default=False,
+              help="Embedded model name or checkpoint directory (the frozen base). Default: the embedded model the "
+                   f"swarm's servers hold (said at start), else {FALLBACK_MODEL}.")
 @click.option("--dht-prefix", default=None, help="DHT namespace of the model (default: the model directory's name).")
 @click.option("--run-id", default=None,
               help="Train together with every trainer of this run id (hivemind.Optimizer over the DHT).")
@@ -67,6 +70,10 @@ D = ImproveConfig  # the defaults
               help="Seed of the adapter's first values and of the batches (trainers of one run use one seed).")
 @click.option("--request-timeout", type=click.FloatRange(min=1), default=D.request_timeout,
               help="Seconds a call to a server may take.")
+@click.option("--self-prompt", type=click.IntRange(min=0), default=D.self_prompt,
+              help="Self-prompting (expert iteration): before each round after the first, propose this many new "
+                   "problems of --task from the seed examples in --data (a folder), answer them with the adapter so "
+                   "far, and add the answers the task's checker accepts to --data (0: off).")
 @click.option("--local-model", is_flag=True,
               help="Run the whole model here; the swarm then serves only the collaboration and the publishing.")
 @threads_option()
@@ -97,17 +104,20 @@ def run(config: ImproveConfig, key) -> None:
     from swarm.dht.schema import default_prefix, protected_keys
     from swarm.improve.hosting import VersionHost
     from swarm.improve.loop import Improver
-    from swarm.models.loading import ModelFiles
+    from swarm.models.loading import ModelFiles, embedded_models
 
     workdir = Path(config.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    files = ModelFiles(config.model)
-    prefix = config.dht_prefix or default_prefix(files.path)
+    candidates = {name: ModelFiles(name) for name in ([config.model] if config.model else embedded_models())}
+    prefixes = {name: config.dht_prefix or default_prefix(files.path) for name, files in candidates.items()}
     identity = Identity.load_or_create(workdir / "identity.key")  # the same peer id after a restart
     dht = start_dht(NetworkConfig(config.initial_peers, use_default_peers=False), identity=identity,
-                    protect=protected_keys(prefix))
-    lm = improver = None
+                    protect=[key for prefix in prefixes.values() for key in protected_keys(prefix)])
+    lm = improver = host = None
     try:
+        if config.model is None:
+            config = dataclasses.replace(config, model=model_of_swarm(dht, candidates, prefixes))
+        files, prefix = candidates[config.model], prefixes[config.model]
         if config.local_model:
             from swarm.frontend.local import DiffusionLM
 
@@ -124,10 +134,31 @@ def run(config: ImproveConfig, key) -> None:
         try:
             if improver is not None:
                 improver.close()
+            if host is not None:  # also when the improver failed to start (it closes the host it got)
+                host.close()
+            if lm is not None and hasattr(lm, "close_connection"):  # the DHT stops next: no call follows
+                lm.close_connection()
             if lm is not None and hasattr(lm, "shutdown"):
                 lm.shutdown()
         finally:
             stop_dht(dht)
+
+
+def model_of_swarm(dht, candidates: dict, prefixes: dict[str, str]) -> str:
+    """The embedded model the swarm's servers hold (said on stderr, with how to choose another)."""
+    from swarm.dht.served import choose_served, served_blocks
+
+    sizes = {name: files.config.num_layers for name, files in candidates.items()}
+    served = served_blocks(dht, {name: (prefixes[name], sizes[name]) for name in candidates})
+    chosen = choose_served(served, sizes, FALLBACK_MODEL)
+    if chosen is None:
+        click.echo(f"model: {FALLBACK_MODEL} (no server of an embedded model was found on the swarm; --model to "
+                   "choose)", err=True)
+        return FALLBACK_MODEL
+    others = sorted(name for name, blocks in served.items() if blocks and name != chosen)
+    also = f"; it also serves {', '.join(others)}" if others else ""
+    click.echo(f"model: {chosen} (the embedded model the swarm's servers hold{also}; --model to choose)", err=True)
+    return chosen
 
 
 if __name__ == "__main__":

@@ -2,9 +2,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Optional
 
 from swarm.adapters.kinds import LORA
+
+FALLBACK_MODEL = "addition"  # without --model, when the swarm serves no embedded model (or several, preferred)
 
 
 @dataclass
@@ -14,7 +17,7 @@ class ImproveConfig:
     name: str  # the adapter name versions are published under
     key_path: str  # the publisher's Ed25519 private key
     workdir: str  # the adapter, the run's state and the kept versions
-    model: str = "addition"
+    model: Optional[str] = None  # None: the embedded model the swarm serves (else FALLBACK_MODEL), said at start
     dht_prefix: Optional[str] = None
     initial_peers: list[str] = field(default_factory=list)
     run_id: Optional[str] = None  # train together with every trainer of this run id (hivemind.Optimizer)
@@ -37,6 +40,7 @@ class ImproveConfig:
     request_timeout: float = 30.0
     host_lifetime: float = 3600.0  # seconds the announcement that this trainer serves its versions' files lives
     local_model: bool = False  # run the whole model here (the swarm then serves only the collaboration)
+    self_prompt: int = 0  # problems proposed per round by self-prompting (0: off); --data is then the seeds' folder
 
     def validate(self) -> None:
         from swarm.train.config import TASK_NAMES
@@ -47,3 +51,8 @@ class ImproveConfig:
             raise ValueError("--keep: 1-16 versions")
         if self.round_steps < 1 or self.held_out < 1 or self.rounds < 0:
             raise ValueError("--round-steps and --held-out must be positive, --rounds at least 0")
+        if self.self_prompt < 0:
+            raise ValueError("--self-prompt must be at least 0")
+        if self.self_prompt and not Path(self.data).is_dir():
+            raise ValueError(f"--self-prompt writes the accepted answers into --data: {self.data} must be a folder "
+                             "(holding the seed examples)")

@@ -30,6 +30,7 @@ from typing import Any, Optional, Union
 import click
 
 from swarm.cli.options import run_main, setup_logging
+from swarm.utils.extras import install_hint
 from swarm.utils.forkserver import ForkedProcess
 
 logger = logging.getLogger(__name__)
@@ -157,6 +158,9 @@ def run_demo(output: Path, rounds: int, round_steps: int, held_out: int, audit_e
     from swarm.train.data import TaggedAdditionTask
     from swarm.utils.local_swarm import LocalSwarm
 
+    # A private swarm of this machine's own processes: nobody to price out of the shared lists, while the default
+    # stamp (swarm.dht.stamp) would cost each trainer's first publish about a minute.
+    os.environ.setdefault("SWARM_STAMP_BITS", "16")
     output.mkdir(parents=True, exist_ok=True)
     work = output / "work"
     data = work / "data"
@@ -214,7 +218,7 @@ def run_demo(output: Path, rounds: int, round_steps: int, held_out: int, audit_e
             client.shutdown()
         finally:
             stop(list(trainers.values()))
-    write_outputs(output, rows)
+    click.echo(write_outputs(output, rows))  # what was written, and the install line of a plot that was not
     return rows
 
 
@@ -233,9 +237,10 @@ def short(reference: str, keys: dict[str, Any]) -> str:
 def newest_versions(client, keys: dict[str, Any]) -> tuple[dict[str, str], dict[str, Optional[float]]]:
     """Each trainer's newest live version of the name, and the auditor's latest score of it."""
     from swarm.adapters.versions import read_versions
-    from swarm.dht.validation import ed25519_text
+    from swarm.dht.validation import ed25519_text, signer_id
 
-    lists = {listed.author: listed for listed in read_versions(client.dht, client.prefix, NAME)}
+    authors = [signer_id(ed25519_text(key)) for key in keys.values()]
+    lists = {listed.author: listed for listed in read_versions(client.dht, client.prefix, NAME, authors)}
     scores = client.planner.audits.adapter_scores()
     newest, audited = {}, {}
     for label, key in keys.items():
@@ -273,14 +278,17 @@ def wait_for_round(trainers: dict[str, Process], work: Path, number: int, timeou
         time.sleep(0.25)  # a round's end is a file written: read it soon after
 
 
-def write_outputs(output: Path, rows: list[Row]) -> None:
+def write_outputs(output: Path, rows: list[Row]) -> str:
+    """Write the table (Markdown, JSON) and, with matplotlib, the plot; says what was written (and what was not)."""
     table = "\n".join([HEADER, *(row.line() for row in rows)]) + "\n"
-    (output / "improve_demo.md").write_text(table)
-    (output / "improve_demo.json").write_text(json.dumps([asdict(row) for row in rows], indent=1))
+    written = [output / "improve_demo.md", output / "improve_demo.json"]
+    written[0].write_text(table)
+    written[1].write_text(json.dumps([asdict(row) for row in rows], indent=1))
     try:
         plot(rows, output / "improve_demo.png")
-    except ImportError:
-        logger.warning("matplotlib is not installed (pip install -e .[plot]): no plot written")
+    except ImportError:  # the plot extra is optional: the table is the result, the plot a picture of it
+        return f"wrote {', '.join(map(str, written))}; no plot (matplotlib is not installed: {install_hint('plot')})"
+    return f"wrote {', '.join(map(str, [*written, output / 'improve_demo.png']))}"
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
@@ -309,7 +317,7 @@ def main(output: str, log_level: str, **options) -> None:
     rows = run_demo(Path(output), **options)
     rise = rows[-1].client_score - rows[0].client_score
     click.echo(f"client's held-out score {rows[0].client_score:.2f} -> {rows[-1].client_score:.2f} ({rise:+.2f}) "
-               f"in {len(rows) - 1} rounds, {time.perf_counter() - started:.0f} s; table and plot in {output}")
+               f"in {len(rows) - 1} rounds, {time.perf_counter() - started:.0f} s")
 
 
 if __name__ == "__main__":

@@ -50,4 +50,13 @@ class VersionHost:
             logger.warning("the swarm did not take the announcement of this trainer's versions")
 
     def close(self) -> None:
-        self.loop.run(self.handler.remove_p2p_handlers(self.p2p))
+        """Stop serving and close this host's own connection to the P2P daemon (its tasks would otherwise be
+        destroyed pending at exit, with a traceback each); a second call does nothing. For the end of a run only:
+        closing one connection to a hivemind daemon ends the calls of every other over it."""
+        if self.p2p is None:
+            return
+        p2p, self.p2p = self.p2p, None
+        try:
+            self.loop.run(self.handler.remove_p2p_handlers(p2p))
+        finally:
+            self.loop.run(p2p.shutdown(), timeout=5)

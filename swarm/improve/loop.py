@@ -23,7 +23,7 @@ from typing import Any, Optional
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hivemind.dht import DHT
 
-from swarm.adapters.sharing import FILES, publish, read_published
+from swarm.adapters.sharing import FILES, author_id, publish, read_published
 from swarm.adapters.versions import own_versions, publish_version
 from swarm.dht.validation import ed25519_text
 from swarm.eval.tasks import evaluate_task
@@ -32,7 +32,9 @@ from swarm.finetune.data import load_examples
 from swarm.finetune.trainer import Finetuner
 from swarm.frontend.lm import BaseDiffusionLM
 from swarm.improve.config import ImproveConfig
+from swarm.improve.held_out import prompts_of, refuse_contaminated
 from swarm.improve.hosting import VersionHost
+from swarm.improve.self_prompt import SelfPromptConfig, SelfPrompter, SelfPromptRound
 from swarm.improve.sources import DataSource, Snapshot
 from swarm.train.data import TASKS
 
@@ -52,6 +54,7 @@ class RoundResult:
     published_before: Optional[float]  # the figure of its last published version
     version: Optional[int]  # the version published this round (None: not better)
     seconds: float
+    self_prompt: Optional[dict[str, Any]] = None  # the round's self-prompting record (SelfPromptRound.to_json)
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -83,6 +86,10 @@ class Improver:
         self.task = TASKS[config.task]()
         self.state = self._load_state()
         self.finetuner: Optional[Finetuner] = None
+        self.prompter = None
+        if config.self_prompt:
+            self.prompter = SelfPrompter(self.task, Path(config.data), self.workdir / "self_prompt.json",
+                                         SelfPromptConfig(proposals=config.self_prompt, seed=config.seed))
         for directory in self.kept():  # a restarted trainer serves what it kept again
             if host is not None:
                 host.serve(directory)
@@ -154,7 +161,9 @@ class Improver:
         """One round; None when the source holds no example yet (or, with ``min_new_examples``, not enough new
         ones)."""
         started = time.perf_counter()
+        prompted = self.self_prompt()
         snapshot = self.source.snapshot(self.workdir / "data.jsonl")
+        refuse_contaminated(self.task, prompts_of(snapshot.path), f"--data {self.source.describe()}")
         wanted = self.state.get("examples", 0) + max(1, self.config.min_new_examples)
         if snapshot.examples < wanted and not (self.config.min_new_examples == 0 and snapshot.examples):
             logger.debug("round %d waits: %s holds %d examples, %d wanted", self.state["round"] + 1,
@@ -171,7 +180,8 @@ class Improver:
         self.state["round"] += 1
         self.state["examples"], self.state["steps"] = snapshot.examples, trainer.state.epoch
         result = RoundResult(self.state["round"], trainer.state.epoch, trainer.smoothed_loss(), snapshot.examples,
-                             snapshot.sha256, figure, before, version, time.perf_counter() - started)
+                             snapshot.sha256, figure, before, version, time.perf_counter() - started,
+                             prompted.to_json() if prompted is not None else None)
         self.state["history"] = (self.state["history"] + [result.to_json()])[-1000:]
         self._save_state()
         self.report_progress(result)
@@ -180,6 +190,14 @@ class Improver:
                     "-" if before is None else f"{before:.3f}",
                     f"published version {version}" if version else "not better, nothing published")
         return result
+
+    def self_prompt(self) -> Optional[SelfPromptRound]:
+        """With ``self_prompt``, a round of self-prompting before every round but the first (which trains on the seeds
+        alone), answering with the adapter trained so far; it adds the accepted answers to the data folder. Its record
+        (None: none this round, or a trainer killed after prompting resumes: that round's answers are on disk)."""
+        if self.prompter is None or self.prompter.state["round"] >= self.state["round"]:
+            return None
+        return self.prompter.run_round(self.lm, str(self.workdir / "adapter"))
 
     def publish(self, adapter: Path, snapshot: Snapshot, figure: float) -> Optional[int]:
         """Copy the adapter's files into a version directory, serve them, publish the version; drop old versions."""
@@ -212,7 +230,8 @@ class Improver:
         if self.host is not None:
             self.host.announce()
         own = ed25519_text(self.key)
-        head = next((r for r in read_published(self.dht, self.prefix, self.config.name) if r.author == own), None)
+        head = next((r for r in read_published(self.dht, self.prefix, self.config.name, [author_id(own)])
+                     if r.author == own), None)
         if head is None:
             return
         progress = {"round": result.round, "steps": result.steps, "loss": result.loss, "figure": result.figure,

@@ -17,6 +17,7 @@ from typing import Iterator
 
 from swarm.finetune.data import MAX_DATA_BYTES
 from swarm.utils.errors import SwarmError
+from swarm.utils.extras import install_hint
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +68,7 @@ class DataSource:
     def _dataset_lines(self) -> Iterator[str]:
         name, _, split = self.spec[len(DATASETS_PREFIX):].partition(":")
         if importlib.util.find_spec("datasets") is None:
-            raise SourceError(f"--data {self.spec}: the `datasets` package is not installed (pip install datasets)")
+            raise SourceError(f"--data {self.spec}: the `datasets` package is not installed: {install_hint('data')}")
         import datasets  # optional: only for this kind of source
 
         table = datasets.load_dataset(name, split=split or "train")

@@ -82,12 +82,13 @@ class SpanKV:
     values go (see :meth:`reserve`); without it the cache keeps the tensors the fill computed.
     """
 
-    __slots__ = ("batch", "length", "storage", "blocks")
+    __slots__ = ("batch", "length", "storage", "blocks", "source")
 
     def __init__(self, batch: int, length: int, storage: Optional[torch.Tensor] = None):
         self.batch, self.length = batch, length
         self.storage = storage
         self.blocks: dict[int, BlockKV] = {}
+        self.source = b""  # the digest of the fill call that built it: a reuse's receipt names it
 
     @classmethod
     def reserve(cls, blocks: int, batch: int, length: int, kv_heads: int, head_dim: int, dtype: torch.dtype,

@@ -1,6 +1,7 @@
 """Finding a model by name or path and loading exactly the parts a process needs."""
 from __future__ import annotations
 
+import difflib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -8,6 +9,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from swarm.models import invariance
 from swarm.models.checkpoint import CheckpointReader, Fetch, load_module, parse_dtype
 from swarm.models.config import DEFAULT_MODEL, MODEL_DEFAULT_SETTINGS, ModelConfig
 from swarm.models.formats import CheckpointFormat, detect_format
@@ -37,6 +39,7 @@ def resolve_device(name: str | torch.device) -> torch.device:
                              f"{torch.__version__}, built for CUDA {torch.version.cuda}); use --device cpu")
         if device.index is not None and device.index >= torch.cuda.device_count():
             raise ValueError(f"device {str(name)!r}: this machine has {torch.cuda.device_count()} CUDA devices")
+        invariance.prepare_cuda()
     elif device.type != "cpu":
         raise ValueError(f"device {str(name)!r}: only cpu and cuda are supported")
     return device
@@ -96,15 +99,25 @@ def resolve_model(name_or_path: str | Path = DEFAULT_MODEL, resolvers: Sequence[
         checkpoint = HubCheckpoint(hub_name)
         return ModelSource(checkpoint.path, checkpoint.fetch)
     for resolver in resolvers:
-        source = resolver(str(name_or_path))
+        try:
+            source = resolver(str(name_or_path))
+        except ValueError as error:  # a published name that does not resolve: first say what the name was not
+            raise type(error)(f"{not_embedded(str(name_or_path), embedded)}; as a published name: {error}") from error
         if source is not None:
             return source
     swarm = ", a swarm model id (64 hex digits), a published name (NAME or NAME@PUBLISHER)" if resolvers else ""
     raise FileNotFoundError(
-        f"model {str(name_or_path)!r} is neither a checkpoint directory, an embedded model "
-        f"(embedded: {', '.join(embedded) or 'none'}){swarm} nor a Hugging Face repo id (ORG/NAME or "
-        f"ORG/NAME@REVISION)"
+        f"{not_embedded(str(name_or_path), embedded)}, and it is neither a checkpoint directory{swarm} nor a Hugging "
+        f"Face repo id (ORG/NAME or ORG/NAME@REVISION)"
     )
+
+
+def not_embedded(name: str, embedded: dict[str, Path]) -> str:
+    """``model 'defualt' is no embedded model (did you mean 'default'? embedded: ...)``: the likeliest fix first,
+    before any advice on checkpoint directories, repo ids or publishers."""
+    close = difflib.get_close_matches(name, list(embedded), n=3, cutoff=0.6)
+    guess = f"did you mean {' or '.join(map(repr, close))}? " if close else ""
+    return f"model {name!r} is no embedded model ({guess}embedded: {', '.join(embedded) or 'none'})"
 
 
 def resolve_model_path(name_or_path: str | Path = DEFAULT_MODEL) -> Path:

@@ -1,6 +1,7 @@
 """Tokenizers: byte-level and subword (BPE) ones for the project's own models, and an adapter for Hugging Face's.
 
-All satisfy :class:`Tokenizer`, which is all the generation code uses.
+All satisfy :class:`Tokenizer`, which is all the generation code uses, and take the calls a transformers user makes
+(``tokenizer(text, return_tensors="pt")``, ``batch_decode``: :mod:`swarm.models.calling`).
 """
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import hashlib
 import logging
 from pathlib import Path
 from typing import Optional, Protocol, Sequence, runtime_checkable
+
+from swarm.models.calling import TransformersCalls
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +59,7 @@ class Tokenizer(Protocol):
         ...
 
 
-class ByteTokenizer:
+class ByteTokenizer(TransformersCalls):
     """UTF-8 bytes are ids 0..255; then pad, bos, eos and mask."""
 
     PAD, BOS, EOS, MASK = 256, 257, 258, 259
@@ -87,7 +90,7 @@ class ByteTokenizer:
         return "byte-v1"
 
 
-class SubwordTokenizer:
+class SubwordTokenizer(TransformersCalls):
     """A byte-level BPE vocabulary trained by the project (``tokenizer.json`` of the ``tokenizers`` library).
 
     Its first four ids are the specials the sampler needs (PAD, BOS, EOS, MASK); digits are always single
@@ -139,7 +142,7 @@ class SubwordTokenizer:
         return "bpe-" + hashlib.sha256(self.tokenizer.to_str().encode("utf-8")).hexdigest()[:16]
 
 
-class HFTokenizer:
+class HFTokenizer(TransformersCalls):
     """Adapts a ``transformers`` tokenizer (LLaDA, Dream) to :class:`Tokenizer`."""
 
     def __init__(self, tokenizer, mask_token_id: int, pad_token_id: Optional[int] = None,

@@ -83,11 +83,11 @@ class ServerConfig:
               "client's tokens change); elsewhere it stays off with a warning.",
         flags=("--batching",))
     batch_invariant: bool = setting(
-        True, "Run every pass batch-invariant (fixed tiles of rows, attention per state), so a row's numbers do not "
-              "depend on what shares its call: clients batch states through this server (Picard windows, drafts) "
-              "and --batching merges clients only where it is. Off (--no-batch-invariant, or SWARM_BATCH_INVARIANT=0) "
-              "saves what calls of several states cost (measured up to 1.8x on CPU) and announces that batched "
-              "states may change a token at a near-tie, so clients at scale=auto batch none here.",
+        True, "Run every pass batch-invariant (every product 16-512 rows at a time, attention per state), so a "
+              "row's numbers do not depend on what shares its call: clients batch states through this server "
+              "(Picard windows, drafts) and --batching merges clients only where it is. It costs one state of "
+              "16-512 positions nothing. Off (--no-batch-invariant, or SWARM_BATCH_INVARIANT=0) announces that "
+              "batched states may change a token at a near-tie, so clients at scale=auto batch none here.",
         flags=("--batch-invariant",))
     max_pending_pushes: int = setting(
         32, "Pushed outputs (client option push=True) computed and not yet taken by the next server or the client; a "

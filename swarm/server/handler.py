@@ -36,6 +36,7 @@ from swarm.server.validation import require
 from swarm.server.work_check import StampCheck
 from swarm.wire.encoding import MAX_STREAM_MESSAGE_BYTES, adapter_parts, error_response, parse_metadata
 from swarm.wire.messages import ErrorCode, RemoteError
+from swarm.wire.receipts import ReceiptSigner
 from swarm.wire.services import SpanService
 
 if TYPE_CHECKING:
@@ -80,7 +81,8 @@ class ForwardHandler(SpanService):
                  request_timeout: float, info: Callable[[], dict], experts: Optional[ExpertHandler] = None,
                  caches: Optional[SessionCaches] = None, num_layers: int = 0,
                  push_limits: PushLimits = PushLimits(), allow_backward: bool = True,
-                 adapter_tensors: Optional[AdapterTensors] = None, usage: Optional[UsageLedger] = None):
+                 adapter_tensors: Optional[AdapterTensors] = None, usage: Optional[UsageLedger] = None,
+                 receipts: Optional[ReceiptSigner] = None):
         self.backend = backend
         self.stamps = StampCheck()  # work stamps of requests: a caller's place in the fair order (scheduler.py)
         self.usage = usage if usage is not None else UsageLedger()  # per caller: what was computed for it
@@ -98,7 +100,7 @@ class ForwardHandler(SpanService):
                                     max_stream_message_bytes=self.max_stream_message_bytes,
                                     adapter_tensors=adapter_tensors)
         self.forward_calls = ForwardCalls(backend, self.pusher, caches, num_layers=num_layers, wire_dtype=wire_dtype,
-                                          request_timeout=request_timeout)
+                                          request_timeout=request_timeout, receipts=receipts)
         self.backward_calls = BackwardCalls(backend, request_timeout)
         self.request_timeout = request_timeout
         self.info = info

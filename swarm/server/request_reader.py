@@ -47,6 +47,7 @@ from swarm.server.validation import (
 )
 from swarm.wire.encoding import AUTO_WIRE, MAX_UNARY_BYTES, decode_tensor, join_parts, parse_metadata, tensor_wire_bytes
 from swarm.wire.messages import ErrorCode, PushSpec, RemoteError
+from swarm.wire.receipts import CallContent, tensor_digest
 from swarm.wire.work import WorkStamp, parse_work
 
 T = TypeVar("T")
@@ -93,16 +94,20 @@ class Declared:
         return self.shape[0] * self.shape[1]
 
 
-@dataclass(frozen=True)
+@dataclass
 class Received:
     """A whole request, read and validated: what its first part declared, its hidden states and its per-block
-    adapter (sent, or held here and named by digest), and what admitting it costs."""
+    adapter (sent, or held here and named by digest), and what admitting it costs. ``digest`` is the call's digest
+    a receipt signs (:mod:`swarm.wire.receipts`); ``reused_fill`` the digest of the fill a reuse read (set when it
+    is computed)."""
 
     declared: Declared
     hidden: torch.Tensor
     adapter: Optional[BlockAdapter]
     held: bool  # an adapter tensor that came with it is now kept for later calls to name
     cost: int  # its price in the compute queue
+    digest: bytes = b""
+    reused_fill: bytes = b""
 
 
 class RequestReader:
@@ -131,8 +136,22 @@ class RequestReader:
         declared = self.declared(first, unary, peer, backward)
         cost = self.backend.cost(*declared.shape[:2])
         queue.check(peer, cost)  # no room now: refused before the rest is received
-        hidden, adapter, held = await self.receive(first, stream, declared, peer, unary, cost)
-        return Received(declared, hidden, adapter, held, cost)
+        hidden, adapter, held, digests = await self.receive(first, stream, declared, peer, unary, cost)
+        received = Received(declared, hidden, adapter, held, cost)
+        if not backward and declared.push is None:  # an answered forward call: its receipt names this digest
+            received.digest = await self._call_digest(declared, adapter, *digests)
+        return received
+
+    @staticmethod
+    async def _call_digest(declared: Declared, adapter: Optional[BlockAdapter], hidden_digest: bytes,
+                           adapter_digest: Optional[str]) -> bytes:
+        """The digest of the call as read (:class:`~swarm.wire.receipts.CallContent`)."""
+        if adapter is not None and adapter_digest is None:
+            adapter_digest = await asyncio.to_thread(adapter.digest)  # ~1 GB/s: off the loop
+        return CallContent(declared.start, declared.end, declared.session_id, declared.step,
+                           declared.cache.to_dict() if declared.cache is not None else None,
+                           declared.head.to_dict() if declared.head is not None else None,
+                           adapter.kind if adapter is not None else None, adapter_digest, hidden_digest).digest()
 
     def declared(self, first: runtime_pb2.ExpertRequest, unary: bool, peer: str, backward: bool = False
                   ) -> Declared:
@@ -246,11 +265,12 @@ class RequestReader:
 
     async def receive(self, first: runtime_pb2.ExpertRequest, stream: AsyncIterator[runtime_pb2.ExpertRequest],
                        declared: Declared, peer: str, unary: bool, cost: int
-                       ) -> tuple[torch.Tensor, Optional[BlockAdapter], bool]:
+                       ) -> tuple[torch.Tensor, Optional[BlockAdapter], bool, tuple[bytes, Optional[str]]]:
         """The rest of the request's parts, within its declared size and its deadline, decoded: the hidden
         states and the per-block adapter (None when the request has none; the held one when it named it), both
-        validated, and whether a tensor that came is now kept for later calls to name. A stream holds a place
-        among the unfinished streams meanwhile (a unary call has nothing more to receive)."""
+        validated, whether a tensor that came is now kept for later calls to name, and the digests of the hidden
+        states as they travelled and of the adapter (when known here already). A stream holds a place among the
+        unfinished streams meanwhile (a unary call has nothing more to receive)."""
         chunks, size = list(first.tensors), first.ByteSize()
         expected = declared.parts + declared.prompt_parts
 
@@ -269,16 +289,18 @@ class RequestReader:
             deadline = queue.streams.deadline(declared.max_bytes, self.request_timeout)
             await self.within(rest(), deadline, peer, f"its {expected} parts")
         require(len(chunks) == expected, ErrorCode.INCOMPLETE, f"stream ended after {len(chunks)} of {expected} parts")
-        hidden = decode_tensor(join_parts(chunks[:declared.parts], declared.parts))
+        proto = join_parts(chunks[:declared.parts], declared.parts)
+        hidden = decode_tensor(proto)
         validate_hidden(hidden, self.hidden_size, self.max_batch_tokens)
         require(tuple(hidden.shape) == declared.shape, ErrorCode.BAD_REQUEST,
                 f"hidden states of shape {tuple(hidden.shape)}, the first part declared {declared.shape}")
         if not declared.prompt_length or declared.held_adapter is not None:
-            return hidden, declared.held_adapter, False
+            named = declared.metadata.get("prompt_digest") if declared.held_adapter is not None else None
+            return hidden, declared.held_adapter, False, (tensor_digest(proto), named)
         weights = decode_tensor(join_parts(chunks[declared.parts:], declared.prompt_parts))
         adapter = BlockAdapter(declared.prompt_kind, weights)
         validate_adapter(adapter, declared.prompt_shape)
         if self.adapter_tensors is None or not self.adapter_tensors.enabled:
-            return hidden, adapter, False
+            return hidden, adapter, False, (tensor_digest(proto), None)
         digest = await asyncio.to_thread(adapter.digest)  # ~1 GB/s: off the loop
-        return hidden, adapter, self.adapter_tensors.put(digest, adapter, peer)
+        return hidden, adapter, self.adapter_tensors.put(digest, adapter, peer), (tensor_digest(proto), digest)

@@ -59,6 +59,7 @@ from swarm.weights.holdings import hosts_policies
 from swarm.weights.service import ServeLimits, WeightServer
 from swarm.weights.source import SwarmWeights
 from swarm.weights.trust import PublisherTrust
+from swarm.wire.receipts import ReceiptSigner
 
 logger = logging.getLogger(__name__)
 
@@ -123,7 +124,8 @@ class Server:
             experts=expert_handler, caches=self._session_caches(), num_layers=self.model_config.num_layers,
             push_limits=push_limits, allow_backward=config.allow_backward,
             adapter_tensors=AdapterTensors(int(config.adapter_memory_mb * 2**20), config.peer_share),
-            usage=self.usage,
+            usage=self.usage, receipts=ReceiptSigner(self.identity.private_key, self.prefix,
+                                                     exact=self.numerics == EXACT, invariant=self.invariance.exact),
         )
         self.handler.adapters = self.adapters
         self.state = ServerState.JOINING

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from hivemind.proto import runtime_pb2
@@ -22,6 +22,7 @@ from swarm.server.request_reader import Declared, Received
 from swarm.server.session_cache import SessionCaches
 from swarm.wire.encoding import AUTO_WIRE, ack_response, response_parts
 from swarm.wire.messages import ErrorCode, ForwardRequest, RemoteError
+from swarm.wire.receipts import ReceiptSigner, tensor_digest
 
 Answer = list[runtime_pb2.ExpertResponse]
 
@@ -40,9 +41,10 @@ class ForwardCalls:
     """Forward calls: the span's output, the session's cache filled or reused, answered or pushed on."""
 
     def __init__(self, backend: SpanBackend, pusher: Pusher, caches: Optional[SessionCaches], *, num_layers: int,
-                 wire_dtype: str, request_timeout: float):
+                 wire_dtype: str, request_timeout: float, receipts: Optional[ReceiptSigner] = None):
         self.backend, self.pusher, self.caches = backend, pusher, caches
         self.num_layers, self.wire_dtype, self.request_timeout = num_layers, wire_dtype, request_timeout
+        self.receipts = receipts  # signs every answered call (None: answers carry no receipt)
 
     def push_place(self, peer: str, declared: Declared) -> contextlib.AbstractContextManager[Optional[Grant]]:
         """A place in the push budget for a pushed request's output (nothing for other requests)."""
@@ -58,6 +60,10 @@ class ForwardCalls:
         head = declared.head if declared.end == self.num_layers else None  # earlier hops answer hidden states
         try:  # no cache for this session here, or one filled for another batch or blocks: the client refills
             kv, rows, fill = await self._cache_for(declared.cache, session_id, hidden, declared.start, declared.end)
+            if kv is not None and fill is not None:
+                kv.source = received.digest
+            elif kv is not None:
+                received.reused_fill = kv.source
             computed = False
             try:
                 call = SpanCall(hidden, declared.start, declared.end, kv, rows, head, received.adapter)
@@ -76,10 +82,18 @@ class ForwardCalls:
         request's place in the compute queue, for :func:`answer_note`)."""
         declared = received.declared
         if declared.push is None:
-            return response_parts(output, self.wire_dtype, answer_note(received, place))
+            return response_parts(output, self.wire_dtype, answer_note(received, place),
+                                  receipt=self._receipt(received))
         self.pusher.send(ForwardRequest(declared.start, declared.end, output, declared.session_id, declared.step,
                                         cache=declared.cache, head=declared.head, push=declared.push), push_place)
         return [ack_response(answer_note(received, place))]
+
+    def _receipt(self, received: Received) -> Optional[Callable[[runtime_pb2.Tensor], dict]]:
+        """What signs the answer's receipt once its tensor is encoded (None when this server signs none)."""
+        if self.receipts is None:
+            return None
+        return lambda answer: {"receipt": self.receipts.sign(received.digest, tensor_digest(answer),
+                                                             received.reused_fill).to_wire()}
 
     async def _cache_for(self, directive: Optional[CacheDirective], session_id: str, hidden: torch.Tensor,
                          start: int, end: int

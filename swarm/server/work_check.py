@@ -13,7 +13,8 @@ from __future__ import annotations
 from collections import Counter
 from typing import Optional
 
-from swarm.wire.work import MIN_BITS, WORK_PRICE, WorkStamp, epoch_of, leading_zero_bits
+from swarm.dht.stamp import leading_zero_bits
+from swarm.wire.work import MIN_BITS, WORK_PRICE, WorkStamp, epoch_of
 
 MAX_SPENT = 2**18  # stamps remembered (16 bytes each)
 

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import logging
 import random
+import re
 import sys
 import sysconfig
+import unicodedata
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,11 +69,25 @@ class TextCorpus:
         self.bos = self.tokenizer.bos_token_id
         sources = [sources] if isinstance(sources, (bytes, str)) else list(sources)
         splits = [held_out_split(source) for source in sources]
-        self.train_ids = self._encode([train for train, _ in splits])
-        self.held_out_ids = self._encode([held for _, held in splits])
-        if min(len(self.train_ids), len(self.held_out_ids)) < 64:
-            raise ValueError(f"corpus {name!r} is too small ({len(self.train_ids) + len(self.held_out_ids)} tokens)")
-        logger.info("corpus %s: %d training and %d held-out tokens", name, len(self.train_ids), len(self.held_out_ids))
+        self._train_parts: list[bytes | str] = [train for train, _ in splits]
+        self._train_ids: Optional[torch.Tensor] = None
+        self.held_out_ids = self._sized(self._encode([held for _, held in splits]), "held-out")
+        logger.info("corpus %s: %d held-out tokens", name, len(self.held_out_ids))
+
+    @property
+    def train_ids(self) -> torch.Tensor:
+        """The training tokens, encoded on first use: an evaluation reads only the held-out tails, and encoding the
+        training text (the prose corpus: 2.8 MB through the subword tokenizer) was most of its time."""
+        if self._train_ids is None:
+            self._train_ids = self._sized(self._encode(self._train_parts), "training")
+            self._train_parts = []
+            logger.info("corpus %s: %d training tokens", self.name, len(self._train_ids))
+        return self._train_ids
+
+    def _sized(self, ids: torch.Tensor, part: str) -> torch.Tensor:
+        if len(ids) < 64:
+            raise ValueError(f"corpus {self.name!r} is too small ({len(ids)} {part} tokens; at least 64 needed)")
+        return ids
 
     def _encode(self, parts: Sequence[bytes | str]) -> torch.Tensor:
         ids: list[int] = []
@@ -114,6 +130,9 @@ class AdditionTask:
     """
 
     name = "addition"
+    # The one written form of a problem: operands without leading zeros, ASCII digits only (``int`` would also read
+    # "０１２"). The held-out partition hashes this text, so a second spelling of a held-out problem must not pass.
+    PROMPT = re.compile(r"(0|[1-9][0-9]*)\+(0|[1-9][0-9]*)=", re.ASCII)
 
     def __init__(self, max_digits: int = 3, tokenizer: Optional[Tokenizer] = None):
         self.max_digits = max_digits
@@ -133,6 +152,61 @@ class AdditionTask:
     @staticmethod
     def is_held_out(problem: Problem) -> bool:
         return zlib.crc32(problem.prompt.encode()) % 20 == 0
+
+    def solve(self, a: int, b: int) -> str:
+        """The one right answer to ``a+b=`` in this task's form."""
+        return str(a + b)
+
+    def operands(self, prompt: str) -> Optional[tuple[int, int]]:
+        """``(a, b)`` of a prompt written exactly as this task writes one (``a+b=``, each of 1 to ``max_digits``
+        digits); None for anything else."""
+        match = self.PROMPT.fullmatch(prompt) if len(prompt) <= 2 * self.max_digits + 2 else None
+        if match is None or max(len(match[1]), len(match[2])) > self.max_digits:
+            return None
+        return int(match[1]), int(match[2])
+
+    def check(self, prompt: str, answer: str) -> bool:
+        """True only when ``prompt`` is one of this task's problems and ``answer`` is its answer, character for
+        character (the self-prompting loop keeps only what this accepts)."""
+        operands = self.operands(prompt)
+        return operands is not None and answer == self.solve(*operands)
+
+    def normalise(self, prompt: str) -> Optional[str]:
+        """The task's spelling of a text that *means* one of its problems (other digits, spaces, leading zeros:
+        ``" ０12 + 5 ="`` is ``12+5=``), or None. The held-out guard reads data through this, so no respelling of a
+        held-out problem gets past it."""
+        text = "".join(unicodedata.normalize("NFKC", prompt[:64]).split())
+        match = re.fullmatch(r"([0-9]+)\+([0-9]+)=", text, re.ASCII)
+        if match is None:
+            return None
+        canonical = f"{int(match[1])}+{int(match[2])}="
+        return canonical if self.operands(canonical) is not None else None
+
+    def would_contaminate(self, prompt: str) -> bool:
+        """Whether training on ``prompt`` would teach a held-out problem (in any spelling :meth:`normalise` reads)."""
+        canonical = self.normalise(prompt)
+        return canonical is not None and self.is_held_out(Problem(canonical, ""))
+
+    def proposal_template(self, seed: Problem, rng: random.Random) -> str:
+        """The start of a new problem built from a seed: its first operand with one digit changed, and ``+``. The
+        model (or, where it writes nothing that parses, ``fill``) completes it."""
+        operands = self.operands(seed.prompt)
+        a = operands[0] if operands is not None else rng.randrange(10)
+        digits = list(str(a))
+        digits[rng.randrange(len(digits))] = str(rng.randrange(10))
+        return f"{int(''.join(digits))}+"
+
+    def parse_proposal(self, text: str) -> Optional[str]:
+        """The problem a completed template names: its leading ``a+b=`` when written as this task writes problems
+        (the answer the model may have gone on to write is ignored); None otherwise."""
+        match = self.PROMPT.match(text[:2 * self.max_digits + 2])
+        return match[0] if match is not None and self.operands(match[0]) is not None else None
+
+    def fill(self, template: str, seed: Problem, rng: random.Random) -> str:
+        """The template completed by chance: a second operand with as many digits as the seed's."""
+        operands = self.operands(seed.prompt)
+        width = len(str(operands[1])) if operands is not None else 1
+        return f"{template}{rng.randrange(10 ** width)}="
 
     def problems(self, count: int, seed: int, held_out: bool) -> list[Problem]:
         rng, out = random.Random(seed), []
@@ -158,7 +232,96 @@ class TaggedAdditionTask(AdditionTask):
     TAG = "!"
 
     def problems(self, count: int, seed: int, held_out: bool) -> list[Problem]:
-        return [Problem(p.prompt, p.answer + self.TAG) for p in super().problems(count, seed, held_out)]
+        plain = super().problems(count, seed, held_out)
+        return [Problem(p.prompt, self.solve(*self.operands(p.prompt))) for p in plain]
+
+    def solve(self, a: int, b: int) -> str:
+        return f"{a + b}{self.TAG}"
+
+
+class BracketedAdditionTask(TaggedAdditionTask):
+    """Addition answered in a second house style, the sum in brackets (``12+5=`` -> ``[17]``): the second domain of the
+    self-prompting demonstration (docs/TRAINING.md), with the same held-out problems as addition's."""
+
+    name = "bracketed-addition"
+
+    def solve(self, a: int, b: int) -> str:
+        return f"[{a + b}]"
+
+
+class HostBlocksTask:
+    """The network's own question as a domain: which blocks should a joining server host?
+
+    A question is a health map in short, ``"21030112|3="``: how many servers hold each of the model's
+    :data:`BLOCKS` blocks (0-9) and how many blocks the newcomer hosts; the answer is the first block of its span
+    (``"2"``). The checker scores an answer by the coverage it gives: the best span is the one whose coverage after
+    the newcomer joins, sorted weakest first, is largest (the weakest block as well served as it can be, then the
+    next weakest, ...), then leftmost. The built-in rule (``swarm.server.block_selection.least_covered_window``)
+    approximates it and is scored by the same checker (:meth:`rule`). Held-out questions: the same hash partition as
+    addition's."""
+
+    name = "host-blocks"
+    BLOCKS = 8
+    PROMPT = re.compile(r"([0-9]{8})\|([1-8])=", re.ASCII)
+
+    def __init__(self, tokenizer: Optional[Tokenizer] = None):
+        self.tokenizer = tokenizer or ByteTokenizer()
+
+    def question(self, prompt: str) -> Optional[tuple[list[int], int]]:
+        """(servers per block, span length) of a question written exactly as this task writes one; else None."""
+        match = self.PROMPT.fullmatch(prompt) if len(prompt) <= self.BLOCKS + 3 else None
+        return None if match is None else ([int(c) for c in match[1]], int(match[2]))
+
+    @staticmethod
+    def best(cover: Sequence[int], span: int) -> int:
+        """The span start whose coverage after joining, sorted weakest first, is largest (then leftmost)."""
+        def after(start: int) -> list[int]:
+            return sorted(c + (start <= i < start + span) for i, c in enumerate(cover))
+
+        return max(range(len(cover) - span + 1), key=lambda s: (after(s), -s))
+
+    def rule(self, prompt: str) -> Optional[str]:
+        """The built-in rule's answer to a question (the server's ``--num-blocks`` choice)."""
+        from swarm.server.block_selection import least_covered_window
+
+        question = self.question(prompt)
+        return None if question is None else str(least_covered_window(*question))
+
+    def check(self, prompt: str, answer: str) -> bool:
+        question = self.question(prompt)
+        return question is not None and answer == str(self.best(*question))
+
+    def problems(self, count: int, seed: int, held_out: bool) -> list[Problem]:
+        rng, out = random.Random(seed), []
+        while len(out) < count:
+            cover = [min(9, int(rng.expovariate(0.7))) for _ in range(self.BLOCKS)]
+            span = rng.randint(1, self.BLOCKS)
+            problem = Problem(f"{''.join(map(str, cover))}|{span}=", str(self.best(cover, span)))
+            if AdditionTask.is_held_out(problem) == held_out:
+                out.append(problem)
+        return out
+
+    def normalise(self, prompt: str) -> Optional[str]:
+        text = "".join(unicodedata.normalize("NFKC", prompt[:64]).split())
+        return text if self.question(text) is not None else None
+
+    def proposal_template(self, seed: Problem, rng: random.Random) -> str:
+        """A seed's health map with one block's count changed, and ``|``: the model (or ``fill``) adds the span."""
+        question = self.question(seed.prompt)
+        cover = question[0] if question is not None else [rng.randrange(4) for _ in range(self.BLOCKS)]
+        cover[rng.randrange(self.BLOCKS)] = rng.randrange(10)
+        return "".join(map(str, cover)) + "|"
+
+    def parse_proposal(self, text: str) -> Optional[str]:
+        match = self.PROMPT.match(text[:self.BLOCKS + 3])
+        return None if match is None else match[0]
+
+    def fill(self, template: str, seed: Problem, rng: random.Random) -> str:
+        return f"{template}{rng.randint(1, self.BLOCKS)}="
+
+    def would_contaminate(self, prompt: str) -> bool:
+        canonical = self.normalise(prompt)
+        return canonical is not None and AdditionTask.is_held_out(Problem(canonical, ""))
 
 
 def encode_problems(problems: Sequence[Problem], seq_len: int, tokenizer: Optional[Tokenizer] = None) -> torch.Tensor:
@@ -209,7 +372,8 @@ def python_bytes(limit: int = 4_000_000) -> bytes:
 
 # Corpora that are also tasks with checkable answers (``python -m swarm.eval --task``), by their names in
 # swarm/train/config.py (TASK_NAMES, which the commands' options offer).
-TASKS = {"addition": AdditionTask, "tagged-addition": TaggedAdditionTask}
+TASKS = {"addition": AdditionTask, "tagged-addition": TaggedAdditionTask, "bracketed-addition": BracketedAdditionTask,
+         "host-blocks": HostBlocksTask}
 
 
 def load_corpus(name_or_files: str, files: Optional[Sequence[str]] = None,

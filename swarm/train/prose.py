@@ -12,6 +12,8 @@ import io
 import re
 from pathlib import Path
 
+from swarm.utils.extras import install_hint
+
 GENSIM_PROSE_FILES = (
     "lee_background.cor",
     "lee.cor",
@@ -32,7 +34,7 @@ def gensim_data(name: str) -> Path:
     try:
         from gensim.test.utils import datapath
     except ImportError as error:
-        raise RuntimeError("the prose corpus needs gensim: pip install -e .[train]") from error
+        raise ModuleNotFoundError(f"the prose corpus needs gensim: {install_hint('train')}", name="gensim") from error
     return Path(datapath(name))
 
 

@@ -127,6 +127,14 @@ class SwarmWatcher:
     _cached_at: float = field(default=float("-inf"), init=False, repr=False)
     _adapters: list[dict[str, Any]] = field(default_factory=list, init=False, repr=False)
     _adapters_at: float = field(default=float("-inf"), init=False, repr=False)
+    _failing: dict[str, float] = field(default_factory=dict, init=False, repr=False)  # peer -> first failed probe
+
+    def _unreachable_since(self, probes: dict[str, Probe]) -> dict[str, float]:
+        """Per server whose probe failed, since when its probes have failed (reset once it answers again)."""
+        now = time.time()
+        self._failing = {peer: self._failing.get(peer, now) for peer, probe in probes.items()
+                         if probe.error is not None}
+        return dict(self._failing)
 
     def snapshot(self) -> dict[str, Any]:
         """Blocking (DHT reads and pings): call it from a worker thread.
@@ -149,7 +157,7 @@ class SwarmWatcher:
 
     def _read(self) -> dict[str, Any]:
         access, started = self.access, time.perf_counter()
-        health = read_health_map(access.dht, access.prefix, access.num_blocks)
+        health = read_health_map(access.dht, access.prefix, access.num_blocks)  # probed below, by its own caller
         health.adapters = self._published_adapters()
         book = access.audits if access.audits is not None and access.audits.enabled else None
         if book is not None:
@@ -157,6 +165,7 @@ class SwarmWatcher:
             health.audits = audits_of(book, health.adapters)
         probes = access.loop.run(probe_all(access.caller, health.servers, self.config.probe_timeout),
                                  timeout=3 * self.config.probe_timeout + 5)
+        health.mark_unreachable(self._unreachable_since(probes))
         snapshot = map_snapshot(health, probes, access.client(), self._governance(), self.source, self.playground,
                                 book.trusted if book is not None else ())
         logger.debug("read the map of %s in %.0f ms: %d servers, %d answered the ping", access.prefix,

@@ -119,7 +119,7 @@ def show(reference: str, trusted_publishers: tuple[str, ...], log_level: str, **
     setup_logging(getattr(logging, log_level))
     network = swarm_network(options)
     from swarm.dht.node import start_dht, stop_dht  # after the checks: loads hivemind
-    from swarm.weights.records import WeightsError, parse_reference, read_hosts, read_published
+    from swarm.weights.records import WeightsError, parse_reference, read_hosts, read_published, reference_publishers
     from swarm.weights.source import MODEL_ID
     from swarm.weights.trust import PublisherTrust
 
@@ -131,7 +131,8 @@ def show(reference: str, trusted_publishers: tuple[str, ...], log_level: str, **
             records = [{"model_id": reference}]
         else:
             name, publisher = parse_reference(reference)
-            records = [dict(r.to_json(), trusted=trust.trusts(r.publisher)) for r in read_published(dht, name)
+            found = read_published(dht, name, reference_publishers(publisher, trust))
+            records = [dict(r.to_json(), trusted=trust.trusts(r.publisher)) for r in found
                        if publisher is None or r.publisher_id == publisher]
             if not records:
                 raise WeightsError(f"no model is published under {reference!r}")
@@ -156,16 +157,17 @@ def fetch(reference: str, blocks: Optional[str], head: bool, embedding: bool, tr
           log_level: str, **options) -> None:
     """Fill the cache with the manifest, small files and the tensors of the parts named, from peers. A NAME
     resolves only through publishers you trust (--trusted-publishers; default the governance keys)."""
+    setup_logging(getattr(logging, log_level))
+    network = pop_network_config(options, client_mode=True)  # a malformed peer is refused before torch loads
+    span = parse_span(blocks)
     from swarm.models.loading import ModelFiles
     from swarm.weights.source import SwarmWeights
     from swarm.weights.trust import PublisherTrust
 
-    setup_logging(getattr(logging, log_level))
     trust = PublisherTrust.of(trusted_publishers)
-    weights = SwarmWeights(pop_network_config(options, client_mode=True), trust=trust)
+    weights = SwarmWeights(network, trust=trust)
     try:
         files = ModelFiles(reference, resolvers=[weights.resolve])
-        span = parse_span(blocks)
         if span is not None:
             files.span(*span)
         if head:

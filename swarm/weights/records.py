@@ -1,8 +1,12 @@
 """The DHT entries of swarm-hosted weights: published names, and the peers that serve a model id.
 
-* ``swarm-weights:name:{name}``: a :class:`PublishedModel` (name -> model id, sizes) in the signed slot of its
-  publisher's Ed25519 key, written as adapter names are (``swarm.adapters.sharing``): only that key can write
-  it, and a record signed by any other key is refused by storing peers and ignored by readers. Anyone may
+* ``swarm-weights:name:{name}@{publisher}``: a :class:`PublishedModel` (name -> model id, sizes) in the signed slot of
+  its publisher's Ed25519 key (``publisher``: the key's id), written as adapter names are (``swarm.adapters.sharing``):
+  only that key can write there, at any storing peer, so no flood of other keys can keep it out (issue 55). The same
+  record also goes to the shared ``swarm-weights:name:{name}``, one slot per publisher, which lists who uses a name
+  (``show NAME``) and is what readers before issue 55 read; it is bounded, so fresh keys can fill it, and a publish
+  that only it refused still succeeds (it says so). A record signed by another key than its slot's is refused by
+  storing peers and ignored by readers. Anyone may
   claim any name, so a reader follows only the publishers it trusts (:mod:`swarm.weights.trust`); two trusted
   publishers naming different ids make it ask for ``name@PUBLISHER`` (16 hex digits of the key's SHA-256, as
   for adapters). The sizes a record gives are hints (:mod:`swarm.weights.fetch`).
@@ -20,7 +24,7 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hivemind.dht import DHT
@@ -29,7 +33,7 @@ from hivemind.utils import MSGPackSerializer, get_dht_time
 from swarm.adapters.block import is_sha256_hex
 from swarm.adapters.sharing import AUTHOR_PATTERN, author_id, signed_entries, store_slot
 from swarm.dht import fields
-from swarm.dht.keys import WEIGHTS_HOSTS, WEIGHTS_NAME
+from swarm.dht.keys import WEIGHTS_HOSTS, WEIGHTS_NAME, WEIGHTS_NAME_OWN
 from swarm.dht.schema import (
     MAX_ADDRESS_CHARS,
     MAX_ADDRESSES,
@@ -75,6 +79,11 @@ class WeightsNotServed(WeightsError):
 
 def name_key(name: str) -> str:
     return WEIGHTS_NAME.key(name=name)
+
+
+def own_name_key(name: str, publisher: str) -> str:
+    """Where only the key with id ``publisher`` (16 hex digits) writes its record for ``name``."""
+    return WEIGHTS_NAME_OWN.key(name=name, signer=publisher)
 
 
 def hosts_key(model_id: str) -> str:
@@ -133,18 +142,30 @@ class PublishedModel:
                 "published": self.published}
 
 
-def read_published(dht: DHT, name: str) -> list[PublishedModel]:
-    """Every record under ``name`` whose signature by its slot's key holds, one per publisher."""
-    records = []
-    for signer, payload in signed_entries(dht, name_key(name)):
+def read_published(dht: DHT, name: str, publishers: Iterable[str] = ()) -> list[PublishedModel]:
+    """Every record for ``name`` whose signature by its slot's key holds, one per publisher (its newest): those of
+    ``publishers`` (ids, 16 hex digits) under their own keys, which nobody else can fill, and those the shared name key
+    lists. One read."""
+    own = {own_name_key(name, publisher): publisher for publisher in publishers}
+    records: dict[str, PublishedModel] = {}
+    for signer, payload in signed_entries(dht, name_key(name), own):
         try:
             record = PublishedModel.from_payload(payload, signer)
         except Exception as error:  # remote input: whatever went wrong, it is not a record
             logger.debug("ignoring a malformed weights record under %r: %s", name, str(error)[:200])
             continue
-        if record.name == name:  # the DHT key is signed too: a record cannot be moved to another name
-            records.append(record)
-    return records
+        held = records.get(signer)
+        if record.name == name and (held is None or record.published > held.published):  # the DHT key is signed
+            records[signer] = record  # too: a record cannot be moved to another name
+    return list(records.values())
+
+
+def reference_publishers(publisher: Optional[str], trust: PublisherTrust) -> list[str]:
+    """The publisher ids whose own keys a reader of ``NAME`` or ``NAME@PUBLISHER`` reads: the one named, else those it
+    trusts (a reader who names nobody and trusts nobody reads the shared list alone)."""
+    if publisher is not None:
+        return [publisher]
+    return sorted(author_id(key) for key in trust.keys) if trust.names else []
 
 
 def choose_published(records: list[PublishedModel], reference: str, trust: PublisherTrust) -> PublishedModel:
@@ -179,17 +200,26 @@ def choose_published(records: list[PublishedModel], reference: str, trust: Publi
 
 def publish(dht: DHT, key: Ed25519PrivateKey, record: PublishedModel, lifetime: float = PUBLISH_LIFETIME,
             read_back_seconds: float = READ_BACK_SECONDS) -> PublishedModel:
-    """Sign and store ``record`` in the publisher's slot under its name; the record as *other* peers return it
-    (this peer's own copy is dropped before each read: a record only this peer holds is not published), or
-    :class:`WeightsError` saying it is not readable."""
+    """Sign and store ``record`` in the publisher's slot under its own name key (and the shared one, which lists the
+    name's publishers); the record as *other* peers return it from the publisher's own key (this peer's own copies are
+    dropped before each read: a record only this peer holds is not published), or :class:`WeightsError` saying it is
+    not readable. A shared key that did not keep it (full of other keys' slots) is said in a warning."""
     own = ed25519_text(key)
+    keys = [own_name_key(record.name, author_id(own)), name_key(record.name)]
     deadline = time.monotonic() + read_back_seconds
     stored = False
     for attempt in itertools.count():  # a peer that has just joined may not reach the key's holders at once
-        stored = store_slot(dht, key, name_key(record.name), record.payload(), get_dht_time() + lifetime) or stored
-        forget_local_copies(dht, [name_key(record.name)])
-        found = [r for r in read_published(dht, record.name) if r.publisher == own and r.model_id == record.model_id]
+        expiration = get_dht_time() + lifetime
+        stored = store_slot(dht, key, keys[0], record.payload(), expiration) or stored
+        store_slot(dht, key, keys[1], record.payload(), expiration)
+        forget_local_copies(dht, keys)
+        found = [r for r in read_published(dht, record.name, [author_id(own)]) if r.publisher == own
+                 and r.model_id == record.model_id]
         if found:
+            if not any(r.publisher == own for r in read_published(dht, record.name)):
+                logger.warning("published %s under your own key; the shared list of its publishers is full, so readers "
+                               "who neither trust you nor name %s@%s do not see it", record.name, record.name,
+                               author_id(own))
             return found[0]
         pause = min(0.5 * 2**attempt, 4.0)
         if time.monotonic() + pause >= deadline:

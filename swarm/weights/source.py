@@ -36,6 +36,7 @@ from swarm.weights.records import (
     parse_reference,
     read_hosts,
     read_published,
+    reference_publishers,
 )
 from swarm.weights.trust import PublisherTrust
 from swarm.weights.wire import FILE, ReadRequest
@@ -85,7 +86,9 @@ class SwarmWeights:
         reference, publisher = parse_reference(name)
         if not self.trust.names or (publisher is None and not self.trust.keys):  # refused before any network
             choose_published([], name, self.trust)
-        record = choose_published(self._with_dht(lambda dht: read_published(dht, reference)), name, self.trust)
+        publishers = reference_publishers(publisher, self.trust)
+        record = choose_published(self._with_dht(lambda dht: read_published(dht, reference, publishers)), name,
+                                  self.trust)
         logger.info("model %r is %s, published by %s", name, record.model_id, record.publisher_id)
         return self.open(record.model_id, record.manifest_bytes)
 

@@ -32,7 +32,7 @@ import asyncio
 import functools
 import logging
 import math
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
@@ -126,9 +126,10 @@ def packed_chunks(main: runtime_pb2.Tensor, second: Optional[runtime_pb2.Tensor]
     return [[chunk] for chunk in chunks + extra], counts
 
 
-def request_parts(request: ForwardRequest, wire_dtype: str = AUTO_WIRE,
-                  uid: str = "forward") -> list[runtime_pb2.ExpertRequest]:
-    """One part when small, else stream parts; the first part's metadata says how many follow."""
+def request_parts(request: ForwardRequest, wire_dtype: str = AUTO_WIRE, uid: str = "forward",
+                  hidden: Optional[runtime_pb2.Tensor] = None) -> list[runtime_pb2.ExpertRequest]:
+    """One part when small, else stream parts; the first part's metadata says how many follow. ``hidden``: the
+    hidden states already encoded (the caller digests them)."""
     metadata = {"start": request.start, "end": request.end, "session_id": request.session_id,
                 "step": request.step, "extra": request.directives()}
     weights = None
@@ -139,7 +140,8 @@ def request_parts(request: ForwardRequest, wire_dtype: str = AUTO_WIRE,
             metadata["prompt_digest"] = request.adapter_digest
         else:  # the client's float32 parameters: never rounded on the wire
             weights = encode_tensor(request.adapter.weights.float(), "float32")
-    messages, counts = packed_chunks(encode_tensor(request.hidden, wire_dtype), weights)
+    messages, counts = packed_chunks(hidden if hidden is not None else encode_tensor(request.hidden, wire_dtype),
+                                     weights)
     metadata.update(counts)
     parts = [runtime_pb2.ExpertRequest(uid=uid, tensors=messages[0], metadata=MSGPackSerializer.dumps(metadata))]
     parts += [runtime_pb2.ExpertRequest(tensors=tensors) for tensors in messages[1:]]
@@ -201,13 +203,16 @@ def decode_tensor(proto: runtime_pb2.Tensor) -> torch.Tensor:
 
 
 def response_parts(hidden: torch.Tensor, wire_dtype: str, metadata: Optional[dict] = None,
-                   second: Optional[torch.Tensor] = None) -> list[runtime_pb2.ExpertResponse]:
+                   second: Optional[torch.Tensor] = None,
+                   receipt: Optional[Callable[[runtime_pb2.Tensor], dict]] = None) -> list[runtime_pb2.ExpertResponse]:
     """An answer's parts: ``hidden``, then a ``second`` tensor when given, exactly (for a backward call that carried
-    an adapter tensor, its float32 gradient; for a sparse expert answer, its token ids)."""
+    an adapter tensor, its float32 gradient; for a sparse expert answer, its token ids). ``receipt`` gives the
+    metadata that signs the encoded ``hidden`` (:mod:`swarm.wire.receipts`)."""
     extra = encode_tensor(second if not second.is_floating_point() else second.float(), "float32") \
         if second is not None else None
-    messages, counts = packed_chunks(encode_tensor(hidden, wire_dtype), extra)
-    meta = dict(metadata or {}, **counts)
+    main = encode_tensor(hidden, wire_dtype)
+    messages, counts = packed_chunks(main, extra)
+    meta = dict(metadata or {}, **counts, **(receipt(main) if receipt is not None else {}))
     parts = [runtime_pb2.ExpertResponse(tensors=messages[0], metadata=MSGPackSerializer.dumps(meta))]
     return parts + [runtime_pb2.ExpertResponse(tensors=tensors) for tensors in messages[1:]]
 
@@ -247,6 +252,9 @@ def check_error(metadata: dict[str, Any], peer_id: Optional[str] = None) -> None
                           retry_after=error.get("retry_after"))
 
 
+WIRE_ANSWER = "_wire_answer"  # a key no server sends: metadata of an answer read here, holding its wire form
+
+
 def collect_response(parts: list[runtime_pb2.ExpertResponse],
                      peer_id: Optional[str] = None) -> tuple[torch.Tensor, dict]:
     """The answer's tensor; a second one (a deep prompt's gradient) is in the metadata under ``prompts``."""
@@ -255,7 +263,9 @@ def collect_response(parts: list[runtime_pb2.ExpertResponse],
     main, second = split_parts(tensors, metadata.get("parts"), metadata.get("prompt_parts"), peer_id)
     if second is not None:
         metadata["prompts"] = decode_tensor(join_parts(second, len(second), peer_id))
-    return decode_tensor(join_parts(main, metadata.get("parts"), peer_id)), metadata
+    answer = join_parts(main, metadata.get("parts"), peer_id)
+    metadata[WIRE_ANSWER] = answer  # the answer as it travelled: what a receipt signs
+    return decode_tensor(answer), metadata
 
 
 def split_parts(tensors: list[runtime_pb2.Tensor], parts: Any, prompt_parts: Any, peer_id: Optional[str] = None

@@ -24,15 +24,18 @@ from multiaddr import Multiaddr
 from swarm.diffusion.sparse import SparseScores
 from swarm.wire.encoding import (
     AUTO_WIRE,
+    WIRE_ANSWER,
     adapter_declared,
     adapter_request,
     collect_ack,
     collect_response,
+    encode_tensor,
     expert_query_message,
     request_parts,
     response_metadata,
 )
 from swarm.wire.messages import BackwardRequest, ErrorCode, ExpertQuery, ForwardRequest, RemoteError
+from swarm.wire.receipts import CallContent, Receipt, tensor_digest
 from swarm.wire.services import SpanService
 from swarm.wire.work import Stamper
 
@@ -44,6 +47,21 @@ MAX_HELD_ADAPTERS = 4096  # (server, digest) pairs remembered; an old one forgot
 # again: each false claim costs the client a wasted call and a resend, and a liar could claim forever.
 MAX_BROKEN_HOLDS = 3
 HASH_OFF_LOOP_BYTES = 2**20  # adapter tensors larger than this are hashed in a thread (~1 GB/s)
+
+
+WIRE_HIDDEN = "_wire_hidden"  # keys no server sends: what a call sent, kept beside its answer's metadata
+ADAPTER_DIGEST = "_adapter_digest"
+
+
+@dataclass(frozen=True)
+class SignedCall:
+    """A forward call as it travelled, with the receipt its server signed (None from a server that signs none)."""
+
+    peer_id: str
+    request: ForwardRequest
+    receipt: Optional[Receipt]
+    hidden: runtime_pb2.Tensor
+    answer: runtime_pb2.Tensor
 
 
 @dataclass
@@ -82,6 +100,8 @@ class RemoteCaller:
         self.rows_sent = 0  # batch x length of hidden states sent in forward requests
         self.bytes_sent = self.bytes_received = 0  # serialized forward requests and answers (benchmarks read them)
         self.expert_bytes_received = 0  # serialized expert answers
+        # Called with every forward answer and its checked receipt (None: receipts are neither checked nor kept)
+        self.on_receipt: Optional[Callable[[SignedCall], None]] = None
 
     async def crossing(self) -> None:
         """One emulated one-way network crossing (nothing unless latency is injected)."""
@@ -148,7 +168,9 @@ class RemoteCaller:
         """The forward RPC, or with ``backward`` the backward RPC (whose request has a forward's form, always sent
         in its own dtype: float32 gradients are not rounded on the wire)."""
         uid = "backward" if backward else "forward"
-        parts = request_parts(request, AUTO_WIRE if backward else self.wire_dtype, uid)
+        wire_dtype = AUTO_WIRE if backward else self.wire_dtype
+        hidden = encode_tensor(request.hidden, wire_dtype)
+        parts = request_parts(request, wire_dtype, uid, hidden=hidden)
         stub = self._stub(peer_id)
         self.rows_sent += request.rows
         self.bytes_sent += sum(part.ByteSize() for part in parts)
@@ -163,7 +185,18 @@ class RemoteCaller:
             self.bytes_received += sum(response.ByteSize() for response in responses)
             return responses
 
+        rpc.hidden = hidden  # what a receipt's call digest covers
         return rpc
+
+    async def _signed_call(self, peer_id: str, request: ForwardRequest, timeout: float, backward: bool
+                           ) -> tuple[torch.Tensor, dict]:
+        """One call; a forward answer's metadata also holds the request's hidden states as they travelled (what its
+        receipt signs; backward calls carry no receipt)."""
+        rpc = self._forward_rpc(peer_id, request, backward)
+        output, metadata = await self._call(peer_id, rpc, timeout)
+        if not backward:
+            metadata[WIRE_HIDDEN] = rpc.hidden
+        return output, metadata
 
     async def _adapted_call(self, peer_id: str, request: ForwardRequest, timeout: float, backward: bool = False
                             ) -> tuple[torch.Tensor, dict]:
@@ -176,8 +209,9 @@ class RemoteCaller:
                 self.adapters_held.move_to_end((peer_id, digest))
                 named = dataclasses.replace(request, adapter_digest=digest)
                 try:
-                    answer = await self._call(peer_id, self._forward_rpc(peer_id, named, backward), timeout)
+                    answer = await self._signed_call(peer_id, named, timeout, backward)
                     self._count_named(peer_id, missed=False)
+                    answer[1][ADAPTER_DIGEST] = digest
                     return answer
                 except RemoteError as error:
                     if error.code != ErrorCode.ADAPTER_MISS:
@@ -186,11 +220,12 @@ class RemoteCaller:
                     self.adapter_misses += 1
                     self._count_named(peer_id, missed=True)
                     logger.debug("%s no longer holds adapter tensor %s: sending it", peer_id, digest[:16])
-        output, metadata = await self._call(peer_id, self._forward_rpc(peer_id, request, backward), timeout)
+        output, metadata = await self._signed_call(peer_id, request, timeout, backward)
         if digest is not None and metadata.get("prompt_held") is True and peer_id not in self.holds_distrusted:
             self.adapters_held[peer_id, digest] = None
             while len(self.adapters_held) > MAX_HELD_ADAPTERS:
                 self.adapters_held.popitem(last=False)
+        metadata[ADAPTER_DIGEST] = digest
         return output, metadata
 
     def _count_named(self, peer_id: str, missed: bool) -> None:
@@ -237,7 +272,36 @@ class RemoteCaller:
         if tuple(output.shape) != expected:
             raise RemoteError(ErrorCode.INTERNAL, f"server returned shape {tuple(output.shape)}, "
                               f"expected {expected}", peer_id)
+        if self.on_receipt is not None and request.push is None:
+            receipt = await self._checked_receipt(peer_id, request, metadata)
+            self.on_receipt(SignedCall(peer_id, request, receipt, metadata[WIRE_HIDDEN], metadata[WIRE_ANSWER]))
         return output
+
+    async def _checked_receipt(self, peer_id: str, request: ForwardRequest, metadata: dict) -> Optional[Receipt]:
+        """The answer's receipt, checked against the call sent and the answer received (None when the server sent
+        none: an older server); a receipt that does not hold is the server's failure."""
+        raw = metadata.get("receipt")
+        if raw is None:
+            return None
+        adapter_digest = metadata.get(ADAPTER_DIGEST)
+        if request.adapter is not None and adapter_digest is None:
+            adapter_digest = await self._digest(request)
+        content = CallContent(request.start, request.end, request.session_id, request.step,
+                              request.cache.to_dict() if request.cache is not None else None,
+                              request.head.to_dict() if request.head is not None else None,
+                              request.adapter.kind if request.adapter is not None else None, adapter_digest,
+                              tensor_digest(metadata[WIRE_HIDDEN]))
+        try:
+            receipt = Receipt.from_wire(raw)
+        except ValueError as error:
+            raise RemoteError(ErrorCode.INTERNAL, f"malformed receipt: {error}", peer_id) from None
+        problem = ("signed by another peer's key" if receipt.peer_id != peer_id
+                   else "for another call" if receipt.request != content.digest()
+                   else "for another answer" if receipt.answer != tensor_digest(metadata[WIRE_ANSWER])
+                   else "with a signature that does not hold" if not receipt.valid_signature() else None)
+        if problem is not None:
+            raise RemoteError(ErrorCode.INTERNAL, f"the answer's receipt is {problem}", peer_id)
+        return receipt
 
     async def backward(self, peer_id: str, request: BackwardRequest, timeout: float) -> torch.Tensor:
         """The gradient of the input of the server's blocks ``request.start:request.end`` (float32, the inputs'

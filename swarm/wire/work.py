@@ -1,11 +1,13 @@
 """Proof of work a caller attaches to a request, so that a busy server's order can weigh what identities cost.
 
 Peer ids are free, so a server that gives each id a share gives an attacker as many shares as it makes ids. A *work
-stamp* is a hashcash-style proof: a counter such that ``sha256(domain | server | caller | epoch | salt | counter)``
-starts with ``bits`` zero bits, which took about ``2**bits`` hashes to find and takes one hash to check (a few
-microseconds). It names the server and the caller, so it is worth nothing anywhere else or to anyone else, and a
-minute-long ``epoch`` (the server accepts the one before and after its own, for clock skew), so work cannot be
-banked for long; the server remembers the stamps it credited until their epochs pass, so none is spent twice.
+stamp* is a hashcash-style proof (like a DHT list entry's, :mod:`swarm.dht.stamp`, which prices an entry once per
+list; this one prices each call, for one server): a counter such that
+``sha256(domain | server | caller | epoch | salt | counter)`` starts with ``bits`` zero bits, which took about
+``2**bits`` hashes to find and takes one hash to check (a few microseconds). It names the server and the caller, so
+it is worth nothing anywhere else or to anyone else, and a minute-long ``epoch`` (the server accepts the one before
+and after its own, for clock skew), so work cannot be banked for long; the server remembers the stamps it credited
+until their epochs pass, so none is spent twice.
 
 A client mints, per call, a stamp worth the call's cost (:func:`swarm.models.cost.request_cost`) at
 ``price`` hashes per unit of cost; the server credits ``2**bits / price`` units to the caller
@@ -24,6 +26,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from swarm.dht.stamp import leading_zero_bits
 from swarm.models.config import ModelConfig
 from swarm.models.cost import attention_length_scale, request_cost
 from swarm.wire.messages import ErrorCode, ForwardRequest, RemoteError
@@ -68,11 +71,6 @@ def _with_counter(prefix: "hashlib._Hash", counter: int) -> bytes:
     hashed = prefix.copy()
     hashed.update(counter.to_bytes(8, "big"))
     return hashed.digest()
-
-
-def leading_zero_bits(digest: bytes) -> int:
-    value = int.from_bytes(digest, "big")
-    return len(digest) * 8 - value.bit_length()
 
 
 def epoch_of(now: float) -> int:

@@ -547,7 +547,7 @@ class SpanBackend:
         self.dtype = next(span.parameters()).dtype
         self.queue = ComputeQueue(max_concurrent, max_queued_tokens, "span-compute", peer_share, streams, scheduler)
         if batching:  # stateless forward passes of equal blocks and length are computed together
-            self.queue.merge, self.queue.batch_size = self.forward_batch_pieces, max_batch_tokens
+            self.queue.merge, self.queue.batch_size = self._merge, max_batch_tokens
         self.max_piece_tokens = max_piece_tokens
         self.max_positions = span.config.max_position_embeddings
         self.length_scale = attention_length_scale(span.config)
@@ -594,6 +594,25 @@ class SpanBackend:
                        ) -> Generator[None, None, torch.Tensor]:
         """:meth:`forward_sync` in pieces (:func:`piece_bounds`), yielding between them; returns its answer."""
         return self._pieces([call], cancel, lambda x: self._answer(x, call))
+
+    def _merge(self, items: list[tuple[SpanCall, threading.Event]]
+               ) -> list[torch.Tensor] | Generator[None, None, list[torch.Tensor]]:
+        """The queue's merge: :meth:`forward_batch_sync` for a merged pass of one piece, else
+        :meth:`forward_batch_pieces`."""
+        calls = [call for call, _ in items]
+        positions = sum(call.hidden.shape[0] for call in calls) * calls[0].hidden.shape[1]
+        if len(piece_bounds(calls[0].start, calls[0].end, positions, self.max_piece_tokens)) == 1:
+            return self.forward_batch_sync(items)
+        return self.forward_batch_pieces(items)
+
+    def forward_batch_sync(self, items: list[tuple[SpanCall, threading.Event]]) -> list[torch.Tensor]:
+        """:meth:`forward_batch_pieces` run to its end: the merged pass in one go."""
+        pieces = self.forward_batch_pieces(items)
+        while True:
+            try:
+                next(pieces)
+            except StopIteration as finished:
+                return finished.value
 
     def forward_batch_pieces(self, items: list[tuple[SpanCall, threading.Event]]
                              ) -> Generator[None, None, list[torch.Tensor]]:

@@ -37,7 +37,7 @@ from typing import Any, Callable, Hashable, Optional
 
 NEWCOMERS = ("newcomers",)  # the key of the flow every pass without proved work shares (not a str: no peer id)
 MAX_IDENTITIES = 4096  # callers' standing kept, and finish tags of flows that emptied lately
-HALF_LIFE_S = 60.0  # standing halves in this time: proved work is spent soon, never banked for long
+HALF_LIFE_S = 60.0  # standing halves in this time: proved work credited is spent soon or lost
 
 
 @dataclass

@@ -6,8 +6,9 @@ list; this one prices each call, for one server): a counter such that
 ``sha256(domain | server | caller | epoch | salt | counter)`` starts with ``bits`` zero bits, which took about
 ``2**bits`` hashes to find and takes one hash to check (a few microseconds). It names the server and the caller, so
 it is worth nothing anywhere else or to anyone else, and a minute-long ``epoch`` (the server accepts the one before
-and after its own, for clock skew), so work cannot be banked for long; the server remembers the stamps it credited
-until their epochs pass, so none is spent twice.
+and after its own, for clock skew); the server remembers the stamps it credited until their epochs pass, so none is
+spent twice. The epoch is the clock's, so stamps for a later one can be made ahead (saved-up work spent in a burst,
+at the same price per pass); a nonce the server hands out would close that, at a round trip.
 
 A client mints, per call, a stamp worth the call's cost (:func:`swarm.models.cost.request_cost`) at
 ``price`` hashes per unit of cost; the server credits ``2**bits / price`` units to the caller

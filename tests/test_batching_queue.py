@@ -1,24 +1,27 @@
-"""Batching several callers' passes into one on the compute thread (issue 47 item 3, swarm/server/backend.py), in
+"""Batching several callers' passes into one on the compute thread (issue 47 item 3, swarm/server/backend.py), and long
+passes run in pieces between blocks so that a small call never waits for a whole long one (issue 55 class 6), in
 process: no socket, no clock. The compute thread is held by a pass that waits on an event until every request under
-test is queued, so what gets merged is decided by the queue's contents, never by timing."""
+test is queued, so what gets merged, and in which order pieces run, is decided by the queue's contents, never by
+timing."""
 from __future__ import annotations
 
 import asyncio
 import threading
+from typing import Optional
 
 import torch
 
 from swarm.diffusion.prediction import HeadQuery
 from swarm.models.kv_cache import SpanKV
 from swarm.models.modules import BlockSpan, OutputHead
-from swarm.server.backend import SpanBackend, SpanCall, batch_key
+from swarm.server.backend import SpanBackend, SpanCall, batch_key, piece_bounds
 from swarm.server.scheduler import FairScheduler
 from swarm.testing.checkpoints import tiny_config
 
 CONFIG = tiny_config()
 
 
-def backend(batching: bool = True, max_batch_tokens: int = 16384) -> SpanBackend:
+def backend(batching: bool = True, max_batch_tokens: int = 16384, max_piece_tokens: int = 16384) -> SpanBackend:
     torch.manual_seed(0)
     span = BlockSpan(CONFIG, 0, CONFIG.num_layers)
     head = OutputHead(CONFIG)
@@ -26,7 +29,8 @@ def backend(batching: bool = True, max_batch_tokens: int = 16384) -> SpanBackend
         for parameter in module.parameters():
             torch.nn.init.normal_(parameter, std=0.2)
     return SpanBackend(span, max_concurrent=64, max_queued_tokens=10**7, head=head, batching=batching,
-                       max_batch_tokens=max_batch_tokens, scheduler=FairScheduler())
+                       max_batch_tokens=max_batch_tokens, scheduler=FairScheduler(),
+                       max_piece_tokens=max_piece_tokens)
 
 
 def head_query(length: int, seed: int) -> HeadQuery:
@@ -34,8 +38,11 @@ def head_query(length: int, seed: int) -> HeadQuery:
                      cfg_scale=0.0, mask_token_id=CONFIG.mask_token_id, scored=(length - 8, length))
 
 
-def run_while_held(server: SpanBackend, calls: list[tuple[str, SpanCall]]) -> list:
-    """Every call queued behind a pass that holds the compute thread, then the thread let go: answers in order."""
+def run_while_held(server: SpanBackend, calls: list[tuple[str, SpanCall]], finished: Optional[list] = None,
+                   proved: bool = False) -> list:
+    """Every call queued behind a pass that holds the compute thread, then the thread let go: answers in order
+    (and the callers in the order they were answered, into ``finished``). With ``proved`` each call proves its cost
+    (as a work stamp would): each caller is a flow of its own."""
     async def main():
         release, holding = threading.Event(), threading.Event()
 
@@ -45,7 +52,10 @@ def run_while_held(server: SpanBackend, calls: list[tuple[str, SpanCall]]) -> li
 
         blocker = asyncio.ensure_future(server.queue.run(1, hold, peer="blocker"))
         await asyncio.get_running_loop().run_in_executor(None, holding.wait, 60)
-        tasks = [asyncio.ensure_future(server.forward(call, peer=peer)) for peer, call in calls]
+        tasks = [asyncio.ensure_future(server.forward(call, peer=peer, proved=proved * server.cost(
+            *call.hidden.shape[:2]))) for peer, call in calls]
+        for (peer, _), task in zip(calls, tasks):
+            task.add_done_callback(lambda _, peer=peer: finished.append(peer) if finished is not None else None)
         await asyncio.sleep(0)  # every forward has queued its pass (each queues before its first await)
         assert len(server.queue.scheduler) == len(calls)
         release.set()
@@ -143,3 +153,76 @@ def test_servers_batch_by_default_where_the_passes_are_batch_invariant():
 
     assert ServerConfig().batching is True and ServerConfig().batch_invariant is True
     assert backend(batching=False).queue.merge is None and backend().queue.merge is not None
+
+
+def test_a_long_pass_runs_in_pieces_between_blocks_and_small_calls_go_between_them():
+    """Issue 55 class 6: three callers' 64-position passes held a small caller's call for their whole length (the
+    queue never preempted). Now a pass of more than --max-piece-tokens positions x blocks runs piece by piece, back
+    to the fair order after each: the small calls, waiting behind it, are answered after one piece, not after the
+    three long passes, and every answer is its one-pass answer to the bit."""
+    server = backend(batching=False, max_piece_tokens=64)
+    generator = torch.Generator().manual_seed(2)
+    big = [(f"big-{index}", SpanCall(torch.randn(4, 16, CONFIG.hidden_size, generator=generator), 0,
+                                     CONFIG.num_layers)) for index in (1, 2, 3)]
+    small = [("small", SpanCall(torch.randn(1, 16, CONFIG.hidden_size, generator=generator), 0, CONFIG.num_layers))]
+    assert server.pieces_of(big[0][1]) == CONFIG.num_layers and server.pieces_of(small[0][1]) == 1
+    finished: list[str] = []
+    answers = run_while_held(server, big + small, finished, proved=True)  # each caller a flow of its own
+    assert finished[0] == "small"  # after big-1's first piece: before any long pass ends
+    assert server.queue.info()["scheduler"]["pieces"] == 3 * (CONFIG.num_layers - 1)
+    for (_, call), answer in zip(big + small, answers):
+        assert torch.equal(answer, server.forward_sync(call))
+    assert server.queue.in_flight == 0 and len(server.queue.scheduler) == 0
+
+
+def test_merged_cached_and_adapted_passes_in_pieces_answer_what_one_pass_does():
+    """Pieces are numerically neutral for every kind of forward call: merged, a cache fill and a reuse of it, an
+    adapter's per-block slices, a head query at the end."""
+    from swarm.adapters.block import BlockAdapter
+
+    server = backend(max_piece_tokens=16)  # one block per piece for every call below
+    generator = torch.Generator().manual_seed(3)
+    merged = [(f"client-{index}", SpanCall(torch.randn(1, 16, CONFIG.hidden_size, generator=generator), 0,
+                                           CONFIG.num_layers, head=head_query(16, index) if index else None))
+              for index in range(3)]
+    answers = run_while_held(server, merged)
+    assert server.queue.batches == 1 and server.queue.info()["scheduler"]["pieces"] == CONFIG.num_layers - 1
+    for (_, call), answer in zip(merged, answers):
+        assert torch.equal(answer, server.forward_sync(call))
+    hidden = torch.randn(1, 16, CONFIG.hidden_size, generator=generator)
+    adapter = BlockAdapter("deep_prompt", torch.randn(CONFIG.num_layers, 2, CONFIG.hidden_size, generator=generator))
+    fill, solo_fill = SpanKV(1, 16), SpanKV(1, 16)
+    calls = [SpanCall(hidden, 0, CONFIG.num_layers, adapter=adapter), SpanCall(hidden, 0, CONFIG.num_layers, fill)]
+    pieced = run_while_held(server, [("a", call) for call in calls])
+    assert torch.equal(pieced[0], server.forward_sync(calls[0]))
+    assert torch.equal(pieced[1], server.forward_sync(SpanCall(hidden, 0, CONFIG.num_layers, solo_fill)))
+    fresh = torch.randn(1, 4, CONFIG.hidden_size, generator=generator)
+    server = backend(max_piece_tokens=4)  # the same weights; one block per piece for a reuse of 4 rows too
+    query = HeadQuery((4,), 4, (0,), seed=9, temperature=0.5, cfg_scale=0.0, mask_token_id=CONFIG.mask_token_id,
+                      scored=(4, 8))
+    reuse = run_while_held(server, [("a", SpanCall(fresh, 0, CONFIG.num_layers, fill, (4, 8), query))])
+    assert server.pieces_of(SpanCall(fresh, 0, CONFIG.num_layers)) == CONFIG.num_layers > 1
+    assert torch.equal(reuse[0], server.forward_sync(SpanCall(fresh, 0, CONFIG.num_layers, solo_fill, (4, 8), query)))
+
+
+def test_a_pass_whose_caller_left_between_pieces_stops_and_frees_its_place():
+    server = backend(batching=False, max_piece_tokens=16)
+    call = SpanCall(torch.randn(1, 16, CONFIG.hidden_size), 0, CONFIG.num_layers)
+
+    async def main():
+        task = asyncio.ensure_future(server.forward(call, peer="gone"))
+        while server.queue.pieces == 0 and not task.done():  # its first piece has run: the rest waits its turn
+            await asyncio.sleep(0.001)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        while server.queue.in_flight:
+            await asyncio.sleep(0.001)
+
+    asyncio.run(main())
+    assert server.queue.cancelled == 1 and server.queue.pieces < CONFIG.num_layers - 1
+
+
+def test_pieces_cover_the_blocks_in_order_within_the_bound():
+    assert piece_bounds(0, 8, 100, 400) == [(0, 4), (4, 8)]
+    assert piece_bounds(3, 8, 5000, 400) == [(3, 4), (4, 5), (5, 6), (6, 7), (7, 8)]  # one block at least
+    assert piece_bounds(2, 5, 1, 16384) == [(2, 5)]

@@ -2,18 +2,23 @@
 started with ``--max-share-per-caller 0.5``. The red team's attack: a stranger's tiny call makes the heavy user "over
 its share"; the old cap then refused the heavy user while the server sat idle (one generation took 179.5 s instead of
 0.04 s). Now the share only orders callers that wait, so the heavy user is never refused, and ``rpc_info`` counts
-both. The ledger and the scheduler are unit-tested in tests/test_usage.py and tests/test_scheduler.py."""
+both. Each client stamps its first call with proof of work (issue 55 class 6), which the server credits once. The
+ledger, the scheduler and the stamps are unit-tested in tests/test_usage.py, tests/test_scheduler.py and
+tests/test_work_stamps.py."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from swarm.frontend.local import DiffusionLM
-from swarm.wire.messages import ForwardRequest
+from swarm.wire.messages import ForwardRequest, RemoteError
+from swarm.wire.work import mint
 from tests.conftest import make_checkpoint, stop_all, swarm_client, tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,6 +60,22 @@ def test_a_strangers_tiny_calls_never_get_a_heavy_user_refused_on_an_idle_server
         assert callers[heavy_id]["seconds"] > callers[light_id]["seconds"] > 0
         assert usage["total"]["tokens"] == sum(entry["tokens"] for entry in usage["callers"])
         assert usage["refused"] == 0
+        # issue 55 class 6: each default client stamped its first call with proof of work, which the server credited
+        # (the caller and server ids it checks are the ones the client minted for), and no more: the server never
+        # answered that a call had waited for another's; a stamp sent twice is credited once, a malformed one refused
+        stamps = info["work_stamps"]
+        assert stamps["credited"] >= 2 and stamps["refused"] == {}, stamps
+        assert heavy.caller.stamper.minted < 5 and light.caller.stamper.minted < 5
+        hidden = torch.randn(1, 8, light.config.hidden_size)
+        stamped = ForwardRequest(0, 4, hidden, "", -1, work=mint(server.peer_id, light_id, 12))
+        light.caller.stamper = None  # sent as it is
+        for _ in range(2):
+            light.loop.run(light.caller.forward(server.peer_id, stamped, 30))
+        bad = dataclasses.replace(stamped, work=dataclasses.replace(stamped.work, salt="not hex"))
+        with pytest.raises(RemoteError, match="'work' salt"):
+            light.loop.run(light.caller.forward(server.peer_id, bad, 30))
+        stamps = light.loop.run(light.caller.info(server.peer_id, 10))[0]["work_stamps"]
+        assert stamps["refused"] == {"spent": 1}, stamps
         # swarm.health --usage shows the same counts, in JSON and as text
         peers = [arg for peer in local_swarm.initial_peers for arg in ("--initial-peers", peer)]
         health = [sys.executable, "-m", "swarm.health", "--model", str(path), "--usage", *peers]

@@ -82,6 +82,7 @@ from swarm.utils.errors import SwarmError
 from swarm.utils.event_loop import BackgroundLoop
 from swarm.wire.messages import ErrorCode, ForwardRequest, RemoteError
 from swarm.wire.remote import RemoteCaller
+from swarm.wire.work import stamper_for
 
 logger = logging.getLogger(__name__)
 
@@ -155,7 +156,7 @@ class Auditor:
         self.dht = dht if dht is not None else start_dht(config.network, protect=protected_keys(
             self.prefix, self.model.num_layers, auditors=[self.public_key]))
         self.loop = BackgroundLoop.shared()
-        self.caller = RemoteCaller(self.loop.run(self.dht.replicate_p2p()))
+        self.caller = self._caller(self.loop.run(self.dht.replicate_p2p()))
         self.embedding = files.embedding()  # the checkpoint's dtype, as a client's and the servers'
         self.dtype = next(self.embedding.parameters()).dtype
         self._blocks = None  # every block, loaded at the first check
@@ -173,6 +174,11 @@ class Auditor:
         self._head = None
         self.sequence = 0
         self.rounds = 0
+
+    def _caller(self, p2p) -> RemoteCaller:
+        """A caller that stamps its calls as a default client does (swarm.wire.work), so its stamps do not tell it
+        apart."""
+        return RemoteCaller(p2p, stamper=stamper_for(str(p2p.peer_id), self.model))
 
     @property
     def blocks(self):
@@ -389,7 +395,7 @@ class Auditor:
             network = dataclasses.replace(self.config.network, identity_path=None, client_mode=True)
             dht = start_dht(network)
             lifetime = self.config.identity_lifetime * self.rng.uniform(1 - self.config.jitter, 1 + self.config.jitter)
-            self._traffic = TrafficIdentity(dht, RemoteCaller(self.loop.run(dht.replicate_p2p())), now + lifetime)
+            self._traffic = TrafficIdentity(dht, self._caller(self.loop.run(dht.replicate_p2p())), now + lifetime)
             logger.info("traffic identity %s, kept %.0f s", dht.peer_id, lifetime)
         own, self.caller, self._round_dht = self.caller, self._traffic.caller, self._traffic.dht
         try:

@@ -15,7 +15,8 @@
 * ``composition-cost``: the client's CPU per step for an expert composition at LLaDA-8B's vocabulary, stage by
   stage, top k and whole vocabulary (``composition_cost.py``).
 * ``concurrency``: 1, 4 and 16 concurrent clients of one server, batched vs unbatched, same tokens checked; ``shares``:
-  the red team's attacks on the share cap, against the fair scheduler (``server_load.py``).
+  the red team's attacks on the share cap, against the fair scheduler; ``fairness``: issue 55 class 6 before and
+  after (ids made in advance, a flood of fresh ids, a small caller behind big calls) (``server_load.py``).
 
 ``hiding`` puts every peer behind a TCP proxy on 127.0.0.1 that delays every crossing the protocol makes (connection
 and stream set-up, DHT lookups, acknowledgements), as a user's link does. The older commands inject latency in user
@@ -39,7 +40,7 @@ from swarm.benchmark.client_memory import client_memory
 from swarm.benchmark.composition_cost import composition_cost
 from swarm.benchmark.invariance_cost import invariance_cost
 from swarm.benchmark.realscale import realscale
-from swarm.benchmark.server_load import concurrency, shares
+from swarm.benchmark.server_load import concurrency, fairness, shares
 from swarm.benchmark.timing import time_calls
 from swarm.cli.options import SwarmGroup, gen_length_option
 from swarm.diffusion.config import MAX_DRAFT_STEPS, MAX_STALENESS
@@ -553,5 +554,6 @@ main.add_command(adapter_wire)  # issue 19: a LoRA on the wire at those widths (
 main.add_command(composition_cost)  # issue 36: the client's CPU for an expert composition (composition_cost.py)
 main.add_command(concurrency)  # issue 47: batching several clients' calls on one server (server_load.py)
 main.add_command(shares)  # issue 48: the fair scheduler against the red team's shapes (server_load.py)
+main.add_command(fairness)  # issue 55 class 6: ids made in advance, a flood, big calls; before/after (server_load.py)
 main.add_command(invariance_cost)  # issue 47: batch-invariant passes vs default ones (invariance_cost.py)
 main.add_command(client_memory)  # issue 54: a client's peak memory and s/step per mode at 8B widths (client_memory.py)

@@ -10,6 +10,12 @@
   stranger sending each pass from a fresh id, several at once, on the real compute queue of the model (in process):
   the share of compute each side gets in arrival order (no scheduler), fair by id, and fair with the newcomers'
   flow (this project's scheduler).
+* ``fairness``: issue 55 class 6, before and after, on the real compute queue (in process). (a) A user against k ids
+  made in advance (4, 16): the shares fair by id (before), with the user's passes proving work (after), and with
+  every pass proving work (what the attacker's shares then cost it in cores of minting). (b) A new client while an
+  attacker keeps 100 fresh ids queued: its passes without and with stamps. (c) A small caller's median time per
+  call beside three callers of 200 x 64-position passes: long passes whole (before) and in pieces (after), with
+  batching off and on.
 
 torch and the swarm are imported in the commands' bodies, so that ``--help`` answers at once.
 """
@@ -20,6 +26,7 @@ import contextlib
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import click
@@ -234,60 +241,210 @@ def idle_server_case(model: str, period: float, generations: int, threads: int) 
                f"{usage['refused']}")
 
 
+def schedulers() -> dict[str, type]:
+    """The orders compared: first come first served, fair by id (every id a flow: what ids made in advance had
+    before issue 55, fresh ids before issue 48), and this project's (a flow of its own only for proved work)."""
+    from swarm.server.scheduler import FairScheduler
+
+    class ArrivalOrder(FairScheduler):
+        def flow_for(self, job, now: float):
+            return "everyone"
+
+    class PerIdentity(FairScheduler):
+        def flow_for(self, job, now: float):
+            return job.peer
+
+    return {"arrival": ArrivalOrder, "by id": PerIdentity, "proved work": FairScheduler}
+
+
 def sybil_case(model: str, sybils: int, passes: int) -> None:
     import torch
 
     from swarm.models.loading import ModelFiles
     from swarm.server.backend import SpanBackend, SpanCall
-    from swarm.server.scheduler import FairScheduler
 
     files = ModelFiles(model)
     config = files.config
     span = files.span(0, config.num_layers)
-
-    class PerIdentity(FairScheduler):
-        """Fair by id with no newcomers' flow: every fresh id a flow of its own."""
-
-        def flow_key(self, peer: str):
-            return peer
-
-    class ArrivalOrder(FairScheduler):
-        """First come, first served: one flow for everybody (the queue before the scheduler)."""
-
-        def flow_key(self, peer: str):
-            return "everyone"
-
-    click.echo(f"\n(b) a long-standing user (one pass waiting at a time) against a stranger keeping {sybils} passes "
-               f"waiting, each from a fresh id; {passes} passes of 1 x 36 positions through every block")
+    click.echo(f"\n(b) a user proving its passes' work (one pass waiting at a time) against a stranger keeping "
+               f"{sybils} passes waiting, each from a fresh id; {passes} passes of 1 x 36 positions through every "
+               f"block")
     click.echo(f"{'scheduler':<34}{'user share':>11}{'sybils share':>13}")
     hidden = torch.randn(1, 36, config.hidden_size)
-    for name, kind in (("arrival order (no scheduler)", ArrivalOrder), ("fair by id", PerIdentity),
-                       ("fair, newcomers share one flow", FairScheduler)):
-        scheduler = kind()
-        for index in range(scheduler.establish_requests):  # long-standing: served over more than the age
-            scheduler.served("user", now=index * 2 * scheduler.establish_age / scheduler.establish_requests)
-        backend = SpanBackend(span, max_concurrent=4 * sybils + 4, max_queued_tokens=10**9, scheduler=scheduler,
+    kinds = schedulers()
+    for name, kind in (("arrival order (no scheduler)", kinds["arrival"]), ("fair by id", kinds["by id"]),
+                       ("fair, unproved passes share one flow", kinds["proved work"])):
+        backend = SpanBackend(span, max_concurrent=4 * sybils + 4, max_queued_tokens=10**9, scheduler=kind(),
                               batching=False)
-        served = asyncio.run(contend(backend, lambda: SpanCall(hidden, 0, config.num_layers), sybils, passes))
+        served = asyncio.run(contend(backend, lambda: SpanCall(hidden, 0, config.num_layers), sybils, passes,
+                                     Contest(user_proves=True)))
         backend.shutdown()
         total = sum(served.values())
         click.echo(f"{name:<34}{served['user'] / total:>11.0%}{served['sybils'] / total:>13.0%}")
     click.echo("the red team measured 91% of the calls for fresh ids against a 50% cap")
 
 
-async def contend(backend, call: Callable, sybils: int, passes: int) -> dict[str, int]:
-    """Closed loops: the user keeps one pass waiting, the stranger ``sybils`` (a fresh id each); count who is served."""
+@dataclass(frozen=True)
+class Contest:
+    """Who proves work in :func:`contend`, and whether the stranger's ids are fresh per pass or made in advance."""
+
+    user_proves: bool = False
+    sybils_prove: bool = False
+    fresh: bool = True
+
+
+async def contend(backend, call: Callable, sybils: int, passes: int, contest: Contest = Contest()) -> dict[str, int]:
+    """Closed loops: the user keeps one pass waiting, the stranger ``sybils`` (a fresh id each, or one id per loop
+    made in advance); count who is served. A side that proves work proves each pass's cost."""
     served = {"user": 0, "sybils": 0}
     done = asyncio.Event()
     fresh = iter(range(10**9))
+    cost = backend.cost(*call().hidden.shape[:2])
 
-    async def loop(side: str) -> None:
+    async def loop(side: str, index: int) -> None:
         while not done.is_set():
-            peer = "user" if side == "user" else f"sybil-{next(fresh)}"
-            await backend.forward(call(), peer=peer)
+            peer = "user" if side == "user" else f"sybil-{next(fresh) if contest.fresh else index}"
+            proves = contest.user_proves if side == "user" else contest.sybils_prove
+            await backend.forward(call(), peer=peer, proved=cost if proves else 0.0)
             served[side] += 1
             if sum(served.values()) >= passes:
                 done.set()
 
-    await asyncio.gather(loop("user"), *(loop("sybils") for _ in range(sybils)))
+    await asyncio.gather(loop("user", 0), *(loop("sybils", index) for index in range(sybils)))
     return served
+
+
+@click.command()
+@click.option("--model", default="default", show_default=True, help="Embedded model name or checkpoint directory.")
+@click.option("--passes", type=click.IntRange(10), default=400, show_default=True,
+              help="Passes of 1 x 36 positions computed per case in (a) and (b).")
+@click.option("--flood", type=click.IntRange(1), default=100, show_default=True,
+              help="Fresh ids the attacker keeps queued in (b).")
+@click.option("--small-calls", type=click.IntRange(1), default=20, show_default=True,
+              help="The small caller's calls (1 x 36 positions) per case in (c).")
+@click.option("--big-rows", type=click.IntRange(1), default=200, show_default=True,
+              help="Rows of each big caller's 64-position calls in (c) (fewer on a slow machine).")
+@click.option("--max-piece-tokens", type=click.IntRange(1), default=16384, show_default=True,
+              help="The servers' --max-piece-tokens in (c)'s after case (smaller with smaller --big-rows).")
+@click.option("--cases", default="abc", show_default=True, help="Which of (a), (b), (c) to run.")
+@click.option("--threads", type=int, default=1, show_default=True, help="torch threads of the server.")
+def fairness(model: str, passes: int, flood: int, small_calls: int, big_rows: int, max_piece_tokens: int, cases: str,
+             threads: int) -> None:
+    """Issue 55 class 6 before and after: ids made in advance, a flood of fresh ids against a new client, a small
+    caller behind three callers of 200 x 64-position calls; on the real compute queue of the model, in process."""
+    import torch
+
+    from swarm.models.loading import ModelFiles
+    from swarm.server.backend import SpanBackend, SpanCall
+    from swarm.wire.work import WORK_PRICE, bits_for, mint
+
+    apply_threads(threads)
+    files = ModelFiles(model)
+    config = files.config
+    span = files.span(0, config.num_layers)
+    small = torch.randn(1, 36, config.hidden_size)
+    call = lambda: SpanCall(small, 0, config.num_layers)  # noqa: E731
+    kinds = schedulers()
+
+    def shares(kind: type, sybils: int, contest: Contest) -> tuple[float, dict[str, int]]:
+        backend = SpanBackend(span, max_concurrent=sybils + 4, max_queued_tokens=10**9, scheduler=kind(),
+                              batching=False)
+        started = time.perf_counter()
+        served = asyncio.run(contend(backend, call, sybils, passes, contest))
+        backend.shutdown()
+        return time.perf_counter() - started, served
+
+    cost = request_cost_of(span, 1, 36)
+    bits = bits_for(cost, WORK_PRICE)
+    started = time.perf_counter()
+    for index in range(20):
+        mint("server", "caller", bits, salt=f"{index:016x}")
+    mint_s = (time.perf_counter() - started) / 20
+    click.echo(f"model {model}; every pass 1 x 36 positions through every block (cost {cost}); a work stamp for it: "
+               f"{bits} bits at {WORK_PRICE:g} hashes per unit of cost, {1000 * mint_s:.2f} ms of one core to mint")
+    if "a" in cases:
+        made_in_advance(shares, kinds, mint_s, passes)
+    if "b" in cases:
+        click.echo(f"\n(b) a new client keeping one pass waiting while an attacker keeps {flood} fresh ids queued; "
+                   f"{passes} passes")
+        click.echo(f"{'new client':<44}{'its passes':>11}")
+        for name, contest in (("without stamps (as before)", Contest()), ("stamping its calls", Contest(True))):
+            _, served = shares(kinds["proved work"], flood, contest)
+            click.echo(f"{name:<44}{served['user']:>7} of {sum(served.values())}")
+        click.echo("the red team measured 6 of 1,200")
+    if "c" in cases:
+        small_waits(span, config.num_layers, small_calls, big_rows, max_piece_tokens)
+
+
+def made_in_advance(shares: Callable, kinds: dict[str, type], mint_s: float, passes: int) -> None:
+    """(a): a user against k ids made in advance, fair by id (before) and by proved work (after)."""
+    click.echo(f"\n(a) a user keeping one pass waiting against k ids made in advance, each keeping one waiting; "
+               f"{passes} passes")
+    click.echo(f"{'k':>3}  {'order':<44}{'user share':>11}{'sybils share':>13}{'attacker cores':>16}")
+    for sybils in (4, 16):
+        for name, kind, contest in (
+                ("before: fair by id (ids made in advance)", kinds["by id"], Contest(fresh=False)),
+                ("after: the user proves work, sybils do not", kinds["proved work"],
+                 Contest(user_proves=True, fresh=False)),
+                ("after: both prove work", kinds["proved work"], Contest(True, True, fresh=False))):
+            wall, served = shares(kind, sybils, contest)
+            cores = served["sybils"] * mint_s / wall if contest.sybils_prove else 0.0
+            total = sum(served.values())
+            click.echo(f"{sybils:>3}  {name:<44}{served['user'] / total:>11.0%}{served['sybils'] / total:>13.0%}"
+                       f"{cores:>16.2f}")
+    click.echo("the red team measured 80% (k = 4) and 94% (k = 16) for the sybils")
+
+
+def request_cost_of(span, batch: int, length: int) -> int:
+    from swarm.server.backend import attention_length_scale, request_cost
+
+    return request_cost(batch, length, attention_length_scale(span.config))
+
+
+def small_waits(span, blocks: int, calls: int, big_rows: int = 200, max_piece_tokens: int = 16384) -> None:
+    """(c): a small caller's time per call (1 x 36 positions, a pause between calls) alone, and beside three callers
+    each keeping a ``big_rows`` x 64-position pass waiting, long passes whole (before) and in pieces (after); every
+    caller proves work, so the order is by cost alone."""
+    import statistics
+
+    import torch
+
+    from swarm.server.backend import SpanBackend, SpanCall
+
+    small = torch.randn(1, 36, span.config.hidden_size)
+    big = torch.randn(big_rows, 64, span.config.hidden_size)
+
+    async def run(backend, bigs: int) -> list[float]:
+        done, waits = asyncio.Event(), []
+
+        async def big_loop(index: int) -> None:
+            while not done.is_set():
+                await backend.forward(SpanCall(big, 0, blocks), peer=f"big-{index}",
+                                      proved=backend.cost(*big.shape[:2]))
+
+        async def small_loop() -> None:
+            await asyncio.sleep(0.2 if bigs else 0.0)  # the long passes under way
+            for _ in range(calls):
+                started = time.perf_counter()
+                await backend.forward(SpanCall(small, 0, blocks), peer="small", proved=backend.cost(1, 36))
+                waits.append(time.perf_counter() - started)
+                await asyncio.sleep(0.05)
+            done.set()
+
+        await asyncio.gather(small_loop(), *(big_loop(index) for index in range(bigs)))
+        return waits
+
+    click.echo(f"\n(c) a small caller's time per call (1 x 36 positions, {calls} calls) beside 3 callers of "
+               f"{big_rows} x 64 positions; median and worst, ms")
+    click.echo(f"{'batching':<10}{'case':<40}{'median':>9}{'worst':>9}{'pieces':>9}")
+    for batching in (False, True):
+        for name, bigs, piece in (("alone", 0, max_piece_tokens), ("before: long passes whole", 3, 10**12),
+                                  (f"after: pieces of {max_piece_tokens} positions x blocks", 3, max_piece_tokens)):
+            backend = SpanBackend(span, max_concurrent=8, max_queued_tokens=10**9, batching=batching,
+                                  max_piece_tokens=piece)
+            waits = asyncio.run(run(backend, bigs))
+            pieces = backend.queue.pieces
+            backend.shutdown()
+            click.echo(f"{'on' if batching else 'off':<10}{name:<40}{1000 * statistics.median(waits):>9.1f}"
+                       f"{1000 * max(waits):>9.1f}{pieces:>9}")
+    click.echo("the red team measured a median of 4 ms alone and 455 ms beside the three callers")

@@ -61,6 +61,12 @@ class ClientConfig:
     ban_max: float = setting(300.0, "Longest ban in seconds.", **POSITIVE, cli=False)
     route_refresh: float = setting(30.0, "Seconds after which the server list is re-read (between generations "
                                          "only).", **AT_LEAST_0, cli=False)
+    work_price: float = setting(
+        16.0, "Hashes of proof of work per unit of a forward call's cost (one position), stamped on the first call "
+              "to each server and on every call for a minute after it answers that one waited for another caller's: "
+              "a busy server serves a caller whose calls prove their cost in a turn of its own, and every unstamped "
+              "call in one turn shared by all (docs/GOVERNANCE.md). About 1 ms of CPU per small call at the default; "
+              "0 sends no stamps.", low=0.0, cli=False)
     wire_dtype: str = setting("auto", "auto: the compute dtype (lossless); float16 halves float32 traffic, not exact.",
                               choices=WIRE_CHOICES, cli=False)
     dtype: Optional[str] = setting(None, "The embedding's and head's dtype; None: the checkpoint's (as servers "

@@ -56,6 +56,7 @@ from swarm.weights.trust import PublisherTrust
 from swarm.wire.evidence import CallEvidence
 from swarm.wire.messages import RemoteError
 from swarm.wire.remote import RemoteCaller
+from swarm.wire.work import stamper_for
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +115,8 @@ class DistributedDiffusionLM(BaseDiffusionLM):
         self.loop = BackgroundLoop.shared()
         self.p2p = self.loop.run(self.dht.replicate_p2p())
         self.caller = RemoteCaller(self.p2p, config.wire_dtype, config.inject_latency, config.inject_jitter,
-                                   adapter_by_digest=config.adapter_by_digest)
+                                   adapter_by_digest=config.adapter_by_digest,
+                                   stamper=stamper_for(str(self.p2p.peer_id), self.config, config.work_price))
         self.planner = RoutePlanner(self.dht, self.caller, self.loop, self.prefix, self.config.num_layers,
                                     self.config.hidden_size, config, self.config.vocab_size)
         self.planner.audits = AuditBook(self.prefix, frozenset(auditors))

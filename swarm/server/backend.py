@@ -10,21 +10,21 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import inspect
 import logging
-import math
 import threading
 import time
 import weakref
 from collections import Counter, OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Hashable, Optional, TypeVar
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable, Generator, Hashable, Optional, TypeVar
 
 import torch
 
 from swarm.adapters.block import BlockAdapter
 from swarm.diffusion.prediction import HeadQuery, predict_states
-from swarm.models.config import ModelConfig
+from swarm.models.cost import attention_length_scale, request_cost
 from swarm.models.kv_cache import SpanKV
 from swarm.models.modules import BlockSpan, OutputHead, PassCancelled
 from swarm.server.scheduler import FairScheduler, Job
@@ -87,23 +87,6 @@ def _glibc() -> Optional[ctypes.CDLL]:
 
 
 TRIMMER = HeapTrimmer()
-
-
-def attention_length_scale(config: ModelConfig) -> float:
-    """The sequence length at which a block's attention costs as much per token as all its projections.
-
-    Per token a block multiplies by its projections (q, k, v, o and the three MLP matrices), and attention
-    adds about 2 x heads x head_dim multiply-adds per position attended: 1,024 positions for the default model,
-    about 27,000 at LLaDA-8B's widths, 144 for the test models."""
-    d, heads, kv_heads, head_dim = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
-    projections = d * heads * head_dim * 2 + 2 * d * kv_heads * head_dim + 3 * d * config.intermediate_size
-    return projections / (2 * heads * head_dim)
-
-
-def request_cost(batch: int, length: int, scale: float) -> int:
-    """What a pass of ``batch`` x ``length`` positions is counted at: its tokens, each weighted by
-    ``1 + length / scale`` for attention's quadratic term (``scale``: :func:`attention_length_scale`)."""
-    return math.ceil(batch * length * (1 + length / scale))
 
 
 class Admission:
@@ -199,6 +182,8 @@ class Grant:
         self.admission, self.peer, self.amount = admission, peer, amount
         self.released = self.handed_on = False
         self.seconds = 0.0  # how long its work held the compute thread (set when the work leaves it)
+        self.proved = 0.0  # units of cost the request's work stamp proved (swarm.wire.work): its place in the order
+        self.contended = False  # its work waited for another's: the thread was busy or others queued when it came
 
     def release(self) -> None:
         if not self.released:
@@ -272,16 +257,21 @@ class ComputeQueue:
     streams in front of it (:class:`StreamLimits`).
 
     Whole requests wait in a :class:`~swarm.server.scheduler.FairScheduler`, which picks the next one whenever the
-    thread is free: never idle while one waits, fair by identity when several do (torch uses its own threads inside
-    each pass). Requests run with a ``key`` may be computed together: when the thread frees, the next request is
-    joined by the others already waiting with the same key (in fair order, up to ``batch_size`` positions), and
-    ``merge`` computes them as one pass. Nothing waits for a batch to fill: a request is batched only with those
-    that queued while the thread was busy anyway.
+    thread is free: never idle while one waits, fair by caller (where callers prove work) when several do (torch uses
+    its own threads inside each pass). Requests run with a ``key`` may be computed together: when the thread frees,
+    the next request is joined by the others already waiting with the same key (in fair order, up to ``batch_size``
+    positions), and ``merge`` computes them as one pass. Nothing waits for a batch to fill: a request is batched only
+    with those that queued while the thread was busy anyway.
 
     A request keeps its place until its work has left the thread, even when its caller stopped waiting (a timeout):
     the thread's backlog is what the bounds are about. A request whose caller stopped waiting before it started is
     never run; a pass run with a ``cancel`` event is told to stop when its caller stops waiting, so it leaves the
     thread within about one block's time.
+
+    The queue never preempts a piece of work, so a long pass may be given in pieces: a ``fn`` (or ``merge``) that
+    returns a generator runs up to its first ``yield`` and goes back to the scheduler (:meth:`FairScheduler.resume`),
+    and whoever has had less than its caller goes first; its callers are answered with the generator's return value
+    after its last piece. A small call then waits at most for the piece under way, not for the whole long pass.
     """
 
     def __init__(self, max_concurrent: int, max_queued_tokens: Optional[int] = None, name: str = "compute",
@@ -307,6 +297,7 @@ class ComputeQueue:
         self.cancelled = 0  # ... of which were stopped between blocks (the others had not started or had ended)
         self.dropped_streams = 0  # unfinished streams dropped at their deadline
         self.batches = self.batched = 0  # merged passes, and the requests they computed
+        self.pieces = 0  # pieces of passes run in pieces, but their last: the times a long pass let others go first
 
     @property
     def in_flight(self) -> int:
@@ -316,9 +307,12 @@ class ComputeQueue:
     def queued_tokens(self) -> int:
         return self.admission.amount
 
-    def admit(self, peer: str, tokens: int) -> Grant:
-        """Take a place in the compute queue (see :class:`Admission`); known peers may take the reserved ones."""
-        return self.admission.acquire(peer, tokens, self.records.known(peer))
+    def admit(self, peer: str, tokens: int, proved: float = 0.0) -> Grant:
+        """Take a place in the compute queue (see :class:`Admission`); known peers may take the reserved ones.
+        ``proved``: units of cost the request's work stamp proved (its place in the fair order, never admission)."""
+        grant = self.admission.acquire(peer, tokens, self.records.known(peer))
+        grant.proved = proved
+        return grant
 
     def check(self, peer: str, tokens: int) -> None:
         """Busy now if :meth:`admit` would refuse: checked on a stream's first part, before the rest comes."""
@@ -339,19 +333,22 @@ class ComputeQueue:
         self.records.stalled(peer)
 
     async def run(self, tokens: int, fn: Callable[..., T], *args, peer: str = "", grant: Optional[Grant] = None,
-                  cancel: Optional[threading.Event] = None, key: Optional[Hashable] = None, size: int = 0) -> T:
-        """Run ``fn(*args)`` on the compute thread under ``grant`` (taken here for ``peer`` when None), when the
-        scheduler says so; ``cancel`` (an event ``fn`` checks as it goes) is set when the caller stops waiting.
+                  cancel: Optional[threading.Event] = None, key: Optional[Hashable] = None, size: int = 0,
+                  proved: float = 0.0) -> T:
+        """Run ``fn(*args)`` on the compute thread under ``grant`` (taken here for ``peer``, with ``proved`` work, when
+        None), when the scheduler says so; ``cancel`` (an event ``fn`` checks as it goes) is set when the caller stops
+        waiting.
         ``key``: requests with equal keys may be computed together by ``merge`` (``size``: their positions)."""
-        with grant if grant is not None else self.admit(peer, tokens) as held:
+        with grant if grant is not None else self.admit(peer, tokens, proved) as held:
             self.loop = asyncio.get_running_loop()
             work: Future = Future()
             job = Job(held.peer, tokens, _Work(held, work, fn, args), key if self.merge else None, work.cancelled,
-                      size)
+                      size, proved=held.proved)
             # Released when the work has left the thread (done, failed, or cancelled before it started).
             work.add_done_callback(lambda done: _call_soon(self.loop, lambda: self._left(done, held)))
             held.hand_on()
-            self.scheduler.push(job)
+            held.contended = self.running or len(self.scheduler) > 0
+            self.scheduler.push(job, time.time())
             self._dispatch()
         try:
             return await asyncio.wrap_future(work)
@@ -363,59 +360,81 @@ class ComputeQueue:
             raise
 
     def _dispatch(self) -> None:
-        """On the event loop: give the free thread the next pass (and the waiting passes it can be merged with)."""
+        """On the event loop: give the free thread the next pass (and the waiting passes it can be merged with), or
+        the next piece of a pass under way (with the mates it started with)."""
         while not self.running:
             first = self.scheduler.pop()
             if first is None:
                 return
-            jobs, room = [first], self.batch_size - first.size
-            while first.key is not None and room > 0:  # mates no larger than the request whose turn it is
-                more = self.scheduler.pop(lambda job: job.key == first.key and job.size <= min(room, first.size))
-                if more is None:
-                    break
-                jobs.append(more)
-                room -= more.size
-            now = time.time()
-            jobs = [job for job in jobs if job.payload.work.set_running_or_notify_cancel()]
-            for job in jobs:
-                self.scheduler.served(job.peer, now)
+            if first.resumed:
+                jobs = first.payload.group
+            else:
+                jobs = [job for job in [first] + self._mates(first) if job.payload.work.set_running_or_notify_cancel()]
             if not jobs:
                 continue
             self.running = True
             self.executor.submit(self._compute, jobs).add_done_callback(
-                lambda _: _call_soon(self.loop, self._thread_free))
+                lambda done, jobs=jobs: _call_soon(self.loop, lambda: self._thread_free(done, jobs)))
 
-    def _thread_free(self) -> None:
-        """The pass has left the thread. The next one is chosen one loop turn later, after the callers woken by this
-        pass's answers have run: one that sends its next request at once joins the next pass instead of taking the
-        thread alone (a wait of one turn of the event loop, never of the clock)."""
+    def _mates(self, first: Job) -> list[Job]:
+        """Waiting passes to merge with ``first``: its key, no larger than it, not under way, up to the batch size."""
+        mates, room = [], self.batch_size - first.size
+        while first.key is not None and room > 0:
+            more = self.scheduler.pop(lambda job: job.key == first.key and not job.resumed
+                                      and job.size <= min(room, first.size))
+            if more is None:
+                break
+            mates.append(more)
+            room -= more.size
+        return mates
+
+    def _thread_free(self, done: Future, jobs: list[Job]) -> None:
+        """The piece or pass has left the thread; a pass with pieces left goes back to the scheduler. The next one is
+        chosen one loop turn later, after the callers woken by this pass's answers have run: one that sends its next
+        request at once joins the next pass instead of taking the thread alone (a wait of one turn of the event loop,
+        never of the clock)."""
+        if not done.cancelled() and done.exception() is None and done.result():
+            self.scheduler.resume(jobs[0])
         self.loop.call_soon(self._hand_on)
 
     def _hand_on(self) -> None:
         self.running = False
         self._dispatch()
 
-    def _compute(self, jobs: list[Job]) -> None:
-        """On the compute thread: one pass, or several merged; each caller charged its part of the time."""
-        began = time.perf_counter()
+    def _compute(self, jobs: list[Job]) -> bool:
+        """On the compute thread: one pass, or several merged, or their next piece; each caller charged its part of
+        the time. True when the pass has pieces left (its callers are answered after its last)."""
+        began, head = time.perf_counter(), jobs[0].payload
+        more = False
         try:
-            if len(jobs) == 1:
-                work = jobs[0].payload
-                results = [work.fn(*work.args)]
-            else:
-                results = self.merge([job.payload.args for job in jobs])
-                self.batches += 1
-                self.batched += len(jobs)
+            if head.pieces is None:
+                outcome = head.fn(*head.args) if len(jobs) == 1 else self.merge([job.payload.args for job in jobs])
+                if len(jobs) > 1:
+                    self.batches += 1
+                    self.batched += len(jobs)
+                if inspect.isgenerator(outcome):
+                    head.pieces, head.group = outcome, jobs
+            if head.pieces is not None:
+                try:
+                    next(head.pieces)
+                    more = True
+                except StopIteration as finished:
+                    outcome, head.pieces = finished.value, None
+                else:
+                    self.pieces += 1
         except BaseException as error:  # every caller of the pass gets its failure
+            head.pieces = None
             for job in jobs:
                 job.payload.work.set_exception(error)
         else:
-            for job, result in zip(jobs, results):
-                job.payload.work.set_result(result)
+            if not more:
+                for job, result in zip(jobs, [outcome] if len(jobs) == 1 else outcome):
+                    job.payload.work.set_result(result)
         finally:
             seconds, total = time.perf_counter() - began, sum(job.cost for job in jobs) or 1
             for job in jobs:
                 job.payload.grant.seconds += seconds * (job.cost / total if len(jobs) > 1 else 1)
+        return more
 
     def _left(self, work: Future, grant: Grant) -> None:
         """The work has left the thread: its place is free again."""
@@ -426,13 +445,19 @@ class ComputeQueue:
     def info(self) -> dict:
         return {**self.admission.info(), "abandoned": self.abandoned, "cancelled": self.cancelled,
                 "unfinished": {**self.unfinished.info(), "dropped": self.dropped_streams},
-                "scheduler": {**self.scheduler.info(), "batches": self.batches, "batched_requests": self.batched},
+                "scheduler": {**self.scheduler.info(), "batches": self.batches, "batched_requests": self.batched,
+                               "pieces": self.pieces},
                 **self.records.info()}
 
     def shutdown(self) -> None:
         """Requests still waiting are cancelled (their places released), the running pass finishes."""
         while (job := self.scheduler.pop()) is not None:
-            job.payload.work.cancel()
+            if job.resumed:  # under way: its callers are told, its rest is never computed
+                job.payload.pieces.close()
+                for mate in job.payload.group:
+                    mate.payload.work.set_exception(PassCancelled("the server is shutting down"))
+            else:
+                job.payload.work.cancel()
         self.executor.shutdown(wait=True, cancel_futures=True)
 
 
@@ -444,6 +469,8 @@ class _Work:
     work: Future
     fn: Callable
     args: tuple
+    pieces: Optional[Generator] = None  # a pass under way in pieces (``fn`` returned a generator): the rest of it
+    group: list[Job] = field(default_factory=list)  # ... and the jobs it answers (its mates when merged)
 
 
 def _call_soon(loop: Optional[asyncio.AbstractEventLoop], callback: Callable[[], None]) -> None:
@@ -487,8 +514,22 @@ class _AllSet:
         return all(event.is_set() for event in self.events)
 
 
+MAX_PIECE_TOKENS = 16384  # positions x blocks a forward pass computes before letting a waiting pass go first
+
+
+def piece_bounds(start: int, end: int, positions: int, max_piece_tokens: int) -> list[tuple[int, int]]:
+    """Blocks ``start:end`` cut into pieces of at most ``max_piece_tokens`` positions x blocks (one block at least):
+    a pass of ``positions`` rows is computed piece by piece, the same blocks in the same order on the same tensor, so
+    its numbers are those of one pass; a waiting call goes between two pieces."""
+    step = max(1, max_piece_tokens // max(1, positions))
+    return [(first, min(first + step, end)) for first in range(start, end, step)]
+
+
 class SpanBackend:
     """Runs forward passes of one span; refuses work beyond its bounds instead of queueing forever.
+
+    A forward pass of more than ``max_piece_tokens`` positions x blocks runs in pieces between blocks
+    (:func:`piece_bounds`), each going back to the fair order, so a small call waits for one piece at most.
 
     With ``head`` (the final norm and output head, for a span ending at the last block) a pass can end with the
     sampler's predictions instead of hidden states (:func:`swarm.diffusion.prediction.predict_states`)."""
@@ -496,14 +537,18 @@ class SpanBackend:
     def __init__(self, span: BlockSpan, max_concurrent: int, device: str = "cpu",
                  max_queued_tokens: Optional[int] = None, peer_share: float = 1.0,
                  head: Optional[OutputHead] = None, streams: StreamLimits = StreamLimits(),
-                 scheduler: Optional[FairScheduler] = None, batching: bool = False, max_batch_tokens: int = 16384):
+                 scheduler: Optional[FairScheduler] = None, batching: bool = False, max_batch_tokens: int = 16384,
+                 max_piece_tokens: int = MAX_PIECE_TOKENS):
+        if max_piece_tokens < 1:
+            raise ValueError(f"max_piece_tokens must be at least 1, got {max_piece_tokens}")
         self.span = span.requires_grad_(False)  # frozen: a backward call computes the inputs' gradient only
         self.head = head.requires_grad_(False) if head is not None else None
         self.device = torch.device(device)
         self.dtype = next(span.parameters()).dtype
         self.queue = ComputeQueue(max_concurrent, max_queued_tokens, "span-compute", peer_share, streams, scheduler)
         if batching:  # stateless forward passes of equal blocks and length are computed together
-            self.queue.merge, self.queue.batch_size = self.forward_batch_sync, max_batch_tokens
+            self.queue.merge, self.queue.batch_size = self._merge, max_batch_tokens
+        self.max_piece_tokens = max_piece_tokens
         self.max_positions = span.config.max_position_embeddings
         self.length_scale = attention_length_scale(span.config)
 
@@ -545,29 +590,82 @@ class SpanBackend:
         logits = self.head.scored_logits(x, call.rows[0] if call.rows is not None else 0, call.head.scored)
         return predict_states(logits.cpu(), call.head)
 
-    @torch.inference_mode()
-    def forward_batch_sync(self, items: list[tuple[SpanCall, threading.Event]]) -> list[torch.Tensor]:
-        """Several callers' stateless passes (same blocks, same length: :func:`batch_key`) as one: their rows
-        concatenated along the batch, run once, and split again, each answered as :meth:`forward_sync` would. A row's
-        result does not depend on its batch-mates only where the model's passes are batch-invariant (not yet
-        guaranteed: docs/ARCHITECTURE.md, "Server"). Stopped between blocks only once every caller has stopped
-        waiting."""
-        calls = [call for call, _ in items]
-        hidden = torch.cat([call.hidden.to(self.device, self.dtype) for call in calls])
-        x = self.span(hidden, blocks=(calls[0].start, calls[0].end), cancel=_AllSet([event for _, event in items]))
-        answers, row = [], 0
-        for call in calls:
-            rows = call.hidden.shape[0]
-            answers.append(self._answer(x[row:row + rows].clone(), call))
-            row += rows
-        return answers
+    def forward_pieces(self, call: SpanCall, cancel: Optional[threading.Event] = None
+                       ) -> Generator[None, None, torch.Tensor]:
+        """:meth:`forward_sync` in pieces (:func:`piece_bounds`), yielding between them; returns its answer."""
+        return self._pieces([call], cancel, lambda x: self._answer(x, call))
 
-    async def forward(self, call: SpanCall, *, peer: str = "", grant: Optional[Grant] = None) -> torch.Tensor:
+    def _merge(self, items: list[tuple[SpanCall, threading.Event]]
+               ) -> list[torch.Tensor] | Generator[None, None, list[torch.Tensor]]:
+        """The queue's merge: :meth:`forward_batch_sync` for a merged pass of one piece, else
+        :meth:`forward_batch_pieces`."""
+        calls = [call for call, _ in items]
+        positions = sum(call.hidden.shape[0] for call in calls) * calls[0].hidden.shape[1]
+        if len(piece_bounds(calls[0].start, calls[0].end, positions, self.max_piece_tokens)) == 1:
+            return self.forward_batch_sync(items)
+        return self.forward_batch_pieces(items)
+
+    def forward_batch_sync(self, items: list[tuple[SpanCall, threading.Event]]) -> list[torch.Tensor]:
+        """:meth:`forward_batch_pieces` run to its end: the merged pass in one go."""
+        pieces = self.forward_batch_pieces(items)
+        while True:
+            try:
+                next(pieces)
+            except StopIteration as finished:
+                return finished.value
+
+    def forward_batch_pieces(self, items: list[tuple[SpanCall, threading.Event]]
+                             ) -> Generator[None, None, list[torch.Tensor]]:
+        """Several callers' stateless passes (same blocks, same length: :func:`batch_key`) as one: their rows
+        concatenated along the batch, run once (in pieces, yielding between them), and split again, each answered as
+        :meth:`forward_sync` would. A row's result does not depend on its batch-mates only where the model's passes
+        are batch-invariant (not yet guaranteed: docs/ARCHITECTURE.md, "Server"). Stopped between blocks only once
+        every caller has stopped waiting."""
+        calls = [call for call, _ in items]
+
+        def answers(x: torch.Tensor) -> list[torch.Tensor]:
+            out, row = [], 0
+            for call in calls:
+                rows = call.hidden.shape[0]
+                out.append(self._answer(x[row:row + rows].clone(), call))
+                row += rows
+            return out
+
+        return self._pieces(calls, _AllSet([event for _, event in items]), answers)
+
+    def _pieces(self, calls: list[SpanCall], cancel, answer: Callable[[torch.Tensor], T]) -> Generator[None, None, T]:
+        """The blocks of ``calls`` (one call, or mates of one shape whose rows are concatenated), piece by piece; the
+        inference mode is entered per piece, never held across a ``yield`` (the thread runs other passes between)."""
+        first = calls[0]
+        with torch.inference_mode():
+            x = torch.cat([call.hidden.to(self.device, self.dtype) for call in calls]) if len(calls) > 1 else \
+                first.hidden.to(self.device, self.dtype)
+            adapter = first.adapter.to(self.device) if first.adapter is not None else None
+        bounds = piece_bounds(first.start, first.end, x.shape[0] * x.shape[1], self.max_piece_tokens)
+        for index, (start, end) in enumerate(bounds):
+            if index:
+                yield
+            with torch.inference_mode():
+                part = adapter.slice(start - first.start, end - first.start) if adapter is not None else None
+                x = self.span(x, blocks=(start, end), kv=first.kv, rows=first.rows, adapter=part, cancel=cancel)
+        with torch.inference_mode():
+            return answer(x)
+
+    def pieces_of(self, call: SpanCall) -> int:
+        """How many pieces ``call``'s forward pass runs in."""
+        return len(piece_bounds(call.start, call.end, call.hidden.shape[0] * call.hidden.shape[1],
+                                self.max_piece_tokens))
+
+    async def forward(self, call: SpanCall, *, peer: str = "", grant: Optional[Grant] = None,
+                      proved: float = 0.0) -> torch.Tensor:
         """The span's output; ``grant`` is the place :meth:`ComputeQueue.admit` gave the request (taken here
-        for ``peer`` when None)."""
+        for ``peer``, with ``proved`` work, when None). A pass of one piece runs :meth:`forward_sync`, a longer one
+        :meth:`forward_pieces`."""
         cost, cancel = self.cost(*call.hidden.shape[:2]), threading.Event()
-        return await self.queue.run(cost, self.forward_sync, call, cancel, peer=peer, grant=grant, cancel=cancel,
-                                    key=batch_key(call), size=call.hidden.shape[0] * call.hidden.shape[1])
+        fn = self.forward_sync if self.pieces_of(call) == 1 else self.forward_pieces
+        return await self.queue.run(cost, fn, call, cancel, peer=peer, grant=grant, cancel=cancel,
+                                    key=batch_key(call), size=call.hidden.shape[0] * call.hidden.shape[1],
+                                    proved=proved)
 
     def backward_sync(self, call: SpanCall, grad_outputs: torch.Tensor, cancel: Optional[threading.Event] = None
                       ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:

@@ -50,6 +50,10 @@ class ServerConfig:
                "(at LLaDA-8B's widths about 1 GB and most of its CPU per step).")
     max_batch_tokens: int = setting(16384, "Largest batch x length accepted in one request (each sequence at most the "
                                            "model's context).", low=1)
+    max_piece_tokens: int = setting(
+        16384, "A forward pass of more positions x blocks than this runs in pieces between blocks, each going back to "
+               "the fair order, so a small call waits for one piece, not for a whole long pass (the numbers are those "
+               "of one pass: the same blocks in the same order).", low=1)
     max_concurrent_requests: int = setting(
         32, "Whole requests being computed or waiting for compute; more are refused as busy (streams still arriving "
             "count in --max-unfinished-streams instead).", low=1)

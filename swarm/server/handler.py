@@ -33,6 +33,7 @@ from swarm.server.session_cache import SessionCaches
 from swarm.server.span_calls import BackwardCalls, ForwardCalls
 from swarm.server.usage import UsageLedger
 from swarm.server.validation import require
+from swarm.server.work_check import StampCheck
 from swarm.wire.encoding import MAX_STREAM_MESSAGE_BYTES, adapter_parts, error_response, parse_metadata
 from swarm.wire.messages import ErrorCode, RemoteError
 from swarm.wire.receipts import ReceiptSigner
@@ -83,6 +84,7 @@ class ForwardHandler(SpanService):
                  adapter_tensors: Optional[AdapterTensors] = None, usage: Optional[UsageLedger] = None,
                  receipts: Optional[ReceiptSigner] = None):
         self.backend = backend
+        self.stamps = StampCheck()  # work stamps of requests: a caller's place in the fair order (scheduler.py)
         self.usage = usage if usage is not None else UsageLedger()  # per caller: what was computed for it
         self.adapter_tensors = adapter_tensors  # adapter tensors received, by digest (None: kept nowhere)
         self.allow_backward = allow_backward  # answer backward calls (training through the swarm)
@@ -200,7 +202,9 @@ class ForwardHandler(SpanService):
         received = await self.reader.read(requests, peer, unary, backward)
         declared, queue = received.declared, self.backend.queue
         calls = self.backward_calls if backward else self.forward_calls
-        with queue.admit(peer, received.cost) as place, self.forward_calls.push_place(peer, declared) as push_place:
+        proved = self.stamps.credit(declared.work, str(context.local_id), peer, time.time())
+        with queue.admit(peer, received.cost, proved) as place, \
+                self.forward_calls.push_place(peer, declared) as push_place:
             computing = time.perf_counter()
             output = await calls.compute(received, place)
             self.compute_seconds += time.perf_counter() - computing
@@ -209,7 +213,7 @@ class ForwardHandler(SpanService):
             queue.records.complete(peer)
             logger.debug("%s %d:%d %s from %s in %.1f ms", "backward" if backward else "forward",
                          declared.start, declared.end, declared.shape, peer, 1000 * (time.perf_counter() - started))
-            return calls.answer(received, output, push_place)
+            return calls.answer(received, output, push_place, place)
 
     def _refuse(self, error: RemoteError, context: P2PContext) -> runtime_pb2.ExpertResponse:
         self.requests_failed += 1

@@ -22,12 +22,14 @@ from typing import Any, Optional
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils.asyncio import iter_as_aiter
 
+from swarm.models.config import ModelConfig
 from swarm.server.backend import Admission, Grant
 from swarm.server.validation import require
 from swarm.wire.encoding import error_response, response_parts, tensor_wire_bytes
 from swarm.wire.messages import ErrorCode, ForwardRequest, PushSpec, RemoteError
 from swarm.wire.remote import RemoteCaller, as_remote_error
 from swarm.wire.services import DeliveryService
+from swarm.wire.work import Stamper, stamper_for
 
 logger = logging.getLogger(__name__)
 
@@ -90,11 +92,16 @@ class Pusher:
         self.admission = Admission("pushes", limits.max_pending, limits.max_bytes, "bytes", limits.peer_share,
                                    computes=False)
         self.p2p: Optional[P2P] = None
+        self.stamper: Optional[Stamper] = None  # proof of work on each push, for the next hop's fair order
         self.tasks: set[asyncio.Task] = set()
         self.pushed = self.delivered = self.failed = self.dropped = 0
 
-    def attach(self, p2p: P2P) -> None:
+    def attach(self, p2p: P2P, model: Optional[ModelConfig] = None) -> None:
+        """Send from ``p2p``; with the ``model``'s config, pushes carry work stamps of this server's for the next hop
+        as a client's calls do (the client's stamp named this server, not the next)."""
         self.p2p = p2p
+        if model is not None:
+            self.stamper = stamper_for(str(p2p.peer_id), model)
 
     def cost(self, shape: tuple[int, ...]) -> int:
         """Bytes a pushed output of ``shape`` holds at its peak: the tensor and its wire copies."""
@@ -116,7 +123,7 @@ class Pusher:
 
     async def _onward(self, computed: ForwardRequest) -> None:
         spec = computed.push
-        caller = RemoteCaller(self.p2p, self.wire_dtype, *spec.hop_delay)
+        caller = RemoteCaller(self.p2p, self.wire_dtype, *spec.hop_delay, stamper=self.stamper)
         if not spec.route:
             parts = response_parts(computed.hidden, self.wire_dtype, {"push_id": spec.push_id})
             del computed  # the wire parts are all that is sent
@@ -124,7 +131,7 @@ class Pusher:
             await self._deliver(spec, parts)
             return
         peer, start, end = spec.route[0]
-        request = dataclasses.replace(computed, start=start, end=end, push=spec.onward())
+        request = dataclasses.replace(computed, start=start, end=end, push=spec.onward(), work=None)
         del computed
         try:  # the next hop computes before it acknowledges, so it has the request timeout
             await caller.push(peer, request, self.request_timeout)  # delays this crossing and the ack's

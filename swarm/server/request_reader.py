@@ -48,6 +48,7 @@ from swarm.server.validation import (
 from swarm.wire.encoding import AUTO_WIRE, MAX_UNARY_BYTES, decode_tensor, join_parts, parse_metadata, tensor_wire_bytes
 from swarm.wire.messages import ErrorCode, PushSpec, RemoteError
 from swarm.wire.receipts import CallContent, tensor_digest
+from swarm.wire.work import WorkStamp, parse_work
 
 T = TypeVar("T")
 
@@ -73,6 +74,7 @@ class Declared:
     prompt_parts: int = 0  # the messages' tensor parts holding it, after the hidden states' ``parts``
     prompt_kind: str = DEEP_PROMPT  # how the blocks apply it (a deep prompt's vectors, a bottleneck's weights, a LoRA)
     held_adapter: Optional[BlockAdapter] = None  # the adapter the request named by digest, from the server's store
+    work: Optional[WorkStamp] = None  # the caller's proof of work, credited by the handler (swarm.server.work_check)
 
     @property
     def session_id(self) -> str:
@@ -193,9 +195,10 @@ class RequestReader:
         push = parse_push(extra["push"], self.num_layers, end) if "push" in extra else None
         cache = parse_cache(extra["cache"], metadata.get("session_id", ""), length) if "cache" in extra else None
         head = self._head_query(extra, end, batch, length, cache.rows[0] if cache is not None and cache.rows else 0)
+        work = parse_work(extra["work"]) if "work" in extra else None
         if unary and push is None:
             self._check_unary_answer([shape], self.wire_dtype, self.backend.dtype)
-        return Declared(metadata, start, end, shape, parts, max_bytes, push, head, cache, **prompted)
+        return Declared(metadata, start, end, shape, parts, max_bytes, push, head, cache, **prompted, work=work)
 
     def _held_adapter(self, digest: Optional[str], kind: str, blocks_rows: tuple[int, int], peer: str
                       ) -> Optional[BlockAdapter]:

@@ -1,4 +1,4 @@
-"""Which waiting pass the compute thread runs next: fair by identity, work-conserving, sybil-aware.
+"""Which waiting pass the compute thread runs next: work-conserving, fair by caller where callers prove work.
 
 The compute thread never idles while a pass waits (:meth:`FairScheduler.pop` answers whenever anything is queued), so
 no caller is ever refused or delayed for its share while the server has idle compute. Under contention the waiting
@@ -7,21 +7,26 @@ passes are served in weighted fair order (start-time fair queuing, the continuou
 smallest tag goes next. A flow that comes back after idling starts at the current virtual time, so idling banks no
 credit.
 
-Identities are free (a new libp2p id per call costs nothing), so they are not flows of their own until they have
-earned it: an identity is *established* once it has been served ``establish_requests`` passes over at least
-``establish_age`` seconds. Every identity not yet established shares one flow, the newcomers' (round robin among them
-inside it), so a thousand fresh ids together weigh as much as one long-standing user. Growing ``k`` established
-identities costs an attacker ``k * establish_requests`` passes served through that one shared flow and
-``establish_age`` of patience; that is the remaining limit (docs/GOVERNANCE.md).
+Identities are free (a new libp2p id per call costs nothing), so an id is never a flow of its own for being an id,
+nor for having been around: ids made in advance cost nothing either (issue 55 class 6: 16 ids that each made 8 calls
+took 94% of a busy server). A caller gets a flow of its own only with *proved work*: a request may carry a work stamp
+(:mod:`swarm.wire.work`), which the server checks and credits to the caller's *standing* in units of cost (decaying
+by half every ``half_life`` seconds); a pass whose cost the standing covers is charged to it and joins the caller's
+own flow. Every other pass, whoever sends it, shares one flow, the newcomers' (round robin by id inside it), so a
+thousand fresh or patient ids weigh what one paying caller does, and k flows cost an attacker k callers' stamps for
+every pass, all the time (docs/GOVERNANCE.md).
 
 ``--max-share-per-caller`` keeps its meaning as an order, never a refusal: a flow whose caller used more than that
 share of the compute in the window goes after every flow within its share, and is still served at once when nobody
 else waits.
 
+A long pass may run in pieces (:meth:`FairScheduler.resume`): charged in full when it starts, its later pieces wait
+behind the flows that have had less, so a small call waits for one piece of it, not for all of it.
+
 Bounded: the flows with a pass queued (at most the compute queue's places), the finish tags of at most
-``max_identities`` flows that emptied lately, and ``max_identities`` records of each kind (established and
-newcomers kept apart, least recently served forgotten first, so a flood of fresh ids forgets only other
-newcomers). Pure: no threads, no sockets; the clock is passed in.
+``max_identities`` flows that emptied lately, and the standing of at most ``max_identities`` callers (only callers
+that proved work have one, least recently credited forgotten first). Pure: no threads, no sockets; the clock is passed
+in.
 """
 from __future__ import annotations
 
@@ -30,10 +35,9 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Optional
 
-NEWCOMERS = ("newcomers",)  # the key of the flow every identity not yet established shares (not a str: no peer id)
-MAX_IDENTITIES = 4096  # records kept of each kind
-ESTABLISH_REQUESTS = 8
-ESTABLISH_AGE_S = 60.0
+NEWCOMERS = ("newcomers",)  # the key of the flow every pass without proved work shares (not a str: no peer id)
+MAX_IDENTITIES = 4096  # callers' standing kept, and finish tags of flows that emptied lately
+HALF_LIFE_S = 60.0  # standing halves in this time: proved work credited is spent soon or lost
 
 
 @dataclass
@@ -47,12 +51,15 @@ class Job:
     key: Optional[Hashable] = None
     dropped: Callable[[], bool] = lambda: False  # its caller stopped waiting: skipped, never run
     size: int = 0  # positions (batch x length), for the bound on a merged pass
+    proved: float = 0.0  # units of cost the request's work stamp proved (checked by the server), credited at push
+    resumed: bool = False  # a pass already under way (charged in full when it started): its next piece costs nothing
+    flow: Optional[Hashable] = None  # the flow it joined (its caller's own, or the newcomers'), set at push
 
 
 @dataclass
 class Flow:
     tag: float = 0.0
-    jobs: deque = field(default_factory=deque)  # an established identity's passes, in arrival order
+    jobs: deque = field(default_factory=deque)  # a paying caller's passes, in arrival order
     members: OrderedDict = field(default_factory=OrderedDict)  # the newcomers' flow: peer -> deque of its passes
 
     def __len__(self) -> int:
@@ -60,21 +67,25 @@ class Flow:
 
 
 @dataclass
-class Identity:
-    first: float
-    requests: int = 0
+class Standing:
+    """Proved work not yet spent, in units of cost, as of ``when``."""
+
+    balance: float
+    when: float
+
+    def at(self, now: float, half_life: float) -> float:
+        return self.balance * 0.5 ** (max(0.0, now - self.when) / half_life)
 
 
 class FairScheduler:
     """Queued passes by flow, popped in weighted fair order (see the module doc). ``over_share(peer)`` says whether a
     caller is over ``--max-share-per-caller`` now (None: no cap)."""
 
-    def __init__(self, establish_requests: int = ESTABLISH_REQUESTS, establish_age: float = ESTABLISH_AGE_S,
-                 max_identities: int = MAX_IDENTITIES, over_share: Optional[Callable[[str], bool]] = None):
-        if establish_requests < 0 or establish_age < 0 or max_identities < 1:
-            raise ValueError("establish_requests and establish_age must be at least 0, max_identities at least 1")
-        self.establish_requests, self.establish_age = establish_requests, establish_age
-        self.max_identities, self.over_share = max_identities, over_share
+    def __init__(self, half_life: float = HALF_LIFE_S, max_identities: int = MAX_IDENTITIES,
+                 over_share: Optional[Callable[[str], bool]] = None):
+        if half_life <= 0 or max_identities < 1:
+            raise ValueError("half_life must be positive and max_identities at least 1")
+        self.half_life, self.max_identities, self.over_share = half_life, max_identities, over_share
         self.flows: dict[Hashable, Flow] = {}
         self.vtime = 0.0
         self.order = itertools.count()  # ties between equal tags go to the flow that became active first
@@ -82,65 +93,55 @@ class FairScheduler:
         # the finish tags of flows that emptied lately: a caller that sends its next pass as soon as its last is
         # answered restarts where it finished, not at the current virtual time (else it would be served again free)
         self.finished: OrderedDict[Hashable, float] = OrderedDict()
-        self.established: OrderedDict[str, Identity] = OrderedDict()
-        self.newcomers: OrderedDict[str, Identity] = OrderedDict()
+        self.standing: OrderedDict[str, Standing] = OrderedDict()
         self.forgotten = 0
 
     def __len__(self) -> int:
         return sum(len(flow) for flow in self.flows.values())
 
-    # ----- identities ------------------------------------------------------------------------------
-    def is_established(self, peer: str) -> bool:
-        return peer in self.established
+    # ----- standing --------------------------------------------------------------------------------
+    def standing_of(self, peer: str, now: float) -> float:
+        """``peer``'s proved work not yet spent, in units of cost."""
+        record = self.standing.get(peer)
+        return record.at(now, self.half_life) if record is not None else 0.0
 
-    def flow_key(self, peer: str) -> Hashable:
-        return peer if peer in self.established else NEWCOMERS
-
-    def served(self, peer: str, now: float) -> None:
-        """Count a pass served for ``peer``: after enough of them over enough time it becomes established."""
-        identity = self.established.pop(peer, None)
-        if identity is not None:
-            identity.requests += 1
-            self._keep(self.established, peer, identity)
-            return
-        identity = self.newcomers.pop(peer, None) or Identity(first=now)
-        identity.requests += 1
-        if identity.requests >= self.establish_requests and now - identity.first >= self.establish_age:
-            self._keep(self.established, peer, identity)
-            self._regroup(peer)
-        else:
-            self._keep(self.newcomers, peer, identity)
-
-    def _keep(self, records: OrderedDict, peer: str, identity: Identity) -> None:
-        records[peer] = identity  # most recently served last
-        while len(records) > self.max_identities:
-            records.popitem(last=False)
+    def flow_for(self, job: Job, now: float) -> Hashable:
+        """Credit ``job``'s proved work to its caller; the flow it joins: its caller's own when the standing covers its
+        cost (then spent), else the newcomers'."""
+        balance = self.standing_of(job.peer, now) + max(0.0, job.proved)
+        if balance <= 0:
+            return NEWCOMERS
+        own = balance >= job.cost
+        self.standing.pop(job.peer, None)
+        self.standing[job.peer] = Standing(balance - job.cost if own else balance, now)  # most recently credited last
+        while len(self.standing) > self.max_identities:
+            self.standing.popitem(last=False)
             self.forgotten += 1
-
-    def _regroup(self, peer: str) -> None:
-        """A newcomer just established: its queued passes leave the newcomers' flow for a flow of its own."""
-        pool = self.flows.get(NEWCOMERS)
-        queue = pool.members.pop(peer, None) if pool is not None else None
-        if not queue:
-            return
-        if not len(pool):
-            self._drop_flow(NEWCOMERS)
-        for job in queue:
-            self._enqueue(peer, job)
+        return job.peer if own else NEWCOMERS
 
     # ----- queue -----------------------------------------------------------------------------------
-    def push(self, job: Job) -> None:
-        self._enqueue(self.flow_key(job.peer), job)
+    def push(self, job: Job, now: float = 0.0) -> None:
+        """Queue ``job`` (``now``: the clock, in seconds, for the standing's decay)."""
+        job.flow = self.flow_for(job, now)
+        self._enqueue(job.flow, job)
 
-    def _enqueue(self, key: Hashable, job: Job) -> None:
+    def resume(self, job: Job) -> None:
+        """A pass that ran one piece and has more (a long pass runs in pieces between blocks, so a small one need not
+        wait for all of it): back at the head of its queue in the flow it joined. It was charged in full when it
+        started, so its flow's tag already stands behind the passes of callers that have had less; they go first."""
+        job.resumed = True
+        self._enqueue(job.flow, job, first=True)
+
+    def _enqueue(self, key: Hashable, job: Job, first: bool = False) -> None:
         flow = self.flows.get(key)
         if flow is None:  # (re)activated: no credit for the time it was idle, no discount on what it just had
             flow = self.flows[key] = Flow(tag=max(self.vtime, self.finished.pop(key, self.vtime)))
             self.arrival[key] = next(self.order)
-        if key == NEWCOMERS:
-            flow.members.setdefault(job.peer, deque()).append(job)
+        queue = flow.members.setdefault(job.peer, deque()) if key == NEWCOMERS else flow.jobs
+        if first:
+            queue.appendleft(job)
         else:
-            flow.jobs.append(job)
+            queue.append(job)
 
     def pop(self, match: Optional[Callable[[Job], bool]] = None) -> Optional[Job]:
         """The next pass to run (None when nothing waits, or nothing that ``match`` accepts), its flow charged."""
@@ -152,8 +153,9 @@ class FairScheduler:
         key, flow = min(candidates, key=lambda item: (contended and self._demoted(item[0]), item[1].tag,
                                                       self.arrival[item[0]]))
         job = self._take(flow, match)
-        self.vtime = max(self.vtime, flow.tag)
-        flow.tag += job.cost  # every flow weighs 1; the newcomers' flow is one flow whatever its members
+        if not job.resumed:  # a later piece was charged at its pass's start: the virtual time stays, or a caller
+            self.vtime = max(self.vtime, flow.tag)  # coming now would start behind every long pass under way
+            flow.tag += job.cost  # each flow weighs 1; the newcomers' flow one, whatever its size
         if not len(flow):
             self._drop_flow(key)
         return job
@@ -211,5 +213,5 @@ class FairScheduler:
                 self.finished.popitem(last=False)  # the oldest first; one at or below the virtual time means nothing
 
     def info(self) -> dict:
-        return {"queued": len(self), "flows": len(self.flows), "established": len(self.established),
-                "newcomers": len(self.newcomers), "forgotten": self.forgotten}
+        return {"queued": len(self), "flows": len(self.flows), "standing": len(self.standing),
+                "forgotten": self.forgotten}

@@ -155,12 +155,14 @@ class Server:
         return SpanBackend(self.span, self.config.max_concurrent_requests, self.config.device,
                            max_queued_tokens=self.config.max_queued_tokens, peer_share=self.config.peer_share,
                            head=head, streams=StreamLimits.of(self.config), scheduler=self._scheduler(),
-                           batching=batching, max_batch_tokens=self.config.max_batch_tokens)
+                           batching=batching, max_batch_tokens=self.config.max_batch_tokens,
+                           max_piece_tokens=self.config.max_piece_tokens)
 
     def _scheduler(self) -> FairScheduler:
-        """Fair by identity: an id is established after --share-window seconds of use; over its share, served last."""
+        """Fair by caller where callers prove work (their standing halves every --share-window seconds); over its
+        share, served last."""
         usage = self.usage
-        return FairScheduler(establish_age=self.config.share_window,
+        return FairScheduler(half_life=self.config.share_window,
                              over_share=lambda peer: usage.over_share(peer, time.time()))
 
     def _load_head(self, dtype: torch.dtype) -> Optional[OutputHead]:
@@ -258,7 +260,7 @@ class Server:
                 "admission": {name: backend.queue.info() for name, backend in
                               (("span", self.backend), ("experts", self.expert_backend)) if backend is not None},
                 "push": self.handler.pusher.info(), "adapter_tensors": self.handler.adapter_tensors.info(),
-                "usage": self.handler.usage.info(time.time())}
+                "usage": self.handler.usage.info(time.time()), "work_stamps": self.handler.stamps.info()}
 
     def announce(self, timeout: float = 30.0) -> bool:
         """Store the current records (blocks, experts); False if the DHT did not confirm within ``timeout``."""
@@ -301,7 +303,7 @@ class Server:
         p2p = await self.dht.replicate_p2p()
         self.addresses = listening_addresses(await p2p.get_visible_maddrs())
         await self.handler.add_p2p_handlers(p2p)
-        self.handler.pusher.attach(p2p)
+        self.handler.pusher.attach(p2p, self.model_config if self.backend is not None else None)
         if self.weights is not None:  # announced as soon as known (a directory's manifest hashes every byte)
             await self.weights.add_p2p_handlers(p2p)
             self.weights.start(self.files.path, on_ready=lambda: loop.run_in_executor(None, self.announce))

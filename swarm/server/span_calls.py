@@ -27,9 +27,14 @@ from swarm.wire.receipts import ReceiptSigner, tensor_digest
 Answer = list[runtime_pb2.ExpertResponse]
 
 
-def held_note(received: Received) -> Optional[dict]:
-    """The answer's metadata: whether an adapter tensor that came is kept for later calls to name."""
-    return {"prompt_held": True} if received.held else None
+def answer_note(received: Received, place: Optional[Grant]) -> dict:
+    """The answer's metadata: whether an adapter tensor that came is kept for later calls to name, and whether the
+    request waited for another caller's pass (``contended``: its caller's stamps then buy it a turn of its own, so
+    a client stamps its calls to a server while it says so: swarm.wire.work)."""
+    note = {"prompt_held": True} if received.held else {}
+    if place is not None and place.contended:
+        note["contended"] = True
+    return note
 
 
 class ForwardCalls:
@@ -71,14 +76,17 @@ class ForwardCalls:
             raise RemoteError(ErrorCode.CACHE_MISS, str(miss)) from None
         return output
 
-    def answer(self, received: Received, output: torch.Tensor, push_place: Optional[Grant]) -> Answer:
-        """The output's parts, or, for a pushed request, an acknowledgement while the output goes on."""
+    def answer(self, received: Received, output: torch.Tensor, push_place: Optional[Grant],
+               place: Optional[Grant] = None) -> Answer:
+        """The output's parts, or, for a pushed request, an acknowledgement while the output goes on (``place``: the
+        request's place in the compute queue, for :func:`answer_note`)."""
         declared = received.declared
         if declared.push is None:
-            return response_parts(output, self.wire_dtype, held_note(received), receipt=self._receipt(received))
+            return response_parts(output, self.wire_dtype, answer_note(received, place),
+                                  receipt=self._receipt(received))
         self.pusher.send(ForwardRequest(declared.start, declared.end, output, declared.session_id, declared.step,
                                         cache=declared.cache, head=declared.head, push=declared.push), push_place)
-        return [ack_response()]
+        return [ack_response(answer_note(received, place))]
 
     def _receipt(self, received: Received) -> Optional[Callable[[runtime_pb2.Tensor], dict]]:
         """What signs the answer's receipt once its tensor is encoded (None when this server signs none)."""
@@ -120,7 +128,7 @@ class BackwardCalls:
 
     @staticmethod
     def answer(received: Received, grads: tuple[torch.Tensor, Optional[torch.Tensor]],
-               push_place: Optional[Grant] = None) -> Answer:
+               push_place: Optional[Grant] = None, place: Optional[Grant] = None) -> Answer:
         """Gradients travel in float32, unrounded."""
         grad_input, grad_weights = grads
-        return response_parts(grad_input, AUTO_WIRE, held_note(received), second=grad_weights)
+        return response_parts(grad_input, AUTO_WIRE, answer_note(received, place), second=grad_weights)

@@ -223,9 +223,9 @@ def error_response(error: RemoteError, metadata: Optional[dict] = None) -> runti
     return runtime_pb2.ExpertResponse(metadata=MSGPackSerializer.dumps(meta))
 
 
-def ack_response() -> runtime_pb2.ExpertResponse:
+def ack_response(metadata: Optional[dict] = None) -> runtime_pb2.ExpertResponse:
     """The answer to a pushed request: accepted and computed; the output travels on to the next hop."""
-    return runtime_pb2.ExpertResponse(metadata=MSGPackSerializer.dumps({"pushed": True}))
+    return runtime_pb2.ExpertResponse(metadata=MSGPackSerializer.dumps({**(metadata or {}), "pushed": True}))
 
 
 def response_metadata(parts: list[runtime_pb2.ExpertResponse], peer_id: Optional[str] = None) -> dict:

@@ -6,7 +6,7 @@ import dataclasses
 import enum
 import logging
 from dataclasses import KW_ONLY, dataclass
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
@@ -14,6 +14,9 @@ from swarm.adapters.block import BlockAdapter
 from swarm.diffusion.pipeline import CacheDirective
 from swarm.diffusion.prediction import HeadQuery
 from swarm.utils.errors import SwarmError
+
+if TYPE_CHECKING:
+    from swarm.wire.work import WorkStamp
 
 logger = logging.getLogger(__name__)
 
@@ -87,8 +90,8 @@ class PushSpec:
 @dataclass
 class ForwardRequest:
     """Hidden states for blocks ``start:end``, and what else the call asks for; on the wire the directives travel
-    in the metadata's ``extra`` map (``cache``, ``head``, ``push``) and the adapter as a second tensor (see the
-    module doc)."""
+    in the metadata's ``extra`` map (``cache``, ``head``, ``push``, ``work``) and the adapter as a second tensor (see
+    the module doc)."""
 
     start: int
     end: int
@@ -101,6 +104,7 @@ class ForwardRequest:
     push: Optional[PushSpec] = None  # hand the output on to the next hops instead of answering it
     adapter: Optional[BlockAdapter] = None  # a per-block adapter for blocks start:end: (blocks, R, hidden) weights
     adapter_digest: Optional[str] = None  # send only this digest of ``adapter``: the server holds the weights
+    work: Optional[WorkStamp] = None  # proof of work for the server's fair order (swarm.wire.work)
 
     @property
     def rows(self) -> int:
@@ -116,6 +120,8 @@ class ForwardRequest:
             extra["head"] = self.head.to_dict()
         if self.push is not None:
             extra["push"] = self.push.to_dict()
+        if self.work is not None:
+            extra["work"] = self.work.to_dict()
         return extra
 
 

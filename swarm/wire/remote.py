@@ -37,6 +37,7 @@ from swarm.wire.encoding import (
 from swarm.wire.messages import BackwardRequest, ErrorCode, ExpertQuery, ForwardRequest, RemoteError
 from swarm.wire.receipts import CallContent, Receipt, tensor_digest
 from swarm.wire.services import SpanService
+from swarm.wire.work import Stamper
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -81,11 +82,13 @@ class RemoteCaller:
     """Thin async wrapper over a server's RPCs; every failure surfaces as :class:`RemoteError`."""
 
     def __init__(self, p2p: P2P, wire_dtype: str = AUTO_WIRE, latency: float = 0.0, jitter: float = 0.0,
-                 adapter_by_digest: bool = True):
+                 adapter_by_digest: bool = True, stamper: Optional[Stamper] = None):
         """``latency``/``jitter`` emulate a wide-area network in user space (benchmarks only): each crossing,
         request or answer, is delayed by ``latency`` plus up to ``jitter`` seconds, so a call costs two. With
-        ``adapter_by_digest`` an adapter's tensor goes to each server once while the server keeps it."""
+        ``adapter_by_digest`` an adapter's tensor goes to each server once while the server keeps it. With a
+        ``stamper`` every forward request carries proof of work for its server's fair order (swarm.wire.work)."""
         self.p2p = p2p
+        self.stamper = stamper
         self.adapter_by_digest = adapter_by_digest
         self.adapters_held: OrderedDict[tuple[str, str], None] = OrderedDict()  # (peer, digest) the peer said it keeps
         self.adapter_misses = 0  # calls that named a tensor the server no longer held, and sent it again
@@ -247,14 +250,24 @@ class RemoteCaller:
             return request.adapter.digest()
         return await asyncio.to_thread(request.adapter.digest)
 
+    async def _stamped(self, peer_id: str, request: ForwardRequest) -> ForwardRequest:
+        return await self.stamper.stamp(peer_id, request) if self.stamper is not None else request
+
+    def _note_contention(self, peer_id: str, metadata: dict) -> None:
+        if self.stamper is not None:
+            self.stamper.note(peer_id, metadata.get("contended") is True)
+
     async def push(self, peer_id: str, request: ForwardRequest, timeout: float) -> None:
         """Send a request whose ``push`` names the next hops; the server only acknowledges it."""
-        await self._call(peer_id, self._forward_rpc(peer_id, request), timeout, collect_ack)
+        request = await self._stamped(peer_id, request)
+        _, metadata = await self._call(peer_id, self._forward_rpc(peer_id, request), timeout, collect_ack)
+        self._note_contention(peer_id, metadata)
 
     async def forward(self, peer_id: str, request: ForwardRequest, timeout: float) -> torch.Tensor:
         """Hidden states after the server's blocks ``request.start:request.end`` (with a head query in
         ``request.head``, the head server's predictions: :mod:`swarm.diffusion.prediction`)."""
-        output, metadata = await self._adapted_call(peer_id, request, timeout)
+        output, metadata = await self._adapted_call(peer_id, await self._stamped(peer_id, request), timeout)
+        self._note_contention(peer_id, metadata)
         expected = request.head.output_shape if request.head is not None else tuple(request.hidden.shape)
         if tuple(output.shape) != expected:
             raise RemoteError(ErrorCode.INTERNAL, f"server returned shape {tuple(output.shape)}, "

@@ -1,0 +1,161 @@
+"""Proof of work a caller attaches to a request, so that a busy server's order can weigh what identities cost.
+
+Peer ids are free, so a server that gives each id a share gives an attacker as many shares as it makes ids. A *work
+stamp* is a hashcash-style proof (like a DHT list entry's, :mod:`swarm.dht.stamp`, which prices an entry once per
+list; this one prices each call, for one server): a counter such that
+``sha256(domain | server | caller | epoch | salt | counter)`` starts with ``bits`` zero bits, which took about
+``2**bits`` hashes to find and takes one hash to check (a few microseconds). It names the server and the caller, so
+it is worth nothing anywhere else or to anyone else, and a minute-long ``epoch`` (the server accepts the one before
+and after its own, for clock skew); the server remembers the stamps it credited until their epochs pass, so none is
+spent twice. The epoch is the clock's, so stamps for a later one can be made ahead (saved-up work spent in a burst,
+at the same price per pass); a nonce the server hands out would close that, at a round trip.
+
+A client mints, per call, a stamp worth the call's cost (:func:`swarm.models.cost.request_cost`) at
+``price`` hashes per unit of cost; the server credits ``2**bits / price`` units to the caller
+(:mod:`swarm.server.scheduler`). What a stamp buys is a place in the fair order, never admission: a request without
+one is served as it was, in the newcomers' shared turn.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import math
+import secrets
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from swarm.dht.stamp import leading_zero_bits
+from swarm.models.config import ModelConfig
+from swarm.models.cost import attention_length_scale, request_cost
+from swarm.wire.messages import ErrorCode, ForwardRequest, RemoteError
+
+DOMAIN = b"swarm-work-v1"
+EPOCH_S = 60.0
+WORK_PRICE = 16.0  # hashes per unit of cost (one position through a pass): see docs/GOVERNANCE.md for what it buys
+MIN_BITS = 10  # the least a stamp must prove to be credited (and remembered): about 1,000 hashes
+MAX_BITS = 40  # more than any caller finds in an epoch; a client never mints more
+INLINE_BITS = 10  # a stamp this small is minted on the event loop (about a millisecond); larger ones on a thread
+BUSY_S = 60.0  # a client stamps its calls to a server until this long after it last answered "contended"
+SALT_HEX = 16  # hex digits of a stamp's salt
+
+
+@dataclass(frozen=True)
+class WorkStamp:
+    """One proof: ``counter`` under ``salt`` in ``epoch``; worth ``2**bits`` hashes once checked (:meth:`bits`)."""
+
+    epoch: int
+    salt: str
+    counter: int
+
+    def digest(self, server: str, caller: str) -> bytes:
+        """What the work is over: the domain, both peer ids, the epoch, the salt and the counter."""
+        return _with_counter(_prefix(server, caller, self.epoch, self.salt), self.counter)
+
+    def bits(self, server: str, caller: str) -> int:
+        """Leading zero bits of :meth:`digest`: the work this stamp proves for ``caller`` at ``server``."""
+        return leading_zero_bits(self.digest(server, caller))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "salt": self.salt, "counter": self.counter}
+
+
+def _prefix(server: str, caller: str, epoch: int, salt: str) -> "hashlib._Hash":
+    """The hash of everything but the counter (each field length-prefixed, so no two tuples hash alike)."""
+    fields = (server.encode(), caller.encode(), str(epoch).encode(), salt.encode())
+    return hashlib.sha256(DOMAIN + b"".join(len(field).to_bytes(2, "big") + field for field in fields))
+
+
+def _with_counter(prefix: "hashlib._Hash", counter: int) -> bytes:
+    hashed = prefix.copy()
+    hashed.update(counter.to_bytes(8, "big"))
+    return hashed.digest()
+
+
+def epoch_of(now: float) -> int:
+    return int(now // EPOCH_S)
+
+
+def bits_for(cost: float, price: float) -> int:
+    """Zero bits a stamp needs to be worth ``cost`` at ``price`` hashes per unit (at least :data:`MIN_BITS`)."""
+    return min(MAX_BITS, max(MIN_BITS, math.ceil(math.log2(max(1.0, cost * price)))))
+
+
+def mint(server: str, caller: str, bits: int, now: float | None = None, salt: str | None = None) -> WorkStamp:
+    """A stamp of at least ``bits`` zero bits for ``caller`` at ``server``: about ``2**bits`` hashes of CPU (``salt``:
+    a fresh random one unless given)."""
+    if not 0 <= bits <= MAX_BITS:
+        raise ValueError(f"bits must be in 0..{MAX_BITS}, got {bits}")
+    epoch = epoch_of(time.time() if now is None else now)
+    salt = secrets.token_hex(SALT_HEX // 2) if salt is None else salt
+    prefix = _prefix(server, caller, epoch, salt)
+    threshold = 1 << (256 - bits)
+    counter = 0
+    while int.from_bytes(_with_counter(prefix, counter), "big") >= threshold:
+        counter += 1
+    return WorkStamp(epoch, salt, counter)
+
+
+def parse_work(value: Any) -> WorkStamp:
+    """A stamp from a request's ``extra["work"]``; :class:`RemoteError` (bad request) for anything malformed."""
+    if not isinstance(value, dict) or set(value) != {"epoch", "salt", "counter"}:
+        raise RemoteError(ErrorCode.BAD_REQUEST, "'work' must be a map of exactly epoch, salt and counter")
+    epoch, salt, counter = value["epoch"], value["salt"], value["counter"]
+    if not (_is_int(epoch) and 0 <= epoch < 2**40 and _is_int(counter) and 0 <= counter < 2**63):
+        raise RemoteError(ErrorCode.BAD_REQUEST, "'work' epoch and counter must be non-negative integers in range")
+    if not (isinstance(salt, str) and len(salt) == SALT_HEX and all(c in "0123456789abcdef" for c in salt)):
+        raise RemoteError(ErrorCode.BAD_REQUEST, f"'work' salt must be {SALT_HEX} lowercase hex digits")
+    return WorkStamp(epoch, salt, counter)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+class Stamper:
+    """A client's side: forward requests stamped for their server, worth the request's ``cost`` (batch, length ->
+    units, the servers' :func:`swarm.models.cost.request_cost`) at ``price`` hashes per unit.
+
+    A stamp only matters while a server is contended, so a client stamps its first call to each server (a new
+    client's first call is served in a turn of its own even during a flood), and then only until ``busy_s`` after
+    the server last answered that a request of its had waited for another caller's (``contended``): on a server it
+    has to itself a client mints nothing. A server that says "contended" when it is not costs the client stamps, at
+    most one per call; one that never says so forgoes nothing it could not take anyway (it orders its own queue)."""
+
+    def __init__(self, caller: str, price: float, cost: Callable[[int, int], float], busy_s: float = BUSY_S,
+                 max_servers: int = 1024):
+        self.caller, self.price, self.cost, self.busy_s, self.max_servers = caller, price, cost, busy_s, max_servers
+        self.until: OrderedDict[str, float] = OrderedDict()  # server -> stamp its calls until then
+        self.minted = 0
+
+    def wanted(self, server: str, now: float) -> bool:
+        return server not in self.until or now < self.until[server]
+
+    def note(self, server: str, contended: bool, now: float | None = None) -> None:
+        """An answer from ``server``: ``contended`` keeps this client stamping there for ``busy_s`` more."""
+        now = time.time() if now is None else now
+        previous = self.until.pop(server, now)
+        self.until[server] = now + self.busy_s if contended else min(previous, now + self.busy_s)
+        while len(self.until) > self.max_servers:
+            self.until.popitem(last=False)
+
+    async def stamp(self, server: str, request: ForwardRequest) -> ForwardRequest:
+        """``request`` with a stamp worth its cost when one is wanted at ``server`` now, else as it is."""
+        if not self.wanted(server, time.time()):
+            return request
+        self.minted += 1
+        bits = bits_for(self.cost(*request.hidden.shape[:2]), self.price)
+        work = mint(server, self.caller, bits) if bits <= INLINE_BITS else \
+            await asyncio.to_thread(mint, server, self.caller, bits)
+        return dataclasses.replace(request, work=work)
+
+
+def stamper_for(caller: str, config: ModelConfig, price: float = WORK_PRICE) -> Stamper | None:
+    """The stamper of a peer calling servers of the model of ``config`` as ``caller`` (None when ``price`` is 0): what
+    a client, an auditor and a server handing pushes on all use, so that none is told apart by its stamps."""
+    if not price:
+        return None
+    scale = attention_length_scale(config)
+    return Stamper(caller, price, lambda batch, length: request_cost(batch, length, scale))

@@ -72,9 +72,9 @@ class ServerConfig:
              "default) turns it off; use is counted either way (rpc_info).",
         low=0.0, high=1.0, low_open=True)
     share_window: float = setting(
-        60.0, "Seconds of the sliding window --max-share-per-caller is measured over; also how long a caller (libp2p "
-              "id) must have used this server before it is scheduled as an identity of its own (until then every "
-              "new id shares one newcomers' turn).", low=1.0, high=86400.0)
+        60.0, "Seconds of the sliding window --max-share-per-caller is measured over; also the half-life of a caller's "
+              "standing, the work it proved with stamps: a pass its standing covers runs in the caller's own turn, "
+              "every other pass shares the one newcomers' turn.", low=1.0, high=86400.0)
     batching: bool = setting(
         True, "Compute waiting requests of several clients together: stateless forward calls of the same blocks and "
               "length that queued while the compute was busy run as one pass (up to --max-batch-tokens positions), "

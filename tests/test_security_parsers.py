@@ -18,7 +18,6 @@ from hypothesis import strategies as st
 
 from swarm.adapters.adapter import AdapterError
 from swarm.adapters.sharing import PublishedAdapter
-from swarm.dht import fields
 from swarm.dht.compatibility import CompatibilityTag
 from swarm.dht.schema import (
     MAX_EXPERTS_PER_SERVER,
@@ -33,6 +32,7 @@ from swarm.dht.schema import (
 from swarm.dht.validation import ed25519_text, sign_slot, slot_subkey
 from swarm.governance.records import GovernanceState
 from swarm.health.map import ExpertAnnouncement, build_health_map
+from swarm.utils import fields
 
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 HUGE_TEXT = "x" * 1_000_000

@@ -47,7 +47,6 @@ from swarm.adapters.adapter import (
 )
 from swarm.adapters.block import is_sha256_hex
 from swarm.adapters.limits import PUBLISH_LIFETIME
-from swarm.dht import fields
 from swarm.dht.config import MAX_PEER_ID_CHARS
 from swarm.dht.keys import ADAPTER_HOSTS, ADAPTER_INDEX_OWN, ADAPTER_NAME, ADAPTER_NAME_OWN, policy_for
 from swarm.dht.sample import fair_sample
@@ -70,6 +69,7 @@ from swarm.dht.validation import (
     slot_subkey,
     verify_slot,
 )
+from swarm.utils import fields
 
 logger = logging.getLogger(__name__)
 

@@ -58,7 +58,6 @@ from swarm.adapters.sharing import (
     signed_entries,
     store_slot,
 )
-from swarm.dht import fields
 from swarm.dht.keys import ADAPTER_VERSIONS_OWN
 from swarm.dht.schema import (
     MAX_ADAPTER_VERSION_PUBLISHERS,
@@ -67,6 +66,7 @@ from swarm.dht.schema import (
     forget_local_copies,
 )
 from swarm.dht.validation import ed25519_text
+from swarm.utils import fields
 
 logger = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from swarm.dht import fields
+from swarm.utils import fields
 from swarm.utils.errors import EXIT_USAGE, SwarmError
 
 MAX_TOKENIZER_CHARS, MAX_VOCAB = 128, 2**31

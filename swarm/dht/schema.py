@@ -28,11 +28,11 @@ from hivemind.dht import DHT, DHTNode
 from hivemind.dht.routing import DHTID
 from hivemind.utils import get_dht_time
 
-from swarm.dht import fields
 from swarm.dht.compatibility import CompatibilityTag
 from swarm.dht.config import MAX_AUDIT_LIFETIME, MAX_BLOCKS, MAX_OWNED_LIFETIME  # noqa: F401 (lifetimes read from here)
 from swarm.dht.keys import ADAPTER_INDEX, ADAPTER_VERSIONS, AUDIT, BLOCK, EXPERTS, GOVERNANCE, GOVERNANCE_OWN, family_of
 from swarm.dht.validation import KeyPolicy, ProtectedStorage, describe, owner_peer_id, signer_id
+from swarm.utils import fields
 
 logger = logging.getLogger(__name__)
 

@@ -25,6 +25,8 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from swarm.utils.hashcash import leading_zero_bits
+
 logger = logging.getLogger(__name__)
 
 STAMP_DOMAIN = b"swarm-stamp-v1"
@@ -50,11 +52,6 @@ def required_bits() -> int:
 
 def _base(key_id: bytes, signer: str) -> "hashlib._Hash":
     return hashlib.sha256(STAMP_DOMAIN + len(key_id).to_bytes(2, "big") + key_id + signer.encode())
-
-
-def leading_zero_bits(digest: bytes) -> int:
-    value = int.from_bytes(digest, "big")
-    return len(digest) * 8 - value.bit_length()
 
 
 def stamp_refusal(key_id: bytes, signer: str, stamp: Any, bits: int) -> Optional[str]:

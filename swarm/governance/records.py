@@ -28,12 +28,12 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from hivemind.dht import DHT
 from hivemind.utils import MSGPackSerializer, get_dht_time
 
-from swarm.dht import fields
 from swarm.dht.keys import GOVERNANCE_OWN
 from swarm.dht.schema import forget_local_copies, governance_key, read_entries
 from swarm.dht.validation import dht_key_id, sign_slot, signer_id, slot_signer, slot_subkey, verify_slot
 from swarm.governance.keys import public_key_text
 from swarm.governance.limits import HALT, MAX_STALE_AFTER, RESUME
+from swarm.utils import fields
 from swarm.utils.errors import EXIT_USAGE, SwarmError
 
 logger = logging.getLogger(__name__)

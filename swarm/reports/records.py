@@ -14,7 +14,7 @@ failure, the last check's announced and measured throughput, round trip and call
 totals (tokens, compute seconds, requests: what its ``rpc_info`` says, unchecked); and per published adapter
 content and task (at most :data:`MAX_ADAPTERS`) the held-out problems it answered exactly of those asked, beside the
 score its author claimed. :meth:`AuditReport.payload` refuses to encode more than :data:`MAX_REPORT_BYTES`;
-:meth:`AuditReport.from_payload` parses with ``swarm.dht.fields`` (every number finite and in range, texts cut,
+:meth:`AuditReport.from_payload` parses with ``swarm.utils.fields`` (every number finite and in range, texts cut,
 counts capped, times not in the future, fields consistent with each other) and raises ValueError for anything else;
 the readers turn that into "no report", so no record can make a reader raise.
 
@@ -39,11 +39,11 @@ from hivemind.utils import MSGPackSerializer, get_dht_time
 
 from swarm.adapters.block import is_sha256_hex
 from swarm.adapters.sharing import MAX_SCORE, NAME_PATTERN, PublishedAdapter, author_id, signed_entries, store_slot
-from swarm.dht import fields
 from swarm.dht.config import MAX_BLOCKS, MAX_PEER_ID_CHARS
 from swarm.dht.schema import MAX_AUDIT_LIFETIME, audit_key, forget_local_copies
 from swarm.dht.validation import MAX_SLOT_PAYLOAD, ed25519_public_key, ed25519_text
 from swarm.governance.keys import parse_public_key, public_key_text, trusted_key_texts
+from swarm.utils import fields
 
 logger = logging.getLogger(__name__)
 

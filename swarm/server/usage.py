@@ -25,7 +25,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from swarm.dht import fields
+from swarm.utils import fields
 
 BUCKETS = 16  # time buckets per window: the window slides in steps of window / BUCKETS
 MAX_CALLERS = 1024  # callers tracked at once
@@ -154,7 +154,7 @@ class UsageLedger:
 
 def parse_usage(raw: Any, top: int = TOP_CALLERS) -> Optional[dict]:
     """A server's ``rpc_info["usage"]`` as a reader may show it (``swarm.health``, the auditor): bounded, every
-    field checked (:mod:`swarm.dht.fields`), at most ``top`` callers; None for anything malformed. It is what the
+    field checked (:mod:`swarm.utils.fields`), at most ``top`` callers; None for anything malformed. It is what the
     server says, not measured by the reader."""
     try:
         if not isinstance(raw, dict):

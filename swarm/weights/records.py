@@ -32,7 +32,6 @@ from hivemind.utils import MSGPackSerializer, get_dht_time
 
 from swarm.adapters.block import is_sha256_hex
 from swarm.adapters.sharing import AUTHOR_PATTERN, author_id, signed_entries, store_slot
-from swarm.dht import fields
 from swarm.dht.keys import WEIGHTS_HOSTS, WEIGHTS_NAME, WEIGHTS_NAME_OWN
 from swarm.dht.schema import (
     MAX_ADDRESS_CHARS,
@@ -42,6 +41,7 @@ from swarm.dht.schema import (
     store_owned,
 )
 from swarm.dht.validation import KeyPolicy, ed25519_text
+from swarm.utils import fields
 from swarm.utils.errors import EXIT_NOT_SERVED, EXIT_USAGE, SwarmError
 from swarm.weights.limits import PUBLISH_LIFETIME
 from swarm.weights.manifest import MAX_MANIFEST_BYTES, MAX_TENSORS, MODEL_NAME

@@ -25,8 +25,8 @@ import torch
 from hivemind.proto import runtime_pb2
 
 from swarm.adapters.block import BlockAdapter
-from swarm.dht import fields
 from swarm.diffusion.pipeline import CacheDirective
+from swarm.utils import fields
 from swarm.wire.encoding import decode_tensor, encode_tensor
 from swarm.wire.messages import ForwardRequest, RemoteError
 from swarm.wire.receipts import CallContent, Receipt, tensor_digest

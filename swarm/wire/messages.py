@@ -16,7 +16,7 @@ from swarm.diffusion.prediction import HeadQuery
 from swarm.utils.errors import SwarmError
 
 if TYPE_CHECKING:
-    from swarm.wire.work import WorkStamp
+    from swarm.wire.stamp_value import WorkStamp
 
 logger = logging.getLogger(__name__)
 

@@ -30,8 +30,8 @@ import msgpack
 from hivemind.proto import runtime_pb2
 from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 
-from swarm.dht import fields
-from swarm.dht.identity import MAX_OWNER_KEY_BYTES, peer_id_from_owner_key
+from swarm.utils import fields
+from swarm.utils.peer_keys import MAX_OWNER_KEY_BYTES, peer_id_from_owner_key
 
 RECEIPT_VERSION = 1
 DIGEST_BYTES = 32

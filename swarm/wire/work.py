@@ -19,20 +19,17 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hashlib
 import math
 import secrets
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
 from typing import Any, Callable
 
-from swarm.dht.stamp import leading_zero_bits
 from swarm.models.config import ModelConfig
 from swarm.models.cost import attention_length_scale, request_cost
 from swarm.wire.messages import ErrorCode, ForwardRequest, RemoteError
+from swarm.wire.stamp_value import WorkStamp, _prefix, _with_counter
 
-DOMAIN = b"swarm-work-v1"
 EPOCH_S = 60.0
 WORK_PRICE = 16.0  # hashes per unit of cost (one position through a pass): see docs/GOVERNANCE.md for what it buys
 MIN_BITS = 10  # the least a stamp must prove to be credited (and remembered): about 1,000 hashes
@@ -40,38 +37,6 @@ MAX_BITS = 40  # more than any caller finds in an epoch; a client never mints mo
 INLINE_BITS = 10  # a stamp this small is minted on the event loop (about a millisecond); larger ones on a thread
 BUSY_S = 60.0  # a client stamps its calls to a server until this long after it last answered "contended"
 SALT_HEX = 16  # hex digits of a stamp's salt
-
-
-@dataclass(frozen=True)
-class WorkStamp:
-    """One proof: ``counter`` under ``salt`` in ``epoch``; worth ``2**bits`` hashes once checked (:meth:`bits`)."""
-
-    epoch: int
-    salt: str
-    counter: int
-
-    def digest(self, server: str, caller: str) -> bytes:
-        """What the work is over: the domain, both peer ids, the epoch, the salt and the counter."""
-        return _with_counter(_prefix(server, caller, self.epoch, self.salt), self.counter)
-
-    def bits(self, server: str, caller: str) -> int:
-        """Leading zero bits of :meth:`digest`: the work this stamp proves for ``caller`` at ``server``."""
-        return leading_zero_bits(self.digest(server, caller))
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "salt": self.salt, "counter": self.counter}
-
-
-def _prefix(server: str, caller: str, epoch: int, salt: str) -> "hashlib._Hash":
-    """The hash of everything but the counter (each field length-prefixed, so no two tuples hash alike)."""
-    fields = (server.encode(), caller.encode(), str(epoch).encode(), salt.encode())
-    return hashlib.sha256(DOMAIN + b"".join(len(field).to_bytes(2, "big") + field for field in fields))
-
-
-def _with_counter(prefix: "hashlib._Hash", counter: int) -> bytes:
-    hashed = prefix.copy()
-    hashed.update(counter.to_bytes(8, "big"))
-    return hashed.digest()
 
 
 def epoch_of(now: float) -> int:

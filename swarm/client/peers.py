@@ -152,6 +152,12 @@ class PeerHealth:
             out |= {peer for peer in peers if peer not in self.allowed}
         return frozenset(out)
 
+    def maybe_live(self, peer: str) -> bool:
+        """Whether nothing says the peer is gone: it never failed a call of this client, or it answered a ping since
+        (a dead replica's record outlives it; a replica this client never called is not suspect)."""
+        with self._lock:
+            return peer in self._rtt or peer not in self._bans
+
     def measured(self, peer: str) -> bool:
         """Whether the peer passed a ping (and its challenge) since it was last banned."""
         return peer in self._rtt

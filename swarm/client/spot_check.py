@@ -272,7 +272,7 @@ class SpotChecker:
         return refused
 
     def _live(self, peers: list[str]) -> list[str]:
-        return [peer for peer in peers if self.health.measured(peer)]
+        return [peer for peer in peers if self.health.maybe_live(peer)]
 
     def _answer(self, peer: str, request: ForwardRequest, head: Optional[HeadQuery],
                 holds_head: bool) -> Optional[torch.Tensor]:

@@ -35,7 +35,7 @@ MAX_RECEIPTS = 4096  # digests only: about 800 bytes each
 MAX_FILLS = 16  # fills remembered to check and prove reuses (their answers dropped: a proof does not need them)
 MAX_RECENT = 8  # the latest calls, so a spot check that finds a lie can turn the call into a proof
 MAX_KEPT = 64  # sampled calls kept with their tensors
-MAX_KEPT_BYTES = 256 * 2**20
+MAX_KEPT_BYTES = 32 * 2**20  # at 8B widths a client stays within 0.5 GB (tests/test_client_memory.py)
 SUFFIX = ".evidence"  # one saved call's evidence (save_sample; an auditor's --evidence-dir reads them)
 
 NO_ANSWER = runtime_pb2.Tensor()  # what a remembered fill keeps of its answer

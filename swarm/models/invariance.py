@@ -126,6 +126,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding: Op
     if not active():
         mask = None if key_padding is None else key_padding[:, None, None, :]
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=False)
+    if key_padding is None and q.shape[0] == 1:  # one state: the plain call, no copy
+        return F.scaled_dot_product_attention(q, k, v, is_causal=False)
     if key_padding is None:  # states of one length: each is reduced alone, at its own shape
         return torch.cat([F.scaled_dot_product_attention(q[i:i + 1], k[i:i + 1], v[i:i + 1], is_causal=False)
                           for i in range(q.shape[0])])

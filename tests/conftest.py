@@ -113,6 +113,12 @@ def tier_of(item: pytest.Item) -> str:
 
 def pytest_configure(config):
     config.pluginmanager.register(TierCosts(TIERS, worker=hasattr(config, "workerinput")), "tier_costs")
+    # A crashed worker ends the run at once, naming its test, unless --max-worker-restart says otherwise: after
+    # replacing a crashed worker, pytest-xdist 3.8 with --dist loadfile can wait for good on work already done
+    # (pytest-xdist issue 1378), and a worker killed for memory cost CI its whole 90 minutes (2026-12-06). This runs
+    # before xdist's own pytest_configure (trylast), which reads the option.
+    if getattr(config.option, "maxworkerrestart", "") is None:
+        config.option.maxworkerrestart = "0"
 
 
 def pytest_collection_modifyitems(config, items):
@@ -315,21 +321,30 @@ def memory_backed_folder(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("llada-8b-width")
 
 
+# One file at a time at 8B widths on this machine, whatever the worker or the run: two such files at once, each with its
+# checkpoint in memory beside its models or servers, took 22 of a 24 GB machine, the kernel killed a worker, and
+# pytest-xdist (3.8, --dist loadfile) then hung until CI's 90 minutes ran out (2026-12-06).
+WIDE_LOCK = Path(tempfile.gettempdir()) / "swarm-test-8b-width.lock"
+
+
 @pytest.fixture(scope="module")
 def wide_checkpoint(tmp_path_factory):
     """2 blocks of LLaDA-8B's widths and vocabulary, bfloat16, realscale's builder (loads in seconds), built for
     each file that uses it and removed after it: held for a worker's whole run, its 3 GB of memory would sit beside
-    every later file's."""
+    every later file's. The file holds ``WIDE_LOCK`` from the build to the removal."""
+    import fcntl
     import shutil
 
     from swarm.benchmark.realscale import build_checkpoint
 
-    folder = memory_backed_folder(tmp_path_factory)
-    try:
-        yield build_checkpoint(folder, 2)
-    finally:
-        if folder.parent == SHARED_MEMORY:
-            shutil.rmtree(folder, ignore_errors=True)
+    with open(WIDE_LOCK, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when closed, also when the worker dies
+        folder = memory_backed_folder(tmp_path_factory)
+        try:
+            yield build_checkpoint(folder, 2)
+        finally:
+            if folder.parent == SHARED_MEMORY:
+                shutil.rmtree(folder, ignore_errors=True)
 
 
 def read_until_known(lm, find: Callable[[], Optional[str]], what: str, timeout: float = 60.0) -> str:

@@ -133,9 +133,12 @@ def pytest_collection_modifyitems(config, items):
 # "Forked servers, the longest files first"): they start first, so that no worker begins a two-minute file when the
 # others are nearly done. xdist itself queues files by their number of tests, which put the few-but-long ones last.
 # Unlisted files follow in xdist's order; a listed name that is no file is refused, so the list cannot rot silently.
-LONGEST_FILES = ("test_audit_swarm", "test_security_dht", "test_weights", "test_finetune_together", "test_nat",
-                 "test_security_server", "test_security_client", "test_governance", "test_daemons", "test_web",
-                 "test_head", "test_spot_checks", "test_hub", "test_eval", "test_cli", "test_security_parsers")
+# The two 8B-width files (test_invariance, test_client_memory) hold WIDE_LOCK in turn: the first starts at once, the
+# second far enough down the list that it rarely waits.
+LONGEST_FILES = ("test_invariance", "test_audit_swarm", "test_audit_traffic", "test_improve", "test_readme",
+                 "test_security_dht", "test_weights", "test_finetune_together", "test_nat", "test_security_server",
+                 "test_security_client", "test_governance", "test_daemons", "test_web", "test_head",
+                 "test_client_memory", "test_spot_checks", "test_hub", "test_eval", "test_cli", "test_security_parsers")
 
 
 @pytest.hookimpl(optionalhook=True)  # without pytest-xdist (`-p no:xdist`) the hook does not exist

@@ -47,11 +47,12 @@ def scores(span, head, hidden, mask):
 
 
 @pytest.mark.wide
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
 def test_one_state_equals_its_row_in_any_batch(wide_parts, dtype):
     """A state alone, then in batches of 2, 5 and 8 states of other lengths (each state at two places at least, beside
     shorter and longer ones): the same logits, bit for bit. (Batch sizes 1-8 each were tested once; three sizes
-    keep the 8B-width passes of three dtypes affordable in every run.)"""
+    keep the 8B-width passes affordable in every run. float16, whose CPU products are emulated and took 30 s here,
+    is held to the premise below, product by product.)"""
     span, head = (part.to(dtype) for part in wide_parts)
     generator = torch.Generator().manual_seed(1)
     states = [torch.randn(n, WIDE.hidden_size, generator=generator).to(dtype) for n in LENGTHS]
@@ -127,7 +128,7 @@ def test_batching_modes_give_the_sequential_tokens_at_8b_widths(wide_model):
 
     lm = wide_model
 
-    @settings(max_examples=2, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+    @settings(max_examples=1, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
     @given(words=st.lists(st.sampled_from(WORDS), min_size=1, max_size=6), length=st.sampled_from((4, 8)),
            seed=st.integers(0, 2**16), mode=st.one_of(
                st.builds(lambda w: {"parallel_window": w}, st.integers(2, 8)),

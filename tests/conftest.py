@@ -276,6 +276,19 @@ def local_lm(tiny_model_path):
     return DiffusionLM.from_pretrained(tiny_model_path)
 
 
+@pytest.fixture(scope="module")
+def swarm_peer(local_swarm):
+    """A client-mode DHT peer on the shared swarm that one file's clients, auditors, readers and writers share
+    (``dht=``): a DHT of each one's own is a DHT process and a libp2p daemon, 1-2 CPU s apiece. A caller whose
+    identity is the point (a peer id a liar tells apart) keeps one of its own."""
+    from swarm.dht.config import NetworkConfig
+    from swarm.dht.node import start_dht, stop_dht
+
+    dht = start_dht(NetworkConfig(initial_peers=local_swarm.initial_peers, client_mode=True))
+    yield dht
+    stop_dht(dht)
+
+
 # ----- servers and clients on the shared swarm (or any LocalSwarm) ----------------------------------------------
 def swarm_client(swarm, path, **options):
     """A client of the model at ``path`` joined through ``swarm``'s bootstrap peer (``with`` it, or shutdown())."""

@@ -84,12 +84,12 @@ def test_the_auditor_passes_the_honest_server_and_fails_the_liar(audited):
 
 
 def test_a_client_trusting_the_auditor_routes_around_the_liar_and_one_trusting_nobody_does_not(local_swarm,
-                                                                                               audited):
+                                                                                               audited, swarm_peer):
     path, honest, liar, key, _, _, _ = audited
     expected = DiffusionLM.from_pretrained(path).generate("audit", **SETTINGS)
-    with swarm_client(local_swarm, path, trusted_auditors=("none",)) as lm:
+    with swarm_client(local_swarm, path, dht=swarm_peer, trusted_auditors=("none",)) as lm:
         assert lm.show_route()[0].peer_id == liar.peer_id, "without trusted auditors the liar is the first choice"
-    with swarm_client(local_swarm, path, trusted_auditors=(public_key_text(key),)) as lm:
+    with swarm_client(local_swarm, path, dht=swarm_peer, trusted_auditors=(public_key_text(key),)) as lm:
         assert [hop.peer_id for hop in lm.show_route()] == [honest.peer_id]
         result = lm.generate("audit", **SETTINGS)
         assert result.token_ids == expected.token_ids
@@ -111,7 +111,7 @@ def test_the_health_map_shows_the_latest_trusted_audit(local_swarm, audited):
     assert all(s["audit"] is None for s in json.loads(trusting_nobody.stdout)["servers"])
 
 
-def test_a_strangers_report_cannot_clear_the_liar_or_fail_the_honest_server(local_swarm, audited):
+def test_a_strangers_report_cannot_clear_the_liar_or_fail_the_honest_server(local_swarm, audited, swarm_peer):
     """The attack: a key nobody trusts publishes a report that passes the liar and fails the honest server, in its
     own slot and forged into the auditor's. Peers refuse the forgery, readers ignore both, and a client that trusts
     the auditor keeps avoiding the liar (and only it)."""
@@ -122,23 +122,19 @@ def test_a_strangers_report_cannot_clear_the_liar_or_fail_the_honest_server(loca
             ServerAudit(honest.peer_id, 0, 4, 0, 5, 0, now - 60, now - 1, FAIL, now - 1, "lies", announced=1.0))
     report = AuditReport(PREFIX, int(now * 1000) + 10**6, now, lies)
     auditor = ed25519_text(key)
-    dht = start_dht(NetworkConfig(initial_peers=local_swarm.initial_peers, client_mode=True))
-    try:
-        assert publish_report(dht, stranger, report, 600) is not None  # its own slot: stored, for whoever trusts it
-        expiration = get_dht_time() + 600
-        forged = sign_slot(stranger, audit_key(PREFIX, auditor), report.payload(), expiration)
-        dht.store(audit_key(PREFIX, auditor), forged, expiration_time=expiration, subkey=slot_subkey(key))
-        forget_local_copies(dht, [audit_key(PREFIX, auditor)])
-        kept = read_report(dht, PREFIX, auditor)
-        assert kept is not None and kept.server(liar.peer_id).verdict == FAIL, "the auditor's own report stands"
-    finally:
-        stop_dht(dht)
+    assert publish_report(swarm_peer, stranger, report, 600) is not None  # its own slot: stored, for whoever trusts it
+    expiration = get_dht_time() + 600
+    forged = sign_slot(stranger, audit_key(PREFIX, auditor), report.payload(), expiration)
+    swarm_peer.store(audit_key(PREFIX, auditor), forged, expiration_time=expiration, subkey=slot_subkey(key))
+    forget_local_copies(swarm_peer, [audit_key(PREFIX, auditor)])
+    kept = read_report(swarm_peer, PREFIX, auditor)
+    assert kept is not None and kept.server(liar.peer_id).verdict == FAIL, "the auditor's own report stands"
     with swarm_client(local_swarm, path, trusted_auditors=(auditor,)) as lm:
         assert [hop.peer_id for hop in lm.show_route()] == [honest.peer_id]
         assert lm.planner.health.audit_failed.keys() == {liar.peer_id}
 
 
-def test_a_replayed_older_report_never_replaces_the_newer_one(local_swarm):
+def test_a_replayed_older_report_never_replaces_the_newer_one(swarm_peer):
     """Anyone may keep an auditor's old signed report and store it again, with the expiration it was signed with (a
     later one breaks the signature): the slot keeps the newer report, and readers read that."""
     key, prefix = Ed25519PrivateKey.generate(), "audit-replay"
@@ -147,23 +143,20 @@ def test_a_replayed_older_report_never_replaces_the_newer_one(local_swarm):
                                                         now - 10, "lies", 1.0),))
     new = AuditReport(prefix, 2, now, (ServerAudit("QmHonest", 0, 4, 1, 1, 0, now - 20, now - 1, PASS, now - 10,
                                                    "lies", 1.0),))
-    dht = start_dht(NetworkConfig(initial_peers=local_swarm.initial_peers, client_mode=True))
-    try:
-        old_expiration = get_dht_time() + 300
-        old_value = sign_slot(key, audit_key(prefix, ed25519_text(key)), old.payload(), old_expiration)
-        dht.store(audit_key(prefix, ed25519_text(key)), old_value, expiration_time=old_expiration,
-                  subkey=slot_subkey(key))
-        assert publish_report(dht, key, new, 600).sequence == 2
-        dht.store(audit_key(prefix, ed25519_text(key)), old_value, expiration_time=old_expiration,
-                  subkey=slot_subkey(key))  # the replay
-        forget_local_copies(dht, [audit_key(prefix, ed25519_text(key))])
-        assert read_report(dht, prefix, ed25519_text(key)).sequence == 2
-    finally:
-        stop_dht(dht)
+    old_expiration = get_dht_time() + 300
+    old_value = sign_slot(key, audit_key(prefix, ed25519_text(key)), old.payload(), old_expiration)
+    swarm_peer.store(audit_key(prefix, ed25519_text(key)), old_value, expiration_time=old_expiration,
+                     subkey=slot_subkey(key))
+    assert publish_report(swarm_peer, key, new, 600).sequence == 2
+    swarm_peer.store(audit_key(prefix, ed25519_text(key)), old_value, expiration_time=old_expiration,
+                     subkey=slot_subkey(key))  # the replay
+    forget_local_copies(swarm_peer, [audit_key(prefix, ed25519_text(key))])
+    assert read_report(swarm_peer, prefix, ed25519_text(key)).sequence == 2
 
 
 # ----- the published layouts ----------------------------------------------------------------------------------
-def test_the_auditor_checks_servers_of_the_published_layouts(local_swarm, llada_path, dream_path):  # noqa: F811
+def test_the_auditor_checks_servers_of_the_published_layouts(local_swarm, swarm_peer, llada_path,  # noqa: F811
+                                                             dream_path):  # noqa: F811
     """Item 1 (a) on real layouts: LLaDA's and Dream's checkpoint formats (bfloat16, sharded, tests/test_formats.py),
     an honest server and a liar of every block of each; one round of an in-process auditor (its own copy of the
     checkpoint, the checkpoint's dtype) passes the honest server and fails the liar, and publishes."""
@@ -180,7 +173,7 @@ def test_the_auditor_checks_servers_of_the_published_layouts(local_swarm, llada_
         network = NetworkConfig(initial_peers=local_swarm.initial_peers, client_mode=True)
         for layout, (path, prefix, honest, liar) in servers.items():
             config = AuditorConfig(network=network, dht_prefix=prefix, fresh_identity=False, once=True)
-            with Auditor(config, Ed25519PrivateKey.generate(), ModelFiles(path)) as auditor:
+            with Auditor(config, Ed25519PrivateKey.generate(), ModelFiles(path), dht=swarm_peer) as auditor:
                 assert auditor.dtype == torch.bfloat16
                 result = auditor.run_round()
             verdicts = {peer: check.verdict for peer, check in result.checked.items()}
@@ -196,7 +189,7 @@ GREEDY = dict(gen_length=8, steps=8, block_length=8, temperature=0.0)
 
 
 @pytest.fixture(scope="module")
-def scored_adapters(local_swarm, tmp_path_factory):
+def scored_adapters(local_swarm, swarm_peer, tmp_path_factory):
     """A server of the embedded addition model serving two published adapters (random soft prompts): 'boaster'
     claims 0.99 and answers about a third of held-out sums exactly, 'modest' claims 0.1 and answers nearly all
     (measured locally, 3 x 30 problems: 8, 13, 10 and 27, 28, 29). The auditor's report scoring them (8/30 and
@@ -209,20 +202,19 @@ def scored_adapters(local_swarm, tmp_path_factory):
     server = local_swarm.start_server("addition", "0:4", "--compute-threads", "1", "--dht-prefix", ADDITION,
                                       "--serve-adapter", str(boaster), "--serve-adapter", str(modest))
     key = Ed25519PrivateKey.generate()
-    dht = start_dht(NetworkConfig(initial_peers=local_swarm.initial_peers, client_mode=True))
     try:
         now, scores = time.time(), []
         for directory, name, claim, correct in ((boaster, "boaster", 0.99, 8), (modest, "modest", 0.1, 28)):
             author = Ed25519PrivateKey.generate()
             record = make_record(directory, name, claim, [server.peer_id])
-            publish(dht, author, ADDITION, record)
+            publish(swarm_peer, author, ADDITION, record)
             scores.append(AdapterAudit(name, ed25519_text(author), record.sha256, "addition", 30, correct, now - 1,
                                        claim))
-        report = publish_report(dht, key, AuditReport(ADDITION, 1, now, (), ed25519_text(key), tuple(scores)), 600)
+        report = publish_report(swarm_peer, key, AuditReport(ADDITION, 1, now, (), ed25519_text(key), tuple(scores)),
+                                600)
         assert report is not None
         yield local, modest, key, report.to_json(), base
     finally:
-        stop_dht(dht)
         stop_all(local_swarm, [server])
 
 
@@ -239,10 +231,12 @@ def test_the_health_map_shows_adapters_claims_beside_their_audited_scores(local_
     assert listed["boaster"]["score"] == 0.99, "the claim is shown beside the measured score"
 
 
-def test_best_task_picks_the_truly_better_adapter_for_clients_that_trust_the_auditor(local_swarm, scored_adapters):
+def test_best_task_picks_the_truly_better_adapter_for_clients_that_trust_the_auditor(local_swarm, scored_adapters,
+                                                                                     swarm_peer):
     local, modest, key, report, base = scored_adapters
     expected = local.generate("12+5=", adapter=str(modest), **GREEDY).token_ids
-    with swarm_client(local_swarm, "addition", dht_prefix=ADDITION, trusted_auditors=(public_key_text(key),)) as lm:
+    with swarm_client(local_swarm, "addition", dht=swarm_peer, dht_prefix=ADDITION,
+                      trusted_auditors=(public_key_text(key),)) as lm:
         lm.adapter_cache = base / "client-cache"
         result = lm.generate("12+5=", adapter="best:addition", **GREEDY)
         chosen = next(s["reference"] for s in report["adapters"] if s["name"] == "modest")
@@ -252,11 +246,11 @@ def test_best_task_picks_the_truly_better_adapter_for_clients_that_trust_the_aud
         auto = lm.generate("12+5=", experts="auto", **GREEDY)
         assert auto.info["adapter"] == {"name": chosen, "prompt_length": 2, "auto": True}
         assert "adapter" not in lm.generate("Once upon a time", experts="auto", **GREEDY).info  # no scored domain
-    with swarm_client(local_swarm, "addition", dht_prefix=ADDITION, trusted_auditors=("none",)) as lm:
+    with swarm_client(local_swarm, "addition", dht=swarm_peer, dht_prefix=ADDITION, trusted_auditors=("none",)) as lm:
         with pytest.raises(AdapterError, match="trusts no auditor"):
             lm.generate("12+5=", adapter="best:addition", **GREEDY)
         assert "adapter" not in lm.generate("12+5=", experts="auto", **GREEDY).info  # best effort: none, no error
-    with swarm_client(local_swarm, "addition", dht_prefix=ADDITION,
+    with swarm_client(local_swarm, "addition", dht=swarm_peer, dht_prefix=ADDITION,
                       trusted_auditors=(ed25519_text(Ed25519PrivateKey.generate()),)) as lm:
         with pytest.raises(AdapterError, match="no published adapter has a score on 'addition' by a trusted auditor"):
             lm.generate("12+5=", adapter="best:addition", **GREEDY)

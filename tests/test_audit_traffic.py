@@ -50,22 +50,23 @@ def liars(local_swarm, tmp_path_factory):
         stop_all(local_swarm, list(servers.values()))
 
 
-def audit_round(local_swarm, path: Path, generations: int) -> dict[str, str]:
-    """One round of an in-process auditor: each server's verdict (and reason) by peer id."""
+def audit_round(local_swarm, dht, path: Path, generations: int) -> dict[str, str]:
+    """One round of an in-process auditor on the DHT peer ``dht``, from its identity: each server's verdict (and
+    reason) by peer id."""
     network = NetworkConfig(initial_peers=local_swarm.initial_peers, client_mode=True)
     config = AuditorConfig(network=network, fresh_identity=False, once=True, generations=generations)
-    with Auditor(config, Ed25519PrivateKey.generate(), ModelFiles(path)) as auditor:
+    with Auditor(config, Ed25519PrivateKey.generate(), ModelFiles(path), dht=dht) as auditor:
         result = auditor.run_round(score=False)
     return {peer: (check.verdict, check.reason) for peer, check in result.checked.items()}
 
 
-def test_a_fresh_first_call_passes_every_quiet_liar_and_whole_generations_fail_each(local_swarm, liars):
+def test_a_fresh_first_call_passes_every_quiet_liar_and_whole_generations_fail_each(local_swarm, liars, swarm_peer):
     """The attack: the auditor's old single challenge (``--generations 0``) passes all four liars. The defence: two
     generations per server (a cache mode and an adapter each in turn) fail each liar and pass the honest server."""
     path, peers = liars
-    old = audit_round(local_swarm, path, generations=0)
+    old = audit_round(local_swarm, swarm_peer, path, generations=0)
     assert {name: old[peer][0] for name, peer in peers.items()} == dict.fromkeys(peers, PASS), old
-    new = audit_round(local_swarm, path, generations=2)
+    new = audit_round(local_swarm, swarm_peer, path, generations=2)
     verdicts = {name: new[peer][0] for name, peer in peers.items()}
     assert verdicts == {"honest": PASS, **dict.fromkeys(MODES, FAIL)}, new
     reasons = {name: new[peer][1] for name, peer in peers.items()}
@@ -74,13 +75,13 @@ def test_a_fresh_first_call_passes_every_quiet_liar_and_whole_generations_fail_e
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_a_default_client_alone_with_a_quiet_liar_catches_it_on_its_own_checkpoint(local_swarm, liars, mode,
-                                                                                    tmp_path):
+def test_a_default_client_alone_with_a_quiet_liar_catches_it_on_its_own_checkpoint(local_swarm, liars, swarm_peer,
+                                                                                    mode, tmp_path):
     """A client with default settings (spot_check_fraction 0.05, a seeded schedule for a reproducible test) whose only
     route is the liar: the drawn hops are recomputed on the client's own checkpoint (no second holder exists), the
     liar is distrusted and named. Before: every drawn check was ``no_checker`` and the lies were returned."""
     path, peers = liars
-    with swarm_client(local_swarm, path, spot_check_seed=7) as lm:
+    with swarm_client(local_swarm, path, dht=swarm_peer, spot_check_seed=7) as lm:
         assert lm.client_config.spot_check_fraction == 0.05
         lm.only_peers = frozenset({peers[mode]})
         options = dict(CLIENT_OPTIONS[mode] or {"adapter": str(deep_prompt(lm, tmp_path))})
@@ -104,12 +105,13 @@ def test_a_default_client_alone_with_a_quiet_liar_catches_it_on_its_own_checkpoi
         assert finding.verdict == Verdict.LIE, finding
 
 
-def test_a_client_that_cannot_recompute_says_its_tokens_are_unchecked(local_swarm, liars, caplog):
+def test_a_client_that_cannot_recompute_says_its_tokens_are_unchecked(local_swarm, liars, swarm_peer, caplog):
     """Without a second holder and without recomputing (``spot_check_local=False``, as a client that holds only the
     embedding and head), drawn checks are ``no_checker``: the result counts them in ``info["unchecked"]`` and the
     first is logged as a warning, so the tokens are never presented as checked."""
     path, peers = liars
-    with swarm_client(local_swarm, path, spot_check_fraction=0.25, spot_check_seed=3, spot_check_local=False) as lm:
+    with swarm_client(local_swarm, path, dht=swarm_peer, spot_check_fraction=0.25, spot_check_seed=3,
+                      spot_check_local=False) as lm:
         lm.only_peers = frozenset({peers["faulty-later"]})
         with caplog.at_level(logging.WARNING, logger="swarm.client.spot_check"):
             result = lm.generate("1+2=", **SETTINGS)
@@ -118,12 +120,12 @@ def test_a_client_that_cannot_recompute_says_its_tokens_are_unchecked(local_swar
     assert any("unchecked" in record.getMessage() for record in caplog.records)
 
 
-def test_a_client_recomputes_only_what_fits_its_check_memory(local_swarm, liars):
+def test_a_client_recomputes_only_what_fits_its_check_memory(local_swarm, liars, swarm_peer):
     """``spot_check_memory_mb`` bounds the weights a client's checks load (issue 54): below the size of the blocks,
     the client alone with a liar loads nothing, and every drawn check is counted unchecked with the reason (at
     LLaDA-8B's widths, where one block is past the default bound: tests/test_client_memory.py)."""
     path, peers = liars
-    with swarm_client(local_swarm, path, spot_check_fraction=0.25, spot_check_seed=3,
+    with swarm_client(local_swarm, path, dht=swarm_peer, spot_check_fraction=0.25, spot_check_seed=3,
                       spot_check_memory_mb=0.01) as lm:
         lm.only_peers = frozenset({peers["faulty-later"]})
         result = lm.generate("1+2=", **SETTINGS)
@@ -246,41 +248,45 @@ def recompute(path: Path, sample: list) -> list:
     return [verify_evidence(evidence, reference, default_prefix(path), files.config) for evidence in sample]
 
 
-def test_a_liar_to_long_seen_callers_is_proven_on_a_long_lived_clients_own_calls(local_swarm, quiet_liars, tmp_path):
+def test_a_liar_to_long_seen_callers_is_proven_on_a_long_lived_clients_own_calls(local_swarm, quiet_liars,
+                                                                                 swarm_peer, tmp_path):
     """The attack: audit rounds from new identities pass it, and a client without the blocks (no spot check possible)
     gets its lies. The defence: an auditor whose traffic identity lives across rounds (the default) is lied to and
     fails it; the client's sampled calls, signed by the liar and handed to an auditor (``--evidence-dir``), are
     proofs: the auditor fails the liar on them and keeps them, and a bystander holding the checkpoint verifies one
-    on its own and routes around the liar. The first generation's calls (honest) accuse nobody."""
+    on its own and routes around the liar. The first generation's calls (honest) accuse nobody.
+
+    The liar keeps one clock per caller, so the three callers (an auditor renewing its identity every round, one
+    keeping it, a long-lived client with a DHT peer of its own) each make their first round or generation, then one
+    wait past ``SEEN_S`` serves all three (it was one wait each)."""
     path, peers = quiet_liars
     network = NetworkConfig(initial_peers=local_swarm.initial_peers, client_mode=True)
     config = AuditorConfig(network=network, generations=1)
     fresh = dataclasses.replace(config, identity_lifetime=0)
-    with Auditor(fresh, Ed25519PrivateKey.generate(), ModelFiles(path)) as auditor:
-        assert auditor.run_round(score=False).checked[peers["seen"]].verdict == PASS  # the attack
-        time.sleep(SEEN_S + 1)
-        assert auditor.run_round(score=False).checked[peers["seen"]].verdict == PASS  # a new identity again
-    with Auditor(config, Ed25519PrivateKey.generate(), ModelFiles(path)) as auditor:
-        first = auditor.run_round(score=False).checked[peers["seen"]]
-        time.sleep(SEEN_S + 1)
-        assert (first.verdict, auditor.run_round(score=False).checked[peers["seen"]].verdict) == (PASS, FAIL)
     inbox = tmp_path / "inbox"
-    with swarm_client(local_swarm, path, spot_check_fraction=0, spot_check_local=False, audit_share=1.0) as lm:
+    files = ModelFiles(path)
+    with Auditor(fresh, Ed25519PrivateKey.generate(), files, dht=swarm_peer) as renewing, \
+            Auditor(config, Ed25519PrivateKey.generate(), files, dht=swarm_peer) as keeping, \
+            swarm_client(local_swarm, path, spot_check_fraction=0, spot_check_local=False, audit_share=1.0) as lm:
+        assert renewing.run_round(score=False).checked[peers["seen"]].verdict == PASS  # the attack
+        first = keeping.run_round(score=False).checked[peers["seen"]]
         lm.only_peers = frozenset({peers["seen"]})
         lm.generate("1+2=", **REAL, seed=1)
         honest_calls = len(lm.save_audit_sample(inbox))
         time.sleep(SEEN_S + 1)
+        assert renewing.run_round(score=False).checked[peers["seen"]].verdict == PASS  # a new identity again
+        assert (first.verdict, keeping.run_round(score=False).checked[peers["seen"]].verdict) == (PASS, FAIL)
         lm.generate("1+2=", **REAL, seed=2)
         later_calls = len(lm.save_audit_sample(inbox))
     assert honest_calls and later_calls
     handed = dataclasses.replace(fresh, generations=0, evidence_dir=str(inbox))
-    with Auditor(handed, Ed25519PrivateKey.generate(), ModelFiles(path)) as auditor:
+    with Auditor(handed, Ed25519PrivateKey.generate(), files, dht=swarm_peer) as auditor:
         checked = auditor.run_round(score=False).checked
     assert checked[peers["seen"]].verdict == FAIL and "proven" in checked[peers["seen"]].reason, checked
     assert checked[peers["honest"]].verdict == PASS
     proofs = sorted((inbox / "proofs").glob("*.evidence"))
     assert 0 < len(proofs) <= later_calls and not list(inbox.glob("*.evidence"))  # honest calls were removed
-    with swarm_client(local_swarm, path, spot_check_fraction=0) as bystander:
+    with swarm_client(local_swarm, path, dht=swarm_peer, spot_check_fraction=0) as bystander:
         finding = bystander.accept_proof(CallEvidence.from_bytes(proofs[0].read_bytes()))
         assert (finding.verdict, finding.accused) == (Verdict.LIE, peers["seen"])
         assert peers["seen"] in bystander.sequence.distrusted
@@ -289,7 +295,7 @@ def test_a_liar_to_long_seen_callers_is_proven_on_a_long_lived_clients_own_calls
         assert {hop.peer_id for hop in bystander.planner.route} == {peers["honest"]}
 
 
-def test_a_liar_on_merged_rows_is_proven_on_concurrent_clients_own_calls(local_swarm, quiet_liars):
+def test_a_liar_on_merged_rows_is_proven_on_concurrent_clients_own_calls(local_swarm, quiet_liars, swarm_peer):
     """The attack: an audit round alone on the server passes it (nothing to merge). The defence: concurrent clients'
     sampled calls, merged on the server, recomputed by an auditor: the merged rows' receipts are proofs; its passes
     alone verify honest, so nobody is accused for them."""
@@ -298,11 +304,12 @@ def test_a_liar_on_merged_rows_is_proven_on_concurrent_clients_own_calls(local_s
     path, peers = quiet_liars
     network = NetworkConfig(initial_peers=local_swarm.initial_peers, client_mode=True)
     config = AuditorConfig(network=network, once=True, generations=1)
-    with Auditor(config, Ed25519PrivateKey.generate(), ModelFiles(path)) as auditor:
+    with Auditor(config, Ed25519PrivateKey.generate(), ModelFiles(path), dht=swarm_peer) as auditor:
         assert auditor.run_round(score=False).checked[peers["merged"]].verdict == PASS  # the attack
 
     def client_sample(seed: int) -> list:
-        with swarm_client(local_swarm, path, spot_check_fraction=0, spot_check_local=False, audit_share=1.0) as lm:
+        with swarm_client(local_swarm, path, dht=swarm_peer, spot_check_fraction=0, spot_check_local=False,
+                          audit_share=1.0) as lm:
             lm.only_peers = frozenset({peers["merged"]})
             for generation in range(2):
                 lm.generate("1+2=", **REAL, seed=seed * 10 + generation)

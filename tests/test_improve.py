@@ -204,12 +204,12 @@ def test_a_version_overfitted_to_its_public_examples_does_not_win(local_swarm, t
         bad, _ = publish_version(dht, trainer, OVERFIT_PREFIX, overfit, "tagged", data, 1.0, [server.peer_id])
         config = AuditorConfig(network=network, dht_prefix=OVERFIT_PREFIX, score_adapters=(task.name,),
                                task_examples=10, fresh_identity=False, once=True)
-        with Auditor(config, auditor_key, ModelFiles("addition")) as auditor:
+        with Auditor(config, auditor_key, ModelFiles("addition"), dht=dht) as auditor:  # one DHT peer for both
             report = auditor.run_round().report
         scores = {entry.sha256: entry.correct for entry in report.adapters}
         # fresh problems tell them apart: on 6 draws of 20 the honest version answered 12-14, the overfitted one 0
         assert scores[bad.sha256] < scores[good.sha256], scores
-        with swarm_client(local_swarm, "addition", dht_prefix=OVERFIT_PREFIX,
+        with swarm_client(local_swarm, "addition", dht=dht, dht_prefix=OVERFIT_PREFIX,
                           trusted_auditors=(ed25519_text(auditor_key),)) as lm:
             lm.adapter_cache = tmp_path / "cache"
             assert lm.best_adapter(task.name).endswith("@1"), "the honest version 1, not the newer overfitted 2"

@@ -109,11 +109,16 @@ def web_swarm(tmp_path_factory) -> Iterator[LocalSwarm]:
 
 
 @pytest.fixture
-def stopping_swarm(web_swarm, web_lm) -> Iterator[LocalSwarm]:
+def stopping_swarm(request, web_swarm, web_lm) -> Iterator[LocalSwarm]:
     """``web_swarm`` for a test that stops its servers: afterwards every stopped server starts again with the same
     peer id and flags, and the API's client reads them again (a server it banned for failing comes back at a new
-    address, which lifts the ban), so the tests after it find the swarm as the fixtures made it, whatever the order."""
+    address, which lifts the ban), so the tests after it find the swarm as the fixtures made it, whatever the order.
+    After the module's last test that uses the swarm nobody would read them: they are not started again (a server's
+    boot and the client's re-read, 2-4 CPU s each)."""
     yield web_swarm
+    later = request.session.items[request.session.items.index(request.node) + 1:]
+    if not any(getattr(item, "module", None) is request.module and "web_swarm" in item.fixturenames for item in later):
+        return
     revived = [web_swarm.restart(server) for server in web_swarm.processes[:] if server.span and not server.alive]
     if revived:
         wait_seen(web_lm, revived)

@@ -7,7 +7,7 @@ be joined.
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import click
 
@@ -60,6 +60,22 @@ def resolve_target(model: Optional[str], dht_prefix: Optional[str], num_blocks: 
     return dht_prefix or default_prefix(files.path), num_blocks or files.config.num_layers
 
 
+def target_options(command: Callable) -> Callable:
+    """``--model``, ``--dht-prefix`` and ``--num-blocks``: the model whose swarm a command reads
+    (:func:`resolve_target`)."""
+    options = [
+        click.option("--model", default=None, help="Embedded model name or checkpoint directory; gives the DHT "
+                     "prefix and block count. Default: the embedded 'default' model."),
+        click.option("--dht-prefix", default=None, help="DHT namespace of the model, as servers were started with "
+                     "(default: the model directory's name)."),
+        click.option("--num-blocks", type=click.IntRange(min=1), default=None,
+                     help="Number of transformer blocks of the model (default: from the model's config)."),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
 def read_map(network: NetworkConfig, prefix: str, num_blocks: int, auditors: tuple[str, ...] = (),
              usage: bool = False) -> HealthMap:
     """The health map read from the swarm; hivemind is imported here, after the arguments are checked."""
@@ -106,12 +122,7 @@ def serve_page(network: NetworkConfig, prefix: str, num_blocks: int, host: str, 
 
 @click.command(cls=SwarmCommand, context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
 @network_options
-@click.option("--model", default=None, help="Embedded model name or checkpoint directory; gives the DHT prefix and "
-              "block count. Default: the embedded 'default' model.")
-@click.option("--dht-prefix", default=None, help="DHT namespace of the model, as servers were started with "
-              "(default: the model directory's name).")
-@click.option("--num-blocks", type=click.IntRange(min=1), default=None,
-              help="Number of transformer blocks of the model (default: from the model's config).")
+@target_options
 @click.option("--json", "as_json", is_flag=True, help="Print the map as JSON instead of a table.")
 @click.option("--trusted-auditors", "--trusted-auditor", "trusted_auditors", multiple=True,
               help="Auditor whose signed reports the map shows (base64 public key or a file holding one; repeatable). "

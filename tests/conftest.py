@@ -78,6 +78,7 @@ FILE_TIERS = {  # a "unit" file may hold tests of other tiers: found by their fi
     "test_adapter_versions": "unit",  # the parsers in process; versions and adoption on the live swarm (fixtures)
     "test_improve": "swarm",
     "test_advise": "unit",
+    "test_stream_records": "unit",  # the record, its parser and refusals in process; one DHT round trip (swarm)
     "test_self_prompt": "unit",
     "test_streams": "unit",
     "test_usage": "unit",  # the ledger, the cap and the retry hint, in process; a live server in test_usage_swarm

@@ -24,7 +24,7 @@ def advise(*args: str):
 def test_the_offline_form_shows_the_rule_checked_and_scored():
     result = advise("--coverage", "21030112", "--blocks", "3", "--adapter", "none", "--json")
     assert result.exit_code == 0, result.output
-    advice = json.loads(result.output)
+    advice = json.loads(result.stdout)
     rule = advice["rule"]
     assert (rule["who"], rule["start"], rule["best_start"], rule["right"]) == ("least_covered_window", 4, 2, False)
     assert rule["coverage_after"] == [2, 1, 0, 3, 1, 2, 2, 2] and rule["weakest_after"] == 0
@@ -114,7 +114,7 @@ def test_a_local_adapter_folder_answers_offline_with_no_audited_score(tiny_model
     result = advise("--coverage", "21030112", "--blocks", "3", "--adapter", folder, "--model", str(tiny_model_path),
                     "--json")
     assert result.exit_code == 0, result.output
-    advice = json.loads(result.output)
+    advice = json.loads(result.stdout)
     answer = task_answer(local_lm, "21030112|3=", SETTINGS, {"adapter": folder})
     assert advice["model"]["answer"] == answer and advice["model"]["who"] == folder
     assert advice["model"]["right"] == HostBlocksTask().check("21030112|3=", answer)
@@ -137,13 +137,13 @@ def test_the_live_map_is_the_question(local_swarm, tiny_model_path, local_lm, tm
     peers = [arg for peer in local_swarm.initial_peers for arg in ("--initial-peers", peer)]
     result = advise(*peers, "--model", str(tiny_model_path), "--blocks", "2", "--json")
     assert result.exit_code == 0, result.output
-    advice = json.loads(result.output)
+    advice = json.loads(result.stdout)
     assert advice["question"]["coverage"] == [1, 2, 2, 2] and advice["rule"]["start"] == 0
     assert "models of 8 blocks" in advice["missing"]
     given = advise(*peers, "--model", str(tiny_model_path), "--coverage", "21030112", "--blocks", "3",
                    "--trusted-auditors", "none", "--json")
     assert given.exit_code == 0, given.output
-    advice = json.loads(given.output)
+    advice = json.loads(given.stdout)
     assert advice["model"] is None and "trusts no auditor" in advice["missing"] and advice["recommended"] == "rule"
     from swarm.eval.tasks import task_answer
     from swarm.testing.adapters import random_soft_prompt
@@ -152,6 +152,6 @@ def test_the_live_map_is_the_question(local_swarm, tiny_model_path, local_lm, tm
     through = advise(*peers, "--model", str(tiny_model_path), "--coverage", "21030112", "--blocks", "3",
                      "--adapter", folder, "--trusted-auditors", "none", "--json")
     assert through.exit_code == 0, through.output
-    model = json.loads(through.output)["model"]
+    model = json.loads(through.stdout)["model"]
     assert model["answer"] == task_answer(local_lm, "21030112|3=", SETTINGS, {"adapter": folder})
     assert model["score"] is None, "no trusted auditor: not audited"

@@ -140,14 +140,7 @@ class StreamRecord:
     def from_payload(cls, payload: Any, coordinator: str, prefix: str, now: Optional[float] = None) -> "StreamRecord":
         """Parse a verified payload for ``prefix``; ValueError for anything malformed, oversized, from the future or
         for another model."""
-        if not isinstance(payload, bytes) or len(payload) > MAX_RECORD_BYTES:
-            raise ValueError(f"a stream record is at most {MAX_RECORD_BYTES} bytes")
-        try:
-            body = MSGPackSerializer.loads(payload)
-        except Exception as error:  # msgpack raises many types on junk
-            raise ValueError(f"not msgpack: {type(error).__name__}") from None
-        if not isinstance(body, dict) or len(body) > MAX_RECORD_KEYS or body.get("record_version") != RECORD_VERSION:
-            raise ValueError("unknown stream record version")
+        body = fields.record_body(payload, MAX_RECORD_BYTES, RECORD_VERSION, MAX_RECORD_KEYS, "a stream record")
         claimed = fields.text(body.get("prefix"), MAX_PREFIX_CHARS)
         if claimed != prefix:
             raise ValueError(f"a stream record for prefix {claimed[:80]!r}, not {prefix[:80]!r}")

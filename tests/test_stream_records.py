@@ -219,3 +219,62 @@ def test_swarm_health_shows_a_trusted_coordinator_s_record_and_no_stranger_s(loc
     streams = json.loads(result.stdout)["streams"]
     assert [(s["stream"], len(s["pool"]), s["coordinator"], s["flags"]) for s in streams] == [
         ("tagged", 6, KEY, []), ("hosts", 2, KEY, [])]
+
+
+# ----- the coordinator's rules ---------------------------------------------------------------------------------------
+def test_a_stream_spec_is_name_task_weight():
+    from swarm.improve.coordinator import StreamSpec
+
+    assert StreamSpec.parse("tagged:tagged-addition:3") == StreamSpec("tagged", "tagged-addition", 3.0)
+    for bad in ("tagged", "tagged:t:x", "tagged:t:-1", "tagged:t:inf", ":t:1", "a:b:1:2", "a b:t:1"):
+        with pytest.raises(ValueError):
+            StreamSpec.parse(bad)
+
+
+def test_the_curve_is_the_best_trusted_score_so_far_version_by_version():
+    from swarm.adapters.versions import AdapterVersion
+    from swarm.improve.coordinator import audited_curve
+    from swarm.reports.records import AdapterAudit, AuditBook, AuditReport
+
+    auditor, author = ed25519_text(Ed25519PrivateKey.generate()), ed25519_text(Ed25519PrivateKey.generate())
+    shas = [f"{n:x}" * 64 for n in range(1, 6)]
+    versions = [AdapterVersion(n + 1, sha, 10, None, "0" * 64, 0.99, withdrawn=n == 3) for n, sha in enumerate(shas)]
+    scored = {shas[0]: 20, shas[2]: 10, shas[3]: 90, shas[4]: 50}  # of 100; v2 not scored, v4 withdrawn
+    entries = tuple(AdapterAudit("s", author, sha, "host-blocks", 100, correct, 1.0) for sha, correct in scored.items())
+    book = AuditBook("p", frozenset({auditor}))
+    book.consider(AuditReport("p", 1, 2.0, (), auditor, entries))
+    book.consider(AuditReport("p", 1, 2.0, (), ed25519_text(STRANGER), (
+        AdapterAudit("s", author, shas[1], "host-blocks", 100, 100, 1.0),)))  # not trusted: never read
+    assert audited_curve(book, versions[::-1], "host-blocks") == (0.2, 0.2, 0.5), "publishers' own 0.99 plays no part"
+    assert audited_curve(book, versions, "addition") == ()
+
+
+def test_pools_follow_the_weights_from_one_record_to_the_next_and_a_stray_trainer_is_flagged():
+    from swarm.improve.coordinator import StreamSpec, plan_record
+
+    specs = [StreamSpec("tagged", "tagged-addition", 3.0), StreamSpec("hosts", "host-blocks", 1.0)]
+    first = plan_record("p", specs, {}, NODES, {}, 1, 0.0)
+    assert [len(e.pool) for e in first.entries] == [6, 2]
+    heavier = [specs[0], StreamSpec("hosts", "host-blocks", 3.0)]
+    working = {e.name: {node: 1 for node in e.pool} for e in first.entries}
+    second = plan_record("p", heavier, {}, NODES, working, 2, 0.0, previous=first)
+    tagged, hosts = second.entries
+    assert (len(tagged.pool), len(hosts.pool)) == (4, 4)
+    assert set(tagged.pool) < set(first.entries[0].pool) and set(first.entries[1].pool) < set(hosts.pool), \
+        "only the surplus moved"
+    views = StreamRecord.from_payload(second.payload(), "", "p").views()
+    flags = {v["stream"]: v["flags"] for v in views}
+    assert flags["hosts"] == [] and any("not in its pool" in f for f in flags["tagged"]), \
+        "tagged's trainers that were moved and still claim for it are flagged"
+    stalled = plan_record("p", heavier, {"hosts": (0.5, 0.6, 0.6, 0.6, 0.6)}, NODES, {}, 3, 0.0, previous=second)
+    assert [len(e.pool) for e in stalled.entries] == [8, 0], "a stalled stream gives its nodes back"
+    with pytest.raises(ValueError, match="at most"):
+        plan_record("p", specs, {}, [f"Qm{n}" for n in range(65)], {}, 4, 0.0)
+
+
+def test_a_coordinator_writes_no_record_a_reader_would_refuse():
+    tagged, hosts = record().entries
+    for bad in (StreamEntry("x", "t", float("nan")), StreamEntry("x", "t", 1.0, (1.5,)), StreamEntry("x", "t", 1.0,
+                pool=("Qm0OIl",)), StreamEntry("x y", "t", 1.0), StreamEntry("x", "t", 1.0, claimed=("Qma",))):
+        with pytest.raises(ValueError):
+            StreamRecord("p", 1, 0.0, (tagged, bad)).payload()

@@ -115,7 +115,10 @@ class StreamRecord:
         return {node: entry.name for entry in self.entries for node in entry.pool}
 
     def check(self) -> None:
-        """ValueError for what no reader accepts: too many streams or nodes, a name twice, a node in two pools."""
+        """ValueError for what no reader accepts: an entry its parser refuses, too many streams or nodes, a name twice,
+        a node in two pools."""
+        for entry in self.entries:
+            StreamEntry.from_value(entry.to_value())  # every field as a reader checks it
         if len(self.entries) > MAX_STREAMS or len({e.name for e in self.entries}) != len(self.entries):
             raise ValueError(f"at most {MAX_STREAMS} streams, each name once")
         pooled = [node for entry in self.entries for node in entry.pool]

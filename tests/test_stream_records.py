@@ -25,7 +25,7 @@ from swarm.improve.stream_records import (
     streams_key,
 )
 
-FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FUZZ = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 COORDINATOR, STRANGER = Ed25519PrivateKey.generate(), Ed25519PrivateKey.generate()
 KEY = ed25519_text(COORDINATOR)
 NODES = [f"Qm{c}" for c in "abcdefgh"]
@@ -191,34 +191,44 @@ def test_the_health_map_and_the_web_map_show_the_streams():
     assert json.loads(json.dumps(snapshot)) == snapshot
 
 
-def test_swarm_health_shows_a_trusted_coordinator_s_record_and_no_stranger_s(local_swarm, tiny_model_path):
-    """On the shared swarm: the coordinator's record, published on the DHT, is what ``swarm.health --json`` shows; a
-    stranger's slot under the coordinator's key is refused by the storing peers, and a stranger's own record is not
-    read by a reader that does not trust it."""
+def test_a_coordinator_s_record_is_what_swarm_health_shows_and_no_stranger_s(local_swarm, tiny_model_path, tmp_path):
+    """On the shared swarm: ``python -m swarm.improve coordinate`` publishes one round's record (weights 3:1 over 8
+    given nodes: pools of 6 and 2; no version published, so no curve and no claim) and ``swarm.health --json`` of a
+    reader trusting its key shows it; a stranger's slot under the coordinator's key is refused by the storing peers,
+    and a stranger's own record is not read by a reader that does not trust it."""
     from click.testing import CliRunner
 
     from swarm.adapters.sharing import store_slot
     from swarm.dht.config import NetworkConfig
     from swarm.dht.node import start_dht, stop_dht
     from swarm.dht.schema import default_prefix
+    from swarm.governance.keys import generate_private_key
     from swarm.health.__main__ import main as health
+    from swarm.improve.coordinate import coordinate_main
     from swarm.improve.stream_records import publish_streams
 
     prefix = default_prefix(tiny_model_path)
+    peers = [arg for peer in local_swarm.initial_peers for arg in ("--initial-peers", peer)]
+    key = generate_private_key(tmp_path / "coordinator.key")
+    coordinated = CliRunner().invoke(coordinate_main, [
+        *peers, "--model", str(tiny_model_path), "--key", str(tmp_path / "coordinator.key"), "--stream",
+        "tagged:tagged-addition:3", "--stream", "hosts:host-blocks:1", *(a for n in NODES for a in ("--node", n)),
+        "--trusted-auditors", "none", "--rounds", "1", "--json"])
+    assert coordinated.exit_code == 0, coordinated.output
+    assert [len(v["pool"]) for v in json.loads(coordinated.stdout)] == [6, 2]
     dht = start_dht(NetworkConfig(initial_peers=local_swarm.initial_peers, client_mode=True))
     try:
-        assert publish_streams(dht, COORDINATOR, record(prefix=prefix), 600)
         assert publish_streams(dht, STRANGER, record(9, prefix=prefix), 600)
-        assert not store_slot(dht, STRANGER, streams_key(prefix, KEY), record(10, prefix=prefix).payload(), now() + 600)
+        forged = record(10, prefix=prefix).payload()
+        assert not store_slot(dht, STRANGER, streams_key(prefix, ed25519_text(key)), forged, now() + 600)
     finally:
         stop_dht(dht)
-    peers = [arg for peer in local_swarm.initial_peers for arg in ("--initial-peers", peer)]
     result = CliRunner().invoke(health, [*peers, "--model", str(tiny_model_path), "--trusted-auditors", "none",
-                                         "--trusted-coordinators", KEY, "--json"])
+                                         "--trusted-coordinators", ed25519_text(key), "--json"])
     assert result.exit_code == 0, result.output
     streams = json.loads(result.stdout)["streams"]
-    assert [(s["stream"], len(s["pool"]), s["coordinator"], s["flags"]) for s in streams] == [
-        ("tagged", 6, KEY, []), ("hosts", 2, KEY, [])]
+    assert [(s["stream"], len(s["pool"]), s["coordinator"], s["flags"], s["curve"]) for s in streams] == [
+        ("tagged", 6, ed25519_text(key), [], []), ("hosts", 2, ed25519_text(key), [], [])]
 
 
 # ----- the coordinator's rules ---------------------------------------------------------------------------------------
@@ -232,21 +242,19 @@ def test_a_stream_spec_is_name_task_weight():
 
 
 def test_the_curve_is_the_best_trusted_score_so_far_version_by_version():
-    from swarm.adapters.versions import AdapterVersion
     from swarm.improve.coordinator import audited_curve
     from swarm.reports.records import AdapterAudit, AuditBook, AuditReport
 
     auditor, author = ed25519_text(Ed25519PrivateKey.generate()), ed25519_text(Ed25519PrivateKey.generate())
     shas = [f"{n:x}" * 64 for n in range(1, 6)]
-    versions = [AdapterVersion(n + 1, sha, 10, None, "0" * 64, 0.99, withdrawn=n == 3) for n, sha in enumerate(shas)]
-    scored = {shas[0]: 20, shas[2]: 10, shas[3]: 90, shas[4]: 50}  # of 100; v2 not scored, v4 withdrawn
+    scored = {shas[0]: 20, shas[2]: 10, shas[4]: 50}  # of 100; v2 not scored
     entries = tuple(AdapterAudit("s", author, sha, "host-blocks", 100, correct, 1.0) for sha, correct in scored.items())
     book = AuditBook("p", frozenset({auditor}))
     book.consider(AuditReport("p", 1, 2.0, (), auditor, entries))
     book.consider(AuditReport("p", 1, 2.0, (), ed25519_text(STRANGER), (
         AdapterAudit("s", author, shas[1], "host-blocks", 100, 100, 1.0),)))  # not trusted: never read
-    assert audited_curve(book, versions[::-1], "host-blocks") == (0.2, 0.2, 0.5), "publishers' own 0.99 plays no part"
-    assert audited_curve(book, versions, "addition") == ()
+    assert audited_curve(book, shas, "host-blocks") == (0.2, 0.2, 0.5), "a lower score later keeps the best so far"
+    assert audited_curve(book, shas, "addition") == ()
 
 
 def test_pools_follow_the_weights_from_one_record_to_the_next_and_a_stray_trainer_is_flagged():

@@ -1,6 +1,8 @@
 """``python -m swarm.improve --task TASK --data SOURCE --name NAME --key KEY --workdir DIR --initial-peers ...``:
 the trainer role of the self-improving loop (swarm/improve/loop.py; docs/TRAINING.md, "The self-improving loop").
 ``python -m swarm.improve withdraw --name NAME --version N --key KEY`` withdraws a version (swarm/improve/withdraw.py).
+``python -m swarm.improve coordinate --key KEY --stream NAME:TASK:WEIGHT ...`` publishes the signed stream records
+(swarm/improve/coordinate.py).
 
 Torch and hivemind are imported after the arguments are parsed, so that ``--help`` and a mistyped flag answer at once.
 """
@@ -169,5 +171,10 @@ if __name__ == "__main__":
 
         sys.argv.pop(1)
         run_main(withdraw_main)
+    elif sys.argv[1:2] == ["coordinate"]:  # python -m swarm.improve coordinate --key KEY --stream NAME:TASK:W ...
+        from swarm.improve.coordinate import coordinate_main
+
+        sys.argv.pop(1)
+        run_main(coordinate_main)
     else:
         run_main(main)

@@ -16,7 +16,6 @@ from swarm.improve.stream_records import MAX_CURVE, MAX_NODES, MAX_WEIGHT, NAME,
 from swarm.improve.streams import Stream, assign
 
 if TYPE_CHECKING:
-    from swarm.adapters.versions import AdapterVersion
     from swarm.reports.records import AuditBook
 
 
@@ -43,13 +42,14 @@ class StreamSpec:
         return cls(parts[0], parts[1], weight)
 
 
-def audited_curve(book: AuditBook, versions: Sequence[AdapterVersion], task: str) -> tuple[float, ...]:
-    """The best trusted score on ``task`` so far, version by version (the last :data:`MAX_CURVE` points)."""
+def audited_curve(book: AuditBook, contents: Sequence[str], task: str) -> tuple[float, ...]:
+    """The best trusted score on ``task`` so far, version by version: ``contents`` are the stream's live versions'
+    sha256, oldest first (the last :data:`MAX_CURVE` points)."""
     scores = book.adapter_scores()
     curve: list[float] = []
-    for version in sorted(versions, key=lambda v: v.number):
-        found = scores.get((version.sha256, task))
-        if version.withdrawn or found is None:
+    for sha256 in contents:
+        found = scores.get((sha256, task))
+        if found is None:
             continue
         curve.append(max(found[1].score, curve[-1] if curve else 0.0))
     return tuple(curve[-MAX_CURVE:])

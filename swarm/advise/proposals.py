@@ -94,12 +94,12 @@ def local_proposal(question: Question, source: ModelSource) -> Proposal:
 
 def swarm_proposal(question: Question, source: ModelSource) -> tuple[Optional[Proposal], Optional[str]]:
     """The adapter resolved and run through the swarm as a client would, with its trusted audited score."""
-    from swarm.adapters.adapter import AdapterError
     from swarm.adapters.sharing import content_hash, read_adapter_files
     from swarm.adapters.versions import resolve
     from swarm.client import DistributedDiffusionLM
     from swarm.client.config import ClientConfig
     from swarm.eval.tasks import task_answer
+    from swarm.utils.errors import SwarmError
 
     config = ClientConfig(network=source.network, dht_prefix=source.prefix,
                           trusted_auditors=source.auditors or (NONE,))
@@ -113,9 +113,9 @@ def swarm_proposal(question: Question, source: ModelSource) -> tuple[Optional[Pr
                 reference = source.adapter
             sha256 = (content_hash(read_adapter_files(reference)) if is_folder(reference)
                       else resolve(lm.dht, lm.prefix, reference).sha256)
-        except AdapterError as error:
+            answer = task_answer(lm, question.prompt, SETTINGS, {"adapter": reference})
+        except SwarmError as error:  # no such adapter, no trusted score, no route: the rule is still the advice
             return None, " ".join(str(error).split())
-        answer = task_answer(lm, question.prompt, SETTINGS, {"adapter": reference})
         return Proposal(reference, answer, judge(question, answer), audited(lm.planner.audits, sha256)), None
     finally:
         lm.shutdown()

@@ -3,6 +3,7 @@ trusted coordinators; a stranger's, forged, oversized or malformed record is non
 not given or that did no work is flagged; swarm.health and the web map show them (issue 57)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 
@@ -286,3 +287,47 @@ def test_a_coordinator_writes_no_record_a_reader_would_refuse():
                 pool=("Qm0OIl",)), StreamEntry("x y", "t", 1.0), StreamEntry("x", "t", 1.0, claimed=("Qma",))):
         with pytest.raises(ValueError):
             StreamRecord("p", 1, 0.0, (tagged, bad)).payload()
+
+
+# ----- trainers that follow the coordinator ---------------------------------------------------------------------------
+def test_a_trainer_moves_to_the_stream_its_node_is_assigned_and_only_to_one_it_offers(tmp_path):
+    from swarm.improve.config import ImproveConfig
+    from swarm.improve.follow import Follower, StreamOffer, offers_of, stream_config, stream_for
+
+    config = ImproveConfig("tagged-addition", "seeds-t", "tagged", "k", str(tmp_path), run_id="r",
+                           stream_coordinator=KEY, also_streams=("hosts:host-blocks:seeds-hb/",))
+    config.validate()
+    hosts = stream_config(config, offers_of(config)[1])
+    assert (hosts.name, hosts.task, hosts.data, hosts.run_id) == ("hosts", "host-blocks", "seeds-hb/", "hosts")
+    assert hosts.workdir == str(tmp_path / "streams" / "hosts")
+    hosts.validate()  # the settings an improver of the stream checks (the follower alone follows)
+    assert stream_config(config, offers_of(config)[0]) is config, "its own stream keeps its settings"
+    two = record()  # NODES[6:] in "hosts"
+    assert stream_for(two, NODES[7], ["tagged", "hosts"], "tagged") == "hosts"
+    assert stream_for(two, NODES[0], ["tagged", "hosts"], "hosts") == "tagged"
+    assert stream_for(two, NODES[7], ["tagged"], "tagged") == "tagged", "a stream it does not offer: it stays"
+    assert stream_for(two, "QmNobody", ["tagged", "hosts"], "hosts") == "hosts" and \
+        stream_for(None, NODES[0], ["tagged", "hosts"], "hosts") == "hosts"
+    for bad in ("hosts:host-blocks", "hosts:no-such-task:d", "tagged:host-blocks:d", "x y:host-blocks:d"):
+        with pytest.raises(ValueError):
+            ImproveConfig("tagged-addition", "seeds-t", "tagged", "k", str(tmp_path), stream_coordinator=KEY,
+                          also_streams=(bad,)).validate()
+    assert StreamOffer.parse("a:host-blocks:datasets:x:train").data == "datasets:x:train"
+
+    class Rounds:  # stands for an improver: what the follower asked of which stream's settings
+        def __init__(self, settings):
+            self.name = settings.name
+
+        def run_round(self):
+            trained.append(self.name)
+            return len(trained)
+
+        def close(self, close_host=True):
+            closed.append((self.name, close_host))
+
+    records = [None, two, two, record(3, entries=(two.entries[0], dataclasses.replace(two.entries[1], pool=())))]
+    trained, closed = [], []
+    follower = Follower(dataclasses.replace(config, rounds=4), Rounds, lambda: records.pop(0), NODES[7])
+    assert [stream for stream, _ in follower.run()] == ["tagged", "hosts", "hosts", "hosts"]
+    follower.close()
+    assert sorted(closed) == [("hosts", False), ("tagged", False)], "one improver a stream; its owner closes the host"

@@ -77,6 +77,8 @@ FILE_TIERS = {  # a "unit" file may hold tests of other tiers: found by their fi
     "test_receipts": "unit",  # receipts, evidence and proofs in process; against live liars: test_audit_traffic
     "test_adapter_versions": "unit",  # the parsers in process; versions and adoption on the live swarm (fixtures)
     "test_improve": "swarm",
+    "test_advise": "unit",
+    "test_stream_records": "unit",  # the record, its parser and refusals in process; one DHT round trip (swarm)
     "test_self_prompt": "unit",
     "test_streams": "unit",
     "test_usage": "unit",  # the ledger, the cap and the retry hint, in process; a live server in test_usage_swarm

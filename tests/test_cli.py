@@ -166,7 +166,8 @@ HEAVY_MODULES = ("torch", "hivemind", "transformers", "fastapi", "uvicorn")
 MODULE_COMMANDS = ("swarm.generate", "swarm.eval.text_quality", "swarm.eval.composition", "swarm.train.tokenizer",
                    "swarm.improve.demo")
 COMMANDS = ("swarm.server", "swarm.api", "swarm.dht", "swarm.health", "swarm.governance", "swarm.train", "swarm.eval",
-            "swarm.finetune", "swarm.benchmark", "swarm.weights", "swarm.audit", "swarm.improve", *MODULE_COMMANDS)
+            "swarm.finetune", "swarm.benchmark", "swarm.weights", "swarm.audit", "swarm.improve", "swarm.advise",
+            *MODULE_COMMANDS)
 # Runs a command as ``python -m`` would, once per argument list (a JSON list of them), in one interpreter; then
 # prints the exit codes and which heavy modules the runs imported together (its last stderr line).
 IMPORTS_PROBE = """
@@ -195,11 +196,11 @@ def heavy_imports(module: str, *runs: list[str]) -> tuple[list[str], list[int], 
 
 
 def subcommands(module: str) -> list[str]:
-    """What ``python -m module NAME`` runs: a click group's commands, and ``swarm.finetune publish`` and
-    ``swarm.improve withdraw`` (which their ``__main__`` dispatches itself)."""
+    """What ``python -m module NAME`` runs: a click group's commands, and ``swarm.finetune publish``,
+    ``swarm.improve withdraw`` and ``swarm.improve coordinate`` (which their ``__main__`` dispatches itself)."""
     entry = importlib.import_module(f"{module}.__main__" if (ROOT / module.replace(".", "/")).is_dir() else module)
     return (sorted(getattr(entry.main, "commands", {})) + (["publish"] if module == "swarm.finetune" else [])
-            + (["withdraw"] if module == "swarm.improve" else []))
+            + (["withdraw", "coordinate"] if module == "swarm.improve" else []))
 
 
 def test_every_command_is_in_the_fast_help_check():

@@ -139,14 +139,7 @@ class VersionList:
     @classmethod
     def from_payload(cls, payload: Any, author: str) -> "VersionList":
         """Parse a verified payload, bounded; ValueError for anything else (its publisher may be hostile)."""
-        if not isinstance(payload, bytes) or len(payload) > MAX_ADAPTER_VERSIONS_BYTES:
-            raise ValueError(f"a version list is at most {MAX_ADAPTER_VERSIONS_BYTES} bytes")
-        try:
-            body = MSGPackSerializer.loads(payload)
-        except Exception as error:  # msgpack raises many types on junk
-            raise ValueError(f"not msgpack: {type(error).__name__}") from None
-        if not isinstance(body, dict) or len(body) > MAX_LIST_KEYS or body.get("record_version") != RECORD_VERSION:
-            raise ValueError("unknown version list format")
+        body = fields.record_body(payload, MAX_ADAPTER_VERSIONS_BYTES, RECORD_VERSION, MAX_LIST_KEYS, "a version list")
         raw = body.get("versions")
         if not isinstance(raw, list) or len(raw) > MAX_VERSIONS:
             raise ValueError(f"versions must be a list of at most {MAX_VERSIONS} entries")

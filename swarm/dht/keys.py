@@ -41,6 +41,7 @@ PARTS: dict[str, str] = {
     "name": r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}",
     "sha256": r"[0-9a-f]{64}",
     "auditor": r"[A-Za-z0-9+/]{43}=",  # an Ed25519 public key, base64
+    "coordinator": r"[A-Za-z0-9+/]{43}=",  # a stream coordinator's Ed25519 public key, base64
     "signer": r"[0-9a-f]{16}",  # an Ed25519 key's id (swarm.dht.validation.signer_id): what NAME@PUBLISHER names
 }
 # The room a subkey of each kind takes in a reply: an owner subkey is a peer id and an RSA public key (a 2048-bit key
@@ -145,6 +146,10 @@ GOVERNANCE_OWN = declare("one key's governance", "{prefix}.governance.{signer}",
 # One auditor's signed report (swarm.reports.records): the key names the one key that may sign it.
 AUDIT = declare("audit report", "{prefix}.audits.{auditor}", SLOT, 16 * 1024 + 512, 1, MAX_AUDIT_LIFETIME,
                 signer_part="auditor")
+# One stream coordinator's signed record of the domain streams (swarm.improve.stream_records): the key names the one
+# key that may sign it, as an audit report's does (issue 55: nothing shared is fillable for free).
+STREAMS = declare("stream record", "{prefix}.streams.{coordinator}", SLOT, 16 * 1024 + 512, 1, MAX_AUDIT_LIFETIME,
+                  signer_part="coordinator")
 # Where a reader needs one signer's entry, the signer's id is part of the key (issue 55): the one slot its key may
 # write, which no flood of other keys can take. The shared keys beside them list who writes (a name's publishers,
 # the authors of a prefix): readers read them through their trust first, then a fair sample (swarm.dht.sample).

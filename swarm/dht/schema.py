@@ -30,7 +30,17 @@ from hivemind.utils import get_dht_time
 
 from swarm.dht.compatibility import CompatibilityTag
 from swarm.dht.config import MAX_AUDIT_LIFETIME, MAX_BLOCKS, MAX_OWNED_LIFETIME  # noqa: F401 (lifetimes read from here)
-from swarm.dht.keys import ADAPTER_INDEX, ADAPTER_VERSIONS, AUDIT, BLOCK, EXPERTS, GOVERNANCE, GOVERNANCE_OWN, family_of
+from swarm.dht.keys import (
+    ADAPTER_INDEX,
+    ADAPTER_VERSIONS,
+    AUDIT,
+    BLOCK,
+    EXPERTS,
+    GOVERNANCE,
+    GOVERNANCE_OWN,
+    STREAMS,
+    family_of,
+)
 from swarm.dht.validation import KeyPolicy, ProtectedStorage, describe, owner_peer_id, signer_id
 from swarm.utils import fields
 
@@ -253,7 +263,7 @@ MAX_ADAPTER_VERSION_PUBLISHERS = ADAPTER_VERSIONS.max_subkeys
 
 
 def protected_keys(prefix: str, num_blocks: int = 0, governance_signers: Optional[Iterable[str]] = None,
-                   auditors: Optional[Iterable[str]] = None) -> list[KeyPolicy]:
+                   auditors: Optional[Iterable[str]] = None, coordinators: Iterable[str] = ()) -> list[KeyPolicy]:
     """The keys of the model ``prefix`` a process can list, with what each may hold (``start_dht(protect=...)``):
     it refuses what does not fit them before any honest record arrives. Keys it cannot list (names, digests) are
     protected from the first value that names them (``swarm.dht.keys``).
@@ -262,13 +272,15 @@ def protected_keys(prefix: str, num_blocks: int = 0, governance_signers: Optiona
     their slots under the governance key, one that trusts none keeps any signed slot (bounded in count), and its
     storage makes room for their slots under names (:func:`swarm.dht.keys.trusted_keys`).
     ``auditors``: the auditors' public keys (base64) whose report keys it lists (default: the governance signers,
-    the auditors a client trusts by default).
+    the auditors a client trusts by default). ``coordinators``: the stream coordinators' keys whose stream records
+    it reads.
     """
     signers = frozenset(governance_signers or ())
     audit_signers = sorted(set(signers) if auditors is None else set(auditors))
     keys = [*(block_key(prefix, block) for block in range(min(num_blocks, MAX_BLOCKS))), expert_index_key(prefix),
             governance_key(prefix), *(GOVERNANCE_OWN.key(prefix=prefix, signer=signer_id(s)) for s in sorted(signers)),
-            adapter_index_key(prefix), *(audit_key(prefix, a) for a in audit_signers)]
+            adapter_index_key(prefix), *(audit_key(prefix, a) for a in audit_signers),
+            *(STREAMS.key(prefix=prefix, coordinator=c) for c in sorted(set(coordinators)))]
     return [family_of(key).policy(key, signers) for key in keys]
 
 

@@ -39,6 +39,13 @@ def prompt_ids(lm: BaseDiffusionLM, prompt: str) -> list[int]:
     return ([bos] if bos is not None else []) + lm.tokenizer.encode(prompt)
 
 
+def task_answer(lm: BaseDiffusionLM, prompt: str, settings: Mapping[str, Any],
+                generate_options: Optional[Mapping[str, Any]] = None) -> str:
+    """The model's answer to one task prompt (cut at EOS), generated as every scored answer is: ``settings`` are a
+    :class:`TaskGeneration`'s fields and a seed, ``generate_options`` extra keywords (an adapter, experts)."""
+    return lm.generate(prompt_ids(lm, prompt), **{**settings, **(generate_options or {})}).text
+
+
 def evaluate_task(
     lm: BaseDiffusionLM, task: Task, *, examples: int = 200, seed: int = 0,
     generation: TaskGeneration = TaskGeneration(), progress: bool = False, keep: int = 5,
@@ -54,7 +61,7 @@ def evaluate_task(
     settings: dict[str, Any] = {**asdict(generation), "seed": seed}
     correct, samples = 0, []
     for problem in tqdm(problems, desc=f"task {task.name}", leave=False, disable=not progress):
-        output = lm.generate(prompt_ids(lm, problem.prompt), **{**settings, **(generate_options or {})}).text
+        output = task_answer(lm, problem.prompt, settings, generate_options)
         correct += output == problem.answer
         if len(samples) < keep:
             samples.append({"prompt": problem.prompt, "answer": problem.answer, "output": output})

@@ -56,6 +56,8 @@ class HealthMap:
     usage: Optional[dict[str, Optional[dict[str, Any]]]] = None
     # per online server that did not answer the map's probe, since when (epoch seconds): not counted as serving
     unreachable: dict[str, float] = field(default_factory=dict)
+    # the domain streams of the trusted coordinators' records (``StreamRecord.views``; read when asked for)
+    streams: list[dict[str, Any]] = field(default_factory=list)
 
     def mark_unreachable(self, since: Mapping[str, float]) -> None:
         """Servers that did not answer a probe (peer id -> since when): listed, no longer counted as serving."""
@@ -98,6 +100,7 @@ class HealthMap:
             "experts": {domain: [{"peer_id": a.peer_id, "value": a.value} for a in found]
                         for domain, found in self.experts.items()},
             "adapters": list(self.adapters),
+            "streams": list(self.streams),
         }
 
 
@@ -227,12 +230,13 @@ def probe_online(caller: RemoteCaller, servers: Iterable[ServerRecord], timeout:
 
 def read_health_map(dht: DHT, prefix: str, num_blocks: int, adapters: bool = False,
                     auditors: Iterable[str] = (), usage: bool = False,
-                    probe_with: Optional[RemoteCaller] = None) -> HealthMap:
+                    probe_with: Optional[RemoteCaller] = None, coordinators: Iterable[str] = ()) -> HealthMap:
     """Read every server record of the model and the expert index from the DHT (two batched reads); with
     ``adapters``, the published adapters too; with ``auditors``, each server's latest check by one of them. With
     ``probe_with`` (a caller over ``dht``'s daemon, kept by its owner: closing one connection to a hivemind daemon
     ends the calls of every other), ask each online server whether it answers, as a client does: those that do not
-    are "unreachable" and not counted; with ``usage`` too, what each says it computed for its callers."""
+    are "unreachable" and not counted; with ``usage`` too, what each says it computed for its callers. With
+    ``coordinators`` (base64 keys), the domain streams of their signed records (``swarm.improve.stream_records``)."""
     from swarm.health.probe import usage_of
 
     servers = read_servers(dht, prefix, num_blocks)
@@ -242,6 +246,11 @@ def read_health_map(dht: DHT, prefix: str, num_blocks: int, adapters: bool = Fal
     health.adapters = read_adapters(dht, prefix) if adapters else []
     auditors = list(auditors)
     health.audits = read_audits(dht, prefix, auditors, health.adapters) if auditors else {}
+    coordinators = list(coordinators)
+    if coordinators:
+        from swarm.improve.stream_records import read_trusted_streams
+
+        health.streams = read_trusted_streams(dht, prefix, coordinators)
     if probe_with is not None:
         replies = probe_online(probe_with, health.servers)
         asked_at = time.time()

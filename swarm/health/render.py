@@ -61,6 +61,14 @@ def usage_lines(health: HealthMap) -> list[str]:
                          "PEER ID"), rows)
 
 
+def stream_lines(streams: Sequence[dict[str, Any]]) -> list[str]:
+    """The trusted coordinators' streams: weight, pool size, the audited curve, stalled, and what a reader flags."""
+    rows = [(s["stream"], s["task"], f"{s['weight']:g}", str(len(s["pool"])),
+             " ".join(f"{score:.2f}" for score in s["curve"][-6:]) or "-", "STALLED" if s["stalled"] else "live",
+             "; ".join(s["flags"]) or "-", s["coordinator"][:12]) for s in streams]
+    return format_table(("STREAM", "TASK", "WEIGHT", "POOL", "CURVE", "STATE", "FLAGS", "COORDINATOR"), rows)
+
+
 def state_cell(health: HealthMap, peer_id: str, state: str) -> str:
     """The announced state, or ``unreachable since 12:04:05 UTC`` for a server that did not answer the map's probe."""
     since = health.unreachable.get(peer_id)
@@ -97,6 +105,8 @@ def render_text(health: HealthMap) -> str:
                  ", ".join(f"{task} {s['correct']}/{s['examples']}" for task, s in a.get("audits", {}).items()) or "-",
                  str(len(a["hosts"])), a["sha256"][:16]) for a in health.adapters]
         lines += format_table(("ADAPTER", "BYTES", "CLAIMED", "AUDITED", "HOSTS", "SHA256"), rows)
+    if health.streams:
+        lines += [""] + stream_lines(health.streams)
     lines.append("")
     if health.fully_served:
         fewest = plural(min(health.replicas), "replica")

@@ -1,6 +1,8 @@
 """``python -m swarm.improve --task TASK --data SOURCE --name NAME --key KEY --workdir DIR --initial-peers ...``:
 the trainer role of the self-improving loop (swarm/improve/loop.py; docs/TRAINING.md, "The self-improving loop").
 ``python -m swarm.improve withdraw --name NAME --version N --key KEY`` withdraws a version (swarm/improve/withdraw.py).
+``python -m swarm.improve coordinate --key KEY --stream NAME:TASK:WEIGHT ...`` publishes the signed stream records
+(swarm/improve/coordinate.py).
 
 Torch and hivemind are imported after the arguments are parsed, so that ``--help`` and a mistyped flag answer at once.
 """
@@ -74,6 +76,12 @@ D = ImproveConfig  # the defaults
               help="Self-prompting (expert iteration): before each round after the first, propose this many new "
                    "problems of --task from the seed examples in --data (a folder), answer them with the adapter so "
                    "far, and add the answers the task's checker accepts to --data (0: off).")
+@click.option("--stream-coordinator", default=None,
+              help="Follow this stream coordinator's signed records (base64 public key or a file holding one): before "
+                   "each round, train the stream it assigns this node, among this trainer's own and --also-stream's.")
+@click.option("--also-stream", "also_streams", multiple=True,
+              help="With --stream-coordinator: another stream this trainer can be moved to, NAME:TASK:DATA "
+                   "(repeatable; its own workdir is WORKDIR/streams/NAME).")
 @click.option("--local-model", is_flag=True,
               help="Run the whole model here; the swarm then serves only the collaboration and the publishing.")
 @threads_option()
@@ -87,6 +95,8 @@ def main(key_path: str, initial_peers: tuple[str, ...], threads, log_level: str,
     config = ImproveConfig(key_path=key_path, initial_peers=peers, **options)
     try:
         config.validate()
+        if config.stream_coordinator is not None:
+            config.stream_coordinator = coordinator_key(config.stream_coordinator)
     except ValueError as error:
         raise click.UsageError(str(error)) from None
     from swarm.finetune.publish import author_key
@@ -112,7 +122,8 @@ def run(config: ImproveConfig, key) -> None:
     prefixes = {name: config.dht_prefix or default_prefix(files.path) for name, files in candidates.items()}
     identity = Identity.load_or_create(workdir / "identity.key")  # the same peer id after a restart
     dht = start_dht(NetworkConfig(config.initial_peers, use_default_peers=False), identity=identity,
-                    protect=[key for prefix in prefixes.values() for key in protected_keys(prefix)])
+                    protect=[key for prefix in prefixes.values() for key in protected_keys(
+                        prefix, coordinators=[config.stream_coordinator] if config.stream_coordinator else [])])
     lm = improver = host = None
     try:
         if config.model is None:
@@ -128,7 +139,14 @@ def run(config: ImproveConfig, key) -> None:
             lm = DistributedDiffusionLM.from_pretrained(config.model, initial_peers=config.initial_peers, dht=dht,
                                                         request_timeout=config.request_timeout, dht_prefix=prefix)
         host = VersionHost(dht, identity, prefix, files.config.hidden_size, config.host_lifetime)
-        improver = Improver(config, lm, dht, key, prefix, host)
+        if config.stream_coordinator is None:
+            improver = Improver(config, lm, dht, key, prefix, host)
+        else:
+            from swarm.improve.follow import Follower
+            from swarm.improve.stream_records import read_streams
+
+            improver = Follower(config, lambda settings: Improver(settings, lm, dht, key, prefix, host),
+                                lambda: read_streams(dht, prefix, config.stream_coordinator), str(dht.peer_id))
         improver.run()
     finally:
         try:
@@ -142,6 +160,16 @@ def run(config: ImproveConfig, key) -> None:
                 lm.shutdown()
         finally:
             stop_dht(dht)
+
+
+def coordinator_key(text: str) -> str:
+    """The one coordinator key (base64) of ``--stream-coordinator``; ValueError naming what is wrong."""
+    from swarm.reports.records import trusted_auditors
+
+    keys = trusted_auditors([text]) if text != "none" else []
+    if len(keys) != 1:
+        raise ValueError(f"--stream-coordinator {text[:80]!r}: one Ed25519 public key (base64) or a file holding one")
+    return keys[0]
 
 
 def model_of_swarm(dht, candidates: dict, prefixes: dict[str, str]) -> str:
@@ -169,5 +197,10 @@ if __name__ == "__main__":
 
         sys.argv.pop(1)
         run_main(withdraw_main)
+    elif sys.argv[1:2] == ["coordinate"]:  # python -m swarm.improve coordinate --key KEY --stream NAME:TASK:W ...
+        from swarm.improve.coordinate import coordinate_main
+
+        sys.argv.pop(1)
+        run_main(coordinate_main)
     else:
         run_main(main)

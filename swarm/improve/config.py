@@ -41,6 +41,8 @@ class ImproveConfig:
     host_lifetime: float = 3600.0  # seconds the announcement that this trainer serves its versions' files lives
     local_model: bool = False  # run the whole model here (the swarm then serves only the collaboration)
     self_prompt: int = 0  # problems proposed per round by self-prompting (0: off); --data is then the seeds' folder
+    stream_coordinator: Optional[str] = None  # follow this coordinator's stream records (base64 key or a file of one)
+    also_streams: tuple[str, ...] = ()  # NAME:TASK:DATA of the other streams this trainer can be moved to
 
     def validate(self) -> None:
         from swarm.train.config import TASK_NAMES
@@ -53,6 +55,11 @@ class ImproveConfig:
             raise ValueError("--round-steps and --held-out must be positive, --rounds at least 0")
         if self.self_prompt < 0:
             raise ValueError("--self-prompt must be at least 0")
+        if self.also_streams and not self.stream_coordinator:
+            raise ValueError("--also-stream: streams to be moved to by a coordinator; give --stream-coordinator")
+        from swarm.improve.follow import offers_of
+
+        offers_of(self)  # ValueError for a malformed --also-stream
         if self.self_prompt and not Path(self.data).is_dir():
             raise ValueError(f"--self-prompt writes the accepted answers into --data: {self.data} must be a folder "
                              "(holding the seed examples)")

@@ -254,10 +254,10 @@ class Improver:
             results.append(result)
         return results
 
-    def close(self) -> None:
+    def close(self, close_host: bool = True) -> None:
         if self.finetuner is not None:
             self.finetuner.close()
-        if self.host is not None:
+        if self.host is not None and close_host:
             self.host.close()
 
 

@@ -6,7 +6,7 @@ trivial stream runs on a single node), and a stream whose audited curve has not 
 stalled and gives its nodes back. Assignments move as few nodes as they can (a node stays in its stream while that
 stream's pool still has room), and a stream's claim to nodes is checked against the work they did for it.
 
-Plain data and arithmetic: no torch, no network; the records that carry streams over the DHT are not built yet.
+Plain data and arithmetic: no torch, no network; ``swarm.improve.stream_records`` carries streams over the DHT.
 """
 from __future__ import annotations
 

@@ -262,14 +262,7 @@ class AuditReport:
     def from_payload(cls, payload: Any, auditor: str, prefix: str, now: Optional[float] = None) -> "AuditReport":
         """Parse a verified payload for ``prefix``; ValueError for anything malformed, oversized, from the future or
         for another model (its auditor may still be careless or hostile)."""
-        if not isinstance(payload, bytes) or len(payload) > MAX_REPORT_BYTES:
-            raise ValueError(f"a report payload is at most {MAX_REPORT_BYTES} bytes")
-        try:
-            body = MSGPackSerializer.loads(payload)
-        except Exception as error:  # msgpack raises many types on junk
-            raise ValueError(f"not msgpack: {type(error).__name__}") from None
-        if not isinstance(body, dict) or len(body) > MAX_REPORT_KEYS or body.get("record_version") != RECORD_VERSION:
-            raise ValueError("unknown audit report version")
+        body = fields.record_body(payload, MAX_REPORT_BYTES, RECORD_VERSION, MAX_REPORT_KEYS, "an audit report")
         claimed = fields.text(body.get("prefix"), MAX_PREFIX_CHARS)
         if claimed != prefix:
             raise ValueError(f"a report for prefix {claimed[:80]!r}, not {prefix[:80]!r}")

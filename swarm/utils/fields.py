@@ -14,6 +14,22 @@ MAX_SAFE_INT = 2**53  # what every JSON reader keeps exactly
 Scalar = str | int | float | bool | None
 
 
+def record_body(payload: Any, max_bytes: int, version: int, max_keys: int, what: str) -> dict:
+    """The map a signed msgpack record holds: ``payload`` at most ``max_bytes``, decoding to a map of at most
+    ``max_keys`` fields whose ``record_version`` is ``version``; ValueError naming ``what`` otherwise."""
+    from hivemind.utils import MSGPackSerializer  # hivemind's msgpack settings, as the writers use
+
+    if not isinstance(payload, bytes) or len(payload) > max_bytes:
+        raise ValueError(f"{what} is at most {max_bytes} bytes")
+    try:
+        body = MSGPackSerializer.loads(payload)
+    except Exception as error:  # msgpack raises many types on junk
+        raise ValueError(f"not msgpack: {type(error).__name__}") from None
+    if not isinstance(body, dict) or len(body) > max_keys or body.get("record_version") != version:
+        raise ValueError(f"{what} of an unknown format or version")
+    return body
+
+
 def integer(raw: Any, low: int = 0, high: int = MAX_SAFE_INT) -> int:
     """An int (not a bool, not a float) within [low, high]."""
     if not isinstance(raw, int) or isinstance(raw, bool) or not low <= raw <= high:

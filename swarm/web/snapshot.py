@@ -161,6 +161,15 @@ def governance_view(enabled: bool, decision: Any = None, error: Optional[str] = 
     return view
 
 
+def stream_view(stream: dict[str, Any]) -> dict[str, Any]:
+    """A trusted coordinator's stream (``StreamRecord.views``: parsed and bounded already): weight, pool, curve,
+    stalled, and what the reader flags."""
+    return {"stream": text(stream["stream"], 64), "task": text(stream["task"], 32), "weight": number(stream["weight"]),
+            "pool": [text(node, 64) for node in stream["pool"]], "curve": [number(s) for s in stream["curve"]],
+            "stalled": bool(stream["stalled"]), "flags": [text(flag) for flag in stream["flags"]],
+            "coordinator": text(stream["coordinator"], 64)}
+
+
 def map_snapshot(health: HealthMap, probes: dict[str, Probe], client: ClientView, governance: dict[str, Any],
                  source: str, playground: bool, auditors: Iterable[str] = ()) -> dict[str, Any]:
     """The document ``/map.json`` answers: everything the map page draws, JSON-safe. ``auditors``: the keys whose
@@ -176,6 +185,7 @@ def map_snapshot(health: HealthMap, probes: dict[str, Probe], client: ClientView
         "experts": [expert_view(domain, found) for domain, found in domains],
         "governance": governance, "auditors": sorted(auditors),
         "adapters": [adapter_view(adapter) for adapter in health.adapters[:MAX_ADAPTERS]],
+        "streams": [stream_view(stream) for stream in health.streams[:MAX_ITEMS]],
     }
 
 
@@ -183,4 +193,4 @@ def local_snapshot(model: str) -> dict[str, Any]:
     """``/map.json`` of an API that runs the whole model in its own process: there is no swarm to draw."""
     return {"mode": "local", "source": "api", "playground": True, "generated_at": time.time(), "model": model,
             "num_blocks": 0, "fully_served": True, "uncovered": [], "replicas": [], "servers": [], "route": [],
-            "experts": [], "governance": governance_view(False), "auditors": [], "adapters": []}
+            "experts": [], "governance": governance_view(False), "auditors": [], "adapters": [], "streams": []}

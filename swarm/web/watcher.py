@@ -53,6 +53,7 @@ class SwarmAccess:
     client: Callable[[], ClientView] = ClientView  # what a client knows of the servers; empty without one
     close: Callable[[], None] = lambda: None
     audits: Optional[AuditBook] = None  # the trusted auditors' reports (None or empty: the page trusts none)
+    coordinators: tuple[str, ...] = ()  # the stream coordinators whose records the page shows (base64 keys)
 
 
 def client_access(lm: Any) -> SwarmAccess:
@@ -69,11 +70,12 @@ def client_access(lm: Any) -> SwarmAccess:
                        audits=planner.audits)  # the reports of ClientConfig.trusted_auditors
 
 
-def own_access(network: NetworkConfig, prefix: str, num_blocks: int, auditors: Iterable[str] = ()) -> SwarmAccess:
+def own_access(network: NetworkConfig, prefix: str, num_blocks: int, auditors: Iterable[str] = (),
+               coordinators: Iterable[str] = ()) -> SwarmAccess:
     """Start a DHT peer for the page alone; governance keys come from ``$SWARM_GOVERNANCE_KEYS``, the trusted
-    auditors (base64 keys, ``swarm.reports.records.trusted_auditors``) from the caller."""
-    auditors = tuple(auditors)
-    dht = start_dht(network, protect=protected_keys(prefix, num_blocks, auditors=auditors))
+    auditors and stream coordinators (base64 keys, ``swarm.reports.records.trusted_auditors``) from the caller."""
+    auditors, coordinators = tuple(auditors), tuple(coordinators)
+    dht = start_dht(network, protect=protected_keys(prefix, num_blocks, auditors=auditors, coordinators=coordinators))
     loop = BackgroundLoop.shared()
     try:
         p2p = loop.run(dht.replicate_p2p())
@@ -88,7 +90,7 @@ def own_access(network: NetworkConfig, prefix: str, num_blocks: int, auditors: I
             stop_dht(dht)
 
     return SwarmAccess(dht, prefix, num_blocks, RemoteCaller(p2p), loop, GovernanceGuard(dht, prefix), close=close,
-                       audits=AuditBook(prefix, frozenset(auditors)) if auditors else None)
+                       audits=AuditBook(prefix, frozenset(auditors)) if auditors else None, coordinators=coordinators)
 
 
 def in_flight_of(info: Any) -> Optional[int]:
@@ -157,7 +159,8 @@ class SwarmWatcher:
 
     def _read(self) -> dict[str, Any]:
         access, started = self.access, time.perf_counter()
-        health = read_health_map(access.dht, access.prefix, access.num_blocks)  # probed below, by its own caller
+        health = read_health_map(access.dht, access.prefix, access.num_blocks,  # probed below, by its own caller
+                                 coordinators=access.coordinators)
         health.adapters = self._published_adapters()
         book = access.audits if access.audits is not None and access.audits.enabled else None
         if book is not None:

@@ -228,6 +228,33 @@ function drawAdapters(adapters) {
   document.querySelector("#adapters tbody").replaceChildren(...rows);
 }
 
+/** A stream's audited curve, round by round, as a small line (scores 0-1). */
+function streamCurve(curve) {
+  if (!curve.length) return "—";
+  const width = 140, height = 40, pad = 4;
+  const x = (i) => pad + (curve.length === 1 ? 0 : i * (width - 2 * pad) / (curve.length - 1));
+  const y = (score) => height - pad - Math.max(0, Math.min(1, score)) * (height - 2 * pad);
+  const points = curve.map((score, i) => `${x(i)},${y(score)}`).join(" ");
+  const title = curve.map((score, i) => `round ${i + 1}: ${num(100 * score)}%`).join("; ");
+  return el("span", { className: "version-curve", title },
+    svg("svg", { width, height, viewBox: `0 0 ${width} ${height}`, role: "img", "aria-label": title },
+      svg("polyline", { points, fill: "none", stroke: "currentColor", "stroke-width": 2 })),
+    ` ${num(100 * curve[curve.length - 1])}%`);
+}
+
+function drawStreams(streams) {
+  const rows = streams.map((stream) => el("tr", {},
+    cell("Stream", stream.stream),
+    cell("Task", stream.task),
+    cell("Weight", num(stream.weight, 2)),
+    cell("Pool", el("span", { title: stream.pool.join(", ") }, plural(stream.pool.length, "node"))),
+    cell("Audited curve", streamCurve(stream.curve)),
+    cell("State", stream.stalled ? "stalled: its nodes go back" : "live"),
+    cell("Flags", stream.flags.length ? stream.flags.join("; ") : "—")));
+  if (!rows.length) rows.push(el("tr", {}, el("td", { colspan: 7 }, "No trusted coordinator publishes streams.")));
+  document.querySelector("#streams tbody").replaceChildren(...rows);
+}
+
 function drawExperts(experts) {
   if (!experts.length) {
     fill("experts", el("p", { className: "muted" }, "No expert announced."));
@@ -261,6 +288,7 @@ function redraw(data) {
   drawServers(data.servers, data.auditors.length > 0);
   drawAuditors(data.auditors);
   drawAdapters(data.adapters);
+  drawStreams(data.streams || []);
   drawExperts(data.experts);
   const route = data.route.length ? ` Route of this client: ${data.route.join(" → ")}.` : "";
   fill("updated", `Updated ${readableTime(data.generated_at)}, every ${PERIOD_S} s.${route}`);

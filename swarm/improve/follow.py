@@ -1,0 +1,117 @@
+"""Trainers that follow a stream coordinator (issue 57, docs/TRAINING.md "Stream records").
+
+A trainer started with ``--stream-coordinator KEY`` offers its own stream (``--name``, ``--task``, ``--data``) and
+the others it can train (``--also-stream NAME:TASK:DATA``). Before every round it reads that coordinator's signed
+record (``swarm.improve.stream_records``: only that key's) and trains the stream the record assigns its node (its
+peer id) when it offers it; otherwise (no record, its node in no pool, a stream it does not offer) it keeps the one
+it trains. Each stream has its own improver, workdir (``WORKDIR/streams/NAME``; the trainer's own stream keeps
+``WORKDIR``) and, when the trainer collaborates (``--run-id``), the stream's name as run id, so that the nodes of one
+pool train together; the versions of every stream are served by the trainer's one host, which is how the coordinator
+sees what each node works for.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
+
+from swarm.improve.config import ImproveConfig
+
+if TYPE_CHECKING:
+    from swarm.improve.loop import Improver, RoundResult
+    from swarm.improve.stream_records import StreamRecord
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StreamOffer:
+    """A stream a trainer can train: its adapter name, task and data source."""
+
+    name: str
+    task: str
+    data: str
+
+    @classmethod
+    def parse(cls, text: str) -> "StreamOffer":
+        """``NAME:TASK:DATA`` (DATA may hold ':', as ``datasets:NAME:SPLIT``); ValueError saying what is wrong."""
+        from swarm.improve.stream_records import NAME
+        from swarm.train.config import TASK_NAMES
+
+        parts = text.split(":", 2)
+        if len(parts) != 3 or not NAME.fullmatch(parts[0]) or not parts[2]:
+            raise ValueError(f"--also-stream {text[:80]!r}: NAME:TASK:DATA, e.g. hosts:host-blocks:seeds-hb/")
+        if parts[1] not in TASK_NAMES:
+            raise ValueError(f"--also-stream {text[:80]!r}: the task is one of {', '.join(TASK_NAMES)}")
+        return cls(*parts)
+
+
+def offers_of(config: ImproveConfig) -> list[StreamOffer]:
+    """The trainer's own stream, then its ``--also-stream`` ones; ValueError for a malformed one or a name twice."""
+    offers = [StreamOffer(config.name, config.task, config.data)] + [StreamOffer.parse(t) for t in config.also_streams]
+    if len({offer.name for offer in offers}) != len(offers):
+        raise ValueError("--also-stream: each stream name once (the trainer's own --name included)")
+    return offers
+
+
+def stream_config(base: ImproveConfig, offer: StreamOffer) -> ImproveConfig:
+    """The trainer's settings for one stream (see the module doc)."""
+    if offer.name == base.name:
+        return base
+    return dataclasses.replace(base, name=offer.name, task=offer.task, data=offer.data,
+                               workdir=str(Path(base.workdir) / "streams" / offer.name),
+                               run_id=offer.name if base.run_id else None, stream_coordinator=None, also_streams=())
+
+
+def stream_for(record: Optional[StreamRecord], peer_id: str, offered: Sequence[str], current: str) -> str:
+    """The stream this node trains next: the record's assignment of it when it offers that stream, else ``current``."""
+    assigned = record.assignment().get(peer_id) if record is not None else None
+    return assigned if assigned in offered else current
+
+
+class Follower:
+    """Round after round, the improver of the stream the coordinator assigns this node (see the module doc)."""
+
+    def __init__(self, config: ImproveConfig, make: Callable[[ImproveConfig], Improver],
+                 read: Callable[[], Optional[StreamRecord]], peer_id: str):
+        self.config, self.make, self.read, self.peer_id = config, make, read, peer_id
+        self.offers = {offer.name: offer for offer in offers_of(config)}
+        self.improvers: dict[str, Improver] = {}
+        self.current = config.name
+
+    def improver(self, name: str) -> Improver:
+        if name not in self.improvers:
+            self.improvers[name] = self.make(stream_config(self.config, self.offers[name]))
+        return self.improvers[name]
+
+    def step(self) -> Optional[RoundResult]:
+        """Read the record, move if it says so, run one round of the stream (None: nothing to train on yet)."""
+        try:
+            record = self.read()
+        except Exception as error:  # an unreadable DHT keeps the stream trained now
+            logger.warning("could not read the stream coordinator's record: %r", error)
+            record = None
+        chosen = stream_for(record, self.peer_id, list(self.offers), self.current)
+        if chosen != self.current:
+            logger.info("moving from stream %s to %s: the coordinator's record %d assigns this node there",
+                        self.current, chosen, record.sequence)
+            self.current = chosen
+        return self.improver(chosen).run_round()
+
+    def run(self) -> list[tuple[str, RoundResult]]:
+        """``rounds`` rounds in all (0: until interrupted): (stream, result) of each."""
+        results = []
+        while not self.config.rounds or len(results) < self.config.rounds:
+            result = self.step()
+            if result is None:
+                time.sleep(self.config.poll)
+                continue
+            results.append((self.current, result))
+        return results
+
+    def close(self) -> None:
+        for improver in self.improvers.values():
+            improver.close(close_host=False)  # one host serves every stream's versions: its owner closes it

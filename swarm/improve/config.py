@@ -57,9 +57,37 @@ class ImproveConfig:
             raise ValueError("--self-prompt must be at least 0")
         if self.also_streams and not self.stream_coordinator:
             raise ValueError("--also-stream: streams to be moved to by a coordinator; give --stream-coordinator")
-        from swarm.improve.follow import offers_of
-
         offers_of(self)  # ValueError for a malformed --also-stream
         if self.self_prompt and not Path(self.data).is_dir():
             raise ValueError(f"--self-prompt writes the accepted answers into --data: {self.data} must be a folder "
                              "(holding the seed examples)")
+
+
+@dataclass(frozen=True)
+class StreamOffer:
+    """A stream a trainer can train: its adapter name, task and data source."""
+
+    name: str
+    task: str
+    data: str
+
+    @classmethod
+    def parse(cls, text: str) -> "StreamOffer":
+        """``NAME:TASK:DATA`` (DATA may hold ':', as ``datasets:NAME:SPLIT``); ValueError saying what is wrong."""
+        from swarm.improve.stream_records import NAME
+        from swarm.train.config import TASK_NAMES
+
+        parts = text.split(":", 2)
+        if len(parts) != 3 or not NAME.fullmatch(parts[0]) or not parts[2]:
+            raise ValueError(f"--also-stream {text[:80]!r}: NAME:TASK:DATA, e.g. hosts:host-blocks:seeds-hb/")
+        if parts[1] not in TASK_NAMES:
+            raise ValueError(f"--also-stream {text[:80]!r}: the task is one of {', '.join(TASK_NAMES)}")
+        return cls(*parts)
+
+
+def offers_of(config: ImproveConfig) -> list[StreamOffer]:
+    """The trainer's own stream, then its ``--also-stream`` ones; ValueError for a malformed one or a name twice."""
+    offers = [StreamOffer(config.name, config.task, config.data)] + [StreamOffer.parse(t) for t in config.also_streams]
+    if len({offer.name for offer in offers}) != len(offers):
+        raise ValueError("--also-stream: each stream name once (the trainer's own --name included)")
+    return offers

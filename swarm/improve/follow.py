@@ -14,47 +14,16 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
-from swarm.improve.config import ImproveConfig
+from swarm.improve.config import ImproveConfig, StreamOffer, offers_of  # noqa: F401  (offers: their home)
 
 if TYPE_CHECKING:
     from swarm.improve.loop import Improver, RoundResult
     from swarm.improve.stream_records import StreamRecord
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class StreamOffer:
-    """A stream a trainer can train: its adapter name, task and data source."""
-
-    name: str
-    task: str
-    data: str
-
-    @classmethod
-    def parse(cls, text: str) -> "StreamOffer":
-        """``NAME:TASK:DATA`` (DATA may hold ':', as ``datasets:NAME:SPLIT``); ValueError saying what is wrong."""
-        from swarm.improve.stream_records import NAME
-        from swarm.train.config import TASK_NAMES
-
-        parts = text.split(":", 2)
-        if len(parts) != 3 or not NAME.fullmatch(parts[0]) or not parts[2]:
-            raise ValueError(f"--also-stream {text[:80]!r}: NAME:TASK:DATA, e.g. hosts:host-blocks:seeds-hb/")
-        if parts[1] not in TASK_NAMES:
-            raise ValueError(f"--also-stream {text[:80]!r}: the task is one of {', '.join(TASK_NAMES)}")
-        return cls(*parts)
-
-
-def offers_of(config: ImproveConfig) -> list[StreamOffer]:
-    """The trainer's own stream, then its ``--also-stream`` ones; ValueError for a malformed one or a name twice."""
-    offers = [StreamOffer(config.name, config.task, config.data)] + [StreamOffer.parse(t) for t in config.also_streams]
-    if len({offer.name for offer in offers}) != len(offers):
-        raise ValueError("--also-stream: each stream name once (the trainer's own --name included)")
-    return offers
 
 
 def stream_config(base: ImproveConfig, offer: StreamOffer) -> ImproveConfig:

@@ -297,17 +297,19 @@ def fresh_prefix(label: str) -> str:
 
 
 def stranger_slots(dht, key: str, payload: bytes, count: int) -> int:
-    """How many slots of fresh keys (each value naming ``key``) the swarm took under ``key``: fresh keys are tried
-    until ``count`` were taken or ``2 * count`` were tried (on a loaded machine a store can time out, and a flood
-    left short of its bound is no attack)."""
+    """How many stores of fresh keys' slots (each value naming ``key``) the swarm took under ``key``: fresh keys are
+    tried until ``count`` were taken and one more was refused by every storing peer, at most ``3 * count`` tries.
+    The bound is per storing peer, and a store that any of them took counts as taken: on a loaded machine one can
+    miss a peer, whose hole a later slot then fills (a flood left short of the bound anywhere is no attack)."""
     expiration = now() + 3600
     taken = 0
-    for _ in range(2 * count):
-        if taken == count:
-            break
+    for _ in range(3 * count):
         fresh = Ed25519PrivateKey.generate()
-        taken += bool(dht.store(key, signed_value(fresh, key, payload, expiration), expiration_time=expiration,
+        stored = bool(dht.store(key, signed_value(fresh, key, payload, expiration), expiration_time=expiration,
                                 subkey=slot_subkey(fresh)))  # with the work stamp the shared keys ask
+        if not stored and taken >= count:
+            break
+        taken += stored
     return taken
 
 
@@ -322,7 +324,7 @@ def test_fresh_keys_filling_the_shared_index_and_name_keys_do_not_hide_a_version
     dht, _ = peer
     prefix, key, name = fresh_prefix("crowded"), Ed25519PrivateKey.generate(), "crowded"
     listing = MSGPackSerializer.dumps([f"squat-{i}" for i in range(64)])
-    assert stranger_slots(dht, index_key(prefix), listing, 32) == 32, "the flood did not fill the shared index"
+    assert stranger_slots(dht, index_key(prefix), listing, 32) >= 32, "the flood did not fill the shared index"
     stranger_slots(dht, name_key(prefix, name), b"squat", 24)
     stranger_slots(dht, versions_key(prefix, name), b"squat", 32)
     record, version = served_version(dht, key, prefix, host, local_lm, tmp_path / "v1", name, 21)

@@ -118,7 +118,8 @@ class DistributedDiffusionLM(BaseDiffusionLM):
                                    adapter_by_digest=config.adapter_by_digest,
                                    stamper=stamper_for(str(self.p2p.peer_id), self.config, config.work_price))
         self.planner = RoutePlanner(self.dht, self.caller, self.loop, self.prefix, self.config.num_layers,
-                                    self.config.hidden_size, config, self.config.vocab_size)
+                                    self.config.hidden_size, config, self.config.vocab_size,
+                                    self.config.mask_token_id)
         self.planner.audits = AuditBook(self.prefix, frozenset(auditors))
         self.sequence = RemoteSequence(self.planner)
         self.receipts = ReceiptBook(config.audit_share)  # every answer's receipt, and a sample for auditors

@@ -42,6 +42,10 @@ logger = logging.getLogger(__name__)
 # Rows of a compute challenge, drawn uniformly: the lengths of real requests (a prompt and 16-128 generated
 # tokens), capped by the model's positions.
 CHALLENGE_ROWS = (16, 192)
+# A challenge is a prompt of at most this many random tokens, then masked positions, as a generation's first call is.
+# Random tokens in every row read one embedding row each from a mapped checkpoint: at LLaDA-8B's widths 192 of them
+# mapped 315 MB of its pages into the client (each fault maps its neighbours too), which a bound of 16 keeps to ~26.
+CHALLENGE_PROMPT_TOKENS = 16
 CHALLENGE_STEPS = 64  # a challenge carries a step drawn below this, like a generation's call
 
 
@@ -58,10 +62,11 @@ class RoutePlanner:
     """
 
     def __init__(self, dht: DHT, caller: RemoteCaller, loop: BackgroundLoop, prefix: str, num_blocks: int,
-                 hidden_size: int, config: ClientConfig, vocab_size: int = 0):
+                 hidden_size: int, config: ClientConfig, vocab_size: int = 0, mask_token_id: Optional[int] = None):
         self.dht, self.caller, self.loop = dht, caller, loop
         self.prefix, self.num_blocks, self.hidden_size, self.config = prefix, num_blocks, hidden_size, config
         self.vocab_size = vocab_size  # challenges embed random token ids below it
+        self.mask_token_id = mask_token_id  # and then this one (None: random ids in every row)
         self.health = PeerHealth(config)
         self.servers: dict[str, ServerRecord] = {}
         self.route: list[RouteHop] = []
@@ -210,13 +215,16 @@ class RoutePlanner:
 
     def challenge_request(self, start: int, end: int) -> ForwardRequest:
         """A forward call through blocks ``start:end`` that a server cannot tell from a real uncached pass: a length
-        drawn like real requests', the embeddings of random tokens, a step drawn like a generation's and a fresh
-        session (only a client's later calls could tell it apart, and it has none)."""
+        drawn like real requests', the embeddings of a random prompt then masked positions (as a generation's first
+        call), a step drawn like a generation's and a fresh session (only a client's later calls could tell it
+        apart, and it has none)."""
         rng = self._challenge_rng
         low, high = CHALLENGE_ROWS
         length = rng.randint(min(low, self.max_positions), min(high, self.max_positions))
         if self.embed is not None and self.vocab_size > 0:
-            ids = torch.tensor([[rng.randrange(self.vocab_size) for _ in range(length)]])
+            prompt = length if self.mask_token_id is None else rng.randint(1, min(CHALLENGE_PROMPT_TOKENS, length))
+            ids = torch.tensor([[rng.randrange(self.vocab_size) for _ in range(prompt)]
+                                + [self.mask_token_id] * (length - prompt)])
             with torch.no_grad():
                 hidden = self.embed(ids)
         else:

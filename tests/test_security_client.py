@@ -269,6 +269,7 @@ def test_an_unresolved_check_with_no_other_route_stops_with_both_servers_named(l
 def test_restricted_requests_stop_on_an_unresolved_check(local_swarm, two_holders):
     path, faulty, honest = two_holders
     with swarm_client(local_swarm, path, trusted_peers=(faulty.peer_id, honest.peer_id)) as lm:
+        wait_seen(lm, [faulty, honest])
         assert lm.show_route()[0].peer_id == faulty.peer_id
         with pytest.raises(UnverifiedResultError, match="unresolved"):
             lm.generate("audit", tier="restricted", **SETTINGS)
@@ -289,6 +290,7 @@ def test_reuse_passes_are_checked_and_a_reuse_liar_is_caught(local_swarm, reuse_
     path, liar = reuse_liar
     expected = DiffusionLM.from_pretrained(path).generate("reuse", **CACHED)
     with swarm_client(local_swarm, path, spot_check_fraction=1.0) as lm:
+        wait_seen(lm, [liar])
         assert lm.show_route()[0].peer_id == liar.peer_id
         result = lm.generate("reuse", **CACHED)
         checks = [c for c in result.info["spot_checks"] if c["primary"] == liar.peer_id]
@@ -310,6 +312,7 @@ def test_a_liar_acting_only_as_checker_cannot_take_the_honest_servers_place(loca
     path, (honest, liar, *split) = checker_liar
     expected = DiffusionLM.from_pretrained(path).generate("audit", **SETTINGS)
     with swarm_client(local_swarm, path, spot_check_fraction=1.0) as lm:
+        wait_seen(lm, [honest, liar])
         assert lm.show_route()[0].peer_id == honest.peer_id
         result = lm.generate("audit", **SETTINGS)
         first = result.info["spot_checks"][0]

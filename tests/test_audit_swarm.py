@@ -33,7 +33,7 @@ from swarm.health.__main__ import main as health_main
 from swarm.models.loading import ModelFiles
 from swarm.reports.records import FAIL, PASS, AdapterAudit, AuditReport, ServerAudit, publish_report, read_report
 from swarm.testing.adapters import random_soft_prompt
-from tests.conftest import make_checkpoint, stop_all, swarm_client, tiny_config, wait_all
+from tests.conftest import make_checkpoint, stop_all, swarm_client, tiny_config, wait_all, wait_seen
 from tests.test_formats import dream_path, llada_path  # noqa: F401  (module fixtures: small bfloat16 checkpoints)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -88,6 +88,7 @@ def test_a_client_trusting_the_auditor_routes_around_the_liar_and_one_trusting_n
     path, honest, liar, key, _, _, _ = audited
     expected = DiffusionLM.from_pretrained(path).generate("audit", **SETTINGS)
     with swarm_client(local_swarm, path, dht=swarm_peer, trusted_auditors=("none",)) as lm:
+        wait_seen(lm, [liar])
         assert lm.show_route()[0].peer_id == liar.peer_id, "without trusted auditors the liar is the first choice"
     with swarm_client(local_swarm, path, dht=swarm_peer, trusted_auditors=(public_key_text(key),)) as lm:
         assert [hop.peer_id for hop in lm.show_route()] == [honest.peer_id]

@@ -350,6 +350,7 @@ def test_a_lying_head_server_is_caught_by_spot_checks(local_swarm, tiny_model_pa
             local_swarm.wait_ready(server)
         with DistributedDiffusionLM.from_pretrained(tiny_model_path, initial_peers=local_swarm.initial_peers,
                                                     dht_prefix=prefix, spot_check_fraction=1.0) as lm:
+            wait_seen(lm, [liar])
             assert lm.show_route()[0].peer_id == liar.peer_id, "the liar should be the first choice"
             result = lm.generate(PROMPT, **settings)
             assert result.token_ids == local_lm.generate(PROMPT, **settings).token_ids

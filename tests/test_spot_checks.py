@@ -7,7 +7,7 @@ import pytest
 
 from swarm.client import DistributedDiffusionLM
 from swarm.frontend.local import DiffusionLM
-from tests.conftest import make_checkpoint, stop_all, tiny_config
+from tests.conftest import make_checkpoint, stop_all, tiny_config, wait_seen
 
 FAULTY = (str(Path(__file__).with_name("faulty_server.py")),)
 MISAPPLYING = (str(Path(__file__).with_name("misapplying_server.py")),)
@@ -35,6 +35,7 @@ def test_faulty_server_is_caught_banned_and_tokens_stay_honest(local_swarm, audi
     expected = DiffusionLM.from_pretrained(path).generate("audit", **SETTINGS)
     with DistributedDiffusionLM.from_pretrained(path, initial_peers=local_swarm.initial_peers,
                                                 spot_check_fraction=1.0) as lm:
+        wait_seen(lm, [faulty])
         assert lm.show_route()[0].peer_id == faulty.peer_id, "the faulty server should be the first choice"
         result = lm.generate("audit", **SETTINGS)
         assert result.token_ids == expected.token_ids
@@ -51,6 +52,7 @@ def test_without_spot_checks_the_faulty_server_changes_the_answer(local_swarm, a
     with DistributedDiffusionLM.from_pretrained(path, initial_peers=local_swarm.initial_peers,
                                                 spot_check_fraction=0) as lm:
         ids = __import__("torch").randint(0, 256, (1, 12))
+        wait_seen(lm, [faulty])
         assert lm.show_route()[0].peer_id == faulty.peer_id
         difference = (lm.logits(ids) - local.logits(ids)).abs().max()
         assert difference > 1e-2
@@ -74,6 +76,7 @@ def test_a_server_that_lists_bottlenecks_and_misapplies_them_is_caught(local_swa
             local_swarm.wait_ready(server)
         with DistributedDiffusionLM.from_pretrained(path, initial_peers=local_swarm.initial_peers,
                                                     spot_check_fraction=0) as lm:  # checks off: the danger
+            wait_seen(lm, [liar])
             assert lm.show_route()[0].peer_id == liar.peer_id, "the liar should be the first choice"
             assert lm.generate("audit", **SETTINGS).token_ids == local.generate("audit", **SETTINGS).token_ids
             unchecked = lm.generate("audit", adapter=adapter, **SETTINGS).token_ids

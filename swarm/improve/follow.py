@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
-from swarm.improve.config import ImproveConfig, StreamOffer, offers_of  # noqa: F401  (offers: their home)
+from swarm.improve.config import ImproveConfig, StreamOffer, offers_of
 
 if TYPE_CHECKING:
     from swarm.improve.loop import Improver, RoundResult

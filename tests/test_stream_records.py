@@ -291,8 +291,7 @@ def test_a_coordinator_writes_no_record_a_reader_would_refuse():
 
 # ----- trainers that follow the coordinator ---------------------------------------------------------------------------
 def test_a_trainer_moves_to_the_stream_its_node_is_assigned_and_only_to_one_it_offers(tmp_path):
-    from swarm.improve.config import ImproveConfig
-    from swarm.improve.config import StreamOffer, offers_of
+    from swarm.improve.config import ImproveConfig, StreamOffer, offers_of
     from swarm.improve.follow import Follower, stream_config, stream_for
 
     config = ImproveConfig("tagged-addition", "seeds-t", "tagged", "k", str(tmp_path), run_id="r",

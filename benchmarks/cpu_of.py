@@ -8,6 +8,12 @@ process (libp2p daemons, ``python -m MODULE`` by module, scripts by name; a fork
 command, as a server's DHT process does): the last half second of each process is missed, so the kinds' sum is a
 little under the total.
 
+``--by-file`` charges every process's CPU, sampled the same way, to the test file that its pytest process (an xdist
+worker, or pytest itself) was running when it was spent: the tests' plugin (``tests/tier_costs.py``) writes each
+worker's running test to a folder this sets in ``CPU_OF_RUNNING``. A server a module fixture started counts for that
+file; the session's shared swarm counts for the files running while it spends. It prints the files by CPU seconds,
+with the libp2p daemons and the python processes each started.
+
 ``/usr/bin/time`` counts only the children a process waited for: when a test SIGKILLs a server, the server's DHT
 process and p2pd daemons are orphaned and reaped by init, and their CPU is lost to the figure. Here this process is a
 child subreaper (Linux): orphans below it are handed to it, it reaps them, and their CPU is counted. After the command
@@ -21,8 +27,11 @@ import os
 import resource
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from pathlib import Path
+from typing import Optional
 
 PR_SET_CHILD_SUBREAPER = 36
 
@@ -73,13 +82,70 @@ class KindSampler(threading.Thread):
         return "\n".join([*lines, f"{sum(cpu.values()):8.1f} CPU s sampled"])
 
 
+class FileSampler(KindSampler):
+    """Every process under this one, its CPU charged to the test file its pytest process runs (``--by-file``)."""
+
+    def __init__(self, running: str, every: float = 0.5):
+        super().__init__(every)
+        self.running = Path(running)
+        self.owner: dict[int, int] = {}  # pid -> the pid of the pytest process it belongs to (kept after orphaning)
+        self.spent: dict[tuple[int, float], float] = {}
+        self.cpu: collections.Counter = collections.Counter()
+        self.tests: collections.Counter = collections.Counter()
+        self.started: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+
+    def owner_of(self, process) -> Optional[int]:
+        if process.pid not in self.owner:
+            for candidate in [process, *process.parents()]:
+                if (self.running / str(candidate.pid)).exists() or candidate.pid in self.owner:
+                    self.owner[process.pid] = self.owner.get(candidate.pid, candidate.pid)
+                    break
+        return self.owner.get(process.pid)
+
+    def run(self) -> None:
+        import psutil
+
+        me = psutil.Process()
+        while not self.done.is_set():
+            for process in me.children(recursive=True):
+                try:
+                    key, times = (process.pid, process.create_time()), process.cpu_times()
+                    owner = self.owner_of(process)
+                    if owner is None:
+                        continue
+                    test = (self.running / str(owner)).read_text()
+                    where = test.split("::")[0] or "?"
+                    now = times.user + times.system
+                    if key not in self.spent and owner != process.pid:
+                        kind = kind_of(process.cmdline())
+                        self.started[where]["p2pd" if "p2pd" in kind else "python"] += 1
+                    self.cpu[where] += now - self.spent.get(key, 0.0)
+                    self.tests[test] += now - self.spent.get(key, 0.0)
+                    self.spent[key] = now
+                except (psutil.Error, OSError):
+                    pass
+            self.done.wait(self.every)
+
+    def report(self) -> str:
+        lines = [f"{seconds:8.1f} CPU s  {self.started[where]['p2pd']:4d} p2pd  {self.started[where]['python']:4d} "
+                 f"python  {where}" for where, seconds in self.cpu.most_common()]
+        tests = [f"{seconds:8.1f} CPU s  {test}" for test, seconds in self.tests.most_common(40)]
+        return "\n".join([*lines, f"{sum(self.cpu.values()):8.1f} CPU s sampled", "the costliest tests (their module's "
+                          "fixtures count for the test that set them up or tore them down):", *tests])
+
+
 def main() -> int:
-    by_kind = len(sys.argv) > 1 and sys.argv[1] == "--by-kind"
-    if by_kind:
+    mode = sys.argv[1] if len(sys.argv) > 1 and sys.argv[1] in ("--by-kind", "--by-file") else None
+    if mode:
         del sys.argv[1]
     if len(sys.argv) < 2:
         sys.exit(__doc__)
-    sampler = KindSampler() if by_kind else None
+    sampler: Optional[KindSampler] = None
+    if mode == "--by-kind":
+        sampler = KindSampler()
+    elif mode == "--by-file":
+        os.environ["CPU_OF_RUNNING"] = tempfile.mkdtemp(prefix="cpu-of-")
+        sampler = FileSampler(os.environ["CPU_OF_RUNNING"])
     if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
         sys.exit(f"cannot become a child subreaper: {os.strerror(ctypes.get_errno())}")
     started = time.monotonic()

@@ -115,14 +115,15 @@ def test_code_expert_and_auto_experts_write_code_not_whitespace():
         assert has_python(text), (strategy, text)
     assert is_code_shaped(code.generate("def f(x):", gen_length=32, seed=0).text)  # brackets balanced too
     backbone = DiffusionLM.from_pretrained("default")
+    seeds = range(2)  # 4 draws of the 12 docs/EXPERTS.md measured (1.2 CPU s each: the unit tier's budget)
     composed = {(k, seed): backbone.generate("def f(x):", gen_length=32, experts="auto", expert_top_k=k, seed=seed)
-                for k in (0, 64) for seed in range(4)}
+                for k in (0, 64) for seed in seeds}
     assert all(r.info["experts"]["weights"] == {"code": 1.0} and r.info["experts"]["auto"] for r in composed.values())
     # The whole vocabularies: Python words in every completion (12 of 12 seeds, docs/EXPERTS.md).
-    assert all(has_python(composed[0, seed].text) for seed in range(4)), composed
+    assert all(has_python(composed[0, seed].text) for seed in seeds), composed
     # Top 64 (the default): never blank, and some code-shaped (6 of 12 seeds; 2 of 12 with the whole vocabularies).
-    assert all(composed[64, seed].text.strip() for seed in range(4))
-    assert any(is_code_shaped(composed[64, seed].text) for seed in range(4)), composed
+    assert all(composed[64, seed].text.strip() for seed in seeds)
+    assert any(is_code_shaped(composed[64, seed].text) for seed in seeds), composed
 
 
 # ----- an adapter's figures (python -m swarm.eval --adapter) ---------------------------------------------------

@@ -9,7 +9,9 @@ CPU seconds are this process's and its reaped children's (``getrusage``): on sha
 the load, the CPU time much less.
 
 With ``TEST_COSTS=FILE`` in the environment, each test's line (node id, tier, wall s, CPU s, peak MB) is also
-written to FILE, for ``python benchmarks/test_costs.py --file FILE`` to rank.
+written to FILE, for ``python benchmarks/test_costs.py --file FILE`` to rank. With ``CPU_OF_RUNNING=DIR`` (set by
+``benchmarks/cpu_of.py --by-file``), each process that runs tests writes the node id it is running to ``DIR/PID``, so
+that the CPU of the servers, peers and daemons it starts can be charged to the test file that started them.
 """
 from __future__ import annotations
 
@@ -73,6 +75,9 @@ class TierCosts:
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtest_setup(self, item) -> None:
         reset_peak()
+        running = os.environ.get("CPU_OF_RUNNING")
+        if running:
+            Path(running, str(os.getpid())).write_text(item.nodeid)
         self.running[item.nodeid] = cpu_seconds()
 
     @pytest.hookimpl(wrapper=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import random
 import time
 import uuid
 from pathlib import Path
@@ -54,7 +55,8 @@ from swarm.utils.threads import use_threads
 from swarm.weights.source import SwarmWeights
 from swarm.weights.trust import PublisherTrust
 from swarm.wire.evidence import CallEvidence
-from swarm.wire.messages import RemoteError
+from swarm.wire.handoff import MAX_PER_HANDOFF, hand_evidence
+from swarm.wire.messages import ErrorCode, RemoteError
 from swarm.wire.remote import RemoteCaller
 from swarm.wire.work import stamper_for
 
@@ -467,6 +469,32 @@ class DistributedDiffusionLM(BaseDiffusionLM):
         paths = save_sample(self.audit_sample(), Path(directory))
         self.receipts.clear_sample()
         return paths
+
+    def hand_audit_sample(self, auditors: Optional[Sequence[str]] = None) -> dict[str, int]:
+        """Hand :meth:`audit_sample` (a random choice of :data:`~swarm.wire.handoff.MAX_PER_HANDOFF` of it) to each
+        auditor (peer ids; default ``ClientConfig.evidence_auditors``) over libp2p, each piece with a work stamp
+        (:mod:`swarm.wire.handoff`), then forget the sample here; per auditor, the pieces it queued. An auditor
+        that refuses or cannot be reached is logged, never raised: the sample is the client's to share, not a
+        condition of its generations."""
+        auditors = list(self.client_config.evidence_auditors if auditors is None else auditors)
+        sample = self.audit_sample()
+        sample = [evidence.to_bytes() for evidence in random.SystemRandom().sample(
+            sample, min(len(sample), MAX_PER_HANDOFF))]
+        queued = dict.fromkeys(auditors, 0)
+        timeout = self.client_config.request_timeout
+        for auditor in auditors:
+            for data in sample:
+                try:
+                    self.loop.run(hand_evidence(self.p2p, auditor, data, True, timeout), timeout=timeout + 60)
+                    queued[auditor] += 1
+                except RemoteError as error:
+                    logger.warning("auditor %s did not take a sampled call: %s", auditor, error)
+                    if error.code not in (ErrorCode.BAD_REQUEST, ErrorCode.TOO_LARGE):
+                        break  # unreachable or busy: the rest would fare the same now
+        if sample and auditors:
+            self.receipts.clear_sample()
+            logger.info("handed %d sampled calls: %s", len(sample), queued)
+        return queued
 
     @property
     def proofs(self) -> list[CallEvidence]:

@@ -80,7 +80,7 @@ def test_the_header_reads_back_and_everything_else_is_refused_clearly():
 @settings(max_examples=300, deadline=None)
 @given(st.one_of(st.binary(max_size=64), st.dictionaries(
     st.sampled_from(["bytes", "work", "x"]),
-    st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=16),
+    st.recursive(st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) | st.floats() | st.text(max_size=16),
                  lambda inner: st.lists(inner, max_size=3) | st.dictionaries(
                      st.sampled_from(["epoch", "salt", "counter"]), inner, max_size=3), max_leaves=8),
     max_size=3).map(MSGPackSerializer.dumps)), st.sampled_from([UID, "", "forward"]))

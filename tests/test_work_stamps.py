@@ -221,3 +221,12 @@ def test_bad_settings_are_refused():
         StampCheck(price=0)
     with pytest.raises(ValueError):
         mint(SERVER, CALLER, 64)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.dictionaries(st.sampled_from(["floor", "contended", "x"]), st.none() | st.booleans() | st.integers() |
+                       st.floats() | st.text(max_size=8) | st.lists(st.integers(), max_size=2), max_size=3))
+def test_an_announced_floor_is_read_from_any_metadata_as_bits_or_none(metadata):
+    floor = announced_floor(metadata)
+    assert type(floor) is int and NO_FLOOR <= floor <= 256
+    assert floor == NO_FLOOR or floor == metadata["floor"]

@@ -88,9 +88,9 @@ def test_a_liar_is_proven_on_a_clients_calls_handed_over_the_network(local_swarm
         with swarm_client(local_swarm, path, spot_check_fraction=0, spot_check_local=False, audit_share=1.0,
                           evidence_auditors=(auditor_id,)) as lm:
             lm.only_peers = frozenset({peers["faulty-later"]})
-            lm.generate("1+2=", **dict(SETTINGS, steps=4))
-            sample = min(len(lm.audit_sample()), MAX_PER_HANDOFF)  # a random choice of at most 8 at a time
-            assert lm.hand_audit_sample() == {auditor_id: sample} and sample > 0 and not lm.audit_sample()
+            lm.generate("1+2=", **dict(SETTINGS, steps=4))  # its sample goes to the auditor in the background
+            assert lm.hand_audit_sample() == {auditor_id: 0}  # waits for that hand-off: nothing is left to hand
+            assert 0 < auditor.handed.queued <= MAX_PER_HANDOFF and not lm.audit_sample()  # a random choice of 8
             with pytest.raises(RemoteError, match="work stamp"):
                 lm.loop.run(hand_evidence(lm.p2p, auditor_id, b"not even evidence", False, 30))
         checked = auditor.run_round(score=False).checked

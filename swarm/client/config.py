@@ -96,9 +96,10 @@ class ClientConfig:
         low=0.0, high=1.0, cli=False)
     evidence_auditors: tuple[str, ...] = setting(
         (), "Peer id of an auditor this client hands its sampled calls to over libp2p (repeatable): "
-            "DistributedDiffusionLM.hand_audit_sample() sends up to 8 of them at a time (swarm.generate does after "
-            "its generation), each with a work stamp of 16 bits (about a tenth of a second of one core). Calls "
-            "inside private_calls() are never sampled (docs/AUDIT.md).", flags=("--evidence-to",), cli=True)
+            "after each generation, in the background, a random choice of up to 8 of them goes to each, with a work "
+            "stamp of 16 bits apiece (a few hundredths of a second of one core; "
+            "DistributedDiffusionLM.hand_audit_sample() hands them at once). Calls inside private_calls() are never "
+            "sampled (docs/AUDIT.md).", flags=("--evidence-to",), cli=True)
     spot_check_memory_mb: float = setting(
         256.0, "MiB of weights this client may load to check hops itself (blocks recomputed here, the head that scores "
                "a replica's hidden states); a check needing more leaves its hop unchecked, with the reason. At "

@@ -17,7 +17,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from swarm.audit.handoff import EvidenceInbox, EvidenceQueue
+from swarm.audit.handoff import MAX_READING_BYTES, EvidenceInbox, EvidenceQueue
 from swarm.wire.encoding import encode_tensor
 from swarm.wire.evidence import MAX_EVIDENCE_BYTES, CallEvidence
 from swarm.wire.handoff import CHUNK_BYTES, UID, Header, chunk_messages, read_body
@@ -104,6 +104,19 @@ def test_the_body_is_exactly_the_declared_bytes():
     assert refused.value.code == ErrorCode.INCOMPLETE
     with pytest.raises(RemoteError, match="nothing else"):
         asyncio.run(read_body(messages_of(runtime_pb2.ExpertRequest(uid=UID, tensors=[runtime_pb2.Tensor()])), 9))
+
+
+def test_the_bytes_being_read_are_bounded_across_hand_offs_and_released(evidence_bytes):
+    """Counted as they arrive: a hand-off that would take the bytes read and not yet queued past the bound is refused
+    busy, and what any hand-off held is released when it ends, queued or refused."""
+    inbox = EvidenceInbox(trusted=[CLIENT], bits=BITS)
+    inbox.reading = MAX_READING_BYTES - 10  # other hand-offs being read now
+    with pytest.raises(RemoteError, match="reading as much") as refused:
+        hand(inbox, evidence_bytes)
+    assert refused.value.code == ErrorCode.BUSY and inbox.reading == MAX_READING_BYTES - 10
+    inbox.reading = 0
+    hand(inbox, evidence_bytes)
+    assert inbox.reading == 0 and inbox.queue.items == 1
 
 
 # ----- admission: stamps, trust, bounds ----------------------------------------------------------------------------

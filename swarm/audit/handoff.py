@@ -9,8 +9,9 @@ evidence (:mod:`swarm.wire.handoff`); :class:`EvidenceInbox` treats it as hostil
   (``--evidence-from``), no fresh work stamp of :data:`~swarm.wire.handoff.HANDOFF_BITS` bits for this auditor
   (checked and spent as a server's are, :class:`~swarm.server.work_check.StampCheck`), or a caller whose share of
   the queue is full: nothing more is read;
-* the body is read within a deadline, never past the size the header declared, all hand-offs in flight together
-  within :data:`MAX_READING_BYTES`, then parsed by :meth:`CallEvidence.from_bytes` (every field typed and bounded);
+* the body is read within a deadline, never past the size the header declared, the bytes of all hand-offs being read
+  together within :data:`MAX_READING_BYTES` (counted as they arrive, so a slow sender holds only what it sent), then
+  parsed by :meth:`CallEvidence.from_bytes` (every field typed and bounded);
 * :class:`EvidenceQueue` holds at most :data:`MAX_QUEUED` pieces and :data:`MAX_QUEUED_BYTES`, at most
   :data:`MAX_PER_CALLER` per caller; a full queue makes room by dropping the newest piece of the stranger holding
   the most, only if it holds more than the newcomer would (a trusted client's piece displaces any stranger's, and is
@@ -44,7 +45,7 @@ logger = logging.getLogger(__name__)
 MAX_QUEUED = 64  # pieces waiting for a round, all callers together: each costs a pass of its call's blocks
 MAX_QUEUED_BYTES = 256 * 2**20
 MAX_PER_CALLER = MAX_PER_HANDOFF  # what one client hands at a time
-MAX_READING_BYTES = 256 * 2**20  # bytes of hand-offs being read, all callers together
+MAX_READING_BYTES = 256 * 2**20  # bytes of hand-offs read and not yet queued, all callers together
 READ_TIMEOUT_S = 120.0  # a hand-off's body arrives within this, or it is refused
 PARSE_OFF_LOOP_BYTES = 2**20  # larger evidence is parsed on a thread
 
@@ -125,7 +126,7 @@ class EvidenceInbox(EvidenceService):
         self.queue = queue if queue is not None else EvidenceQueue(trusted=self.trusted)
         self.stamps = stamps if stamps is not None else StampCheck()
         self.read_timeout = read_timeout
-        self.reading = 0  # bytes of bodies being read now
+        self.reading = 0  # bytes of bodies read and not yet queued or refused
         self.queued = 0
         self.refused: Counter[str] = Counter()  # hand-offs refused, by error code
 
@@ -159,17 +160,22 @@ class EvidenceInbox(EvidenceService):
         header = Header.parse(first, MAX_EVIDENCE_BYTES)
         self._admit(header, caller, local, now)
         self.queue.room(caller, header.size)
-        if self.reading + header.size > MAX_READING_BYTES:
-            raise RemoteError(ErrorCode.BUSY, "this auditor is reading as much evidence as it takes at once",
-                              retry_after=10.0)
-        self.reading += header.size
+        held = [0]
+
+        def hold(count: int) -> None:
+            if self.reading + count > MAX_READING_BYTES:
+                raise RemoteError(ErrorCode.BUSY, "this auditor is reading as much evidence as it takes at once",
+                                  retry_after=10.0)
+            self.reading += count
+            held[0] += count
+
         try:
-            data = await asyncio.wait_for(read_body(messages, header.size), self.read_timeout)
+            data = await asyncio.wait_for(read_body(messages, header.size, hold), self.read_timeout)
         except asyncio.TimeoutError:
             raise RemoteError(ErrorCode.TIMEOUT, f"the evidence did not arrive within {self.read_timeout:g} s"
                               ) from None
         finally:
-            self.reading -= header.size
+            self.reading -= held[0]
         try:
             evidence = await asyncio.to_thread(CallEvidence.from_bytes, data) if len(data) > PARSE_OFF_LOOP_BYTES \
                 else CallEvidence.from_bytes(data)

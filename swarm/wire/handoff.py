@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from typing import AsyncIterator, Optional
+from typing import AsyncIterator, Callable, Optional
 
 from hivemind.p2p import P2P, PeerID
 from hivemind.proto import runtime_pb2
@@ -71,15 +71,18 @@ def chunk_messages(data: bytes) -> list[runtime_pb2.ExpertRequest]:
             for offset in range(0, len(data), CHUNK_BYTES)]
 
 
-async def read_body(messages: AsyncIterator[runtime_pb2.ExpertRequest], size: int) -> bytes:
-    """Exactly ``size`` bytes of a hand-off's body, read message by message; :class:`RemoteError` when the stream
-    carries more, less, or anything but body chunks."""
+async def read_body(messages: AsyncIterator[runtime_pb2.ExpertRequest], size: int,
+                    hold: Callable[[int], None] = lambda count: None) -> bytes:
+    """Exactly ``size`` bytes of a hand-off's body, read message by message (``hold`` is told of each chunk's bytes
+    before they are kept, and may refuse them); :class:`RemoteError` when the stream carries more, less, or anything
+    but body chunks."""
     data = bytearray()
     async for message in messages:
         if message.uid != UID or message.tensors or not message.metadata:
             raise RemoteError(ErrorCode.BAD_REQUEST, "a hand-off's body is chunks of bytes in metadata, nothing else")
         if len(data) + len(message.metadata) > size:
             raise RemoteError(ErrorCode.TOO_LARGE, f"the evidence runs past the {size} bytes its header declared")
+        hold(len(message.metadata))
         data += message.metadata
         if len(data) == size:
             return bytes(data)

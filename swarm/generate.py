@@ -84,6 +84,8 @@ def main(prompt: str, model: str, initial_peers: tuple[str, ...], local: bool, d
             if not chunk.done:
                 line.show(f"[step {chunk.step + 1}] {prompt}{chunk.text}")
             result = chunk.result
+        if client_options.get("evidence_auditors") and hasattr(lm, "hand_audit_sample"):
+            lm.hand_audit_sample()  # --evidence-to: the hand-off after the generation ends before the client stops
     finally:
         line.close()  # an error's line starts on a line of its own
         if hasattr(lm, "shutdown"):

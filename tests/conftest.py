@@ -87,6 +87,7 @@ FILE_TIERS = {  # a "unit" file may hold tests of other tiers: found by their fi
     "test_dht_keys": "unit",  # the key registry, the walk over the code's DHT keys, the storage fuzzed in process
     "test_security_keys": "swarm",  # keys flooded before they are written, on live DHT peers
     "test_scheduler": "unit",  # the fair scheduler, pure
+    "test_evidence_handoff": "unit",  # evidence handed to an auditor: header, body, stamps, fair queue, fuzzed
     "test_work_stamps": "unit",  # proof of work for the fair order: minted, checked, credited once; parser fuzzed
     "test_tiers": "unit",  # TESTING.md's tiers and budget against this file's and tests/tier_costs.py's
     "test_invariance_check": "unit",  # check_module on this CPU, and the scale's use of its answer

@@ -24,6 +24,8 @@ from swarm.dht.config import NetworkConfig
 from swarm.models.loading import ModelFiles
 from swarm.reports.records import FAIL, PASS
 from swarm.wire.evidence import CallEvidence
+from swarm.wire.handoff import MAX_PER_HANDOFF, hand_evidence
+from swarm.wire.messages import RemoteError
 from tests.conftest import make_checkpoint, stop_all, swarm_client, tiny_config, wait_all
 
 FAULTY = (str(Path(__file__).with_name("faulty_server.py")),)
@@ -72,6 +74,31 @@ def test_a_fresh_first_call_passes_every_quiet_liar_and_whole_generations_fail_e
     reasons = {name: new[peer][1] for name, peer in peers.items()}
     assert "head" in reasons["faulty-head"] and "adapter" in reasons["faulty-adapter"], reasons
     assert "fill" in reasons["faulty-cache"] or "reuse" in reasons["faulty-cache"], reasons
+
+
+def test_a_liar_is_proven_on_a_clients_calls_handed_over_the_network(local_swarm, liars, swarm_peer):
+    """Issue 55: a client hands its sampled calls to an auditor over libp2p (``evidence_auditors``, each piece with a
+    work stamp), not as files; the auditor's round recomputes them and fails the liar on its own signature, keeping
+    the proofs; the honest server, named by no receipt, passes. A stranger's unpaid piece is refused."""
+    path, peers = liars
+    network = NetworkConfig(initial_peers=local_swarm.initial_peers, client_mode=True)
+    config = AuditorConfig(network=network, fresh_identity=False, once=True, generations=0)
+    with Auditor(config, Ed25519PrivateKey.generate(), ModelFiles(path), dht=swarm_peer) as auditor:
+        auditor_id = str(auditor.p2p.peer_id)
+        with swarm_client(local_swarm, path, spot_check_fraction=0, spot_check_local=False, audit_share=1.0,
+                          evidence_auditors=(auditor_id,)) as lm:
+            lm.only_peers = frozenset({peers["faulty-later"]})
+            lm.generate("1+2=", **dict(SETTINGS, steps=4))  # its sample goes to the auditor in the background
+            assert lm.hand_audit_sample() == {auditor_id: 0}  # waits for that hand-off: nothing is left to hand
+            assert 0 < auditor.handed.queued <= MAX_PER_HANDOFF and not lm.audit_sample()  # a random choice of 8
+            with pytest.raises(RemoteError, match="work stamp"):
+                lm.loop.run(hand_evidence(lm.p2p, auditor_id, b"not even evidence", False, 30))
+        checked = auditor.run_round(score=False).checked
+        assert checked[peers["faulty-later"]].verdict == FAIL, checked
+        assert "proven on a client's call" in checked[peers["faulty-later"]].reason, checked
+        assert checked[peers["honest"]].verdict == PASS
+        assert auditor.proofs and {proof.accused for proof in auditor.proofs} == {peers["faulty-later"]}
+        assert auditor.handed.info()["refused"] == {"bad_request": 1}
 
 
 @pytest.mark.parametrize("mode", MODES)

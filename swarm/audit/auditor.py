@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import random
 import statistics
@@ -40,7 +41,7 @@ import uuid
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Mapping, Optional
+from typing import Any, Callable, Iterator, Mapping, Optional
 
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -51,11 +52,13 @@ from swarm.adapters.sharing import MAX_CATALOG_NAMES
 from swarm.adapters.versions import published_versions, reference_of
 from swarm.audit import inbox
 from swarm.audit.config import AuditorConfig
+from swarm.audit.handoff import EvidenceInbox
 from swarm.audit.traffic import TrafficAuditor, TrafficCheck, client_config
 from swarm.client.config import DEFAULT_OVERCLAIM_FACTOR, ClientConfig
 from swarm.client.model import DistributedDiffusionLM
 from swarm.client.planner import CHALLENGE_ROWS, CHALLENGE_STEPS
 from swarm.client.proofs import Finding, Verdict, verify_evidence
+from swarm.client.receipts import save_sample
 from swarm.client.reference import LocalReference
 from swarm.client.spot_check import answers_agree, relative_difference
 from swarm.dht.node import start_dht, stop_dht
@@ -80,6 +83,7 @@ from swarm.server.usage import parse_usage
 from swarm.train.data import TASKS
 from swarm.utils.errors import SwarmError
 from swarm.utils.event_loop import BackgroundLoop
+from swarm.wire.evidence import CallEvidence
 from swarm.wire.messages import ErrorCode, ForwardRequest, RemoteError
 from swarm.wire.remote import RemoteCaller
 from swarm.wire.work import stamper_for
@@ -87,6 +91,12 @@ from swarm.wire.work import stamper_for
 logger = logging.getLogger(__name__)
 
 SPEED_CHECKS = 8  # a server's speed is the best its last answered checks delivered (a slow moment is not a lie)
+MAX_PROOFS = 64  # proofs among handed evidence kept in memory
+
+
+async def _on_loop(fn: Callable[[], Any]) -> Any:
+    """``fn()`` on the event loop (what the evidence handler mutates is touched only there)."""
+    return fn()
 
 
 def calibrate(delivered: Mapping[str, float], announced: Mapping[str, float]) -> dict[str, float]:
@@ -156,7 +166,20 @@ class Auditor:
         self.dht = dht if dht is not None else start_dht(config.network, protect=protected_keys(
             self.prefix, self.model.num_layers, auditors=[self.public_key]))
         self.loop = BackgroundLoop.shared()
-        self.caller = self._caller(self.loop.run(self.dht.replicate_p2p()))
+        self.p2p = self.loop.run(self.dht.replicate_p2p())
+        self.caller = self._caller(self.p2p)
+        self.handed = EvidenceInbox(config.evidence_from, config.accept_evidence)  # clients' evidence over libp2p
+        self.proofs: deque[CallEvidence] = deque(maxlen=MAX_PROOFS)  # proven lies among what clients handed
+        self._serving = bool(config.accept_evidence or config.evidence_from)
+        if self._serving:
+            try:
+                self.loop.run(self.handed.register(self.p2p))
+            except Exception as error:  # another auditor on this peer serves it already (a shared DHT peer)
+                logger.warning("cannot take evidence over libp2p on peer %s: %r", self.p2p.peer_id, error)
+                self._serving = False
+        if self._serving:
+            logger.info("taking clients' evidence over libp2p at peer id %s (%s)", self.p2p.peer_id,
+                        "from anyone with a work stamp" if config.accept_evidence else "from --evidence-from only")
         self.embedding = files.embedding()  # the checkpoint's dtype, as a client's and the servers'
         self.dtype = next(self.embedding.parameters()).dtype
         self._blocks = None  # every block, loaded at the first check
@@ -448,8 +471,7 @@ class Auditor:
                 f" ({check.reason})" if check.reason else "", check.rows,
                 "-" if check.seconds is None else f"{check.seconds:.3f}", server.throughput,
                 "-" if audit.measured is None else f"{audit.measured:.1f}")
-        if self.config.evidence_dir is not None:
-            self.take_evidence(Path(self.config.evidence_dir), servers, checked)
+        self.take_evidence(servers, checked)
         if score and self.config.score_adapters:
             self.follow(self.report())
             self.score_adapters()
@@ -468,27 +490,48 @@ class Auditor:
                     seconds, report.sequence, "published" if published else "NOT read back from the swarm")
         return RoundResult(published or report, checked, published is not None, seconds)
 
-    def take_evidence(self, directory: Path, servers: list[ServerRecord], checked: dict[str, Check]) -> list[Finding]:
-        """Recompute the clients' evidence waiting in ``directory`` (:mod:`swarm.audit.inbox`): a proven lie fails
-        the accused (when it is an online server) with the proof kept; every finding is logged and returned."""
-        findings = []
+    def take_evidence(self, servers: list[ServerRecord], checked: dict[str, Check]) -> list[Finding]:
+        """Recompute the clients' evidence waiting in ``--evidence-dir`` (:mod:`swarm.audit.inbox`) and handed over
+        libp2p (:mod:`swarm.audit.handoff`), up to :data:`~swarm.audit.inbox.MAX_FILES_PER_ROUND` of each: a proven
+        lie fails the accused (when it is an online server) with the proof kept; every finding is logged and
+        returned."""
         online = {server.peer_id: server for server in servers}
-        reference = LocalReference(lambda start, end: self.blocks, lambda: self.head)
-        for path, evidence in inbox.take(directory):
-            finding = verify_evidence(evidence, reference, self.prefix, self.model, self.config.rtol)
-            findings.append(finding)
-            logger.log(logging.WARNING if finding.verdict == Verdict.LIE else logging.INFO,
-                       "evidence %s: %s %s (%s)", path.name, finding.verdict.value, finding.accused, finding.reason)
-            if finding.verdict != Verdict.LIE:
-                path.unlink(missing_ok=True)
-                continue
-            kept = inbox.keep_proof(path)
+        judge = functools.partial(self._judge, LocalReference(lambda start, end: self.blocks, lambda: self.head),
+                                  online, checked)
+        findings = []
+        directory = Path(self.config.evidence_dir) if self.config.evidence_dir is not None else None
+        if directory is not None:
+            for path, evidence in inbox.take(directory):
+                findings.append(judge(evidence, f"file {path.name}", lambda path=path: inbox.keep_proof(path).name))
+                if findings[-1].verdict != Verdict.LIE:
+                    path.unlink(missing_ok=True)
+        taken = self.loop.run(_on_loop(lambda: self.handed.queue.take(inbox.MAX_FILES_PER_ROUND)))
+        for caller, evidence in taken:
+            findings.append(judge(evidence, f"handed by {caller}", lambda evidence=evidence: self._keep(evidence)))
+        return findings
+
+    def _judge(self, reference: LocalReference, online: dict[str, ServerRecord], checked: dict[str, Check],
+               evidence: CallEvidence, source: str, keep: Callable[[], str]) -> Finding:
+        """Recompute one piece of evidence; a proven lie is kept (``keep`` names where) and fails its accused."""
+        finding = verify_evidence(evidence, reference, self.prefix, self.model, self.config.rtol)
+        logger.log(logging.WARNING if finding.verdict == Verdict.LIE else logging.INFO,
+                   "evidence %s: %s %s (%s)", source, finding.verdict.value, finding.accused, finding.reason)
+        if finding.verdict == Verdict.LIE:
+            kept = keep()
             server = online.get(finding.accused)
             if server is not None:
-                check = Check(FAIL, f"proven on a client's call ({kept.name}): {finding.reason}")
+                check = Check(FAIL, f"proven on a client's call ({kept}): {finding.reason}")
                 self.record(server, check, time.time())
                 checked[server.peer_id] = check
-        return findings
+        return finding
+
+    def _keep(self, evidence: CallEvidence) -> str:
+        """Keep a proof handed over libp2p: in memory (:attr:`proofs`), and in ``--evidence-dir``'s ``proofs/``
+        when there is one; its name."""
+        self.proofs.append(evidence)
+        if self.config.evidence_dir is None:
+            return f"proof {evidence.receipt.request.hex()[:32]}"
+        return save_sample([evidence], Path(self.config.evidence_dir) / inbox.PROOFS)[0].name
 
     def pause(self) -> float:
         """Seconds until the next round: ``every`` x (1 +- jitter), drawn so servers cannot time the checks."""
@@ -504,6 +547,12 @@ class Auditor:
                 return result
 
     def shutdown(self) -> None:
+        if self._serving:
+            self._serving = False
+            try:
+                self.loop.run(self.handed.unregister(self.p2p), timeout=5)
+            except Exception as error:  # the daemon is gone already: nothing left to unregister
+                logger.debug("could not unregister the evidence handler: %r", error)
         self._stop_traffic()
         if self._client is not None:
             self._client.shutdown()  # shares this auditor's DHT: stops nothing of it

@@ -9,6 +9,7 @@ from typing import Optional
 
 from swarm.client.config import ClientConfig
 from swarm.dht.config import MAX_AUDIT_LIFETIME, NetworkConfig
+from swarm.dht.peers import check_peer_id
 from swarm.train.config import TASK_NAMES
 from swarm.utils.settings import check_settings, declared, need, setting
 
@@ -42,6 +43,15 @@ class AuditorConfig:
         None, "A directory of clients' sampled calls (*.evidence files, DistributedDiffusionLM.save_audit_sample): "
               "each round recomputes up to 64 of them, fails a server proven to have signed a wrong answer, keeps "
               "the proofs in DIR/proofs and removes the rest (docs/AUDIT.md, \"Receipts and proofs\").", path=True)
+    accept_evidence: bool = setting(
+        True, "Take clients' evidence over libp2p on this auditor's own peer (a client's --evidence-to names its peer "
+              "id, which the auditor logs at start): from any peer, each piece with a work stamp of 16 bits; each "
+              "round recomputes up to 64 of them like --evidence-dir's files (docs/AUDIT.md, \"Receipts and "
+              "proofs\").", flags=("--accept-evidence",))
+    evidence_from: tuple[str, ...] = setting(
+        (), "Peer id of a client whose evidence this auditor takes over libp2p without a work stamp and before "
+            "strangers' (repeatable; also with --no-accept-evidence, which takes evidence only from these).",
+        flags=("--evidence-from",))
     challenges: int = setting(1, "Challenges per server per round, one after another until one fails: a server "
                                  "lying on a share p of its answers is failed after about 1 / (p x challenges) "
                                  "rounds, at that many passes of its span per round.", low=1, high=64)
@@ -74,6 +84,11 @@ class AuditorConfig:
     def __post_init__(self) -> None:
         check_settings(self)
         unknown = [task for task in self.score_adapters if task not in TASK_NAMES]
+        for peer in self.evidence_from:
+            try:
+                check_peer_id(peer, f"--evidence-from {str(peer)[:80]!r}")
+            except ValueError as error:
+                need(False, str(error), "evidence_from")
         need(not unknown, f"--score-adapters: unknown task {', '.join(map(repr, unknown))} (one of: "
                           f"{', '.join(TASK_NAMES)})", "score_adapters")
 

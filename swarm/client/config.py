@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from swarm.dht.config import NetworkConfig, as_peer_list
+from swarm.dht.peers import check_peer_id
 from swarm.diffusion.config import HEAD_ROWS
 from swarm.governance.limits import MAX_STALE_AFTER
 from swarm.models.config import DTYPE_NAMES, WIRE_CHOICES
@@ -93,6 +94,12 @@ class ClientConfig:
               "for auditors to recompute (DistributedDiffusionLM.audit_sample; calls inside private_calls() never "
               "are; 0 keeps none). Receipts themselves are always checked and kept (docs/AUDIT.md).",
         low=0.0, high=1.0, cli=False)
+    evidence_auditors: tuple[str, ...] = setting(
+        (), "Peer id of an auditor this client hands its sampled calls to over libp2p (repeatable): "
+            "after each generation, in the background, a random choice of up to 8 of them goes to each, with a work "
+            "stamp of 16 bits apiece (a few hundredths of a second of one core; "
+            "DistributedDiffusionLM.hand_audit_sample() hands them at once). Calls inside private_calls() are never "
+            "sampled (docs/AUDIT.md).", flags=("--evidence-to",), cli=True)
     spot_check_memory_mb: float = setting(
         256.0, "MiB of weights this client may load to check hops itself (blocks recomputed here, the head that scores "
                "a replica's hidden states); a check needing more leaves its hop unchecked, with the reason. At "
@@ -155,3 +162,8 @@ class ClientConfig:
         check_settings(self)
         need(isinstance(self.network, NetworkConfig),
              f"ClientConfig.network must be a NetworkConfig, got {shown(self.network)}", "network")
+        for peer in self.evidence_auditors:
+            try:
+                check_peer_id(peer, f"--evidence-to {str(peer)[:80]!r}")
+            except ValueError as error:
+                need(False, str(error), "evidence_auditors")

@@ -1,11 +1,14 @@
 """``DistributedDiffusionLM``: the client holds embeddings and head, the swarm holds the blocks."""
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import logging
+import random
 import time
 import uuid
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
@@ -54,11 +57,14 @@ from swarm.utils.threads import use_threads
 from swarm.weights.source import SwarmWeights
 from swarm.weights.trust import PublisherTrust
 from swarm.wire.evidence import CallEvidence
-from swarm.wire.messages import RemoteError
+from swarm.wire.handoff import MAX_PER_HANDOFF, hand_evidence
+from swarm.wire.messages import ErrorCode, RemoteError
 from swarm.wire.remote import RemoteCaller
 from swarm.wire.work import stamper_for
 
 logger = logging.getLogger(__name__)
+
+HANDOFF_GRACE_S = 10.0  # how long shutdown waits for the sample's hand-off to auditors in flight
 
 
 class StepTimings:
@@ -142,6 +148,7 @@ class DistributedDiffusionLM(BaseDiffusionLM):
                                      stale_after=config.governance_stale_after)
         self.tier_rules = TierRules.from_file(config.tier_rules_path) if config.tier_rules_path else TierRules()
         self.audit = AuditLog(config.audit_log)
+        self._handing: Optional[Future] = None  # the sample's hand-off to evidence_auditors, while in flight
         self._spot_checks_seen = self._failovers_seen = 0
         self._local: Optional[DiffusionLM] = None
         self._receiver: Optional[PushReceiver] = None
@@ -365,6 +372,9 @@ class DistributedDiffusionLM(BaseDiffusionLM):
                           "route": result.info.get("route"), "failovers": result.info.get("failovers"),
                           "spot_checks": result.info.get("spot_checks"), "halt": result.info.get("halt"),
                           "finish_reason": result.finish_reason, "steps": result.steps})
+        if self.client_config.evidence_auditors and (self._handing is None or self._handing.done()):
+            auditors = list(self.client_config.evidence_auditors)
+            self._handing = asyncio.run_coroutine_threadsafe(self._hand_sample(auditors), self.loop.loop)
 
     def approximate_hops(self) -> list[str]:
         """Hops of the current route on servers whose numerics differ from the checkpoint's, with what differs
@@ -468,6 +478,41 @@ class DistributedDiffusionLM(BaseDiffusionLM):
         self.receipts.clear_sample()
         return paths
 
+    def hand_audit_sample(self, auditors: Optional[Sequence[str]] = None) -> dict[str, int]:
+        """Hand :meth:`audit_sample` (a random choice of :data:`~swarm.wire.handoff.MAX_PER_HANDOFF` of it) to each
+        auditor (peer ids; default ``ClientConfig.evidence_auditors``) over libp2p now, each piece with a work stamp
+        (:mod:`swarm.wire.handoff`), and forget the sample here; per auditor, the pieces it queued. With
+        ``evidence_auditors`` set this happens in the background after every generation; this waits for such a
+        hand-off in flight first. An auditor that refuses or cannot be reached is logged, never raised: the sample
+        is the client's to share, not a condition of its generations."""
+        auditors = list(self.client_config.evidence_auditors if auditors is None else auditors)
+        handing = self._handing
+        if handing is not None:
+            with contextlib.suppress(Exception):  # logged where it failed
+                handing.result(timeout=MAX_PER_HANDOFF * (self.client_config.request_timeout + 60))
+        return self.loop.run(self._hand_sample(auditors))
+
+    async def _hand_sample(self, auditors: list[str]) -> dict[str, int]:
+        sample = self.audit_sample()
+        sample = [evidence.to_bytes() for evidence in random.SystemRandom().sample(
+            sample, min(len(sample), MAX_PER_HANDOFF))]
+        queued = dict.fromkeys(auditors, 0)
+        if not sample or not auditors:
+            return queued
+        self.receipts.clear_sample()  # taken: the calls from now on make the next sample
+        timeout = self.client_config.request_timeout
+        for auditor in auditors:
+            for data in sample:
+                try:
+                    await hand_evidence(self.p2p, auditor, data, True, timeout)
+                    queued[auditor] += 1
+                except RemoteError as error:
+                    logger.warning("auditor %s did not take a sampled call: %s", auditor, error)
+                    if error.code not in (ErrorCode.BAD_REQUEST, ErrorCode.TOO_LARGE):
+                        break  # unreachable or busy: the rest would fare the same now
+        logger.info("handed %d sampled calls: %s", len(sample), queued)
+        return queued
+
     @property
     def proofs(self) -> list[CallEvidence]:
         """Signed wrong answers this client's spot checks caught: proofs anyone holding the blocks can verify."""
@@ -500,7 +545,13 @@ class DistributedDiffusionLM(BaseDiffusionLM):
     def shutdown(self) -> None:
         """Stop the DHT peer and its P2P connection if this client started them (a shared DHT stays up, and so does
         this client's connection to its daemon: closing one connection to a hivemind daemon ends the calls of every
-        other; see :meth:`close_connection`)."""
+        other; see :meth:`close_connection`). A hand-off of the sample in flight gets :data:`HANDOFF_GRACE_S` to
+        finish."""
+        handing, self._handing = self._handing, None
+        if handing is not None and not handing.done():
+            with contextlib.suppress(Exception):  # cut short, or failed: logged where it failed
+                handing.result(timeout=HANDOFF_GRACE_S)
+            handing.cancel()
         if self._own_dht:
             self.loop.run(self.p2p.shutdown(), timeout=5)
             stop_dht(self.dht)

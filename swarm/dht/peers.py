@@ -53,13 +53,18 @@ def check_peer_multiaddr(text: str, source: str = "--initial-peers") -> str:
     except ValueError as error:
         reason = str(error).split(":", 1)[-1].split(" (string:", 1)[0].strip()
         raise ValueError(f"{source}: {text!r} is not a valid multiaddr ({reason}); expected {PEER_EXAMPLE}") from None
-    try:
-        Multiaddr(f"/p2p/{peer_id}")  # base58 of a multihash of the right length
-    except ValueError:
-        raise ValueError(f"{source}: {peer_id!r} in {text!r} is not a peer id (a peer id is base58, 46 characters "
-                         "from Qm or 52 from 12D3KooW, as printed by the bootstrap peer or a server: copy it whole)"
-                         ) from None
+    check_peer_id(peer_id, f"{source}: {peer_id!r} in {text!r}")
     return text
+
+
+def check_peer_id(peer_id: str, source: str) -> str:
+    """``peer_id`` if it is one (base58 of a multihash of the right length); a ValueError naming ``source``."""
+    try:
+        Multiaddr(f"/p2p/{peer_id}")
+    except (ValueError, TypeError):
+        raise ValueError(f"{source} is not a peer id (a peer id is base58, 46 characters from Qm or 52 from "
+                         "12D3KooW, as printed by the bootstrap peer or a server: copy it whole)") from None
+    return peer_id
 
 
 def split_peers(texts: Iterable[str] | str, source: str) -> list[str]:

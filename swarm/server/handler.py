@@ -213,7 +213,7 @@ class ForwardHandler(SpanService):
             queue.records.complete(peer)
             logger.debug("%s %d:%d %s from %s in %.1f ms", "backward" if backward else "forward",
                          declared.start, declared.end, declared.shape, peer, 1000 * (time.perf_counter() - started))
-            return calls.answer(received, output, push_place, place)
+            return calls.answer(received, output, push_place, place, floor=self.stamps.announced(time.time()))
 
     def _refuse(self, error: RemoteError, context: P2PContext) -> runtime_pb2.ExpertResponse:
         self.requests_failed += 1

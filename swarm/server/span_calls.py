@@ -27,13 +27,16 @@ from swarm.wire.receipts import ReceiptSigner, tensor_digest
 Answer = list[runtime_pb2.ExpertResponse]
 
 
-def answer_note(received: Received, place: Optional[Grant]) -> dict:
-    """The answer's metadata: whether an adapter tensor that came is kept for later calls to name, and whether the
+def answer_note(received: Received, place: Optional[Grant], floor: Optional[int] = None) -> dict:
+    """The answer's metadata: whether an adapter tensor that came is kept for later calls to name, whether the
     request waited for another caller's pass (``contended``: its caller's stamps then buy it a turn of its own, so
-    a client stamps its calls to a server while it says so: swarm.wire.work)."""
+    a client stamps its calls to a server while it says so: swarm.wire.work), and the bits a stamp must prove more
+    than to be credited (``floor``, when raised: swarm.server.work_check)."""
     note = {"prompt_held": True} if received.held else {}
     if place is not None and place.contended:
         note["contended"] = True
+    if floor is not None:
+        note["floor"] = floor
     return note
 
 
@@ -77,16 +80,16 @@ class ForwardCalls:
         return output
 
     def answer(self, received: Received, output: torch.Tensor, push_place: Optional[Grant],
-               place: Optional[Grant] = None) -> Answer:
+               place: Optional[Grant] = None, floor: Optional[int] = None) -> Answer:
         """The output's parts, or, for a pushed request, an acknowledgement while the output goes on (``place``: the
-        request's place in the compute queue, for :func:`answer_note`)."""
+        request's place in the compute queue, and ``floor`` the stamps' floor, for :func:`answer_note`)."""
         declared = received.declared
         if declared.push is None:
-            return response_parts(output, self.wire_dtype, answer_note(received, place),
+            return response_parts(output, self.wire_dtype, answer_note(received, place, floor),
                                   receipt=self._receipt(received))
         self.pusher.send(ForwardRequest(declared.start, declared.end, output, declared.session_id, declared.step,
                                         cache=declared.cache, head=declared.head, push=declared.push), push_place)
-        return [ack_response(answer_note(received, place))]
+        return [ack_response(answer_note(received, place, floor))]
 
     def _receipt(self, received: Received) -> Optional[Callable[[runtime_pb2.Tensor], dict]]:
         """What signs the answer's receipt once its tensor is encoded (None when this server signs none)."""
@@ -128,7 +131,8 @@ class BackwardCalls:
 
     @staticmethod
     def answer(received: Received, grads: tuple[torch.Tensor, Optional[torch.Tensor]],
-               push_place: Optional[Grant] = None, place: Optional[Grant] = None) -> Answer:
+               push_place: Optional[Grant] = None, place: Optional[Grant] = None, floor: Optional[int] = None
+               ) -> Answer:
         """Gradients travel in float32, unrounded."""
         grad_input, grad_weights = grads
-        return response_parts(grad_input, AUTO_WIRE, answer_note(received, place), second=grad_weights)
+        return response_parts(grad_input, AUTO_WIRE, answer_note(received, place, floor), second=grad_weights)

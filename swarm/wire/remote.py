@@ -37,7 +37,7 @@ from swarm.wire.encoding import (
 from swarm.wire.messages import BackwardRequest, ErrorCode, ExpertQuery, ForwardRequest, RemoteError
 from swarm.wire.receipts import CallContent, Receipt, tensor_digest
 from swarm.wire.services import SpanService
-from swarm.wire.work import Stamper
+from swarm.wire.work import Stamper, announced_floor
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -255,7 +255,7 @@ class RemoteCaller:
 
     def _note_contention(self, peer_id: str, metadata: dict) -> None:
         if self.stamper is not None:
-            self.stamper.note(peer_id, metadata.get("contended") is True)
+            self.stamper.note(peer_id, metadata.get("contended") is True, floor=announced_floor(metadata))
 
     async def push(self, peer_id: str, request: ForwardRequest, timeout: float) -> None:
         """Send a request whose ``push`` names the next hops; the server only acknowledges it."""

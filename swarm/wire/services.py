@@ -141,3 +141,17 @@ class DeliveryService(FixedNameService):
     ) -> AsyncIterator[runtime_pb2.ExpertUID]:
         raise NotImplementedError
         yield  # pragma: no cover
+
+
+class EvidenceService(FixedNameService):
+    """The RPC an auditor offers for clients' evidence (issue 55): a client streams one piece of evidence, a header
+    then its bytes (:mod:`swarm.wire.handoff`), and hears whether it was queued for recomputation
+    (:class:`swarm.audit.handoff.EvidenceInbox` implements it)."""
+
+    service_name = "EvidenceService"
+
+    async def rpc_hand_evidence(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        raise NotImplementedError
+        yield  # pragma: no cover

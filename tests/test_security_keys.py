@@ -356,15 +356,23 @@ async def _learn_many(dht: DHT, node: DHTNode, peers: list[str], count: int, exp
     own key, so the peer learns every one of them), sent in requests of 256 keys."""
     signer = Ed25519PrivateKey.generate()
     names = [f"learnt-{i}-{time.monotonic_ns() % 10**9}" for i in range(count)]
-    values = [MSGPackSerializer.dumps(signed_value(signer, name_key(n), PublishedModel(
-        n, "cd" * 32, 1000, 2000, time.time()).payload(), expiration)) for n in names]
-    key_ids, taken = [DHTID.generate(source=name_key(n)) for n in names], []
+
+    def values(chosen: list[str], expires: float) -> list[bytes]:
+        return [MSGPackSerializer.dumps(signed_value(signer, name_key(n), PublishedModel(
+            n, "cd" * 32, 1000, 2000, time.time()).payload(), expires)) for n in chosen]
+
+    taken = []
     for peer in peers:
         count_taken = 0
         for start in range(0, count, 256):
-            answer = await node.protocol.call_store(
-                PeerID.from_base58(peer), key_ids[start:start + 256], values[start:start + 256], expiration,
-                subkeys=[slot_subkey(signer)] * len(key_ids[start:start + 256]))
+            chosen, answer = names[start:start + 256], None
+            for attempt in range(3):  # a request that timed out (None: a loaded machine) is sent again, a little later
+                expires = expiration + attempt  # expiring later than what the lost request may have stored
+                answer = await node.protocol.call_store(
+                    PeerID.from_base58(peer), [DHTID.generate(source=name_key(n)) for n in chosen],
+                    values(chosen, expires), expires, subkeys=[slot_subkey(signer)] * len(chosen))
+                if answer is not None:
+                    break
             count_taken += sum(answer or [])
         taken.append(count_taken)
     return taken

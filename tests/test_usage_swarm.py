@@ -61,11 +61,13 @@ def test_a_strangers_tiny_calls_never_get_a_heavy_user_refused_on_an_idle_server
         assert usage["total"]["tokens"] == sum(entry["tokens"] for entry in usage["callers"])
         assert usage["refused"] == 0
         # issue 55 class 6: each default client stamped its first call with proof of work, which the server credited
-        # (the caller and server ids it checks are the ones the client minted for), and no more: the server never
-        # answered that a call had waited for another's; a stamp sent twice is credited once, a malformed one refused
+        # (the caller and server ids it checks are the ones the client minted for), and no more unless the server
+        # answered that a call had waited for another's (on a loaded machine the light call can wait for a heavy one:
+        # then it stamps while told so); a stamp sent twice is credited once, a malformed one refused
         stamps = info["work_stamps"]
         assert stamps["credited"] >= 2 and stamps["refused"] == {}, stamps
-        assert heavy.caller.stamper.minted < 5 and light.caller.stamper.minted < 5
+        for stamper in (heavy.caller.stamper, light.caller.stamper):
+            assert stamper.minted == 1 or stamper.contended > 0, (stamper.minted, stamper.contended)
         hidden = torch.randn(1, 8, light.config.hidden_size)
         stamped = ForwardRequest(0, 4, hidden, "", -1, work=mint(server.peer_id, light_id, 12))
         light.caller.stamper = None  # sent as it is

@@ -112,6 +112,7 @@ class Stamper:
         self.until: OrderedDict[str, float] = OrderedDict()  # server -> stamp its calls until then
         self.floors: dict[str, int] = {}  # server -> the floor its last answer announced, when raised
         self.minted = 0
+        self.contended = 0  # answers that said a request had waited for another caller's
 
     def wanted(self, server: str, now: float) -> bool:
         return server not in self.until or now < self.until[server]
@@ -120,6 +121,7 @@ class Stamper:
         """An answer from ``server``: ``contended`` keeps this client stamping there for ``busy_s`` more; ``floor``
         (:func:`announced_floor`) is what its stamps there must prove more than."""
         now = time.time() if now is None else now
+        self.contended += contended
         previous = self.until.pop(server, now)
         self.until[server] = now + self.busy_s if contended else min(previous, now + self.busy_s)
         if floor > NO_FLOOR:

@@ -26,12 +26,18 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+def stream_workdir(workdir: str | Path, own: str, name: str) -> Path:
+    """Where a follower whose own stream is ``own`` keeps stream ``name``'s run: ``workdir`` for its own stream,
+    ``workdir/streams/NAME`` for another."""
+    return Path(workdir) if name == own else Path(workdir) / "streams" / name
+
+
 def stream_config(base: ImproveConfig, offer: StreamOffer) -> ImproveConfig:
     """The trainer's settings for one stream (see the module doc)."""
     if offer.name == base.name:
         return base
     return dataclasses.replace(base, name=offer.name, task=offer.task, data=offer.data,
-                               workdir=str(Path(base.workdir) / "streams" / offer.name),
+                               workdir=str(stream_workdir(base.workdir, base.name, offer.name)),
                                run_id=offer.name if base.run_id else None, stream_coordinator=None, also_streams=())
 
 

@@ -331,3 +331,38 @@ def test_a_trainer_moves_to_the_stream_its_node_is_assigned_and_only_to_one_it_o
     assert [stream for stream, _ in follower.run()] == ["tagged", "hosts", "hosts", "hosts"]
     follower.close()
     assert sorted(closed) == [("hosts", False), ("tagged", False)], "one improver a stream; its owner closes the host"
+
+
+def test_a_paced_trainer_runs_one_round_per_new_record_of_its_coordinator(tmp_path):
+    """``--round-per-record``: no record, or the record its last round followed, starts no round (the coordinator
+    paces the rounds); each newer one starts exactly one, on the stream it assigns; a stream it moves to keeps none
+    of the follower's own settings."""
+    from swarm.improve.config import ImproveConfig, offers_of
+    from swarm.improve.follow import Follower, stream_config
+
+    config = ImproveConfig("tagged-addition", "seeds-t", "tagged", "k", str(tmp_path), stream_coordinator=KEY,
+                           also_streams=("hosts:host-blocks:seeds-hb/",), round_per_record=True)
+    config.validate()
+    hosts = stream_config(config, offers_of(config)[1])
+    assert not hosts.round_per_record and hosts.stream_coordinator is None
+    hosts.validate()
+    with pytest.raises(ValueError, match="--round-per-record"):
+        ImproveConfig("tagged-addition", "seeds-t", "tagged", "k", str(tmp_path), round_per_record=True).validate()
+
+    class Rounds:
+        def __init__(self, settings):
+            self.name = settings.name
+
+        def run_round(self):
+            trained.append(self.name)
+            return len(trained)
+
+        def close(self, close_host=True):
+            pass
+
+    first, second = record(5), record(9)  # NODES[7] is in "hosts" in both
+    reads = [None, first, first, first, second, second, record(7)]  # an older record than followed starts none
+    trained = []
+    follower = Follower(config, Rounds, lambda: reads.pop(0), NODES[7])
+    assert [follower.step() for _ in range(len(reads))] == [None, 1, None, None, 2, None, None]
+    assert trained == ["hosts", "hosts"]

@@ -17,8 +17,9 @@ A local swarm of this machine's processes (a bootstrap peer, one server of the e
 - at the end, ``swarm.advise``'s question (``--advise-coverage``, ``--advise-blocks``) answered by the built-in rule
   and by ``best:host-blocks`` (resolved and generated through the swarm), each checked and scored.
 
-Rows are per round: a round ends once every node has finished that many rounds (nodes run free; a node reads the
-record before each round, so one that finished first may start its next round on the record before). The table
+The coordinator paces the rounds (the nodes run with ``--round-per-record``): its record of round N, published once
+every node has finished round N - 1 and the auditor has scored what they published, starts every node's round N, on
+the pools it gives (its weights are the schedule's for round N). A row is the state after a round. The table
 (Markdown), the JSON and the plot (matplotlib) go to ``--output`` as ``streams_demo.*``.
 """
 from __future__ import annotations
@@ -28,7 +29,7 @@ import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 import click
 
@@ -123,9 +124,10 @@ def node_command(node: Node, index: int, config: DemoConfig, coordinator_pub: Pa
     return ["-m", "swarm.improve", "--task", node.own.task, "--data", str(node.workdir / f"seeds-{node.own.name}"),
             "--name", node.own.name, "--key", str(node.key_path), "--workdir",
             str(node.workdir), "--model", MODEL, "--rounds", "0", "--round-steps", str(config.round_steps),
-            "--held-out", str(config.held_out), "--self-prompt", str(config.proposals), "--keep", "3",
+            "--held-out", str(config.held_out), "--self-prompt", str(config.proposals), "--keep", "2",
             "--seed", str(index), "--local-model", "--threads", "1", "--log-level", "INFO",
-            "--stream-coordinator", str(coordinator_pub), *[a for other in others for a in ("--also-stream", other)],
+            "--stream-coordinator", str(coordinator_pub), "--round-per-record",
+            *[a for other in others for a in ("--also-stream", other)],
             *[a for peer in peers for a in ("--initial-peers", peer)]]
 
 
@@ -145,12 +147,10 @@ class Coordinator:
                              protect=protected_keys(prefix, auditors=[auditor], coordinators=[ed25519_text(key)]))
         self.book = AuditBook(prefix, frozenset([auditor]))
         self.record = None
-        self.specs: Optional[list[StreamSpec]] = None
 
     def publish(self, specs: list[StreamSpec]):
         from swarm.improve.coordinate import coordinate_round
 
-        self.specs = specs
         self.record = coordinate_round(self.dht, self.key, self.prefix, specs, self.book, self.nodes, self.record,
                                        self.patience, lifetime=600.0)
         logger.info("stream record %d: %s", self.record.sequence,
@@ -163,18 +163,14 @@ class Coordinator:
         stop_dht(self.dht)
 
 
-def wait_for_round(nodes: list[Node], streams: list[str], number: int, timeout: float, coordinator: Coordinator,
-                   config: DemoConfig) -> dict[str, dict[str, list[dict[str, Any]]]]:
-    """Every node's histories once each has finished ``number`` rounds. Meanwhile, as soon as the first node has
-    finished a round after which the weights change, the coordinator publishes the new weights (the node reads the
-    record before its next round). RuntimeError if a node died or the round took over ``timeout``."""
+def wait_for_round(nodes: list[Node], streams: list[str], number: int, timeout: float
+                   ) -> dict[str, dict[str, list[dict[str, Any]]]]:
+    """Every node's histories once each has finished ``number`` rounds; RuntimeError if a node died or the round took
+    over ``timeout``."""
     deadline = time.monotonic() + timeout
     while True:
         now = {node.label: node.histories(streams) for node in nodes}
         done = {label: report.rounds_done(histories) for label, histories in now.items()}
-        upcoming = weights_at(config.streams, config.reweighs, max(done.values()) + 1)
-        if upcoming != coordinator.specs:
-            coordinator.publish(upcoming)
         if min(done.values()) >= number:
             return now
         for node in nodes:
@@ -186,29 +182,26 @@ def wait_for_round(nodes: list[Node], streams: list[str], number: int, timeout: 
         time.sleep(0.5)
 
 
-def rows_of(number: int, record, specs: list[StreamSpec], moved: dict, client, nodes: list[Node]) -> list[StreamRow]:
-    """One row per stream after round ``number``: the record's weight, pool and curve, what the nodes did, and what
-    a client's ``best:TASK`` adopts."""
+def rows_of(number: int, started, record, moved: dict, client, nodes: list[Node]) -> Iterator[StreamRow]:
+    """One row per stream for round ``number``: the weight and pool of the record that started it, what the nodes
+    did, the curve (and any flag) of the record after it, and what a client's ``best:TASK`` adopts then."""
     from swarm.adapters.adapter import AdapterError
 
     labels = {node.peer_id: node.label for node in nodes}
     keys = {node.label: node.key for node in nodes}
-    views = {view["stream"]: view for view in record.views()}
-    rows = []
-    for spec in specs:
-        view, did = views[spec.name], moved[spec.name]
+    before = {view["stream"]: view for view in started.views()}
+    for view in record.views():
+        did, given = moved[view["stream"]], before[view["stream"]]
         best, score = "-", None
-        if client is not None:
-            try:
-                best, score = short(client.best_adapter(spec.task), keys), audited_figure(client, spec.task)
-            except AdapterError as error:  # no version of this task audited yet
-                logger.info("round %d: best:%s has nothing yet (%s)", number, spec.task, error)
-        pool = sorted(labels.get(peer, peer[:8]) for peer in view["pool"])
+        try:
+            best, score = short(client.best_adapter(view["task"]), keys), audited_figure(client, view["task"])
+        except AdapterError as error:  # no version of this task audited yet
+            logger.info("round %d: best:%s has nothing yet (%s)", number, view["task"], error)
+        pool = sorted(labels.get(peer, peer[:8]) for peer in given["pool"])
         flags = [report.labelled(flag, labels) for flag in view["flags"]]
         curve = view["curve"][-1] if view["curve"] else None
-        rows.append(StreamRow(number, spec.name, spec.task, view["weight"], pool, did.nodes, curve, len(view["curve"]),
-                              did.new, did.accepted, best, score, view["stalled"], flags))
-    return rows
+        yield StreamRow(number, view["stream"], view["task"], given["weight"], pool, did.nodes, curve,
+                        len(view["curve"]), did.new, did.accepted, best, score, view["stalled"], flags)
 
 
 def ask_advice(config: DemoConfig, peers: list[str], prefix: str, auditor: str) -> Optional[dict[str, Any]]:
@@ -279,13 +272,12 @@ def run_demo(config: DemoConfig) -> tuple[list[StreamRow], Optional[dict[str, An
                                                             adoption_margin=config.margin,
                                                             trusted_auditors=(auditor_pub,))
             client.adapter_cache = work / "client-cache"
-            rows += rows_of(0, record, coordinator.specs, progress({}, {}, streams), None, nodes)
             before: dict[str, dict[str, int]] = {}
             for number in range(1, config.rounds + 1):
-                now = wait_for_round(nodes, streams, number, config.round_timeout, coordinator, config)
+                now = wait_for_round(nodes, streams, number, config.round_timeout)
                 auditor.run_round()
-                record = coordinator.publish(weights_at(config.streams, config.reweighs, number + 1))
-                rows += rows_of(number, record, coordinator.specs, progress(before, now, streams), client, nodes)
+                started, record = record, coordinator.publish(weights_at(config.streams, config.reweighs, number + 1))
+                rows += rows_of(number, started, record, progress(before, now, streams), client, nodes)
                 before = report.done_counts(now)
                 click.echo("\n".join(row.line() for row in rows[-len(streams):]))
             advice = ask_advice(config, peers, prefix, auditor_pub)

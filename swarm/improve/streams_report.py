@@ -118,10 +118,10 @@ class StreamRow:
     round: int
     stream: str
     task: str
-    weight: float  # the weight in the record published after the round (the next round follows it)
-    pool: list[str]  # the nodes that record assigns the stream
+    weight: float  # its weight in the coordinator's record that started the round
+    pool: list[str]  # the nodes that record assigned the stream
     trained: list[str]  # the nodes that finished rounds of the stream since the previous row
-    curve: Optional[float]  # the coordinator's audited curve: the best trusted score of its versions so far
+    curve: Optional[float]  # the audited curve of the record after the round: its versions' best trusted score
     points: int  # audited versions on that curve
     new: int
     accepted: int
@@ -205,7 +205,7 @@ def plot(rows: Sequence[StreamRow], advice: Optional[Mapping[str, Any]], path: P
     scores.set_ylim(-0.02, 1.02)
     scores.legend(fontsize=7)
     scores.grid(alpha=0.3)
-    pools.set_xlabel("round (pool of the record published after it)")
+    pools.set_xlabel("round (the pool its record gave)")
     pools.set_ylabel("nodes")
     pools.legend(fontsize=7)
     pools.grid(alpha=0.3)

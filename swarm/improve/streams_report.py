@@ -200,6 +200,10 @@ def plot(rows: Sequence[StreamRow], advice: Optional[Mapping[str, Any]], path: P
         rounds = [row.round for row in rows if row.stream == stream]
         pools.step(rounds, [len(row.pool) for row in rows if row.stream == stream], "o-", where="post", color=colour,
                    label=stream)
+    rounds = sorted({row.round for row in rows})
+    for axes in (scores, pools):
+        axes.set_xticks(rounds)
+    pools.set_yticks(range(0, max(len(row.pool) for row in rows) + 2))
     scores.set_xlabel("round (round 1 trains on the seeds alone)")
     scores.set_ylabel("exact match / accepted share")
     scores.set_ylim(-0.02, 1.02)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -240,7 +241,10 @@ def run_demo(config: DemoConfig) -> tuple[list[StreamRow], Optional[dict[str, An
     config.validate()
     os.environ.setdefault("SWARM_STAMP_BITS", "16")  # a private swarm: see swarm.improve.demo
     work = config.output / "work"
-    work.mkdir(parents=True, exist_ok=True)
+    if work.exists():  # a run resumes from its workdir: an earlier demonstration's nodes would start where they ended
+        logger.warning("replacing the runs of an earlier demonstration in %s", work)
+        shutil.rmtree(work)
+    work.mkdir(parents=True)
     streams = [spec.name for spec in config.streams]
     files = ModelFiles(MODEL)
     prefix = default_prefix(files.path)

@@ -8,11 +8,12 @@ import json
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 
 from swarm.improve import streams_report as report
 from swarm.improve.coordinator import StreamSpec, plan_record
 from swarm.improve.demo import write_report
-from swarm.improve.streams_demo import DemoConfig, make_nodes, node_command
+from swarm.improve.streams_demo import DemoConfig, main, make_nodes, node_command
 from swarm.improve.streams_report import Progress, Reweigh, StreamRow, progress, weights_at
 
 pytestmark = pytest.mark.unit
@@ -148,3 +149,14 @@ def test_the_outputs_are_the_table_the_json_and_a_plot_or_the_line_saying_why_no
 def test_a_stream_with_no_rounds_has_no_acceptance():
     assert Progress().acceptance is None
     assert StreamRow(1, "s", "t", 1.0, [], [], None, 0, 0, 0, "-", None).line().endswith("| - | - | - |")
+
+
+@pytest.mark.parametrize("args, said", [
+    (["--reweigh", "3:nope:1"], "--reweigh: no stream 'nope'"), (["--reweigh", "x"], "ROUND:NAME:WEIGHT"),
+    (["--stream", "x:y"], "NAME:TASK:WEIGHT"), (["--stream", "a:no-such-task:1"], "--stream: no task 'no-such-task'"),
+    (["--nodes", "1"], "--nodes: at least one node per stream"),
+    (["--stream", "a:tagged-addition:1", "--stream", "a:host-blocks:1"], "each stream name once")])
+def test_bad_input_is_one_line_and_exit_2_before_any_swarm_starts(tmp_path, args, said):
+    result = CliRunner().invoke(main, ["--output", str(tmp_path / "out"), *args])
+    assert result.exit_code == 2 and said in result.output, result.output
+    assert not (tmp_path / "out").exists(), "nothing was started or written"

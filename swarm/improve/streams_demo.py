@@ -71,7 +71,12 @@ class DemoConfig:
     round_timeout: float = 600.0
 
     def validate(self) -> None:
+        from swarm.train.config import TASK_NAMES
+
         names = [spec.name for spec in self.streams]
+        tasks = [spec.task for spec in self.streams if spec.task not in TASK_NAMES]
+        if tasks:
+            raise ValueError(f"--stream: no task {tasks[0]!r} (one of: {', '.join(TASK_NAMES)})")
         if len(set(names)) != len(names):
             raise ValueError("--stream: each stream name once")
         unknown = [r.stream for r in self.reweighs if r.stream not in names]

@@ -21,20 +21,11 @@ from typing import Any
 
 import click
 
-from swarm.improve.demo import round_of, stop
+from swarm.improve.demo import round_of, stop, write_seeds
 
 DOMAINS = ("tagged-addition", "bracketed-addition")
 HEADER = ("| round | stream | own held-out figure | newest version: fresh held-out score | proposed | by the model "
           "| new | held out | accepted | acceptance |\n|---|---|---|---|---|---|---|---|---|---|")
-
-
-def write_seeds(folder: Path, domain: str, count: int) -> None:
-    from swarm.train.data import TASKS
-
-    folder.mkdir(parents=True, exist_ok=True)
-    problems = TASKS[domain]().problems(count, 7, held_out=False)
-    (folder / "seeds.jsonl").write_text("".join(json.dumps({"prompt": p.prompt, "response": p.answer}) + "\n"
-                                                for p in problems))
 
 
 def row(number: int, domain: str, entry: dict[str, Any]) -> str:

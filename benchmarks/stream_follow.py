@@ -21,7 +21,7 @@ from pathlib import Path
 
 import click
 
-from benchmarks.self_prompt_streams import write_seeds
+from swarm.improve.demo import write_seeds
 
 
 def coordinator(out: Path, peers: list[str], node: str, weights: tuple[float, float]) -> subprocess.Popen:

@@ -81,6 +81,7 @@ FILE_TIERS = {  # a "unit" file may hold tests of other tiers: found by their fi
     "test_stream_records": "unit",  # the record, its parser and refusals in process; one DHT round trip (swarm)
     "test_self_prompt": "unit",
     "test_streams": "unit",
+    "test_streams_demo": "unit",  # the streams demonstration's bookkeeping, table and plot (the demo: a command)
     "test_usage": "unit",  # the ledger, the cap and the retry hint, in process; a live server in test_usage_swarm
     "test_usage_swarm": "swarm",
     "test_dht_pipe": "unit",  # the DHT process's command pipe, in process; one real DHT process (marked swarm)

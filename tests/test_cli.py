@@ -164,7 +164,7 @@ def test_a_malformed_initial_peer_is_one_line_from_the_real_process():
 HEAVY_MODULES = ("torch", "hivemind", "transformers", "fastapi", "uvicorn")
 # Every ``python -m`` command of the package: its --help, and each of its subcommands', loads none of HEAVY_MODULES.
 MODULE_COMMANDS = ("swarm.generate", "swarm.eval.text_quality", "swarm.eval.composition", "swarm.train.tokenizer",
-                   "swarm.improve.demo")
+                   "swarm.improve.demo", "swarm.improve.streams_demo")
 COMMANDS = ("swarm.server", "swarm.api", "swarm.dht", "swarm.health", "swarm.governance", "swarm.train", "swarm.eval",
             "swarm.finetune", "swarm.benchmark", "swarm.weights", "swarm.audit", "swarm.improve", "swarm.advise",
             *MODULE_COMMANDS)

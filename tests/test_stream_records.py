@@ -4,6 +4,7 @@ not given or that did no work is flagged; swarm.health and the web map show them
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import time
 
@@ -290,6 +291,20 @@ def test_a_coordinator_writes_no_record_a_reader_would_refuse():
 
 
 # ----- trainers that follow the coordinator ---------------------------------------------------------------------------
+class Rounds:
+    """Stands for an improver: which stream's settings each round ran with (``trained``), and its closing."""
+
+    def __init__(self, settings, trained: list, closed: list):
+        self.name, self.trained, self.closed = settings.name, trained, closed
+
+    def run_round(self):
+        self.trained.append(self.name)
+        return len(self.trained)
+
+    def close(self, close_host=True):
+        self.closed.append((self.name, close_host))
+
+
 def test_a_trainer_moves_to_the_stream_its_node_is_assigned_and_only_to_one_it_offers(tmp_path):
     from swarm.improve.config import ImproveConfig, StreamOffer, offers_of
     from swarm.improve.follow import Follower, stream_config, stream_for
@@ -314,20 +329,34 @@ def test_a_trainer_moves_to_the_stream_its_node_is_assigned_and_only_to_one_it_o
                           also_streams=(bad,)).validate()
     assert StreamOffer.parse("a:host-blocks:datasets:x:train").data == "datasets:x:train"
 
-    class Rounds:  # stands for an improver: what the follower asked of which stream's settings
-        def __init__(self, settings):
-            self.name = settings.name
-
-        def run_round(self):
-            trained.append(self.name)
-            return len(trained)
-
-        def close(self, close_host=True):
-            closed.append((self.name, close_host))
-
     records = [None, two, two, record(3, entries=(two.entries[0], dataclasses.replace(two.entries[1], pool=())))]
     trained, closed = [], []
-    follower = Follower(dataclasses.replace(config, rounds=4), Rounds, lambda: records.pop(0), NODES[7])
+    follower = Follower(dataclasses.replace(config, rounds=4), functools.partial(Rounds, trained=trained,
+                        closed=closed), lambda: records.pop(0), NODES[7])
     assert [stream for stream, _ in follower.run()] == ["tagged", "hosts", "hosts", "hosts"]
     follower.close()
     assert sorted(closed) == [("hosts", False), ("tagged", False)], "one improver a stream; its owner closes the host"
+
+
+def test_a_paced_trainer_runs_one_round_per_new_record_of_its_coordinator(tmp_path):
+    """``--round-per-record``: no record, or the record its last round followed, starts no round (the coordinator
+    paces the rounds); each newer one starts exactly one, on the stream it assigns; a stream it moves to keeps none
+    of the follower's own settings."""
+    from swarm.improve.config import ImproveConfig, offers_of
+    from swarm.improve.follow import Follower, stream_config
+
+    config = ImproveConfig("tagged-addition", "seeds-t", "tagged", "k", str(tmp_path), stream_coordinator=KEY,
+                           also_streams=("hosts:host-blocks:seeds-hb/",), round_per_record=True)
+    config.validate()
+    hosts = stream_config(config, offers_of(config)[1])
+    assert not hosts.round_per_record and hosts.stream_coordinator is None
+    hosts.validate()
+    with pytest.raises(ValueError, match="--round-per-record"):
+        ImproveConfig("tagged-addition", "seeds-t", "tagged", "k", str(tmp_path), round_per_record=True).validate()
+
+    first, second = record(5), record(9)  # NODES[7] is in "hosts" in both
+    reads = [None, first, first, first, second, second, record(7)]  # an older record than followed starts none
+    trained = []
+    follower = Follower(config, functools.partial(Rounds, trained=trained, closed=[]), lambda: reads.pop(0), NODES[7])
+    assert [follower.step() for _ in range(len(reads))] == [None, 1, None, None, 2, None, None]
+    assert trained == ["hosts", "hosts"]

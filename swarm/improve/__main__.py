@@ -82,6 +82,9 @@ D = ImproveConfig  # the defaults
 @click.option("--also-stream", "also_streams", multiple=True,
               help="With --stream-coordinator: another stream this trainer can be moved to, NAME:TASK:DATA "
                    "(repeatable; its own workdir is WORKDIR/streams/NAME).")
+@click.option("--round-per-record", is_flag=True,
+              help="With --stream-coordinator: start a round only on a record of the coordinator newer than the one "
+                   "the last round followed (the coordinator paces the rounds: one round per record).")
 @click.option("--local-model", is_flag=True,
               help="Run the whole model here; the swarm then serves only the collaboration and the publishing.")
 @threads_option()

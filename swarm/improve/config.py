@@ -43,6 +43,7 @@ class ImproveConfig:
     self_prompt: int = 0  # problems proposed per round by self-prompting (0: off); --data is then the seeds' folder
     stream_coordinator: Optional[str] = None  # follow this coordinator's stream records (base64 key or a file of one)
     also_streams: tuple[str, ...] = ()  # NAME:TASK:DATA of the other streams this trainer can be moved to
+    round_per_record: bool = False  # with a coordinator: one round per new record of it (the coordinator paces)
 
     def validate(self) -> None:
         from swarm.train.config import TASK_NAMES
@@ -57,6 +58,8 @@ class ImproveConfig:
             raise ValueError("--self-prompt must be at least 0")
         if self.also_streams and not self.stream_coordinator:
             raise ValueError("--also-stream: streams to be moved to by a coordinator; give --stream-coordinator")
+        if self.round_per_record and not self.stream_coordinator:
+            raise ValueError("--round-per-record: rounds paced by a coordinator's records; give --stream-coordinator")
         offers_of(self)  # ValueError for a malformed --also-stream
         if self.self_prompt and not Path(self.data).is_dir():
             raise ValueError(f"--self-prompt writes the accepted answers into --data: {self.data} must be a folder "

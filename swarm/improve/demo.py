@@ -25,7 +25,7 @@ import subprocess
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import click
 
@@ -69,11 +69,18 @@ HEADER = ("| round | newest version (A / B) | trainers' own figure (A / B) | aud
           "|---|---|---|---|---|---|---|")
 
 
-def write_examples(path: Path, count: int, seed: int) -> None:
-    from swarm.train.data import TaggedAdditionTask
+def write_examples(path: Path, count: int, seed: int, task: str = TASK) -> None:
+    """``count`` training problems of ``task`` (none held out) as JSONL, as every data source reads them."""
+    from swarm.train.data import TASKS
 
-    problems = TaggedAdditionTask().problems(count, seed, held_out=False)
+    problems = TASKS[task]().problems(count, seed, held_out=False)
     path.write_text("".join(json.dumps({"prompt": p.prompt, "response": p.answer}) + "\n" for p in problems))
+
+
+def write_seeds(folder: Path, task: str, count: int, seed: int = 7) -> None:
+    """A self-prompting stream's human data: ``count`` seed examples of ``task`` in ``folder/seeds.jsonl``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    write_examples(folder / "seeds.jsonl", count, seed, task)
 
 
 def round_of(workdir: Path) -> tuple[int, list[dict[str, Any]]]:
@@ -278,17 +285,24 @@ def wait_for_round(trainers: dict[str, Process], work: Path, number: int, timeou
         time.sleep(0.25)  # a round's end is a file written: read it soon after
 
 
+def write_report(output: Path, stem: str, table: str, data: Any, draw: Callable[[Path], None]) -> str:
+    """Write ``stem``.md (the table) and ``stem``.json (``data``) to ``output``, and with matplotlib ``stem``.png
+    (``draw(path)``); says what was written, and the install line of a plot that was not."""
+    output.mkdir(parents=True, exist_ok=True)
+    written = [output / f"{stem}.md", output / f"{stem}.json"]
+    written[0].write_text(table)
+    written[1].write_text(json.dumps(data, indent=1))
+    try:
+        draw(output / f"{stem}.png")
+    except ImportError:  # the plot extra is optional: the table is the result, the plot a picture of it
+        return f"wrote {', '.join(map(str, written))}; no plot (matplotlib is not installed: {install_hint('plot')})"
+    return f"wrote {', '.join(map(str, [*written, output / f'{stem}.png']))}"
+
+
 def write_outputs(output: Path, rows: list[Row]) -> str:
     """Write the table (Markdown, JSON) and, with matplotlib, the plot; says what was written (and what was not)."""
     table = "\n".join([HEADER, *(row.line() for row in rows)]) + "\n"
-    written = [output / "improve_demo.md", output / "improve_demo.json"]
-    written[0].write_text(table)
-    written[1].write_text(json.dumps([asdict(row) for row in rows], indent=1))
-    try:
-        plot(rows, output / "improve_demo.png")
-    except ImportError:  # the plot extra is optional: the table is the result, the plot a picture of it
-        return f"wrote {', '.join(map(str, written))}; no plot (matplotlib is not installed: {install_hint('plot')})"
-    return f"wrote {', '.join(map(str, [*written, output / 'improve_demo.png']))}"
+    return write_report(output, "improve_demo", table, [asdict(row) for row in rows], lambda path: plot(rows, path))
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})

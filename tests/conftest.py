@@ -97,7 +97,7 @@ FILE_TIERS = {  # a "unit" file may hold tests of other tiers: found by their fi
     "test_liveness": "swarm",  # issue 56 item 4: the map and the client after a server dies
     "test_readme": "unit",  # the markers in process; the snippets (processes, a swarm) are marked swarm
     "test_newcomer": "unit",  # issue 56: install lines, errors that name the fix, the tokenizer, in process
-    "test_client_memory": "swarm",  # a client process beside two servers of LLaDA-8B's widths (issue 54)
+    "test_client_memory": "unit",  # the challenge a client embeds (issue 54; its 8B-width measurement: test_invariance)
     "test_wan": "swarm",  # a swarm behind delaying TCP proxies: crossings per step counted, every mode at 150 ms
 }
 
@@ -137,12 +137,11 @@ def pytest_collection_modifyitems(config, items):
 # "Forked servers, the longest files first"): they start first, so that no worker begins a two-minute file when the
 # others are nearly done. xdist itself queues files by their number of tests, which put the few-but-long ones last.
 # Unlisted files follow in xdist's order; a listed name that is no file is refused, so the list cannot rot silently.
-# The two 8B-width files (test_invariance, test_client_memory) hold WIDE_LOCK in turn: the first starts at once, the
-# second far enough down the list that it rarely waits.
+# The 8B-width file (test_invariance) holds WIDE_LOCK and starts at once.
 LONGEST_FILES = ("test_invariance", "test_audit_swarm", "test_audit_traffic", "test_improve", "test_readme",
                  "test_security_dht", "test_weights", "test_finetune_together", "test_nat", "test_security_server",
                  "test_security_client", "test_governance", "test_daemons", "test_web", "test_head",
-                 "test_client_memory", "test_spot_checks", "test_hub", "test_eval", "test_cli", "test_security_parsers")
+                 "test_spot_checks", "test_hub", "test_eval", "test_cli", "test_security_parsers")
 
 
 @pytest.hookimpl(optionalhook=True)  # without pytest-xdist (`-p no:xdist`) the hook does not exist

@@ -150,7 +150,7 @@ def test_a_client_that_cannot_recompute_says_its_tokens_are_unchecked(local_swar
 def test_a_client_recomputes_only_what_fits_its_check_memory(local_swarm, liars, swarm_peer):
     """``spot_check_memory_mb`` bounds the weights a client's checks load (issue 54): below the size of the blocks,
     the client alone with a liar loads nothing, and every drawn check is counted unchecked with the reason (at
-    LLaDA-8B's widths, where one block is past the default bound: tests/test_client_memory.py)."""
+    LLaDA-8B's widths, where one block is past the default bound: tests/test_invariance.py)."""
     path, peers = liars
     with swarm_client(local_swarm, path, dht=swarm_peer, spot_check_fraction=0.25, spot_check_seed=3,
                       spot_check_memory_mb=0.01) as lm:

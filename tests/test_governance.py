@@ -249,10 +249,12 @@ def test_tier_rules_classify_and_only_tighten(tmp_path):
 
 @pytest.fixture(scope="module")
 def tiered_swarm(local_swarm, tmp_path_factory):
-    """Two servers a client trusts and, announcing itself far faster, one it does not, all holding every block."""
+    """Two servers a client trusts and, announcing itself far faster, one it does not, all holding every block. The
+    trusted ones announce 10 tokens/s: a route's cost is its measured round trip plus tokens over throughput, and with
+    their own figure (thousands) a loaded machine's slower ping to the fast server outweighed the compute it saves."""
     path = make_checkpoint(tmp_path_factory.mktemp("tiered") / "tiered", tiny_config(), seed=8)
     servers = [local_swarm.start_server(str(path), "0:4", "--compute-threads", "1", *extra, wait=False)
-               for extra in ((), (), ("--throughput", "1e9"))]
+               for extra in (("--throughput", "10"), ("--throughput", "10"), ("--throughput", "1e9"))]
     for server in servers:
         local_swarm.wait_ready(server)
     yield path, servers[:2], servers[2]

@@ -211,6 +211,33 @@ def test_adoption_reads_trusted_auditors_only_and_moves_by_the_margin(peer, host
     assert order[-1].sha256 == good.sha256 and len(order) == len({r.sha256 for r in published})
 
 
+def test_a_version_audited_right_on_no_problem_of_a_task_is_never_adopted_for_it():
+    """``best:TASK`` over versions the auditor scored on every stream's task (the streams demonstration): a version of
+    another task's stream, or one that broke the model, audited 0/40 on TASK is adopted neither where nothing else
+    was scored (nothing, the base model, is better) nor when it is the held choice; one right answer makes it a
+    candidate, and the best score on the task still wins, whichever stream published it."""
+    from swarm.adapters.sharing import PublishedAdapter
+
+    auditor = Ed25519PrivateKey.generate()
+    author = ed25519_text(Ed25519PrivateKey.generate())
+    tagged, bracketed = (PublishedAdapter(name, sha * 64, 10, {}, author=author) for name, sha in
+                         (("tagged", "a"), ("bracketed", "b")))
+    book = AuditBook("p", frozenset({ed25519_text(auditor)}))
+
+    def audit(sequence: int, *entries: tuple[PublishedAdapter, str, int]) -> None:
+        scores = [dataclasses.replace(scored(record, auditor, correct), task=task) for record, task, correct in entries]
+        assert book.consider(report("p", auditor, scores, sequence))
+
+    audit(1, (tagged, "tagged-addition", 30), (tagged, "bracketed-addition", 0))
+    assert choose(book, "tagged-addition", [tagged]).record is tagged
+    assert choose(book, "bracketed-addition", [tagged]) is None, "a version audited 0.00 won over nothing"
+    assert choose(book, "bracketed-addition", [tagged], held=tagged.sha256) is None, "held, it stayed"
+    audit(2, (tagged, "bracketed-addition", 0), (bracketed, "bracketed-addition", 1))
+    assert choose(book, "bracketed-addition", [tagged, bracketed]).record is bracketed
+    audit(3, (tagged, "bracketed-addition", 5), (bracketed, "bracketed-addition", 1))
+    assert choose(book, "bracketed-addition", [tagged, bracketed]).record is tagged, "the best score, any stream's"
+
+
 # ----- parsers of remote input ---------------------------------------------------------------------------
 LEAVES = (st.none() | st.booleans() | st.integers(-2**63, 2**63 - 1) | st.floats() | st.text(max_size=70)
           | st.sampled_from(["a" * 64, DATA]))

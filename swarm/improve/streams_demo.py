@@ -46,8 +46,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-STREAMS = ("tagged:tagged-addition:1", "hosts:host-blocks:1")
-REWEIGH = ("3:tagged:3",)
+STREAMS = ("tagged:tagged-addition:2", "dotted:dotted-addition:1", "hosts:host-blocks:1")
+REWEIGH = ("3:dotted:3",)
 
 
 @dataclass

@@ -37,8 +37,8 @@ def main(tasks: str, seeds: int, steps: str, held_out: int) -> None:
     torch.set_num_threads(1)
     lm = DiffusionLM.from_pretrained(FALLBACK_MODEL)
     defaults = ImproveConfig("", "", "", "", "")
-    print("| task | seeds | steps | training loss | held-out exact match | e.g. (prompt, answer, output) |\n"
-          "|---|---|---|---|---|---|")
+    print("| task | seeds | steps | training loss | held-out exact match | e.g. (prompt, answer, output) | seconds |\n"
+          "|---|---|---|---|---|---|---|")
     for name in tasks.split(","):
         task, folder = TASKS[name](), Path(tempfile.mkdtemp(prefix="seed-start-"))
         write_examples(folder / "seeds.jsonl", seeds, 7, name)  # the seeds a demonstration's stream starts from
@@ -54,10 +54,9 @@ def main(tasks: str, seeds: int, steps: str, held_out: int) -> None:
             trainer.run(progress=False)
             report = evaluate_task(lm, task, examples=held_out, seed=1,
                                    generate_options={"adapter": str(folder / "adapter")})
-            sample = report.samples[0]
+            sample, seconds = report.samples[0], time.perf_counter() - started
             print(f"| {name} | {seeds} | {total} | {trainer.smoothed_loss():.3f} | {report.correct}/{report.examples} "
-                  f"| {sample['prompt']} {sample['answer']} {sample['output']!r} | "
-                  f"({time.perf_counter() - started:.0f} s)", flush=True)
+                  f"| {sample['prompt']} {sample['answer']} {sample['output']!r} | {seconds:.0f} |", flush=True)
 
 
 if __name__ == "__main__":

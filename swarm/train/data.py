@@ -252,9 +252,10 @@ class BracketedAdditionTask(TaggedAdditionTask):
 class DottedAdditionTask(TaggedAdditionTask):
     """Addition answered as a sentence ends, the sum then a full stop (``12+5=`` -> ``17.``): a second house style the
     embedded models never write and learn as readily as tagged addition's, because the sum stays where addition puts
-    it and only a mark follows. Measured (docs/TRAINING.md, "The one-command demonstration"): 20 steps on 16 seeds
-    answer 15 of 40 held-out problems, where bracketed addition's ``[17]`` (every digit moved one place right)
-    answers none after 40 steps and 2 after 160, too rarely for expert iteration to start from."""
+    it and only a mark follows. Measured (``python benchmarks/seed_start.py``; docs/TRAINING.md, "The one-command
+    demonstration"): 20 steps on 16 seeds answer 15 of 40 held-out problems, where bracketed addition's ``[17]``
+    (every digit moved one place right) answers none after 40 steps and 2 after 160, too rarely for expert iteration
+    to start from."""
 
     name = "dotted-addition"
     TAG = "."

@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from swarm.adapters.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, AdapterError
-from swarm.adapters.sharing import content_hash, read_adapter_files, signed_value, store_slot
+from swarm.adapters.sharing import PublishedAdapter, content_hash, read_adapter_files, signed_value, store_slot
 from swarm.adapters.versions import (
     MAX_VERSIONS,
     AdapterVersion,
@@ -211,6 +211,47 @@ def test_adoption_reads_trusted_auditors_only_and_moves_by_the_margin(peer, host
     assert order[-1].sha256 == good.sha256 and len(order) == len({r.sha256 for r in published})
 
 
+def test_a_version_audited_right_on_no_problem_of_a_task_is_never_adopted_for_it():
+    """``best:TASK`` over versions the auditor scored on every stream's task (the streams demonstration): a version of
+    another task's stream, or one that broke the model, audited 0/40 on TASK is adopted neither where nothing else
+    was scored (nothing, the base model, is better) nor when it is the held choice; one right answer makes it a
+    candidate, and the best score on the task still wins, whichever stream published it."""
+    auditor = Ed25519PrivateKey.generate()
+    author = ed25519_text(Ed25519PrivateKey.generate())
+    tagged, bracketed = (PublishedAdapter(name, sha * 64, 10, {}, author=author) for name, sha in
+                         (("tagged", "a"), ("bracketed", "b")))
+    book = AuditBook("p", frozenset({ed25519_text(auditor)}))
+
+    def audit(sequence: int, *entries: tuple[PublishedAdapter, str, int]) -> None:
+        scores = [dataclasses.replace(scored(record, auditor, correct), task=task) for record, task, correct in entries]
+        assert book.consider(report("p", auditor, scores, sequence))
+
+    audit(1, (tagged, "tagged-addition", 30), (tagged, "bracketed-addition", 0))
+    assert choose(book, "tagged-addition", [tagged]).record is tagged
+    assert choose(book, "bracketed-addition", [tagged]) is None, "a version audited 0.00 won over nothing"
+    assert choose(book, "bracketed-addition", [tagged], held=tagged.sha256) is None, "held, it stayed"
+    audit(2, (tagged, "bracketed-addition", 0), (bracketed, "bracketed-addition", 1))
+    assert choose(book, "bracketed-addition", [tagged, bracketed]).record is bracketed
+    audit(3, (tagged, "bracketed-addition", 5), (bracketed, "bracketed-addition", 1))
+    assert choose(book, "bracketed-addition", [tagged, bracketed]).record is tagged, "the best score, any stream's"
+
+
+def test_a_report_lists_the_scores_that_found_a_version_right_before_the_zeros_of_later_ones():
+    """An auditor scoring three stream tasks makes more scores a round than a report holds; the zeros (versions on
+    other streams' tasks), made later in the round, took the places of the new versions' scores."""
+    from swarm.audit.auditor import reported_scores
+
+    auditor, author = Ed25519PrivateKey.generate(), ed25519_text(Ed25519PrivateKey.generate())
+    records = [PublishedAdapter(f"v{i}", f"{i:064x}", 10, {}, author=author) for i in range(12)]
+    right = [scored(record, auditor, 20, checked=100.0 + i) for i, record in enumerate(records[:4])]
+    zeros = [dataclasses.replace(scored(record, auditor, 0, checked=200.0 + i), task="host-blocks")
+             for i, record in enumerate(records)]
+    listed = reported_scores(zeros + right, 8)
+    assert len(listed) == 8 and set(right) <= set(listed), "a score that found a version right went unlisted"
+    assert {a.checked for a in listed if a.correct == 0} == {208.0, 209.0, 210.0, 211.0}, "then the latest"
+    assert list(listed) == sorted(listed, key=lambda a: (a.name, a.task, a.sha256))
+
+
 # ----- parsers of remote input ---------------------------------------------------------------------------
 LEAVES = (st.none() | st.booleans() | st.integers(-2**63, 2**63 - 1) | st.floats() | st.text(max_size=70)
           | st.sampled_from(["a" * 64, DATA]))
@@ -271,7 +312,7 @@ def test_a_fair_sample_reads_trusted_writers_first_and_no_writer_ahead_of_anothe
 def test_a_withdrawal_counts_for_every_publisher_of_the_content_by_the_readers_trust():
     """Whose withdrawal counts: the record's own publisher's and trusted publishers' for a reader that trusts some;
     anybody's for one that trusts none (issue 55, 4)."""
-    from swarm.adapters.sharing import PublishedAdapter, author_id
+    from swarm.adapters.sharing import author_id
     from swarm.adapters.versions import is_withdrawn, withdrawals
 
     keys = [ed25519_text(Ed25519PrivateKey.generate()) for _ in range(3)]

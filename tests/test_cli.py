@@ -234,7 +234,8 @@ def test_every_help_is_answered_before_torch_hivemind_or_fastapi_loads(module):
     ("swarm.governance", ["status"], "Missing option '--governance-key'"),
     ("swarm.train", ["--output", "run", "--corpus", "nope"], "'nope' is not one of 'prose', 'python', 'addition'"),
     ("swarm.eval", ["--task", "nope"],
-     "'nope' is not one of 'addition', 'tagged-addition', 'bracketed-addition', 'host-blocks', 'none'"),
+     "'nope' is not one of 'addition', 'tagged-addition', 'bracketed-addition', 'dotted-addition', 'host-blocks', "
+     "'none'"),
     ("swarm.finetune", ["--data", "README.md", "--output", "out", "--rank", "0"], "0 is not in the range 1<=x<=128"),
     ("swarm.finetune", ["--data", "README.md", "--output", "out", "--target-batch-size", "4"],
      "--target-batch-size needs --run-id"),

@@ -95,7 +95,9 @@ def test_the_shortened_demonstration_adopts_by_audit(tmp_path):
     # after 10 steps), so a version is published by round 2 at the latest and the auditor scores it. The trainers
     # run the model in their own processes (--local-model): they still train together over the swarm's DHT, publish
     # and serve their versions there, and the auditor and the client still go through the server.
-    rows = run_demo(tmp_path, rounds=2, round_steps=10, held_out=20, audit_examples=5, client_examples=5,
+    # 10 audited problems a version: best:TASK adopts no version audited right on none (swarm.reports.adoption), and
+    # a version right on a third of them answers none of 5 one time in 8, of 10 one time in 60.
+    rows = run_demo(tmp_path, rounds=2, round_steps=10, held_out=20, audit_examples=10, client_examples=5,
                     batch_size=16, local_model=True, round_timeout=900)
     assert [row.round for row in rows] == [0, 1, 2]
     assert rows[0].client_score == 0.0 and rows[0].best == "-", "the base model never writes the tag"

@@ -17,7 +17,7 @@ from swarm.train.data import TASKS, AdditionTask, Problem
 
 pytestmark = pytest.mark.unit
 FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-DOMAINS = [TASKS[name]() for name in ("addition", "tagged-addition", "bracketed-addition")]
+DOMAINS = [TASKS[name]() for name in ("addition", "tagged-addition", "bracketed-addition", "dotted-addition")]
 ALL_DOMAINS = [task() for task in TASKS.values()]
 operand = st.integers(0, 999)
 # Respellings of a problem: other digits (fullwidth, Arabic-Indic), leading zeros, spaces anywhere.

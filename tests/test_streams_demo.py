@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from swarm.improve import streams_report as report
 from swarm.improve.coordinator import StreamSpec, plan_record
 from swarm.improve.demo import write_report
-from swarm.improve.streams_demo import DemoConfig, main, make_nodes, node_command
+from swarm.improve.streams_demo import REWEIGH, STREAMS, DemoConfig, main, make_nodes, node_command
 from swarm.improve.streams_report import Progress, Reweigh, StreamRow, progress, weights_at
 
 pytestmark = pytest.mark.unit
@@ -37,6 +37,23 @@ def test_weights_change_from_the_round_a_reweigh_names():
         DemoConfig(Path("x"), SPECS, (Reweigh(2, "other", 1.0),)).validate()
     with pytest.raises(ValueError, match="one node per stream"):
         DemoConfig(Path("x"), SPECS, (), nodes=1).validate()
+
+
+def test_the_default_run_has_two_addition_styles_and_the_networks_question_and_moves_one_node():
+    """The defaults are what the measured run used (docs/TRAINING.md): two house styles of addition that the embedded
+    model learns from its seeds (bracketed addition does not: it never starts), ``host-blocks`` for the advise
+    comparison, pools of 2 1 1 that become 1 2 1 when ``dotted``'s weight rises."""
+    specs = tuple(StreamSpec.parse(s) for s in STREAMS)
+    reweighs = tuple(Reweigh.parse(r) for r in REWEIGH)
+    DemoConfig(Path("x"), specs, reweighs).validate()
+    assert [spec.task for spec in specs] == ["tagged-addition", "dotted-addition", "host-blocks"]
+    nodes, record = [f"Qm{i}" for i in range(1, DemoConfig.nodes + 1)], None
+    pools = []
+    for number in (1, 2, 3):
+        record = plan_record("addition", weights_at(specs, reweighs, number), {}, nodes, {}, number, 1.0, record)
+        pools.append({entry.name: len(entry.pool) for entry in record.entries})
+    assert pools[0] == pools[1] == {"tagged": 2, "dotted": 1, "hosts": 1}
+    assert pools[2] == {"tagged": 1, "dotted": 2, "hosts": 1}
 
 
 def save_history(workdir: Path, rounds: list[tuple[int, int]]) -> None:

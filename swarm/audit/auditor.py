@@ -41,7 +41,7 @@ import uuid
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, Optional
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional
 
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -152,6 +152,16 @@ class TrafficIdentity:
     dht: DHT
     caller: RemoteCaller
     renew_at: float
+
+
+def reported_scores(scores: Iterable[AdapterAudit], limit: int) -> tuple[AdapterAudit, ...]:
+    """The adapter scores a report lists (it holds ``limit``): those that found a version right on some problem first,
+    then the latest. An auditor scoring several tasks scores every version on each, and most of those scores are 0
+    (a version of one task's stream on another task), which no reader adopts (``swarm.reports.adoption``): listed by
+    time alone, the 0s of the versions scored last in a round took the places of the scores of those scored first,
+    the new versions (the streams demonstration with three tasks: its newest versions went unlisted)."""
+    chosen = sorted(scores, key=lambda a: (a.correct > 0, a.checked), reverse=True)[:limit]
+    return tuple(sorted(chosen, key=lambda a: (a.name, a.task, a.sha256)))
 
 
 class Auditor:
@@ -392,8 +402,7 @@ class Auditor:
         calibrated = self.calibrated()
         servers = sorted((dataclasses.replace(audit, calibrated=calibrated.get(peer)) for peer, audit
                           in self.audits.items()), key=lambda a: a.last_check, reverse=True)[:MAX_SERVERS]
-        scores = tuple(sorted(sorted(self.scores.values(), key=lambda a: a.checked, reverse=True)[:MAX_ADAPTERS],
-                              key=lambda a: (a.name, a.task, a.sha256)))
+        scores = reported_scores(self.scores.values(), MAX_ADAPTERS)
         while True:  # within the size bound too (32 long entries and 16 scores): the oldest checks go first
             report = AuditReport(self.prefix, self.sequence, now, tuple(sorted(servers, key=lambda a: a.peer_id)),
                                  self.public_key, scores)

@@ -46,8 +46,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-STREAMS = ("tagged:tagged-addition:1", "hosts:host-blocks:1")
-REWEIGH = ("3:tagged:3",)
+STREAMS = ("tagged:tagged-addition:2", "dotted:dotted-addition:1", "hosts:host-blocks:1")
+REWEIGH = ("3:dotted:3",)
 
 
 @dataclass
@@ -63,6 +63,7 @@ class DemoConfig:
     proposals: int = 32  # problems each node proposes per round (self-prompting)
     round_steps: int = 20
     held_out: int = 20  # the nodes' own figure
+    keep: int = 1  # versions each node keeps live per stream: the auditor scores each on every stream's task
     audit_examples: int = 40  # fresh held-out problems per version and task, each auditor round
     patience: int = 10  # audited versions without a gain after which a stream has stalled
     margin: float = 0.05  # the client's adoption margin
@@ -130,7 +131,7 @@ def node_command(node: Node, index: int, config: DemoConfig, coordinator_pub: Pa
     return ["-m", "swarm.improve", "--task", node.own.task, "--data", str(node.workdir / f"seeds-{node.own.name}"),
             "--name", node.own.name, "--key", str(node.key_path), "--workdir",
             str(node.workdir), "--model", MODEL, "--rounds", "0", "--round-steps", str(config.round_steps),
-            "--held-out", str(config.held_out), "--self-prompt", str(config.proposals), "--keep", "2",
+            "--held-out", str(config.held_out), "--self-prompt", str(config.proposals), "--keep", str(config.keep),
             "--seed", str(index), "--local-model", "--threads", "1", "--log-level", "INFO",
             "--stream-coordinator", str(coordinator_pub), "--round-per-record",
             *[a for other in others for a in ("--also-stream", other)],
@@ -319,6 +320,8 @@ def run_demo(config: DemoConfig) -> tuple[list[StreamRow], Optional[dict[str, An
               help="Problems each node proposes per round after its first on a stream.")
 @click.option("--round-steps", type=click.IntRange(1), default=DemoConfig.round_steps, help="Steps per round.")
 @click.option("--held-out", type=click.IntRange(1), default=DemoConfig.held_out, help="A node's own figure's problems.")
+@click.option("--keep", type=click.IntRange(1, 16), default=DemoConfig.keep,
+              help="Versions each node keeps live per stream (each is audited on every stream's task every round).")
 @click.option("--audit-examples", type=click.IntRange(1), default=DemoConfig.audit_examples,
               help="Fresh held-out problems per version and task, each auditor round.")
 @click.option("--patience", type=click.IntRange(1, 100), default=DemoConfig.patience,

@@ -184,34 +184,38 @@ def series(rows: Sequence[StreamRow], stream: str, attribute: str) -> tuple[list
 
 
 def plot(rows: Sequence[StreamRow], advice: Optional[Mapping[str, Any]], path: Path) -> None:
-    """Each stream's audited curve and acceptance per round (left), its pool size per round (right); the advise
-    comparison in the title. ImportError without matplotlib."""
+    """Each stream's audited curve and acceptance per round (left), the pools per round stacked (right: every
+    stream's share visible where two have the same size); the advise comparison in the title. ImportError without
+    matplotlib."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     streams = list(dict.fromkeys(row.stream for row in rows))
+    rounds = sorted({row.round for row in rows})
     figure, (scores, pools) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [3, 2]})
+    stacked = [0] * len(rounds)
     for index, stream in enumerate(streams):
         colour = f"C{index}"
         scores.plot(*series(rows, stream, "curve"), "o-", color=colour, label=f"{stream}: audited (best so far)")
         scores.plot(*series(rows, stream, "acceptance"), "s:", color=colour, label=f"{stream}: acceptance")
-        rounds = [row.round for row in rows if row.stream == stream]
-        pools.step(rounds, [len(row.pool) for row in rows if row.stream == stream], "o-", where="post", color=colour,
-                   label=stream)
-    rounds = sorted({row.round for row in rows})
+        sizes = {row.round: len(row.pool) for row in rows if row.stream == stream}
+        heights = [sizes.get(number, 0) for number in rounds]
+        pools.bar(rounds, heights, 0.6, bottom=stacked, color=colour, label=stream)
+        stacked = [below + height for below, height in zip(stacked, heights)]
     for axes in (scores, pools):
         axes.set_xticks(rounds)
-    pools.set_yticks(range(0, max(len(row.pool) for row in rows) + 2))
+    pools.set_yticks(range(0, max(stacked) + 1))
+    pools.set_ylim(0, max(stacked) + 1)  # room for the legend above the bars
     scores.set_xlabel("round (round 1 trains on the seeds alone)")
     scores.set_ylabel("exact match / accepted share")
     scores.set_ylim(-0.02, 1.02)
     scores.legend(fontsize=7)
     scores.grid(alpha=0.3)
     pools.set_xlabel("round (the pool its record gave)")
-    pools.set_ylabel("nodes")
-    pools.legend(fontsize=7)
+    pools.set_ylabel("nodes (each stream's pool, stacked)")
+    pools.legend(fontsize=7, ncol=len(streams), loc="upper center")
     pools.grid(alpha=0.3)
     if advice is not None and advice.get("model") is not None and advice["model"]["score"] is not None:
         figure.suptitle(f"advise: the rule {advice['rule']['score']['score']:.2f} vs the model "

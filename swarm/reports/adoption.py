@@ -5,6 +5,11 @@ publishers' own figures play no part, so a version overfitted to the examples it
 fresh problems low) wins nothing. The candidates are every live version of every published name
 (``swarm.adapters.versions``; withdrawn ones never), from the publishers the reader trusts when it names some.
 
+A version no trusted audit found right on a single problem of the task is no candidate for it: an adapter published for
+another task (a stream's auditor scores every version on every stream's task) or one that broke the model would
+otherwise be the best, and ``best:TASK`` adopt it, wherever nothing better was scored yet; adopting nothing (the base
+model) is better than a version measured to answer nothing.
+
 The rule, per task: with no held choice (or one no longer published or scored), take the version with the best
 trusted score. Holding one, move to another only when its trusted score beats the held one's *latest* trusted score
 by at least ``margin`` (a share of problems answered exactly: a lucky draw of fresh problems must not swap adapters
@@ -35,14 +40,16 @@ class Adoption:
 
 def candidates(book: AuditBook, task: str, published: Iterable[PublishedAdapter],
                publishers: frozenset[str] = frozenset()) -> list[tuple[PublishedAdapter, str, AdapterAudit]]:
-    """The published versions with a trusted score on ``task`` (from ``publishers``, author ids, when given)."""
+    """The published versions with a trusted score on ``task`` above zero (from ``publishers``, author ids, when
+    given)."""
     scores = book.adapter_scores()
     found = []
     for record in published:
         if publishers and record.author_id not in publishers:
             continue
-        if (record.sha256, task) in scores:
-            found.append((record, *scores[(record.sha256, task)]))
+        scored = scores.get((record.sha256, task))
+        if scored is not None and scored[1].correct > 0:
+            found.append((record, *scored))
     return found
 
 

@@ -399,13 +399,11 @@ class AuditBook:
                      ) -> Optional[tuple[PublishedAdapter, str, AdapterAudit]]:
         """Of the adapters published now, the one whose content has the best trusted score on ``task`` (ties: more
         problems scored, then the most recent score, then the name), with the auditor and its entry; None when no
-        published content has one. Authors' own claimed scores play no part."""
-        scores = self.adapter_scores()
-        scored = [(record, *scores[(record.sha256, task)]) for record in published
-                  if (record.sha256, task) in scores]
-        if not scored:
-            return None
-        return max(scored, key=lambda c: (c[2].score, c[2].examples, c[2].checked, c[0].name, c[0].author))
+        published content has one above 0 (``swarm.reports.adoption``'s candidates). Authors' own claimed scores play
+        no part."""
+        from swarm.reports.adoption import candidates, rank
+
+        return max(candidates(self, task, published), key=rank, default=None)
 
     def calibrated(self) -> dict[str, tuple[str, float]]:
         """Per server, (auditor, calibrated throughput) of the most recent trusted check that measured it."""

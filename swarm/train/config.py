@@ -9,7 +9,7 @@ from typing import Optional
 BUILTIN_CORPORA = ("prose", "python", "addition")
 # Corpora that are also tasks with checkable answers (``python -m swarm.eval --task``): the keys of
 # ``swarm.train.data.TASKS``.
-TASK_NAMES = ("addition", "tagged-addition", "bracketed-addition", "host-blocks")
+TASK_NAMES = ("addition", "tagged-addition", "bracketed-addition", "dotted-addition", "host-blocks")
 # Flags that set a new run's architecture; a resumed run keeps its checkpoint's.
 ARCHITECTURE_FIELDS = ("hidden_size", "layers", "heads", "kv_heads", "intermediate_size")
 

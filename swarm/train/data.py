@@ -249,6 +249,18 @@ class BracketedAdditionTask(TaggedAdditionTask):
         return f"[{a + b}]"
 
 
+class DottedAdditionTask(TaggedAdditionTask):
+    """Addition answered as a sentence ends, the sum then a full stop (``12+5=`` -> ``17.``): a second house style the
+    embedded models never write and learn as readily as tagged addition's, because the sum stays where addition puts
+    it and only a mark follows. Measured (``python benchmarks/seed_start.py``; docs/TRAINING.md, "The one-command
+    demonstration"): 20 steps on 16 seeds answer 15 of 40 held-out problems, where bracketed addition's ``[17]``
+    (every digit moved one place right) answers none after 40 steps and 2 after 160, too rarely for expert iteration
+    to start from."""
+
+    name = "dotted-addition"
+    TAG = "."
+
+
 class HostBlocksTask:
     """The network's own question as a domain: which blocks should a joining server host?
 
@@ -373,7 +385,7 @@ def python_bytes(limit: int = 4_000_000) -> bytes:
 # Corpora that are also tasks with checkable answers (``python -m swarm.eval --task``), by their names in
 # swarm/train/config.py (TASK_NAMES, which the commands' options offer).
 TASKS = {"addition": AdditionTask, "tagged-addition": TaggedAdditionTask, "bracketed-addition": BracketedAdditionTask,
-         "host-blocks": HostBlocksTask}
+         "dotted-addition": DottedAdditionTask, "host-blocks": HostBlocksTask}
 
 
 def load_corpus(name_or_files: str, files: Optional[Sequence[str]] = None,

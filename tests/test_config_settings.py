@@ -151,12 +151,12 @@ def test_a_new_server_setting_reaches_validation_and_the_command_line():
 
 
 # ----- from_pretrained and peers -----------------------------------------------------------------------------
-def test_from_pretrained_never_changes_the_callers_config(local_swarm, tiny_model_path, swarm_peer):
+def test_from_pretrained_never_changes_the_callers_config(local_swarm, tiny_model_path):
     from swarm.client.model import DistributedDiffusionLM
 
     config = ClientConfig(network=NetworkConfig(initial_peers=list(local_swarm.initial_peers), client_mode=True))
     before = dataclasses.asdict(config)
-    with DistributedDiffusionLM.from_pretrained(tiny_model_path, config=config, dht=swarm_peer, request_timeout=7.0,
+    with DistributedDiffusionLM.from_pretrained(tiny_model_path, config=config, request_timeout=7.0,
                                                 push=True) as lm:
         assert lm.client_config.request_timeout == 7.0 and lm.client_config.push is True
         assert lm.client_config is not config

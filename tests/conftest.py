@@ -282,8 +282,11 @@ def local_lm(tiny_model_path):
 @pytest.fixture(scope="module")
 def swarm_peer(local_swarm):
     """A client-mode DHT peer on the shared swarm that one file's clients, auditors, readers and writers share
-    (``dht=``): a DHT of each one's own is a DHT process and a libp2p daemon, 1-2 CPU s apiece. A caller whose
-    identity is the point (a peer id a liar tells apart) keeps one of its own."""
+    (``dht=``): a DHT of each one's own is a DHT process and a libp2p daemon, 1-2 CPU s apiece. Clients sharing it
+    share one peer id, so a caller whose identity is the point (a peer id a liar tells apart, bans, fair shares or
+    stamps a server keeps per caller, a client that joins or leaves itself) keeps one of its own; so does a client
+    whose own DHT's protection of its model's keys is tested (hostile records: ``start_dht(protect=...)`` is set
+    per client, and this peer protects no prefix)."""
     from swarm.dht.config import NetworkConfig
     from swarm.dht.node import start_dht, stop_dht
 

@@ -24,9 +24,9 @@ SETTINGS = dict(gen_length=16, steps=16, block_length=8, seed=7, temperature=0.7
 FAST = dict(gen_length=16, steps=4, block_length=8, temperature=0.7)
 
 
-def test_sigkill_mid_generation_with_replica_gives_same_tokens(local_swarm, tiny_model_path, local_lm):
+def test_sigkill_mid_generation_with_replica_gives_same_tokens(local_swarm, tiny_model_path, local_lm, swarm_peer):
     victim = fast_server(local_swarm, tiny_model_path)
-    lm = swarm_client(local_swarm, tiny_model_path)
+    lm = swarm_client(local_swarm, tiny_model_path, dht=swarm_peer)
     try:
         wait_seen(lm, [victim])  # a DHT read that missed it (a loaded machine) would plan around it
         assert [hop.peer_id for hop in lm.show_route()] == [victim.peer_id]
@@ -51,10 +51,10 @@ def test_sigkill_mid_generation_with_replica_gives_same_tokens(local_swarm, tiny
         lm.shutdown()
 
 
-def test_without_replica_a_clear_error_names_the_blocks_within_the_bound(local_swarm, tmp_path):
+def test_without_replica_a_clear_error_names_the_blocks_within_the_bound(local_swarm, tmp_path, swarm_peer):
     path = make_checkpoint(tmp_path / "lonely", tiny_config(num_layers=6), seed=4)
     first, second = start_all(local_swarm, path, [("0:3", ()), ("3:6", ())])
-    lm = swarm_client(local_swarm, path, retry_deadline=10.0, max_retries=3)
+    lm = swarm_client(local_swarm, path, dht=swarm_peer, retry_deadline=10.0, max_retries=3)
     try:
         lm.generate("warm", gen_length=8, steps=2, block_length=8)
         local_swarm.terminate(second, signal.SIGKILL)
@@ -70,9 +70,9 @@ def test_without_replica_a_clear_error_names_the_blocks_within_the_bound(local_s
         stop_all(local_swarm, [first])  # its own prefix
 
 
-def test_hung_server_is_detected_by_timeout_and_routed_around(local_swarm, tiny_model_path, local_lm):
+def test_hung_server_is_detected_by_timeout_and_routed_around(local_swarm, tiny_model_path, local_lm, swarm_peer):
     hung = fast_server(local_swarm, tiny_model_path)
-    lm = swarm_client(local_swarm, tiny_model_path, request_timeout=3.0)
+    lm = swarm_client(local_swarm, tiny_model_path, dht=swarm_peer, request_timeout=3.0)
     try:
         wait_seen(lm, [hung])  # a DHT read that missed it (a loaded machine) would plan around it
         assert [hop.peer_id for hop in lm.show_route()] == [hung.peer_id]
@@ -87,14 +87,14 @@ def test_hung_server_is_detected_by_timeout_and_routed_around(local_swarm, tiny_
         local_swarm.terminate(hung, signal.SIGKILL)
 
 
-def test_eight_clients_at_once_against_one_server_all_correct(local_swarm, tmp_path):
+def test_eight_clients_at_once_against_one_server_all_correct(local_swarm, tmp_path, swarm_peer):
     """More requests at once than the server takes: it refuses the excess as busy, the clients wait for it (it
     holds every block, nobody else does) and all get their tokens."""
     path = make_checkpoint(tmp_path / "busy", tiny_config(), seed=5)
     server = local_swarm.start_server(str(path), "0:4", "--compute-threads", "1", "--max-concurrent-requests", "2")
     reference = DiffusionLM.from_pretrained(path)
-    shared = swarm_client(local_swarm, path)
-    clients = [shared] + [DistributedDiffusionLM.from_pretrained(path, dht=shared.dht) for _ in range(7)]
+    clients = [DistributedDiffusionLM.from_pretrained(path, dht=swarm_peer) for _ in range(8)]  # one peer id, as before
+    shared = clients[0]
     for lm in clients:  # challenged now, one by one: the busy answers below then come from generation calls
         lm.show_route()
     results, errors = {}, []

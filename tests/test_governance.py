@@ -76,7 +76,6 @@ from hivemind.dht import DHT  # noqa: E402
 from hivemind.utils import MSGPackSerializer, get_dht_time  # noqa: E402
 
 from swarm.client import DistributedDiffusionLM  # noqa: E402
-from swarm.dht.node import NetworkConfig, start_dht, stop_dht  # noqa: E402
 from swarm.dht.schema import default_prefix  # noqa: E402
 from swarm.dht.validation import sign_slot  # noqa: E402
 from swarm.governance.records import governance_key, publish, read_decisions  # noqa: E402
@@ -128,17 +127,16 @@ class Governed:
 
 
 @pytest.fixture(scope="module")
-def governed(local_swarm, tmp_path_factory) -> Governed:
+def governed(local_swarm, tmp_path_factory, swarm_peer) -> Governed:
     root = tmp_path_factory.mktemp("governed")
     key, resumer, probe = (generate_private_key(root / f"{name}.key") for name in ("gov", "resumer", "probe"))
     path = make_checkpoint(root / "model", tiny_config(), seed=6)
     trust = [arg for k in (key, resumer, probe) for arg in ("--governance-key", public_key_text(k))]
     server = local_swarm.start_server(str(path), "0:4", "--compute-threads", "1", *trust)
-    operator = start_dht(NetworkConfig(initial_peers=local_swarm.initial_peers, client_mode=True))
+    operator = swarm_peer  # the file's clients read through it too: what they read is what it stored or found
     # As operators do when they set up keys: a server trusting them stops when it reads no decision for long.
     assert publish(operator, key, default_prefix(path), RESUME, "set-up")
     yield Governed(path, key, resumer, probe, server, operator)
-    stop_dht(operator)
     stop_all(local_swarm, [server])  # its own model's prefix
 
 
@@ -164,10 +162,10 @@ def replayed(governed):
                    trusted=[governed.resumer.public_key()])
 
 
-def test_halt_stops_generation_before_next_step_then_resume_and_replay(local_swarm, replayed):
+def test_halt_stops_generation_before_next_step_then_resume_and_replay(local_swarm, replayed, swarm_peer):
     g = replayed
     keys = (public_key_text(g.key), public_key_text(g.resumer))
-    with DistributedDiffusionLM.from_pretrained(g.path, initial_peers=local_swarm.initial_peers,
+    with DistributedDiffusionLM.from_pretrained(g.path, dht=swarm_peer,
                                                 governance_keys=keys) as lm:
         steps = []
         for chunk in lm.generate_stream("halt me", **SETTINGS):
@@ -213,13 +211,13 @@ def test_halt_stops_generation_before_next_step_then_resume_and_replay(local_swa
         assert lm.guard.state.current == resumed
 
 
-def test_halt_signed_with_another_key_changes_nothing(local_swarm, governed, tmp_path):
+def test_halt_signed_with_another_key_changes_nothing(local_swarm, governed, tmp_path, swarm_peer):
     g = governed
     intruder = generate_private_key(tmp_path / "intruder.key")
     assert publish(g.operator, intruder, g.prefix, HALT, "not yours", timestamp=time.time() + 1)
     assert governance_subkey(intruder) in g.operator.get(governance_key(g.prefix), latest=True).value
     assert g.server_polled(), "the server did not poll the governance records"
-    with DistributedDiffusionLM.from_pretrained(g.path, initial_peers=local_swarm.initial_peers,
+    with DistributedDiffusionLM.from_pretrained(g.path, dht=swarm_peer,
                                                 governance_keys=(public_key_text(g.key),)) as lm:
         assert not refused(lm, g.server), "the server obeyed a halt signed by a key it does not trust"
         result = lm.generate("still running", **SETTINGS)
@@ -261,13 +259,13 @@ def tiered_swarm(local_swarm, tmp_path_factory):
     stop_all(local_swarm, servers)  # their own prefix
 
 
-def test_restricted_request_uses_only_trusted_servers_and_is_audited(local_swarm, tiered_swarm, tmp_path):
+def test_restricted_request_uses_only_trusted_servers_and_is_audited(local_swarm, tiered_swarm, tmp_path, swarm_peer):
     path, trusted, untrusted = tiered_swarm
     trusted_ids = {server.peer_id for server in trusted}
     audit = tmp_path / "audit.jsonl"
     # A long ping: on a loaded machine the fast server's first challenge may take seconds, and a missed one bans it.
     # Checks off for the public request (the default draws 5% of hops): the tiers' own floors are what is tested.
-    with DistributedDiffusionLM.from_pretrained(path, initial_peers=local_swarm.initial_peers,
+    with DistributedDiffusionLM.from_pretrained(path, dht=swarm_peer,
                                                 audit_log=str(audit), connect_timeout=30, spot_check_fraction=0) as lm:
         wait_seen(lm, [*trusted, untrusted])
         with pytest.raises(ValueError, match="trusted_peers"):
@@ -294,18 +292,18 @@ def test_restricted_request_uses_only_trusted_servers_and_is_audited(local_swarm
     assert records[1]["finish_reason"] in ("eos", "length")
 
 
-def test_restricted_request_with_a_single_trusted_holder_stops_unverified(local_swarm, tiered_swarm):
+def test_restricted_request_with_a_single_trusted_holder_stops_unverified(local_swarm, tiered_swarm, swarm_peer):
     """One trusted holder leaves no server to check its answers against: a restricted request stops, it does not
     return tokens nobody verified; unless the client holds the blocks itself and recomputes every hop (issue 48)."""
     from swarm.client.spot_check import UnverifiedResultError
 
     path, trusted, _ = tiered_swarm
-    with DistributedDiffusionLM.from_pretrained(path, initial_peers=local_swarm.initial_peers,
+    with DistributedDiffusionLM.from_pretrained(path, dht=swarm_peer,
                                                 trusted_peers=(trusted[0].peer_id,), spot_check_local=False) as lm:
         with pytest.raises(UnverifiedResultError, match="two trusted peers"):
             lm.generate("my password is hunter2", **SETTINGS)
         assert lm.generate("a story", **SETTINGS).info["tier"] == "public"  # other tiers are unaffected
-    with DistributedDiffusionLM.from_pretrained(path, initial_peers=local_swarm.initial_peers,
+    with DistributedDiffusionLM.from_pretrained(path, dht=swarm_peer,
                                                 trusted_peers=(trusted[0].peer_id,)) as lm:
         result = lm.generate("my password is hunter2", **SETTINGS)
         checks = result.info["spot_checks"]
@@ -313,12 +311,12 @@ def test_restricted_request_with_a_single_trusted_holder_stops_unverified(local_
         assert {(c["verdict"], tuple(c["checkers"])) for c in checks} == {("agreed", ("local",))}, checks
 
 
-def test_client_without_keys_still_ends_cleanly_when_a_server_refuses_as_halted(local_swarm, governed):
+def test_client_without_keys_still_ends_cleanly_when_a_server_refuses_as_halted(local_swarm, governed, swarm_peer):
     g = governed
     assert publish(g.operator, g.key, g.prefix, HALT, "server-side halt", timestamp=time.time())
     try:
         assert g.server_polled(), "the server did not poll the governance records"
-        with DistributedDiffusionLM.from_pretrained(g.path, initial_peers=local_swarm.initial_peers) as lm:
+        with DistributedDiffusionLM.from_pretrained(g.path, dht=swarm_peer) as lm:
             result = lm.generate("x", **SETTINGS)
             assert result.finish_reason == "halted"
             assert "server-side halt" in result.info["halt"]["reason"] and result.info["halt"]["step"] == 0

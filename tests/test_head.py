@@ -144,7 +144,7 @@ def test_one_wrong_token_fails_a_spot_check():
 
 # ----- through a swarm ----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def head_swarm(local_swarm, tiny_model_path):
+def head_swarm(local_swarm, tiny_model_path, swarm_peer):
     """Servers 0:2 and 2:4 (with the head) of the tiny model under a prefix of their own, and a client."""
     prefix = "head-test"
     servers = [local_swarm.start_server(str(tiny_model_path), span, "--dht-prefix", prefix, "--compute-threads",
@@ -154,7 +154,7 @@ def head_swarm(local_swarm, tiny_model_path):
         local_swarm.wait_ready(server)
     # Checks off: where the head runs is tested here, and a checked head hop loads the client's head (no second head
     # server holds these blocks: the client scores a replica's or its own recomputed hidden states)
-    with DistributedDiffusionLM.from_pretrained(tiny_model_path, initial_peers=local_swarm.initial_peers,
+    with DistributedDiffusionLM.from_pretrained(tiny_model_path, dht=swarm_peer,
                                                 dht_prefix=prefix, request_timeout=20, spot_check_fraction=0) as lm:
         yield lm, servers
     stop_all(local_swarm, [server for server in servers if server.alive])  # their own prefix
@@ -216,7 +216,7 @@ EXPERT_SETTINGS = {"greedy": {}, "guidance": dict(temperature=0.7, cfg_scale=1.0
 
 
 def test_experts_compose_on_the_head_servers_cut_without_the_clients_head(local_swarm, head_swarm, tiny_model_path,
-                                                                          local_lm, tmp_path):
+                                                                          local_lm, tmp_path, swarm_peer):
     """With experts at ``expert_top_k`` > 0 the head server answers each block cut to its top k after guidance and
     the client composes the experts' top k with it: the local tokens (the local sampler cuts its own logits the
     same way), and the client never loads its head. With the whole vocabulary the client scores hidden states."""
@@ -224,7 +224,7 @@ def test_experts_compose_on_the_head_servers_cut_without_the_clients_head(local_
     expert = local_swarm.start_server(str(tiny_model_path), None, "--dht-prefix", "head-test", "--expert",
                                       f"alpha={alpha}", "--compute-threads", "1", name="head-test-expert")
     try:
-        with DistributedDiffusionLM.from_pretrained(tiny_model_path, initial_peers=local_swarm.initial_peers,
+        with DistributedDiffusionLM.from_pretrained(tiny_model_path, dht=swarm_peer,
                                                     dht_prefix="head-test", request_timeout=20,
                                                     spot_check_fraction=0) as fresh:  # a checked head hop loads it
             for name, settings in EXPERT_SETTINGS.items():
@@ -241,9 +241,10 @@ def test_experts_compose_on_the_head_servers_cut_without_the_clients_head(local_
         local_swarm.terminate(expert)
 
 
-def test_a_client_that_keeps_the_head_gets_the_same_tokens(local_swarm, head_swarm, tiny_model_path, local_lm):
+def test_a_client_that_keeps_the_head_gets_the_same_tokens(local_swarm, head_swarm, tiny_model_path, local_lm,
+                                                           swarm_peer):
     settings = dict(SHORT, temperature=0.7)
-    with DistributedDiffusionLM.from_pretrained(tiny_model_path, initial_peers=local_swarm.initial_peers,
+    with DistributedDiffusionLM.from_pretrained(tiny_model_path, dht=swarm_peer,
                                                 dht_prefix="head-test", head="client") as lm:
         assert lm.generate(PROMPT, **settings).token_ids == local_lm.generate(PROMPT, **settings).token_ids
         assert lm._head is not None
@@ -272,7 +273,7 @@ def test_head_requests_are_checked_by_the_server(head_swarm, remote_lm):
     assert passed_on.shape == hidden.shape
 
 
-def test_losing_the_head_server_mid_run_keeps_the_tokens(local_swarm, tiny_model_path, local_lm):
+def test_losing_the_head_server_mid_run_keeps_the_tokens(local_swarm, tiny_model_path, local_lm, swarm_peer):
     """The head server dies mid-generation: the step goes on over a replica without the head, whose hidden states
     the client now scores itself (loading its head then); the tokens do not change. Its own servers and prefix: the
     kill would otherwise take the module's head server from every test that runs after it (a shuffled run found it)."""
@@ -284,7 +285,7 @@ def test_losing_the_head_server_mid_run_keeps_the_tokens(local_swarm, tiny_model
         local_swarm.wait_ready(server)
     settings = dict(SHORT, temperature=0.7)
     try:
-        with DistributedDiffusionLM.from_pretrained(tiny_model_path, initial_peers=local_swarm.initial_peers,
+        with DistributedDiffusionLM.from_pretrained(tiny_model_path, dht=swarm_peer,
                                                     dht_prefix=prefix, request_timeout=20,
                                                     spot_check_fraction=0) as fresh:  # a checked head hop loads it
             wait_seen(fresh, servers)
@@ -312,12 +313,12 @@ def bfloat16_head_servers(local_swarm, llada_path, dream_path):  # noqa: F811
 
 
 @pytest.mark.parametrize("layout", ["llada", "dream"])
-def test_bfloat16_checkpoints_with_the_head_on_the_swarm(local_swarm, layout, bfloat16_head_servers):
+def test_bfloat16_checkpoints_with_the_head_on_the_swarm(local_swarm, layout, bfloat16_head_servers, swarm_peer):
     """Default settings everywhere (bfloat16 from the checkpoint's config): the swarm's tokens are the local
     model's with the head on a server, for both published layouts (Dream's one-row shift included)."""
     path, prefix, _ = bfloat16_head_servers[layout]
     local = swarm.DiffusionLM.from_pretrained(path)
-    with DistributedDiffusionLM.from_pretrained(path, initial_peers=local_swarm.initial_peers,
+    with DistributedDiffusionLM.from_pretrained(path, dht=swarm_peer,
                                                 dht_prefix=prefix, spot_check_fraction=0) as lm:  # checks load a head
         for settings in (dict(gen_length=8, steps=8, block_length=4, seed=2),
                          dict(gen_length=8, steps=4, block_length=4, seed=2, temperature=0.8, cfg_scale=1.0)):
@@ -331,7 +332,7 @@ def test_predictions_object_indexes_states():
     assert len(predictions) == 1 and predictions[0].block_start == 4 and predictions[0].step == 0
 
 
-def test_a_lying_head_server_is_caught_by_spot_checks(local_swarm, tiny_model_path, local_lm):
+def test_a_lying_head_server_is_caught_by_spot_checks(local_swarm, tiny_model_path, local_lm, swarm_peer):
     """A head server that answers well-formed predictions with wrong tokens (announcing itself by far the fastest,
     so it is routed to whatever the round trips measured on a busy machine) is outvoted by two honest head
     servers, distrusted, and the tokens stay the local model's."""
@@ -348,7 +349,7 @@ def test_a_lying_head_server_is_caught_by_spot_checks(local_swarm, tiny_model_pa
     try:
         for server in servers:
             local_swarm.wait_ready(server)
-        with DistributedDiffusionLM.from_pretrained(tiny_model_path, initial_peers=local_swarm.initial_peers,
+        with DistributedDiffusionLM.from_pretrained(tiny_model_path, dht=swarm_peer,
                                                     dht_prefix=prefix, spot_check_fraction=1.0) as lm:
             wait_seen(lm, [liar])
             assert lm.show_route()[0].peer_id == liar.peer_id, "the liar should be the first choice"

@@ -133,7 +133,7 @@ def test_cuda_servers_give_the_local_cuda_models_tokens(local_swarm, llada_path)
             local_swarm.terminate(server)
 
 
-def test_approximate_server_is_avoided_unless_allowed(local_swarm, tiny_model_path):
+def test_approximate_server_is_avoided_unless_allowed(local_swarm, tiny_model_path, swarm_peer):
     """A bfloat16 server of a float32 checkpoint announces itself approximate: the default route avoids it (here
     nothing else holds its blocks, so the route is refused); allowed, it is used and named in the result."""
     prefix = "approximate-test"
@@ -145,14 +145,13 @@ def test_approximate_server_is_avoided_unless_allowed(local_swarm, tiny_model_pa
     try:
         for server in (exact, approximate):
             local_swarm.wait_ready(server)
-        peers = local_swarm.initial_peers
-        with DistributedDiffusionLM.from_pretrained(tiny_model_path, initial_peers=peers, dht_prefix=prefix,
+        with DistributedDiffusionLM.from_pretrained(tiny_model_path, dht=swarm_peer, dht_prefix=prefix,
                                                     request_timeout=20) as lm:
             with pytest.raises(MissingBlocksError):
                 lm.generate("hi", **settings)
             records = lm.planner.servers.values()
             assert sorted(r.numerics for r in records) == ["bfloat16 instead of the checkpoint's float32", "exact"]
-        with DistributedDiffusionLM.from_pretrained(tiny_model_path, initial_peers=peers, dht_prefix=prefix,
+        with DistributedDiffusionLM.from_pretrained(tiny_model_path, dht=swarm_peer, dht_prefix=prefix,
                                                     request_timeout=20, allow_approximate=True) as lm:
             result = lm.generate("hi", **settings)
             assert len(result.info["approximate"]) == 1

@@ -95,14 +95,14 @@ def tarpitted(local_swarm, tmp_path_factory):
     stop_all(local_swarm, [honest])
 
 
-def test_four_tarpits_cost_one_short_challenge_not_minutes(local_swarm, tarpitted):
+def test_four_tarpits_cost_one_short_challenge_not_minutes(local_swarm, tarpitted, swarm_peer):
     """Four fakes announce every block at a huge throughput and never answer a forward call; the old client
     gave up after 4 timeouts (121 s). Now each fails its compute challenge, all at once, before any route."""
     tarpit_model, honest, expected = tarpitted
     fakes = start_all(local_swarm, tarpit_model, [("0:4", ("--throughput", "1e9"), TARPIT)] * 4)
     wait_all(local_swarm, [honest])
     try:
-        with swarm_client(local_swarm, tarpit_model, request_timeout=30.0, connect_timeout=3.0) as lm:
+        with swarm_client(local_swarm, tarpit_model, dht=swarm_peer, request_timeout=30.0, connect_timeout=3.0) as lm:
             started = time.monotonic()
             result = lm.generate("tarpit", **SETTINGS)
             elapsed = time.monotonic() - started
@@ -116,7 +116,7 @@ def test_four_tarpits_cost_one_short_challenge_not_minutes(local_swarm, tarpitte
         stop_all(local_swarm, fakes)
 
 
-def test_a_fake_that_answers_only_short_calls_fails_the_challenge(local_swarm, tarpitted):
+def test_a_fake_that_answers_only_short_calls_fails_the_challenge(local_swarm, tarpitted, swarm_peer):
     """A fake answers one-token calls and holds the rest (it hoped the compute challenge is one token, as it was):
     the challenge is shaped like a real pass (its length drawn like real requests'), so the fake fails it and no
     call of the generation is ever sent to it."""
@@ -125,7 +125,7 @@ def test_a_fake_that_answers_only_short_calls_fails_the_challenge(local_swarm, t
                       [("0:4", ("--throughput", "1e9", "--public-name", "tarpit-large"), TARPIT)])
     wait_all(local_swarm, [honest])
     try:
-        with swarm_client(local_swarm, tarpit_model, connect_timeout=3.0) as lm:
+        with swarm_client(local_swarm, tarpit_model, dht=swarm_peer, connect_timeout=3.0) as lm:
             assert fake.peer_id not in {hop.peer_id for hop in lm.show_route()}
             assert fake.peer_id in lm.sequence.health.excluded(), "failed its challenge"
             result = lm.generate("tarpit", **SETTINGS)
@@ -135,7 +135,7 @@ def test_a_fake_that_answers_only_short_calls_fails_the_challenge(local_swarm, t
         stop_all(local_swarm, [fake])
 
 
-def test_a_tarpit_that_passes_the_challenge_costs_one_adaptive_timeout(local_swarm, tarpitted):
+def test_a_tarpit_that_passes_the_challenge_costs_one_adaptive_timeout(local_swarm, tarpitted, swarm_peer):
     """A smarter fake answers its first call (the challenge, whatever its shape) and holds the rest: the call
     times out after what its measured speed predicts (seconds), not the 30 s request timeout, and it is not asked
     again in that call."""
@@ -144,7 +144,8 @@ def test_a_tarpit_that_passes_the_challenge_costs_one_adaptive_timeout(local_swa
                       [("0:4", ("--throughput", "1e9", "--public-name", "faulty-stall"), FAULTY)])
     wait_all(local_swarm, [honest])
     try:
-        with swarm_client(local_swarm, tarpit_model, request_timeout=30.0, timeout_floor=2.0) as lm:
+        with swarm_client(local_swarm, tarpit_model, dht=swarm_peer, request_timeout=30.0, timeout_floor=2.0) as lm:
+            wait_seen(lm, [fake])  # a loaded machine's DHT read can miss it, and the route then goes without it
             assert lm.show_route()[0].peer_id == fake.peer_id, "the fake passes the challenge and looks fastest"
             rows = len(lm.encode_prompt("tarpit")) + SETTINGS["gen_length"]
             waits = lm.sequence.health.timeout(fake.peer_id, rows * lm.config.num_layers)
@@ -251,11 +252,11 @@ def two_holders(local_swarm, liar_models):
     return path, faulty, honest
 
 
-def test_an_unresolved_check_with_no_other_route_stops_with_both_servers_named(local_swarm, two_holders):
+def test_an_unresolved_check_with_no_other_route_stops_with_both_servers_named(local_swarm, two_holders, swarm_peer):
     """Two servers disagree and no third opinion exists: neither answer is used (the checker's is as unverified
     as the primary's), both are avoided, and with no other route the generation stops, naming both."""
     path, faulty, honest = two_holders
-    with swarm_client(local_swarm, path, spot_check_fraction=1.0) as lm:
+    with swarm_client(local_swarm, path, dht=swarm_peer, spot_check_fraction=1.0) as lm:
         wait_seen(lm, [faulty, honest])  # a loaded machine's DHT read can miss one, and the route then goes without it
         assert lm.show_route()[0].peer_id == faulty.peer_id
         with pytest.raises(UnverifiedResultError, match=f"unresolved: {faulty.peer_id[-8:]} and {honest.peer_id[-8:]}"
@@ -266,9 +267,9 @@ def test_an_unresolved_check_with_no_other_route_stops_with_both_servers_named(l
         assert set(lm.sequence.health.disputes()) == {faulty.peer_id, honest.peer_id}
 
 
-def test_restricted_requests_stop_on_an_unresolved_check(local_swarm, two_holders):
+def test_restricted_requests_stop_on_an_unresolved_check(local_swarm, two_holders, swarm_peer):
     path, faulty, honest = two_holders
-    with swarm_client(local_swarm, path, trusted_peers=(faulty.peer_id, honest.peer_id)) as lm:
+    with swarm_client(local_swarm, path, dht=swarm_peer, trusted_peers=(faulty.peer_id, honest.peer_id)) as lm:
         wait_seen(lm, [faulty, honest])
         assert lm.show_route()[0].peer_id == faulty.peer_id
         with pytest.raises(UnverifiedResultError, match="unresolved"):
@@ -284,12 +285,12 @@ def reuse_liar(local_swarm, liar_models):
 CACHED = dict(SETTINGS, cache="dual", gen_length=24, block_length=8, steps=12)
 
 
-def test_reuse_passes_are_checked_and_a_reuse_liar_is_caught(local_swarm, reuse_liar):
+def test_reuse_passes_are_checked_and_a_reuse_liar_is_caught(local_swarm, reuse_liar, swarm_peer):
     """The liar's fill passes agree with honest servers; only a check of a reuse pass (which first rebuilds
     the same cache on the checker) can catch it, and does."""
     path, liar = reuse_liar
     expected = DiffusionLM.from_pretrained(path).generate("reuse", **CACHED)
-    with swarm_client(local_swarm, path, spot_check_fraction=1.0) as lm:
+    with swarm_client(local_swarm, path, dht=swarm_peer, spot_check_fraction=1.0) as lm:
         wait_seen(lm, [liar])
         assert lm.show_route()[0].peer_id == liar.peer_id
         result = lm.generate("reuse", **CACHED)
@@ -305,13 +306,13 @@ def checker_liar(local_swarm, liar_models):
     return liar_model(local_swarm, liar_models, "checker_liar")
 
 
-def test_a_liar_acting_only_as_checker_cannot_take_the_honest_servers_place(local_swarm, checker_liar):
+def test_a_liar_acting_only_as_checker_cannot_take_the_honest_servers_place(local_swarm, checker_liar, swarm_peer):
     """Before, the unresolved check trusted the checker: the honest server was avoided and the route moved onto
     the liar. Now both are avoided (the outcome names both), the hop is redone over the other servers, and the
     tokens are the honest ones."""
     path, (honest, liar, *split) = checker_liar
     expected = DiffusionLM.from_pretrained(path).generate("audit", **SETTINGS)
-    with swarm_client(local_swarm, path, spot_check_fraction=1.0) as lm:
+    with swarm_client(local_swarm, path, dht=swarm_peer, spot_check_fraction=1.0) as lm:
         wait_seen(lm, [honest, liar])
         assert lm.show_route()[0].peer_id == honest.peer_id
         result = lm.generate("audit", **SETTINGS)
@@ -330,16 +331,16 @@ def head_liar(local_swarm, liar_models):
     return liar_model(local_swarm, liar_models, "head_liar")
 
 
-def test_a_lying_head_server_beside_a_replica_without_the_head_is_caught(local_swarm, head_liar):
+def test_a_lying_head_server_beside_a_replica_without_the_head_is_caught(local_swarm, head_liar, swarm_peer):
     """Checkers of a head hop had to hold the head: every check was ``no_checker`` and the liar's tokens were the
     output. Now the replica's hidden states, scored by the client's own head, contradict the liar's predictions,
     and so do the liar's own hidden states: it is distrusted and the tokens are the honest local run's."""
     path, (liar, replica) = head_liar
     expected = DiffusionLM.from_pretrained(path).generate("audit", **SETTINGS)
-    with swarm_client(local_swarm, path, spot_check_fraction=0) as lm:
+    with swarm_client(local_swarm, path, dht=swarm_peer, spot_check_fraction=0) as lm:
         assert lm.show_route()[-1].peer_id == liar.peer_id, "the route ends on the head server"
         assert lm.generate("audit", **SETTINGS).token_ids != expected.token_ids, "unchecked, the lie is the output"
-    with swarm_client(local_swarm, path, spot_check_fraction=1.0) as lm:
+    with swarm_client(local_swarm, path, dht=swarm_peer, spot_check_fraction=1.0) as lm:
         result = lm.generate("audit", **SETTINGS)
         assert result.token_ids == expected.token_ids
         first = result.info["spot_checks"][0]
@@ -350,18 +351,19 @@ def test_a_lying_head_server_beside_a_replica_without_the_head_is_caught(local_s
         assert {(c["verdict"], tuple(c["checkers"])) for c in later} <= {("agreed", ("local",))}, later
 
 
-def check_schedule(local_swarm, path, **options) -> list[tuple[int, tuple[int, int]]]:
-    """The (step, blocks) a fresh client checked in one generation at fraction 0.5."""
-    with swarm_client(local_swarm, path, spot_check_fraction=0.5, **options) as lm:
+def check_schedule(local_swarm, dht, path, **options) -> list[tuple[int, tuple[int, int]]]:
+    """The (step, blocks) a fresh client checked in one generation at fraction 0.5 (its draws are its own, whatever
+    DHT peer it shares)."""
+    with swarm_client(local_swarm, path, dht=dht, spot_check_fraction=0.5, **options) as lm:
         lm.generate("audit", **SETTINGS)
         return [(outcome.step, outcome.blocks) for outcome in lm.sequence.spot_checker.outcomes]
 
 
-def test_clients_draw_their_own_check_schedules(local_swarm, tiny_model_path):
+def test_clients_draw_their_own_check_schedules(local_swarm, tiny_model_path, swarm_peer):
     """A constant default seed let a liar learn which hops a default client never checks. Two clients with default
     settings now draw different schedules (the same one by chance: 2^-16 over the 16 hops of this generation); a
     seed still reproduces one."""
-    schedules = [check_schedule(local_swarm, tiny_model_path) for _ in range(2)]
+    schedules = [check_schedule(local_swarm, swarm_peer, tiny_model_path) for _ in range(2)]
     assert schedules[0] != schedules[1]
-    assert check_schedule(local_swarm, tiny_model_path, spot_check_seed=7) == check_schedule(
-        local_swarm, tiny_model_path, spot_check_seed=7)
+    assert check_schedule(local_swarm, swarm_peer, tiny_model_path, spot_check_seed=7) == check_schedule(
+        local_swarm, swarm_peer, tiny_model_path, spot_check_seed=7)

@@ -502,11 +502,12 @@ def test_signed_slots_of_strangers_are_refused_under_a_trusted_governance_key(tm
 
 
 # ----- governance fails safe ------------------------------------------------------------------------------------
-def test_a_client_that_reads_no_decision_for_longer_than_the_bound_stops(local_swarm, tiny_model_path, tmp_path):
+def test_a_client_that_reads_no_decision_for_longer_than_the_bound_stops(local_swarm, tiny_model_path, tmp_path,
+                                                                          swarm_peer):
     """Keys trusted, no decision readable (blinded, or never published): generation stops with 'halted' and a
     reason that says so, then goes on once a decision is read."""
     key = generate_private_key(tmp_path / "gov.key")
-    with DistributedDiffusionLM.from_pretrained(tiny_model_path, initial_peers=local_swarm.initial_peers,
+    with DistributedDiffusionLM.from_pretrained(tiny_model_path, dht=swarm_peer,
                                                 governance_keys=(public_key_text(key),),
                                                 governance_stale_after=1.0) as lm:
         assert wait_until(lambda: lm.guard.unreadable() is not None, timeout=30)
@@ -517,7 +518,7 @@ def test_a_client_that_reads_no_decision_for_longer_than_the_bound_stops(local_s
         assert lm.generate("heard", **SETTINGS).finish_reason != "halted"
 
 
-def test_a_server_that_reads_no_decision_for_longer_than_the_bound_refuses(local_swarm, tmp_path):
+def test_a_server_that_reads_no_decision_for_longer_than_the_bound_refuses(local_swarm, tmp_path, swarm_peer):
     """The same for a server (--governance-stale-after): it answers with the reason, then serves after a resume."""
     from tests.conftest import make_checkpoint, tiny_config
     from tests.test_governance import refused
@@ -527,7 +528,7 @@ def test_a_server_that_reads_no_decision_for_longer_than_the_bound_refuses(local
     server = local_swarm.start_server(str(path), "0:4", "--compute-threads", "1", "--governance-key",
                                       public_key_text(key), "--governance-stale-after", "2")
     try:
-        with DistributedDiffusionLM.from_pretrained(path, initial_peers=local_swarm.initial_peers) as lm:
+        with DistributedDiffusionLM.from_pretrained(path, dht=swarm_peer) as lm:
             assert wait_until(lambda: refused(lm, server), timeout=60), "the server served on, unaware"
             assert any("governance state unreadable" in line for line in server.log)
             assert publish(lm.dht, key, default_prefix(path), RESUME, "set-up") is not None

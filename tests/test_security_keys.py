@@ -19,6 +19,7 @@ from typing import Callable, Iterator
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hivemind.dht import DHT, DHTNode
+from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.routing import DHTID
 from hivemind.p2p import PeerID
 from hivemind.utils import MSGPackSerializer
@@ -150,6 +151,21 @@ def attacker(network: Network) -> Iterator[DHT]:
         stop_dht(dht)
 
 
+@pytest.fixture(scope="module")
+def prober(network) -> Iterator[DHT]:
+    """A stock hivemind peer in client mode, for floods whose point is only what the storing peers answer (a flood
+    sent after they learnt the key): the storing peers judge a plain subkey, a regular value or a slot by the key's
+    policy whoever sends it, and a client-mode peer stores nothing for others and is asked by no reader, so unlike
+    :func:`attacker` it may stay for the module (one libp2p daemon instead of one per flood)."""
+    dht = DHT(initial_peers=visible_maddrs(network.storers[0]), start=True, client_mode=True,
+              host_maddrs=["/ip4/127.0.0.1/tcp/0"], record_validators=[RSASignatureValidator()])
+    unlearnt = f"probed-{time.monotonic_ns() % 10**9}"  # a key no value has named: every storing peer takes a flood
+    assert hide(dht, unlearnt, network.storing_peers, count=8) == [True] * 3, \
+        "the storing peers refuse this peer's stores whatever the key: its refusals below would prove nothing"
+    yield dht
+    stop_dht(dht)
+
+
 def stop_network(network: Network) -> None:
     for dht in (network.reader, network.writer, *network.storers):
         stop_dht(dht)
@@ -246,7 +262,7 @@ FAMILIES = {
 
 @pytest.mark.parametrize("regular", [False, True], ids=["1024 plain subkeys", "a regular value"])
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_a_key_flooded_before_it_is_written_still_takes_the_honest_record(network, family, regular, request):
+def test_a_key_flooded_before_it_is_written_still_takes_the_honest_record(network, prober, family, regular, request):
     """The issue's attack on each family: every storing peer takes the flood (the key is nobody's yet), then the
     honest write succeeds and another peer reads it."""
     chosen = FAMILIES[family]
@@ -258,8 +274,7 @@ def test_a_key_flooded_before_it_is_written_still_takes_the_honest_record(networ
     forget_local_copies(network.writer, [chosen.key(name)])  # readers must get it from the storing peers
     assert chosen.found(network, name), f"the {family} record is hidden by the flood"
     # Once a peer has learnt the key, the flood is refused there.
-    with attacker(network) as flooder:
-        assert hide(flooder, chosen.key(name), network.storing_peers, count=8) == [False] * 3
+    assert hide(prober, chosen.key(name), network.storing_peers, count=8) == [False] * 3
 
 
 def test_a_name_publish_that_no_other_peer_reads_back_fails():
@@ -378,18 +393,16 @@ async def _learn_many(dht: DHT, node: DHTNode, peers: list[str], count: int, exp
     return taken
 
 
-def test_a_name_published_after_many_learnt_keys_is_not_hidden_by_a_regular_value(network):
+def test_a_name_published_after_many_learnt_keys_is_not_hidden_by_a_regular_value(network, prober):
     """The issue's attack (100,000 slots, each naming its own key, then a year-long regular value under a name
     published afterwards) at 2,000 keys: the storing peers keep a key's policy with its records, not in a table that
     overflows, so the regular value is refused and another peer reads the record."""
-    with attacker(network) as flooder:
-        taken = flooder.run_coroutine(partial(_learn_many, peers=network.storing_peers, count=2_000,
-                                              expiration=now() + 3600))
-        assert taken == [2_000] * 3, taken
+    taken = prober.run_coroutine(partial(_learn_many, peers=network.storing_peers, count=2_000,
+                                         expiration=now() + 3600))
+    assert taken == [2_000] * 3, taken
     name = f"after-flood-{time.monotonic_ns() % 10**9}"
     publish_weights_name(network, name)
-    with attacker(network) as hider:
-        assert hide(hider, name_key(name), network.storing_peers, regular=True) == [False] * 3
+    assert hide(prober, name_key(name), network.storing_peers, regular=True) == [False] * 3
     forget_local_copies(network.reader, [name_key(name)])
     assert weights_name_found(network, name)
 

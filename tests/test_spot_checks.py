@@ -30,10 +30,10 @@ def audited_swarm(local_swarm, tmp_path_factory):
     stop_all(local_swarm, honest + [faulty])  # their own prefix
 
 
-def test_faulty_server_is_caught_banned_and_tokens_stay_honest(local_swarm, audited_swarm):
+def test_faulty_server_is_caught_banned_and_tokens_stay_honest(local_swarm, audited_swarm, swarm_peer):
     path, faulty = audited_swarm
     expected = DiffusionLM.from_pretrained(path).generate("audit", **SETTINGS)
-    with DistributedDiffusionLM.from_pretrained(path, initial_peers=local_swarm.initial_peers,
+    with DistributedDiffusionLM.from_pretrained(path, dht=swarm_peer,
                                                 spot_check_fraction=1.0) as lm:
         wait_seen(lm, [faulty])
         assert lm.show_route()[0].peer_id == faulty.peer_id, "the faulty server should be the first choice"
@@ -45,11 +45,11 @@ def test_faulty_server_is_caught_banned_and_tokens_stay_honest(local_swarm, audi
         assert set(verdicts[1:]) == {"agreed"}, "after the catch only honest servers are used"
 
 
-def test_without_spot_checks_the_faulty_server_changes_the_answer(local_swarm, audited_swarm):
+def test_without_spot_checks_the_faulty_server_changes_the_answer(local_swarm, audited_swarm, swarm_peer):
     """The control: the perturbation is large enough to matter, so the catch above is meaningful."""
     path, faulty = audited_swarm
     local = DiffusionLM.from_pretrained(path)
-    with DistributedDiffusionLM.from_pretrained(path, initial_peers=local_swarm.initial_peers,
+    with DistributedDiffusionLM.from_pretrained(path, dht=swarm_peer,
                                                 spot_check_fraction=0) as lm:
         ids = __import__("torch").randint(0, 256, (1, 12))
         wait_seen(lm, [faulty])
@@ -58,7 +58,7 @@ def test_without_spot_checks_the_faulty_server_changes_the_answer(local_swarm, a
         assert difference > 1e-2
 
 
-def test_a_server_that_lists_bottlenecks_and_misapplies_them_is_caught(local_swarm, tmp_path_factory):
+def test_a_server_that_lists_bottlenecks_and_misapplies_them_is_caught(local_swarm, tmp_path_factory, swarm_peer):
     """The subtle liar: its record says it applies bottleneck adapters, its plain passes are exact, and it adds a
     bottleneck's weights as a deep prompt (tests/misapplying_server.py). Spot checks resend the adapter with the
     request, so the fine-tuned tokens stay the local ones and the liar is distrusted."""
@@ -74,14 +74,14 @@ def test_a_server_that_lists_bottlenecks_and_misapplies_them_is_caught(local_swa
     try:
         for server in (*honest, liar):
             local_swarm.wait_ready(server)
-        with DistributedDiffusionLM.from_pretrained(path, initial_peers=local_swarm.initial_peers,
+        with DistributedDiffusionLM.from_pretrained(path, dht=swarm_peer,
                                                     spot_check_fraction=0) as lm:  # checks off: the danger
             wait_seen(lm, [liar])
             assert lm.show_route()[0].peer_id == liar.peer_id, "the liar should be the first choice"
             assert lm.generate("audit", **SETTINGS).token_ids == local.generate("audit", **SETTINGS).token_ids
             unchecked = lm.generate("audit", adapter=adapter, **SETTINGS).token_ids
             assert unchecked != local.generate("audit", adapter=adapter, **SETTINGS).token_ids  # the danger is real
-        with DistributedDiffusionLM.from_pretrained(path, initial_peers=local_swarm.initial_peers,
+        with DistributedDiffusionLM.from_pretrained(path, dht=swarm_peer,
                                                     spot_check_fraction=1.0) as lm:
             for seed in range(2):
                 options = dict(SETTINGS, seed=seed)

@@ -56,11 +56,11 @@ def test_stream_through_swarm_ends_with_result(remote_lm):
     assert chunks[-2].text.count("_") == 0 and chunks[0].text.count("_") == 6
 
 
-def test_unserved_blocks_fail_fast_and_are_named(local_swarm, tmp_path):
+def test_unserved_blocks_fail_fast_and_are_named(local_swarm, tmp_path, swarm_peer):
     """A model with 6 blocks of which a server holds only 0:3: the error names 3:6."""
     path = make_checkpoint(tmp_path / "half_served", tiny_config(num_layers=6), seed=3)
     server = local_swarm.start_server(str(path), "0:3", "--compute-threads", "1")
-    lm = DistributedDiffusionLM.from_pretrained(path, initial_peers=local_swarm.initial_peers)
+    lm = DistributedDiffusionLM.from_pretrained(path, dht=swarm_peer)
     try:
         started = time.monotonic()
         with pytest.raises(MissingBlocksError, match="3:6") as missing:
@@ -97,18 +97,18 @@ def test_signed_record_cannot_be_overwritten_by_another_peer(local_swarm, remote
         intruder.shutdown()
 
 
-def test_int8_server_serves_close_logits(local_swarm, tiny_model_path, local_lm, tmp_path):
+def test_int8_server_serves_close_logits(local_swarm, tiny_model_path, local_lm, tmp_path, swarm_peer):
     """--quant int8: smaller weights, logits close to the exact ones (not identical); an approximate server,
     avoided unless the client allows approximate servers."""
     path = make_checkpoint(tmp_path / "quantized", tiny_config(), seed=0)
     server = local_swarm.start_server(str(path), "0:4", "--quant", "int8", "--compute-threads", "1")
-    strict = DistributedDiffusionLM.from_pretrained(path, initial_peers=local_swarm.initial_peers)
+    strict = DistributedDiffusionLM.from_pretrained(path, dht=swarm_peer)
     try:
         with pytest.raises(MissingBlocksError):
             strict.show_route()
     finally:
         strict.shutdown()
-    lm = DistributedDiffusionLM.from_pretrained(path, initial_peers=local_swarm.initial_peers, allow_approximate=True)
+    lm = DistributedDiffusionLM.from_pretrained(path, dht=swarm_peer, allow_approximate=True)
     try:
         ids = torch.randint(0, 256, (1, 12))
         exact = local_lm.logits(ids)
@@ -165,7 +165,7 @@ def assert_every_hop_rerun_on_a_replica(lm, result) -> None:
     assert any(check["verdict"] == "agreed" for check in checks), "no hop was re-run on a replica"
 
 
-def test_scale_local_needs_every_block_locally(local_swarm, tmp_path):
+def test_scale_local_needs_every_block_locally(local_swarm, tmp_path, swarm_peer):
     """A client whose checkpoint holds only the embeddings and head cannot run locally."""
     from swarm.models.checkpoint import CheckpointReader, save_checkpoint
     from swarm.models.loading import ModelFiles
@@ -174,8 +174,7 @@ def test_scale_local_needs_every_block_locally(local_swarm, tmp_path):
     reader = CheckpointReader(full)
     names = [n for n in reader.weight_map if not n.startswith("blocks.")]
     save_checkpoint(tmp_path / "client_only", ModelFiles(full).config, reader.read(names))
-    with DistributedDiffusionLM.from_pretrained(tmp_path / "client_only", initial_peers=local_swarm.initial_peers,
-                                                dht_prefix="tiny") as lm:
+    with DistributedDiffusionLM.from_pretrained(tmp_path / "client_only", dht=swarm_peer, dht_prefix="tiny") as lm:
         with pytest.raises(ValueError, match="lacks blocks 0:4"):
             lm.generate("x", scale="local", gen_length=8, steps=8, block_length=8)
 

@@ -25,6 +25,7 @@ from swarm.client.routing import find_route
 from swarm.dht.schema import MAX_AUDIT_VALUE_BYTES, ServerRecord, ServerState, audit_key, protected_keys
 from swarm.dht.validation import ed25519_text, entry_bytes, sign_slot, slot_subkey
 from swarm.governance.keys import ENV_PUBLIC_KEYS, generate_private_key
+from swarm.reports.adoption import best_adapter
 from swarm.reports.records import (
     ERROR,
     FAIL,
@@ -442,10 +443,10 @@ def test_best_adapter_follows_trusted_scores_not_claims():
                                                      score("old", "c" * 64, 20, task="other"))))
     catalog = [published("boaster", "a" * 64, 0.99), published("modest", "b" * 64, 0.1),
                published("old", "d" * 64, 1.0)]
-    record, auditor, best = book.best_adapter("addition", catalog)
+    record, auditor, best = best_adapter(book, "addition", catalog)
     assert record.name == "modest" and auditor == A and best.score == 0.8
     assert best.reference == f"modest@{record.author_id}"
-    assert book.best_adapter("other", catalog) is None, "the scored content of 'old' is no longer published"
-    assert book.best_adapter("addition", catalog[:1])[0].name == "boaster"
+    assert best_adapter(book, "other", catalog) is None, "the scored content of 'old' is no longer published"
+    assert best_adapter(book, "addition", catalog[:1])[0].name == "boaster"
     assert not book.consider(AuditReport("m", 9, NOW, (), S, (score("boaster", "a" * 64, 20),)))  # untrusted
-    assert book.best_adapter("addition", catalog)[0].name == "modest"
+    assert best_adapter(book, "addition", catalog)[0].name == "modest"

@@ -38,6 +38,13 @@ def head_query(length: int, seed: int) -> HeadQuery:
                      cfg_scale=0.0, mask_token_id=CONFIG.mask_token_id, scored=(length - 8, length))
 
 
+def waiting(server: SpanBackend) -> dict:
+    """Per flow, the (caller, resumed, dropped) of each pass the server's scheduler holds: what a failed premise
+    shows."""
+    return {name: [(job.peer, job.resumed, job.dropped()) for job in [*flow.jobs, *(job for queue in
+                   flow.members.values() for job in queue)]] for name, flow in server.queue.scheduler.flows.items()}
+
+
 def run_while_held(server: SpanBackend, calls: list[tuple[str, SpanCall]], finished: Optional[list] = None,
                    proved: bool = False) -> list:
     """Every call queued behind a pass that holds the compute thread, then the thread let go: answers in order
@@ -57,7 +64,7 @@ def run_while_held(server: SpanBackend, calls: list[tuple[str, SpanCall]], finis
         for (peer, _), task in zip(calls, tasks):
             task.add_done_callback(lambda _, peer=peer: finished.append(peer) if finished is not None else None)
         await asyncio.sleep(0)  # every forward has queued its pass (each queues before its first await)
-        assert len(server.queue.scheduler) == len(calls)
+        assert len(server.queue.scheduler) == len(calls), waiting(server)  # failed once in a loaded full run
         release.set()
         await blocker
         return await asyncio.gather(*tasks)

@@ -86,3 +86,11 @@ def to_score(published: Iterable[PublishedAdapter], scored: Mapping[tuple[str, s
     new = sorted((r for sha, r in records.items() if sha not in last), key=lambda r: r.published, reverse=True)
     old = sorted((r for sha, r in records.items() if sha in last), key=lambda r: last[r.sha256])
     return (new + old)[:limit]
+
+
+def best_adapter(book: AuditBook, task: str, published: Iterable[PublishedAdapter]
+                 ) -> Optional[tuple[PublishedAdapter, str, AdapterAudit]]:
+    """Of the adapters published now, the one whose content has the best trusted score on ``task`` in ``book`` (ties:
+    more problems scored, then the most recent score, then the name), with the auditor and its entry; None when no
+    published content has one above 0 (:func:`candidates`). Authors' own claimed scores play no part."""
+    return max(candidates(book, task, published), key=rank, default=None)

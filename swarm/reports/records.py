@@ -38,7 +38,7 @@ from hivemind.dht import DHT
 from hivemind.utils import MSGPackSerializer, get_dht_time
 
 from swarm.adapters.block import is_sha256_hex
-from swarm.adapters.sharing import MAX_SCORE, NAME_PATTERN, PublishedAdapter, author_id, signed_entries, store_slot
+from swarm.adapters.sharing import MAX_SCORE, NAME_PATTERN, author_id, signed_entries, store_slot
 from swarm.dht.config import MAX_BLOCKS, MAX_PEER_ID_CHARS
 from swarm.dht.schema import MAX_AUDIT_LIFETIME, audit_key, forget_local_copies
 from swarm.dht.validation import MAX_SLOT_PAYLOAD, ed25519_public_key, ed25519_text
@@ -394,16 +394,6 @@ class AuditBook:
                 if held is None or entry.checked > held[1].checked:
                     found[(entry.sha256, entry.task)] = (auditor, entry)
         return found
-
-    def best_adapter(self, task: str, published: Iterable[PublishedAdapter]
-                     ) -> Optional[tuple[PublishedAdapter, str, AdapterAudit]]:
-        """Of the adapters published now, the one whose content has the best trusted score on ``task`` (ties: more
-        problems scored, then the most recent score, then the name), with the auditor and its entry; None when no
-        published content has one above 0 (``swarm.reports.adoption``'s candidates). Authors' own claimed scores play
-        no part."""
-        from swarm.reports.adoption import candidates, rank
-
-        return max(candidates(self, task, published), key=rank, default=None)
 
     def calibrated(self) -> dict[str, tuple[str, float]]:
         """Per server, (auditor, calibrated throughput) of the most recent trusted check that measured it."""

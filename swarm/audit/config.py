@@ -9,7 +9,7 @@ from typing import Optional
 
 from swarm.client.config import ClientConfig
 from swarm.dht.config import MAX_AUDIT_LIFETIME, NetworkConfig
-from swarm.dht.peers import check_peer_id
+from swarm.dht.peers import peer_id_problem
 from swarm.train.config import TASK_NAMES
 from swarm.utils.settings import check_settings, declared, need, setting
 
@@ -84,11 +84,8 @@ class AuditorConfig:
     def __post_init__(self) -> None:
         check_settings(self)
         unknown = [task for task in self.score_adapters if task not in TASK_NAMES]
-        for peer in self.evidence_from:
-            try:
-                check_peer_id(peer, f"--evidence-from {str(peer)[:80]!r}")
-            except ValueError as error:
-                need(False, str(error), "evidence_from")
+        problem = peer_id_problem(self.evidence_from, "--evidence-from")
+        need(problem is None, problem or "", "evidence_from")
         need(not unknown, f"--score-adapters: unknown task {', '.join(map(repr, unknown))} (one of: "
                           f"{', '.join(TASK_NAMES)})", "score_adapters")
 

@@ -61,21 +61,21 @@ class EvidenceQueue:
         self.items = self.bytes = 0
         self.dropped = 0  # pieces dropped to make room for a caller holding fewer
 
-    def room(self, caller: str, size: int) -> None:
-        """Refuse (:class:`RemoteError`, busy) a piece of ``size`` bytes from ``caller`` that could not be queued."""
+    def room(self, caller: str, size: int) -> list[str]:
+        """The callers whose newest pieces would make room for a piece of ``size`` bytes from ``caller``
+        (:meth:`_victims`); :class:`RemoteError` (busy, too large) for one that could not be queued."""
         if size > self.max_bytes:
             raise RemoteError(ErrorCode.TOO_LARGE, f"evidence of {size} bytes is over this auditor's queue of "
                               f"{self.max_bytes}")
         if len(self.waiting.get(caller, ())) >= self.per_caller:
             raise RemoteError(ErrorCode.BUSY, f"{self.per_caller} pieces of yours already wait for a round",
                               retry_after=60.0)
-        self._victims(caller, size)
+        return self._victims(caller, size)
 
     def put(self, caller: str, evidence: CallEvidence, size: int) -> None:
         """Queue ``evidence`` (``size`` bytes) from ``caller``, dropping what fairness allows to make room;
         :class:`RemoteError` (busy) when it cannot be queued."""
-        self.room(caller, size)
-        for victim in self._victims(caller, size):
+        for victim in self.room(caller, size):
             held = self.waiting[victim]
             self.items, self.bytes = self.items - 1, self.bytes - held.pop()[1]
             self.dropped += 1

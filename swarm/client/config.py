@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from swarm.dht.config import NetworkConfig, as_peer_list
-from swarm.dht.peers import check_peer_id
+from swarm.dht.peers import peer_id_problem
 from swarm.diffusion.config import HEAD_ROWS
 from swarm.governance.limits import MAX_STALE_AFTER
 from swarm.models.config import DTYPE_NAMES, WIRE_CHOICES
@@ -162,8 +162,5 @@ class ClientConfig:
         check_settings(self)
         need(isinstance(self.network, NetworkConfig),
              f"ClientConfig.network must be a NetworkConfig, got {shown(self.network)}", "network")
-        for peer in self.evidence_auditors:
-            try:
-                check_peer_id(peer, f"--evidence-to {str(peer)[:80]!r}")
-            except ValueError as error:
-                need(False, str(error), "evidence_auditors")
+        problem = peer_id_problem(self.evidence_auditors, "--evidence-to")
+        need(problem is None, problem or "", "evidence_auditors")

@@ -67,6 +67,17 @@ def check_peer_id(peer_id: str, source: str) -> str:
     return peer_id
 
 
+def peer_id_problem(peer_ids: Iterable[str], flag: str) -> Optional[str]:
+    """What is wrong with the first of ``peer_ids`` that is no peer id (named as ``flag VALUE``), or None: for a
+    config's check of a list of peer ids given by a user."""
+    for peer in peer_ids:
+        try:
+            check_peer_id(peer, f"{flag} {str(peer)[:80]!r}")
+        except ValueError as error:
+            return str(error)
+    return None
+
+
 def split_peers(texts: Iterable[str] | str, source: str) -> list[str]:
     """Multiaddrs separated by spaces or commas, each checked; one string is one text, not its characters."""
     if isinstance(texts, str):

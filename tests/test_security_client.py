@@ -82,6 +82,13 @@ def test_client_settings_that_would_break_every_call_are_refused(field, value):
         config.validate()
 
 
+# A route's cost is its measured round trip plus tokens over the announced throughput: an honest server that must lose
+# the route to a fake announced at 1e9 announces 10 tokens/s, so that a loaded machine's slower ping to the fake (its
+# challenge answered late) cannot outweigh the compute it saves (with the server's own figure, thousands, it did:
+# the route went to the honest server in loaded runs, although the client had seen the fake).
+SLOWER = ("--throughput", "10")
+
+
 # ----- tarpits -----------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tarpitted(local_swarm, tmp_path_factory):
@@ -89,7 +96,7 @@ def tarpitted(local_swarm, tmp_path_factory):
     (each test's fakes are killed at its end; their records stay, as a crashed tarpit's would), and the tokens
     the local model gives (the same prompt and settings in each test)."""
     path = make_checkpoint(tmp_path_factory.mktemp("tarpitted"), tiny_config(), seed=11)
-    honest = local_swarm.start_server(str(path), "0:4", "--compute-threads", "1", wait=False)
+    honest = local_swarm.start_server(str(path), "0:4", "--compute-threads", "1", *SLOWER, wait=False)
     expected = DiffusionLM.from_pretrained(path).generate("tarpit", **SETTINGS)
     yield path, honest, expected
     stop_all(local_swarm, [honest])
@@ -211,10 +218,10 @@ def test_a_server_restarted_elsewhere_with_its_identity_is_reached_at_once(local
 # ----- spot checks without gaps --------------------------------------------------------------------------
 LIARS = {  # the models of the spot-check tests below, by fixture: (checkpoint seed, servers as (blocks, args, entry))
     # one faulty (announced fastest) and one honest server for the same blocks, and no third to break ties
-    "two_holders": (12, [("0:4", ("--throughput", "1e9"), FAULTY), ("0:4", (), SERVER)]),
+    "two_holders": (12, [("0:4", ("--throughput", "1e9"), FAULTY), ("0:4", SLOWER, SERVER)]),
     # a server that lies only on cache-reuse passes (announced fastest), and two honest ones
-    "reuse_liar": (13, [("0:4", ("--throughput", "1e9", "--public-name", "faulty-reuse"), FAULTY), ("0:4", (), SERVER),
-                        ("0:4", (), SERVER)]),
+    "reuse_liar": (13, [("0:4", ("--throughput", "1e9", "--public-name", "faulty-reuse"), FAULTY),
+                        ("0:4", SLOWER, SERVER), ("0:4", SLOWER, SERVER)]),
     # an honest server routed first (announced fastest), a liar for the same blocks announced slower (so every
     # call it answers is a spot check: a liar acting only as checker), and honest 0:2 + 2:4 announced slowest
     "checker_liar": (14, [("0:4", ("--throughput", "1e9"), SERVER), ("0:4", ("--throughput", "100"), FAULTY),

@@ -22,11 +22,12 @@ from hypothesis import strategies as st
 from swarm.utils.forkserver import ForkServer, _well_formed
 from tests.conftest import wait_until
 
-REPORT = """import json, os, random, sys
+REPORT = """import gc, json, os, random, sys
 import numpy
 print(json.dumps({"argv": sys.argv, "path0": sys.path[0], "cwd": os.getcwd(), "name": __name__,
                   "session_leader": os.getsid(0) == os.getpid(), "stdin": sys.stdin.read(), "env": os.environ.get("X"),
-                  "random": random.random(), "numpy": float(numpy.random.random())}), flush=True)
+                  "random": random.random(), "numpy": float(numpy.random.random()),
+                  "frozen": gc.get_freeze_count()}), flush=True)
 sys.exit(int(sys.argv[1]))
 """
 
@@ -57,6 +58,9 @@ def test_a_forked_script_sees_what_an_execd_one_sees(forks, tmp_path, monkeypatc
     same = ("argv", "path0", "cwd", "name", "session_leader", "stdin", "env")
     assert {key: forked[key] for key in same} == {key: execd[key] for key in same}
     assert forked["argv"] == [script, "3"] and forked["session_leader"] and forked["cwd"] == str(tmp_path)
+    # the one difference made on purpose: the preloaded modules' objects are frozen (swarm.utils.collector), so the
+    # child's full collections skip them
+    assert forked["frozen"] > 1000 and execd["frozen"] == 0, (forked["frozen"], execd["frozen"])
     other = report(tmp_path, forks, 0)
     assert other["random"] != forked["random"] and other["numpy"] != forked["numpy"], "siblings share a generator"
 

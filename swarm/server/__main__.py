@@ -83,8 +83,11 @@ def main(model_argument: Optional[str], model: Optional[str], blocks: Optional[t
     config = ServerConfig(model=model_argument or model or ServerConfig.model, blocks=blocks,
                           network=network, **options)
     from swarm.server.server import Server  # after parsing: loads torch and hivemind
+    from swarm.utils.collector import freeze_loaded
 
+    freeze_loaded()  # torch's and hivemind's objects, before the DHT process forks: no collection walks them
     server = Server(config, experts)
+    freeze_loaded()  # the model and the server's own state, alive until it stops
     asyncio.run(server.serve(on_ready=print_ready))
 
 

@@ -37,6 +37,8 @@ import sys
 import threading
 from typing import IO, Any, Optional, Sequence
 
+from swarm.utils.collector import freeze_loaded
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_PRELOAD = ("torch", "hivemind")
@@ -279,6 +281,7 @@ def main() -> None:
     channel = socket.socket(fileno=int(sys.argv[1]))
     for module in sys.argv[2:]:
         importlib.import_module(module)
+    freeze_loaded()  # the preloaded modules live as long as every child: their collections skip them
     channel.send(json.dumps({"ready": os.getpid()}).encode())
     request = serve(channel)
     if request is not None:  # a child: run the command here, so that its exit is the interpreter's own

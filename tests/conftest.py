@@ -242,14 +242,23 @@ def sharded_model_path(tmp_path_factory) -> Path:
 
 
 # ----- a live local swarm, shared by every test that needs one ----------------------------------------
+SHARED_SWARM_THROUGHPUT = "10"  # tokens/s the shared swarm's servers announce (see local_swarm)
+
+
 @pytest.fixture(scope="session")
 def local_swarm(tiny_model_path):
-    """A bootstrap peer and three servers of the tiny model: 0:2, 2:4 and an overlapping replica 1:4."""
+    """A bootstrap peer and three servers of the tiny model: 0:2, 2:4 and an overlapping replica 1:4.
+
+    They announce ``SHARED_SWARM_THROUGHPUT`` tokens/s. A route's cost is each hop's measured round trip plus its
+    tokens over the announced throughput: at LocalSwarm's default 1000 the compute terms (0.13 s a hop for 128 tokens)
+    were within the ping noise of a loaded machine, so a test's ``fast_server`` (1e9) or the 1:4 replica lost routes
+    they win on a quiet one. At 10 tokens/s the compute terms are seconds and decide every route."""
     from swarm.utils.local_swarm import LocalSwarm
 
     with LocalSwarm(fork_server=True) as swarm:
         swarm.start_bootstrap()
-        servers = [swarm.start_server(str(tiny_model_path), span, "--compute-threads", "1", wait=False)
+        servers = [swarm.start_server(str(tiny_model_path), span, "--compute-threads", "1", "--throughput",
+                                      SHARED_SWARM_THROUGHPUT, wait=False)
                    for span in ("0:2", "2:4", "1:4")]
         for server in servers:
             swarm.wait_ready(server)

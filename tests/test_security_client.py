@@ -345,9 +345,11 @@ def test_a_lying_head_server_beside_a_replica_without_the_head_is_caught(local_s
     path, (liar, replica) = head_liar
     expected = DiffusionLM.from_pretrained(path).generate("audit", **SETTINGS)
     with swarm_client(local_swarm, path, dht=swarm_peer, spot_check_fraction=0) as lm:
+        wait_seen(lm, [liar, replica])
         assert lm.show_route()[-1].peer_id == liar.peer_id, "the route ends on the head server"
         assert lm.generate("audit", **SETTINGS).token_ids != expected.token_ids, "unchecked, the lie is the output"
     with swarm_client(local_swarm, path, dht=swarm_peer, spot_check_fraction=1.0) as lm:
+        wait_seen(lm, [liar, replica])  # a replica this client missed (a lost DHT reply) leaves only its own check
         result = lm.generate("audit", **SETTINGS)
         assert result.token_ids == expected.token_ids
         first = result.info["spot_checks"][0]

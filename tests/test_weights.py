@@ -515,8 +515,10 @@ def test_a_record_signed_by_another_key_than_its_slot_is_refused(swarm, peer, cl
     try:
         with pytest.raises(WeightsError, match="no publisher you trust .* published 'tiny-forged'"):
             weights.resolve("tiny-forged")
+        assert weights._dht is None, "dht=: read through the caller's peer, with no DHT peer of its own"
     finally:
         weights.close()
+    assert client.is_alive(), "dht=: the caller's peer is never closed by the resolver"
 
 
 def test_the_fetch_command_fills_the_cache_with_the_parts_named(swarm, model_id, cache_home, tiny_model_path):

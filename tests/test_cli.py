@@ -168,31 +168,52 @@ MODULE_COMMANDS = ("swarm.generate", "swarm.eval.text_quality", "swarm.eval.comp
 COMMANDS = ("swarm.server", "swarm.api", "swarm.dht", "swarm.health", "swarm.governance", "swarm.train", "swarm.eval",
             "swarm.finetune", "swarm.benchmark", "swarm.weights", "swarm.audit", "swarm.improve", "swarm.advise",
             *MODULE_COMMANDS)
-# Runs a command as ``python -m`` would, once per argument list (a JSON list of them), in one interpreter; then
-# prints the exit codes and which heavy modules the runs imported together (its last stderr line).
+# Runs commands as ``python -m MODULE ARGS`` would, each (MODULE, ARGS) of a JSON list in turn, in one interpreter,
+# each run's output captured; then prints, per run, the heavy modules loaded before it and after it, its exit code
+# and its stderr (the last stdout line, as JSON). It stops after a run that loaded a heavy module: the runs after it
+# could not be checked there (the module is loaded already), so they go to a fresh interpreter.
 IMPORTS_PROBE = """
-import json, runpy, sys
-module, codes = sys.argv[1], []
-for args in json.loads(sys.argv[2]):
+import contextlib, io, json, runpy, sys
+def heavy():
+    return sorted(name for name in {heavy} if name in sys.modules)
+results = []
+for module, args in json.loads(sys.argv[1]):
+    before, out, err = heavy(), io.StringIO(), io.StringIO()
     sys.argv = [module, *args]
-    try:
-        runpy.run_module(module, run_name="__main__", alter_sys=True)
-        codes.append(0)
-    except SystemExit as exit_:
-        codes.append(exit_.code)
-print("HEAVY", json.dumps([sorted(name for name in {heavy} if name in sys.modules), codes]), file=sys.stderr)
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+            code = 0
+        except SystemExit as exit_:
+            code = exit_.code
+        except Exception as error:
+            code = f"raised {error!r}"
+    results.append([before, heavy(), code, err.getvalue()])
+    if results[-1][1]:
+        break
+print(json.dumps(results))
 """.replace("{heavy}", repr(HEAVY_MODULES))
 
 
-def heavy_imports(module: str, *runs: list[str]) -> tuple[list[str], list[int], str]:
-    """(heavy modules imported, exit codes, stderr) of ``python -m module ARGS`` for each of ``runs``, all in one
-    fresh interpreter."""
-    done = subprocess.run([sys.executable, "-c", IMPORTS_PROBE, module, json.dumps(runs)], capture_output=True,
-                          text=True, timeout=120, cwd=ROOT)
-    last = done.stderr.strip().splitlines()[-1]
-    assert last.startswith("HEAVY "), done.stderr
-    heavy, codes = json.loads(last[len("HEAVY "):])
-    return heavy, codes, done.stderr
+def probe_imports(runs: list[tuple[str, list[str]]]) -> dict[tuple[str, tuple[str, ...]], tuple]:
+    """(MODULE, ARGS) -> (heavy modules loaded before the run, after it, exit code, stderr), for every run of
+    ``python -m MODULE ARGS`` in ``runs``, in one fresh interpreter (one start instead of one per module and
+    mistake: 40 interpreters took about 12 CPU s), and one more after each run that loaded a heavy module."""
+    results: list = []
+    while len(results) < len(runs):
+        done = subprocess.run([sys.executable, "-c", IMPORTS_PROBE, json.dumps(runs[len(results):])],
+                              capture_output=True, text=True, timeout=300, cwd=ROOT)
+        assert done.returncode == 0 and done.stdout.strip(), done.stderr[-4000:]
+        results += json.loads(done.stdout.strip().splitlines()[-1])
+    return {(module, tuple(args)): tuple(result) for (module, args), result in zip(runs, results)}
+
+
+def heavy_imports(probed: dict, module: str, args: list[str]) -> tuple[list[str], object, str]:
+    """(heavy modules the run loaded, its exit code, its stderr) of ``python -m module ARGS`` in ``probed`` (a run
+    whose interpreter had loaded a heavy module before it could not be checked, and fails saying so)."""
+    before, after, code, stderr = probed[module, tuple(args)]
+    assert before == [], f"python -m {module} {' '.join(args)} was not checked: an earlier run loaded {before}"
+    return after, code, stderr
 
 
 def subcommands(module: str) -> list[str]:
@@ -203,6 +224,17 @@ def subcommands(module: str) -> list[str]:
             + (["withdraw", "coordinate"] if module == "swarm.improve" else []))
 
 
+def help_runs(module: str) -> list[list[str]]:
+    return [["--help"]] + [[name, "--help"] for name in subcommands(module)]
+
+
+@pytest.fixture(scope="module")
+def probed() -> dict:
+    """Every help run of every command and every argument mistake below, run in one fresh interpreter."""
+    return probe_imports([(module, args) for module in COMMANDS for args in help_runs(module)]
+                         + [(module, args) for module, args, _ in MISTAKES])
+
+
 def test_every_command_is_in_the_fast_help_check():
     """A new ``python -m`` command is checked too."""
     packages = {f"swarm.{path.parent.name}" for path in (ROOT / "swarm").glob("*/__main__.py")}
@@ -211,17 +243,16 @@ def test_every_command_is_in_the_fast_help_check():
 
 @pytest.mark.swarm  # a fresh Python process
 @pytest.mark.parametrize("module", COMMANDS)
-def test_every_help_is_answered_before_torch_hivemind_or_fastapi_loads(module):
+def test_every_help_is_answered_before_torch_hivemind_or_fastapi_loads(module, probed):
     """``python -m swarm.dht --help`` (governance, health, train, eval, finetune, benchmark, weights alike) imported
     torch and hivemind before parsing (2.5-4 s on a busy machine, 5-9 s in the issue); swarm.api's imported FastAPI."""
-    runs = [["--help"]] + [[name, "--help"] for name in subcommands(module)]
-    heavy, codes, stderr = heavy_imports(module, *runs)
-    assert codes == [0] * len(runs), stderr
-    assert heavy == [], f"python -m {module} --help (or a subcommand's) imported {heavy}"
+    for args in help_runs(module):
+        heavy, code, stderr = heavy_imports(probed, module, args)
+        assert code == 0, stderr
+        assert heavy == [], f"python -m {module} {' '.join(args)} imported {heavy}"
 
 
-@pytest.mark.swarm  # fresh Python processes
-@pytest.mark.parametrize("module, args, fragment", [
+MISTAKES = [
     ("swarm.server", ["--blocks", "0-8"], "Invalid value for '--blocks': expected START:END"),
     ("swarm.server", ["--num-blocks", "0"], "is not in the range x>=1"),
     ("swarm.server", ["--max-batch-tokens", "lots"], "'lots' is not a valid integer"),
@@ -245,11 +276,15 @@ def test_every_help_is_answered_before_torch_hivemind_or_fastapi_loads(module):
     ("swarm.audit", ["--key", "k", "--every", "0"], "0.0 is not in the range 0.0<x<=604800.0"),
     ("swarm.audit", [], "Missing option '--key'"),
     ("swarm.audit", ["--key", "k", "--score-adapters", "nope"], "--score-adapters: unknown task 'nope'"),
-])
-def test_argument_mistakes_are_answered_before_torch_loads(module, args, fragment):
+]
+
+
+@pytest.mark.swarm  # a fresh Python process
+@pytest.mark.parametrize("module, args, fragment", MISTAKES)
+def test_argument_mistakes_are_answered_before_torch_loads(module, args, fragment, probed):
     """A typo in --blocks took 9-16 s: torch, hivemind and transformers loaded first."""
-    heavy, codes, stderr = heavy_imports(module, args)
-    assert codes == [EXIT_USAGE] and fragment in stderr, stderr
+    heavy, code, stderr = heavy_imports(probed, module, args)
+    assert code == EXIT_USAGE and fragment in stderr, stderr
     assert heavy == [], f"{module} {' '.join(args)} imported {heavy}"
 
 

@@ -260,16 +260,31 @@ FAMILIES = {
 }
 
 
+SHOWN = ("model name", False, "shown")  # the show command's name: flooded as the model name family's plain subkeys
+
+
+@pytest.fixture(scope="module")
+def flooded(network) -> dict[tuple[str, bool, str], tuple[str, list[bool]]]:
+    """Issue 48's floods, sent before any honest write by one attacker that joins, floods a fresh name of each
+    family (1,024 plain subkeys, or a regular value) and the show test's, then leaves, as a flooder may: (family,
+    regular, use) -> (the name, whether each storing peer took its flood). One libp2p daemon instead of one per
+    flood: the storing peers judge a flood by its key's policy, and learn none from a flood (it names no key)."""
+    run = time.monotonic_ns() % 10**9
+    cases = [(family, regular, "write") for family in FAMILIES for regular in (False, True)] + [SHOWN]
+    names = {case: f"{case[2]}-{case[0].replace(' ', '-')}-{int(case[1])}-{run}" for case in cases}
+    with attacker(network) as flooder:
+        return {case: (name, hide(flooder, FAMILIES[case[0]].key(name), network.storing_peers, regular=case[1]))
+                for case, name in names.items()}
+
+
 @pytest.mark.parametrize("regular", [False, True], ids=["1024 plain subkeys", "a regular value"])
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_a_key_flooded_before_it_is_written_still_takes_the_honest_record(network, prober, family, regular, request):
+def test_a_key_flooded_before_it_is_written_still_takes_the_honest_record(network, flooded, prober, family, regular):
     """The issue's attack on each family: every storing peer takes the flood (the key is nobody's yet), then the
     honest write succeeds and another peer reads it."""
     chosen = FAMILIES[family]
-    name = f"future-{len(family)}-{int(regular)}-{time.monotonic_ns() % 10**9}"  # a name nobody has written yet
-    with attacker(network) as flooder:
-        assert hide(flooder, chosen.key(name), network.storing_peers, regular=regular) == [True] * 3, \
-            "the flood was refused before any record named the key: no attack to defend"
+    name, taken = flooded[family, regular, "write"]  # a name nobody had written, flooded by a peer gone since
+    assert taken == [True] * 3, "the flood was refused before any record named the key: no attack to defend"
     chosen.write(network, name)
     forget_local_copies(network.writer, [chosen.key(name)])  # readers must get it from the storing peers
     assert chosen.found(network, name), f"the {family} record is hidden by the flood"
@@ -277,31 +292,38 @@ def test_a_key_flooded_before_it_is_written_still_takes_the_honest_record(networ
     assert hide(prober, chosen.key(name), network.storing_peers, count=8) == [False] * 3
 
 
-def test_a_name_publish_that_no_other_peer_reads_back_fails():
+def test_a_name_publish_that_no_other_peer_reads_back_fails(network):
     """A publish reports success only after a read that excludes its own copy: with every storing peer refusing
-    the record (a regular value they took first, on peers whose policy was not learnt), ``publish`` raises."""
+    the record (a regular value they took first, on peers whose policy was not learnt), ``publish`` raises. The
+    module's storing peers lose their key registry for this test (and get it back after it)."""
     name = f"unlearnt-{time.monotonic_ns() % 10**9}"
-    others = start_network()
     try:
-        for dht in others.storers:  # peers that cannot learn: they keep the regular value, so refuse every subkey
+        for dht in network.storers:  # peers that cannot learn: they keep the regular value, so refuse every subkey
             dht.run_coroutine(partial(_unprotect))
         publisher = Ed25519PrivateKey.generate()
         own = own_name_key(name, author_id(ed25519_text(publisher)))
-        with attacker(others) as flooder:
+        with attacker(network) as flooder:
             for key in (name_key(name), own):
-                assert hide(flooder, key, others.storing_peers, regular=True) == [True] * 3
+                assert hide(flooder, key, network.storing_peers, regular=True) == [True] * 3
         with pytest.raises(WeightsError, match="it is not readable, so it is not published"):
-            publish_weights_name(others, name, publisher, read_back_seconds=REFUSED_READ_BACK_SECONDS)
-        forget_local_copies(others.reader, [name_key(name), own])
-        assert not weights_name_found(others, name)
+            publish_weights_name(network, name, publisher, read_back_seconds=REFUSED_READ_BACK_SECONDS)
+        forget_local_copies(network.reader, [name_key(name), own])
+        assert not weights_name_found(network, name)
     finally:
-        stop_network(others)
+        for dht in network.storers:
+            dht.run_coroutine(partial(_reprotect))
 
 
 async def _unprotect(dht: DHT, node: DHTNode) -> None:
     """A storing peer without the key registry (a stock hivemind peer's rules, plus the bounds of every key)."""
     for storage in (node.protocol.storage, node.protocol.cache):
-        storage.resolve = None
+        storage.unprotected_resolve, storage.resolve = storage.resolve, None
+
+
+async def _reprotect(dht: DHT, node: DHTNode) -> None:
+    """The key registry :func:`_unprotect` took away, back."""
+    for storage in (node.protocol.storage, node.protocol.cache):
+        storage.resolve = getattr(storage, "unprotected_resolve", storage.resolve)
 
 
 def test_fresh_keys_filling_a_name_do_not_keep_its_publishers_out(tmp_path):
@@ -335,7 +357,7 @@ def test_fresh_keys_filling_a_name_do_not_keep_its_publishers_out(tmp_path):
         stop_network(network)
 
 
-def test_show_from_another_peer_lists_a_name_flooded_before_it_was_published(network):
+def test_show_from_another_peer_lists_a_name_flooded_before_it_was_published(network, flooded):
     """The issue's symptom, through the command: after the flood and the honest publish, ``python -m swarm.weights
     show NAME`` (its own DHT peer) lists the record instead of "no model is published under NAME"."""
     import json
@@ -344,9 +366,8 @@ def test_show_from_another_peer_lists_a_name_flooded_before_it_was_published(net
 
     from swarm.weights.__main__ import main as weights_main
 
-    name = f"shown-{time.monotonic_ns() % 10**9}"
-    with attacker(network) as flooder:
-        assert hide(flooder, name_key(name), network.storing_peers) == [True] * 3
+    name, taken = flooded[SHOWN]
+    assert taken == [True] * 3
     publish_weights_name(network, name)
     peers = [arg for maddr in visible_maddrs(network.storers[0]) for arg in ("--initial-peers", maddr)]
     shown = CliRunner().invoke(weights_main, ["show", name, *peers])

@@ -4,6 +4,10 @@ blocks from peers and computes what the local model does; published names; and h
 Everything is real: a bootstrap peer and a server of the tiny checkpoint as subprocesses (the server serves its
 weights, as every server does by default), libp2p daemons on 127.0.0.1, safetensors files on disk. The hostile
 peer is the real :class:`WeightServer` on a DHT peer of this process, changing what it sends.
+
+Each DHT peer is a process and a libp2p daemon (about 1 CPU s): this process's fetches, resolutions
+(``SwarmWeights(dht=...)``), publishes and reads share one client peer, ``client``; a command keeps its own where
+the command is the point, and so does a peer whose identity is (the liars, a reader capped per peer).
 """
 from __future__ import annotations
 
@@ -32,7 +36,7 @@ from swarm.dht.identity import Identity
 from swarm.dht.node import NetworkConfig, start_dht, stop_dht
 from swarm.dht.schema import now, read_servers
 from swarm.dht.validation import sign_slot, slot_subkey
-from swarm.governance.keys import generate_private_key, public_key_text
+from swarm.governance.keys import generate_private_key, load_private_key, public_key_text
 from swarm.models.loading import ModelFiles
 from swarm.utils.event_loop import BackgroundLoop
 from swarm.utils.local_swarm import LocalSwarm
@@ -120,6 +124,20 @@ def liars(swarm, tiny_model_path):
         identity.remove()
 
 
+@pytest.fixture(scope="module")
+def client(swarm):
+    """A client DHT peer of this process that its fetches, resolutions, publishes and reads share (it hosts
+    nothing: a peer cannot dial itself, so it must not be ``peer``, the hostile server's)."""
+    dht = start_dht(NetworkConfig(initial_peers=swarm.initial_peers, client_mode=True))
+    yield dht
+    stop_dht(dht)
+
+
+def weights_of(client, swarm, **options) -> SwarmWeights:
+    """A resolver on the swarm through ``client`` (no DHT peer of its own)."""
+    return SwarmWeights(NetworkConfig(initial_peers=swarm.initial_peers), dht=client, **options)
+
+
 @pytest.fixture()
 def cache_home(home, tmp_path, monkeypatch) -> Path:
     """This process's HF_HOME for the test: a fresh cache."""
@@ -132,7 +150,7 @@ def blocks_of(names: list[str], *blocks: int) -> frozenset[int]:
 
 
 def test_a_server_named_by_id_starts_from_peers_alone_and_computes_as_the_local_model(
-        swarm, peer, liars, model_id, home, tiny_model_path, local_lm, cache_home):
+        swarm, peer, client, liars, model_id, home, tiny_model_path, local_lm, cache_home):
     """With the liars' records there too (issue 48): their size hints ban nobody."""
     dht, _ = peer
     publisher = next(p for p in swarm.processes if p.name == "publisher")
@@ -157,8 +175,9 @@ def test_a_server_named_by_id_starts_from_peers_alone_and_computes_as_the_local_
     # the client names the model by id too: its config and embedding come from peers (this process's cache)
     # Spot checks off: a default client recomputes an unchecked hop on blocks it fetches itself (docs/GOVERNANCE.md),
     # and this test is about what a client fetches to run, not to check.
+    # (through this process's client peer: dht= resolves the id there too)
     lm = DistributedDiffusionLM.from_pretrained(model_id, initial_peers=swarm.initial_peers, request_timeout=20,
-                                                spot_check_fraction=0)
+                                                spot_check_fraction=0, dht=client)
     try:  # blocks 2:4 are served by the new server alone
         assert lm.generate("Hello", **GENERATION).token_ids == local_lm.generate("Hello", **GENERATION).token_ids
     finally:
@@ -227,12 +246,10 @@ def hostile(peer, tiny_model_path):
     loop.run(server.remove_p2p_handlers(p2p))
 
 
-@pytest.fixture()
-def fetching(swarm):
-    """A client DHT peer of this process to fetch with (its own P2P: a peer cannot dial itself)."""
-    dht = start_dht(NetworkConfig(initial_peers=swarm.initial_peers, client_mode=True))
-    yield BackgroundLoop.shared().run(dht.replicate_p2p())
-    stop_dht(dht)
+@pytest.fixture(scope="module")
+def fetching(client):
+    """The P2P of ``client`` to fetch with (not the hostile server's: a peer cannot dial itself)."""
+    return BackgroundLoop.shared().run(client.replicate_p2p())
 
 
 def hosts(swarm, hostile, manifest_bytes: int, honest: bool = True) -> list[HostRecord]:
@@ -320,7 +337,7 @@ def test_a_fetch_resumes_with_the_parts_checked_before_and_only_those(
 
 
 def test_a_manifest_whose_shapes_disagree_with_its_config_is_refused_and_nothing_stays(
-        hostile, peer, swarm, tiny_model_path, tmp_path, cache_home):
+        hostile, peer, client, swarm, tiny_model_path, tmp_path, cache_home):
     dht, identity = peer
     lying = tmp_path / tiny_model_path.name
     shutil.copytree(tiny_model_path, lying)
@@ -333,7 +350,7 @@ def test_a_manifest_whose_shapes_disagree_with_its_config_is_refused_and_nothing
         model_id = hostile.holdings.model_id
         record = hostile.holdings.host_record(hostile.peer_id, hostile.addresses)
         assert declare_host(dht, model_id, record, identity.owner_subkey(), now() + 60)
-        weights = SwarmWeights(NetworkConfig(initial_peers=swarm.initial_peers))
+        weights = weights_of(client, swarm)
         try:
             with pytest.raises(WeightsError, match=r"disagrees with its config: blocks.0.mlp.gate_proj.weight is "
                                                    r"\[64, 32\], its config says \[48, 32\]"):
@@ -345,10 +362,11 @@ def test_a_manifest_whose_shapes_disagree_with_its_config_is_refused_and_nothing
         hostile.holdings = saved
 
 
-def test_a_manifest_that_does_not_hash_to_its_id_is_refused(hostile, fetching, swarm, tiny_model_path, cache_home):
+def test_a_manifest_that_does_not_hash_to_its_id_is_refused(hostile, client, fetching, swarm, tiny_model_path,
+                                                            cache_home):
     hostile.mode = "flip"
     manifest = build_manifest(tiny_model_path)
-    weights = SwarmWeights(NetworkConfig(initial_peers=swarm.initial_peers))
+    weights = weights_of(client, swarm)
     try:
         source = weights.open(manifest.model_id, len(manifest.to_bytes()))
     finally:
@@ -364,7 +382,17 @@ def test_a_manifest_that_does_not_hash_to_its_id_is_refused(hostile, fetching, s
 
 
 # ----- what a server serving weights allows ----------------------------------------------------------------------
-def test_reads_are_capped_in_bandwidth_and_per_peer(hostile, fetching, tiny_model_path):
+@pytest.fixture()
+def own_fetching(swarm):
+    """A client DHT peer of the test's own: the reads it leaves streaming count against its peer id, not against
+    the shared ``client``'s."""
+    dht = start_dht(NetworkConfig(initial_peers=swarm.initial_peers, client_mode=True))
+    yield BackgroundLoop.shared().run(dht.replicate_p2p())
+    stop_dht(dht)
+
+
+def test_reads_are_capped_in_bandwidth_and_per_peer(hostile, own_fetching, tiny_model_path):
+    fetching = own_fetching
     manifest = build_manifest(tiny_model_path)
     index, entry = max(enumerate(manifest.tensors), key=lambda item: item[1].size)  # the embedding, 33 KB
     request = ReadRequest(manifest.model_id, TENSOR, index, 0, entry.size)
@@ -425,12 +453,20 @@ def publish_with_cli(swarm, directory: Path, name: str, key: Path) -> dict:
     return json.loads(result.stdout)
 
 
-def test_a_name_claimed_by_two_trusted_publishers_needs_the_publisher(swarm, tiny_model_path, tmp_path, cache_home):
+def publish_through(client, directory: Path, name: str, key: Path) -> dict:
+    """What ``publish_with_cli`` publishes and prints, through ``client`` (where the command is not the point)."""
+    manifest = build_manifest(directory)
+    record = PublishedModel(name, manifest.model_id, len(manifest.to_bytes()), manifest.weights_bytes, time.time())
+    return publish(client, load_private_key(key), record).to_json()
+
+
+def test_a_name_claimed_by_two_trusted_publishers_needs_the_publisher(swarm, client, tiny_model_path, tmp_path,
+                                                                      cache_home):
     first, second = tmp_path / "first.key", tmp_path / "second.key"
     first_key, second_key = generate_private_key(first), generate_private_key(second)
     other = make_checkpoint(tmp_path / tiny_model_path.name, tiny_config(), seed=5)
     published = publish_with_cli(swarm, tiny_model_path, "tiny-claimed", first)
-    rival = publish_with_cli(swarm, other, "tiny-claimed", second)
+    rival = publish_through(client, other, "tiny-claimed", second)
     assert published["model_id"] == build_manifest(tiny_model_path).model_id != rival["model_id"]
 
     peers = [arg for peer in swarm.initial_peers for arg in ("--initial-peers", peer)]
@@ -445,7 +481,7 @@ def test_a_name_claimed_by_two_trusted_publishers_needs_the_publisher(swarm, tin
     assert publisher.peer_id in served[published["model_id"]]  # (with the server named by id, when it ran first)
 
     both = PublisherTrust.of([public_key_text(first_key), public_key_text(second_key)])
-    weights = SwarmWeights(NetworkConfig(initial_peers=swarm.initial_peers), trust=both)
+    weights = weights_of(client, swarm, trust=both)
     try:
         with pytest.raises(WeightsError, match="several publishers you trust claim the model name 'tiny-claimed' "
                                                "for different models: choose one of tiny-claimed@"):
@@ -464,7 +500,8 @@ def test_a_name_claimed_by_two_trusted_publishers_needs_the_publisher(swarm, tin
         weights.close()
 
 
-def test_a_record_signed_by_another_key_than_its_slot_is_refused(swarm, peer, tmp_path, cache_home, model_id):
+def test_a_record_signed_by_another_key_than_its_slot_is_refused(swarm, peer, client, tmp_path, cache_home,
+                                                                  model_id):
     dht, _ = peer
     owner, forger = tmp_path / "owner.key", tmp_path / "forger.key"
     owner_key, forger_key = generate_private_key(owner), generate_private_key(forger)
@@ -474,12 +511,14 @@ def test_a_record_signed_by_another_key_than_its_slot_is_refused(swarm, peer, tm
     assert not dht.store(name_key("tiny-forged"), forged, expiration_time=expiration, subkey=slot_subkey(owner_key))
     assert read_published(dht, "tiny-forged") == []
     trust = PublisherTrust.of([public_key_text(owner_key), public_key_text(forger_key)])
-    weights = SwarmWeights(NetworkConfig(initial_peers=swarm.initial_peers), trust=trust)
+    weights = weights_of(client, swarm, trust=trust)
     try:
         with pytest.raises(WeightsError, match="no publisher you trust .* published 'tiny-forged'"):
             weights.resolve("tiny-forged")
+        assert weights._dht is None, "dht=: read through the caller's peer, with no DHT peer of its own"
     finally:
         weights.close()
+    assert client.is_alive(), "dht=: the caller's peer is never closed by the resolver"
 
 
 def test_the_fetch_command_fills_the_cache_with_the_parts_named(swarm, model_id, cache_home, tiny_model_path):
@@ -507,7 +546,7 @@ def checked_parts(manifest, directory: Path) -> int:
 
 
 def test_a_fetch_killed_midway_resumes_from_the_parts_it_checked(
-        swarm, peer, hostile, tiny_model_path, tmp_path, cache_home):
+        swarm, peer, client, hostile, tiny_model_path, tmp_path, cache_home):
     """A real crash: ``python -m swarm.weights fetch`` is SIGKILLed while a slow peer feeds it; the next fetch asks
     only for the parts that were not checked yet."""
     dht, identity = peer
@@ -530,7 +569,7 @@ def test_a_fetch_killed_midway_resumes_from_the_parts_it_checked(
             fetching.wait(10)
         kept = checked_parts(manifest, directory)
         hostile.bandwidth = saved_bandwidth
-        weights = SwarmWeights(NetworkConfig(initial_peers=swarm.initial_peers))
+        weights = weights_of(client, swarm)
         try:
             files = ModelFiles(manifest.model_id, resolvers=[weights.resolve])
             files.span(0, 4)
@@ -548,8 +587,8 @@ def test_a_fetch_killed_midway_resumes_from_the_parts_it_checked(
 
 
 # ----- issue 48: no peer punished on a stranger's claim; names with trust roots; publish read back ---------------
-def test_lying_hints_in_strangers_records_ban_nobody(swarm, liars, model_id, tiny_model_path, cache_home, tmp_path,
-                                                     monkeypatch):
+def test_lying_hints_in_strangers_records_ban_nobody(swarm, client, liars, model_id, tiny_model_path, cache_home,
+                                                     tmp_path, monkeypatch):
     """``python -m swarm.weights fetch ID`` with the liars' records (sizes one byte short and long, a claim to hold
     every tensor): it works, and the honest host is never banned. A name record whose signed size is wrong (by a
     trusted publisher) is a hint too."""
@@ -560,15 +599,10 @@ def test_lying_hints_in_strangers_records_ban_nobody(swarm, liars, model_id, tin
 
     key = generate_private_key(tmp_path / "publisher.key")
     size = len(build_manifest(tiny_model_path).to_bytes())
-    dht = start_dht(NetworkConfig(initial_peers=swarm.initial_peers, client_mode=True))
-    try:
-        publish(dht, key, PublishedModel("tiny-short", model_id, size - 1, 1, time.time()))
-    finally:
-        stop_dht(dht)
+    publish(client, key, PublishedModel("tiny-short", model_id, size - 1, 1, time.time()))
     for home in ("by-id", "by-name"):  # fresh caches: the manifest is fetched again
         monkeypatch.setattr(constants, "HF_HOME", str(tmp_path / home))
-        weights = SwarmWeights(NetworkConfig(initial_peers=swarm.initial_peers),
-                               trust=PublisherTrust.of([public_key_text(key)]))
+        weights = weights_of(client, swarm, trust=PublisherTrust.of([public_key_text(key)]))
         try:
             files = ModelFiles(model_id if home == "by-id" else "tiny-short", resolvers=[weights.resolve])
             files.span(0, 2)
@@ -593,7 +627,7 @@ def negated_copy(source: Path, target: Path) -> Path:
     return target
 
 
-def test_a_squatted_name_changes_nothing_for_a_default_user(swarm, tiny_model_path, tmp_path, cache_home,
+def test_a_squatted_name_changes_nothing_for_a_default_user(swarm, client, tiny_model_path, tmp_path, cache_home,
                                                             monkeypatch):
     """Issue 48, item 3: a stranger publishes a popular name first, for the model with one tensor negated. A
     default user (trusting the governance keys, here the honest publisher's) installs nothing; once the honest
@@ -603,7 +637,7 @@ def test_a_squatted_name_changes_nothing_for_a_default_user(swarm, tiny_model_pa
     stranger = tmp_path / "stranger.key"
     generate_private_key(stranger)
     squatted = negated_copy(tiny_model_path, tmp_path / "squat" / tiny_model_path.name)
-    squat = publish_with_cli(swarm, squatted, "tiny-popular", stranger)
+    squat = publish_through(client, squatted, "tiny-popular", stranger)
     monkeypatch.setenv("SWARM_GOVERNANCE_KEYS", public_key_text(honest_key))
     peers = [arg for peer in swarm.initial_peers for arg in ("--initial-peers", peer)]
     refused = CliRunner().invoke(weights_main, ["fetch", "tiny-popular", *peers])
@@ -611,7 +645,7 @@ def test_a_squatted_name_changes_nothing_for_a_default_user(swarm, tiny_model_pa
         "records by publishers you do not trust are ignored)" in refused.output, refused.output
     assert not (cache_home / "swarm" / "weights" / squat["model_id"]).exists()
 
-    honest = publish_with_cli(swarm, tiny_model_path, "tiny-popular", tmp_path / "honest.key")
+    honest = publish_through(client, tiny_model_path, "tiny-popular", tmp_path / "honest.key")
     fetched = CliRunner().invoke(weights_main, ["fetch", "tiny-popular", *peers])
     assert fetched.exit_code == 0, fetched.output
     assert Path(fetched.stdout.strip().splitlines()[-1]).parent.name == honest["model_id"] != squat["model_id"]
@@ -638,7 +672,7 @@ async def _fill_key(dht, node, key: str, peers: list[str], count: int) -> None:
                                            [value] * len(batch), expiration, subkeys=batch)
 
 
-def test_a_publish_succeeds_only_when_other_peers_return_it(swarm, peer, liars, tiny_model_path, tmp_path):
+def test_a_publish_succeeds_only_when_other_peers_return_it(swarm, peer, client, liars, tiny_model_path, tmp_path):
     """Issue 48, item 2's flood: 1,024 one-byte plain subkeys under a name key before it is published. A publish
     that reports success (exit 0) is read back by another peer; one that is not readable says so and fails
     (exit 1) instead of "published ... rc 0" (where storing peers refuse the flood, the first happens)."""
@@ -654,11 +688,7 @@ def test_a_publish_succeeds_only_when_other_peers_return_it(swarm, peer, liars, 
     peers = [arg for p in swarm.initial_peers for arg in ("--initial-peers", p)]
     result = CliRunner().invoke(weights_main, ["publish", str(tiny_model_path), "--name", "tiny-flooded",
                                                "--key", str(key), *peers])
-    reader = start_dht(NetworkConfig(initial_peers=swarm.initial_peers, client_mode=True))
-    try:
-        readable = [r.model_id for r in read_published(reader, "tiny-flooded")]
-    finally:
-        stop_dht(reader)
+    readable = [r.model_id for r in read_published(client, "tiny-flooded")]  # another peer than the command's
     if result.exit_code == 0:
         assert readable == [build_manifest(tiny_model_path).model_id], "a publish said success for an unread record"
     else:
@@ -675,9 +705,9 @@ def test_commands_that_need_a_swarm_refuse_to_run_without_one(command, monkeypat
     assert result.exit_code == 2 and "no swarm to work on: pass --initial-peers" in result.output, result.output
 
 
-def test_a_full_disk_is_a_one_line_error(swarm, model_id, full_disk, monkeypatch):  # noqa: F811 (fixture)
+def test_a_full_disk_is_a_one_line_error(swarm, client, model_id, full_disk, monkeypatch):  # noqa: F811 (fixture)
     monkeypatch.setattr(constants, "HF_HOME", str(full_disk))
-    weights = SwarmWeights(NetworkConfig(initial_peers=swarm.initial_peers))
+    weights = weights_of(client, swarm)
     try:
         files = ModelFiles(model_id, resolvers=[weights.resolve])  # the manifest and config fit
         with pytest.raises(WeightsError, match=f"model {model_id}: no space left on the disk of .*: free some, or "

@@ -167,7 +167,8 @@ class DistributedDiffusionLM(BaseDiffusionLM):
         (:func:`~swarm.utils.threads.use_threads`)."""
         config = replaced(config or ClientConfig(network=client_network(initial_peers)), "client option", **overrides)
         use_threads(threads)
-        weights = SwarmWeights(config.network, trust=PublisherTrust.of((), config.governance_keys))  # names by them
+        # names by them; a model id or name resolved through ``dht`` when one is given (no peer of its own)
+        weights = SwarmWeights(config.network, trust=PublisherTrust.of((), config.governance_keys), dht=dht)
         return cls(ModelFiles(name_or_path, resolvers=[weights.resolve]), config, dht)
 
     @property

@@ -8,8 +8,10 @@ the config) and installs them in the cache; the tensors come later, only those a
 (``ModelSource.fetch``): a server of blocks 2:4 fetches blocks 2 and 3, and nothing else.
 
 It joins the swarm with a short-lived client DHT peer of its own (the caller's own peer may not exist yet: a
-server resolves its model before it joins), closed once idle. A model already installed opens without any
-network.
+server resolves its model before it joins), closed once idle; a caller in the same process that has a DHT peer
+already (a client given ``dht=``, a test) passes it as ``dht`` instead, and it is used and never closed here (each
+DHT peer is a process and a libp2p daemon of its own). It must not be a host of the model: a peer cannot dial
+itself. A model already installed opens without any network.
 """
 from __future__ import annotations
 
@@ -69,6 +71,7 @@ class SwarmWeights:
     trust: PublisherTrust = field(default_factory=PublisherTrust.of)  # whose names resolve: the governance keys
     banned: dict[str, str] = field(default_factory=dict)  # peers that sent wrong bytes, for every later fetch
     reports: list[FetchReport] = field(default_factory=list)
+    dht: Optional[DHT] = None  # the caller's DHT peer to work through (theirs to close); None: one of its own
 
     def __post_init__(self) -> None:
         self._dht: Optional[DHT] = None
@@ -165,6 +168,8 @@ class SwarmWeights:
 
     # ----- the client DHT peer, started when needed and closed when idle -----------------------------------------
     def _with_dht(self, work):
+        if self.dht is not None:
+            return work(self.dht)
         with self._lock:
             if self._closer is not None:
                 self._closer.cancel()

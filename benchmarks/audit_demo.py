@@ -26,7 +26,6 @@ round, report size); ``--json`` prints one JSON object instead (tests/test_audit
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import logging
 import os
@@ -36,7 +35,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # this checkout's package, when run as a script
@@ -54,7 +53,7 @@ from swarm.governance.keys import public_key_text  # noqa: E402
 from swarm.models.loading import ModelFiles  # noqa: E402
 from swarm.reports.records import FAIL  # noqa: E402
 from swarm.testing.adapters import random_soft_prompt  # noqa: E402
-from swarm.utils.local_swarm import LocalSwarm, ManagedProcess  # noqa: E402
+from swarm.utils.local_swarm import LocalSwarm, ManagedProcess, shared_or_own  # noqa: E402
 from swarm.utils.threads import use_threads  # noqa: E402
 
 FAULTY = (str(ROOT / "tests" / "faulty_server.py"),)
@@ -113,19 +112,6 @@ def audit_until_found(auditor: Auditor, liar: str, slow: str, max_rounds: int, f
             "report": result.report if result else None}
 
 
-@contextlib.contextmanager
-def demo_swarm(shared: Optional[LocalSwarm]) -> Iterator[LocalSwarm]:
-    """The swarm the demonstration runs on: its own, whose processes are all forked from one that imported torch and
-    hivemind (one import for the five processes instead of five), or ``shared``, a running one with a bootstrap
-    peer (a test's: a second fork server and bootstrap peer would cost about 4 CPU s and show nothing more)."""
-    if shared is not None:
-        yield shared
-        return
-    with LocalSwarm(fork_server=True) as swarm:
-        swarm.start_bootstrap()
-        yield swarm
-
-
 def run(examples: int, max_rounds: int, fresh_identity: bool, challenges: int,
         delivered: int = DELIVERED, swarm: Optional[LocalSwarm] = None, prefix: Optional[str] = None
         ) -> dict[str, Any]:
@@ -137,7 +123,7 @@ def run(examples: int, max_rounds: int, fresh_identity: bool, challenges: int,
     os.environ[ENV_CACHE] = str(work / "auditor-cache")  # the auditor's client fetches the adapters here
     os.environ.setdefault("SWARM_STAMP_BITS", "16")  # a private local swarm: see swarm/improve/demo.py
     started: list[ManagedProcess] = []
-    with demo_swarm(swarm) as running:
+    with shared_or_own(swarm) as running:
         try:
             return demonstrate(running, started, work, examples, max_rounds, fresh_identity, challenges, delivered,
                                prefix)

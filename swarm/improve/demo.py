@@ -25,14 +25,14 @@ import subprocess
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import click
 
 from swarm.cli.options import run_main, setup_logging
 from swarm.utils.extras import install_hint
 from swarm.utils.forkserver import ForkedProcess
-from swarm.utils.local_swarm import LocalSwarm
+from swarm.utils.local_swarm import LocalSwarm, shared_or_own
 
 logger = logging.getLogger(__name__)
 
@@ -183,7 +183,7 @@ def run_demo(output: Path, rounds: int, round_steps: int, held_out: int, audit_e
                    local_model=local_model, prefix=prefix)
     rows: list[Row] = []
     trainers: dict[str, Process] = {}
-    with demo_swarm(swarm) as running:
+    with shared_or_own(swarm) as running:
         server = running.start_server(MODEL, "0:4", "--compute-threads", "1",
                                       *(("--dht-prefix", prefix) if prefix else ()))
         peers = running.initial_peers
@@ -235,19 +235,6 @@ def run_demo(output: Path, rounds: int, round_steps: int, held_out: int, audit_e
                 running.terminate(server, signal.SIGKILL)
     click.echo(write_outputs(output, rows))  # what was written, and the install line of a plot that was not
     return rows
-
-
-@contextlib.contextmanager
-def demo_swarm(shared: Optional[LocalSwarm]) -> Iterator[LocalSwarm]:
-    """The swarm the demonstration runs on: its own (a bootstrap peer, and every process forked from one that imported
-    torch and hivemind), or ``shared``, a running one (a test's: a second fork server and bootstrap peer would cost
-    about 4 CPU s and show nothing more)."""
-    if shared is not None:
-        yield shared
-        return
-    with LocalSwarm(fork_server=True) as swarm:
-        swarm.start_bootstrap()
-        yield swarm
 
 
 def short(reference: str, keys: dict[str, Any]) -> str:

@@ -1,8 +1,7 @@
 """The trainer role (python -m swarm.improve) and the self-improving loop's demonstration, shortened.
 
-The demonstration test runs the whole loop (a server, two trainers of one run id, an auditor, a client, on the
-session's swarm under a prefix of their own) for 2 rounds of few steps and checks the table and that ``best:TASK``
-moved to a version by audit alone.
+The demonstration test runs the whole loop (its own local swarm: a server, two trainers of one run id, an auditor,
+a client) for 2 rounds of few steps and checks the table and that ``best:TASK`` moved to a version by audit alone.
 """
 from __future__ import annotations
 
@@ -90,18 +89,16 @@ def test_a_trainer_resumes_after_a_kill_and_shows_its_versions(local_swarm, tmp_
 
 
 @pytest.mark.timeout(1500)
-def test_the_shortened_demonstration_adopts_by_audit(local_swarm, tmp_path):
+def test_the_shortened_demonstration_adopts_by_audit(tmp_path):
     # 10 optimizer steps a round (global batch 32): after the second round's 20 steps each trainer's own figure on
     # its 20 held-out problems was 4-10 of 20 in 12 seeds of a one-process run of the same schedule (0-6 of 20
     # after 10 steps), so a version is published by round 2 at the latest and the auditor scores it. The trainers
     # run the model in their own processes (--local-model): they still train together over the swarm's DHT, publish
-    # and serve their versions there, and the auditor and the client still go through the server. The session's swarm
-    # (its bootstrap peer and fork server) instead of one of its own: about 4 CPU s less; a prefix of its own, so that
-    # the versions of this file's other trainers (the same model) are not scored.
+    # and serve their versions there, and the auditor and the client still go through the server.
     # 10 audited problems a version: best:TASK adopts no version audited right on none (swarm.reports.adoption), and
     # a version right on a third of them answers none of 5 one time in 8, of 10 one time in 60.
     rows = run_demo(tmp_path, rounds=2, round_steps=10, held_out=20, audit_examples=10, client_examples=5,
-                    batch_size=16, local_model=True, round_timeout=900, swarm=local_swarm, prefix="improve-demo")
+                    batch_size=16, local_model=True, round_timeout=900)
     assert [row.round for row in rows] == [0, 1, 2]
     assert rows[0].client_score == 0.0 and rows[0].best == "-", "the base model never writes the tag"
     table = (tmp_path / "improve_demo.md").read_text().splitlines()

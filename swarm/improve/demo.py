@@ -32,7 +32,6 @@ import click
 from swarm.cli.options import run_main, setup_logging
 from swarm.utils.extras import install_hint
 from swarm.utils.forkserver import ForkedProcess
-from swarm.utils.local_swarm import LocalSwarm, shared_or_own
 
 logger = logging.getLogger(__name__)
 
@@ -123,9 +122,8 @@ def plot(rows: list[Row], path: Path) -> None:
 def start_trainer(swarm, label: str, workdir: Path, key: Path, data: Path, options: dict[str, Any],
                   log: Path) -> Process:
     """A ``python -m swarm.improve`` process of the local swarm (forked from its fork server), its output in ``log``."""
-    prefix = ["--dht-prefix", options["prefix"]] if options["prefix"] else []
     command = ["-m", "swarm.improve", "--task", TASK, "--data", str(data), "--name", NAME,
-               "--key", str(key), "--workdir", str(workdir), "--model", MODEL, *prefix, "--run-id", "demo",
+               "--key", str(key), "--workdir", str(workdir), "--model", MODEL, "--run-id", "demo",
                "--rounds", "0", "--round-steps", str(options["round_steps"]),
                "--held-out", str(options["held_out"]), "--batch-size", str(options["batch_size"]),
                "--target-batch-size", str(2 * options["batch_size"]), "--keep", "2", "--threads", "1",
@@ -151,11 +149,8 @@ def stop(processes: list[Process]) -> None:
 
 
 def run_demo(output: Path, rounds: int, round_steps: int, held_out: int, audit_examples: int, client_examples: int,
-             batch_size: int, local_model: bool, round_timeout: float, margin: float = 0.1,
-             swarm: Optional[LocalSwarm] = None, prefix: Optional[str] = None) -> list[Row]:
-    """Run the demonstration; the table's rows (also written to ``output``). On ``swarm``, a running one with a
-    bootstrap peer (a test's: its server is SIGKILLed at the end), instead of a swarm of its own; under the DHT
-    namespace ``prefix`` instead of the model's (on a shared swarm: nobody else's versions of the model are scored)."""
+             batch_size: int, local_model: bool, round_timeout: float, margin: float = 0.1) -> list[Row]:
+    """Run the demonstration; the table's rows (also written to ``output``)."""
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
     from swarm.adapters.adapter import AdapterError
@@ -168,6 +163,7 @@ def run_demo(output: Path, rounds: int, round_steps: int, held_out: int, audit_e
     from swarm.governance.keys import generate_private_key
     from swarm.models.loading import ModelFiles
     from swarm.train.data import TaggedAdditionTask
+    from swarm.utils.local_swarm import LocalSwarm
 
     # A private swarm of this machine's own processes: nobody to price out of the shared lists, while the default
     # stamp (swarm.dht.stamp) would cost each trainer's first publish about a minute.
@@ -180,24 +176,22 @@ def run_demo(output: Path, rounds: int, round_steps: int, held_out: int, audit_e
     keys = {label: generate_private_key(work / f"trainer-{label}.key") for label in "AB"}
     auditor_key = Ed25519PrivateKey.generate()
     options = dict(round_steps=round_steps, held_out=held_out, batch_size=batch_size,
-                   local_model=local_model, prefix=prefix)
+                   local_model=local_model)
     rows: list[Row] = []
     trainers: dict[str, Process] = {}
-    with shared_or_own(swarm) as running:
-        server = running.start_server(MODEL, "0:4", "--compute-threads", "1",
-                                      *(("--dht-prefix", prefix) if prefix else ()))
-        peers = running.initial_peers
+    with LocalSwarm(fork_server=True) as swarm:  # every process forked from one that imported torch and hivemind
+        swarm.start_bootstrap()
+        swarm.start_server(MODEL, "0:4", "--compute-threads", "1")
+        peers = swarm.initial_peers
         network = NetworkConfig(initial_peers=peers, client_mode=True)
         try:
             for label in "AB":
-                trainers[label] = start_trainer(running, label, work / f"trainer-{label}",
-                                                work / f"trainer-{label}.key", data, options,
-                                                work / f"trainer-{label}.log")
-            auditor = Auditor(AuditorConfig(network=network, dht_prefix=prefix, score_adapters=(TASK,),
-                                            task_examples=audit_examples, fresh_identity=False, once=True),
-                              auditor_key, ModelFiles(MODEL))
-            client = DistributedDiffusionLM.from_pretrained(MODEL, dht=auditor.dht, dht_prefix=prefix,
-                                                            route_refresh=2.0, adoption_margin=margin,
+                trainers[label] = start_trainer(swarm, label, work / f"trainer-{label}", work / f"trainer-{label}.key",
+                                                data, options, work / f"trainer-{label}.log")
+            auditor = Auditor(AuditorConfig(network=network, score_adapters=(TASK,), task_examples=audit_examples,
+                                            fresh_identity=False, once=True), auditor_key, ModelFiles(MODEL))
+            client = DistributedDiffusionLM.from_pretrained(MODEL, initial_peers=peers, route_refresh=2.0,
+                                                            adoption_margin=margin,
                                                             trusted_auditors=(ed25519_text(auditor_key),))
             client.adapter_cache = work / "client-cache"
             task = TaggedAdditionTask()
@@ -227,12 +221,10 @@ def run_demo(output: Path, rounds: int, round_steps: int, held_out: int, audit_e
                 if number < rounds:  # new examples arrive in the trainers' data folder: their next round starts
                     write_examples(data / f"part-{number + 1:02d}.jsonl", EXAMPLES_PER_ROUND, seed=number + 1)
                 click.echo(rows[-1].line())
-            client.shutdown()  # first: it shares the auditor's DHT peer (one peer for both, as a person running both)
             auditor.shutdown()
+            client.shutdown()
         finally:
             stop(list(trainers.values()))
-            if swarm is not None:  # its own swarm stops it as it closes
-                running.terminate(server, signal.SIGKILL)
     click.echo(write_outputs(output, rows))  # what was written, and the install line of a plot that was not
     return rows
 

@@ -26,6 +26,7 @@ round, report size); ``--json`` prints one JSON object instead (tests/test_audit
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -35,7 +36,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # this checkout's package, when run as a script
@@ -53,7 +54,7 @@ from swarm.governance.keys import public_key_text  # noqa: E402
 from swarm.models.loading import ModelFiles  # noqa: E402
 from swarm.reports.records import FAIL  # noqa: E402
 from swarm.testing.adapters import random_soft_prompt  # noqa: E402
-from swarm.utils.local_swarm import LocalSwarm, ManagedProcess, shared_or_own  # noqa: E402
+from swarm.utils.local_swarm import LocalSwarm, ManagedProcess  # noqa: E402
 from swarm.utils.threads import use_threads  # noqa: E402
 
 FAULTY = (str(ROOT / "tests" / "faulty_server.py"),)
@@ -110,6 +111,19 @@ def audit_until_found(auditor: Auditor, liar: str, slow: str, max_rounds: int, f
             break
     return {"found": found, "rounds": len(times), "round_seconds": times, "report_bytes": max(sizes),
             "report": result.report if result else None}
+
+
+@contextlib.contextmanager
+def shared_or_own(shared: Optional[LocalSwarm]) -> Iterator[LocalSwarm]:
+    """``shared``, a running swarm with a bootstrap peer (a test's: a second fork server and bootstrap peer would
+    cost about 4 CPU s and show nothing more), or else a swarm of its own with a bootstrap peer, every process forked
+    from one that imported torch and hivemind (one import for the five processes instead of five)."""
+    if shared is not None:
+        yield shared
+        return
+    with LocalSwarm(fork_server=True) as swarm:
+        swarm.start_bootstrap()
+        yield swarm
 
 
 def run(examples: int, max_rounds: int, fresh_identity: bool, challenges: int,

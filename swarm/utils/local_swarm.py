@@ -19,7 +19,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Optional, Sequence, TextIO, Union
+from typing import Optional, Sequence, TextIO, Union
 
 import psutil
 
@@ -210,19 +210,6 @@ class LocalSwarm:
         finally:
             if self._previous_sigterm is not None:
                 signal.signal(signal.SIGTERM, self._previous_sigterm)
-
-
-@contextlib.contextmanager
-def shared_or_own(shared: Optional[LocalSwarm]) -> Iterator[LocalSwarm]:
-    """``shared``, a running swarm with a bootstrap peer (a test's: a second fork server and bootstrap peer would
-    cost about 4 CPU s and show nothing more), or else a swarm of one's own with a bootstrap peer, every process
-    forked from one that imported torch and hivemind, stopped on leaving. The demonstrations run on it."""
-    if shared is not None:
-        yield shared
-        return
-    with LocalSwarm(fork_server=True) as swarm:
-        swarm.start_bootstrap()
-        yield swarm
 
 
 def descendants(pid: int) -> list[psutil.Process]:

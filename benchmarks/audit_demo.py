@@ -54,7 +54,7 @@ from swarm.governance.keys import public_key_text  # noqa: E402
 from swarm.models.loading import ModelFiles  # noqa: E402
 from swarm.reports.records import FAIL  # noqa: E402
 from swarm.testing.adapters import random_soft_prompt  # noqa: E402
-from swarm.utils.local_swarm import LocalSwarm, ManagedProcess  # noqa: E402
+from swarm.utils.local_swarm import LocalSwarm  # noqa: E402
 from swarm.utils.threads import use_threads  # noqa: E402
 
 FAULTY = (str(ROOT / "tests" / "faulty_server.py"),)
@@ -136,63 +136,54 @@ def run(examples: int, max_rounds: int, fresh_identity: bool, challenges: int,
     work = Path(tempfile.mkdtemp(prefix="audit-demo-"))
     os.environ[ENV_CACHE] = str(work / "auditor-cache")  # the auditor's client fetches the adapters here
     os.environ.setdefault("SWARM_STAMP_BITS", "16")  # a private local swarm: see swarm/improve/demo.py
-    started: list[ManagedProcess] = []
-    with shared_or_own(swarm) as running:
-        try:
-            return demonstrate(running, started, work, examples, max_rounds, fresh_identity, challenges, delivered,
-                               prefix)
-        finally:
-            if swarm is not None:  # its own swarm stops them all as it closes
-                for server in started:
-                    running.terminate(server, signal.SIGKILL)
-
-
-def demonstrate(swarm: LocalSwarm, started: list[ManagedProcess], work: Path, examples: int, max_rounds: int,
-                fresh_identity: bool, challenges: int, delivered: int, prefix: Optional[str]) -> dict[str, Any]:
-    """:func:`run` on a running ``swarm``; the servers it starts are appended to ``started``."""
-    local = DiffusionLM.from_pretrained(MODEL)
-    adapters = {name: random_soft_prompt(local, work / name, scale, length) for name, scale, length, _ in ADAPTERS}
-    common = ("--compute-threads", "1", *(("--dht-prefix", prefix) if prefix else ()))
-    serve = [arg for path in adapters.values() for arg in ("--serve-adapter", str(path))]
-    for name, blocks, extra in (("A", "0:2", serve), ("B", "2:4", ()),
-                                ("C", "0:4", ("--public-name", "faulty-1in20")),
-                                ("D", "0:4", ("--public-name", f"faulty-rate{delivered}"))):
-        entry = {"entry": FAULTY} if name in "CD" else {}
-        started.append(swarm.start_server(MODEL, blocks, *common, *extra, name=name, wait=False, **entry))
-    for server in started:
-        swarm.wait_ready(server)
-    servers = {server.peer_id: server.name for server in started}
-    by_name = {server.name: server.peer_id for server in started}
-    network = NetworkConfig(initial_peers=swarm.initial_peers, client_mode=True)
-    config = AuditorConfig(network=network, dht_prefix=prefix, score_adapters=("addition",), task_examples=examples,
-                           fresh_identity=fresh_identity, challenges=challenges)
-    with Auditor(config, Ed25519PrivateKey.generate(), ModelFiles(MODEL)) as auditor:
-        for (name, _, _, claim), path in zip(ADAPTERS, adapters.values()):
-            publish(auditor.dht, Ed25519PrivateKey.generate(), auditor.prefix,
-                    make_record(path, name, claim, [by_name["A"]]))
-        before = client_run(swarm, servers, work / "client-cache", ("none",), False, prefix)
-        factor = ClientConfig().overclaim_factor
-        audit = audit_until_found(auditor, by_name["C"], by_name["D"], max_rounds, factor)
-        key = public_key_text(auditor.key)
-        after = client_run(swarm, servers, work / "client-cache", (key,), True, prefix)
-    report = audit.pop("report")
-    entries = {servers[e.peer_id]: e for e in report.servers}
-    scores = {a.name: {"claimed": a.claimed, "correct": a.correct, "examples": a.examples,
-                       "reference": a.reference} for a in report.adapters}
-    return {
-        "servers": {name: {"blocks": f"{e.start}:{e.end}", "verdict": e.verdict, "passed": e.passed,
-                           "failed": e.failed, "announced": e.announced, "measured": e.measured,
-                           "calibrated": e.calibrated, "overclaim": e.overclaim} for name, e in entries.items()},
-        "found": {what: {"round": number, "seconds": seconds}
-                  for what, (number, seconds) in audit["found"].items()},
-        "rounds": audit["rounds"], "round_seconds_median": statistics.median(audit["round_seconds"]),
-        "first_round_seconds": audit["round_seconds"][0], "report_bytes": audit["report_bytes"],
-        "fresh_identity": fresh_identity, "overclaim_factor": factor, "every_default": AuditorConfig().every,
-        "challenges": challenges,
-        "before": before, "after": after, "local_tokens": local.generate(PROMPT, seed=0, **GREEDY).token_ids,
-        "adapters": scores,
-        "local_best_tokens": local.generate(PROMPT, adapter=str(adapters["modest"]), seed=0, **GREEDY).token_ids,
-    }
+    shared, started = swarm, []
+    with shared_or_own(shared) as swarm, contextlib.ExitStack() as leaving:
+        local = DiffusionLM.from_pretrained(MODEL)
+        adapters = {name: random_soft_prompt(local, work / name, scale, length)
+                    for name, scale, length, _ in ADAPTERS}
+        common = ("--compute-threads", "1", *(("--dht-prefix", prefix) if prefix else ()))
+        serve = [arg for path in adapters.values() for arg in ("--serve-adapter", str(path))]
+        for name, blocks, extra in (("A", "0:2", serve), ("B", "2:4", ()),
+                                    ("C", "0:4", ("--public-name", "faulty-1in20")),
+                                    ("D", "0:4", ("--public-name", f"faulty-rate{delivered}"))):
+            entry = {"entry": FAULTY} if name in "CD" else {}
+            started.append(swarm.start_server(MODEL, blocks, *common, *extra, name=name, wait=False, **entry))
+            if shared is not None:  # a swarm of its own stops them all as it closes
+                leaving.callback(swarm.terminate, started[-1], signal.SIGKILL)
+        for server in started:
+            swarm.wait_ready(server)
+        servers = {server.peer_id: server.name for server in started}
+        by_name = {server.name: server.peer_id for server in started}
+        network = NetworkConfig(initial_peers=swarm.initial_peers, client_mode=True)
+        config = AuditorConfig(network=network, dht_prefix=prefix, score_adapters=("addition",),
+                               task_examples=examples, fresh_identity=fresh_identity, challenges=challenges)
+        with Auditor(config, Ed25519PrivateKey.generate(), ModelFiles(MODEL)) as auditor:
+            for (name, _, _, claim), path in zip(ADAPTERS, adapters.values()):
+                publish(auditor.dht, Ed25519PrivateKey.generate(), auditor.prefix,
+                        make_record(path, name, claim, [by_name["A"]]))
+            before = client_run(swarm, servers, work / "client-cache", ("none",), False, prefix)
+            factor = ClientConfig().overclaim_factor
+            audit = audit_until_found(auditor, by_name["C"], by_name["D"], max_rounds, factor)
+            key = public_key_text(auditor.key)
+            after = client_run(swarm, servers, work / "client-cache", (key,), True, prefix)
+        report = audit.pop("report")
+        entries = {servers[e.peer_id]: e for e in report.servers}
+        scores = {a.name: {"claimed": a.claimed, "correct": a.correct, "examples": a.examples,
+                           "reference": a.reference} for a in report.adapters}
+        return {
+            "servers": {name: {"blocks": f"{e.start}:{e.end}", "verdict": e.verdict, "passed": e.passed,
+                               "failed": e.failed, "announced": e.announced, "measured": e.measured,
+                               "calibrated": e.calibrated, "overclaim": e.overclaim} for name, e in entries.items()},
+            "found": {what: {"round": number, "seconds": seconds}
+                      for what, (number, seconds) in audit["found"].items()},
+            "rounds": audit["rounds"], "round_seconds_median": statistics.median(audit["round_seconds"]),
+            "first_round_seconds": audit["round_seconds"][0], "report_bytes": audit["report_bytes"],
+            "fresh_identity": fresh_identity, "overclaim_factor": factor, "every_default": AuditorConfig().every,
+            "challenges": challenges,
+            "before": before, "after": after, "local_tokens": local.generate(PROMPT, seed=0, **GREEDY).token_ids,
+            "adapters": scores,
+            "local_best_tokens": local.generate(PROMPT, adapter=str(adapters["modest"]), seed=0, **GREEDY).token_ids,
+        }
 
 
 def summary(found: dict[str, Any]) -> str:

@@ -26,15 +26,17 @@ round, report size); ``--json`` prints one JSON object instead (tests/test_audit
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
+import signal
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator, Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # this checkout's package, when run as a script
@@ -72,10 +74,10 @@ def names_of(route: list[str], servers: dict[str, str]) -> list[str]:
 
 
 def client_run(swarm: LocalSwarm, servers: dict[str, str], cache: Path, trusted: tuple[str, ...],
-               adapter: bool) -> dict[str, Any]:
+               adapter: bool, prefix: Optional[str]) -> dict[str, Any]:
     """A fresh client (trusting ``trusted``) generates the prompt; with ``adapter`` also with ``best:addition``."""
     config = ClientConfig(network=NetworkConfig(initial_peers=swarm.initial_peers, client_mode=True),
-                          trusted_auditors=trusted)
+                          trusted_auditors=trusted, dht_prefix=prefix)
     with DistributedDiffusionLM(ModelFiles(MODEL), config) as lm:
         lm.adapter_cache = cache
         result = lm.generate(PROMPT, seed=0, **GREEDY)
@@ -111,44 +113,59 @@ def audit_until_found(auditor: Auditor, liar: str, slow: str, max_rounds: int, f
             "report": result.report if result else None}
 
 
+@contextlib.contextmanager
+def shared_or_own(shared: Optional[LocalSwarm]) -> Iterator[LocalSwarm]:
+    """``shared``, a running swarm with a bootstrap peer (a test's: a second fork server and bootstrap peer would
+    cost about 4 CPU s and show nothing more), or else a swarm of its own with a bootstrap peer, every process forked
+    from one that imported torch and hivemind (one import for the five processes instead of five)."""
+    if shared is not None:
+        yield shared
+        return
+    with LocalSwarm(fork_server=True) as swarm:
+        swarm.start_bootstrap()
+        yield swarm
+
+
 def run(examples: int, max_rounds: int, fresh_identity: bool, challenges: int,
-        delivered: int = DELIVERED) -> dict[str, Any]:
-    """The whole demonstration; what it found, as plain data."""
+        delivered: int = DELIVERED, swarm: Optional[LocalSwarm] = None, prefix: Optional[str] = None
+        ) -> dict[str, Any]:
+    """The whole demonstration; what it found, as plain data. On ``swarm``, a running one (its servers are SIGKILLed
+    at the end), instead of a swarm of its own; under the DHT namespace ``prefix`` instead of the model's (on a shared
+    swarm: no other server of the model joins the routes it shows)."""
     use_threads(1)
     work = Path(tempfile.mkdtemp(prefix="audit-demo-"))
     os.environ[ENV_CACHE] = str(work / "auditor-cache")  # the auditor's client fetches the adapters here
-    # Every process of the swarm is forked from one that imported torch and hivemind (it imports while the adapters
-    # are made here): one import for the five processes instead of five.
     os.environ.setdefault("SWARM_STAMP_BITS", "16")  # a private local swarm: see swarm/improve/demo.py
-    with LocalSwarm(fork_server=True) as swarm:
+    shared, started = swarm, []
+    with shared_or_own(shared) as swarm, contextlib.ExitStack() as leaving:
         local = DiffusionLM.from_pretrained(MODEL)
         adapters = {name: random_soft_prompt(local, work / name, scale, length)
                     for name, scale, length, _ in ADAPTERS}
-        swarm.start_bootstrap()
-        common = ("--compute-threads", "1")
+        common = ("--compute-threads", "1", *(("--dht-prefix", prefix) if prefix else ()))
         serve = [arg for path in adapters.values() for arg in ("--serve-adapter", str(path))]
-        started = [swarm.start_server(MODEL, "0:2", *common, *serve, name="A", wait=False),
-                   swarm.start_server(MODEL, "2:4", *common, name="B", wait=False),
-                   swarm.start_server(MODEL, "0:4", *common, "--public-name", "faulty-1in20", entry=FAULTY, name="C",
-                                      wait=False),
-                   swarm.start_server(MODEL, "0:4", *common, "--public-name", f"faulty-rate{delivered}",
-                                      entry=FAULTY, name="D", wait=False)]
+        for name, blocks, extra in (("A", "0:2", serve), ("B", "2:4", ()),
+                                    ("C", "0:4", ("--public-name", "faulty-1in20")),
+                                    ("D", "0:4", ("--public-name", f"faulty-rate{delivered}"))):
+            entry = {"entry": FAULTY} if name in "CD" else {}
+            started.append(swarm.start_server(MODEL, blocks, *common, *extra, name=name, wait=False, **entry))
+            if shared is not None:  # a swarm of its own stops them all as it closes
+                leaving.callback(swarm.terminate, started[-1], signal.SIGKILL)
         for server in started:
             swarm.wait_ready(server)
         servers = {server.peer_id: server.name for server in started}
         by_name = {server.name: server.peer_id for server in started}
         network = NetworkConfig(initial_peers=swarm.initial_peers, client_mode=True)
-        config = AuditorConfig(network=network, score_adapters=("addition",), task_examples=examples,
-                               fresh_identity=fresh_identity, challenges=challenges)
+        config = AuditorConfig(network=network, dht_prefix=prefix, score_adapters=("addition",),
+                               task_examples=examples, fresh_identity=fresh_identity, challenges=challenges)
         with Auditor(config, Ed25519PrivateKey.generate(), ModelFiles(MODEL)) as auditor:
             for (name, _, _, claim), path in zip(ADAPTERS, adapters.values()):
                 publish(auditor.dht, Ed25519PrivateKey.generate(), auditor.prefix,
                         make_record(path, name, claim, [by_name["A"]]))
-            before = client_run(swarm, servers, work / "client-cache", ("none",), adapter=False)
+            before = client_run(swarm, servers, work / "client-cache", ("none",), False, prefix)
             factor = ClientConfig().overclaim_factor
             audit = audit_until_found(auditor, by_name["C"], by_name["D"], max_rounds, factor)
             key = public_key_text(auditor.key)
-            after = client_run(swarm, servers, work / "client-cache", (key,), adapter=True)
+            after = client_run(swarm, servers, work / "client-cache", (key,), True, prefix)
         report = audit.pop("report")
         entries = {servers[e.peer_id]: e for e in report.servers}
         scores = {a.name: {"claimed": a.claimed, "correct": a.correct, "examples": a.examples,

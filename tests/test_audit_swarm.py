@@ -284,12 +284,14 @@ def test_a_server_honest_only_to_the_auditors_known_peer_id_is_caught_from_a_fre
 
 
 # ----- the demonstration (docs/AUDIT.md) ----------------------------------------------------------------------
-def test_the_audit_demonstration(monkeypatch, tmp_path):
-    """``python benchmarks/audit_demo.py`` as documented (its own 4-server swarm; its ``run``, in this process: one
-    interpreter's start less), at the documented settings but 20 examples: the 1-in-20 liar is failed and the server
-    announcing more than it delivers is flagged; a fresh client trusting nobody routes through one of them, one trusting
-    the auditor routes around both and gets the local model's tokens; the auditor's measured adapter scores contradict
-    the authors' claims and ``best:addition`` picks the truly better adapter, with the local tokens. (With D at 400
+def test_the_audit_demonstration(local_swarm, monkeypatch, tmp_path):
+    """``python benchmarks/audit_demo.py`` as documented (its ``run``, in this process: one interpreter's start less;
+    its 4 servers on the session's swarm under a prefix of their own: no second fork server and bootstrap peer, and
+    no other server of the model on its routes), at the documented settings but 20 examples: the 1-in-20 liar is
+    failed and the server announcing more than it delivers is flagged; a fresh client trusting nobody routes through
+    one of them, one trusting the auditor routes around both and gets the local model's tokens; the auditor's measured
+    adapter scores contradict the authors' claims and ``best:addition`` picks the truly better adapter, with the local
+    tokens. (With D at 400
     positions/s instead of 100 it calibrated to about 40 tok/s, and a loaded machine's slow pings of A and B made one
     hop of D cheaper than A -> B: a shuffled run failed so.)"""
     spec = importlib.util.spec_from_file_location("audit_demo", ROOT / "benchmarks" / "audit_demo.py")
@@ -297,8 +299,8 @@ def test_the_audit_demonstration(monkeypatch, tmp_path):
     spec.loader.exec_module(demo)
     monkeypatch.setenv(ENV_CACHE, str(tmp_path / "cache"))  # the demonstration sets it: restored afterwards
     started = time.perf_counter()
-    found = json.loads(json.dumps(demo.run(examples=20, max_rounds=100, fresh_identity=False,
-                                           challenges=4)))  # what --json prints
+    found = json.loads(json.dumps(demo.run(examples=20, max_rounds=100, fresh_identity=False, challenges=4,
+                                           swarm=local_swarm, prefix="audit-demo")))  # what --json prints
     print(f"the demonstration: {time.perf_counter() - started:.1f} s wall; found {found['found']} in "
           f"{found['rounds']} rounds, median {found['round_seconds_median']:.2f} s")
     assert set(found["found"]) == {"liar", "overclaimer"}

@@ -64,7 +64,7 @@ def training(output: Path) -> dict:
 
 
 def test_two_peers_make_global_steps_together(bootstrap, tiny_model_path, local_lm, pairs, tmp_path):
-    steps = 4
+    steps = 2  # each a global batch of both peers' samples (--min-peers 2): two show the steps go on together
     peers = [start_peer(bootstrap, tiny_model_path, pairs, tmp_path / name, steps) for name in ("a", "b")]
     for peer in peers:
         finish(bootstrap, peer)

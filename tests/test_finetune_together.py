@@ -112,3 +112,24 @@ def test_the_learning_rate_schedule_reaches_the_collaboration_s_adam():
     finally:
         optimizer.shutdown()
         stop_dht(dht)
+
+
+@pytest.mark.unit
+def test_too_few_peers_ends_in_one_line_and_exit_3_not_a_bug_report():
+    """A run whose other peers never report (another --run-id, other --initial-peers) is the user's setting, not a
+    bug: one line naming what to check, and exit 3 (the collaboration could not be joined), no "internal error"."""
+    from types import SimpleNamespace
+
+    from swarm.cli.options import as_cli_error
+    from swarm.finetune.together import TooFewPeers, wait_for_peers
+    from swarm.utils.errors import EXIT_UNREACHABLE
+
+    alone = SimpleNamespace(tracker=SimpleNamespace(global_progress=SimpleNamespace(num_peers=1)))  # what it reads
+    config = CollaborationConfig(run_id="lonely", target_batch_size=TARGET, min_peers=2, peer_wait=0.0)
+    with pytest.raises(TooFewPeers) as raised:
+        wait_for_peers(alone, config, poll=0.0)
+    failure = as_cli_error(raised.value)
+    assert failure is not None and failure.exit_code == EXIT_UNREACHABLE
+    assert "1 of --min-peers 2 peers joined" in str(raised.value) and "--run-id" in str(raised.value)
+    assert wait_for_peers(SimpleNamespace(tracker=SimpleNamespace(global_progress=SimpleNamespace(num_peers=2))),
+                          config) == 2

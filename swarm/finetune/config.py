@@ -25,7 +25,7 @@ class CollaborationConfig:
     load_state_timeout: float = 60.0  # a joining peer waits this long for the others' state
     progress_expiration: float = 15.0  # a peer silent this long no longer counts towards the global batch
     min_peers: int = 1  # after its first batch, a peer waits until this many peers (itself included) report
-    peer_wait: float = 120.0  # ... for at most this long (then RuntimeError)
+    peer_wait: float = 120.0  # ... for at most this long (then TooFewPeers: exit 3)
 
     def validate(self, batch_size: int) -> None:
         if not RUN_ID.fullmatch(self.run_id):

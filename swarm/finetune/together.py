@@ -22,11 +22,19 @@ from hivemind.dht import DHT
 from torch import nn
 
 from swarm.finetune.config import CollaborationConfig
+from swarm.utils.errors import EXIT_UNREACHABLE, SwarmError
 
 logger = logging.getLogger(__name__)
 
 MATCHMAKING_REQUEST_S = 1.0  # below the matchmaking time, as hivemind recommends (it can deadlock otherwise)
 KEY_PREFIX = "swarm-finetune_"  # hivemind derives its DHT keys from the run id: keep them apart from the swarm's
+
+
+class TooFewPeers(SwarmError):
+    """Fewer than ``--min-peers`` peers of the run reported within ``--peer-wait``: the collaboration could not be
+    joined (exit 3, as an unreachable swarm), a matter of the others' run id and peers, not a bug."""
+
+    exit_code = EXIT_UNREACHABLE
 
 
 def collaborative_optimizer(dht: DHT, config: CollaborationConfig, params: list[nn.Parameter], lr: float,
@@ -52,12 +60,12 @@ def collaborative_optimizer(dht: DHT, config: CollaborationConfig, params: list[
 def wait_for_peers(optimizer: hivemind.Optimizer, config: CollaborationConfig, poll: float = 0.2) -> int:
     """After this peer's first batch: wait until the run's progress records count ``min_peers`` peers, so that
     peers started together also step together (hivemind counts a peer only once it reported samples, and a fast
-    peer would otherwise take its first steps alone). Returns the peers counted; RuntimeError after
-    ``peer_wait`` seconds."""
+    peer would otherwise take its first steps alone). Returns the peers counted; after
+    ``peer_wait`` seconds, :class:`TooFewPeers`."""
     deadline = time.monotonic() + config.peer_wait
     while (peers := peers_in_run(optimizer)) < config.min_peers:
         if time.monotonic() > deadline:
-            raise RuntimeError(f"run {config.run_id}: {peers} of --min-peers {config.min_peers} peers joined within "
+            raise TooFewPeers(f"run {config.run_id}: {peers} of --min-peers {config.min_peers} peers joined within "
                                f"{config.peer_wait:.0f} s; check that the others use the same --run-id and "
                                "--initial-peers")
         time.sleep(poll)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Iterable, Optional
 
@@ -29,6 +30,35 @@ class Function:
     @property
     def name(self) -> str:
         return self.node.name
+
+    # The walk to a fixed point reads each function's calls many times and its assignments once per name it
+    # resolves: walked once here (nested functions included, as ``ast.walk`` does), not at every read (that was
+    # most of this test's 4-8 CPU s).
+    @cached_property
+    def nodes(self) -> list[ast.AST]:
+        return list(ast.walk(self.node))
+
+    @cached_property
+    def calls(self) -> list[ast.Call]:
+        return [node for node in self.nodes if isinstance(node, ast.Call)]
+
+    @cached_property
+    def assignments(self) -> dict[str, list[ast.AST]]:
+        """Name -> the values assigned to it (plain and annotated assignments, loop targets' iterables), in order."""
+        values: dict[str, list[ast.AST]] = {}
+        for node in self.nodes:
+            if isinstance(node, ast.Assign):
+                names = [target.id for target in node.targets if isinstance(target, ast.Name)]
+                value = node.value
+            elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.value is not None:
+                names, value = [node.target.id], node.value
+            elif isinstance(node, (ast.For, ast.AsyncFor, ast.comprehension)) and isinstance(node.target, ast.Name):
+                names, value = [node.target.id], node.iter  # a list of declared keys is declared element by element
+            else:
+                continue
+            for name in dict.fromkeys(names):  # `a = a = x` is one value
+                values.setdefault(name, []).append(value)
+        return values
 
 
 @dataclass
@@ -77,7 +107,7 @@ class Walk:
         if isinstance(expr, ast.Name):
             if expr.id in seen:
                 return {"bad"}
-            values = _assigned(function.node, expr.id)
+            values = function.assignments.get(expr.id)
             if values:
                 return set().union(*(self.resolve(v, function, seen | {expr.id}) for v in values))
             if expr.id in function.params:
@@ -103,7 +133,7 @@ class Walk:
     def run(self) -> "Walk":
         """Find sinks and builders until nothing changes, then record every undeclared key and the families used."""
         self.families_used = {_last_name(call.func.value) for function in self.functions
-                              for call in _calls(function.node) if isinstance(call.func, ast.Attribute)
+                              for call in function.calls if isinstance(call.func, ast.Attribute)
                               and call.func.attr == "key" and _last_name(call.func.value) in self.families}
         changed = True
         while changed:
@@ -112,7 +142,7 @@ class Walk:
                 if function.name not in self.builders and self._returns_declared(function):
                     self.builders.add(function.name)
                     changed = True
-                for call in _calls(function.node):
+                for call in function.calls:
                     found = self.key_argument(call)
                     if found is None:
                         continue
@@ -123,7 +153,7 @@ class Walk:
                             changed = True
         self.sites, self.undeclared = [], []
         for function in self.functions:
-            for call in _calls(function.node):
+            for call in function.calls:
                 found = self.key_argument(call)
                 if found is None:
                     continue
@@ -135,7 +165,7 @@ class Walk:
 
     def _returns_declared(self, function: Function) -> bool:
         """Whether every return of ``function`` is ``FAMILY.key(...)`` or a call of a key builder."""
-        returns = [n.value for n in ast.walk(function.node) if isinstance(n, ast.Return)]
+        returns = [n.value for n in function.nodes if isinstance(n, ast.Return)]
         return bool(returns) and all(self._is_key_call(value) for value in returns)
 
     def _is_key_call(self, value: Optional[ast.AST]) -> bool:
@@ -153,25 +183,6 @@ def _last_name(node: ast.AST) -> str:
     if isinstance(node, ast.Attribute):
         return node.attr
     return ""
-
-
-def _calls(function: ast.AST) -> Iterable[ast.Call]:
-    return (node for node in ast.walk(function) if isinstance(node, ast.Call))
-
-
-def _assigned(function: ast.AST, name: str) -> list[ast.AST]:
-    """The values assigned to ``name`` in ``function`` (plain and annotated assignments, loop targets' iterables)."""
-    values = []
-    for node in ast.walk(function):
-        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in node.targets):
-            values.append(node.value)
-        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.target.id == name \
-                and node.value is not None:
-            values.append(node.value)
-        elif isinstance(node, (ast.For, ast.AsyncFor, ast.comprehension)) and isinstance(node.target, ast.Name) \
-                and node.target.id == name:
-            values.append(node.iter)  # a list of declared keys is declared element by element
-    return values
 
 
 def walk_package(root: Path, families: Iterable[str]) -> Walk:

@@ -260,7 +260,8 @@ LISTS = st.fixed_dictionaries({"record_version": st.just(1), "name": st.sampled_
                                "versions": st.lists(ENTRY, max_size=18)})
 
 
-@settings(max_examples=200, deadline=None)
+# 100 examples, hypothesis's default: each run draws new ones, so runs add up (docs/TESTING.md "Budgets")
+@settings(max_examples=100, deadline=None)
 @given(st.binary(max_size=600) | st.builds(MSGPackSerializer.dumps, LISTS | st.recursive(
     LEAVES, lambda inner: st.lists(inner, max_size=9) | st.dictionaries(st.text(max_size=10), inner, max_size=5),
     max_leaves=40)))
@@ -272,7 +273,8 @@ def test_version_lists_parse_or_fail_cleanly(payload):
     assert len(listed.versions) <= MAX_VERSIONS and len(listed.payload()) <= MAX_ADAPTER_VERSIONS_BYTES
 
 
-@settings(max_examples=300, deadline=None)
+# 100 examples, hypothesis's default: each run draws new ones, so runs add up (docs/TESTING.md "Budgets")
+@settings(max_examples=100, deadline=None)
 @given(st.text(max_size=100))
 def test_references_parse_or_fail_cleanly(text):
     try:
@@ -283,7 +285,8 @@ def test_references_parse_or_fail_cleanly(text):
 
 
 # ----- issue 55: shared lists read fairly, own keys nobody else fills, withdrawals that follow the content --------
-@settings(max_examples=300, deadline=None)
+# 100 examples, hypothesis's default: each run draws new ones, so runs add up (docs/TESTING.md "Budgets")
+@settings(max_examples=100, deadline=None)
 @given(st.dictionaries(st.text(min_size=1, max_size=3), st.lists(st.text(max_size=4), max_size=70, unique=True),
                        max_size=40),
        st.integers(0, 80), st.lists(st.text(min_size=1, max_size=3), max_size=4), st.randoms(use_true_random=False))

@@ -55,7 +55,8 @@ def test_bad_input_is_one_line_and_exit_2_before_any_network(args, says):
     assert says in result.output and len(result.output.strip().splitlines()) == 1, result.output
 
 
-@settings(max_examples=200, deadline=None)
+# 100 examples, hypothesis's default: each run draws new ones, so runs add up (docs/TESTING.md "Budgets")
+@settings(max_examples=100, deadline=None)
 @given(cover=st.lists(st.integers(0, 9), min_size=8, max_size=8), span=st.integers(1, 8),
        answer=st.text(max_size=3) | st.integers(-2, 10).map(str))
 def test_the_verdict_is_the_checker_s(cover, span, answer):

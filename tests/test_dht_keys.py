@@ -156,7 +156,8 @@ OPS = st.one_of(
 )
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# 100 examples, hypothesis's default: each run draws new ones, so runs add up (docs/TESTING.md "Budgets")
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.sampled_from([keys.WEIGHTS_NAME.key(name="fuzzed"), keys.ADAPTER_NAME.key(prefix="p", name="n"),
                         keys.GOVERNANCE.key(prefix="p")]), st.lists(OPS, max_size=25))
 def test_no_sequence_of_stores_hides_a_named_key_or_keeps_what_its_policy_refuses(key, ops):
@@ -242,7 +243,8 @@ def test_a_full_name_makes_room_for_the_trusted_key_and_refuses_strangers():
     assert store(strangers[SMALL_BOUND - 1], when + 1) is False, "a full key took a stranger"
 
 
-@settings(max_examples=300, deadline=None)
+# 100 examples, hypothesis's default: each run draws new ones, so runs add up (docs/TESTING.md "Budgets")
+@settings(max_examples=100, deadline=None)
 @given(st.one_of(st.binary(max_size=400), st.builds(lambda d: MSGPackSerializer.dumps(d), st.dictionaries(
     st.sampled_from(["dht_key", "payload", "x"]), st.one_of(st.text(max_size=300), st.binary(max_size=20),
                                                              st.integers(-2**63, 2**63 - 1), st.none()), max_size=3))),

@@ -179,7 +179,8 @@ def valid_map(model, server_key):
     return as_evidence(served(backend, ReceiptSigner(server_key, PREFIX, True, True), plain_request(config))).to_map()
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+# 100 examples, hypothesis's default: each run draws new ones, so runs add up (docs/TESTING.md "Budgets")
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.binary(max_size=2048))
 def test_random_bytes_are_refused_with_value_error(data):
     with pytest.raises(ValueError):
@@ -191,7 +192,8 @@ VALUES = st.one_of(st.none(), st.booleans(), st.integers(-2**63, 2**64 - 1), st.
                    st.dictionaries(st.text(max_size=8), st.integers(-2**63, 2**63 - 1), max_size=4))
 
 
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+# 100 examples, hypothesis's default: each run draws new ones, so runs add up (docs/TESTING.md "Budgets")
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.data())
 def test_a_valid_evidence_with_any_field_replaced_parses_or_is_refused_cleanly(valid_map, model, data):
     """Any field (or a receipt's, or a tensor's) replaced by any value: a ValueError, or evidence whose verdict is

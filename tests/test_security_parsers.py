@@ -34,7 +34,8 @@ from swarm.governance.records import GovernanceState
 from swarm.health.map import ExpertAnnouncement, build_health_map
 from swarm.utils import fields
 
-FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# 100 examples, hypothesis's default: each run draws new ones, so runs add up (docs/TESTING.md "Budgets")
+FUZZ = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 HUGE_TEXT = "x" * 1_000_000
 
 scalars = st.one_of(
@@ -270,7 +271,8 @@ def test_each_lie_in_a_sparse_answer_is_refused(kind):
         answer.check((2, 3), asked)
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# 100 examples, hypothesis's default: each run draws new ones, so runs add up (docs/TESTING.md "Budgets")
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(k=st.integers(1, 8), ids=st.lists(st.integers(-3, SPARSE_VOCAB + 3), min_size=8, max_size=8),
        scores=st.lists(st.floats(allow_nan=True, allow_infinity=True, width=32), min_size=8, max_size=8),
        rest=st.floats(allow_nan=True, allow_infinity=True, width=32))
@@ -319,7 +321,8 @@ def test_sparse_wire_tensors_that_are_not_one_answer_are_refused():
         SparseScores.from_wire(torch.zeros(2, 4, 7), torch.zeros(2, 3, 6, dtype=torch.int32), SPARSE_VOCAB)
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# 100 examples, hypothesis's default: each run draws new ones, so runs add up (docs/TESTING.md "Budgets")
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(error=junk, code=junk, retry_after=junk)
 def test_any_error_a_peer_answers_is_a_remote_error(error, code, retry_after):
     """A server's error metadata is remote input: whatever its code (a list or a map is unhashable), message and
@@ -339,7 +342,8 @@ HEAD_QUERY = {"block_starts": [4], "block_length": 4, "steps": [0], "seed": 1, "
               "mask_token_id": 3, "scored": [4, 8]}
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# 100 examples, hypothesis's default: each run draws new ones, so runs add up (docs/TESTING.md "Budgets")
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(changes=st.dictionaries(st.sampled_from([*HEAD_QUERY, "top_k", "ahead"]), junk, max_size=4),
        whole=st.one_of(st.none(), junk), batch=st.integers(-2, 4), length=st.integers(-2, 16))
 def test_any_head_query_is_parsed_or_refused(changes, whole, batch, length):
@@ -364,7 +368,9 @@ ANY_VALUE = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.f
                       st.dictionaries(st.text(), st.none()))
 
 
-@settings(max_examples=500, deadline=None)
+# 300 examples: about one draw in 25 is an 8-byte stamp that meets its bits (2^-bits of them), the case a
+# wrong check would refuse; 300 give about a dozen (docs/TESTING.md "Budgets")
+@settings(max_examples=300, deadline=None)
 @given(st.binary(min_size=20, max_size=20), st.text(max_size=50), st.one_of(ANY_VALUE, st.binary(min_size=8,
                                                                                                    max_size=8)),
        st.integers(0, 12))

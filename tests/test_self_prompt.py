@@ -16,7 +16,8 @@ from swarm.improve.self_prompt import SelfPromptConfig, SelfPrompter
 from swarm.train.data import TASKS, AdditionTask, Problem
 
 pytestmark = pytest.mark.unit
-FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# 100 examples, hypothesis's default: each run draws new ones, so runs add up (docs/TESTING.md "Budgets")
+FUZZ = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 DOMAINS = [TASKS[name]() for name in ("addition", "tagged-addition", "bracketed-addition", "dotted-addition")]
 ALL_DOMAINS = [task() for task in TASKS.values()]
 operand = st.integers(0, 999)

@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 from swarm.improve.streams import ClaimError, Stream, assign, check_claim, pool_sizes, report
 
 pytestmark = pytest.mark.unit
-FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# 100 examples, hypothesis's default: each run draws new ones, so runs add up (docs/TESTING.md "Budgets")
+FUZZ = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 def test_pools_follow_the_weights_by_largest_remainder():

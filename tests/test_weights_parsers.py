@@ -32,7 +32,8 @@ from swarm.weights.trust import PublisherTrust, TrustError
 from swarm.weights.wire import MAX_READ_BYTES, ReadRequest
 from swarm.wire.messages import ErrorCode, RemoteError
 
-FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+# 100 examples, hypothesis's default: each run draws new ones, so runs add up (docs/TESTING.md "Budgets")
+FUZZ = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                         HealthCheck.function_scoped_fixture])
 MODEL_ID = "ab" * 32
 

@@ -178,7 +178,8 @@ def test_bad_work_directives_are_refused_clearly():
             parse_work(value)
 
 
-@settings(max_examples=300, deadline=None)
+# 100 examples, hypothesis's default: each run draws new ones, so runs add up (docs/TESTING.md "Budgets")
+@settings(max_examples=100, deadline=None)
 @given(st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20) | st.binary(),
                     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(
                         st.sampled_from(["epoch", "salt", "counter", "x"]), inner, max_size=4), max_leaves=12))
@@ -223,7 +224,8 @@ def test_bad_settings_are_refused():
         mint(SERVER, CALLER, 64)
 
 
-@settings(max_examples=200, deadline=None)
+# 100 examples, hypothesis's default: each run draws new ones, so runs add up (docs/TESTING.md "Budgets")
+@settings(max_examples=100, deadline=None)
 @given(st.dictionaries(st.sampled_from(["floor", "contended", "x"]), st.none() | st.booleans() | st.integers() |
                        st.floats() | st.text(max_size=8) | st.lists(st.integers(), max_size=2), max_size=3))
 def test_an_announced_floor_is_read_from_any_metadata_as_bits_or_none(metadata):

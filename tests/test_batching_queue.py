@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from typing import Optional
 
 import torch
@@ -38,6 +39,18 @@ def head_query(length: int, seed: int) -> HeadQuery:
                      cfg_scale=0.0, mask_token_id=CONFIG.mask_token_id, scored=(length - 8, length))
 
 
+async def settled(server: SpanBackend, timeout: float = 30.0) -> None:
+    """Wait until the compute thread's hand-back has run on this loop. It comes one loop turn after the last answer
+    (``ComputeQueue._thread_free``, then ``_hand_on``): a test that let ``asyncio.run`` close its loop first left the
+    queue marked running for good, and its next pass on the same server waited forever behind nothing (seen as a
+    blocker still waiting, 2026-12-06). A server's loop lives as long as the server: only tests that run one loop per
+    call need this."""
+    deadline = time.monotonic() + timeout
+    while server.queue.running:
+        assert time.monotonic() < deadline, f"the compute thread was never handed back: {waiting(server)}"
+        await asyncio.sleep(0.001)
+
+
 def waiting(server: SpanBackend) -> dict:
     """Per flow, the (caller, resumed, dropped) of each pass the server's scheduler holds: what a failed premise
     shows."""
@@ -58,7 +71,7 @@ def run_while_held(server: SpanBackend, calls: list[tuple[str, SpanCall]], finis
             release.wait(60)
 
         blocker = asyncio.ensure_future(server.queue.run(1, hold, peer="blocker"))
-        await asyncio.get_running_loop().run_in_executor(None, holding.wait, 60)
+        assert await asyncio.get_running_loop().run_in_executor(None, holding.wait, 60), waiting(server)
         tasks = [asyncio.ensure_future(server.forward(call, peer=peer, proved=proved * server.cost(
             *call.hidden.shape[:2]))) for peer, call in calls]
         for (peer, _), task in zip(calls, tasks):
@@ -67,7 +80,9 @@ def run_while_held(server: SpanBackend, calls: list[tuple[str, SpanCall]], finis
         assert len(server.queue.scheduler) == len(calls), waiting(server)  # failed once in a loaded full run
         release.set()
         await blocker
-        return await asyncio.gather(*tasks)
+        answers = await asyncio.gather(*tasks)
+        await settled(server)
+        return answers
 
     return asyncio.run(main())
 
@@ -145,7 +160,9 @@ def test_a_caller_that_stopped_waiting_before_its_pass_started_is_never_computed
         release.set()
         await blocker
         await kept
-        return await asyncio.gather(gone, return_exceptions=True)
+        outcome = await asyncio.gather(gone, return_exceptions=True)
+        await settled(server)
+        return outcome
 
     outcome = asyncio.run(main())
     assert isinstance(outcome[0], asyncio.CancelledError) and ran == ["kept"]

@@ -12,6 +12,7 @@ refused.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -34,7 +35,7 @@ from swarm.finetune.__main__ import main as finetune_main
 from swarm.server.validation import validate_prompt_declared
 from swarm.wire.encoding import request_parts
 from swarm.wire.messages import ErrorCode, ForwardRequest, RemoteError
-from tests.conftest import holder_of
+from tests.conftest import holder_of, start_all, stop_all
 from tests.test_deep_prompt import _edit_json, _set_metadata, adapter_gradient, assert_files_refused, raw_call
 from tests.test_finetune import GENERATION, TOLERANCE, run_finetune, write_pairs
 
@@ -223,43 +224,41 @@ def test_a_server_refuses_nan_bottleneck_weights_naming_them(remote_lm):
     assert refused.value.code == ErrorCode.NOT_FINITE
 
 
-def test_a_server_that_does_not_list_bottlenecks_is_never_sent_one(tiny_model_path, local_lm, tmp_path):
+def test_a_server_that_does_not_list_bottlenecks_is_never_sent_one(local_swarm, tiny_model_path, local_lm, tmp_path):
     """The attack (or just an old version): a server whose record lists no per-block adapter kinds and whose blocks
     add any per-block tensor as a deep prompt (tests/old_server.py). It answers a bottleneck wrongly without an
     error, so the client sends bottlenecks only to servers that list the kind: the tokens stay the local ones, plain
-    passes still use that server, and with no other server left a bottleneck pass says what is missing."""
+    passes still use that server, and with no other server left a bottleneck pass says what is missing.
+
+    On the shared swarm, under a prefix of its own (the tiny model's files copied to a folder of another name: the
+    same weights, so the local model's tokens hold, and none of the shared servers, so that the last one that applies
+    bottlenecks can leave): a swarm of its own cost a fork server and a bootstrap peer, ~3.5 CPU s."""
     from swarm.client import DistributedDiffusionLM
     from swarm.client.routing import MissingBlocksError
-    from swarm.utils.local_swarm import LocalSwarm
 
     adapter = bottleneck_for(local_lm)
     path = str(adapter.save(tmp_path / "bottleneck"))
-    with LocalSwarm(fork_server=True) as swarm:
-        swarm.start_bootstrap()
-        old = swarm.start_server(str(tiny_model_path), "0:4", "--compute-threads", "1", name="old", wait=False,
-                                 entry=OLD_SERVER)
-        honest = swarm.start_server(str(tiny_model_path), "0:4", "--compute-threads", "1", wait=False)
-        for server in (old, honest):
-            swarm.wait_ready(server)
-        lm = DistributedDiffusionLM.from_pretrained(tiny_model_path, initial_peers=swarm.initial_peers,
-                                                    request_timeout=10)
-        try:
-            hidden = torch.randn(1, 6, local_lm.config.hidden_size, generator=torch.Generator().manual_seed(0))
-            weights = adapter.prompts.detach()
-            request = ForwardRequest(0, 4, hidden, "probe", -1, adapter=BlockAdapter(BOTTLENECK, weights))
-            answers = {server.name: lm.loop.run(lm.caller.forward(server.peer_id, request, 30))
-                       for server in (old, honest)}
-            expected = local_lm.model.span(hidden, adapter=BlockAdapter(BOTTLENECK, weights))
-            assert torch.allclose(answers[honest.name], expected, atol=1e-4)
-            assert not torch.allclose(answers["old"], expected, atol=1e-2)  # the danger is real
+    model = shutil.copytree(tiny_model_path, tmp_path / "bottleneck-old-server")
+    old, honest = start_all(local_swarm, model, [("0:4", (), OLD_SERVER), ("0:4", ())])
+    lm = DistributedDiffusionLM.from_pretrained(model, initial_peers=local_swarm.initial_peers, request_timeout=10)
+    try:
+        hidden = torch.randn(1, 6, local_lm.config.hidden_size, generator=torch.Generator().manual_seed(0))
+        weights = adapter.prompts.detach()
+        request = ForwardRequest(0, 4, hidden, "probe", -1, adapter=BlockAdapter(BOTTLENECK, weights))
+        answers = {server.peer_id: lm.loop.run(lm.caller.forward(server.peer_id, request, 30))
+                   for server in (old, honest)}
+        expected = local_lm.model.span(hidden, adapter=BlockAdapter(BOTTLENECK, weights))
+        assert torch.allclose(answers[honest.peer_id], expected, atol=1e-4)
+        assert not torch.allclose(answers[old.peer_id], expected, atol=1e-2)  # the danger is real
 
-            for seed in range(3):
-                assert (lm.generate("adapt", adapter=path, seed=seed, **GENERATION).token_ids
-                        == local_lm.generate("adapt", adapter=path, seed=seed, **GENERATION).token_ids)
-            swarm.terminate(honest)
-            assert lm.generate("adapt", **GENERATION).token_ids == local_lm.generate("adapt", **GENERATION).token_ids
-            with pytest.raises(MissingBlocksError, match="no online server that applies bottleneck adapters holds "
-                                                         "blocks 0:4"):
-                lm.generate("adapt", adapter=path, **GENERATION)
-        finally:
-            lm.shutdown()
+        for seed in range(3):
+            assert (lm.generate("adapt", adapter=path, seed=seed, **GENERATION).token_ids
+                    == local_lm.generate("adapt", adapter=path, seed=seed, **GENERATION).token_ids)
+        local_swarm.terminate(honest)  # it leaves (announces OFFLINE)
+        assert lm.generate("adapt", **GENERATION).token_ids == local_lm.generate("adapt", **GENERATION).token_ids
+        with pytest.raises(MissingBlocksError, match="no online server that applies bottleneck adapters holds "
+                                                     "blocks 0:4"):
+            lm.generate("adapt", adapter=path, **GENERATION)
+    finally:
+        lm.shutdown()
+        stop_all(local_swarm, [old, honest])  # their own prefix

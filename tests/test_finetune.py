@@ -53,6 +53,8 @@ def sft_gradient(lm, tmp_path, prompts: torch.Tensor) -> tuple[float, torch.Tens
 
 
 def client(local_swarm, path, **options) -> DistributedDiffusionLM:
+    """A client of the shared swarm; ``dht=swarm_peer`` where its own peer id is not the point (a DHT peer of its own
+    is ~1 CPU s)."""
     return DistributedDiffusionLM.from_pretrained(path, initial_peers=local_swarm.initial_peers, request_timeout=20,
                                                   **options)
 
@@ -89,9 +91,10 @@ def kill_before_its_backward(local_swarm, lm, victim) -> list[str]:
     return calls
 
 
-def test_a_server_killed_mid_backward_is_replaced_by_a_replica(local_swarm, tiny_model_path, local_lm, tmp_path):
+def test_a_server_killed_mid_backward_is_replaced_by_a_replica(local_swarm, tiny_model_path, local_lm, tmp_path,
+                                                               swarm_peer):
     victim = fast_server(local_swarm, tiny_model_path, "0:2")
-    lm = client(local_swarm, tiny_model_path)
+    lm = client(local_swarm, tiny_model_path, dht=swarm_peer)
     wait_seen(lm, [victim])  # the route holds the victim (a DHT read that missed it would plan around it)
     calls = kill_before_its_backward(local_swarm, lm, victim)
     try:
@@ -105,9 +108,10 @@ def test_a_server_killed_mid_backward_is_replaced_by_a_replica(local_swarm, tiny
         lm.shutdown()
 
 
-def test_a_hop_no_single_server_holds_any_more_is_recomputed_over_several(local_swarm, tiny_model_path, local_lm):
+def test_a_hop_no_single_server_holds_any_more_is_recomputed_over_several(local_swarm, tiny_model_path, local_lm,
+                                                                         swarm_peer):
     victim = fast_server(local_swarm, tiny_model_path, "0:4")
-    lm = client(local_swarm, tiny_model_path)
+    lm = client(local_swarm, tiny_model_path, dht=swarm_peer)
     try:
         wait_seen(lm, [victim])  # the route holds the victim (a DHT read that missed it would plan around it)
         hidden = torch.randn(2, 6, 32, generator=torch.Generator().manual_seed(1))
@@ -125,9 +129,9 @@ def test_a_hop_no_single_server_holds_any_more_is_recomputed_over_several(local_
 
 
 def test_a_server_started_with_no_backward_refuses_and_a_replica_answers(local_swarm, tiny_model_path, local_lm,
-                                                                        tmp_path):
+                                                                        tmp_path, swarm_peer):
     refusing = fast_server(local_swarm, tiny_model_path, "0:2", "--no-backward")
-    lm = client(local_swarm, tiny_model_path)
+    lm = client(local_swarm, tiny_model_path, dht=swarm_peer)
     try:
         request = BackwardRequest(0, 2, torch.randn(1, 3, 32), torch.randn(1, 3, 32))
         with pytest.raises(RemoteError, match="--no-backward") as refused:

@@ -308,7 +308,11 @@ def test_offline_works_from_the_cache_and_names_what_is_missing(hub, hub_env, pu
 
 
 # ----- (e) end to end: a server from an empty cache, generation through it -----------------------------------
-def test_server_from_repo_id_with_empty_cache_generates_the_local_models_tokens(hub, hub_env, published, tmp_path):
+def test_server_from_repo_id_with_empty_cache_generates_the_local_models_tokens(hub, hub_env, published, tmp_path,
+                                                                              local_swarm):
+    """The server runs with the volunteer's environment (its own cache), so it is not forked from the shared swarm's
+    fork server; it joins the shared swarm's bootstrap peer (its model, ``llada-tiny``, is a prefix of its own): a
+    swarm of its own cost a fork server and a bootstrap peer, ~3.4 CPU s, for this one server."""
     from swarm.client import DistributedDiffusionLM
     from swarm.frontend.local import DiffusionLM
     from swarm.utils.local_swarm import LocalSwarm
@@ -317,12 +321,12 @@ def test_server_from_repo_id_with_empty_cache_generates_the_local_models_tokens(
     server_env = dict(hub_env, HF_HOME=str(server_home), HF_HUB_CACHE=str(server_home / "hub"))
     settings = dict(gen_length=8, steps=8, block_length=8, seed=3)
     expected = DiffusionLM.from_pretrained(published["main"]).generate("the cat sat on the mat", **settings)
-    with LocalSwarm(env=server_env, fork_server=True) as swarm:
-        swarm.start_bootstrap()
-        swarm.start_server(REPO, f"0:{NUM_BLOCKS}", "--compute-threads", "1")
+    joining = [arg for peer in local_swarm.initial_peers for arg in ("--initial-peers", peer)]
+    with LocalSwarm(env=server_env) as swarm:
+        swarm.start_server(REPO, f"0:{NUM_BLOCKS}", "--compute-threads", "1", *joining)
         # spot checks off: a checked hop (5% by default, by chance) fetches the blocks to recompute it, and this test
         # counts the shards the client downloads (a shuffled run drew one)
-        lm = DistributedDiffusionLM.from_pretrained(REPO, initial_peers=swarm.initial_peers, request_timeout=30,
+        lm = DistributedDiffusionLM.from_pretrained(REPO, initial_peers=local_swarm.initial_peers, request_timeout=30,
                                                     spot_check_fraction=0)
         try:
             result = lm.generate("the cat sat on the mat", **settings)

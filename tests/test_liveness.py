@@ -17,25 +17,24 @@ from swarm.client.routing import MissingBlocksError
 from swarm.dht.schema import default_prefix
 from swarm.health.map import read_health_map
 from swarm.health.render import render_text
-from swarm.utils.local_swarm import LocalSwarm
+from tests.conftest import make_checkpoint, start_all, stop_all, tiny_config
 
 SHORT = dict(gen_length=8, steps=8, block_length=8, seed=0)
 
 
 @pytest.fixture
-def doomed_swarm(tiny_model_path):
-    """Two servers of every block: the one a client routes through, and a replica that may check its hops."""
-    with LocalSwarm(fork_server=True) as swarm:
-        swarm.start_bootstrap()
-        servers = [swarm.start_server(str(tiny_model_path), span, "--compute-threads", "1", wait=False)
-                   for span in ("0:4", "0:4")]
-        for server in servers:
-            swarm.wait_ready(server)
-        yield swarm, servers
+def doomed_swarm(local_swarm, tmp_path):
+    """Two servers of every block of a model of its own (its own DHT prefix, on the shared swarm: the shared servers
+    hold none of its blocks, so the last holder's death uncovers them): the one a client routes through, and a
+    replica that may check its hops."""
+    path = make_checkpoint(tmp_path / "liveness-doomed", tiny_config())
+    servers = start_all(local_swarm, path, [("0:4", ()), ("0:4", ())])
+    yield local_swarm, servers, path
+    stop_all(local_swarm, servers)  # a failed test's survivors
 
 
-def test_the_map_and_the_client_agree_seconds_after_a_server_dies(doomed_swarm, tiny_model_path, caplog):
-    swarm, (whole, replica) = doomed_swarm
+def test_the_map_and_the_client_agree_seconds_after_a_server_dies(doomed_swarm, caplog):
+    swarm, (whole, replica), tiny_model_path = doomed_swarm
     prefix = default_prefix(tiny_model_path)
     # Spot checks on every hop, bans that run out between generations, and no route refresh meanwhile (the issue's
     # case: bans of 15 s ran out long before the 30 s refresh pinged the dead replica again)

@@ -172,10 +172,11 @@ KILL_AFTER_STEP = 3  # mid-block, right after the refresh fill of cache_refresh=
 
 class Victims:
     """Servers of the whole model that the route prefers (huge announced throughput), one per case: the next
-    one boots while the current case still runs. The session swarm's servers are the replicas."""
+    one boots while the current case still runs, none after the last case's (``cases``: a server booted for no case
+    costs a start, ~1 CPU s). The session swarm's servers are the replicas."""
 
-    def __init__(self, swarm: LocalSwarm, path: str):
-        self.swarm, self.path = swarm, path
+    def __init__(self, swarm: LocalSwarm, path: str, cases: int):
+        self.swarm, self.path, self.cases = swarm, path, cases
         self.booting: Optional[ManagedProcess] = self._start()
 
     def _start(self) -> ManagedProcess:
@@ -184,13 +185,14 @@ class Victims:
 
     def take(self) -> ManagedProcess:
         victim, self.booting = self.booting or self._start(), None
+        self.cases -= 1
         self.swarm.wait_ready(victim)
         return victim
 
     def kill(self, victim: ManagedProcess) -> None:
-        """SIGKILL (a crash: no OFFLINE announcement) and start the next case's server."""
+        """SIGKILL (a crash: no OFFLINE announcement) and start the next case's server, if a case is left."""
         self.swarm.terminate(victim, signal.SIGKILL)
-        self.booting = self._start()
+        self.booting = self._start() if self.cases > 0 else None
 
     def release(self, victim: ManagedProcess) -> None:
         if victim.alive:  # the case failed before its kill: leave no preferred server behind
@@ -203,7 +205,7 @@ class Victims:
 
 @pytest.fixture(scope="module")
 def victims(local_swarm, tiny_model_path):
-    pool = Victims(local_swarm, str(tiny_model_path))
+    pool = Victims(local_swarm, str(tiny_model_path), len(SWARM_CASES))
     yield pool
     pool.stop()
 

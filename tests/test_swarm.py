@@ -150,19 +150,21 @@ def test_scale_local_auto_and_max(remote_lm, local_lm):
 
 
 def assert_every_hop_rerun_on_a_replica(lm, result) -> None:
-    """``scale="max"`` re-runs each hop on another server holding its blocks: every hop with such a replica
-    agreed with it, and a hop without one (here 0:2: the replica 1:4 lacks block 0) is recomputed by the client on its
-    own checkpoint, which holds every block (issue 48; before, it said ``no_checker``). A replica is a server
-    the client may use (online, not excluded: earlier tests may leave servers announced that are gone or
-    approximate, depending on which tests ran before on this swarm)."""
+    """``scale="max"`` re-runs each hop on another server holding its blocks: every hop agreed with its checker, a
+    hop with a replica was re-run on one, and a hop without one (here 0:2: the replica 1:4 lacks block 0) is
+    recomputed by the client on its own checkpoint, which holds every block (issue 48; before, it said
+    ``no_checker``). The replicas are read after the run: a server another test of this worker started may have been
+    seen only after its hop was checked (a check then recomputed locally, seen in a loaded full run), so a local
+    check passes where a replica is known now; the fixture's 1:4 replica of 2:4 is known all along, so one hop at least
+    is re-run on a replica."""
     checks = result.info["spot_checks"]
     assert len(checks) == result.denoiser_calls * len(result.info["route"])
     for check in checks:
         start, end = check["blocks"]
         replicas = set(lm.planner.holders(start, end, frozenset({check["primary"]})))
-        assert set(check["checkers"]) <= (replicas or {"local"}), check
+        assert set(check["checkers"]) <= replicas | {"local"}, check
         assert check["verdict"] == "agreed", (check, replicas)
-    assert any(check["verdict"] == "agreed" for check in checks), "no hop was re-run on a replica"
+    assert any(set(check["checkers"]) - {"local"} for check in checks), "no hop was re-run on a replica"
 
 
 def test_scale_local_needs_every_block_locally(local_swarm, tmp_path, swarm_peer):

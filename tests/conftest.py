@@ -3,7 +3,6 @@ session."""
 from __future__ import annotations
 
 import contextlib
-import gc
 import os
 import signal
 import socket
@@ -137,9 +136,11 @@ def pytest_collection_finish(session):
     """Freeze what imports and collection made (torch, hivemind, every test module: most of the heap) out of the
     cyclic garbage collector's reach: each full collection during the tests, and the five at the session's end
     (pytest's unraisable-exception check), walked all of it again. Measured on six unit files in one process
-    (docs/TESTING.md "Budgets"): full collections 2.8 -> 1.8 CPU s, the session's end 1.4 -> 0.5."""
-    gc.collect()  # the garbage of imports and collection is freed first, not frozen with the rest
-    gc.freeze()
+    (docs/TESTING-HISTORY.md, "The unit tier's CPU"): full collections 2.8 -> 1.8 CPU s, the session's end 1.4 ->
+    0.5. The garbage of imports and collection is freed first, not frozen with the rest."""
+    from swarm.utils.collector import freeze_loaded
+
+    freeze_loaded()
 
 
 # ----- scheduling over pytest-xdist workers (.ci/run: -n 3 --dist loadfile) ------------------------------------

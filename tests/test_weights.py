@@ -455,9 +455,7 @@ def publish_with_cli(swarm, directory: Path, name: str, key: Path) -> dict:
 
 def publish_through(client, directory: Path, name: str, key: Path) -> dict:
     """What ``publish_with_cli`` publishes and prints, through ``client`` (where the command is not the point)."""
-    manifest = build_manifest(directory)
-    record = PublishedModel(name, manifest.model_id, len(manifest.to_bytes()), manifest.weights_bytes, time.time())
-    return publish(client, load_private_key(key), record).to_json()
+    return publish(client, load_private_key(key), PublishedModel.of(name, build_manifest(directory))).to_json()
 
 
 def test_a_name_claimed_by_two_trusted_publishers_needs_the_publisher(swarm, client, tiny_model_path, tmp_path,

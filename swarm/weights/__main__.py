@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from pathlib import Path
 from typing import Optional
 
@@ -95,7 +94,7 @@ def publish_command(directory: str, name: str, key_path: str, lifetime: float, l
     parse_reference(name)
     path = Path(directory).resolve()
     manifest = built_manifest(path, weight_files(path))
-    record = PublishedModel(name, manifest.model_id, len(manifest.to_bytes()), manifest.weights_bytes, time.time())
+    record = PublishedModel.of(name, manifest)
     dht = start_dht(network)
     try:
         stored = publish(dht, key, record, lifetime)

@@ -44,7 +44,7 @@ from swarm.dht.validation import KeyPolicy, ed25519_text
 from swarm.utils import fields
 from swarm.utils.errors import EXIT_NOT_SERVED, EXIT_USAGE, SwarmError
 from swarm.weights.limits import PUBLISH_LIFETIME
-from swarm.weights.manifest import MAX_MANIFEST_BYTES, MAX_TENSORS, MODEL_NAME
+from swarm.weights.manifest import MAX_MANIFEST_BYTES, MAX_TENSORS, MODEL_NAME, Manifest
 from swarm.weights.trust import PublisherTrust
 
 logger = logging.getLogger(__name__)
@@ -110,6 +110,11 @@ class PublishedModel:
     weights_bytes: int
     published: float = 0.0  # the publisher's clock, seconds since the epoch
     publisher: str = ""  # the signing key (base64), filled in from the slot when read
+
+    @classmethod
+    def of(cls, name: str, manifest: Manifest) -> "PublishedModel":
+        """The record that names ``manifest``'s model ``name``, published now (its sizes from the manifest)."""
+        return cls(name, manifest.model_id, len(manifest.to_bytes()), manifest.weights_bytes, time.time())
 
     @property
     def publisher_id(self) -> str:

@@ -291,9 +291,8 @@ def test_the_audit_demonstration(local_swarm, monkeypatch, tmp_path):
     failed and the server announcing more than it delivers is flagged; a fresh client trusting nobody routes through
     one of them, one trusting the auditor routes around both and gets the local model's tokens; the auditor's measured
     adapter scores contradict the authors' claims and ``best:addition`` picks the truly better adapter, with the local
-    tokens. (With D at 400
-    positions/s instead of 100 it calibrated to about 40 tok/s, and a loaded machine's slow pings of A and B made one
-    hop of D cheaper than A -> B: a shuffled run failed so.)"""
+    tokens. (With D at 400 positions/s instead of 100 it calibrated to about 40 tok/s, and a loaded machine's slow
+    pings of A and B made one hop of D cheaper than A -> B: a shuffled run failed so.)"""
     spec = importlib.util.spec_from_file_location("audit_demo", ROOT / "benchmarks" / "audit_demo.py")
     demo = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(demo)

@@ -118,8 +118,6 @@ def test_training_keeps_the_plain_calls():
     assert weight.grad is not None
 
 
-
-
 @pytest.fixture(scope="module")
 def wide_model(wide_checkpoint):
     """The checkpoint's model in bfloat16 (2.9 GB at these widths, the 126464-row embedding and head included)."""

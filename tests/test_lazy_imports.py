@@ -28,7 +28,7 @@ def package(tmp_path, monkeypatch):
 
 def test_a_deferred_module_runs_on_first_use_not_at_import(package):
     defer_import("deferpkg.heavy")
-    import deferpkg.heavy
+    import deferpkg.heavy  # the package the fixture wrote in tmp_path, not a dependency to declare
 
     assert deferpkg.runs == 0, "importing it ran none of its code"
     assert sys.modules["deferpkg.heavy"] is deferpkg.heavy, "and it is the package's attribute, as after any import"

@@ -87,6 +87,42 @@ def test_signals_reach_a_forked_process_and_its_session(forks, tmp_path):
         forks.start([str(script)]).wait(0.2)  # and the fork server still serves (its leftover stops with it)
 
 
+def test_a_forked_process_gets_the_environment_input_and_folder_it_is_given(forks, tmp_path):
+    """What ``LocalSwarm`` passes at each start (its environment as it is then) and the NAT lab's client needs (a
+    pipe to its standard input, the package's folder)."""
+    script = tmp_path / "echo.py"
+    script.write_text("import os, sys\nprint(os.environ.get('X'), os.environ.get('Y'), os.getcwd(), "
+                      "sys.stdin.readline().strip(), flush=True)\n")
+    child = forks.start([str(script)], env={"Y": "given"}, stdin=True, cwd=str(tmp_path))
+    child.stdin.write("typed\n")
+    child.stdin.flush()
+    assert child.wait(30) == 0
+    assert child.stdout.read().split() == ["None", "given", str(tmp_path), "typed"]
+
+
+@pytest.mark.lab
+def test_a_forked_process_runs_in_the_network_namespace_it_is_given(forks, tmp_path):
+    """``start(..., netns=)``: inside the namespace before it runs anything, as ``ip netns exec`` runs it (the NAT
+    lab's peers, servers and clients); a namespace it cannot enter is an error, and nothing runs."""
+    from swarm.testing.netlab import unavailable_reason
+
+    if unavailable_reason():
+        pytest.skip(f"network namespaces unavailable: {unavailable_reason()}")
+    name = f"swnat-{os.getpid()}-forktest"
+    subprocess.run(["ip", "netns", "add", name], check=True)
+    try:
+        script = tmp_path / "where.py"
+        script.write_text("import os\nprint(os.stat('/proc/self/ns/net').st_ino, flush=True)\n")
+        child = forks.start([str(script)], netns=f"/run/netns/{name}")
+        assert child.wait(30) == 0
+        assert int(child.stdout.read()) == os.stat(f"/run/netns/{name}").st_ino != os.stat("/proc/self/ns/net").st_ino
+        with pytest.raises(RuntimeError, match="could not enter /run/netns/no-such"):
+            forks.start([str(script)], netns="/run/netns/no-such")
+        assert forks.start(["-m", "json.tool", "--help"]).wait(30) == 0  # and it still serves
+    finally:
+        subprocess.run(["ip", "netns", "del", name])
+
+
 def test_commands_it_cannot_fork_and_malformed_requests_are_refused(forks):
     with pytest.raises(ValueError, match="-m MODULE"):
         forks.start(["-c", "print(1)"])
@@ -94,7 +130,10 @@ def test_commands_it_cannot_fork_and_malformed_requests_are_refused(forks):
     assert "one output descriptor" in forks.replies.get(timeout=10)["error"]
     read_end, write_end = os.pipe()
     for malformed in (b"[1, 2]", b"{not json", json.dumps({"args": ["-c", "1"], "cwd": "/"}).encode(),
-                      json.dumps({"args": [3], "cwd": "/"}).encode(), json.dumps({"args": ["x.py"]}).encode()):
+                      json.dumps({"args": [3], "cwd": "/"}).encode(), json.dumps({"args": ["x.py"]}).encode(),
+                      json.dumps({"args": ["x.py"], "cwd": "/", "netns": 1}).encode(),
+                      json.dumps({"args": ["x.py"], "cwd": "/", "env": {"A=B": "c"}}).encode(),
+                      json.dumps({"args": ["x.py"], "cwd": "/", "env": {"A": 1}}).encode()):
         socket.send_fds(forks.channel, [malformed], [write_end])
         assert "a start request carries" in forks.replies.get(timeout=10)["error"]
     os.close(read_end), os.close(write_end)
@@ -105,7 +144,8 @@ JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st
                     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
                     max_leaves=12)
 REQUESTS = (st.binary(max_size=300) | JSON.map(lambda value: json.dumps(value).encode())
-            | st.fixed_dictionaries({"args": JSON, "cwd": JSON}).map(lambda value: json.dumps(value).encode()))
+            | st.fixed_dictionaries({"args": JSON, "cwd": JSON}, optional={"netns": JSON, "env": JSON})
+            .map(lambda value: json.dumps(value).encode()))
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

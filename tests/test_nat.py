@@ -33,6 +33,7 @@ from swarm.testing.netlab import (
     relay_wait_seconds,
     unavailable_reason,
 )
+from swarm.utils.forkserver import ForkedProcess
 from tests.conftest import wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -170,17 +171,19 @@ def report_paths(paths: dict[str, list[str]], servers: dict[str, dict]) -> dict[
     return kinds
 
 
-def start_health(lab: NetLab, prefix: str) -> subprocess.Popen:
+def start_health(lab: NetLab, prefix: str) -> ForkedProcess:
     """``python -m swarm.health --json`` on the client's machine; :func:`read_health` reads what it printed."""
     peers = [arg for peer in lab.initial_peers for arg in ("--initial-peers", peer)]
-    return lab.popen("client1", ["-m", "swarm.health", *peers, "--dht-prefix", prefix, "--num-blocks", "16",
-                                 "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return lab.start_python("client1", ["-m", "swarm.health", *peers, "--dht-prefix", prefix, "--num-blocks", "16",
+                                        "--json"])
 
 
-def read_health(shown: subprocess.Popen) -> dict:
-    out, err = shown.communicate(timeout=60)
-    assert shown.returncode == 0, err[-2000:]
-    return json.loads(out)
+def read_health(shown: ForkedProcess) -> dict:
+    """The JSON object it printed (its log, on the same pipe, around it)."""
+    out = shown.stdout.read()
+    assert shown.wait(60) == 0, out[-2000:]
+    start = 0 if out.startswith("{") else out.index("\n{") + 1
+    return json.JSONDecoder().raw_decode(out, start)[0]
 
 
 def test_lab_routers_translate_and_refuse_inbound(lab):

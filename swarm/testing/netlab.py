@@ -44,7 +44,8 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from swarm.utils.errors import SwarmError
-from swarm.utils.local_swarm import LocalSwarm, ManagedProcess
+from swarm.utils.forkserver import ForkedProcess, ForkServer
+from swarm.utils.local_swarm import LocalSwarm, ManagedProcess, swarm_env
 
 logger = logging.getLogger(__name__)
 
@@ -166,6 +167,9 @@ class LabConfig:
     symmetric_nat: tuple[str, ...] = ()
     peer_port: int = 31337
     delay_ms: float = 0.0  # one-way delay on every home router's WAN link, when the kernel has netem
+    # Start the peers, servers and clients by forking one process that imported torch and hivemind, into their
+    # machine's namespace (swarm.utils.forkserver): the same commands, about 2 CPU s less each. False: exec'd.
+    fork_server: bool = True
 
 
 @dataclass
@@ -180,15 +184,17 @@ class Machine:
 
 
 class NamespacedSwarm(LocalSwarm):
-    """A :class:`LocalSwarm` whose processes run in one namespace: ``ip netns exec NS python ...``.
+    """A :class:`LocalSwarm` whose processes run in one namespace.
 
-    ``ip netns exec`` execs the interpreter in place, so the process (and its group, which ``terminate``
-    kills) is the Python process itself.
+    With ``forks`` (the lab's fork server) each process is forked into the namespace (``ForkServer.start(...,
+    netns=)``): the same command, without importing torch and hivemind again (about 2 CPU s a process). Without,
+    ``ip netns exec NS python ...``, which execs the interpreter in place, so the process (and its group, which
+    ``terminate`` kills) is the Python process itself.
     """
 
     def __init__(self, namespace: str, peers: Sequence[str] = (), env: Optional[dict[str, str]] = None,
-                 startup_timeout: float = 120):
-        super().__init__(python="ip", env=env, startup_timeout=startup_timeout)
+                 startup_timeout: float = 120, forks: Optional[ForkServer] = None):
+        super().__init__(python="ip", env=env, startup_timeout=startup_timeout, shared_forks=forks)
         self.namespace = namespace
         self.peers = list(peers)
 
@@ -196,10 +202,14 @@ class NamespacedSwarm(LocalSwarm):
     def initial_peers(self) -> list[str]:
         return list(self.peers)
 
-    def _start(self, name: str, args: Sequence[str], wait: bool = True) -> ManagedProcess:
-        managed = super()._start(name, ["netns", "exec", self.namespace, sys.executable, *args], wait)
+    def _start(self, name: str, args: Sequence[str], wait: bool = True, log: Optional[Path] = None) -> ManagedProcess:
+        inside = list(args) if self.fork_server else ["netns", "exec", self.namespace, sys.executable, *args]
+        managed = super()._start(name, inside, wait, log)
         managed.args = list(args)  # what :meth:`restart` passes here again
         return managed
+
+    def _fork(self, args: Sequence[str]) -> ForkedProcess:
+        return self._forks.start(args, netns=f"/run/netns/{self.namespace}", env=self.env)
 
     def start(self, name: str, args: Sequence[str], wait: bool = True) -> ManagedProcess:
         """Any ``python ARGS`` that prints a READY line (``swarm.dht``, ``swarm.server``)."""
@@ -216,22 +226,24 @@ class ClientFailed(SwarmError, RuntimeError):
 
 class LabClient:
     """A client process in the lab. It prints one ``KIND {json}`` line per event: JOINED, STEP, HELD (waiting for
-    :meth:`release`; :meth:`paths` asks it for PATHS meanwhile), RESULT or ERROR."""
+    :meth:`release`; :meth:`paths` asks it for PATHS meanwhile), RESULT or ERROR; its log comes on the same pipe
+    (:meth:`NetLab.start_python`), and is kept in ``log``."""
 
     KINDS = ("JOINED", "STEP", "HELD", "PATHS", "RESULT", "ERROR")
 
-    def __init__(self, process: subprocess.Popen):
+    def __init__(self, process: "subprocess.Popen | ForkedProcess"):
         self.process = process
         self.events: "queue.Queue[tuple[str, dict]]" = queue.Queue()
-        self.stderr: list[str] = []
+        self.log: list[str] = []
         threading.Thread(target=self._pump, daemon=True).start()
-        threading.Thread(target=lambda: self.stderr.extend(process.stderr), daemon=True).start()
 
     def _pump(self) -> None:
         for line in self.process.stdout:
             kind, _, payload = line.strip().partition(" ")
             if kind in self.KINDS:
                 self.events.put((kind, json.loads(payload)))
+            else:
+                self.log.append(line)
 
     def wait_for(self, kind: str, timeout: float) -> dict:
         """The next ``kind`` event. Raises :class:`ClientFailed` on an ERROR event, and RuntimeError with the
@@ -249,7 +261,7 @@ class LabClient:
             if got == kind:
                 return payload
         state = "exited" if self.process.poll() is not None else f"gave no {kind} in {timeout:.0f} s"
-        raise RuntimeError(f"lab client {state}; its log ends:\n" + "".join(self.stderr[-25:]))
+        raise RuntimeError(f"lab client {state}; its log ends:\n" + "".join(self.log[-25:]))
 
     def paths(self, timeout: float = 30) -> dict[str, list[str]]:
         """A held client's connection paths now, per peer id (as in its HELD and RESULT events)."""
@@ -280,6 +292,7 @@ class NetLab:
     initial_peers: list[str] = field(default_factory=list)  # the public peers' multiaddrs, once started
     _namespaces: list[str] = field(default_factory=list)
     _swarms: dict[str, NamespacedSwarm] = field(default_factory=dict)
+    _forks: Optional[ForkServer] = None  # started with the first machine's swarm (config.fork_server)
     _clients: list["LabClient"] = field(default_factory=list)
     _previous_sigterm: Any = None
     _identities: str = ""  # a folder holding each public peer's identity key, so a restart keeps its peer id
@@ -394,8 +407,16 @@ class NetLab:
     def swarm(self, role: str) -> NamespacedSwarm:
         """The process launcher of ``role``'s machine; its servers join the lab's public peers."""
         if role not in self._swarms:
-            self._swarms[role] = NamespacedSwarm(self.machines[role].namespace, self.initial_peers)
+            self._swarms[role] = NamespacedSwarm(self.machines[role].namespace, self.initial_peers,
+                                                 forks=self._fork_server())
         return self._swarms[role]
+
+    def _fork_server(self) -> Optional[ForkServer]:
+        """The lab's fork server (``LabConfig.fork_server``), started on first use: it imports while the first
+        command waits for it. None when the lab execs."""
+        if self.config.fork_server and self._forks is None:
+            self._forks = ForkServer(env=swarm_env())
+        return self._forks
 
     @property
     def public_roles(self) -> list[str]:
@@ -455,11 +476,21 @@ class NetLab:
         """``python -m swarm.testing.netlab client`` on ``role``'s machine, joining the public peers
         (:class:`LabClient`)."""
         peers = [arg for peer in self.initial_peers for arg in ("--initial-peers", peer)]
-        process = self.popen(role, ["-m", "swarm.testing.netlab", "client", *peers, *args], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=PACKAGE_PARENT)
-        client = LabClient(process)
+        client = LabClient(self.start_python(role, ["-m", "swarm.testing.netlab", "client", *peers, *args],
+                                             stdin=True))
         self._clients.append(client)
         return client
+
+    def start_python(self, role: str, args: Sequence[str], stdin: bool = False) -> "subprocess.Popen | ForkedProcess":
+        """``python -m MODULE ...`` on ``role``'s machine, run from this package's folder (so that it runs this
+        code), its stdout and stderr together on ``stdout`` and, with ``stdin``, a pipe to its standard input:
+        forked into the machine's namespace by the lab's fork server (``LabConfig.fork_server``), else exec'd there.
+        Stopped with the lab at the latest."""
+        if not self.config.fork_server:
+            return self.popen(role, args, stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=PACKAGE_PARENT)
+        namespace = f"/run/netns/{self.machines[role].namespace}"
+        return self._fork_server().start(args, netns=namespace, stdin=stdin, cwd=PACKAGE_PARENT)
 
     def wan_bytes(self, role: str) -> tuple[int, int]:
         """(received, sent) bytes so far on ``role``'s internet cable (its router's, behind NAT)."""
@@ -499,6 +530,9 @@ class NetLab:
             except Exception as error:  # the namespaces must go whatever happened to a process
                 logger.warning("stopping processes failed: %s", error)
         self._swarms.clear()
+        if self._forks is not None:
+            self._forks.close()
+            self._forks = None
         for namespace in reversed(self._namespaces):
             _delete_namespace(namespace)
         self._namespaces.clear()

@@ -4,7 +4,8 @@ A server spends most of its boot importing (``python -X importtime -c "import sw
 which torch is 0.75 s). A test suite or a demonstration that starts a hundred servers on two cores spends minutes of
 CPU on that alone. A :class:`ForkServer` imports the ``preload`` modules once; :meth:`ForkServer.start` forks it, and
 the child runs the command as the interpreter would have: in a session of its own (``os.killpg(pid, ...)`` reaches
-it, as with ``Popen(start_new_session=True)``), stdout and stderr on a pipe the caller reads, stdin on /dev/null, the
+it, as with ``Popen(start_new_session=True)``), stdout and stderr on a pipe the caller reads, stdin on /dev/null (or a
+pipe the caller writes, ``start(..., stdin=True)``), the
 caller's working directory, and ``sys.argv``, ``sys.path[0]``, ``__main__`` and the exit code as Python sets them.
 The fork server is started with the environment its children get (``LocalSwarm.env``), so what the preloaded
 modules read from the environment at import time is what an exec'd process would read.
@@ -23,6 +24,7 @@ per packet); a start request carries the write end of the child's output pipe as
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import importlib
 import json
 import logging
@@ -44,6 +46,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_PRELOAD = ("torch", "hivemind")
 MAX_MESSAGE_BYTES = 1 << 20  # a command line and its working directory; far more than any start needs
 REAP_EVERY_S = 0.05  # how often the fork server looks for exited children between requests
+CLONE_NEWNET = 0x40000000  # setns(2)'s namespace type: a network namespace (Python 3.12's os.CLONE_NEWNET)
 
 
 def forkable(args: Sequence[str]) -> bool:
@@ -58,6 +61,7 @@ class ForkedProcess:
 
     def __init__(self, pid: int, args: list[str], stdout: Optional[IO[str]]):
         self.pid, self.args, self.stdout = pid, args, stdout
+        self.stdin: Optional[IO[str]] = None  # ``start(..., stdin=True)``: the child's standard input
         self.returncode: Optional[int] = None
         self._exited = threading.Event()
 
@@ -105,29 +109,45 @@ class ForkServer:
         self._start_lock = threading.Lock()
         threading.Thread(target=self._read, name="fork-server-reader", daemon=True).start()
 
-    def start(self, args: Sequence[str]) -> ForkedProcess:
-        """Fork a child running ``python *args`` (see :func:`forkable`); its output is the returned ``stdout``."""
+    def start(self, args: Sequence[str], netns: Optional[str] = None, stdin: bool = False,
+              cwd: Optional[str] = None, env: Optional[dict[str, str]] = None) -> ForkedProcess:
+        """Fork a child running ``python *args`` (see :func:`forkable`) in ``cwd`` (default: this process's working
+        directory); its output is the returned ``stdout``, and with ``stdin`` its standard input is the returned
+        ``stdin`` (else /dev/null). ``env``: its ``os.environ`` (default: the fork server's), as an exec'd process
+        would have it; what the preloaded modules read at import was the fork server's.
+
+        ``netns``: a network namespace's file (``/run/netns/NAME``) that the child enters before it runs anything, as
+        ``ip netns exec NAME python ...`` would run it (the NAT lab, ``swarm.testing.netlab``); it is inside when
+        this returns."""
         if not forkable(args):
             raise ValueError(f"a fork server runs `-m MODULE ...` or `SCRIPT ...`, not {list(args)}")
         if not self.ready.wait(self.startup_timeout) or self.closed:
             raise RuntimeError(f"the fork server did not start (exit code {self.process.poll()})")
         read_end, write_end = os.pipe()
-        request = json.dumps({"args": list(args), "cwd": os.getcwd()}).encode()
+        given, keep = [write_end], [read_end]
+        if stdin:
+            child_input, input_end = os.pipe()
+            given.append(child_input)
+            keep.append(input_end)
+        request = {"args": list(args), "cwd": cwd or os.getcwd(), **({"netns": netns} if netns else {}),
+                   **({"env": dict(env)} if env is not None else {})}
+        reply: dict[str, Any] = {"error": "not sent"}
         try:
             with self._start_lock:
-                socket.send_fds(self.channel, [request], [write_end])
+                socket.send_fds(self.channel, [json.dumps(request).encode()], given)
                 reply = self.replies.get(timeout=self.startup_timeout)
         except queue.Empty:
-            os.close(read_end)
             self.close()  # a late answer would be taken for the next start's: this fork server is done
             raise RuntimeError(f"the fork server did not answer within {self.startup_timeout:.0f} s") from None
         finally:
-            os.close(write_end)
+            for fd in given + (keep if "error" in reply else []):
+                os.close(fd)
         if "error" in reply:
-            os.close(read_end)
             raise RuntimeError(f"the fork server could not start {list(args)}: {reply['error']}")
         child = reply["child"]  # registered by the reader before any exit of it can arrive
         child.stdout = open(read_end, errors="replace")  # text with universal newlines, as Popen(text=True) reads
+        if stdin:
+            child.stdin = open(input_end, "w")
         return child
 
     def close(self, timeout: float = 10) -> None:
@@ -189,33 +209,55 @@ def serve(channel: socket.socket) -> Optional[dict[str, Any]]:
             return None
         if not readable:
             continue
-        data, fds, _, _ = socket.recv_fds(channel, MAX_MESSAGE_BYTES, 1)
+        data, fds, _, _ = socket.recv_fds(channel, MAX_MESSAGE_BYTES, 2)
         if not data:
             return None
         try:
             request = json.loads(data)
         except ValueError:
             request = None
-        if not _well_formed(request) or len(fds) != 1:
+        if not _well_formed(request) or len(fds) not in (1, 2):
             for fd in fds:
                 os.close(fd)
             channel.send(json.dumps({"error": "a start request carries a command line (`-m MODULE ...` or "
-                                              "`SCRIPT ...`), a working directory and one output descriptor"}).encode())
+                                              "`SCRIPT ...`), a working directory, one output descriptor (and "
+                                              "maybe an input one), maybe a network namespace's path and maybe "
+                                              "an environment"}).encode())
             continue
         sys.stdout.flush(), sys.stderr.flush()
+        entered, entering = os.pipe()  # the child says here whether it entered its namespace
         pid = os.fork()
         if pid == 0:
             channel.close()
-            _become_child(fds[0], request["cwd"])
+            os.close(entered)
+            _enter_namespace(request.get("netns"), entering)
+            _become_child(fds[0], request["cwd"], fds[1] if len(fds) > 1 else None)
+            if "env" in request:
+                os.environ.clear()
+                os.environ.update(request["env"])
             return request
-        os.close(fds[0])
+        for fd in fds + [entering]:
+            os.close(fd)
+        with os.fdopen(entered, "rb") as said:
+            failure = said.read().decode(errors="replace")
+        if failure:
+            os.waitpid(pid, 0)  # it exits at once; never reported as started, so never as exited
+            channel.send(json.dumps({"error": f"could not enter {request['netns']}: {failure}"}).encode())
+            continue
         children.add(pid)
         channel.send(json.dumps({"started": pid, "args": request["args"]}).encode())
 
 
 def _well_formed(request: Any) -> bool:
-    """``{"args": [str, ...], "cwd": str}`` with args a form :func:`forkable` accepts."""
+    """``{"args": [str, ...], "cwd": str}`` with args a form :func:`forkable` accepts, and maybe ``"netns": str`` and
+    ``"env": {str: str}``."""
     if not isinstance(request, dict) or not isinstance(request.get("cwd"), str):
+        return False
+    env = request.get("env", {})
+    if not isinstance(request.get("netns", ""), str) or not isinstance(env, dict):
+        return False
+    if not all(isinstance(value, str) and key and "=" not in key and "\0" not in key + value
+               for key, value in env.items()):
         return False
     args = request.get("args")
     return isinstance(args, list) and all(isinstance(arg, str) for arg in args) and forkable(args)
@@ -235,14 +277,37 @@ def _report_exits(channel: socket.socket, children: set[int]) -> bool:
     return True
 
 
-def _become_child(output: int, cwd: str) -> None:
-    """The process state ``Popen(start_new_session=True, stdout=PIPE, stderr=STDOUT)`` gives an exec'd child."""
+def _enter_namespace(netns: Optional[str], entering: int) -> None:
+    """Enter the network namespace ``netns`` (when given) and say so on ``entering``: nothing written is success,
+    else the reason, and this child exits."""
+    failure = ""
+    if netns:
+        try:
+            fd = os.open(netns, os.O_RDONLY)
+            try:
+                libc = ctypes.CDLL(None, use_errno=True)
+                if libc.setns(fd, CLONE_NEWNET) != 0:
+                    failure = os.strerror(ctypes.get_errno())
+            finally:
+                os.close(fd)
+        except OSError as error:
+            failure = str(error)
+    if failure:
+        os.write(entering, failure.encode())
+    os.close(entering)
+    if failure:
+        os._exit(1)
+
+
+def _become_child(output: int, cwd: str, given_input: Optional[int] = None) -> None:
+    """The process state ``Popen(start_new_session=True, stdout=PIPE, stderr=STDOUT)`` gives an exec'd child (and
+    ``stdin=PIPE`` when the request carried an input descriptor)."""
     os.setsid()
-    devnull = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(devnull, 0)
+    source = os.open(os.devnull, os.O_RDONLY) if given_input is None else given_input
+    os.dup2(source, 0)
     os.dup2(output, 1)
     os.dup2(output, 2)
-    os.close(devnull)
+    os.close(source)
     os.close(output)
     os.chdir(cwd)
     _fresh_module_state()

@@ -55,17 +55,18 @@ class LocalSwarm:
 
     def __init__(
         self, python: str = sys.executable, env: Optional[dict[str, str]] = None, startup_timeout: float = 120,
-        fork_server: bool = False,
+        fork_server: bool = False, shared_forks: Optional[ForkServer] = None,
     ):
         self.python = python
-        self.env = dict(os.environ, **(env or {}))
-        self.env.pop("SWARM_INITIAL_PEERS", None)  # a local swarm never joins a public one by accident
-        self.env["SWARM_BOOTSTRAP_FILE"] = os.devnull
+        self.env = swarm_env(env)
         self.startup_timeout = startup_timeout
         self.processes: list[ManagedProcess] = []
         self.bootstrap: Optional[ManagedProcess] = None
-        self.fork_server = fork_server
-        self._forks: Optional[ForkServer] = self._new_fork_server() if fork_server else None  # imports meanwhile
+        # ``shared_forks``: a fork server that other swarms use too (started with :func:`swarm_env`); its owner
+        # closes it, :meth:`stop` leaves it running
+        self.fork_server = fork_server or shared_forks is not None
+        self._shared_forks = shared_forks
+        self._forks: Optional[ForkServer] = shared_forks or (self._new_fork_server() if fork_server else None)
 
     def _new_fork_server(self) -> ForkServer:
         return ForkServer(self.python, self.env, startup_timeout=self.startup_timeout)
@@ -105,7 +106,7 @@ class LocalSwarm:
             if self._forks is None:
                 self._forks = self._new_fork_server()
             logger.info("starting %s (forked): %s", name, " ".join(command))
-            process = self._forks.start(args)
+            process = self._fork(args)
         else:
             logger.info("starting %s: %s", name, " ".join(command))
             process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -117,6 +118,30 @@ class LocalSwarm:
         if wait:
             self.wait_ready(managed)
         return managed
+
+    def run_command(self, args: Sequence[str], env: Optional[dict[str, str]] = None, cwd: Optional[str] = None,
+                    timeout: float = 600) -> tuple[int, str]:
+        """Run ``python *args`` to its end, as a user's terminal runs a command that uses the swarm (forked where this
+        swarm has a fork server), in ``env`` (default: the swarm's) and ``cwd``: its exit code and its stdout and
+        stderr together. Killed (with its session) after ``timeout`` seconds."""
+        env = dict(self.env if env is None else env)
+        if self.fork_server and forkable(args):
+            if self._forks is None:
+                self._forks = self._new_fork_server()
+            process: Union[subprocess.Popen, ForkedProcess] = self._forks.start(args, env=env, cwd=cwd)
+        else:
+            process = subprocess.Popen([self.python, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                       text=True, env=env, cwd=cwd, start_new_session=True)
+        timer = threading.Timer(timeout, signal_family, (process.pid, [], signal.SIGKILL))
+        timer.start()
+        try:
+            output = process.stdout.read()
+            return process.wait(), output
+        finally:
+            timer.cancel()
+
+    def _fork(self, args: Sequence[str]) -> ForkedProcess:
+        return self._forks.start(args, env=self.env)  # as it is now: a test may have set a variable since
 
     def restart(self, managed: ManagedProcess) -> ManagedProcess:
         """Start ``managed``'s command again (stopping it first if it still runs) and wait for its READY line; it
@@ -194,7 +219,7 @@ class LocalSwarm:
         if self.bootstrap is not None and self.bootstrap.alive:
             self.terminate(self.bootstrap, signal.SIGTERM, timeout=15)
         self.processes.clear()
-        if self._forks is not None:
+        if self._forks is not None and self._forks is not self._shared_forks:
             self._forks.close()
             self._forks = None
 
@@ -210,6 +235,14 @@ class LocalSwarm:
         finally:
             if self._previous_sigterm is not None:
                 signal.signal(signal.SIGTERM, self._previous_sigterm)
+
+
+def swarm_env(env: Optional[dict[str, str]] = None) -> dict[str, str]:
+    """The environment of a local swarm's processes: this one's with ``env`` over it, never joining a public swarm."""
+    made = dict(os.environ, **(env or {}))
+    made.pop("SWARM_INITIAL_PEERS", None)  # a local swarm never joins a public one by accident
+    made["SWARM_BOOTSTRAP_FILE"] = os.devnull
+    return made
 
 
 def descendants(pid: int) -> list[psutil.Process]:

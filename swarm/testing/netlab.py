@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from swarm.utils.errors import SwarmError
-from swarm.utils.forkserver import ForkedProcess, ForkServer
+from swarm.utils.forkserver import ForkedProcess, ForkServer, forkable
 from swarm.utils.local_swarm import LocalSwarm, ManagedProcess, swarm_env
 
 logger = logging.getLogger(__name__)
@@ -203,7 +203,8 @@ class NamespacedSwarm(LocalSwarm):
         return list(self.peers)
 
     def _start(self, name: str, args: Sequence[str], wait: bool = True, log: Optional[Path] = None) -> ManagedProcess:
-        inside = list(args) if self.fork_server else ["netns", "exec", self.namespace, sys.executable, *args]
+        forked = self.fork_server and forkable(args)
+        inside = list(args) if forked else ["netns", "exec", self.namespace, sys.executable, *args]
         managed = super()._start(name, inside, wait, log)
         managed.args = list(args)  # what :meth:`restart` passes here again
         return managed

@@ -8,7 +8,9 @@ it, as with ``Popen(start_new_session=True)``), stdout and stderr on a pipe the 
 pipe the caller writes, ``start(..., stdin=True)``), the
 caller's working directory, and ``sys.argv``, ``sys.path[0]``, ``__main__`` and the exit code as Python sets them.
 The fork server is started with the environment its children get (``LocalSwarm.env``), so what the preloaded
-modules read from the environment at import time is what an exec'd process would read.
+modules read from the environment at import time is what an exec'd process would read; a start may give the child's
+``os.environ`` as it is by then (``LocalSwarm`` does: a test may export a variable after its fork server started).
+A start may also name a network namespace that the child enters first (the NAT lab's machines).
 
 Preloading torch and hivemind (``DEFAULT_PRELOAD``) halves a server's start (``python benchmarks/boot_cpu.py``).
 Neither starts a thread at import, but hivemind creates process-shared locks then (``multiprocessing.Lock`` in
@@ -19,7 +21,8 @@ as a fresh interpreter would, and so does numpy's global random generator.
 The children are the fork server's, not the caller's: it reaps them and sends each exit status back, and
 :class:`ForkedProcess` offers the part of ``subprocess.Popen`` that ``LocalSwarm`` and its callers use. ``ps`` shows
 a child under the fork server's command line. Messages are JSON over a ``SOCK_SEQPACKET`` socket pair (one message
-per packet); a start request carries the write end of the child's output pipe as an ``SCM_RIGHTS`` descriptor.
+per packet); a start request carries the write end of the child's output pipe (and the read end of its input pipe,
+if any) as ``SCM_RIGHTS`` descriptors.
 """
 from __future__ import annotations
 

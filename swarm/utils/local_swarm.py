@@ -23,7 +23,7 @@ from typing import Optional, Sequence, TextIO, Union
 
 import psutil
 
-from swarm.utils.forkserver import ForkedProcess, ForkServer, forkable
+from swarm.utils.forkserver import DEFAULT_PRELOAD, ForkedProcess, ForkServer, forkable
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +40,7 @@ class ManagedProcess:
     args: list[str] = field(default_factory=list)  # what followed ``python`` (for :meth:`LocalSwarm.restart`)
     lines: "queue.Queue[str]" = field(default_factory=queue.Queue)
     log: list[str] = field(default_factory=list)
+    output_ended: threading.Event = field(default_factory=threading.Event)  # every line of its output is in ``log``
 
     @property
     def alive(self) -> bool:
@@ -50,12 +51,13 @@ class LocalSwarm:
     """``with LocalSwarm() as swarm: swarm.start_bootstrap(); swarm.start_server("default", "0:8")``.
 
     ``fork_server``: start ``-m MODULE`` and script processes by forking a process that preloaded torch and hivemind
-    (see ``swarm.utils.forkserver``) instead of exec'ing ``python`` for each; what they run is the same.
+    (see ``swarm.utils.forkserver``) instead of exec'ing ``python`` for each; what they run is the same. ``preload``:
+    the modules it imports (more where several children import the same heavy module).
     """
 
     def __init__(
         self, python: str = sys.executable, env: Optional[dict[str, str]] = None, startup_timeout: float = 120,
-        fork_server: bool = False,
+        fork_server: bool = False, preload: Sequence[str] = DEFAULT_PRELOAD,
     ):
         self.python = python
         self.env = dict(os.environ, **(env or {}))
@@ -64,11 +66,11 @@ class LocalSwarm:
         self.startup_timeout = startup_timeout
         self.processes: list[ManagedProcess] = []
         self.bootstrap: Optional[ManagedProcess] = None
-        self.fork_server = fork_server
+        self.fork_server, self.preload = fork_server, tuple(preload)
         self._forks: Optional[ForkServer] = self._new_fork_server() if fork_server else None  # imports meanwhile
 
     def _new_fork_server(self) -> ForkServer:
-        return ForkServer(self.python, self.env, startup_timeout=self.startup_timeout)
+        return ForkServer(self.python, self.env, preload=self.preload, startup_timeout=self.startup_timeout)
 
     @property
     def fork_server_pid(self) -> Optional[int]:
@@ -98,6 +100,21 @@ class LocalSwarm:
         """Start ``python *args`` (say ``["-m", "swarm.improve", ...]``), forked where this swarm has a fork server,
         without waiting for a READY line; with ``log`` its output also goes to that file as it comes."""
         return self._start(name, args, wait=False, log=log)
+
+    def run_command(self, name: str, args: Sequence[str], timeout: float) -> tuple[int, str]:
+        """Run ``python *args`` to its end, forked where this swarm has a fork server (a command's interpreter start
+        and imports saved): its exit code and its whole output, stdout and stderr as they interleaved.
+        ``subprocess.TimeoutExpired`` (the command killed) after ``timeout`` seconds."""
+        managed = self._start(name, args, wait=False)
+        try:
+            code = managed.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.terminate(managed, signal.SIGKILL)
+            raise
+        finally:
+            managed.output_ended.wait(timeout)
+            self.processes.remove(managed)
+        return code, "\n".join(managed.log)
 
     def _start(self, name: str, args: Sequence[str], wait: bool = True, log: Optional[Path] = None) -> ManagedProcess:
         command = [self.python, *args]
@@ -134,12 +151,15 @@ class LocalSwarm:
     @staticmethod
     def _pump(managed: ManagedProcess, copy: Optional[TextIO] = None) -> None:
         with copy or contextlib.nullcontext():
-            for line in managed.process.stdout:
-                managed.log.append(line.rstrip())
-                managed.lines.put(line)
-                if copy is not None:
-                    copy.write(line)
-                    copy.flush()
+            try:
+                for line in managed.process.stdout:
+                    managed.log.append(line.rstrip())
+                    managed.lines.put(line)
+                    if copy is not None:
+                        copy.write(line)
+                        copy.flush()
+            finally:
+                managed.output_ended.set()
 
     def wait_ready(self, managed: ManagedProcess) -> None:
         deadline = time.monotonic() + self.startup_timeout

@@ -2,12 +2,12 @@
 two adapters' claims against their measured scores, and ``best:addition`` picking the truly better one.
 
     python benchmarks/audit_demo.py [--challenges 4] [--examples 30] [--max-rounds 200] [--no-fresh-identity]
-                                    [--delivered 100] [--json]
+                                    [--delivered 100] [--lies-one-in 20] [--json]
 
 On 127.0.0.1: a bootstrap peer and four servers of the embedded addition model (4 blocks), all announcing 1000
 tokens/s: two honest halves (A 0:2, which also serves two published soft-prompt adapters, and B 2:4), C (0:4) that
-lies on a random one in 20 of its answers, and D (0:4) that answers honestly at 100 positions/s at most
-(``--delivered``; its slow answers are most of a round): it announces 10x what it delivers (C and D are the
+lies on a random one in 20 of its answers (``--lies-one-in``), and D (0:4) that answers honestly at 100 positions/s
+at most (``--delivered``; its slow answers are most of a round): it announces 10x what it delivers (C and D are the
 test-only tests/faulty_server.py). The adapters' authors claim 0.99 for a random soft prompt and 0.1 for a
 better one.
 
@@ -63,6 +63,7 @@ PROMPT = "12+5="
 GREEDY = dict(gen_length=8, steps=8, block_length=8, temperature=0.0)
 ANNOUNCED = 1000  # tokens/s every server announces (LocalSwarm's default)
 DELIVERED = 100  # positions/s server D delivers at most by default: a tenth of what it announces
+LIES_ONE_IN = 20  # server C lies on a random one in this many of its answers by default
 ADAPTERS = (("boaster", 1.0, 4, 0.99), ("modest", 5.0, 2, 0.1))  # name, scale, length, the author's claimed score
 
 
@@ -127,8 +128,8 @@ def shared_or_own(shared: Optional[LocalSwarm]) -> Iterator[LocalSwarm]:
 
 
 def run(examples: int, max_rounds: int, fresh_identity: bool, challenges: int,
-        delivered: int = DELIVERED, swarm: Optional[LocalSwarm] = None, prefix: Optional[str] = None
-        ) -> dict[str, Any]:
+        delivered: int = DELIVERED, swarm: Optional[LocalSwarm] = None, prefix: Optional[str] = None,
+        lies_one_in: int = LIES_ONE_IN) -> dict[str, Any]:
     """The whole demonstration; what it found, as plain data. On ``swarm``, a running one (its servers are SIGKILLed
     at the end), instead of a swarm of its own; under the DHT namespace ``prefix`` instead of the model's (on a shared
     swarm: no other server of the model joins the routes it shows)."""
@@ -144,7 +145,7 @@ def run(examples: int, max_rounds: int, fresh_identity: bool, challenges: int,
         common = ("--compute-threads", "1", *(("--dht-prefix", prefix) if prefix else ()))
         serve = [arg for path in adapters.values() for arg in ("--serve-adapter", str(path))]
         for name, blocks, extra in (("A", "0:2", serve), ("B", "2:4", ()),
-                                    ("C", "0:4", ("--public-name", "faulty-1in20")),
+                                    ("C", "0:4", ("--public-name", f"faulty-1in{lies_one_in}")),
                                     ("D", "0:4", ("--public-name", f"faulty-rate{delivered}"))):
             entry = {"entry": FAULTY} if name in "CD" else {}
             started.append(swarm.start_server(MODEL, blocks, *common, *extra, name=name, wait=False, **entry))
@@ -226,13 +227,16 @@ def main() -> None:
                         help="challenge from the auditor's own peer instead of a fresh one per round (faster rounds)")
     parser.add_argument("--delivered", type=int, default=DELIVERED,
                         help="positions/s D delivers at most (it announces 1000 tokens/s): higher, shorter rounds")
+    parser.add_argument("--lies-one-in", type=int, default=LIES_ONE_IN,
+                        help="C lies on a random one in this many of its answers: lower, found in fewer rounds")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the summary")
     args = parser.parse_args()
-    for name in ("challenges", "examples", "max_rounds", "delivered"):
+    for name in ("challenges", "examples", "max_rounds", "delivered", "lies_one_in"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    found = run(args.examples, args.max_rounds, not args.no_fresh_identity, args.challenges, args.delivered)
+    found = run(args.examples, args.max_rounds, not args.no_fresh_identity, args.challenges, args.delivered,
+                lies_one_in=args.lies_one_in)
     print(json.dumps(found) if args.json else summary(found))
 
 

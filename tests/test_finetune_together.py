@@ -114,6 +114,30 @@ def test_the_learning_rate_schedule_reaches_the_collaboration_s_adam():
         stop_dht(dht)
 
 
+def test_a_collaborative_trainer_reads_no_progress_between_runs(local_lm, pairs, tmp_path):
+    """Between two runs (the self-improving loop's rounds) a peer's progress tracker reads nothing from the DHT, where
+    hivemind's would read the run's progress every 0.2 s from a stopped peer's stale throughput (together.idle); the
+    next run steps (``step`` pauses the tracker itself: no deadlock) and the trainer closes."""
+    dht = start_dht(NetworkConfig(use_default_peers=False))  # alone: each batch is a global step
+    config = FinetuneConfig(pairs, str(tmp_path / "run"), steps=1, batch_size=BATCH, prompt_length=4,
+                            collaboration=CollaborationConfig("pytest-idle", BATCH, matchmaking_time=0.5))
+    trainer = Finetuner(local_lm, config, dht=dht)
+    try:
+        tracker = trainer.optimizer.tracker
+        first = tracker.global_progress
+        assert wait_until(lambda: tracker.global_progress is not first, timeout=10), "the control: it reads"
+        trainer.run(progress=False)
+        read = tracker.global_progress
+        time.sleep(1.5)  # a read at least every max_refresh_period (2 s), 0.2 s here, were it not idle
+        assert tracker.global_progress is read, "an idle trainer read the run's progress"
+        trainer.config.steps = 2
+        trainer.run(progress=False)
+        assert trainer.state.epoch == 2
+    finally:
+        trainer.close()
+        stop_dht(dht)
+
+
 @pytest.mark.unit
 def test_too_few_peers_ends_in_one_line_and_exit_3_not_a_bug_report():
     """A run whose other peers never report (another --run-id, other --initial-peers) is the user's setting, not a

@@ -15,6 +15,7 @@ import hashlib
 import logging
 import time
 from functools import partial
+from typing import ContextManager
 
 import hivemind
 import torch
@@ -70,6 +71,18 @@ def wait_for_peers(optimizer: hivemind.Optimizer, config: CollaborationConfig, p
                                "--initial-peers")
         time.sleep(poll)
     return peers
+
+
+def idle(optimizer: hivemind.Optimizer) -> ContextManager[None]:
+    """While this peer computes no batch (between two runs of a trainer, e.g. the self-improving loop's rounds): its
+    progress tracker stops reading the run's progress and its throughput estimate stops counting the time.
+
+    A peer that stopped keeps the throughput it had: from the records of peers that stopped, hivemind's tracker
+    estimates the next global step as overdue and reads the run's progress from the DHT every ``min_refresh_period``
+    (0.2 s), five DHT reads a second per idle peer for as long as it idles (each one traffic for the peers it asks).
+    Paused, it reads nothing; it reads again at once when the pause ends. Its own record is still stored, so the
+    others still count it. Leave the pause before the next ``step`` (which pauses the tracker itself) or shutdown."""
+    return optimizer.tracker.pause_updates()
 
 
 def peer_seed(seed: int, peer_id: str) -> int:

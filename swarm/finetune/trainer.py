@@ -16,6 +16,7 @@ process of the run (``swarm/finetune/together.py``): a run's steps are then the 
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -35,6 +36,7 @@ from swarm.finetune.config import RUN_DEFINING, FinetuneConfig, lr_at, only_rele
 from swarm.finetune.data import Example, SFTBatch, data_digest, load_examples, make_batch
 from swarm.finetune.together import (
     collaborative_optimizer,
+    idle,
     peer_seed,
     peers_in_run,
     wait_for_peers,
@@ -142,6 +144,7 @@ class Finetuner:
         else:
             self.optimizer = torch.optim.Adam(params, lr=config.lr)
         self._joined = False  # set once this process has met the run's other peers (wait_for_peers)
+        self._idle = contextlib.ExitStack()  # a collaboration's progress tracker, paused between runs (together.idle)
         if saved is not None:
             self._resume(saved)
 
@@ -151,6 +154,7 @@ class Finetuner:
 
     def close(self) -> None:
         """Leave the collaboration (its averagers and progress tracker run in background processes)."""
+        self._idle.close()
         if self.collaborative:
             self.optimizer.shutdown()
 
@@ -255,7 +259,8 @@ class Finetuner:
 
     def run(self, progress: bool = True) -> list[StepReport]:
         """Train up to ``config.steps`` optimizer steps (from wherever the run stands), saving every
-        ``save_every`` and at the end."""
+        ``save_every`` and at the end; in a collaboration, the progress tracker idles until the next run."""
+        self._idle.close()
         reports = []
         bar = tqdm(total=self.config.steps, initial=self.state.epoch, desc="finetune", unit="step",
                    disable=not progress)
@@ -274,4 +279,6 @@ class Finetuner:
         history = [dict(epoch=e, loss=loss, peers=p) for e, loss, p in
                    zip(self.state.epochs, self.state.losses, self.state.peers)]
         (self.output / "history.json").write_text(json.dumps(history))
+        if self.collaborative:
+            self._idle.enter_context(idle(self.optimizer))
         return reports

@@ -1,14 +1,14 @@
 """``python -m swarm.improve.demo``: the self-improving loop on one machine, with a curve.
 
-A local swarm (a bootstrap peer and one server of the embedded ``addition`` model), two trainers of one run id
-(``python -m swarm.improve`` subprocesses, each publishing versions under its own key), one auditor scoring every new
-version on fresh held-out problems, and a client that asks for ``adapter="best:TASK"`` and is scored on fresh held-out
-problems of its own. Nobody chooses: the trainers publish when their own figure improves, the auditor measures, the
-client's ``best:`` moves by the trusted measurements (``swarm.reports.adoption``). The task is ``tagged-addition``
-(addition answered with a trailing ``!``, which the base model never writes: 0 before any adapter), so the curve is
-drawn in minutes on 2 cores. The trainers' data source is a folder that grows: each round starts when
-:data:`EXAMPLES_PER_ROUND` new examples arrive (``--min-new-examples``), which the demonstration writes after scoring
-the previous round, so the rows line up (the trainers would otherwise run ahead of the auditor).
+A local swarm (one server of the embedded ``addition`` model, which the others join through), two trainers of one
+run id (``python -m swarm.improve`` subprocesses, each publishing versions under its own key), one auditor scoring
+every new version on fresh held-out problems, and a client that asks for ``adapter="best:TASK"`` and is scored on
+fresh held-out problems of its own. Nobody chooses: the trainers publish when their own figure improves, the auditor
+measures, the client's ``best:`` moves by the trusted measurements (``swarm.reports.adoption``). The task is
+``tagged-addition`` (addition answered with a trailing ``!``, which the base model never writes: 0 before any
+adapter), so the curve is drawn in minutes on 2 cores. The trainers' data source is a folder that grows: each round
+starts when :data:`EXAMPLES_PER_ROUND` new examples arrive (``--min-new-examples``), which the demonstration writes
+after scoring the previous round, so the rows line up (the trainers would otherwise run ahead of the auditor).
 
 Prints a table per round (round, version chosen, the trainers' own figures, the auditor's figure of the chosen
 version, what ``best:`` chose, the client's score) and writes it, as Markdown and JSON, with a PNG plot of the curve
@@ -31,7 +31,7 @@ import click
 
 from swarm.cli.options import run_main, setup_logging
 from swarm.utils.extras import install_hint
-from swarm.utils.forkserver import ForkedProcess
+from swarm.utils.forkserver import DEFAULT_PRELOAD, ForkedProcess
 
 logger = logging.getLogger(__name__)
 
@@ -119,16 +119,17 @@ def plot(rows: list[Row], path: Path) -> None:
     plt.close(figure)
 
 
-def start_trainer(swarm, label: str, workdir: Path, key: Path, data: Path, options: dict[str, Any],
+def start_trainer(swarm, peers: list[str], label: str, workdir: Path, key: Path, data: Path, options: dict[str, Any],
                   log: Path) -> Process:
-    """A ``python -m swarm.improve`` process of the local swarm (forked from its fork server), its output in ``log``."""
+    """A ``python -m swarm.improve`` process of the local swarm (forked from its fork server) joining through
+    ``peers``, its output in ``log``."""
     command = ["-m", "swarm.improve", "--task", TASK, "--data", str(data), "--name", NAME,
                "--key", str(key), "--workdir", str(workdir), "--model", MODEL, "--run-id", "demo",
                "--rounds", "0", "--round-steps", str(options["round_steps"]),
                "--held-out", str(options["held_out"]), "--batch-size", str(options["batch_size"]),
                "--target-batch-size", str(2 * options["batch_size"]), "--keep", "2", "--threads", "1",
                "--min-new-examples", str(EXAMPLES_PER_ROUND),
-               "--log-level", "INFO", *[arg for peer in swarm.initial_peers for arg in ("--initial-peers", peer)],
+               "--log-level", "INFO", *[arg for peer in peers for arg in ("--initial-peers", peer)],
                *(["--local-model"] if options["local_model"] else [])]
     return swarm.start_command(f"trainer {label}", command, log=log).process
 
@@ -179,15 +180,18 @@ def run_demo(output: Path, rounds: int, round_steps: int, held_out: int, audit_e
                    local_model=local_model)
     rows: list[Row] = []
     trainers: dict[str, Process] = {}
-    with LocalSwarm(fork_server=True) as swarm:  # every process forked from one that imported torch and hivemind
-        swarm.start_bootstrap()
-        swarm.start_server(MODEL, "0:4", "--compute-threads", "1")
-        peers = swarm.initial_peers
+    # Every process forked from one that imported torch and hivemind, and torch._dynamo: torch.optim imports it when
+    # an optimizer is made, 1.4 CPU s in each trainer.
+    with LocalSwarm(fork_server=True, preload=(*DEFAULT_PRELOAD, "torch._dynamo")) as swarm:
+        # The server starts the swarm and everyone joins through it: a bootstrap peer would be one more DHT peer for
+        # every record to reach (the trainers' progress records several times a second while they train).
+        peers = swarm.start_server(MODEL, "0:4", "--compute-threads", "1").maddrs
         network = NetworkConfig(initial_peers=peers, client_mode=True)
         try:
             for label in "AB":
-                trainers[label] = start_trainer(swarm, label, work / f"trainer-{label}", work / f"trainer-{label}.key",
-                                                data, options, work / f"trainer-{label}.log")
+                trainers[label] = start_trainer(swarm, peers, label, work / f"trainer-{label}",
+                                                work / f"trainer-{label}.key", data, options,
+                                                work / f"trainer-{label}.log")
             auditor = Auditor(AuditorConfig(network=network, score_adapters=(TASK,), task_examples=audit_examples,
                                             fresh_identity=False, once=True), auditor_key, ModelFiles(MODEL))
             client = DistributedDiffusionLM.from_pretrained(MODEL, initial_peers=peers, route_refresh=2.0,

@@ -23,7 +23,7 @@ from typing import Optional, Sequence, TextIO, Union
 
 import psutil
 
-from swarm.utils.forkserver import ForkedProcess, ForkServer, forkable
+from swarm.utils.forkserver import DEFAULT_PRELOAD, ForkedProcess, ForkServer, forkable
 
 logger = logging.getLogger(__name__)
 
@@ -50,12 +50,14 @@ class LocalSwarm:
     """``with LocalSwarm() as swarm: swarm.start_bootstrap(); swarm.start_server("default", "0:8")``.
 
     ``fork_server``: start ``-m MODULE`` and script processes by forking a process that preloaded torch and hivemind
-    (see ``swarm.utils.forkserver``) instead of exec'ing ``python`` for each; what they run is the same.
+    (see ``swarm.utils.forkserver``) instead of exec'ing ``python`` for each; what they run is the same. ``preload``:
+    the modules it imports (more where several children import the same heavy module).
     """
 
     def __init__(
         self, python: str = sys.executable, env: Optional[dict[str, str]] = None, startup_timeout: float = 120,
         fork_server: bool = False, shared_forks: Optional[ForkServer] = None,
+        preload: Sequence[str] = DEFAULT_PRELOAD,
     ):
         self.python = python
         self.env = swarm_env(env)
@@ -64,12 +66,12 @@ class LocalSwarm:
         self.bootstrap: Optional[ManagedProcess] = None
         # ``shared_forks``: a fork server that other swarms use too (started with :func:`swarm_env`); its owner
         # closes it, :meth:`stop` leaves it running
-        self.fork_server = fork_server or shared_forks is not None
+        self.fork_server, self.preload = fork_server or shared_forks is not None, tuple(preload)
         self._shared_forks = shared_forks
         self._forks: Optional[ForkServer] = shared_forks or (self._new_fork_server() if fork_server else None)
 
     def _new_fork_server(self) -> ForkServer:
-        return ForkServer(self.python, self.env, startup_timeout=self.startup_timeout)
+        return ForkServer(self.python, self.env, preload=self.preload, startup_timeout=self.startup_timeout)
 
     @property
     def fork_server_pid(self) -> Optional[int]:

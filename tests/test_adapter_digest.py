@@ -71,7 +71,7 @@ def measured_gradient(lm, tmp_path, adapter, by_digest: bool) -> tuple[float, to
     return loss, grad, lm.caller.bytes_sent - sent
 
 
-def test_a_lora_travels_once_and_gives_the_same_gradients_and_tokens(local_swarm, tiny_model_path, local_lm,
+def test_a_lora_travels_once_and_gives_the_same_gradients_and_tokens(swarm_peer, tiny_model_path, local_lm,
                                                                       tmp_path):
     from swarm.client import DistributedDiffusionLM
 
@@ -79,8 +79,8 @@ def test_a_lora_travels_once_and_gives_the_same_gradients_and_tokens(local_swarm
     local_loss, local_grad = adapter_gradient(local_lm, tmp_path, adapter)
     # Its own client, whose route stays put (a route rebuilt between the passes could reach a server that has
     # not seen the tensor yet, which would rightly cost an upload and blur the byte counts).
-    with DistributedDiffusionLM.from_pretrained(tiny_model_path, initial_peers=local_swarm.initial_peers,
-                                                route_refresh=3600.0, request_timeout=20) as lm:
+    with DistributedDiffusionLM.from_pretrained(tiny_model_path, dht=swarm_peer, route_refresh=3600.0,
+                                                request_timeout=20) as lm:
         every_loss, every_grad, every_bytes = measured_gradient(lm, tmp_path, adapter, by_digest=False)
         assert not lm.caller.adapters_held
         first_loss, first_grad, first_bytes = measured_gradient(lm, tmp_path, adapter, by_digest=True)
@@ -172,7 +172,7 @@ def test_naming_what_one_never_sent_or_another_shape_or_kind_is_refused(remote_l
     assert missing.value.code == ErrorCode.ADAPTER_MISS
 
 
-def test_a_server_that_keeps_no_adapter_tensors_gets_them_every_time(local_swarm, local_lm, tmp_path):
+def test_a_server_that_keeps_no_adapter_tensors_gets_them_every_time(local_swarm, local_lm, tmp_path, swarm_peer):
     """--adapter-memory-mb 0: the server never says it holds a tensor, so the client always sends it."""
     from swarm.client import DistributedDiffusionLM
 
@@ -180,7 +180,7 @@ def test_a_server_that_keeps_no_adapter_tensors_gets_them_every_time(local_swarm
     server = local_swarm.start_server(str(path), "0:4", "--compute-threads", "1", "--adapter-memory-mb", "0")
     adapter = lora_for(local_lm, rank=2, seed=3)
     try:
-        with DistributedDiffusionLM.from_pretrained(path, initial_peers=local_swarm.initial_peers) as lm:
+        with DistributedDiffusionLM.from_pretrained(path, dht=swarm_peer) as lm:
             local_loss, local_grad = adapter_gradient(local_lm, tmp_path, adapter)
             for _ in range(2):
                 loss, grad = adapter_gradient(lm, tmp_path, adapter)

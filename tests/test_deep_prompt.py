@@ -95,9 +95,9 @@ def test_deep_prompt_gradients_through_the_swarm_equal_local_autograd(remote_lm,
 
 
 def test_a_server_killed_mid_backward_is_replaced_with_the_same_deep_prompt_gradients(local_swarm, tiny_model_path,
-                                                                                     local_lm, tmp_path):
+                                                                                     local_lm, tmp_path, swarm_peer):
     victim = fast_server(local_swarm, tiny_model_path, "0:2")
-    lm = client(local_swarm, tiny_model_path)
+    lm = client(local_swarm, tiny_model_path, dht=swarm_peer)
     wait_seen(lm, [victim])  # the route holds the victim
     calls = kill_before_its_backward(local_swarm, lm, victim)
     try:
@@ -112,14 +112,14 @@ def test_a_server_killed_mid_backward_is_replaced_with_the_same_deep_prompt_grad
 
 # ----- tokens ------------------------------------------------------------------------------------------
 def test_a_deep_prompt_gives_the_same_tokens_locally_and_through_the_swarm(local_swarm, tiny_model_path, remote_lm,
-                                                                          local_lm, tmp_path, caplog):
+                                                                          local_lm, tmp_path, caplog, swarm_peer):
     deep = deep_adapter_for(local_lm, length=4, seed=5)
     path = deep.save(tmp_path / "deep")
     for options in ({}, {"cache": "dual", "cache_refresh": 2}, {"remasking": "random", "parallel_window": 2}):
         local = local_lm.generate("adapt", adapter=str(path), **GENERATION, **options)
         swarm = remote_lm.generate("adapt", adapter=str(path), **GENERATION, **options)
         assert swarm.token_ids == local.token_ids, options
-    pushing = client(local_swarm, tiny_model_path, push=True)
+    pushing = client(local_swarm, tiny_model_path, push=True, dht=swarm_peer)
     try:
         with caplog.at_level("INFO", logger="swarm.client.sequence"):
             pushed = pushing.generate("adapt", adapter=str(path), **GENERATION)

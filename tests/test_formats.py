@@ -420,7 +420,7 @@ def test_int8_span_stays_close_to_full_precision(llada_path):
     assert agreement >= 0.9, agreement
 
 
-def test_published_layouts_run_through_the_swarm(bf16_path, local_swarm):
+def test_published_layouts_run_through_the_swarm(bf16_path, local_swarm, swarm_peer):
     """`python -m swarm.server --model PATH --blocks 0:2` and the client work with a published directory, with
     default settings everywhere: the checkpoint's bfloat16 locally, on the client, on the servers and on the wire
     gives the local model's tokens."""
@@ -439,7 +439,7 @@ def test_published_layouts_run_through_the_swarm(bf16_path, local_swarm):
         # The control: float32 gives other tokens here, so equal tokens below mean one dtype everywhere.
         float32 = swarm.DiffusionLM.from_pretrained(bf16_path, dtype="float32").generate("the cat sat", **settings)
         assert float32.token_ids != expected.token_ids
-        with DistributedDiffusionLM.from_pretrained(bf16_path, initial_peers=local_swarm.initial_peers) as lm:
+        with DistributedDiffusionLM.from_pretrained(bf16_path, dht=swarm_peer) as lm:
             assert len(lm.show_route()) == 2
             assert lm.embedding.embed.weight.dtype == torch.bfloat16
             assert all(record.numerics == "exact" for record in lm.planner.servers.values())

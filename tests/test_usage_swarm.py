@@ -9,9 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,8 +20,8 @@ from swarm.health.render import render_text
 from swarm.wire.messages import ForwardRequest, RemoteError
 from swarm.wire.work import mint
 from tests.conftest import make_checkpoint, stop_all, swarm_client, tiny_config
+from tests.test_health import peers_args, run_health
 
-ROOT = Path(__file__).resolve().parents[1]
 FAST = dict(gen_length=16, steps=4, block_length=8, temperature=0.0, seed=0)
 ALONE, BESIDE = 10, 5  # the heavy caller's calls alone (then 100% of the server's work: far over a 0.5 share), and
 # beside the stranger's
@@ -83,12 +80,11 @@ def test_a_strangers_tiny_calls_never_get_a_heavy_user_refused_on_an_idle_server
             light.loop.run(light.caller.forward(server.peer_id, bad, 30))
         stamps = light.loop.run(light.caller.info(server.peer_id, 10))[0]["work_stamps"]
         assert stamps["refused"] == {"spent": 1}, stamps
-        # swarm.health --usage shows the same counts, in JSON (the command) and as text (its renderer, on the map
-        # the command reads: a second run of the command is a second DHT peer and daemon, ~2.5 CPU s)
-        peers = [arg for peer in local_swarm.initial_peers for arg in ("--initial-peers", peer)]
-        health = [sys.executable, "-m", "swarm.health", "--model", str(path), "--usage", *peers]
-        done = subprocess.run([*health, "--json"], capture_output=True, text=True, timeout=120, cwd=ROOT)
-        assert done.returncode == 0, done.stderr[-2000:]
+        # swarm.health --usage shows the same counts, in JSON (the command, in this process: a process of its own
+        # imported torch and hivemind first, ~2.3 CPU s more) and as text (its renderer, on the map the command reads:
+        # a second run of the command is a second DHT peer and daemon)
+        done = run_health("--model", str(path), "--usage", *peers_args(local_swarm), "--json")
+        assert done.exit_code == 0, done.output[-2000:]
         shown = {entry["peer_id"]: entry["usage"] for entry in json.loads(done.stdout)["servers"]}[server.peer_id]
         assert {entry["peer_id"] for entry in shown["callers"]} == {heavy_id, light_id}
         assert shown["total"]["tokens"] >= usage["total"]["tokens"] and shown["refused"] == 0

@@ -11,8 +11,8 @@ import time
 
 import pytest
 
+from swarm.client import DistributedDiffusionLM
 from swarm.testing.delay_proxy import Crossing, CrossingLog, DelayedLinks, DelayedSwarm
-from tests.conftest import swarm_client
 
 DELAY = 0.05
 SETTINGS = dict(gen_length=16, steps=8, block_length=16, temperature=0.0, draft_steps=0)
@@ -39,6 +39,18 @@ def wan_swarm(links, tiny_model_path):
         yield swarm
 
 
+@pytest.fixture(scope="module")
+def wan_peer(wan_swarm):
+    """The clients' DHT peer, behind no proxy (so the log tells the client's process from the servers'), shared by
+    the file's clients: a client's own DHT is a DHT process and a libp2p daemon, ~0.6 CPU s, and no test here is
+    about the caller's identity."""
+    from swarm.dht.node import NetworkConfig, start_dht, stop_dht
+
+    dht = start_dht(NetworkConfig(initial_peers=wan_swarm.initial_peers, client_mode=True))
+    yield dht
+    stop_dht(dht)
+
+
 def step_chains(lm, links: DelayedLinks, **settings) -> tuple[list[int], int, int]:
     """Each step's crossings waited for one after the other, the whole generation's, and the connections opened
     during it. A step's window is read when the stream yields it, so a call sent before that yield (the stream
@@ -53,8 +65,8 @@ def step_chains(lm, links: DelayedLinks, **settings) -> tuple[list[int], int, in
 
 
 @pytest.mark.parametrize("push, crossings", [(True, 3), (False, 4)])
-def test_a_synchronous_step_crosses_only_what_its_route_needs(wan_swarm, links, tiny_model_path, push, crossings):
-    with swarm_client(wan_swarm, tiny_model_path, push=push, spot_check_fraction=0) as lm:
+def test_a_synchronous_step_crosses_only_what_its_route_needs(wan_peer, links, tiny_model_path, push, crossings):
+    with DistributedDiffusionLM.from_pretrained(tiny_model_path, dht=wan_peer, push=push, spot_check_fraction=0) as lm:
         lm.generate(PROMPT, **SETTINGS)  # connections, challenges and the route, once
         chains, whole, opened = step_chains(lm, links)
         assert opened == 0, "a step opened a connection: it pays a handshake at every step"
@@ -66,10 +78,11 @@ def test_a_synchronous_step_crosses_only_what_its_route_needs(wan_swarm, links, 
             assert lm.sequence.receiver.stats.delivered >= SETTINGS["steps"]
 
 
-def test_every_mode_finishes_at_three_times_the_delay_with_no_server_avoided(wan_swarm, links, tiny_model_path):
+def test_every_mode_finishes_at_three_times_the_delay_with_no_server_avoided(wan_peer, links, tiny_model_path):
     links.delay = 3 * DELAY
     try:
-        with swarm_client(wan_swarm, tiny_model_path, push=True, spot_check_fraction=0) as lm:
+        with DistributedDiffusionLM.from_pretrained(tiny_model_path, dht=wan_peer, push=True,
+                                                    spot_check_fraction=0) as lm:
             reference = lm.generate(PROMPT, **SETTINGS)
             for mode in ({"cache": "dual"}, {"staleness": 3, "cache": "dual"}, {"staleness": 2}):
                 result = lm.generate(PROMPT, **SETTINGS, **mode)

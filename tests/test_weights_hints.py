@@ -37,8 +37,10 @@ def others(tiny_model_path):
         host.stop()
 
 
-@pytest.fixture()
+@pytest.fixture(scope="module")
 def client():
+    """The fetchers' libp2p peer, one for the file (a daemon is ~0.4 CPU s to start): each test's fetcher keeps its
+    own book of the hosts."""
     loop = BackgroundLoop.shared()
     p2p = loop.run(P2P.create(host_maddrs=list(NetworkConfig().host_maddrs)), timeout=60)
     yield p2p

@@ -189,6 +189,11 @@ def wide_servers(local_swarm, wide_checkpoint):
     stop_all(local_swarm, servers)  # a prefix no other test reads
 
 
+# Timeouts for a loaded 2-core machine, as realscale's: the server's compute challenge (up to 192 rows through
+# 8B-width blocks on one thread) outlasted the default 5 s there (load 35-44), and the client then had no route
+LOADED_MACHINE_TIMEOUTS = {"connect_timeout": 60, "request_timeout": 120}
+
+
 @pytest.mark.swarm
 def test_swarm_at_default_settings_gives_the_local_tokens(wide_servers, wide_checkpoint, wide_model,
                                                           sequential_tokens):
@@ -203,7 +208,7 @@ def test_swarm_at_default_settings_gives_the_local_tokens(wide_servers, wide_che
     expected = sequential_tokens("w1 w2 w3 w4", **settings)  # the batching modes' reference, when they ran
     expected_cached = wide_model.generate("w1 w2 w3 w4", **cached).token_ids
     with DistributedDiffusionLM.from_pretrained(wide_checkpoint, initial_peers=wide_servers.initial_peers,
-                                                dht_prefix=WIDE_PREFIX) as lm:
+                                                dht_prefix=WIDE_PREFIX, **LOADED_MACHINE_TIMEOUTS) as lm:
         result = lm.generate("w1 w2 w3 w4", **settings)
         assert result.token_ids == expected, result.info.get("settings")
         # the server's start-up check of its 8B-width block and head held, so the scale batched drafted states
@@ -236,9 +241,7 @@ def test_client_stays_under_half_a_gigabyte_in_every_mode_at_8b_widths(wide_serv
     # one block of 4 in two steps: every mode's path (a fill and a reuse, a stale step, a draft) and hops drawn for
     # checks in each, with a quarter of the 8B-width passes of 8 steps
     generation = dict(gen_length=4, steps=2, block_length=4, seed=0, temperature=0.0)
-    # Timeouts for a loaded 2-core machine, as realscale's: the server's challenge (up to 192 rows through 8B-width
-    # blocks on one thread) outlasted the default 5 s there, and the client then had no route
-    overrides = {"spot_check_fraction": 1.0, "connect_timeout": 60, "request_timeout": 120}
+    overrides = {"spot_check_fraction": 1.0, **LOADED_MACHINE_TIMEOUTS}
     runs = client_run(str(wide_checkpoint), wide_servers.initial_peers, WIDE_PREFIX, list(MODES), overrides,
                       generation)
     for run in runs:

@@ -3,17 +3,17 @@ the wire in the compute dtype, and the device checks. The real-width figures com
 ``python -m swarm.benchmark realscale``, not from these tests."""
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import torch
+from click.testing import CliRunner
 
 import swarm
 from swarm.client import DistributedDiffusionLM
 from swarm.client.routing import MissingBlocksError
 from swarm.diffusion.remasking import STRATEGIES
 from swarm.models.loading import ModelFiles, resolve_device
+from swarm.server.__main__ import main as server_main
+from swarm.utils.errors import EXIT_USAGE
 from swarm.wire.encoding import decode_tensor, encode_tensor
 from tests.test_formats import dream_path, llada_path  # noqa: F401  (module fixtures: small bfloat16 checkpoints)
 
@@ -101,9 +101,10 @@ def test_cuda_device_without_cuda_is_a_clear_error(tiny_model_path):
     with pytest.raises(ValueError, match="CUDA is not available"):
         swarm.DiffusionLM.from_pretrained(tiny_model_path, device="cuda")
     assert resolve_device("cpu") == torch.device("cpu")
-    done = subprocess.run([sys.executable, "-m", "swarm.server", "--model", str(tiny_model_path), "--blocks", "0:1",
-                           "--device", "cuda"], capture_output=True, text=True, timeout=120)
-    assert done.returncode != 0 and "CUDA is not available" in done.stderr, done.stderr[-2000:]
+    # the server command, in this process as tests/test_cli.py runs commands (a `python -m swarm.server` spent 2 CPU s
+    # importing torch to print this line): it refuses the device before it opens any socket or reads any weight
+    done = CliRunner().invoke(server_main, ["--model", str(tiny_model_path), "--blocks", "0:1", "--device", "cuda"])
+    assert done.exit_code == EXIT_USAGE and "CUDA is not available" in done.stderr, done.output[-2000:]
 
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

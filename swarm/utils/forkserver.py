@@ -35,7 +35,7 @@ import socket
 import subprocess
 import sys
 import threading
-from typing import IO, Any, Optional, Sequence
+from typing import IO, Any, Mapping, Optional, Sequence
 
 from swarm.utils.collector import freeze_loaded
 
@@ -105,14 +105,17 @@ class ForkServer:
         self._start_lock = threading.Lock()
         threading.Thread(target=self._read, name="fork-server-reader", daemon=True).start()
 
-    def start(self, args: Sequence[str]) -> ForkedProcess:
-        """Fork a child running ``python *args`` (see :func:`forkable`); its output is the returned ``stdout``."""
+    def start(self, args: Sequence[str], env: Optional[Mapping[str, str]] = None) -> ForkedProcess:
+        """Fork a child running ``python *args`` (see :func:`forkable`); its output is the returned ``stdout``.
+
+        ``env``: variables set in the child's environment before the command runs, over the fork server's (what the
+        command reads; the preloaded modules read theirs at import, from the fork server's environment)."""
         if not forkable(args):
             raise ValueError(f"a fork server runs `-m MODULE ...` or `SCRIPT ...`, not {list(args)}")
         if not self.ready.wait(self.startup_timeout) or self.closed:
             raise RuntimeError(f"the fork server did not start (exit code {self.process.poll()})")
         read_end, write_end = os.pipe()
-        request = json.dumps({"args": list(args), "cwd": os.getcwd()}).encode()
+        request = json.dumps({"args": list(args), "cwd": os.getcwd(), "env": dict(env or {})}).encode()
         try:
             with self._start_lock:
                 socket.send_fds(self.channel, [request], [write_end])
@@ -200,7 +203,8 @@ def serve(channel: socket.socket) -> Optional[dict[str, Any]]:
             for fd in fds:
                 os.close(fd)
             channel.send(json.dumps({"error": "a start request carries a command line (`-m MODULE ...` or "
-                                              "`SCRIPT ...`), a working directory and one output descriptor"}).encode())
+                                              "`SCRIPT ...`), a working directory, variables of the environment "
+                                              "(optional) and one output descriptor"}).encode())
             continue
         sys.stdout.flush(), sys.stderr.flush()
         pid = os.fork()
@@ -214,11 +218,15 @@ def serve(channel: socket.socket) -> Optional[dict[str, Any]]:
 
 
 def _well_formed(request: Any) -> bool:
-    """``{"args": [str, ...], "cwd": str}`` with args a form :func:`forkable` accepts."""
+    """``{"args": [str, ...], "cwd": str, "env": {str: str}}`` (``env`` optional) with args a form :func:`forkable`
+    accepts; no variable's name or value holds a NUL (``os.environ`` refuses one)."""
     if not isinstance(request, dict) or not isinstance(request.get("cwd"), str):
         return False
-    args = request.get("args")
-    return isinstance(args, list) and all(isinstance(arg, str) for arg in args) and forkable(args)
+    args, env = request.get("args"), request.get("env", {})
+    return (isinstance(args, list) and all(isinstance(arg, str) for arg in args) and forkable(args)
+            and isinstance(env, dict) and all(isinstance(name, str) and isinstance(value, str) and name
+                                              and "=" not in name and "\0" not in name + value
+                                              for name, value in env.items()))
 
 
 def _report_exits(channel: socket.socket, children: set[int]) -> bool:
@@ -265,6 +273,7 @@ def _fresh_module_state() -> None:
 
 def run_request(request: dict[str, Any]) -> None:
     """Run ``python *args`` in this (forked) process, as the interpreter runs ``-m`` and scripts."""
+    os.environ.update(request.get("env", {}))
     args = request["args"]
     if args[0] == "-m":
         sys.argv = [args[1], *args[2:]]  # runpy puts the module's file in argv[0]

@@ -433,6 +433,13 @@ def wait_all(swarm, servers) -> None:
             swarm.wait_ready(server)
 
 
+def later_users(request, fixture: str) -> list:
+    """The tests of ``request``'s module that run after it and use ``fixture``: a test that stopped a module's shared
+    server starts it again only for them (whatever the order: a shuffled run puts any test after it)."""
+    later = request.session.items[request.session.items.index(request.node) + 1:]
+    return [item for item in later if getattr(item, "module", None) is request.module and fixture in item.fixturenames]
+
+
 def stop_all(swarm, servers) -> None:
     """SIGKILL each server and its daemons at once. For servers of a model (a DHT prefix) that no later test reads:
     a graceful stop takes 1-3 s apiece to announce OFFLINE, which nobody would read (the shared swarm's model

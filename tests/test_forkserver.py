@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 import psutil
 import pytest
@@ -39,10 +40,10 @@ def forks():
     server.close()
 
 
-def report(tmp_path: Path, forks: ForkServer, code: int) -> dict:
+def report(tmp_path: Path, forks: ForkServer, code: int, env: Optional[dict[str, str]] = None) -> dict:
     script = tmp_path / "report.py"
     script.write_text(REPORT)
-    child = forks.start([str(script), str(code)])
+    child = forks.start([str(script), str(code)], env=env)
     assert child.wait(30) == code
     return json.loads(child.stdout.read())
 
@@ -63,6 +64,9 @@ def test_a_forked_script_sees_what_an_execd_one_sees(forks, tmp_path, monkeypatc
     assert forked["frozen"] > 1000 and execd["frozen"] == 0, (forked["frozen"], execd["frozen"])
     other = report(tmp_path, forks, 0)
     assert other["random"] != forked["random"] and other["numpy"] != forked["numpy"], "siblings share a generator"
+    # a start's own variables over the fork server's environment, as Popen(env=...) gives an exec'd command; only its
+    assert report(tmp_path, forks, 0, env={"X": "its own"})["env"] == "its own"
+    assert report(tmp_path, forks, 0)["env"] == "from the environment"
 
 
 def test_a_forked_module_gets_its_arguments_exit_codes_and_output(forks):
@@ -132,8 +136,8 @@ def test_commands_it_cannot_fork_and_malformed_requests_are_refused(forks):
     for malformed in (b"[1, 2]", b"{not json", json.dumps({"args": ["-c", "1"], "cwd": "/"}).encode(),
                       json.dumps({"args": [3], "cwd": "/"}).encode(), json.dumps({"args": ["x.py"]}).encode(),
                       json.dumps({"args": ["x.py"], "cwd": "/", "netns": 1}).encode(),
-                      json.dumps({"args": ["x.py"], "cwd": "/", "env": {"A=B": "c"}}).encode(),
-                      json.dumps({"args": ["x.py"], "cwd": "/", "env": {"A": 1}}).encode()):
+                      *(json.dumps({"args": ["x.py"], "cwd": "/", "env": env}).encode()
+                        for env in (["X"], {"X": 1}, {"": "1"}, {"A=B": "1"}, {"X": "a\0b"}))):
         socket.send_fds(forks.channel, [malformed], [write_end])
         assert "a start request carries" in forks.replies.get(timeout=10)["error"]
     os.close(read_end), os.close(write_end)

@@ -5,6 +5,7 @@ needs logits (the activation cache's reuses, experts, correctors, staleness) fal
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
@@ -26,7 +27,15 @@ from swarm.diffusion.prediction import (
 )
 from swarm.diffusion.remasking import STRATEGIES
 from swarm.models.loading import ModelFiles
-from tests.conftest import known_server, make_checkpoint, stop_all, tiny_config, wait_all, wait_seen
+from tests.conftest import (
+    known_server,
+    later_users,
+    make_checkpoint,
+    stop_all,
+    tiny_config,
+    wait_all,
+    wait_seen,
+)
 from tests.test_bottleneck import bottleneck_for
 from tests.test_deep_prompt import deep_adapter_for
 from tests.test_finetune import adapter_for
@@ -144,12 +153,19 @@ def test_one_wrong_token_fails_a_spot_check():
 
 # ----- through a swarm ----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def head_swarm(local_swarm, tiny_model_path, swarm_peer):
-    """Servers 0:2 and 2:4 (with the head) of the tiny model under a prefix of their own, and a client."""
+def alpha_expert(tmp_path_factory) -> Path:
+    """A tiny expert checkpoint (2 layers, the tiny model's tokenizer), hosted by ``head_swarm``'s first server."""
+    return make_checkpoint(tmp_path_factory.mktemp("alpha"), tiny_config(num_layers=2), seed=7)
+
+
+@pytest.fixture(scope="module")
+def head_swarm(local_swarm, tiny_model_path, swarm_peer, alpha_expert):
+    """Servers 0:2 (hosting the expert ``alpha`` too: a server of its own would be a process and a daemon more) and
+    2:4 (with the head) of the tiny model under a prefix of their own, and a client."""
     prefix = "head-test"
     servers = [local_swarm.start_server(str(tiny_model_path), span, "--dht-prefix", prefix, "--compute-threads",
                                         "1", *extra, name=f"head-{span}", wait=False)
-               for span, extra in (("0:2", ()), ("2:4", ("--head",)))]
+               for span, extra in (("0:2", ("--expert", f"alpha={alpha_expert}")), ("2:4", ("--head",)))]
     for server in servers:
         local_swarm.wait_ready(server)
     # Checks off: where the head runs is tested here, and a checked head hop loads the client's head (no second head
@@ -215,30 +231,24 @@ EXPERT_SETTINGS = {"greedy": {}, "guidance": dict(temperature=0.7, cfg_scale=1.0
                    "corrector": dict(corrector_steps=1, temperature=0.7)}
 
 
-def test_experts_compose_on_the_head_servers_cut_without_the_clients_head(local_swarm, head_swarm, tiny_model_path,
-                                                                          local_lm, tmp_path, swarm_peer):
+def test_experts_compose_on_the_head_servers_cut_without_the_clients_head(head_swarm, tiny_model_path, local_lm,
+                                                                          alpha_expert, swarm_peer):
     """With experts at ``expert_top_k`` > 0 the head server answers each block cut to its top k after guidance and
     the client composes the experts' top k with it: the local tokens (the local sampler cuts its own logits the
     same way), and the client never loads its head. With the whole vocabulary the client scores hidden states."""
-    alpha = make_checkpoint(tmp_path / "alpha", tiny_config(num_layers=2), seed=7)
-    expert = local_swarm.start_server(str(tiny_model_path), None, "--dht-prefix", "head-test", "--expert",
-                                      f"alpha={alpha}", "--compute-threads", "1", name="head-test-expert")
-    try:
-        with DistributedDiffusionLM.from_pretrained(tiny_model_path, dht=swarm_peer,
-                                                    dht_prefix="head-test", request_timeout=20,
-                                                    spot_check_fraction=0) as fresh:  # a checked head hop loads it
-            for name, settings in EXPERT_SETTINGS.items():
-                kwargs = dict(SHORT, expert_tau=3.0, expert_top_k=16, **settings)
-                remote = fresh.generate(PROMPT, experts={"alpha": 0.7}, **kwargs)
-                local = local_lm.generate(PROMPT, experts={str(alpha): 0.7}, **kwargs)
-                assert remote.token_ids == local.token_ids, name
-            assert fresh._head is None, "the client loaded its head although the head server cut the blocks"
-            whole = dict(SHORT, expert_tau=3.0, expert_top_k=0)
-            result = fresh.generate(PROMPT, experts={"alpha": 0.7}, **whole)
-            assert result.token_ids == local_lm.generate(PROMPT, experts={str(alpha): 0.7}, **whole).token_ids
-            assert fresh._head is not None and result.info["head"]["client_reasons"] == [WHOLE_LOGITS]
-    finally:
-        local_swarm.terminate(expert)
+    with DistributedDiffusionLM.from_pretrained(tiny_model_path, dht=swarm_peer,
+                                                dht_prefix="head-test", request_timeout=20,
+                                                spot_check_fraction=0) as fresh:  # a checked head hop loads it
+        for name, settings in EXPERT_SETTINGS.items():
+            kwargs = dict(SHORT, expert_tau=3.0, expert_top_k=16, **settings)
+            remote = fresh.generate(PROMPT, experts={"alpha": 0.7}, **kwargs)
+            local = local_lm.generate(PROMPT, experts={str(alpha_expert): 0.7}, **kwargs)
+            assert remote.token_ids == local.token_ids, name
+        assert fresh._head is None, "the client loaded its head although the head server cut the blocks"
+        whole = dict(SHORT, expert_tau=3.0, expert_top_k=0)
+        result = fresh.generate(PROMPT, experts={"alpha": 0.7}, **whole)
+        assert result.token_ids == local_lm.generate(PROMPT, experts={str(alpha_expert): 0.7}, **whole).token_ids
+        assert fresh._head is not None and result.info["head"]["client_reasons"] == [WHOLE_LOGITS]
 
 
 def test_a_client_that_keeps_the_head_gets_the_same_tokens(local_swarm, head_swarm, tiny_model_path, local_lm,
@@ -273,31 +283,34 @@ def test_head_requests_are_checked_by_the_server(head_swarm, remote_lm):
     assert passed_on.shape == hidden.shape
 
 
-def test_losing_the_head_server_mid_run_keeps_the_tokens(local_swarm, tiny_model_path, local_lm, swarm_peer):
+def test_losing_the_head_server_mid_run_keeps_the_tokens(request, local_swarm, head_swarm, tiny_model_path, local_lm,
+                                                         swarm_peer):
     """The head server dies mid-generation: the step goes on over a replica without the head, whose hidden states
-    the client now scores itself (loading its head then); the tokens do not change. Its own servers and prefix: the
-    kill would otherwise take the module's head server from every test that runs after it (a shuffled run found it)."""
-    prefix = "head-loss"
-    servers = [local_swarm.start_server(str(tiny_model_path), span, "--dht-prefix", prefix, "--compute-threads", "1",
-                                        *extra, name=f"head-loss-{span}{'-head' if extra else ''}", wait=False)
-               for span, extra in (("0:2", ()), ("2:4", ("--head",)), ("2:4", ()))]
-    for server in servers:
-        local_swarm.wait_ready(server)
+    the client now scores itself (loading its head then); the tokens do not change. On the module's servers and a
+    replica of 2:4 started for it (three servers of their own cost three boots); the head server starts again
+    afterwards if a later test of the module uses it (a shuffled run found a kill that took it from every one)."""
+    lm, servers = head_swarm
+    head_server = next(server for server in servers if server.span == (2, 4))
+    replica = local_swarm.start_server(str(tiny_model_path), "2:4", "--dht-prefix", "head-test", "--compute-threads",
+                                       "1", name="head-test-2:4-replica")
     settings = dict(SHORT, temperature=0.7)
     try:
         with DistributedDiffusionLM.from_pretrained(tiny_model_path, dht=swarm_peer,
-                                                    dht_prefix=prefix, request_timeout=20,
+                                                    dht_prefix="head-test", request_timeout=20,
                                                     spot_check_fraction=0) as fresh:  # a checked head hop loads it
-            wait_seen(fresh, servers)
+            wait_seen(fresh, [*servers, replica])
             chunks = fresh.generate_stream(PROMPT, **settings)
             next(chunks)
-            assert fresh._head is None
-            local_swarm.terminate(servers[1])
+            assert fresh._head is None and fresh.show_route()[-1].peer_id == head_server.peer_id
+            local_swarm.terminate(head_server)
             result = [chunk for chunk in chunks][-1].result
             assert result.token_ids == local_lm.generate(PROMPT, **settings).token_ids
             assert fresh._head is not None and result.info["failovers"]
     finally:
-        stop_all(local_swarm, [server for server in servers if server.alive])  # their own prefix
+        local_swarm.terminate(replica)  # announced as leaving: the module's client never routes to it
+        if not head_server.alive and later_users(request, "head_swarm"):
+            servers[servers.index(head_server)] = local_swarm.restart(head_server)
+            wait_seen(lm, servers)
 
 
 @pytest.fixture(scope="module")
@@ -336,8 +349,6 @@ def test_a_lying_head_server_is_caught_by_spot_checks(local_swarm, tiny_model_pa
     """A head server that answers well-formed predictions with wrong tokens (announcing itself by far the fastest,
     so it is routed to whatever the round trips measured on a busy machine) is outvoted by two honest head
     servers, distrusted, and the tokens stay the local model's."""
-    from pathlib import Path
-
     prefix = "head-liar"
     common = ("--dht-prefix", prefix, "--compute-threads", "1", "--head")
     honest = [local_swarm.start_server(str(tiny_model_path), "0:4", *common, "--throughput", "1",

@@ -38,6 +38,7 @@ class ManagedProcess:
     maddrs: list[str] = field(default_factory=list)
     span: Optional[tuple[int, int]] = None
     args: list[str] = field(default_factory=list)  # what followed ``python`` (for :meth:`LocalSwarm.restart`)
+    env: dict[str, str] = field(default_factory=dict)  # its own variables over the swarm's environment (the same)
     lines: "queue.Queue[str]" = field(default_factory=queue.Queue)
     log: list[str] = field(default_factory=list)
 
@@ -51,7 +52,8 @@ class LocalSwarm:
 
     ``fork_server``: start ``-m MODULE`` and script processes by forking a process that preloaded torch and hivemind
     (see ``swarm.utils.forkserver``) instead of exec'ing ``python`` for each; what they run is the same. ``preload``:
-    the modules it imports (more where several children import the same heavy module).
+    the modules it imports first, for callers whose processes all import more (say ``torch._dynamo``, which every
+    torch optimizer imports when it is made: 1.2 CPU s a process).
     """
 
     def __init__(
@@ -97,23 +99,26 @@ class LocalSwarm:
             args += ["--initial-peers", peer]
         return self._start(name or f"server-{blocks}", args + list(extra), wait)
 
-    def start_command(self, name: str, args: Sequence[str], log: Optional[Path] = None) -> ManagedProcess:
+    def start_command(self, name: str, args: Sequence[str], log: Optional[Path] = None,
+                      env: Optional[dict[str, str]] = None) -> ManagedProcess:
         """Start ``python *args`` (say ``["-m", "swarm.improve", ...]``), forked where this swarm has a fork server,
-        without waiting for a READY line; with ``log`` its output also goes to that file as it comes."""
-        return self._start(name, args, wait=False, log=log)
+        without waiting for a READY line; with ``log`` its output also goes to that file as it comes. ``env``: its
+        own variables over this swarm's environment (``SWARM_GOVERNANCE_KEYS``, say)."""
+        return self._start(name, args, wait=False, log=log, env=env)
 
-    def _start(self, name: str, args: Sequence[str], wait: bool = True, log: Optional[Path] = None) -> ManagedProcess:
+    def _start(self, name: str, args: Sequence[str], wait: bool = True, log: Optional[Path] = None,
+               env: Optional[dict[str, str]] = None) -> ManagedProcess:
         command = [self.python, *args]
         if self.fork_server and forkable(args):
             if self._forks is None:
                 self._forks = self._new_fork_server()
             logger.info("starting %s (forked): %s", name, " ".join(command))
-            process = self._fork(args)
+            process = self._fork(args, env)
         else:
             logger.info("starting %s: %s", name, " ".join(command))
             process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                       env=self.env, start_new_session=True)
-        managed = ManagedProcess(name, process, args=list(args))
+                                       env=dict(self.env, **(env or {})), start_new_session=True)
+        managed = ManagedProcess(name, process, args=list(args), env=dict(env or {}))
         self.processes.append(managed)
         copy = open(log, "w") if log is not None else None  # noqa: SIM115 (the pump closes it at the output's end)
         threading.Thread(target=self._pump, args=(managed, copy), daemon=True).start()
@@ -142,8 +147,10 @@ class LocalSwarm:
         finally:
             timer.cancel()
 
-    def _fork(self, args: Sequence[str]) -> ForkedProcess:
-        return self._forks.start(args, env=self.env)  # as it is now: a test may have set a variable since
+    def _fork(self, args: Sequence[str], env: Optional[dict[str, str]] = None) -> ForkedProcess:
+        """Fork ``args`` with this swarm's environment as it is now (a test may have set a variable since its fork
+        server started) and ``env``, the process's own variables, over it."""
+        return self._forks.start(args, env=dict(self.env, **(env or {})))
 
     def restart(self, managed: ManagedProcess) -> ManagedProcess:
         """Start ``managed``'s command again (stopping it first if it still runs) and wait for its READY line; it
@@ -151,7 +158,7 @@ class LocalSwarm:
         test that stopped a shared server can put the swarm back as later tests expect it."""
         if managed.alive:
             self.terminate(managed)
-        restarted = self._start(managed.name, managed.args, wait=False)
+        restarted = self._start(managed.name, managed.args, wait=False, env=managed.env)
         self.processes.remove(managed)
         if managed is self.bootstrap:
             self.bootstrap = restarted

@@ -71,19 +71,27 @@ def client_access(lm: Any) -> SwarmAccess:
 
 
 def own_access(network: NetworkConfig, prefix: str, num_blocks: int, auditors: Iterable[str] = (),
-               coordinators: Iterable[str] = ()) -> SwarmAccess:
+               coordinators: Iterable[str] = (), dht: Optional[DHT] = None) -> SwarmAccess:
     """Start a DHT peer for the page alone; governance keys come from ``$SWARM_GOVERNANCE_KEYS``, the trusted
-    auditors and stream coordinators (base64 keys, ``swarm.reports.records.trusted_auditors``) from the caller."""
+    auditors and stream coordinators (base64 keys, ``swarm.reports.records.trusted_auditors``) from the caller.
+    ``dht``: a peer the caller already runs instead (its keys' protection is the caller's; closing leaves it and its
+    connection to the daemon up)."""
     auditors, coordinators = tuple(auditors), tuple(coordinators)
-    dht = start_dht(network, protect=protected_keys(prefix, num_blocks, auditors=auditors, coordinators=coordinators))
+    own = dht is None
+    if own:
+        dht = start_dht(network, protect=protected_keys(prefix, num_blocks, auditors=auditors,
+                                                        coordinators=coordinators))
     loop = BackgroundLoop.shared()
     try:
         p2p = loop.run(dht.replicate_p2p())
     except BaseException:
-        stop_dht(dht)
+        if own:
+            stop_dht(dht)
         raise
 
     def close() -> None:
+        if not own:
+            return  # the caller's peer, and its connection to the daemon (replicate_p2p gives each caller the same)
         try:
             loop.run(p2p.shutdown(), timeout=5)
         finally:

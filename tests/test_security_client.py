@@ -83,25 +83,15 @@ def test_client_settings_that_would_break_every_call_are_refused(field, value):
         config.validate()
 
 
-# A route's cost is its measured round trip plus tokens over the announced throughput: an honest server that must lose
-# the route to a fake announced at 1e9 announces 10 tokens/s, so that a loaded machine's slower ping to the fake (its
-# challenge answered late) cannot outweigh the compute it saves (with the server's own figure, thousands, it did:
-# the route went to the honest server in loaded runs, although the client had seen the fake).
-SLOWER = ("--throughput", "10")
-
-
 # ----- tarpits -----------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def tarpitted(local_swarm, tmp_path_factory):
-    """A model, one honest server of it for the tarpit tests, booting while the first test starts its fakes
-    (each test's fakes are killed at its end; their records stay, as a crashed tarpit's would), and the tokens
-    the local model gives (the same prompt and settings in each test)."""
-    path = make_checkpoint(tmp_path_factory.mktemp("tarpitted"), tiny_config(), seed=11)
-    honest = local_swarm.start_server(str(path), "0:4", "--compute-threads", "1", *SLOWER, *RARE_ANNOUNCEMENTS,
-                                      wait=False)
-    expected = DiffusionLM.from_pretrained(path).generate("tarpit", **SETTINGS)
-    yield path, honest, expected
-    stop_all(local_swarm, [honest])
+def tarpitted(local_swarm, liar_models, liar_local):
+    """The liars' model (below) and its slowest honest server for the tarpit tests, booting while the first test
+    starts its fakes, and the tokens the local model gives (the same prompt and settings in each test). Each test's
+    fakes join that model and are killed at its end (their records stay, as a crashed tarpit's would); its client
+    routes only through the honest server and its own fakes, as on a model of their own."""
+    path, servers = liar_models
+    return path, servers["honest_slow"], liar_local.generate("tarpit", **SETTINGS)
 
 
 def test_four_tarpits_cost_one_short_challenge_not_minutes(local_swarm, tarpitted, swarm_peer):
@@ -111,7 +101,8 @@ def test_four_tarpits_cost_one_short_challenge_not_minutes(local_swarm, tarpitte
     fakes = start_all(local_swarm, tarpit_model, [("0:4", ("--throughput", "1e9", *RARE_ANNOUNCEMENTS), TARPIT)] * 4)
     wait_all(local_swarm, [honest])
     try:
-        with swarm_client(local_swarm, tarpit_model, dht=swarm_peer, request_timeout=30.0, connect_timeout=3.0) as lm:
+        with attack_client(local_swarm, tarpit_model, [honest, *fakes], swarm_peer, request_timeout=30.0,
+                           connect_timeout=3.0) as lm:
             started = time.monotonic()
             result = lm.generate("tarpit", **SETTINGS)
             elapsed = time.monotonic() - started
@@ -134,7 +125,7 @@ def test_a_fake_that_answers_only_short_calls_fails_the_challenge(local_swarm, t
                       [("0:4", ("--throughput", "1e9", "--public-name", "tarpit-large", *RARE_ANNOUNCEMENTS), TARPIT)])
     wait_all(local_swarm, [honest])
     try:
-        with swarm_client(local_swarm, tarpit_model, dht=swarm_peer, connect_timeout=3.0) as lm:
+        with attack_client(local_swarm, tarpit_model, [honest, fake], swarm_peer, connect_timeout=3.0) as lm:
             assert fake.peer_id not in {hop.peer_id for hop in lm.show_route()}
             assert fake.peer_id in lm.sequence.health.excluded(), "failed its challenge"
             result = lm.generate("tarpit", **SETTINGS)
@@ -153,7 +144,8 @@ def test_a_tarpit_that_passes_the_challenge_costs_one_adaptive_timeout(local_swa
                       [("0:4", ("--throughput", "1e9", "--public-name", "faulty-stall", *RARE_ANNOUNCEMENTS), FAULTY)])
     wait_all(local_swarm, [honest])
     try:
-        with swarm_client(local_swarm, tarpit_model, dht=swarm_peer, request_timeout=30.0, timeout_floor=2.0) as lm:
+        with attack_client(local_swarm, tarpit_model, [honest, fake], swarm_peer, request_timeout=30.0,
+                           timeout_floor=2.0) as lm:
             wait_seen(lm, [fake])  # a loaded machine's DHT read can miss it, and the route then goes without it
             assert lm.show_route()[0].peer_id == fake.peer_id, "the fake passes the challenge and looks fastest"
             rows = len(lm.encode_prompt("tarpit")) + SETTINGS["gen_length"]
@@ -226,7 +218,10 @@ def test_a_server_restarted_elsewhere_with_its_identity_is_reached_at_once(local
 # model per attack took eleven: a server is its libp2p daemon and two processes). Each test's clients route only
 # through the servers its attack names (``only_peers``, applied at once: the route shown and the checkers asked are
 # those alone), so each sees exactly the holders it would see on a model of its own. Announced throughputs order
-# each test's route; every figure is at least 10 times the next, so a loaded machine's ping cannot reorder them.
+# each test's route (a route's cost is its measured round trip plus tokens over the announced throughput); every figure
+# is at least 10 times the next, so that a loaded machine's slower ping to the faster server (its challenge answered
+# late) cannot outweigh the compute it saves (at a few thousand apart it did: routes went the other way in loaded
+# runs). The tarpit tests above route between honest_slow and their fakes.
 LIARS = {  # name: (blocks, args, entry)
     "faulty": ("0:4", ("--throughput", "10"), FAULTY),  # lies on every answer
     "honest_fast": ("0:4", ("--throughput", "1e9"), SERVER),
@@ -253,14 +248,20 @@ ATTACKS = {  # each attack's servers (the first is routed first), by fixture
 
 @pytest.fixture(scope="module")
 def liar_models(local_swarm, tmp_path_factory):
-    """The liars' model and its servers by name, all started at once when the first attack needs them; each
-    attack's fixture waits for its own."""
+    """The liars' model and its servers by name, all started at once when the first test needs them (a tarpit test,
+    in the file's order); each attack's fixture waits for its own."""
     path = make_checkpoint(tmp_path_factory.mktemp("liars"), tiny_config(), seed=12)
     servers = {name: local_swarm.start_server(str(path), blocks, "--compute-threads", "1", *extra, *RARE_ANNOUNCEMENTS,
                                               entry=entry, name=name, wait=False)
                for name, (blocks, extra, entry) in LIARS.items()}
     yield path, servers
     stop_all(local_swarm, list(servers.values()))
+
+
+@pytest.fixture(scope="module")
+def liar_local(liar_models):
+    """The liars' model run locally, loaded once: the tokens each test expects."""
+    return DiffusionLM.from_pretrained(liar_models[0])
 
 
 def liar_model(local_swarm, liar_models, attack: str):
@@ -318,12 +319,12 @@ def reuse_liar(local_swarm, liar_models):
 CACHED = dict(SETTINGS, cache="dual", gen_length=24, block_length=8, steps=12)
 
 
-def test_reuse_passes_are_checked_and_a_reuse_liar_is_caught(local_swarm, reuse_liar, swarm_peer):
+def test_reuse_passes_are_checked_and_a_reuse_liar_is_caught(local_swarm, reuse_liar, liar_local, swarm_peer):
     """The liar's fill passes agree with honest servers; only a check of a reuse pass (which first rebuilds
     the same cache on the checker) can catch it, and does."""
     path, servers = reuse_liar
     liar = servers[0]
-    expected = DiffusionLM.from_pretrained(path).generate("reuse", **CACHED)
+    expected = liar_local.generate("reuse", **CACHED)
     with attack_client(local_swarm, path, servers, swarm_peer, spot_check_fraction=1.0) as lm:
         wait_seen(lm, [liar])
         assert lm.show_route()[0].peer_id == liar.peer_id
@@ -340,13 +341,14 @@ def checker_liar(local_swarm, liar_models):
     return liar_model(local_swarm, liar_models, "checker_liar")
 
 
-def test_a_liar_acting_only_as_checker_cannot_take_the_honest_servers_place(local_swarm, checker_liar, swarm_peer):
+def test_a_liar_acting_only_as_checker_cannot_take_the_honest_servers_place(local_swarm, checker_liar, liar_local,
+                                                                             swarm_peer):
     """Before, the unresolved check trusted the checker: the honest server was avoided and the route moved onto
     the liar. Now both are avoided (the outcome names both), the hop is redone over the other servers, and the
     tokens are the honest ones."""
     path, servers = checker_liar
     honest, liar, *split = servers
-    expected = DiffusionLM.from_pretrained(path).generate("audit", **SETTINGS)
+    expected = liar_local.generate("audit", **SETTINGS)
     with attack_client(local_swarm, path, servers, swarm_peer, spot_check_fraction=1.0) as lm:
         wait_seen(lm, [honest, liar])
         assert lm.show_route()[0].peer_id == honest.peer_id
@@ -366,13 +368,14 @@ def head_liar(local_swarm, liar_models):
     return liar_model(local_swarm, liar_models, "head_liar")
 
 
-def test_a_lying_head_server_beside_a_replica_without_the_head_is_caught(local_swarm, head_liar, swarm_peer):
+def test_a_lying_head_server_beside_a_replica_without_the_head_is_caught(local_swarm, head_liar, liar_local,
+                                                                         swarm_peer):
     """Checkers of a head hop had to hold the head: every check was ``no_checker`` and the liar's tokens were the
     output. Now the replica's hidden states, scored by the client's own head, contradict the liar's predictions,
     and so do the liar's own hidden states: it is distrusted and the tokens are the honest local run's."""
     path, servers = head_liar
     liar, replica = servers
-    expected = DiffusionLM.from_pretrained(path).generate("audit", **SETTINGS)
+    expected = liar_local.generate("audit", **SETTINGS)
     with attack_client(local_swarm, path, servers, swarm_peer, spot_check_fraction=0) as lm:
         wait_seen(lm, [liar, replica])
         assert lm.show_route()[-1].peer_id == liar.peer_id, "the route ends on the head server"

@@ -20,6 +20,7 @@ from swarm.client.spot_check import OWN_HIDDEN_STATES, UnverifiedResultError
 from swarm.dht.schema import ServerState, default_prefix, read_servers
 from swarm.frontend.local import DiffusionLM
 from tests.conftest import (
+    RARE_ANNOUNCEMENTS,
     SERVER,
     make_checkpoint,
     start_all,
@@ -82,34 +83,26 @@ def test_client_settings_that_would_break_every_call_are_refused(field, value):
         config.validate()
 
 
-# A route's cost is its measured round trip plus tokens over the announced throughput: an honest server that must lose
-# the route to a fake announced at 1e9 announces 10 tokens/s, so that a loaded machine's slower ping to the fake (its
-# challenge answered late) cannot outweigh the compute it saves (with the server's own figure, thousands, it did:
-# the route went to the honest server in loaded runs, although the client had seen the fake).
-SLOWER = ("--throughput", "10")
-
-
 # ----- tarpits -----------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def tarpitted(local_swarm, tmp_path_factory):
-    """A model, one honest server of it for the tarpit tests, booting while the first test starts its fakes
-    (each test's fakes are killed at its end; their records stay, as a crashed tarpit's would), and the tokens
-    the local model gives (the same prompt and settings in each test)."""
-    path = make_checkpoint(tmp_path_factory.mktemp("tarpitted"), tiny_config(), seed=11)
-    honest = local_swarm.start_server(str(path), "0:4", "--compute-threads", "1", *SLOWER, wait=False)
-    expected = DiffusionLM.from_pretrained(path).generate("tarpit", **SETTINGS)
-    yield path, honest, expected
-    stop_all(local_swarm, [honest])
+def tarpitted(local_swarm, liar_models, liar_local):
+    """The liars' model (below) and its slowest honest server for the tarpit tests, booting while the first test
+    starts its fakes, and the tokens the local model gives (the same prompt and settings in each test). Each test's
+    fakes join that model and are killed at its end (their records stay, as a crashed tarpit's would); its client
+    routes only through the honest server and its own fakes, as on a model of their own."""
+    path, servers = liar_models
+    return path, servers["honest_slow"], liar_local.generate("tarpit", **SETTINGS)
 
 
 def test_four_tarpits_cost_one_short_challenge_not_minutes(local_swarm, tarpitted, swarm_peer):
     """Four fakes announce every block at a huge throughput and never answer a forward call; the old client
     gave up after 4 timeouts (121 s). Now each fails its compute challenge, all at once, before any route."""
     tarpit_model, honest, expected = tarpitted
-    fakes = start_all(local_swarm, tarpit_model, [("0:4", ("--throughput", "1e9"), TARPIT)] * 4)
+    fakes = start_all(local_swarm, tarpit_model, [("0:4", ("--throughput", "1e9", *RARE_ANNOUNCEMENTS), TARPIT)] * 4)
     wait_all(local_swarm, [honest])
     try:
-        with swarm_client(local_swarm, tarpit_model, dht=swarm_peer, request_timeout=30.0, connect_timeout=3.0) as lm:
+        with attack_client(local_swarm, tarpit_model, [honest, *fakes], swarm_peer, request_timeout=30.0,
+                           connect_timeout=3.0) as lm:
             started = time.monotonic()
             result = lm.generate("tarpit", **SETTINGS)
             elapsed = time.monotonic() - started
@@ -129,10 +122,10 @@ def test_a_fake_that_answers_only_short_calls_fails_the_challenge(local_swarm, t
     call of the generation is ever sent to it."""
     tarpit_model, honest, expected = tarpitted
     fake, = start_all(local_swarm, tarpit_model,
-                      [("0:4", ("--throughput", "1e9", "--public-name", "tarpit-large"), TARPIT)])
+                      [("0:4", ("--throughput", "1e9", "--public-name", "tarpit-large", *RARE_ANNOUNCEMENTS), TARPIT)])
     wait_all(local_swarm, [honest])
     try:
-        with swarm_client(local_swarm, tarpit_model, dht=swarm_peer, connect_timeout=3.0) as lm:
+        with attack_client(local_swarm, tarpit_model, [honest, fake], swarm_peer, connect_timeout=3.0) as lm:
             assert fake.peer_id not in {hop.peer_id for hop in lm.show_route()}
             assert fake.peer_id in lm.sequence.health.excluded(), "failed its challenge"
             result = lm.generate("tarpit", **SETTINGS)
@@ -148,10 +141,11 @@ def test_a_tarpit_that_passes_the_challenge_costs_one_adaptive_timeout(local_swa
     again in that call."""
     tarpit_model, honest, expected = tarpitted
     fake, = start_all(local_swarm, tarpit_model,
-                      [("0:4", ("--throughput", "1e9", "--public-name", "faulty-stall"), FAULTY)])
+                      [("0:4", ("--throughput", "1e9", "--public-name", "faulty-stall", *RARE_ANNOUNCEMENTS), FAULTY)])
     wait_all(local_swarm, [honest])
     try:
-        with swarm_client(local_swarm, tarpit_model, dht=swarm_peer, request_timeout=30.0, timeout_floor=2.0) as lm:
+        with attack_client(local_swarm, tarpit_model, [honest, fake], swarm_peer, request_timeout=30.0,
+                           timeout_floor=2.0) as lm:
             wait_seen(lm, [fake])  # a loaded machine's DHT read can miss it, and the route then goes without it
             assert lm.show_route()[0].peer_id == fake.peer_id, "the fake passes the challenge and looks fastest"
             rows = len(lm.encode_prompt("tarpit")) + SETTINGS["gen_length"]
@@ -176,7 +170,7 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def test_a_server_restarted_elsewhere_with_its_identity_is_reached_at_once(local_swarm, tmp_path):
+def test_a_server_restarted_elsewhere_with_its_identity_is_reached_at_once(local_swarm, tmp_path, swarm_peer):
     """The client's daemon knows only the old address; the server's signed record carries the new one, so the
     client dials it and lifts its ban instead of waiting for it to expire (before: 15-20 s unreachable)."""
     tarpit_model = make_checkpoint(tmp_path / "moved", tiny_config(), seed=16)  # no other server of it
@@ -185,7 +179,8 @@ def test_a_server_restarted_elsewhere_with_its_identity_is_reached_at_once(local
     expected = DiffusionLM.from_pretrained(tarpit_model).generate("moved", **settings)
 
     def on_a_new_port():
-        listen = ("--identity-path", identity, "--host-maddrs", f"/ip4/127.0.0.1/tcp/{free_port()}")
+        listen = ("--identity-path", identity, "--host-maddrs", f"/ip4/127.0.0.1/tcp/{free_port()}",
+                  *RARE_ANNOUNCEMENTS)
         return start_all(local_swarm, tarpit_model, [("0:4", listen, ("-m", "swarm.server"))])[0]
 
     def announced(lm, peer_id: str):
@@ -193,7 +188,9 @@ def test_a_server_restarted_elsewhere_with_its_identity_is_reached_at_once(local
 
     first = on_a_new_port()
     try:  # a ban far longer than a restart takes: only lifting it lets the client reach the server again
-        with swarm_client(local_swarm, tarpit_model, retry_deadline=5.0, ban_base=120.0) as lm:
+        # the file's shared DHT peer: its daemon never dialled this model's server before, so it too knows only the
+        # address the first server had
+        with swarm_client(local_swarm, tarpit_model, dht=swarm_peer, retry_deadline=5.0, ban_base=120.0) as lm:
             assert lm.generate("moved", **settings).token_ids == expected.token_ids
             old_addresses = announced(lm, first.peer_id).addresses
             local_swarm.terminate(first)
@@ -204,7 +201,8 @@ def test_a_server_restarted_elsewhere_with_its_identity_is_reached_at_once(local
             assert second.peer_id == first.peer_id
             # The event the client needs: the server's signed record carries its new address.
             assert wait_until(lambda: (record := announced(lm, second.peer_id)) is not None
-                              and record.state == ServerState.ONLINE and record.addresses != old_addresses)
+                              and record.state == ServerState.ONLINE and record.addresses != old_addresses,
+                              interval=0.5)  # a DHT read each time: no faster than the records change
             started = time.monotonic()
             result = lm.generate("moved", **settings)  # the ban for the old address is lifted, not waited out
             print(f"server restarted on a new port reached again after {time.monotonic() - started:.2f} s")
@@ -216,41 +214,69 @@ def test_a_server_restarted_elsewhere_with_its_identity_is_reached_at_once(local
 
 
 # ----- spot checks without gaps --------------------------------------------------------------------------
-LIARS = {  # the models of the spot-check tests below, by fixture: (checkpoint seed, servers as (blocks, args, entry))
-    # one faulty (announced fastest) and one honest server for the same blocks, and no third to break ties
-    "two_holders": (12, [("0:4", ("--throughput", "1e9"), FAULTY), ("0:4", SLOWER, SERVER)]),
+# One model for every spot-check attack below, its servers started at once (one boot's wait, eight servers where one
+# model per attack took eleven: a server is its libp2p daemon and two processes). Each test's clients route only
+# through the servers its attack names (``only_peers``, applied at once: the route shown and the checkers asked are
+# those alone), so each sees exactly the holders it would see on a model of its own. Announced throughputs order
+# each test's route (a route's cost is its measured round trip plus tokens over the announced throughput); every figure
+# is at least 10 times the next, so that a loaded machine's slower ping to the faster server (its challenge answered
+# late) cannot outweigh the compute it saves (at a few thousand apart it did: routes went the other way in loaded
+# runs). The tarpit tests above route between honest_slow and their fakes.
+LIARS = {  # name: (blocks, args, entry)
+    "faulty": ("0:4", ("--throughput", "10"), FAULTY),  # lies on every answer
+    "honest_fast": ("0:4", ("--throughput", "1e9"), SERVER),
+    "honest_slow": ("0:4", ("--throughput", "1"), SERVER),
+    "replica": ("0:4", ("--throughput", "1"), SERVER),  # no head
+    "split_0_2": ("0:2", ("--throughput", "1"), SERVER),
+    "split_2_4": ("2:4", ("--throughput", "1"), SERVER),
+    "reuse_liar": ("0:4", ("--throughput", "1e9", "--public-name", "faulty-reuse"), FAULTY),  # lies on cache reuses
+    "head_liar": ("0:4", ("--head", "--throughput", "1e9", "--public-name", "faulty-head"), FAULTY),  # on predictions
+}
+ATTACKS = {  # each attack's servers (the first is routed first), by fixture
+    # one faulty (announced faster) and one honest server for the same blocks, and no third to break ties
+    "two_holders": ("faulty", "honest_slow"),
     # a server that lies only on cache-reuse passes (announced fastest), and two honest ones
-    "reuse_liar": (13, [("0:4", ("--throughput", "1e9", "--public-name", "faulty-reuse"), FAULTY),
-                        ("0:4", SLOWER, SERVER), ("0:4", SLOWER, SERVER)]),
-    # an honest server routed first (announced fastest), a liar for the same blocks announced slower (so every
-    # call it answers is a spot check: a liar acting only as checker), and honest 0:2 + 2:4 announced slowest
-    "checker_liar": (14, [("0:4", ("--throughput", "1e9"), SERVER), ("0:4", ("--throughput", "100"), FAULTY),
-                          ("0:2", ("--throughput", "1"), SERVER), ("2:4", ("--throughput", "1"), SERVER)]),
-    # a ``--head`` server that lies only in its predictions (announced fastest) beside one honest replica without
-    # the head: no other server can answer a head query
-    "head_liar": (15, [("0:4", ("--head", "--throughput", "1e9", "--public-name", "faulty-head"), FAULTY),
-                       ("0:4", ("--throughput", "1"), SERVER)]),
+    "reuse_liar": ("reuse_liar", "honest_slow", "replica"),
+    # an honest server routed first, a liar for the same blocks announced slower (so every call it answers is a spot
+    # check: a liar acting only as checker), and honest 0:2 + 2:4 announced slowest
+    "checker_liar": ("honest_fast", "faulty", "split_0_2", "split_2_4"),
+    # a ``--head`` server that lies only in its predictions beside one honest replica without the head: no other
+    # server can answer a head query
+    "head_liar": ("head_liar", "replica"),
 }
 
 
 @pytest.fixture(scope="module")
 def liar_models(local_swarm, tmp_path_factory):
-    """Every model of ``LIARS`` with its servers, all started at once when the first is needed (one boot's wait for
-    the eleven, not one per fixture); each fixture waits for its own. Each model is its own DHT prefix: the servers
-    of one are invisible to the clients of another."""
-    models = {}
-    for name, (seed, specs) in LIARS.items():
-        path = make_checkpoint(tmp_path_factory.mktemp(name), tiny_config(), seed=seed)
-        models[name] = path, [local_swarm.start_server(str(path), blocks, "--compute-threads", "1", *extra,
-                                                       entry=entry, wait=False) for blocks, extra, entry in specs]
-    yield models
-    stop_all(local_swarm, [server for _, servers in models.values() for server in servers])
+    """The liars' model and its servers by name, all started at once when the first test needs them (a tarpit test,
+    in the file's order); each attack's fixture waits for its own."""
+    path = make_checkpoint(tmp_path_factory.mktemp("liars"), tiny_config(), seed=12)
+    servers = {name: local_swarm.start_server(str(path), blocks, "--compute-threads", "1", *extra, *RARE_ANNOUNCEMENTS,
+                                              entry=entry, name=name, wait=False)
+               for name, (blocks, extra, entry) in LIARS.items()}
+    yield path, servers
+    stop_all(local_swarm, list(servers.values()))
 
 
-def liar_model(local_swarm, liar_models, name: str):
-    path, servers = liar_models[name]
-    wait_all(local_swarm, servers)
-    return path, servers
+@pytest.fixture(scope="module")
+def liar_local(liar_models):
+    """The liars' model run locally, loaded once: the tokens each test expects."""
+    return DiffusionLM.from_pretrained(liar_models[0])
+
+
+def liar_model(local_swarm, liar_models, attack: str):
+    """The model's path and the servers of ``attack`` (waited for), in ``ATTACKS``' order."""
+    path, servers = liar_models
+    chosen = [servers[name] for name in ATTACKS[attack]]
+    wait_all(local_swarm, chosen)
+    return path, chosen
+
+
+def attack_client(local_swarm, path, servers, dht, **options):
+    """A client of the liars' model that routes only through ``servers`` (the attack's)."""
+    lm = swarm_client(local_swarm, path, dht=dht, **options)
+    lm.only_peers = frozenset(server.peer_id for server in servers)
+    return lm
 
 
 @pytest.fixture(scope="module")
@@ -263,7 +289,7 @@ def test_an_unresolved_check_with_no_other_route_stops_with_both_servers_named(l
     """Two servers disagree and no third opinion exists: neither answer is used (the checker's is as unverified
     as the primary's), both are avoided, and with no other route the generation stops, naming both."""
     path, faulty, honest = two_holders
-    with swarm_client(local_swarm, path, dht=swarm_peer, spot_check_fraction=1.0) as lm:
+    with attack_client(local_swarm, path, [faulty, honest], swarm_peer, spot_check_fraction=1.0) as lm:
         wait_seen(lm, [faulty, honest])  # a loaded machine's DHT read can miss one, and the route then goes without it
         assert lm.show_route()[0].peer_id == faulty.peer_id
         with pytest.raises(UnverifiedResultError, match=f"unresolved: {faulty.peer_id[-8:]} and {honest.peer_id[-8:]}"
@@ -276,7 +302,8 @@ def test_an_unresolved_check_with_no_other_route_stops_with_both_servers_named(l
 
 def test_restricted_requests_stop_on_an_unresolved_check(local_swarm, two_holders, swarm_peer):
     path, faulty, honest = two_holders
-    with swarm_client(local_swarm, path, dht=swarm_peer, trusted_peers=(faulty.peer_id, honest.peer_id)) as lm:
+    with attack_client(local_swarm, path, [faulty, honest], swarm_peer,
+                       trusted_peers=(faulty.peer_id, honest.peer_id)) as lm:
         wait_seen(lm, [faulty, honest])
         assert lm.show_route()[0].peer_id == faulty.peer_id
         with pytest.raises(UnverifiedResultError, match="unresolved"):
@@ -286,18 +313,19 @@ def test_restricted_requests_stop_on_an_unresolved_check(local_swarm, two_holder
 @pytest.fixture(scope="module")
 def reuse_liar(local_swarm, liar_models):
     path, servers = liar_model(local_swarm, liar_models, "reuse_liar")
-    return path, servers[0]
+    return path, servers
 
 
 CACHED = dict(SETTINGS, cache="dual", gen_length=24, block_length=8, steps=12)
 
 
-def test_reuse_passes_are_checked_and_a_reuse_liar_is_caught(local_swarm, reuse_liar, swarm_peer):
+def test_reuse_passes_are_checked_and_a_reuse_liar_is_caught(local_swarm, reuse_liar, liar_local, swarm_peer):
     """The liar's fill passes agree with honest servers; only a check of a reuse pass (which first rebuilds
     the same cache on the checker) can catch it, and does."""
-    path, liar = reuse_liar
-    expected = DiffusionLM.from_pretrained(path).generate("reuse", **CACHED)
-    with swarm_client(local_swarm, path, dht=swarm_peer, spot_check_fraction=1.0) as lm:
+    path, servers = reuse_liar
+    liar = servers[0]
+    expected = liar_local.generate("reuse", **CACHED)
+    with attack_client(local_swarm, path, servers, swarm_peer, spot_check_fraction=1.0) as lm:
         wait_seen(lm, [liar])
         assert lm.show_route()[0].peer_id == liar.peer_id
         result = lm.generate("reuse", **CACHED)
@@ -313,13 +341,15 @@ def checker_liar(local_swarm, liar_models):
     return liar_model(local_swarm, liar_models, "checker_liar")
 
 
-def test_a_liar_acting_only_as_checker_cannot_take_the_honest_servers_place(local_swarm, checker_liar, swarm_peer):
+def test_a_liar_acting_only_as_checker_cannot_take_the_honest_servers_place(local_swarm, checker_liar, liar_local,
+                                                                             swarm_peer):
     """Before, the unresolved check trusted the checker: the honest server was avoided and the route moved onto
     the liar. Now both are avoided (the outcome names both), the hop is redone over the other servers, and the
     tokens are the honest ones."""
-    path, (honest, liar, *split) = checker_liar
-    expected = DiffusionLM.from_pretrained(path).generate("audit", **SETTINGS)
-    with swarm_client(local_swarm, path, dht=swarm_peer, spot_check_fraction=1.0) as lm:
+    path, servers = checker_liar
+    honest, liar, *split = servers
+    expected = liar_local.generate("audit", **SETTINGS)
+    with attack_client(local_swarm, path, servers, swarm_peer, spot_check_fraction=1.0) as lm:
         wait_seen(lm, [honest, liar])
         assert lm.show_route()[0].peer_id == honest.peer_id
         result = lm.generate("audit", **SETTINGS)
@@ -338,17 +368,19 @@ def head_liar(local_swarm, liar_models):
     return liar_model(local_swarm, liar_models, "head_liar")
 
 
-def test_a_lying_head_server_beside_a_replica_without_the_head_is_caught(local_swarm, head_liar, swarm_peer):
+def test_a_lying_head_server_beside_a_replica_without_the_head_is_caught(local_swarm, head_liar, liar_local,
+                                                                         swarm_peer):
     """Checkers of a head hop had to hold the head: every check was ``no_checker`` and the liar's tokens were the
     output. Now the replica's hidden states, scored by the client's own head, contradict the liar's predictions,
     and so do the liar's own hidden states: it is distrusted and the tokens are the honest local run's."""
-    path, (liar, replica) = head_liar
-    expected = DiffusionLM.from_pretrained(path).generate("audit", **SETTINGS)
-    with swarm_client(local_swarm, path, dht=swarm_peer, spot_check_fraction=0) as lm:
+    path, servers = head_liar
+    liar, replica = servers
+    expected = liar_local.generate("audit", **SETTINGS)
+    with attack_client(local_swarm, path, servers, swarm_peer, spot_check_fraction=0) as lm:
         wait_seen(lm, [liar, replica])
         assert lm.show_route()[-1].peer_id == liar.peer_id, "the route ends on the head server"
         assert lm.generate("audit", **SETTINGS).token_ids != expected.token_ids, "unchecked, the lie is the output"
-    with swarm_client(local_swarm, path, dht=swarm_peer, spot_check_fraction=1.0) as lm:
+    with attack_client(local_swarm, path, servers, swarm_peer, spot_check_fraction=1.0) as lm:
         wait_seen(lm, [liar, replica])  # a replica this client missed (a lost DHT reply) leaves only its own check
         result = lm.generate("audit", **SETTINGS)
         assert result.token_ids == expected.token_ids

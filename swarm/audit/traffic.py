@@ -81,8 +81,11 @@ class TrafficAuditor:
     """Runs whole generations through each server as a client and recomputes a sample of their calls (module doc)."""
 
     def __init__(self, files: ModelFiles, prefix: str, client_config: ClientConfig, reference: LocalReference,
-                 rng: random.Random):
+                 rng: random.Random, gen_length: int = GEN_LENGTH):
         self.files, self.prefix, self.rng = files, prefix, rng
+        # tokens of each generation, one call per step: GEN_LENGTH, the length the stated odds count (a test of which
+        # kinds of call are checked may run shorter ones: every kind of call is in a generation of any length)
+        self.gen_length = gen_length
         self.client_config = client_config  # its spot_check_fraction is the sample
         self.reference = reference
         self.turn = rng.randrange(len(CACHES) * 2)  # which cache mode and whether an adapter: runs on over rounds
@@ -137,7 +140,8 @@ class TrafficAuditor:
         prompt = [rng.randrange(config.vocab_size) for _ in range(rng.randint(*PROMPT_TOKENS))]
         prompt = [token if token != config.mask_token_id else 0 for token in prompt]
         self.turn += 1
-        options = dict(gen_length=GEN_LENGTH, steps=GEN_LENGTH, block_length=rng.choice(BLOCK_LENGTHS),
+        blocks = [length for length in BLOCK_LENGTHS if self.gen_length % length == 0] or [self.gen_length]
+        options = dict(gen_length=self.gen_length, steps=self.gen_length, block_length=rng.choice(blocks),
                        cache=CACHES[self.turn % len(CACHES)], temperature=rng.choice(TEMPERATURES),
                        seed=rng.randrange(2**31), stop_at_eos=False)
         kinds = [kind for kind in target.adapter_kinds if kind in PER_BLOCK_KINDS]

@@ -143,7 +143,7 @@ class DistributedDiffusionLM(BaseDiffusionLM):
         self.sequence.spot_checker.memory = CheckMemory(
             config.spot_check_memory_mb, lambda start, end: files.span_bytes(start, end, config.dtype),
             lambda: files.head_bytes(config.dtype), lambda: self._head is not None)
-        self.only_peers: Optional[frozenset[str]] = None  # peers every request may route through (None: any)
+        self._only_peers: Optional[frozenset[str]] = None
         self.guard = GovernanceGuard(self.dht, self.prefix, config.governance_keys, ttl=config.governance_ttl,
                                      stale_after=config.governance_stale_after)
         self.tier_rules = TierRules.from_file(config.tier_rules_path) if config.tier_rules_path else TierRules()
@@ -170,6 +170,19 @@ class DistributedDiffusionLM(BaseDiffusionLM):
         # names by them; a model id or name resolved through ``dht`` when one is given (no peer of its own)
         weights = SwarmWeights(config.network, trust=PublisherTrust.of((), config.governance_keys), dht=dht)
         return cls(ModelFiles(name_or_path, resolvers=[weights.resolve]), config, dht)
+
+    @property
+    def only_peers(self) -> Optional[frozenset[str]]:
+        """The peers every request may route through (None: any)."""
+        return self._only_peers
+
+    @only_peers.setter
+    def only_peers(self, peers: Optional[frozenset[str]]) -> None:
+        """Restrict the route at once, not only from the next request: :meth:`show_route` and the route's refresh
+        then challenge and plan over these peers alone (each request applies its tier's policy again)."""
+        self._only_peers = peers
+        if self.sequence.health.allow_only(peers):
+            self.planner.route = []
 
     @property
     def head(self) -> OutputHead:

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
-import gc
 import json
 import os
 import platform
@@ -20,7 +18,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import AsyncIterator, Callable
-from unittest import mock
 
 import pytest
 import torch
@@ -31,13 +28,11 @@ from hivemind.utils.streaming import split_for_streaming
 
 from swarm.diffusion.pipeline import CacheDirective
 from swarm.models.loading import ModelFiles
-from swarm.models.modules import BlockSpan
-from swarm.server import session_cache
 from swarm.server.backend import Admission, ComputeQueue, attention_length_scale, request_cost
 from swarm.server.session_cache import SessionCaches
 from swarm.testing.silent_delivery import add_silent_delivery
 from swarm.utils.event_loop import BackgroundLoop
-from swarm.utils.local_swarm import LocalSwarm, ManagedProcess
+from swarm.utils.local_swarm import ManagedProcess
 from swarm.wire.encoding import (
     MAX_METADATA_BYTES,
     MAX_STREAM_MESSAGE_BYTES,
@@ -51,6 +46,7 @@ from swarm.wire.messages import ErrorCode, ForwardRequest, PushSpec, RemoteError
 from swarm.wire.remote import RemoteCaller
 from swarm.wire.services import SpanService
 from tests.conftest import make_checkpoint, raw_answer, stop_all, tiny_config
+from tests.tiny_fills import FILLS
 
 HIDDEN = 32  # tiny_config's hidden size
 POSITIONS = 512  # tiny_config's context
@@ -130,22 +126,25 @@ async def _aiter(parts: list, stall: bool = False) -> AsyncIterator:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_path):
-    with LocalSwarm(fork_server=True) as swarm:
-        flags = [str(v) for item in LIMITS.items() for v in item]
-        yield swarm.start_server(str(tiny_model_path), "0:2", "--compute-threads", "1", *flags)
-        stop_all(swarm, swarm.processes)  # a swarm of its own, read by nobody after: no graceful leave to wait for
+def server(local_swarm, tiny_model_path):
+    """The attacked server, forked by the session swarm's fork server (one of its own is 1.5 CPU s), under a DHT
+    prefix of its own: its small limits must not take the session's clients' calls. The attackers dial it."""
+    flags = [str(v) for item in LIMITS.items() for v in item]
+    server = local_swarm.start_server(str(tiny_model_path), "0:2", "--compute-threads", "1",
+                                      "--dht-prefix", "attacked", *flags)
+    yield server
+    stop_all(local_swarm, [server])  # its own prefix, read by nobody after: no graceful leave to wait for
 
 
 @pytest.fixture(scope="module")
-def long_server(tmp_path_factory):
+def long_server(local_swarm, tmp_path_factory):
     """A server of a model with a long context and many blocks, whose requests time out after 2 s: one pass of
     6,144 positions takes it far longer (attention's quadratic term), so a caller gives up while it runs."""
     path = make_checkpoint(tmp_path_factory.mktemp("long"), tiny_config(num_layers=32, max_position_embeddings=8192))
-    with LocalSwarm(fork_server=True) as swarm:
-        yield swarm.start_server(str(path), "0:32", "--compute-threads", "1", "--throughput", "100",
-                                 "--request-timeout", "2", "--max-batch-tokens", "8192")
-        stop_all(swarm, swarm.processes)
+    server = local_swarm.start_server(str(path), "0:32", "--compute-threads", "1", "--throughput", "100",
+                                      "--request-timeout", "2", "--max-batch-tokens", "8192", "--dht-prefix", "long")
+    yield server
+    stop_all(local_swarm, [server])
 
 
 @pytest.fixture(scope="module")
@@ -441,69 +440,13 @@ def test_a_timed_out_request_keeps_its_place_until_it_leaves_the_compute_thread(
 
 
 # ----- the activation cache's accounting ---------------------------------------------------------
-FILLS = 3500  # twice the 1,724 versions the budget holds at their real cost, so the later half all evict. Counted at
-# their tensors' 128 bytes only (the accounting this replaced) all 3,500 are kept and hold 5.95-6.05 MB (measured)
-
-
-class _MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in (
-        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
-
-
-def malloc_held_bytes() -> int:
-    """Bytes that malloc has handed out and not had back (glibc's ``mallinfo2``): what a process really holds,
-    without the freed-but-kept pages and the fragmentation that make its resident size move by megabytes
-    between identical runs. With ``PYTHONMALLOC=malloc`` Python's objects are counted too."""
-    libc = ctypes.CDLL("libc.so.6")
-    libc.mallinfo2.restype = _MallInfo2
-    info = libc.mallinfo2()
-    return info.uordblks + info.hblkhd
-
-
-def measure_tiny_fills(count_overhead: bool = True) -> dict:
-    """``FILLS`` one-position fills, each a new session, as a flood would send them; checks what the cache counts
-    and returns the bytes the process holds for them. ``count_overhead=False`` counts the tensors alone (the old
-    accounting), to show that the measurement catches it."""
-    config = tiny_config()
-    span = BlockSpan(config, 0, 1).eval()
-    budget = 4 * 2**20
-    hidden = torch.randn(1, 1, HIDDEN)
-    entry_overhead = session_cache.ENTRY_OVERHEAD_BYTES if count_overhead else 0
-    block_overhead = session_cache.BLOCK_OVERHEAD_BYTES if count_overhead else 0
-
-    def fill(caches: SessionCaches, session: str) -> None:
-        kv = caches.for_fill(session, 1, 0, 1, 1, 1)
-        span(hidden, kv=kv)
-        caches.filled(session, 1, kv, ok=True)
-
-    with mock.patch.multiple(session_cache, ENTRY_OVERHEAD_BYTES=entry_overhead, BLOCK_OVERHEAD_BYTES=block_overhead), \
-            torch.inference_mode():
-        warm = SessionCaches(config, budget, ttl=600)
-        for index in range(200):  # warm up the allocator and torch first
-            fill(warm, f"warm-{index}")
-        del warm
-        caches = SessionCaches(config, budget, ttl=600, max_entries=10**6)
-        gc.collect()
-        before = malloc_held_bytes()
-        for index in range(FILLS):
-            fill(caches, f"session-{index:06d}")
-        gc.collect()
-        held = malloc_held_bytes() - before
-        kept = len(caches.entries)
-        assert caches.used_bytes <= budget and caches.stats.evictions == FILLS - kept
-        assert caches.used_bytes == sum(entry.size for entry in caches.entries.values())
-        if count_overhead:
-            assert caches.cost_of(1, 1, 1) > caches.size_of(1, 1, 1)  # the overhead is counted, not just the tensors
-    return {"kept": kept, "used_bytes": caches.used_bytes, "held": held, "budget": budget}
-
-
 def measure_tiny_fills_in_a_fresh_process() -> tuple[dict, dict]:
     """Both measurements (overhead counted, then tensors alone), in a fresh process: in the test process, the
     threads, servers and models of earlier tests allocate and free on their own. One thread and every Python
     object through malloc, so that ``mallinfo2`` sees it all; measured so, the same run holds the same bytes to
-    within a few kB (3.27-3.28 MB over 3 runs)."""
-    code = ("import json, torch; torch.set_num_threads(1); from tests.test_security_server import measure_tiny_fills "
-            "as m; print(json.dumps([m(True), m(False)]))")
+    within a few kB (3.27-3.28 MB over 3 runs of 3,500 fills; 1.68 MB of 1,750)."""
+    code = ("import json, torch; torch.set_num_threads(1); from tests.tiny_fills import measure_tiny_fills as m; "
+            "print(json.dumps([m(True), m(False)]))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                           cwd=Path(__file__).resolve().parent.parent,
                           env=dict(os.environ, PYTHONMALLOC="malloc", MALLOC_ARENA_MAX="1", OMP_NUM_THREADS="1"))

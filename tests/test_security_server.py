@@ -32,7 +32,7 @@ from swarm.server.backend import Admission, ComputeQueue, attention_length_scale
 from swarm.server.session_cache import SessionCaches
 from swarm.testing.silent_delivery import add_silent_delivery
 from swarm.utils.event_loop import BackgroundLoop
-from swarm.utils.local_swarm import ManagedProcess
+from swarm.utils.local_swarm import LocalSwarm, ManagedProcess
 from swarm.wire.encoding import (
     MAX_METADATA_BYTES,
     MAX_STREAM_MESSAGE_BYTES,
@@ -126,25 +126,22 @@ async def _aiter(parts: list, stall: bool = False) -> AsyncIterator:
 
 
 @pytest.fixture(scope="module")
-def server(local_swarm, tiny_model_path):
-    """The attacked server, forked by the session swarm's fork server (one of its own is 1.5 CPU s), under a DHT
-    prefix of its own: its small limits must not take the session's clients' calls. The attackers dial it."""
-    flags = [str(v) for item in LIMITS.items() for v in item]
-    server = local_swarm.start_server(str(tiny_model_path), "0:2", "--compute-threads", "1",
-                                      "--dht-prefix", "attacked", *flags)
-    yield server
-    stop_all(local_swarm, [server])  # its own prefix, read by nobody after: no graceful leave to wait for
+def server(tiny_model_path):
+    with LocalSwarm(fork_server=True) as swarm:
+        flags = [str(v) for item in LIMITS.items() for v in item]
+        yield swarm.start_server(str(tiny_model_path), "0:2", "--compute-threads", "1", *flags)
+        stop_all(swarm, swarm.processes)  # a swarm of its own, read by nobody after: no graceful leave to wait for
 
 
 @pytest.fixture(scope="module")
-def long_server(local_swarm, tmp_path_factory):
+def long_server(tmp_path_factory):
     """A server of a model with a long context and many blocks, whose requests time out after 2 s: one pass of
     6,144 positions takes it far longer (attention's quadratic term), so a caller gives up while it runs."""
     path = make_checkpoint(tmp_path_factory.mktemp("long"), tiny_config(num_layers=32, max_position_embeddings=8192))
-    server = local_swarm.start_server(str(path), "0:32", "--compute-threads", "1", "--throughput", "100",
-                                      "--request-timeout", "2", "--max-batch-tokens", "8192", "--dht-prefix", "long")
-    yield server
-    stop_all(local_swarm, [server])
+    with LocalSwarm(fork_server=True) as swarm:
+        yield swarm.start_server(str(path), "0:32", "--compute-threads", "1", "--throughput", "100",
+                                 "--request-timeout", "2", "--max-batch-tokens", "8192")
+        stop_all(swarm, swarm.processes)
 
 
 @pytest.fixture(scope="module")

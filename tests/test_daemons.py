@@ -28,7 +28,7 @@ from swarm.dht.node import (
     start_dht,
     stop_dht,
 )
-from swarm.utils.local_swarm import LocalSwarm
+from swarm.utils.local_swarm import LocalSwarm, ManagedProcess
 from tests.conftest import SHARED_MEMORY, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -95,16 +95,32 @@ def wait_gone(processes: list[psutil.Process]) -> float:
 
 @pytest.fixture(params=["exec", "fork"])
 def swarm(request):
-    """Both ways a LocalSwarm starts processes: exec'd as a user starts them, and forked as the tests start them."""
-    with LocalSwarm(fork_server=request.param == "fork") as local:
+    """Both ways a LocalSwarm starts processes: exec'd as a user starts them (a LocalSwarm of the test's own), and
+    forked as the tests start them (the session swarm's fork server: one of the test's own costs 1.5 CPU s)."""
+    if request.param == "fork":
+        yield request.getfixturevalue("local_swarm")
+        return
+    with LocalSwarm() as local:
         yield local
+
+
+def lone_peer(swarm: LocalSwarm) -> ManagedProcess:
+    """A DHT peer (``python -m swarm.dht``) that joins nobody: the bootstrap peer of a swarm of the test's own, or a
+    peer beside the session swarm's (whose own bootstrap peer the other tests need)."""
+    if swarm.bootstrap is None:
+        return swarm.start_bootstrap()
+    peer = swarm.start_command("lone-peer", ["-m", "swarm.dht"])
+    swarm.wait_ready(peer)
+    return peer
 
 
 def test_kill_9_of_a_process_takes_its_daemons_and_frees_its_port(swarm, tiny_model_path):
     """SIGKILL of the main process alone (not its group, unlike LocalSwarm.terminate): of a server, then of the
-    bootstrap DHT peer it joined (one swarm for both roles: each kill is checked on its own)."""
-    bootstrap = swarm.start_bootstrap()
-    server = swarm.start_server(str(tiny_model_path), "0:4", "--threads", "1")
+    DHT peer it joined (one swarm for both roles: each kill is checked on its own). The server's records go under
+    a prefix of its own: on the session swarm nobody may route to it once killed."""
+    bootstrap = lone_peer(swarm)
+    joins = [arg for peer in bootstrap.maddrs for arg in ("--initial-peers", peer) if bootstrap is not swarm.bootstrap]
+    server = swarm.start_server(str(tiny_model_path), "0:4", "--threads", "1", "--dht-prefix", "killed-9", *joins)
     for role, managed in (("server", server), ("dht", bootstrap)):
         port = port_of(managed.maddrs)
         dht_process, p2pd = daemons_of(managed.process.pid)
@@ -222,7 +238,7 @@ def test_ctrl_c_stops_a_bootstrap_peer_quietly(swarm):
     """Ctrl-C signals the terminal's whole foreground process group. p2pd was in it: interrupted itself, it logged
     "[ERROR] ... use of closed network connection" and hivemind waited out its grace period. Now p2pd has its own
     group and the peer stops it: exit 0 (docs/OPERATIONS.md, "Exit codes"), neither line, nothing left running."""
-    bootstrap = swarm.start_bootstrap()
+    bootstrap = lone_peer(swarm)
     dht_process, p2pd = daemons_of(bootstrap.process.pid)
     # Which of p2pd and the peer reacted first was a race (the lines came in about half of the runs): the group
     # is checked as well, so that the test fails every time p2pd would be signalled.

@@ -241,15 +241,15 @@ def head_server(local_swarm, tiny_model_path):
         local_swarm.terminate(server)
 
 
-def head_client(local_swarm, tiny_model_path, prefix: str) -> DistributedDiffusionLM:
-    return DistributedDiffusionLM.from_pretrained(tiny_model_path, initial_peers=local_swarm.initial_peers,
-                                                  dht_prefix=prefix, request_timeout=20,
-                                                  spot_check_fraction=0)  # checks load a head
+def head_client(swarm_peer, tiny_model_path, prefix: str) -> DistributedDiffusionLM:
+    """A client of the servers under ``prefix``, through the module's DHT peer (its peer id is not the point)."""
+    return DistributedDiffusionLM.from_pretrained(tiny_model_path, dht=swarm_peer, dht_prefix=prefix,
+                                                  request_timeout=20, spot_check_fraction=0)  # checks load a head
 
 
-def test_drafts_with_the_head_on_the_server(local_swarm, tiny_model_path, head_server, local_lm):
+def test_drafts_with_the_head_on_the_server(swarm_peer, tiny_model_path, head_server, local_lm):
     """The head server answers each row's predictions (no logits reach the client): drafts come from them."""
-    with head_client(local_swarm, tiny_model_path, HEAD_PREFIX) as lm:
+    with head_client(swarm_peer, tiny_model_path, HEAD_PREFIX) as lm:
         assert [hop.peer_id for hop in lm.show_route()] == [head_server.peer_id]
         cases = [dict(remasking=remasking, temperature=0.6 * (seed % 2), seed=seed)
                  for seed, remasking in enumerate(STRATEGIES)]
@@ -260,7 +260,7 @@ def test_drafts_with_the_head_on_the_server(local_swarm, tiny_model_path, head_s
         assert lm._head is None, "the client scored logits itself although the head server answered"
 
 
-def test_drafts_survive_a_server_killed_mid_run(local_swarm, tiny_model_path, local_lm):
+def test_drafts_survive_a_server_killed_mid_run(local_swarm, tiny_model_path, local_lm, swarm_peer):
     """SIGKILL of the route's only server after the third step: the generation goes on over a replica without the
     head (the client's head then scores its hidden states) with the local tokens. Its own servers and prefix: the
     kill would otherwise take the module's head server from every test after it (a shuffled run found it); one
@@ -273,7 +273,7 @@ def test_drafts_survive_a_server_killed_mid_run(local_swarm, tiny_model_path, lo
     head = servers[0]
     settings = dict(SHORT, remasking="low_confidence", temperature=0.7, seed=9, draft_steps=3)
     try:
-        with head_client(local_swarm, tiny_model_path, prefix) as lm:
+        with head_client(swarm_peer, tiny_model_path, prefix) as lm:
             wait_seen(lm, servers)
             assert [hop.peer_id for hop in lm.show_route()] == [head.peer_id]
             result = None

@@ -400,7 +400,7 @@ def test_a_server_whose_sparse_answers_are_malformed_is_banned_and_replaced(loca
                                     entry=(str(Path(__file__).with_name("lying_expert_server.py")),))
     try:
         assert wait_until(lambda: liar.peer_id in read_expert_records(remote_lm.dht, remote_lm.prefix, "alpha"),
-                          timeout=30)
+                          timeout=30, interval=1.0)  # a DHT read each time
         remote = remote_lm.generate("Hello", experts={"alpha": 0.7}, expert_top_k=16, **SETTINGS)
         local = local_lm.generate("Hello", experts={str(alpha_path): 0.7}, expert_top_k=16, **SETTINGS)
         assert remote.token_ids == local.token_ids and remote.info["warnings"] == []

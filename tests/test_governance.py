@@ -151,6 +151,7 @@ def refused(lm, server: ManagedProcess) -> bool:
 
 
 RESUME_LIFETIME = 8.0  # seconds the second operator's resume stays on the DHT in the replay test
+RPC_POLL = 0.5  # seconds between calls asking whether the server refuses (it reads the decisions every 2 s)
 
 
 @pytest.fixture
@@ -181,7 +182,7 @@ def test_halt_stops_generation_before_next_step_then_resume_and_replay(local_swa
         assert steps == [0, 1, 2], "not a single step after the halt"
 
         # The server refuses new steps too, with a distinct error.
-        assert wait_until(lambda: refused(lm, g.server)), "server did not refuse while halted"
+        assert wait_until(lambda: refused(lm, g.server), interval=RPC_POLL), "server did not refuse while halted"
 
         # The halt's signed bytes cannot be stored with another expiration (the signature covers it), so under
         # its own key a later resume, stored with a later expiration, replaces it for good
@@ -195,12 +196,13 @@ def test_halt_stops_generation_before_next_step_then_resume_and_replay(local_swa
         g.operator.store(governance_key(g.prefix), resume, expiration, subkey=governance_subkey(g.resumer))
         resumed = lm.guard.current(force=True)  # the client reads it at once, before it expires
         assert resumed.action == RESUME and resumed.sequence == halt.sequence + 1
-        assert wait_until(lambda: not refused(lm, g.server), timeout=RESUME_LIFETIME - 2), "the resume was ignored"
+        assert wait_until(lambda: not refused(lm, g.server), timeout=RESUME_LIFETIME - 2, interval=RPC_POLL), \
+            "the resume was ignored"
         assert lm.generate("after resume", **SETTINGS).finish_reason != "halted"
 
         trusted = g.trusted(g.key, g.resumer)
         assert wait_until(lambda: [d for d, _ in read_decisions(g.operator, g.prefix, trusted)] == [halt],
-                          timeout=3 * RESUME_LIFETIME), "the resume did not expire"
+                          timeout=3 * RESUME_LIFETIME, interval=1.0), "the resume did not expire"  # DHT reads
         fresh = GovernanceState(g.prefix, trusted.values())
         assert fresh.refresh(g.operator) == halt, "a reader that never saw the resume obeys the old halt"
         # Readers that saw the resume never go back to the lower sequence.

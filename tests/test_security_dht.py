@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 from functools import partial
@@ -122,9 +123,11 @@ def stock_peer(initial_peers: Optional[list[str]] = None) -> DHT:
                record_validators=[RSASignatureValidator()])
 
 
-def test_a_flood_on_a_stock_peer_blinds_readers_and_halt_says_it_was_not_read_back(tmp_path):
+def test_a_flood_on_a_stock_peer_blinds_readers_and_halt_says_it_was_not_read_back(tmp_path, local_swarm):
     """The issue's attack where the only storing peer is a stock hivemind peer: readers see nothing, loudly, and
-    ``publish`` (``python -m swarm.governance halt``) no longer says "stored" for a record nobody can read."""
+    ``publish`` (``python -m swarm.governance halt``) no longer says "stored" for a record nobody can read. (The
+    session swarm only forks the status command, which joins this test's peers alone: an exec'd one imports
+    hivemind first, 1-2 CPU s.)"""
     bootstrap = stock_peer()
     peers = visible_maddrs(bootstrap)
     attacker_dht = plain_attacker(peers)
@@ -134,21 +137,21 @@ def test_a_flood_on_a_stock_peer_blinds_readers_and_halt_says_it_was_not_read_ba
         assert flood(attacker_dht, governance_key(prefix), [str(bootstrap.peer_id)]) == [True]
         # A reader in a process of its own, the status command, reads the flooded key while the halt is published
         # here (each reader waits out the lost reply, 3 s, and the command reads again): it reads nothing either way.
-        status = subprocess.Popen(
-            [sys.executable, "-m", "swarm.governance", "status", "--governance-key", public_key_text(key),
-             "--dht-prefix", prefix, "--initial-peers", peers[0]],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env_without_peers())
+        status = local_swarm.start_command("status", [
+            "-m", "swarm.governance", "status", "--governance-key", public_key_text(key), "--dht-prefix", prefix,
+            "--initial-peers", peers[0]])
         try:
             assert publish(operator, key, prefix, HALT, "incident", read_back_seconds=UNREAD_SECONDS) is None, \
                 "a halt nobody can read was 'stored'"
             assert GovernanceGuard(operator, prefix, [public_key_text(key)]).current(force=True) is None
-            stdout, stderr = status.communicate(timeout=120)
+            status.process.wait(timeout=120)
         finally:
-            status.kill()
-            status.wait()
-        # The reader says which key and which peer it lost (the DHT process's warning, on the command's stderr).
-        assert "no valid governance record" in stdout, stdout + stderr
-        assert f"gave no usable reply for {governance_key(prefix)}" in stderr, stderr
+            if status.alive:
+                local_swarm.terminate(status, signal.SIGKILL)
+        # The reader says which key and which peer it lost (the DHT process's warning, in the command's output).
+        said = (f"gave no usable reply for {governance_key(prefix)}", "no valid governance record")
+        assert wait_until(lambda: all(text in "\n".join(status.log) for text in said), timeout=10, interval=0.2), \
+            "\n".join(status.log)
     finally:
         for dht in (operator, attacker_dht, bootstrap):
             stop_dht(dht)
@@ -223,7 +226,7 @@ def test_a_key_holds_a_bounded_number_of_tiny_subkeys():
 
 # ----- with protection: honest peers refuse the flood, the halt stops a client ----------------------------------
 def test_servers_refuse_the_flood_and_a_halt_still_stops_a_client(local_swarm, attacker,  # noqa: F811 (fixture)
-                                                                  tiny_model_path, tmp_path):
+                                                                  tiny_model_path, tmp_path, swarm_peer):
     prefix, peers = default_prefix(tiny_model_path), honest_peers(local_swarm)
     try:
         servers = [p.peer_id for p in local_swarm.processes[1:4]]  # the fixture's three servers of this model
@@ -238,7 +241,7 @@ def test_servers_refuse_the_flood_and_a_halt_still_stops_a_client(local_swarm, a
         halted = CliRunner().invoke(governance_cli, ["halt", *operator, "--reason", "flooded but heard"],
                                     catch_exceptions=False)
         assert halted.exit_code == 0 and "read back" in halted.output, halted.output
-        with DistributedDiffusionLM.from_pretrained(tiny_model_path, initial_peers=local_swarm.initial_peers,
+        with DistributedDiffusionLM.from_pretrained(tiny_model_path, dht=swarm_peer,
                                                     governance_keys=(public,)) as governed:
             result = governed.generate("stop me", **SETTINGS)
         assert result.finish_reason == "halted" and result.info["halt"]["reason"] == "flooded but heard"
@@ -521,7 +524,7 @@ def test_a_client_that_reads_no_decision_for_longer_than_the_bound_stops(local_s
 def test_a_server_that_reads_no_decision_for_longer_than_the_bound_refuses(local_swarm, tmp_path, swarm_peer):
     """The same for a server (--governance-stale-after): it answers with the reason, then serves after a resume."""
     from tests.conftest import make_checkpoint, tiny_config
-    from tests.test_governance import refused
+    from tests.test_governance import RPC_POLL, refused
 
     key = generate_private_key(tmp_path / "gov.key")
     path = make_checkpoint(tmp_path / "stale-model", tiny_config(), seed=9)
@@ -529,9 +532,11 @@ def test_a_server_that_reads_no_decision_for_longer_than_the_bound_refuses(local
                                       public_key_text(key), "--governance-stale-after", "2")
     try:
         with DistributedDiffusionLM.from_pretrained(path, dht=swarm_peer) as lm:
-            assert wait_until(lambda: refused(lm, server), timeout=60), "the server served on, unaware"
+            assert wait_until(lambda: refused(lm, server), timeout=60, interval=RPC_POLL), \
+                "the server served on, unaware"
             assert any("governance state unreadable" in line for line in server.log)
             assert publish(lm.dht, key, default_prefix(path), RESUME, "set-up") is not None
-            assert wait_until(lambda: not refused(lm, server), timeout=60), "the resume was not read"
+            assert wait_until(lambda: not refused(lm, server), timeout=60, interval=RPC_POLL), \
+                "the resume was not read"
     finally:
         stop_all(local_swarm, [server])  # its own prefix

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
-import gc
 import json
 import os
 import platform
@@ -20,7 +18,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import AsyncIterator, Callable
-from unittest import mock
 
 import pytest
 import torch
@@ -31,8 +28,6 @@ from hivemind.utils.streaming import split_for_streaming
 
 from swarm.diffusion.pipeline import CacheDirective
 from swarm.models.loading import ModelFiles
-from swarm.models.modules import BlockSpan
-from swarm.server import session_cache
 from swarm.server.backend import Admission, ComputeQueue, attention_length_scale, request_cost
 from swarm.server.session_cache import SessionCaches
 from swarm.testing.silent_delivery import add_silent_delivery
@@ -51,6 +46,7 @@ from swarm.wire.messages import ErrorCode, ForwardRequest, PushSpec, RemoteError
 from swarm.wire.remote import RemoteCaller
 from swarm.wire.services import SpanService
 from tests.conftest import make_checkpoint, raw_answer, stop_all, tiny_config
+from tests.tiny_fills import FILLS
 
 HIDDEN = 32  # tiny_config's hidden size
 POSITIONS = 512  # tiny_config's context
@@ -441,69 +437,13 @@ def test_a_timed_out_request_keeps_its_place_until_it_leaves_the_compute_thread(
 
 
 # ----- the activation cache's accounting ---------------------------------------------------------
-FILLS = 3500  # twice the 1,724 versions the budget holds at their real cost, so the later half all evict. Counted at
-# their tensors' 128 bytes only (the accounting this replaced) all 3,500 are kept and hold 5.95-6.05 MB (measured)
-
-
-class _MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in (
-        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
-
-
-def malloc_held_bytes() -> int:
-    """Bytes that malloc has handed out and not had back (glibc's ``mallinfo2``): what a process really holds,
-    without the freed-but-kept pages and the fragmentation that make its resident size move by megabytes
-    between identical runs. With ``PYTHONMALLOC=malloc`` Python's objects are counted too."""
-    libc = ctypes.CDLL("libc.so.6")
-    libc.mallinfo2.restype = _MallInfo2
-    info = libc.mallinfo2()
-    return info.uordblks + info.hblkhd
-
-
-def measure_tiny_fills(count_overhead: bool = True) -> dict:
-    """``FILLS`` one-position fills, each a new session, as a flood would send them; checks what the cache counts
-    and returns the bytes the process holds for them. ``count_overhead=False`` counts the tensors alone (the old
-    accounting), to show that the measurement catches it."""
-    config = tiny_config()
-    span = BlockSpan(config, 0, 1).eval()
-    budget = 4 * 2**20
-    hidden = torch.randn(1, 1, HIDDEN)
-    entry_overhead = session_cache.ENTRY_OVERHEAD_BYTES if count_overhead else 0
-    block_overhead = session_cache.BLOCK_OVERHEAD_BYTES if count_overhead else 0
-
-    def fill(caches: SessionCaches, session: str) -> None:
-        kv = caches.for_fill(session, 1, 0, 1, 1, 1)
-        span(hidden, kv=kv)
-        caches.filled(session, 1, kv, ok=True)
-
-    with mock.patch.multiple(session_cache, ENTRY_OVERHEAD_BYTES=entry_overhead, BLOCK_OVERHEAD_BYTES=block_overhead), \
-            torch.inference_mode():
-        warm = SessionCaches(config, budget, ttl=600)
-        for index in range(200):  # warm up the allocator and torch first
-            fill(warm, f"warm-{index}")
-        del warm
-        caches = SessionCaches(config, budget, ttl=600, max_entries=10**6)
-        gc.collect()
-        before = malloc_held_bytes()
-        for index in range(FILLS):
-            fill(caches, f"session-{index:06d}")
-        gc.collect()
-        held = malloc_held_bytes() - before
-        kept = len(caches.entries)
-        assert caches.used_bytes <= budget and caches.stats.evictions == FILLS - kept
-        assert caches.used_bytes == sum(entry.size for entry in caches.entries.values())
-        if count_overhead:
-            assert caches.cost_of(1, 1, 1) > caches.size_of(1, 1, 1)  # the overhead is counted, not just the tensors
-    return {"kept": kept, "used_bytes": caches.used_bytes, "held": held, "budget": budget}
-
-
 def measure_tiny_fills_in_a_fresh_process() -> tuple[dict, dict]:
     """Both measurements (overhead counted, then tensors alone), in a fresh process: in the test process, the
     threads, servers and models of earlier tests allocate and free on their own. One thread and every Python
     object through malloc, so that ``mallinfo2`` sees it all; measured so, the same run holds the same bytes to
-    within a few kB (3.27-3.28 MB over 3 runs)."""
-    code = ("import json, torch; torch.set_num_threads(1); from tests.test_security_server import measure_tiny_fills "
-            "as m; print(json.dumps([m(True), m(False)]))")
+    within a few kB (3.27-3.28 MB over 3 runs of 3,500 fills; 1.68 MB of 1,750)."""
+    code = ("import json, torch; torch.set_num_threads(1); from tests.tiny_fills import measure_tiny_fills as m; "
+            "print(json.dumps([m(True), m(False)]))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                           cwd=Path(__file__).resolve().parent.parent,
                           env=dict(os.environ, PYTHONMALLOC="malloc", MALLOC_ARENA_MAX="1", OMP_NUM_THREADS="1"))

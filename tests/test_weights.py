@@ -67,6 +67,7 @@ from tests.test_security_dht import flood, plain_attacker
 
 ROOT = Path(__file__).resolve().parent.parent
 GENERATION = dict(gen_length=16, steps=16, block_length=8)
+DHT_POLL = 1.0  # seconds between DHT reads while waiting for a record (each read is traffic on every peer it asks)
 
 
 def addresses_of(maddrs: list[str]) -> list[str]:
@@ -154,8 +155,8 @@ def test_a_server_named_by_id_starts_from_peers_alone_and_computes_as_the_local_
     """With the liars' records there too (issue 48): their size hints ban nobody."""
     dht, _ = peer
     publisher = next(p for p in swarm.processes if p.name == "publisher")
-    assert wait_until(lambda: publisher.peer_id in {h.peer_id for h in read_hosts(dht, model_id)}, timeout=60), \
-        "the publisher announces its weights"
+    assert wait_until(lambda: publisher.peer_id in {h.peer_id for h in read_hosts(dht, model_id)}, timeout=60,
+                      interval=DHT_POLL), "the publisher announces its weights"
     assert set(liars) <= {h.peer_id for h in read_hosts(dht, model_id)}
     cache = home / "swarm" / "weights" / model_id
     # the servers' cache, which another test's server by id or by name may have filled (any order; each stops its
@@ -195,7 +196,7 @@ def test_a_server_named_by_id_starts_from_peers_alone_and_computes_as_the_local_
     assert not client_files & {tensor_file(i) for i in blocks_of(names, 0, 1, 2, 3)}, "a client fetches no block"
     # it serves what it fetched: its hosts record lists exactly those tensors
     assert wait_until(lambda: any(h.peer_id == server.peer_id and h.tensors == blocks_of(names, 2, 3)
-                                  for h in read_hosts(dht, model_id)))
+                                  for h in read_hosts(dht, model_id)), interval=DHT_POLL)
     # it knows the model's hosts key: its storage refuses plain subkeys there, and so does the bootstrap peer, which
     # knows no model but has learnt the key's policy from the hosts records, which name their key (swarm.dht.keys)
     attacker = plain_attacker(swarm.initial_peers)
@@ -435,7 +436,8 @@ def test_a_server_started_with_no_serve_weights_serves_none(swarm, peer, model_i
                                 name="no-weights")
     try:
         assert wait_until(lambda: any(r.peer_id == server.peer_id for r in read_servers(dht, tiny_model_path.name,
-                                                                                           4).values()))
+                                                                                           4).values()),
+                          interval=DHT_POLL)
         assert server.peer_id not in {h.peer_id for h in read_hosts(dht, model_id)}
         request = ReadRequest(model_id, MANIFEST, "", 0, 10)
         with pytest.raises(RemoteError, match="unreachable|no_weights"):

@@ -351,14 +351,20 @@ def test_a_generation_keeps_its_route_when_the_server_list_is_refreshed(remote_l
 
 def test_exact_mode_with_push_gives_the_local_tokens(push_off, local_lm, monkeypatch):
     push_off.client_config.push = True
-    before = [push_off.loop.run(push_off.caller.info(hop.peer_id, 5))[0]["push"]["delivered"]
-              for hop in push_off.show_route()]
+    last = push_off.show_route()[-1].peer_id
+    before = push_off.loop.run(push_off.caller.info(last, 5))[0]["push"]["delivered"]
     result, pushed, hop_by_hop = pushed_passes(
         push_off, lambda: push_off.generate(PROMPT, **SWARM_SETTINGS, temperature=0.8), monkeypatch)
     assert result.token_ids == local_lm.generate(PROMPT, **SWARM_SETTINGS, temperature=0.8).token_ids
-    after = [push_off.loop.run(push_off.caller.info(hop.peer_id, 5))[0]["push"]["delivered"]
-             for hop in push_off.show_route()]
-    assert after[-1] - before[-1] >= SWARM_SETTINGS["steps"]  # the last server delivered every pass itself
+    assert push_off.show_route()[-1].peer_id == last
+
+    def delivered_by_last() -> int:  # the last server delivered every pass itself
+        return push_off.loop.run(push_off.caller.info(last, 5))[0]["push"]["delivered"] - before
+
+    # It counts a delivery once the client's acknowledgment is back, which may come after the client has the
+    # pass and returns: under load the last count lagged the generation (15 of 16 read at once, 2026-12-06)
+    wait_until(lambda: delivered_by_last() >= SWARM_SETTINGS["steps"], timeout=30, interval=0.5)
+    assert delivered_by_last() >= SWARM_SETTINGS["steps"]
     assert_pushed(pushed, hop_by_hop, SWARM_SETTINGS["steps"], staleness=0)  # ... and the client took each one
 
 

@@ -209,8 +209,8 @@ class NamespacedSwarm(LocalSwarm):
         managed.args = list(args)  # what :meth:`restart` passes here again
         return managed
 
-    def _fork(self, args: Sequence[str]) -> ForkedProcess:
-        return self._forks.start(args, netns=f"/run/netns/{self.namespace}", env=self.env)
+    def _fork(self, args: Sequence[str], env: Optional[dict[str, str]] = None) -> ForkedProcess:
+        return self._forks.start(args, netns=f"/run/netns/{self.namespace}", env=dict(self.env, **(env or {})))
 
     def start(self, name: str, args: Sequence[str], wait: bool = True) -> ManagedProcess:
         """Any ``python ARGS`` that prints a READY line (``swarm.dht``, ``swarm.server``)."""

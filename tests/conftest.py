@@ -254,7 +254,6 @@ def sharded_model_path(tmp_path_factory) -> Path:
 
 # ----- a live local swarm, shared by every test that needs one ----------------------------------------
 SHARED_SWARM_THROUGHPUT = "10"  # tokens/s the shared swarm's servers announce (see local_swarm)
-SHARED_SWARM_UPDATE_PERIOD = "15"  # seconds between their announcements (see local_swarm)
 
 
 @pytest.fixture(scope="session")
@@ -266,16 +265,13 @@ def local_swarm(tiny_model_path):
     were within the ping noise of a loaded machine, so a test's ``fast_server`` (1e9) or the 1:4 replica lost routes
     they win on a quiet one. At 10 tokens/s the compute terms are seconds and decide every route.
 
-    They announce every ``SHARED_SWARM_UPDATE_PERIOD`` seconds, the servers' default, not LocalSwarm's 5 (records
-    then live 37.5 s): idle, a bootstrap and three servers spent 1.54 CPU s a minute at 5 and 0.43 at 30, back to
-    back, and these run through the whole session in every worker."""
+    They announce every 15 s, the servers' default (LocalSwarm's); records live 37.5 s."""
     from swarm.utils.local_swarm import LocalSwarm
 
     with LocalSwarm(fork_server=True) as swarm:
         swarm.start_bootstrap()
         servers = [swarm.start_server(str(tiny_model_path), span, "--compute-threads", "1", "--throughput",
-                                      SHARED_SWARM_THROUGHPUT, "--update-period", SHARED_SWARM_UPDATE_PERIOD,
-                                      wait=False)
+                                      SHARED_SWARM_THROUGHPUT, wait=False)
                    for span in ("0:2", "2:4", "1:4")]
         for server in servers:
             swarm.wait_ready(server)

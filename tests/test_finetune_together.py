@@ -19,7 +19,7 @@ from swarm.adapters.adapter import ADAPTER_CONFIG, SoftPrompt
 from swarm.dht.node import NetworkConfig, start_dht, stop_dht
 from swarm.finetune.together import CollaborationConfig, collaborative_optimizer
 from swarm.finetune.trainer import STATE_FILE, FinetuneConfig, Finetuner, set_lr
-from swarm.utils.forkserver import DEFAULT_PRELOAD
+from swarm.utils.forkserver import TRAINING_PRELOAD
 from swarm.utils.local_swarm import LocalSwarm, ManagedProcess
 from tests.conftest import wait_until
 
@@ -30,7 +30,7 @@ BATCH, TARGET = 2, 8  # alone, a peer needs TARGET / BATCH = 4 batches per optim
 def bootstrap():
     """One bootstrap peer for the module. Its fork server preloads ``torch._dynamo`` too: each peer's
     hivemind.Optimizer makes a torch optimizer, whose first construction imports it (1.2 CPU s a peer otherwise)."""
-    with LocalSwarm(fork_server=True, preload=(*DEFAULT_PRELOAD, "torch._dynamo")) as swarm:
+    with LocalSwarm(fork_server=True, preload=TRAINING_PRELOAD) as swarm:
         swarm.start_bootstrap()
         yield swarm
 

@@ -31,7 +31,7 @@ import click
 
 from swarm.cli.options import run_main, setup_logging
 from swarm.utils.extras import install_hint
-from swarm.utils.forkserver import DEFAULT_PRELOAD, ForkedProcess
+from swarm.utils.forkserver import TRAINING_PRELOAD, ForkedProcess
 
 logger = logging.getLogger(__name__)
 
@@ -182,7 +182,7 @@ def run_demo(output: Path, rounds: int, round_steps: int, held_out: int, audit_e
     trainers: dict[str, Process] = {}
     # Every process forked from one that imported torch and hivemind, and torch._dynamo: torch.optim imports it when
     # an optimizer is made, 1.4 CPU s in each trainer.
-    with LocalSwarm(fork_server=True, preload=(*DEFAULT_PRELOAD, "torch._dynamo")) as swarm:
+    with LocalSwarm(fork_server=True, preload=TRAINING_PRELOAD) as swarm:
         # The server starts the swarm and everyone joins through it: a bootstrap peer would be one more DHT peer for
         # every record to reach (the trainers' progress records several times a second while they train).
         peers = swarm.start_server(MODEL, "0:4", "--compute-threads", "1").maddrs

@@ -133,10 +133,15 @@ def _kill_namespace_processes(namespace: str) -> None:
             pass
 
 
+def netns_path(namespace: str) -> str:
+    """The file of a network namespace that ``ip netns add`` made, which a fork server's child enters."""
+    return f"/run/netns/{namespace}"
+
+
 def _wait_inside(process: subprocess.Popen, namespace: str, timeout: float = 30.0) -> None:
     """Return once ``process`` runs in ``namespace`` (or has ended): until ``ip netns exec`` has entered it, killing
     the namespace's processes (a lab's cleanup) would miss it, and it would then run on outside any lab."""
-    wanted = os.stat(f"/run/netns/{namespace}").st_ino
+    wanted = os.stat(netns_path(namespace)).st_ino
     deadline = time.monotonic() + timeout
     while process.poll() is None and time.monotonic() < deadline:
         try:
@@ -202,15 +207,16 @@ class NamespacedSwarm(LocalSwarm):
     def initial_peers(self) -> list[str]:
         return list(self.peers)
 
-    def _start(self, name: str, args: Sequence[str], wait: bool = True, log: Optional[Path] = None) -> ManagedProcess:
+    def _start(self, name: str, args: Sequence[str], wait: bool = True, log: Optional[Path] = None,
+               env: Optional[dict[str, str]] = None) -> ManagedProcess:
         forked = self.fork_server and forkable(args)
         inside = list(args) if forked else ["netns", "exec", self.namespace, sys.executable, *args]
-        managed = super()._start(name, inside, wait, log)
+        managed = super()._start(name, inside, wait, log, env)
         managed.args = list(args)  # what :meth:`restart` passes here again
         return managed
 
-    def _fork(self, args: Sequence[str], env: Optional[dict[str, str]] = None) -> ForkedProcess:
-        return self._forks.start(args, netns=f"/run/netns/{self.namespace}", env=dict(self.env, **(env or {})))
+    def _fork(self, args: Sequence[str], env: dict[str, str], cwd: Optional[str] = None) -> ForkedProcess:
+        return self._forks.start(args, netns=netns_path(self.namespace), env=env, cwd=cwd)
 
     def start(self, name: str, args: Sequence[str], wait: bool = True) -> ManagedProcess:
         """Any ``python ARGS`` that prints a READY line (``swarm.dht``, ``swarm.server``)."""
@@ -490,8 +496,8 @@ class NetLab:
         if not self.config.fork_server:
             return self.popen(role, args, stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=PACKAGE_PARENT)
-        namespace = f"/run/netns/{self.machines[role].namespace}"
-        return self._fork_server().start(args, netns=namespace, stdin=stdin, cwd=PACKAGE_PARENT)
+        return self._fork_server().start(args, netns=netns_path(self.machines[role].namespace), stdin=stdin,
+                                         cwd=PACKAGE_PARENT)
 
     def wan_bytes(self, role: str) -> tuple[int, int]:
         """(received, sent) bytes so far on ``role``'s internet cable (its router's, behind NAT)."""

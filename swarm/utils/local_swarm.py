@@ -110,16 +110,7 @@ class LocalSwarm:
 
     def _start(self, name: str, args: Sequence[str], wait: bool = True, log: Optional[Path] = None,
                env: Optional[dict[str, str]] = None) -> ManagedProcess:
-        command = [self.python, *args]
-        if self.fork_server and forkable(args):
-            if self._forks is None:
-                self._forks = self._new_fork_server()
-            logger.info("starting %s (forked): %s", name, " ".join(command))
-            process = self._fork(args, env)
-        else:
-            logger.info("starting %s: %s", name, " ".join(command))
-            process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                       env=dict(self.env, **(env or {})), start_new_session=True)
+        process = self._launch(name, args, dict(self.env, **(env or {})))
         managed = ManagedProcess(name, process, args=list(args), env=dict(env or {}))
         self.processes.append(managed)
         copy = open(log, "w") if log is not None else None  # noqa: SIM115 (the pump closes it at the output's end)
@@ -133,14 +124,7 @@ class LocalSwarm:
         """Run ``python *args`` to its end, as a user's terminal runs a command that uses the swarm (forked where this
         swarm has a fork server), in ``env`` (default: the swarm's) and ``cwd``: its exit code and its stdout and
         stderr together. Killed (with its session) after ``timeout`` seconds."""
-        env = dict(self.env if env is None else env)
-        if self.fork_server and forkable(args):
-            if self._forks is None:
-                self._forks = self._new_fork_server()
-            process: Union[subprocess.Popen, ForkedProcess] = self._forks.start(args, env=env, cwd=cwd)
-        else:
-            process = subprocess.Popen([self.python, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                       text=True, env=env, cwd=cwd, start_new_session=True)
+        process = self._launch(" ".join(args[:2]), args, dict(self.env if env is None else env), cwd)
         timer = threading.Timer(timeout, signal_family, (process.pid, [], signal.SIGKILL))
         timer.start()
         try:
@@ -149,10 +133,23 @@ class LocalSwarm:
         finally:
             timer.cancel()
 
-    def _fork(self, args: Sequence[str], env: Optional[dict[str, str]] = None) -> ForkedProcess:
-        """Fork ``args`` with this swarm's environment as it is now (a test may have set a variable since its fork
-        server started) and ``env``, the process's own variables, over it."""
-        return self._forks.start(args, env=dict(self.env, **(env or {})))
+    def _launch(self, name: str, args: Sequence[str], env: dict[str, str],
+                cwd: Optional[str] = None) -> Union[subprocess.Popen, ForkedProcess]:
+        """Start ``python *args`` with the environment ``env`` (whole: a test may have set a variable since the fork
+        server started), in a session of its own, stdout and stderr on one pipe: forked where this swarm has a fork
+        server, else exec'd."""
+        command = [self.python, *args]
+        if self.fork_server and forkable(args):
+            if self._forks is None:
+                self._forks = self._new_fork_server()
+            logger.info("starting %s (forked): %s", name, " ".join(command))
+            return self._fork(args, env, cwd)
+        logger.info("starting %s: %s", name, " ".join(command))
+        return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                                cwd=cwd, start_new_session=True)
+
+    def _fork(self, args: Sequence[str], env: dict[str, str], cwd: Optional[str] = None) -> ForkedProcess:
+        return self._forks.start(args, env=env, cwd=cwd)
 
     def restart(self, managed: ManagedProcess) -> ManagedProcess:
         """Start ``managed``'s command again (stopping it first if it still runs) and wait for its READY line; it

@@ -181,8 +181,7 @@ class DistributedDiffusionLM(BaseDiffusionLM):
         """Restrict the route at once, not only from the next request: :meth:`show_route` and the route's refresh
         then challenge and plan over these peers alone (each request applies its tier's policy again)."""
         self._only_peers = peers
-        if self.sequence.health.allow_only(peers):
-            self.planner.route = []
+        self.sequence.allow_only(peers)
 
     @property
     def head(self) -> OutputHead:

@@ -113,8 +113,12 @@ class RemoteSequence:
         self.spot_checker.fraction = spot_check_fraction
         self.spot_checker.require_verified = require_verified
         self.spot_checker.reset()  # fill inputs of earlier generations are never reused
-        if self.health.allow_only(allowed):
-            self.planner.route = []  # rebuilt under the new policy
+        self.allow_only(allowed)
+
+    def allow_only(self, peers: Optional[frozenset[str]]) -> None:
+        """Only ``peers`` may serve from now on (None: any); a changed set drops the route, rebuilt under it."""
+        if self.health.allow_only(peers):
+            self.planner.route = []
 
     # ----- one pass through all blocks -------------------------------------------------------------
     def forward(self, hidden: torch.Tensor, session_id: Optional[str] = None, step: int = -1,

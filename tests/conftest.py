@@ -420,8 +420,8 @@ def fast_server(swarm, path, blocks: str = "0:4", *extra: str, wait: bool = True
 SERVER = ("-m", "swarm.server")
 # For a server no test watches re-announce (its record is read after its start, or not at all): LocalSwarm's servers
 # announce every 15 s (the servers' default; 5 before 2026-12-06), and each announcement is DHT stores through every
-# peer's daemon. Six idle servers of the tiny
-# model spent 3.8-4.6 CPU s in 40 s at 5 s and 0.7 at 30 s (2026-12-06, load 21). Records then live 75 s (2.5 x).
+# peer's daemon. Six idle servers of the tiny model spent 3.8-4.6 CPU s in 40 s at 5 s and 0.7 at 30 s (2026-12-06,
+# load 21). Records then live 75 s (2.5 x).
 RARE_ANNOUNCEMENTS = ("--update-period", "30")
 
 

@@ -6,6 +6,7 @@ daemon guarantees (``kill -9`` takes their daemons) is ``test_daemons.py``'s kil
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -182,6 +183,40 @@ def test_the_children_of_a_fork_server_that_dies_are_stopped(tmp_path, caplog):
     with pytest.raises(RuntimeError, match="did not start"):
         forks.start([str(script)])
     forks.close()
+
+
+OWNER = """import json, os, signal, sys, time
+from swarm.utils.forkserver import ForkServer
+forks = ForkServer(preload=())
+child = forks.start([sys.argv[1]])
+assert child.stdout.readline() == "up\\n"
+print(json.dumps({"child": child.pid, "fork_server": forks.process.pid}), flush=True)
+if sys.argv[2] == "exit":
+    os._exit(0)  # no teardown: the fork server sees its channel close
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("how", ["the owner exits without closing it", "the fork server dies unseen"])
+def test_no_child_outlives_its_fork_server(tmp_path, how):
+    """An owner that exits without its teardown (an xdist worker stopped, os._exit) once left its swarm's servers
+    running for hours; and a fork server killed while its owner cannot react (stopped here) left its children."""
+    sleeper = tmp_path / "sleeper.py"
+    sleeper.write_text("import time\nprint('up', flush=True)\ntime.sleep(60)\n")
+    owner = subprocess.Popen([sys.executable, "-c", OWNER, str(sleeper), "exit" if "exits" in how else "stay"],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        pids = json.loads(owner.stdout.readline())
+        if "dies" in how:
+            owner.send_signal(signal.SIGSTOP)
+            os.kill(pids["fork_server"], signal.SIGKILL)
+        assert wait_until(lambda: _gone(pids["fork_server"]) and _gone(pids["child"]), timeout=20)
+    finally:
+        owner.kill()
+        owner.wait()
+        for pid in pids.values() if "pids" in locals() else ():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def _gone(pid: int) -> bool:

@@ -13,7 +13,6 @@ Besides starting the peer, this module makes sure of two things a user should ne
 """
 from __future__ import annotations
 
-import ctypes
 import errno
 import logging
 import os
@@ -52,11 +51,11 @@ from swarm.dht.validation import (
     swarm_validators,
 )
 from swarm.utils.errors import EXIT_IN_USE, EXIT_UNREACHABLE, SwarmError
+from swarm.utils.parent_death import set_parent_death_signal
 from swarm.utils.text import plural
 
 logger = logging.getLogger(__name__)
 
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
 ORPHAN_POLL_S = 0.25  # how often a DHT process started from a non-main thread checks that its starter lives
 FAILED_REPLY_WARN_S = 60.0  # one warning per peer per this many seconds about replies lost on protected keys
 
@@ -117,13 +116,6 @@ def check_listen_addresses(maddrs: Iterable[str], flag: str = "--host-maddrs") -
 
 
 # ----- daemons that die with their parent ----------------------------------------------------------
-def set_parent_death_signal(sig: int = signal.SIGKILL) -> bool:
-    """Linux: have the kernel send ``sig`` to this process when the thread that started it exits."""
-    if not sys.platform.startswith("linux"):
-        return False
-    return ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
-
-
 # Runs in the child between fork and p2pd: the death signal survives exec, and a parent that died before the
 # prctl is caught by the parent-pid check. It execs p2pd in place, so hivemind signals and waits for the same pid.
 # p2pd gets its own process group: a Ctrl-C in a terminal signals the foreground group, and a p2pd interrupted

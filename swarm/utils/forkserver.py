@@ -19,7 +19,11 @@ killed while holding one would stall its siblings; each child therefore makes it
 as a fresh interpreter would, and so does numpy's global random generator.
 
 The children are the fork server's, not the caller's: it reaps them and sends each exit status back, and
-:class:`ForkedProcess` offers the part of ``subprocess.Popen`` that ``LocalSwarm`` and its callers use. ``ps`` shows
+:class:`ForkedProcess` offers the part of ``subprocess.Popen`` that ``LocalSwarm`` and its callers use. They live no
+longer than the fork server, and it no longer than its caller: it exits when its channel closes (the caller closed
+it, or died however it died), and each child is SIGKILLed by the kernel when the fork server exits (Linux's parent
+death signal), so a caller killed without its teardown leaves no server running for hours; a DHT process and
+``p2pd`` below a child follow it (:mod:`swarm.dht.node`). ``ps`` shows
 a child under the fork server's command line. Messages are JSON over a ``SOCK_SEQPACKET`` socket pair (one message
 per packet); a start request carries the write end of the child's output pipe (and the read end of its input pipe,
 if any) as ``SCM_RIGHTS`` descriptors.
@@ -43,6 +47,7 @@ import threading
 from typing import IO, Any, Optional, Sequence
 
 from swarm.utils.collector import freeze_loaded
+from swarm.utils.parent_death import die_with_parent
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +103,7 @@ class ForkServer:
     """``ForkServer(env=...).start(["-m", "swarm.server", ...])``: processes forked from one that preloaded modules.
 
     The fork server is started at once and imports in the background; the first :meth:`start` waits for it.
-    :meth:`close` ends it (its children are not stopped: they are the caller's to stop, as exec'd ones are).
+    :meth:`close` ends it, and with it whatever children are left (``LocalSwarm`` stops them first, gracefully).
     """
 
     def __init__(self, python: str = sys.executable, env: Optional[dict[str, str]] = None,
@@ -157,7 +162,7 @@ class ForkServer:
         return child
 
     def close(self, timeout: float = 10) -> None:
-        """Stop the fork server (it exits when its channel closes) and wait for it."""
+        """Stop the fork server (it exits when its channel closes) and wait for it; children left are SIGKILLed."""
         self.closed = True
         with contextlib.suppress(OSError):
             self.channel.shutdown(socket.SHUT_RDWR)
@@ -232,8 +237,10 @@ def serve(channel: socket.socket) -> Optional[dict[str, Any]]:
             continue
         sys.stdout.flush(), sys.stderr.flush()
         entered, entering = os.pipe()  # the child says here whether it entered its namespace
+        server_pid = os.getpid()
         pid = os.fork()
         if pid == 0:
+            die_with_parent(server_pid)
             channel.close()
             os.close(entered)
             _enter_namespace(request.get("netns"), entering)

@@ -1,9 +1,9 @@
 """A hostile swarm, server side: every resource a remote peer can make a server spend is bounded.
 
 Network tests run one real server process (tiny model, small limits) and attack it from bare libp2p peers
-(two, or twenty sybil ids), as any client could; one more server, of a long-context model, shows that a long
-pass whose caller has gone is cancelled. Unit tests check the admission rules and the activation cache's
-accounting.
+(two, or more sybil ids than it has stream places), as any client could; one more server, of a long-context model,
+shows that a long pass whose caller has gone is cancelled. Unit tests check the admission rules and the activation
+cache's accounting.
 """
 from __future__ import annotations
 

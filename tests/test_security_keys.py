@@ -54,6 +54,9 @@ from tests.test_security_dht import plain_attacker
 PREFIX = "hidden"
 SHA = "ab" * 32
 MONTH = 30 * 24 * 3600.0
+# Storing peers of a network: two show "every storing peer" as three did (each is a DHT process and a libp2p daemon,
+# and every flood below is sent to each of them)
+STORERS = 2
 
 
 # ----- the attacker (runs in its stock hivemind DHT process) ------------------------------------------------
@@ -127,13 +130,13 @@ class Network:
 
 
 def start_network(trusted: tuple[str, ...] = ()) -> Network:
-    """Three storing swarm peers (``trusted``: governance keys they trust, from a prefix they know), a writer and a
-    reader."""
+    """``STORERS`` storing swarm peers (``trusted``: governance keys they trust, from a prefix they know), a writer and
+    a reader."""
     protect = protected_keys("another-model", 0, trusted) if trusted else []
     first = start_dht(NetworkConfig(use_default_peers=False), protect=protect)
     peers = visible_maddrs(first)
     storers = [first] + [start_dht(NetworkConfig(initial_peers=peers, use_default_peers=False), protect=protect)
-                         for _ in range(2)]
+                         for _ in range(STORERS - 1)]
     identity = Identity.load_or_create(None)
     writer = start_dht(NetworkConfig(initial_peers=peers, use_default_peers=False), identity=identity)
     reader = start_dht(NetworkConfig(initial_peers=peers, client_mode=True, use_default_peers=False))
@@ -153,14 +156,15 @@ def attacker(network: Network) -> Iterator[DHT]:
 
 @pytest.fixture(scope="module")
 def prober(network) -> Iterator[DHT]:
-    """A stock hivemind peer in client mode, for floods whose point is only what the storing peers answer (a flood
-    sent after they learnt the key): the storing peers judge a plain subkey, a regular value or a slot by the key's
-    policy whoever sends it, and a client-mode peer stores nothing for others and is asked by no reader, so unlike
-    :func:`attacker` it may stay for the module (one libp2p daemon instead of one per flood)."""
+    """A stock hivemind peer in client mode, for floods whose point is only what the storing peers take or answer
+    (before or after they learnt the key): the storing peers judge a plain subkey, a regular value or a slot by the
+    key's policy whoever sends it, and a client-mode peer stores nothing for others and is asked by no reader, so
+    what readers find is what the storing peers kept, as after :func:`attacker` left; it may stay for the module
+    (one libp2p daemon instead of one per flood)."""
     dht = DHT(initial_peers=visible_maddrs(network.storers[0]), start=True, client_mode=True,
               host_maddrs=["/ip4/127.0.0.1/tcp/0"], record_validators=[RSASignatureValidator()])
     unlearnt = f"probed-{time.monotonic_ns() % 10**9}"  # a key no value has named: every storing peer takes a flood
-    assert hide(dht, unlearnt, network.storing_peers, count=8) == [True] * 3, \
+    assert hide(dht, unlearnt, network.storing_peers, count=8) == [True] * STORERS, \
         "the storing peers refuse this peer's stores whatever the key: its refusals below would prove nothing"
     yield dht
     stop_dht(dht)
@@ -264,17 +268,16 @@ SHOWN = ("model name", False, "shown")  # the show command's name: flooded as th
 
 
 @pytest.fixture(scope="module")
-def flooded(network) -> dict[tuple[str, bool, str], tuple[str, list[bool]]]:
-    """Issue 48's floods, sent before any honest write by one attacker that joins, floods a fresh name of each
-    family (1,024 plain subkeys, or a regular value) and the show test's, then leaves, as a flooder may: (family,
-    regular, use) -> (the name, whether each storing peer took its flood). One libp2p daemon instead of one per
-    flood: the storing peers judge a flood by its key's policy, and learn none from a flood (it names no key)."""
+def flooded(network, prober) -> dict[tuple[str, bool, str], tuple[str, list[bool]]]:
+    """Issue 48's floods, sent before any honest write, of a fresh name of each family (1,024 plain subkeys, or a
+    regular value) and the show test's: (family, regular, use) -> (the name, whether each storing peer took its
+    flood). Sent by the prober, whom no reader asks (as if the flooder had left): the storing peers judge a flood by
+    its key's policy, and learn none from a flood (it names no key)."""
     run = time.monotonic_ns() % 10**9
     cases = [(family, regular, "write") for family in FAMILIES for regular in (False, True)] + [SHOWN]
     names = {case: f"{case[2]}-{case[0].replace(' ', '-')}-{int(case[1])}-{run}" for case in cases}
-    with attacker(network) as flooder:
-        return {case: (name, hide(flooder, FAMILIES[case[0]].key(name), network.storing_peers, regular=case[1]))
-                for case, name in names.items()}
+    return {case: (name, hide(prober, FAMILIES[case[0]].key(name), network.storing_peers, regular=case[1]))
+            for case, name in names.items()}
 
 
 @pytest.mark.parametrize("regular", [False, True], ids=["1024 plain subkeys", "a regular value"])
@@ -284,15 +287,15 @@ def test_a_key_flooded_before_it_is_written_still_takes_the_honest_record(networ
     honest write succeeds and another peer reads it."""
     chosen = FAMILIES[family]
     name, taken = flooded[family, regular, "write"]  # a name nobody had written, flooded by a peer gone since
-    assert taken == [True] * 3, "the flood was refused before any record named the key: no attack to defend"
+    assert taken == [True] * STORERS, "the flood was refused before any record named the key: no attack to defend"
     chosen.write(network, name)
     forget_local_copies(network.writer, [chosen.key(name)])  # readers must get it from the storing peers
     assert chosen.found(network, name), f"the {family} record is hidden by the flood"
     # Once a peer has learnt the key, the flood is refused there.
-    assert hide(prober, chosen.key(name), network.storing_peers, count=8) == [False] * 3
+    assert hide(prober, chosen.key(name), network.storing_peers, count=8) == [False] * STORERS
 
 
-def test_a_name_publish_that_no_other_peer_reads_back_fails(network):
+def test_a_name_publish_that_no_other_peer_reads_back_fails(network, prober):
     """A publish reports success only after a read that excludes its own copy: with every storing peer refusing
     the record (a regular value they took first, on peers whose policy was not learnt), ``publish`` raises. The
     module's storing peers lose their key registry for this test (and get it back after it)."""
@@ -302,9 +305,8 @@ def test_a_name_publish_that_no_other_peer_reads_back_fails(network):
             dht.run_coroutine(partial(_unprotect))
         publisher = Ed25519PrivateKey.generate()
         own = own_name_key(name, author_id(ed25519_text(publisher)))
-        with attacker(network) as flooder:
-            for key in (name_key(name), own):
-                assert hide(flooder, key, network.storing_peers, regular=True) == [True] * 3
+        for key in (name_key(name), own):  # the prober, whom no reader asks: what counts is what the peers took
+            assert hide(prober, key, network.storing_peers, regular=True) == [True] * STORERS
         with pytest.raises(WeightsError, match="it is not readable, so it is not published"):
             publish_weights_name(network, name, publisher, read_back_seconds=REFUSED_READ_BACK_SECONDS)
         forget_local_copies(network.reader, [name_key(name), own])
@@ -336,13 +338,15 @@ def test_fresh_keys_filling_a_name_do_not_keep_its_publishers_out(tmp_path):
     try:
         name, expiration = f"squatted-{time.monotonic_ns() % 10**9}", now() + 3600
         key = name_key(name)
-        with attacker(network) as squatter:
-            taken = squatter.run_coroutine(partial(_squat, key=key, name=name, peers=network.storing_peers,
-                                                   count=WEIGHTS_NAME.max_subkeys, expiration=expiration))
-            own = own_name_key(name, author_id(ed25519_text(trusted)))
-            assert squatter.run_coroutine(partial(_squat, key=own, name=name, peers=network.storing_peers, count=4,
-                                                  expiration=expiration)) == [0] * 3, "a stranger took an own key"
-        assert taken == [WEIGHTS_NAME.max_subkeys] * 3, taken
+        # The slots are sent from the reader's DHT process, whose storage they do not touch (one DHT peer fewer than a
+        # squatter's own): the storing peers judge a slot by the key's policy whoever sends it.
+        squatter = network.reader
+        taken = squatter.run_coroutine(partial(_squat, key=key, name=name, peers=network.storing_peers,
+                                               count=WEIGHTS_NAME.max_subkeys, expiration=expiration))
+        own = own_name_key(name, author_id(ed25519_text(trusted)))
+        assert squatter.run_coroutine(partial(_squat, key=own, name=name, peers=network.storing_peers, count=4,
+                                              expiration=expiration)) == [0] * STORERS, "a stranger took an own key"
+        assert taken == [WEIGHTS_NAME.max_subkeys] * STORERS, taken
         stranger_publisher = Ed25519PrivateKey.generate()
         publish_weights_name(network, name, stranger_publisher, read_back_seconds=REFUSED_READ_BACK_SECONDS)
         publisher_id = author_id(ed25519_text(stranger_publisher))
@@ -367,7 +371,7 @@ def test_show_from_another_peer_lists_a_name_flooded_before_it_was_published(net
     from swarm.weights.__main__ import main as weights_main
 
     name, taken = flooded[SHOWN]
-    assert taken == [True] * 3
+    assert taken == [True] * STORERS
     publish_weights_name(network, name)
     peers = [arg for maddr in visible_maddrs(network.storers[0]) for arg in ("--initial-peers", maddr)]
     shown = CliRunner().invoke(weights_main, ["show", name, *peers])
@@ -381,7 +385,7 @@ def test_a_peer_answering_a_regular_value_hides_no_record_from_readers(network):
     ignore a regular value under a key whose policy they know (every key they read)."""
     name = f"answered-{time.monotonic_ns() % 10**9}"
     with attacker(network) as liar:
-        assert hide(liar, name_key(name), network.storing_peers, regular=True) == [True] * 3
+        assert hide(liar, name_key(name), network.storing_peers, regular=True) == [True] * STORERS
         publish_weights_name(network, name)  # the liar refuses it (its regular value expires later)
         assert weights_name_found(network, name), "the liar's regular value replaced the record"
 
@@ -397,16 +401,19 @@ async def _learn_many(dht: DHT, node: DHTNode, peers: list[str], count: int, exp
         return [MSGPackSerializer.dumps(signed_value(signer, name_key(n), PublishedModel(
             n, "cd" * 32, 1000, 2000, time.time()).payload(), expires)) for n in chosen]
 
+    batches = [(names[start:start + 256], values(names[start:start + 256], expiration))  # signed once for every peer
+               for start in range(0, count, 256)]
     taken = []
     for peer in peers:
         count_taken = 0
-        for start in range(0, count, 256):
-            chosen, answer = names[start:start + 256], None
+        for chosen, signed in batches:
+            answer = None
             for attempt in range(3):  # a request that timed out (None: a loaded machine) is sent again, a little later
                 expires = expiration + attempt  # expiring later than what the lost request may have stored
                 answer = await node.protocol.call_store(
                     PeerID.from_base58(peer), [DHTID.generate(source=name_key(n)) for n in chosen],
-                    values(chosen, expires), expires, subkeys=[slot_subkey(signer)] * len(chosen))
+                    signed if attempt == 0 else values(chosen, expires), expires,
+                    subkeys=[slot_subkey(signer)] * len(chosen))
                 if answer is not None:
                     break
             count_taken += sum(answer or [])
@@ -420,16 +427,16 @@ def test_a_name_published_after_many_learnt_keys_is_not_hidden_by_a_regular_valu
     overflows, so the regular value is refused and another peer reads the record."""
     taken = prober.run_coroutine(partial(_learn_many, peers=network.storing_peers, count=2_000,
                                          expiration=now() + 3600))
-    assert taken == [2_000] * 3, taken
+    assert taken == [2_000] * STORERS, taken
     name = f"after-flood-{time.monotonic_ns() % 10**9}"
     publish_weights_name(network, name)
-    assert hide(prober, name_key(name), network.storing_peers, regular=True) == [False] * 3
+    assert hide(prober, name_key(name), network.storing_peers, regular=True) == [False] * STORERS
     forget_local_copies(network.reader, [name_key(name)])
     assert weights_name_found(network, name)
 
 
 # ----- issue 55, 2: where a reader needs one signer's entry, the signer is part of the key -------------------------
-def test_stranger_slots_filling_the_shared_governance_key_do_not_stop_a_halt(network):
+def test_stranger_slots_filling_the_shared_governance_key_do_not_stop_a_halt(network, prober):
     """The issue's attack: at peers that know no prefix (so trust no governance key), 64 slots of fresh keys fill the
     shared governance key and the real halt was refused there. Each key's decisions live under its own key, which no
     other key can write: the halt is stored and a reader trusting the key adopts it."""
@@ -437,14 +444,14 @@ def test_stranger_slots_filling_the_shared_governance_key_do_not_stop_a_halt(net
     from swarm.governance.records import publish as publish_decision
 
     prefix, governor = f"gov-{time.monotonic_ns() % 10**9}", Ed25519PrivateKey.generate()
-    with attacker(network) as squatter:
-        taken = squatter.run_coroutine(partial(_squat, key=governance_key(prefix), name="x", expiration=now() + 3600,
-                                               peers=network.storing_peers, count=GOVERNANCE.max_subkeys))
-        assert taken == [GOVERNANCE.max_subkeys] * 3, "the shared key was not filled: no attack to defend"
-        own = own_governance_key(prefix, ed25519_text(governor))
-        assert squatter.run_coroutine(partial(_squat, key=own, name="x", expiration=now() + 3600,
-                                              peers=network.storing_peers, count=4)) == [0] * 3, \
-            "a stranger's slot was stored under another key's own governance key"
+    squatter = prober  # whom no reader asks: what counts is what the storing peers took
+    taken = squatter.run_coroutine(partial(_squat, key=governance_key(prefix), name="x", expiration=now() + 3600,
+                                           peers=network.storing_peers, count=GOVERNANCE.max_subkeys))
+    assert taken == [GOVERNANCE.max_subkeys] * STORERS, "the shared key was not filled: no attack to defend"
+    own = own_governance_key(prefix, ed25519_text(governor))
+    assert squatter.run_coroutine(partial(_squat, key=own, name="x", expiration=now() + 3600,
+                                          peers=network.storing_peers, count=4)) == [0] * STORERS, \
+        "a stranger's slot was stored under another key's own governance key"
     assert publish_decision(network.writer, governor, prefix, "halt", "incident", read_back_seconds=20) is not None
     state = GovernanceState(prefix, [governor.public_key()])
     assert state.refresh(network.reader) is not None and state.halted

@@ -42,6 +42,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # this checkout's package, when run as a script
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey  # noqa: E402
+from hivemind import DHT  # noqa: E402
 
 from swarm.adapters.sharing import ENV_CACHE, make_record, publish  # noqa: E402
 from swarm.audit.auditor import Auditor  # noqa: E402
@@ -75,11 +76,12 @@ def names_of(route: list[str], servers: dict[str, str]) -> list[str]:
 
 
 def client_run(swarm: LocalSwarm, servers: dict[str, str], cache: Path, trusted: tuple[str, ...],
-               adapter: bool, prefix: Optional[str]) -> dict[str, Any]:
-    """A fresh client (trusting ``trusted``) generates the prompt; with ``adapter`` also with ``best:addition``."""
+               adapter: bool, prefix: Optional[str], dht: Optional[DHT] = None) -> dict[str, Any]:
+    """A fresh client (trusting ``trusted``) generates the prompt; with ``adapter`` also with ``best:addition``. On
+    ``dht`` (a running peer, not the auditor's: what it reads of audits comes over the swarm) instead of its own."""
     config = ClientConfig(network=NetworkConfig(initial_peers=swarm.initial_peers, client_mode=True),
                           trusted_auditors=trusted, dht_prefix=prefix)
-    with DistributedDiffusionLM(ModelFiles(MODEL), config) as lm:
+    with DistributedDiffusionLM(ModelFiles(MODEL), config, dht=dht) as lm:
         lm.adapter_cache = cache
         result = lm.generate(PROMPT, seed=0, **GREEDY)
         out = {"route": names_of(result.info["route"], servers), "tokens": result.token_ids,
@@ -129,10 +131,13 @@ def shared_or_own(shared: Optional[LocalSwarm]) -> Iterator[LocalSwarm]:
 
 def run(examples: int, max_rounds: int, fresh_identity: bool, challenges: int,
         delivered: int = DELIVERED, swarm: Optional[LocalSwarm] = None, prefix: Optional[str] = None,
-        lies_one_in: int = LIES_ONE_IN) -> dict[str, Any]:
+        lies_one_in: int = LIES_ONE_IN, client_dht: Optional[DHT] = None) -> dict[str, Any]:
     """The whole demonstration; what it found, as plain data. On ``swarm``, a running one (its servers are SIGKILLed
     at the end), instead of a swarm of its own; under the DHT namespace ``prefix`` instead of the model's (on a shared
-    swarm: no other server of the model joins the routes it shows)."""
+    swarm: no other server of the model joins the routes it shows). ``client_dht``: a running DHT peer on that swarm
+    for the two fresh clients (a test's shared one: two DHT peers and libp2p daemons fewer, 2-3 CPU s), instead of
+    one each; a client's state is its own either way, and the auditor keeps its own peer, so the clients read its
+    report over the swarm."""
     use_threads(1)
     work = Path(tempfile.mkdtemp(prefix="audit-demo-"))
     os.environ[ENV_CACHE] = str(work / "auditor-cache")  # the auditor's client fetches the adapters here
@@ -162,11 +167,11 @@ def run(examples: int, max_rounds: int, fresh_identity: bool, challenges: int,
             for (name, _, _, claim), path in zip(ADAPTERS, adapters.values()):
                 publish(auditor.dht, Ed25519PrivateKey.generate(), auditor.prefix,
                         make_record(path, name, claim, [by_name["A"]]))
-            before = client_run(swarm, servers, work / "client-cache", ("none",), False, prefix)
+            before = client_run(swarm, servers, work / "client-cache", ("none",), False, prefix, client_dht)
             factor = ClientConfig().overclaim_factor
             audit = audit_until_found(auditor, by_name["C"], by_name["D"], max_rounds, factor)
             key = public_key_text(auditor.key)
-            after = client_run(swarm, servers, work / "client-cache", (key,), True, prefix)
+            after = client_run(swarm, servers, work / "client-cache", (key,), True, prefix, client_dht)
         report = audit.pop("report")
         entries = {servers[e.peer_id]: e for e in report.servers}
         scores = {a.name: {"claimed": a.claimed, "correct": a.correct, "examples": a.examples,

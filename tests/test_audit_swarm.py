@@ -284,10 +284,11 @@ def test_a_server_honest_only_to_the_auditors_known_peer_id_is_caught_from_a_fre
 
 
 # ----- the demonstration (docs/AUDIT.md) ----------------------------------------------------------------------
-def test_the_audit_demonstration(local_swarm, monkeypatch, tmp_path):
+def test_the_audit_demonstration(local_swarm, swarm_peer, monkeypatch, tmp_path):
     """``python benchmarks/audit_demo.py`` as documented (its ``run``, in this process: one interpreter's start less;
     its 4 servers on the session's swarm under a prefix of their own: no second fork server and bootstrap peer, and
-    no other server of the model on its routes), at the documented settings but 20 examples and C lying on one
+    no other server of the model on its routes; its two fresh clients on the module's DHT peer, not the auditor's,
+    so the report still reaches them over the swarm), at the documented settings but 20 examples and C lying on one
     answer in 4 instead of 20 (a liar lying now and then all the same; its rounds until found are random, each a pass
     of every server's span and a whole generation through each: 42 and 85 CPU s for this test in two runs at 1 in 20,
     where 1 in 4 is failed in the first round 99.5% of the time, 1 - 0.75^4 x 0.875^32 with 4 challenges and half of
@@ -303,7 +304,8 @@ def test_the_audit_demonstration(local_swarm, monkeypatch, tmp_path):
     monkeypatch.setenv(ENV_CACHE, str(tmp_path / "cache"))  # the demonstration sets it: restored afterwards
     started = time.perf_counter()
     found = json.loads(json.dumps(demo.run(examples=20, max_rounds=100, fresh_identity=False, challenges=4,
-                                           lies_one_in=4, swarm=local_swarm, prefix="audit-demo")))  # as --json
+                                           lies_one_in=4, swarm=local_swarm, prefix="audit-demo",
+                                           client_dht=swarm_peer)))  # as --json
     print(f"the demonstration: {time.perf_counter() - started:.1f} s wall; found {found['found']} in "
           f"{found['rounds']} rounds, median {found['round_seconds_median']:.2f} s")
     assert set(found["found"]) == {"liar", "overclaimer"}

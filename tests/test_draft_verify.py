@@ -22,7 +22,6 @@ from swarm.frontend.scale import plan_scale
 from tests.conftest import stop_all, wait_all, wait_seen
 
 SHORT = dict(gen_length=16, steps=16, block_length=8)
-HEAD_PREFIX = "draft-head"
 VARIANTS = {  # name: settings over SHORT; every strategy runs greedy and sampled besides these
     "threshold": dict(steps=8, threshold=0.3),
     "cfg": dict(cfg_scale=1.5),
@@ -44,7 +43,7 @@ def assert_same_run(sequential, drafted) -> None:
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_drafts_give_the_sequential_tokens_for_many_seeds(local_lm, remasking, temperature):
     saved = 0
-    for seed in range(6):
+    for seed in range(4):  # draft_steps 1, 2, 3 and 4, each once per strategy and temperature
         settings = dict(SHORT, remasking=remasking, temperature=temperature, seed=seed)
         sequential = local_lm.generate(f"draft {seed}", **settings)
         drafted = local_lm.generate(f"draft {seed}", draft_steps=1 + seed % 4, **settings)
@@ -230,41 +229,20 @@ def test_drafts_are_pushed_from_server_to_server(remote_lm, local_lm, monkeypatc
     assert_pushed(pushed, hop_by_hop, result.denoiser_calls, staleness=0)
 
 
-@pytest.fixture(scope="module")
-def head_server(local_swarm, tiny_model_path):
-    """A server of every block with the output head, under a DHT prefix of its own (on the shared one its route would
-    take every remote test's calls, whatever the order); gone after the module."""
-    server = local_swarm.start_server(str(tiny_model_path), "0:4", "--head", "--dht-prefix", HEAD_PREFIX,
-                                      "--compute-threads", "1", name="draft-head")
-    yield server
-    if server.alive:
-        local_swarm.terminate(server)
-
-
 def head_client(swarm_peer, tiny_model_path, prefix: str) -> DistributedDiffusionLM:
     """A client of the servers under ``prefix``, through the module's DHT peer (its peer id is not the point)."""
     return DistributedDiffusionLM.from_pretrained(tiny_model_path, dht=swarm_peer, dht_prefix=prefix,
                                                   request_timeout=20, spot_check_fraction=0)  # checks load a head
 
 
-def test_drafts_with_the_head_on_the_server(swarm_peer, tiny_model_path, head_server, local_lm):
-    """The head server answers each row's predictions (no logits reach the client): drafts come from them."""
-    with head_client(swarm_peer, tiny_model_path, HEAD_PREFIX) as lm:
-        assert [hop.peer_id for hop in lm.show_route()] == [head_server.peer_id]
-        cases = [dict(remasking=remasking, temperature=0.6 * (seed % 2), seed=seed)
-                 for seed, remasking in enumerate(STRATEGIES)]
-        cases += [dict(VARIANTS["threshold"], temperature=0.6, seed=7), dict(VARIANTS["cfg"], temperature=0.6, seed=8)]
-        for case in cases:
-            settings = dict(SHORT, **case)
-            assert_same_run(local_lm.generate("head", **settings), lm.generate("head", draft_steps=3, **settings))
-        assert lm._head is None, "the client scored logits itself although the head server answered"
-
-
-def test_drafts_survive_a_server_killed_mid_run(local_swarm, tiny_model_path, local_lm, swarm_peer):
-    """SIGKILL of the route's only server after the third step: the generation goes on over a replica without the
-    head (the client's head then scores its hidden states) with the local tokens. Its own servers and prefix: the
-    kill would otherwise take the module's head server from every test after it (a shuffled run found it); one
-    replica of every block, since a server start is ~1 CPU s and the hops' count is not the point."""
+def test_drafts_with_the_head_on_the_server_and_after_it_is_killed(local_swarm, tiny_model_path, local_lm,
+                                                                   swarm_peer):
+    """The head server answers each row's predictions (no logits reach the client): drafts come from them, for every
+    strategy, threshold decoding and guidance. Then SIGKILL of the route's only server after the third step: the
+    generation goes on over a replica without the head (the client's head then scores its hidden states) with the
+    local tokens. Its own servers and prefix (the kill would take a shared head server from every test after it); one
+    replica of every block, since a server start is ~1 CPU s and the hops' count is not the point; one pair of servers
+    for both halves (a head server of its own for the first half was one start more)."""
     prefix = "draft-loss"
     servers = [local_swarm.start_server(str(tiny_model_path), span, "--dht-prefix", prefix, "--compute-threads", "1",
                                         *extra, name=f"draft-loss-{role}", wait=False)
@@ -276,6 +254,15 @@ def test_drafts_survive_a_server_killed_mid_run(local_swarm, tiny_model_path, lo
         with head_client(swarm_peer, tiny_model_path, prefix) as lm:
             wait_seen(lm, servers)
             assert [hop.peer_id for hop in lm.show_route()] == [head.peer_id]
+            cases = [dict(remasking=remasking, temperature=0.6 * (seed % 2), seed=seed)
+                     for seed, remasking in enumerate(STRATEGIES)]
+            cases += [dict(VARIANTS["threshold"], temperature=0.6, seed=7),
+                      dict(VARIANTS["cfg"], temperature=0.6, seed=8)]
+            for case in cases:
+                case_settings = dict(SHORT, **case)
+                assert_same_run(local_lm.generate("head", **case_settings),
+                                lm.generate("head", draft_steps=3, **case_settings))
+            assert lm._head is None, "the client scored logits itself although the head server answered"
             result = None
             for chunk in lm.generate_stream("failover drafts", **settings):
                 if chunk.done:

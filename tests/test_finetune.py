@@ -307,16 +307,17 @@ def with_option(args: list[str], name: str, value: str) -> list[str]:
 
 
 def test_the_quick_start_lowers_the_loss(tmp_path, monkeypatch):
-    """The quick start's first command, on its example data, shortened to 25 steps: the loss falls clearly (with
-    the two pairs and the settings it once had, it went from 7.1 to 8.7 in 100 steps; docs/TRAINING.md)."""
+    """The quick start's first command, on its example data, shortened to 15 steps: the loss falls clearly (with
+    the two pairs and the settings it once had, it went from 7.1 to 8.7 in 100 steps; docs/TRAINING.md). At 15 steps
+    the last five average 0.15 of the first five (seeded: 11.2 -> 1.7); at 25, 0.06."""
     args = quick_start_arguments()
     assert "--initial-peers" not in args and "--model" not in args  # the embedded model, all in this process
     monkeypatch.chdir(ROOT)  # the data path is the repository's
-    args = with_option(with_option(args, "--output", str(tmp_path / "adapter")), "--steps", "25")
+    args = with_option(with_option(args, "--output", str(tmp_path / "adapter")), "--steps", "15")
     run_finetune(*args, "--threads", "1")
     losses = json.loads((tmp_path / "adapter" / "losses.json").read_text())
     first, last = statistics.mean(losses[:5]), statistics.mean(losses[-5:])
-    assert len(losses) == 25 and last < 0.3 * first, (first, last)
+    assert len(losses) == 15 and last < 0.3 * first, (first, last)
 
 
 def test_finetune_command_resumes_exactly(tiny_model_path, tmp_path):

@@ -216,25 +216,38 @@ def signed_entries(dht: DHT, key: Optional[str], own: Optional[Mapping[str, str]
     own keys' entries come first (a reader keeping one entry per signer keeps those on a tie). Anything else is ignored
     (a peer that stores without validating may hand back a stranger's slot signed over another's own key)."""
     signers = dict(own or {})
-    found_own, found_shared = [], []
-    for read, found in read_entries(dht, [key, *signers] if key is not None else list(signers)).items():
-        for subkey, (value, expiration) in found.items():
+    by_key = verified_entries(read_entries(dht, [key, *signers] if key is not None else list(signers)), signers)
+    own_entries = [entry for read, entries in by_key.items() if read in signers for entry in entries]
+    return own_entries + (by_key.get(key, []) if key is not None else [])
+
+
+def verified_entries(found: Mapping[str, Mapping], signers: Mapping[str, str]) -> dict[str, list[tuple[str, bytes]]]:
+    """{key: (signer, payload) of each entry whose Ed25519 signature holds} of a read of several keys (under a key of
+    ``signers``, only the entry of the signer whose own key it is): so that one read can serve several checks."""
+    entries: dict[str, list[tuple[str, bytes]]] = {}
+    for read, subkeys in found.items():
+        for subkey, (value, expiration) in subkeys.items():
             try:
                 payload = verify_slot(dht_key_id(read), subkey, value, expiration)
                 if read in signers and signer_id(slot_signer(subkey)) != signers[read]:
                     raise ValueError(f"a slot of another key than {signers[read]}")
-                (found_own if read in signers else found_shared).append((slot_signer(subkey), payload))
+                entries.setdefault(read, []).append((slot_signer(subkey), payload))
             except ValueError as error:
                 logger.debug("ignoring an entry under %s: %s", read, error)
-    return found_own + found_shared
+    return entries
 
 
 def read_published(dht: DHT, prefix: str, name: str, authors: Iterable[str] = ()) -> list[PublishedAdapter]:
     """Every validly signed record for ``name``, one per author (its newest): those of ``authors`` (ids) under their
     own keys, which nobody else can fill, and those the shared name key lists. One read."""
     own = {own_name_key(prefix, name, author): author for author in authors}
+    return newest_records(name, signed_entries(dht, name_key(prefix, name), own))
+
+
+def newest_records(name: str, entries: Iterable[tuple[str, bytes]]) -> list[PublishedAdapter]:
+    """The records for ``name`` among signed entries, one per signer (its newest); malformed ones skipped."""
     records: dict[str, PublishedAdapter] = {}
-    for signer, payload in signed_entries(dht, name_key(prefix, name), own):
+    for signer, payload in entries:
         try:
             record = PublishedAdapter.from_payload(payload, signer)
         except Exception as error:  # remote input: whatever went wrong, it is not a record
@@ -325,19 +338,23 @@ def publish(dht: DHT, key: Ed25519PrivateKey, prefix: str, record: PublishedAdap
     names = sorted(set(listed) | {record.name})
     if len(names) > MAX_NAMES_PER_AUTHOR:
         raise AdapterError(f"an author may list at most {MAX_NAMES_PER_AUTHOR} names")
-    keys = [own_name_key(prefix, record.name, author), name_key(prefix, record.name), own_index_key(prefix, author),
-            index_key(prefix)]
+    own_name = own_name_key(prefix, record.name, author)
+    shared_name = name_key(prefix, record.name)
+    own_index = own_index_key(prefix, author)
+    keys = [own_name, shared_name, own_index, index_key(prefix)]
     payloads = [record.payload()] * 2 + [MSGPackSerializer.dumps(names)] * 2
     stored = [store_slot(dht, key, keys[i], payloads[i], expiration) for i in range(len(keys))]
     forget_local_copies(dht, keys)  # what readers get, not this peer's own copy
-    found = [r for r in read_published(dht, prefix, record.name, [author]) if r.author == own
-             and r.sha256 == record.sha256]
-    indexed = any(record.name in _names(payload) for _, payload in
-                  signed_entries(dht, None, {own_index_key(prefix, author): author}))
+    # One read of the three keys the checks below need (three reads of them were two DHT searches more a publish).
+    back = verified_entries(read_entries(dht, [own_name, shared_name, own_index]),
+                            {own_name: author, own_index: author})
+    found = [r for r in newest_records(record.name, back.get(own_name, []) + back.get(shared_name, []))
+             if r.author == own and r.sha256 == record.sha256]
+    indexed = any(record.name in _names(payload) for _, payload in back.get(own_index, []))
     if not found or not indexed:
         raise AdapterError(f"the swarm did not keep the {'record' if not found else 'index entry'} for "
                            f"{record.name!r} (stores accepted: {sum(stored)} of {len(stored)})")
-    if not any(r.author == own for r in read_published(dht, prefix, record.name)):
+    if not any(r.author == own for r in newest_records(record.name, back.get(shared_name, []))):
         logger.warning("published %s under your own keys; the shared list of its authors is full, so readers who "
                        "neither trust you nor name %s@%s do not see it", record.name, record.name, author)
     return found[0]

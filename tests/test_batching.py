@@ -21,12 +21,15 @@ REQUESTS = [  # one prompt length, so every call of every client may be merged w
 FAST = dict(gen_length=16, steps=8, block_length=8)
 
 
-def test_concurrent_clients_get_their_solo_tokens_from_a_batching_server(local_swarm, tmp_path):
+def test_concurrent_clients_get_their_solo_tokens_from_a_batching_server(local_swarm, tmp_path, swarm_peer):
     path = make_checkpoint(tmp_path / "batching", tiny_config(), seed=21)
     local = DiffusionLM.from_pretrained(path)
     solo = [local.generate(prompt, **FAST, **options).token_ids for prompt, options in REQUESTS]
     server = local_swarm.start_server(str(path), "0:4", "--head", "--compute-threads", "1")  # batching by default
-    clients = [swarm_client(local_swarm, path) for _ in REQUESTS]
+    # four callers, four peer ids: the first joins through the module's DHT peer (the next test's client uses it too),
+    # the others through their own (a DHT process and a libp2p daemon each)
+    clients = [swarm_client(local_swarm, path, **({"dht": swarm_peer} if index == 0 else {}))
+               for index in range(len(REQUESTS))]
     try:
         with ThreadPoolExecutor(len(clients)) as pool:  # each connected and challenged before they start together
             list(pool.map(lambda lm: lm.show_route(), clients))
@@ -56,12 +59,13 @@ def test_concurrent_clients_get_their_solo_tokens_from_a_batching_server(local_s
         stop_all(local_swarm, [server])
 
 
-def test_a_server_without_invariant_passes_says_so_and_auto_batches_no_states_through_it(local_swarm, tmp_path):
+def test_a_server_without_invariant_passes_says_so_and_auto_batches_no_states_through_it(local_swarm, tmp_path,
+                                                                                          swarm_peer):
     path = make_checkpoint(tmp_path / "varying", tiny_config(), seed=22)
     expected = DiffusionLM.from_pretrained(path).generate(REQUESTS[0][0], **FAST, temperature=0.0).token_ids
     server = local_swarm.start_server(str(path), "0:4", "--head", "--compute-threads", "1", "--no-batch-invariant")
     try:
-        with swarm_client(local_swarm, path) as lm:
+        with swarm_client(local_swarm, path, dht=swarm_peer) as lm:
             wait_seen(lm, [server])
             assert lm.planner.servers[server.peer_id].batch_invariant is False
             info, _ = lm.loop.run(lm.caller.info(server.peer_id, 10))

@@ -224,7 +224,8 @@ def test_a_server_refuses_nan_bottleneck_weights_naming_them(remote_lm):
     assert refused.value.code == ErrorCode.NOT_FINITE
 
 
-def test_a_server_that_does_not_list_bottlenecks_is_never_sent_one(local_swarm, tiny_model_path, local_lm, tmp_path):
+def test_a_server_that_does_not_list_bottlenecks_is_never_sent_one(local_swarm, tiny_model_path, local_lm, remote_lm,
+                                                                   tmp_path):
     """The attack (or just an old version): a server whose record lists no per-block adapter kinds and whose blocks
     add any per-block tensor as a deep prompt (tests/old_server.py). It answers a bottleneck wrongly without an
     error, so the client sends bottlenecks only to servers that list the kind: the tokens stay the local ones, plain
@@ -232,7 +233,9 @@ def test_a_server_that_does_not_list_bottlenecks_is_never_sent_one(local_swarm, 
 
     On the shared swarm, under a prefix of its own (the tiny model's files copied to a folder of another name: the
     same weights, so the local model's tokens hold, and none of the shared servers, so that the last one that applies
-    bottlenecks can leave): a swarm of its own cost a fork server and a bootstrap peer, ~3.5 CPU s."""
+    bottlenecks can leave): a swarm of its own cost a fork server and a bootstrap peer, ~3.5 CPU s. Its client joins
+    through the session client's DHT peer (``dht=``): which peer reads the records is not the point, and a DHT of its
+    own is a DHT process and a libp2p daemon, ~0.6 CPU s."""
     from swarm.client import DistributedDiffusionLM
     from swarm.client.routing import MissingBlocksError
 
@@ -240,7 +243,7 @@ def test_a_server_that_does_not_list_bottlenecks_is_never_sent_one(local_swarm, 
     path = str(adapter.save(tmp_path / "bottleneck"))
     model = shutil.copytree(tiny_model_path, tmp_path / "bottleneck-old-server")
     old, honest = start_all(local_swarm, model, [("0:4", (), OLD_SERVER), ("0:4", ())])
-    lm = DistributedDiffusionLM.from_pretrained(model, initial_peers=local_swarm.initial_peers, request_timeout=10)
+    lm = DistributedDiffusionLM.from_pretrained(model, dht=remote_lm.dht, request_timeout=10)
     try:
         hidden = torch.randn(1, 6, local_lm.config.hidden_size, generator=torch.Generator().manual_seed(0))
         weights = adapter.prompts.detach()

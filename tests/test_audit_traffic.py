@@ -52,6 +52,18 @@ def liars(local_swarm, tmp_path_factory):
         stop_all(local_swarm, list(servers.values()))
 
 
+@pytest.fixture(scope="module")
+def caller_peer(local_swarm):
+    """A client's DHT peer of its own beside ``swarm_peer`` (a DHT process and a libp2p daemon, so one for the
+    module): the client that hands its calls to an auditor on ``swarm_peer``, and the long-lived client whose calls
+    the long-seen liar tells from the auditors' (it serves that liar nothing before its test)."""
+    from swarm.dht.node import start_dht, stop_dht
+
+    dht = start_dht(NetworkConfig(initial_peers=local_swarm.initial_peers, client_mode=True))
+    yield dht
+    stop_dht(dht)
+
+
 AUDIT_GEN_LENGTH = 16  # tokens of the audit generations here: every kind of call, each liar's lie missed 2^-15 at most
 
 
@@ -82,7 +94,7 @@ def test_a_fresh_first_call_passes_every_quiet_liar_and_whole_generations_fail_e
     assert "fill" in reasons["faulty-cache"] or "reuse" in reasons["faulty-cache"], reasons
 
 
-def test_a_liar_is_proven_on_a_clients_calls_handed_over_the_network(local_swarm, liars, swarm_peer):
+def test_a_liar_is_proven_on_a_clients_calls_handed_over_the_network(local_swarm, liars, swarm_peer, caller_peer):
     """Issue 55: a client hands its sampled calls to an auditor over libp2p (``evidence_auditors``, each piece with a
     work stamp), not as files; the auditor's round recomputes them and fails the liar on its own signature, keeping
     the proofs; the honest server, named by no receipt, passes. A stranger's unpaid piece is refused."""
@@ -91,8 +103,8 @@ def test_a_liar_is_proven_on_a_clients_calls_handed_over_the_network(local_swarm
     config = AuditorConfig(network=network, fresh_identity=False, once=True, generations=0)
     with Auditor(config, Ed25519PrivateKey.generate(), ModelFiles(path), dht=swarm_peer) as auditor:
         auditor_id = str(auditor.p2p.peer_id)
-        with swarm_client(local_swarm, path, spot_check_fraction=0, spot_check_local=False, audit_share=1.0,
-                          evidence_auditors=(auditor_id,)) as lm:
+        with swarm_client(local_swarm, path, dht=caller_peer, spot_check_fraction=0, spot_check_local=False,
+                          audit_share=1.0, evidence_auditors=(auditor_id,)) as lm:
             lm.only_peers = frozenset({peers["faulty-later"]})
             lm.generate("1+2=", **dict(SETTINGS, steps=4))  # its sample goes to the auditor in the background
             assert lm.hand_audit_sample() == {auditor_id: 0}  # waits for that hand-off: nothing is left to hand
@@ -282,7 +294,7 @@ def recompute(path: Path, sample: list) -> list:
 
 
 def test_a_liar_to_long_seen_callers_is_proven_on_a_long_lived_clients_own_calls(local_swarm, quiet_liars,
-                                                                                 swarm_peer, tmp_path):
+                                                                                 swarm_peer, caller_peer, tmp_path):
     """The attack: audit rounds from new identities pass it, and a client without the blocks (no spot check possible)
     gets its lies. The defence: an auditor whose traffic identity lives across rounds (the default) is lied to and
     fails it; the client's sampled calls, signed by the liar and handed to an auditor (``--evidence-dir``), are
@@ -290,11 +302,12 @@ def test_a_liar_to_long_seen_callers_is_proven_on_a_long_lived_clients_own_calls
     on its own and routes around the liar. The first generation's calls (honest) accuse nobody.
 
     The liar keeps one clock per caller, so the three callers (an auditor renewing its identity every round, one
-    keeping it, a long-lived client with a DHT peer of its own) each make their first round or generation, then one
-    wait past ``SEEN_S`` serves all three (it was one wait each). The auditors' rounds send their challenges only
-    (``generations=0``): the identity a call comes from is the point, and a round's generations come from the same
-    identity as its challenges (the first test runs them); the auditor the evidence is handed to challenges from the
-    shared DHT peer, which the liar has never served, so its challenges pass and only the proofs can fail it."""
+    keeping it, a long-lived client with a DHT peer of its own: ``caller_peer``) each make their first round or
+    generation, then one wait past ``SEEN_S`` serves all three (it was one wait each). The auditors' rounds send
+    their challenges only (``generations=0``): the identity a call comes from is the point, and a round's generations
+    come from the same identity as its challenges (the first test runs them); the auditor the evidence is handed to
+    challenges from the shared DHT peer, which the liar has never served, so its challenges pass and only the proofs
+    can fail it."""
     path, peers = quiet_liars
     network = NetworkConfig(initial_peers=local_swarm.initial_peers, client_mode=True)
     config = AuditorConfig(network=network, generations=0)
@@ -303,7 +316,8 @@ def test_a_liar_to_long_seen_callers_is_proven_on_a_long_lived_clients_own_calls
     files = ModelFiles(path)
     with Auditor(fresh, Ed25519PrivateKey.generate(), files, dht=swarm_peer) as renewing, \
             Auditor(config, Ed25519PrivateKey.generate(), files, dht=swarm_peer) as keeping, \
-            swarm_client(local_swarm, path, spot_check_fraction=0, spot_check_local=False, audit_share=1.0) as lm:
+            swarm_client(local_swarm, path, dht=caller_peer, spot_check_fraction=0, spot_check_local=False,
+                         audit_share=1.0) as lm:
         assert renewing.run_round(score=False).checked[peers["seen"]].verdict == PASS  # the attack
         first = keeping.run_round(score=False).checked[peers["seen"]]
         lm.only_peers = frozenset({peers["seen"]})

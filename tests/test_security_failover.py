@@ -211,11 +211,13 @@ def victims(local_swarm, tiny_model_path):
 
 
 @pytest.fixture(scope="module")
-def failover_lm(local_swarm, tiny_model_path):
+def failover_lm(local_swarm, tiny_model_path, remote_lm):
     """One client for every case: it re-reads the servers before each generation (so it finds the new
-    victim) and keeps avoiding the killed ones."""
+    victim) and keeps avoiding the killed ones. Its peer id is not the point: it reads and calls through the
+    session client's DHT peer (``remote_lm``, up already where an earlier file of the worker used it), not a DHT
+    process and libp2p daemon of its own."""
     lm = DistributedDiffusionLM.from_pretrained(tiny_model_path, initial_peers=local_swarm.initial_peers,
-                                                request_timeout=10, route_refresh=0.0)
+                                                dht=remote_lm.dht, request_timeout=10, route_refresh=0.0)
     yield lm
     lm.shutdown()
 

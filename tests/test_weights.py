@@ -16,8 +16,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import time
 from functools import partial
 from pathlib import Path
@@ -547,8 +545,8 @@ def checked_parts(manifest, directory: Path) -> int:
 
 def test_a_fetch_killed_midway_resumes_from_the_parts_it_checked(
         swarm, peer, client, hostile, tiny_model_path, tmp_path, cache_home):
-    """A real crash: ``python -m swarm.weights fetch`` is SIGKILLed while a slow peer feeds it; the next fetch asks
-    only for the parts that were not checked yet."""
+    """A real crash: ``python -m swarm.weights fetch`` (a process of its own) is SIGKILLed while a slow peer feeds
+    it; the next fetch asks only for the parts that were not checked yet."""
     dht, identity = peer
     other = make_checkpoint(tmp_path / "other" / tiny_model_path.name, tiny_config(), seed=7)
     saved_holdings, saved_bandwidth = hostile.holdings, hostile.bandwidth
@@ -557,16 +555,16 @@ def test_a_fetch_killed_midway_resumes_from_the_parts_it_checked(
     try:
         record = hostile.holdings.host_record(hostile.peer_id, hostile.addresses)
         assert declare_host(dht, manifest.model_id, record, identity.owner_subkey(), now() + 120)
-        peers = [arg for p in swarm.initial_peers for arg in ("--initial-peers", p)]
-        command = [sys.executable, "-m", "swarm.weights", "fetch", manifest.model_id, "--blocks", "0:4", *peers]
-        fetching = subprocess.Popen(command, env=dict(os.environ, HF_HOME=str(cache_home), PYTHONPATH=str(ROOT)),
-                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        # forked from the swarm's fork server (torch and hivemind imported: exec'd, 2-2.5 CPU s more); SIGKILL takes
+        # it and its DHT process and daemon at once, as a crash does
+        fetching = swarm.start_command("fetch", ["-m", "swarm.weights", "fetch", manifest.model_id, "--blocks", "0:4",
+                                                 *[arg for p in swarm.initial_peers for arg in ("--initial-peers", p)]],
+                                       env={"HF_HOME": str(cache_home)})
         directory = cache_home / "swarm" / "weights" / manifest.model_id
         try:
-            assert wait_until(lambda: checked_parts(manifest, directory) >= 4, timeout=90)
+            assert wait_until(lambda: checked_parts(manifest, directory) >= 4, timeout=90), fetching.log[-20:]
         finally:
-            os.killpg(fetching.pid, signal.SIGKILL)
-            fetching.wait(10)
+            swarm.terminate(fetching, signal.SIGKILL)
         kept = checked_parts(manifest, directory)
         hostile.bandwidth = saved_bandwidth
         weights = weights_of(client, swarm)

@@ -446,15 +446,9 @@ def test_a_server_started_with_no_serve_weights_serves_none(swarm, peer, model_i
 
 
 # ----- published names -------------------------------------------------------------------------------------------
-def publish_with_cli(swarm, directory: Path, name: str, key: Path) -> dict:
-    peers = [arg for peer in swarm.initial_peers for arg in ("--initial-peers", peer)]
-    result = CliRunner().invoke(weights_main, ["publish", str(directory), "--name", name, "--key", str(key), *peers])
-    assert result.exit_code == 0, result.output
-    return json.loads(result.stdout)
-
-
 def publish_through(client, directory: Path, name: str, key: Path) -> dict:
-    """What ``publish_with_cli`` publishes and prints, through ``client`` (where the command is not the point)."""
+    """What ``python -m swarm.weights publish`` publishes and prints, through ``client`` (where the command is not the
+    point: it is in :func:`test_a_publish_succeeds_only_when_other_peers_return_it`; each run has a DHT peer)."""
     return publish(client, load_private_key(key), PublishedModel.of(name, build_manifest(directory))).to_json()
 
 
@@ -463,7 +457,7 @@ def test_a_name_claimed_by_two_trusted_publishers_needs_the_publisher(swarm, cli
     first, second = tmp_path / "first.key", tmp_path / "second.key"
     first_key, second_key = generate_private_key(first), generate_private_key(second)
     other = make_checkpoint(tmp_path / tiny_model_path.name, tiny_config(), seed=5)
-    published = publish_with_cli(swarm, tiny_model_path, "tiny-claimed", first)
+    published = publish_through(client, tiny_model_path, "tiny-claimed", first)
     rival = publish_through(client, other, "tiny-claimed", second)
     assert published["model_id"] == build_manifest(tiny_model_path).model_id != rival["model_id"]
 
@@ -587,12 +581,10 @@ def test_a_fetch_killed_midway_resumes_from_the_parts_it_checked(
 # ----- issue 48: no peer punished on a stranger's claim; names with trust roots; publish read back ---------------
 def test_lying_hints_in_strangers_records_ban_nobody(swarm, client, liars, model_id, tiny_model_path, cache_home,
                                                      tmp_path, monkeypatch):
-    """``python -m swarm.weights fetch ID`` with the liars' records (sizes one byte short and long, a claim to hold
-    every tensor): it works, and the honest host is never banned. A name record whose signed size is wrong (by a
-    trusted publisher) is a hint too."""
-    peers = [arg for peer in swarm.initial_peers for arg in ("--initial-peers", peer)]
-    result = CliRunner().invoke(weights_main, ["fetch", model_id, "--blocks", "0:1", *peers])
-    assert result.exit_code == 0, result.output
+    """A fetch by id and by name (what ``python -m swarm.weights fetch`` and ``swarm.server --model`` run, here
+    through this process's client peer) with the liars' records (sizes one byte short and long, a claim to hold every
+    tensor): it works, and the honest host is never banned. A name record whose signed size is wrong (by a trusted
+    publisher) is a hint too."""
     publisher = next(p for p in swarm.processes if p.name == "publisher").peer_id
 
     key = generate_private_key(tmp_path / "publisher.key")

@@ -79,9 +79,12 @@ def home(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def swarm(tiny_model_path, home):
-    """A bootstrap peer and a server of blocks 0:2 of the tiny checkpoint (it serves every tensor of it)."""
-    with LocalSwarm(env={"HF_HOME": str(home), "PYTHONPATH": str(ROOT)}, fork_server=True) as swarm:
+def swarm(tiny_model_path, home, local_swarm):
+    """A bootstrap peer and a server of blocks 0:2 of the tiny checkpoint (it serves every tensor of it). A DHT of
+    its own: the session swarm's servers serve the same checkpoint, so they would be hosts of this model too. Its
+    processes fork from the session swarm's fork server (one of its own costs 1.5 CPU s): each gets this swarm's
+    HF_HOME, read when the weights' modules are first imported, after the fork."""
+    with LocalSwarm(env={"HF_HOME": str(home), "PYTHONPATH": str(ROOT)}, shared_forks=local_swarm.forks) as swarm:
         swarm.start_bootstrap()
         swarm.start_server(str(tiny_model_path), "0:2", "--compute-threads", "1", name="publisher")
         yield swarm

@@ -81,6 +81,12 @@ class LocalSwarm:
         return self._forks.process.pid if self._forks is not None else None
 
     @property
+    def forks(self) -> Optional[ForkServer]:
+        """The fork server this swarm's processes fork from (None where they are exec'd): another swarm's
+        ``shared_forks``, where it needs a bootstrap peer of its own but not a fork server (1.5 CPU s to start)."""
+        return self._forks
+
+    @property
     def initial_peers(self) -> list[str]:
         return list(self.bootstrap.maddrs) if self.bootstrap else []
 

@@ -113,15 +113,15 @@ def liars(swarm, tiny_model_path):
     byte longer and that it holds every tensor. None serves anything: each leaves once its record is stored, as a
     stranger with a free identity may (the record stays on the peers that stored it until it expires), so the
     module's other traffic passes through three DHT peers fewer."""
-    size = len(build_manifest(tiny_model_path).to_bytes())
+    manifest = build_manifest(tiny_model_path)
+    size = len(manifest.to_bytes())
     liars = []
     for claim in (size - 1, size - 1, size + 1):
         identity = Identity.load_or_create()
         dht = start_dht(NetworkConfig(initial_peers=swarm.initial_peers), identity=identity)
         try:
             record = HostRecord(str(dht.peer_id), (), claim)
-            assert declare_host(dht, build_manifest(tiny_model_path).model_id, record, identity.owner_subkey(),
-                                now() + 3000)
+            assert declare_host(dht, manifest.model_id, record, identity.owner_subkey(), now() + 3000)
             liars.append(str(dht.peer_id))
         finally:
             stop_dht(dht)

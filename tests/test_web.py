@@ -49,7 +49,7 @@ from swarm.utils.local_swarm import LocalSwarm, ManagedProcess  # noqa: E402
 from swarm.web.server import listen  # noqa: E402
 from swarm.web.snapshot import ClientView, Probe, map_snapshot  # noqa: E402
 from swarm.web.watcher import SwarmWatcher, WatchConfig, in_flight_of, own_access  # noqa: E402
-from tests.conftest import later_users, stop_all, wait_seen, wait_until  # noqa: E402
+from tests.conftest import later_users, wait_seen, wait_until  # noqa: E402
 from tests.test_api import serve  # noqa: E402  (uvicorn on a free loopback port, in a thread)
 
 MODEL = "default"  # the embedded model: 16 blocks, readable text for the screenshots
@@ -91,37 +91,20 @@ def governance_key(tmp_path_factory):
     return generate_private_key(tmp_path_factory.mktemp("governance") / "key")
 
 
-class WebSwarm:
-    """The session swarm (its bootstrap peer and fork server: a pair of this module's own cost about 3 CPU s) with
-    ``processes`` the servers of the default model this module started; the shared swarm's own servers hold
-    another model, under another prefix, and so do other files'."""
-
-    def __init__(self, swarm: LocalSwarm, servers: list[ManagedProcess]):
-        self.swarm, self.processes = swarm, servers
-
-    def __getattr__(self, name: str) -> Any:  # initial_peers, terminate, start_command, ...
-        return getattr(self.swarm, name)
-
-    def restart(self, managed: ManagedProcess) -> ManagedProcess:
-        restarted = self.swarm.restart(managed)
-        self.processes[self.processes.index(managed)] = restarted
-        return restarted
-
-
 @pytest.fixture(scope="module")
-def web_swarm(local_swarm, tmp_path_factory) -> Iterator[WebSwarm]:
-    """Three servers of the default model on the session swarm: 0:8 and two of 8:16. Each has an identity file, so
+def web_swarm(tmp_path_factory) -> Iterator[LocalSwarm]:
+    """A bootstrap peer and three servers of the default model: 0:8 and two of 8:16. Each has an identity file, so
     a test that stops one starts it again with the same peer id (:func:`stopping_swarm`) for the tests after it."""
     identities = tmp_path_factory.mktemp("identities")
-    servers = [local_swarm.start_server(MODEL, span, "--compute-threads", "1", "--public-name", name,
-                                        "--identity-path", str(identities / f"server{index}.key"), wait=False)
-               for index, (span, name) in enumerate((("0:8", "first half"), ("8:16", HOSTILE_NAME),
-                                                     ("8:16", "spare")))]
-    for server in servers:
-        local_swarm.wait_ready(server)
-    web = WebSwarm(local_swarm, servers)
-    yield web
-    stop_all(local_swarm, [server for server in web.processes if server.alive])  # the default model's prefix
+    with LocalSwarm(fork_server=True) as swarm:
+        swarm.start_bootstrap()
+        servers = [swarm.start_server(MODEL, span, "--compute-threads", "1", "--public-name", name,
+                                      "--identity-path", str(identities / f"server{index}.key"), wait=False)
+                   for index, (span, name) in enumerate((("0:8", "first half"), ("8:16", HOSTILE_NAME),
+                                                         ("8:16", "spare")))]
+        for server in servers:
+            swarm.wait_ready(server)
+        yield swarm
 
 
 # Tests that need only one of the two 8:16 servers running (they read or stop whichever runs): after a test that
@@ -130,7 +113,7 @@ COPES_WITH_ONE_REPLICA_STOPPED = ("test_health_serve_map_warns_once_a_server_sto
 
 
 @pytest.fixture
-def stopping_swarm(request, web_swarm, web_lm) -> Iterator[WebSwarm]:
+def stopping_swarm(request, web_swarm, web_lm) -> Iterator[LocalSwarm]:
     """``web_swarm`` for a test that stops its servers: afterwards every stopped server starts again with the same
     peer id and flags, and the API's client reads them again (a server it banned for failing comes back at a new
     address, which lifts the ban), so the tests after it find the swarm as the fixtures made it, whatever the order.
@@ -148,11 +131,10 @@ def stopping_swarm(request, web_swarm, web_lm) -> Iterator[WebSwarm]:
 
 
 @pytest.fixture(scope="module")
-def web_lm(web_swarm, governance_key, swarm_peer):
+def web_lm(web_swarm, governance_key):
     from swarm.client import DistributedDiffusionLM
 
-    # on the file's DHT peer (swarm_peer): a peer of its own is a DHT process and a daemon more
-    lm = DistributedDiffusionLM.from_pretrained(MODEL, dht=swarm_peer, request_timeout=20,
+    lm = DistributedDiffusionLM.from_pretrained(MODEL, initial_peers=web_swarm.initial_peers, request_timeout=20,
                                                 governance_keys=(public_key_text(governance_key),),
                                                 route_refresh=600)  # keeps its route: a stopped hop fails over
     # As operators do when they set up keys: clients trusting them stop when they read no decision for long.

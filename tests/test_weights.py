@@ -16,8 +16,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import time
 from functools import partial
 from pathlib import Path
@@ -81,9 +79,12 @@ def home(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def swarm(tiny_model_path, home):
-    """A bootstrap peer and a server of blocks 0:2 of the tiny checkpoint (it serves every tensor of it)."""
-    with LocalSwarm(env={"HF_HOME": str(home), "PYTHONPATH": str(ROOT)}, fork_server=True) as swarm:
+def swarm(tiny_model_path, home, local_swarm):
+    """A bootstrap peer and a server of blocks 0:2 of the tiny checkpoint (it serves every tensor of it). A DHT of
+    its own: the session swarm's servers serve the same checkpoint, so they would be hosts of this model too. Its
+    processes fork from the session swarm's fork server (one of its own costs 1.5 CPU s): each gets this swarm's
+    HF_HOME, read when the weights' modules are first imported, after the fork."""
+    with LocalSwarm(env={"HF_HOME": str(home), "PYTHONPATH": str(ROOT)}, shared_forks=local_swarm.forks) as swarm:
         swarm.start_bootstrap()
         swarm.start_server(str(tiny_model_path), "0:2", "--compute-threads", "1", name="publisher")
         yield swarm
@@ -109,20 +110,23 @@ def peer(swarm):
 def liars(swarm, tiny_model_path):
     """Issue 48's attack on fetch by id: keyless peers store their own hosts records under the model's key with
     lying hints: two claim the manifest is a byte shorter (the size most records then give), one that it is a
-    byte longer and that it holds every tensor. None serves anything."""
-    size = len(build_manifest(tiny_model_path).to_bytes())
-    peers = []
+    byte longer and that it holds every tensor. None serves anything: each leaves once its record is stored, as a
+    stranger with a free identity may (the record stays on the peers that stored it until it expires), so the
+    module's other traffic passes through three DHT peers fewer."""
+    manifest = build_manifest(tiny_model_path)
+    size = len(manifest.to_bytes())
+    liars = []
     for claim in (size - 1, size - 1, size + 1):
         identity = Identity.load_or_create()
         dht = start_dht(NetworkConfig(initial_peers=swarm.initial_peers), identity=identity)
-        peers.append((dht, identity))
-        record = HostRecord(str(dht.peer_id), (), claim)
-        assert declare_host(dht, build_manifest(tiny_model_path).model_id, record, identity.owner_subkey(),
-                            now() + 3000)
-    yield [str(dht.peer_id) for dht, _ in peers]
-    for dht, identity in peers:
-        stop_dht(dht)
-        identity.remove()
+        try:
+            record = HostRecord(str(dht.peer_id), (), claim)
+            assert declare_host(dht, manifest.model_id, record, identity.owner_subkey(), now() + 3000)
+            liars.append(str(dht.peer_id))
+        finally:
+            stop_dht(dht)
+            identity.remove()
+    return liars
 
 
 @pytest.fixture(scope="module")
@@ -448,15 +452,9 @@ def test_a_server_started_with_no_serve_weights_serves_none(swarm, peer, model_i
 
 
 # ----- published names -------------------------------------------------------------------------------------------
-def publish_with_cli(swarm, directory: Path, name: str, key: Path) -> dict:
-    peers = [arg for peer in swarm.initial_peers for arg in ("--initial-peers", peer)]
-    result = CliRunner().invoke(weights_main, ["publish", str(directory), "--name", name, "--key", str(key), *peers])
-    assert result.exit_code == 0, result.output
-    return json.loads(result.stdout)
-
-
 def publish_through(client, directory: Path, name: str, key: Path) -> dict:
-    """What ``publish_with_cli`` publishes and prints, through ``client`` (where the command is not the point)."""
+    """What ``python -m swarm.weights publish`` publishes and prints, through ``client`` (where the command is not the
+    point: it is in :func:`test_a_publish_succeeds_only_when_other_peers_return_it`; each run has a DHT peer)."""
     return publish(client, load_private_key(key), PublishedModel.of(name, build_manifest(directory))).to_json()
 
 
@@ -465,7 +463,7 @@ def test_a_name_claimed_by_two_trusted_publishers_needs_the_publisher(swarm, cli
     first, second = tmp_path / "first.key", tmp_path / "second.key"
     first_key, second_key = generate_private_key(first), generate_private_key(second)
     other = make_checkpoint(tmp_path / tiny_model_path.name, tiny_config(), seed=5)
-    published = publish_with_cli(swarm, tiny_model_path, "tiny-claimed", first)
+    published = publish_through(client, tiny_model_path, "tiny-claimed", first)
     rival = publish_through(client, other, "tiny-claimed", second)
     assert published["model_id"] == build_manifest(tiny_model_path).model_id != rival["model_id"]
 
@@ -547,8 +545,8 @@ def checked_parts(manifest, directory: Path) -> int:
 
 def test_a_fetch_killed_midway_resumes_from_the_parts_it_checked(
         swarm, peer, client, hostile, tiny_model_path, tmp_path, cache_home):
-    """A real crash: ``python -m swarm.weights fetch`` is SIGKILLed while a slow peer feeds it; the next fetch asks
-    only for the parts that were not checked yet."""
+    """A real crash: ``python -m swarm.weights fetch`` (a process of its own) is SIGKILLed while a slow peer feeds
+    it; the next fetch asks only for the parts that were not checked yet."""
     dht, identity = peer
     other = make_checkpoint(tmp_path / "other" / tiny_model_path.name, tiny_config(), seed=7)
     saved_holdings, saved_bandwidth = hostile.holdings, hostile.bandwidth
@@ -557,16 +555,16 @@ def test_a_fetch_killed_midway_resumes_from_the_parts_it_checked(
     try:
         record = hostile.holdings.host_record(hostile.peer_id, hostile.addresses)
         assert declare_host(dht, manifest.model_id, record, identity.owner_subkey(), now() + 120)
-        peers = [arg for p in swarm.initial_peers for arg in ("--initial-peers", p)]
-        command = [sys.executable, "-m", "swarm.weights", "fetch", manifest.model_id, "--blocks", "0:4", *peers]
-        fetching = subprocess.Popen(command, env=dict(os.environ, HF_HOME=str(cache_home), PYTHONPATH=str(ROOT)),
-                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        # forked from the swarm's fork server (torch and hivemind imported: exec'd, 2-2.5 CPU s more); SIGKILL takes
+        # it and its DHT process and daemon at once, as a crash does
+        fetching = swarm.start_command("fetch", ["-m", "swarm.weights", "fetch", manifest.model_id, "--blocks", "0:4",
+                                                 *[arg for p in swarm.initial_peers for arg in ("--initial-peers", p)]],
+                                       env={"HF_HOME": str(cache_home)})
         directory = cache_home / "swarm" / "weights" / manifest.model_id
         try:
-            assert wait_until(lambda: checked_parts(manifest, directory) >= 4, timeout=90)
+            assert wait_until(lambda: checked_parts(manifest, directory) >= 4, timeout=90), fetching.log[-20:]
         finally:
-            os.killpg(fetching.pid, signal.SIGKILL)
-            fetching.wait(10)
+            swarm.terminate(fetching, signal.SIGKILL)
         kept = checked_parts(manifest, directory)
         hostile.bandwidth = saved_bandwidth
         weights = weights_of(client, swarm)
@@ -589,12 +587,10 @@ def test_a_fetch_killed_midway_resumes_from_the_parts_it_checked(
 # ----- issue 48: no peer punished on a stranger's claim; names with trust roots; publish read back ---------------
 def test_lying_hints_in_strangers_records_ban_nobody(swarm, client, liars, model_id, tiny_model_path, cache_home,
                                                      tmp_path, monkeypatch):
-    """``python -m swarm.weights fetch ID`` with the liars' records (sizes one byte short and long, a claim to hold
-    every tensor): it works, and the honest host is never banned. A name record whose signed size is wrong (by a
-    trusted publisher) is a hint too."""
-    peers = [arg for peer in swarm.initial_peers for arg in ("--initial-peers", peer)]
-    result = CliRunner().invoke(weights_main, ["fetch", model_id, "--blocks", "0:1", *peers])
-    assert result.exit_code == 0, result.output
+    """A fetch by id and by name (what ``python -m swarm.weights fetch`` and ``swarm.server --model`` run, here
+    through this process's client peer) with the liars' records (sizes one byte short and long, a claim to hold every
+    tensor): it works, and the honest host is never banned. A name record whose signed size is wrong (by a trusted
+    publisher) is a hint too."""
     publisher = next(p for p in swarm.processes if p.name == "publisher").peer_id
 
     key = generate_private_key(tmp_path / "publisher.key")
@@ -672,7 +668,7 @@ async def _fill_key(dht, node, key: str, peers: list[str], count: int) -> None:
                                            [value] * len(batch), expiration, subkeys=batch)
 
 
-def test_a_publish_succeeds_only_when_other_peers_return_it(swarm, peer, client, liars, tiny_model_path, tmp_path):
+def test_a_publish_succeeds_only_when_other_peers_return_it(swarm, peer, client, tiny_model_path, tmp_path):
     """Issue 48, item 2's flood: 1,024 one-byte plain subkeys under a name key before it is published. A publish
     that reports success (exit 0) is read back by another peer; one that is not readable says so and fails
     (exit 1) instead of "published ... rc 0" (where storing peers refuse the flood, the first happens)."""
@@ -681,7 +677,7 @@ def test_a_publish_succeeds_only_when_other_peers_return_it(swarm, peer, client,
     generate_private_key(key)
     attacker = plain_attacker(swarm.initial_peers)
     try:
-        storing = [p.peer_id for p in swarm.processes if p.alive and p.peer_id] + [str(dht.peer_id), *liars]
+        storing = [p.peer_id for p in swarm.processes if p.alive and p.peer_id] + [str(dht.peer_id)]
         attacker.run_coroutine(partial(_fill_key, key=name_key("tiny-flooded"), peers=storing, count=1024))
     finally:
         attacker.shutdown()  # gone, as a flooder may be: its subkeys stay on the peers it flooded

@@ -76,15 +76,15 @@ class LocalSwarm:
         return ForkServer(self.python, self.env, preload=self.preload, startup_timeout=self.startup_timeout)
 
     @property
-    def forks(self) -> Optional[ForkServer]:
-        """The fork server this swarm forks from (None without one), for another swarm to share (``shared_forks=``):
-        a fork server of its own costs that swarm ~1.5 CPU s to start."""
-        return self._forks
-
-    @property
     def fork_server_pid(self) -> Optional[int]:
         """The fork server's process id while it runs (``fork_server=True``), for measuring it."""
         return self._forks.process.pid if self._forks is not None else None
+
+    @property
+    def forks(self) -> Optional[ForkServer]:
+        """The fork server this swarm's processes fork from (None where they are exec'd): another swarm's
+        ``shared_forks``, where it needs a bootstrap peer of its own but not a fork server (1.5 CPU s to start)."""
+        return self._forks
 
     @property
     def initial_peers(self) -> list[str]:

@@ -84,7 +84,7 @@ def test_one_state_equals_its_row_in_any_batch(wide_parts, dtype):
 
 @pytest.mark.wide
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_a_state_gets_the_same_rows_in_any_product(dtype):
+def test_a_state_gets_the_same_rows_in_any_product(wide_parts, dtype):
     """The construction's premise, tested instead of believed, for each weight shape of a block and the head: a
     state's rows are bitwise the same alone (padded to 16 rows, or one product of its own) as inside products of
     every kind :func:`invariance.linear` makes: short, inside the range, and past 512 rows, split across two products
@@ -94,12 +94,14 @@ def test_a_state_gets_the_same_rows_in_any_product(dtype):
     if dtype != torch.float16:
         cases.append((40, 530, 490))  # rows 490-511 in a 512-row product, 512-529 in an 18-row one
     generator = torch.Generator().manual_seed(2)
-    shapes = ((12288, 4096), (4096, 12288), (4096, 4096), (16384, 4096))
-    # one draw, each weight a view of its start (four draws drew 184M numbers per dtype)
-    drawn = torch.randn(max(o * i for o, i in shapes), generator=generator).mul_(0.02).to(dtype)
+    # one weight of each shape (12288x4096, 4096x12288, 4096x4096, the head's 16384x4096): the block's and head's
+    # own, in this dtype (a draw of their own drew 67M numbers per dtype)
+    span, head = wide_parts
+    block = span.blocks["0"]
+    weights = (block.mlp.up_proj.weight, block.mlp.down_proj.weight, block.attn.q_proj.weight, head.lm_head.weight)
     with torch.no_grad():
-        for out_features, in_features in shapes:
-            weight = drawn[:out_features * in_features].view(out_features, in_features)
+        for weight in (w.to(dtype) for w in weights):
+            out_features, in_features = weight.shape
             rows = torch.randn(530, in_features, generator=generator).to(dtype)
             for length, total, place in cases:
                 state, others = rows[:length], rows[length:total]

@@ -178,14 +178,14 @@ WIDE_PREFIX = "invariance-8b"
 
 @pytest.fixture(scope="module")
 def wide_servers(local_swarm, wide_checkpoint):
-    """One server of the whole 8B-width checkpoint on the shared swarm (``--blocks 0:2 --head``: 1.8 GB of bfloat16
-    weights) for every swarm test at these widths. One, not a server per block: what these tests hold (the swarm's
-    tokens, the client's memory with a ``--head`` server) needs no second hop, and a second server cost its start
-    and its own start-up check of the block's products (6.4 CPU s); routes over several servers are tested at the
-    default model's widths (tests/test_swarm.py)."""
+    """One server of the whole 8B-width checkpoint on the shared swarm (``--blocks 0:1 --head``: 1.5 GB of bfloat16
+    weights) for every swarm test at these widths. One: what these tests hold (the swarm's tokens, the client's
+    memory with a ``--head`` server) needs no second hop, and a second server cost its start and its own start-up
+    check of the block's products (6.4 CPU s); routes over several servers are tested at the default model's widths
+    (tests/test_swarm.py)."""
     from swarm.benchmark.realscale import start_span_servers
 
-    servers = start_span_servers(local_swarm, wide_checkpoint, 2, "--compute-threads", "1", "--dht-prefix",
+    servers = start_span_servers(local_swarm, wide_checkpoint, 1, "--compute-threads", "1", "--dht-prefix",
                                  WIDE_PREFIX)
     yield local_swarm
     stop_all(local_swarm, servers)  # a prefix no other test reads

@@ -345,7 +345,7 @@ WIDE_CHECKPOINT_BYTES = 3 * 2**30
 
 
 def memory_backed_folder(tmp_path_factory) -> Path:
-    """A folder in memory (``/dev/shm``) for the 3 GB checkpoint of 8B widths where there is room for it, else a
+    """A folder in memory (``/dev/shm``) for the 2.5 GB checkpoint of 8B widths where there is room for it, else a
     temporary one.
 
     Writing it to this machine's disk took 9 of the 20 s its build takes when quiet, and most of 60-90 s beside

@@ -123,7 +123,7 @@ def test_training_keeps_the_plain_calls():
 
 @pytest.fixture(scope="module")
 def wide_model(wide_checkpoint):
-    """The checkpoint's model in bfloat16 (2.9 GB at these widths, the 126464-row embedding and head included)."""
+    """The checkpoint's model in bfloat16 (2.5 GB at these widths, the 126464-row embedding and head included)."""
     import swarm
 
     return swarm.DiffusionLM.from_pretrained(str(wide_checkpoint), dtype="bfloat16")

@@ -345,7 +345,7 @@ WIDE_CHECKPOINT_BYTES = 3 * 2**30
 
 
 def memory_backed_folder(tmp_path_factory) -> Path:
-    """A folder in memory (``/dev/shm``) for the 3 GB checkpoint of 8B widths where there is room for it, else a
+    """A folder in memory (``/dev/shm``) for the 2.5 GB checkpoint of 8B widths where there is room for it, else a
     temporary one.
 
     Writing it to this machine's disk took 9 of the 20 s its build takes when quiet, and most of 60-90 s beside
@@ -373,9 +373,12 @@ WIDE_LOCK = Path(tempfile.gettempdir()) / "swarm-test-8b-width.lock"
 
 @pytest.fixture(scope="module")
 def wide_checkpoint(tmp_path_factory):
-    """2 blocks of LLaDA-8B's widths and vocabulary, bfloat16, realscale's builder (loads in seconds), built for
-    each file that uses it and removed after it: held for a worker's whole run, its 3 GB of memory would sit beside
-    every later file's. The file holds ``WIDE_LOCK`` from the build to the removal."""
+    """1 block of LLaDA-8B's widths and its vocabulary, bfloat16, realscale's builder (loads in seconds), built for
+    each file that uses it and removed after it: held for a worker's whole run, its 2.5 GB of memory would sit beside
+    every later file's. The file holds ``WIDE_LOCK`` from the build to the removal. One block: what these tests hold
+    is per product and per block (the widths, where kernels choose their reductions), not the depth; a second block
+    cost every 8B-width pass a third more and the build its copy (several blocks per span and route: the default
+    model's widths, tests/test_swarm.py)."""
     import fcntl
     import shutil
 
@@ -385,7 +388,7 @@ def wide_checkpoint(tmp_path_factory):
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when closed, also when the worker dies
         folder = memory_backed_folder(tmp_path_factory)
         try:
-            yield build_checkpoint(folder, 2)
+            yield build_checkpoint(folder, 1)
         finally:
             if folder.parent == SHARED_MEMORY:
                 shutil.rmtree(folder, ignore_errors=True)

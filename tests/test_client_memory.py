@@ -2,7 +2,7 @@
 
 The measurement at 8B widths (a client process beside a ``--head`` server of the 8B-width checkpoint, its peak
 resident memory in every mode) is ``test_client_stays_under_half_a_gigabyte_in_every_mode_at_8b_widths`` in
-tests/test_invariance.py: it shares that file's checkpoint and server (one 3 GB checkpoint and one 8B-width server
+tests/test_invariance.py: it shares that file's checkpoint and server (one 2.5 GB checkpoint and one 8B-width server
 for the suite).
 Here, in process, what took the client over the bound: the route's compute challenge."""
 from __future__ import annotations

@@ -84,7 +84,7 @@ def test_one_state_equals_its_row_in_any_batch(wide_parts, dtype):
 
 @pytest.mark.wide
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_a_state_gets_the_same_rows_in_any_product(dtype):
+def test_a_state_gets_the_same_rows_in_any_product(wide_parts, dtype):
     """The construction's premise, tested instead of believed, for each weight shape of a block and the head: a
     state's rows are bitwise the same alone (padded to 16 rows, or one product of its own) as inside products of
     every kind :func:`invariance.linear` makes: short, inside the range, and past 512 rows, split across two products
@@ -94,12 +94,14 @@ def test_a_state_gets_the_same_rows_in_any_product(dtype):
     if dtype != torch.float16:
         cases.append((40, 530, 490))  # rows 490-511 in a 512-row product, 512-529 in an 18-row one
     generator = torch.Generator().manual_seed(2)
-    shapes = ((12288, 4096), (4096, 12288), (4096, 4096), (16384, 4096))
-    # one draw, each weight a view of its start (four draws drew 184M numbers per dtype)
-    drawn = torch.randn(max(o * i for o, i in shapes), generator=generator).mul_(0.02).to(dtype)
+    # one weight of each shape (12288x4096, 4096x12288, 4096x4096, the head's 16384x4096): the block's and head's
+    # own, in this dtype (a draw of their own drew 67M numbers per dtype)
+    span, head = wide_parts
+    block = span.blocks["0"]
+    weights = (block.mlp.up_proj.weight, block.mlp.down_proj.weight, block.attn.q_proj.weight, head.lm_head.weight)
     with torch.no_grad():
-        for out_features, in_features in shapes:
-            weight = drawn[:out_features * in_features].view(out_features, in_features)
+        for weight in (w.to(dtype) for w in weights):
+            out_features, in_features = weight.shape
             rows = torch.randn(530, in_features, generator=generator).to(dtype)
             for length, total, place in cases:
                 state, others = rows[:length], rows[length:total]
@@ -121,7 +123,7 @@ def test_training_keeps_the_plain_calls():
 
 @pytest.fixture(scope="module")
 def wide_model(wide_checkpoint):
-    """The checkpoint's model in bfloat16 (2.9 GB at these widths, the 126464-row embedding and head included)."""
+    """The checkpoint's model in bfloat16 (2.5 GB at these widths, the 126464-row embedding and head included)."""
     import swarm
 
     return swarm.DiffusionLM.from_pretrained(str(wide_checkpoint), dtype="bfloat16")
@@ -176,14 +178,14 @@ WIDE_PREFIX = "invariance-8b"
 
 @pytest.fixture(scope="module")
 def wide_servers(local_swarm, wide_checkpoint):
-    """One server of the whole 8B-width checkpoint on the shared swarm (``--blocks 0:2 --head``: 1.8 GB of bfloat16
-    weights) for every swarm test at these widths. One, not a server per block: what these tests hold (the swarm's
-    tokens, the client's memory with a ``--head`` server) needs no second hop, and a second server cost its start
-    and its own start-up check of the block's products (6.4 CPU s); routes over several servers are tested at the
-    default model's widths (tests/test_swarm.py)."""
+    """One server of the whole 8B-width checkpoint on the shared swarm (``--blocks 0:1 --head``: 1.5 GB of bfloat16
+    weights) for every swarm test at these widths. One: what these tests hold (the swarm's tokens, the client's
+    memory with a ``--head`` server) needs no second hop, and a second server cost its start and its own start-up
+    check of the block's products (6.4 CPU s); routes over several servers are tested at the default model's widths
+    (tests/test_swarm.py)."""
     from swarm.benchmark.realscale import start_span_servers
 
-    servers = start_span_servers(local_swarm, wide_checkpoint, 2, "--compute-threads", "1", "--dht-prefix",
+    servers = start_span_servers(local_swarm, wide_checkpoint, 1, "--compute-threads", "1", "--dht-prefix",
                                  WIDE_PREFIX)
     yield local_swarm
     stop_all(local_swarm, servers)  # a prefix no other test reads

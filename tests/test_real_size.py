@@ -181,3 +181,16 @@ def test_numerics_travel_in_records_and_the_health_map():
     assert not ServerRecord.from_value("peer", old).approximate
     hostile = dict(record.to_value(), numerics="x" * 10_000)
     assert len(ServerRecord.from_value("peer", hostile).numerics) == MAX_NUMERICS_CHARS
+
+
+
+@pytest.mark.parametrize("shape", [(512, 4096), (520, 4096), (3, 4096)], ids=str)
+def test_realscale_draws_its_bfloat16_weights_in_chunks_bit_for_bit(shape):
+    """The 8B-width checkpoint's weights drawn in float32 chunks (no 5 GB float32 draw) are the whole draw's
+    numbers: two whole chunks, a short last chunk, one short chunk."""
+    from swarm.benchmark.realscale import normal_bfloat16
+
+    whole = torch.empty(shape).normal_(0, 0.02, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    drawn = normal_bfloat16(shape, 0.02, torch.Generator().manual_seed(5))
+    assert drawn.dtype == torch.bfloat16 and drawn.shape == shape
+    assert torch.equal(drawn, whole)

@@ -119,13 +119,32 @@ def build_checkpoint(directory: Path, blocks: int, seed: int = 0) -> Path:
         if kind in drawn:  # a copy: safetensors writes no two names over one storage
             tensors[LLADA_LAYOUT(name)] = drawn[kind].clone()
             continue
-        # norms 1; matrices std 0.02 (LLaDA's init): hidden states of a realistic size. normal_ draws the numbers
-        # randn(...) * 0.02 did, bit for bit (so the weights the tests' figures were found with), with 20% less CPU
+        # norms 1; matrices std 0.02 (LLaDA's init): hidden states of a realistic size
         drawn[kind] = tensors[LLADA_LAYOUT(name)] = (
-            torch.ones(shape) if name.endswith("norm.weight")
-            else torch.empty(shape).normal_(0, 0.02, generator=generator)).to(torch.bfloat16)
+            torch.ones(shape, dtype=torch.bfloat16) if name.endswith("norm.weight")
+            else normal_bfloat16(shape, 0.02, generator))
     save_tensors(directory, tensors, max_shard_bytes=2 * 2**30)
     return directory
+
+
+DRAW_CHUNK = 2**20  # numbers drawn in float32 at a time (a multiple of 16: see normal_bfloat16)
+
+
+def normal_bfloat16(shape: tuple[int, ...], std: float, generator: "torch.Generator",
+                    chunk: int = DRAW_CHUNK) -> "torch.Tensor":
+    """``torch.empty(shape).normal_(0, std, generator=generator).to(torch.bfloat16)``, bit for bit (so the weights
+    the tests' figures were found with), drawn ``chunk`` float32 numbers at a time into the bfloat16 tensor: the
+    whole float32 draw (4 bytes a number, 1.25 billion numbers at LLaDA-8B's widths) cost the kernel its page
+    faults, a third of the draw's CPU. The same numbers because torch's CPU ``normal_`` draws its uniforms in order
+    and transforms them 16 at a time, so chunks of a multiple of 16 split nothing (tests/test_real_size.py)."""
+    import torch
+
+    out = torch.empty(shape, dtype=torch.bfloat16)
+    flat, buffer = out.view(-1), torch.empty(min(chunk, out.numel()))
+    for start in range(0, flat.numel(), chunk):
+        part = buffer[:min(chunk, flat.numel() - start)]
+        flat[start:start + part.numel()].copy_(part.normal_(0, std, generator=generator))
+    return out
 
 
 @contextlib.contextmanager

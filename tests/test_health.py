@@ -117,9 +117,11 @@ def test_health_map_lists_every_server_of_the_live_swarm(local_swarm, tiny_model
         assert (server["start"], server["end"], server["state"]) == (start, end, "online")
         assert server["version"] == swarm.__version__ and server["throughput"] > 0
         assert server["cache_tokens_left"] > 0  # its activation cache's free room (512 MB by default), announced
-    # Per block, the online servers it lists: at least the fixture's 0:2, 2:4 and the replica 1:4. Earlier files on
-    # this worker may have left more servers of this model announced (alive, or SIGKILLed and not yet expired).
-    online = [s for s in data["servers"] if s["state"] == "online"]
+        assert server["unreachable_since"] is None  # alive: it answered the map's probe
+    # Per block, the online servers it lists that answered its probe: at least the fixture's 0:2, 2:4 and the replica
+    # 1:4. Earlier files on this worker may have left more servers of this model announced, alive or SIGKILLed and
+    # not yet expired: a dead one is listed online (its record says so) with when it stopped answering, not counted.
+    online = [s for s in data["servers"] if s["state"] == "online" and s["unreachable_since"] is None]
     assert data["replicas"] == [sum(s["start"] <= block < s["end"] for s in online) for block in range(4)]
     assert all(count >= least for count, least in zip(data["replicas"], [1, 2, 2, 2]))
 

@@ -13,6 +13,7 @@ Besides starting the peer, this module makes sure of two things a user should ne
 """
 from __future__ import annotations
 
+import asyncio
 import errno
 import logging
 import os
@@ -397,8 +398,33 @@ def visible_maddrs(dht: DHT) -> list[str]:
     return [str(addr) for addr in dht.get_visible_maddrs()]
 
 
+def close_replica(dht: DHT, timeout: float = 5.0) -> None:
+    """Close the P2P replica that ``dht.replicate_p2p()`` cached in this process (the clients' connection to the
+    peer's daemon), on the event loop it runs on, before the peer stops.
+
+    Dropped open, the replica's persistent-connection tasks and its control client form a garbage cycle; when the
+    collector breaks it, asyncio logs "Task was destroyed but it is pending!" and hivemind's ``ControlClient.__del__``
+    raises in whatever thread collected it (no event loop there). Collected in the middle of an import, that once
+    stopped a test with CPython 3.11's "AST constructor recursion depth mismatch" (issue 56)."""
+    replica = getattr(dht, "_p2p_replica", None)  # hivemind 1.1.12 caches one replica per DHT object and process
+    if replica is None or getattr(dht, "_origin_pid", None) != os.getpid():
+        return
+    dht._p2p_replica = None
+    control = getattr(getattr(replica, "_client", None), "control", None)
+    tasks = [getattr(control, name, None) for name in ("_read_task", "_write_task")]
+    loops = {task.get_loop() for task in tasks if task is not None and not task.done()}
+    for loop in loops:
+        if loop.is_running() and not loop.is_closed():
+            try:
+                asyncio.run_coroutine_threadsafe(replica.shutdown(), loop).result(timeout)
+            except Exception as error:  # the peer is stopping anyway
+                logger.debug("closing the P2P replica failed: %s", error)
+
+
 def stop_dht(dht: DHT, timeout: float = 5.0) -> None:
-    """Shut a DHT peer down, and make sure its process (and so its libp2p daemon) is really gone."""
+    """Shut a DHT peer down, and make sure its process (and so its libp2p daemon) is really gone; this process's
+    connection to its daemon is closed first (:func:`close_replica`)."""
+    close_replica(dht, timeout)
     try:
         dht.shutdown()
     except Exception as error:  # shutting down a half-dead peer must not stop the rest of the cleanup

@@ -79,7 +79,7 @@ def target_options(command: Callable) -> Callable:
 def read_map(network: NetworkConfig, prefix: str, num_blocks: int, auditors: tuple[str, ...] = (),
              usage: bool = False, coordinators: tuple[str, ...] = ()) -> HealthMap:
     """The health map read from the swarm; hivemind is imported here, after the arguments are checked."""
-    from swarm.dht.node import start_dht
+    from swarm.dht.node import start_dht, stop_dht
     from swarm.dht.schema import protected_keys
     from swarm.health.map import read_health_map
 
@@ -92,13 +92,12 @@ def read_map(network: NetworkConfig, prefix: str, num_blocks: int, auditors: tup
     from swarm.wire.remote import RemoteCaller
 
     loop = BackgroundLoop.shared()
-    caller = RemoteCaller(loop.run(dht.replicate_p2p()))  # the probes' connection: closed before the DHT stops
+    caller = RemoteCaller(loop.run(dht.replicate_p2p()))  # the probes' connection: stop_dht closes it first
     try:
         return read_health_map(dht, prefix, num_blocks, adapters=True, auditors=auditors, usage=usage,
                                probe_with=caller, coordinators=coordinators)
     finally:
-        loop.run(caller.p2p.shutdown(), timeout=5)
-        dht.shutdown()
+        stop_dht(dht)
 
 
 def serve_page(network: NetworkConfig, prefix: str, num_blocks: int, host: str, port: int, log_level: str,

@@ -413,8 +413,12 @@ def close_replica(dht: DHT, timeout: float = 5.0) -> None:
     control = getattr(getattr(replica, "_client", None), "control", None)
     tasks = [getattr(control, name, None) for name in ("_read_task", "_write_task")]
     loops = {task.get_loop() for task in tasks if task is not None and not task.done()}
+    try:
+        calling = asyncio.get_running_loop()  # called from that loop's own thread, it could not wait for itself
+    except RuntimeError:
+        calling = None
     for loop in loops:
-        if loop.is_running() and not loop.is_closed():
+        if loop.is_running() and not loop.is_closed() and loop is not calling:
             try:
                 asyncio.run_coroutine_threadsafe(replica.shutdown(), loop).result(timeout)
             except Exception as error:  # the peer is stopping anyway

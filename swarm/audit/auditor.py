@@ -441,10 +441,7 @@ class Auditor:
         traffic, self._traffic = self._traffic, None
         if traffic is None:
             return
-        try:
-            self.loop.run(traffic.caller.p2p.shutdown(), timeout=5)
-        finally:
-            stop_dht(traffic.dht)
+        stop_dht(traffic.dht)  # closes its connection to the daemon first
 
     @contextlib.contextmanager
     def round_client(self) -> Iterator[Optional[DistributedDiffusionLM]]:
@@ -566,8 +563,7 @@ class Auditor:
         if self._client is not None:
             self._client.shutdown()  # shares this auditor's DHT: stops nothing of it
         if self._own_dht:
-            self.loop.run(self.caller.p2p.shutdown(), timeout=5)
-            stop_dht(self.dht)
+            stop_dht(self.dht)  # closes its connection to the daemon first
 
     def __enter__(self) -> "Auditor":
         return self

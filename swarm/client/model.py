@@ -557,24 +557,15 @@ class DistributedDiffusionLM(BaseDiffusionLM):
 
     def shutdown(self) -> None:
         """Stop the DHT peer and its P2P connection if this client started them (a shared DHT stays up, and so does
-        this client's connection to its daemon: closing one connection to a hivemind daemon ends the calls of every
-        other; see :meth:`close_connection`). A hand-off of the sample in flight gets :data:`HANDOFF_GRACE_S` to
-        finish."""
+        this client's connection to its daemon, which every client of that DHT shares: ``stop_dht`` of that DHT
+        closes it). A hand-off of the sample in flight gets :data:`HANDOFF_GRACE_S` to finish."""
         handing, self._handing = self._handing, None
         if handing is not None and not handing.done():
             with contextlib.suppress(Exception):  # cut short, or failed: logged where it failed
                 handing.result(timeout=HANDOFF_GRACE_S)
             handing.cancel()
         if self._own_dht:
-            self.loop.run(self.p2p.shutdown(), timeout=5)
-            stop_dht(self.dht)
-
-    def close_connection(self) -> None:
-        """Close this client's own connection to a shared DHT's daemon, for its owner to call just before it stops
-        that DHT (nothing may call through the daemon afterwards). Left open, its tasks are destroyed pending at exit:
-        two asyncio tracebacks after a command's one-line error (issue 56)."""
-        if not self._own_dht:
-            self.loop.run(self.p2p.shutdown(), timeout=5)
+            stop_dht(self.dht)  # closes this client's connection to its daemon first
 
     def __enter__(self) -> "DistributedDiffusionLM":
         return self

@@ -157,12 +157,10 @@ def run(config: ImproveConfig, key) -> None:
                 improver.close()
             if host is not None:  # also when the improver failed to start (it closes the host it got)
                 host.close()
-            if lm is not None and hasattr(lm, "close_connection"):  # the DHT stops next: no call follows
-                lm.close_connection()
             if lm is not None and hasattr(lm, "shutdown"):
                 lm.shutdown()
         finally:
-            stop_dht(dht)
+            stop_dht(dht)  # and the connection to its daemon that the client shares
 
 
 def coordinator_key(text: str) -> str:

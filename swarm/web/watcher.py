@@ -92,10 +92,7 @@ def own_access(network: NetworkConfig, prefix: str, num_blocks: int, auditors: I
     def close() -> None:
         if not own:
             return  # the caller's peer, and its connection to the daemon (replicate_p2p gives each caller the same)
-        try:
-            loop.run(p2p.shutdown(), timeout=5)
-        finally:
-            stop_dht(dht)
+        stop_dht(dht)  # closes its connection to the daemon first
 
     return SwarmAccess(dht, prefix, num_blocks, RemoteCaller(p2p), loop, GovernanceGuard(dht, prefix), close=close,
                        audits=AuditBook(prefix, frozenset(auditors)) if auditors else None, coordinators=coordinators)

@@ -18,7 +18,6 @@ import errno
 import logging
 import os
 import re
-import signal
 import socket
 import sys
 import threading
@@ -52,7 +51,7 @@ from swarm.dht.validation import (
     swarm_validators,
 )
 from swarm.utils.errors import EXIT_IN_USE, EXIT_UNREACHABLE, SwarmError
-from swarm.utils.parent_death import set_parent_death_signal
+from swarm.utils.parent_death import die_with_parent
 from swarm.utils.text import plural
 
 logger = logging.getLogger(__name__)
@@ -166,9 +165,7 @@ def follow_parent(parent_pid: int, started_by_main_thread: bool) -> None:
     starting *thread* exits, so a child started from another thread instead polls its parent pid (a thread pool
     may end the starting thread while the process lives on).
     """
-    if started_by_main_thread and set_parent_death_signal(signal.SIGKILL):
-        if os.getppid() != parent_pid:
-            os._exit(0)
+    if started_by_main_thread and die_with_parent(parent_pid):
         return
 
     def watch() -> None:

@@ -21,8 +21,12 @@ def set_parent_death_signal(sig: int = signal.SIGKILL) -> bool:
     return ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
 
 
-def die_with_parent(parent_pid: int) -> None:
+def die_with_parent(parent_pid: int) -> bool:
     """In a child just forked by ``parent_pid`` (from its only or main thread): be SIGKILLed when it exits, and exit
-    at once if it already has (it could die between the fork and the ``prctl``, which then never fires)."""
-    if set_parent_death_signal(signal.SIGKILL) and os.getppid() != parent_pid:
-        os._exit(1)
+    at once if it already has (it could die between the fork and the ``prctl``, which then never fires). False where
+    the kernel cannot do it (not Linux): the caller watches on its own, or does without."""
+    if not set_parent_death_signal(signal.SIGKILL):
+        return False
+    if os.getppid() != parent_pid:
+        os._exit(0)
+    return True

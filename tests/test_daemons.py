@@ -305,3 +305,35 @@ def test_stopping_a_dht_closes_this_process_s_connection_to_its_daemon(caplog):
     del replica, control, dht
     gc.collect()
     assert "Task was destroyed but it is pending" not in caplog.text
+
+
+RELAY_HOP = "/libp2p/circuit/relay/0.2.0/hop"  # the protocol a libp2p circuit relay serves (go-libp2p circuitv2)
+
+
+def test_a_swarm_on_one_machine_runs_no_relay_unless_asked(local_swarm, swarm_peer):
+    """Every libp2p daemon ran a circuit relay, whatever ``use_relay`` said (p2pd's ``-relay=0`` cannot turn off its
+    built-in default), and its relay built an IP-to-ASN table at start: about 0.25 of a daemon's 0.4 CPU s in a
+    swarm's first seconds, a third of the suite's daemon CPU (issue 56). On loopback, where no peer is behind a NAT,
+    peers now run none (the shared swarm's bootstrap peer, default settings); ``use_relay=True`` still runs one."""
+    from hivemind.p2p import PeerID
+
+    from swarm.utils.event_loop import BackgroundLoop
+
+    relaying = start_dht(NetworkConfig(initial_peers=local_swarm.initial_peers, client_mode=True, use_relay=True))
+    try:
+        prober = BackgroundLoop.shared().run(swarm_peer.replicate_p2p(), timeout=30)
+
+        async def serves_relay(peer_id: PeerID) -> bool:
+            try:
+                _, _, writer = await prober._client.stream_open(peer_id, [RELAY_HOP])
+            except Exception as error:  # hivemind's daemon error: the peer does not speak the protocol
+                assert "protocol" in str(error).lower(), error
+                return False
+            writer.close()
+            return True
+
+        bootstrap = PeerID.from_base58(local_swarm.initial_peers[0].rsplit("/p2p/", 1)[1])
+        assert BackgroundLoop.shared().run(serves_relay(relaying.peer_id), timeout=30), "use_relay=True relays"
+        assert not BackgroundLoop.shared().run(serves_relay(bootstrap), timeout=30), "a loopback swarm: no relay"
+    finally:
+        stop_dht(relaying)

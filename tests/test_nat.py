@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from swarm.dht.nat import ALL_INTERFACES, RelayPlan, address_kind, listen_addresses, relay_plan
+from swarm.dht.nat import ALL_INTERFACES, RelayPlan, address_kind, listen_addresses, relay_plan, relay_wanted
 from swarm.dht.schema import ServerRecord, ServerState
 from swarm.health.map import build_health_map
 from swarm.health.reachability import DIRECT, LOCAL, RELAY, UNKNOWN, reachability
@@ -83,6 +83,20 @@ def test_relay_plan_follows_where_the_peer_is():
     asked = relay_plan(["/ip4/44.0.0.9/tcp/0"], [], peers, use_relay=True, use_auto_relay=True, client_mode=False)
     assert asked == RelayPlan("--use-auto-relay", peers, detected=False)
     assert "force_reachability" not in asked.daemon_options()
+
+
+def test_a_relay_runs_unless_the_whole_swarm_is_on_this_machine():
+    """A circuit relay only costs CPU where no peer can be behind a NAT: listening on loopback with every initial
+    peer on loopback. Anything else, or an explicit choice, keeps what is asked (tests/test_daemons.py checks the
+    daemons)."""
+    loopback, local_peer = ["/ip4/127.0.0.1/tcp/0"], "/ip4/127.0.0.1/tcp/31337/p2p/12D3KooWRfGU6eoW2x9xq1Rz81Bg3aF1"
+    assert not relay_wanted(None, loopback, []) and not relay_wanted(None, loopback, [local_peer])
+    assert not relay_wanted(None, ["/ip6/::1/tcp/0"], ["/dns4/localhost/tcp/1/p2p/x"])
+    assert relay_wanted(None, loopback, [PUBLIC]), "a peer reaching a public swarm may need relays to reach servers"
+    assert relay_wanted(None, loopback, [local_peer, "/ip4/192.168.1.5/tcp/1/p2p/x"]), "a LAN peer: maybe NATed"
+    assert relay_wanted(None, ["/ip4/0.0.0.0/tcp/0"], [local_peer]), "other machines can dial it"
+    assert relay_wanted(None, [], [])
+    assert relay_wanted(True, loopback, []) and not relay_wanted(False, ["/ip4/0.0.0.0/tcp/0"], [PUBLIC])
 
 
 def test_the_loopback_default_follows_the_swarm():

@@ -350,8 +350,10 @@ def network_options(command: Callable) -> Callable:
                      help="Public multiaddrs to announce, e.g. behind port forwarding (repeatable)."),
         click.option("--identity-path", type=click.Path(dir_okay=False), default=None,
                      help="Private key file giving a persistent peer id; created on first use."),
-        click.option("--use-relay/--no-relay", default=True, show_default=True,
-                     help="Allow reaching and being reached through libp2p circuit relays."),
+        click.option("--use-relay/--no-relay", default=None,
+                     help="Allow reaching and being reached through libp2p circuit relays. Default: allowed, but in "
+                          "a swarm on this machine only (listening on loopback, every initial peer on loopback), "
+                          "where no peer is behind a NAT and a relay would only cost CPU."),
         click.option("--use-auto-relay", is_flag=True, default=False,
                      help="Look for relays to become reachable from behind NAT."),
     ]

@@ -39,7 +39,9 @@ class NetworkConfig:
     host_maddrs: list[str] = field(default_factory=lambda: list(LOOPBACK_MADDRS))
     announce_maddrs: list[str] = field(default_factory=list)
     identity_path: Optional[str] = None
-    use_relay: bool = True
+    # Circuit relays, to reach and be reached from behind NAT; None: on, but in a swarm on this machine only, where
+    # they cannot help (swarm.dht.nat.relay_wanted)
+    use_relay: Optional[bool] = None
     use_auto_relay: bool = False
     client_mode: bool = False
     use_default_peers: bool = True  # fall back to $SWARM_INITIAL_PEERS and the bootstrap file

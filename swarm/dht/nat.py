@@ -71,6 +71,28 @@ def public_peers(peers: Iterable[str]) -> list[str]:
     return [p for p in peers if "/p2p/" in p and RELAY_MARKER not in p and address_kind(p) == "public"]
 
 
+def on_one_machine(host_maddrs: Iterable[str], peers: Iterable[str]) -> bool:
+    """Whether a peer that listens on ``host_maddrs`` and joins ``peers`` is in a swarm on this machine only: it
+    listens on loopback alone (no other machine can dial it) and every initial peer is on loopback."""
+    hosts = [address_host(m) for m in host_maddrs] + [address_host(p) for p in peers]
+    return bool(host_maddrs) and all(
+        _is_loopback(host) or (protocol in ("dns", "dns4", "dns6") and host == "localhost") for protocol, host in hosts)
+
+
+def relay_wanted(use_relay: Optional[bool], host_maddrs: Iterable[str], peers: Iterable[str]) -> bool:
+    """``use_relay`` as given, or when it is None (the default) whether a circuit relay can help this peer at all:
+    not in a swarm on one machine (:func:`on_one_machine`), where no peer is behind a NAT. There the relay only cost:
+    each libp2p daemon builds an IP-to-ASN table for its relay service at start, about 0.25 of its 0.4 CPU s in a
+    swarm's first seconds (docs/TESTING-HISTORY.md, "The libp2p daemon's relay")."""
+    if use_relay is not None:
+        return use_relay
+    host_maddrs, peers = list(host_maddrs), list(peers)
+    if on_one_machine(host_maddrs, peers):
+        logger.debug("a swarm on this machine only (loopback): no circuit relay (--use-relay turns it on)")
+        return False
+    return True
+
+
 def listen_addresses(host_maddrs: Iterable[str], default: Iterable[str], peers: Iterable[str]) -> list[str]:
     """Where to listen: the loopback default follows the swarm, so a peer joining public peers listens on every
     interface (a free port): others can dial it, or, behind NAT, hole punching can open a direct connection."""

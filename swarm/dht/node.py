@@ -23,7 +23,8 @@ import sys
 import threading
 import time
 from functools import partial
-from typing import Any, Iterable, Optional
+from pathlib import Path
+from typing import Any, Callable, Iterable, Optional
 
 from hivemind.dht import DHT, DHTNode
 from hivemind.dht.crypto import RSASignatureValidator
@@ -40,7 +41,7 @@ from multiaddr import Multiaddr
 from swarm.dht.config import LOOPBACK_MADDRS, NetworkConfig
 from swarm.dht.identity import Identity
 from swarm.dht.keys import policy_for, trusted_keys
-from swarm.dht.nat import listen_addresses, relay_plan, wait_for_relay
+from swarm.dht.nat import listen_addresses, relay_plan, relay_wanted, wait_for_relay
 from swarm.dht.peers import resolve_initial_peers
 from swarm.dht.validation import (
     STORE_SENDER,
@@ -137,25 +138,37 @@ def dies_with_this_process(command: list[str]) -> list[str]:
     return [sys.executable, "-I", "-S", "-c", _LAUNCHER, str(os.getpid()), *command]
 
 
+# p2pd turns its circuit relay on from a built-in default that ``-relay=0`` (hivemind's ``use_relay=False``) cannot
+# turn off; a config file can, the flags keeping their meaning on top of it (go-libp2p-daemon's p2pd/main.go).
+RELAY_OFF_CONFIG = Path(__file__).with_name("p2pd_relay_off.json")
+
+
+def daemon_command(original: Callable[..., list[str]], *args: Any, **options: Any) -> list[str]:
+    """hivemind's p2pd command line, with ``use_relay=False`` meaning it (the relay-off config file) and, on Linux,
+    behind the launcher that kills the daemon with this process."""
+    if options.get("relay") is False and "f" not in options:
+        options["f"] = str(RELAY_OFF_CONFIG)
+    command = original(*args, **options)
+    return dies_with_this_process(command) if sys.platform.startswith("linux") and sys.executable else command
+
+
 def guard_daemons() -> None:
     """Make every ``p2pd`` that hivemind starts from now on, in this process and in processes forked from it, die
-    with the process that started it (Linux; elsewhere a no-op). Idempotent.
+    with the process that started it (Linux), and run without a circuit relay when started with
+    ``use_relay=False`` (:data:`RELAY_OFF_CONFIG`). Idempotent.
 
     A p2pd whose parent died also dies of SIGPIPE at its next line of log, as nobody reads its output any more,
     but only if it writes one; the death signal does not depend on that. hivemind 1.1.12 starts p2pd with
     ``asyncio.create_subprocess_exec`` and has no hook for the child, but it builds the command line in one
-    place, ``P2P._make_process_args``: that is wrapped to put the launcher in front of the command. Code that
-    calls ``hivemind.P2P.create`` itself should call this first.
+    place, ``P2P._make_process_args``: that is wrapped (:func:`daemon_command`). Code that calls
+    ``hivemind.P2P.create`` itself should call this first.
     """
     original = P2P._make_process_args
-    if not sys.platform.startswith("linux") or not sys.executable or getattr(original, "guarded", False):
+    if getattr(original, "guarded", False):
         return
-
-    def with_launcher(*args, **kwargs) -> list[str]:
-        return dies_with_this_process(original(*args, **kwargs))
-
-    with_launcher.guarded = True
-    P2P._make_process_args = staticmethod(with_launcher)
+    wrapped = partial(daemon_command, original)
+    wrapped.guarded = True
+    P2P._make_process_args = staticmethod(wrapped)
 
 
 def follow_parent(parent_pid: int, started_by_main_thread: bool) -> None:
@@ -345,13 +358,14 @@ def start_dht(network: NetworkConfig, record_validators: Iterable[RecordValidato
     host_maddrs = listen_addresses(network.host_maddrs, LOOPBACK_MADDRS, peers)
     check_listen_addresses(host_maddrs)
     guard_daemons()
+    use_relay = relay_wanted(network.use_relay, host_maddrs, peers)
     kwargs = dict(
-        host_maddrs=host_maddrs, use_relay=network.use_relay, use_auto_relay=network.use_auto_relay,
+        host_maddrs=host_maddrs, use_relay=use_relay, use_auto_relay=network.use_auto_relay,
         client_mode=network.client_mode,
     )
     if network.announce_maddrs:
         kwargs["announce_maddrs"] = network.announce_maddrs
-    relays = relay_plan(host_maddrs, network.announce_maddrs, peers, use_relay=network.use_relay,
+    relays = relay_plan(host_maddrs, network.announce_maddrs, peers, use_relay=use_relay,
                         use_auto_relay=network.use_auto_relay, client_mode=network.client_mode)
     if relays is not None:
         logger.info("reachable through relays only (%s): relays %s", relays.reason, ", ".join(relays.relays) or "?")

@@ -145,14 +145,18 @@ def pytest_collection_finish(session):
 
 # ----- scheduling over pytest-xdist workers (.ci/run: -n 3 --dist loadfile) ------------------------------------
 # Files that take longest in wall time, longest first (per-file spans of a three-worker run, docs/TESTING.md
-# "Forked servers, the longest files first"): they start first, so that no worker begins a two-minute file when the
-# others are nearly done. xdist itself queues files by their number of tests, which put the few-but-long ones last.
+# "Forked servers, the longest files first"; re-ranked 2026-12-06 23:30 from benchmarks/xdist_timeline.py, where
+# test_wan, then unlisted, started last at 329 s and ended the run at 359 s): they start first, so that no worker
+# begins a long file when the others are nearly done. xdist itself queues files by their number of tests, which put
+# the few-but-long ones last.
 # Unlisted files follow in xdist's order; a listed name that is no file is refused, so the list cannot rot silently.
 # The 8B-width file (test_invariance) holds WIDE_LOCK and starts at once.
-LONGEST_FILES = ("test_invariance", "test_audit_swarm", "test_audit_traffic", "test_improve", "test_readme",
-                 "test_security_dht", "test_weights", "test_finetune_together", "test_nat", "test_security_server",
-                 "test_security_client", "test_governance", "test_daemons", "test_web", "test_head",
-                 "test_spot_checks", "test_hub", "test_eval", "test_cli", "test_security_parsers")
+LONGEST_FILES = ("test_invariance", "test_audit_swarm", "test_improve", "test_audit_traffic", "test_security_dht",
+                 "test_readme", "test_security_server", "test_nat", "test_governance", "test_wan", "test_web",
+                 "test_security_failover", "test_security_client", "test_finetune_together", "test_weights",
+                 "test_draft_verify", "test_daemons", "test_real_size", "test_head", "test_eval", "test_hub",
+                 "test_adapter_versions", "test_security_keys", "test_failover", "test_security_parsers",
+                 "test_swarm", "test_latency_hiding", "test_finetune", "test_cli", "test_liveness")
 
 
 @pytest.hookimpl(optionalhook=True)  # without pytest-xdist (`-p no:xdist`) the hook does not exist

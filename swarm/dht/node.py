@@ -43,6 +43,7 @@ from swarm.dht.identity import Identity
 from swarm.dht.keys import policy_for, trusted_keys
 from swarm.dht.nat import listen_addresses, relay_plan, relay_wanted, wait_for_relay
 from swarm.dht.peers import resolve_initial_peers
+from swarm.dht.sockets import remove_dead_sockets_now_and_then
 from swarm.dht.validation import (
     STORE_SENDER,
     KeyPolicy,
@@ -358,6 +359,7 @@ def start_dht(network: NetworkConfig, record_validators: Iterable[RecordValidato
     host_maddrs = listen_addresses(network.host_maddrs, LOOPBACK_MADDRS, peers)
     check_listen_addresses(host_maddrs)
     guard_daemons()
+    remove_dead_sockets_now_and_then()  # the files of peers killed before (hivemind removes its own only)
     use_relay = relay_wanted(network.use_relay, host_maddrs, peers)
     kwargs = dict(
         host_maddrs=host_maddrs, use_relay=use_relay, use_auto_relay=network.use_auto_relay,

@@ -344,8 +344,9 @@ def test_a_swarm_on_one_machine_runs_no_relay_unless_asked(local_swarm, swarm_pe
 def test_socket_files_of_dead_peers_are_removed_and_live_ones_kept(tmp_path):
     """hivemind removes a peer's two socket files only in its own shutdown, so every killed server left them in /tmp
     (about 250 a suite run). Pairs whose daemon socket nobody listens on go, when over a minute old; a listening
-    daemon's pair, a young dead pair, another name and another kind of file stay. The daemon's socket alone is
-    probed: a connection to the peer's own socket makes it log a traceback."""
+    daemon's pair, a young dead pair, a peer's socket without its daemon's (a replica's, as a server's streams are
+    served: its daemon's ID is not in its name), another name and another kind of file stay. The daemon's socket
+    alone is probed: a connection to the peer's own socket makes it log a traceback."""
     from swarm.dht.sockets import MIN_AGE_S, remove_dead_sockets, remove_dead_sockets_now_and_then
 
     def bound(name: str, listen: bool, age: float) -> socket.socket:
@@ -359,15 +360,15 @@ def test_socket_files_of_dead_peers_are_removed_and_live_ones_kept(tmp_path):
     old = MIN_AGE_S + 5
     live = [bound("hivemind-p2pd-live.sock", True, old), bound("hivemind-p2pclient-live.sock", False, old)]
     dead = [bound("hivemind-p2pd-dead.sock", False, old), bound("hivemind-p2pclient-dead.sock", False, old),
-            bound("hivemind-p2pclient-orphan.sock", False, old), bound("hivemind-p2pd-young.sock", False, 1.0),
+            bound("hivemind-p2pclient-replica.sock", True, old), bound("hivemind-p2pd-young.sock", False, 1.0),
             bound("other-p2pd-dead.sock", False, old)]
     (tmp_path / "hivemind-p2pd-file.sock").write_text("not a socket")
     os.utime(tmp_path / "hivemind-p2pd-file.sock", (time.time() - old, time.time() - old))
     try:
-        assert remove_dead_sockets(tmp_path) == 3
+        assert remove_dead_sockets(tmp_path) == 2
         assert sorted(path.name for path in tmp_path.iterdir()) == [
-            "hivemind-p2pclient-live.sock", "hivemind-p2pd-file.sock", "hivemind-p2pd-live.sock",
-            "hivemind-p2pd-young.sock", "other-p2pd-dead.sock"]
+            "hivemind-p2pclient-live.sock", "hivemind-p2pclient-replica.sock", "hivemind-p2pd-file.sock",
+            "hivemind-p2pd-live.sock", "hivemind-p2pd-young.sock", "other-p2pd-dead.sock"]
         os.utime(tmp_path / "hivemind-p2pd-young.sock", (time.time() - old, time.time() - old))
         assert remove_dead_sockets_now_and_then(tmp_path) == 1  # the first run here: it scans
         os.utime(tmp_path / "hivemind-p2pd-live.sock", (time.time() - old, time.time() - old))

@@ -4,13 +4,15 @@ hivemind names two Unix sockets per peer, ``/tmp/hivemind-p2pd-ID.sock`` (its li
 ``/tmp/hivemind-p2pclient-ID.sock`` (where the daemon calls the peer back, once it serves streams), and removes them
 only in its own shutdown. A server stopped with SIGKILL, or a DHT process or daemon that dies with its parent
 (``swarm.dht.node``), leaves them behind: a run of the test suite left about 250, and a machine whose servers are
-killed gathers them for good (17,000 in this project's /tmp by 2026-12-06).
+killed gathers them for good (19,977 in this project's /tmp on 2026-12-06).
 
-:func:`remove_dead_sockets` removes this user's pairs whose daemon is gone. Liveness is asked of the daemon's socket
-only: a connection that p2pd accepts and sees closed is silent there, whereas the peer's own socket logs a traceback
-for it. A daemon socket nobody listens on (``connect`` refused) or missing means the pair is dead; files younger than
-``MIN_AGE_S`` are left alone, so a peer starting now is never touched. ``start_dht`` runs it before starting a daemon,
-at most once every ``PERIOD_S`` on a machine (a marker file's age says when it last ran).
+:func:`remove_dead_sockets` removes this user's pairs whose daemon is gone: a daemon socket that nobody listens on
+(``connect`` refused), with the peer's socket of the same ID. Liveness is asked of the daemon's socket only: a
+connection that p2pd accepts and sees closed is silent there, whereas the peer's own socket logs a traceback for it.
+A peer's socket without its daemon's stays: a P2P replica (``P2P.replicate``: a server's streams are served there)
+names its socket with an ID of its own, so nothing tells from the name whether its daemon still runs. Files younger
+than ``MIN_AGE_S`` are left alone, so a peer starting now is never touched. ``start_dht`` runs it before starting a
+daemon, at most once every ``PERIOD_S`` on a machine (a marker file's age says when it last ran).
 """
 from __future__ import annotations
 
@@ -44,7 +46,8 @@ def _listening(path: str) -> bool:
 
 
 def remove_dead_sockets(directory: Path = SOCKET_DIRECTORY, min_age: float = MIN_AGE_S) -> int:
-    """Remove this user's hivemind socket files (both of a pair) whose daemon socket nobody listens on; how many."""
+    """Remove this user's hivemind socket files (a daemon's, and the peer's of the same ID) whose daemon socket
+    nobody listens on; how many."""
     now, uid = time.time(), os.getuid()
     pairs: dict[str, dict[str, str]] = {}
     try:
@@ -63,10 +66,9 @@ def remove_dead_sockets(directory: Path = SOCKET_DIRECTORY, min_age: float = MIN
         if stat.S_ISSOCK(info.st_mode) and info.st_uid == uid and now - info.st_mtime >= min_age:
             pairs.setdefault(match.group(2), {})[match.group(1)] = entry.path
     removed = 0
-    for name, files in pairs.items():
-        daemon = files.get("p2pd", str(Path(directory) / f"hivemind-p2pd-{name}.sock"))
-        if _listening(daemon):
-            continue
+    for files in pairs.values():
+        if "p2pd" not in files or _listening(files["p2pd"]):
+            continue  # a live daemon, or a replica's socket (its daemon's ID is not in its name)
         for path in files.values():
             try:
                 os.unlink(path)

@@ -543,7 +543,8 @@ def test_a_server_that_reads_no_decision_for_longer_than_the_bound_refuses(local
         with DistributedDiffusionLM.from_pretrained(path, dht=swarm_peer) as lm:
             assert wait_until(lambda: refused(lm, server), timeout=60, interval=RPC_POLL), \
                 "the server served on, unaware"
-            assert any("governance state unreadable" in line for line in server.log)
+            # the server's log reaches server.log through a reader thread, maybe after its refusal reached us
+            assert wait_until(lambda: any("governance state unreadable" in line for line in server.log), timeout=10)
             assert publish(lm.dht, key, default_prefix(path), RESUME, "set-up") is not None
             assert wait_until(lambda: not refused(lm, server), timeout=60, interval=RPC_POLL), \
                 "the resume was not read"

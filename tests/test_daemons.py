@@ -359,7 +359,7 @@ def test_socket_files_of_dead_peers_are_removed_and_live_ones_kept(tmp_path):
 
     old = MIN_AGE_S + 5
     live = [bound("hivemind-p2pd-live.sock", True, old), bound("hivemind-p2pclient-live.sock", False, old)]
-    dead = [bound("hivemind-p2pd-dead.sock", False, old), bound("hivemind-p2pclient-dead.sock", False, old),
+    others = [bound("hivemind-p2pd-dead.sock", False, old), bound("hivemind-p2pclient-dead.sock", False, old),
             bound("hivemind-p2pclient-replica.sock", True, old), bound("hivemind-p2pd-young.sock", False, 1.0),
             bound("other-p2pd-dead.sock", False, old)]
     (tmp_path / "hivemind-p2pd-file.sock").write_text("not a socket")
@@ -376,5 +376,5 @@ def test_socket_files_of_dead_peers_are_removed_and_live_ones_kept(tmp_path):
         assert remove_dead_sockets_now_and_then(tmp_path) == 0, "the marker says it ran a moment ago"
         assert remove_dead_sockets(tmp_path) == 2
     finally:
-        for server in live + dead:
+        for server in live + others:
             server.close()

@@ -49,6 +49,7 @@ from hivemind.p2p import P2P, PeerID  # noqa: E402
 from swarm.adapters.block import BlockAdapter  # noqa: E402
 from swarm.adapters.kinds import LORA  # noqa: E402
 from swarm.adapters.lora import BlockWidths  # noqa: E402
+from swarm.dht.node import create_p2p  # noqa: E402
 from swarm.diffusion.pipeline import CacheDirective  # noqa: E402
 from swarm.models.loading import ModelFiles  # noqa: E402
 from swarm.testing.silent_delivery import add_silent_delivery  # noqa: E402
@@ -71,7 +72,7 @@ class Attacker:
     def __init__(self, server: ManagedProcess):
         self.server = server
         self.loop = BackgroundLoop(name="attacker")
-        self.p2p: P2P = self.loop.run(P2P.create(initial_peers=server.maddrs), timeout=60)
+        self.p2p: P2P = self.loop.run(create_p2p(server.maddrs), timeout=60)
         self.caller = RemoteCaller(self.p2p)
         self.peer_id = str(self.p2p.peer_id)
 

@@ -43,7 +43,7 @@ sys.path.insert(0, str(ROOT))
 from huggingface_hub import constants  # noqa: E402
 
 from benchmarks.hub_fetch import WIDTHS  # noqa: E402
-from swarm.dht.node import NetworkConfig, start_dht, stop_dht  # noqa: E402
+from swarm.dht.node import NetworkConfig, create_p2p, start_dht, stop_dht  # noqa: E402
 from swarm.models.checkpoint import save_tensors  # noqa: E402
 from swarm.models.published import LLADA_CONFIG, llada_shapes  # noqa: E402
 from swarm.utils.local_swarm import LocalSwarm  # noqa: E402
@@ -82,8 +82,6 @@ def copy_seconds(directory: Path, files: set[str], target: Path) -> tuple[int, f
 
 def tarpit_fetch(checkpoint: Path, cache_root: Path, indices: list[int], tarpits: int, config) -> tuple:
     """Seconds, report and peer book of one fetch of ``indices`` from an honest host and ``tarpits`` tarpits."""
-    from hivemind.p2p import P2P
-
     from swarm.testing.tarpit import start_host
     from swarm.utils.event_loop import BackgroundLoop
     from swarm.weights.cache import ModelCache
@@ -91,7 +89,7 @@ def tarpit_fetch(checkpoint: Path, cache_root: Path, indices: list[int], tarpits
 
     loop = BackgroundLoop.shared()
     hosts = [start_host(checkpoint, config.timeout - 1.0) for _ in range(tarpits)] + [start_host(checkpoint)]
-    client = loop.run(P2P.create(host_maddrs=list(NetworkConfig().host_maddrs)), timeout=60)
+    client = loop.run(create_p2p(), timeout=60)
     try:
         manifest = hosts[-1].server.holdings.manifest
         cache = ModelCache(manifest.model_id, cache_root)

@@ -26,7 +26,7 @@ from hivemind.proto import runtime_pb2
 from hivemind.utils import MSGPackSerializer
 from hivemind.utils.streaming import split_for_streaming
 
-from swarm.dht.node import guard_daemons
+from swarm.dht.node import create_p2p
 from swarm.diffusion.pipeline import CacheDirective
 from swarm.models.loading import ModelFiles
 from swarm.server.backend import Admission, ComputeQueue, attention_length_scale, request_cost
@@ -66,8 +66,7 @@ class Peer:
     def __init__(self, server: ManagedProcess):
         self.server = server
         self.loop = BackgroundLoop(name="hostile-peer")
-        guard_daemons()  # dies with this process; no relay on loopback (use_relay=False)
-        self.p2p: P2P = self.loop.run(P2P.create(initial_peers=server.maddrs, use_relay=False), timeout=60)
+        self.p2p: P2P = self.loop.run(create_p2p(server.maddrs), timeout=60)
         self.peer_id = str(self.p2p.peer_id)
         self.caller = RemoteCaller(self.p2p)
         self.stub = SpanService.get_stub(self.p2p, PeerID.from_base58(server.peer_id))

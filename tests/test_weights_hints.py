@@ -8,9 +8,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from hivemind.p2p import P2P
 
-from swarm.dht.node import NetworkConfig, guard_daemons
+from swarm.dht.node import create_p2p
 from swarm.testing.tarpit import start_host
 from swarm.utils.event_loop import BackgroundLoop
 from swarm.weights.fetch import FetchConfig, Fetcher, PeerBook
@@ -42,8 +41,7 @@ def client():
     """The fetchers' libp2p peer, one for the file (a daemon is ~0.4 CPU s to start): each test's fetcher keeps its
     own book of the hosts."""
     loop = BackgroundLoop.shared()
-    guard_daemons()  # dies with this process; no relay on loopback (use_relay=False)
-    p2p = loop.run(P2P.create(host_maddrs=list(NetworkConfig().host_maddrs), use_relay=False), timeout=60)
+    p2p = loop.run(create_p2p(), timeout=60)
     yield p2p
     loop.run(p2p.shutdown())
 

@@ -24,7 +24,7 @@ import threading
 import time
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 from hivemind.dht import DHT, DHTNode
 from hivemind.dht.crypto import RSASignatureValidator
@@ -170,6 +170,22 @@ def guard_daemons() -> None:
     wrapped = partial(daemon_command, original)
     wrapped.guarded = True
     P2P._make_process_args = staticmethod(wrapped)
+
+
+def before_a_daemon_starts() -> None:
+    """What every start of a libp2p daemon from this project goes through: the daemon dies with this process
+    (:func:`guard_daemons`), and the socket files of peers killed before are removed now and then (hivemind removes
+    its own only in its shutdown: ``swarm.dht.sockets``)."""
+    guard_daemons()
+    remove_dead_sockets_now_and_then()
+
+
+async def create_p2p(initial_peers: Sequence[str] = (), host_maddrs: Sequence[str] = LOOPBACK_MADDRS) -> P2P:
+    """A bare libp2p peer (hivemind's ``P2P``, no DHT), started as :func:`start_dht` starts one: its daemon dies with
+    this process and runs a circuit relay only where one can help (:func:`swarm.dht.nat.relay_wanted`)."""
+    before_a_daemon_starts()
+    return await P2P.create(initial_peers=list(initial_peers) or None, host_maddrs=list(host_maddrs),
+                            use_relay=relay_wanted(None, host_maddrs, initial_peers))
 
 
 def follow_parent(parent_pid: int, started_by_main_thread: bool) -> None:
@@ -358,8 +374,7 @@ def start_dht(network: NetworkConfig, record_validators: Iterable[RecordValidato
     peers = resolve_initial_peers(network.initial_peers, use_defaults=network.use_default_peers)
     host_maddrs = listen_addresses(network.host_maddrs, LOOPBACK_MADDRS, peers)
     check_listen_addresses(host_maddrs)
-    guard_daemons()
-    remove_dead_sockets_now_and_then()  # the files of peers killed before (hivemind removes its own only)
+    before_a_daemon_starts()
     use_relay = relay_wanted(network.use_relay, host_maddrs, peers)
     kwargs = dict(
         host_maddrs=host_maddrs, use_relay=use_relay, use_auto_relay=network.use_auto_relay,

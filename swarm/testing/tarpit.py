@@ -15,7 +15,7 @@ from typing import AsyncIterator
 from hivemind.p2p import P2P, P2PContext
 from hivemind.proto import runtime_pb2
 
-from swarm.dht.node import NetworkConfig, guard_daemons
+from swarm.dht.node import create_p2p
 from swarm.utils.event_loop import BackgroundLoop
 from swarm.weights.holdings import Holdings
 from swarm.weights.records import HostRecord
@@ -53,11 +53,9 @@ class Host:
 def start_host(model: Path, delay: float = 0.0) -> Host:
     """A host of every tensor of the checkpoint directory ``model`` answering after ``delay`` seconds."""
     loop = BackgroundLoop.shared()
-    guard_daemons()  # the daemon dies with this process
     server = TarpitWeightServer(delay)
     server.holdings = Holdings.of_model(model)
-    # on loopback, where no relay can help (swarm.dht.nat.relay_wanted)
-    p2p = loop.run(P2P.create(host_maddrs=list(NetworkConfig().host_maddrs), use_relay=False), timeout=60)
+    p2p = loop.run(create_p2p(), timeout=60)
     loop.run(server.add_p2p_handlers(p2p))
     addresses = tuple(str(address).rsplit("/p2p/", 1)[0] for address in loop.run(p2p.get_visible_maddrs()))
     record = server.holdings.host_record(str(p2p.peer_id), list(addresses))

@@ -378,3 +378,31 @@ def test_socket_files_of_dead_peers_are_removed_and_live_ones_kept(tmp_path):
     finally:
         for server in live + others:
             server.close()
+
+
+def test_the_socket_janitor_removes_no_link_and_no_other_user_s_file(tmp_path):
+    """The neighbours of a dead pair: a symbolic link named as a hivemind socket (to a dead socket elsewhere) and a
+    dead pair that another user owns stay, as do their targets; only this user's own sockets are removed."""
+    from swarm.dht.sockets import MIN_AGE_S, remove_dead_sockets
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    old = time.time() - MIN_AGE_S - 5
+    sockets = []
+    for path in (elsewhere / "target.sock", tmp_path / "hivemind-p2pd-theirs.sock",
+                 tmp_path / "hivemind-p2pclient-theirs.sock"):
+        server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        server.bind(str(path))
+        sockets.append(server)
+        os.utime(path, (old, old))
+    (tmp_path / "hivemind-p2pd-link.sock").symlink_to(elsewhere / "target.sock")
+    if os.getuid() == 0:  # root can give the pair to another user; elsewhere every file here is this user's
+        for name in ("hivemind-p2pd-theirs.sock", "hivemind-p2pclient-theirs.sock"):
+            os.chown(tmp_path / name, 4242, 4242)
+    try:
+        expected = 0 if os.getuid() == 0 else 2
+        assert remove_dead_sockets(tmp_path) == expected
+        assert (elsewhere / "target.sock").exists() and (tmp_path / "hivemind-p2pd-link.sock").is_symlink()
+    finally:
+        for server in sockets:
+            server.close()

@@ -45,7 +45,7 @@ from swarm.benchmark.timing import time_calls
 from swarm.cli.options import SwarmGroup, gen_length_option
 from swarm.diffusion.config import MAX_DRAFT_STEPS, MAX_STALENESS
 from swarm.diffusion.remasking import STRATEGIES
-from swarm.testing.delay_proxy import DelayedLinks, DelayedSwarm
+from swarm.testing.delay_proxy import DelayedLinks, DelayedSwarm, daemon_process
 from swarm.utils.local_swarm import LocalSwarm
 from swarm.utils.threads import apply_threads
 
@@ -490,8 +490,7 @@ def waited_crossings(lm, links: DelayedLinks, prompt: str, **settings):
     start = time.monotonic()
     result = lm.generate(prompt, **settings)
     end = time.monotonic()
-    clients = links.log.outsiders(start, end)
-    return result, links.log.chain(start, end, next(iter(clients)) if len(clients) == 1 else None)
+    return result, links.log.chain(start, end, daemon_process(lm.p2p))
 
 
 @main.command("cache-refresh")

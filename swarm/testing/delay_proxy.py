@@ -59,14 +59,14 @@ class CrossingLog:
     """Every crossing and connection of a set of proxies (thread-safe); windows of it are read by time."""
 
     crossings: list[Crossing] = field(default_factory=list)
-    opened: list[tuple[str, float]] = field(default_factory=list)  # (link, time) per accepted connection
+    opened: list[tuple[str, float, int]] = field(default_factory=list)  # (link, time, number) per accepted one
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _next_connection: int = 0
 
     def connection(self, link: str) -> int:
         with self._lock:
             self._next_connection += 1
-            self.opened.append((link, time.monotonic()))
+            self.opened.append((link, time.monotonic(), self._next_connection))
             return self._next_connection
 
     def add(self, crossing: Crossing) -> None:
@@ -79,10 +79,14 @@ class CrossingLog:
             inside = [c for c in self.crossings if c.sent >= start and c.arrived <= end]
         return sorted(inside, key=lambda c: c.arrived)
 
-    def connections(self, start: float, end: float) -> int:
-        """Connections opened inside ``[start, end]``."""
+    def connections(self, start: float, end: float, dialer: Optional[str] = None) -> int:
+        """Connections opened inside ``[start, end]`` (by ``dialer`` only, when given: a process)."""
         with self._lock:
-            return sum(start <= at <= end for _, at in self.opened)
+            numbers = [number for _, at, number in self.opened if start <= at <= end]
+            if dialer is not None:
+                dialled = {c.connection for c in self.crossings if c.upstream and c.sender == dialer}
+                numbers = [number for number in numbers if number in dialled]
+            return len(numbers)
 
     def chain(self, start: float, end: float, origin: Optional[str] = None) -> int:
         """The longest sequence of crossings inside the window each sent by the process the one before it reached,
@@ -110,12 +114,13 @@ class CrossingLog:
             behind = {c.receiver for c in self.crossings if c.upstream}
         return {c.sender for c in self.within(start, end) if c.upstream} - behind
 
-    def steps(self, marks: list[float]) -> list[int]:
+    def steps(self, marks: list[float], origin: Optional[str] = None) -> list[int]:
         """:meth:`chain` of each window between consecutive ``marks`` (a generation's step ends), from and back to
-        the window's client when there is one."""
+        ``origin`` (:func:`daemon_process` of the client), or else to the window's only outsider when there is one.
+        Name the origin where other programs run: a stranger holding a stale address may dial a proxy's port."""
         chains = []
         for start, end in zip(marks, marks[1:]):
-            origins = self.outsiders(start, end)
+            origins = {origin} if origin is not None else self.outsiders(start, end)
             chains.append(self.chain(start, end, next(iter(origins)) if len(origins) == 1 else None))
         return chains
 
@@ -213,6 +218,18 @@ def process_at(port: int) -> str:
     except psutil.Error:
         pass
     return f"?{port}"
+
+
+def daemon_process(p2p) -> str:
+    """The process (its pid, as :class:`Crossing` names processes) of the libp2p daemon that a hivemind ``P2P``
+    (or its replica) talks through: the one listening on its control socket. That daemon is who dials a proxy for
+    a client, so a window's client is known for sure, not guessed as the one outsider: on a busy machine another
+    program's peer may hold a stale address whose port a proxy took since, and dial it (CI saw two outsiders)."""
+    path = str(p2p.daemon_listen_maddr).split("/unix", 1)[-1]
+    for connection in psutil.net_connections("unix"):
+        if connection.laddr == path and connection.pid:
+            return str(connection.pid)
+    raise LookupError(f"no process listens on {path}")
 
 
 def free_port() -> int:

@@ -45,7 +45,7 @@ from swarm.wire.encoding import (
     split_parts,
 )
 from swarm.wire.messages import BackwardRequest, ErrorCode, ForwardRequest, PushSpec, RemoteError
-from swarm.wire.remote import _read_stream
+from swarm.wire.remote import read_stream
 from tests.conftest import holder_of, wait_seen
 from tests.test_adapter_sharing import served_and_published
 from tests.test_finetune import (
@@ -150,7 +150,7 @@ def raw_call(lm, peer: str, parts: list[runtime_pb2.ExpertRequest], backward: bo
     async def rpc() -> list:
         if len(parts) == 1:
             return [await unary(parts[0])]
-        return await _read_stream(stream(iter_as_aiter(parts)))
+        return await read_stream(stream(iter_as_aiter(parts)))
 
     return lm.loop.run(lm.caller._call(peer, rpc, 10, collect_response))
 

@@ -44,7 +44,7 @@ from swarm.wire.encoding import (
     tensor_wire_bytes,
 )
 from swarm.wire.messages import ErrorCode, ForwardRequest, PushSpec, RemoteError
-from swarm.wire.remote import RemoteCaller
+from swarm.wire.remote import RemoteCaller, read_stream
 from swarm.wire.services import SpanService
 from tests.conftest import make_checkpoint, raw_answer, stop_all, tiny_config
 from tests.tiny_fills import FILLS
@@ -82,7 +82,7 @@ class Peer:
 
     def stream(self, parts: list[runtime_pb2.ExpertRequest], collect: Callable = collect_response):
         async def call() -> list:
-            return [r async for r in await self.stub.rpc_forward_stream(_aiter(parts))]
+            return await read_stream(self.stub.rpc_forward_stream(_aiter(parts)))
 
         return raw_answer(lambda: self.run(call()), self.server.peer_id, collect)
 

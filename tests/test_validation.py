@@ -9,6 +9,7 @@ from hivemind.utils import MSGPackSerializer
 
 from swarm.wire.encoding import request_parts
 from swarm.wire.messages import ErrorCode, ForwardRequest, RemoteError
+from swarm.wire.remote import read_stream
 from swarm.wire.services import SpanService
 from tests.conftest import raw_answer
 
@@ -29,7 +30,7 @@ def send(remote_lm, peer_id: str, parts: list, stream: bool = False):
             async def parts_iter():
                 for part in parts:
                     yield part
-            return [r async for r in await stub.rpc_forward_stream(parts_iter())]
+            return await read_stream(stub.rpc_forward_stream(parts_iter()))
         return [await stub.rpc_forward(parts[0], timeout=20)]
 
     return raw_answer(lambda: remote_lm.loop.run(call(), timeout=30), peer_id)

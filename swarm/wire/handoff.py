@@ -25,7 +25,7 @@ from hivemind.utils import MSGPackSerializer
 from swarm.wire.encoding import STREAM_CHUNK_BYTES, check_error, parse_metadata
 from swarm.wire.evidence import MAX_EVIDENCE_BYTES
 from swarm.wire.messages import ErrorCode, RemoteError
-from swarm.wire.remote import as_remote_error
+from swarm.wire.remote import as_remote_error, read_stream
 from swarm.wire.services import EvidenceService
 from swarm.wire.work import WorkStamp, mint, parse_work
 
@@ -102,7 +102,7 @@ async def hand_evidence(p2p: P2P, auditor: str, data: bytes, stamped: bool, time
                 yield message
 
         stub = EvidenceService.get_stub(p2p, PeerID.from_base58(auditor))
-        answers = [answer async for answer in await stub.rpc_hand_evidence(stream())]
+        answers = await read_stream(stub.rpc_hand_evidence(stream()))
         if not answers:
             raise RemoteError(ErrorCode.INCOMPLETE, "the auditor answered nothing", auditor)
         metadata = parse_metadata(answers[0].metadata)

@@ -181,7 +181,7 @@ class RemoteCaller:
             if len(parts) == 1:
                 responses = [await unary(parts[0])]
             else:
-                responses = await _read_stream(stream(iter_as_aiter(parts)))
+                responses = await read_stream(stream(iter_as_aiter(parts)))
             self.bytes_received += sum(response.ByteSize() for response in responses)
             return responses
 
@@ -395,7 +395,7 @@ class RemoteCaller:
             raise as_remote_error(error, peer_id) from error
 
 
-async def _read_stream(call: Awaitable[AsyncIterator]) -> list:
+async def read_stream(call: Awaitable[AsyncIterator]) -> list:
     """Every answer of a stream RPC. A server that refuses a request early (too large, busy) answers and
     closes while the rest is still being sent: the answer it gave is kept instead of the broken pipe."""
     responses: list = []

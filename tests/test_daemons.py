@@ -28,6 +28,7 @@ from swarm.dht.node import (
     start_dht,
     stop_dht,
 )
+from swarm.dht.sockets import SOCKET_DIRECTORY
 from swarm.utils.local_swarm import LocalSwarm, ManagedProcess
 from tests.conftest import SHARED_MEMORY, wait_until
 
@@ -257,6 +258,23 @@ def test_ctrl_c_stops_a_bootstrap_peer_quietly(swarm):
     for noise in ("use of closed network connection", "did not shut down within the grace period", "[ERROR]"):
         assert noise not in output, output
 
+
+
+def socket_files_of(pid: int) -> set[str]:
+    """The unix socket files that a process and those below it listen on (hivemind's, in /tmp)."""
+    pids = {pid, *(p.pid for p in descendants(pid))}
+    prefix = f"{SOCKET_DIRECTORY}/hivemind-"
+    return {c.laddr for c in psutil.net_connections("unix") if c.pid in pids and c.laddr.startswith(prefix)}
+
+
+def test_a_server_stopped_gracefully_leaves_no_socket_file(local_swarm, tiny_model_path):
+    """SIGTERM: the server, its DHT process and its daemon remove every socket file they listened on. The replica
+    the server serves on once stayed (its loop closed it too late), one file per stop."""
+    server = local_swarm.start_server(str(tiny_model_path), "0:2", "--threads", "1", "--dht-prefix", "sock-files")
+    files = socket_files_of(server.process.pid)
+    assert any("p2pclient" in name for name in files) and any("p2pd" in name for name in files), files
+    assert local_swarm.terminate(server) == 0
+    assert {name for name in files if os.path.exists(name)} == set()
 
 
 def hivemind_sharing(env: dict[str, str]) -> tuple[str, list[str]]:

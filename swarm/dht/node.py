@@ -14,6 +14,7 @@ Besides starting the peer, this module makes sure of two things a user should ne
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import errno
 import logging
 import os
@@ -246,6 +247,36 @@ class GuardedDHT(DHT):
         follow_parent(self.starter_pid, self.started_by_main_thread)
         self._inner_pipe = WholeMessageReader(self._inner_pipe)
         super().run()
+
+    _replica_lock = threading.Lock()  # held for a few lines, never across an await (callers on other loops wait)
+
+    async def replicate_p2p(self) -> P2P:
+        """hivemind's one replica per DHT object and process, made safe for callers at once: hivemind's checks for
+        a cached replica, then awaits its creation, so two callers at once each made one and the first was orphaned
+        (checked: ``asyncio.gather`` of two calls got two replicas). An orphan's handlers and socket are removed
+        whenever the collector reaches it (``P2P.__del__``), and a stream routed to them is reset with nothing read.
+        Here the first caller creates it and the others, on any event loop, wait for it."""
+        pid = os.getpid()
+        with GuardedDHT._replica_lock:
+            if self._p2p_replica is not None and self._origin_pid == pid:
+                return self._p2p_replica
+            pending = getattr(self, "_replica_pending", None)
+            creating = pending is None or pending[0] != pid or pending[1].done()
+            if creating:
+                pending = self._replica_pending = (pid, concurrent.futures.Future())
+        future = pending[1]
+        if not creating:
+            return await asyncio.wrap_future(future)
+        try:
+            replica = await super().replicate_p2p()
+        except asyncio.CancelledError:
+            future.cancel()
+            raise
+        except BaseException as error:
+            future.set_exception(error)
+            raise
+        future.set_result(replica)
+        return replica
 
 
 _DAEMON_LOG_PREFIX = re.compile(r"^(Daemon failed to start: )?\d{4}/\d\d/\d\d \d\d:\d\d:\d\d ")

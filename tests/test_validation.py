@@ -151,7 +151,10 @@ def test_truncated_stream_of_a_large_payload_is_refused(remote_lm, target):
 
 
 def test_backend_refuses_beyond_its_queue_bounds():
-    """Limits on requests and queued tokens give a distinct BUSY error instead of unbounded queueing."""
+    """Limits on requests and queued tokens give a distinct BUSY error instead of unbounded queueing. Both bursts
+    run on one event loop, as a server's do: run on two (``asyncio.run`` each), the first loop could close before
+    the compute thread's "free" reached it, and the second burst then waited for a thread marked busy for ever (a
+    300 s timeout in one `.ci/run`)."""
     import asyncio
 
     from swarm.models.modules import BlockSpan
@@ -164,12 +167,20 @@ def test_backend_refuses_beyond_its_queue_bounds():
         calls = [backend.forward(SpanCall(torch.randn(b, n, HIDDEN), 0, 2)) for b, n in shapes]
         return await asyncio.gather(*calls, return_exceptions=True)
 
+    async def both() -> tuple[list, list]:
+        by_requests = await burst([(1, 10)] * 3)
+        by_tokens = await burst([(1, 60), (1, 60)])
+        for _ in range(500):  # the answered calls' places are released a loop turn or two after their answers
+            if backend.in_flight == 0 and backend.queued_tokens == 0:
+                break
+            await asyncio.sleep(0.01)
+        return by_requests, by_tokens
+
     try:
-        results = asyncio.run(burst([(1, 10)] * 3))
-        busy = [r for r in results if isinstance(r, RemoteError)]
+        by_requests, by_tokens = asyncio.run(asyncio.wait_for(both(), 60))
+        busy = [r for r in by_requests if isinstance(r, RemoteError)]
         assert len(busy) == 1 and busy[0].code == ErrorCode.BUSY and "requests" in busy[0].message
-        results = asyncio.run(burst([(1, 60), (1, 60)]))
-        busy = [r for r in results if isinstance(r, RemoteError)]
+        busy = [r for r in by_tokens if isinstance(r, RemoteError)]
         assert len(busy) == 1 and "tokens" in busy[0].message
         assert backend.in_flight == 0 and backend.queued_tokens == 0
     finally:

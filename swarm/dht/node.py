@@ -252,10 +252,10 @@ class GuardedDHT(DHT):
 
     async def replicate_p2p(self) -> P2P:
         """hivemind's one replica per DHT object and process, made safe for callers at once: hivemind's checks for
-        a cached replica, then awaits its creation, so two callers at once each made one and the first was orphaned
-        (checked: ``asyncio.gather`` of two calls got two replicas). An orphan's handlers and socket are removed
-        whenever the collector reaches it (``P2P.__del__``), and a stream routed to them is reset with nothing read.
-        Here the first caller creates it and the others, on any event loop, wait for it."""
+        a cached replica, then awaits its creation, so callers at once each made one and all but the last were
+        orphaned (checked: ``asyncio.gather`` of two calls got two replicas). An orphan's handlers and socket are
+        removed whenever the collector reaches it (``P2P.__del__``), and a stream routed to them is reset with nothing
+        read. Here the first caller creates it and the others, on any event loop, wait for it."""
         pid = os.getpid()
         with GuardedDHT._replica_lock:
             if self._p2p_replica is not None and self._origin_pid == pid:
@@ -473,15 +473,17 @@ def close_replica(dht: DHT, timeout: float = 5.0) -> None:
     tasks = [getattr(control, name, None) for name in ("_read_task", "_write_task")]
     loops = {task.get_loop() for task in tasks if task is not None and not task.done()}
     try:
-        calling = asyncio.get_running_loop()  # called from that loop's own thread, it could not wait for itself
+        calling = asyncio.get_running_loop()
     except RuntimeError:
         calling = None
     for loop in loops:
-        if loop.is_running() and not loop.is_closed() and loop is not calling:
-            try:
+        try:
+            if loop is calling:  # its own thread (a server's shutdown) cannot wait for itself: the synchronous part
+                replica._terminate()  # of P2P.shutdown (a replica has no daemon to wait for) removes its socket too
+            elif loop.is_running() and not loop.is_closed():
                 asyncio.run_coroutine_threadsafe(replica.shutdown(), loop).result(timeout)
-            except Exception as error:  # the peer is stopping anyway
-                logger.debug("closing the P2P replica failed: %s", error)
+        except Exception as error:  # the peer is stopping anyway
+            logger.debug("closing the P2P replica failed: %s", error)
 
 
 def stop_dht(dht: DHT, timeout: float = 5.0) -> None:

@@ -355,9 +355,5 @@ class Server:
         for backend in (self.backend, self.expert_backend):
             if backend is not None:
                 backend.shutdown()
-        try:  # here, on its own loop: stop_dht's close_replica cannot wait for the loop it is called from
-            await asyncio.wait_for(p2p.shutdown(), 5.0)  # and removes the replica's socket file
-        except Exception as error:
-            logger.debug("closing the P2P replica failed: %r", error)
         stop_dht(self.dht)
         logger.info("server stopped")

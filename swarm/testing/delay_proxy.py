@@ -27,7 +27,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import psutil
 
@@ -209,15 +209,20 @@ class DelayProxy:
                 pass
 
 
-def process_at(port: int) -> str:
-    """Which process holds the local end ``HOST:port`` of a TCP socket (its pid; "?port" when it cannot be told)."""
+def _holder(kind: str, holds: Callable[[Any], bool]) -> Optional[str]:
+    """The pid of the process owning a socket of ``kind`` (psutil's) whose local address ``holds``; None if none."""
     try:
-        for connection in psutil.net_connections("tcp4"):
-            if connection.laddr and connection.laddr.port == port and connection.pid:
+        for connection in psutil.net_connections(kind):
+            if connection.laddr and connection.pid and holds(connection.laddr):
                 return str(connection.pid)
     except psutil.Error:
         pass
-    return f"?{port}"
+    return None
+
+
+def process_at(port: int) -> str:
+    """Which process holds the local end ``HOST:port`` of a TCP socket (its pid; "?port" when it cannot be told)."""
+    return _holder("tcp4", lambda address: address.port == port) or f"?{port}"
 
 
 def daemon_process(p2p) -> str:
@@ -226,10 +231,10 @@ def daemon_process(p2p) -> str:
     a client, so a window's client is known for sure, not guessed as the one outsider: on a busy machine another
     program's peer may hold a stale address whose port a proxy took since, and dial it (CI saw two outsiders)."""
     path = str(p2p.daemon_listen_maddr).split("/unix", 1)[-1]
-    for connection in psutil.net_connections("unix"):
-        if connection.laddr == path and connection.pid:
-            return str(connection.pid)
-    raise LookupError(f"no process listens on {path}")
+    pid = _holder("unix", lambda address: address == path)
+    if pid is None:
+        raise LookupError(f"no process listens on {path}")
+    return pid
 
 
 def free_port() -> int:
